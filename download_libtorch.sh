@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Installs PyTorch 2.11.0 from PyPI (it carries libtorch 2.11.0, which tch 0.24 needs) into a
+# virtualenv, and points cargo at it through .cargo/config.toml, so that plain `cargo build`,
+# `cargo test` and `cargo run` work with nothing exported by hand.
+# The same virtualenv is the project's Python for the PyTorch reference (python/).
+# A second run finds everything in place and only rewrites .cargo/config.toml (seconds).
+set -euo pipefail
+
+TORCH_VERSION="2.11.0"
+PY_PACKAGES=("torch==${TORCH_VERSION}" "numpy" "safetensors")
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+CACHE_VENV="${XDG_CACHE_HOME:-$HOME/.cache}/probattn/torch-${TORCH_VERSION}-venv"
+
+usage() {
+  cat <<USAGE
+Usage: ./download_libtorch.sh [--local | --venv DIR | --python PY] [--help]
+
+Installs PyTorch ${TORCH_VERSION} (libtorch ${TORCH_VERSION}) plus numpy and safetensors from PyPI,
+then writes .cargo/config.toml so cargo builds and runs against it.
+
+  (no flag)      per-user cache shared by every clone: ${CACHE_VENV}
+  --local        a project-local virtualenv: ${ROOT}/.venv
+  --venv DIR     a virtualenv at DIR (created if absent)
+  --python PY    reuse an existing Python whose torch is ${TORCH_VERSION}; installs nothing
+                 into it, only checks it (numpy and safetensors are needed by the tests)
+  --help         this text
+
+Environment: PYTHON (default python3) is the interpreter that creates the virtualenv.
+USAGE
+}
+
+die() { echo "download_libtorch.sh: error: $*" >&2; exit 1; }
+
+venv="$CACHE_VENV"
+reuse_python=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --help|-h) usage; exit 0 ;;
+    --local) venv="$ROOT/.venv" ;;
+    --venv) [ $# -ge 2 ] || die "--venv needs a directory"; venv="$2"; shift ;;
+    --python) [ $# -ge 2 ] || die "--python needs an interpreter"; reuse_python="$2"; shift ;;
+    *) usage >&2; die "unknown argument '$1'" ;;
+  esac
+  shift
+done
+
+# Prints nothing and fails unless $1 is a Python with torch $TORCH_VERSION, numpy and safetensors.
+check_python() {
+  "$1" - "$TORCH_VERSION" <<'PY' 2>/dev/null
+import sys
+import numpy, safetensors, torch
+assert torch.__version__.split("+")[0] == sys.argv[1], torch.__version__
+PY
+}
+
+if [ -n "$reuse_python" ]; then
+  command -v "$reuse_python" >/dev/null || die "no Python at '$reuse_python'"
+  check_python "$reuse_python" || die "'$reuse_python' lacks torch==${TORCH_VERSION}, numpy or safetensors; \
+install them with: $reuse_python -m pip install ${PY_PACKAGES[*]}"
+  python="$(command -v "$reuse_python")"
+else
+  python="$venv/bin/python"
+  if [ -x "$python" ] && check_python "$python"; then
+    echo "PyTorch ${TORCH_VERSION} already installed in $venv"
+  else
+    base="${PYTHON:-python3}"
+    command -v "$base" >/dev/null || die "no '$base' to create the virtualenv with (set PYTHON)"
+    echo "Installing PyTorch ${TORCH_VERSION} into $venv (about 4.7 GB with its CUDA libraries)..."
+    mkdir -p "$(dirname "$venv")"
+    [ -x "$python" ] || "$base" -m venv "$venv"
+    "$python" -m pip install --quiet --upgrade pip
+    "$python" -m pip install --quiet "${PY_PACKAGES[@]}"
+    check_python "$python" || die "the install in $venv did not give a working torch ${TORCH_VERSION}"
+  fi
+fi
+
+# Everything cargo needs, read from the interpreter itself.
+read -r torch_dir cxx11_abi < <("$python" -c \
+  'import os, torch; print(os.path.dirname(torch.__file__), int(torch._C._GLIBCXX_USE_CXX11_ABI))')
+[ -f "$torch_dir/lib/libtorch.so" ] || [ -f "$torch_dir/lib/libtorch.dylib" ] \
+  || die "no libtorch in $torch_dir/lib"
+
+mkdir -p "$ROOT/.cargo"
+config="$ROOT/.cargo/config.toml"
+tmp="$(mktemp "$ROOT/.cargo/config.toml.XXXXXX")"
+cat > "$tmp" <<TOML
+# Written by download_libtorch.sh; rerun it instead of editing. Not committed: paths are local.
+[env]
+LIBTORCH = "$torch_dir"
+LIBTORCH_CXX11_ABI = "$cxx11_abi"
+PROBATTN_PYTHON = "$python"
+TOML
+if cmp -s "$tmp" "$config"; then rm -f "$tmp"; else mv "$tmp" "$config"; fi
+
+echo "libtorch ${TORCH_VERSION}: $torch_dir"
+echo "Python for the PyTorch reference: $python"
+echo "cargo is set up through $config"

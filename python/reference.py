@@ -1,0 +1,141 @@
+"""Plain PyTorch reference of probattn's attention variants, written from the formulas.
+
+Sources: Ding et al. 2020, "Attention that does not Explain Away" (see shared/docs/PAPER-NOTES.md,
+section 1) and Vaswani et al. 2017 for multi-head attention. This file is written from those
+formulas, not from the Rust code: masking here uses -inf and `torch.where` (with the usual
+double-where so no NaN reaches a gradient), where the Rust uses a finite fill value.
+
+Mask convention (PyTorch's nn.MultiheadAttention): True = excluded.
+Shapes: q (B, H, S_q, d), k (B, H, S_k, d), v (B, H, S_k, d_v); weights (B, H, S_q, S_k).
+"""
+
+import math
+
+import torch
+
+
+def allowed_mask(batch, heads, s_q, s_k, key_padding_mask=None, query_padding_mask=None,
+                 attn_mask=None, causal=False, device=None):
+    """Boolean (B, H, S_q, S_k), True where query i may attend key j."""
+    allowed = torch.ones(batch, heads, s_q, s_k, dtype=torch.bool, device=device)
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask.bool()[:, None, None, :]
+    if query_padding_mask is not None:
+        allowed = allowed & ~query_padding_mask.bool()[:, None, :, None]
+    if attn_mask is not None:
+        allowed = allowed & ~attn_mask.bool()
+    if causal:
+        # Key j is visible to query i when j <= i (top-left aligned, as SDPA's is_causal).
+        i = torch.arange(s_q, device=device)[:, None]
+        j = torch.arange(s_k, device=device)[None, :]
+        allowed = allowed & (j <= i)
+    return allowed
+
+
+def masked_logsumexp(z, allowed, dim):
+    """log sum_{allowed} exp(z) along dim (keepdim). Where nothing is allowed it returns 0, a
+    harmless finite value: every entry it would normalize is excluded anyway."""
+    zero = torch.zeros((), dtype=z.dtype, device=z.device)
+    any_allowed = allowed.any(dim, keepdim=True)
+    shift = torch.where(allowed, z, torch.tensor(float("-inf"), dtype=z.dtype)).amax(dim, keepdim=True)
+    shift = torch.where(any_allowed, shift, zero).detach()
+    z_safe = torch.where(allowed, z - shift, zero)
+    total = torch.where(allowed, torch.exp(z_safe), zero).sum(dim, keepdim=True)
+    total = torch.where(any_allowed, total, torch.ones_like(total))
+    return torch.log(total) + shift
+
+
+def exp_allowed(log_w, allowed):
+    """exp on allowed entries, exactly 0 elsewhere (no gradient through excluded entries)."""
+    zero = torch.zeros((), dtype=log_w.dtype, device=log_w.device)
+    return torch.where(allowed, torch.exp(torch.where(allowed, log_w, zero)), zero)
+
+
+def softmax_weights(z, allowed):
+    """UNAS: pi_ij = exp(z_ij) / sum_j' exp(z_ij'), over allowed keys."""
+    return exp_allowed(z - masked_logsumexp(z, allowed, -1), allowed)
+
+
+def dnas_weights(z, allowed):
+    """DNAS: xi_ij = exp(z_ij) / sum_i' exp(z_i'j) (each key over the queries), then
+    pi_ij = xi_ij / sum_j' xi_ij' (each query over the keys), both over allowed entries."""
+    log_xi = z - masked_logsumexp(z, allowed, -2)
+    return softmax_weights(log_xi, allowed)
+
+
+def sinkhorn_weights(z, allowed, iterations):
+    """Sinkhorn-n: n times (each key over the queries, then each query over the keys)."""
+    log_p = z
+    for _ in range(iterations):
+        log_p = log_p - masked_logsumexp(log_p, allowed, -2)
+        log_p = log_p - masked_logsumexp(log_p, allowed, -1)
+    return exp_allowed(log_p, allowed)
+
+
+def hnas_weights(z, allowed, hybrid_logit):
+    """HNAS: u * DNAS + (1 - u) * UNAS, u = sigmoid(logit) per head."""
+    u = torch.sigmoid(hybrid_logit).to(z.dtype)[None, :, None, None]
+    return u * dnas_weights(z, allowed) + (1 - u) * softmax_weights(z, allowed)
+
+
+def normalize(variant, z, allowed, hybrid_logit=None):
+    """Weights of the named variant: softmax, dnas, hnas, sinkhorn-N."""
+    if variant in ("softmax", "unas"):
+        return softmax_weights(z, allowed)
+    if variant == "dnas":
+        return dnas_weights(z, allowed)
+    if variant == "hnas":
+        if hybrid_logit is None:
+            raise ValueError("hnas needs hybrid_logit")
+        return hnas_weights(z, allowed, hybrid_logit)
+    if variant.startswith("sinkhorn-"):
+        return sinkhorn_weights(z, allowed, int(variant.split("-", 1)[1]))
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def attention(variant, q, k, v, allowed, hybrid_logit=None):
+    """Scores q k^T / sqrt(d), normalized, mixing v. Returns (output, weights)."""
+    z = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    w = normalize(variant, z, allowed, hybrid_logit)
+    return w @ v, w
+
+
+def received_mass(weights):
+    """sum_i pi_ij: (B, H, S_q, S_k) -> (B, H, S_k)."""
+    return weights.sum(-2)
+
+
+def multi_head_attention(params, query, key, value, num_heads, variant="softmax",
+                         key_padding_mask=None, query_padding_mask=None, attn_mask=None,
+                         causal=False):
+    """Batch-first multi-head attention from the formulas, reading nn.MultiheadAttention's
+    state-dict names. Returns (context (B, S_q, E), weights (B, H, S_q, S_k))."""
+    batch, s_q, embed = query.shape
+    s_k = key.shape[1]
+    head_dim = embed // num_heads
+    if "in_proj_weight" in params:
+        w_q, w_k, w_v = params["in_proj_weight"].split(embed, dim=0)
+    else:
+        w_q, w_k, w_v = params["q_proj_weight"], params["k_proj_weight"], params["v_proj_weight"]
+    if "in_proj_bias" in params:
+        b_q, b_k, b_v = params["in_proj_bias"].split(embed, dim=0)
+    else:
+        b_q = b_k = b_v = None
+
+    def project(x, w, b, length):
+        y = x @ w.T
+        if b is not None:
+            y = y + b
+        return y.reshape(batch, length, num_heads, head_dim).transpose(1, 2)
+
+    q = project(query, w_q, b_q, s_q)
+    k = project(key, w_k, b_k, s_k)
+    v = project(value, w_v, b_v, s_k)
+    allowed = allowed_mask(batch, num_heads, s_q, s_k, key_padding_mask, query_padding_mask,
+                           attn_mask, causal, device=query.device)
+    out, w = attention(variant, q, k, v, allowed, params.get("hybrid_logit"))
+    merged = out.transpose(1, 2).reshape(batch, s_q, embed)
+    context = merged @ params["out_proj.weight"].T
+    if "out_proj.bias" in params:
+        context = context + params["out_proj.bias"]
+    return context, w

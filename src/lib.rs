@@ -1,0 +1,35 @@
+//! probattn: the probabilistic views of attention on libtorch.
+//!
+//! One seam serves every variant: scores go in, a [`normalize::Normalizer`] turns them into
+//! weights over the allowed entries ([`Masks`], [`normalize::Support`]), and the weights mix the
+//! values ([`attend`]). [`MultiHeadAttention`] wraps the seam in PyTorch's parameter layout.
+//!
+//! Variants so far: softmax (UNAS), DNAS, HNAS and Sinkhorn-N from Ding et al. 2020, "Attention
+//! that does not Explain Away".
+
+pub mod attention;
+pub mod device;
+pub mod diagnostics;
+mod error;
+pub mod io;
+pub mod mask;
+pub mod mha;
+pub mod normalize;
+pub mod scores;
+
+pub use attention::{attend, scaled_dot_product_scores, AttendOptions, Attended};
+pub use device::DeviceSpec;
+pub use error::{Error, Result};
+pub use mask::{Masks, ScoreShape};
+pub use mha::{MhaConfig, MhaInput, MhaOutput, MultiHeadAttention};
+pub use normalize::{Normalizer, NormalizerConfig, Variant};
+
+/// Rejects NaN and infinity in `t`, naming it and counting both.
+pub fn check_finite(name: &str, t: &tch::Tensor) -> Result<()> {
+    if bool::try_from(&t.f_isfinite()?.f_all()?)? {
+        return Ok(());
+    }
+    let count = |m: tch::Tensor| i64::try_from(&m.sum(tch::Kind::Int64));
+    let (nan, inf) = (count(t.isnan())?, count(t.isinf())?);
+    Err(Error::NonFinite(format!("{name} holds {nan} NaN and {inf} infinite value(s) among {}", t.numel())))
+}

@@ -1,0 +1,102 @@
+//! Masks: which (query, key) pairs may attend.
+//!
+//! Every mask follows PyTorch's `nn.MultiheadAttention` convention: `true` (or a non-zero `uint8`)
+//! marks an *excluded* entry. The masks combine into one boolean `allowed` tensor broadcastable
+//! to the scores' `(B, H, S_q, S_k)`; see [`crate::normalize::Support`] for how normalizers use it.
+
+use tch::{Device, Kind, Tensor};
+
+use crate::{Error, Result};
+
+/// The sizes of a score tensor `(B, H, S_q, S_k)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScoreShape {
+    pub batch: i64,
+    pub heads: i64,
+    pub queries: i64,
+    pub keys: i64,
+}
+
+impl ScoreShape {
+    pub fn dims(&self) -> [i64; 4] {
+        [self.batch, self.heads, self.queries, self.keys]
+    }
+}
+
+/// The masks of one attention call. All optional; `true` = excluded.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Masks<'a> {
+    /// `(B, S_k)`: padded keys, excluded for every query.
+    pub key_padding: Option<&'a Tensor>,
+    /// `(B, S_q)`: padded queries; their rows of weights are all zero.
+    pub query_padding: Option<&'a Tensor>,
+    /// Broadcastable to `(B, H, S_q, S_k)`: any boolean pattern (a graph's non-edges, say).
+    pub attn_mask: Option<&'a Tensor>,
+    /// Query `i` may attend key `j` only when `j <= i` (top-left aligned when `S_q != S_k`, as
+    /// in PyTorch's `scaled_dot_product_attention(is_causal=True)`).
+    pub causal: bool,
+}
+
+impl Masks<'_> {
+    /// True when nothing is masked.
+    pub fn is_empty(&self) -> bool {
+        self.key_padding.is_none() && self.query_padding.is_none() && self.attn_mask.is_none() && !self.causal
+    }
+
+    /// Checks every mask against `shape` and combines them into one boolean tensor on `device`,
+    /// broadcastable to `(B, H, S_q, S_k)`, `true` = may attend. `None` when nothing is masked.
+    pub fn allowed(&self, shape: ScoreShape, device: Device) -> Result<Option<Tensor>> {
+        let [b, _, sq, sk] = shape.dims();
+        let mut allowed: Option<Tensor> = None;
+        let mut and = |t: Tensor| {
+            allowed = Some(match allowed.take() {
+                Some(a) => a.logical_and(&t),
+                None => t,
+            })
+        };
+        if let Some(m) = self.key_padding {
+            let m = as_excluded("key_padding_mask", m, &[b, sk])?;
+            and(m.logical_not().to_device(device).view([b, 1, 1, sk]));
+        }
+        if let Some(m) = self.query_padding {
+            let m = as_excluded("query_padding_mask", m, &[b, sq])?;
+            and(m.logical_not().to_device(device).view([b, 1, sq, 1]));
+        }
+        if let Some(m) = self.attn_mask {
+            check_broadcastable("attn_mask", m, &shape.dims())?;
+            let m = as_excluded("attn_mask", m, &m.size())?;
+            and(m.logical_not().to_device(device));
+        }
+        if self.causal {
+            and(Tensor::ones([sq, sk], (Kind::Bool, device)).tril(0));
+        }
+        Ok(allowed)
+    }
+}
+
+/// Checks a mask's dtype and shape and returns it as a boolean tensor (`true` = excluded).
+fn as_excluded(name: &str, mask: &Tensor, shape: &[i64]) -> Result<Tensor> {
+    if mask.size() != shape {
+        return Err(Error::Shape(format!("{name} has shape {:?}, expected {shape:?}", mask.size())));
+    }
+    match mask.kind() {
+        Kind::Bool => Ok(mask.shallow_clone()),
+        Kind::Uint8 => Ok(mask.ne(0)),
+        other => Err(Error::Shape(format!(
+            "{name} has dtype {other:?}; masks must be bool or uint8 (true = excluded, as in \
+             PyTorch's nn.MultiheadAttention)"
+        ))),
+    }
+}
+
+/// Checks that `t` broadcasts to `target` (rank at most that of `target`, each size 1 or equal).
+pub(crate) fn check_broadcastable(name: &str, t: &Tensor, target: &[i64]) -> Result<()> {
+    let size = t.size();
+    let fits = size.len() <= target.len()
+        && size.iter().rev().zip(target.iter().rev()).all(|(&s, &t)| s == 1 || s == t);
+    if fits {
+        Ok(())
+    } else {
+        Err(Error::Shape(format!("{name} has shape {size:?}, which does not broadcast to {target:?}")))
+    }
+}

@@ -1,0 +1,272 @@
+//! Multi-head attention with a pluggable normalizer (Vaswani et al. 2017, Sec. 3.2.2):
+//! `MultiHead(Q, K, V) = Concat(head_1..head_H) W_O`, `head_h = Attend(Q W_Q^h, K W_K^h, V W_V^h)`,
+//! where `Attend` is [`crate::attend`] with any [`crate::normalize::Normalizer`].
+//!
+//! Batch-first `(B, S, E)` tensors. Parameters carry the names of PyTorch's
+//! `nn.MultiheadAttention` state dict, so a PyTorch checkpoint saved as safetensors loads by name:
+//! `in_proj_weight (3E, E)` (or `q_proj_weight`, `k_proj_weight`, `v_proj_weight` when `kdim` or
+//! `vdim` differ from `E`), `in_proj_bias (3E)`, `out_proj.weight (E, E)`, `out_proj.bias (E)`;
+//! HNAS adds `hybrid_logit (H)`. PyTorch's `add_bias_kv` and `add_zero_attn` are not supported.
+//! Unlike PyTorch, the returned weights are per head, `(B, H, S_q, S_k)`, and taken before dropout.
+
+use serde::{Deserialize, Serialize};
+use tch::{nn, Tensor};
+
+use crate::attention::{attend, AttendOptions};
+use crate::mask::Masks;
+use crate::normalize::{Normalizer, NormalizerConfig, Variant};
+use crate::{Error, Result};
+
+/// Configuration of a [`MultiHeadAttention`] layer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MhaConfig {
+    /// Model width E (query features and output features).
+    pub embed_dim: i64,
+    /// Number of heads H; must divide `embed_dim`.
+    pub num_heads: i64,
+    /// Key features (default: `embed_dim`).
+    #[serde(default)]
+    pub kdim: Option<i64>,
+    /// Value features (default: `embed_dim`).
+    #[serde(default)]
+    pub vdim: Option<i64>,
+    /// Dropout on the attention weights, in training mode (default 0).
+    #[serde(default)]
+    pub dropout: f64,
+    /// Biases on the input and output projections (default true).
+    #[serde(default = "default_bias")]
+    pub bias: bool,
+    /// The normalizer (default softmax).
+    #[serde(default)]
+    pub variant: Variant,
+    /// The normalizer's settings.
+    #[serde(default)]
+    pub normalizer: NormalizerConfig,
+}
+
+fn default_bias() -> bool {
+    true
+}
+
+impl MhaConfig {
+    /// `embed_dim` and `num_heads`; everything else at PyTorch's defaults and softmax weights.
+    pub fn new(embed_dim: i64, num_heads: i64) -> Self {
+        Self {
+            embed_dim,
+            num_heads,
+            kdim: None,
+            vdim: None,
+            dropout: 0.0,
+            bias: true,
+            variant: Variant::Softmax,
+            normalizer: NormalizerConfig::default(),
+        }
+    }
+
+    pub fn with_variant(mut self, variant: Variant) -> Self {
+        self.variant = variant;
+        self
+    }
+
+    /// Features per head, `E / H`.
+    pub fn head_dim(&self) -> i64 {
+        self.embed_dim / self.num_heads
+    }
+
+    pub fn kdim(&self) -> i64 {
+        self.kdim.unwrap_or(self.embed_dim)
+    }
+
+    pub fn vdim(&self) -> i64 {
+        self.vdim.unwrap_or(self.embed_dim)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(m));
+        if self.embed_dim < 1 || self.num_heads < 1 || self.kdim() < 1 || self.vdim() < 1 {
+            return bad(format!("sizes must be positive: {self:?}"));
+        }
+        if self.embed_dim % self.num_heads != 0 {
+            return bad(format!(
+                "embed_dim {} is not divisible by num_heads {}",
+                self.embed_dim, self.num_heads
+            ));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return bad(format!("dropout must lie in [0, 1), got {}", self.dropout));
+        }
+        Ok(())
+    }
+}
+
+/// The input projection weights, in PyTorch's two layouts.
+#[derive(Debug)]
+enum InProj {
+    /// `in_proj_weight (3E, E)`: rows `[0, E)` project queries, `[E, 2E)` keys, `[2E, 3E)` values.
+    Packed(Tensor),
+    /// `q_proj_weight (E, E)`, `k_proj_weight (E, kdim)`, `v_proj_weight (E, vdim)`.
+    Separate { q: Tensor, k: Tensor, v: Tensor },
+}
+
+/// One multi-head attention layer.
+#[derive(Debug)]
+pub struct MultiHeadAttention {
+    cfg: MhaConfig,
+    in_proj: InProj,
+    in_proj_bias: Option<Tensor>,
+    out_proj_weight: Tensor,
+    out_proj_bias: Option<Tensor>,
+    normalizer: Box<dyn Normalizer>,
+}
+
+/// The input of [`MultiHeadAttention::forward_t`].
+#[derive(Debug, Clone, Copy)]
+pub struct MhaInput<'a> {
+    /// `(B, S_q, E)`.
+    pub query: &'a Tensor,
+    /// `(B, S_k, kdim)`.
+    pub key: &'a Tensor,
+    /// `(B, S_k, vdim)`.
+    pub value: &'a Tensor,
+    pub masks: Masks<'a>,
+    /// Return the per-head weights.
+    pub need_weights: bool,
+    /// A fixed noise draw for stochastic normalizers, `(B, H, S_q, S_k)`.
+    pub noise: Option<&'a Tensor>,
+}
+
+impl<'a> MhaInput<'a> {
+    /// Self-attention: queries, keys and values are all `x (B, S, E)`.
+    pub fn self_attention(x: &'a Tensor) -> Self {
+        Self::new(x, x, x)
+    }
+
+    /// Cross-attention: `query (B, S_q, E)` attends to `memory (B, S_k, E)`.
+    pub fn cross_attention(query: &'a Tensor, memory: &'a Tensor) -> Self {
+        Self::new(query, memory, memory)
+    }
+
+    pub fn new(query: &'a Tensor, key: &'a Tensor, value: &'a Tensor) -> Self {
+        Self { query, key, value, masks: Masks::default(), need_weights: false, noise: None }
+    }
+
+    pub fn with_masks(mut self, masks: Masks<'a>) -> Self {
+        self.masks = masks;
+        self
+    }
+
+    pub fn with_weights(mut self) -> Self {
+        self.need_weights = true;
+        self
+    }
+}
+
+/// The output of [`MultiHeadAttention::forward_t`].
+#[derive(Debug)]
+pub struct MhaOutput {
+    /// `(B, S_q, E)`.
+    pub context: Tensor,
+    /// `(B, H, S_q, S_k)` when asked for.
+    pub weights: Option<Tensor>,
+    /// The normalizer's KL term (stochastic normalizers in training mode).
+    pub kl: Option<Tensor>,
+}
+
+impl MultiHeadAttention {
+    /// Creates the parameters under `p`, initialised as PyTorch initialises
+    /// `nn.MultiheadAttention` (Xavier-uniform input projections, zero biases, Kaiming-uniform
+    /// output projection).
+    pub fn new(p: &nn::Path, cfg: MhaConfig) -> Result<Self> {
+        cfg.validate()?;
+        let e = cfg.embed_dim;
+        let xavier = |rows: i64, cols: i64| {
+            let bound = (6.0 / (rows + cols) as f64).sqrt();
+            nn::Init::Uniform { lo: -bound, up: bound }
+        };
+        let in_proj = if cfg.kdim() == e && cfg.vdim() == e {
+            InProj::Packed(p.var("in_proj_weight", &[3 * e, e], xavier(3 * e, e)))
+        } else {
+            InProj::Separate {
+                q: p.var("q_proj_weight", &[e, e], xavier(e, e)),
+                k: p.var("k_proj_weight", &[e, cfg.kdim()], xavier(e, cfg.kdim())),
+                v: p.var("v_proj_weight", &[e, cfg.vdim()], xavier(e, cfg.vdim())),
+            }
+        };
+        let in_proj_bias = cfg.bias.then(|| p.var("in_proj_bias", &[3 * e], nn::Init::Const(0.0)));
+        let out = p / "out_proj";
+        let bound = 1.0 / (e as f64).sqrt();
+        let out_proj_weight = out.var("weight", &[e, e], nn::Init::Uniform { lo: -bound, up: bound });
+        let out_proj_bias = cfg.bias.then(|| out.var("bias", &[e], nn::Init::Const(0.0)));
+        let normalizer = cfg.variant.build(p, cfg.num_heads, &cfg.normalizer)?;
+        Ok(Self { cfg, in_proj, in_proj_bias, out_proj_weight, out_proj_bias, normalizer })
+    }
+
+    pub fn config(&self) -> &MhaConfig {
+        &self.cfg
+    }
+
+    pub fn normalizer(&self) -> &dyn Normalizer {
+        self.normalizer.as_ref()
+    }
+
+    /// The current HNAS mixing weight `u` of each head, `(H,)`; `None` for other normalizers.
+    pub fn hybrid_u(&self) -> Option<Tensor> {
+        self.normalizer.gate()
+    }
+
+    /// The projection weight of queries (`i = 0`), keys (1) or values (2), `(E, in_features)`.
+    pub fn proj_weight(&self, i: i64) -> Tensor {
+        let e = self.cfg.embed_dim;
+        match &self.in_proj {
+            InProj::Packed(w) => w.narrow(0, i * e, e),
+            InProj::Separate { q, k, v } => [q, k, v][i as usize].shallow_clone(),
+        }
+    }
+
+    fn proj_bias(&self, i: i64) -> Option<Tensor> {
+        let e = self.cfg.embed_dim;
+        self.in_proj_bias.as_ref().map(|b| b.narrow(0, i * e, e))
+    }
+
+    /// Attends `input.query` to `input.key`/`input.value`. `train` enables dropout and sampling.
+    pub fn forward_t(&self, input: &MhaInput, train: bool) -> Result<MhaOutput> {
+        let (b, sq, sk) = self.check(input)?;
+        let (h, dh, e) = (self.cfg.num_heads, self.cfg.head_dim(), self.cfg.embed_dim);
+        let split = |x: &Tensor, i: i64, s: i64| {
+            x.linear(&self.proj_weight(i), self.proj_bias(i).as_ref()) // (B, S, E)
+                .view([b, s, h, dh])
+                .transpose(1, 2) // (B, H, S, d_h)
+        };
+        let q = split(input.query, 0, sq);
+        let k = split(input.key, 1, sk);
+        let v = split(input.value, 2, sk);
+        let opts = AttendOptions { train, dropout: self.cfg.dropout, noise: input.noise };
+        let attended = attend(&q, &k, &v, &input.masks, self.normalizer.as_ref(), opts)?;
+        let merged = attended.output.transpose(1, 2).contiguous().view([b, sq, e]); // (B, S_q, E)
+        let context = merged.linear(&self.out_proj_weight, self.out_proj_bias.as_ref());
+        let weights = input.need_weights.then_some(attended.weights);
+        Ok(MhaOutput { context, weights, kl: attended.kl })
+    }
+
+    /// Checks the input's shapes; returns `(B, S_q, S_k)`.
+    fn check(&self, input: &MhaInput) -> Result<(i64, i64, i64)> {
+        let expect = [("query", input.query, self.cfg.embed_dim), ("key", input.key, self.cfg.kdim()), ("value", input.value, self.cfg.vdim())];
+        for (name, t, features) in expect {
+            let size = t.size();
+            if size.len() != 3 || size[2] != features {
+                return Err(Error::Shape(format!(
+                    "{name} has shape {size:?}; expected (B, S, {features}) (batch first)"
+                )));
+            }
+        }
+        let (q, k, v) = (input.query.size(), input.key.size(), input.value.size());
+        if q[0] != k[0] || q[0] != v[0] {
+            return Err(Error::Shape(format!("query {q:?}, key {k:?} and value {v:?} differ in batch size")));
+        }
+        if k[1] != v[1] {
+            return Err(Error::Shape(format!("key {k:?} and value {v:?} differ in sequence length")));
+        }
+        Ok((q[0], q[1], k[1]))
+    }
+}

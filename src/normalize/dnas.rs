@@ -1,0 +1,37 @@
+//! DNAS, doubly-normalized attention (Ding et al. 2020, "Attention that does not Explain Away").
+//!
+//! Each key is first normalized over the queries, `ξ_ij = exp(z_ij) / Σ_i' exp(z_i'j)`, then each
+//! query over the keys, `π_ij = ξ_ij / Σ_j' ξ_ij'`; in the stable log form used here,
+//! `π_ij = softmax_j(z_ij − logsumexp_i' z_i'j)`. Both sums run over allowed entries only.
+//! Every key with an allowed query receives `Σ_i π_ij ≥ 1/S_k` (the paper's Theorem 2): no key
+//! is explained away.
+
+use tch::Tensor;
+
+use super::{NormalizeInput, Normalized, Normalizer, Support};
+use crate::Result;
+
+/// Doubly-normalized attention (one column sweep, then one row sweep).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Dnas;
+
+/// DNAS weights of filled log-scores `(B, H, S_q, S_k)`, zero on excluded entries.
+pub(super) fn dnas_weights(z_filled: &Tensor, support: &Support) -> Tensor {
+    let per_key = z_filled - support.col_lse(z_filled); // log ξ, (B, H, S_q, S_k)
+    support.row_softmax(&support.fill(&per_key))
+}
+
+impl Normalizer for Dnas {
+    fn name(&self) -> String {
+        "dnas".into()
+    }
+
+    fn normalize(&self, input: &NormalizeInput) -> Result<Normalized> {
+        let s = input.support;
+        Ok(Normalized { weights: dnas_weights(&s.fill(input.scores), s), kl: None })
+    }
+
+    fn causal_safe(&self) -> bool {
+        false
+    }
+}

@@ -1,0 +1,250 @@
+//! The normalizer seam: every attention variant turns scores into weights behind [`Normalizer`].
+//!
+//! Scores `z` have shape `(B, H, S_q, S_k)`. A normalizer reads them together with a [`Support`]
+//! (where attention is allowed, and how to reduce over it) and returns weights `π` of the same
+//! shape, zero wherever the support excludes an entry. Everything happens in the log domain
+//! (logsumexp), with excluded entries set to a large finite negative and zeroed explicitly at the
+//! end, so fully masked rows and columns give zeros and never NaN, in values and in gradients.
+//!
+//! Stochastic normalizers (BAM) plug into the same trait: they read `train`, an optional fixed
+//! `noise` draw and the keys (for a contextual prior), and return a KL term beside the weights.
+
+mod dnas;
+mod hnas;
+mod sinkhorn;
+mod softmax;
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use tch::{nn, Kind, Tensor};
+
+pub use dnas::Dnas;
+pub use hnas::Hnas;
+pub use sinkhorn::Sinkhorn;
+pub use softmax::Softmax;
+
+use crate::{Error, Result};
+
+/// What a normalizer reads.
+#[derive(Debug)]
+pub struct NormalizeInput<'a> {
+    /// `(B, H, S_q, S_k)` attention scores.
+    pub scores: &'a Tensor,
+    /// Where attention is allowed.
+    pub support: &'a Support,
+    /// `(B, H, S_k, d_k)` key vectors, for normalizers with a contextual prior (BAM).
+    pub keys: Option<&'a Tensor>,
+    /// `(B, H, S_q, S_k)` a fixed noise draw, used instead of sampling by stochastic normalizers.
+    pub noise: Option<&'a Tensor>,
+    /// Training mode: stochastic normalizers sample only when this is set.
+    pub train: bool,
+}
+
+/// What a normalizer returns.
+#[derive(Debug)]
+pub struct Normalized {
+    /// `(B, H, S_q, S_k)` weights; zero on excluded entries.
+    pub weights: Tensor,
+    /// A scalar KL term for the training loss (stochastic normalizers in training mode).
+    pub kl: Option<Tensor>,
+}
+
+/// Turns attention scores into attention weights.
+pub trait Normalizer: fmt::Debug + Send {
+    /// The variant's name as the CLI spells it (`softmax`, `dnas`, `sinkhorn-3`, ...).
+    fn name(&self) -> String;
+
+    /// Normalizes `input.scores` over `input.support`.
+    fn normalize(&self, input: &NormalizeInput) -> Result<Normalized>;
+
+    /// Whether the weights of query `i` depend on queries `i' > i` only through masked entries,
+    /// so the normalizer may be used under a causal mask. False for every variant that
+    /// normalizes a key over the queries (DNAS, HNAS, Sinkhorn): that leaks the future.
+    fn causal_safe(&self) -> bool {
+        true
+    }
+
+    /// The current mixing weight `u` of each head, `(H,)`, for normalizers that mix (HNAS).
+    fn gate(&self) -> Option<Tensor> {
+        None
+    }
+}
+
+/// Where attention is allowed, as one boolean mask broadcastable to the scores, and the masked
+/// reductions the normalizers are built from.
+#[derive(Debug)]
+pub struct Support {
+    /// `true` = excluded; broadcastable to `(B, H, S_q, S_k)`. `None`: nothing excluded.
+    excluded: Option<Tensor>,
+}
+
+impl Support {
+    /// Everything allowed.
+    pub fn full() -> Self {
+        Self { excluded: None }
+    }
+
+    /// From a boolean `allowed` mask broadcastable to the scores (`true` = may attend), as
+    /// [`crate::Masks::allowed`] returns it.
+    pub fn dense(allowed: Option<Tensor>) -> Self {
+        Self { excluded: allowed.map(|a| a.logical_not()) }
+    }
+
+    /// The boolean exclusion mask, `true` = excluded (`None` when nothing is).
+    pub fn excluded(&self) -> Option<&Tensor> {
+        self.excluded.as_ref()
+    }
+
+    /// Log-scores with excluded entries replaced by a large finite negative (see [`mask_value`]).
+    pub fn fill(&self, z: &Tensor) -> Tensor {
+        match &self.excluded {
+            Some(m) => z.masked_fill(m, mask_value(z.kind())),
+            None => z.shallow_clone(),
+        }
+    }
+
+    /// Zeroes excluded entries of weights.
+    pub fn zero(&self, w: &Tensor) -> Tensor {
+        match &self.excluded {
+            Some(m) => w.masked_fill(m, 0.0),
+            None => w.shallow_clone(),
+        }
+    }
+
+    /// `logsumexp` over the keys of filled log-scores, `(B, H, S_q, 1)`.
+    pub fn row_lse(&self, z_filled: &Tensor) -> Tensor {
+        z_filled.logsumexp([-1], true)
+    }
+
+    /// `logsumexp` over the queries of filled log-scores, `(B, H, 1, S_k)`.
+    pub fn col_lse(&self, z_filled: &Tensor) -> Tensor {
+        z_filled.logsumexp([-2], true)
+    }
+
+    /// Softmax over the keys of filled log-scores, zero on excluded entries (so a fully
+    /// excluded row is all zeros rather than uniform).
+    pub fn row_softmax(&self, z_filled: &Tensor) -> Tensor {
+        self.zero(&z_filled.softmax(-1, z_filled.kind()))
+    }
+}
+
+/// The finite stand-in for `-inf` on excluded entries: far below any real score, yet finite, so
+/// that a row or column with nothing allowed has a finite logsumexp and finite gradients.
+pub fn mask_value(kind: Kind) -> f64 {
+    match kind {
+        Kind::Half => -6.0e4,
+        _ => -1.0e30,
+    }
+}
+
+/// The attention variants of this seam, named as the CLI and configs spell them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Variant {
+    /// `softmax` (UNAS): normalize each query over the keys.
+    #[default]
+    Softmax,
+    /// `dnas`: normalize each key over the queries, then each query over the keys.
+    Dnas,
+    /// `hnas`: `u * DNAS + (1 - u) * softmax` with a learnable `u` per head.
+    Hnas,
+    /// `sinkhorn-N`: N alternating column/row normalizations (N = 1 is DNAS).
+    Sinkhorn(u32),
+}
+
+impl Variant {
+    /// The variant names the parser accepts, for error messages and `--help`.
+    pub const KNOWN: &'static str = "softmax, dnas, hnas, sinkhorn-N (N >= 1)";
+
+    /// Builds the normalizer. Learnable parameters (HNAS's gate logits) live under `p`.
+    pub fn build(self, p: &nn::Path, heads: i64, cfg: &NormalizerConfig) -> Result<Box<dyn Normalizer>> {
+        Ok(match self {
+            Self::Softmax => Box::new(Softmax),
+            Self::Dnas => Box::new(Dnas),
+            Self::Hnas => Box::new(Hnas::new(p, heads, cfg.hybrid_init_u)?),
+            Self::Sinkhorn(n) => Box::new(Sinkhorn::new(n)?),
+        })
+    }
+}
+
+impl FromStr for Variant {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let unknown = || Error::UnknownVariant { name: s.to_string(), known: Self::KNOWN.to_string() };
+        match s {
+            "softmax" | "unas" => Ok(Self::Softmax),
+            "dnas" => Ok(Self::Dnas),
+            "hnas" => Ok(Self::Hnas),
+            _ => {
+                let n: u32 = s.strip_prefix("sinkhorn-").ok_or_else(unknown)?.parse().map_err(|_| unknown())?;
+                if n == 0 {
+                    return Err(unknown());
+                }
+                Ok(Self::Sinkhorn(n))
+            }
+        }
+    }
+}
+
+impl fmt::Display for Variant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Softmax => write!(f, "softmax"),
+            Self::Dnas => write!(f, "dnas"),
+            Self::Hnas => write!(f, "hnas"),
+            Self::Sinkhorn(n) => write!(f, "sinkhorn-{n}"),
+        }
+    }
+}
+
+impl TryFrom<String> for Variant {
+    type Error = Error;
+    fn try_from(s: String) -> Result<Self> {
+        s.parse()
+    }
+}
+
+impl From<Variant> for String {
+    fn from(v: Variant) -> String {
+        v.to_string()
+    }
+}
+
+/// Settings of the normalizers that have any.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NormalizerConfig {
+    /// HNAS: the initial mixing weight `u` of every head, in (0, 1). 0.5 as the DNAS paper's
+    /// VQA model (Ding et al. 2020, Sec. 5); they used 0.1 for headline generation.
+    pub hybrid_init_u: f64,
+}
+
+impl Default for NormalizerConfig {
+    fn default() -> Self {
+        Self { hybrid_init_u: 0.5 }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn variant_names_round_trip() {
+        for name in ["softmax", "dnas", "hnas", "sinkhorn-1", "sinkhorn-20"] {
+            assert_eq!(name.parse::<Variant>().unwrap().to_string(), name);
+        }
+        assert_eq!("unas".parse::<Variant>().unwrap(), Variant::Softmax);
+    }
+
+    #[test]
+    fn unknown_variants_name_the_known_ones() {
+        for bad in ["sinkhorn", "sinkhorn-0", "sinkhorn-x", "soft", "DNAS", ""] {
+            let err = bad.parse::<Variant>().unwrap_err().to_string();
+            assert!(err.contains(&format!("'{bad}'")) && err.contains("sinkhorn-N"), "{err}");
+        }
+    }
+}

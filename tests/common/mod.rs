@@ -1,0 +1,91 @@
+//! Helpers shared by the integration tests: the project's Python, temporary folders, tensor
+//! comparisons, and the devices to run each case on.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use tch::{Device, Tensor};
+
+/// The project's Python (with torch 2.11, numpy, safetensors), as download_libtorch.sh set it up.
+pub fn python() -> Result<PathBuf> {
+    let py = std::env::var_os("PROBATTN_PYTHON")
+        .context("PROBATTN_PYTHON is not set: run ./download_libtorch.sh, which sets it in .cargo/config.toml")?;
+    Ok(PathBuf::from(py))
+}
+
+/// Runs `python/<script>` with `args` from the workspace root; fails with its stderr.
+pub fn run_python(script: &str, args: &[&str]) -> Result<()> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new(python()?)
+        .arg(root.join("python").join(script))
+        .args(args)
+        .output()
+        .with_context(|| format!("running python/{script}"))?;
+    if !out.status.success() {
+        bail!("python/{script} {args:?} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// A fresh temporary folder, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Result<Self> {
+        let dir = std::env::temp_dir().join(format!("probattn-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        Ok(Self(dir))
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub fn load(path: &Path) -> Result<HashMap<String, Tensor>> {
+    Ok(probattn::io::read_safetensors(path)?)
+}
+
+/// The cases listed in `dir/cases.json` as JSON objects.
+pub fn manifest(dir: &Path) -> Result<Vec<serde_json::Value>> {
+    let text = std::fs::read_to_string(dir.join("cases.json"))?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+/// `max |ours − expected| / max(1, max |expected|)`: absolute for values of order one, relative
+/// for large ones (gradients at scores of 1e4 reach the thousands).
+pub fn scaled_error(ours: &Tensor, expected: &Tensor) -> Result<f64> {
+    if ours.size() != expected.size() {
+        bail!("shape {:?}, expected {:?}", ours.size(), expected.size());
+    }
+    if expected.numel() == 0 {
+        return Ok(0.0);
+    }
+    let ours = ours.to_device(Device::Cpu).to_kind(tch::Kind::Double);
+    let expected = expected.to_kind(tch::Kind::Double);
+    let diff = f64::try_from((&ours - &expected).abs().max())?;
+    let scale = f64::try_from(expected.abs().max())?.max(1.0);
+    if !diff.is_finite() {
+        bail!("non-finite difference");
+    }
+    Ok(diff / scale)
+}
+
+/// CPU always; CUDA device 0 too when libtorch sees one.
+pub fn devices() -> Vec<Device> {
+    let mut d = vec![Device::Cpu];
+    if tch::Cuda::is_available() {
+        d.push(Device::Cuda(0));
+    }
+    d
+}

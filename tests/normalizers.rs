@@ -1,0 +1,213 @@
+//! Properties of the normalizers that need no reference implementation: the DNAS paper's
+//! Theorem 2, Sinkhorn's limits, masks at extreme scores, diagnostics, and clear errors.
+
+mod common;
+
+use anyhow::Result;
+use common::devices;
+use probattn::diagnostics::{explained_away_fraction, received_mass, EXPLAINED_AWAY_EPS};
+use probattn::{attend, AttendOptions, Masks, MhaConfig, MhaInput, MultiHeadAttention, Normalizer, NormalizerConfig, Variant};
+use tch::{nn, Device, Kind, Tensor};
+
+const ALL: [&str; 5] = ["softmax", "dnas", "hnas", "sinkhorn-1", "sinkhorn-4"];
+
+fn normalizer(name: &str, heads: i64, device: Device) -> Result<(nn::VarStore, Box<dyn Normalizer>)> {
+    let vs = nn::VarStore::new(device);
+    let n = name.parse::<Variant>()?.build(&vs.root(), heads, &NormalizerConfig::default())?;
+    Ok((vs, n))
+}
+
+fn randn(shape: &[i64], kind: Kind, device: Device) -> Tensor {
+    Tensor::randn(shape, (kind, device))
+}
+
+/// Random masks with fully masked rows and columns: (key_padding, attn_mask).
+fn random_masks(b: i64, sq: i64, sk: i64, device: Device) -> (Tensor, Tensor) {
+    let kp = Tensor::rand([b, sk], (Kind::Float, device)).lt(0.2);
+    let am = Tensor::rand([sq, sk], (Kind::Float, device)).lt(0.3);
+    let _ = am.get(0).fill_(1); // query 0 sees nothing
+    let _ = am.select(1, sk - 1).fill_(1); // the last key is seen by nobody
+    (kp, am)
+}
+
+#[test]
+fn dnas_gives_every_key_at_least_one_over_s_k() -> Result<()> {
+    // Theorem 2 of Ding et al. 2020: Σ_i π_ij ≥ 1/S_k for every key j with an allowed query.
+    tch::manual_seed(1);
+    for device in devices() {
+        let (_vs, dnas) = normalizer("dnas", 3, device)?;
+        for (sq, sk) in [(5, 5), (3, 11), (12, 4), (1, 7)] {
+            let q = randn(&[2, 3, sq, 4], Kind::Double, device) * 4.0;
+            let k = randn(&[2, 3, sk, 4], Kind::Double, device) * 4.0;
+            let v = randn(&[2, 3, sk, 2], Kind::Double, device);
+            let (kp, am) = random_masks(2, sq, sk, device);
+            let masks = Masks { key_padding: Some(&kp), attn_mask: Some(&am), ..Default::default() };
+            let w = attend(&q, &k, &v, &masks, dnas.as_ref(), AttendOptions::default())?.weights;
+            let allowed = masks.allowed(probattn::ScoreShape { batch: 2, heads: 3, queries: sq, keys: sk }, device)?.unwrap();
+            let has_query = allowed.expand([2, 3, sq, sk], false).any_dim(-2, false); // (B, H, S_k)
+            let mass = received_mass(&w);
+            let floor = 1.0 / sk as f64 - 1e-12;
+            let violated = mass.lt(floor).logical_and(&has_query);
+            assert!(!bool::try_from(violated.any())?, "a key got less than 1/{sk}: {mass}");
+            // Keys nobody may attend receive exactly nothing.
+            let unseen = mass.masked_select(&has_query.logical_not());
+            assert!(bool::try_from(unseen.eq(0.0).all())?);
+            assert_eq!(explained_away_fraction(&mass, Some(&has_query), EXPLAINED_AWAY_EPS)?, 0.0);
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn softmax_explains_keys_away_where_dnas_does_not() -> Result<()> {
+    // One dominant key: softmax starves the others (mass < 1e-8), DNAS cannot.
+    let q = Tensor::ones([1, 1, 4, 2], (Kind::Double, Device::Cpu)) * 10.0;
+    let k = Tensor::from_slice(&[3.0f64, 3.0, 0.0, 0.0, -3.0, -3.0]).view([1, 1, 3, 2]);
+    let v = Tensor::eye(3, (Kind::Double, Device::Cpu)).view([1, 1, 3, 3]);
+    let mut fractions = vec![];
+    for name in ["softmax", "dnas"] {
+        let (_vs, n) = normalizer(name, 1, Device::Cpu)?;
+        let w = attend(&q, &k, &v, &Masks::default(), n.as_ref(), AttendOptions::default())?.weights;
+        fractions.push(explained_away_fraction(&received_mass(&w), None, EXPLAINED_AWAY_EPS)?);
+    }
+    assert_eq!(fractions, vec![2.0 / 3.0, 0.0]);
+    Ok(())
+}
+
+#[test]
+fn sinkhorn_one_equals_dnas() -> Result<()> {
+    tch::manual_seed(2);
+    for device in devices() {
+        let (_a, dnas) = normalizer("dnas", 2, device)?;
+        let (_b, sk1) = normalizer("sinkhorn-1", 2, device)?;
+        let q = randn(&[3, 2, 6, 5], Kind::Double, device) * 5.0;
+        let k = randn(&[3, 2, 9, 5], Kind::Double, device) * 5.0;
+        let v = randn(&[3, 2, 9, 3], Kind::Double, device);
+        let (kp, am) = random_masks(3, 6, 9, device);
+        let masks = Masks { key_padding: Some(&kp), attn_mask: Some(&am), ..Default::default() };
+        let a = attend(&q, &k, &v, &masks, dnas.as_ref(), AttendOptions::default())?.weights;
+        let b = attend(&q, &k, &v, &masks, sk1.as_ref(), AttendOptions::default())?.weights;
+        let err = f64::try_from((a - b).abs().max())?;
+        assert!(err < 1e-12, "sinkhorn-1 and dnas differ by {err}");
+    }
+    Ok(())
+}
+
+#[test]
+fn sinkhorn_fifty_is_doubly_stochastic_on_square_scores() -> Result<()> {
+    tch::manual_seed(3);
+    for device in devices() {
+        let (_vs, sk50) = normalizer("sinkhorn-50", 4, device)?;
+        let q = randn(&[2, 4, 16, 8], Kind::Float, device);
+        let k = randn(&[2, 4, 16, 8], Kind::Float, device);
+        let v = randn(&[2, 4, 16, 8], Kind::Float, device);
+        let w = attend(&q, &k, &v, &Masks::default(), sk50.as_ref(), AttendOptions::default())?.weights;
+        for dim in [-1i64, -2] {
+            let sums = w.sum_dim_intlist(&[dim][..], false, Kind::Double);
+            let err = f64::try_from((sums - 1.0).abs().max())?;
+            assert!(err < 1e-4, "sums over dim {dim} are off by {err}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn masked_rows_and_columns_give_zeros_and_no_nan_at_extreme_scores() -> Result<()> {
+    tch::manual_seed(4);
+    for device in devices() {
+        for kind in [Kind::Float, Kind::Double] {
+            for name in ALL {
+                let (mut vs, n) = normalizer(name, 2, device)?;
+                if kind == Kind::Double {
+                    vs.double();
+                }
+                let (b, sq, sk, d) = (2, 5, 7, 4);
+                // Scores up to ±1e4 (d = 4, so q·k/2 with entries of 100).
+                let q = (randn(&[b, 2, sq, d], kind, device).sign() * 100.0).set_requires_grad(true);
+                let k = (randn(&[b, 2, sk, d], kind, device).sign() * 50.0).set_requires_grad(true);
+                let v = randn(&[b, 2, sk, 3], kind, device).set_requires_grad(true);
+                let (kp, am) = random_masks(b, sq, sk, device);
+                let _ = kp.get(1).fill_(1); // the second sequence has no keys at all
+                let qp = Tensor::zeros([b, sq], (Kind::Bool, device));
+                let _ = qp.get(0).narrow(0, sq - 1, 1).fill_(1);
+                let masks = Masks { key_padding: Some(&kp), query_padding: Some(&qp), attn_mask: Some(&am), causal: false };
+                let out = attend(&q, &k, &v, &masks, n.as_ref(), AttendOptions::default())?;
+                (out.output.sum(kind) + out.weights.square().sum(kind)).backward();
+                for (what, t) in [("weights", &out.weights), ("output", &out.output), ("grad q", &q.grad()), ("grad k", &k.grad()), ("grad v", &v.grad())] {
+                    assert!(bool::try_from(t.isfinite().all())?, "{name} {kind:?}: non-finite {what}");
+                }
+                let w = &out.weights;
+                let excluded = masks.allowed(probattn::ScoreShape { batch: b, heads: 2, queries: sq, keys: sk }, device)?.unwrap().logical_not();
+                assert!(bool::try_from(w.masked_select(&excluded.expand_as(w)).eq(0.0).all())?, "{name}: weight on a masked entry");
+                // Each row sums to 1 if it has an allowed key, else to exactly 0.
+                let row_allowed = excluded.logical_not().expand_as(w).any_dim(-1, false).to_kind(Kind::Double);
+                let err = f64::try_from((w.sum_dim_intlist(&[-1i64][..], false, Kind::Double) - row_allowed).abs().max())?;
+                assert!(err < 1e-5, "{name} {kind:?}: row sums off by {err}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn doubly_normalized_variants_refuse_a_causal_mask() -> Result<()> {
+    let x = Tensor::randn([1, 2, 4, 3], (Kind::Float, Device::Cpu));
+    let masks = Masks { causal: true, ..Default::default() };
+    for name in ["dnas", "hnas", "sinkhorn-2"] {
+        let (_vs, n) = normalizer(name, 2, Device::Cpu)?;
+        let err = attend(&x, &x, &x, &masks, n.as_ref(), AttendOptions::default()).unwrap_err().to_string();
+        assert!(err.contains(name) && err.contains("causal") && err.contains("leak"), "{err}");
+    }
+    let (_vs, softmax) = normalizer("softmax", 2, Device::Cpu)?;
+    let w = attend(&x, &x, &x, &masks, softmax.as_ref(), AttendOptions::default())?.weights;
+    assert!(bool::try_from(w.triu(1).eq(0.0).all())?, "causal softmax looked ahead");
+    Ok(())
+}
+
+#[test]
+fn bad_shapes_and_masks_are_named_in_the_error() -> Result<()> {
+    let (_vs, n) = normalizer("dnas", 2, Device::Cpu)?;
+    let t = |s: &[i64]| Tensor::randn(s, (Kind::Float, Device::Cpu));
+    let run = |q: &Tensor, k: &Tensor, v: &Tensor, m: &Masks| {
+        attend(q, k, v, m, n.as_ref(), AttendOptions::default()).unwrap_err().to_string()
+    };
+    let (q, k, v) = (t(&[2, 2, 3, 4]), t(&[2, 2, 5, 4]), t(&[2, 2, 5, 6]));
+    let none = Masks::default();
+    let cases: Vec<(String, &str)> = vec![
+        (run(&t(&[2, 3, 4]), &k, &v, &none), "q has shape [2, 3, 4]"),
+        (run(&q, &t(&[2, 2, 5, 3]), &v, &none), "head size"),
+        (run(&q, &k, &t(&[2, 2, 4, 6]), &none), "number of keys"),
+        (run(&q, &k, &t(&[1, 2, 5, 6]), &none), "batch and heads"),
+        (run(&q, &k, &v, &Masks { key_padding: Some(&Tensor::zeros([2, 3], (Kind::Bool, Device::Cpu))), ..none }), "key_padding_mask has shape [2, 3], expected [2, 5]"),
+        (run(&q, &k, &v, &Masks { attn_mask: Some(&Tensor::zeros([3, 4], (Kind::Bool, Device::Cpu))), ..none }), "attn_mask has shape [3, 4], which does not broadcast"),
+        (run(&q, &k, &v, &Masks { query_padding: Some(&Tensor::zeros([2, 3], (Kind::Float, Device::Cpu))), ..none }), "query_padding_mask has dtype Float"),
+    ];
+    for (err, expected) in cases {
+        assert!(err.contains(expected), "error '{err}' does not say '{expected}'");
+    }
+    let nan = t(&[2, 2, 3, 4]).fill_(f64::NAN);
+    let err = probattn::check_finite("q", &nan).unwrap_err().to_string();
+    assert!(err.contains("q holds 48 NaN"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn hnas_starts_at_the_configured_gate_and_the_module_reports_it() -> Result<()> {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let mut cfg = MhaConfig::new(8, 4).with_variant(Variant::Hnas);
+    cfg.normalizer.hybrid_init_u = 0.1;
+    let mha = MultiHeadAttention::new(&vs.root(), cfg)?;
+    let u = Vec::<f64>::try_from(mha.hybrid_u().expect("hnas has a gate").to_kind(Kind::Double))?;
+    assert_eq!(u.len(), 4);
+    assert!(u.iter().all(|x| (x - 0.1).abs() < 1e-6), "{u:?}");
+    let x = Tensor::randn([2, 3, 8], (Kind::Float, Device::Cpu));
+    let out = mha.forward_t(&MhaInput::self_attention(&x).with_weights(), false)?;
+    assert_eq!(out.context.size(), vec![2, 3, 8]);
+    assert_eq!(out.weights.map(|w| w.size()), Some(vec![2, 4, 3, 3]));
+    let bad = MultiHeadAttention::new(&(vs.root() / "bad"), MhaConfig::new(10, 4)).unwrap_err().to_string();
+    assert!(bad.contains("not divisible"), "{bad}");
+    let mut cfg = MhaConfig::new(8, 2).with_variant(Variant::Hnas);
+    cfg.normalizer.hybrid_init_u = 1.0;
+    assert!(MultiHeadAttention::new(&(vs.root() / "bad2"), cfg).is_err());
+    Ok(())
+}

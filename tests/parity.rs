@@ -1,0 +1,178 @@
+//! PyTorch parity: every normalizer and the multi-head module against python/reference.py, an
+//! independent implementation written from the formulas, on random cases it generates (shapes
+//! with S_q != S_k, bool and uint8 masks of every broadcast layout with fully masked rows and
+//! columns, scores up to ±1e4).
+//!
+//! Tolerances, on `max|ours − ref| / max(1, max|ref|)`:
+//! - float64: 1e-10 for outputs, weights, received mass and gradients (w.r.t. q, k, v, the HNAS
+//!   logits, and every MHA parameter), at moderate scores and at |score| up to 1e4;
+//! - float32: 1e-5, at moderate scores (|z| up to about 30). At |z| = 1e4 float32 itself carries
+//!   an absolute error of about 1e-3 in every logsumexp (its spacing there is 1e-3), so two correct
+//!   implementations legitimately differ by more; tests/normalizers.rs checks float32 at 1e4 for
+//!   finiteness and normalization instead.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use anyhow::{Context, Result};
+use common::{devices, load, manifest, run_python, scaled_error, TempDir};
+use probattn::{attend, AttendOptions, Masks, MhaConfig, MhaInput, MultiHeadAttention, NormalizerConfig, Variant};
+use tch::{nn, Device, Kind};
+
+/// The seed of the random cases; set PROBATTN_PARITY_SEED to draw others.
+fn seed(default: u64) -> String {
+    std::env::var("PROBATTN_PARITY_SEED").unwrap_or_else(|_| default.to_string())
+}
+
+#[derive(Default)]
+struct Worst(BTreeMap<String, f64>);
+
+impl Worst {
+    fn record(&mut self, key: String, err: f64) {
+        let e = self.0.entry(key).or_insert(0.0);
+        *e = e.max(err);
+    }
+
+    fn print(&self, title: &str) {
+        println!("{title}");
+        for (k, e) in &self.0 {
+            println!("  {k:40} {e:.2e}");
+        }
+    }
+}
+
+fn attend_case(device: Device, dir: &TempDir, case: &serde_json::Value, worst: &mut Worst) -> Result<()> {
+    let name = case["name"].as_str().context("name")?;
+    let variant: Variant = case["variant"].as_str().context("variant")?.parse()?;
+    let input = load(&dir.path(&format!("{name}.safetensors")))?;
+    let expected = load(&dir.path(&format!("{name}.ref.safetensors")))?;
+    let leaf = |n: &str| input[n].to_device(device).set_requires_grad(true);
+    let (q, k, v) = (leaf("q"), leaf("k"), leaf("v"));
+    let kind = q.kind();
+    let get = |n: &str| input.get(n).map(|t| t.to_device(device));
+    let (kp, qp, am) = (get("key_padding_mask"), get("query_padding_mask"), get("attn_mask"));
+    let masks = Masks {
+        key_padding: kp.as_ref(),
+        query_padding: qp.as_ref(),
+        attn_mask: am.as_ref(),
+        causal: case["causal"].as_bool().unwrap_or(false),
+    };
+    let heads = q.size()[1];
+    let mut vs = nn::VarStore::new(device);
+    let normalizer = variant.build(&vs.root(), heads, &NormalizerConfig::default())?;
+    if kind == Kind::Double {
+        vs.double();
+    }
+    if let Some(logit) = input.get("hybrid_logit") {
+        let mut var = vs.variables()["hybrid_logit"].shallow_clone();
+        tch::no_grad(|| var.copy_(logit));
+    }
+    let out = attend(&q, &k, &v, &masks, normalizer.as_ref(), AttendOptions::default())?;
+    let loss = (&out.output * get("grad_output").context("grad_output")?).sum(kind)
+        + (&out.weights * get("grad_weights").context("grad_weights")?).sum(kind);
+    loss.backward();
+    let mass = probattn::diagnostics::received_mass(&out.weights);
+    let mut compared = vec![
+        ("output", out.output.detach()),
+        ("weights", out.weights.detach()),
+        ("received_mass", mass),
+        ("grad_q", q.grad()),
+        ("grad_k", k.grad()),
+        ("grad_v", v.grad()),
+    ];
+    if input.contains_key("hybrid_logit") {
+        compared.push(("grad_hybrid_logit", vs.variables()["hybrid_logit"].grad()));
+    }
+    let regime = if case["extreme"].as_bool().unwrap_or(false) { "|z|<=1e4" } else { "moderate" };
+    let tol = if kind == Kind::Double { 1e-10 } else { 1e-5 };
+    for (what, ours) in compared {
+        let err = scaled_error(&ours, &expected[what]).with_context(|| format!("{name} {what}"))?;
+        worst.record(format!("{variant} {kind:?} {regime} {}", if what.starts_with("grad") { "grads" } else { "values" }), err);
+        anyhow::ensure!(err <= tol, "{name} ({variant}, {kind:?}, {regime}) on {device:?}: {what} differs by {err:.3e} > {tol:.0e}");
+    }
+    Ok(())
+}
+
+#[test]
+fn every_normalizer_matches_the_pytorch_reference() -> Result<()> {
+    let dir = TempDir::new("parity-attend")?;
+    let out = dir.0.to_string_lossy().to_string();
+    run_python("parity.py", &["cases", "--out", &out, "--seed", &seed(20260101), "--count", "90"])?;
+    let cases = manifest(&dir.0)?;
+    for device in devices() {
+        let mut worst = Worst::default();
+        for case in &cases {
+            attend_case(device, &dir, case, &mut worst)?;
+        }
+        worst.print(&format!("largest scaled error per variant on {device:?} ({} cases):", cases.len()));
+    }
+    Ok(())
+}
+
+fn mha_case(device: Device, dir: &TempDir, case: &serde_json::Value, worst: &mut Worst) -> Result<()> {
+    let name = case["name"].as_str().context("name")?;
+    let variant: Variant = case["variant"].as_str().context("variant")?.parse()?;
+    let int = |k: &str| case[k].as_i64().context("int");
+    let mut cfg = MhaConfig::new(int("embed")?, int("heads")?).with_variant(variant);
+    cfg.kdim = Some(int("kdim")?);
+    cfg.vdim = Some(int("vdim")?);
+    cfg.bias = case["bias"].as_bool().context("bias")?;
+    let mut vs = nn::VarStore::new(device);
+    let mha = MultiHeadAttention::new(&vs.root(), cfg)?;
+    vs.double();
+    // A PyTorch nn.MultiheadAttention state dict loads by name, with nothing missing or left over.
+    let weights_path = dir.path(&format!("{name}.weights.safetensors"));
+    let file = load(&weights_path)?;
+    let ours = vs.variables();
+    let mut names: Vec<_> = ours.keys().cloned().collect();
+    let mut theirs: Vec<_> = file.keys().cloned().collect();
+    names.sort();
+    theirs.sort();
+    anyhow::ensure!(names == theirs, "{name}: parameters {names:?}, state dict {theirs:?}");
+    vs.load(&weights_path)?;
+
+    let input = load(&dir.path(&format!("{name}.safetensors")))?;
+    let query = input["query"].to_device(device).set_requires_grad(true);
+    let self_attention = case["self_attention"].as_bool().unwrap_or(false);
+    let key = if self_attention { query.shallow_clone() } else { input["key"].to_device(device) };
+    let value = if self_attention { query.shallow_clone() } else { input["value"].to_device(device) };
+    let get = |n: &str| input.get(n).map(|t| t.to_device(device));
+    let (kp, qp) = (get("key_padding_mask"), get("query_padding_mask"));
+    let masks = Masks {
+        key_padding: kp.as_ref(),
+        query_padding: qp.as_ref(),
+        attn_mask: None,
+        causal: case["causal"].as_bool().unwrap_or(false),
+    };
+    let out = mha.forward_t(&MhaInput::new(&query, &key, &value).with_masks(masks), false)?;
+    (&out.context * get("grad_context").context("grad_context")?).sum(Kind::Double).backward();
+
+    let expected = load(&dir.path(&format!("{name}.ref.safetensors")))?;
+    let mut compared = vec![("context".to_string(), out.context.detach()), ("grad.query".to_string(), query.grad())];
+    for (n, t) in &ours {
+        compared.push((format!("grad.{n}"), t.grad()));
+    }
+    for (what, ours) in compared {
+        let err = scaled_error(&ours, &expected[&what]).with_context(|| format!("{name} {what}"))?;
+        worst.record(format!("mha {variant} {}", if what.starts_with("grad") { "grads" } else { "context" }), err);
+        anyhow::ensure!(err <= 1e-10, "{name} ({variant}) on {device:?}: {what} differs by {err:.3e}");
+    }
+    Ok(())
+}
+
+#[test]
+fn multi_head_attention_loads_pytorch_weights_and_matches_the_reference() -> Result<()> {
+    let dir = TempDir::new("parity-mha")?;
+    let out = dir.0.to_string_lossy().to_string();
+    run_python("parity.py", &["mha-cases", "--out", &out, "--seed", &seed(7), "--count", "30"])?;
+    let cases = manifest(&dir.0)?;
+    for device in devices() {
+        let mut worst = Worst::default();
+        for case in &cases {
+            mha_case(device, &dir, case, &mut worst)?;
+        }
+        worst.print(&format!("MultiHeadAttention, float64, on {device:?} ({} cases):", cases.len()));
+    }
+    Ok(())
+}
