@@ -12,7 +12,7 @@ use crate::{Error, Result};
 /// Reads every tensor of a safetensors file, by name.
 pub fn read_safetensors(path: &Path) -> Result<HashMap<String, Tensor>> {
     if !path.exists() {
-        return Err(Error::Io { path: path.into(), source: std::io::ErrorKind::NotFound.into() });
+        return Err(not_found(path, "no such file"));
     }
     let named = Tensor::read_safetensors(path).map_err(|e| Error::File {
         path: path.into(),
@@ -41,7 +41,7 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
         _ => PathBuf::from("."),
     };
     if !dir.is_dir() {
-        return Err(Error::Io { path: dir, source: std::io::ErrorKind::NotFound.into() });
+        return Err(not_found(&dir, "no such directory"));
     }
     let name = path.file_name().ok_or_else(|| Error::File { path: path.into(), message: "not a file name".into() })?;
     let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
@@ -50,6 +50,10 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+fn not_found(path: &Path, what: &str) -> Error {
+    Error::Io { path: path.into(), source: std::io::Error::new(std::io::ErrorKind::NotFound, what) }
 }
 
 #[cfg(test)]
@@ -75,7 +79,7 @@ mod tests {
         let err = read_safetensors(&dir.join("bad.safetensors")).unwrap_err().to_string();
         assert!(err.contains("bad.safetensors") && err.contains("not a readable safetensors"), "{err}");
         let err = read_safetensors(&dir.join("missing.safetensors")).unwrap_err().to_string();
-        assert!(err.contains("missing.safetensors"), "{err}");
+        assert!(err.contains("missing.safetensors: no such file"), "{err}");
         fs::remove_dir_all(&dir).unwrap();
     }
 }

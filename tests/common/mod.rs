@@ -18,7 +18,9 @@ pub fn python() -> Result<PathBuf> {
 
 /// Runs `python/<script>` with `args` from the workspace root; fails with its stderr.
 pub fn run_python(script: &str, args: &[&str]) -> Result<()> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // The workspace root: the first ancestor of this crate's folder that holds python/.
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = crate_dir.ancestors().find(|d| d.join("python/reference.py").is_file()).context("no python/ folder above the crate")?;
     let out = Command::new(python()?)
         .arg(root.join("python").join(script))
         .args(args)

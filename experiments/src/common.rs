@@ -1,0 +1,31 @@
+//! Arguments every subcommand shares, and the set-up they drive.
+
+use anyhow::{Context, Result};
+use clap::Args;
+use probattn::DeviceSpec;
+use tch::Device;
+
+/// Flags shared by every subcommand.
+#[derive(Args, Debug, Clone)]
+pub struct CommonArgs {
+    /// Device to run on: auto (CUDA when available, else CPU), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto", value_parser = parse_device)]
+    pub device: DeviceSpec,
+    /// Intra-op threads for libtorch (default: libtorch's choice, usually one per core).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: Option<u16>,
+}
+
+fn parse_device(s: &str) -> std::result::Result<DeviceSpec, String> {
+    s.parse().map_err(|e: probattn::Error| e.to_string())
+}
+
+impl CommonArgs {
+    /// Applies the thread count and resolves the device.
+    pub fn setup(&self) -> Result<Device> {
+        if let Some(n) = self.threads {
+            probattn::device::set_threads(n.into())?;
+        }
+        self.device.resolve().context("--device")
+    }
+}

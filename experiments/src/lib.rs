@@ -1,0 +1,32 @@
+//! The `probattn` command line: each subcommand's arguments and logic live in a module here; the
+//! binary (`src/main.rs`) only parses and dispatches.
+
+pub mod attend;
+pub mod common;
+pub mod doctor;
+
+use clap::{Parser, Subcommand};
+
+/// probattn: probabilistic attention on libtorch (DNAS, HNAS, Sinkhorn; BAM and repulsive
+/// attention to come) and the papers' reproductions.
+#[derive(Parser, Debug)]
+#[command(name = "probattn", version, about, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Report tch and libtorch versions, threads, CUDA and cuDNN.
+    Doctor(doctor::DoctorArgs),
+    /// Apply one attention variant to q, k, v read from a safetensors file.
+    Attend(attend::AttendArgs),
+}
+
+pub fn run(cli: &Cli) -> anyhow::Result<()> {
+    match &cli.command {
+        Command::Doctor(args) => doctor::run(args),
+        Command::Attend(args) => attend::run(args),
+    }
+}

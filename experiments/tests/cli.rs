@@ -1,0 +1,141 @@
+//! The `probattn` binary as a user runs it: doctor, attend against the PyTorch reference
+//! (through python/parity.py compare, the script the README gives users), and bad input.
+
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use anyhow::{ensure, Context, Result};
+use common::{manifest, python, run_python, TempDir};
+
+fn probattn(args: &[&str]) -> Result<Output> {
+    Command::new(env!("CARGO_BIN_EXE_probattn")).args(args).output().context("running probattn")
+}
+
+fn text(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+#[test]
+fn doctor_reports_versions_and_cuda() -> Result<()> {
+    let out = probattn(&["doctor"])?;
+    let said = text(&out);
+    ensure!(out.status.success(), "{said}");
+    for expected in ["tch       0.24.0", "libtorch  2.11.0", "threads", "CUDA", "cuDNN"] {
+        ensure!(said.contains(expected), "doctor did not say '{expected}':\n{said}");
+    }
+    let json: serde_json::Value = serde_json::from_slice(&probattn(&["doctor", "--json", "--threads", "1"])?.stdout)?;
+    ensure!(json["threads"] == 1, "{json}");
+    ensure!(json["libtorch_cuda_loaded"] == true, "libtorch_cuda.so is not linked: the build.rs --no-as-needed link is missing\n{json}");
+    let required = probattn(&["doctor", "--require-cuda"])?;
+    if tch::Cuda::is_available() {
+        ensure!(required.status.success(), "{}", text(&required));
+    } else {
+        ensure!(!required.status.success(), "--require-cuda passed without CUDA");
+        ensure!(text(&required).contains("CUDA is required (--require-cuda) but not usable"), "{}", text(&required));
+    }
+    Ok(())
+}
+
+#[test]
+fn attend_agrees_with_the_pytorch_reference_on_fresh_cases() -> Result<()> {
+    let dir = TempDir::new("cli-attend")?;
+    let root = dir.0.to_string_lossy().to_string();
+    run_python("parity.py", &["cases", "--out", &root, "--seed", "424242", "--count", "15"])?;
+    for case in manifest(&dir.0)? {
+        let name = case["name"].as_str().context("name")?;
+        let variant = case["variant"].as_str().context("variant")?;
+        let input = dir.path(&format!("{name}.safetensors")).to_string_lossy().to_string();
+        let output = dir.path(&format!("{name}.out.safetensors")).to_string_lossy().to_string();
+        let mut args = vec!["attend", "--variant", variant, "--input", &input, "--output", &output, "--device", "cpu"];
+        let mut compare = vec!["compare", "--variant", variant, "--input", &input, "--output", &output];
+        if case["causal"].as_bool() == Some(true) {
+            args.push("--causal");
+            compare.push("--causal");
+        }
+        let out = probattn(&args)?;
+        ensure!(out.status.success(), "{name}: {}", text(&out));
+        run_python("parity.py", &compare).with_context(|| format!("{name} ({variant})"))?;
+    }
+    Ok(())
+}
+
+#[test]
+fn the_compare_script_catches_a_wrong_output() -> Result<()> {
+    // A check that cannot fail proves nothing: perturb one weight and expect compare to fail.
+    let dir = TempDir::new("cli-compare")?;
+    let root = dir.0.to_string_lossy().to_string();
+    run_python("parity.py", &["cases", "--out", &root, "--seed", "5", "--count", "2"])?;
+    let input = dir.path("case-001.safetensors").to_string_lossy().to_string();
+    let output = dir.path("out.safetensors").to_string_lossy().to_string();
+    ensure!(probattn(&["attend", "--variant", "dnas", "--input", &input, "--output", &output])?.status.success());
+    let script = "import sys; from safetensors.torch import load_file, save_file\n\
+                  t = load_file(sys.argv[1]); t['weights'].view(-1)[0] += 1e-8; save_file(t, sys.argv[1])";
+    ensure!(Command::new(python()?).args(["-c", script, &output]).status()?.success());
+    ensure!(run_python("parity.py", &["compare", "--variant", "dnas", "--input", &input, "--output", &output]).is_err());
+    Ok(())
+}
+
+/// Writes tensors with the project's Python: `spec` is Python building a dict `t`.
+fn write_input(path: &Path, spec: &str) -> Result<()> {
+    let script = format!("import sys, torch\nfrom safetensors.torch import save_file\n{spec}\nsave_file(t, sys.argv[1])");
+    let status = Command::new(python()?).args(["-c", &script, &path.to_string_lossy()]).status()?;
+    ensure!(status.success(), "writing {}", path.display());
+    Ok(())
+}
+
+#[test]
+fn bad_input_is_named_and_nothing_is_written() -> Result<()> {
+    let dir = TempDir::new("cli-bad")?;
+    let good = "t = {'q': torch.randn(1, 2, 3, 4), 'k': torch.randn(1, 2, 5, 4), 'v': torch.randn(1, 2, 5, 4)}";
+    let inputs = [
+        ("good", good.to_string()),
+        ("rank3", "t = {'q': torch.randn(2, 3, 4), 'k': torch.randn(2, 3, 4), 'v': torch.randn(2, 3, 4)}".into()),
+        ("nan", format!("{good}\nt['k'][0, 1, 2, 3] = float('nan')")),
+        ("badmask", format!("{good}\nt['attn_mask'] = torch.zeros(4, 5, dtype=torch.bool)")),
+        ("floatmask", format!("{good}\nt['key_padding_mask'] = torch.zeros(1, 5)")),
+        ("sizes", format!("{good}\nt['v'] = torch.randn(1, 2, 6, 4)")),
+        ("noq", format!("{good}\ndel t['q']")),
+        ("logit", format!("{good}\nt['hybrid_logit'] = torch.zeros(3)")),
+    ];
+    for (name, spec) in &inputs {
+        write_input(&dir.path(&format!("{name}.safetensors")), spec)?;
+    }
+    std::fs::write(dir.path("corrupt.safetensors"), b"\x08\0\0\0\0\0\0\0{\"a\":1}")?;
+    let p = |name: &str| dir.path(name).to_string_lossy().to_string();
+    let out = p("out.safetensors");
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["--variant".into(), "dnas".into(), "--input".into(), p("rank3.safetensors")], "q has shape [2, 3, 4]; expected rank 4"),
+        (vec!["--variant".into(), "dnas".into(), "--input".into(), p("nan.safetensors")], "k holds 1 NaN"),
+        (vec!["--variant".into(), "dnas".into(), "--input".into(), p("badmask.safetensors")], "attn_mask has shape [4, 5], which does not broadcast to [1, 2, 3, 5]"),
+        (vec!["--variant".into(), "dnas".into(), "--input".into(), p("floatmask.safetensors")], "key_padding_mask has dtype Float"),
+        (vec!["--variant".into(), "dnas".into(), "--input".into(), p("sizes.safetensors")], "same number of keys"),
+        (vec!["--variant".into(), "dnas".into(), "--input".into(), p("noq.safetensors")], "has no tensor 'q'"),
+        (vec!["--variant".into(), "hnas".into(), "--input".into(), p("logit.safetensors")], "hybrid_logit has shape [3], expected (2,)"),
+        (vec!["--variant".into(), "dnas".into(), "--input".into(), p("missing.safetensors")], "missing.safetensors: no such file"),
+        (vec!["--variant".into(), "dnas".into(), "--input".into(), p("corrupt.safetensors")], "corrupt.safetensors: not a readable safetensors file"),
+        (vec!["--variant".into(), "dnax".into(), "--input".into(), p("good.safetensors")], "unknown attention variant 'dnax'"),
+        (vec!["--variant".into(), "dnas".into(), "--causal".into(), "--input".into(), p("good.safetensors")], "leak"),
+        (vec!["--variant".into(), "dnas".into(), "--bogus".into(), "--input".into(), p("good.safetensors")], "unexpected argument '--bogus'"),
+        (vec!["--variant".into(), "dnas".into(), "--device".into(), "tpu".into(), "--input".into(), p("good.safetensors")], "unknown device 'tpu'"),
+    ];
+    for (mut args, expected) in cases {
+        args.splice(0..0, ["attend".to_string()]);
+        args.extend(["--output".to_string(), out.clone()]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let run = probattn(&args)?;
+        let said = text(&run);
+        ensure!(!run.status.success(), "{args:?} succeeded");
+        ensure!(said.contains(expected), "{args:?}: expected '{expected}' in:\n{said}");
+        ensure!(!said.contains("panicked"), "{args:?} panicked:\n{said}");
+        ensure!(!Path::new(&out).exists(), "{args:?} left an output file");
+    }
+    let missing_dir = dir.path("no/such/dir/out.safetensors").to_string_lossy().to_string();
+    let run = probattn(&["attend", "--variant", "dnas", "--input", &p("good.safetensors"), "--output", &missing_dir])?;
+    ensure!(!run.status.success() && text(&run).contains("no such directory"), "{}", text(&run));
+    let left: Vec<_> = std::fs::read_dir(&dir.0)?.filter_map(|e| e.ok()).map(|e| e.file_name()).filter(|n| n.to_string_lossy().contains(".tmp-")).collect();
+    ensure!(left.is_empty(), "temporary files left: {left:?}");
+    Ok(())
+}
