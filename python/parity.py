@@ -4,6 +4,7 @@
   reference  reference outputs (and gradients, given cotangents) for one input file
   compare    check a `probattn attend` output file against the reference, with tolerances
   mha-cases  random MultiHeadAttention cases: PyTorch state dicts, inputs, references
+  demo-input the padded batch of the README's demo (demo.sh)
 
 Input files use the names `probattn attend` reads: q, k, v (B, H, S, d), optional
 key_padding_mask (B, S_k), query_padding_mask (B, S_q), attn_mask (broadcastable to
@@ -144,6 +145,20 @@ def cmd_compare(args):
     return 0 if ok else 1
 
 
+def cmd_demo_input(args):
+    """A padded batch whose scores spread widely enough that softmax explains keys away."""
+    gen = torch.Generator().manual_seed(args.seed)
+    b, h, s, d = 2, 4, 12, 16
+    q = 5.0 * torch.randn(b, h, s, d, generator=gen)
+    k = 5.0 * torch.randn(b, h, s, d, generator=gen)
+    v = torch.randn(b, h, s, d, generator=gen)
+    key_padding = torch.zeros(b, s, dtype=torch.bool)
+    key_padding[1, 9:] = True  # the second sequence has 9 tokens
+    query_padding = key_padding.clone()
+    save_file({"q": q, "k": k, "v": v, "key_padding_mask": key_padding, "query_padding_mask": query_padding,
+               "hybrid_logit": torch.zeros(h)}, args.output)
+
+
 def cmd_mha_cases(args):
     """nn.MultiheadAttention state dicts (HNAS adds hybrid_logit), inputs and references."""
     gen = torch.Generator().manual_seed(args.seed)
@@ -227,6 +242,10 @@ def main():
     p.add_argument("--causal", action="store_true")
     p.add_argument("--tol", type=float, default=None, help="default: 1e-10 for float64, 1e-5 for float32")
     p.set_defaults(run=cmd_compare)
+    p = sub.add_parser("demo-input", help="the input of the README's attend demo")
+    p.add_argument("--output", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=cmd_demo_input)
     p = sub.add_parser("mha-cases", help="random MultiHeadAttention cases with references")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)

@@ -88,8 +88,14 @@ pub fn run(args: &AttendArgs) -> Result<()> {
 
     let counted = masks_key_counted(&out.weights, &masks, device)?;
     let away = explained_away_fraction(&mass, counted.as_ref(), EXPLAINED_AWAY_EPS)?;
+    let least = match &counted {
+        Some(c) => mass.masked_select(c),
+        None => mass.view([-1]),
+    };
+    let least = if least.numel() > 0 { f64::try_from(least.min())? } else { f64::NAN };
     println!(
-        "{} on {}: output {:?}, weights {:?}; {:.2}% of keys explained away (received < {EXPLAINED_AWAY_EPS:e}); wrote {}",
+        "{} on {}: output {:?}, weights {:?}; keys explained away (received < {EXPLAINED_AWAY_EPS:e}): {:.1}%, \
+         least received mass {least:.3e}; wrote {}",
         args.variant,
         probattn::device::device_name(device),
         out.output.size(),
@@ -109,8 +115,7 @@ fn load_hybrid_logit(vs: &nn::VarStore, tensors: &HashMap<String, Tensor>, varia
         return Ok(());
     };
     if variant != Variant::Hnas {
-        eprintln!("note: hybrid_logit is only read by hnas; ignored for {variant}");
-        return Ok(());
+        return Ok(()); // only HNAS has gates
     }
     if logit.size() != [heads] {
         bail!("{input}: hybrid_logit has shape {:?}, expected ({heads},): one logit per head", logit.size());
