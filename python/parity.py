@@ -4,6 +4,7 @@
   reference  reference outputs (and gradients, given cotangents) for one input file
   compare    check a `probattn attend` output file against the reference, with tolerances
   mha-cases  random MultiHeadAttention cases: PyTorch state dicts, inputs, references
+  score-cases additive (Bahdanau) and self-attentive (Lin et al.) scores and gradients
   demo-input the padded batch of the README's demo (demo.sh)
 
 Input files use the names `probattn attend` reads: q, k, v (B, H, S, d), optional
@@ -145,6 +146,33 @@ def cmd_compare(args):
     return 0 if ok else 1
 
 
+def cmd_score_cases(args):
+    """Additive and self-attentive score parameters, inputs, scores and gradients."""
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    b, s_q, s_k, d_q, d_k, hidden, hops = 2, 3, 5, 4, 6, 7, 3
+    additive = {"w_q.weight": randn(hidden, d_q), "w_k.weight": randn(hidden, d_k),
+                "w_k.bias": randn(hidden), "v.weight": randn(1, hidden)}
+    lin = {"w_s1.weight": randn(hidden, d_k), "w_s2.weight": randn(hops, hidden)}
+    inputs = {"query": randn(b, s_q, d_q), "key": randn(b, s_k, d_k),
+              "grad_additive": randn(b, 1, s_q, s_k), "grad_self_attentive": randn(b, 1, hops, s_k)}
+    leaves = {n: t.clone().requires_grad_(True) for n, t in {**additive, **lin, **inputs}.items()}
+    z_add = ref.additive_scores({n: leaves[n] for n in additive}, leaves["query"], leaves["key"])
+    z_lin = ref.self_attentive_scores({n: leaves[n] for n in lin}, leaves["key"])
+    loss = (z_add * inputs["grad_additive"]).sum() + (z_lin * inputs["grad_self_attentive"]).sum()
+    names = list(additive) + list(lin) + ["query", "key"]
+    grads = torch.autograd.grad(loss, [leaves[n] for n in names])
+    save_file({**{f"additive.{n}": t for n, t in additive.items()}, **{f"lin.{n}": t for n, t in lin.items()}},
+              os.path.join(args.out, "scores.weights.safetensors"))
+    save_file(inputs, os.path.join(args.out, "scores.safetensors"))
+    result = {"additive": z_add.detach(), "self_attentive": z_lin.detach()}
+    result.update({f"grad.{n}": g for n, g in zip(names, grads)})
+    save_file(result, os.path.join(args.out, "scores.ref.safetensors"))
+
+
 def cmd_demo_input(args):
     """A padded batch whose scores spread widely enough that softmax explains keys away."""
     gen = torch.Generator().manual_seed(args.seed)
@@ -242,6 +270,10 @@ def main():
     p.add_argument("--causal", action="store_true")
     p.add_argument("--tol", type=float, default=None, help="default: 1e-10 for float64, 1e-5 for float32")
     p.set_defaults(run=cmd_compare)
+    p = sub.add_parser("score-cases", help="additive and self-attentive score cases")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=cmd_score_cases)
     p = sub.add_parser("demo-input", help="the input of the README's attend demo")
     p.add_argument("--output", required=True)
     p.add_argument("--seed", type=int, default=0)

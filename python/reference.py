@@ -139,3 +139,17 @@ def multi_head_attention(params, query, key, value, num_heads, variant="softmax"
     if "out_proj.bias" in params:
         context = context + params["out_proj.bias"]
     return context, w
+
+
+def additive_scores(params, query, key):
+    """Bahdanau: z_ij = v . tanh(W_q q_i + W_k k_j + b). query (B, S_q, d_q), key (B, S_k, d_k)
+    -> (B, 1, S_q, S_k)."""
+    hq = query @ params["w_q.weight"].T
+    hk = key @ params["w_k.weight"].T + params["w_k.bias"]
+    hidden = torch.tanh(hq[:, :, None, :] + hk[:, None, :, :])
+    return (hidden @ params["v.weight"].T)[..., 0][:, None]
+
+
+def self_attentive_scores(params, h):
+    """Lin et al. 2017: W_s2 tanh(W_s1 H^T), h (B, S, u) -> (B, 1, r, S)."""
+    return (params["w_s2.weight"] @ torch.tanh(params["w_s1.weight"] @ h.transpose(1, 2)))[:, None]

@@ -211,3 +211,24 @@ fn hnas_starts_at_the_configured_gate_and_the_module_reports_it() -> Result<()> 
     assert!(MultiHeadAttention::new(&(vs.root() / "bad2"), cfg).is_err());
     Ok(())
 }
+
+#[test]
+fn dropout_acts_in_training_only_and_weights_are_taken_before_it() -> Result<()> {
+    tch::manual_seed(5);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let mut cfg = MhaConfig::new(16, 4).with_variant(Variant::Dnas);
+    cfg.dropout = 0.5;
+    let mha = MultiHeadAttention::new(&vs.root(), cfg)?;
+    vs.double();
+    let x = Tensor::randn([2, 6, 16], (Kind::Double, Device::Cpu));
+    let input = MhaInput::self_attention(&x).with_weights();
+    let eval_a = mha.forward_t(&input, false)?;
+    let eval_b = mha.forward_t(&input, false)?;
+    assert!(eval_a.context.equal(&eval_b.context), "eval mode is not deterministic");
+    let train = mha.forward_t(&input, true)?;
+    assert!(!train.context.allclose(&eval_a.context, 1e-6, 1e-6, false), "dropout had no effect in training");
+    // The returned weights are the normalizer's, before dropout: identical in both modes.
+    let (wt, we) = (train.weights.unwrap(), eval_a.weights.unwrap());
+    assert!(wt.allclose(&we, 1e-12, 1e-12, false));
+    Ok(())
+}

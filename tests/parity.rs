@@ -176,3 +176,37 @@ fn multi_head_attention_loads_pytorch_weights_and_matches_the_reference() -> Res
     }
     Ok(())
 }
+
+#[test]
+fn additive_and_self_attentive_scores_match_the_reference() -> Result<()> {
+    use probattn::scores::{AdditiveScore, SelfAttentiveScore};
+    let dir = TempDir::new("parity-scores")?;
+    run_python("parity.py", &["score-cases", "--out", &dir.0.to_string_lossy(), "--seed", &seed(11)])?;
+    let input = load(&dir.path("scores.safetensors"))?;
+    let expected = load(&dir.path("scores.ref.safetensors"))?;
+    for device in devices() {
+        let mut vs = nn::VarStore::new(device);
+        let additive = AdditiveScore::new(&(vs.root() / "additive"), 4, 6, 7);
+        let lin = SelfAttentiveScore::new(&(vs.root() / "lin"), 6, 7, 3);
+        vs.double();
+        vs.load(dir.path("scores.weights.safetensors"))?;
+        let query = input["query"].to_device(device).set_requires_grad(true);
+        let key = input["key"].to_device(device).set_requires_grad(true);
+        let z_add = additive.forward(&query, &key)?;
+        let z_lin = lin.forward(&key)?;
+        let g = |n: &str| input[n].to_device(device);
+        ((&z_add * g("grad_additive")).sum(Kind::Double) + (&z_lin * g("grad_self_attentive")).sum(Kind::Double)).backward();
+        let mut compared = vec![("additive".to_string(), z_add.detach()), ("self_attentive".to_string(), z_lin.detach())];
+        compared.push(("grad.query".into(), query.grad()));
+        compared.push(("grad.key".into(), key.grad()));
+        for (name, t) in vs.variables() {
+            let short = name.split_once('.').map(|(_, rest)| rest.to_string()).unwrap_or(name.clone());
+            compared.push((format!("grad.{short}"), t.grad()));
+        }
+        for (what, ours) in compared {
+            let err = scaled_error(&ours, &expected[&what]).with_context(|| what.clone())?;
+            anyhow::ensure!(err <= 1e-10, "{what} on {device:?} differs by {err:.3e}");
+        }
+    }
+    Ok(())
+}
