@@ -27,25 +27,44 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference as ref  # noqa: E402
 
 VARIANTS = ["softmax", "dnas", "hnas", "sinkhorn-1", "sinkhorn-3"]
+PRIOR_NAMES = ["prior.f1.weight", "prior.f1.bias", "prior.f2.weight", "prior.f2.bias"]
+BAM_DEFAULTS = {"k": 1000.0, "sigma": 1.0, "prior_alpha": 1.0, "prior_beta": 1.0, "prior_mu": 0.0,
+                "prior_sigma": 1.0, "base": "softmax"}
 
 
-def reference_outputs(variant, tensors, causal=False):
-    """Outputs (and gradients when the cotangents are present) of one attend input."""
+def reference_outputs(variant, tensors, causal=False, train=False, bam=None):
+    """Outputs (and gradients when the cotangents are present) of one attend input. `bam` holds
+    the BAM settings (BAM_DEFAULTS for the missing ones); `train` makes BAM sample with the
+    input's `noise`."""
     q, k, v = (tensors[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
     logit = tensors.get("hybrid_logit")
     if logit is not None:
         logit = logit.clone().requires_grad_(True)
-    b, h, s_q, _ = q.shape
+    prior = {n: tensors[n].clone().requires_grad_(True) for n in PRIOR_NAMES if n in tensors}
+    b, h, s_q, d = q.shape
     allowed = ref.allowed_mask(b, h, s_q, k.shape[2], tensors.get("key_padding_mask"),
                                tensors.get("query_padding_mask"), tensors.get("attn_mask"), causal)
-    out, w = ref.attention(variant, q, k, v, allowed, logit)
+    kl = None
+    if variant in ref.BAM_VARIANTS:
+        cfg = dict(BAM_DEFAULTS, **(bam or {}))
+        z = q @ k.transpose(-2, -1) / math.sqrt(d)
+        w, kl = ref.bam_weights(variant, z, allowed, k, tensors.get("noise"), train, cfg, prior, logit)
+        out = w @ v
+    else:
+        out, w = ref.attention(variant, q, k, v, allowed, logit)
     result = {"output": out, "weights": w, "received_mass": ref.received_mass(w)}
+    if kl is not None:
+        result["kl"] = kl
     if "grad_output" in tensors and "grad_weights" in tensors:
         loss = (out * tensors["grad_output"]).sum() + (w * tensors["grad_weights"]).sum()
-        inputs = [q, k, v] + ([logit] if logit is not None else [])
-        grads = torch.autograd.grad(loss, inputs)
-        for name, g in zip(["grad_q", "grad_k", "grad_v", "grad_hybrid_logit"], grads):
-            result[name] = g
+        if kl is not None:
+            loss = loss + kl * tensors["grad_kl"]
+        names = ["q", "k", "v"] + (["hybrid_logit"] if logit is not None else []) + list(prior)
+        leaves = [q, k, v] + ([logit] if logit is not None else []) + list(prior.values())
+        # Parameters the loss does not reach (the prior network in eval mode) get zero gradients.
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        for name, leaf, g in zip(names, leaves, grads):
+            result["grad_" + name] = torch.zeros_like(leaf) if g is None else g
     return {n: t.detach().contiguous() for n, t in result.items()}
 
 
@@ -91,47 +110,78 @@ def make_case(gen, index, variant, dtype, extreme):
             m[..., ints(0, s_q - 1), :] = True  # a fully masked row
         m[..., ints(0, s_k - 1)] = True  # a fully masked column
         t["attn_mask"] = m.to(mask_dtype)
-    if variant == "hnas":
+    base = variant
+    bam = None
+    if variant in ref.BAM_VARIANTS:
+        def choose(options):
+            return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+        base = choose(["softmax", "softmax", "dnas", "hnas", "sinkhorn-2"])
+        bam = {"k": choose([2.0, 10.0, 1000.0]), "sigma": choose([0.3, 1.0]), "prior_alpha": choose([0.5, 1.0]),
+               "prior_beta": choose([1.0, 2.0]), "prior_mu": choose([0.0, -1.0]),
+               "prior_sigma": choose([0.5, 1.0]), "base": base}
+        if variant in ("bam-nokl", "bam-wf", "bam-wc"):
+            t["noise"] = torch.rand(b, h, s_q, s_k, generator=gen, dtype=torch.float64).clamp(1e-12, 1 - 1e-12).to(dtype)
+        else:
+            t["noise"] = torch.randn(b, h, s_q, s_k, generator=gen, dtype=torch.float64).to(dtype)
+        if variant in ("bam-wc", "bam-lc"):
+            hidden = 5
+            t["prior.f1.weight"] = torch.randn(h, hidden, d, generator=gen, dtype=torch.float64).to(dtype)
+            t["prior.f1.bias"] = torch.randn(h, hidden, generator=gen, dtype=torch.float64).to(dtype)
+            t["prior.f2.weight"] = torch.randn(h, hidden, generator=gen, dtype=torch.float64).to(dtype)
+            t["prior.f2.bias"] = torch.randn(h, generator=gen, dtype=torch.float64).to(dtype)
+        t["grad_kl"] = torch.randn((), generator=gen, dtype=torch.float64).to(dtype)
+    if base == "hnas":
         t["hybrid_logit"] = (2 * torch.randn(h, generator=gen, dtype=torch.float64)).to(dtype)
     t["grad_output"] = torch.randn(b, h, s_q, d_v, generator=gen, dtype=torch.float64).to(dtype)
     t["grad_weights"] = torch.randn(b, h, s_q, s_k, generator=gen, dtype=torch.float64).to(dtype)
     causal = variant == "softmax" and coin(0.3)
-    return t, causal
+    train = bam is not None and coin(0.8)
+    return t, causal, train, bam
 
 
 def cmd_cases(args):
     gen = torch.Generator().manual_seed(args.seed)
     os.makedirs(args.out, exist_ok=True)
     manifest = []
+    variants = VARIANTS + (list(ref.BAM_VARIANTS) if args.bam else [])
     for i in range(args.count):
-        variant = VARIANTS[i % len(VARIANTS)]
+        variant = variants[i % len(variants)]
         # float64 cases carry the 1e-10 claim, half of them at |score| up to 1e4; float32 cases
         # carry the 1e-5 claim at moderate scores (see tests/parity.rs for why).
         dtype = torch.float32 if i % 3 == 2 else torch.float64
         extreme = dtype == torch.float64 and (i // 3) % 2 == 1
-        tensors, causal = make_case(gen, i, variant, dtype, extreme)
+        tensors, causal, train, bam = make_case(gen, i, variant, dtype, extreme)
         name = f"case-{i:03d}"
         save_file(tensors, os.path.join(args.out, name + ".safetensors"))
-        save_file(reference_outputs(variant, tensors, causal), os.path.join(args.out, name + ".ref.safetensors"))
+        expected = reference_outputs(variant, tensors, causal, train, bam)
+        save_file(expected, os.path.join(args.out, name + ".ref.safetensors"))
         manifest.append({"name": name, "variant": variant, "causal": causal, "extreme": extreme,
-                         "dtype": str(dtype).replace("torch.", "")})
+                         "dtype": str(dtype).replace("torch.", ""), "train": train, "bam": bam})
     with open(os.path.join(args.out, "cases.json"), "w") as f:
         json.dump(manifest, f, indent=1)
 
 
+def bam_settings(args):
+    """The BAM flags of reference/compare, spelled as `probattn attend` spells them."""
+    return {"k": args.k, "sigma": args.sigma, "prior_alpha": args.prior_alpha, "prior_beta": args.prior_beta,
+            "prior_mu": args.prior_mu, "prior_sigma": args.prior_sigma, "base": args.base}
+
+
 def cmd_reference(args):
     tensors = load_file(args.input)
-    save_file(reference_outputs(args.variant, tensors, args.causal), args.output)
+    save_file(reference_outputs(args.variant, tensors, args.causal, args.train, bam_settings(args)), args.output)
 
 
 def cmd_compare(args):
     tensors = load_file(args.input)
     ours = load_file(args.output)
-    expected = reference_outputs(args.variant, tensors, args.causal)
+    expected = reference_outputs(args.variant, tensors, args.causal, args.train, bam_settings(args))
     dtype = tensors["q"].dtype
     tol = args.tol if args.tol is not None else (1e-10 if dtype == torch.float64 else 1e-5)
     worst = 0.0
-    for name in ("output", "weights", "received_mass"):
+    compared = ["output", "weights", "received_mass"] + (["kl"] if "kl" in expected else [])
+    for name in compared:
         if name not in ours:
             print(f"{name}: missing from {args.output}")
             return 1
@@ -256,18 +306,24 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--count", type=int, default=60)
+    p.add_argument("--bam", action="store_true", help="include the BAM variants")
     p.set_defaults(run=cmd_cases)
+
+    def attend_flags(p):
+        p.add_argument("--variant", required=True)
+        p.add_argument("--input", required=True, help="the file given to probattn attend --input")
+        p.add_argument("--causal", action="store_true")
+        p.add_argument("--train", action="store_true", help="BAM: sample with the input's noise")
+        for flag, default in BAM_DEFAULTS.items():
+            p.add_argument("--" + flag.replace("_", "-"), type=type(default), default=default)
+
     p = sub.add_parser("reference", help="reference outputs of one attend input file")
-    p.add_argument("--variant", required=True)
-    p.add_argument("--input", required=True)
+    attend_flags(p)
     p.add_argument("--output", required=True)
-    p.add_argument("--causal", action="store_true")
     p.set_defaults(run=cmd_reference)
     p = sub.add_parser("compare", help="check a probattn attend output against the reference")
-    p.add_argument("--variant", required=True)
-    p.add_argument("--input", required=True, help="the file given to probattn attend --input")
+    attend_flags(p)
     p.add_argument("--output", required=True, help="the file probattn attend --output wrote")
-    p.add_argument("--causal", action="store_true")
     p.add_argument("--tol", type=float, default=None, help="default: 1e-10 for float64, 1e-5 for float32")
     p.set_defaults(run=cmd_compare)
     p = sub.add_parser("score-cases", help="additive and self-attentive score cases")

@@ -153,3 +153,89 @@ def additive_scores(params, query, key):
 def self_attentive_scores(params, h):
     """Lin et al. 2017: W_s2 tanh(W_s1 H^T), h (B, S, u) -> (B, 1, r, S)."""
     return (params["w_s2.weight"] @ torch.tanh(params["w_s1.weight"] @ h.transpose(1, 2)))[:, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bayesian attention modules (Fan et al. 2020; shared/docs/PAPER-NOTES.md section 2).
+
+EULER_GAMMA = 0.5772156649015329
+BAM_VARIANTS = ("bam-nokl", "bam-lf", "bam-lc", "bam-wf", "bam-wc")
+
+
+def log_weights(variant, z, allowed, hybrid_logit=None):
+    """log(pi) of a deterministic variant, in the log domain so it stays finite where pi
+    underflows. Values on excluded entries are meaningless."""
+    if variant in ("softmax", "unas"):
+        return z - masked_logsumexp(z, allowed, -1)
+    if variant == "dnas":
+        log_xi = z - masked_logsumexp(z, allowed, -2)
+        return log_xi - masked_logsumexp(log_xi, allowed, -1)
+    if variant == "hnas":
+        logit = hybrid_logit.to(z.dtype)[None, :, None, None]
+        log_d = log_weights("dnas", z, allowed)
+        log_u = log_weights("softmax", z, allowed)
+        return torch.logaddexp(torch.nn.functional.logsigmoid(logit) + log_d,
+                               torch.nn.functional.logsigmoid(-logit) + log_u)
+    if variant.startswith("sinkhorn-"):
+        log_p = z
+        for _ in range(int(variant.split("-", 1)[1])):
+            log_p = log_p - masked_logsumexp(log_p, allowed, -2)
+            log_p = log_p - masked_logsumexp(log_p, allowed, -1)
+        return log_p
+    raise ValueError(f"no log-weights for {variant!r}")
+
+
+def contextual_log_psi(prior, keys, allowed):
+    """log psi_j = log softmax_j(F2(ReLU(F1(k_j)))) per head, over keys some query may attend.
+    keys (B, H, S_k, d) -> (B, H, 1, S_k)."""
+    hidden = torch.relu(torch.einsum("bhsd,hmd->bhsm", keys, prior["prior.f1.weight"])
+                        + prior["prior.f1.bias"][None, :, None, :])
+    logits = torch.einsum("bhsm,hm->bhs", hidden, prior["prior.f2.weight"]) + prior["prior.f2.bias"][None, :, None]
+    logits = logits[:, :, None, :]
+    key_ok = allowed.any(-2, keepdim=True)
+    return logits - masked_logsumexp(logits, key_ok, -1)
+
+
+def bam_weights(variant, z, allowed, keys, noise, sample, cfg, prior=None, hybrid_logit=None):
+    """BAM weights and KL. cfg: k, sigma, prior_alpha, prior_beta, prior_mu, prior_sigma, base.
+    Without sampling: the base weights and no KL. Returns (weights, kl or None)."""
+    base = cfg["base"]
+    if not sample:
+        return normalize(base, z, allowed, hybrid_logit), None
+    weibull = variant in ("bam-nokl", "bam-wf", "bam-wc")
+    k, sigma = cfg["k"], cfg["sigma"]
+    log_pi = log_weights(base, z, allowed, hybrid_logit)
+    if weibull:
+        # S = lambda (-log(1 - eps))^(1/k), lambda = pi / Gamma(1 + 1/k)
+        log_s = log_pi - math.lgamma(1 + 1 / k) + torch.log(-torch.log1p(-noise)) / k
+    else:
+        # S = exp(mu + sigma eps), mu = log pi - sigma^2 / 2
+        log_s = log_pi - sigma ** 2 / 2 + sigma * noise
+    weights = softmax_weights(log_s, allowed)
+    if variant == "bam-nokl":
+        return weights, None
+    zero = torch.zeros((), dtype=z.dtype)
+    lp = torch.where(allowed, log_pi, zero)
+    key_ok = allowed.any(-2, keepdim=True)
+    if variant == "bam-wf":
+        alpha = torch.tensor(cfg["prior_alpha"], dtype=z.dtype)
+    elif variant == "bam-wc":
+        alpha = cfg["prior_beta"] * torch.exp(contextual_log_psi(prior, keys, allowed))
+        alpha = torch.where(key_ok, alpha, torch.ones((), dtype=z.dtype))
+    if weibull:
+        beta = cfg["prior_beta"]
+        # KL(Weibull(k, lambda) || Gamma(alpha, beta)), lambda Gamma(1 + 1/k) = pi
+        log_lambda = lp - math.lgamma(1 + 1 / k)
+        kl = (EULER_GAMMA * alpha / k - alpha * log_lambda + math.log(k) + beta * torch.exp(lp)
+              - EULER_GAMMA - 1 - alpha * math.log(beta) + torch.lgamma(alpha))
+    else:
+        if variant == "bam-lf":
+            mu_p = torch.tensor(cfg["prior_mu"], dtype=z.dtype)
+        else:
+            mu_p = torch.where(key_ok, contextual_log_psi(prior, keys, allowed), zero)
+        mu_q = lp - sigma ** 2 / 2
+        s_p = cfg["prior_sigma"]
+        kl = math.log(s_p / sigma) + (sigma ** 2 + (mu_q - mu_p) ** 2) / (2 * s_p ** 2) - 0.5
+    kl = torch.where(allowed, kl.expand_as(z), zero)
+    per_head = kl.sum((0, 2, 3)) / allowed.sum((0, 2, 3)).clamp(min=1).to(z.dtype)
+    return weights, per_head.mean()

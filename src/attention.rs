@@ -11,12 +11,38 @@ use crate::mask::{Masks, ScoreShape};
 use crate::normalize::{NormalizeInput, Normalizer, Support};
 use crate::{Error, Result};
 
+/// What is random in a forward pass. `train` is the usual switch ([`Mode::train`]); Monte Carlo
+/// prediction samples the attention without dropout ([`Mode::MONTE_CARLO`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Mode {
+    /// Apply dropout to the weights.
+    pub dropout: bool,
+    /// Let stochastic normalizers (BAM) sample; otherwise they return their mean.
+    pub sample: bool,
+}
+
+impl Mode {
+    pub const EVAL: Mode = Mode { dropout: false, sample: false };
+    pub const TRAIN: Mode = Mode { dropout: true, sample: true };
+    /// Stochastic attention without dropout, for Monte Carlo prediction.
+    pub const MONTE_CARLO: Mode = Mode { dropout: false, sample: true };
+
+    /// [`Mode::TRAIN`] or [`Mode::EVAL`].
+    pub fn train(train: bool) -> Self {
+        if train {
+            Self::TRAIN
+        } else {
+            Self::EVAL
+        }
+    }
+}
+
 /// Options of one attention call beside its tensors.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct AttendOptions<'a> {
-    /// Training mode (dropout, stochastic normalizers).
-    pub train: bool,
-    /// Dropout probability on the weights, applied in training mode only.
+    /// What is random (default: nothing, the eval path).
+    pub mode: Mode,
+    /// Dropout probability on the weights, applied when `mode.dropout` is set.
     pub dropout: f64,
     /// A fixed noise draw `(B, H, S_q, S_k)` for stochastic normalizers.
     pub noise: Option<&'a Tensor>,
@@ -75,9 +101,9 @@ pub fn attend(
         support: &support,
         keys: Some(k),
         noise: opts.noise,
-        train: opts.train,
+        sample: opts.mode.sample,
     })?;
-    let mixing = if opts.train && opts.dropout > 0.0 {
+    let mixing = if opts.mode.dropout && opts.dropout > 0.0 {
         normalized.weights.dropout(opts.dropout, true)
     } else {
         normalized.weights.shallow_clone()

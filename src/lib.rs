@@ -5,7 +5,8 @@
 //! values ([`attend`]). [`MultiHeadAttention`] wraps the seam in PyTorch's parameter layout.
 //!
 //! Variants so far: softmax (UNAS), DNAS, HNAS and Sinkhorn-N from Ding et al. 2020, "Attention
-//! that does not Explain Away".
+//! that does not Explain Away"; the Bayesian attention modules (BAM-WC, -WF, -LC, -LF, no-KL) of
+//! Fan et al. 2020 around any of them ([`normalize::Bam`]).
 
 pub mod attention;
 pub mod device;
@@ -13,11 +14,12 @@ pub mod diagnostics;
 mod error;
 pub mod io;
 pub mod mask;
+pub mod mc;
 pub mod mha;
 pub mod normalize;
 pub mod scores;
 
-pub use attention::{attend, scaled_dot_product_scores, AttendOptions, Attended};
+pub use attention::{attend, scaled_dot_product_scores, AttendOptions, Attended, Mode};
 pub use device::DeviceSpec;
 pub use error::{Error, Result};
 pub use mask::{Masks, ScoreShape};

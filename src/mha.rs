@@ -12,7 +12,7 @@
 use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
 
-use crate::attention::{attend, AttendOptions};
+use crate::attention::{attend, AttendOptions, Mode};
 use crate::mask::Masks;
 use crate::normalize::{Normalizer, NormalizerConfig, Variant};
 use crate::{Error, Result};
@@ -198,7 +198,7 @@ impl MultiHeadAttention {
         let bound = 1.0 / (e as f64).sqrt();
         let out_proj_weight = out.var("weight", &[e, e], nn::Init::Uniform { lo: -bound, up: bound });
         let out_proj_bias = cfg.bias.then(|| out.var("bias", &[e], nn::Init::Const(0.0)));
-        let normalizer = cfg.variant.build(p, cfg.num_heads, &cfg.normalizer)?;
+        let normalizer = cfg.variant.build(p, cfg.num_heads, cfg.head_dim(), &cfg.normalizer)?;
         Ok(Self { cfg, in_proj, in_proj_bias, out_proj_weight, out_proj_bias, normalizer })
     }
 
@@ -231,6 +231,12 @@ impl MultiHeadAttention {
 
     /// Attends `input.query` to `input.key`/`input.value`. `train` enables dropout and sampling.
     pub fn forward_t(&self, input: &MhaInput, train: bool) -> Result<MhaOutput> {
+        self.forward_mode(input, Mode::train(train))
+    }
+
+    /// [`Self::forward_t`] with dropout and sampling chosen separately (Monte Carlo prediction
+    /// samples attention without dropout: [`Mode::MONTE_CARLO`]).
+    pub fn forward_mode(&self, input: &MhaInput, mode: Mode) -> Result<MhaOutput> {
         let (b, sq, sk) = self.check(input)?;
         let (h, dh, e) = (self.cfg.num_heads, self.cfg.head_dim(), self.cfg.embed_dim);
         let split = |x: &Tensor, i: i64, s: i64| {
@@ -241,7 +247,7 @@ impl MultiHeadAttention {
         let q = split(input.query, 0, sq);
         let k = split(input.key, 1, sk);
         let v = split(input.value, 2, sk);
-        let opts = AttendOptions { train, dropout: self.cfg.dropout, noise: input.noise };
+        let opts = AttendOptions { mode, dropout: self.cfg.dropout, noise: input.noise };
         let attended = attend(&q, &k, &v, &input.masks, self.normalizer.as_ref(), opts)?;
         let merged = attended.output.transpose(1, 2).contiguous().view([b, sq, e]); // (B, S_q, E)
         let context = merged.linear(&self.out_proj_weight, self.out_proj_bias.as_ref());

@@ -11,9 +11,11 @@ use tch::{nn, Device, Kind, Tensor};
 
 const ALL: [&str; 5] = ["softmax", "dnas", "hnas", "sinkhorn-1", "sinkhorn-4"];
 
+/// A normalizer for `heads` heads of keys with 4 features (the key size matters only to BAM's
+/// contextual prior; every test here uses d = 4 where it builds one).
 fn normalizer(name: &str, heads: i64, device: Device) -> Result<(nn::VarStore, Box<dyn Normalizer>)> {
     let vs = nn::VarStore::new(device);
-    let n = name.parse::<Variant>()?.build(&vs.root(), heads, &NormalizerConfig::default())?;
+    let n = name.parse::<Variant>()?.build(&vs.root(), heads, 4, &NormalizerConfig::default())?;
     Ok((vs, n))
 }
 

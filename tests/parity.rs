@@ -17,7 +17,8 @@ use std::collections::BTreeMap;
 
 use anyhow::{Context, Result};
 use common::{devices, load, manifest, run_python, scaled_error, TempDir};
-use probattn::{attend, AttendOptions, Masks, MhaConfig, MhaInput, MultiHeadAttention, NormalizerConfig, Variant};
+use probattn::normalize::BamConfig;
+use probattn::{attend, AttendOptions, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, NormalizerConfig, Variant};
 use tch::{nn, Device, Kind};
 
 /// The seed of the random cases; set PROBATTN_PARITY_SEED to draw others.
@@ -60,45 +61,79 @@ fn attend_case(device: Device, dir: &TempDir, case: &serde_json::Value, worst: &
     };
     let heads = q.size()[1];
     let mut vs = nn::VarStore::new(device);
-    let normalizer = variant.build(&vs.root(), heads, &NormalizerConfig::default())?;
+    let cfg = NormalizerConfig { bam: bam_config(&case["bam"])?, ..Default::default() };
+    let normalizer = variant.build(&vs.root(), heads, q.size()[3], &cfg)?;
     if kind == Kind::Double {
         vs.double();
     }
-    if let Some(logit) = input.get("hybrid_logit") {
-        let mut var = vs.variables()["hybrid_logit"].shallow_clone();
-        tch::no_grad(|| var.copy_(logit));
+    // The HNAS gates and the contextual prior's parameters come from the file, by name.
+    for (name, var) in vs.variables() {
+        let value = input.get(&name).with_context(|| format!("{name}: case file lacks {name}"))?;
+        tch::no_grad(|| var.shallow_clone().copy_(value));
     }
-    let out = attend(&q, &k, &v, &masks, normalizer.as_ref(), AttendOptions::default())?;
-    let loss = (&out.output * get("grad_output").context("grad_output")?).sum(kind)
+    let noise = get("noise");
+    let sample = case["train"].as_bool().unwrap_or(false);
+    let opts = AttendOptions { mode: Mode { dropout: false, sample }, dropout: 0.0, noise: noise.as_ref() };
+    let out = attend(&q, &k, &v, &masks, normalizer.as_ref(), opts)?;
+    let mut loss = (&out.output * get("grad_output").context("grad_output")?).sum(kind)
         + (&out.weights * get("grad_weights").context("grad_weights")?).sum(kind);
+    anyhow::ensure!(out.kl.is_some() == expected.contains_key("kl"), "{name}: KL present {} here", out.kl.is_some());
+    if let Some(kl) = &out.kl {
+        loss += kl * get("grad_kl").context("grad_kl")?;
+    }
     loss.backward();
     let mass = probattn::diagnostics::received_mass(&out.weights);
     let mut compared = vec![
-        ("output", out.output.detach()),
-        ("weights", out.weights.detach()),
-        ("received_mass", mass),
-        ("grad_q", q.grad()),
-        ("grad_k", k.grad()),
-        ("grad_v", v.grad()),
+        ("output".to_string(), out.output.detach()),
+        ("weights".to_string(), out.weights.detach()),
+        ("received_mass".to_string(), mass),
+        ("grad_q".to_string(), q.grad()),
+        ("grad_k".to_string(), k.grad()),
+        ("grad_v".to_string(), v.grad()),
     ];
-    if input.contains_key("hybrid_logit") {
-        compared.push(("grad_hybrid_logit", vs.variables()["hybrid_logit"].grad()));
+    if let Some(kl) = &out.kl {
+        compared.push(("kl".to_string(), kl.detach()));
+    }
+    for (param, var) in vs.variables() {
+        // Parameters the loss does not reach (the prior network in eval mode) have no gradient.
+        let grad = if var.grad().defined() { var.grad() } else { var.zeros_like() };
+        compared.push((format!("grad_{param}"), grad));
     }
     let regime = if case["extreme"].as_bool().unwrap_or(false) { "|z|<=1e4" } else { "moderate" };
+    let mode = if sample { " sampled" } else { "" };
     let tol = if kind == Kind::Double { 1e-10 } else { 1e-5 };
     for (what, ours) in compared {
-        let err = scaled_error(&ours, &expected[what]).with_context(|| format!("{name} {what}"))?;
-        worst.record(format!("{variant} {kind:?} {regime} {}", if what.starts_with("grad") { "grads" } else { "values" }), err);
-        anyhow::ensure!(err <= tol, "{name} ({variant}, {kind:?}, {regime}) on {device:?}: {what} differs by {err:.3e} > {tol:.0e}");
+        let err = scaled_error(&ours, &expected[&what]).with_context(|| format!("{name} {what}"))?;
+        let group = if what.starts_with("grad") { "grads" } else { "values" };
+        worst.record(format!("{variant}{mode} {kind:?} {regime} {group}"), err);
+        anyhow::ensure!(err <= tol, "{name} ({variant}{mode}, {kind:?}, {regime}) on {device:?}: {what} differs by {err:.3e} > {tol:.0e}");
     }
     Ok(())
+}
+
+/// The BAM settings of a case (`null` for the other variants: defaults).
+fn bam_config(bam: &serde_json::Value) -> Result<BamConfig> {
+    if bam.is_null() {
+        return Ok(BamConfig::default());
+    }
+    let f = |key: &str| bam[key].as_f64().with_context(|| format!("bam.{key}"));
+    Ok(BamConfig {
+        k: f("k")?,
+        sigma: f("sigma")?,
+        prior_alpha: f("prior_alpha")?,
+        prior_beta: f("prior_beta")?,
+        prior_mu: f("prior_mu")?,
+        prior_sigma: f("prior_sigma")?,
+        prior_hidden: 5,
+        base: bam["base"].as_str().context("bam.base")?.parse()?,
+    })
 }
 
 #[test]
 fn every_normalizer_matches_the_pytorch_reference() -> Result<()> {
     let dir = TempDir::new("parity-attend")?;
     let out = dir.0.to_string_lossy().to_string();
-    run_python("parity.py", &["cases", "--out", &out, "--seed", &seed(20260101), "--count", "90"])?;
+    run_python("parity.py", &["cases", "--out", &out, "--seed", &seed(20260101), "--count", "150", "--bam"])?;
     let cases = manifest(&dir.0)?;
     for device in devices() {
         let mut worst = Worst::default();

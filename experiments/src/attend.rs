@@ -4,8 +4,13 @@
 //! Input (`--input`): `q`, `k`, `v` as `(B, H, S, d)` in float32 or float64; optional
 //! `key_padding_mask (B, S_k)`, `query_padding_mask (B, S_q)`, `attn_mask` (broadcastable to
 //! `(B, H, S_q, S_k)`), bool or uint8 with `true` = excluded, and `hybrid_logit (H,)` for HNAS.
+//! BAM variants also read `noise (B, H, S_q, S_k)` (ε ~ U(0,1) for Weibull, N(0,1) for Lognormal,
+//! used instead of drawing when `--train` is set) and the contextual prior's parameters
+//! `prior.f1.weight (H, hidden, d)`, `prior.f1.bias (H, hidden)`, `prior.f2.weight (H, hidden)`,
+//! `prior.f2.bias (H,)` (drawn from `--seed` when absent).
 //! Output (`--output`): `output (B, H, S_q, d_v)`, `weights (B, H, S_q, S_k)` and
-//! `received_mass (B, H, S_k)`, in the input's dtype. Scores are `q·kᵀ / sqrt(d)`.
+//! `received_mass (B, H, S_k)`, plus the scalar `kl` when a BAM variant with a prior samples; all in
+//! the input's dtype. Scores are `q·kᵀ / sqrt(d)`.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -14,7 +19,8 @@ use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 use probattn::diagnostics::{explained_away_fraction, received_mass, EXPLAINED_AWAY_EPS};
 use probattn::io::{read_safetensors, write_safetensors_atomic};
-use probattn::{attend, check_finite, AttendOptions, Masks, NormalizerConfig, Variant};
+use probattn::normalize::BamConfig;
+use probattn::{attend, check_finite, AttendOptions, Masks, Mode, NormalizerConfig, Variant};
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::common::CommonArgs;
@@ -22,7 +28,7 @@ use crate::common::CommonArgs;
 /// Flags of `probattn attend`.
 #[derive(Args, Debug)]
 pub struct AttendArgs {
-    /// Attention variant: softmax, dnas, hnas or sinkhorn-N.
+    /// Attention variant: softmax, dnas, hnas, sinkhorn-N, bam-nokl, bam-lf, bam-lc, bam-wf or bam-wc.
     #[arg(long, value_parser = parse_variant)]
     pub variant: Variant,
     /// safetensors file with q, k, v (B, H, S, d) and optional masks and hybrid_logit.
@@ -38,14 +44,67 @@ pub struct AttendArgs {
     #[arg(long, default_value_t = 0.5)]
     pub hybrid_init_u: f64,
     #[command(flatten)]
+    pub bam: BamArgs,
+    #[command(flatten)]
     pub common: CommonArgs,
+}
+
+/// The BAM flags of `probattn attend` (defaults: the authors' code, see `BamConfig`).
+#[derive(Args, Debug)]
+pub struct BamArgs {
+    /// BAM: sample the weights (training mode) and compute the KL term; without it BAM returns
+    /// the base weights exactly.
+    #[arg(long)]
+    pub train: bool,
+    /// Seed of libtorch's generator: BAM noise (when the input has none) and prior initialisation.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// BAM Weibull shape k (> 0).
+    #[arg(long, default_value_t = BamConfig::default().k)]
+    pub k: f64,
+    /// BAM Lognormal sigma (> 0).
+    #[arg(long, default_value_t = BamConfig::default().sigma)]
+    pub sigma: f64,
+    /// BAM Gamma prior shape alpha (bam-wf).
+    #[arg(long, default_value_t = BamConfig::default().prior_alpha)]
+    pub prior_alpha: f64,
+    /// BAM Gamma prior rate beta (bam-wf, bam-wc).
+    #[arg(long, default_value_t = BamConfig::default().prior_beta)]
+    pub prior_beta: f64,
+    /// BAM Lognormal prior mean mu_p (bam-lf).
+    #[arg(long, default_value_t = BamConfig::default().prior_mu, allow_hyphen_values = true)]
+    pub prior_mu: f64,
+    /// BAM Lognormal prior sigma_p (bam-lf, bam-lc).
+    #[arg(long, default_value_t = BamConfig::default().prior_sigma)]
+    pub prior_sigma: f64,
+    /// BAM contextual prior hidden units (bam-wc, bam-lc), when the input has no prior.* tensors.
+    #[arg(long, default_value_t = BamConfig::default().prior_hidden)]
+    pub prior_hidden: i64,
+    /// BAM base normalizer whose weights are the mean: softmax, dnas, hnas or sinkhorn-N.
+    #[arg(long, default_value = "softmax", value_parser = parse_variant)]
+    pub base: Variant,
+}
+
+impl BamArgs {
+    fn config(&self) -> BamConfig {
+        BamConfig {
+            k: self.k,
+            sigma: self.sigma,
+            prior_alpha: self.prior_alpha,
+            prior_beta: self.prior_beta,
+            prior_mu: self.prior_mu,
+            prior_sigma: self.prior_sigma,
+            prior_hidden: self.prior_hidden,
+            base: self.base,
+        }
+    }
 }
 
 fn parse_variant(s: &str) -> std::result::Result<Variant, String> {
     s.parse().map_err(|e: probattn::Error| e.to_string())
 }
 
-const KNOWN_INPUTS: [&str; 7] = ["q", "k", "v", "key_padding_mask", "query_padding_mask", "attn_mask", "hybrid_logit"];
+const KNOWN_INPUTS: [&str; 8] = ["q", "k", "v", "key_padding_mask", "query_padding_mask", "attn_mask", "hybrid_logit", "noise"];
 
 pub fn run(args: &AttendArgs) -> Result<()> {
     let device = args.common.setup()?;
@@ -62,7 +121,8 @@ pub fn run(args: &AttendArgs) -> Result<()> {
         ensure!(t.kind() == kind, "{input}: q is {kind:?} but {name} is {:?}; use one dtype", t.kind());
         check_finite(name, t).with_context(|| input.clone())?;
     }
-    let ignored: Vec<&String> = tensors.keys().filter(|n| !KNOWN_INPUTS.contains(&n.as_str())).collect();
+    let ignored: Vec<&String> =
+        tensors.keys().filter(|n| !KNOWN_INPUTS.contains(&n.as_str()) && !n.starts_with("prior.")).collect();
     if !ignored.is_empty() {
         eprintln!("note: ignoring tensors attend does not read: {ignored:?}");
     }
@@ -71,20 +131,38 @@ pub fn run(args: &AttendArgs) -> Result<()> {
     let masks = Masks { key_padding: kp.as_ref(), query_padding: qp.as_ref(), attn_mask: am.as_ref(), causal: args.causal };
 
     ensure!(q.dim() == 4, "{input}: q has shape {:?}; expected rank 4 (B, H, S, d)", q.size());
-    let heads = q.size()[1];
+    let (heads, key_dim) = (q.size()[1], q.size()[3]);
+    tch::manual_seed(args.bam.seed as i64);
     let mut vs = nn::VarStore::new(device);
-    let cfg = NormalizerConfig { hybrid_init_u: args.hybrid_init_u };
-    let normalizer = args.variant.build(&vs.root(), heads, &cfg).context("--variant")?;
+    let mut cfg = NormalizerConfig { hybrid_init_u: args.hybrid_init_u, bam: args.bam.config() };
+    if let Some(f1) = tensors.get("prior.f1.weight") {
+        // The file's prior network fixes its hidden size (--prior-hidden is for drawn priors).
+        ensure!(f1.dim() == 3, "{input}: prior.f1.weight has shape {:?}, expected (H, hidden, d)", f1.size());
+        cfg.bam.prior_hidden = f1.size()[1];
+    }
+    let normalizer = args.variant.build(&vs.root(), heads, key_dim, &cfg).context("--variant")?;
     if kind == Kind::Double {
         vs.double();
     }
-    load_hybrid_logit(&vs, &tensors, args.variant, heads, &input)?;
+    load_hybrid_logit(&vs, &tensors, heads, &input)?;
+    load_prior(&vs, &tensors, args.variant, &input)?;
+    let noise = optional("noise");
+    if let Some(n) = &noise {
+        check_finite("noise", n).with_context(|| input.clone())?;
+        if !(args.variant.is_stochastic() && args.bam.train) {
+            eprintln!("note: noise is only used by BAM variants with --train; ignored");
+        }
+    }
 
-    let out = tch::no_grad(|| attend(&q, &k, &v, &masks, normalizer.as_ref(), AttendOptions::default()))
+    let opts = AttendOptions { mode: Mode { dropout: false, sample: args.bam.train }, dropout: 0.0, noise: noise.as_ref() };
+    let out = tch::no_grad(|| attend(&q, &k, &v, &masks, normalizer.as_ref(), opts))
         .with_context(|| format!("attending with {} on {input}", args.variant))?;
     let mass = received_mass(&out.weights);
-    write_safetensors_atomic(&args.output, &[("output", &out.output), ("weights", &out.weights), ("received_mass", &mass)])
-        .context("writing --output")?;
+    let mut written = vec![("output", &out.output), ("weights", &out.weights), ("received_mass", &mass)];
+    if let Some(kl) = &out.kl {
+        written.push(("kl", kl));
+    }
+    write_safetensors_atomic(&args.output, &written).context("writing --output")?;
 
     let counted = masks_key_counted(&out.weights, &masks, device)?;
     let away = explained_away_fraction(&mass, counted.as_ref(), EXPLAINED_AWAY_EPS)?;
@@ -93,10 +171,14 @@ pub fn run(args: &AttendArgs) -> Result<()> {
         None => mass.view([-1]),
     };
     let least = if least.numel() > 0 { f64::try_from(least.min())? } else { f64::NAN };
+    let kl = match &out.kl {
+        Some(kl) => format!("; KL {:.6e}", f64::try_from(kl)?),
+        None => String::new(),
+    };
     println!(
         "{} on {}: output {:?}, weights {:?}; keys explained away (received < {EXPLAINED_AWAY_EPS:e}): {:.1}%, \
-         least received mass {least:.3e}; wrote {}",
-        args.variant,
+         least received mass {least:.3e}{kl}; wrote {}",
+        normalizer.name(),
         probattn::device::device_name(device),
         out.output.size(),
         out.weights.size(),
@@ -106,23 +188,52 @@ pub fn run(args: &AttendArgs) -> Result<()> {
     Ok(())
 }
 
-/// Copies the file's `hybrid_logit` into the HNAS gate, after checking its shape.
-fn load_hybrid_logit(vs: &nn::VarStore, tensors: &HashMap<String, Tensor>, variant: Variant, heads: i64, input: &str) -> Result<()> {
-    let Some(logit) = tensors.get("hybrid_logit") else {
-        if variant == Variant::Hnas {
-            eprintln!("note: {input} has no hybrid_logit; every head uses the initial u (--hybrid-init-u)");
+/// Copies the file's `prior.*` tensors into the contextual prior network, by name and shape.
+fn load_prior(vs: &nn::VarStore, tensors: &HashMap<String, Tensor>, variant: Variant, input: &str) -> Result<()> {
+    let vars = vs.variables();
+    let mut ours: Vec<&String> = vars.keys().filter(|n| n.starts_with("prior.")).collect();
+    ours.sort();
+    let given: Vec<&String> = tensors.keys().filter(|n| n.starts_with("prior.")).collect();
+    if given.is_empty() {
+        if !ours.is_empty() {
+            eprintln!("note: {input} has no prior.* tensors; {variant}'s prior network is initialised from --seed");
         }
         return Ok(());
-    };
-    if variant != Variant::Hnas {
-        return Ok(()); // only HNAS has gates
     }
+    if ours.is_empty() {
+        return Ok(()); // only the contextual variants have a prior network
+    }
+    for name in &ours {
+        let Some(t) = tensors.get(*name) else {
+            bail!("{input} has some prior.* tensors but not '{name}' (expected {ours:?})");
+        };
+        let mut var = vars[*name].shallow_clone();
+        ensure!(t.size() == var.size(), "{input}: {name} has shape {:?}, expected {:?}", t.size(), var.size());
+        check_finite(name, t).with_context(|| input.to_string())?;
+        tch::no_grad(|| var.f_copy_(t))?;
+    }
+    if let Some(extra) = given.iter().find(|n| !vars.contains_key(n.as_str())) {
+        bail!("{input}: unknown prior tensor '{extra}' (expected {ours:?})");
+    }
+    Ok(())
+}
+
+/// Copies the file's `hybrid_logit` into the HNAS gates, when the normalizer has them (HNAS, or
+/// BAM with an HNAS base), after checking its shape.
+fn load_hybrid_logit(vs: &nn::VarStore, tensors: &HashMap<String, Tensor>, heads: i64, input: &str) -> Result<()> {
+    let vars = vs.variables();
+    let Some(gate) = vars.get("hybrid_logit") else {
+        return Ok(()); // no HNAS gates: a hybrid_logit in the file is not read
+    };
+    let Some(logit) = tensors.get("hybrid_logit") else {
+        eprintln!("note: {input} has no hybrid_logit; every head uses the initial u (--hybrid-init-u)");
+        return Ok(());
+    };
     if logit.size() != [heads] {
         bail!("{input}: hybrid_logit has shape {:?}, expected ({heads},): one logit per head", logit.size());
     }
     check_finite("hybrid_logit", logit).with_context(|| input.to_string())?;
-    let mut var = vs.variables()["hybrid_logit"].shallow_clone();
-    tch::no_grad(|| var.f_copy_(logit))?;
+    tch::no_grad(|| gate.shallow_clone().f_copy_(logit))?;
     Ok(())
 }
 

@@ -43,18 +43,31 @@ fn doctor_reports_versions_and_cuda() -> Result<()> {
 fn attend_agrees_with_the_pytorch_reference_on_fresh_cases() -> Result<()> {
     let dir = TempDir::new("cli-attend")?;
     let root = dir.0.to_string_lossy().to_string();
-    run_python("parity.py", &["cases", "--out", &root, "--seed", "424242", "--count", "15"])?;
+    run_python("parity.py", &["cases", "--out", &root, "--seed", "424242", "--count", "20", "--bam"])?;
     for case in manifest(&dir.0)? {
         let name = case["name"].as_str().context("name")?;
         let variant = case["variant"].as_str().context("variant")?;
         let input = dir.path(&format!("{name}.safetensors")).to_string_lossy().to_string();
         let output = dir.path(&format!("{name}.out.safetensors")).to_string_lossy().to_string();
+        // The flags both programs take: --causal, and BAM's --train and settings.
+        let mut flags: Vec<String> = vec![];
+        if case["causal"].as_bool() == Some(true) {
+            flags.push("--causal".into());
+        }
+        if case["train"].as_bool() == Some(true) {
+            flags.push("--train".into());
+        }
+        if let Some(bam) = case["bam"].as_object() {
+            for (key, value) in bam {
+                let value = value.as_str().map(String::from).unwrap_or_else(|| value.to_string());
+                flags.push(format!("--{}={value}", key.replace('_', "-")));
+            }
+        }
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         let mut args = vec!["attend", "--variant", variant, "--input", &input, "--output", &output, "--device", "cpu"];
         let mut compare = vec!["compare", "--variant", variant, "--input", &input, "--output", &output];
-        if case["causal"].as_bool() == Some(true) {
-            args.push("--causal");
-            compare.push("--causal");
-        }
+        args.extend(&flags);
+        compare.extend(&flags);
         let out = probattn(&args)?;
         ensure!(out.status.success(), "{name}: {}", text(&out));
         run_python("parity.py", &compare).with_context(|| format!("{name} ({variant})"))?;
@@ -99,6 +112,9 @@ fn bad_input_is_named_and_nothing_is_written() -> Result<()> {
         ("sizes", format!("{good}\nt['v'] = torch.randn(1, 2, 6, 4)")),
         ("noq", format!("{good}\ndel t['q']")),
         ("logit", format!("{good}\nt['hybrid_logit'] = torch.zeros(3)")),
+        ("noise", format!("{good}\nt['noise'] = torch.rand(1, 2, 3, 4)")),
+        ("prior", format!("{good}\nt.update({{'prior.f1.weight': torch.randn(2, 10, 3), 'prior.f1.bias': torch.zeros(2, 10), \
+                                            'prior.f2.weight': torch.randn(2, 10), 'prior.f2.bias': torch.zeros(2)}})")),
     ];
     for (name, spec) in &inputs {
         write_input(&dir.path(&format!("{name}.safetensors")), spec)?;
@@ -120,6 +136,10 @@ fn bad_input_is_named_and_nothing_is_written() -> Result<()> {
         (vec!["--variant".into(), "dnas".into(), "--causal".into(), "--input".into(), p("good.safetensors")], "leak"),
         (vec!["--variant".into(), "dnas".into(), "--bogus".into(), "--input".into(), p("good.safetensors")], "unexpected argument '--bogus'"),
         (vec!["--variant".into(), "dnas".into(), "--device".into(), "tpu".into(), "--input".into(), p("good.safetensors")], "unknown device 'tpu'"),
+        (vec!["--variant".into(), "bam-wc".into(), "--train".into(), "--input".into(), p("noise.safetensors")], "noise has shape [1, 2, 3, 4], expected the weights' shape [1, 2, 3, 5]"),
+        (vec!["--variant".into(), "bam-wf".into(), "--k".into(), "0".into(), "--input".into(), p("good.safetensors")], "BAM k must be positive"),
+        (vec!["--variant".into(), "bam-wc".into(), "--input".into(), p("prior.safetensors")], "prior.f1.weight has shape [2, 10, 3], expected [2, 10, 4]"),
+        (vec!["--variant".into(), "bam-lc".into(), "--base".into(), "bam-wc".into(), "--input".into(), p("good.safetensors")], "BAM's base must be deterministic"),
     ];
     for (mut args, expected) in cases {
         args.splice(0..0, ["attend".to_string()]);

@@ -15,10 +15,19 @@ use crate::Result;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Dnas;
 
+/// `log ξ`: filled log-scores normalized per key over the queries, `(B, H, S_q, S_k)`, filled.
+fn per_key(z_filled: &Tensor, support: &Support) -> Tensor {
+    support.fill(&(z_filled - support.col_lse(z_filled)))
+}
+
 /// DNAS weights of filled log-scores `(B, H, S_q, S_k)`, zero on excluded entries.
 pub(super) fn dnas_weights(z_filled: &Tensor, support: &Support) -> Tensor {
-    let per_key = z_filled - support.col_lse(z_filled); // log ξ, (B, H, S_q, S_k)
-    support.row_softmax(&support.fill(&per_key))
+    support.row_softmax(&per_key(z_filled, support))
+}
+
+/// DNAS log-weights of filled log-scores, excluded entries filled.
+pub(super) fn dnas_log_weights(z_filled: &Tensor, support: &Support) -> Tensor {
+    support.row_log_softmax(&per_key(z_filled, support))
 }
 
 impl Normalizer for Dnas {
@@ -29,6 +38,11 @@ impl Normalizer for Dnas {
     fn normalize(&self, input: &NormalizeInput) -> Result<Normalized> {
         let s = input.support;
         Ok(Normalized { weights: dnas_weights(&s.fill(input.scores), s), kl: None })
+    }
+
+    fn log_weights(&self, input: &NormalizeInput) -> Result<Tensor> {
+        let s = input.support;
+        Ok(dnas_log_weights(&s.fill(input.scores), s))
     }
 
     fn causal_safe(&self) -> bool {

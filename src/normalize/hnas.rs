@@ -5,7 +5,7 @@
 
 use tch::{nn, Tensor};
 
-use super::dnas::dnas_weights;
+use super::dnas::{dnas_log_weights, dnas_weights};
 use super::{NormalizeInput, Normalized, Normalizer};
 use crate::{Error, Result};
 
@@ -35,6 +35,18 @@ impl Hnas {
     pub fn logit(&self) -> &Tensor {
         &self.logit
     }
+
+    /// The logits as `(1, H, 1, 1)` in the scores' dtype, after checking the head count.
+    fn logit_for(&self, scores: &Tensor) -> Result<Tensor> {
+        let heads = self.logit.size()[0];
+        if scores.dim() != 4 || scores.size()[1] != heads {
+            return Err(Error::Shape(format!(
+                "HNAS has {heads} head gate(s) but the scores have shape {:?} (expected (B, {heads}, S_q, S_k))",
+                scores.size()
+            )));
+        }
+        Ok(self.logit.to_kind(scores.kind()).view([1, heads, 1, 1]))
+    }
 }
 
 impl Normalizer for Hnas {
@@ -43,19 +55,22 @@ impl Normalizer for Hnas {
     }
 
     fn normalize(&self, input: &NormalizeInput) -> Result<Normalized> {
-        let heads = self.logit.size()[0];
-        let scores = input.scores;
-        if scores.dim() != 4 || scores.size()[1] != heads {
-            return Err(Error::Shape(format!(
-                "HNAS has {heads} head gate(s) but the scores have shape {:?} (expected (B, {heads}, S_q, S_k))",
-                scores.size()
-            )));
-        }
+        let logit = self.logit_for(input.scores)?;
         let s = input.support;
-        let z = s.fill(scores);
-        let u = self.logit.sigmoid().to_kind(scores.kind()).view([1, heads, 1, 1]);
+        let z = s.fill(input.scores);
+        let u = logit.sigmoid();
         let mixed = &u * dnas_weights(&z, s) + (1.0 - &u) * s.row_softmax(&z);
         Ok(Normalized { weights: mixed, kl: None })
+    }
+
+    /// `log(u·π_DNAS + (1−u)·π_UNAS) = logaddexp(log u + log π_DNAS, log(1−u) + log π_UNAS)`.
+    fn log_weights(&self, input: &NormalizeInput) -> Result<Tensor> {
+        let logit = self.logit_for(input.scores)?;
+        let s = input.support;
+        let z = s.fill(input.scores);
+        let dnas = logit.log_sigmoid() + dnas_log_weights(&z, s);
+        let unas = (-&logit).log_sigmoid() + s.row_log_softmax(&z);
+        Ok(s.fill(&dnas.logaddexp(&unas)))
     }
 
     fn causal_safe(&self) -> bool {

@@ -6,9 +6,11 @@
 //! (logsumexp), with excluded entries set to a large finite negative and zeroed explicitly at the
 //! end, so fully masked rows and columns give zeros and never NaN, in values and in gradients.
 //!
-//! Stochastic normalizers (BAM) plug into the same trait: they read `train`, an optional fixed
+//! Stochastic normalizers (BAM) plug into the same trait: they read `sample`, an optional fixed
 //! `noise` draw and the keys (for a contextual prior), and return a KL term beside the weights.
+//! They perturb the log-weights of a deterministic base normalizer ([`Normalizer::log_weights`]).
 
+mod bam;
 mod dnas;
 mod hnas;
 mod sinkhorn;
@@ -20,6 +22,10 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use tch::{nn, Kind, Tensor};
 
+pub use bam::{
+    lognormal_kl, lognormal_log_sample, stable_sigmoid, weibull_gamma_kl, weibull_log_sample, Bam, BamConfig, BamKind,
+    ContextualPrior, KlSchedule,
+};
 pub use dnas::Dnas;
 pub use hnas::Hnas;
 pub use sinkhorn::Sinkhorn;
@@ -38,8 +44,9 @@ pub struct NormalizeInput<'a> {
     pub keys: Option<&'a Tensor>,
     /// `(B, H, S_q, S_k)` a fixed noise draw, used instead of sampling by stochastic normalizers.
     pub noise: Option<&'a Tensor>,
-    /// Training mode: stochastic normalizers sample only when this is set.
-    pub train: bool,
+    /// Stochastic normalizers sample only when this is set (training, Monte Carlo prediction);
+    /// otherwise they return their mean, the deterministic weights.
+    pub sample: bool,
 }
 
 /// What a normalizer returns.
@@ -47,7 +54,7 @@ pub struct NormalizeInput<'a> {
 pub struct Normalized {
     /// `(B, H, S_q, S_k)` weights; zero on excluded entries.
     pub weights: Tensor,
-    /// A scalar KL term for the training loss (stochastic normalizers in training mode).
+    /// A scalar KL term for the training loss (stochastic normalizers with a prior, when sampling).
     pub kl: Option<Tensor>,
 }
 
@@ -58,6 +65,14 @@ pub trait Normalizer: fmt::Debug + Send {
 
     /// Normalizes `input.scores` over `input.support`.
     fn normalize(&self, input: &NormalizeInput) -> Result<Normalized>;
+
+    /// The log-weights `log π`, `(B, H, S_q, S_k)`, computed in the log domain so they stay finite
+    /// where `π` underflows; excluded entries hold [`mask_value`]. Deterministic normalizers
+    /// provide them; stochastic ones (BAM) sample around them.
+    fn log_weights(&self, input: &NormalizeInput) -> Result<Tensor> {
+        let _ = input;
+        Err(Error::Unsupported(format!("{} has no closed-form log-weights", self.name())))
+    }
 
     /// Whether the weights of query `i` depend on queries `i' > i` only through masked entries,
     /// so the normalizer may be used under a causal mask. False for every variant that
@@ -128,6 +143,25 @@ impl Support {
     pub fn row_softmax(&self, z_filled: &Tensor) -> Tensor {
         self.zero(&z_filled.softmax(-1, z_filled.kind()))
     }
+
+    /// Row-normalized log-weights of filled log-scores, excluded entries filled again.
+    pub fn row_log_softmax(&self, z_filled: &Tensor) -> Tensor {
+        self.fill(&(z_filled - self.row_lse(z_filled)))
+    }
+
+    /// Keys that at least one query may attend, `(B|1, H|1, 1, S_k)`; `None`: all keys.
+    pub fn key_allowed(&self) -> Option<Tensor> {
+        self.excluded.as_ref().map(|e| e.logical_not().any_dim(-2, true))
+    }
+
+    /// The number of allowed entries of each head, `(H,)`, for scores of `shape`.
+    pub fn count_per_head(&self, shape: &[i64], kind: Kind) -> Tensor {
+        let device = self.excluded.as_ref().map_or(tch::Device::Cpu, |e| e.device());
+        match &self.excluded {
+            Some(e) => e.logical_not().expand(shape, false).sum_dim_intlist(&[0i64, 2, 3][..], false, kind),
+            None => Tensor::full([shape[1]], (shape[0] * shape[2] * shape[3]) as f64, (kind, device)),
+        }
+    }
 }
 
 /// The finite stand-in for `-inf` on excluded entries: far below any real score, yet finite, so
@@ -152,20 +186,30 @@ pub enum Variant {
     Hnas,
     /// `sinkhorn-N`: N alternating column/row normalizations (N = 1 is DNAS).
     Sinkhorn(u32),
+    /// `bam-nokl`, `bam-lf`, `bam-lc`, `bam-wf`, `bam-wc`: Bayesian attention (Fan et al. 2020).
+    Bam(BamKind),
 }
 
 impl Variant {
     /// The variant names the parser accepts, for error messages and `--help`.
-    pub const KNOWN: &'static str = "softmax, dnas, hnas, sinkhorn-N (N >= 1)";
+    pub const KNOWN: &'static str =
+        "softmax, dnas, hnas, sinkhorn-N (N >= 1), bam-nokl, bam-lf, bam-lc, bam-wf, bam-wc";
 
-    /// Builds the normalizer. Learnable parameters (HNAS's gate logits) live under `p`.
-    pub fn build(self, p: &nn::Path, heads: i64, cfg: &NormalizerConfig) -> Result<Box<dyn Normalizer>> {
+    /// Builds the normalizer for `heads` heads of keys with `key_dim` features. Learnable
+    /// parameters (HNAS's gate logits, BAM's contextual prior) live under `p`.
+    pub fn build(self, p: &nn::Path, heads: i64, key_dim: i64, cfg: &NormalizerConfig) -> Result<Box<dyn Normalizer>> {
         Ok(match self {
             Self::Softmax => Box::new(Softmax),
             Self::Dnas => Box::new(Dnas),
             Self::Hnas => Box::new(Hnas::new(p, heads, cfg.hybrid_init_u)?),
             Self::Sinkhorn(n) => Box::new(Sinkhorn::new(n)?),
+            Self::Bam(kind) => Box::new(Bam::new(p, kind, heads, key_dim, cfg)?),
         })
+    }
+
+    /// Whether the variant samples in training mode.
+    pub fn is_stochastic(self) -> bool {
+        matches!(self, Self::Bam(_))
     }
 }
 
@@ -178,6 +222,7 @@ impl FromStr for Variant {
             "softmax" | "unas" => Ok(Self::Softmax),
             "dnas" => Ok(Self::Dnas),
             "hnas" => Ok(Self::Hnas),
+            _ if s.starts_with("bam-") => BamKind::from_name(s).map(Self::Bam).ok_or_else(unknown),
             _ => {
                 let n: u32 = s.strip_prefix("sinkhorn-").ok_or_else(unknown)?.parse().map_err(|_| unknown())?;
                 if n == 0 {
@@ -196,6 +241,7 @@ impl fmt::Display for Variant {
             Self::Dnas => write!(f, "dnas"),
             Self::Hnas => write!(f, "hnas"),
             Self::Sinkhorn(n) => write!(f, "sinkhorn-{n}"),
+            Self::Bam(kind) => write!(f, "{}", kind.name()),
         }
     }
 }
@@ -220,11 +266,13 @@ pub struct NormalizerConfig {
     /// HNAS: the initial mixing weight `u` of every head, in (0, 1). 0.5 as the DNAS paper's
     /// VQA model (Ding et al. 2020, Sec. 5); they used 0.1 for headline generation.
     pub hybrid_init_u: f64,
+    /// BAM: distribution, prior and base-normalizer settings.
+    pub bam: BamConfig,
 }
 
 impl Default for NormalizerConfig {
     fn default() -> Self {
-        Self { hybrid_init_u: 0.5 }
+        Self { hybrid_init_u: 0.5, bam: BamConfig::default() }
     }
 }
 
@@ -234,7 +282,7 @@ mod tests {
 
     #[test]
     fn variant_names_round_trip() {
-        for name in ["softmax", "dnas", "hnas", "sinkhorn-1", "sinkhorn-20"] {
+        for name in ["softmax", "dnas", "hnas", "sinkhorn-1", "sinkhorn-20", "bam-nokl", "bam-lf", "bam-lc", "bam-wf", "bam-wc"] {
             assert_eq!(name.parse::<Variant>().unwrap().to_string(), name);
         }
         assert_eq!("unas".parse::<Variant>().unwrap(), Variant::Softmax);
@@ -242,7 +290,7 @@ mod tests {
 
     #[test]
     fn unknown_variants_name_the_known_ones() {
-        for bad in ["sinkhorn", "sinkhorn-0", "sinkhorn-x", "soft", "DNAS", ""] {
+        for bad in ["sinkhorn", "sinkhorn-0", "sinkhorn-x", "soft", "DNAS", "", "bam", "bam-wx"] {
             let err = bad.parse::<Variant>().unwrap_err().to_string();
             assert!(err.contains(&format!("'{bad}'")) && err.contains("sinkhorn-N"), "{err}");
         }

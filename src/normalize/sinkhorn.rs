@@ -2,6 +2,8 @@
 //! over the keys, in the log domain (Ding et al. 2020, Sec. 3; Sinkhorn 1964). N = 1 is DNAS;
 //! as N grows the weights approach a doubly-stochastic matrix (square, unmasked scores).
 
+use tch::Tensor;
+
 use super::{NormalizeInput, Normalized, Normalizer};
 use crate::{Error, Result};
 
@@ -30,13 +32,18 @@ impl Normalizer for Sinkhorn {
     }
 
     fn normalize(&self, input: &NormalizeInput) -> Result<Normalized> {
+        let log_w = self.log_weights(input)?;
+        Ok(Normalized { weights: input.support.zero(&log_w.exp()), kl: None })
+    }
+
+    fn log_weights(&self, input: &NormalizeInput) -> Result<Tensor> {
         let s = input.support;
         let mut log_w = s.fill(input.scores); // (B, H, S_q, S_k)
         for _ in 0..self.iterations {
             let per_key = s.fill(&(&log_w - s.col_lse(&log_w)));
             log_w = s.fill(&(&per_key - s.row_lse(&per_key)));
         }
-        Ok(Normalized { weights: s.zero(&log_w.exp()), kl: None })
+        Ok(log_w)
     }
 
     fn causal_safe(&self) -> bool {

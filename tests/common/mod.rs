@@ -27,7 +27,11 @@ pub fn run_python(script: &str, args: &[&str]) -> Result<()> {
         .output()
         .with_context(|| format!("running python/{script}"))?;
     if !out.status.success() {
-        bail!("python/{script} {args:?} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "python/{script} {args:?} failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     Ok(())
 }

@@ -1,0 +1,412 @@
+//! Bayesian attention modules (Fan, Zhang, Chen, Zhou, NeurIPS 2020).
+//!
+//! The deterministic weights `π` of a base normalizer (softmax by default) become the mean of
+//! unnormalized random weights `S`, which are normalized over the keys, `W = S / Σ_j S`:
+//! - Weibull(k, λ = π / Γ(1+1/k)): `S = λ (−log(1−ε))^{1/k}`, `ε ~ U(0,1)`, so in the log domain
+//!   `W = softmax_j(log π − lgamma(1+1/k) + (1/k) log(−log(1−ε)))`;
+//! - Lognormal(μ = log π − σ²/2, σ): `W = softmax_j(μ + σ ε)`, `ε ~ N(0,1)`.
+//!
+//! `E[S] = π` in both, so the eval path returns `π` itself. The KL term regularizes `S` towards a
+//! prior: Gamma(α, β) for Weibull, Lognormal(μ_p, σ_p) for Lognormal, either fixed or contextual
+//! (computed from the keys by a small per-head network). Formulas and the authors' choices:
+//! shared/docs/PAPER-NOTES.md section 2.
+//!
+//! Variant names follow the paper: `bam-wc` = Weibull with a contextual prior, `bam-wf` fixed,
+//! `bam-lc` / `bam-lf` Lognormal, `bam-nokl` = Weibull sampling without a KL term.
+
+use serde::{Deserialize, Serialize};
+use tch::{nn, Tensor};
+
+use super::{mask_value, NormalizeInput, Normalized, Normalizer, NormalizerConfig, Support, Variant};
+use crate::{Error, Result};
+
+/// Euler–Mascheroni constant γ.
+const EULER_GAMMA: f64 = 0.577_215_664_901_532_9;
+
+/// The five BAM variants of the paper's tables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BamKind {
+    /// `bam-nokl`: Weibull sampling, no KL term.
+    NoKl,
+    /// `bam-lf`: Lognormal, fixed Lognormal(μ_p, σ_p) prior.
+    LognormalFixed,
+    /// `bam-lc`: Lognormal, contextual prior `μ_p = log ψ_j`.
+    LognormalContextual,
+    /// `bam-wf`: Weibull, fixed Gamma(α, β) prior.
+    WeibullFixed,
+    /// `bam-wc`: Weibull, contextual prior `α_j = β ψ_j`.
+    WeibullContextual,
+}
+
+impl BamKind {
+    pub const ALL: [BamKind; 5] =
+        [Self::NoKl, Self::LognormalFixed, Self::LognormalContextual, Self::WeibullFixed, Self::WeibullContextual];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::NoKl => "bam-nokl",
+            Self::LognormalFixed => "bam-lf",
+            Self::LognormalContextual => "bam-lc",
+            Self::WeibullFixed => "bam-wf",
+            Self::WeibullContextual => "bam-wc",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == name)
+    }
+
+    pub fn is_weibull(self) -> bool {
+        matches!(self, Self::NoKl | Self::WeibullFixed | Self::WeibullContextual)
+    }
+
+    pub fn is_contextual(self) -> bool {
+        matches!(self, Self::LognormalContextual | Self::WeibullContextual)
+    }
+
+    pub fn has_kl(self) -> bool {
+        self != Self::NoKl
+    }
+}
+
+/// BAM settings. Defaults are the authors' GAT code's (`zhougroup/BAM`, `execute_cora.py`);
+/// experiments tune them on validation data and record the values they use.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BamConfig {
+    /// Weibull shape k (> 0). Larger k, less noise; k → ∞ gives the base weights. Default 1000.
+    pub k: f64,
+    /// Lognormal σ of the variational distribution (> 0); σ → 0 gives the base weights. Default 1.
+    pub sigma: f64,
+    /// Gamma prior shape α of `bam-wf` (> 0). Default 1.
+    pub prior_alpha: f64,
+    /// Gamma prior rate β of `bam-wf` and `bam-wc` (> 0). Default 1.
+    pub prior_beta: f64,
+    /// Lognormal prior mean μ_p of `bam-lf`. Default 0.
+    pub prior_mu: f64,
+    /// Lognormal prior σ_p of `bam-lf` and `bam-lc` (> 0). Default 1.
+    pub prior_sigma: f64,
+    /// Hidden units of the contextual prior network F1. Default 10.
+    pub prior_hidden: i64,
+    /// The deterministic normalizer whose weights are the mean (softmax, dnas, hnas,
+    /// sinkhorn-N). Default softmax, as in the paper.
+    pub base: Variant,
+}
+
+impl Default for BamConfig {
+    fn default() -> Self {
+        Self {
+            k: 1000.0,
+            sigma: 1.0,
+            prior_alpha: 1.0,
+            prior_beta: 1.0,
+            prior_mu: 0.0,
+            prior_sigma: 1.0,
+            prior_hidden: 10,
+            base: Variant::Softmax,
+        }
+    }
+}
+
+impl BamConfig {
+    fn validate(&self) -> Result<()> {
+        let positive = [
+            ("k", self.k),
+            ("sigma", self.sigma),
+            ("prior_alpha", self.prior_alpha),
+            ("prior_beta", self.prior_beta),
+            ("prior_sigma", self.prior_sigma),
+        ];
+        for (name, value) in positive {
+            if !(value > 0.0 && value.is_finite()) {
+                return Err(Error::Config(format!("BAM {name} must be positive and finite, got {value}")));
+            }
+        }
+        if !self.prior_mu.is_finite() {
+            return Err(Error::Config(format!("BAM prior_mu must be finite, got {}", self.prior_mu)));
+        }
+        if self.prior_hidden < 1 {
+            return Err(Error::Config(format!("BAM prior_hidden must be at least 1, got {}", self.prior_hidden)));
+        }
+        if self.base.is_stochastic() {
+            return Err(Error::Config(format!("BAM's base must be deterministic, got {}", self.base)));
+        }
+        Ok(())
+    }
+}
+
+/// The contextual prior network of one attention layer: per head,
+/// `ψ_j = softmax_j(F2(ReLU(F1(k_j))))` over the keys some query may attend, with
+/// `F1: d_k → hidden` and `F2: hidden → 1`, initialised as the authors' code (He-normal weights,
+/// zero biases). The authors' GAT code takes this softmax over all graph nodes, ignoring the
+/// adjacency; restricting it to attendable keys is the paper's reading.
+#[derive(Debug)]
+pub struct ContextualPrior {
+    /// `(H, hidden, d_k)`
+    f1_weight: Tensor,
+    /// `(H, hidden)`
+    f1_bias: Tensor,
+    /// `(H, hidden)`
+    f2_weight: Tensor,
+    /// `(H,)`
+    f2_bias: Tensor,
+}
+
+impl ContextualPrior {
+    /// Parameters `f1.weight`, `f1.bias`, `f2.weight`, `f2.bias` under `p`.
+    pub fn new(p: &nn::Path, heads: i64, key_dim: i64, hidden: i64) -> Self {
+        let he = |fan_in: i64| nn::Init::Randn { mean: 0.0, stdev: (2.0 / fan_in as f64).sqrt() };
+        let (f1, f2) = (p / "f1", p / "f2");
+        Self {
+            f1_weight: f1.var("weight", &[heads, hidden, key_dim], he(key_dim)),
+            f1_bias: f1.var("bias", &[heads, hidden], nn::Init::Const(0.0)),
+            f2_weight: f2.var("weight", &[heads, hidden], he(hidden)),
+            f2_bias: f2.var("bias", &[heads], nn::Init::Const(0.0)),
+        }
+    }
+
+    /// `log ψ`, `(B, H, 1, S_k)`, from keys `(B, H, S_k, d_k)`; keys no query may attend get the
+    /// mask value.
+    pub fn log_psi(&self, keys: &Tensor, support: &Support) -> Result<Tensor> {
+        let [heads, hidden, key_dim] = self.f1_weight.size()[..] else { unreachable!("f1 is 3-d") };
+        let size = keys.size();
+        if size.len() != 4 || size[1] != heads || size[3] != key_dim {
+            return Err(Error::Shape(format!(
+                "the contextual prior takes keys (B, {heads}, S_k, {key_dim}), got {size:?}"
+            )));
+        }
+        let kind = keys.kind();
+        let w1 = self.f1_weight.to_kind(kind).transpose(1, 2).unsqueeze(0); // (1, H, d_k, hidden)
+        let b1 = self.f1_bias.to_kind(kind).view([1, heads, 1, hidden]);
+        let h = (keys.matmul(&w1) + b1).relu(); // (B, H, S_k, hidden)
+        let w2 = self.f2_weight.to_kind(kind).view([1, heads, hidden, 1]);
+        let b2 = self.f2_bias.to_kind(kind).view([1, heads, 1, 1]);
+        let logits = (h.matmul(&w2) + b2).transpose(2, 3); // (B, H, 1, S_k)
+        let logits = match support.key_allowed() {
+            Some(allowed) => logits.masked_fill(&allowed.logical_not(), mask_value(kind)),
+            None => logits,
+        };
+        Ok(logits.log_softmax(-1, kind))
+    }
+}
+
+/// Elementwise KL(Weibull(k, λ = π/Γ(1+1/k)) ‖ Gamma(α, β)), from `log π`:
+/// `γα/k − α log λ + log k + βπ − γ − 1 − α log β + lgamma(α)` (note `λΓ(1+1/k) = π`).
+pub fn weibull_gamma_kl(log_pi: &Tensor, k: f64, alpha: &Tensor, beta: f64) -> Tensor {
+    let log_lambda = log_pi - lgamma_1p_inv(k);
+    alpha * (EULER_GAMMA / k) - alpha * log_lambda + k.ln() + log_pi.exp() * beta - EULER_GAMMA - 1.0
+        - alpha * beta.ln()
+        + alpha.lgamma()
+}
+
+/// Elementwise KL(Lognormal(μ_q, σ_q) ‖ Lognormal(μ_p, σ_p)):
+/// `log(σ_p/σ_q) + (σ_q² + (μ_q − μ_p)²) / (2σ_p²) − 1/2`.
+pub fn lognormal_kl(mu_q: &Tensor, sigma_q: f64, mu_p: &Tensor, sigma_p: f64) -> Tensor {
+    (mu_q - mu_p).square() / (2.0 * sigma_p * sigma_p) + ((sigma_p / sigma_q).ln() + sigma_q * sigma_q / (2.0 * sigma_p * sigma_p) - 0.5)
+}
+
+/// `lgamma(1 + 1/k)`.
+fn lgamma_1p_inv(k: f64) -> f64 {
+    f64::try_from(Tensor::from(1.0 + 1.0 / k).lgamma()).unwrap_or(0.0)
+}
+
+/// A stochastic normalizer around the weights of a deterministic base.
+#[derive(Debug)]
+pub struct Bam {
+    kind: BamKind,
+    cfg: BamConfig,
+    base: Box<dyn Normalizer>,
+    prior: Option<ContextualPrior>,
+}
+
+impl Bam {
+    /// The base normalizer's parameters (HNAS gates) live under `p`, the contextual prior's
+    /// under `p / "prior"`.
+    pub fn new(p: &nn::Path, kind: BamKind, heads: i64, key_dim: i64, cfg: &NormalizerConfig) -> Result<Self> {
+        cfg.bam.validate()?;
+        let base = cfg.bam.base.build(p, heads, key_dim, cfg)?;
+        let prior = kind.is_contextual().then(|| ContextualPrior::new(&(p / "prior"), heads, key_dim, cfg.bam.prior_hidden));
+        Ok(Self { kind, cfg: cfg.bam.clone(), base, prior })
+    }
+
+    pub fn kind(&self) -> BamKind {
+        self.kind
+    }
+
+    /// Log-weights of one sample, `(B, H, S_q, S_k)` before normalization over the keys:
+    /// `log S` up to a per-row constant, from `log π` and noise `ε` of the same shape.
+    pub fn perturb(&self, log_pi: &Tensor, eps: &Tensor) -> Tensor {
+        if self.kind.is_weibull() {
+            weibull_log_sample(log_pi, self.cfg.k, eps)
+        } else {
+            lognormal_log_sample(log_pi, self.cfg.sigma, eps)
+        }
+    }
+
+    /// A fresh noise draw shaped like `scores`: U(0,1) for Weibull, N(0,1) for Lognormal.
+    fn draw(&self, scores: &Tensor) -> Tensor {
+        if self.kind.is_weibull() {
+            scores.rand_like()
+        } else {
+            scores.randn_like()
+        }
+    }
+
+    /// The KL term: elementwise KL averaged over the allowed entries of each head, then over
+    /// heads (a scalar).
+    fn kl(&self, log_pi: &Tensor, input: &NormalizeInput) -> Result<Tensor> {
+        let s = input.support;
+        let kind = log_pi.kind();
+        // Excluded entries hold the mask value; give them a harmless log π before any arithmetic.
+        let log_pi = match s.excluded() {
+            Some(e) => log_pi.masked_fill(e, 0.0),
+            None => log_pi.shallow_clone(),
+        };
+        let log_psi = match &self.prior {
+            Some(prior) => {
+                let keys = input.keys.ok_or_else(|| Error::Config(format!("{} needs the keys for its contextual prior", self.kind.name())))?;
+                Some(prior.log_psi(keys, s)?) // (B, H, 1, S_k)
+            }
+            None => None,
+        };
+        let elementwise = match (self.kind, log_psi) {
+            (BamKind::WeibullFixed, None) => {
+                weibull_gamma_kl(&log_pi, self.cfg.k, &Tensor::from(self.cfg.prior_alpha).to_kind(kind), self.cfg.prior_beta)
+            }
+            (BamKind::WeibullContextual, Some(log_psi)) => {
+                // α_j = β ψ_j; keys no query attends get α = 1 (their entries are excluded anyway).
+                let alpha = (log_psi.exp() * self.cfg.prior_beta).clamp_min(1e-30);
+                let alpha = match s.key_allowed() {
+                    Some(a) => alpha.masked_fill(&a.logical_not(), 1.0),
+                    None => alpha,
+                };
+                weibull_gamma_kl(&log_pi, self.cfg.k, &alpha, self.cfg.prior_beta)
+            }
+            (BamKind::LognormalFixed, None) => {
+                let mu_q = &log_pi - self.cfg.sigma * self.cfg.sigma / 2.0;
+                lognormal_kl(&mu_q, self.cfg.sigma, &Tensor::from(self.cfg.prior_mu).to_kind(kind), self.cfg.prior_sigma)
+            }
+            (BamKind::LognormalContextual, Some(log_psi)) => {
+                let mu_q = &log_pi - self.cfg.sigma * self.cfg.sigma / 2.0;
+                let mu_p = match s.key_allowed() {
+                    Some(a) => log_psi.masked_fill(&a.logical_not(), 0.0),
+                    None => log_psi,
+                };
+                lognormal_kl(&mu_q, self.cfg.sigma, &mu_p, self.cfg.prior_sigma)
+            }
+            (other, _) => unreachable!("{other:?} has no KL or no prior network"),
+        };
+        let shape = input.scores.size();
+        let total = s.zero(&elementwise.expand(&shape, false)).sum_dim_intlist(&[0i64, 2, 3][..], false, kind); // (H,)
+        Ok((total / s.count_per_head(&shape, kind).to_device(log_pi.device()).clamp_min(1.0)).mean(kind))
+    }
+}
+
+/// `log(λ (−log(1−ε))^{1/k})` with `λ = π / Γ(1+1/k)`: the Weibull sample in the log domain.
+/// `ε` is clamped away from 0 so that `log(−log(1−ε))` stays finite.
+pub fn weibull_log_sample(log_pi: &Tensor, k: f64, eps: &Tensor) -> Tensor {
+    let eps = eps.clamp_min(f64::from(f32::MIN_POSITIVE));
+    log_pi - lgamma_1p_inv(k) + (-(-&eps).log1p()).log() / k
+}
+
+/// `μ + σε` with `μ = log π − σ²/2`: the Lognormal sample in the log domain.
+pub fn lognormal_log_sample(log_pi: &Tensor, sigma: f64, eps: &Tensor) -> Tensor {
+    log_pi - sigma * sigma / 2.0 + eps * sigma
+}
+
+impl Normalizer for Bam {
+    fn name(&self) -> String {
+        match self.cfg.base {
+            Variant::Softmax => self.kind.name().to_string(),
+            base => format!("{} (base {base})", self.kind.name()),
+        }
+    }
+
+    /// Sampling: one reparameterized draw (or `input.noise`), normalized over the keys, and the
+    /// KL term. Otherwise: the base weights `π`, exactly.
+    fn normalize(&self, input: &NormalizeInput) -> Result<Normalized> {
+        if !input.sample {
+            return self.base.normalize(input);
+        }
+        let s = input.support;
+        let log_pi = s.fill(&self.base.log_weights(input)?); // (B, H, S_q, S_k)
+        let eps = match input.noise {
+            Some(noise) => noise.to_kind(log_pi.kind()),
+            None => self.draw(&log_pi),
+        };
+        let weights = s.row_softmax(&s.fill(&self.perturb(&log_pi, &eps)));
+        let kl = if self.kind.has_kl() { Some(self.kl(&log_pi, input)?) } else { None };
+        Ok(Normalized { weights, kl })
+    }
+
+    fn causal_safe(&self) -> bool {
+        self.base.causal_safe()
+    }
+
+    fn gate(&self) -> Option<Tensor> {
+        self.base.gate()
+    }
+}
+
+/// The weight of the KL term at a training step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "schedule", rename_all = "snake_case", deny_unknown_fields)]
+pub enum KlSchedule {
+    /// `weight` at every step.
+    Constant { weight: f64 },
+    /// From 0 at step 0 to `weight` at `warmup_steps`, then constant.
+    Linear { weight: f64, warmup_steps: u64 },
+    /// The authors' `weight · sigmoid(rate · (step − start))`, computed without overflow (their
+    /// float32 `exp(x)/(1+exp(x))` is NaN once `rate · step ≥ 89`).
+    Sigmoid { weight: f64, rate: f64, start: f64 },
+}
+
+impl KlSchedule {
+    pub fn weight_at(&self, step: u64) -> f64 {
+        let t = step as f64;
+        match *self {
+            Self::Constant { weight } => weight,
+            Self::Linear { weight, warmup_steps } => weight * (t / warmup_steps.max(1) as f64).min(1.0),
+            Self::Sigmoid { weight, rate, start } => weight * stable_sigmoid(rate * (t - start)),
+        }
+    }
+}
+
+/// `1 / (1 + e^{−x})` without overflow for any finite `x`.
+pub fn stable_sigmoid(x: f64) -> f64 {
+    if x >= 0.0 {
+        1.0 / (1.0 + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (1.0 + e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedules() {
+        let s = KlSchedule::Sigmoid { weight: 2.0, rate: 1.0, start: 0.0 };
+        assert_eq!(s.weight_at(0), 1.0);
+        assert_eq!(s.weight_at(1_000_000), 2.0);
+        assert!(stable_sigmoid(-1e6) == 0.0 && stable_sigmoid(1e6) == 1.0);
+        assert!(stable_sigmoid(-800.0).is_finite());
+        let l = KlSchedule::Linear { weight: 1.0, warmup_steps: 10 };
+        assert_eq!((l.weight_at(0), l.weight_at(5), l.weight_at(50)), (0.0, 0.5, 1.0));
+        assert_eq!(KlSchedule::Constant { weight: 0.3 }.weight_at(7), 0.3);
+        let json = serde_json::to_string(&s).unwrap();
+        assert_eq!(serde_json::from_str::<KlSchedule>(&json).unwrap(), s);
+    }
+
+    #[test]
+    fn config_is_validated() {
+        let mut cfg = BamConfig::default();
+        assert!(cfg.validate().is_ok());
+        cfg.k = 0.0;
+        assert!(cfg.validate().unwrap_err().to_string().contains("k must be positive"));
+        let cfg = BamConfig { base: Variant::Bam(BamKind::WeibullFixed), ..Default::default() };
+        assert!(cfg.validate().unwrap_err().to_string().contains("deterministic"));
+    }
+}

@@ -1,0 +1,208 @@
+//! Bayesian attention modules: the statistics of the samplers, their limits, the analytic KL
+//! terms against Monte Carlo, extreme inputs, Monte Carlo prediction, and the KL's gradient.
+//! (Parity with the PyTorch reference, fixed noise included, is in tests/parity.rs.)
+
+mod common;
+
+use anyhow::Result;
+use common::devices;
+use probattn::mc::monte_carlo;
+use probattn::normalize::{lognormal_kl, lognormal_log_sample, weibull_gamma_kl, weibull_log_sample, BamConfig, BamKind};
+use probattn::{attend, AttendOptions, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Normalizer, NormalizerConfig, Variant};
+use tch::{nn, Device, Kind, Tensor};
+
+const DRAWS: i64 = 100_000;
+
+fn f64_of(t: &Tensor) -> f64 {
+    f64::try_from(t).expect("a scalar")
+}
+
+fn bam(kind: BamKind, heads: i64, key_dim: i64, cfg: BamConfig, device: Device) -> Result<(nn::VarStore, Box<dyn Normalizer>)> {
+    let vs = nn::VarStore::new(device);
+    let n = Variant::Bam(kind).build(&vs.root(), heads, key_dim, &NormalizerConfig { bam: cfg, ..Default::default() })?;
+    Ok((vs, n))
+}
+
+/// Mean and standard error of the mean of `x` (1-d).
+fn mean_and_se(x: &Tensor) -> (f64, f64) {
+    let n = x.numel() as f64;
+    (f64_of(&x.mean(Kind::Double)), f64_of(&x.std(true)) / n.sqrt())
+}
+
+#[test]
+fn unnormalized_samples_have_mean_pi() -> Result<()> {
+    // E[S] = π for both distributions; the sample mean over 1e5 draws must lie within 4 standard
+    // errors (a two-sided bound that a correct sampler violates with probability 6e-5).
+    tch::manual_seed(10);
+    for pi in [0.6f64, 0.05, 1e-3] {
+        let log_pi = Tensor::full([DRAWS], pi.ln(), (Kind::Double, Device::Cpu));
+        for k in [0.8, 2.0, 10.0, 1000.0] {
+            let eps = Tensor::rand([DRAWS], (Kind::Double, Device::Cpu));
+            let (mean, se) = mean_and_se(&weibull_log_sample(&log_pi, k, &eps).exp());
+            assert!((mean - pi).abs() <= 4.0 * se + 1e-15, "Weibull k={k}, π={pi}: mean {mean}, se {se}");
+        }
+        for sigma in [0.1, 0.5, 1.0] {
+            let eps = Tensor::randn([DRAWS], (Kind::Double, Device::Cpu));
+            let (mean, se) = mean_and_se(&lognormal_log_sample(&log_pi, sigma, &eps).exp());
+            assert!((mean - pi).abs() <= 4.0 * se, "Lognormal σ={sigma}, π={pi}: mean {mean}, se {se}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn sharp_limits_give_the_softmax_and_eval_gives_it_exactly() -> Result<()> {
+    tch::manual_seed(11);
+    for device in devices() {
+        let q = Tensor::randn([2, 3, 5, 4], (Kind::Float, device)) * 2.0;
+        let k = Tensor::randn([2, 3, 7, 4], (Kind::Float, device)) * 2.0;
+        let v = Tensor::randn([2, 3, 7, 6], (Kind::Float, device));
+        let pad = Tensor::zeros([2, 7], (Kind::Bool, device));
+        let _ = pad.get(1).narrow(0, 5, 2).fill_(1);
+        let masks = Masks { key_padding: Some(&pad), ..Default::default() };
+        let (_s, softmax) = (0, Variant::Softmax.build(&nn::VarStore::new(device).root(), 3, 4, &NormalizerConfig::default())?);
+        let reference = attend(&q, &k, &v, &masks, softmax.as_ref(), AttendOptions::default())?.weights;
+        for kind in BamKind::ALL {
+            let cfg = BamConfig { k: 1e6, sigma: 1e-4, ..Default::default() };
+            let (_vs, n) = bam(kind, 3, 4, cfg, device)?;
+            let sampled = AttendOptions { mode: Mode::TRAIN, ..Default::default() };
+            let w = attend(&q, &k, &v, &masks, n.as_ref(), sampled)?.weights;
+            let err = f64_of(&(&w - &reference).abs().max());
+            assert!(err < 1e-4, "{kind:?} in training mode at k = 1e6 / σ = 1e-4 differs from softmax by {err}");
+            // Eval mode returns the mean, bit for bit, at the default (noisy) settings too.
+            let (_vs, n) = bam(kind, 3, 4, BamConfig::default(), device)?;
+            let w = attend(&q, &k, &v, &masks, n.as_ref(), AttendOptions::default())?.weights;
+            assert!(w.equal(&reference), "{kind:?} in eval mode is not exactly the softmax");
+        }
+    }
+    Ok(())
+}
+
+/// log-density of Weibull(k, λ) and Gamma(α, β) (rate β) at x.
+fn weibull_log_pdf(x: &Tensor, k: f64, lambda: f64) -> Tensor {
+    (x / lambda).log() * (k - 1.0) + (k / lambda).ln() - (x / lambda).pow_tensor_scalar(k)
+}
+
+fn gamma_log_pdf(x: &Tensor, alpha: f64, beta: f64) -> Tensor {
+    x.log() * (alpha - 1.0) - x * beta + alpha * beta.ln() - f64_of(&Tensor::from(alpha).lgamma())
+}
+
+fn normal_log_pdf(y: &Tensor, mu: f64, sigma: f64) -> Tensor {
+    -((y - mu) / sigma).square() / 2.0 - (sigma * (2.0 * std::f64::consts::PI).sqrt()).ln()
+}
+
+#[test]
+fn analytic_kl_terms_agree_with_monte_carlo() -> Result<()> {
+    // KL(q‖p) = E_q[log q(S) − log p(S)], estimated from 1e6 draws of q; within 2 percent.
+    tch::manual_seed(12);
+    let n = 1_000_000;
+    let opts = (Kind::Double, Device::Cpu);
+    let lgamma = |x: f64| f64_of(&Tensor::from(x).lgamma());
+    for (pi, k, alpha, beta) in [(0.3f64, 2.0, 1.0, 1.0), (0.05, 10.0, 0.5, 2.0), (0.6, 1000.0, 1.0, 1.0), (0.2, 0.9, 2.0, 3.0)] {
+        let lambda = pi / lgamma(1.0 + 1.0 / k).exp();
+        let s = weibull_log_sample(&Tensor::full([n], pi.ln(), opts), k, &Tensor::rand([n], opts)).exp();
+        let mc = f64_of(&(weibull_log_pdf(&s, k, lambda) - gamma_log_pdf(&s, alpha, beta)).mean(Kind::Double));
+        let analytic = f64_of(&weibull_gamma_kl(&Tensor::from(pi.ln()), k, &Tensor::from(alpha), beta));
+        assert!((mc - analytic).abs() <= 0.02 * analytic.abs(), "Weibull‖Gamma π={pi} k={k}: analytic {analytic}, MC {mc}");
+    }
+    for (pi, sigma, mu_p, sigma_p) in [(0.3f64, 1.0, 0.0, 1.0), (0.05, 0.3, -1.0, 0.5), (0.7, 2.0, -2.0, 1.5)] {
+        let mu_q = pi.ln() - sigma * sigma / 2.0;
+        // In log space both are normal; the KL of the Lognormals equals that of the normals.
+        let y = lognormal_log_sample(&Tensor::full([n], pi.ln(), opts), sigma, &Tensor::randn([n], opts));
+        let mc = f64_of(&(normal_log_pdf(&y, mu_q, sigma) - normal_log_pdf(&y, mu_p, sigma_p)).mean(Kind::Double));
+        let analytic = f64_of(&lognormal_kl(&Tensor::from(mu_q), sigma, &Tensor::from(mu_p), sigma_p));
+        assert!((mc - analytic).abs() <= 0.02 * analytic.abs(), "Lognormal π={pi} σ={sigma}: analytic {analytic}, MC {mc}");
+    }
+    Ok(())
+}
+
+#[test]
+fn extreme_scores_and_masked_rows_and_columns_stay_finite() -> Result<()> {
+    tch::manual_seed(13);
+    for device in devices() {
+        for float in [Kind::Float, Kind::Double] {
+            for kind in BamKind::ALL {
+                let (mut vs, n) = bam(kind, 2, 4, BamConfig { k: 5.0, ..Default::default() }, device)?;
+                if float == Kind::Double {
+                    vs.double();
+                }
+                // |scores| up to 1e4.
+                let q = (Tensor::randn([2, 2, 5, 4], (float, device)).sign() * 100.0).set_requires_grad(true);
+                let k = (Tensor::randn([2, 2, 6, 4], (float, device)).sign() * 50.0).set_requires_grad(true);
+                let v = Tensor::randn([2, 2, 6, 3], (float, device));
+                let pad = Tensor::zeros([2, 6], (Kind::Bool, device));
+                let _ = pad.get(1).fill_(1); // the second sequence: every key padded
+                let am = Tensor::zeros([5, 6], (Kind::Bool, device));
+                let _ = am.get(0).fill_(1); // query 0 sees nothing
+                let _ = am.select(1, 5).fill_(1); // key 5 is seen by nobody
+                let masks = Masks { key_padding: Some(&pad), attn_mask: Some(&am), ..Default::default() };
+                let out = attend(&q, &k, &v, &masks, n.as_ref(), AttendOptions { mode: Mode::TRAIN, ..Default::default() })?;
+                let mut loss = out.output.sum(float);
+                if let Some(kl) = &out.kl {
+                    assert!(kl.isfinite().all().int64_value(&[]) == 1, "{kind:?} {float:?}: KL {kl}");
+                    loss += kl;
+                }
+                loss.backward();
+                for (what, t) in [("weights", &out.weights), ("output", &out.output), ("grad q", &q.grad()), ("grad k", &k.grad())] {
+                    assert!(bool::try_from(t.isfinite().all())?, "{kind:?} {float:?}: non-finite {what}");
+                }
+                assert_eq!(f64_of(&out.weights.get(1).abs().sum(Kind::Double)), 0.0, "{kind:?}: weight on padding");
+                assert_eq!(f64_of(&out.weights.select(2, 0).abs().sum(Kind::Double)), 0.0, "{kind:?}: weight on a masked row");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn the_kl_keeps_its_gradient_to_scores_and_prior() -> Result<()> {
+    // The authors' released ALBERT code detached the KL; here it must reach q, k and the prior.
+    tch::manual_seed(14);
+    for kind in [BamKind::WeibullContextual, BamKind::LognormalContextual, BamKind::WeibullFixed, BamKind::LognormalFixed] {
+        let (vs, n) = bam(kind, 2, 4, BamConfig { k: 3.0, ..Default::default() }, Device::Cpu)?;
+        let q = Tensor::randn([1, 2, 3, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let k = Tensor::randn([1, 2, 5, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let v = Tensor::randn([1, 2, 5, 4], (Kind::Float, Device::Cpu));
+        let out = attend(&q, &k, &v, &Masks::default(), n.as_ref(), AttendOptions { mode: Mode::TRAIN, ..Default::default() })?;
+        let kl = out.kl.expect("KL in training mode");
+        assert!(kl.requires_grad(), "{kind:?}: KL is detached");
+        kl.backward();
+        assert!(f64_of(&q.grad().abs().sum(Kind::Double)) > 0.0, "{kind:?}: no KL gradient to q");
+        for (name, p) in vs.variables() {
+            assert!(f64_of(&p.grad().abs().sum(Kind::Double)) > 0.0, "{kind:?}: no KL gradient to {name}");
+        }
+        // No KL in eval mode, and none for bam-nokl.
+        assert!(attend(&q, &k, &v, &Masks::default(), n.as_ref(), AttendOptions::default())?.kl.is_none());
+    }
+    let (_vs, nokl) = bam(BamKind::NoKl, 2, 4, BamConfig::default(), Device::Cpu)?;
+    let x = Tensor::randn([1, 2, 3, 4], (Kind::Float, Device::Cpu));
+    assert!(attend(&x, &x, &x, &Masks::default(), nokl.as_ref(), AttendOptions { mode: Mode::TRAIN, ..Default::default() })?.kl.is_none());
+    Ok(())
+}
+
+#[test]
+fn monte_carlo_prediction_spreads_only_with_stochastic_attention() -> Result<()> {
+    tch::manual_seed(15);
+    let x = Tensor::randn([3, 6, 16], (Kind::Float, Device::Cpu)) * 3.0;
+    let mut spreads = vec![];
+    for variant in [Variant::Softmax, Variant::Bam(BamKind::WeibullContextual)] {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut cfg = MhaConfig::new(16, 4).with_variant(variant);
+        cfg.dropout = 0.5; // off under Mode::MONTE_CARLO
+        cfg.normalizer.bam.k = 2.0;
+        let mha = MultiHeadAttention::new(&vs.root(), cfg)?;
+        let prediction = tch::no_grad(|| {
+            monte_carlo(20, |_| {
+                let out = mha.forward_mode(&MhaInput::self_attention(&x), Mode::MONTE_CARLO)?;
+                Ok(out.context.mean_dim(&[1i64][..], false, Kind::Float).softmax(-1, Kind::Float)) // (B, E)
+            })
+        })?;
+        assert_eq!(prediction.mean.size(), vec![3, 16]);
+        assert_eq!(prediction.spread.size(), vec![3]);
+        spreads.push(f64_of(&prediction.spread.max()));
+    }
+    assert_eq!(spreads[0], 0.0, "softmax without dropout must be deterministic");
+    assert!(spreads[1] > 0.0, "BAM samples did not differ");
+    assert!(monte_carlo(0, |_| Ok(Tensor::zeros([1], (Kind::Float, Device::Cpu)))).is_err());
+    Ok(())
+}
