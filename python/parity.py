@@ -4,6 +4,7 @@
   reference  reference outputs (and gradients, given cotangents) for one input file
   compare    check a `probattn attend` output file against the reference, with tolerances
   mha-cases  random MultiHeadAttention cases: PyTorch state dicts, inputs, references
+  svgd-cases random particle sets and the reference SVGD/SPOS direction
   score-cases additive (Bahdanau) and self-attentive (Lin et al.) scores and gradients
   demo-input the padded batch of the README's demo (demo.sh)
 
@@ -223,6 +224,31 @@ def cmd_score_cases(args):
     save_file(result, os.path.join(args.out, "scores.ref.safetensors"))
 
 
+def cmd_svgd_cases(args):
+    """Random particle sets (sets, n, D), gradients, SPOS noise and the reference direction."""
+    gen = torch.Generator().manual_seed(args.seed)
+    os.makedirs(args.out, exist_ok=True)
+    manifest = []
+    for i in range(args.count):
+        sets, n, d = 1 + i % 3, [1, 2, 3, 4, 7, 8][i % 6], [1, 6, 40][i % 3]
+        theta = torch.randn(sets, n, d, generator=gen, dtype=torch.float64) * [0.05, 1.0, 3.0][i % 3]
+        if i % 7 == 3:
+            theta[:, 1:] = theta[:, :1]  # identical particles: median distance 0
+        grad = torch.randn(sets, n, d, generator=gen, dtype=torch.float64)
+        xi = torch.randn(sets, n, d, generator=gen, dtype=torch.float64)
+        cfg = {"method": "spos" if i % 2 else "svgd", "alpha": [0.0, 0.01, 1.0, 5.0][i % 4],
+               "stepsize": [0.01, 0.1, 1.0][i % 3], "beta": [1.0, 0.5][i % 2],
+               "bandwidth": None if i % 5 else 0.7}
+        direction = torch.stack([ref.svgd_direction(theta[s], grad[s], cfg["alpha"], cfg["stepsize"], cfg["method"],
+                                                    cfg["beta"], xi[s], cfg["bandwidth"]) for s in range(sets)])
+        name = f"svgd-{i:03d}"
+        save_file({"theta": theta, "grad": grad, "xi": xi, "direction": direction},
+                  os.path.join(args.out, name + ".safetensors"))
+        manifest.append(dict(cfg, name=name))
+    with open(os.path.join(args.out, "cases.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+
+
 def cmd_demo_input(args):
     """A padded batch whose scores spread widely enough that softmax explains keys away."""
     gen = torch.Generator().manual_seed(args.seed)
@@ -330,6 +356,11 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=cmd_score_cases)
+    p = sub.add_parser("svgd-cases", help="random particle sets with the reference SVGD/SPOS direction")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--count", type=int, default=36)
+    p.set_defaults(run=cmd_svgd_cases)
     p = sub.add_parser("demo-input", help="the input of the README's attend demo")
     p.add_argument("--output", required=True)
     p.add_argument("--seed", type=int, default=0)

@@ -239,3 +239,24 @@ def bam_weights(variant, z, allowed, keys, noise, sample, cfg, prior=None, hybri
     kl = torch.where(allowed, kl.expand_as(z), zero)
     per_head = kl.sum((0, 2, 3)) / allowed.sum((0, 2, 3)).clamp(min=1).to(z.dtype)
     return weights, per_head.mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# Repulsive attention (An et al. 2020; shared/docs/PAPER-NOTES.md section 3).
+
+def svgd_direction(theta, grad, alpha, stepsize, method="svgd", beta=1.0, xi=None, bandwidth=None):
+    """The replaced gradient of one particle set: theta, grad (n, D) -> (n, D).
+    g~_i = stepsize * (1/n) sum_j [K_ij g_j - alpha K_ij (theta_i - theta_j) 2/h]  (SVGD)
+    SPOS adds beta g_i - sqrt(2 beta / stepsize) xi_i median|g| before the stepsize factor.
+    K_ij = exp(-|theta_i - theta_j|^2 / h), h = median(squared distances) / log(n + 1) (the lower
+    median of the n x n matrix, zero diagonal included) unless a fixed bandwidth is given."""
+    n = theta.shape[0]
+    diff = theta[:, None, :] - theta[None, :, :]  # (n, n, D): theta_i - theta_j
+    d2 = (diff ** 2).sum(-1)
+    h = torch.median(d2.reshape(-1)) / math.log(n + 1) if bandwidth is None else torch.tensor(bandwidth, dtype=theta.dtype)
+    h = torch.clamp(h, min=1e-30)
+    kernel = torch.exp(-d2 / h)
+    phi = (kernel @ grad - alpha * (kernel[:, :, None] * diff).sum(1) * 2 / h) / n
+    if method == "spos":
+        phi = phi + beta * grad - math.sqrt(2 * beta / stepsize) * xi * torch.median(grad.abs())
+    return stepsize * phi

@@ -6,7 +6,8 @@
 //!
 //! Variants so far: softmax (UNAS), DNAS, HNAS and Sinkhorn-N from Ding et al. 2020, "Attention
 //! that does not Explain Away"; the Bayesian attention modules (BAM-WC, -WF, -LC, -LF, no-KL) of
-//! Fan et al. 2020 around any of them ([`normalize::Bam`]).
+//! Fan et al. 2020 around any of them ([`normalize::Bam`]); and repulsive multi-head attention
+//! (An et al. 2020), an SVGD/SPOS gradient hook over the heads ([`repulsive::RepulsiveHook`]).
 
 pub mod attention;
 pub mod device;
@@ -17,6 +18,7 @@ pub mod mask;
 pub mod mc;
 pub mod mha;
 pub mod normalize;
+pub mod repulsive;
 pub mod scores;
 
 pub use attention::{attend, scaled_dot_product_scores, AttendOptions, Attended, Mode};

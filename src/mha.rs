@@ -132,6 +132,8 @@ pub struct MhaInput<'a> {
     pub masks: Masks<'a>,
     /// Return the per-head weights.
     pub need_weights: bool,
+    /// Return the per-head outputs before the output projection (for [`crate::repulsive::head_diversity`]).
+    pub need_head_outputs: bool,
     /// A fixed noise draw for stochastic normalizers, `(B, H, S_q, S_k)`.
     pub noise: Option<&'a Tensor>,
 }
@@ -148,7 +150,7 @@ impl<'a> MhaInput<'a> {
     }
 
     pub fn new(query: &'a Tensor, key: &'a Tensor, value: &'a Tensor) -> Self {
-        Self { query, key, value, masks: Masks::default(), need_weights: false, noise: None }
+        Self { query, key, value, masks: Masks::default(), need_weights: false, need_head_outputs: false, noise: None }
     }
 
     pub fn with_masks(mut self, masks: Masks<'a>) -> Self {
@@ -158,6 +160,11 @@ impl<'a> MhaInput<'a> {
 
     pub fn with_weights(mut self) -> Self {
         self.need_weights = true;
+        self
+    }
+
+    pub fn with_head_outputs(mut self) -> Self {
+        self.need_head_outputs = true;
         self
     }
 }
@@ -171,6 +178,8 @@ pub struct MhaOutput {
     pub weights: Option<Tensor>,
     /// The normalizer's KL term (stochastic normalizers in training mode).
     pub kl: Option<Tensor>,
+    /// `(B, H, S_q, d_h)` per-head outputs before the output projection, when asked for.
+    pub head_outputs: Option<Tensor>,
 }
 
 impl MultiHeadAttention {
@@ -215,6 +224,15 @@ impl MultiHeadAttention {
         self.normalizer.gate()
     }
 
+    /// The parameter holding the projection weight of queries (`i = 0`), keys (1) or values (2),
+    /// and the row where that projection starts in it (`in_proj_weight` packs all three).
+    pub fn projection_param(&self, i: i64) -> (Tensor, i64) {
+        match &self.in_proj {
+            InProj::Packed(w) => (w.shallow_clone(), i * self.cfg.embed_dim),
+            InProj::Separate { q, k, v } => ([q, k, v][i as usize].shallow_clone(), 0),
+        }
+    }
+
     /// The projection weight of queries (`i = 0`), keys (1) or values (2), `(E, in_features)`.
     pub fn proj_weight(&self, i: i64) -> Tensor {
         let e = self.cfg.embed_dim;
@@ -252,7 +270,8 @@ impl MultiHeadAttention {
         let merged = attended.output.transpose(1, 2).contiguous().view([b, sq, e]); // (B, S_q, E)
         let context = merged.linear(&self.out_proj_weight, self.out_proj_bias.as_ref());
         let weights = input.need_weights.then_some(attended.weights);
-        Ok(MhaOutput { context, weights, kl: attended.kl })
+        let head_outputs = input.need_head_outputs.then_some(attended.output);
+        Ok(MhaOutput { context, weights, kl: attended.kl, head_outputs })
     }
 
     /// Checks the input's shapes; returns `(B, S_q, S_k)`.

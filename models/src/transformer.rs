@@ -1,0 +1,191 @@
+//! The Transformer encoder–decoder stack (Vaswani et al. 2017), post-norm as fairseq's
+//! `transformer_iwslt_de_en`: every attention module is a probattn [`MultiHeadAttention`], so any
+//! normalizer (softmax, DNAS, BAM, ...) and the repulsive hook apply to it.
+//!
+//! Encoder layer: `x = LN(x + Drop(SelfAttn(x)))`, `x = LN(x + Drop(FFN(x)))`; decoder layer adds
+//! causal self-attention and cross-attention to the encoder output. `FFN(x) = W2 ReLU(W1 x)`.
+//! Embeddings, vocabulary and decoding belong to the translation experiment.
+
+use probattn::repulsive::{ModuleKind, RepulsiveHook};
+use probattn::{Masks, MhaConfig, MhaInput, MultiHeadAttention, NormalizerConfig, Result, Variant};
+use serde::{Deserialize, Serialize};
+use tch::nn::{self, Module};
+use tch::Tensor;
+
+/// Sizes and regularization of the stack.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TransformerConfig {
+    pub encoder_layers: usize,
+    pub decoder_layers: usize,
+    pub embed_dim: i64,
+    pub heads: i64,
+    pub ffn_dim: i64,
+    /// Dropout after attention and FFN blocks.
+    pub dropout: f64,
+    /// Dropout on attention weights.
+    pub attention_dropout: f64,
+    /// The normalizer of the encoder self-attention and the cross-attention (decoder
+    /// self-attention is causal and always softmax, since DNAS would leak the future).
+    pub variant: Variant,
+    #[serde(default)]
+    pub normalizer: NormalizerConfig,
+}
+
+impl TransformerConfig {
+    /// fairseq's `transformer_iwslt_de_en` (the repulsive-attention paper's IWSLT14 model):
+    /// 6+6 layers, d = 512, FFN 1024, 4 heads, dropout 0.3.
+    pub fn iwslt() -> Self {
+        Self {
+            encoder_layers: 6,
+            decoder_layers: 6,
+            embed_dim: 512,
+            heads: 4,
+            ffn_dim: 1024,
+            dropout: 0.3,
+            attention_dropout: 0.0,
+            variant: Variant::Softmax,
+            normalizer: NormalizerConfig::default(),
+        }
+    }
+
+    fn attention(&self, variant: Variant) -> MhaConfig {
+        let mut cfg = MhaConfig::new(self.embed_dim, self.heads).with_variant(variant);
+        cfg.dropout = self.attention_dropout;
+        cfg.normalizer = self.normalizer.clone();
+        cfg
+    }
+}
+
+#[derive(Debug)]
+struct FeedForward {
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+}
+
+impl FeedForward {
+    fn new(p: &nn::Path, cfg: &TransformerConfig) -> Self {
+        Self {
+            fc1: nn::linear(p / "fc1", cfg.embed_dim, cfg.ffn_dim, Default::default()),
+            fc2: nn::linear(p / "fc2", cfg.ffn_dim, cfg.embed_dim, Default::default()),
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        self.fc2.forward(&self.fc1.forward(x).relu())
+    }
+}
+
+fn layer_norm(p: nn::Path, dim: i64) -> nn::LayerNorm {
+    nn::layer_norm(p, vec![dim], Default::default())
+}
+
+#[derive(Debug)]
+pub struct EncoderLayer {
+    pub self_attn: MultiHeadAttention,
+    ffn: FeedForward,
+    norm1: nn::LayerNorm,
+    norm2: nn::LayerNorm,
+}
+
+#[derive(Debug)]
+pub struct DecoderLayer {
+    pub self_attn: MultiHeadAttention,
+    pub cross_attn: MultiHeadAttention,
+    ffn: FeedForward,
+    norm1: nn::LayerNorm,
+    norm2: nn::LayerNorm,
+    norm3: nn::LayerNorm,
+}
+
+/// The encoder–decoder stack.
+#[derive(Debug)]
+pub struct Transformer {
+    cfg: TransformerConfig,
+    pub encoder: Vec<EncoderLayer>,
+    pub decoder: Vec<DecoderLayer>,
+}
+
+/// What [`Transformer::forward_t`] returns.
+#[derive(Debug)]
+pub struct TransformerOutput {
+    /// `(B, T, E)` decoder states.
+    pub output: Tensor,
+    /// The summed KL terms of stochastic attention (BAM), averaged over modules; `None` otherwise.
+    pub kl: Option<Tensor>,
+}
+
+impl Transformer {
+    pub fn new(p: &nn::Path, cfg: TransformerConfig) -> Result<Self> {
+        let e = cfg.embed_dim;
+        let encoder = (0..cfg.encoder_layers)
+            .map(|i| {
+                let p = p / "encoder" / i;
+                Ok(EncoderLayer {
+                    self_attn: MultiHeadAttention::new(&(&p / "self_attn"), cfg.attention(cfg.variant))?,
+                    ffn: FeedForward::new(&p, &cfg),
+                    norm1: layer_norm(&p / "self_attn_layer_norm", e),
+                    norm2: layer_norm(&p / "final_layer_norm", e),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let decoder = (0..cfg.decoder_layers)
+            .map(|i| {
+                let p = p / "decoder" / i;
+                Ok(DecoderLayer {
+                    self_attn: MultiHeadAttention::new(&(&p / "self_attn"), cfg.attention(Variant::Softmax))?,
+                    cross_attn: MultiHeadAttention::new(&(&p / "encoder_attn"), cfg.attention(cfg.variant))?,
+                    ffn: FeedForward::new(&p, &cfg),
+                    norm1: layer_norm(&p / "self_attn_layer_norm", e),
+                    norm2: layer_norm(&p / "encoder_attn_layer_norm", e),
+                    norm3: layer_norm(&p / "final_layer_norm", e),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { cfg, encoder, decoder })
+    }
+
+    pub fn config(&self) -> &TransformerConfig {
+        &self.cfg
+    }
+
+    /// `src (B, S, E)` and `tgt (B, T, E)` embedded sequences, padding masks `(B, S)` / `(B, T)`
+    /// with `true` = padding.
+    pub fn forward_t(&self, src: &Tensor, src_pad: Option<&Tensor>, tgt: &Tensor, tgt_pad: Option<&Tensor>, train: bool) -> Result<TransformerOutput> {
+        let p = self.cfg.dropout;
+        let mut kls = vec![];
+        let mut x = src.shallow_clone(); // (B, S, E)
+        let src_masks = Masks { key_padding: src_pad, query_padding: src_pad, ..Default::default() };
+        for layer in &self.encoder {
+            let a = layer.self_attn.forward_t(&MhaInput::self_attention(&x).with_masks(src_masks), train)?;
+            kls.extend(a.kl);
+            x = (&x + a.context.dropout(p, train)).apply(&layer.norm1);
+            x = (&x + layer.ffn.forward(&x).dropout(p, train)).apply(&layer.norm2);
+        }
+        let mut y = tgt.shallow_clone(); // (B, T, E)
+        let causal = Masks { key_padding: tgt_pad, causal: true, ..Default::default() };
+        let cross = Masks { key_padding: src_pad, query_padding: tgt_pad, ..Default::default() };
+        for layer in &self.decoder {
+            let a = layer.self_attn.forward_t(&MhaInput::self_attention(&y).with_masks(causal), train)?;
+            y = (&y + a.context.dropout(p, train)).apply(&layer.norm1);
+            let c = layer.cross_attn.forward_t(&MhaInput::cross_attention(&y, &x).with_masks(cross), train)?;
+            kls.extend(c.kl);
+            y = (&y + c.context.dropout(p, train)).apply(&layer.norm2);
+            y = (&y + layer.ffn.forward(&y).dropout(p, train)).apply(&layer.norm3);
+        }
+        let kl = (!kls.is_empty()).then(|| Tensor::stack(&kls, 0).mean(kls[0].kind()));
+        Ok(TransformerOutput { output: y, kl })
+    }
+
+    /// Registers every attention module with the repulsive hook (its selection decides which
+    /// sets it keeps): encoder self-attention, decoder self-attention and cross-attention, by layer.
+    pub fn register_repulsive(&self, hook: &mut RepulsiveHook) {
+        for (i, layer) in self.encoder.iter().enumerate() {
+            hook.add_attention(&format!("encoder.{i}.self_attn"), &layer.self_attn, ModuleKind::EncoderSelf, i);
+        }
+        for (i, layer) in self.decoder.iter().enumerate() {
+            hook.add_attention(&format!("decoder.{i}.self_attn"), &layer.self_attn, ModuleKind::DecoderSelf, i);
+            hook.add_attention(&format!("decoder.{i}.encoder_attn"), &layer.cross_attn, ModuleKind::Cross, i);
+        }
+    }
+}
