@@ -17,7 +17,7 @@
 use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
 
-use super::{mask_value, NormalizeInput, Normalized, Normalizer, NormalizerConfig, Support, Variant};
+use super::{NormalizeInput, Normalized, Normalizer, NormalizerConfig, Support, Variant};
 use crate::{Error, Result};
 
 /// Euler–Mascheroni constant γ.
@@ -165,8 +165,8 @@ impl ContextualPrior {
         }
     }
 
-    /// `log ψ`, `(B, H, 1, S_k)`, from keys `(B, H, S_k, d_k)`; keys no query may attend get the
-    /// mask value.
+    /// `log ψ` broadcastable to the scores (`(B, H, 1, S_k)` dense, `(H, E)` over edges), from keys
+    /// `(B, H, S_k, d_k)` (`(1, H, N, d_k)` over edges); keys no query may attend get 0.
     pub fn log_psi(&self, keys: &Tensor, support: &Support) -> Result<Tensor> {
         let [heads, hidden, key_dim] = self.f1_weight.size()[..] else { unreachable!("f1 is 3-d") };
         let size = keys.size();
@@ -182,11 +182,7 @@ impl ContextualPrior {
         let w2 = self.f2_weight.to_kind(kind).view([1, heads, hidden, 1]);
         let b2 = self.f2_bias.to_kind(kind).view([1, heads, 1, 1]);
         let logits = (h.matmul(&w2) + b2).transpose(2, 3); // (B, H, 1, S_k)
-        let logits = match support.key_allowed() {
-            Some(allowed) => logits.masked_fill(&allowed.logical_not(), mask_value(kind)),
-            None => logits,
-        };
-        Ok(logits.log_softmax(-1, kind))
+        Ok(support.key_log_softmax(&logits))
     }
 }
 
@@ -258,10 +254,7 @@ impl Bam {
         let s = input.support;
         let kind = log_pi.kind();
         // Excluded entries hold the mask value; give them a harmless log π before any arithmetic.
-        let log_pi = match s.excluded() {
-            Some(e) => log_pi.masked_fill(e, 0.0),
-            None => log_pi.shallow_clone(),
-        };
+        let log_pi = s.fill_value(log_pi, 0.0);
         let log_psi = match &self.prior {
             Some(prior) => {
                 let keys = input.keys.ok_or_else(|| Error::Config(format!("{} needs the keys for its contextual prior", self.kind.name())))?;
@@ -274,12 +267,8 @@ impl Bam {
                 weibull_gamma_kl(&log_pi, self.cfg.k, &Tensor::from(self.cfg.prior_alpha).to_kind(kind), self.cfg.prior_beta)
             }
             (BamKind::WeibullContextual, Some(log_psi)) => {
-                // α_j = β ψ_j; keys no query attends get α = 1 (their entries are excluded anyway).
+                // α_j = β ψ_j (clamped away from 0, where lgamma diverges).
                 let alpha = (log_psi.exp() * self.cfg.prior_beta).clamp_min(1e-30);
-                let alpha = match s.key_allowed() {
-                    Some(a) => alpha.masked_fill(&a.logical_not(), 1.0),
-                    None => alpha,
-                };
                 weibull_gamma_kl(&log_pi, self.cfg.k, &alpha, self.cfg.prior_beta)
             }
             (BamKind::LognormalFixed, None) => {
@@ -288,17 +277,12 @@ impl Bam {
             }
             (BamKind::LognormalContextual, Some(log_psi)) => {
                 let mu_q = &log_pi - self.cfg.sigma * self.cfg.sigma / 2.0;
-                let mu_p = match s.key_allowed() {
-                    Some(a) => log_psi.masked_fill(&a.logical_not(), 0.0),
-                    None => log_psi,
-                };
-                lognormal_kl(&mu_q, self.cfg.sigma, &mu_p, self.cfg.prior_sigma)
+                lognormal_kl(&mu_q, self.cfg.sigma, &log_psi, self.cfg.prior_sigma)
             }
             (other, _) => unreachable!("{other:?} has no KL or no prior network"),
         };
-        let shape = input.scores.size();
-        let total = s.zero(&elementwise.expand(&shape, false)).sum_dim_intlist(&[0i64, 2, 3][..], false, kind); // (H,)
-        Ok((total / s.count_per_head(&shape, kind).to_device(log_pi.device()).clamp_min(1.0)).mean(kind))
+        let total = s.sum_per_head(&s.zero(&elementwise.expand(input.scores.size(), false))); // (H,)
+        Ok((total / s.count_per_head(input.scores).clamp_min(1.0)).mean(kind))
     }
 }
 

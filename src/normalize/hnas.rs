@@ -36,16 +36,19 @@ impl Hnas {
         &self.logit
     }
 
-    /// The logits as `(1, H, 1, 1)` in the scores' dtype, after checking the head count.
-    fn logit_for(&self, scores: &Tensor) -> Result<Tensor> {
+    /// The logits shaped to broadcast against the scores, in their dtype, after checking the
+    /// head count.
+    fn logit_for(&self, input: &NormalizeInput) -> Result<Tensor> {
         let heads = self.logit.size()[0];
-        if scores.dim() != 4 || scores.size()[1] != heads {
+        let scores = input.scores;
+        input.support.check_scores(scores)?;
+        if input.support.heads(scores) != heads {
             return Err(Error::Shape(format!(
-                "HNAS has {heads} head gate(s) but the scores have shape {:?} (expected (B, {heads}, S_q, S_k))",
+                "HNAS has {heads} head gate(s) but the scores have shape {:?}",
                 scores.size()
             )));
         }
-        Ok(self.logit.to_kind(scores.kind()).view([1, heads, 1, 1]))
+        Ok(input.support.per_head(&self.logit.to_kind(scores.kind())))
     }
 }
 
@@ -55,7 +58,7 @@ impl Normalizer for Hnas {
     }
 
     fn normalize(&self, input: &NormalizeInput) -> Result<Normalized> {
-        let logit = self.logit_for(input.scores)?;
+        let logit = self.logit_for(input)?;
         let s = input.support;
         let z = s.fill(input.scores);
         let u = logit.sigmoid();
@@ -65,7 +68,7 @@ impl Normalizer for Hnas {
 
     /// `log(u·π_DNAS + (1−u)·π_UNAS) = logaddexp(log u + log π_DNAS, log(1−u) + log π_UNAS)`.
     fn log_weights(&self, input: &NormalizeInput) -> Result<Tensor> {
-        let logit = self.logit_for(input.scores)?;
+        let logit = self.logit_for(input)?;
         let s = input.support;
         let z = s.fill(input.scores);
         let dnas = logit.log_sigmoid() + dnas_log_weights(&z, s);

@@ -1,8 +1,8 @@
 //! The normalizer seam: every attention variant turns scores into weights behind [`Normalizer`].
 //!
-//! Scores `z` have shape `(B, H, S_q, S_k)`. A normalizer reads them together with a [`Support`]
-//! (where attention is allowed, and how to reduce over it) and returns weights `π` of the same
-//! shape, zero wherever the support excludes an entry. Everything happens in the log domain
+//! Scores `z` have shape `(B, H, S_q, S_k)` (or `(H, E)` over a graph's edges). A normalizer reads
+//! them together with a [`Support`] (where attention is allowed, and how to reduce over it) and
+//! returns weights `π` of the same shape, zero wherever the support excludes an entry. Everything happens in the log domain
 //! (logsumexp), with excluded entries set to a large finite negative and zeroed explicitly at the
 //! end, so fully masked rows and columns give zeros and never NaN, in values and in gradients.
 //!
@@ -15,6 +15,7 @@ mod dnas;
 mod hnas;
 mod sinkhorn;
 mod softmax;
+mod support;
 
 use std::fmt;
 use std::str::FromStr;
@@ -30,17 +31,19 @@ pub use dnas::Dnas;
 pub use hnas::Hnas;
 pub use sinkhorn::Sinkhorn;
 pub use softmax::Softmax;
+pub use support::{EdgeList, Support};
 
 use crate::{Error, Result};
 
 /// What a normalizer reads.
 #[derive(Debug)]
 pub struct NormalizeInput<'a> {
-    /// `(B, H, S_q, S_k)` attention scores.
+    /// `(B, H, S_q, S_k)` attention scores, or `(H, E)` with an edge support.
     pub scores: &'a Tensor,
     /// Where attention is allowed.
     pub support: &'a Support,
-    /// `(B, H, S_k, d_k)` key vectors, for normalizers with a contextual prior (BAM).
+    /// `(B, H, S_k, d_k)` key vectors (`(1, H, N, d_k)` with an edge support), for normalizers with
+    /// a contextual prior (BAM).
     pub keys: Option<&'a Tensor>,
     /// `(B, H, S_q, S_k)` a fixed noise draw, used instead of sampling by stochastic normalizers.
     pub noise: Option<&'a Tensor>,
@@ -84,83 +87,6 @@ pub trait Normalizer: fmt::Debug + Send {
     /// The current mixing weight `u` of each head, `(H,)`, for normalizers that mix (HNAS).
     fn gate(&self) -> Option<Tensor> {
         None
-    }
-}
-
-/// Where attention is allowed, as one boolean mask broadcastable to the scores, and the masked
-/// reductions the normalizers are built from.
-#[derive(Debug)]
-pub struct Support {
-    /// `true` = excluded; broadcastable to `(B, H, S_q, S_k)`. `None`: nothing excluded.
-    excluded: Option<Tensor>,
-}
-
-impl Support {
-    /// Everything allowed.
-    pub fn full() -> Self {
-        Self { excluded: None }
-    }
-
-    /// From a boolean `allowed` mask broadcastable to the scores (`true` = may attend), as
-    /// [`crate::Masks::allowed`] returns it.
-    pub fn dense(allowed: Option<Tensor>) -> Self {
-        Self { excluded: allowed.map(|a| a.logical_not()) }
-    }
-
-    /// The boolean exclusion mask, `true` = excluded (`None` when nothing is).
-    pub fn excluded(&self) -> Option<&Tensor> {
-        self.excluded.as_ref()
-    }
-
-    /// Log-scores with excluded entries replaced by a large finite negative (see [`mask_value`]).
-    pub fn fill(&self, z: &Tensor) -> Tensor {
-        match &self.excluded {
-            Some(m) => z.masked_fill(m, mask_value(z.kind())),
-            None => z.shallow_clone(),
-        }
-    }
-
-    /// Zeroes excluded entries of weights.
-    pub fn zero(&self, w: &Tensor) -> Tensor {
-        match &self.excluded {
-            Some(m) => w.masked_fill(m, 0.0),
-            None => w.shallow_clone(),
-        }
-    }
-
-    /// `logsumexp` over the keys of filled log-scores, `(B, H, S_q, 1)`.
-    pub fn row_lse(&self, z_filled: &Tensor) -> Tensor {
-        z_filled.logsumexp([-1], true)
-    }
-
-    /// `logsumexp` over the queries of filled log-scores, `(B, H, 1, S_k)`.
-    pub fn col_lse(&self, z_filled: &Tensor) -> Tensor {
-        z_filled.logsumexp([-2], true)
-    }
-
-    /// Softmax over the keys of filled log-scores, zero on excluded entries (so a fully
-    /// excluded row is all zeros rather than uniform).
-    pub fn row_softmax(&self, z_filled: &Tensor) -> Tensor {
-        self.zero(&z_filled.softmax(-1, z_filled.kind()))
-    }
-
-    /// Row-normalized log-weights of filled log-scores, excluded entries filled again.
-    pub fn row_log_softmax(&self, z_filled: &Tensor) -> Tensor {
-        self.fill(&(z_filled - self.row_lse(z_filled)))
-    }
-
-    /// Keys that at least one query may attend, `(B|1, H|1, 1, S_k)`; `None`: all keys.
-    pub fn key_allowed(&self) -> Option<Tensor> {
-        self.excluded.as_ref().map(|e| e.logical_not().any_dim(-2, true))
-    }
-
-    /// The number of allowed entries of each head, `(H,)`, for scores of `shape`.
-    pub fn count_per_head(&self, shape: &[i64], kind: Kind) -> Tensor {
-        let device = self.excluded.as_ref().map_or(tch::Device::Cpu, |e| e.device());
-        match &self.excluded {
-            Some(e) => e.logical_not().expand(shape, false).sum_dim_intlist(&[0i64, 2, 3][..], false, kind),
-            None => Tensor::full([shape[1]], (shape[0] * shape[2] * shape[3]) as f64, (kind, device)),
-        }
     }
 }
 

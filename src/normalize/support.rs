@@ -1,0 +1,213 @@
+//! Where attention is allowed, and the reductions over it that every normalizer is built from.
+//!
+//! Two layouts of the same idea:
+//! - [`Support::Dense`]: scores `(B, H, S_q, S_k)` and a boolean mask broadcastable to them;
+//! - [`Support::Edges`]: scores `(H, E)`, one per edge `(query i ← key j)` of a graph, so memory
+//!   is O(E) (GAT's neighbourhoods). A query's row is the edges into it, a key's column the edges
+//!   out of it; reductions are scatter operations over those segments.
+
+use tch::{Kind, Tensor};
+
+use super::mask_value;
+use crate::{Error, Result};
+
+/// An edge list: edge `e` lets query node `dst[e]` attend key node `src[e]`.
+#[derive(Debug)]
+pub struct EdgeList {
+    /// `(E,)` int64 query (destination) node of each edge.
+    pub dst: Tensor,
+    /// `(E,)` int64 key (source) node of each edge.
+    pub src: Tensor,
+    /// Number of query nodes.
+    pub queries: i64,
+    /// Number of key nodes.
+    pub keys: i64,
+}
+
+impl EdgeList {
+    /// Checks the indices (1-d, int64, equal length, in range) once, here.
+    pub fn new(dst: Tensor, src: Tensor, queries: i64, keys: i64) -> Result<Self> {
+        if dst.dim() != 1 || dst.size() != src.size() || dst.kind() != Kind::Int64 || src.kind() != Kind::Int64 {
+            return Err(Error::Shape(format!(
+                "edge lists need two int64 vectors of one length, got dst {:?} {:?} and src {:?} {:?}",
+                dst.size(),
+                dst.kind(),
+                src.size(),
+                src.kind()
+            )));
+        }
+        for (name, idx, n) in [("dst", &dst, queries), ("src", &src, keys)] {
+            if idx.numel() > 0 {
+                let (lo, hi) = (i64::try_from(idx.min())?, i64::try_from(idx.max())?);
+                if lo < 0 || hi >= n {
+                    return Err(Error::Shape(format!("edge {name} indices span {lo}..={hi}, outside 0..{n}")));
+                }
+            }
+        }
+        Ok(Self { dst, src, queries, keys })
+    }
+
+    pub fn len(&self) -> i64 {
+        self.dst.size()[0]
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// logsumexp of `z (H, E)` over the segments `index` defines, gathered back to `(H, E)`.
+    fn segment_lse(z: &Tensor, index: &Tensor, segments: i64) -> Tensor {
+        let heads = z.size()[0];
+        let idx = index.unsqueeze(0).expand([heads, -1], false); // (H, E)
+        let opts = (z.kind(), z.device());
+        // The shift only stabilizes the exponentials; logsumexp's gradient does not depend on it.
+        let max = Tensor::full([heads, segments], f64::NEG_INFINITY, opts).internal_scatter_reduce(1, &idx, &z.detach(), "amax", true);
+        let shift = max.gather(1, &idx, false); // (H, E), finite: every gathered segment has an edge
+        let sum = Tensor::zeros([heads, segments], opts).scatter_add(1, &idx, &(z - &shift).exp());
+        sum.gather(1, &idx, false).log() + shift
+    }
+}
+
+/// Where attention is allowed; see the module documentation.
+#[derive(Debug)]
+pub enum Support {
+    /// `excluded` (`true` = excluded) broadcasts to `(B, H, S_q, S_k)`; `None`: nothing excluded.
+    Dense { excluded: Option<Tensor> },
+    /// Scores `(H, E)` over the edges.
+    Edges(EdgeList),
+}
+
+impl Support {
+    /// Dense scores, everything allowed.
+    pub fn full() -> Self {
+        Self::Dense { excluded: None }
+    }
+
+    /// Dense scores and a boolean `allowed` mask broadcastable to them (`true` = may attend), as
+    /// [`crate::Masks::allowed`] returns it.
+    pub fn dense(allowed: Option<Tensor>) -> Self {
+        Self::Dense { excluded: allowed.map(|a| a.logical_not()) }
+    }
+
+    /// Checks that `scores` have this support's layout.
+    pub fn check_scores(&self, scores: &Tensor) -> Result<()> {
+        match self {
+            Self::Dense { .. } if scores.dim() != 4 => {
+                Err(Error::Shape(format!("dense scores must be (B, H, S_q, S_k), got {:?}", scores.size())))
+            }
+            Self::Edges(e) if scores.dim() != 2 || scores.size()[1] != e.len() => {
+                Err(Error::Shape(format!("edge scores must be (H, {}), got {:?}", e.len(), scores.size())))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// `t` with excluded entries set to `value`.
+    pub fn fill_value(&self, t: &Tensor, value: f64) -> Tensor {
+        match self {
+            Self::Dense { excluded: Some(m) } => t.masked_fill(m, value),
+            _ => t.shallow_clone(),
+        }
+    }
+
+    /// Log-scores with excluded entries replaced by a large finite negative (see [`mask_value`]).
+    pub fn fill(&self, z: &Tensor) -> Tensor {
+        self.fill_value(z, mask_value(z.kind()))
+    }
+
+    /// Zeroes excluded entries of weights.
+    pub fn zero(&self, w: &Tensor) -> Tensor {
+        self.fill_value(w, 0.0)
+    }
+
+    /// `logsumexp` over each query's keys of filled log-scores, broadcastable to the scores.
+    pub fn row_lse(&self, z_filled: &Tensor) -> Tensor {
+        match self {
+            Self::Dense { .. } => z_filled.logsumexp([-1], true), // (B, H, S_q, 1)
+            Self::Edges(e) => EdgeList::segment_lse(z_filled, &e.dst, e.queries),
+        }
+    }
+
+    /// `logsumexp` over each key's queries of filled log-scores, broadcastable to the scores.
+    pub fn col_lse(&self, z_filled: &Tensor) -> Tensor {
+        match self {
+            Self::Dense { .. } => z_filled.logsumexp([-2], true), // (B, H, 1, S_k)
+            Self::Edges(e) => EdgeList::segment_lse(z_filled, &e.src, e.keys),
+        }
+    }
+
+    /// Softmax over each query's keys of filled log-scores, zero on excluded entries (so a fully
+    /// excluded row is all zeros rather than uniform).
+    pub fn row_softmax(&self, z_filled: &Tensor) -> Tensor {
+        match self {
+            Self::Dense { .. } => self.zero(&z_filled.softmax(-1, z_filled.kind())),
+            Self::Edges(_) => (z_filled - self.row_lse(z_filled)).exp(),
+        }
+    }
+
+    /// Row-normalized log-weights of filled log-scores, excluded entries filled again.
+    pub fn row_log_softmax(&self, z_filled: &Tensor) -> Tensor {
+        self.fill(&(z_filled - self.row_lse(z_filled)))
+    }
+
+    /// The number of heads of `scores`.
+    pub fn heads(&self, scores: &Tensor) -> i64 {
+        match self {
+            Self::Dense { .. } => scores.size()[1],
+            Self::Edges(_) => scores.size()[0],
+        }
+    }
+
+    /// A per-head `(H,)` tensor shaped to broadcast against the scores.
+    pub fn per_head(&self, t: &Tensor) -> Tensor {
+        match self {
+            Self::Dense { .. } => t.view([1, -1, 1, 1]),
+            Self::Edges(_) => t.view([-1, 1]),
+        }
+    }
+
+    /// Sums a scores-shaped tensor within each head, `(H,)`.
+    pub fn sum_per_head(&self, t: &Tensor) -> Tensor {
+        match self {
+            Self::Dense { .. } => t.sum_dim_intlist(&[0i64, 2, 3][..], false, t.kind()),
+            Self::Edges(_) => t.sum_dim_intlist(&[1i64][..], false, t.kind()),
+        }
+    }
+
+    /// The number of allowed entries of each head, `(H,)`, for `scores`.
+    pub fn count_per_head(&self, scores: &Tensor) -> Tensor {
+        let (kind, device) = (scores.kind(), scores.device());
+        match self {
+            Self::Dense { excluded: Some(e) } => {
+                e.logical_not().expand(scores.size(), false).sum_dim_intlist(&[0i64, 2, 3][..], false, kind)
+            }
+            Self::Dense { excluded: None } => {
+                let s = scores.size();
+                Tensor::full([s[1]], (s[0] * s[2] * s[3]) as f64, (kind, device))
+            }
+            Self::Edges(e) => Tensor::full([scores.size()[0]], e.len() as f64, (kind, device)),
+        }
+    }
+
+    /// Log-softmax over the keys of per-key logits `(B|1, H, 1, S_k)` (dense) or `(1, H, 1, N)`
+    /// (edges), restricted to keys some query may attend, and shaped to broadcast against the
+    /// scores. Keys no query may attend get 0, a harmless value: their entries are excluded.
+    pub fn key_log_softmax(&self, logits: &Tensor) -> Tensor {
+        let kind = logits.kind();
+        match self {
+            Self::Dense { excluded: Some(e) } => {
+                let unseen = e.logical_not().any_dim(-2, true).logical_not(); // (B|1, H|1, 1, S_k)
+                logits.masked_fill(&unseen, mask_value(kind)).log_softmax(-1, kind).masked_fill(&unseen, 0.0)
+            }
+            Self::Dense { excluded: None } => logits.log_softmax(-1, kind),
+            Self::Edges(e) => {
+                let heads = logits.size()[1];
+                // Nodes that are no edge's key are left out of the softmax, as the dense mask does.
+                let seen = Tensor::zeros([e.keys], (Kind::Bool, logits.device())).index_fill(0, &e.src, 1);
+                let unseen = seen.logical_not().view([1, 1, 1, -1]);
+                let log_psi = logits.masked_fill(&unseen, mask_value(kind)).log_softmax(-1, kind);
+                log_psi.view([heads, -1]).index_select(1, &e.src) // (H, E)
+            }
+        }
+    }
+}
