@@ -15,4 +15,9 @@ fn main() {
         .map(|v| v.trim_end_matches('"').to_string())
         .unwrap_or_else(|| "unknown".into());
     println!("cargo:rustc-env=PROBATTN_TCH_VERSION={version}");
+    // The project's Python (for data conversion and the PyTorch baselines), as
+    // download_libtorch.sh set it in .cargo/config.toml; PROBATTN_PYTHON overrides it at run time.
+    println!("cargo:rerun-if-env-changed=PROBATTN_PYTHON");
+    let python = std::env::var("PROBATTN_PYTHON").unwrap_or_else(|_| "python3".into());
+    println!("cargo:rustc-env=PROBATTN_PYTHON_DEFAULT={python}");
 }

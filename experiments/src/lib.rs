@@ -4,6 +4,8 @@
 pub mod attend;
 pub mod common;
 pub mod doctor;
+pub mod gat;
+pub mod provenance;
 
 use clap::{Parser, Subcommand};
 
@@ -22,11 +24,14 @@ pub enum Command {
     Doctor(doctor::DoctorArgs),
     /// Apply one attention variant to q, k, v read from a safetensors file.
     Attend(attend::AttendArgs),
+    /// GAT node classification on Cora, Citeseer or Pubmed with any attention variant.
+    Gat(gat::GatArgs),
 }
 
 pub fn run(cli: &Cli) -> anyhow::Result<()> {
     match &cli.command {
         Command::Doctor(args) => doctor::run(args),
         Command::Attend(args) => attend::run(args),
+        Command::Gat(args) => gat::run(args),
     }
 }

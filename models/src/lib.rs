@@ -6,6 +6,7 @@
 //! Planned, one file per model: GAT node classification (Velickovic et al. 2018, with BAM and
 //! DNAS attention) and the multi-view VQA fusion of Ding et al. 2020 (appendix B).
 
+pub mod gat;
 pub mod transformer;
 
 pub use probattn;

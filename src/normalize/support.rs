@@ -89,6 +89,14 @@ impl Support {
         Self::Dense { excluded: allowed.map(|a| a.logical_not()) }
     }
 
+    /// The edge list, for the edge layout.
+    pub fn edges(&self) -> Option<&EdgeList> {
+        match self {
+            Self::Edges(e) => Some(e),
+            Self::Dense { .. } => None,
+        }
+    }
+
     /// Checks that `scores` have this support's layout.
     pub fn check_scores(&self, scores: &Tensor) -> Result<()> {
         match self {

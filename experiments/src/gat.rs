@@ -1,0 +1,443 @@
+//! `probattn gat`: GAT node classification on the Planetoid citation graphs (Cora, Citeseer,
+//! Pubmed) with any attention variant, reproducing Velickovic et al. 2018 and the BAM paper's
+//! Table 1. Recipe: shared/docs/PAPER-NOTES.md section 2.
+//!
+//! Data: the canonical `ind.<name>.*` files, verified and converted by python/planetoid.py
+//! (Python pickles; read there with a restricted unpickler) into tensors. Training is full-batch
+//! with Adam and L2 on all weights; early stopping as the original: the patience counter resets
+//! when validation accuracy ≥ its best or validation loss ≤ its best, the checkpoint is kept when
+//! both hold; the test accuracy is that checkpoint's, in eval mode.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use probattn::normalize::{BamConfig, EdgeList, KlSchedule, Support};
+use probattn::{Mode, NormalizerConfig, Variant};
+use probattn_models::gat::{Features, Gat, GatConfig};
+use serde::{Deserialize, Serialize};
+use tch::nn::{self, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+
+use crate::common::CommonArgs;
+use crate::provenance::{run_dir, run_python, write_json, Provenance};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dataset {
+    Cora,
+    Citeseer,
+    Pubmed,
+}
+
+impl Dataset {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Cora => "cora",
+            Self::Citeseer => "citeseer",
+            Self::Pubmed => "pubmed",
+        }
+    }
+}
+
+/// The variants `--attention all` runs, in the order of the table.
+pub const ALL_VARIANTS: [&str; 9] = ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-nokl", "bam-lf", "bam-lc", "bam-wf", "bam-wc"];
+
+/// Flags of `probattn gat`.
+#[derive(Args, Debug)]
+pub struct GatArgs {
+    /// Dataset: cora, citeseer or pubmed.
+    #[arg(long, value_enum)]
+    pub dataset: Dataset,
+    /// Attention variant (softmax, dnas, hnas, sinkhorn-N, bam-nokl, bam-lf, bam-lc, bam-wf, bam-wc), or all.
+    #[arg(long, default_value = "softmax")]
+    pub attention: String,
+    /// Number of runs, with seeds seed-start, seed-start + 1, ...
+    #[arg(long, default_value_t = 10)]
+    pub seeds: u64,
+    /// The first seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed_start: u64,
+    /// Folder with the ind.<dataset>.* files (default: ../shared/data/planetoid when it exists,
+    /// else data/planetoid; `python python/planetoid.py download` fetches them).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Output folder (default: runs/gat/<UTC stamp>-<dataset>-<attention>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Stop after this many epochs even without early stopping.
+    #[arg(long, default_value_t = 100_000)]
+    pub max_epochs: usize,
+    /// Early-stopping patience in epochs.
+    #[arg(long, default_value_t = 100)]
+    pub patience: usize,
+    /// Override the preset's BAM Weibull shape k.
+    #[arg(long)]
+    pub k: Option<f64>,
+    /// Override the preset's BAM Lognormal sigma.
+    #[arg(long)]
+    pub sigma: Option<f64>,
+    /// Override the preset's BAM KL weight (the sigmoid schedule's ceiling).
+    #[arg(long)]
+    pub kl_weight: Option<f64>,
+    /// Override the preset's BAM prior beta (Gamma rate; bam-wc, bam-wf).
+    #[arg(long)]
+    pub prior_beta: Option<f64>,
+    #[command(flatten)]
+    pub common: CommonArgs,
+}
+
+/// Everything that defines one configuration's runs (written to config.json and results.json).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct GatRunConfig {
+    pub dataset: Dataset,
+    pub model: GatConfig,
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub patience: usize,
+    pub max_epochs: usize,
+    /// The KL term's weight per epoch (BAM variants with a prior).
+    pub kl_schedule: KlSchedule,
+    /// Where the BAM settings come from.
+    pub preset: String,
+}
+
+/// The named BAM presets per dataset: (k, σ, KL weight, β). Values chosen on validation accuracy
+/// only (see results/gat/README.md for the sweep that chose them); the authors' code defaults
+/// (k = 1000, σ = 1, KL weight 0, β = 1) where no sweep was run.
+pub fn bam_preset(dataset: Dataset) -> (&'static str, BamConfig, f64) {
+    let _ = dataset;
+    ("authors-defaults", BamConfig::default(), 0.0)
+}
+
+impl GatRunConfig {
+    /// The paper's recipe for `dataset` with `variant` (Velickovic et al. 2018, Sec. 3.3).
+    pub fn preset(dataset: Dataset, variant: Variant) -> Self {
+        let (name, bam, kl_weight) = bam_preset(dataset);
+        let mut model = match dataset {
+            Dataset::Pubmed => GatConfig::pubmed(variant),
+            _ => GatConfig::transductive(variant),
+        };
+        model.normalizer = NormalizerConfig { bam, ..Default::default() };
+        let (lr, weight_decay) = match dataset {
+            Dataset::Pubmed => (0.01, 1e-3),
+            _ => (0.005, 5e-4),
+        };
+        Self {
+            dataset,
+            model,
+            lr,
+            weight_decay,
+            patience: 100,
+            max_epochs: 100_000,
+            // The authors' schedule: weight · sigmoid(epoch · 1), computed stably.
+            kl_schedule: KlSchedule::Sigmoid { weight: kl_weight, rate: 1.0, start: 0.0 },
+            preset: name.into(),
+        }
+    }
+
+    fn apply_overrides(&mut self, args: &GatArgs) {
+        let bam = &mut self.model.normalizer.bam;
+        let mut changed = false;
+        for (field, value) in [(&mut bam.k, args.k), (&mut bam.sigma, args.sigma), (&mut bam.prior_beta, args.prior_beta)] {
+            if let Some(v) = value {
+                *field = v;
+                changed = true;
+            }
+        }
+        if let (Some(w), KlSchedule::Sigmoid { weight, .. }) = (args.kl_weight, &mut self.kl_schedule) {
+            *weight = w;
+            changed = true;
+        }
+        if changed {
+            self.preset = format!("{} with command-line overrides", self.preset);
+        }
+        self.patience = args.patience;
+        self.max_epochs = args.max_epochs;
+    }
+}
+
+/// A loaded graph on a device.
+#[derive(Debug)]
+pub struct Graph {
+    /// Row-normalized features, stored sparse.
+    pub features: Features,
+    pub labels: Tensor,
+    pub train: Tensor,
+    pub val: Tensor,
+    pub test: Tensor,
+    pub support: Support,
+    pub classes: i64,
+}
+
+impl Graph {
+    pub fn nodes(&self) -> i64 {
+        self.features.nodes()
+    }
+}
+
+/// The default data folder: ../shared/data/planetoid when it exists, else data/planetoid.
+pub fn default_data_dir() -> PathBuf {
+    let shared = Path::new("../shared/data/planetoid");
+    if shared.is_dir() {
+        shared.into()
+    } else {
+        "data/planetoid".into()
+    }
+}
+
+/// Reads, verifies and converts the dataset's `ind.*` files (python/planetoid.py), then loads
+/// the tensors onto `device`.
+pub fn load_graph(dataset: Dataset, data_dir: &Path, device: Device) -> Result<Graph> {
+    let name = dataset.name();
+    // A copy known to be incomplete lives in <name>_incomplete/; the converter then names the
+    // missing file.
+    let incomplete = data_dir.join(format!("{name}_incomplete"));
+    let folder = if !data_dir.join(format!("ind.{name}.x")).exists() && incomplete.is_dir() { incomplete } else { data_dir.to_path_buf() };
+    ensure!(folder.is_dir(), "data folder {} does not exist (run `python python/planetoid.py download --dir {}`, or pass --data-dir)", folder.display(), folder.display());
+    let converted = std::env::temp_dir().join(format!("probattn-{name}-{}.safetensors", std::process::id()));
+    let (dir, out) = (folder.to_string_lossy().to_string(), converted.to_string_lossy().to_string());
+    run_python("planetoid.py", &["convert", "--dir", &dir, "--name", name, "--out", &out]).with_context(|| format!("loading {name}"))?;
+    let tensors = probattn::io::read_safetensors(&converted);
+    let _ = std::fs::remove_file(&converted);
+    let tensors = tensors?;
+    let get = |k: &str| tensors.get(k).map(|t| t.to_device(device)).with_context(|| format!("converted {name} lacks {k}"));
+    let (features, labels) = (get("features")?, get("labels")?);
+    let n = features.size()[0];
+    let support = Support::Edges(EdgeList::new(get("edge_dst")?, get("edge_src")?, n, n)?);
+    let classes = i64::try_from(labels.max())? + 1;
+    let features = Features::sparse_from_dense(&features);
+    Ok(Graph { features, labels, train: get("train_idx")?, val: get("val_idx")?, test: get("test_idx")?, support, classes })
+}
+
+/// One run's outcome.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunResult {
+    pub seed: u64,
+    pub val_acc: f64,
+    pub val_loss: f64,
+    pub test_acc: f64,
+    pub best_epoch: usize,
+    pub epochs: usize,
+    pub train_seconds: f64,
+    pub epoch_ms: f64,
+}
+
+fn accuracy(logits: &Tensor, labels: &Tensor, idx: &Tensor) -> Result<f64> {
+    let hit = logits.index_select(0, idx).argmax(-1, false).eq_tensor(&labels.index_select(0, idx));
+    Ok(f64::try_from(hit.to_kind(Kind::Double).mean(Kind::Double))?)
+}
+
+fn cross_entropy(logits: &Tensor, labels: &Tensor, idx: &Tensor) -> Tensor {
+    logits.index_select(0, idx).cross_entropy_for_logits(&labels.index_select(0, idx))
+}
+
+/// Trains one model from `seed` with early stopping; appends per-epoch metrics to `metrics`.
+pub fn train_run(graph: &Graph, cfg: &GatRunConfig, seed: u64, device: Device, bar: &ProgressBar, metrics: &mut impl Write) -> Result<RunResult> {
+    tch::manual_seed(seed as i64);
+    let vs = nn::VarStore::new(device);
+    let model = Gat::new(&vs.root(), graph.features.features(), graph.classes, cfg.model.clone())?;
+    let mut opt = nn::Adam { wd: cfg.weight_decay, ..Default::default() }.build(&vs, cfg.lr)?;
+    let variables: Vec<Tensor> = vs.trainable_variables();
+    let mut kept: Vec<Tensor> = variables.iter().map(|v| v.detach().copy()).collect();
+    let (mut best_acc, mut best_loss, mut waited) = (0.0f64, f64::INFINITY, 0usize);
+    let (mut best_epoch, mut kept_val) = (0usize, (0.0, f64::INFINITY));
+    let start = Instant::now();
+    let mut epochs = 0;
+    for epoch in 0..cfg.max_epochs {
+        epochs = epoch + 1;
+        let out = model.forward(&graph.features, &graph.support, Mode::TRAIN)?;
+        let mut loss = cross_entropy(&out.logits, &graph.labels, &graph.train);
+        let kl = match &out.kl {
+            Some(kl) => {
+                let w = cfg.kl_schedule.weight_at(epoch as u64);
+                if w != 0.0 {
+                    loss += kl * w;
+                }
+                Some(kl.detach())
+            }
+            None => None,
+        };
+        opt.backward_step(&loss);
+        let (val_loss, val_acc) = tch::no_grad(|| -> Result<(f64, f64)> {
+            let logits = model.forward(&graph.features, &graph.support, Mode::EVAL)?.logits;
+            Ok((f64::try_from(cross_entropy(&logits, &graph.labels, &graph.val))?, accuracy(&logits, &graph.labels, &graph.val)?))
+        })?;
+        let kl_value = kl.map(|k| f64::try_from(k)).transpose()?;
+        writeln!(
+            metrics,
+            "{}",
+            serde_json::json!({"seed": seed, "epoch": epoch, "train_loss": f64::try_from(loss.detach())?, "kl": kl_value, "val_loss": val_loss, "val_acc": val_acc})
+        )?;
+        ensure!(val_loss.is_finite(), "validation loss became {val_loss} at epoch {epoch} (seed {seed})");
+        if val_acc >= best_acc || val_loss <= best_loss {
+            if val_acc >= best_acc && val_loss <= best_loss {
+                for (k, v) in kept.iter_mut().zip(&variables) {
+                    k.copy_(&v.detach());
+                }
+                best_epoch = epoch;
+                kept_val = (val_acc, val_loss);
+            }
+            best_acc = best_acc.max(val_acc);
+            best_loss = best_loss.min(val_loss);
+            waited = 0;
+        } else {
+            waited += 1;
+            if waited == cfg.patience {
+                break;
+            }
+        }
+        bar.set_message(format!("epoch {epoch}, val acc {val_acc:.4}, kept {:.4} @ {best_epoch}", kept_val.0));
+        bar.tick();
+    }
+    let train_seconds = start.elapsed().as_secs_f64();
+    tch::no_grad(|| {
+        for (v, k) in variables.iter().zip(&kept) {
+            v.shallow_clone().copy_(k);
+        }
+    });
+    let logits = tch::no_grad(|| model.forward(&graph.features, &graph.support, Mode::EVAL))?.logits;
+    Ok(RunResult {
+        seed,
+        val_acc: kept_val.0,
+        val_loss: kept_val.1,
+        test_acc: accuracy(&logits, &graph.labels, &graph.test)?,
+        best_epoch,
+        epochs,
+        train_seconds,
+        epoch_ms: 1e3 * train_seconds / epochs.max(1) as f64,
+    })
+}
+
+/// The results of one configuration over seeds (results.json).
+#[derive(Debug, Serialize)]
+pub struct GatResults {
+    pub dataset: Dataset,
+    pub attention: String,
+    pub config: GatRunConfig,
+    pub runs: Vec<RunResult>,
+    pub test_acc_mean: f64,
+    pub test_acc_std: f64,
+    pub val_acc_mean: f64,
+    pub epoch_ms_mean: f64,
+    pub provenance: Provenance,
+}
+
+/// Mean and sample standard deviation.
+pub fn mean_std(x: &[f64]) -> (f64, f64) {
+    let n = x.len() as f64;
+    let mean = x.iter().sum::<f64>() / n;
+    let var = if x.len() > 1 { x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
+    (mean, var.sqrt())
+}
+
+fn run_variant(graph: &Graph, args: &GatArgs, variant: Variant, dir: &Path, device: Device) -> Result<GatResults> {
+    let mut cfg = GatRunConfig::preset(args.dataset, variant);
+    cfg.apply_overrides(args);
+    write_json(&dir.join("config.json"), &cfg)?;
+    let metrics_path = dir.join("metrics.jsonl");
+    let mut metrics = std::io::BufWriter::new(std::fs::File::create(&metrics_path).with_context(|| format!("creating {}", metrics_path.display()))?);
+    let mut runs = vec![];
+    for seed in args.seed_start..args.seed_start + args.seeds {
+        let bar = ProgressBar::new_spinner().with_style(ProgressStyle::with_template("{spinner} {prefix} {msg} [{elapsed}]")?);
+        bar.set_prefix(format!("{} {variant} seed {seed}:", args.dataset.name()));
+        let run = train_run(graph, &cfg, seed, device, &bar, &mut metrics)?;
+        bar.finish_and_clear();
+        println!(
+            "{} {variant:10} seed {seed:3}: test acc {:.4}, val acc {:.4} (epoch {} of {}), {:.1} s, {:.1} ms/epoch",
+            args.dataset.name(),
+            run.test_acc,
+            run.val_acc,
+            run.best_epoch,
+            run.epochs,
+            run.train_seconds,
+            run.epoch_ms
+        );
+        runs.push(run);
+    }
+    metrics.flush()?;
+    let tests: Vec<f64> = runs.iter().map(|r| r.test_acc).collect();
+    let (test_acc_mean, test_acc_std) = mean_std(&tests);
+    let results = GatResults {
+        dataset: args.dataset,
+        attention: variant.to_string(),
+        val_acc_mean: mean_std(&runs.iter().map(|r| r.val_acc).collect::<Vec<_>>()).0,
+        epoch_ms_mean: mean_std(&runs.iter().map(|r| r.epoch_ms).collect::<Vec<_>>()).0,
+        config: cfg,
+        runs,
+        test_acc_mean,
+        test_acc_std,
+        provenance: Provenance::gather(device),
+    };
+    write_json(&dir.join("results.json"), &results)?;
+    Ok(results)
+}
+
+/// The markdown table of several configurations' results.
+pub fn table(results: &[GatResults]) -> String {
+    let mut t = String::from("| attention | test acc (mean ± std, %) | val acc (%) | runs | epochs (mean) | ms/epoch |\n|---|---|---|---|---|---|\n");
+    for r in results {
+        let epochs = r.runs.iter().map(|x| x.epochs as f64).sum::<f64>() / r.runs.len() as f64;
+        t += &format!(
+            "| {} | {:.2} ± {:.2} | {:.2} | {} | {:.0} | {:.1} |\n",
+            r.attention,
+            100.0 * r.test_acc_mean,
+            100.0 * r.test_acc_std,
+            100.0 * r.val_acc_mean,
+            r.runs.len(),
+            epochs,
+            r.epoch_ms_mean
+        );
+    }
+    t
+}
+
+pub fn run(args: &GatArgs) -> Result<()> {
+    let device = args.common.setup()?;
+    ensure!(args.seeds >= 1, "--seeds must be at least 1");
+    let variants: Vec<Variant> = if args.attention == "all" {
+        ALL_VARIANTS.iter().map(|v| v.parse()).collect::<probattn::Result<_>>()?
+    } else {
+        vec![args.attention.parse().context("--attention")?]
+    };
+    if variants.iter().any(|v| matches!(v, Variant::Bam(_))) || args.attention == "all" {
+        // Validate overrides before spending time on data.
+        let mut cfg = GatRunConfig::preset(args.dataset, variants[0]);
+        cfg.apply_overrides(args);
+        if cfg.max_epochs == 0 || cfg.patience == 0 {
+            bail!("--max-epochs and --patience must be at least 1");
+        }
+    }
+    let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
+    let graph = load_graph(args.dataset, &data_dir, device)?;
+    println!(
+        "{}: {} nodes, {} features, {} classes, {} edges with self-loops; train/val/test {}/{}/{}; device {}, {} threads",
+        args.dataset.name(),
+        graph.nodes(),
+        graph.features.features(),
+        graph.classes,
+        graph.support.edges().map_or(0, |e| e.len()),
+        graph.train.size()[0],
+        graph.val.size()[0],
+        graph.test.size()[0],
+        probattn::device::device_name(device),
+        tch::get_num_threads()
+    );
+    let dir = run_dir(args.out.as_deref(), "gat", &format!("{}-{}", args.dataset.name(), args.attention))?;
+    let mut all = vec![];
+    for variant in variants {
+        let sub = if args.attention == "all" { dir.join(variant.to_string()) } else { dir.clone() };
+        std::fs::create_dir_all(&sub)?;
+        all.push(run_variant(&graph, args, variant, &sub, device)?);
+    }
+    let table = table(&all);
+    println!("\n{} ({} seeds from {}):\n{table}", args.dataset.name(), args.seeds, args.seed_start);
+    if args.attention == "all" {
+        probattn::io::write_bytes_atomic(&dir.join("summary.md"), table.as_bytes())?;
+    }
+    println!("results in {}", dir.display());
+    Ok(())
+}

@@ -1,0 +1,101 @@
+//! Where a result came from: code version, library versions, device, threads, command line;
+//! and the helpers experiments share (the project's Python, run folders, atomic JSON).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+
+/// Provenance recorded in every results file.
+#[derive(Debug, Clone, Serialize)]
+pub struct Provenance {
+    pub git_sha: String,
+    pub git_dirty: bool,
+    pub probattn_version: String,
+    pub tch_version: String,
+    pub libtorch_version: Option<String>,
+    pub device: String,
+    pub threads: i32,
+    pub command: Vec<String>,
+    pub unix_time: u64,
+}
+
+impl Provenance {
+    pub fn gather(device: tch::Device) -> Self {
+        let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let git = |args: &[&str]| {
+            Command::new("git").arg("-C").arg(repo).args(args).output().ok().filter(|o| o.status.success()).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        };
+        let report = crate::doctor::Report::gather(device);
+        Self {
+            git_sha: git(&["rev-parse", "HEAD"]).unwrap_or_else(|| "unknown".into()),
+            git_dirty: git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty()),
+            probattn_version: report.probattn_version,
+            tch_version: report.tch_version,
+            libtorch_version: report.libtorch_version,
+            device: probattn::device::device_name(device),
+            threads: tch::get_num_threads(),
+            command: std::env::args().collect(),
+            unix_time: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        }
+    }
+}
+
+/// The project's Python: `PROBATTN_PYTHON`, else the one download_libtorch.sh set up at build time.
+pub fn python() -> PathBuf {
+    std::env::var_os("PROBATTN_PYTHON").map_or_else(|| PathBuf::from(env!("PROBATTN_PYTHON_DEFAULT")), PathBuf::from)
+}
+
+/// The workspace's `python/` folder (scripts the experiments call).
+pub fn python_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../python")
+}
+
+/// Runs `python/<script> args...`; on failure the error carries the script's own message.
+pub fn run_python(script: &str, args: &[&str]) -> Result<String> {
+    let python = python();
+    let out = Command::new(&python)
+        .arg(python_dir().join(script))
+        .args(args)
+        .output()
+        .with_context(|| format!("running {} (set PROBATTN_PYTHON, or run ./download_libtorch.sh)", python.display()))?;
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        bail!("{}", stderr.trim().trim_start_matches("error: "));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// A new run folder `runs/<experiment>/<UTC stamp>-<tag>` (or `out` when given), created.
+pub fn run_dir(out: Option<&Path>, experiment: &str, tag: &str) -> Result<PathBuf> {
+    let dir = match out {
+        Some(d) => d.to_path_buf(),
+        None => Path::new("runs").join(experiment).join(format!("{}-{tag}", utc_stamp())),
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// Writes `value` as pretty JSON to `path`, atomically.
+pub fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
+    let text = serde_json::to_string_pretty(value)?;
+    probattn::io::write_bytes_atomic(path, text.as_bytes()).with_context(|| format!("writing {}", path.display()))
+}
+
+/// `YYYYMMDD-HHMMSS` in UTC.
+pub fn utc_stamp() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}{month:02}{day:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+}
