@@ -4,6 +4,7 @@
   reference  reference outputs (and gradients, given cotangents) for one input file
   compare    check a `probattn attend` output file against the reference, with tolerances
   mha-cases  random MultiHeadAttention cases: PyTorch state dicts, inputs, references
+  gat-cases  small graphs and GAT layers of the PyTorch baseline, with references
   svgd-cases random particle sets and the reference SVGD/SPOS direction
   score-cases additive (Bahdanau) and self-attentive (Lin et al.) scores and gradients
   demo-input the padded batch of the README's demo (demo.sh)
@@ -249,6 +250,37 @@ def cmd_svgd_cases(args):
         json.dump(manifest, f, indent=1)
 
 
+def cmd_gat_cases(args):
+    """A small random graph, a GAT layer of python/baselines/gat.py with random weights, and its
+    eval-mode output and gradients (float64), for the Rust GatLayer to match."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "baselines"))
+    import gat as baseline
+
+    torch.manual_seed(args.seed)
+    os.makedirs(args.out, exist_ok=True)
+    manifest = []
+    for i, (n, f_in, f_out, heads, concat) in enumerate([(7, 5, 3, 2, True), (9, 4, 6, 3, False), (5, 8, 2, 1, False)]):
+        adjacency = (torch.rand(n, n) < 0.35) | torch.eye(n, dtype=torch.bool)
+        dst, src = adjacency.nonzero().t()
+        layer = baseline.GatLayer(f_in, f_out, heads, concat).double().eval()
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_()
+        x = torch.randn(n, f_in, dtype=torch.float64, requires_grad=True)
+        out = layer(x, dst, src, n, 0.6)
+        cot = torch.randn_like(out)
+        names = [name for name, _ in layer.named_parameters()]
+        grads = torch.autograd.grad((out * cot).sum(), [x] + list(layer.parameters()))
+        name = f"gat-{i:03d}"
+        save_file({n_: p.detach().contiguous() for n_, p in layer.named_parameters()}, os.path.join(args.out, name + ".weights.safetensors"))
+        save_file({"x": x.detach(), "edge_dst": dst.contiguous(), "edge_src": src.contiguous(), "cotangent": cot,
+                   "output": out.detach(), "grad.x": grads[0], **{f"grad.{n_}": g for n_, g in zip(names, grads[1:])}},
+                  os.path.join(args.out, name + ".safetensors"))
+        manifest.append({"name": name, "nodes": n, "in": f_in, "out": f_out, "heads": heads, "concat": concat})
+    with open(os.path.join(args.out, "cases.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+
+
 def cmd_demo_input(args):
     """A padded batch whose scores spread widely enough that softmax explains keys away."""
     gen = torch.Generator().manual_seed(args.seed)
@@ -361,6 +393,10 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--count", type=int, default=36)
     p.set_defaults(run=cmd_svgd_cases)
+    p = sub.add_parser("gat-cases", help="GAT layers of python/baselines/gat.py with references")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=cmd_gat_cases)
     p = sub.add_parser("demo-input", help="the input of the README's attend demo")
     p.add_argument("--output", required=True)
     p.add_argument("--seed", type=int, default=0)

@@ -347,8 +347,9 @@ fn run_variant(graph: &Graph, args: &GatArgs, variant: Variant, dir: &Path, devi
         let run = train_run(graph, &cfg, seed, device, &bar, &mut metrics)?;
         bar.finish_and_clear();
         println!(
-            "{} {variant:10} seed {seed:3}: test acc {:.4}, val acc {:.4} (epoch {} of {}), {:.1} s, {:.1} ms/epoch",
+            "{} {:10} seed {seed:3}: test acc {:.4}, val acc {:.4} (epoch {} of {}), {:.1} s, {:.1} ms/epoch",
             args.dataset.name(),
+            variant.to_string(),
             run.test_acc,
             run.val_acc,
             run.best_epoch,

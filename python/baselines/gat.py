@@ -69,12 +69,12 @@ class GatLayer(torch.nn.Module):
         e = (wh * self.att_dst).sum(-1)[dst] + (wh * self.att_src).sum(-1)[src]  # (E, H)
         e = F.leaky_relu(e, 0.2).t()  # (H, E)
         idx = dst.unsqueeze(0).expand_as(e)
-        shift = torch.full((self.heads, n), float("-inf")).scatter_reduce(1, idx, e.detach(), "amax").gather(1, idx)
+        shift = e.new_full((self.heads, n), float("-inf")).scatter_reduce(1, idx, e.detach(), "amax").gather(1, idx)
         ex = (e - shift).exp()
-        alpha = ex / torch.zeros(self.heads, n).scatter_add(1, idx, ex).gather(1, idx)
+        alpha = ex / e.new_zeros(self.heads, n).scatter_add(1, idx, ex).gather(1, idx)
         alpha = F.dropout(alpha, p, self.training)
         values = F.dropout(wh, p, self.training)
-        out = torch.zeros(n, self.heads, self.f_out).index_add(0, dst, values[src] * alpha.t()[..., None]) + self.bias
+        out = wh.new_zeros(n, self.heads, self.f_out).index_add(0, dst, values[src] * alpha.t()[..., None]) + self.bias
         return out.reshape(n, -1) if self.concat else out.mean(1)
 
 
