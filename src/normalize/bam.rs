@@ -142,6 +142,9 @@ impl BamConfig {
 /// adjacency; restricting it to attendable keys is the paper's reading.
 #[derive(Debug)]
 pub struct ContextualPrior {
+    heads: i64,
+    hidden: i64,
+    key_dim: i64,
     /// `(H, hidden, d_k)`
     f1_weight: Tensor,
     /// `(H, hidden)`
@@ -158,6 +161,9 @@ impl ContextualPrior {
         let he = |fan_in: i64| nn::Init::Randn { mean: 0.0, stdev: (2.0 / fan_in as f64).sqrt() };
         let (f1, f2) = (p / "f1", p / "f2");
         Self {
+            heads,
+            hidden,
+            key_dim,
             f1_weight: f1.var("weight", &[heads, hidden, key_dim], he(key_dim)),
             f1_bias: f1.var("bias", &[heads, hidden], nn::Init::Const(0.0)),
             f2_weight: f2.var("weight", &[heads, hidden], he(hidden)),
@@ -168,7 +174,7 @@ impl ContextualPrior {
     /// `log ψ` broadcastable to the scores (`(B, H, 1, S_k)` dense, `(H, E)` over edges), from keys
     /// `(B, H, S_k, d_k)` (`(1, H, N, d_k)` over edges); keys no query may attend get 0.
     pub fn log_psi(&self, keys: &Tensor, support: &Support) -> Result<Tensor> {
-        let [heads, hidden, key_dim] = self.f1_weight.size()[..] else { unreachable!("f1 is 3-d") };
+        let (heads, hidden, key_dim) = (self.heads, self.hidden, self.key_dim);
         let size = keys.size();
         if size.len() != 4 || size[1] != heads || size[3] != key_dim {
             return Err(Error::Shape(format!(
@@ -279,7 +285,7 @@ impl Bam {
                 let mu_q = &log_pi - self.cfg.sigma * self.cfg.sigma / 2.0;
                 lognormal_kl(&mu_q, self.cfg.sigma, &log_psi, self.cfg.prior_sigma)
             }
-            (other, _) => unreachable!("{other:?} has no KL or no prior network"),
+            (kind, _) => return Err(Error::Unsupported(format!("{} has no KL term with this prior", kind.name()))),
         };
         let total = s.sum_per_head(&s.zero(&elementwise.expand(input.scores.size(), false))); // (H,)
         Ok((total / s.count_per_head(input.scores).clamp_min(1.0)).mean(kind))
