@@ -360,12 +360,18 @@ def cmd_mha_cases(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("cases", help="random attend cases with references")
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--count", type=int, default=60)
-    p.add_argument("--bam", action="store_true", help="include the BAM variants")
-    p.set_defaults(run=cmd_cases)
+    def case_command(name, help, run, count=None):
+        """A subcommand writing generated cases to --out from --seed (and --count of them)."""
+        p = sub.add_parser(name, help=help)
+        p.add_argument("--out", required=True)
+        p.add_argument("--seed", type=int, default=0)
+        if count is not None:
+            p.add_argument("--count", type=int, default=count)
+        p.set_defaults(run=run)
+        return p
+
+    case_command("cases", "random attend cases with references", cmd_cases, count=60).add_argument(
+        "--bam", action="store_true", help="include the BAM variants")
 
     def attend_flags(p):
         p.add_argument("--variant", required=True)
@@ -384,28 +390,14 @@ def main():
     p.add_argument("--output", required=True, help="the file probattn attend --output wrote")
     p.add_argument("--tol", type=float, default=None, help="default: 1e-10 for float64, 1e-5 for float32")
     p.set_defaults(run=cmd_compare)
-    p = sub.add_parser("score-cases", help="additive and self-attentive score cases")
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(run=cmd_score_cases)
-    p = sub.add_parser("svgd-cases", help="random particle sets with the reference SVGD/SPOS direction")
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--count", type=int, default=36)
-    p.set_defaults(run=cmd_svgd_cases)
-    p = sub.add_parser("gat-cases", help="GAT layers of python/baselines/gat.py with references")
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(run=cmd_gat_cases)
+    case_command("mha-cases", "random MultiHeadAttention cases with references", cmd_mha_cases, count=20)
+    case_command("score-cases", "additive and self-attentive score cases", cmd_score_cases)
+    case_command("svgd-cases", "random particle sets with the reference SVGD/SPOS direction", cmd_svgd_cases, count=36)
+    case_command("gat-cases", "GAT layers of python/baselines/gat.py with references", cmd_gat_cases)
     p = sub.add_parser("demo-input", help="the input of the README's attend demo")
     p.add_argument("--output", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=cmd_demo_input)
-    p = sub.add_parser("mha-cases", help="random MultiHeadAttention cases with references")
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--count", type=int, default=20)
-    p.set_defaults(run=cmd_mha_cases)
     args = parser.parse_args()
     sys.exit(args.run(args) or 0)
 
