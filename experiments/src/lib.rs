@@ -2,6 +2,7 @@
 //! binary (`src/main.rs`) only parses and dispatches.
 
 pub mod attend;
+pub mod bench;
 pub mod common;
 pub mod doctor;
 pub mod gat;
@@ -26,6 +27,8 @@ pub enum Command {
     Attend(attend::AttendArgs),
     /// GAT node classification on Cora, Citeseer or Pubmed with any attention variant.
     Gat(gat::GatArgs),
+    /// Time every normalizer and the SVGD hook against PyTorch, in one invocation.
+    Bench(bench::BenchArgs),
 }
 
 pub fn run(cli: &Cli) -> anyhow::Result<()> {
@@ -33,5 +36,6 @@ pub fn run(cli: &Cli) -> anyhow::Result<()> {
         Command::Doctor(args) => doctor::run(args),
         Command::Attend(args) => attend::run(args),
         Command::Gat(args) => gat::run(args),
+        Command::Bench(args) => bench::run(args),
     }
 }

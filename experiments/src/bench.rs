@@ -1,0 +1,253 @@
+//! `probattn bench`: forward+backward time of `MultiHeadAttention` with each normalizer over a
+//! grid of sequence lengths (B = 8, H = 8, E = 512, float32, training mode), against PyTorch eager
+//! with the reference implementations and PyTorch's `scaled_dot_product_attention`, measured in
+//! the same invocation; and one optimizer step of a Transformer-small-sized stack with and without
+//! the repulsive (SVGD) hook. Writes `bench.json` and `bench.md` (the ratios that matter).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use probattn::repulsive::{RepulsiveConfig, RepulsiveHook, Selection};
+use probattn::{MhaConfig, MhaInput, MultiHeadAttention, Variant};
+use probattn_models::transformer::{Transformer, TransformerConfig};
+use serde::{Deserialize, Serialize};
+use tch::nn::{self, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+
+use crate::common::CommonArgs;
+use crate::provenance::{run_dir, run_python, write_json, Provenance};
+
+const VARIANTS: [&str; 6] = ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-wc", "bam-lc"];
+const BATCH: i64 = 8;
+const HEADS: i64 = 8;
+const EMBED: i64 = 512;
+
+/// Flags of `probattn bench`.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// A short grid (S = 64 and 256, 3 repeats, a smaller SVGD step) that finishes in under 3
+    /// minutes on 2 CPU cores.
+    #[arg(long)]
+    pub quick: bool,
+    /// Sequence lengths (default: 64,128,256,512,1024 on CPU; up to 8192 on CUDA).
+    #[arg(long, value_delimiter = ',')]
+    pub seq_lens: Option<Vec<i64>>,
+    /// Timed repeats per configuration, after two warm-up runs (default 10; 3 with --quick).
+    #[arg(long)]
+    pub repeats: Option<usize>,
+    /// Skip the PyTorch side (python/bench.py).
+    #[arg(long)]
+    pub no_pytorch: bool,
+    /// Output folder (default: runs/bench/<UTC stamp>-<device>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    #[command(flatten)]
+    pub common: CommonArgs,
+}
+
+/// One timed configuration (bench.json's `measurements`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Measurement {
+    pub variant: String,
+    #[serde(rename = "impl")]
+    pub implementation: String,
+    pub device: String,
+    pub batch: i64,
+    pub heads: i64,
+    pub embed: i64,
+    pub seq_len: i64,
+    pub fwd_bwd_ms: f64,
+    pub fwd_bwd_ms_iqr: f64,
+    /// Peak allocator memory on CUDA (PyTorch side); `null` where not measured (CPU, and
+    /// probattn's side: tch exposes no allocator statistics).
+    pub peak_mem_bytes: Option<u64>,
+}
+
+/// The SVGD hook's cost (bench.json's `svgd`).
+#[derive(Clone, Debug, Serialize)]
+pub struct SvgdTiming {
+    pub step_ms_without: f64,
+    pub step_ms_with: f64,
+    pub ratio: f64,
+    pub hook_ms: f64,
+    pub tokens_per_side: i64,
+}
+
+#[derive(Debug, Serialize)]
+struct Bench {
+    measurements: Vec<Measurement>,
+    svgd: SvgdTiming,
+    provenance: Provenance,
+}
+
+fn sync(device: Device) {
+    if let Device::Cuda(d) = device {
+        tch::Cuda::synchronize(d as i64);
+    }
+}
+
+/// Median and interquartile range of `repeats` timed calls after two warm-up calls, in ms.
+fn time_it(device: Device, repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    for _ in 0..2 {
+        f()?;
+    }
+    let mut times = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        sync(device);
+        let start = Instant::now();
+        f()?;
+        sync(device);
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    let q = |p: f64| times[((p * (times.len() - 1) as f64).round() as usize).min(times.len() - 1)];
+    Ok((q(0.5), q(0.75) - q(0.25)))
+}
+
+fn measure_ours(device: Device, seq_lens: &[i64], repeats: usize) -> Result<Vec<Measurement>> {
+    let mut out = vec![];
+    for &s in seq_lens {
+        let x = Tensor::randn([BATCH, s, EMBED], (Kind::Float, device)).set_requires_grad(true);
+        for name in VARIANTS {
+            tch::manual_seed(0);
+            let vs = nn::VarStore::new(device);
+            let mha = MultiHeadAttention::new(&vs.root(), MhaConfig::new(EMBED, HEADS).with_variant(name.parse::<Variant>()?))?;
+            let (median, iqr) = time_it(device, repeats, || {
+                let o = mha.forward_t(&MhaInput::self_attention(&x), true)?;
+                let mut loss = o.context.sum(Kind::Float);
+                if let Some(kl) = o.kl {
+                    loss += kl;
+                }
+                loss.backward();
+                Ok(())
+            })?;
+            eprintln!("probattn {name:12} S={s:5}: {median:9.1} ms");
+            out.push(Measurement {
+                variant: name.into(),
+                implementation: "probattn".into(),
+                device: probattn::device::device_name(device),
+                batch: BATCH,
+                heads: HEADS,
+                embed: EMBED,
+                seq_len: s,
+                fwd_bwd_ms: median,
+                fwd_bwd_ms_iqr: iqr,
+                peak_mem_bytes: None,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// One Adam step of the 6+6-layer, E = 512, 4-head stack, with and without the hook (the two
+/// take turns so machine drift hits both alike).
+fn measure_svgd(device: Device, tokens: i64, repeats: usize) -> Result<SvgdTiming> {
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(device);
+    let model = Transformer::new(&vs.root(), TransformerConfig::iwslt())?;
+    let mut hook = RepulsiveHook::new(RepulsiveConfig::default(), Selection::default())?;
+    model.register_repulsive(&mut hook);
+    let mut adam = nn::Adam { beta1: 0.9, beta2: 0.98, eps: 1e-8, wd: 1e-4, amsgrad: false }.build(&vs, 5e-4)?;
+    let (batch, len) = (32, (tokens / 32).max(1));
+    let src = Tensor::randn([batch, len, 512], (Kind::Float, device));
+    let tgt = Tensor::randn([batch, len, 512], (Kind::Float, device));
+    let (mut without, mut with, mut hook_only) = (vec![], vec![], vec![]);
+    for round in 0..repeats + 1 {
+        for use_hook in [false, true] {
+            sync(device);
+            let start = Instant::now();
+            let out = model.forward_t(&src, None, &tgt, None, true)?;
+            adam.zero_grad();
+            out.output.square().mean(Kind::Float).backward();
+            let mut h = 0.0;
+            if use_hook {
+                sync(device);
+                let t = Instant::now();
+                hook.apply()?;
+                sync(device);
+                h = t.elapsed().as_secs_f64() * 1e3;
+            }
+            adam.step();
+            sync(device);
+            let ms = start.elapsed().as_secs_f64() * 1e3;
+            if round > 0 {
+                if use_hook {
+                    with.push(ms);
+                    hook_only.push(h);
+                } else {
+                    without.push(ms);
+                }
+            }
+        }
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (a, b, h) = (median(without), median(with), median(hook_only));
+    eprintln!("svgd: step {a:.1} ms without the hook, {b:.1} ms with (hook alone {h:.1} ms)");
+    Ok(SvgdTiming { step_ms_without: a, step_ms_with: b, ratio: b / a, hook_ms: h, tokens_per_side: batch * len })
+}
+
+/// The markdown table: per sequence length and variant, ours, PyTorch's, and the ratios.
+pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
+    let find = |v: &str, imp: &str, s: i64| m.iter().find(|x| x.variant == v && x.implementation == imp && x.seq_len == s).map(|x| x.fwd_bwd_ms);
+    let mut seqs: Vec<i64> = m.iter().map(|x| x.seq_len).collect();
+    seqs.sort();
+    seqs.dedup();
+    let fmt = |x: Option<f64>| x.map_or("–".to_string(), |v| format!("{v:.2}"));
+    let mut t = String::from("| S | variant | probattn ms | PyTorch ms | variant / softmax (probattn) | probattn / PyTorch |\n|---|---|---|---|---|---|\n");
+    for &s in &seqs {
+        let soft = find("softmax", "probattn", s);
+        for v in VARIANTS {
+            let ours = find(v, "probattn", s);
+            let theirs = find(v, "pytorch", s);
+            let rel = ours.zip(soft).map(|(a, b)| a / b);
+            let vs = ours.zip(theirs).map(|(a, b)| a / b);
+            t += &format!("| {s} | {v} | {} | {} | {} | {} |\n", fmt(ours), fmt(theirs), fmt(rel), fmt(vs));
+        }
+        let sdpa = find("softmax", "pytorch-sdpa", s);
+        t += &format!("| {s} | softmax vs SDPA | {} | {} (SDPA) | | {} |\n", fmt(soft), fmt(sdpa), fmt(soft.zip(sdpa).map(|(a, b)| a / b)));
+    }
+    t += &format!(
+        "\nSVGD hook: one Adam step of the 6+6-layer E=512 stack ({} tokens per side) {:.1} ms without, {:.1} ms with (ratio {:.3}; the hook alone {:.1} ms).\n",
+        svgd.tokens_per_side, svgd.step_ms_without, svgd.step_ms_with, svgd.ratio, svgd.hook_ms
+    );
+    t
+}
+
+pub fn run(args: &BenchArgs) -> Result<()> {
+    let device = args.common.setup()?;
+    let cuda = device != Device::Cpu;
+    let seq_lens = match (&args.seq_lens, args.quick, cuda) {
+        (Some(s), _, _) => s.clone(),
+        (None, true, _) => vec![64, 256],
+        (None, false, false) => vec![64, 128, 256, 512, 1024],
+        (None, false, true) => vec![64, 256, 1024, 2048, 4096, 8192],
+    };
+    anyhow::ensure!(seq_lens.iter().all(|&s| s > 0), "--seq-lens must be positive");
+    let repeats = args.repeats.unwrap_or(if args.quick { 3 } else { 10 }).max(1);
+    let dir = run_dir(args.out.as_deref(), "bench", &probattn::device::device_name(device).replace(':', ""))?;
+    println!("bench on {} ({} threads): S = {seq_lens:?}, {repeats} repeats", probattn::device::device_name(device), tch::get_num_threads());
+    let mut measurements = measure_ours(device, &seq_lens, repeats)?;
+    if !args.no_pytorch {
+        let lens = seq_lens.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+        let dev = match device {
+            Device::Cuda(n) => format!("cuda:{n}"),
+            _ => "cpu".into(),
+        };
+        let threads = tch::get_num_threads().to_string();
+        let json = run_python("bench.py", &["--device", &dev, "--seq-lens", &lens, "--repeats", &repeats.to_string(), "--threads", &threads])
+            .context("running the PyTorch side (python/bench.py); --no-pytorch skips it")?;
+        let theirs: Vec<Measurement> = serde_json::from_str(json.trim()).context("reading python/bench.py's output")?;
+        measurements.extend(theirs);
+    }
+    let svgd = measure_svgd(device, if args.quick { 256 } else { 1024 }, if args.quick { 3 } else { repeats })?;
+    let table = ratio_table(&measurements, &svgd);
+    write_json(&dir.join("bench.json"), &Bench { measurements, svgd, provenance: Provenance::gather(device) })?;
+    probattn::io::write_bytes_atomic(&dir.join("bench.md"), table.as_bytes())?;
+    println!("\n{table}\nresults in {}", dir.display());
+    Ok(())
+}

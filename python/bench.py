@@ -1,0 +1,108 @@
+"""The PyTorch side of `probattn bench`: forward+backward time of multi-head attention with each
+normalizer, in PyTorch eager with the reference implementations (python/reference.py), plus
+PyTorch's scaled_dot_product_attention as the anchor for softmax. Prints a JSON list of
+measurements shaped as bench.json's. `probattn bench` runs it; by hand:
+
+    python python/bench.py --device cpu --seq-lens 64,256 --repeats 3 --threads 2
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import reference as ref  # noqa: E402
+
+B, H, E = 8, 8, 512
+
+
+def attention_core(variant, q, k, v):
+    """(B, H, S, d) -> (B, H, S, d) with the reference normalizers; BAM samples (training)."""
+    if variant == "pytorch-sdpa":
+        return F.scaled_dot_product_attention(q, k, v)
+    z = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device).expand_as(z)
+    if variant in ref.BAM_VARIANTS:
+        noise = torch.rand_like(z) if variant in ("bam-wc", "bam-wf", "bam-nokl") else torch.randn_like(z)
+        prior = BENCH_PRIOR.get(q.device)
+        cfg = {"k": 1000.0, "sigma": 1.0, "prior_alpha": 1.0, "prior_beta": 1.0, "prior_mu": 0.0, "prior_sigma": 1.0, "base": "softmax"}
+        w, kl = ref.bam_weights(variant, z, allowed, k, noise, True, cfg, prior)
+        return w @ v, kl
+    logit = HYBRID.get(q.device)
+    return ref.normalize(variant, z, allowed, logit) @ v
+
+
+BENCH_PRIOR, HYBRID = {}, {}
+
+
+def time_it(fn, repeats, device):
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(1e3 * (time.perf_counter() - start))
+    times.sort()
+    q = lambda p: times[min(len(times) - 1, int(round(p * (len(times) - 1))))]  # noqa: E731
+    return q(0.5), q(0.75) - q(0.25)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seq-lens", required=True)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--variants", default="softmax,dnas,hnas,sinkhorn-3,bam-wc,bam-lc")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(E, H, batch_first=True).to(device)
+    params = {n: p for n, p in mha.named_parameters()}
+    d = E // H
+    BENCH_PRIOR[device] = {n: t.to(device).requires_grad_(True) for n, t in {
+        "prior.f1.weight": torch.randn(H, 10, d) * math.sqrt(2 / d), "prior.f1.bias": torch.zeros(H, 10),
+        "prior.f2.weight": torch.randn(H, 10) * math.sqrt(2 / 10), "prior.f2.bias": torch.zeros(H)}.items()}
+    HYBRID[device] = torch.zeros(H, device=device, requires_grad=True)
+    out = []
+    for s in [int(x) for x in args.seq_lens.split(",")]:
+        x = torch.randn(B, s, E, device=device, requires_grad=True)
+        for variant in args.variants.split(",") + ["pytorch-sdpa"]:
+            def step():
+                w_q, w_k, w_v = params["in_proj_weight"].split(E)
+                b_q, b_k, b_v = params["in_proj_bias"].split(E)
+                split = lambda t: t.view(B, s, H, d).transpose(1, 2)  # noqa: E731
+                q, k, v = split(x @ w_q.T + b_q), split(x @ w_k.T + b_k), split(x @ w_v.T + b_v)
+                res = attention_core(variant, q, k, v)
+                res, kl = res if isinstance(res, tuple) else (res, None)
+                ctx = res.transpose(1, 2).reshape(B, s, E) @ params["out_proj.weight"].T + params["out_proj.bias"]
+                loss = ctx.sum() + (kl if kl is not None else 0)
+                loss.backward()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            median, iqr = time_it(step, args.repeats, device)
+            peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+            out.append({"variant": "softmax" if variant == "pytorch-sdpa" else variant,
+                        "impl": "pytorch-sdpa" if variant == "pytorch-sdpa" else "pytorch",
+                        "device": str(device), "batch": B, "heads": H, "embed": E, "seq_len": s,
+                        "fwd_bwd_ms": median, "fwd_bwd_ms_iqr": iqr, "peak_mem_bytes": peak})
+            print(f"pytorch {out[-1]['impl']:12s} {variant:12s} S={s:5d}: {median:9.1f} ms", file=sys.stderr, flush=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
