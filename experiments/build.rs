@@ -20,4 +20,15 @@ fn main() {
     println!("cargo:rerun-if-env-changed=PROBATTN_PYTHON");
     let python = std::env::var("PROBATTN_PYTHON").unwrap_or_else(|_| "python3".into());
     println!("cargo:rustc-env=PROBATTN_PYTHON_DEFAULT={python}");
+    // The code a binary was built from, for results' provenance (a run can outlast commits).
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for watched in [".git/HEAD", ".git/index", "src", "models/src", "experiments/src"] {
+        println!("cargo:rerun-if-changed={}", root.join(watched).display());
+    }
+    let git = |args: &[&str]| {
+        std::process::Command::new("git").arg("-C").arg(&root).args(args).output().ok().filter(|o| o.status.success()).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    println!("cargo:rustc-env=PROBATTN_GIT_SHA={}", git(&["rev-parse", "HEAD"]).unwrap_or_else(|| "unknown".into()));
+    let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+    println!("cargo:rustc-env=PROBATTN_GIT_DIRTY={dirty}");
 }

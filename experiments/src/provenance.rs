@@ -23,14 +23,11 @@ pub struct Provenance {
 
 impl Provenance {
     pub fn gather(device: tch::Device) -> Self {
-        let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let git = |args: &[&str]| {
-            Command::new("git").arg("-C").arg(repo).args(args).output().ok().filter(|o| o.status.success()).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        };
         let report = crate::doctor::Report::gather(device);
         Self {
-            git_sha: git(&["rev-parse", "HEAD"]).unwrap_or_else(|| "unknown".into()),
-            git_dirty: git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty()),
+            // Recorded when the binary was built (experiments/build.rs): the code that ran.
+            git_sha: env!("PROBATTN_GIT_SHA").into(),
+            git_dirty: env!("PROBATTN_GIT_DIRTY") == "true",
             probattn_version: report.probattn_version,
             tch_version: report.tch_version,
             libtorch_version: report.libtorch_version,
