@@ -129,14 +129,11 @@ pub fn bam_preset(dataset: Dataset, variant: Variant) -> (&'static str, BamConfi
         (Dataset::Citeseer, WeibullFixed) => (citeseer, 1000.0, defaults.sigma, 0.1),
         (Dataset::Citeseer, WeibullContextual) => (citeseer, 1000.0, defaults.sigma, 0.1),
         (Dataset::Citeseer, LognormalFixed) => (citeseer, defaults.k, 0.1, 1.0),
-        (Dataset::Citeseer, LognormalContextual) => (citeseer, defaults.k, CITESEER_LC_SIGMA, 1.0),
+        (Dataset::Citeseer, LognormalContextual) => (citeseer, defaults.k, 0.1, 1.0),
         (Dataset::Pubmed, _) => ("authors-defaults (Pubmed not swept)", defaults.k, defaults.sigma, 0.0),
     };
     (name, BamConfig { k, sigma, ..defaults }, kl_weight)
 }
-
-/// bam-lc's sigma on Citeseer (PENDING: the sweep of this setting is still running).
-const CITESEER_LC_SIGMA: f64 = 0.1;
 
 impl GatRunConfig {
     /// The paper's recipe for `dataset` with `variant` (Velickovic et al. 2018, Sec. 3.3).
