@@ -206,3 +206,25 @@ fn monte_carlo_prediction_spreads_only_with_stochastic_attention() -> Result<()>
     assert!(monte_carlo(0, |_| Ok(Tensor::zeros([1], (Kind::Float, Device::Cpu)))).is_err());
     Ok(())
 }
+
+#[test]
+fn drawn_noise_has_the_distribution_of_the_formula() -> Result<()> {
+    // BAM draws Weibull noise as Exp(1) variates (−log(1−ε) for ε ~ U(0,1)); the mean normalized
+    // weights must equal those from explicit uniform ε, within 4 standard errors per entry.
+    tch::manual_seed(16);
+    let n = 20_000;
+    let q = Tensor::from_slice(&[1.0f64, -0.5]).view([1, 1, 1, 2]).expand([n, 1, 1, 2], true);
+    let k = Tensor::from_slice(&[1.0f64, 0.0, 0.3, 1.0, -1.0, -0.2, 0.0, 0.5]).view([1, 1, 4, 2]).expand([n, 1, 4, 2], true);
+    for kind in [BamKind::WeibullFixed, BamKind::LognormalFixed] {
+        let (mut vs, b) = bam(kind, 1, 2, BamConfig { k: 2.0, sigma: 0.7, ..Default::default() }, Device::Cpu)?;
+        vs.double();
+        let train = AttendOptions { mode: Mode::TRAIN, ..Default::default() };
+        let drawn = attend(&q, &k, &k, &Masks::default(), b.as_ref(), train)?.weights.view([n, 4]);
+        let eps = if kind.is_weibull() { Tensor::rand([n, 1, 1, 4], (Kind::Double, Device::Cpu)) } else { Tensor::randn([n, 1, 1, 4], (Kind::Double, Device::Cpu)) };
+        let explicit = attend(&q, &k, &k, &Masks::default(), b.as_ref(), AttendOptions { noise: Some(&eps), ..train })?.weights.view([n, 4]);
+        let se = ((drawn.var_dim(&[0i64][..], true, false) + explicit.var_dim(&[0i64][..], true, false)) / n as f64).sqrt();
+        let diff = (drawn.mean_dim(&[0i64][..], false, Kind::Double) - explicit.mean_dim(&[0i64][..], false, Kind::Double)).abs();
+        assert!(bool::try_from(diff.le_tensor(&(se * 4.0)).all())?, "{kind:?}: drawn and explicit noise differ: {diff}");
+    }
+    Ok(())
+}

@@ -236,21 +236,26 @@ impl Bam {
     }
 
     /// Log-weights of one sample, `(B, H, S_q, S_k)` before normalization over the keys:
-    /// `log S` up to a per-row constant, from `log π` and noise `ε` of the same shape.
+    /// `log S` up to a per-row constant (which the normalization cancels), from `log π` and noise
+    /// `ε` of the same shape (U(0,1) for Weibull, N(0,1) for Lognormal).
     pub fn perturb(&self, log_pi: &Tensor, eps: &Tensor) -> Tensor {
         if self.kind.is_weibull() {
-            weibull_log_sample(log_pi, self.cfg.k, eps)
+            let eps = eps.clamp_min(f64::from(f32::MIN_POSITIVE));
+            log_pi + (-(-&eps).log1p()).log() / self.cfg.k
         } else {
-            lognormal_log_sample(log_pi, self.cfg.sigma, eps)
+            log_pi + eps * self.cfg.sigma
         }
     }
 
-    /// A fresh noise draw shaped like `scores`: U(0,1) for Weibull, N(0,1) for Lognormal.
-    fn draw(&self, scores: &Tensor) -> Tensor {
+    /// [`Self::perturb`] with fresh noise. For Weibull, `−log(1 − ε)` with `ε ~ U(0,1)` is an
+    /// Exp(1) draw, which libtorch samples directly (two passes instead of five).
+    fn perturb_fresh(&self, log_pi: &Tensor) -> Tensor {
         if self.kind.is_weibull() {
-            scores.rand_like()
+            let mut exp1 = log_pi.empty_like();
+            let _ = exp1.exponential_(1.0);
+            log_pi + exp1.log() / self.cfg.k
         } else {
-            scores.randn_like()
+            log_pi + log_pi.randn_like() * self.cfg.sigma
         }
     }
 
@@ -268,27 +273,34 @@ impl Bam {
             }
             None => None,
         };
-        let elementwise = match (self.kind, log_psi) {
-            (BamKind::WeibullFixed, None) => {
-                weibull_gamma_kl(&log_pi, self.cfg.k, &Tensor::from(self.cfg.prior_alpha).to_kind(kind), self.cfg.prior_beta)
+        // Summed over the allowed entries of each head without materializing the elementwise KL:
+        // only terms that vary with the query need a pass over the scores.
+        let scores = input.scores;
+        let total = match (self.kind, log_psi) {
+            (BamKind::WeibullFixed | BamKind::WeibullContextual, log_psi) => {
+                // KL_ij = −α_j log π_ij + A(α_j) + β π_ij with
+                // A(α) = α (γ/k + lgamma(1+1/k) − log β) + lgamma(α) + log k − γ − 1, and
+                // Σ_j π_ij = 1 on every row with an allowed entry, so Σ β π_ij = β · rows.
+                let (k, beta) = (self.cfg.k, self.cfg.prior_beta);
+                let alpha = match log_psi {
+                    // α_j = β ψ_j (clamped away from 0, where lgamma diverges).
+                    Some(log_psi) => (log_psi.exp() * beta).clamp_min(1e-30),
+                    None => Tensor::from(self.cfg.prior_alpha).to_kind(kind).to_device(log_pi.device()),
+                };
+                let a = &alpha * (EULER_GAMMA / k + lgamma_1p_inv(k) - beta.ln()) + alpha.lgamma() + (k.ln() - EULER_GAMMA - 1.0);
+                s.sum_per_key(&a, scores) - s.sum_per_key_times(&alpha, &log_pi) + s.rows_per_head(scores) * beta
             }
-            (BamKind::WeibullContextual, Some(log_psi)) => {
-                // α_j = β ψ_j (clamped away from 0, where lgamma diverges).
-                let alpha = (log_psi.exp() * self.cfg.prior_beta).clamp_min(1e-30);
-                weibull_gamma_kl(&log_pi, self.cfg.k, &alpha, self.cfg.prior_beta)
+            (BamKind::LognormalFixed | BamKind::LognormalContextual, log_psi) => {
+                // KL_ij = (μ_q − μ_p)² / (2σ_p²) + log(σ_p/σ) + σ²/(2σ_p²) − 1/2, μ_q = log π − σ²/2.
+                let (sigma, sigma_p) = (self.cfg.sigma, self.cfg.prior_sigma);
+                let mu_p = log_psi.unwrap_or_else(|| Tensor::from(self.cfg.prior_mu).to_kind(kind).to_device(log_pi.device()));
+                let squares = s.zero(&(&log_pi - (mu_p + sigma * sigma / 2.0)).square());
+                let constant = (sigma_p / sigma).ln() + sigma * sigma / (2.0 * sigma_p * sigma_p) - 0.5;
+                s.sum_per_head(&squares) / (2.0 * sigma_p * sigma_p) + s.count_per_head(scores) * constant
             }
-            (BamKind::LognormalFixed, None) => {
-                let mu_q = &log_pi - self.cfg.sigma * self.cfg.sigma / 2.0;
-                lognormal_kl(&mu_q, self.cfg.sigma, &Tensor::from(self.cfg.prior_mu).to_kind(kind), self.cfg.prior_sigma)
-            }
-            (BamKind::LognormalContextual, Some(log_psi)) => {
-                let mu_q = &log_pi - self.cfg.sigma * self.cfg.sigma / 2.0;
-                lognormal_kl(&mu_q, self.cfg.sigma, &log_psi, self.cfg.prior_sigma)
-            }
-            (kind, _) => return Err(Error::Unsupported(format!("{} has no KL term with this prior", kind.name()))),
-        };
-        let total = s.sum_per_head(&s.zero(&elementwise.expand(input.scores.size(), false))); // (H,)
-        Ok((total / s.count_per_head(input.scores).clamp_min(1.0)).mean(kind))
+            (kind, _) => return Err(Error::Unsupported(format!("{} has no KL term", kind.name()))),
+        }; // (H,)
+        Ok((total / s.count_per_head(scores).clamp_min(1.0)).mean(kind))
     }
 }
 
@@ -320,11 +332,11 @@ impl Normalizer for Bam {
         }
         let s = input.support;
         let log_pi = s.fill(&self.base.log_weights(input)?); // (B, H, S_q, S_k)
-        let eps = match input.noise {
-            Some(noise) => noise.to_kind(log_pi.kind()),
-            None => self.draw(&log_pi),
+        let log_s = match input.noise {
+            Some(noise) => self.perturb(&log_pi, &noise.to_kind(log_pi.kind())),
+            None => self.perturb_fresh(&log_pi),
         };
-        let weights = s.row_softmax(&s.fill(&self.perturb(&log_pi, &eps)));
+        let weights = s.row_softmax(&s.fill(&log_s));
         let kl = if self.kind.has_kl() { Some(self.kl(&log_pi, input)?) } else { None };
         Ok(Normalized { weights, kl })
     }

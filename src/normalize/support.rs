@@ -197,6 +197,53 @@ impl Support {
         }
     }
 
+    /// Per head, `Σ t_ij` over the allowed entries, for `t` constant along the queries: per key
+    /// `(B|1, H|1, 1, S_k)` or a scalar (dense), per edge `(H, E)` or a scalar (edges). Costs a
+    /// pass over the keys, not over the scores.
+    pub fn sum_per_key(&self, t: &Tensor, scores: &Tensor) -> Tensor {
+        let size = scores.size();
+        match self {
+            Self::Dense { excluded } => {
+                let (b, h, sq, sk) = (size[0], size[1], size[2], size[3]);
+                let t = t.expand([b, h, 1, sk], false);
+                let weighted = match excluded {
+                    // Allowed entries per key: (B, H, 1, S_k).
+                    Some(e) => &t * e.logical_not().expand(&size, false).sum_dim_intlist(&[-2i64][..], true, t.kind()),
+                    None => &t * sq as f64,
+                };
+                weighted.sum_dim_intlist(&[0i64, 2, 3][..], false, t.kind())
+            }
+            Self::Edges(_) => t.expand([size[0], size[1]], false).sum_dim_intlist(&[1i64][..], false, t.kind()),
+        }
+    }
+
+    /// Per head, `Σ t_j x_ij` over the allowed entries, for `t` as in [`Self::sum_per_key`] and
+    /// `x` shaped like the scores and zero on excluded entries. One reduction over `x`.
+    pub fn sum_per_key_times(&self, t: &Tensor, x: &Tensor) -> Tensor {
+        match self {
+            Self::Dense { .. } => {
+                let column = x.sum_dim_intlist(&[-2i64][..], true, x.kind()); // (B, H, 1, S_k)
+                (t * column).sum_dim_intlist(&[0i64, 2, 3][..], false, x.kind())
+            }
+            Self::Edges(_) => (t * x).sum_dim_intlist(&[1i64][..], false, x.kind()),
+        }
+    }
+
+    /// Per head, the number of queries with at least one allowed key (over the batch).
+    pub fn rows_per_head(&self, scores: &Tensor) -> Tensor {
+        let (kind, device, size) = (scores.kind(), scores.device(), scores.size());
+        match self {
+            Self::Dense { excluded: Some(e) } => {
+                e.logical_not().expand(&size, false).any_dim(-1, false).sum_dim_intlist(&[0i64, 2][..], false, kind)
+            }
+            Self::Dense { excluded: None } => Tensor::full([size[1]], (size[0] * size[2]) as f64, (kind, device)),
+            Self::Edges(e) => {
+                let rows = Tensor::zeros([e.queries], (kind, device)).index_fill(0, &e.dst, 1.0).sum(kind);
+                rows.expand([size[0]], false)
+            }
+        }
+    }
+
     /// Log-softmax over the keys of per-key logits `(B|1, H, 1, S_k)` (dense) or `(1, H, 1, N)`
     /// (edges), restricted to keys some query may attend, and shaped to broadcast against the
     /// scores. Keys no query may attend get 0, a harmless value: their entries are excluded.
