@@ -31,6 +31,7 @@ fn mean_and_se(x: &Tensor) -> (f64, f64) {
 
 #[test]
 fn unnormalized_samples_have_mean_pi() -> Result<()> {
+    let _serial = common::serial();
     // E[S] = π for both distributions; the sample mean over 1e5 draws must lie within 4 standard
     // errors (a two-sided bound that a correct sampler violates with probability 6e-5).
     tch::manual_seed(10);
@@ -52,6 +53,7 @@ fn unnormalized_samples_have_mean_pi() -> Result<()> {
 
 #[test]
 fn sharp_limits_give_the_softmax_and_eval_gives_it_exactly() -> Result<()> {
+    let _serial = common::serial();
     tch::manual_seed(11);
     for device in devices() {
         let q = Tensor::randn([2, 3, 5, 4], (Kind::Float, device)) * 2.0;
@@ -93,6 +95,7 @@ fn normal_log_pdf(y: &Tensor, mu: f64, sigma: f64) -> Tensor {
 
 #[test]
 fn analytic_kl_terms_agree_with_monte_carlo() -> Result<()> {
+    let _serial = common::serial();
     // KL(q‖p) = E_q[log q(S) − log p(S)], estimated from 1e6 draws of q; within 2 percent.
     tch::manual_seed(12);
     let n = 1_000_000;
@@ -118,6 +121,7 @@ fn analytic_kl_terms_agree_with_monte_carlo() -> Result<()> {
 
 #[test]
 fn extreme_scores_and_masked_rows_and_columns_stay_finite() -> Result<()> {
+    let _serial = common::serial();
     tch::manual_seed(13);
     for device in devices() {
         for float in [Kind::Float, Kind::Double] {
@@ -156,6 +160,7 @@ fn extreme_scores_and_masked_rows_and_columns_stay_finite() -> Result<()> {
 
 #[test]
 fn the_kl_keeps_its_gradient_to_scores_and_prior() -> Result<()> {
+    let _serial = common::serial();
     // The authors' released ALBERT code detached the KL; here it must reach q, k and the prior.
     tch::manual_seed(14);
     for kind in [BamKind::WeibullContextual, BamKind::LognormalContextual, BamKind::WeibullFixed, BamKind::LognormalFixed] {
@@ -182,6 +187,7 @@ fn the_kl_keeps_its_gradient_to_scores_and_prior() -> Result<()> {
 
 #[test]
 fn monte_carlo_prediction_spreads_only_with_stochastic_attention() -> Result<()> {
+    let _serial = common::serial();
     tch::manual_seed(15);
     let x = Tensor::randn([3, 6, 16], (Kind::Float, Device::Cpu)) * 3.0;
     let mut spreads = vec![];
@@ -209,6 +215,7 @@ fn monte_carlo_prediction_spreads_only_with_stochastic_attention() -> Result<()>
 
 #[test]
 fn drawn_noise_has_the_distribution_of_the_formula() -> Result<()> {
+    let _serial = common::serial();
     // BAM draws Weibull noise as Exp(1) variates (−log(1−ε) for ε ~ U(0,1)); the mean normalized
     // weights must equal those from explicit uniform ε, within 4 standard errors per entry.
     tch::manual_seed(16);

@@ -32,6 +32,7 @@ fn grad_or_zero(t: &Tensor) -> Tensor {
 
 #[test]
 fn every_variant_over_edges_equals_its_dense_form() -> Result<()> {
+    let _serial = common::serial();
     tch::manual_seed(21);
     for device in devices() {
         let (n, heads, d) = (9, 3, 5);
@@ -104,6 +105,7 @@ fn every_variant_over_edges_equals_its_dense_form() -> Result<()> {
 
 #[test]
 fn bad_edge_lists_are_refused() {
+    let _serial = common::serial();
     let i = |v: &[i64]| Tensor::from_slice(v);
     assert!(EdgeList::new(i(&[0, 1]), i(&[0]), 2, 2).is_err());
     let err = EdgeList::new(i(&[0, 5]), i(&[0, 1]), 3, 3).unwrap_err().to_string();

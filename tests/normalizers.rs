@@ -34,6 +34,7 @@ fn random_masks(b: i64, sq: i64, sk: i64, device: Device) -> (Tensor, Tensor) {
 
 #[test]
 fn dnas_gives_every_key_at_least_one_over_s_k() -> Result<()> {
+    let _serial = common::serial();
     // Theorem 2 of Ding et al. 2020: Σ_i π_ij ≥ 1/S_k for every key j with an allowed query.
     tch::manual_seed(1);
     for device in devices() {
@@ -62,6 +63,7 @@ fn dnas_gives_every_key_at_least_one_over_s_k() -> Result<()> {
 
 #[test]
 fn softmax_explains_keys_away_where_dnas_does_not() -> Result<()> {
+    let _serial = common::serial();
     // One dominant key: softmax starves the others (mass < 1e-8), DNAS cannot.
     let q = Tensor::ones([1, 1, 4, 2], (Kind::Double, Device::Cpu)) * 10.0;
     let k = Tensor::from_slice(&[3.0f64, 3.0, 0.0, 0.0, -3.0, -3.0]).view([1, 1, 3, 2]);
@@ -78,6 +80,7 @@ fn softmax_explains_keys_away_where_dnas_does_not() -> Result<()> {
 
 #[test]
 fn sinkhorn_one_equals_dnas() -> Result<()> {
+    let _serial = common::serial();
     tch::manual_seed(2);
     for device in devices() {
         let (_a, dnas) = normalizer("dnas", 2, device)?;
@@ -97,6 +100,7 @@ fn sinkhorn_one_equals_dnas() -> Result<()> {
 
 #[test]
 fn sinkhorn_fifty_is_doubly_stochastic_on_square_scores() -> Result<()> {
+    let _serial = common::serial();
     tch::manual_seed(3);
     for device in devices() {
         let (_vs, sk50) = normalizer("sinkhorn-50", 4, device)?;
@@ -115,6 +119,7 @@ fn sinkhorn_fifty_is_doubly_stochastic_on_square_scores() -> Result<()> {
 
 #[test]
 fn masked_rows_and_columns_give_zeros_and_no_nan_at_extreme_scores() -> Result<()> {
+    let _serial = common::serial();
     tch::manual_seed(4);
     for device in devices() {
         for kind in [Kind::Float, Kind::Double] {
@@ -153,6 +158,7 @@ fn masked_rows_and_columns_give_zeros_and_no_nan_at_extreme_scores() -> Result<(
 
 #[test]
 fn doubly_normalized_variants_refuse_a_causal_mask() -> Result<()> {
+    let _serial = common::serial();
     let x = Tensor::randn([1, 2, 4, 3], (Kind::Float, Device::Cpu));
     let masks = Masks { causal: true, ..Default::default() };
     for name in ["dnas", "hnas", "sinkhorn-2"] {
@@ -168,6 +174,7 @@ fn doubly_normalized_variants_refuse_a_causal_mask() -> Result<()> {
 
 #[test]
 fn bad_shapes_and_masks_are_named_in_the_error() -> Result<()> {
+    let _serial = common::serial();
     let (_vs, n) = normalizer("dnas", 2, Device::Cpu)?;
     let t = |s: &[i64]| Tensor::randn(s, (Kind::Float, Device::Cpu));
     let run = |q: &Tensor, k: &Tensor, v: &Tensor, m: &Masks| {
@@ -195,6 +202,7 @@ fn bad_shapes_and_masks_are_named_in_the_error() -> Result<()> {
 
 #[test]
 fn hnas_starts_at_the_configured_gate_and_the_module_reports_it() -> Result<()> {
+    let _serial = common::serial();
     let vs = nn::VarStore::new(Device::Cpu);
     let mut cfg = MhaConfig::new(8, 4).with_variant(Variant::Hnas);
     cfg.normalizer.hybrid_init_u = 0.1;
@@ -216,6 +224,7 @@ fn hnas_starts_at_the_configured_gate_and_the_module_reports_it() -> Result<()> 
 
 #[test]
 fn dropout_acts_in_training_only_and_weights_are_taken_before_it() -> Result<()> {
+    let _serial = common::serial();
     tch::manual_seed(5);
     let mut vs = nn::VarStore::new(Device::Cpu);
     let mut cfg = MhaConfig::new(16, 4).with_variant(Variant::Dnas);

@@ -17,6 +17,7 @@ fn cfg(method: Method, alpha: f64, stepsize: f64) -> RepulsiveConfig {
 
 #[test]
 fn direction_matches_the_pytorch_reference() -> Result<()> {
+    let _serial = common::serial();
     let dir = TempDir::new("parity-svgd")?;
     run_python("parity.py", &["svgd-cases", "--out", &dir.0.to_string_lossy(), "--seed", "3"])?;
     let mut worst: f64 = 0.0;
@@ -42,6 +43,7 @@ fn direction_matches_the_pytorch_reference() -> Result<()> {
 
 #[test]
 fn one_particle_without_repulsion_gets_stepsize_times_its_gradient() -> Result<()> {
+    let _serial = common::serial();
     for alpha in [0.0, 0.7] {
         let theta = Tensor::randn([1, 1, 9], (Kind::Double, Device::Cpu));
         let grad = Tensor::randn([1, 1, 9], (Kind::Double, Device::Cpu));
@@ -67,6 +69,7 @@ fn min_pairwise_distance(theta: &Tensor) -> f64 {
 
 #[test]
 fn with_no_data_gradient_the_particles_strictly_spread() -> Result<()> {
+    let _serial = common::serial();
     tch::manual_seed(1);
     let vs = nn::VarStore::new(Device::Cpu);
     let root = vs.root();
@@ -91,6 +94,7 @@ fn with_no_data_gradient_the_particles_strictly_spread() -> Result<()> {
 
 #[test]
 fn permuting_the_particles_permutes_the_direction() -> Result<()> {
+    let _serial = common::serial();
     tch::manual_seed(2);
     let theta = Tensor::randn([2, 6, 11], (Kind::Double, Device::Cpu));
     let grad = Tensor::randn([2, 6, 11], (Kind::Double, Device::Cpu));
@@ -108,6 +112,7 @@ fn permuting_the_particles_permutes_the_direction() -> Result<()> {
 
 #[test]
 fn identical_particles_stay_finite() -> Result<()> {
+    let _serial = common::serial();
     let theta = Tensor::ones([1, 4, 3], (Kind::Float, Device::Cpu));
     let grad = Tensor::randn([1, 4, 3], (Kind::Float, Device::Cpu));
     for method in [Method::Svgd, Method::Spos] {
@@ -124,6 +129,7 @@ fn stack(vs: &nn::VarStore) -> Result<Vec<MultiHeadAttention>> {
 
 #[test]
 fn the_hook_replaces_only_the_selected_gradients_and_works_with_adam() -> Result<()> {
+    let _serial = common::serial();
     tch::manual_seed(3);
     let vs = nn::VarStore::new(Device::Cpu);
     let layers = stack(&vs)?;
@@ -202,6 +208,7 @@ fn train_small_model(repulsive: Option<RepulsiveConfig>) -> Result<f64> {
 
 #[test]
 fn repulsion_keeps_heads_more_diverse_at_the_same_seed() -> Result<()> {
+    let _serial = common::serial();
     let without = train_small_model(None)?;
     let with = train_small_model(Some(cfg(Method::Svgd, 1.0, 1.0)))?;
     println!("head diversity Dist: without the hook {without:.4}, with SVGD {with:.4}");
@@ -211,6 +218,7 @@ fn repulsion_keeps_heads_more_diverse_at_the_same_seed() -> Result<()> {
 
 #[test]
 fn q_k_and_v_processed_together_equal_three_separate_sets() -> Result<()> {
+    let _serial = common::serial();
     tch::manual_seed(4);
     let vs = nn::VarStore::new(Device::Cpu);
     let mha = MultiHeadAttention::new(&vs.root(), MhaConfig::new(12, 3))?;

@@ -32,8 +32,16 @@ impl Normalizer for Sinkhorn {
     }
 
     fn normalize(&self, input: &NormalizeInput) -> Result<Normalized> {
-        let log_w = self.log_weights(input)?;
-        Ok(Normalized { weights: input.support.zero(&log_w.exp()), kl: None })
+        // As log_weights, but the last row normalization is a fused softmax: rows then sum to
+        // one to working precision, where exp(z − logsumexp) drifts by 1e-4 in float32 at |z| = 1e4.
+        let s = input.support;
+        let mut log_w = s.fill(input.scores); // (B, H, S_q, S_k)
+        for _ in 1..self.iterations {
+            let per_key = s.fill(&(&log_w - s.col_lse(&log_w)));
+            log_w = s.fill(&(&per_key - s.row_lse(&per_key)));
+        }
+        let per_key = s.fill(&(&log_w - s.col_lse(&log_w)));
+        Ok(Normalized { weights: s.row_softmax(&per_key), kl: None })
     }
 
     fn log_weights(&self, input: &NormalizeInput) -> Result<Tensor> {

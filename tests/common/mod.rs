@@ -95,3 +95,11 @@ pub fn devices() -> Vec<Device> {
     }
     d
 }
+
+/// Holds a process-wide lock for a test's duration. libtorch's generator is global and tests run
+/// in parallel threads, so without it a test's seeded draws interleave with another's and its data
+/// changes from run to run; under the lock every seeded test sees the same data every time.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
