@@ -62,7 +62,8 @@ impl Normalizer for Hnas {
         let s = input.support;
         let z = s.fill(input.scores);
         let u = logit.sigmoid();
-        let mixed = &u * dnas_weights(&z, s) + (1.0 - &u) * s.row_softmax(&z);
+        // u·π_DNAS + (1 − u)·π_UNAS as one fused lerp (one pass instead of three).
+        let mixed = s.row_softmax(&z).lerp_tensor(&dnas_weights(&z, s), &u);
         Ok(Normalized { weights: mixed, kl: None })
     }
 
