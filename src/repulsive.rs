@@ -190,11 +190,6 @@ impl ParticleSet {
         let view = |t: &Tensor| t.narrow(0, self.offset, rows).view([count, self.particles, -1]);
         Ok((view(&self.param), view(&grad)))
     }
-
-    /// `(particles, features)`.
-    pub fn shape(&self) -> (i64, i64) {
-        (self.particles, self.rows * self.param.size()[1..].iter().product::<i64>())
-    }
 }
 
 /// The gradient hook: call [`RepulsiveHook::apply`] after `backward()`, before `step()`.

@@ -6,16 +6,20 @@ mod common;
 use anyhow::Result;
 use common::devices;
 use probattn::diagnostics::{explained_away_fraction, received_mass, EXPLAINED_AWAY_EPS};
-use probattn::{attend, AttendOptions, Masks, MhaConfig, MhaInput, MultiHeadAttention, Normalizer, NormalizerConfig, Variant};
+use probattn::normalize::BamConfig;
+use probattn::{attend, AttendOptions, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Normalizer, NormalizerConfig, Variant};
 use tch::{nn, Device, Kind, Tensor};
 
 const ALL: [&str; 5] = ["softmax", "dnas", "hnas", "sinkhorn-1", "sinkhorn-4"];
+const BAM: [&str; 5] = ["bam-nokl", "bam-lf", "bam-lc", "bam-wf", "bam-wc"];
 
 /// A normalizer for `heads` heads of keys with 4 features (the key size matters only to BAM's
-/// contextual prior; every test here uses d = 4 where it builds one).
+/// contextual prior; every test here uses d = 4 where it builds one). BAM gets k = 5, noisier
+/// than its default, so sampling shows.
 fn normalizer(name: &str, heads: i64, device: Device) -> Result<(nn::VarStore, Box<dyn Normalizer>)> {
     let vs = nn::VarStore::new(device);
-    let n = name.parse::<Variant>()?.build(&vs.root(), heads, 4, &NormalizerConfig::default())?;
+    let cfg = NormalizerConfig { bam: BamConfig { k: 5.0, ..Default::default() }, ..Default::default() };
+    let n = name.parse::<Variant>()?.build(&vs.root(), heads, 4, &cfg)?;
     Ok((vs, n))
 }
 
@@ -123,7 +127,8 @@ fn masked_rows_and_columns_give_zeros_and_no_nan_at_extreme_scores() -> Result<(
     tch::manual_seed(4);
     for device in devices() {
         for kind in [Kind::Float, Kind::Double] {
-            for name in ALL {
+            // Every variant, BAM sampling (training mode) with its KL in the loss.
+            for name in ALL.into_iter().chain(BAM) {
                 let (mut vs, n) = normalizer(name, 2, device)?;
                 if kind == Kind::Double {
                     vs.double();
@@ -138,8 +143,13 @@ fn masked_rows_and_columns_give_zeros_and_no_nan_at_extreme_scores() -> Result<(
                 let qp = Tensor::zeros([b, sq], (Kind::Bool, device));
                 let _ = qp.get(0).narrow(0, sq - 1, 1).fill_(1);
                 let masks = Masks { key_padding: Some(&kp), query_padding: Some(&qp), attn_mask: Some(&am), causal: false };
-                let out = attend(&q, &k, &v, &masks, n.as_ref(), AttendOptions::default())?;
-                (out.output.sum(kind) + out.weights.square().sum(kind)).backward();
+                let out = attend(&q, &k, &v, &masks, n.as_ref(), AttendOptions { mode: Mode::TRAIN, ..Default::default() })?;
+                let mut loss = out.output.sum(kind) + out.weights.square().sum(kind);
+                if let Some(kl) = &out.kl {
+                    assert!(bool::try_from(kl.isfinite())?, "{name} {kind:?}: KL {kl}");
+                    loss += kl;
+                }
+                loss.backward();
                 for (what, t) in [("weights", &out.weights), ("output", &out.output), ("grad q", &q.grad()), ("grad k", &k.grad()), ("grad v", &v.grad())] {
                     assert!(bool::try_from(t.isfinite().all())?, "{name} {kind:?}: non-finite {what}");
                 }

@@ -12,7 +12,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use probattn::normalize::{BamConfig, EdgeList, KlSchedule, Support};
@@ -421,19 +421,12 @@ pub fn table(results: &[GatResults]) -> String {
 pub fn run(args: &GatArgs) -> Result<()> {
     let device = args.common.setup()?;
     ensure!(args.seeds >= 1, "--seeds must be at least 1");
+    ensure!(args.max_epochs >= 1 && args.patience >= 1, "--max-epochs and --patience must be at least 1");
     let variants: Vec<Variant> = if args.attention == "all" {
         ALL_VARIANTS.iter().map(|v| v.parse()).collect::<probattn::Result<_>>()?
     } else {
         vec![args.attention.parse().context("--attention")?]
     };
-    if variants.iter().any(|v| matches!(v, Variant::Bam(_))) || args.attention == "all" {
-        // Validate overrides before spending time on data.
-        let mut cfg = GatRunConfig::preset(args.dataset, variants[0]);
-        cfg.apply_overrides(args);
-        if cfg.max_epochs == 0 || cfg.patience == 0 {
-            bail!("--max-epochs and --patience must be at least 1");
-        }
-    }
     let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
     let graph = load_graph(args.dataset, &data_dir, device)?;
     println!(

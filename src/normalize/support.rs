@@ -78,13 +78,8 @@ pub enum Support {
 }
 
 impl Support {
-    /// Dense scores, everything allowed.
-    pub fn full() -> Self {
-        Self::Dense { excluded: None }
-    }
-
     /// Dense scores and a boolean `allowed` mask broadcastable to them (`true` = may attend), as
-    /// [`crate::Masks::allowed`] returns it.
+    /// [`crate::Masks::allowed`] returns it; `None`: everything allowed.
     pub fn dense(allowed: Option<Tensor>) -> Self {
         Self::Dense { excluded: allowed.map(|a| a.logical_not()) }
     }
