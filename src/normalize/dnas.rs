@@ -17,7 +17,7 @@ pub struct Dnas;
 
 /// `log ξ`: filled log-scores normalized per key over the queries, `(B, H, S_q, S_k)`, filled.
 fn per_key(z_filled: &Tensor, support: &Support) -> Tensor {
-    support.fill(&(z_filled - support.col_lse(z_filled)))
+    support.col_log_softmax(z_filled)
 }
 
 /// DNAS weights of filled log-scores `(B, H, S_q, S_k)`, zero on excluded entries.

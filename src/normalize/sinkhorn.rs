@@ -37,19 +37,16 @@ impl Normalizer for Sinkhorn {
         let s = input.support;
         let mut log_w = s.fill(input.scores); // (B, H, S_q, S_k)
         for _ in 1..self.iterations {
-            let per_key = s.fill(&(&log_w - s.col_lse(&log_w)));
-            log_w = s.fill(&(&per_key - s.row_lse(&per_key)));
+            log_w = s.row_log_softmax(&s.col_log_softmax(&log_w));
         }
-        let per_key = s.fill(&(&log_w - s.col_lse(&log_w)));
-        Ok(Normalized { weights: s.row_softmax(&per_key), kl: None })
+        Ok(Normalized { weights: s.row_softmax(&s.col_log_softmax(&log_w)), kl: None })
     }
 
     fn log_weights(&self, input: &NormalizeInput) -> Result<Tensor> {
         let s = input.support;
         let mut log_w = s.fill(input.scores); // (B, H, S_q, S_k)
         for _ in 0..self.iterations {
-            let per_key = s.fill(&(&log_w - s.col_lse(&log_w)));
-            log_w = s.fill(&(&per_key - s.row_lse(&per_key)));
+            log_w = s.row_log_softmax(&s.col_log_softmax(&log_w));
         }
         Ok(log_w)
     }

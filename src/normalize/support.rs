@@ -149,8 +149,24 @@ impl Support {
     }
 
     /// Row-normalized log-weights of filled log-scores, excluded entries filled again.
+    ///
+    /// Dense scores use the fused `log_softmax` kernel: one full-size result forward and one
+    /// backward, where `z − logsumexp(z)` allocates four (the reason DNAS, Sinkhorn and BAM cost
+    /// what they do on CPU, where each fresh full-size tensor is paid in page faults).
     pub fn row_log_softmax(&self, z_filled: &Tensor) -> Tensor {
-        self.fill(&(z_filled - self.row_lse(z_filled)))
+        match self {
+            Self::Dense { .. } => self.fill(&z_filled.log_softmax(-1, z_filled.kind())),
+            Self::Edges(_) => self.fill(&(z_filled - self.row_lse(z_filled))),
+        }
+    }
+
+    /// Column-normalized log-weights (each key over its queries) of filled log-scores, excluded
+    /// entries filled again: `z − logsumexp_i z`, fused as [`Self::row_log_softmax`] is.
+    pub fn col_log_softmax(&self, z_filled: &Tensor) -> Tensor {
+        match self {
+            Self::Dense { .. } => self.fill(&z_filled.log_softmax(-2, z_filled.kind())),
+            Self::Edges(_) => self.fill(&(z_filled - self.col_lse(z_filled))),
+        }
     }
 
     /// The number of heads of `scores`.
