@@ -17,6 +17,7 @@
 use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
 
+use super::noise::{draw, Noise};
 use super::{NormalizeInput, Normalized, Normalizer, NormalizerConfig, Support, Variant};
 use crate::{Error, Result};
 
@@ -247,19 +248,19 @@ impl Bam {
         }
     }
 
-    /// [`Self::perturb`] with fresh noise, drawn into one buffer and transformed in place (one
-    /// full-size tensor). For Weibull, `−log U` with `U ~ U(0, 1]` is an Exp(1) draw; libtorch's
-    /// own `exponential_` is an unvectorized loop on CPU, about 8x slower than `uniform_` and
-    /// four in-place passes. `U` is clamped at the smallest normal float, which cuts the Exp(1)
-    /// tail at 87 (probability e^-87).
+    /// [`Self::perturb`] with fresh noise (see [`super::noise`]), transformed in place in one
+    /// buffer that the log-weights are then added into: one full-size tensor in all.
     fn perturb_fresh(&self, log_pi: &Tensor) -> Tensor {
-        let mut noise = log_pi.empty_like().detach();
-        if self.kind.is_weibull() {
-            let _ = noise.uniform_(0.0, 1.0).clamp_min_(f64::from(f32::MIN_POSITIVE)).log_().neg_().log_();
-            let _ = noise.divide_scalar_(self.cfg.k);
+        let mut noise = if self.kind.is_weibull() {
+            // (1/k) log E with E ~ Exp(1), i.e. (1/k) log(−log(1 − ε)) with ε ~ U(0, 1).
+            let mut e = draw(log_pi, Noise::Exp1);
+            let _ = e.log_().divide_scalar_(self.cfg.k);
+            e
         } else {
-            let _ = noise.normal_(0.0, self.cfg.sigma);
-        }
+            let mut e = draw(log_pi, Noise::StandardNormal);
+            let _ = e.multiply_scalar_(self.cfg.sigma);
+            e
+        };
         // In place, still differentiable in log π (the buffer itself needs no gradient).
         let _ = noise.g_add_(log_pi);
         noise

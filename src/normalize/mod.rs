@@ -13,6 +13,7 @@
 mod bam;
 mod dnas;
 mod hnas;
+mod noise;
 mod sinkhorn;
 mod softmax;
 mod support;
