@@ -9,6 +9,7 @@
 //! Fan et al. 2020 around any of them ([`normalize::Bam`]); and repulsive multi-head attention
 //! (An et al. 2020), an SVGD/SPOS gradient hook over the heads ([`repulsive::RepulsiveHook`]).
 
+pub mod allocator;
 pub mod attention;
 pub mod device;
 pub mod diagnostics;

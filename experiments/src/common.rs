@@ -1,7 +1,7 @@
 //! Arguments every subcommand shares, and the set-up they drive.
 
 use anyhow::{Context, Result};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use probattn::DeviceSpec;
 use tch::Device;
 
@@ -14,6 +14,19 @@ pub struct CommonArgs {
     /// Intra-op threads for libtorch (default: libtorch's choice, usually one per core).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: Option<u16>,
+    /// What the C allocator does with freed memory: retain keeps it for reuse (large attention
+    /// tensors then cost no page faults; the process holds its peak memory), system leaves
+    /// glibc's default of unmapping large blocks. Child processes (bench's PyTorch side) get the
+    /// same setting.
+    #[arg(long, value_enum, default_value_t = Allocator::Retain)]
+    pub allocator: Allocator,
+}
+
+/// `--allocator`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Allocator {
+    Retain,
+    System,
 }
 
 fn parse_device(s: &str) -> std::result::Result<DeviceSpec, String> {
@@ -21,8 +34,11 @@ fn parse_device(s: &str) -> std::result::Result<DeviceSpec, String> {
 }
 
 impl CommonArgs {
-    /// Applies the thread count and resolves the device.
+    /// Applies the allocator setting and the thread count, and resolves the device.
     pub fn setup(&self) -> Result<Device> {
+        if self.allocator == Allocator::Retain {
+            probattn::allocator::retain_freed_memory();
+        }
         if let Some(n) = self.threads {
             probattn::device::set_threads(n.into())?;
         }

@@ -17,6 +17,8 @@ pub struct Provenance {
     pub libtorch_version: Option<String>,
     pub device: String,
     pub threads: i32,
+    /// `retain` when freed memory is kept for reuse (`--allocator`), else `system`.
+    pub allocator: String,
     pub command: Vec<String>,
     pub unix_time: u64,
 }
@@ -33,6 +35,7 @@ impl Provenance {
             libtorch_version: report.libtorch_version,
             device: probattn::device::device_name(device),
             threads: tch::get_num_threads(),
+            allocator: if probattn::allocator::freed_memory_retained() { "retain" } else { "system" }.into(),
             command: std::env::args().collect(),
             unix_time: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         }
@@ -55,6 +58,7 @@ pub fn run_python(script: &str, args: &[&str]) -> Result<String> {
     let out = Command::new(&python)
         .arg(python_dir().join(script))
         .args(args)
+        .envs(probattn::allocator::child_env())
         .output()
         .with_context(|| format!("running {} (set PROBATTN_PYTHON, or run ./download_libtorch.sh)", python.display()))?;
     if !out.status.success() {
