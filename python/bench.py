@@ -41,22 +41,27 @@ def attention_core(variant, q, k, v):
 BENCH_PRIOR, HYBRID = {}, {}
 
 
-def time_it(fn, repeats, device):
+def time_interleaved(fns, repeats, device):
+    """Median and IQR (ms) of `repeats` calls of each of `fns` after two warm-up rounds; the calls
+    take turns, so drift of a shared machine hits every one alike (as probattn bench does)."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(1e3 * (time.perf_counter() - start))
-    times.sort()
-    q = lambda p: times[min(len(times) - 1, int(round(p * (len(times) - 1))))]  # noqa: E731
-    return q(0.5), q(0.75) - q(0.25)
+    times = [[] for _ in fns]
+    for rnd in range(repeats + 2):
+        for fn, t in zip(fns, times):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            if rnd >= 2:
+                t.append(1e3 * (time.perf_counter() - start))
+    out = []
+    for t in times:
+        t.sort()
+        q = lambda p: t[min(len(t) - 1, int(round(p * (len(t) - 1))))]  # noqa: E731
+        out.append((q(0.5), q(0.75) - q(0.25)))
+    return out
 
 
 def main():
@@ -81,7 +86,9 @@ def main():
     out = []
     for s in [int(x) for x in args.seq_lens.split(",")]:
         x = torch.randn(B, s, E, device=device, requires_grad=True)
-        for variant in args.variants.split(",") + ["pytorch-sdpa"]:
+        variants = args.variants.split(",") + ["pytorch-sdpa"]
+
+        def make_step(variant):
             def step():
                 w_q, w_k, w_v = params["in_proj_weight"].split(E)
                 b_q, b_k, b_v = params["in_proj_bias"].split(E)
@@ -92,10 +99,18 @@ def main():
                 ctx = res.transpose(1, 2).reshape(B, s, E) @ params["out_proj.weight"].T + params["out_proj.bias"]
                 loss = ctx.sum() + (kl if kl is not None else 0)
                 loss.backward()
-            if device.type == "cuda":
+            return step
+
+        if device.type == "cuda":
+            # One variant at a time, so each gets its own peak-memory reading.
+            timed = []
+            for variant in variants:
                 torch.cuda.reset_peak_memory_stats()
-            median, iqr = time_it(step, args.repeats, device)
-            peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+                timed.append((*time_interleaved([make_step(variant)], args.repeats, device)[0],
+                              torch.cuda.max_memory_allocated()))
+        else:
+            timed = [(m, i, None) for m, i in time_interleaved([make_step(v) for v in variants], args.repeats, device)]
+        for variant, (median, iqr, peak) in zip(variants, timed):
             out.append({"variant": "softmax" if variant == "pytorch-sdpa" else variant,
                         "impl": "pytorch-sdpa" if variant == "pytorch-sdpa" else "pytorch",
                         "device": str(device), "batch": B, "heads": H, "embed": E, "seq_len": s,

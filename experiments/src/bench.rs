@@ -88,41 +88,66 @@ fn sync(device: Device) {
     }
 }
 
-/// Median and interquartile range of `repeats` timed calls after two warm-up calls, in ms.
-fn time_it(device: Device, repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
-    for _ in 0..2 {
-        f()?;
-    }
-    let mut times = Vec::with_capacity(repeats);
-    for _ in 0..repeats {
-        sync(device);
-        let start = Instant::now();
-        f()?;
-        sync(device);
-        times.push(start.elapsed().as_secs_f64() * 1e3);
-    }
+/// Median and interquartile range of timings in ms.
+fn median_iqr(mut times: Vec<f64>) -> (f64, f64) {
     times.sort_by(f64::total_cmp);
     let q = |p: f64| times[((p * (times.len() - 1) as f64).round() as usize).min(times.len() - 1)];
-    Ok((q(0.5), q(0.75) - q(0.25)))
+    (q(0.5), q(0.75) - q(0.25))
+}
+
+/// One timed call, in ms.
+fn time_once(device: Device, f: &mut impl FnMut() -> Result<()>) -> Result<f64> {
+    sync(device);
+    let start = Instant::now();
+    f()?;
+    sync(device);
+    Ok(start.elapsed().as_secs_f64() * 1e3)
+}
+
+/// Median and interquartile range of `repeats` timed calls of each of `fs`, after two warm-up
+/// rounds. The calls take turns (round-robin), so drift of a shared machine hits every one alike
+/// instead of whichever ran during a slow minute.
+fn time_interleaved(device: Device, repeats: usize, fs: &mut [Box<dyn FnMut() -> Result<()> + '_>]) -> Result<Vec<(f64, f64)>> {
+    let mut times = vec![Vec::with_capacity(repeats); fs.len()];
+    for round in 0..repeats + 2 {
+        for (f, t) in fs.iter_mut().zip(&mut times) {
+            let ms = time_once(device, f)?;
+            if round >= 2 {
+                t.push(ms);
+            }
+        }
+    }
+    Ok(times.into_iter().map(median_iqr).collect())
 }
 
 fn measure_ours(device: Device, seq_lens: &[i64], repeats: usize) -> Result<Vec<Measurement>> {
     let mut out = vec![];
     for &s in seq_lens {
         let x = Tensor::randn([BATCH, s, EMBED], (Kind::Float, device)).set_requires_grad(true);
+        let mut layers = vec![];
         for name in VARIANTS {
             tch::manual_seed(0);
             let vs = nn::VarStore::new(device);
             let mha = MultiHeadAttention::new(&vs.root(), MhaConfig::new(EMBED, HEADS).with_variant(name.parse::<Variant>()?))?;
-            let (median, iqr) = time_it(device, repeats, || {
-                let o = mha.forward_t(&MhaInput::self_attention(&x), true)?;
-                let mut loss = o.context.sum(Kind::Float);
-                if let Some(kl) = o.kl {
-                    loss += kl;
-                }
-                loss.backward();
-                Ok(())
-            })?;
+            layers.push((vs, mha));
+        }
+        let mut steps: Vec<Box<dyn FnMut() -> Result<()> + '_>> = layers
+            .iter()
+            .map(|(_, mha)| {
+                let x = &x;
+                Box::new(move || {
+                    let o = mha.forward_t(&MhaInput::self_attention(x), true)?;
+                    let mut loss = o.context.sum(Kind::Float);
+                    if let Some(kl) = o.kl {
+                        loss += kl;
+                    }
+                    loss.backward();
+                    Ok(())
+                }) as Box<dyn FnMut() -> Result<()> + '_>
+            })
+            .collect();
+        let timings = time_interleaved(device, repeats, &mut steps)?;
+        for (name, (median, iqr)) in VARIANTS.into_iter().zip(timings) {
             eprintln!("probattn {name:12} S={s:5}: {median:9.1} ms");
             out.push(Measurement {
                 variant: name.into(),
