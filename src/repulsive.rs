@@ -64,7 +64,7 @@ impl Default for RepulsiveConfig {
 impl RepulsiveConfig {
     pub fn validate(&self) -> Result<()> {
         let finite = self.alpha.is_finite() && self.alpha >= 0.0 && self.beta.is_finite() && self.beta >= 0.0;
-        if !finite || !(self.stepsize > 0.0 && self.stepsize.is_finite()) {
+        if !(finite && self.stepsize > 0.0 && self.stepsize.is_finite()) {
             return Err(Error::Config(format!(
                 "repulsive attention needs alpha >= 0, beta >= 0 and stepsize > 0, got {self:?}"
             )));
@@ -118,7 +118,7 @@ pub fn direction(theta: &Tensor, grad: &Tensor, cfg: &RepulsiveConfig, xi: Optio
             None => grad.randn_like(),
         };
         let median_abs = grad.abs().view([sets, -1]).median_dim(1, true).0.unsqueeze(-1); // (S, 1, 1)
-        total = total + (grad * cfg.beta - xi * median_abs * (2.0 * cfg.beta / cfg.stepsize).sqrt()) * cfg.stepsize;
+        total += (grad * cfg.beta - xi * median_abs * (2.0 * cfg.beta / cfg.stepsize).sqrt()) * cfg.stepsize;
     }
     Ok(total)
 }
@@ -155,8 +155,9 @@ pub struct Selection {
 
 impl Selection {
     pub fn accepts(&self, kind: ModuleKind, layer: usize, projection: Option<Projection>) -> bool {
-        self.kinds.as_ref().is_none_or(|k| k.contains(&kind))
-            && self.layers.as_ref().is_none_or(|l| l.contains(&layer))
+        // map_or rather than is_none_or: the crate supports Rust 1.80.
+        self.kinds.as_ref().map_or(true, |k| k.contains(&kind))
+            && self.layers.as_ref().map_or(true, |l| l.contains(&layer))
             && match (projection, &self.projections) {
                 (Some(p), Some(ps)) => ps.contains(&p),
                 _ => true,

@@ -288,7 +288,7 @@ pub fn train_run(graph: &Graph, cfg: &GatRunConfig, seed: u64, device: Device, b
             let logits = model.forward(&graph.features, &graph.support, Mode::EVAL)?.logits;
             Ok((f64::try_from(cross_entropy(&logits, &graph.labels, &graph.val))?, accuracy(&logits, &graph.labels, &graph.val)?))
         })?;
-        let kl_value = kl.map(|k| f64::try_from(k)).transpose()?;
+        let kl_value = kl.map(f64::try_from).transpose()?;
         writeln!(
             metrics,
             "{}",
