@@ -1,9 +1,11 @@
 //! Forward+backward time of one MultiHeadAttention layer with each normalizer, relative to
 //! softmax, in training mode (BAM samples and returns its KL, which enters the loss).
-//! `cargo run --release --example variant_timing -- [SEQ_LEN] [REPEATS]` (defaults 256, 10).
+//! `cargo run --release --example variant_timing -- [SEQ_LEN] [REPEATS] [system]` (defaults 256,
+//! 10). Freed memory is retained for reuse as the `probattn` binary does by default
+//! ([`probattn::allocator`]); `system` keeps glibc's default instead.
 //! Median of the repeats after two warm-up rounds; the variants take turns within each round so
 //! that drift in the machine's speed affects all alike. B = 8, H = 8, E = 512, float32, CPU.
-//! The full benchmark against PyTorch is `probattn bench` (a later issue).
+//! The full benchmark against PyTorch is `probattn bench`.
 
 use std::time::Instant;
 
@@ -11,10 +13,13 @@ use probattn::{MhaConfig, MhaInput, MultiHeadAttention, Variant};
 use tch::{nn, Device, Kind, Tensor};
 
 fn main() -> probattn::Result<()> {
+    let system = std::env::args().any(|a| a == "system");
+    let retained = !system && probattn::allocator::retain_freed_memory();
     let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
     let (seq, repeats) = (*args.first().unwrap_or(&256) as i64, *args.get(1).unwrap_or(&10));
     let device = Device::Cpu;
-    println!("B=8 H=8 E=512 S={seq}, {} threads, median of {repeats}", tch::get_num_threads());
+    let allocator = if retained { "retain" } else { "system" };
+    println!("B=8 H=8 E=512 S={seq}, {} threads, allocator {allocator}, median of {repeats}", tch::get_num_threads());
     let names = ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-nokl", "bam-lf", "bam-lc", "bam-wf", "bam-wc"];
     let stores: Vec<nn::VarStore> = names.iter().map(|_| nn::VarStore::new(device)).collect();
     let layers = names

@@ -136,6 +136,7 @@ fn bad_input_is_named_and_nothing_is_written() -> Result<()> {
         (vec!["--variant".into(), "dnas".into(), "--causal".into(), "--input".into(), p("good.safetensors")], "leak"),
         (vec!["--variant".into(), "dnas".into(), "--bogus".into(), "--input".into(), p("good.safetensors")], "unexpected argument '--bogus'"),
         (vec!["--variant".into(), "dnas".into(), "--device".into(), "tpu".into(), "--input".into(), p("good.safetensors")], "unknown device 'tpu'"),
+        (vec!["--variant".into(), "dnas".into(), "--allocator".into(), "jemalloc".into(), "--input".into(), p("good.safetensors")], "invalid value 'jemalloc' for '--allocator"),
         (vec!["--variant".into(), "bam-wc".into(), "--train".into(), "--input".into(), p("noise.safetensors")], "noise has shape [1, 2, 3, 4], expected the weights' shape [1, 2, 3, 5]"),
         (vec!["--variant".into(), "bam-wf".into(), "--k".into(), "0".into(), "--input".into(), p("good.safetensors")], "BAM k must be positive"),
         (vec!["--variant".into(), "bam-wc".into(), "--input".into(), p("prior.safetensors")], "prior.f1.weight has shape [2, 10, 3], expected [2, 10, 4]"),
