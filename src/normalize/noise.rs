@@ -34,9 +34,12 @@ pub(crate) fn draw(like: &Tensor, noise: Noise) -> Tensor {
         return draw_with_libtorch(like, noise);
     }
     let out = Tensor::empty(like.size(), (kind, Device::Cpu));
+    let len = out.numel();
+    if len == 0 {
+        return out; // its data pointer may be null, which no slice may hold
+    }
     // One draw from libtorch's generator: manual_seed governs everything below.
     let seed = Tensor::randint(i64::MAX, [1], (Kind::Int64, Device::Cpu)).int64_value(&[0]) as u64;
-    let len = out.numel();
     let threads = if len < PARALLEL_FROM { 1 } else { tch::get_num_threads().max(1) as usize };
     // SAFETY: `out` is a fresh, contiguous CPU tensor of `len` elements of `kind`, owned here and
     // not shared with libtorch until this function returns.
@@ -126,6 +129,7 @@ mod tests {
     fn draws_have_the_right_moments_on_every_path() {
         // 4 standard errors of the mean (1/sqrt(n)) and of the variance (about sqrt(8/n) for
         // Exp(1), sqrt(2/n) for N(0, 1)).
+        assert_eq!(draw(&Tensor::zeros([0, 3], (Kind::Float, Device::Cpu)), Noise::Exp1).size(), [0, 3]);
         for (len, kind) in [(1_000_000i64, Kind::Float), (100_000, Kind::Double), (1_000_000, Kind::Double)] {
             let like = Tensor::zeros([len], (kind, Device::Cpu));
             let n = len as f64;
