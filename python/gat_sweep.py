@@ -8,9 +8,16 @@ first in grid order). Test accuracy is recorded by `probattn gat` but never read
 settings (their results.json exists) are reused when the sweep is run again.
 
     python python/gat_sweep.py --bin target/release/probattn --dataset cora --out results/gat/sweep-cora
+
+`--variant V --grid name=v1,v2 ...` instead tries the full grid for one variant (a wider search
+after the greedy one), with `--jobs` runs at a time:
+
+    python python/gat_sweep.py --dataset cora --variant bam-wc --seeds 3 --jobs 2 \
+        --grid k=100,1000 kl_weight=0.01,0.1,1 prior_beta=0.1,1,10 --out results/gat/sweep-wide-cora
 """
 
 import argparse
+from concurrent.futures import ThreadPoolExecutor
 import itertools
 import json
 import os
@@ -29,6 +36,50 @@ def grid(variant, chosen):
 VARIANTS = ["bam-nokl", "bam-wf", "bam-wc", "bam-lf", "bam-lc"]
 
 
+def run_setting(args, variant, setting):
+    """Runs (or reuses) one setting on the tuning seeds; returns its mean validation accuracy."""
+    tag = "-".join(f"{k}{v}" for k, v in setting.items())
+    out = os.path.join(args.out, f"{variant}-{tag}")
+    cmd = [args.bin, "gat", "--dataset", args.dataset, "--attention", variant, "--seeds", str(args.seeds),
+           "--seed-start", str(args.seed_start), "--threads", str(args.threads), "--device", "cpu", "--out", out]
+    for k, v in setting.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    if not os.path.exists(os.path.join(out, "results.json")):
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(out, "results.json")) as f:
+        val = json.load(f)["val_acc_mean"]
+    print(f"{args.dataset} {variant} {setting}: val acc {val:.4f}", file=sys.stderr, flush=True)
+    return val
+
+
+def parse_grid(items):
+    """`name=v1,v2` items into {name: [values]} (numbers as floats)."""
+    grid = {}
+    for item in items:
+        name, _, values = item.partition("=")
+        if not values:
+            sys.exit(f"--grid takes name=v1,v2,..., got {item!r}")
+        grid[name] = [float(v) for v in values.split(",")]
+    return grid
+
+
+def full_grid(args):
+    """Every setting of `--grid` for `--variant`; the best on mean validation accuracy wins."""
+    g = parse_grid(args.grid)
+    settings = [dict(zip(g, values)) for values in itertools.product(*g.values())]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        vals = list(pool.map(lambda s: run_setting(args, args.variant, s), settings))
+    tried = [{"variant": args.variant, "setting": s, "val_acc_mean": v} for s, v in zip(settings, vals)]
+    best = max(tried, key=lambda t: t["val_acc_mean"])  # first in grid order on ties
+    summary = {"dataset": args.dataset, "seeds": list(range(args.seed_start, args.seed_start + args.seeds)),
+               "selection": "highest mean validation accuracy", "grid": g,
+               "chosen": {args.variant: {"setting": best["setting"], "val_acc_mean": best["val_acc_mean"]}},
+               "tried": tried}
+    with open(os.path.join(args.out, "sweep.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps(summary["chosen"], indent=1))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bin", default="target/release/probattn")
@@ -37,25 +88,22 @@ def main():
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--seed-start", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--variant", help="with --grid: the one variant to search")
+    parser.add_argument("--grid", nargs="+", help="name=v1,v2 ... (k, sigma, kl_weight, prior_beta)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (with --grid)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.grid or args.variant:
+        if not (args.grid and args.variant):
+            sys.exit("--grid and --variant go together")
+        return full_grid(args)
     chosen, tried = {}, []
     for variant in VARIANTS:
         g = grid(variant, chosen)
         best = None
         for values in itertools.product(*g.values()):
             setting = dict(zip(g, values))
-            tag = "-".join(f"{k}{v}" for k, v in setting.items())
-            out = os.path.join(args.out, f"{variant}-{tag}")
-            cmd = [args.bin, "gat", "--dataset", args.dataset, "--attention", variant, "--seeds", str(args.seeds),
-                   "--seed-start", str(args.seed_start), "--threads", str(args.threads), "--device", "cpu", "--out", out]
-            for k, v in setting.items():
-                cmd += [f"--{k.replace('_', '-')}", str(v)]
-            if not os.path.exists(os.path.join(out, "results.json")):
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            with open(os.path.join(out, "results.json")) as f:
-                val = json.load(f)["val_acc_mean"]
-            print(f"{args.dataset} {variant} {setting}: val acc {val:.4f}", file=sys.stderr, flush=True)
+            val = run_setting(args, variant, setting)
             tried.append({"variant": variant, "setting": setting, "val_acc_mean": val})
             if best is None or val > best[1]:
                 best = (setting, val)
