@@ -59,10 +59,12 @@ pub struct Attended {
     pub kl: Option<Tensor>,
 }
 
-/// Scaled dot-product scores `q·kᵀ / sqrt(d)`, `(B, H, S_q, S_k)`.
+/// Scaled dot-product scores `q·kᵀ / sqrt(d)`, `(B, H, S_q, S_k)`. The queries are scaled before
+/// the product, as `torch.nn.MultiheadAttention` does: `S_q × d` multiplications instead of a full
+/// pass over the `S_q × S_k` scores, forward and backward.
 pub fn scaled_dot_product_scores(q: &Tensor, k: &Tensor) -> Tensor {
     let d = *q.size().last().unwrap_or(&1) as f64;
-    q.matmul(&k.transpose(-2, -1)) / d.sqrt()
+    (q / d.sqrt()).matmul(&k.transpose(-2, -1))
 }
 
 /// Attends `q` to `k`/`v` under `masks` with `normalizer`, after checking every shape.

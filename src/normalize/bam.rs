@@ -248,22 +248,20 @@ impl Bam {
         }
     }
 
-    /// [`Self::perturb`] with fresh noise (see [`super::noise`]), transformed in place in one
-    /// buffer that the log-weights are then added into: one full-size tensor in all.
+    /// [`Self::perturb`] with fresh noise (see [`super::noise`]): one buffer transformed in place,
+    /// then one fused pass that adds it, scaled, to the log-weights.
     fn perturb_fresh(&self, log_pi: &Tensor) -> Tensor {
-        let mut noise = if self.kind.is_weibull() {
+        let (noise, scale) = if self.kind.is_weibull() {
             // (1/k) log E with E ~ Exp(1), i.e. (1/k) log(−log(1 − ε)) with ε ~ U(0, 1).
             let mut e = draw(log_pi, Noise::Exp1);
-            let _ = e.log_().divide_scalar_(self.cfg.k);
-            e
+            let _ = e.log_();
+            (e, 1.0 / self.cfg.k)
         } else {
-            let mut e = draw(log_pi, Noise::StandardNormal);
-            let _ = e.multiply_scalar_(self.cfg.sigma);
-            e
+            (draw(log_pi, Noise::StandardNormal), self.cfg.sigma)
         };
-        // In place, still differentiable in log π (the buffer itself needs no gradient).
-        let _ = noise.g_add_(log_pi);
-        noise
+        // log π + scale · noise in one fused pass (addcmul); the gradient reaches log π only.
+        let scale = Tensor::from(scale).to_kind(log_pi.kind()).to_device(log_pi.device());
+        log_pi.addcmul(&noise, &scale)
     }
 
     /// The KL term: elementwise KL averaged over the allowed entries of each head, then over
