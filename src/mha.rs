@@ -242,11 +242,6 @@ impl MultiHeadAttention {
         }
     }
 
-    fn proj_bias(&self, i: i64) -> Option<Tensor> {
-        let e = self.cfg.embed_dim;
-        self.in_proj_bias.as_ref().map(|b| b.narrow(0, i * e, e))
-    }
-
     /// Attends `input.query` to `input.key`/`input.value`. `train` enables dropout and sampling.
     pub fn forward_t(&self, input: &MhaInput, train: bool) -> Result<MhaOutput> {
         self.forward_mode(input, Mode::train(train))
@@ -257,8 +252,15 @@ impl MultiHeadAttention {
     pub fn forward_mode(&self, input: &MhaInput, mode: Mode) -> Result<MhaOutput> {
         let (b, sq, sk) = self.check(input)?;
         let (h, dh, e) = (self.cfg.num_heads, self.cfg.head_dim(), self.cfg.embed_dim);
-        let split = |x: &Tensor, i: i64, s: i64| {
-            x.linear(&self.proj_weight(i), self.proj_bias(i).as_ref()) // (B, S, E)
+        // One split of the packed parameters (one backward node that writes the packed gradient
+        // once), not three narrows (three zero-filled (3E, E) gradients summed).
+        let weights = match &self.in_proj {
+            InProj::Packed(w) => w.split(e, 0),
+            InProj::Separate { q, k, v } => vec![q.shallow_clone(), k.shallow_clone(), v.shallow_clone()],
+        };
+        let biases = self.in_proj_bias.as_ref().map(|b| b.split(e, 0));
+        let split = |x: &Tensor, i: usize, s: i64| {
+            x.linear(&weights[i], biases.as_ref().map(|b| &b[i])) // (B, S, E)
                 .view([b, s, h, dh])
                 .transpose(1, 2) // (B, H, S, d_h)
         };
