@@ -2,14 +2,15 @@
 //!
 //! libtorch's CPU samplers run one Mersenne Twister serially: 16.8M draws (B = H = 8, S = 512)
 //! take 47 ms for `uniform_`, 86 ms for `normal_` and 382 ms for `exponential_` on 2 cores, more
-//! than the attention they perturb. On CPU the draws here come from xoshiro256++ generators and
-//! the ziggurat samplers of `rand_distr`, filled block by block on libtorch's thread count. Each
-//! block's generator is seeded from one draw of libtorch's own generator and the block index, so
-//! `tch::manual_seed` fixes the noise and the thread count does not change it. Other devices
-//! (CUDA, whose samplers are fast) and dtypes use libtorch's samplers.
+//! than the attention they perturb. On CPU the draws here come from xoshiro256++ generators, filled
+//! block by block on libtorch's thread count: uniforms for Exp(1) (`−log U`, the log taken by
+//! libtorch's vectorized kernel), `rand_distr`'s ziggurat for N(0, 1). Each block's generator is
+//! seeded from one draw of libtorch's own generator and the block index, so `tch::manual_seed`
+//! fixes the noise and the thread count does not change it. Other devices (CUDA, whose samplers
+//! are fast) and dtypes use libtorch's samplers.
 
-use rand::SeedableRng;
-use rand_distr::{Distribution, Exp1, StandardNormal};
+use rand::{RngCore, SeedableRng};
+use rand_distr::{Distribution, StandardNormal};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use tch::{Device, Kind, Tensor};
 
@@ -47,6 +48,10 @@ pub(crate) fn draw(like: &Tensor, noise: Noise) -> Tensor {
         Kind::Float => fill(unsafe { std::slice::from_raw_parts_mut(out.data_ptr() as *mut f32, len) }, seed, threads, noise),
         _ => fill(unsafe { std::slice::from_raw_parts_mut(out.data_ptr() as *mut f64, len) }, seed, threads, noise),
     }
+    if noise == Noise::Exp1 {
+        let mut e = out.shallow_clone();
+        let _ = e.log_().neg_(); // −log U
+    }
     out
 }
 
@@ -67,35 +72,38 @@ fn draw_with_libtorch(like: &Tensor, noise: Noise) -> Tensor {
 
 /// A float type the samplers produce.
 trait Sample: Copy + Send {
-    /// The smallest positive normal value (Exp(1) draws are kept at or above it so their log is
-    /// finite).
-    const TINY: Self;
-    fn max(self, other: Self) -> Self;
+    /// A uniform draw in `(0, 1)` from 52 random bits, never rounded up to 1 (where `−log U` would
+    /// be 0 and its log −∞). Small values keep their precision in both types: the Exp(1) tail
+    /// reaches 36.7 (probability 1e-16 beyond).
+    fn uniform(bits: u64) -> Self;
 }
 
 impl Sample for f32 {
-    const TINY: f32 = f32::MIN_POSITIVE;
-    fn max(self, other: f32) -> f32 {
-        f32::max(self, other)
+    fn uniform(bits: u64) -> f32 {
+        (open01(bits) as f32).min(1.0 - f32::EPSILON / 2.0) // the largest float32 below 1
     }
 }
 
 impl Sample for f64 {
-    const TINY: f64 = f64::MIN_POSITIVE;
-    fn max(self, other: f64) -> f64 {
-        f64::max(self, other)
+    fn uniform(bits: u64) -> f64 {
+        open01(bits)
     }
 }
 
+/// `(n + 1/2) / 2^52` for the top 52 bits `n`: in `[2^-53, 1 − 2^-53]`, exact in float64.
+fn open01(bits: u64) -> f64 {
+    ((bits >> 12) as f64 + 0.5) * (1.0 / (1u64 << 52) as f64)
+}
+
+/// Fills `out` with uniforms (for [`Noise::Exp1`], transformed by the caller) or N(0, 1) draws.
 fn fill<T: Sample>(out: &mut [T], seed: u64, threads: usize, noise: Noise)
 where
-    Exp1: Distribution<T>,
     StandardNormal: Distribution<T>,
 {
     let fill_block = |index: usize, block: &mut [T]| {
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         match noise {
-            Noise::Exp1 => block.iter_mut().for_each(|x| *x = Exp1.sample(&mut rng).max(T::TINY)),
+            Noise::Exp1 => block.iter_mut().for_each(|x| *x = T::uniform(rng.next_u64())),
             Noise::StandardNormal => block.iter_mut().for_each(|x| *x = StandardNormal.sample(&mut rng)),
         }
     };
@@ -143,6 +151,15 @@ mod tests {
             }
             let exp1 = draw(&like, Noise::Exp1);
             assert!(bool::try_from(exp1.gt(0.0).all()).unwrap() && bool::try_from(exp1.isfinite().all()).unwrap());
+        }
+    }
+
+    #[test]
+    fn uniforms_stay_inside_the_open_interval() {
+        for bits in [0u64, 1, u64::MAX, u64::MAX - 4095, 1 << 63] {
+            let (a, b) = (f32::uniform(bits), f64::uniform(bits));
+            assert!(a > 0.0 && a < 1.0 && b > 0.0 && b < 1.0, "{bits}: {a} {b}");
+            assert!((-(a.ln())).ln().is_finite() && (-(b.ln())).ln().is_finite());
         }
     }
 
