@@ -18,12 +18,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 static RETAINED: AtomicBool = AtomicBool::new(false);
 
-/// Freed memory up to this much at the top of the heap is kept rather than trimmed (the largest
-/// value `mallopt` takes).
-const TRIM_THRESHOLD: i32 = i32::MAX;
+/// `M_TRIM_THRESHOLD = -1` disables trimming the heap's top (mallopt(3)); child processes get the
+/// same through glibc's variable, which takes a size.
+const TRIM_THRESHOLD: i32 = -1;
+const CHILD_TRIM_THRESHOLD: &str = "4611686018427387904"; // 2^62 bytes: never reached
 
 /// Makes glibc serve large blocks from its heap and keep freed memory for reuse (`mallopt`:
-/// `M_MMAP_MAX = 0`, `M_TRIM_THRESHOLD = 2 GiB`). Returns whether it took effect: false on
+/// `M_MMAP_MAX = 0`, `M_TRIM_THRESHOLD = -1`, no trimming). Returns whether it took effect: false on
 /// platforms without glibc, where nothing changes. Call it before allocating large tensors;
 /// blocks already mapped stay as they are.
 pub fn retain_freed_memory() -> bool {
@@ -50,7 +51,7 @@ pub fn freed_memory_retained() -> bool {
 /// unless [`retain_freed_memory`] took effect).
 pub fn child_env() -> Vec<(&'static str, String)> {
     if freed_memory_retained() {
-        vec![("MALLOC_MMAP_MAX_", "0".into()), ("MALLOC_TRIM_THRESHOLD_", TRIM_THRESHOLD.to_string())]
+        vec![("MALLOC_MMAP_MAX_", "0".into()), ("MALLOC_TRIM_THRESHOLD_", CHILD_TRIM_THRESHOLD.into())]
     } else {
         vec![]
     }
