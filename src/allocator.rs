@@ -8,7 +8,9 @@
 //! 2-core virtual machine the page faults took about four times the kernels' own time (an `exp`
 //! into a fresh tensor 28.7 ms, into an existing one 10.7 ms). [`retain_freed_memory`] makes glibc
 //! keep freed memory and serve large blocks from it, as PyTorch's CUDA caching allocator does on
-//! the GPU: the process then holds on to its peak memory instead of returning it.
+//! the GPU: the process then holds on to its peak memory instead of returning it. It governs
+//! glibc's main arena, which serves the main thread (where tch code usually runs); other threads'
+//! arenas still map blocks over 64 MiB directly.
 //!
 //! The `probattn` binary calls it at start-up (`--allocator retain`, the default) and gives child
 //! processes (the PyTorch side of `probattn bench`) the same setting through glibc's
