@@ -259,9 +259,9 @@ impl Bam {
         } else {
             (draw(log_pi, Noise::StandardNormal), self.cfg.sigma)
         };
-        // log π + scale · noise in one fused pass (addcmul); the gradient reaches log π only.
-        let scale = Tensor::from(scale).to_kind(log_pi.kind()).to_device(log_pi.device());
-        log_pi.addcmul(&noise, &scale)
+        // log π + scale · noise in one fused pass (addcmul); the gradient reaches log π only. The
+        // scale is a 0-dim CPU tensor, which libtorch treats as a scalar on any device and dtype.
+        log_pi.addcmul(&noise, &Tensor::from(scale))
     }
 
     /// The KL term: elementwise KL averaged over the allowed entries of each head, then over

@@ -17,7 +17,7 @@ use tch::{Device, Kind, Tensor};
 /// What to draw.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Noise {
-    /// Exp(1), for Weibull samples (`−log U`, `U ~ U(0, 1]`).
+    /// Exp(1), for Weibull samples (`−log U`, `U ~ U(0, 1)`).
     Exp1,
     /// N(0, 1), for Lognormal samples.
     StandardNormal,
@@ -55,9 +55,13 @@ pub(crate) fn draw(like: &Tensor, noise: Noise) -> Tensor {
     out
 }
 
-/// The same distributions from libtorch's samplers, transformed in place.
+/// The same distributions from libtorch's samplers, transformed in place. Half-precision kinds
+/// draw in float32 and are cast at the end: float16 cannot hold the uniform's lower clamp, and
+/// `−log U` would become infinite.
 fn draw_with_libtorch(like: &Tensor, noise: Noise) -> Tensor {
-    let mut out = like.empty_like().detach();
+    let kind = like.kind();
+    let work = if matches!(kind, Kind::Float | Kind::Double) { kind } else { Kind::Float };
+    let mut out = Tensor::empty(like.size(), (work, like.device()));
     match noise {
         // −log U with U ~ U(tiny, 1): an Exp(1) draw whose tail is cut at 87 (probability e^-87).
         Noise::Exp1 => {
@@ -67,7 +71,7 @@ fn draw_with_libtorch(like: &Tensor, noise: Noise) -> Tensor {
             let _ = out.normal_(0.0, 1.0);
         }
     }
-    out
+    out.to_kind(kind)
 }
 
 /// A float type the samplers produce.
@@ -126,7 +130,16 @@ where
 
 #[cfg(test)]
 mod tests {
+    use std::sync::{Mutex, MutexGuard};
+
     use super::*;
+
+    /// Tests run in parallel threads, and libtorch's generator and thread count are global: every
+    /// test here holds this lock, so a seeded draw cannot be interleaved with another test's.
+    fn serial() -> MutexGuard<'static, ()> {
+        static LOCK: Mutex<()> = Mutex::new(());
+        LOCK.lock().unwrap_or_else(|e| e.into_inner())
+    }
 
     fn moments(t: &Tensor) -> (f64, f64) {
         let t = t.to_kind(Kind::Double);
@@ -135,6 +148,7 @@ mod tests {
 
     #[test]
     fn draws_have_the_right_moments_on_every_path() {
+        let _serial = serial();
         // 4 standard errors of the mean (1/sqrt(n)) and of the variance (about sqrt(8/n) for
         // Exp(1), sqrt(2/n) for N(0, 1)).
         assert_eq!(draw(&Tensor::zeros([0, 3], (Kind::Float, Device::Cpu)), Noise::Exp1).size(), [0, 3]);
@@ -155,7 +169,19 @@ mod tests {
     }
 
     #[test]
+    fn half_precision_draws_are_positive_and_finite() {
+        let _serial = serial();
+        let like = Tensor::zeros([200_000], (Kind::Half, Device::Cpu));
+        let exp1 = draw(&like, Noise::Exp1);
+        assert_eq!(exp1.kind(), Kind::Half);
+        assert!(bool::try_from(exp1.gt(0.0).all()).unwrap() && bool::try_from(exp1.isfinite().all()).unwrap());
+        let (m, _) = moments(&exp1);
+        assert!((m - 1.0).abs() < 4.0 / (200_000f64).sqrt() + 1e-3, "mean {m}");
+    }
+
+    #[test]
     fn uniforms_stay_inside_the_open_interval() {
+        let _serial = serial();
         for bits in [0u64, 1, u64::MAX, u64::MAX - 4095, 1 << 63] {
             let (a, b) = (f32::uniform(bits), f64::uniform(bits));
             assert!(a > 0.0 && a < 1.0 && b > 0.0 && b < 1.0, "{bits}: {a} {b}");
@@ -165,6 +191,7 @@ mod tests {
 
     #[test]
     fn manual_seed_fixes_the_draw_and_threads_do_not_change_it() {
+        let _serial = serial();
         let like = Tensor::zeros([3 * PARALLEL_FROM as i64 + 17], (Kind::Float, Device::Cpu));
         let (mut draws, before) = (vec![], tch::get_num_threads());
         for threads in [1, 2, 3] {
