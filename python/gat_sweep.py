@@ -14,6 +14,12 @@ after the greedy one), with `--jobs` runs at a time:
 
     python python/gat_sweep.py --dataset cora --variant bam-wc --seeds 3 --jobs 2 \
         --grid k=100,1000 kl_weight=0.01,0.1,1 prior_beta=0.1,1,10 --out results/gat/sweep-wide-cora
+
+The bam-wc presets come from a third grid, reaching stronger noise (smaller k) and KL weights
+up to 10, on four tuning seeds (100-103):
+
+    python python/gat_sweep.py --dataset cora --variant bam-wc --seeds 4 --jobs 2 \
+        --grid k=10,30,100 kl_weight=0.03,0.1,0.3,1,3,10 prior_beta=10 --out results/gat/sweep-kl-cora
 """
 
 import argparse

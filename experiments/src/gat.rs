@@ -111,7 +111,9 @@ pub struct GatRunConfig {
 /// seeds 100 and 101 (results/gat/sweep-<dataset>.json: k on bam-nokl, shared by the Weibull
 /// variants, then their KL weight; sigma of the Lognormal variants at KL weight 1), then for
 /// bam-wc a full grid k x KL weight x prior beta on seeds 100-102
-/// (results/gat/sweep-wide-<dataset>.json). Other settings are the authors' code's defaults
+/// (results/gat/sweep-wide-<dataset>.json), then a grid reaching stronger noise (k 10, 30, 100)
+/// and KL weights 0.03-10 at beta 10 on seeds 100-103 (results/gat/sweep-kl-<dataset>.json),
+/// whose choice bam-wc uses. Other settings are the authors' code's defaults
 /// (alpha = beta = 1, mu_p = 0, sigma_p = 1, prior hidden 10). Pubmed was not swept (its files are
 /// incomplete here): the authors' defaults, KL weight 0 as in their GAT script.
 pub fn bam_preset(dataset: Dataset, variant: Variant) -> (&'static str, BamConfig, f64) {
@@ -121,17 +123,17 @@ pub fn bam_preset(dataset: Dataset, variant: Variant) -> (&'static str, BamConfi
         return ("none", defaults, 0.0);
     };
     let (cora, citeseer) = ("cora-validation-sweep", "citeseer-validation-sweep");
-    let (cora_wide, citeseer_wide) = ("cora-validation-sweep-wide", "citeseer-validation-sweep-wide");
+    let (cora_kl, citeseer_kl) = ("cora-validation-sweep-kl", "citeseer-validation-sweep-kl");
     let (beta, sigma) = (defaults.prior_beta, defaults.sigma);
     let (name, k, sigma, prior_beta, kl_weight) = match (dataset, kind) {
         (Dataset::Cora, NoKl) => (cora, 100.0, sigma, beta, 0.0),
         (Dataset::Cora, WeibullFixed) => (cora, 100.0, sigma, beta, 0.1),
-        (Dataset::Cora, WeibullContextual) => (cora_wide, 100.0, sigma, 10.0, 1.0),
+        (Dataset::Cora, WeibullContextual) => (cora_kl, 30.0, sigma, 10.0, 0.1),
         (Dataset::Cora, LognormalFixed) => (cora, defaults.k, 1.0, beta, 1.0),
         (Dataset::Cora, LognormalContextual) => (cora, defaults.k, 0.1, beta, 1.0),
         (Dataset::Citeseer, NoKl) => (citeseer, 1000.0, sigma, beta, 0.0),
         (Dataset::Citeseer, WeibullFixed) => (citeseer, 1000.0, sigma, beta, 0.1),
-        (Dataset::Citeseer, WeibullContextual) => (citeseer_wide, 100.0, sigma, 10.0, 0.01),
+        (Dataset::Citeseer, WeibullContextual) => (citeseer_kl, 10.0, sigma, 10.0, 0.3),
         (Dataset::Citeseer, LognormalFixed) => (citeseer, defaults.k, 0.1, beta, 1.0),
         (Dataset::Citeseer, LognormalContextual) => (citeseer, defaults.k, 0.1, beta, 1.0),
         (Dataset::Pubmed, _) => ("authors-defaults (Pubmed not swept)", defaults.k, sigma, beta, 0.0),
