@@ -2,10 +2,16 @@
 column per dataset, test accuracy mean ± std over seeds (and the per-epoch time).
 
     python python/gat_table.py results/gat        # reads results/gat/<dataset>/<variant>/results.json
+
+With several folders, the runs of each variant are pooled across them (e.g. seeds 0-9 and 10-19);
+`n` says how many runs each cell has:
+
+    python python/gat_table.py results/gat results/gat/seeds-10-19
 """
 
 import json
 import os
+import statistics
 import sys
 
 ORDER = ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-nokl", "bam-lf", "bam-lc", "bam-wf", "bam-wc"]
@@ -20,8 +26,8 @@ PAPER = {  # BAM paper Table 1 (5 runs; GAT row is their rerun) and the GAT pape
 
 
 def main():
-    root = sys.argv[1] if len(sys.argv) > 1 else "results/gat"
-    datasets = [d for d in ("cora", "citeseer", "pubmed") if os.path.isdir(os.path.join(root, d))]
+    roots = sys.argv[1:] or ["results/gat"]
+    datasets = [d for d in ("cora", "citeseer", "pubmed") if any(os.path.isdir(os.path.join(r, d)) for r in roots)]
     rows = []
     header = "| attention | " + " | ".join(f"{d} test acc % (mean ± std) | {d} paper | {d} ms/epoch" for d in datasets) + " |"
     rows.append(header)
@@ -29,14 +35,15 @@ def main():
     for variant in ORDER:
         cells = [variant]
         for d in datasets:
-            path = os.path.join(root, d, variant, "results.json")
-            if not os.path.exists(path):
+            paths = [os.path.join(r, d, variant, "results.json") for r in roots]
+            runs = [run for p in paths if os.path.exists(p) for run in json.load(open(p))["runs"]]
+            if not runs:
                 cells += ["–", PAPER.get(variant, {}).get(d, "–"), "–"]
                 continue
-            r = json.load(open(path))
-            cells.append(f"{100 * r['test_acc_mean']:.2f} ± {100 * r['test_acc_std']:.2f} (n={len(r['runs'])})")
+            acc = [100 * run["test_acc"] for run in runs]
+            cells.append(f"{statistics.mean(acc):.2f} ± {statistics.stdev(acc) if len(acc) > 1 else 0.0:.2f} (n={len(acc)})")
             cells.append(PAPER.get(variant, {}).get(d, "–"))
-            cells.append(f"{r['epoch_ms_mean']:.1f}")
+            cells.append(f"{statistics.mean(run['epoch_ms'] for run in runs):.1f}")
         rows.append("| " + " | ".join(cells) + " |")
     print("\n".join(rows))
 
