@@ -456,7 +456,8 @@ pub fn run(args: &GatArgs) -> Result<()> {
         all.push(run_variant(&graph, args, variant, &sub, device)?);
     }
     let table = table(&all);
-    println!("\n{} ({} seeds from {}):\n{table}", args.dataset.name(), args.seeds, args.seed_start);
+    let plural = if args.seeds == 1 { "" } else { "s" };
+    println!("\n{} ({} seed{plural} from {}):\n{table}", args.dataset.name(), args.seeds, args.seed_start);
     if args.attention == "all" {
         probattn::io::write_bytes_atomic(&dir.join("summary.md"), table.as_bytes())?;
     }
