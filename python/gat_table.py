@@ -27,6 +27,9 @@ PAPER = {  # BAM paper Table 1 (5 runs; GAT row is their rerun) and the GAT pape
 
 def main():
     roots = sys.argv[1:] or ["results/gat"]
+    for r in roots:
+        if not os.path.isdir(r):
+            sys.exit(f"gat_table.py: {r} is not a folder of probattn gat results")
     datasets = [d for d in ("cora", "citeseer", "pubmed") if any(os.path.isdir(os.path.join(r, d)) for r in roots)]
     rows = []
     header = "| attention | " + " | ".join(f"{d} test acc % (mean ± std) | {d} paper | {d} ms/epoch" for d in datasets) + " |"
@@ -37,6 +40,9 @@ def main():
         for d in datasets:
             paths = [os.path.join(r, d, variant, "results.json") for r in roots]
             runs = [run for p in paths if os.path.exists(p) for run in json.load(open(p))["runs"]]
+            seeds = [run["seed"] for run in runs]
+            if len(set(seeds)) != len(seeds):
+                sys.exit(f"gat_table.py: {d} {variant}: the folders repeat seeds {sorted(seeds)}; pool distinct seeds only")
             if not runs:
                 cells += ["–", PAPER.get(variant, {}).get(d, "–"), "–"]
                 continue
