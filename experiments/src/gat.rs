@@ -113,8 +113,8 @@ pub struct GatRunConfig {
 /// bam-wc a full grid k x KL weight x prior beta on seeds 100-102
 /// (results/gat/sweep-wide-<dataset>.json), then a grid reaching stronger noise (k 10, 30, 100)
 /// and KL weights 0.03-10 at beta 10 on seeds 100-103 (results/gat/sweep-kl-<dataset>.json),
-/// whose choice bam-wc uses. Other settings are the authors' code's defaults
-/// (alpha = beta = 1, mu_p = 0, sigma_p = 1, prior hidden 10). Pubmed was not swept (its files are
+/// whose choice bam-wc uses (prior beta 10, as in the wide grid). Other settings are the authors'
+/// code's defaults (alpha = beta = 1, mu_p = 0, sigma_p = 1, prior hidden 10). Pubmed was not swept (its files are
 /// incomplete here): the authors' defaults, KL weight 0 as in their GAT script.
 pub fn bam_preset(dataset: Dataset, variant: Variant) -> (&'static str, BamConfig, f64) {
     use probattn::normalize::BamKind::*;
