@@ -58,6 +58,14 @@ def run_setting(args, variant, setting):
     return val
 
 
+def parse_value(v):
+    """A grid value: a number as a float, anything else (a prior scope) as it is."""
+    try:
+        return float(v)
+    except ValueError:
+        return v
+
+
 def parse_grid(items):
     """`name=v1,v2` items into {name: [values]} (numbers as floats)."""
     grid = {}
@@ -65,7 +73,7 @@ def parse_grid(items):
         name, _, values = item.partition("=")
         if not values:
             sys.exit(f"--grid takes name=v1,v2,..., got {item!r}")
-        grid[name] = [float(v) for v in values.split(",")]
+        grid[name] = [parse_value(v) for v in values.split(",")]
     return grid
 
 
@@ -95,7 +103,7 @@ def main():
     parser.add_argument("--seed-start", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--variant", help="with --grid: the one variant to search")
-    parser.add_argument("--grid", nargs="+", help="name=v1,v2 ... (k, sigma, kl_weight, prior_beta)")
+    parser.add_argument("--grid", nargs="+", help="name=v1,v2 ... (k, sigma, kl_weight, prior_beta, prior_scope)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (with --grid)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)

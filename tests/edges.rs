@@ -4,9 +4,11 @@
 
 mod common;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use common::devices;
-use probattn::normalize::{BamConfig, EdgeList, NormalizeInput, Support};
+use probattn::normalize::{
+    lognormal_kl, lognormal_log_sample, weibull_gamma_kl, weibull_log_sample, BamConfig, EdgeList, NormalizeInput, PriorScope, Support,
+};
 use probattn::{NormalizerConfig, Variant};
 use tch::{nn, Device, Kind, Tensor};
 
@@ -111,4 +113,116 @@ fn bad_edge_lists_are_refused() {
     let err = EdgeList::new(i(&[0, 5]), i(&[0, 1]), 3, 3).unwrap_err().to_string();
     assert!(err.contains("dst indices span 0..=5, outside 0..3"), "{err}");
     assert!(EdgeList::new(i(&[0]).to_kind(Kind::Int), i(&[0]), 1, 1).is_err());
+}
+
+/// The neighbourhood prior (`PriorScope::Neighbourhood`, issue 14) over an edge list against the
+/// dense prior written here from the formula, with the adjacency as a per-row mask:
+/// `log ψ_ij = logit_j − logsumexp_{j' : A_ij' = 1} logit_j'`, `α_ij = β ψ_ij` (bam-wc) or
+/// `μ_p,ij = log ψ_ij` (bam-lc), the KL averaged over each head's edges, then over heads. Weights,
+/// KL and the gradients of scores, keys and prior parameters, float64, within 1e-11 (the two sides
+/// only reorder sums: scatter over edges against dense reductions).
+#[test]
+fn neighbourhood_prior_over_edges_equals_a_per_row_dense_prior() -> Result<()> {
+    let _serial = common::serial();
+    tch::manual_seed(22);
+    for device in devices() {
+        let (n, heads, d) = (10, 2, 4);
+        let (dst, src) = random_graph(n, device);
+        let e = dst.size()[0];
+        let support = Support::Edges(EdgeList::new(dst.shallow_clone(), src.shallow_clone(), n, n)?);
+        let allowed = Tensor::zeros([n, n], (Kind::Bool, device)).index_put(&[Some(&dst), Some(&src)], &Tensor::ones([e], (Kind::Bool, device)), false);
+        let excluded = allowed.logical_not().view([1, 1, n, n]);
+        let scatter = |edge_values: &Tensor| {
+            // (H, E) -> (1, H, N, N), zero off the edges.
+            Tensor::zeros([heads, n, n], (Kind::Double, device)).index_put(&[None, Some(&dst), Some(&src)], edge_values, false).unsqueeze(0)
+        };
+        let gather = |dense: &Tensor| dense.squeeze_dim(0).index(&[None, Some(&dst), Some(&src)]); // (H, E)
+        // A masked row log-softmax; rows without edges come out uniform and are never gathered.
+        let row_log_softmax = |t: &Tensor| t.masked_fill(&excluded, -1e300).log_softmax(-1, Kind::Double);
+
+        for name in ["bam-wc", "bam-lc"] {
+            let (k, sigma, beta, sigma_p) = (3.0, 0.5, 2.0, 0.8);
+            let bam = BamConfig { k, sigma, prior_beta: beta, prior_sigma: sigma_p, prior_scope: PriorScope::Neighbourhood, ..Default::default() };
+            let mut vs = nn::VarStore::new(device);
+            let normalizer = name.parse::<Variant>()?.build(&vs.root(), heads, d, &NormalizerConfig { bam, ..Default::default() })?;
+            vs.double();
+            let z = (Tensor::randn([heads, e], (Kind::Double, device)) * 3.0).set_requires_grad(true);
+            let keys = Tensor::randn([1, heads, n, d], (Kind::Double, device)).set_requires_grad(true);
+            let noise = if name == "bam-lc" { Tensor::randn([heads, e], (Kind::Double, device)) } else { Tensor::rand([heads, e], (Kind::Double, device)) };
+            let cot = Tensor::randn([heads, e], (Kind::Double, device));
+            let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+            params.sort_by(|a, b| a.0.cmp(&b.0));
+            let param = |suffix: &str| params.iter().find(|(n, _)| n.ends_with(suffix)).map(|(_, t)| t.shallow_clone()).context(suffix.to_string());
+            let zero_grads = || {
+                for t in params.iter().map(|(_, t)| t).chain([&z, &keys]) {
+                    let _ = t.grad().defined().then(|| t.grad().zero_());
+                }
+            };
+            let grads = || -> Vec<Tensor> { [&z, &keys].into_iter().chain(params.iter().map(|(_, t)| t)).map(grad_or_zero).collect() };
+
+            // The library, over edges.
+            zero_grads();
+            let input = NormalizeInput { scores: &z, support: &support, keys: Some(&keys), noise: Some(&noise), sample: true };
+            let out = normalizer.normalize(&input)?;
+            let kl_edges = out.kl.context("no KL")?;
+            ((&out.weights * &cot).sum(Kind::Double) + &kl_edges * 0.7).backward();
+            let (w_edges, kl_edges, g_edges) = (out.weights.detach(), f64::try_from(&kl_edges)?, grads());
+
+            // The formula, dense, per-row mask.
+            zero_grads();
+            let log_pi = gather(&row_log_softmax(&scatter(&z))); // (H, E)
+            let log_s = if name == "bam-lc" { lognormal_log_sample(&log_pi, sigma, &noise) } else { weibull_log_sample(&log_pi, k, &noise) };
+            let w_dense = gather(&row_log_softmax(&scatter(&log_s)).exp());
+            let hidden = (keys.matmul(&param("prior.f1.weight")?.transpose(1, 2).unsqueeze(0)) + param("prior.f1.bias")?.view([1, heads, 1, -1])).relu(); // (1, H, N, hidden)
+            let logits = (hidden.matmul(&param("prior.f2.weight")?.view([1, heads, -1, 1])) + param("prior.f2.bias")?.view([1, heads, 1, 1])).transpose(2, 3); // (1, H, 1, N)
+            let log_psi = gather(&row_log_softmax(&logits.expand([1, heads, n, n], false))); // (H, E)
+            let kl = if name == "bam-lc" {
+                lognormal_kl(&(&log_pi - sigma * sigma / 2.0), sigma, &log_psi, sigma_p)
+            } else {
+                weibull_gamma_kl(&log_pi, k, &(log_psi.exp() * beta), beta)
+            }; // (H, E)
+            let kl_dense = kl.mean_dim(&[1i64][..], false, Kind::Double).mean(Kind::Double);
+            ((&w_dense * &cot).sum(Kind::Double) + &kl_dense * 0.7).backward();
+            let (w_dense, kl_dense, g_dense) = (w_dense.detach(), f64::try_from(&kl_dense)?, grads());
+
+            let err = f64::try_from((&w_edges - &w_dense).abs().max())?;
+            assert!(err < 1e-11, "{name}: weights differ by {err}");
+            assert!((kl_edges - kl_dense).abs() < 1e-11 * kl_dense.abs().max(1.0), "{name}: KL {kl_edges} vs {kl_dense}");
+            assert_eq!(g_edges.len(), 6, "{name}: scores, keys and the prior's four parameters");
+            for (i, (a, b)) in g_edges.iter().zip(&g_dense).enumerate() {
+                let scale = f64::try_from(b.abs().max())?.max(1.0);
+                let err = f64::try_from((a - b).abs().max())?;
+                assert!(err < 1e-11 * scale, "{name}: gradient {i} differs by {err}");
+                // f2.bias (index 4) shifts every logit of a head alike: ψ and its gradient ignore it.
+                assert!(i == 4 || f64::try_from(a.abs().max())? > 1e-6, "{name}: gradient {i} is zero");
+            }
+            // The prior really is per neighbourhood: each node's ψ sums to one over its edges.
+            let psi_rows = Tensor::zeros([heads, n], (Kind::Double, device)).index_add(1, &dst, &log_psi.exp().detach());
+            let has_edge = Tensor::zeros([n], (Kind::Double, device)).index_fill(0, &dst, 1.0);
+            assert!(f64::try_from((psi_rows - has_edge).abs().max())? < 1e-12, "{name}: ψ does not sum to 1 per node");
+        }
+    }
+    Ok(())
+}
+
+/// `all-nodes` (the default, the authors' GAT code) is one softmax over every key node, shared by
+/// all queries: bit for bit what the edge path computed before the scope existed.
+#[test]
+fn all_nodes_prior_is_one_softmax_over_every_key_node() -> Result<()> {
+    let _serial = common::serial();
+    tch::manual_seed(23);
+    assert_eq!(BamConfig::default().prior_scope, PriorScope::AllNodes);
+    let (n, heads) = (7, 3);
+    // Every node has a self-loop, so every node is some edge's key.
+    let adjacency = Tensor::rand([n, n], (Kind::Float, Device::Cpu)).lt(0.4).logical_or(&Tensor::eye(n, (Kind::Bool, Device::Cpu)));
+    let nz = adjacency.nonzero();
+    let (dst, src) = (nz.select(1, 0).contiguous(), nz.select(1, 1).contiguous());
+    let support = Support::Edges(EdgeList::new(dst, src.shallow_clone(), n, n)?);
+    let logits = Tensor::randn([1, heads, 1, n], (Kind::Float, Device::Cpu));
+    let got = support.key_log_softmax(&logits, PriorScope::AllNodes);
+    let expected = logits.log_softmax(-1, Kind::Float).view([heads, n]).index_select(1, &src);
+    assert!(got.equal(&expected), "all-nodes ψ changed: {got} vs {expected}");
+    let neighbourhood = support.key_log_softmax(&logits, PriorScope::Neighbourhood);
+    assert!(!neighbourhood.allclose(&expected, 1e-3, 1e-3, false), "the two scopes should differ on this graph");
+    Ok(())
 }

@@ -126,6 +126,7 @@ fn bam_config(bam: &serde_json::Value) -> Result<BamConfig> {
         prior_sigma: f("prior_sigma")?,
         prior_hidden: 5,
         base: bam["base"].as_str().context("bam.base")?.parse()?,
+        ..Default::default()
     })
 }
 

@@ -96,6 +96,8 @@ impl BamArgs {
             prior_sigma: self.prior_sigma,
             prior_hidden: self.prior_hidden,
             base: self.base,
+            // Dense attention: the prior's scope only matters over edge lists.
+            ..BamConfig::default()
         }
     }
 }

@@ -15,7 +15,7 @@ use std::time::Instant;
 use anyhow::{ensure, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use probattn::normalize::{BamConfig, EdgeList, KlSchedule, Support};
+use probattn::normalize::{BamConfig, EdgeList, KlSchedule, PriorScope, Support};
 use probattn::{Mode, NormalizerConfig, Variant};
 use probattn_models::gat::{Features, Gat, GatConfig};
 use serde::{Deserialize, Serialize};
@@ -86,6 +86,11 @@ pub struct GatArgs {
     /// Override the preset's BAM prior beta (Gamma rate; bam-wc, bam-wf).
     #[arg(long)]
     pub prior_beta: Option<f64>,
+    /// Override the preset's contextual-prior scope (bam-wc, bam-lc): `neighbourhood` (a softmax
+    /// per node over the nodes it attends, the paper's reading) or `all-nodes` (one softmax over
+    /// every node, the authors' GAT code).
+    #[arg(long, value_parser = parse_prior_scope)]
+    pub prior_scope: Option<PriorScope>,
     #[command(flatten)]
     pub common: CommonArgs,
 }
@@ -176,6 +181,10 @@ impl GatRunConfig {
                 changed = true;
             }
         }
+        if let Some(scope) = args.prior_scope {
+            bam.prior_scope = scope;
+            changed = true;
+        }
         if let (Some(w), KlSchedule::Sigmoid { weight, .. }) = (args.kl_weight, &mut self.kl_schedule) {
             *weight = w;
             changed = true;
@@ -186,6 +195,10 @@ impl GatRunConfig {
         self.patience = args.patience;
         self.max_epochs = args.max_epochs;
     }
+}
+
+fn parse_prior_scope(s: &str) -> std::result::Result<PriorScope, String> {
+    s.parse().map_err(|e: probattn::Error| e.to_string())
 }
 
 /// A loaded graph on a device.

@@ -14,6 +14,9 @@
 //! Variant names follow the paper: `bam-wc` = Weibull with a contextual prior, `bam-wf` fixed,
 //! `bam-lc` / `bam-lf` Lognormal, `bam-nokl` = Weibull sampling without a KL term.
 
+use std::fmt;
+use std::str::FromStr;
+
 use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
 
@@ -70,6 +73,54 @@ impl BamKind {
     }
 }
 
+/// Which keys the contextual prior's softmax runs over when attention is an edge list (a graph).
+///
+/// The paper's `Ψ` is one distribution over the keys of one attention. In a graph every node `i`
+/// attends its own keys, its neighbourhood `N(i)`, so the faithful reading normalizes per node:
+/// `ψ_ij = softmax_{j ∈ N(i)} F2(ReLU(F1(k_j)))`, and each node's prior sums to one over the nodes
+/// it attends. The authors' GAT code instead takes one softmax over every node that is some
+/// edge's key (with self-loops: all `N` nodes), so `ψ_j ≈ 1/N`. Dense attention has one reading,
+/// the paper's (one `Ψ` per example and head over the keys some query may attend), whatever this
+/// says.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PriorScope {
+    /// Per query node, over its neighbourhood `N(i)` (the paper's `Ψ` for an attention whose keys
+    /// are `N(i)`).
+    Neighbourhood,
+    /// One softmax over all key nodes, shared by every query node (the authors' GAT code).
+    #[default]
+    AllNodes,
+}
+
+impl PriorScope {
+    pub const ALL: [PriorScope; 2] = [Self::Neighbourhood, Self::AllNodes];
+
+    /// The name the CLI and config files use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Neighbourhood => "neighbourhood",
+            Self::AllNodes => "all-nodes",
+        }
+    }
+}
+
+impl fmt::Display for PriorScope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for PriorScope {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL.into_iter().find(|p| p.name() == s).ok_or_else(|| {
+            Error::Config(format!("unknown prior scope {s:?} (expected neighbourhood or all-nodes)"))
+        })
+    }
+}
+
 /// BAM settings. Defaults are the authors' GAT code's (`zhougroup/BAM`, `execute_cora.py`);
 /// experiments tune them on validation data and record the values they use.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -89,6 +140,9 @@ pub struct BamConfig {
     pub prior_sigma: f64,
     /// Hidden units of the contextual prior network F1. Default 10.
     pub prior_hidden: i64,
+    /// Over an edge list, which keys the contextual prior normalizes over (see [`PriorScope`]).
+    /// Default `all-nodes`, the authors' GAT code; dense attention ignores it.
+    pub prior_scope: PriorScope,
     /// The deterministic normalizer whose weights are the mean (softmax, dnas, hnas,
     /// sinkhorn-N). Default softmax, as in the paper.
     pub base: Variant,
@@ -104,6 +158,7 @@ impl Default for BamConfig {
             prior_mu: 0.0,
             prior_sigma: 1.0,
             prior_hidden: 10,
+            prior_scope: PriorScope::AllNodes,
             base: Variant::Softmax,
         }
     }
@@ -139,10 +194,12 @@ impl BamConfig {
 /// The contextual prior network of one attention layer: per head,
 /// `ψ_j = softmax_j(F2(ReLU(F1(k_j))))` over the keys some query may attend, with
 /// `F1: d_k → hidden` and `F2: hidden → 1`, initialised as the authors' code (He-normal weights,
-/// zero biases). The authors' GAT code takes this softmax over all graph nodes, ignoring the
-/// adjacency; restricting it to attendable keys is the paper's reading.
+/// zero biases). Over dense scores the softmax runs over the keys some query of the example may
+/// attend. Over an edge list, `scope` decides: per query node over its neighbourhood (the paper's
+/// reading for graphs) or over all key nodes at once (the authors' GAT code); see [`PriorScope`].
 #[derive(Debug)]
 pub struct ContextualPrior {
+    scope: PriorScope,
     heads: i64,
     hidden: i64,
     key_dim: i64,
@@ -158,10 +215,11 @@ pub struct ContextualPrior {
 
 impl ContextualPrior {
     /// Parameters `f1.weight`, `f1.bias`, `f2.weight`, `f2.bias` under `p`.
-    pub fn new(p: &nn::Path, heads: i64, key_dim: i64, hidden: i64) -> Self {
+    pub fn new(p: &nn::Path, heads: i64, key_dim: i64, hidden: i64, scope: PriorScope) -> Self {
         let he = |fan_in: i64| nn::Init::Randn { mean: 0.0, stdev: (2.0 / fan_in as f64).sqrt() };
         let (f1, f2) = (p / "f1", p / "f2");
         Self {
+            scope,
             heads,
             hidden,
             key_dim,
@@ -172,7 +230,8 @@ impl ContextualPrior {
         }
     }
 
-    /// `log ψ` broadcastable to the scores (`(B, H, 1, S_k)` dense, `(H, E)` over edges), from keys
+    /// `log ψ` broadcastable to the scores (`(B, H, 1, S_k)` dense, `(H, E)` over edges: one value
+    /// per edge, which varies with the query node under the neighbourhood scope), from keys
     /// `(B, H, S_k, d_k)` (`(1, H, N, d_k)` over edges); keys no query may attend get 0.
     pub fn log_psi(&self, keys: &Tensor, support: &Support) -> Result<Tensor> {
         let (heads, hidden, key_dim) = (self.heads, self.hidden, self.key_dim);
@@ -189,7 +248,7 @@ impl ContextualPrior {
         let w2 = self.f2_weight.to_kind(kind).view([1, heads, hidden, 1]);
         let b2 = self.f2_bias.to_kind(kind).view([1, heads, 1, 1]);
         let logits = (h.matmul(&w2) + b2).transpose(2, 3); // (B, H, 1, S_k)
-        Ok(support.key_log_softmax(&logits))
+        Ok(support.key_log_softmax(&logits, self.scope))
     }
 }
 
@@ -228,7 +287,7 @@ impl Bam {
     pub fn new(p: &nn::Path, kind: BamKind, heads: i64, key_dim: i64, cfg: &NormalizerConfig) -> Result<Self> {
         cfg.bam.validate()?;
         let base = cfg.bam.base.build(p, heads, key_dim, cfg)?;
-        let prior = kind.is_contextual().then(|| ContextualPrior::new(&(p / "prior"), heads, key_dim, cfg.bam.prior_hidden));
+        let prior = kind.is_contextual().then(|| ContextualPrior::new(&(p / "prior"), heads, key_dim, cfg.bam.prior_hidden, cfg.bam.prior_scope));
         Ok(Self { kind, cfg: cfg.bam.clone(), base, prior })
     }
 
@@ -274,7 +333,7 @@ impl Bam {
         let log_psi = match &self.prior {
             Some(prior) => {
                 let keys = input.keys.ok_or_else(|| Error::Config(format!("{} needs the keys for its contextual prior", self.kind.name())))?;
-                Some(prior.log_psi(keys, s)?) // (B, H, 1, S_k)
+                Some(prior.log_psi(keys, s)?) // (B, H, 1, S_k) dense, (H, E) over edges
             }
             None => None,
         };

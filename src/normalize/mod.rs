@@ -26,7 +26,7 @@ use tch::{nn, Kind, Tensor};
 
 pub use bam::{
     lognormal_kl, lognormal_log_sample, stable_sigmoid, weibull_gamma_kl, weibull_log_sample, Bam, BamConfig, BamKind,
-    ContextualPrior, KlSchedule,
+    ContextualPrior, KlSchedule, PriorScope,
 };
 pub use dnas::Dnas;
 pub use hnas::Hnas;

@@ -8,7 +8,7 @@
 
 use tch::{Kind, Tensor};
 
-use super::mask_value;
+use super::{mask_value, PriorScope};
 use crate::{Error, Result};
 
 /// An edge list: edge `e` lets query node `dst[e]` attend key node `src[e]`.
@@ -256,9 +256,13 @@ impl Support {
     }
 
     /// Log-softmax over the keys of per-key logits `(B|1, H, 1, S_k)` (dense) or `(1, H, 1, N)`
-    /// (edges), restricted to keys some query may attend, and shaped to broadcast against the
-    /// scores. Keys no query may attend get 0, a harmless value: their entries are excluded.
-    pub fn key_log_softmax(&self, logits: &Tensor) -> Tensor {
+    /// (edges), shaped to broadcast against the scores. Dense: one softmax per example and head
+    /// over the keys some query may attend; keys no query may attend get 0, a harmless value:
+    /// their entries are excluded. Edges, `(H, E)`: under [`PriorScope::Neighbourhood`] a softmax
+    /// per query node over the keys of its edges, `logit_j − logsumexp_{j' ∈ N(i)} logit_j'`;
+    /// under [`PriorScope::AllNodes`] one softmax over every node that is some edge's key, shared
+    /// by all query nodes (the authors' GAT code).
+    pub fn key_log_softmax(&self, logits: &Tensor, scope: PriorScope) -> Tensor {
         let kind = logits.kind();
         match self {
             Self::Dense { excluded: Some(e) } => {
@@ -268,11 +272,21 @@ impl Support {
             Self::Dense { excluded: None } => logits.log_softmax(-1, kind),
             Self::Edges(e) => {
                 let heads = logits.size()[1];
-                // Nodes that are no edge's key are left out of the softmax, as the dense mask does.
-                let seen = Tensor::zeros([e.keys], (Kind::Bool, logits.device())).index_fill(0, &e.src, 1);
-                let unseen = seen.logical_not().view([1, 1, 1, -1]);
-                let log_psi = logits.masked_fill(&unseen, mask_value(kind)).log_softmax(-1, kind);
-                log_psi.view([heads, -1]).index_select(1, &e.src) // (H, E)
+                match scope {
+                    PriorScope::Neighbourhood => {
+                        let per_edge = logits.view([heads, -1]).index_select(1, &e.src); // (H, E)
+                        // Every edge's query has at least that edge, so each segment is finite.
+                        &per_edge - EdgeList::segment_lse(&per_edge, &e.dst, e.queries)
+                    }
+                    PriorScope::AllNodes => {
+                        // Nodes that are no edge's key are left out of the softmax, as the dense
+                        // mask does.
+                        let seen = Tensor::zeros([e.keys], (Kind::Bool, logits.device())).index_fill(0, &e.src, 1);
+                        let unseen = seen.logical_not().view([1, 1, 1, -1]);
+                        let log_psi = logits.masked_fill(&unseen, mask_value(kind)).log_softmax(-1, kind);
+                        log_psi.view([heads, -1]).index_select(1, &e.src) // (H, E)
+                    }
+                }
             }
         }
     }
