@@ -7,7 +7,7 @@
 set -euo pipefail
 
 TORCH_VERSION="2.11.0"
-PY_PACKAGES=("torch==${TORCH_VERSION}" "numpy" "safetensors")
+PY_PACKAGES=("torch==${TORCH_VERSION}" "numpy" "safetensors" "sacrebleu==2.6.0")
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CACHE_VENV="${XDG_CACHE_HOME:-$HOME/.cache}/probattn/torch-${TORCH_VERSION}-venv"
 
@@ -15,14 +15,14 @@ usage() {
   cat <<USAGE
 Usage: ./download_libtorch.sh [--local | --venv DIR | --python PY] [--help]
 
-Installs PyTorch ${TORCH_VERSION} (libtorch ${TORCH_VERSION}) plus numpy and safetensors from PyPI,
+Installs PyTorch ${TORCH_VERSION} (libtorch ${TORCH_VERSION}) plus numpy, safetensors and sacrebleu from PyPI,
 then writes .cargo/config.toml so cargo builds and runs against it.
 
   (no flag)      per-user cache shared by every clone: ${CACHE_VENV}
   --local        a project-local virtualenv: ${ROOT}/.venv
   --venv DIR     a virtualenv at DIR (created if absent)
   --python PY    reuse an existing Python whose torch is ${TORCH_VERSION}; installs nothing
-                 into it, only checks it (numpy and safetensors are needed by the tests)
+                 into it, only checks it (numpy, safetensors and sacrebleu are needed by the tests)
   --help         this text
 
 Environment: PYTHON (default python3) is the interpreter that creates the virtualenv.
@@ -44,18 +44,18 @@ while [ $# -gt 0 ]; do
   shift
 done
 
-# Prints nothing and fails unless $1 is a Python with torch $TORCH_VERSION, numpy and safetensors.
+# Prints nothing and fails unless $1 is a Python with torch $TORCH_VERSION, numpy, safetensors and sacrebleu.
 check_python() {
   "$1" - "$TORCH_VERSION" <<'PY' 2>/dev/null
 import sys
-import numpy, safetensors, torch
+import numpy, safetensors, sacrebleu, torch
 assert torch.__version__.split("+")[0] == sys.argv[1], torch.__version__
 PY
 }
 
 if [ -n "$reuse_python" ]; then
   command -v "$reuse_python" >/dev/null || die "no Python at '$reuse_python'"
-  check_python "$reuse_python" || die "'$reuse_python' lacks torch==${TORCH_VERSION}, numpy or safetensors; \
+  check_python "$reuse_python" || die "'$reuse_python' lacks torch==${TORCH_VERSION}, numpy, safetensors or sacrebleu; \
 install them with: $reuse_python -m pip install ${PY_PACKAGES[*]}"
   python="$(command -v "$reuse_python")"
 else

@@ -3,6 +3,7 @@
 
 pub mod attend;
 pub mod bench;
+pub mod bleu;
 pub mod common;
 pub mod doctor;
 pub mod gat;
@@ -29,6 +30,8 @@ pub enum Command {
     Gat(gat::GatArgs),
     /// Time every normalizer and the SVGD hook against PyTorch, in one invocation.
     Bench(bench::BenchArgs),
+    /// Corpus BLEU of a system output against references, as sacreBLEU computes it.
+    Bleu(bleu::BleuArgs),
 }
 
 pub fn run(cli: &Cli) -> anyhow::Result<()> {
@@ -37,5 +40,6 @@ pub fn run(cli: &Cli) -> anyhow::Result<()> {
         Command::Attend(args) => attend::run(args),
         Command::Gat(args) => gat::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Bleu(args) => bleu::run(args),
     }
 }
