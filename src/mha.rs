@@ -250,25 +250,71 @@ impl MultiHeadAttention {
     /// [`Self::forward_t`] with dropout and sampling chosen separately (Monte Carlo prediction
     /// samples attention without dropout: [`Mode::MONTE_CARLO`]).
     pub fn forward_mode(&self, input: &MhaInput, mode: Mode) -> Result<MhaOutput> {
-        let (b, sq, sk) = self.check(input)?;
-        let (h, dh, e) = (self.cfg.num_heads, self.cfg.head_dim(), self.cfg.embed_dim);
+        let (_, sq, _) = self.check(input)?;
         // One split of the packed parameters (one backward node that writes the packed gradient
         // once), not three narrows (three zero-filled (3E, E) gradients summed).
-        let weights = match &self.in_proj {
-            InProj::Packed(w) => w.split(e, 0),
+        let weights = self.in_proj_weights();
+        let biases = self.in_proj_bias.as_ref().map(|b| b.split(self.cfg.embed_dim, 0));
+        let bias = |i: usize| biases.as_ref().map(|b| &b[i]);
+        let q = self.split_heads(&input.query.linear(&weights[0], bias(0))); // (B, H, S_q, d_h)
+        let k = self.split_heads(&input.key.linear(&weights[1], bias(1))); // (B, H, S_k, d_h)
+        let v = self.split_heads(&input.value.linear(&weights[2], bias(2)));
+        self.attend_heads(&q, &k, &v, sq, input, mode)
+    }
+
+    /// Projects `key (B, S_k, kdim)` and `value (B, S_k, vdim)` into per-head keys and values,
+    /// `(B, H, S_k, d_h)` each: what an incremental decoder caches, so that a step projects only
+    /// the new token (self-attention) or nothing at all (cross-attention).
+    pub fn project_kv(&self, key: &Tensor, value: &Tensor) -> (Tensor, Tensor) {
+        let weights = self.in_proj_weights();
+        let biases = self.in_proj_bias.as_ref().map(|b| b.split(self.cfg.embed_dim, 0));
+        let bias = |i: usize| biases.as_ref().map(|b| &b[i]);
+        (self.split_heads(&key.linear(&weights[1], bias(1))), self.split_heads(&value.linear(&weights[2], bias(2))))
+    }
+
+    /// Attends `input.query (B, S_q, E)` to keys and values already projected by
+    /// [`Self::project_kv`], `(B, H, S_k, d_h)`; `input.key` and `input.value` are not read.
+    /// Equals [`Self::forward_mode`] on the unprojected keys and values.
+    pub fn forward_projected(&self, input: &MhaInput, k: &Tensor, v: &Tensor, mode: Mode) -> Result<MhaOutput> {
+        let size = input.query.size();
+        let (h, dh) = (self.cfg.num_heads, self.cfg.head_dim());
+        if size.len() != 3 || size[2] != self.cfg.embed_dim {
+            return Err(Error::Shape(format!("query has shape {size:?}; expected (B, S, {})", self.cfg.embed_dim)));
+        }
+        if k.size() != v.size() || k.dim() != 4 || k.size()[0] != size[0] || k.size()[1] != h || k.size()[3] != dh {
+            return Err(Error::Shape(format!(
+                "projected keys {:?} and values {:?} must both be (B = {}, H = {h}, S_k, {dh})",
+                k.size(),
+                v.size(),
+                size[0]
+            )));
+        }
+        let q = {
+            let (w, b) = (&self.in_proj_weights()[0], self.in_proj_bias.as_ref().map(|b| b.narrow(0, 0, self.cfg.embed_dim)));
+            self.split_heads(&input.query.linear(w, b.as_ref()))
+        };
+        self.attend_heads(&q, k, v, size[1], input, mode)
+    }
+
+    /// `[W_Q, W_K, W_V]`.
+    fn in_proj_weights(&self) -> Vec<Tensor> {
+        match &self.in_proj {
+            InProj::Packed(w) => w.split(self.cfg.embed_dim, 0),
             InProj::Separate { q, k, v } => vec![q.shallow_clone(), k.shallow_clone(), v.shallow_clone()],
-        };
-        let biases = self.in_proj_bias.as_ref().map(|b| b.split(e, 0));
-        let split = |x: &Tensor, i: usize, s: i64| {
-            x.linear(&weights[i], biases.as_ref().map(|b| &b[i])) // (B, S, E)
-                .view([b, s, h, dh])
-                .transpose(1, 2) // (B, H, S, d_h)
-        };
-        let q = split(input.query, 0, sq);
-        let k = split(input.key, 1, sk);
-        let v = split(input.value, 2, sk);
+        }
+    }
+
+    /// `(B, S, E)` → `(B, H, S, d_h)`.
+    fn split_heads(&self, x: &Tensor) -> Tensor {
+        let size = x.size();
+        x.view([size[0], size[1], self.cfg.num_heads, self.cfg.head_dim()]).transpose(1, 2)
+    }
+
+    /// The normalizer, the value mixing and the output projection, from per-head `q`, `k`, `v`.
+    fn attend_heads(&self, q: &Tensor, k: &Tensor, v: &Tensor, sq: i64, input: &MhaInput, mode: Mode) -> Result<MhaOutput> {
+        let (b, e) = (q.size()[0], self.cfg.embed_dim);
         let opts = AttendOptions { mode, dropout: self.cfg.dropout, noise: input.noise };
-        let attended = attend(&q, &k, &v, &input.masks, self.normalizer.as_ref(), opts)?;
+        let attended = attend(q, k, v, &input.masks, self.normalizer.as_ref(), opts)?;
         let merged = attended.output.transpose(1, 2).contiguous().view([b, sq, e]); // (B, S_q, E)
         let context = merged.linear(&self.out_proj_weight, self.out_proj_bias.as_ref());
         let weights = input.need_weights.then_some(attended.weights);

@@ -8,6 +8,7 @@ pub mod common;
 pub mod doctor;
 pub mod gat;
 pub mod provenance;
+pub mod translate;
 
 use clap::{Parser, Subcommand};
 
@@ -32,6 +33,8 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Corpus BLEU of a system output against references, as sacreBLEU computes it.
     Bleu(bleu::BleuArgs),
+    /// Transformer translation (Multi30k, IWSLT14) with any attention variant and repulsive heads.
+    Translate(translate::TranslateArgs),
 }
 
 pub fn run(cli: &Cli) -> anyhow::Result<()> {
@@ -41,5 +44,6 @@ pub fn run(cli: &Cli) -> anyhow::Result<()> {
         Command::Gat(args) => gat::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Bleu(args) => bleu::run(args),
+        Command::Translate(args) => translate::run(args),
     }
 }

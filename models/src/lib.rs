@@ -8,5 +8,6 @@
 
 pub mod gat;
 pub mod transformer;
+pub mod translation;
 
 pub use probattn;

@@ -7,7 +7,7 @@
 //! Embeddings, vocabulary and decoding belong to the translation experiment.
 
 use probattn::repulsive::{ModuleKind, RepulsiveHook};
-use probattn::{Masks, MhaConfig, MhaInput, MultiHeadAttention, NormalizerConfig, Result, Variant};
+use probattn::{Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, NormalizerConfig, Result, Variant};
 use serde::{Deserialize, Serialize};
 use tch::nn::{self, Module};
 use tch::Tensor;
@@ -64,11 +64,14 @@ struct FeedForward {
 }
 
 impl FeedForward {
+    /// fairseq's initialisation: Xavier-uniform weights, zero biases.
     fn new(p: &nn::Path, cfg: &TransformerConfig) -> Self {
-        Self {
-            fc1: nn::linear(p / "fc1", cfg.embed_dim, cfg.ffn_dim, Default::default()),
-            fc2: nn::linear(p / "fc2", cfg.ffn_dim, cfg.embed_dim, Default::default()),
-        }
+        let linear = |name: &str, i: i64, o: i64| {
+            let bound = (6.0 / (i + o) as f64).sqrt();
+            let c = nn::LinearConfig { ws_init: nn::Init::Uniform { lo: -bound, up: bound }, bs_init: Some(nn::Init::Const(0.0)), bias: true };
+            nn::linear(p / name, i, o, c)
+        };
+        Self { fc1: linear("fc1", cfg.embed_dim, cfg.ffn_dim), fc2: linear("fc2", cfg.ffn_dim, cfg.embed_dim) }
     }
 
     fn forward(&self, x: &Tensor) -> Tensor {
@@ -104,6 +107,26 @@ pub struct Transformer {
     cfg: TransformerConfig,
     pub encoder: Vec<EncoderLayer>,
     pub decoder: Vec<DecoderLayer>,
+}
+
+/// The cached keys and values of incremental decoding, per decoder layer, `(B, H, S, d_h)`.
+#[derive(Debug)]
+pub struct DecoderState {
+    /// Cross-attention keys and values of the source, projected once.
+    pub cross: Vec<(Tensor, Tensor)>,
+    /// Self-attention keys and values of the target tokens so far.
+    pub own: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl DecoderState {
+    /// Keeps the rows `index (B',)` of every cached tensor, in that order: beam search's reorder
+    /// after each step.
+    pub fn reorder(&mut self, index: &Tensor) {
+        for (k, v) in self.cross.iter_mut().chain(self.own.iter_mut().flatten()) {
+            *k = k.index_select(0, index);
+            *v = v.index_select(0, index);
+        }
+    }
 }
 
 /// What [`Transformer::forward_t`] returns.
@@ -152,8 +175,17 @@ impl Transformer {
     /// `src (B, S, E)` and `tgt (B, T, E)` embedded sequences, padding masks `(B, S)` / `(B, T)`
     /// with `true` = padding.
     pub fn forward_t(&self, src: &Tensor, src_pad: Option<&Tensor>, tgt: &Tensor, tgt_pad: Option<&Tensor>, train: bool) -> Result<TransformerOutput> {
-        let p = self.cfg.dropout;
         let mut kls = vec![];
+        let memory = self.encode(src, src_pad, train, &mut kls)?;
+        let output = self.decode(tgt, tgt_pad, &memory, src_pad, train, &mut kls)?;
+        let kl = (!kls.is_empty()).then(|| Tensor::stack(&kls, 0).mean(kls[0].kind()));
+        Ok(TransformerOutput { output, kl })
+    }
+
+    /// The encoder: `src (B, S, E)` → memory `(B, S, E)`; KL terms of stochastic attention are
+    /// pushed onto `kls`.
+    pub fn encode(&self, src: &Tensor, src_pad: Option<&Tensor>, train: bool, kls: &mut Vec<Tensor>) -> Result<Tensor> {
+        let p = self.cfg.dropout;
         let mut x = src.shallow_clone(); // (B, S, E)
         let src_masks = Masks { key_padding: src_pad, query_padding: src_pad, ..Default::default() };
         for layer in &self.encoder {
@@ -162,19 +194,57 @@ impl Transformer {
             x = (&x + a.context.dropout(p, train)).apply(&layer.norm1);
             x = (&x + layer.ffn.forward(&x).dropout(p, train)).apply(&layer.norm2);
         }
+        Ok(x)
+    }
+
+    /// The decoder over a whole target prefix (teacher forcing): `tgt (B, T, E)` → `(B, T, E)`.
+    pub fn decode(&self, tgt: &Tensor, tgt_pad: Option<&Tensor>, memory: &Tensor, src_pad: Option<&Tensor>, train: bool, kls: &mut Vec<Tensor>) -> Result<Tensor> {
+        let p = self.cfg.dropout;
         let mut y = tgt.shallow_clone(); // (B, T, E)
         let causal = Masks { key_padding: tgt_pad, causal: true, ..Default::default() };
         let cross = Masks { key_padding: src_pad, query_padding: tgt_pad, ..Default::default() };
         for layer in &self.decoder {
             let a = layer.self_attn.forward_t(&MhaInput::self_attention(&y).with_masks(causal), train)?;
+            kls.extend(a.kl);
             y = (&y + a.context.dropout(p, train)).apply(&layer.norm1);
-            let c = layer.cross_attn.forward_t(&MhaInput::cross_attention(&y, &x).with_masks(cross), train)?;
+            let c = layer.cross_attn.forward_t(&MhaInput::cross_attention(&y, memory).with_masks(cross), train)?;
             kls.extend(c.kl);
             y = (&y + c.context.dropout(p, train)).apply(&layer.norm2);
             y = (&y + layer.ffn.forward(&y).dropout(p, train)).apply(&layer.norm3);
         }
-        let kl = (!kls.is_empty()).then(|| Tensor::stack(&kls, 0).mean(kls[0].kind()));
-        Ok(TransformerOutput { output: y, kl })
+        Ok(y)
+    }
+
+    /// An empty incremental-decoding state for `memory (B, S, E)`: the cross-attention keys and
+    /// values of every layer, projected once.
+    pub fn start_decoding(&self, memory: &Tensor) -> DecoderState {
+        let cross = self.decoder.iter().map(|l| l.cross_attn.project_kv(memory, memory)).collect();
+        DecoderState { cross, own: (0..self.decoder.len()).map(|_| None).collect() }
+    }
+
+    /// One decoding step in eval mode: `y (B, 1, E)`, the embedded newest target token, attends
+    /// the cached keys and values of the tokens before it (self-attention: no mask is needed, the
+    /// cache holds only the past) and the source; appends its own keys and values to `state`.
+    /// Costs O(current length) per layer, not a re-run of the prefix. Equals the last position of
+    /// [`Self::decode`] on the whole prefix (tested).
+    pub fn decode_step(&self, y: &Tensor, state: &mut DecoderState, src_pad: Option<&Tensor>) -> Result<Tensor> {
+        let mut y = y.shallow_clone(); // (B, 1, E)
+        let cross = Masks { key_padding: src_pad, ..Default::default() };
+        for (i, layer) in self.decoder.iter().enumerate() {
+            let (k_new, v_new) = layer.self_attn.project_kv(&y, &y); // (B, H, 1, d_h)
+            let (k, v) = match state.own[i].take() {
+                Some((k, v)) => (Tensor::cat(&[k, k_new], 2), Tensor::cat(&[v, v_new], 2)),
+                None => (k_new, v_new),
+            };
+            let a = layer.self_attn.forward_projected(&MhaInput::self_attention(&y), &k, &v, Mode::EVAL)?;
+            state.own[i] = Some((k, v));
+            y = (&y + a.context).apply(&layer.norm1);
+            let (ck, cv) = &state.cross[i];
+            let c = layer.cross_attn.forward_projected(&MhaInput::cross_attention(&y, &y).with_masks(cross), ck, cv, Mode::EVAL)?;
+            y = (&y + c.context).apply(&layer.norm2);
+            y = (&y + layer.ffn.forward(&y)).apply(&layer.norm3);
+        }
+        Ok(y)
     }
 
     /// Registers every attention module with the repulsive hook (its selection decides which

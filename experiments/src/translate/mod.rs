@@ -1,0 +1,766 @@
+//! `probattn translate`: a Transformer translation model trained as fairseq trains it, with any
+//! attention variant in the encoder self-attention and the cross-attention, and repulsive (SVGD /
+//! SPOS) heads; the repulsive-attention paper's Table 2 (An et al. 2020) on Multi30k, and on
+//! IWSLT14 for users who have it. Recipe: shared/docs/PAPER-NOTES.md sections 3 and 4.
+//!
+//! Training: label-smoothed cross-entropy (ε = 0.1, padding excluded) summed over the batch's
+//! target tokens and divided by their number (fairseq's gradient normalization); fairseq's Adam
+//! (β = 0.9, 0.98) with decoupled weight decay; the inverse-square-root schedule; batches by token
+//! count in a seeded order. After every epoch: validation loss, validation BLEU (beam search,
+//! sacreBLEU's default), the checkpoint written atomically (model, optimizer, schedule step, epoch,
+//! patience, best score, config, tokenizer beside it); the best checkpoint is chosen by validation
+//! BLEU; early stopping after `--patience` epochs without a better one. At the end the best
+//! checkpoint (or the average of the last N epochs' weights) translates the test set.
+//!
+//! Reproducibility: every epoch reseeds libtorch (dropout, BAM noise) and the batch order from
+//! (seed, epoch), so a run resumed from its last checkpoint (`--resume`) continues exactly as the
+//! uninterrupted run would have.
+
+pub mod data;
+pub mod decode;
+pub mod optim;
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use probattn::normalize::BamConfig;
+use probattn::repulsive::{Method, RepulsiveConfig, RepulsiveHook, Selection};
+use probattn::{NormalizerConfig, Variant};
+use probattn_models::transformer::TransformerConfig;
+use probattn_models::translation::{Seq2Seq, Seq2SeqConfig};
+use serde::{Deserialize, Serialize};
+use tch::{nn, Device, Kind, Tensor};
+use tokenizers::Tokenizer;
+
+use crate::bleu::{corpus_bleu, BleuConfig};
+use crate::common::CommonArgs;
+use crate::provenance::{run_dir, write_json, Provenance};
+use data::{batch_tensors, epoch_order, token_batches, Corpus, Encoded, PAD};
+use decode::DecodeConfig;
+use optim::{Adam, AdamConfig, InverseSqrt};
+
+/// Model presets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Preset {
+    /// fairseq `transformer_iwslt_de_en` (the repulsive-attention paper's model): 6+6 layers,
+    /// E = 512, FFN 1024, 4 heads, dropout 0.3; 4,096 tokens per batch, lr 5e-4, 4,000 warm-up
+    /// updates, BPE 10,000.
+    Iwslt,
+    /// A CPU-sized model for Multi30k: 3+3 layers, E = 256, FFN 512, 4 heads, dropout 0.3; lr 1e-3
+    /// with 1,000 warm-up updates (a smaller model tolerates a larger rate, and one Multi30k epoch is
+    /// about 130 updates of 4,096 tokens, so 4,000 warm-up updates would be 30 epochs), BPE 8,000.
+    Small,
+    /// `--quick`: 2+2 layers, E = 128, FFN 256, 4 heads; a smoke test, not a result.
+    Tiny,
+}
+
+impl Preset {
+    fn transformer(self) -> TransformerConfig {
+        let (layers, e, ffn) = match self {
+            Self::Iwslt => (6, 512, 1024),
+            Self::Small => (3, 256, 512),
+            Self::Tiny => (2, 128, 256),
+        };
+        TransformerConfig { encoder_layers: layers, decoder_layers: layers, embed_dim: e, heads: 4, ffn_dim: ffn, dropout: 0.3, ..TransformerConfig::iwslt() }
+    }
+
+    /// (lr, warm-up updates, BPE vocabulary).
+    fn recipe(self) -> (f64, u64, usize) {
+        match self {
+            Self::Iwslt => (5e-4, 4000, 10_000),
+            Self::Small => (1e-3, 1000, 8000),
+            Self::Tiny => (2e-3, 100, 2000),
+        }
+    }
+}
+
+/// `--repulsive`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Repulsive {
+    None,
+    Svgd,
+    Spos,
+}
+
+/// Flags of `probattn translate`.
+#[derive(Args, Debug)]
+pub struct TranslateArgs {
+    /// Corpus folder with train|valid|test.{SRC,TGT} (Multi30k's val.* stand in for valid.*);
+    /// default ../shared/data/multi30k when it exists, else data/multi30k.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Source language (file suffix).
+    #[arg(long, default_value = "de")]
+    pub src: String,
+    /// Target language (file suffix).
+    #[arg(long, default_value = "en")]
+    pub tgt: String,
+    /// Model and recipe preset: small (Multi30k on CPU), iwslt (fairseq transformer_iwslt_de_en) or tiny.
+    #[arg(long, value_enum, default_value_t = Preset::Small)]
+    pub preset: Preset,
+    /// Attention of the encoder self-attention and the cross-attention: softmax, dnas, hnas,
+    /// sinkhorn-N, bam-wc, bam-wf, bam-lc, bam-lf, bam-nokl (decoder self-attention stays softmax).
+    #[arg(long, default_value = "softmax")]
+    pub attention: String,
+    /// Repulsive heads on the Q, K and V in-projections of every attention module: none, svgd or spos.
+    #[arg(long, value_enum, default_value_t = Repulsive::None)]
+    pub repulsive: Repulsive,
+    /// Weight alpha of the repulsive term (the paper's IWSLT14 value).
+    #[arg(long, default_value_t = 0.01)]
+    pub repulsive_alpha: f64,
+    /// SVGD / SPOS step size (the paper's IWSLT14 value).
+    #[arg(long, default_value_t = 0.01)]
+    pub repulsive_stepsize: f64,
+    /// Which particle sets the hook moves, as JSON, for the paper's ablations, e.g.
+    /// '{"layers":[0]}' (first layer only) or '{"kinds":["encoder-self"],"projections":["q"]}'.
+    #[arg(long)]
+    pub selection: Option<String>,
+    /// BAM Weibull shape k (bam-w*; the authors' ALBERT script's 10).
+    #[arg(long, default_value_t = 10.0)]
+    pub k: f64,
+    /// BAM Lognormal sigma (bam-l*).
+    #[arg(long, default_value_t = 1.0)]
+    pub sigma: f64,
+    /// Weight of BAM's KL term in the per-token loss.
+    #[arg(long, default_value_t = 1.0)]
+    pub kl_weight: f64,
+    /// Runs with seeds seed-start, seed-start + 1, ...
+    #[arg(long, default_value_t = 1)]
+    pub seeds: u64,
+    #[arg(long, default_value_t = 1)]
+    pub seed_start: u64,
+    /// Target-plus-source token budget of a batch (fairseq --max-tokens).
+    #[arg(long, default_value_t = 4096)]
+    pub max_tokens: usize,
+    /// Peak learning rate (default: the preset's).
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Warm-up updates of the inverse-sqrt schedule (default: the preset's).
+    #[arg(long)]
+    pub warmup_updates: Option<u64>,
+    /// Learning rate at update 0.
+    #[arg(long, default_value_t = 1e-7)]
+    pub warmup_init_lr: f64,
+    /// Decoupled weight decay.
+    #[arg(long, default_value_t = 1e-4)]
+    pub weight_decay: f64,
+    /// Label smoothing epsilon.
+    #[arg(long, default_value_t = 0.1)]
+    pub label_smoothing: f64,
+    /// Joint BPE vocabulary size (default: the preset's).
+    #[arg(long)]
+    pub bpe_vocab: Option<usize>,
+    /// Stop after this many epochs.
+    #[arg(long, default_value_t = 100)]
+    pub max_epochs: usize,
+    /// Stop after this many updates (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    pub max_updates: u64,
+    /// Early stopping: epochs without a better validation BLEU.
+    #[arg(long, default_value_t = 10)]
+    pub patience: usize,
+    /// Beam size for validation and test (1 = greedy).
+    #[arg(long, default_value_t = 5)]
+    pub beam: usize,
+    /// Length penalty of beam search.
+    #[arg(long, default_value_t = 1.0)]
+    pub lenpen: f64,
+    /// Maximum output length a·|src| + b: a.
+    #[arg(long, default_value_t = 1.2)]
+    pub max_len_a: f64,
+    /// Maximum output length a·|src| + b: b.
+    #[arg(long, default_value_t = 10)]
+    pub max_len_b: usize,
+    /// Sentences per decoding batch.
+    #[arg(long, default_value_t = 64)]
+    pub decode_batch: usize,
+    /// Average the weights of the last N epochs' checkpoints for the test (0: the best checkpoint).
+    #[arg(long, default_value_t = 0)]
+    pub average_last: usize,
+    /// 300 updates of the tiny preset (2,000-token batches) on the first 3,000 training pairs,
+    /// validation on 100 pairs, then decode and score the whole test set: a smoke test of every
+    /// step (a few minutes on 2 cores), not a result.
+    #[arg(long)]
+    pub quick: bool,
+    /// Output folder (default: runs/translate/<UTC stamp>-<attention>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Continue the killed run in this folder from its last checkpoints (same flags).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Translate --input with --checkpoint instead of training.
+    #[arg(long)]
+    pub decode: bool,
+    /// With --decode: a checkpoint_*.safetensors of a run (its tokenizer.json and config.json are read beside it).
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    /// With --decode: source sentences, one per line.
+    #[arg(long)]
+    pub input: Option<PathBuf>,
+    /// With --decode: where to write the translations (default: standard output).
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+    #[command(flatten)]
+    pub common: CommonArgs,
+}
+
+/// Everything that defines a run (config.json; a resumed run must match it).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TranslateConfig {
+    pub data_dir: String,
+    pub src: String,
+    pub tgt: String,
+    pub preset: Preset,
+    pub model: Seq2SeqConfig,
+    pub repulsive: Repulsive,
+    pub repulsive_config: RepulsiveConfig,
+    pub selection: Selection,
+    pub kl_weight: f64,
+    pub adam: AdamConfig,
+    pub schedule: InverseSqrt,
+    pub label_smoothing: f64,
+    pub max_tokens: usize,
+    pub bpe_vocab: usize,
+    pub max_epochs: usize,
+    pub max_updates: u64,
+    pub patience: usize,
+    pub decode: DecodeConfig,
+    pub average_last: usize,
+    /// Training pairs used (all, or the --quick slice).
+    pub train_limit: Option<usize>,
+}
+
+/// One epoch's metrics (metrics.jsonl).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct EpochMetrics {
+    pub seed: u64,
+    pub epoch: usize,
+    pub updates: u64,
+    pub lr: f64,
+    pub train_loss: f64,
+    pub train_nll: f64,
+    pub kl: Option<f64>,
+    pub valid_loss: f64,
+    pub valid_nll: f64,
+    pub valid_bleu: f64,
+    pub seconds: f64,
+    pub tokens_per_second: f64,
+    /// HNAS's mean u per encoder layer (self-attention), when the attention is hnas.
+    pub hnas_u: Option<Vec<f64>>,
+}
+
+/// What the checkpoint carries besides tensors (stored in it as a JSON byte tensor, so the file
+/// is one atomic unit).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct TrainState {
+    config: TranslateConfig,
+    seed: u64,
+    /// Epochs completed.
+    epoch: usize,
+    updates: u64,
+    best_bleu: f64,
+    best_epoch: usize,
+    waited: usize,
+    train_seconds: f64,
+    train_tokens: u64,
+    history: Vec<EpochMetrics>,
+}
+
+/// One seed's outcome (results.json `runs`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunResult {
+    pub seed: u64,
+    /// sacreBLEU (13a, cased, detokenized) of the test set.
+    pub test_bleu: f64,
+    /// Tokenized (13a), lowercased BLEU of the test set: the papers' kind.
+    pub test_bleu_tok: f64,
+    pub valid_bleu: f64,
+    pub best_epoch: usize,
+    pub epochs: usize,
+    pub updates: u64,
+    pub train_seconds: f64,
+    /// Target tokens per second of training (forward, backward, hook and update).
+    pub tokens_per_second: f64,
+    pub test_sentences_per_second: f64,
+    pub test_signature: String,
+    pub test_signature_tok: String,
+}
+
+/// results.json.
+#[derive(Debug, Serialize)]
+pub struct TranslateResults {
+    pub dataset: String,
+    pub attention: String,
+    pub repulsive: Repulsive,
+    pub config: TranslateConfig,
+    pub runs: Vec<RunResult>,
+    pub test_bleu_mean: f64,
+    pub test_bleu_std: f64,
+    pub test_bleu_tok_mean: f64,
+    pub test_bleu_tok_std: f64,
+    pub valid_bleu_mean: f64,
+    pub tokens_per_second_mean: f64,
+    pub provenance: Provenance,
+}
+
+fn default_data_dir() -> PathBuf {
+    let shared = Path::new("../shared/data/multi30k");
+    if shared.is_dir() {
+        shared.into()
+    } else {
+        "data/multi30k".into()
+    }
+}
+
+impl TranslateConfig {
+    fn from_args(args: &TranslateArgs, vocab: i64) -> Result<Self> {
+        let preset = if args.quick { Preset::Tiny } else { args.preset };
+        let variant: Variant = args.attention.parse().context("--attention")?;
+        let mut transformer = preset.transformer();
+        transformer.variant = variant;
+        transformer.normalizer = NormalizerConfig { bam: BamConfig { k: args.k, sigma: args.sigma, ..BamConfig::default() }, ..Default::default() };
+        let (lr, warmup, bpe) = preset.recipe();
+        let selection: Selection = match &args.selection {
+            Some(s) => serde_json::from_str(s).with_context(|| format!("--selection {s:?} is not a selection (JSON with kinds, layers, projections)"))?,
+            None => Selection::default(),
+        };
+        let method = if args.repulsive == Repulsive::Spos { Method::Spos } else { Method::Svgd };
+        let repulsive_config = RepulsiveConfig { method, alpha: args.repulsive_alpha, stepsize: args.repulsive_stepsize, ..Default::default() };
+        repulsive_config.validate()?;
+        ensure!(args.label_smoothing >= 0.0 && args.label_smoothing < 1.0, "--label-smoothing must lie in [0, 1)");
+        ensure!(args.max_tokens >= 16, "--max-tokens must be at least 16");
+        ensure!(args.beam >= 1, "--beam must be at least 1");
+        Ok(Self {
+            data_dir: args.data_dir.clone().unwrap_or_else(default_data_dir).to_string_lossy().into(),
+            src: args.src.clone(),
+            tgt: args.tgt.clone(),
+            preset,
+            model: Seq2SeqConfig { transformer, vocab, pad: PAD, share_all_embeddings: true, max_positions: 1024 },
+            repulsive: args.repulsive,
+            repulsive_config,
+            selection,
+            kl_weight: args.kl_weight,
+            adam: AdamConfig { beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: args.weight_decay },
+            schedule: InverseSqrt { lr: args.lr.unwrap_or(lr), warmup_updates: args.warmup_updates.unwrap_or(warmup), warmup_init_lr: args.warmup_init_lr },
+            label_smoothing: args.label_smoothing,
+            max_tokens: if args.quick { 2000 } else { args.max_tokens },
+            bpe_vocab: args.bpe_vocab.unwrap_or(bpe),
+            max_epochs: if args.quick { 100 } else { args.max_epochs },
+            max_updates: if args.quick { 300 } else { args.max_updates },
+            patience: args.patience,
+            decode: DecodeConfig { beam: args.beam, lenpen: args.lenpen, max_len_a: args.max_len_a, max_len_b: args.max_len_b },
+            average_last: args.average_last,
+            train_limit: args.quick.then_some(3000),
+        })
+    }
+}
+
+/// Label-smoothed cross-entropy, fairseq 0.6: `Σ_t (1−ε)·nll_t + ε/V · Σ_v −log p_t(v)` over
+/// non-padding targets; returns (loss sum, nll sum).
+pub fn label_smoothed_loss(logits: &Tensor, target: &Tensor, eps: f64) -> (Tensor, Tensor) {
+    let lprobs = logits.log_softmax(-1, Kind::Float); // (B, T, V)
+    let v = lprobs.size()[2] as f64;
+    let keep = target.ne(PAD).to_kind(Kind::Float); // (B, T)
+    let nll = -lprobs.gather(-1, &target.unsqueeze(-1), false).squeeze_dim(-1) * &keep;
+    let smooth = -lprobs.sum_dim_intlist(&[-1i64][..], false, Kind::Float) * &keep;
+    let nll = nll.sum(Kind::Float);
+    ((&nll * (1.0 - eps)) + smooth.sum(Kind::Float) * (eps / v), nll)
+}
+
+/// Writes the training checkpoint: parameters, Adam's moments, and the state as JSON bytes.
+fn save_checkpoint(path: &Path, vs: &nn::VarStore, adam: &Adam, state: &TrainState) -> Result<()> {
+    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    named.extend(adam.state_tensors());
+    let json = serde_json::to_vec(state)?;
+    named.push(("train_state.json".into(), Tensor::from_slice(&json)));
+    let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    probattn::io::write_safetensors_atomic(path, &refs).with_context(|| format!("writing checkpoint {}", path.display()))
+}
+
+/// Reads a checkpoint's tensors and its training state, with errors that name the file.
+fn read_checkpoint(path: &Path) -> Result<(HashMap<String, Tensor>, TrainState)> {
+    let tensors = probattn::io::read_safetensors(path).with_context(|| format!("reading checkpoint {}", path.display()))?;
+    let state = tensors.get("train_state.json").with_context(|| format!("{} is not a probattn translate checkpoint (no train_state.json)", path.display()))?;
+    let bytes: Vec<u8> = Vec::try_from(state).with_context(|| format!("{}: train_state.json", path.display()))?;
+    let state: TrainState = serde_json::from_slice(&bytes).with_context(|| format!("{}: its train_state.json does not parse", path.display()))?;
+    Ok((tensors, state))
+}
+
+/// Copies the model parameters of a checkpoint into `vs`, checking names and shapes.
+fn load_params(vs: &nn::VarStore, tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
+    for (name, mut t) in vs.variables() {
+        let saved = tensors.get(&name).with_context(|| format!("{} lacks parameter {name}: a checkpoint of another model", path.display()))?;
+        ensure!(saved.size() == t.size(), "{}: {name} has shape {:?}, the model {:?}", path.display(), saved.size(), t.size());
+        tch::no_grad(|| t.copy_(saved));
+    }
+    Ok(())
+}
+
+fn progress_bar(len: u64, prefix: String) -> Result<ProgressBar> {
+    let bar = ProgressBar::new(len).with_style(ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} eta {eta}")?.progress_chars("=> "));
+    bar.set_prefix(prefix);
+    Ok(bar)
+}
+
+/// The data of a run, BPE-encoded.
+struct Prepared {
+    corpus: Corpus,
+    tokenizer: Tokenizer,
+    train: Encoded,
+    valid: Encoded,
+    test: Encoded,
+}
+
+fn prepare(cfg_dir: &Path, args: &TranslateArgs, dir: &Path, resume: bool) -> Result<Prepared> {
+    let mut corpus = Corpus::load(cfg_dir, &args.src, &args.tgt)?;
+    if args.quick {
+        corpus.train.src.truncate(3000);
+        corpus.train.tgt.truncate(3000);
+        corpus.valid.src.truncate(100);
+        corpus.valid.tgt.truncate(100);
+    }
+    let tok_path = dir.join("tokenizer.json");
+    let tokenizer = if resume {
+        data::load_tokenizer(&tok_path)?
+    } else {
+        let preset = if args.quick { Preset::Tiny } else { args.preset };
+        let vocab = args.bpe_vocab.unwrap_or(preset.recipe().2);
+        let t = data::learn_bpe(&corpus.train, vocab, dir)?;
+        let json = t.to_string(true).map_err(|e| anyhow::anyhow!("serializing the tokenizer: {e}"))?;
+        probattn::io::write_bytes_atomic(&tok_path, json.as_bytes())?;
+        t
+    };
+    let train = Encoded::new(&tokenizer, &corpus.train)?;
+    let valid = Encoded::new(&tokenizer, &corpus.valid)?;
+    let test = Encoded::new(&tokenizer, &corpus.test)?;
+    Ok(Prepared { corpus, tokenizer, train, valid, test })
+}
+
+/// Translates `data`'s sources and scores them against `refs` (sacreBLEU's default and the
+/// tokenized, lowercased kind); returns (hypotheses, BLEU, BLEU tok-lc, sentences/s).
+fn translate_and_score(model: &Seq2Seq, tokenizer: &Tokenizer, data: &Encoded, refs: &[String], cfg: &DecodeConfig, batch: usize, device: Device, label: &str) -> Result<(Vec<String>, crate::bleu::BleuScore, crate::bleu::BleuScore, f64)> {
+    let bar = progress_bar(data.len() as u64, format!("{label} decoding"))?;
+    let start = Instant::now();
+    let ids = decode::translate(model, &data.src, cfg, batch, device, |n| bar.inc(n as u64))?;
+    let seconds = start.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    let hyps: Vec<String> = ids.iter().map(|h| data::decode(tokenizer, h)).collect::<Result<_>>()?;
+    let bleu = corpus_bleu(&hyps, refs, &BleuConfig::default())?;
+    let tok = corpus_bleu(&hyps, refs, &BleuConfig::tokenized_lowercase())?;
+    Ok((hyps, bleu, tok, data.len() as f64 / seconds.max(1e-9)))
+}
+
+/// Validation loss (label-smoothed and nll, per target token) in eval mode.
+fn valid_loss(model: &Seq2Seq, data: &Encoded, cfg: &TranslateConfig, device: Device) -> Result<(f64, f64)> {
+    let (batches, _) = token_batches(data, cfg.max_tokens, usize::MAX);
+    let (mut loss, mut nll, mut tokens) = (0.0, 0.0, 0usize);
+    tch::no_grad(|| -> Result<()> {
+        for b in &batches {
+            let t = batch_tensors(data, b, device);
+            let (logits, _) = model.forward_t(&t.src, &t.prev, false)?;
+            let (l, n) = label_smoothed_loss(&logits, &t.target, cfg.label_smoothing);
+            loss += f64::try_from(l)?;
+            nll += f64::try_from(n)?;
+            tokens += t.ntokens;
+        }
+        Ok(())
+    })?;
+    Ok((loss / tokens.max(1) as f64, nll / tokens.max(1) as f64))
+}
+
+/// HNAS's mean `u` per encoder layer.
+fn hnas_gates(model: &Seq2Seq) -> Option<Vec<f64>> {
+    model.stack.encoder.iter().map(|l| l.self_attn.hybrid_u().and_then(|u| f64::try_from(u.mean(Kind::Double)).ok())).collect()
+}
+
+/// Trains one seed in `dir` (resuming from its checkpoint when there is one); returns its result.
+fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device: Device, resume: bool) -> Result<RunResult> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    tch::manual_seed(seed as i64);
+    let mut vs = nn::VarStore::new(device);
+    let model = Seq2Seq::new(&vs.root(), cfg.model.clone())?;
+    let mut adam = Adam::new(&vs, cfg.adam);
+    let hook = match cfg.repulsive {
+        Repulsive::None => None,
+        _ => {
+            let mut h = RepulsiveHook::new(cfg.repulsive_config.clone(), cfg.selection.clone())?;
+            model.stack.register_repulsive(&mut h);
+            Some(h)
+        }
+    };
+    let last = dir.join("checkpoint_last.safetensors");
+    let mut state = TrainState { config: cfg.clone(), seed, epoch: 0, updates: 0, best_bleu: f64::NEG_INFINITY, best_epoch: 0, waited: 0, train_seconds: 0.0, train_tokens: 0, history: vec![] };
+    if resume && last.exists() {
+        let (tensors, saved) = read_checkpoint(&last)?;
+        if saved.config != *cfg {
+            let (a, b) = (serde_json::to_value(&saved.config)?, serde_json::to_value(cfg)?);
+            let differ: Vec<String> = a.as_object().into_iter().flatten().filter(|(k, v)| b.get(k.as_str()) != Some(v)).map(|(k, _)| k.clone()).collect();
+            bail!("{} was written with another configuration (differs in: {}); resume with the flags of the original run", last.display(), differ.join(", "));
+        }
+        ensure!(saved.seed == seed, "{} belongs to seed {}, not {seed}", last.display(), saved.seed);
+        load_params(&vs, &tensors, &last)?;
+        adam.load_state(&tensors, saved.updates).with_context(|| last.display().to_string())?;
+        eprintln!("resuming seed {seed} after epoch {} ({} updates)", saved.epoch, saved.updates);
+        state = saved;
+    } else {
+        // A fresh start: drop any metrics of an earlier attempt in this folder.
+        let _ = std::fs::remove_file(dir.join("metrics.jsonl"));
+    }
+    let (batches, dropped) = token_batches(&p.train, cfg.max_tokens, cfg.model.max_positions as usize);
+    if dropped > 0 && state.epoch == 0 {
+        eprintln!("left out {dropped} training pairs longer than {} tokens", cfg.model.max_positions);
+    }
+    let mut metrics = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("metrics.jsonl"))?;
+    let done_by_updates = |u: u64| cfg.max_updates > 0 && u >= cfg.max_updates;
+    while state.epoch < cfg.max_epochs && state.waited < cfg.patience && !done_by_updates(state.updates) {
+        let epoch = state.epoch;
+        // Dropout, BAM noise and the batch order depend on (seed, epoch) only.
+        tch::manual_seed((seed as i64).wrapping_mul(1_000_003).wrapping_add(epoch as i64 + 1));
+        let order = epoch_order(&batches, seed, epoch);
+        let bar = progress_bar(order.len() as u64, format!("seed {seed} epoch {}", epoch + 1))?;
+        let start = Instant::now();
+        let (mut loss_sum, mut nll_sum, mut kl_sum, mut tokens, mut steps) = (0.0, 0.0, 0.0, 0usize, 0usize);
+        let mut has_kl = false;
+        for &bi in &order {
+            if done_by_updates(state.updates) {
+                break;
+            }
+            let t = batch_tensors(&p.train, &batches[bi], device);
+            let (logits, kl) = model.forward_t(&t.src, &t.prev, true)?;
+            let (loss, nll) = label_smoothed_loss(&logits, &t.target, cfg.label_smoothing);
+            let mut objective = &loss / t.ntokens as f64;
+            if let Some(kl) = &kl {
+                objective = objective + kl * cfg.kl_weight;
+                kl_sum += f64::try_from(kl.detach())?;
+                has_kl = true;
+            }
+            adam.zero_grad();
+            objective.backward();
+            if let Some(h) = &hook {
+                h.apply()?;
+            }
+            let lr = cfg.schedule.lr_at(state.updates + 1);
+            adam.step(lr);
+            state.updates += 1;
+            let l = f64::try_from(loss.detach())?;
+            ensure!(l.is_finite(), "the training loss became {l} at update {} (seed {seed})", state.updates);
+            loss_sum += l;
+            nll_sum += f64::try_from(nll.detach())?;
+            tokens += t.ntokens;
+            steps += 1;
+            let secs = start.elapsed().as_secs_f64().max(1e-9);
+            bar.set_message(format!("loss {:.3}, lr {lr:.2e}, {:.1} upd/s, {:.0} tok/s", loss_sum / tokens as f64, steps as f64 / secs, tokens as f64 / secs));
+            bar.inc(1);
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        bar.finish_and_clear();
+        state.train_seconds += seconds;
+        state.train_tokens += tokens as u64;
+        let (valid_loss, valid_nll) = valid_loss(&model, &p.valid, cfg, device)?;
+        let (_, vb, _, _) = translate_and_score(&model, &p.tokenizer, &p.valid, &p.corpus.valid.tgt, &cfg.decode, 64, device, "valid")?;
+        state.epoch += 1;
+        let m = EpochMetrics {
+            seed,
+            epoch: state.epoch,
+            updates: state.updates,
+            lr: cfg.schedule.lr_at(state.updates),
+            train_loss: loss_sum / tokens.max(1) as f64,
+            train_nll: nll_sum / tokens.max(1) as f64,
+            kl: has_kl.then(|| kl_sum / steps.max(1) as f64),
+            valid_loss,
+            valid_nll,
+            valid_bleu: vb.bleu,
+            seconds,
+            tokens_per_second: tokens as f64 / seconds.max(1e-9),
+            hnas_u: hnas_gates(&model),
+        };
+        println!(
+            "seed {seed} epoch {:3}: {} updates, train loss {:.3}, valid loss {:.3}, valid BLEU {:.2}, {:.0} tok/s, {:.0} s",
+            m.epoch, m.updates, m.train_loss, m.valid_loss, m.valid_bleu, m.tokens_per_second, m.seconds
+        );
+        if vb.bleu > state.best_bleu {
+            state.best_bleu = vb.bleu;
+            state.best_epoch = state.epoch;
+            state.waited = 0;
+            save_checkpoint(&dir.join("checkpoint_best.safetensors"), &vs, &adam, &state)?;
+        } else {
+            state.waited += 1;
+        }
+        if cfg.average_last > 0 {
+            let named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+            let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            probattn::io::write_safetensors_atomic(&dir.join(format!("weights_epoch{}.safetensors", state.epoch)), &refs)?;
+            if state.epoch > cfg.average_last {
+                let _ = std::fs::remove_file(dir.join(format!("weights_epoch{}.safetensors", state.epoch - cfg.average_last)));
+            }
+        }
+        writeln!(metrics, "{}", serde_json::to_string(&m)?)?;
+        metrics.flush()?;
+        state.history.push(m);
+        save_checkpoint(&last, &vs, &adam, &state)?;
+    }
+    // The test: the best checkpoint, or the average of the last N epochs' weights.
+    let best = dir.join("checkpoint_best.safetensors");
+    let (tensors, _) = read_checkpoint(&best)?;
+    load_params(&vs, &tensors, &best)?;
+    if cfg.average_last > 0 {
+        average_last(&mut vs, dir, state.epoch, cfg.average_last)?;
+    }
+    let (hyps, bleu, tok, sps) = translate_and_score(&model, &p.tokenizer, &p.test, &p.corpus.test.tgt, &cfg.decode, 64, device, "test")?;
+    probattn::io::write_bytes_atomic(&dir.join("test.hyp"), (hyps.join("\n") + "\n").as_bytes())?;
+    println!("seed {seed} test: {} {} | tokenized lowercased: BLEU = {:.2} {}", bleu.line(), bleu.signature, tok.bleu, tok.signature);
+    Ok(RunResult {
+        seed,
+        test_bleu: bleu.bleu,
+        test_bleu_tok: tok.bleu,
+        valid_bleu: state.best_bleu,
+        best_epoch: state.best_epoch,
+        epochs: state.epoch,
+        updates: state.updates,
+        train_seconds: state.train_seconds,
+        tokens_per_second: state.train_tokens as f64 / state.train_seconds.max(1e-9),
+        test_sentences_per_second: sps,
+        test_signature: bleu.signature,
+        test_signature_tok: tok.signature,
+    })
+}
+
+/// Replaces the parameters by the mean of the last `n` epochs' saved weights.
+fn average_last(vs: &mut nn::VarStore, dir: &Path, last_epoch: usize, n: usize) -> Result<()> {
+    let first = last_epoch.saturating_sub(n) + 1;
+    let files: Vec<PathBuf> = (first..=last_epoch).map(|e| dir.join(format!("weights_epoch{e}.safetensors"))).collect();
+    let mut sums: HashMap<String, Tensor> = HashMap::new();
+    for f in &files {
+        for (name, t) in probattn::io::read_safetensors(f)? {
+            let t = t.to_kind(Kind::Double);
+            let entry = sums.entry(name).or_insert_with(|| t.zeros_like());
+            *entry = &*entry + t;
+        }
+    }
+    for (name, mut t) in vs.variables() {
+        let s = sums.get(&name).with_context(|| format!("the averaged checkpoints lack {name}"))?;
+        tch::no_grad(|| t.copy_(&(s / files.len() as f64).to_kind(t.kind())));
+    }
+    eprintln!("test with the average of epochs {first}..={last_epoch}");
+    Ok(())
+}
+
+/// `--decode`: translate a file with a trained checkpoint.
+fn decode_file(args: &TranslateArgs, device: Device) -> Result<()> {
+    let ckpt = args.checkpoint.as_ref().context("--decode needs --checkpoint")?;
+    let input = args.input.as_ref().context("--decode needs --input")?;
+    let dir = ckpt.parent().unwrap_or(Path::new("."));
+    let tokenizer = data::load_tokenizer(&dir.join("tokenizer.json"))?;
+    let (tensors, state) = read_checkpoint(ckpt)?;
+    let vs = nn::VarStore::new(device);
+    let model = Seq2Seq::new(&vs.root(), state.config.model.clone())?;
+    load_params(&vs, &tensors, ckpt)?;
+    let lines = data::read_sentences(input).context("--input")?;
+    let sources: Vec<Vec<i64>> = lines
+        .iter()
+        .map(|l| {
+            let mut ids = data::encode(&tokenizer, l)?;
+            ids.push(data::EOS);
+            Ok(ids)
+        })
+        .collect::<Result<_>>()?;
+    let cfg = DecodeConfig { beam: args.beam, lenpen: args.lenpen, max_len_a: args.max_len_a, max_len_b: args.max_len_b };
+    let bar = progress_bar(sources.len() as u64, "decoding".into())?;
+    let ids = decode::translate(&model, &sources, &cfg, args.decode_batch, device, |n| bar.inc(n as u64))?;
+    bar.finish_and_clear();
+    let text: Vec<String> = ids.iter().map(|h| data::decode(&tokenizer, h)).collect::<Result<_>>()?;
+    let joined = text.join("\n") + "\n";
+    match &args.output {
+        Some(out) => probattn::io::write_bytes_atomic(out, joined.as_bytes())?,
+        None => print!("{joined}"),
+    }
+    Ok(())
+}
+
+pub fn run(args: &TranslateArgs) -> Result<()> {
+    let device = args.common.setup()?;
+    if args.decode {
+        return decode_file(args, device);
+    }
+    ensure!(args.seeds >= 1, "--seeds must be at least 1");
+    ensure!(args.checkpoint.is_none() && args.input.is_none(), "--checkpoint and --input go with --decode");
+    let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
+    let resume = args.resume.is_some();
+    let dir = match &args.resume {
+        Some(d) => {
+            ensure!(d.join("config.json").is_file(), "--resume {}: no config.json there, so no run to resume", d.display());
+            d.clone()
+        }
+        None => {
+            let tag = match args.repulsive {
+                Repulsive::None => args.attention.clone(),
+                r => format!("{}-{}", args.attention, serde_json::to_value(r)?.as_str().unwrap_or("rma")),
+            };
+            run_dir(args.out.as_deref(), "translate", &tag)?
+        }
+    };
+    let p = prepare(&data_dir, args, &dir, resume)?;
+    let vocab = p.tokenizer.get_vocab_size(true) as i64;
+    let cfg = TranslateConfig::from_args(args, vocab)?;
+    if resume {
+        let saved: TranslateConfig = serde_json::from_slice(&std::fs::read(dir.join("config.json"))?).with_context(|| format!("{}/config.json does not parse", dir.display()))?;
+        ensure!(saved == cfg, "--resume {}: the flags differ from the original run's (see its config.json)", dir.display());
+    } else {
+        write_json(&dir.join("config.json"), &cfg)?;
+    }
+    println!(
+        "{}-{}: {} / {} / {} sentence pairs, joint BPE {} symbols; {} layers, E = {}, {} heads, attention {}, repulsive {:?}; device {}, {} threads",
+        cfg.src,
+        cfg.tgt,
+        p.train.len(),
+        p.valid.len(),
+        p.test.len(),
+        vocab,
+        cfg.model.transformer.encoder_layers,
+        cfg.model.transformer.embed_dim,
+        cfg.model.transformer.heads,
+        cfg.model.transformer.variant,
+        cfg.repulsive,
+        probattn::device::device_name(device),
+        tch::get_num_threads()
+    );
+    let mut runs = vec![];
+    for seed in args.seed_start..args.seed_start + args.seeds {
+        runs.push(train_seed(&p, &cfg, seed, &dir.join(format!("seed-{seed}")), device, resume)?);
+    }
+    let stat = |f: fn(&RunResult) -> f64| crate::gat::mean_std(&runs.iter().map(f).collect::<Vec<_>>());
+    let (test_bleu_mean, test_bleu_std) = stat(|r| r.test_bleu);
+    let (test_bleu_tok_mean, test_bleu_tok_std) = stat(|r| r.test_bleu_tok);
+    let results = TranslateResults {
+        dataset: Path::new(&cfg.data_dir).file_name().map_or("corpus".into(), |n| n.to_string_lossy().into()),
+        attention: cfg.model.transformer.variant.to_string(),
+        repulsive: cfg.repulsive,
+        valid_bleu_mean: stat(|r| r.valid_bleu).0,
+        tokens_per_second_mean: stat(|r| r.tokens_per_second).0,
+        config: cfg,
+        runs,
+        test_bleu_mean,
+        test_bleu_std,
+        test_bleu_tok_mean,
+        test_bleu_tok_std,
+        provenance: Provenance::gather(device),
+    };
+    write_json(&dir.join("results.json"), &results)?;
+    println!(
+        "test BLEU over {} seed(s): sacreBLEU {:.2} ± {:.2}, tokenized lowercased {:.2} ± {:.2}; results in {}",
+        results.runs.len(),
+        test_bleu_mean,
+        test_bleu_std,
+        test_bleu_tok_mean,
+        test_bleu_tok_std,
+        dir.display()
+    );
+    Ok(())
+}
