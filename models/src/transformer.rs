@@ -25,8 +25,9 @@ pub struct TransformerConfig {
     pub dropout: f64,
     /// Dropout on attention weights.
     pub attention_dropout: f64,
-    /// The normalizer of the encoder self-attention and the cross-attention (decoder
-    /// self-attention is causal and always softmax, since DNAS would leak the future).
+    /// The normalizer of the encoder self-attention, and of the cross-attention when it
+    /// normalizes each query over the keys alone (see [`Self::cross_variant`]); decoder
+    /// self-attention is causal and always softmax.
     pub variant: Variant,
     #[serde(default)]
     pub normalizer: NormalizerConfig,
@@ -46,6 +47,20 @@ impl TransformerConfig {
             attention_dropout: 0.0,
             variant: Variant::Softmax,
             normalizer: NormalizerConfig::default(),
+        }
+    }
+
+    /// The cross-attention's normalizer: `variant` when it is row-wise (softmax, or BAM around
+    /// softmax), else softmax. DNAS, HNAS and Sinkhorn normalize each key over the *queries*,
+    /// which in the cross-attention are the target positions: under teacher forcing the weights
+    /// of position t would depend on the target tokens after t (a leak of the answer), and an
+    /// incremental decoder, which has one query per step, would normalize over that one query
+    /// alone (uniform weights). So they act in the encoder self-attention only.
+    pub fn cross_variant(&self) -> Variant {
+        match self.variant {
+            Variant::Softmax => Variant::Softmax,
+            Variant::Bam(_) if self.normalizer.bam.base == Variant::Softmax => self.variant,
+            _ => Variant::Softmax,
         }
     }
 
@@ -157,7 +172,7 @@ impl Transformer {
                 let p = p / "decoder" / i;
                 Ok(DecoderLayer {
                     self_attn: MultiHeadAttention::new(&(&p / "self_attn"), cfg.attention(Variant::Softmax))?,
-                    cross_attn: MultiHeadAttention::new(&(&p / "encoder_attn"), cfg.attention(cfg.variant))?,
+                    cross_attn: MultiHeadAttention::new(&(&p / "encoder_attn"), cfg.attention(cfg.cross_variant()))?,
                     ffn: FeedForward::new(&p, &cfg),
                     norm1: layer_norm(&p / "self_attn_layer_norm", e),
                     norm2: layer_norm(&p / "encoder_attn_layer_norm", e),

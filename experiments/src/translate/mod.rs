@@ -106,7 +106,9 @@ pub struct TranslateArgs {
     #[arg(long, value_enum, default_value_t = Preset::Small)]
     pub preset: Preset,
     /// Attention of the encoder self-attention and the cross-attention: softmax, dnas, hnas,
-    /// sinkhorn-N, bam-wc, bam-wf, bam-lc, bam-lf, bam-nokl (decoder self-attention stays softmax).
+    /// sinkhorn-N, bam-wc, bam-wf, bam-lc, bam-lf, bam-nokl. DNAS, HNAS and Sinkhorn act in the
+    /// encoder only (over target positions they would leak later tokens); decoder
+    /// self-attention stays softmax.
     #[arg(long, default_value = "softmax")]
     pub attention: String,
     /// Repulsive heads on the Q, K and V in-projections of every attention module: none, svgd or spos.
@@ -189,6 +191,15 @@ pub struct TranslateArgs {
     /// step (a few minutes on 2 cores), not a result.
     #[arg(long)]
     pub quick: bool,
+    /// Use only the first N training pairs.
+    #[arg(long)]
+    pub limit_train: Option<usize>,
+    /// Use only the first N validation pairs.
+    #[arg(long)]
+    pub limit_valid: Option<usize>,
+    /// Use only the first N test pairs.
+    #[arg(long)]
+    pub limit_test: Option<usize>,
     /// Output folder (default: runs/translate/<UTC stamp>-<attention>).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -198,7 +209,8 @@ pub struct TranslateArgs {
     /// Translate --input with --checkpoint instead of training.
     #[arg(long)]
     pub decode: bool,
-    /// With --decode: a checkpoint_*.safetensors of a run (its tokenizer.json and config.json are read beside it).
+    /// With --decode: a checkpoint_*.safetensors of a run (the run's tokenizer.json is read beside
+    /// it or one folder up).
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
     /// With --decode: source sentences, one per line.
@@ -233,8 +245,10 @@ pub struct TranslateConfig {
     pub patience: usize,
     pub decode: DecodeConfig,
     pub average_last: usize,
-    /// Training pairs used (all, or the --quick slice).
-    pub train_limit: Option<usize>,
+    /// The first N pairs of each split used (`None`: all).
+    pub limit_train: Option<usize>,
+    pub limit_valid: Option<usize>,
+    pub limit_test: Option<usize>,
 }
 
 /// One epoch's metrics (metrics.jsonl).
@@ -357,7 +371,9 @@ impl TranslateConfig {
             patience: args.patience,
             decode: DecodeConfig { beam: args.beam, lenpen: args.lenpen, max_len_a: args.max_len_a, max_len_b: args.max_len_b },
             average_last: args.average_last,
-            train_limit: args.quick.then_some(3000),
+            limit_train: args.limit_train.or(args.quick.then_some(3000)),
+            limit_valid: args.limit_valid.or(args.quick.then_some(100)),
+            limit_test: args.limit_test,
         })
     }
 }
@@ -420,11 +436,13 @@ struct Prepared {
 
 fn prepare(cfg_dir: &Path, args: &TranslateArgs, dir: &Path, resume: bool) -> Result<Prepared> {
     let mut corpus = Corpus::load(cfg_dir, &args.src, &args.tgt)?;
-    if args.quick {
-        corpus.train.src.truncate(3000);
-        corpus.train.tgt.truncate(3000);
-        corpus.valid.src.truncate(100);
-        corpus.valid.tgt.truncate(100);
+    let limits = [args.limit_train.or(args.quick.then_some(3000)), args.limit_valid.or(args.quick.then_some(100)), args.limit_test];
+    for (split, limit) in [&mut corpus.train, &mut corpus.valid, &mut corpus.test].into_iter().zip(limits) {
+        if let Some(n) = limit {
+            ensure!(n >= 1, "--limit-{} must be at least 1", split.name);
+            split.src.truncate(n);
+            split.tgt.truncate(n);
+        }
     }
     let tok_path = dir.join("tokenizer.json");
     let tokenizer = if resume {
@@ -497,6 +515,14 @@ fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device
     };
     let last = dir.join("checkpoint_last.safetensors");
     let mut state = TrainState { config: cfg.clone(), seed, epoch: 0, updates: 0, best_bleu: f64::NEG_INFINITY, best_epoch: 0, waited: 0, train_seconds: 0.0, train_tokens: 0, history: vec![] };
+    if resume {
+        // A kill during an atomic write leaves only its temporary file behind: remove it.
+        for entry in std::fs::read_dir(dir)?.flatten() {
+            if entry.file_name().to_string_lossy().contains(".tmp-") {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
     if resume && last.exists() {
         let (tensors, saved) = read_checkpoint(&last)?;
         if saved.config != *cfg {
@@ -656,9 +682,12 @@ fn average_last(vs: &mut nn::VarStore, dir: &Path, last_epoch: usize, n: usize) 
 fn decode_file(args: &TranslateArgs, device: Device) -> Result<()> {
     let ckpt = args.checkpoint.as_ref().context("--decode needs --checkpoint")?;
     let input = args.input.as_ref().context("--decode needs --input")?;
-    let dir = ckpt.parent().unwrap_or(Path::new("."));
-    let tokenizer = data::load_tokenizer(&dir.join("tokenizer.json"))?;
     let (tensors, state) = read_checkpoint(ckpt)?;
+    // A run keeps its tokenizer in the run folder, above the seed-N folders of its checkpoints.
+    let dir = ckpt.parent().unwrap_or(Path::new("."));
+    let beside = dir.join("tokenizer.json");
+    let tok_path = if beside.exists() { beside } else { dir.parent().unwrap_or(Path::new(".")).join("tokenizer.json") };
+    let tokenizer = data::load_tokenizer(&tok_path)?;
     let vs = nn::VarStore::new(device);
     let model = Seq2Seq::new(&vs.root(), state.config.model.clone())?;
     load_params(&vs, &tensors, ckpt)?;
@@ -716,7 +745,7 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
         write_json(&dir.join("config.json"), &cfg)?;
     }
     println!(
-        "{}-{}: {} / {} / {} sentence pairs, joint BPE {} symbols; {} layers, E = {}, {} heads, attention {}, repulsive {:?}; device {}, {} threads",
+        "{}-{}: {} / {} / {} sentence pairs, joint BPE {} symbols; {} layers, E = {}, {} heads, attention {} (cross-attention {}), repulsive {:?}; device {}, {} threads",
         cfg.src,
         cfg.tgt,
         p.train.len(),
@@ -727,6 +756,7 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
         cfg.model.transformer.embed_dim,
         cfg.model.transformer.heads,
         cfg.model.transformer.variant,
+        cfg.model.transformer.cross_variant(),
         cfg.repulsive,
         probattn::device::device_name(device),
         tch::get_num_threads()

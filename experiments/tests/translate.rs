@@ -1,0 +1,153 @@
+//! `probattn translate` as a user runs it, on a small synthetic parallel corpus written here (so
+//! the tests need no data): a run killed with SIGKILL in the middle of an epoch and resumed ends
+//! with exactly the uninterrupted run's metrics and translations; --decode reuses a checkpoint;
+//! bad input gets a named error and exit status 1.
+
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context, Result};
+use common::TempDir;
+
+/// A toy language pair: the target is the source's words mapped through a fixed dictionary and
+/// reversed, so a small model can learn it; `pairs` sentences from a seeded generator.
+fn write_corpus(dir: &Path, pairs: [usize; 3]) -> Result<()> {
+    let src_words = ["der", "hund", "die", "katze", "ein", "mann", "rot", "blau", "läuft", "sitzt", "im", "park", "auf", "dem", "gras", "zwei"];
+    let tgt_words = ["the", "dog", "the", "cat", "a", "man", "red", "blue", "runs", "sits", "in", "park", "on", "the", "grass", "two"];
+    let mut state: u64 = 42;
+    let mut next = || {
+        state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) as usize
+    };
+    for (split, n) in ["train", "valid", "test"].iter().zip(pairs) {
+        let (mut de, mut en) = (String::new(), String::new());
+        for _ in 0..n {
+            let len = 3 + next() % 6;
+            let idx: Vec<usize> = (0..len).map(|_| next() % src_words.len()).collect();
+            de += &(idx.iter().map(|&i| src_words[i]).collect::<Vec<_>>().join(" ") + ".\n");
+            en += &(idx.iter().rev().map(|&i| tgt_words[i]).collect::<Vec<_>>().join(" ") + ".\n");
+        }
+        std::fs::write(dir.join(format!("{split}.de")), de)?;
+        std::fs::write(dir.join(format!("{split}.en")), en)?;
+    }
+    Ok(())
+}
+
+const FLAGS: [&str; 18] = [
+    "--preset", "tiny", "--bpe-vocab", "120", "--max-tokens", "300", "--max-epochs", "4", "--beam", "2", "--warmup-updates", "20", "--threads", "1",
+    "--device", "cpu", "--seeds", "1",
+];
+
+fn probattn(args: &[&str]) -> Result<Output> {
+    Command::new(env!("CARGO_BIN_EXE_probattn")).args(args).output().context("running probattn")
+}
+
+fn text(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+/// metrics.jsonl without the timing fields, which differ between runs.
+fn metrics(dir: &Path) -> Result<Vec<serde_json::Value>> {
+    let body = std::fs::read_to_string(dir.join("seed-1/metrics.jsonl"))?;
+    body.lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l)?;
+            let o = v.as_object_mut().context("object")?;
+            o.remove("seconds");
+            o.remove("tokens_per_second");
+            Ok(v)
+        })
+        .collect()
+}
+
+#[test]
+fn a_killed_run_resumes_to_the_uninterrupted_result() -> Result<()> {
+    let tmp = TempDir::new("translate-resume")?;
+    let data = tmp.path("data");
+    std::fs::create_dir_all(&data)?;
+    write_corpus(&data, [400, 20, 20])?;
+    let data = data.to_string_lossy().to_string();
+    let (a, b) = (tmp.path("a").to_string_lossy().to_string(), tmp.path("b").to_string_lossy().to_string());
+
+    let whole = probattn(&[&["translate", "--data-dir", &data, "--out", &a][..], &FLAGS].concat())?;
+    ensure!(whole.status.success(), "{}", text(&whole));
+
+    // The same run, killed (SIGKILL) after its first checkpoint, in the middle of a later epoch.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_probattn"))
+        .args([&["translate", "--data-dir", &data, "--out", &b][..], &FLAGS].concat())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let ckpt = tmp.path("b/seed-1/checkpoint_last.safetensors");
+    let start = Instant::now();
+    while !ckpt.exists() {
+        ensure!(child.try_wait()?.is_none(), "the run ended before its first checkpoint");
+        ensure!(start.elapsed() < Duration::from_secs(300), "no checkpoint after 5 minutes");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    ensure!(child.try_wait()?.is_none(), "the run finished before it could be killed: make it longer");
+    child.kill()?;
+    child.wait()?;
+    ensure!(!tmp.path("b/results.json").exists(), "the killed run wrote results");
+
+    let resumed = probattn(&[&["translate", "--data-dir", &data, "--resume", &b][..], &FLAGS].concat())?;
+    ensure!(resumed.status.success(), "{}", text(&resumed));
+    ensure!(text(&resumed).contains("resuming seed 1 after epoch"), "{}", text(&resumed));
+    ensure!(metrics(Path::new(&a))? == metrics(Path::new(&b))?, "metrics differ:\n{:?}\n{:?}", metrics(Path::new(&a))?, metrics(Path::new(&b))?);
+    let hyp = |d: &str| std::fs::read_to_string(Path::new(d).join("seed-1/test.hyp"));
+    ensure!(hyp(&a)? == hyp(&b)?, "test translations differ");
+    let results: serde_json::Value = serde_json::from_slice(&std::fs::read(tmp.path("b/results.json"))?)?;
+    for field in ["test_bleu", "test_bleu_tok", "valid_bleu", "best_epoch", "epochs", "tokens_per_second"] {
+        ensure!(!results["runs"][0][field].is_null(), "results.json lacks runs[0].{field}");
+    }
+    let left: Vec<String> = std::fs::read_dir(tmp.path("b/seed-1"))?.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.contains(".tmp-")).collect();
+    ensure!(left.is_empty(), "temporary files left behind: {left:?}");
+
+    // The checkpoint translates a file for users, and agrees with the run's own test output.
+    let ckpt = tmp.path("b/seed-1/checkpoint_best.safetensors").to_string_lossy().to_string();
+    let input = format!("{data}/test.de");
+    let out = tmp.path("decoded.txt").to_string_lossy().to_string();
+    let decoded = probattn(&["translate", "--decode", "--checkpoint", &ckpt, "--input", &input, "--output", &out, "--beam", "2", "--threads", "1", "--device", "cpu"])?;
+    ensure!(decoded.status.success(), "{}", text(&decoded));
+    ensure!(std::fs::read_to_string(&out)? == hyp(&b)?, "--decode differs from the run's test.hyp");
+
+    // Resuming with other flags is refused by name.
+    let other = probattn(&[&["translate", "--data-dir", &data, "--resume", &b, "--label-smoothing", "0.2"][..], &FLAGS].concat())?;
+    ensure!(other.status.code() == Some(1) && text(&other).contains("flags differ"), "{}", text(&other));
+    Ok(())
+}
+
+#[test]
+fn bad_input_is_named() -> Result<()> {
+    let tmp = TempDir::new("translate-bad")?;
+    let data = tmp.path("data");
+    std::fs::create_dir_all(&data)?;
+    write_corpus(&data, [30, 5, 5])?;
+    let d = data.to_string_lossy().to_string();
+    let out = tmp.path("out").to_string_lossy().to_string();
+    let run = |extra: &[&str]| probattn(&[&["translate", "--data-dir", &d, "--out", &out][..], &FLAGS, extra].concat());
+
+    std::fs::write(data.join("valid.en"), "one\ntwo\n")?;
+    let o = run(&[])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("valid.de has 5 lines but") && text(&o).contains("valid.en has 2"), "{}", text(&o));
+    std::fs::write(data.join("valid.en"), "one\n\nthree\nfour\nfive\n")?;
+    let o = run(&[])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("valid.en line 2 is empty"), "{}", text(&o));
+    write_corpus(&data, [30, 5, 5])?;
+    let o = probattn(&["translate", "--data-dir", "/nonexistent/corpus"])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("/nonexistent/corpus"), "{}", text(&o));
+    let o = probattn(&["translate", "--no-such-flag"])?;
+    ensure!(o.status.code() == Some(2), "{}", text(&o));
+    let o = run(&["--attention", "cosine"])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("--attention"), "{}", text(&o));
+    let bad = tmp.path("bad.safetensors");
+    std::fs::write(&bad, b"not a checkpoint")?;
+    let o = probattn(&["translate", "--decode", "--checkpoint", &bad.to_string_lossy(), "--input", &format!("{d}/test.de")])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("bad.safetensors"), "{}", text(&o));
+    Ok(())
+}
