@@ -7,7 +7,7 @@
 set -euo pipefail
 
 TORCH_VERSION="2.11.0"
-PY_PACKAGES=("torch==${TORCH_VERSION}" "numpy" "safetensors" "sacrebleu==2.6.0")
+PY_PACKAGES=("torch==${TORCH_VERSION}" "numpy" "safetensors" "sacrebleu==2.6.0" "tokenizers==0.23.3")
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CACHE_VENV="${XDG_CACHE_HOME:-$HOME/.cache}/probattn/torch-${TORCH_VERSION}-venv"
 

@@ -219,6 +219,10 @@ pub struct TranslateArgs {
     /// With --decode: where to write the translations (default: standard output).
     #[arg(long)]
     pub output: Option<PathBuf>,
+    /// With --decode: also decode greedily with and without the key/value cache and report
+    /// sentences per second of each (and whether their outputs agree) as JSON on stderr.
+    #[arg(long)]
+    pub decode_bench: bool,
     #[command(flatten)]
     pub common: CommonArgs,
 }
@@ -702,10 +706,32 @@ fn decode_file(args: &TranslateArgs, device: Device) -> Result<()> {
         .collect::<Result<_>>()?;
     let cfg = DecodeConfig { beam: args.beam, lenpen: args.lenpen, max_len_a: args.max_len_a, max_len_b: args.max_len_b };
     let bar = progress_bar(sources.len() as u64, "decoding".into())?;
+    let start = Instant::now();
     let ids = decode::translate(&model, &sources, &cfg, args.decode_batch, device, |n| bar.inc(n as u64))?;
+    let beam_s = start.elapsed().as_secs_f64();
     bar.finish_and_clear();
     let text: Vec<String> = ids.iter().map(|h| data::decode(&tokenizer, h)).collect::<Result<_>>()?;
     let joined = text.join("\n") + "\n";
+    if args.decode_bench {
+        let greedy_cfg = DecodeConfig { beam: 1, ..cfg };
+        let start = Instant::now();
+        let cached = decode::translate(&model, &sources, &greedy_cfg, args.decode_batch, device, |_| ())?;
+        let cached_s = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        let uncached = decode::greedy_uncached(&model, &sources, &greedy_cfg, args.decode_batch, device)?;
+        let uncached_s = start.elapsed().as_secs_f64();
+        let same = cached.iter().zip(&uncached).filter(|(a, b)| a == b).count();
+        let n = sources.len() as f64;
+        eprintln!(
+            "{}",
+            serde_json::json!({
+                "sentences": sources.len(), "batch": args.decode_batch, "threads": tch::get_num_threads(),
+                "greedy_cached_sentences_per_second": n / cached_s, "greedy_uncached_sentences_per_second": n / uncached_s,
+                "speedup": uncached_s / cached_s, "identical_outputs": same,
+                "beam_sentences_per_second": n / beam_s, "beam": cfg.beam,
+            })
+        );
+    }
     match &args.output {
         Some(out) => probattn::io::write_bytes_atomic(out, joined.as_bytes())?,
         None => print!("{joined}"),
