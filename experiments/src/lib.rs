@@ -7,6 +7,7 @@ pub mod bleu;
 pub mod common;
 pub mod doctor;
 pub mod gat;
+pub mod plot;
 pub mod provenance;
 pub mod translate;
 

@@ -200,12 +200,31 @@ impl Transformer {
     /// The encoder: `src (B, S, E)` → memory `(B, S, E)`; KL terms of stochastic attention are
     /// pushed onto `kls`.
     pub fn encode(&self, src: &Tensor, src_pad: Option<&Tensor>, train: bool, kls: &mut Vec<Tensor>) -> Result<Tensor> {
+        self.encode_impl(src, src_pad, train, kls, None)
+    }
+
+    /// [`Self::encode`] in eval mode that also returns each encoder layer's self-attention weights
+    /// `(B, H, S, S)` and per-head outputs `(B, H, S, d_h)`, for diagnostics.
+    pub fn encode_inspect(&self, src: &Tensor, src_pad: Option<&Tensor>) -> Result<(Tensor, Vec<(Tensor, Tensor)>)> {
+        let mut seen = vec![];
+        let x = self.encode_impl(src, src_pad, false, &mut vec![], Some(&mut seen))?;
+        Ok((x, seen))
+    }
+
+    fn encode_impl(&self, src: &Tensor, src_pad: Option<&Tensor>, train: bool, kls: &mut Vec<Tensor>, mut inspect: Option<&mut Vec<(Tensor, Tensor)>>) -> Result<Tensor> {
         let p = self.cfg.dropout;
         let mut x = src.shallow_clone(); // (B, S, E)
         let src_masks = Masks { key_padding: src_pad, query_padding: src_pad, ..Default::default() };
         for layer in &self.encoder {
-            let a = layer.self_attn.forward_t(&MhaInput::self_attention(&x).with_masks(src_masks), train)?;
+            let mut input = MhaInput::self_attention(&x).with_masks(src_masks);
+            if inspect.is_some() {
+                input = input.with_weights().with_head_outputs();
+            }
+            let a = layer.self_attn.forward_t(&input, train)?;
             kls.extend(a.kl);
+            if let (Some(seen), Some(w), Some(h)) = (inspect.as_deref_mut(), a.weights, a.head_outputs) {
+                seen.push((w, h));
+            }
             x = (&x + a.context.dropout(p, train)).apply(&layer.norm1);
             x = (&x + layer.ffn.forward(&x).dropout(p, train)).apply(&layer.norm2);
         }

@@ -114,6 +114,14 @@ impl Seq2Seq {
         Ok((out.output.matmul(&self.tgt_embed.transpose(0, 1)), out.kl)) // (B, T, V)
     }
 
+    /// Each encoder layer's self-attention weights `(B, H, S, S)` and per-head outputs
+    /// `(B, H, S, d_h)` on `src (B, S)`, in eval mode.
+    pub fn encoder_attention(&self, src: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+        let src_pad = src.eq(self.cfg.pad);
+        let x = self.embed(&self.src_embed, src, 0, false)?;
+        Ok(self.stack.encode_inspect(&x, Some(&src_pad))?.1)
+    }
+
     /// Encodes `src (B, S)` in eval mode and returns the decoding state and the source padding.
     pub fn start(&self, src: &Tensor) -> Result<(DecoderState, Tensor)> {
         let src_pad = src.eq(self.cfg.pad);

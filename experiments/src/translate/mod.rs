@@ -309,6 +309,12 @@ pub struct RunResult {
     pub test_sentences_per_second: f64,
     pub test_signature: String,
     pub test_signature_tok: String,
+    /// The paper's head diversity "Dist" of each encoder layer's self-attention on the test set:
+    /// the mean L2 distance between two heads' outputs, over head pairs and source tokens.
+    pub head_diversity: Vec<f64>,
+    /// Per encoder layer, the share of (sentence, head, source token) whose received attention
+    /// mass Σ_i π_ij is below 1e-8 (ε-explained away, Ding et al. 2020).
+    pub explained_away: Vec<f64>,
 }
 
 /// results.json.
@@ -645,6 +651,8 @@ fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device
     }
     let (hyps, bleu, tok, sps) = translate_and_score(&model, &p.tokenizer, &p.test, &p.corpus.test.tgt, &cfg.decode, 64, device, "test")?;
     probattn::io::write_bytes_atomic(&dir.join("test.hyp"), (hyps.join("\n") + "\n").as_bytes())?;
+    let (head_diversity, explained_away) = encoder_diagnostics(&model, &p.test, device)?;
+    plots(dir, &state.history, &head_diversity, &explained_away)?;
     println!("seed {seed} test: {} {} | tokenized lowercased: BLEU = {:.2} {}", bleu.line(), bleu.signature, tok.bleu, tok.signature);
     Ok(RunResult {
         seed,
@@ -659,7 +667,56 @@ fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device
         test_sentences_per_second: sps,
         test_signature: bleu.signature,
         test_signature_tok: tok.signature,
+        head_diversity,
+        explained_away,
     })
+}
+
+/// The run's SVG plots: loss and validation BLEU over epochs, HNAS's u per encoder layer over
+/// epochs (hnas runs), and the test set's head diversity and explained-away share per layer.
+fn plots(dir: &Path, history: &[EpochMetrics], dist: &[f64], away: &[f64]) -> Result<()> {
+    use crate::plot::{line_chart, Series};
+    let curve = |name: &str, f: &dyn Fn(&EpochMetrics) -> f64| Series { name: name.into(), points: history.iter().map(|m| (m.epoch as f64, f(m))).collect() };
+    line_chart(&dir.join("loss.svg"), "label-smoothed loss per target token", "epoch", "loss", &[curve("train", &|m| m.train_loss), curve("valid", &|m| m.valid_loss)])?;
+    line_chart(&dir.join("valid_bleu.svg"), "validation BLEU (sacreBLEU, beam)", "epoch", "BLEU", &[curve("valid", &|m| m.valid_bleu)])?;
+    if let Some(layers) = history.first().and_then(|m| m.hnas_u.as_ref()).map(Vec::len) {
+        let series: Vec<Series> = (0..layers)
+            .map(|l| Series { name: format!("encoder layer {l}"), points: history.iter().filter_map(|m| m.hnas_u.as_ref().map(|u| (m.epoch as f64, u[l]))).collect() })
+            .collect();
+        line_chart(&dir.join("hnas_u.svg"), "HNAS mixing weight u (mean over heads)", "epoch", "u", &series)?;
+    }
+    let per_layer = |v: &[f64]| v.iter().enumerate().map(|(l, &x)| (l as f64, x)).collect::<Vec<_>>();
+    line_chart(&dir.join("head_diversity.svg"), "head diversity (Dist) of encoder self-attention, test set", "encoder layer", "Dist", &[Series { name: "Dist".into(), points: per_layer(dist) }])?;
+    line_chart(&dir.join("explained_away.svg"), "share of source tokens explained away (mass < 1e-8), test set", "encoder layer", "share", &[Series { name: "explained away".into(), points: per_layer(away) }])?;
+    Ok(())
+}
+
+/// Head diversity and the explained-away share of each encoder layer on `data`'s sources.
+fn encoder_diagnostics(model: &Seq2Seq, data: &Encoded, device: Device) -> Result<(Vec<f64>, Vec<f64>)> {
+    let layers = model.config().transformer.encoder_layers;
+    let (mut dist, mut weight) = (vec![0.0; layers], 0.0);
+    let (mut away, mut keys) = (vec![0.0; layers], 0.0);
+    tch::no_grad(|| -> Result<()> {
+        for chunk in (0..data.len()).collect::<Vec<_>>().chunks(64) {
+            let rows: Vec<&[i64]> = chunk.iter().map(|&i| data.src[i].as_slice()).collect();
+            let src = data::pad_rows(&rows, device);
+            let valid = src.ne(PAD); // (B, S)
+            let tokens = f64::try_from(valid.sum(Kind::Double))?;
+            let heads = model.config().transformer.heads as f64;
+            for (l, (w, h)) in model.encoder_attention(&src)?.into_iter().enumerate() {
+                dist[l] += probattn::repulsive::head_diversity(&h, Some(&valid))? * tokens;
+                let mass = probattn::diagnostics::received_mass(&w); // (B, H, S)
+                let counted = valid.unsqueeze(1).expand_as(&mass);
+                away[l] += f64::try_from(mass.lt(probattn::diagnostics::EXPLAINED_AWAY_EPS).logical_and(&counted).sum(Kind::Double))?;
+                if l == 0 {
+                    keys += tokens * heads;
+                }
+            }
+            weight += tokens;
+        }
+        Ok(())
+    })?;
+    Ok((dist.iter().map(|d| d / weight.max(1.0)).collect(), away.iter().map(|a| a / keys.max(1.0)).collect()))
 }
 
 /// Replaces the parameters by the mean of the last `n` epochs' saved weights.
