@@ -7,6 +7,10 @@ With several folders, the runs of each variant are pooled across them (e.g. seed
 `n` says how many runs each cell has:
 
     python python/gat_table.py results/gat results/gat/seeds-10-19
+
+Rows are the variants in the table's order, then any other folder found under a dataset (e.g.
+`bam-wc-neighbourhood`, a prior scope). `--diff` adds a second table: each row minus softmax on
+the same dataset, with the standard error of the difference, sqrt(s1²/n1 + s2²/n2).
 """
 
 import json
@@ -25,8 +29,19 @@ PAPER = {  # BAM paper Table 1 (5 runs; GAT row is their rerun) and the GAT pape
 }
 
 
+def runs_of(roots, d, variant):
+    paths = [os.path.join(r, d, variant, "results.json") for r in roots]
+    runs = [run for p in paths if os.path.exists(p) for run in json.load(open(p))["runs"]]
+    seeds = [run["seed"] for run in runs]
+    if len(set(seeds)) != len(seeds):
+        sys.exit(f"gat_table.py: {d} {variant}: the folders repeat seeds {sorted(seeds)}; pool distinct seeds only")
+    return runs
+
+
 def main():
-    roots = sys.argv[1:] or ["results/gat"]
+    args = sys.argv[1:]
+    diff = "--diff" in args
+    roots = [a for a in args if a != "--diff"] or ["results/gat"]
     for r in roots:
         if not os.path.isdir(r):
             sys.exit(f"gat_table.py: {r} is not a folder of probattn gat results")
@@ -35,14 +50,14 @@ def main():
     header = "| attention | " + " | ".join(f"{d} test acc % (mean ± std) | {d} paper | {d} ms/epoch" for d in datasets) + " |"
     rows.append(header)
     rows.append("|---" * (1 + 3 * len(datasets)) + "|")
-    for variant in ORDER:
+    extra = sorted({v for r in roots for d in datasets if os.path.isdir(os.path.join(r, d))
+                    for v in os.listdir(os.path.join(r, d))
+                    if v not in ORDER and os.path.exists(os.path.join(r, d, v, "results.json"))})
+    variants = ORDER + extra
+    for variant in variants:
         cells = [variant]
         for d in datasets:
-            paths = [os.path.join(r, d, variant, "results.json") for r in roots]
-            runs = [run for p in paths if os.path.exists(p) for run in json.load(open(p))["runs"]]
-            seeds = [run["seed"] for run in runs]
-            if len(set(seeds)) != len(seeds):
-                sys.exit(f"gat_table.py: {d} {variant}: the folders repeat seeds {sorted(seeds)}; pool distinct seeds only")
+            runs = runs_of(roots, d, variant)
             if not runs:
                 cells += ["–", PAPER.get(variant, {}).get(d, "–"), "–"]
                 continue
@@ -52,6 +67,22 @@ def main():
             cells.append(f"{statistics.mean(run['epoch_ms'] for run in runs):.1f}")
         rows.append("| " + " | ".join(cells) + " |")
     print("\n".join(rows))
+    if diff:
+        print("\n| attention | " + " | ".join(f"{d}: minus softmax (± standard error), points" for d in datasets) + " |")
+        print("|---" * (1 + len(datasets)) + "|")
+        for variant in variants:
+            if variant == "softmax":
+                continue
+            cells = [variant]
+            for d in datasets:
+                a = [100 * run["test_acc"] for run in runs_of(roots, d, variant)]
+                b = [100 * run["test_acc"] for run in runs_of(roots, d, "softmax")]
+                if len(a) < 2 or len(b) < 2:
+                    cells.append("–")
+                    continue
+                se = (statistics.variance(a) / len(a) + statistics.variance(b) / len(b)) ** 0.5
+                cells.append(f"{statistics.mean(a) - statistics.mean(b):+.2f} ± {se:.2f} (n={len(a)} vs {len(b)})")
+            print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

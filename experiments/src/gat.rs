@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use anyhow::{ensure, Context, Result};
 use clap::{Args, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use probattn::normalize::{BamConfig, EdgeList, KlSchedule, PriorScope, Support};
 use probattn::{Mode, NormalizerConfig, Variant};
 use probattn_models::gat::{Features, Gat, GatConfig};
@@ -24,6 +24,8 @@ use tch::{Device, Kind, Tensor};
 
 use crate::common::CommonArgs;
 use crate::provenance::{run_dir, run_python, write_json, Provenance};
+pub use crate::report::mean_std;
+use crate::report::spinner;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -367,14 +369,6 @@ pub struct GatResults {
     pub provenance: Provenance,
 }
 
-/// Mean and sample standard deviation.
-pub fn mean_std(x: &[f64]) -> (f64, f64) {
-    let n = x.len() as f64;
-    let mean = x.iter().sum::<f64>() / n;
-    let var = if x.len() > 1 { x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
-    (mean, var.sqrt())
-}
-
 fn run_variant(graph: &Graph, args: &GatArgs, variant: Variant, dir: &Path, device: Device) -> Result<GatResults> {
     let mut cfg = GatRunConfig::preset(args.dataset, variant);
     cfg.apply_overrides(args);
@@ -383,8 +377,7 @@ fn run_variant(graph: &Graph, args: &GatArgs, variant: Variant, dir: &Path, devi
     let mut metrics = std::io::BufWriter::new(std::fs::File::create(&metrics_path).with_context(|| format!("creating {}", metrics_path.display()))?);
     let mut runs = vec![];
     for seed in args.seed_start..args.seed_start + args.seeds {
-        let bar = ProgressBar::new_spinner().with_style(ProgressStyle::with_template("{spinner} {prefix} {msg} [{elapsed}]")?);
-        bar.set_prefix(format!("{} {variant} seed {seed}:", args.dataset.name()));
+        let bar = spinner(format!("{} {variant} seed {seed}:", args.dataset.name()))?;
         let run = train_run(graph, &cfg, seed, device, &bar, &mut metrics)?;
         bar.finish_and_clear();
         println!(

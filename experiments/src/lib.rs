@@ -9,6 +9,7 @@ pub mod doctor;
 pub mod gat;
 pub mod plot;
 pub mod provenance;
+pub mod report;
 pub mod translate;
 
 use clap::{Parser, Subcommand};

@@ -27,7 +27,6 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::{Args, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
 use probattn::normalize::BamConfig;
 use probattn::repulsive::{Method, RepulsiveConfig, RepulsiveHook, Selection};
 use probattn::{NormalizerConfig, Variant};
@@ -40,6 +39,7 @@ use tokenizers::Tokenizer;
 use crate::bleu::{corpus_bleu, BleuConfig};
 use crate::common::CommonArgs;
 use crate::provenance::{run_dir, write_json, Provenance};
+use crate::report::{mean_std, progress_bar};
 use data::{batch_tensors, epoch_order, token_batches, Corpus, Encoded, PAD};
 use decode::DecodeConfig;
 use optim::{Adam, AdamConfig, InverseSqrt};
@@ -105,7 +105,8 @@ pub struct TranslateArgs {
     /// Model and recipe preset: small (Multi30k on CPU), iwslt (fairseq transformer_iwslt_de_en) or tiny.
     #[arg(long, value_enum, default_value_t = Preset::Small)]
     pub preset: Preset,
-    /// Attention of the encoder self-attention and the cross-attention: softmax, dnas, hnas,
+    /// Attention of the encoder self-attention and the cross-attention (or all: softmax, softmax
+    /// with SVGD heads, dnas, hnas and bam-wc, one table): softmax, dnas, hnas,
     /// sinkhorn-N, bam-wc, bam-wf, bam-lc, bam-lf, bam-nokl. DNAS, HNAS and Sinkhorn act in the
     /// encoder only (over target positions they would leak later tokens); decoder
     /// self-attention stays softmax.
@@ -344,9 +345,8 @@ fn default_data_dir() -> PathBuf {
 }
 
 impl TranslateConfig {
-    fn from_args(args: &TranslateArgs, vocab: i64) -> Result<Self> {
+    fn from_args(args: &TranslateArgs, vocab: i64, variant: Variant, repulsive: Repulsive) -> Result<Self> {
         let preset = if args.quick { Preset::Tiny } else { args.preset };
-        let variant: Variant = args.attention.parse().context("--attention")?;
         let mut transformer = preset.transformer();
         transformer.variant = variant;
         transformer.normalizer = NormalizerConfig { bam: BamConfig { k: args.k, sigma: args.sigma, ..BamConfig::default() }, ..Default::default() };
@@ -355,7 +355,7 @@ impl TranslateConfig {
             Some(s) => serde_json::from_str(s).with_context(|| format!("--selection {s:?} is not a selection (JSON with kinds, layers, projections)"))?,
             None => Selection::default(),
         };
-        let method = if args.repulsive == Repulsive::Spos { Method::Spos } else { Method::Svgd };
+        let method = if repulsive == Repulsive::Spos { Method::Spos } else { Method::Svgd };
         let repulsive_config = RepulsiveConfig { method, alpha: args.repulsive_alpha, stepsize: args.repulsive_stepsize, ..Default::default() };
         repulsive_config.validate()?;
         ensure!(args.label_smoothing >= 0.0 && args.label_smoothing < 1.0, "--label-smoothing must lie in [0, 1)");
@@ -367,7 +367,7 @@ impl TranslateConfig {
             tgt: args.tgt.clone(),
             preset,
             model: Seq2SeqConfig { transformer, vocab, pad: PAD, share_all_embeddings: true, max_positions: 1024 },
-            repulsive: args.repulsive,
+            repulsive,
             repulsive_config,
             selection,
             kl_weight: args.kl_weight,
@@ -427,12 +427,6 @@ fn load_params(vs: &nn::VarStore, tensors: &HashMap<String, Tensor>, path: &Path
         tch::no_grad(|| t.copy_(saved));
     }
     Ok(())
-}
-
-fn progress_bar(len: u64, prefix: String) -> Result<ProgressBar> {
-    let bar = ProgressBar::new(len).with_style(ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} eta {eta}")?.progress_chars("=> "));
-    bar.set_prefix(prefix);
-    Ok(bar)
 }
 
 /// The data of a run, BPE-encoded.
@@ -744,10 +738,10 @@ fn decode_file(args: &TranslateArgs, device: Device) -> Result<()> {
     let ckpt = args.checkpoint.as_ref().context("--decode needs --checkpoint")?;
     let input = args.input.as_ref().context("--decode needs --input")?;
     let (tensors, state) = read_checkpoint(ckpt)?;
-    // A run keeps its tokenizer in the run folder, above the seed-N folders of its checkpoints.
+    // A run keeps its tokenizer in the run folder, above the seed-N folders of its checkpoints
+    // (and above the variants' folders of --attention all).
     let dir = ckpt.parent().unwrap_or(Path::new("."));
-    let beside = dir.join("tokenizer.json");
-    let tok_path = if beside.exists() { beside } else { dir.parent().unwrap_or(Path::new(".")).join("tokenizer.json") };
+    let tok_path = dir.ancestors().take(3).map(|d| d.join("tokenizer.json")).find(|p| p.exists()).unwrap_or_else(|| dir.join("tokenizer.json"));
     let tokenizer = data::load_tokenizer(&tok_path)?;
     let vs = nn::VarStore::new(device);
     let model = Seq2Seq::new(&vs.root(), state.config.model.clone())?;
@@ -796,6 +790,11 @@ fn decode_file(args: &TranslateArgs, device: Device) -> Result<()> {
     Ok(())
 }
 
+/// The rows of `--attention all`: the repulsive-attention paper's MA and RMA, and the other
+/// families on the same recipe.
+const ALL_ROWS: [(&str, &str, Repulsive); 5] =
+    [("softmax", "softmax", Repulsive::None), ("softmax-svgd", "softmax", Repulsive::Svgd), ("dnas", "dnas", Repulsive::None), ("hnas", "hnas", Repulsive::None), ("bam-wc", "bam-wc", Repulsive::None)];
+
 pub fn run(args: &TranslateArgs) -> Result<()> {
     let device = args.common.setup()?;
     if args.decode {
@@ -804,28 +803,64 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
     ensure!(args.seeds >= 1, "--seeds must be at least 1");
     ensure!(args.checkpoint.is_none() && args.input.is_none(), "--checkpoint and --input go with --decode");
     let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
+    let all = args.attention == "all";
+    let name = |attention: &str, repulsive: Repulsive| match repulsive {
+        Repulsive::None => attention.to_string(),
+        Repulsive::Svgd => format!("{attention}-svgd"),
+        Repulsive::Spos => format!("{attention}-spos"),
+    };
+    let rows: Vec<(String, Variant, Repulsive)> = if all {
+        ensure!(args.repulsive == Repulsive::None, "--attention all runs its own repulsive row; drop --repulsive");
+        ALL_ROWS.iter().map(|(n, v, r)| Ok((n.to_string(), v.parse()?, *r))).collect::<Result<_>>()?
+    } else {
+        vec![(name(&args.attention, args.repulsive), args.attention.parse().context("--attention")?, args.repulsive)]
+    };
     let resume = args.resume.is_some();
     let dir = match &args.resume {
         Some(d) => {
-            ensure!(d.join("config.json").is_file(), "--resume {}: no config.json there, so no run to resume", d.display());
+            ensure!(d.join("tokenizer.json").is_file(), "--resume {}: no tokenizer.json there, so no run to resume", d.display());
             d.clone()
         }
-        None => {
-            let tag = match args.repulsive {
-                Repulsive::None => args.attention.clone(),
-                r => format!("{}-{}", args.attention, serde_json::to_value(r)?.as_str().unwrap_or("rma")),
-            };
-            run_dir(args.out.as_deref(), "translate", &tag)?
-        }
+        None => run_dir(args.out.as_deref(), "translate", &name(&args.attention, args.repulsive))?,
     };
     let p = prepare(&data_dir, args, &dir, resume)?;
     let vocab = p.tokenizer.get_vocab_size(true) as i64;
-    let cfg = TranslateConfig::from_args(args, vocab)?;
+    let mut table = vec![];
+    for (row, variant, repulsive) in rows {
+        let sub = if all { dir.join(&row) } else { dir.clone() };
+        std::fs::create_dir_all(&sub).with_context(|| format!("creating {}", sub.display()))?;
+        let cfg = TranslateConfig::from_args(args, vocab, variant, repulsive)?;
+        let results = run_config(&p, &cfg, args, &sub, device, resume)?;
+        let (dist, _) = mean_std(&results.runs.iter().map(|r| mean_std(&r.head_diversity).0).collect::<Vec<_>>());
+        table.push(vec![
+            row,
+            format!("{:.2} ± {:.2}", results.test_bleu_tok_mean, results.test_bleu_tok_std),
+            format!("{:.2} ± {:.2}", results.test_bleu_mean, results.test_bleu_std),
+            format!("{:.2}", results.valid_bleu_mean),
+            results.runs.len().to_string(),
+            format!("{:.0}", results.tokens_per_second_mean),
+            format!("{dist:.3}"),
+        ]);
+    }
+    let header = ["attention", "test BLEU tok-lc (mean ± std)", "test sacreBLEU (mean ± std)", "valid sacreBLEU", "seeds", "train tokens/s", "Dist (encoder, mean over layers)"];
+    let summary = crate::report::markdown_table(&header, &table);
+    println!("\n{summary}");
+    if all {
+        probattn::io::write_bytes_atomic(&dir.join("summary.md"), summary.as_bytes())?;
+    }
+    println!("results in {}", dir.display());
+    Ok(())
+}
+
+/// Trains and tests every seed of one configuration in `dir`; writes its results.json.
+fn run_config(p: &Prepared, cfg: &TranslateConfig, args: &TranslateArgs, dir: &Path, device: Device, resume: bool) -> Result<TranslateResults> {
     if resume {
-        let saved: TranslateConfig = serde_json::from_slice(&std::fs::read(dir.join("config.json"))?).with_context(|| format!("{}/config.json does not parse", dir.display()))?;
-        ensure!(saved == cfg, "--resume {}: the flags differ from the original run's (see its config.json)", dir.display());
+        let path = dir.join("config.json");
+        ensure!(path.is_file(), "--resume: {} is missing, so no run to resume there", path.display());
+        let saved: TranslateConfig = serde_json::from_slice(&std::fs::read(&path)?).with_context(|| format!("{} does not parse", path.display()))?;
+        ensure!(saved == *cfg, "--resume {}: the flags differ from the original run's (see its config.json)", dir.display());
     } else {
-        write_json(&dir.join("config.json"), &cfg)?;
+        write_json(&dir.join("config.json"), cfg)?;
     }
     println!(
         "{}-{}: {} / {} / {} sentence pairs, joint BPE {} symbols; {} layers, E = {}, {} heads, attention {} (cross-attention {}), repulsive {:?}; device {}, {} threads",
@@ -834,7 +869,7 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
         p.train.len(),
         p.valid.len(),
         p.test.len(),
-        vocab,
+        cfg.model.vocab,
         cfg.model.transformer.encoder_layers,
         cfg.model.transformer.embed_dim,
         cfg.model.transformer.heads,
@@ -846,9 +881,9 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
     );
     let mut runs = vec![];
     for seed in args.seed_start..args.seed_start + args.seeds {
-        runs.push(train_seed(&p, &cfg, seed, &dir.join(format!("seed-{seed}")), device, resume)?);
+        runs.push(train_seed(p, cfg, seed, &dir.join(format!("seed-{seed}")), device, resume)?);
     }
-    let stat = |f: fn(&RunResult) -> f64| crate::gat::mean_std(&runs.iter().map(f).collect::<Vec<_>>());
+    let stat = |f: fn(&RunResult) -> f64| mean_std(&runs.iter().map(f).collect::<Vec<_>>());
     let (test_bleu_mean, test_bleu_std) = stat(|r| r.test_bleu);
     let (test_bleu_tok_mean, test_bleu_tok_std) = stat(|r| r.test_bleu_tok);
     let results = TranslateResults {
@@ -857,7 +892,7 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
         repulsive: cfg.repulsive,
         valid_bleu_mean: stat(|r| r.valid_bleu).0,
         tokens_per_second_mean: stat(|r| r.tokens_per_second).0,
-        config: cfg,
+        config: cfg.clone(),
         runs,
         test_bleu_mean,
         test_bleu_std,
@@ -867,13 +902,12 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
     };
     write_json(&dir.join("results.json"), &results)?;
     println!(
-        "test BLEU over {} seed(s): sacreBLEU {:.2} ± {:.2}, tokenized lowercased {:.2} ± {:.2}; results in {}",
+        "test BLEU over {} seed(s): sacreBLEU {:.2} ± {:.2}, tokenized lowercased {:.2} ± {:.2}",
         results.runs.len(),
         test_bleu_mean,
         test_bleu_std,
         test_bleu_tok_mean,
-        test_bleu_tok_std,
-        dir.display()
+        test_bleu_tok_std
     );
-    Ok(())
+    Ok(results)
 }
