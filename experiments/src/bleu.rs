@@ -268,17 +268,17 @@ pub fn score_from_stats(stats: &BleuStats, cfg: &BleuConfig) -> BleuScore {
         return done(0.0, precisions);
     }
     let mut smooth_mteval = 1.0;
-    for n in 0..MAX_ORDER {
-        if stats.total[n] == 0 {
+    for (p, (&correct, &total)) in precisions.iter_mut().zip(stats.correct.iter().zip(&stats.total)) {
+        if total == 0 {
             break;
         }
-        if stats.correct[n] == 0 {
+        if correct == 0 {
             if cfg.smooth == Smooth::Exp {
                 smooth_mteval *= 2.0;
-                precisions[n] = 100.0 / (smooth_mteval * stats.total[n] as f64);
+                *p = 100.0 / (smooth_mteval * total as f64);
             }
         } else {
-            precisions[n] = 100.0 * stats.correct[n] as f64 / stats.total[n] as f64;
+            *p = 100.0 * correct as f64 / total as f64;
         }
     }
     // sacreBLEU's my_log: log p, or −9999999999 for p = 0 (the score is then 0).

@@ -36,7 +36,7 @@ pub enum Command {
     /// Corpus BLEU of a system output against references, as sacreBLEU computes it.
     Bleu(bleu::BleuArgs),
     /// Transformer translation (Multi30k, IWSLT14) with any attention variant and repulsive heads.
-    Translate(translate::TranslateArgs),
+    Translate(Box<translate::TranslateArgs>),
 }
 
 pub fn run(cli: &Cli) -> anyhow::Result<()> {

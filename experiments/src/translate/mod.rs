@@ -465,12 +465,15 @@ fn prepare(cfg_dir: &Path, args: &TranslateArgs, dir: &Path, resume: bool) -> Re
     Ok(Prepared { corpus, tokenizer, train, valid, test })
 }
 
+/// Sentences per decoding batch during training (validation and test).
+const DECODE_BATCH: usize = 64;
+
 /// Translates `data`'s sources and scores them against `refs` (sacreBLEU's default and the
 /// tokenized, lowercased kind); returns (hypotheses, BLEU, BLEU tok-lc, sentences/s).
-fn translate_and_score(model: &Seq2Seq, tokenizer: &Tokenizer, data: &Encoded, refs: &[String], cfg: &DecodeConfig, batch: usize, device: Device, label: &str) -> Result<(Vec<String>, crate::bleu::BleuScore, crate::bleu::BleuScore, f64)> {
+fn translate_and_score(model: &Seq2Seq, tokenizer: &Tokenizer, data: &Encoded, refs: &[String], cfg: &DecodeConfig, device: Device, label: &str) -> Result<(Vec<String>, crate::bleu::BleuScore, crate::bleu::BleuScore, f64)> {
     let bar = progress_bar(data.len() as u64, format!("{label} decoding"))?;
     let start = Instant::now();
-    let ids = decode::translate(model, &data.src, cfg, batch, device, |n| bar.inc(n as u64))?;
+    let ids = decode::translate(model, &data.src, cfg, DECODE_BATCH, device, |n| bar.inc(n as u64))?;
     let seconds = start.elapsed().as_secs_f64();
     bar.finish_and_clear();
     let hyps: Vec<String> = ids.iter().map(|h| data::decode(tokenizer, h)).collect::<Result<_>>()?;
@@ -567,7 +570,7 @@ fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device
             let (loss, nll) = label_smoothed_loss(&logits, &t.target, cfg.label_smoothing);
             let mut objective = &loss / t.ntokens as f64;
             if let Some(kl) = &kl {
-                objective = objective + kl * cfg.kl_weight;
+                objective += kl * cfg.kl_weight;
                 kl_sum += f64::try_from(kl.detach())?;
                 has_kl = true;
             }
@@ -594,7 +597,7 @@ fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device
         state.train_seconds += seconds;
         state.train_tokens += tokens as u64;
         let (valid_loss, valid_nll) = valid_loss(&model, &p.valid, cfg, device)?;
-        let (_, vb, _, _) = translate_and_score(&model, &p.tokenizer, &p.valid, &p.corpus.valid.tgt, &cfg.decode, 64, device, "valid")?;
+        let (_, vb, _, _) = translate_and_score(&model, &p.tokenizer, &p.valid, &p.corpus.valid.tgt, &cfg.decode, device, "valid")?;
         state.epoch += 1;
         let m = EpochMetrics {
             seed,
@@ -643,7 +646,7 @@ fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device
     if cfg.average_last > 0 {
         average_last(&mut vs, dir, state.epoch, cfg.average_last)?;
     }
-    let (hyps, bleu, tok, sps) = translate_and_score(&model, &p.tokenizer, &p.test, &p.corpus.test.tgt, &cfg.decode, 64, device, "test")?;
+    let (hyps, bleu, tok, sps) = translate_and_score(&model, &p.tokenizer, &p.test, &p.corpus.test.tgt, &cfg.decode, device, "test")?;
     probattn::io::write_bytes_atomic(&dir.join("test.hyp"), (hyps.join("\n") + "\n").as_bytes())?;
     let (head_diversity, explained_away) = encoder_diagnostics(&model, &p.test, device)?;
     plots(dir, &state.history, &head_diversity, &explained_away)?;
