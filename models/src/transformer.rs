@@ -29,6 +29,11 @@ pub struct TransformerConfig {
     /// normalizes each query over the keys alone (see [`Self::cross_variant`]); decoder
     /// self-attention is causal and always softmax.
     pub variant: Variant,
+    /// The normalizer of the decoder's causal self-attention: softmax (default) or a BAM variant
+    /// around softmax; doubly normalized variants are refused (a key normalized over the queries
+    /// would let later tokens change earlier weights).
+    #[serde(default)]
+    pub decoder_self_variant: Variant,
     #[serde(default)]
     pub normalizer: NormalizerConfig,
 }
@@ -46,6 +51,7 @@ impl TransformerConfig {
             dropout: 0.3,
             attention_dropout: 0.0,
             variant: Variant::Softmax,
+            decoder_self_variant: Variant::Softmax,
             normalizer: NormalizerConfig::default(),
         }
     }
@@ -156,6 +162,17 @@ pub struct TransformerOutput {
 impl Transformer {
     pub fn new(p: &nn::Path, cfg: TransformerConfig) -> Result<Self> {
         let e = cfg.embed_dim;
+        let row_wise = match cfg.decoder_self_variant {
+            Variant::Softmax => true,
+            Variant::Bam(_) => cfg.normalizer.bam.base == Variant::Softmax,
+            _ => false,
+        };
+        if !row_wise {
+            return Err(probattn::Error::Config(format!(
+                "the decoder's causal self-attention takes softmax or a BAM variant around softmax, not {}",
+                cfg.decoder_self_variant
+            )));
+        }
         let encoder = (0..cfg.encoder_layers)
             .map(|i| {
                 let p = p / "encoder" / i;
@@ -171,7 +188,7 @@ impl Transformer {
             .map(|i| {
                 let p = p / "decoder" / i;
                 Ok(DecoderLayer {
-                    self_attn: MultiHeadAttention::new(&(&p / "self_attn"), cfg.attention(Variant::Softmax))?,
+                    self_attn: MultiHeadAttention::new(&(&p / "self_attn"), cfg.attention(cfg.decoder_self_variant))?,
                     cross_attn: MultiHeadAttention::new(&(&p / "encoder_attn"), cfg.attention(cfg.cross_variant()))?,
                     ffn: FeedForward::new(&p, &cfg),
                     norm1: layer_norm(&p / "self_attn_layer_norm", e),

@@ -149,6 +149,10 @@ mod tests {
     #[test]
     fn draws_have_the_right_moments_on_every_path() {
         let _serial = serial();
+        // Seeded, so the test is the same on every run: unseeded, the 24 checks below failed now
+        // and then, since the sample variance of Exp(1) draws is skewed (its fourth and sixth
+        // moments are large) and a 4-standard-error band is narrower on its right than it looks.
+        tch::manual_seed(20261122);
         // 4 standard errors of the mean (1/sqrt(n)) and of the variance (about sqrt(8/n) for
         // Exp(1), sqrt(2/n) for N(0, 1)).
         assert_eq!(draw(&Tensor::zeros([0, 3], (Kind::Float, Device::Cpu)), Noise::Exp1).size(), [0, 3]);

@@ -112,6 +112,9 @@ pub struct TranslateArgs {
     /// self-attention stays softmax.
     #[arg(long, default_value = "softmax")]
     pub attention: String,
+    /// The decoder's causal self-attention: softmax, or a BAM variant (around softmax).
+    #[arg(long, default_value = "softmax")]
+    pub decoder_self_attention: String,
     /// Repulsive heads on the Q, K and V in-projections of every attention module: none, svgd or spos.
     #[arg(long, value_enum, default_value_t = Repulsive::None)]
     pub repulsive: Repulsive,
@@ -349,6 +352,7 @@ impl TranslateConfig {
         let preset = if args.quick { Preset::Tiny } else { args.preset };
         let mut transformer = preset.transformer();
         transformer.variant = variant;
+        transformer.decoder_self_variant = args.decoder_self_attention.parse().context("--decoder-self-attention")?;
         transformer.normalizer = NormalizerConfig { bam: BamConfig { k: args.k, sigma: args.sigma, ..BamConfig::default() }, ..Default::default() };
         let (lr, warmup, bpe) = preset.recipe();
         let selection: Selection = match &args.selection {
