@@ -263,8 +263,8 @@ def main():
             for p in model.parameters():
                 p.grad = None
             (loss / ntok).backward()
+            opt.step(lr_at(cfg["schedule"], updates))  # fairseq: update n runs at the rate set after n - 1
             updates += 1
-            opt.step(lr_at(cfg["schedule"], updates))
             tokens += ntok
         seconds += time.perf_counter() - start
         epoch += 1

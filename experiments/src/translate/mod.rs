@@ -583,7 +583,9 @@ fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device
             if let Some(h) = &hook {
                 h.apply()?;
             }
-            let lr = cfg.schedule.lr_at(state.updates + 1);
+            // As fairseq: update n (1-based) runs at the rate the schedule set after update n − 1,
+            // so the first one at warmup_init_lr.
+            let lr = cfg.schedule.lr_at(state.updates);
             adam.step(lr);
             state.updates += 1;
             let l = f64::try_from(loss.detach())?;

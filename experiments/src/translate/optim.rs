@@ -31,7 +31,8 @@ pub struct InverseSqrt {
 }
 
 impl InverseSqrt {
-    /// The learning rate of update `update` (1-based).
+    /// The rate the schedule sets once `update` updates are done, i.e. the rate of update
+    /// `update + 1` (fairseq's `step_update`); `lr_at(0) = warmup_init_lr`.
     pub fn lr_at(&self, update: u64) -> f64 {
         let w = self.warmup_updates.max(1);
         if update < w {
