@@ -22,8 +22,13 @@ fn main() {
     println!("cargo:rustc-env=PROBATTN_PYTHON_DEFAULT={python}");
     // The code a binary was built from, for results' provenance (a run can outlast commits).
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    for watched in [".git/HEAD", ".git/index", "src", "models/src", "experiments/src"] {
+    for watched in [".git/HEAD", ".git/index", ".git/packed-refs", "src", "models/src", "experiments/src"] {
         println!("cargo:rerun-if-changed={}", root.join(watched).display());
+    }
+    // A commit moves the branch HEAD points to, not HEAD itself: watch that ref too.
+    let head = std::fs::read_to_string(root.join(".git/HEAD")).unwrap_or_default();
+    if let Some(reference) = head.trim().strip_prefix("ref: ") {
+        println!("cargo:rerun-if-changed={}", root.join(".git").join(reference).display());
     }
     let git = |args: &[&str]| {
         std::process::Command::new("git").arg("-C").arg(&root).args(args).output().ok().filter(|o| o.status.success()).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
