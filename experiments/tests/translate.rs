@@ -151,3 +151,19 @@ fn bad_input_is_named() -> Result<()> {
     ensure!(o.status.code() == Some(1) && text(&o).contains("bad.safetensors"), "{}", text(&o));
     Ok(())
 }
+
+#[test]
+fn average_last_tests_the_mean_of_the_last_epochs() -> Result<()> {
+    let tmp = TempDir::new("translate-average")?;
+    let data = tmp.path("data");
+    std::fs::create_dir_all(&data)?;
+    write_corpus(&data, [200, 10, 10])?;
+    let (d, out) = (data.to_string_lossy().to_string(), tmp.path("out").to_string_lossy().to_string());
+    let o = probattn(&[&["translate", "--data-dir", &d, "--out", &out, "--average-last", "2"][..], &FLAGS].concat())?;
+    ensure!(o.status.success(), "{}", text(&o));
+    ensure!(text(&o).contains("test with the average of epochs 3..=4"), "{}", text(&o));
+    // Only the last two epochs' weights are kept.
+    let kept: Vec<bool> = (1..=4).map(|e| tmp.path(&format!("out/seed-1/weights_epoch{e}.safetensors")).exists()).collect();
+    ensure!(kept == [false, false, true, true], "weights kept: {kept:?}");
+    Ok(())
+}
