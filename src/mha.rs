@@ -251,14 +251,10 @@ impl MultiHeadAttention {
     /// samples attention without dropout: [`Mode::MONTE_CARLO`]).
     pub fn forward_mode(&self, input: &MhaInput, mode: Mode) -> Result<MhaOutput> {
         let (_, sq, _) = self.check(input)?;
-        // One split of the packed parameters (one backward node that writes the packed gradient
-        // once), not three narrows (three zero-filled (3E, E) gradients summed).
-        let weights = self.in_proj_weights();
-        let biases = self.in_proj_bias.as_ref().map(|b| b.split(self.cfg.embed_dim, 0));
-        let bias = |i: usize| biases.as_ref().map(|b| &b[i]);
-        let q = self.split_heads(&input.query.linear(&weights[0], bias(0))); // (B, H, S_q, d_h)
-        let k = self.split_heads(&input.key.linear(&weights[1], bias(1))); // (B, H, S_k, d_h)
-        let v = self.split_heads(&input.value.linear(&weights[2], bias(2)));
+        let params = self.in_proj_params();
+        let q = self.project(input.query, 0, &params); // (B, H, S_q, d_h)
+        let k = self.project(input.key, 1, &params); // (B, H, S_k, d_h)
+        let v = self.project(input.value, 2, &params);
         self.attend_heads(&q, &k, &v, sq, input, mode)
     }
 
@@ -266,10 +262,8 @@ impl MultiHeadAttention {
     /// `(B, H, S_k, d_h)` each: what an incremental decoder caches, so that a step projects only
     /// the new token (self-attention) or nothing at all (cross-attention).
     pub fn project_kv(&self, key: &Tensor, value: &Tensor) -> (Tensor, Tensor) {
-        let weights = self.in_proj_weights();
-        let biases = self.in_proj_bias.as_ref().map(|b| b.split(self.cfg.embed_dim, 0));
-        let bias = |i: usize| biases.as_ref().map(|b| &b[i]);
-        (self.split_heads(&key.linear(&weights[1], bias(1))), self.split_heads(&value.linear(&weights[2], bias(2))))
+        let params = self.in_proj_params();
+        (self.project(key, 1, &params), self.project(value, 2, &params))
     }
 
     /// Attends `input.query (B, S_q, E)` to keys and values already projected by
@@ -289,19 +283,24 @@ impl MultiHeadAttention {
                 size[0]
             )));
         }
-        let q = {
-            let (w, b) = (&self.in_proj_weights()[0], self.in_proj_bias.as_ref().map(|b| b.narrow(0, 0, self.cfg.embed_dim)));
-            self.split_heads(&input.query.linear(w, b.as_ref()))
-        };
+        let q = self.project(input.query, 0, &self.in_proj_params());
         self.attend_heads(&q, k, v, size[1], input, mode)
     }
 
-    /// `[W_Q, W_K, W_V]`.
-    fn in_proj_weights(&self) -> Vec<Tensor> {
-        match &self.in_proj {
+    /// `[W_Q, W_K, W_V]` and their biases. One split of the packed parameters (one backward node
+    /// that writes the packed gradient once), not three narrows (three zero-filled gradients).
+    fn in_proj_params(&self) -> (Vec<Tensor>, Option<Vec<Tensor>>) {
+        let weights = match &self.in_proj {
             InProj::Packed(w) => w.split(self.cfg.embed_dim, 0),
             InProj::Separate { q, k, v } => vec![q.shallow_clone(), k.shallow_clone(), v.shallow_clone()],
-        }
+        };
+        (weights, self.in_proj_bias.as_ref().map(|b| b.split(self.cfg.embed_dim, 0)))
+    }
+
+    /// `x (B, S, ·)` projected by the query (`i` = 0), key (1) or value (2) projection, heads
+    /// split: `(B, H, S, d_h)`.
+    fn project(&self, x: &Tensor, i: usize, (weights, biases): &(Vec<Tensor>, Option<Vec<Tensor>>)) -> Tensor {
+        self.split_heads(&x.linear(&weights[i], biases.as_ref().map(|b| &b[i])))
     }
 
     /// `(B, S, E)` → `(B, H, S, d_h)`.
