@@ -471,6 +471,9 @@ fn prepare(cfg_dir: &Path, args: &TranslateArgs, dir: &Path, resume: bool) -> Re
     Ok(Prepared { corpus, tokenizer, train, valid, test })
 }
 
+/// Updates between two readings of the training loss on the CPU (progress bar, NaN check).
+const SYNC_EVERY: usize = 10;
+
 /// Sentences per decoding batch during training (validation and test).
 const DECODE_BATCH: usize = 64;
 
@@ -565,8 +568,27 @@ fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device
         let order = epoch_order(&batches, seed, epoch);
         let bar = progress_bar(order.len() as u64, format!("seed {seed} epoch {}", epoch + 1))?;
         let start = Instant::now();
-        let (mut loss_sum, mut nll_sum, mut kl_sum, mut tokens, mut steps) = (0.0, 0.0, 0.0, 0usize, 0usize);
+        // [loss, nll, KL] summed over the epoch's updates.
+        let (mut sums, mut tokens, mut steps) = ([0.0f64; 3], 0usize, 0usize);
         let mut has_kl = false;
+        // Per-update (loss, nll, KL) stay on the device and reach the CPU together every
+        // SYNC_EVERY updates and at the end of the epoch: one synchronization instead of three per
+        // update. They are added in update order, so the sums are the same.
+        let mut pending: Vec<Tensor> = vec![];
+        let flush = |pending: &mut Vec<Tensor>, first_update: u64, sums: &mut [f64; 3]| -> Result<()> {
+            if pending.is_empty() {
+                return Ok(());
+            }
+            let values: Vec<f64> = Vec::try_from(Tensor::stack(pending, 0).view([-1]).to_device(Device::Cpu))?;
+            for (i, row) in values.chunks(3).enumerate() {
+                ensure!(row[0].is_finite(), "the training loss became {} at update {} (seed {seed})", row[0], first_update + i as u64);
+                for (sum, v) in sums.iter_mut().zip(row) {
+                    *sum += v;
+                }
+            }
+            pending.clear();
+            Ok(())
+        };
         for &bi in &order {
             if done_by_updates(state.updates) {
                 break;
@@ -575,11 +597,14 @@ fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device
             let (logits, kl) = model.forward_t(&t.src, &t.prev, true)?;
             let (loss, nll) = label_smoothed_loss(&logits, &t.target, cfg.label_smoothing);
             let mut objective = &loss / t.ntokens as f64;
-            if let Some(kl) = &kl {
-                objective += kl * cfg.kl_weight;
-                kl_sum += f64::try_from(kl.detach())?;
-                has_kl = true;
-            }
+            let kl_value = match &kl {
+                Some(kl) => {
+                    objective += kl * cfg.kl_weight;
+                    has_kl = true;
+                    kl.detach().to_kind(Kind::Double)
+                }
+                None => Tensor::zeros([], (Kind::Double, device)),
+            };
             adam.zero_grad();
             objective.backward();
             if let Some(h) = &hook {
@@ -590,16 +615,19 @@ fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device
             let lr = cfg.schedule.lr_at(state.updates);
             adam.step(lr);
             state.updates += 1;
-            let l = f64::try_from(loss.detach())?;
-            ensure!(l.is_finite(), "the training loss became {l} at update {} (seed {seed})", state.updates);
-            loss_sum += l;
-            nll_sum += f64::try_from(nll.detach())?;
+            pending.push(Tensor::stack(&[loss.detach().to_kind(Kind::Double), nll.detach().to_kind(Kind::Double), kl_value], 0));
             tokens += t.ntokens;
             steps += 1;
-            let secs = start.elapsed().as_secs_f64().max(1e-9);
-            bar.set_message(format!("loss {:.3}, lr {lr:.2e}, {:.1} upd/s, {:.0} tok/s", loss_sum / tokens as f64, steps as f64 / secs, tokens as f64 / secs));
+            if pending.len() == SYNC_EVERY {
+                flush(&mut pending, state.updates + 1 - SYNC_EVERY as u64, &mut sums)?;
+                let secs = start.elapsed().as_secs_f64().max(1e-9);
+                bar.set_message(format!("loss {:.3}, lr {lr:.2e}, {:.1} upd/s, {:.0} tok/s", sums[0] / tokens as f64, steps as f64 / secs, tokens as f64 / secs));
+            }
             bar.inc(1);
         }
+        let first_pending = state.updates + 1 - pending.len() as u64;
+        flush(&mut pending, first_pending, &mut sums)?;
+        let [loss_sum, nll_sum, kl_sum] = sums;
         let seconds = start.elapsed().as_secs_f64();
         bar.finish_and_clear();
         state.train_seconds += seconds;
