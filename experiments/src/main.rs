@@ -1,9 +1,21 @@
 //! The `probattn` binary: parses the command line and dispatches to probattn_experiments.
+//! Every error, a usage error (unknown flag, bad value) included, exits with status 1.
 
 use clap::Parser;
 
 fn main() -> std::process::ExitCode {
-    let cli = probattn_experiments::Cli::parse();
+    let cli = match probattn_experiments::Cli::try_parse() {
+        Ok(cli) => cli,
+        // --help and --version come this way too, to standard output with status 0.
+        Err(e) if !e.use_stderr() => {
+            let _ = e.print();
+            return std::process::ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let _ = e.print();
+            return std::process::ExitCode::FAILURE;
+        }
+    };
     match probattn_experiments::run(&cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
