@@ -82,6 +82,47 @@ impl Preset {
     }
 }
 
+/// `--dataset`: which corpus, and so the default data folder and preset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Dataset {
+    /// Multi30k task 1 (train 29,000, val 1,014, test_2016_flickr 1,000): default folder
+    /// ../shared/data/multi30k when it exists, else data/multi30k; default preset small.
+    Multi30k,
+    /// IWSLT14 in fairseq's prepare-iwslt14.sh layout: default folder data/iwslt14 (give the
+    /// tokenized text before its BPE step, since we learn our own); default preset iwslt.
+    Iwslt14,
+}
+
+impl Dataset {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Multi30k => "multi30k",
+            Self::Iwslt14 => "iwslt14",
+        }
+    }
+
+    fn default_dir(self) -> PathBuf {
+        match self {
+            Self::Multi30k => {
+                let shared = Path::new("../shared/data/multi30k");
+                if shared.is_dir() {
+                    shared.into()
+                } else {
+                    "data/multi30k".into()
+                }
+            }
+            Self::Iwslt14 => "data/iwslt14".into(),
+        }
+    }
+
+    fn default_preset(self) -> Preset {
+        match self {
+            Self::Multi30k => Preset::Small,
+            Self::Iwslt14 => Preset::Iwslt,
+        }
+    }
+}
+
 /// `--repulsive`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -94,8 +135,12 @@ pub enum Repulsive {
 /// Flags of `probattn translate`.
 #[derive(Args, Debug)]
 pub struct TranslateArgs {
-    /// Corpus folder with train|valid|test.{SRC,TGT} (Multi30k's val.* stand in for valid.*);
-    /// default ../shared/data/multi30k when it exists, else data/multi30k.
+    /// Corpus: multi30k (default folder ../shared/data/multi30k when it exists, else
+    /// data/multi30k; preset small) or iwslt14 (default folder data/iwslt14; preset iwslt).
+    #[arg(long, value_enum)]
+    pub dataset: Option<Dataset>,
+    /// Corpus folder with train|valid|test.{SRC,TGT} (Multi30k's val.* stand in for valid.*),
+    /// instead of the dataset's default folder.
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
     /// Source language (file suffix).
@@ -104,9 +149,10 @@ pub struct TranslateArgs {
     /// Target language (file suffix).
     #[arg(long, default_value = "en")]
     pub tgt: String,
-    /// Model and recipe preset: small (Multi30k on CPU), iwslt (fairseq transformer_iwslt_de_en) or tiny.
-    #[arg(long, value_enum, default_value_t = Preset::Small)]
-    pub preset: Preset,
+    /// Model and recipe preset: small (Multi30k on CPU), iwslt (fairseq transformer_iwslt_de_en) or
+    /// tiny (default: the dataset's; tiny with --quick).
+    #[arg(long, value_enum)]
+    pub preset: Option<Preset>,
     /// Attention of the encoder self-attention and the cross-attention (or all: softmax, softmax
     /// with SVGD heads, dnas, hnas and bam-wc, one table): softmax, dnas, hnas,
     /// sinkhorn-N, bam-wc, bam-wf, bam-lc, bam-lf, bam-nokl. DNAS, HNAS and Sinkhorn act in the
@@ -340,18 +386,32 @@ pub struct TranslateResults {
     pub provenance: Provenance,
 }
 
-fn default_data_dir() -> PathBuf {
-    let shared = Path::new("../shared/data/multi30k");
-    if shared.is_dir() {
-        shared.into()
-    } else {
-        "data/multi30k".into()
+impl TranslateArgs {
+    fn data_dir(&self) -> PathBuf {
+        self.data_dir.clone().unwrap_or_else(|| self.dataset.unwrap_or(Dataset::Multi30k).default_dir())
+    }
+
+    /// results.json's `dataset`: the --dataset named, else the --data-dir folder's name.
+    fn dataset_name(&self) -> String {
+        match (self.dataset, &self.data_dir) {
+            (Some(d), _) => d.name().into(),
+            (None, Some(dir)) => dir.file_name().map_or("corpus".into(), |n| n.to_string_lossy().into()),
+            (None, None) => Dataset::Multi30k.name().into(),
+        }
+    }
+
+    fn preset(&self) -> Preset {
+        if self.quick {
+            Preset::Tiny
+        } else {
+            self.preset.unwrap_or_else(|| self.dataset.unwrap_or(Dataset::Multi30k).default_preset())
+        }
     }
 }
 
 impl TranslateConfig {
     fn from_args(args: &TranslateArgs, vocab: i64, variant: Variant, repulsive: Repulsive) -> Result<Self> {
-        let preset = if args.quick { Preset::Tiny } else { args.preset };
+        let preset = args.preset();
         let mut transformer = preset.transformer();
         transformer.variant = variant;
         transformer.decoder_self_variant = args.decoder_self_attention.parse().context("--decoder-self-attention")?;
@@ -368,7 +428,7 @@ impl TranslateConfig {
         ensure!(args.max_tokens >= 16, "--max-tokens must be at least 16");
         ensure!(args.beam >= 1, "--beam must be at least 1");
         Ok(Self {
-            data_dir: args.data_dir.clone().unwrap_or_else(default_data_dir).to_string_lossy().into(),
+            data_dir: args.data_dir().to_string_lossy().into(),
             src: args.src.clone(),
             tgt: args.tgt.clone(),
             preset,
@@ -444,8 +504,16 @@ struct Prepared {
     test: Encoded,
 }
 
-fn prepare(cfg_dir: &Path, args: &TranslateArgs, dir: &Path, resume: bool) -> Result<Prepared> {
-    let mut corpus = Corpus::load(cfg_dir, &args.src, &args.tgt)?;
+/// The corpus with the --limit-* flags applied; a missing folder's error says how to get it.
+fn load_corpus(data_dir: &Path, args: &TranslateArgs) -> Result<Corpus> {
+    let hint = match (args.dataset.unwrap_or(Dataset::Multi30k), &args.data_dir) {
+        (_, Some(_)) => String::new(),
+        (Dataset::Multi30k, None) => format!(" (`python python/multi30k.py download --dir {}` fetches Multi30k)", data_dir.display()),
+        (Dataset::Iwslt14, None) => {
+            format!(" (run fairseq's examples/translation/prepare-iwslt14.sh and give its iwslt14.tokenized.de-en/tmp folder with --data-dir, or copy it to {})", data_dir.display())
+        }
+    };
+    let mut corpus = Corpus::load(data_dir, &args.src, &args.tgt).map_err(|e| anyhow::anyhow!("{e:#}{hint}"))?;
     let limits = [args.limit_train.or(args.quick.then_some(3000)), args.limit_valid.or(args.quick.then_some(100)), args.limit_test];
     for (split, limit) in [&mut corpus.train, &mut corpus.valid, &mut corpus.test].into_iter().zip(limits) {
         if let Some(n) = limit {
@@ -454,12 +522,15 @@ fn prepare(cfg_dir: &Path, args: &TranslateArgs, dir: &Path, resume: bool) -> Re
             split.tgt.truncate(n);
         }
     }
+    Ok(corpus)
+}
+
+fn prepare(corpus: Corpus, args: &TranslateArgs, dir: &Path, resume: bool) -> Result<Prepared> {
     let tok_path = dir.join("tokenizer.json");
     let tokenizer = if resume {
         data::load_tokenizer(&tok_path)?
     } else {
-        let preset = if args.quick { Preset::Tiny } else { args.preset };
-        let vocab = args.bpe_vocab.unwrap_or(preset.recipe().2);
+        let vocab = args.bpe_vocab.unwrap_or(args.preset().recipe().2);
         let t = data::learn_bpe(&corpus.train, vocab, dir)?;
         let json = t.to_string(true).map_err(|e| anyhow::anyhow!("serializing the tokenizer: {e}"))?;
         probattn::io::write_bytes_atomic(&tok_path, json.as_bytes())?;
@@ -681,6 +752,8 @@ fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device
     load_params(&vs, &tensors, &best)?;
     if cfg.average_last > 0 {
         average_last(&mut vs, dir, state.epoch, cfg.average_last)?;
+        // Kept so that `--decode --checkpoint` can translate with the averaged model too.
+        save_checkpoint(&dir.join("checkpoint_average.safetensors"), &vs, &adam, &state)?;
     }
     let (hyps, bleu, tok, sps) = translate_and_score(&model, &p.tokenizer, &p.test, &p.corpus.test.tgt, &cfg.decode, device, "test")?;
     probattn::io::write_bytes_atomic(&dir.join("test.hyp"), (hyps.join("\n") + "\n").as_bytes())?;
@@ -841,7 +914,7 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
     }
     ensure!(args.seeds >= 1, "--seeds must be at least 1");
     ensure!(args.checkpoint.is_none() && args.input.is_none(), "--checkpoint and --input go with --decode");
-    let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
+    let data_dir = args.data_dir();
     let all = args.attention == "all";
     let name = |attention: &str, repulsive: Repulsive| match repulsive {
         Repulsive::None => attention.to_string(),
@@ -854,6 +927,12 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
     } else {
         vec![(name(&args.attention, args.repulsive), args.attention.parse().context("--attention")?, args.repulsive)]
     };
+    // Everything that can be checked before the run folder exists is: a bad flag or a missing
+    // corpus leaves no empty folder behind.
+    for (_, variant, repulsive) in &rows {
+        TranslateConfig::from_args(args, 0, *variant, *repulsive)?;
+    }
+    let corpus = load_corpus(&data_dir, args)?;
     let resume = args.resume.is_some();
     let dir = match &args.resume {
         Some(d) => {
@@ -862,7 +941,7 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
         }
         None => run_dir(args.out.as_deref(), "translate", &name(&args.attention, args.repulsive))?,
     };
-    let p = prepare(&data_dir, args, &dir, resume)?;
+    let p = prepare(corpus, args, &dir, resume)?;
     let vocab = p.tokenizer.get_vocab_size(true) as i64;
     let mut table = vec![];
     for (row, variant, repulsive) in rows {
@@ -926,7 +1005,7 @@ fn run_config(p: &Prepared, cfg: &TranslateConfig, args: &TranslateArgs, dir: &P
     let (test_bleu_mean, test_bleu_std) = stat(|r| r.test_bleu);
     let (test_bleu_tok_mean, test_bleu_tok_std) = stat(|r| r.test_bleu_tok);
     let results = TranslateResults {
-        dataset: Path::new(&cfg.data_dir).file_name().map_or("corpus".into(), |n| n.to_string_lossy().into()),
+        dataset: args.dataset_name(),
         attention: cfg.model.transformer.variant.to_string(),
         repulsive: cfg.repulsive,
         valid_bleu_mean: stat(|r| r.valid_bleu).0,
