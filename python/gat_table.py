@@ -18,6 +18,8 @@ import os
 import statistics
 import sys
 
+from tables import cell, diff_cell, markdown
+
 ORDER = ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-nokl", "bam-lf", "bam-lc", "bam-wf", "bam-wc"]
 PAPER = {  # BAM paper Table 1 (5 runs; GAT row is their rerun) and the GAT paper (100 runs)
     "softmax": {"cora": "83.00 (GAT paper 83.0 ± 0.7)", "citeseer": "72.50 (GAT paper 72.5 ± 0.7)"},
@@ -47,9 +49,7 @@ def main():
             sys.exit(f"gat_table.py: {r} is not a folder of probattn gat results")
     datasets = [d for d in ("cora", "citeseer", "pubmed") if any(os.path.isdir(os.path.join(r, d)) for r in roots)]
     rows = []
-    header = "| attention | " + " | ".join(f"{d} test acc % (mean ± std) | {d} paper | {d} ms/epoch" for d in datasets) + " |"
-    rows.append(header)
-    rows.append("|---" * (1 + 3 * len(datasets)) + "|")
+    header = ["attention"] + [h for d in datasets for h in (f"{d} test acc % (mean ± std)", f"{d} paper", f"{d} ms/epoch")]
     extra = sorted({v for r in roots for d in datasets if os.path.isdir(os.path.join(r, d))
                     for v in os.listdir(os.path.join(r, d))
                     if v not in ORDER and os.path.exists(os.path.join(r, d, v, "results.json"))})
@@ -61,28 +61,16 @@ def main():
             if not runs:
                 cells += ["–", PAPER.get(variant, {}).get(d, "–"), "–"]
                 continue
-            acc = [100 * run["test_acc"] for run in runs]
-            cells.append(f"{statistics.mean(acc):.2f} ± {statistics.stdev(acc) if len(acc) > 1 else 0.0:.2f} (n={len(acc)})")
+            cells.append(cell([100 * run["test_acc"] for run in runs]))
             cells.append(PAPER.get(variant, {}).get(d, "–"))
             cells.append(f"{statistics.mean(run['epoch_ms'] for run in runs):.1f}")
-        rows.append("| " + " | ".join(cells) + " |")
-    print("\n".join(rows))
+        rows.append(cells)
+    print(markdown(header, rows))
     if diff:
-        print("\n| attention | " + " | ".join(f"{d}: minus softmax (± standard error), points" for d in datasets) + " |")
-        print("|---" * (1 + len(datasets)) + "|")
-        for variant in variants:
-            if variant == "softmax":
-                continue
-            cells = [variant]
-            for d in datasets:
-                a = [100 * run["test_acc"] for run in runs_of(roots, d, variant)]
-                b = [100 * run["test_acc"] for run in runs_of(roots, d, "softmax")]
-                if len(a) < 2 or len(b) < 2:
-                    cells.append("–")
-                    continue
-                se = (statistics.variance(a) / len(a) + statistics.variance(b) / len(b)) ** 0.5
-                cells.append(f"{statistics.mean(a) - statistics.mean(b):+.2f} ± {se:.2f} (n={len(a)} vs {len(b)})")
-            print("| " + " | ".join(cells) + " |")
+        acc = lambda d, v: [100 * run["test_acc"] for run in runs_of(roots, d, v)]
+        diffs = [[v] + [diff_cell(acc(d, v), acc(d, "softmax")) for d in datasets] for v in variants if v != "softmax"]
+        print()
+        print(markdown(["attention"] + [f"{d}: minus softmax (± standard error), points" for d in datasets], diffs))
 
 
 if __name__ == "__main__":

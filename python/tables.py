@@ -1,0 +1,31 @@
+"""What the experiments' table scripts share: mean ± std cells, differences with their standard
+error, and markdown tables. Imported by gat_table.py and translate_table.py."""
+
+import statistics
+
+
+def mean_std(values):
+    """(mean, sample std); the std of one value is 0."""
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def cell(values, digits=2):
+    """'mean ± std (n=N)'."""
+    m, s = mean_std(values)
+    return f"{m:.{digits}f} ± {s:.{digits}f} (n={len(values)})"
+
+
+def diff_cell(a, b, digits=2):
+    """mean(a) − mean(b) ± the standard error of the difference, sqrt(s_a²/n_a + s_b²/n_b);
+    '–' when either side has fewer than two values (no variance, so no error to give)."""
+    if len(a) < 2 or len(b) < 2:
+        return "–"
+    se = (statistics.variance(a) / len(a) + statistics.variance(b) / len(b)) ** 0.5
+    return f"{statistics.mean(a) - statistics.mean(b):+.{digits}f} ± {se:.{digits}f} (n={len(a)} vs {len(b)})"
+
+
+def markdown(header, rows):
+    """A markdown table: a header row, the separator, then one line per row."""
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
