@@ -24,12 +24,10 @@ pub enum Error {
     #[error("device error: {0}")]
     Device(String),
     /// A file could not be read or written.
-    #[error("{}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// (The I/O error is part of the message and not a `source()`, so a printed chain names it
+    /// once.)
+    #[error("{}: {error}", path.display())]
+    Io { path: PathBuf, error: std::io::Error },
     /// A file exists but its content is unusable (corrupt, missing entries, wrong layout).
     #[error("{}: {message}", path.display())]
     File { path: PathBuf, message: String },

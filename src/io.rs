@@ -30,7 +30,7 @@ pub fn write_safetensors_atomic(path: &Path, tensors: &[(&str, &Tensor)]) -> Res
 
 /// Writes `contents` to `path` atomically.
 pub fn write_bytes_atomic(path: &Path, contents: &[u8]) -> Result<()> {
-    write_atomic(path, |tmp| fs::write(tmp, contents).map_err(|source| Error::Io { path: tmp.into(), source }))
+    write_atomic(path, |tmp| fs::write(tmp, contents).map_err(|error| Error::Io { path: tmp.into(), error }))
 }
 
 /// Runs `write` on a temporary path in `path`'s directory, then renames it over `path`; the
@@ -45,7 +45,7 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
     }
     let name = path.file_name().ok_or_else(|| Error::File { path: path.into(), message: "not a file name".into() })?;
     let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
-    let result = write(&tmp).and_then(|()| fs::rename(&tmp, path).map_err(|source| Error::Io { path: path.into(), source }));
+    let result = write(&tmp).and_then(|()| fs::rename(&tmp, path).map_err(|error| Error::Io { path: path.into(), error }));
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
     }
@@ -53,7 +53,7 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
 }
 
 fn not_found(path: &Path, what: &str) -> Error {
-    Error::Io { path: path.into(), source: std::io::Error::new(std::io::ErrorKind::NotFound, what) }
+    Error::Io { path: path.into(), error: std::io::Error::new(std::io::ErrorKind::NotFound, what) }
 }
 
 #[cfg(test)]
