@@ -14,6 +14,7 @@ pub mod attention;
 pub mod device;
 pub mod diagnostics;
 mod error;
+pub mod interop;
 pub mod io;
 pub mod mask;
 pub mod mc;

@@ -5,6 +5,7 @@ pub mod attend;
 pub mod bench;
 pub mod bleu;
 pub mod common;
+pub mod compare;
 pub mod doctor;
 pub mod gat;
 pub mod plot;
@@ -37,6 +38,8 @@ pub enum Command {
     Bleu(bleu::BleuArgs),
     /// Transformer translation (Multi30k, IWSLT14) with any attention variant and repulsive heads.
     Translate(Box<translate::TranslateArgs>),
+    /// A TorchScript module against the native probattn model with its weights: differences and time.
+    Compare(compare::CompareArgs),
 }
 
 pub fn run(cli: &Cli) -> anyhow::Result<()> {
@@ -47,5 +50,6 @@ pub fn run(cli: &Cli) -> anyhow::Result<()> {
         Command::Bench(args) => bench::run(args),
         Command::Bleu(args) => bleu::run(args),
         Command::Translate(args) => translate::run(args),
+        Command::Compare(args) => compare::run(args),
     }
 }

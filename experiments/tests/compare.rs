@@ -1,0 +1,108 @@
+//! `probattn compare` as a user runs it on torch.nn.MultiheadAttention exported by
+//! python/export_torchscript.py: agreement within the tolerances (float64 1e-12, float32
+//! 1e-5, forward and gradients), the layout found on its own, a wrong head count caught, and bad
+//! input named with exit status 1.
+
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+use std::process::{Command, Output};
+
+use anyhow::{ensure, Context, Result};
+use common::{run_python, TempDir};
+
+fn probattn(args: &[&str]) -> Result<Output> {
+    Command::new(env!("CARGO_BIN_EXE_probattn")).args(args).output().context("running probattn")
+}
+
+fn text(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+/// Exports nn.MultiheadAttention(16, 4) with `extra` flags; returns (module, inputs) paths.
+fn export(tmp: &TempDir, tag: &str, extra: &[&str]) -> Result<(String, String)> {
+    let (m, i) = (tmp.path(&format!("{tag}.pt")).to_string_lossy().to_string(), tmp.path(&format!("{tag}.safetensors")).to_string_lossy().to_string());
+    run_python("export_torchscript.py", &[&["mha", "--embed-dim", "16", "--heads", "4", "--out", &m, "--inputs", &i][..], extra].concat())?;
+    Ok((m, i))
+}
+
+fn compare(module: &str, inputs: &str, extra: &[&str]) -> Result<serde_json::Value> {
+    let o = probattn(&[&["compare", "--torchscript", module, "--native", "mha", "--heads", "4", "--inputs", inputs, "--json", "--threads", "1", "--repeats", "3"][..], extra].concat())?;
+    ensure!(o.status.success(), "{}", text(&o));
+    serde_json::from_slice(&o.stdout).with_context(|| text(&o))
+}
+
+fn worst(json: &serde_json::Value) -> Result<(f64, usize)> {
+    let outputs = json["outputs"].as_array().context("no outputs")?;
+    let worst = outputs.iter().map(|o| o["max_rel_diff"].as_f64().unwrap_or(f64::INFINITY)).fold(0.0, f64::max);
+    Ok((worst, outputs.len()))
+}
+
+#[test]
+fn multihead_attention_agrees_forward_and_backward() -> Result<()> {
+    let tmp = TempDir::new("compare-mha")?;
+    // float64, scripted, PyTorch's default layout (L, N, E), with a key padding mask.
+    let (m, i) = export(&tmp, "f64", &["--dtype", "float64", "--key-padding", "--method", "script"])?;
+    let json = compare(&m, &i, &["--backward"])?;
+    let (rel, n) = worst(&json)?;
+    ensure!(n == 9, "expected output, weights, 3 input and 4 parameter gradients: {json}");
+    ensure!(rel <= 1e-12, "float64 differs by {rel} (relative): {json}");
+    ensure!(json["batch_first"] == false && json["dtype"] == "double", "{json}");
+    ensure!(json["torchscript_ms"].as_f64().is_some_and(|t| t > 0.0) && json["native_ms"].as_f64().is_some_and(|t| t > 0.0), "{json}");
+
+    // float32, traced, batch_first: the layout is found without being told.
+    let (m, i) = export(&tmp, "f32", &["--batch-first", "--method", "trace", "--batch", "3", "--tgt-len", "4", "--src-len", "6"])?;
+    let json = compare(&m, &i, &["--backward"])?;
+    let (rel, _) = worst(&json)?;
+    ensure!(rel <= 1e-5, "float32 differs by {rel}: {json}");
+    ensure!(json["batch_first"] == true && json["dtype"] == "float", "{json}");
+
+    // The comparison can fail: the wrong head count gives other weights and outputs.
+    let o = probattn(&["compare", "--torchscript", &m, "--native", "mha", "--heads", "2", "--inputs", &i, "--json", "--repeats", "1"])?;
+    ensure!(o.status.success(), "{}", text(&o));
+    let (rel, _) = worst(&serde_json::from_slice(&o.stdout)?)?;
+    ensure!(rel > 1e-3, "--heads 2 against a 4-head module agreed to {rel}");
+    Ok(())
+}
+
+#[test]
+fn bad_input_is_named() -> Result<()> {
+    let tmp = TempDir::new("compare-bad")?;
+    let (m, i) = export(&tmp, "mha", &[])?;
+    let run = |args: &[&str]| probattn(&[&["compare", "--native", "mha"][..], args].concat());
+
+    let o = run(&["--torchscript", &m, "--inputs", &i])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("--heads"), "{}", text(&o));
+    let o = run(&["--torchscript", &m, "--heads", "3", "--inputs", &i])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("--heads 3 does not divide"), "{}", text(&o));
+    let o = run(&["--torchscript", &tmp.path("none.pt").to_string_lossy(), "--heads", "4"])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("none.pt"), "{}", text(&o));
+    run_python("export_torchscript.py", &["other-formats", "--dir", &tmp.0.to_string_lossy()])?;
+    let o = run(&["--torchscript", &tmp.path("linear.pt2").to_string_lossy(), "--heads", "4"])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("torch.export"), "{}", text(&o));
+    // Inputs of the wrong rank, a missing argument, an unknown tensor: named before libtorch sees them.
+    let inputs = tmp.path("bad.safetensors");
+    let write = |tensors: &[(&str, tch::Tensor)]| -> Result<()> {
+        let refs: Vec<(&str, &tch::Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
+        Ok(tch::Tensor::write_safetensors(&refs, &inputs)?)
+    };
+    let t = |shape: &[i64]| tch::Tensor::randn(shape, (tch::Kind::Float, tch::Device::Cpu));
+    let bad = inputs.to_string_lossy().to_string();
+    write(&[("query", t(&[5, 2, 1, 16])), ("key", t(&[7, 2, 16])), ("value", t(&[7, 2, 16]))])?;
+    let o = run(&["--torchscript", &m, "--heads", "4", "--inputs", &bad])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("query has shape [5, 2, 1, 16]"), "{}", text(&o));
+    write(&[("query", t(&[5, 2, 16])), ("key", t(&[7, 2, 16]))])?;
+    let o = run(&["--torchscript", &m, "--heads", "4", "--inputs", &bad])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("has no 'value'"), "{}", text(&o));
+    write(&[("query", t(&[5, 2, 16])), ("key", t(&[7, 2, 16])), ("value", t(&[7, 2, 16])), ("attn_bias", t(&[5, 7]))])?;
+    let o = run(&["--torchscript", &m, "--heads", "4", "--inputs", &bad])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("unknown tensor 'attn_bias'"), "{}", text(&o));
+    let nan = t(&[5, 2, 16]);
+    let _ = nan.get(0).get(0).get(0).fill_(f64::NAN);
+    write(&[("query", nan), ("key", t(&[7, 2, 16])), ("value", t(&[7, 2, 16]))])?;
+    let o = run(&["--torchscript", &m, "--heads", "4", "--inputs", &bad])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("query holds 1 NaN"), "{}", text(&o));
+    let o = run(&["--torchscript", &m, "--heads", "4", "--no-such-flag"])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("--no-such-flag"), "{}", text(&o));
+    Ok(())
+}

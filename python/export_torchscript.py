@@ -1,0 +1,152 @@
+"""Export PyTorch modules as TorchScript, with their state dict and example inputs, for
+`probattn compare` and the interop tests.
+
+    python python/export_torchscript.py mha --embed-dim 16 --heads 4 --out M.pt \\
+        [--batch-first] [--method script|trace] [--dtype float32|float64] [--seed 0] \\
+        [--state-dict SD.safetensors] [--inputs IN.safetensors --batch 2 --tgt-len 5 --src-len 7 \\
+         [--key-padding]] [--time-eager N]
+
+`mha` is a plain `torch.nn.MultiheadAttention(embed_dim, heads, dropout=0, batch_first=...)`,
+seeded. IN.safetensors holds its forward arguments by name, in the module's layout: `query`,
+`key`, `value` and, with --key-padding, a boolean `key_padding_mask (N, S)` (True = ignored; each
+sequence keeps at least one key). The state dict holds the module's parameters under PyTorch's
+names. `--time-eager N` prints, as JSON on stdout, the median milliseconds of N eager forward
+calls on those inputs (the third column of the speed comparison, same threads as the caller).
+
+    python python/export_torchscript.py load-state-dict mha --embed-dim 16 --heads 4 --state-dict SD.safetensors
+
+loads a state dict (one probattn exported, say) into a fresh module with
+`load_state_dict(strict=True)` and fails on any missing, unexpected or misshapen name.
+
+    python python/export_torchscript.py other-formats --dir DIR
+
+writes what is *not* TorchScript, for the error tests: `DIR/linear.pt2` (torch.export.save of a
+Linear) and `DIR/state.pt` (torch.save of a state dict).
+
+PyTorch 2.11 deprecates torch.jit.script and torch.jit.trace (it suggests torch.export, which
+libtorch's C++ API cannot load); the deprecation warning is filtered here, and only here.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+from safetensors.torch import save_file
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def mha_inputs(args, dtype):
+    g = torch.Generator().manual_seed(args.seed + 1)
+    e, n, l, s = args.embed_dim, args.batch, args.tgt_len, args.src_len
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    if args.batch_first:
+        inputs = {"query": rand(n, l, e), "key": rand(n, s, e), "value": rand(n, s, e)}
+    else:
+        inputs = {"query": rand(l, n, e), "key": rand(s, n, e), "value": rand(s, n, e)}
+    if args.key_padding:
+        lengths = torch.randint(1, s + 1, (n,), generator=g)
+        inputs["key_padding_mask"] = torch.arange(s)[None, :] >= lengths[:, None]
+    return inputs
+
+
+def export(module, example, method, out):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*torch.jit.*deprecated.*")
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+        ts = torch.jit.script(module) if method == "script" else torch.jit.trace(module, example)
+    ts.save(out)
+
+
+def median_ms(fn, repeats):
+    with torch.no_grad():
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def other_formats(folder):
+    import os
+
+    os.makedirs(folder, exist_ok=True)
+    linear = torch.nn.Linear(4, 3)
+    torch.export.save(torch.export.export(linear, (torch.randn(2, 4),)), os.path.join(folder, "linear.pt2"))
+    torch.save(linear.state_dict(), os.path.join(folder, "state.pt"))
+
+
+def load_state_dict(argv):
+    from safetensors.torch import load_file
+
+    p = argparse.ArgumentParser(prog="export_torchscript.py load-state-dict")
+    p.add_argument("model", choices=["mha"])
+    p.add_argument("--embed-dim", type=int, required=True)
+    p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--state-dict", required=True)
+    args = p.parse_args(argv)
+    state = load_file(args.state_dict)
+    dtype = next(iter(state.values())).dtype
+    module = torch.nn.MultiheadAttention(args.embed_dim, args.heads).to(dtype)
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        sys.exit(f"error: {args.state_dict}: {e}")
+    print(f"{args.state_dict}: all {len(state)} tensors loaded (strict)")
+
+
+def main():
+    if sys.argv[1:2] == ["load-state-dict"]:
+        return load_state_dict(sys.argv[2:])
+    if sys.argv[1:2] == ["other-formats"]:
+        p = argparse.ArgumentParser(prog="export_torchscript.py other-formats")
+        p.add_argument("--dir", required=True)
+        return other_formats(p.parse_args(sys.argv[2:]).dir)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="model", required=True)
+    p = sub.add_parser("mha", help="torch.nn.MultiheadAttention")
+    p.add_argument("--embed-dim", type=int, required=True)
+    p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--batch-first", action="store_true")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--tgt-len", type=int, default=5)
+    p.add_argument("--src-len", type=int, default=7)
+    p.add_argument("--key-padding", action="store_true")
+    for p in sub.choices.values():
+        p.add_argument("--out", required=True, help="TorchScript file to write")
+        p.add_argument("--method", choices=["script", "trace"], default="script")
+        p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--state-dict", help="also write the parameters as a safetensors state dict")
+        p.add_argument("--inputs", help="also write example forward arguments (safetensors)")
+        p.add_argument("--time-eager", type=int, default=0, metavar="N")
+    args = parser.parse_args()
+    dtype = DTYPES[args.dtype]
+    if args.embed_dim % args.heads:
+        sys.exit(f"error: --heads {args.heads} does not divide --embed-dim {args.embed_dim}")
+    torch.manual_seed(args.seed)
+    module = torch.nn.MultiheadAttention(args.embed_dim, args.heads, dropout=0.0, batch_first=args.batch_first).to(dtype).eval()
+    inputs = mha_inputs(args, dtype)
+    example = tuple(inputs[k] for k in ("query", "key", "value", "key_padding_mask") if k in inputs)
+    export(module, example, args.method, args.out)
+    if args.state_dict:
+        save_file({k: v.contiguous() for k, v in module.state_dict().items()}, args.state_dict)
+    if args.inputs:
+        save_file({k: v.contiguous() for k, v in inputs.items()}, args.inputs)
+    if args.time_eager:
+        print(json.dumps({"eager_ms": median_ms(lambda: module(*example), args.time_eager), "threads": torch.get_num_threads()}))
+
+
+if __name__ == "__main__":
+    main()
