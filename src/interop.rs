@@ -114,6 +114,20 @@ impl TorchScript {
         Ok(Self { module, path: path.into(), device })
     }
 
+    /// [`Self::load`] for training: the module's parameters are also added to `vs` (named with
+    /// `_` for `.`, as tch's `TrainableCModule` names them), sharing their storage, so an
+    /// optimizer over `vs` updates the module, and gradients of a backward pass through the module
+    /// land on them. The module is left in train mode.
+    pub fn load_trainable(path: &Path, vs: &nn::Path) -> Result<Self> {
+        let mut ts = Self::load(path, vs.device())?;
+        for (name, t) in ts.named_parameters()? {
+            let trainable = t.requires_grad();
+            let _ = vs.add(&name.replace('.', "_"), t, trainable);
+        }
+        ts.set_train(true)?;
+        Ok(ts)
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -193,6 +207,62 @@ fn describe_inputs(inputs: &[IValue]) -> String {
         })
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// `*` matches any run of characters (dots included); everything else matches itself.
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    let parts: Vec<&str> = pattern.split('*').collect();
+    if parts.len() == 1 {
+        return pattern == name;
+    }
+    let (first, last) = (parts[0], parts[parts.len() - 1]);
+    if !name.starts_with(first) || !name[first.len()..].ends_with(last) || name.len() < first.len() + last.len() {
+        return false;
+    }
+    let mut rest = &name[first.len()..name.len() - last.len()];
+    for part in &parts[1..parts.len() - 1] {
+        match rest.find(part) {
+            Some(i) => rest = &rest[i + part.len()..],
+            None => return false,
+        }
+    }
+    true
+}
+
+/// Which attention module a PyTorch parameter name belongs to, by `nn.Transformer`'s naming:
+/// `encoder.layers.I.self_attn` (encoder self-attention, layer I), `decoder.layers.I.self_attn`
+/// (decoder self-attention), `decoder.layers.I.multihead_attn` (cross-attention); anything else
+/// is `Other`, at the first number in the name (or 0).
+pub fn module_kind_of(name: &str) -> (crate::repulsive::ModuleKind, usize) {
+    use crate::repulsive::ModuleKind;
+    let parts: Vec<&str> = name.split('.').collect();
+    let layer = parts.iter().find_map(|p| p.parse::<usize>().ok()).unwrap_or(0);
+    let side = parts.iter().find(|p| **p == "encoder" || **p == "decoder").copied();
+    let kind = match (side, parts.contains(&"self_attn"), parts.contains(&"multihead_attn")) {
+        (Some("encoder"), true, _) => ModuleKind::EncoderSelf,
+        (Some("decoder"), true, _) => ModuleKind::DecoderSelf,
+        (Some("decoder"), _, true) => ModuleKind::Cross,
+        _ => ModuleKind::Other,
+    };
+    (kind, layer)
+}
+
+/// Registers with `hook` every packed `in_proj_weight` among `params` whose name matches
+/// `pattern` (e.g. `*.self_attn.in_proj_weight`, or `*in_proj_weight` for all), as Q, K and V
+/// sets of `heads` particles; the hook's selection filters them by [`module_kind_of`]. Returns
+/// the names registered; none is an error that lists the candidates.
+pub fn register_in_proj(hook: &mut crate::repulsive::RepulsiveHook, params: &[(String, Tensor)], pattern: &str, heads: i64) -> Result<Vec<String>> {
+    let mut names = vec![];
+    for (name, t) in params.iter().filter(|(n, _)| glob_match(pattern, n)) {
+        let (kind, layer) = module_kind_of(name);
+        hook.add_in_proj(name, t, heads, kind, layer)?;
+        names.push(name.clone());
+    }
+    if names.is_empty() {
+        let candidates: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).filter(|n| n.ends_with("in_proj_weight")).collect();
+        return Err(Error::Config(format!("no parameter matches '{pattern}' (in_proj_weight parameters: {})", if candidates.is_empty() { "none".into() } else { candidates.join(", ") })));
+    }
+    Ok(names)
 }
 
 /// What [`import_params`] did with each name.
@@ -280,4 +350,29 @@ where
     let named: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (rename(&n), t)).collect();
     let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
     crate::io::write_safetensors_atomic(path, &refs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::repulsive::ModuleKind;
+
+    #[test]
+    fn globs_match_runs_of_any_characters() {
+        assert!(glob_match("*in_proj_weight", "encoder.layers.0.self_attn.in_proj_weight"));
+        assert!(glob_match("encoder.*.self_attn.*", "encoder.layers.3.self_attn.in_proj_weight"));
+        assert!(glob_match("exact", "exact"));
+        assert!(!glob_match("exact", "exactly"));
+        assert!(!glob_match("*.self_attn.in_proj_weight", "layers.0.multihead_attn.in_proj_weight"));
+        assert!(!glob_match("a*b*c", "acb"));
+        assert!(!glob_match("ab*b", "ab"));
+    }
+
+    #[test]
+    fn module_kinds_follow_nn_transformer_names() {
+        assert_eq!(module_kind_of("encoder.layers.2.self_attn.in_proj_weight"), (ModuleKind::EncoderSelf, 2));
+        assert_eq!(module_kind_of("decoder.layers.1.self_attn.in_proj_weight"), (ModuleKind::DecoderSelf, 1));
+        assert_eq!(module_kind_of("decoder.layers.0.multihead_attn.in_proj_weight"), (ModuleKind::Cross, 0));
+        assert_eq!(module_kind_of("in_proj_weight"), (ModuleKind::Other, 0));
+    }
 }

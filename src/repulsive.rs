@@ -219,12 +219,34 @@ impl RepulsiveHook {
     /// particle `h` is the `d_h` rows of head `h`. Biases and the output projection are not
     /// particles.
     pub fn add_attention(&mut self, name: &str, mha: &MultiHeadAttention, kind: ModuleKind, layer: usize) {
-        let heads = mha.config().num_heads;
+        let (heads, head_dim) = (mha.config().num_heads, mha.config().head_dim());
         for (i, projection) in [Projection::Q, Projection::K, Projection::V].into_iter().enumerate() {
-            if !self.selection.accepts(kind, layer, Some(projection)) {
-                continue;
-            }
             let (param, offset) = mha.projection_param(i as i64);
+            self.add_projection(name, param, offset, heads, head_dim, kind, layer, projection);
+        }
+    }
+
+    /// Registers a packed `in_proj_weight (3E, E)` of any module (a TorchScript module's
+    /// `nn.MultiheadAttention`, say) as the Q, K and V sets of `heads` particles each, as
+    /// [`Self::add_attention`] registers a native module's.
+    pub fn add_in_proj(&mut self, name: &str, in_proj_weight: &Tensor, heads: i64, kind: ModuleKind, layer: usize) -> Result<()> {
+        let size = in_proj_weight.size();
+        if size.len() != 2 || size[0] != 3 * size[1] {
+            return Err(Error::Shape(format!("{name} has shape {size:?}; a packed in_proj_weight is (3E, E)")));
+        }
+        let e = size[1];
+        if heads < 1 || e % heads != 0 {
+            return Err(Error::Config(format!("{name}: {heads} heads do not divide E = {e}")));
+        }
+        for (i, projection) in [Projection::Q, Projection::K, Projection::V].into_iter().enumerate() {
+            self.add_projection(name, in_proj_weight.shallow_clone(), i as i64 * e, heads, e / heads, kind, layer, projection);
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn add_projection(&mut self, name: &str, param: Tensor, offset: i64, heads: i64, head_dim: i64, kind: ModuleKind, layer: usize, projection: Projection) {
+        if self.selection.accepts(kind, layer, Some(projection)) {
             self.sets.push(ParticleSet {
                 name: format!("{name}.{projection:?}").to_lowercase(),
                 kind,
@@ -233,7 +255,7 @@ impl RepulsiveHook {
                 param,
                 offset,
                 particles: heads,
-                rows: mha.config().head_dim(),
+                rows: head_dim,
             });
         }
     }

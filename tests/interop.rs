@@ -164,3 +164,69 @@ fn state_dicts_go_both_ways_by_name() -> Result<()> {
     ensure!(refused.is_err_and(|e| e.to_string().contains("out_proj_weight")), "PyTorch accepted a misnamed state dict");
     Ok(())
 }
+
+#[test]
+fn the_svgd_hook_moves_a_torchscript_module_as_it_moves_the_native_one() -> Result<()> {
+    use probattn::interop::{glob_match, register_in_proj};
+    use probattn::repulsive::{ModuleKind, RepulsiveConfig, RepulsiveHook, Selection};
+    use tch::nn::OptimizerConfig;
+
+    let tmp = TempDir::new("interop-svgd")?;
+    export_mha(&tmp, "script")?;
+    ensure!(glob_match("*.self_attn.in_proj_weight", "layers.0.self_attn.in_proj_weight") && !glob_match("*.self_attn.in_proj_weight", "in_proj_weight"));
+    for device in devices() {
+        // The TorchScript module, trainable through a VarStore, and the native module with its weights.
+        let vs_ts = nn::VarStore::new(device);
+        let ts = TorchScript::load_trainable(&tmp.path("mha.pt"), &vs_ts.root())?;
+        let params = ts.named_parameters()?;
+        let mut vs = nn::VarStore::new(device);
+        let mha = MultiHeadAttention::new(&vs.root(), MhaConfig::new(16, 4))?;
+        vs.double();
+        import_params(&vs, &params, |n| Some(n.to_string()), false)?;
+
+        let inputs = probattn::io::read_safetensors(&tmp.path("in.safetensors"))?;
+        let get = |n: &str| inputs.get(n).map(|t| t.to_device(device)).context(n.to_string());
+        let (q, k, v) = (get("query")?, get("key")?, get("value")?);
+        let g = Tensor::randn([5, 2, 16], (Kind::Double, device));
+        let ts_out = |ts: &TorchScript| -> Result<Tensor> {
+            Ok(ts.forward_tensors(&[IValue::Tensor(q.shallow_clone()), IValue::Tensor(k.shallow_clone()), IValue::Tensor(v.shallow_clone())])?.remove(0).1)
+        };
+        let native_out = || -> Result<Tensor> {
+            let (q2, k2, v2) = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1));
+            Ok(mha.forward_mode(&MhaInput::new(&q2, &k2, &v2), Mode::EVAL)?.context.transpose(0, 1))
+        };
+        (ts_out(&ts)? * &g).sum(Kind::Double).backward();
+        (native_out()? * &g).sum(Kind::Double).backward();
+
+        let cfg = RepulsiveConfig { alpha: 0.5, stepsize: 0.1, ..Default::default() };
+        let mut hook_ts = RepulsiveHook::new(cfg.clone(), Selection::default())?;
+        let names = register_in_proj(&mut hook_ts, &params, "*in_proj_weight", 4)?;
+        ensure!(names == ["in_proj_weight"] && hook_ts.sets().len() == 3, "{names:?}, {} sets", hook_ts.sets().len());
+        let mut hook_n = RepulsiveHook::new(cfg, Selection::default())?;
+        hook_n.add_attention("mha", &mha, ModuleKind::Other, 0);
+        let plain = vs.variables()["in_proj_weight"].grad().copy();
+        hook_ts.apply()?;
+        hook_n.apply()?;
+        let (grad_ts, grad_n) = (params[0].1.grad(), vs.variables()["in_proj_weight"].grad());
+        let err = (&grad_ts - &grad_n).abs().max().double_value(&[]);
+        ensure!(err < 1e-12, "{device:?}: the hook's directions differ by {err}");
+        ensure!((&grad_n - &plain).abs().max().double_value(&[]) > 1e-4, "the hook left the gradient as it was");
+
+        // One SGD step on each VarStore moves the TorchScript module's own weights the same way.
+        let before = params[0].1.copy();
+        let mut opt_ts = nn::Sgd::default().build(&vs_ts, 0.1)?;
+        let mut opt_n = nn::Sgd::default().build(&vs, 0.1)?;
+        opt_ts.step();
+        opt_n.step();
+        for (name, t) in ts.named_parameters()? {
+            let err = (&t - &vs.variables()[&name]).abs().max().double_value(&[]);
+            ensure!(err < 1e-12, "{device:?}: {name} differs by {err} after the step");
+        }
+        ensure!((&ts.named_parameters()?[0].1 - &before).abs().max().double_value(&[]) > 1e-4, "the step did not move the module");
+        let err = tch::no_grad(|| -> Result<f64> { Ok((ts_out(&ts)? - native_out()?).abs().max().double_value(&[])) })?;
+        ensure!(err < 1e-12, "{device:?}: after the step the outputs differ by {err}");
+        let unmatched = register_in_proj(&mut RepulsiveHook::new(RepulsiveConfig::default(), Selection::default())?, &params, "*.self_attn.in_proj_weight", 4);
+        ensure!(unmatched.is_err_and(|e| e.to_string().contains("in_proj_weight parameters: in_proj_weight")), "an unmatched pattern was accepted");
+    }
+    Ok(())
+}
