@@ -6,11 +6,19 @@
         [--state-dict SD.safetensors] [--inputs IN.safetensors --batch 2 --tgt-len 5 --src-len 7 \\
          [--key-padding]] [--time-eager N]
 
+    python python/export_torchscript.py transformer --embed-dim 16 --heads 4 --layers 2 --ffn 32 \
+        --out T.pt [--inputs IN.safetensors --key-padding ...]
+
 `mha` is a plain `torch.nn.MultiheadAttention(embed_dim, heads, dropout=0, batch_first=...)`,
 seeded. IN.safetensors holds its forward arguments by name, in the module's layout: `query`,
 `key`, `value` and, with --key-padding, a boolean `key_padding_mask (N, S)` (True = ignored; each
 sequence keeps at least one key). The state dict holds the module's parameters under PyTorch's
-names. `--time-eager N` prints, as JSON on stdout, the median milliseconds of N eager forward
+names. `transformer` is `torch.nn.Transformer(d_model, nhead, layers, layers, dim_feedforward,
+dropout=0, batch_first=...)` (post-norm, ReLU, with its final encoder and decoder norms), scripted
+only (tracing it would need keyword inputs); its inputs are `src (S, N, E)`, `tgt (T, N, E)` and,
+with --key-padding, `src_key_padding_mask (N, S)` and `tgt_key_padding_mask (N, T)`; it is
+called as a sequence-to-sequence model: `tgt_mask` causal, the source mask also the memory's.
+`--time-eager N` prints, as JSON on stdout, the median milliseconds of N eager forward
 calls on those inputs (the third column of the speed comparison, same threads as the caller).
 
     python python/export_torchscript.py load-state-dict mha --embed-dim 16 --heads 4 --state-dict SD.safetensors
@@ -57,6 +65,41 @@ def mha_inputs(args, dtype):
     return inputs
 
 
+def transformer_inputs(args, dtype):
+    g = torch.Generator().manual_seed(args.seed + 1)
+    e, n, t, s = args.embed_dim, args.batch, args.tgt_len, args.src_len
+
+    def rand(length):
+        shape = (n, length, e) if args.batch_first else (length, n, e)
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    inputs = {"src": rand(s), "tgt": rand(t)}
+    if args.key_padding:
+        for name, length in (("src_key_padding_mask", s), ("tgt_key_padding_mask", t)):
+            lengths = torch.randint(1, length + 1, (n,), generator=g)
+            inputs[name] = torch.arange(length)[None, :] >= lengths[:, None]
+    return inputs
+
+
+def transformer_call(module, inputs):
+    """nn.Transformer called as a seq2seq model: causal target mask, source mask on the memory."""
+    t = inputs["tgt"].shape[1 if module.batch_first else 0]
+    causal = torch.ones(t, t, dtype=torch.bool).triu(1)
+    pad = inputs.get("src_key_padding_mask")
+    return lambda: module(inputs["src"], inputs["tgt"], tgt_mask=causal, src_key_padding_mask=pad,
+                          tgt_key_padding_mask=inputs.get("tgt_key_padding_mask"), memory_key_padding_mask=pad)
+
+
+def build(args, dtype):
+    torch.manual_seed(args.seed)
+    if args.model == "mha":
+        module = torch.nn.MultiheadAttention(args.embed_dim, args.heads, dropout=0.0, batch_first=args.batch_first)
+    else:
+        module = torch.nn.Transformer(args.embed_dim, args.heads, args.layers, args.layers, args.ffn, dropout=0.0,
+                                      batch_first=args.batch_first)
+    return module.to(dtype).eval()
+
+
 def export(module, example, method, out):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -91,14 +134,17 @@ def load_state_dict(argv):
     from safetensors.torch import load_file
 
     p = argparse.ArgumentParser(prog="export_torchscript.py load-state-dict")
-    p.add_argument("model", choices=["mha"])
+    p.add_argument("model", choices=["mha", "transformer"])
     p.add_argument("--embed-dim", type=int, required=True)
     p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--ffn", type=int, default=32)
     p.add_argument("--state-dict", required=True)
     args = p.parse_args(argv)
     state = load_file(args.state_dict)
     dtype = next(iter(state.values())).dtype
-    module = torch.nn.MultiheadAttention(args.embed_dim, args.heads).to(dtype)
+    args.batch_first, args.seed = False, 0
+    module = build(args, dtype)
     try:
         module.load_state_dict(state, strict=True)
     except RuntimeError as e:
@@ -115,15 +161,18 @@ def main():
         return other_formats(p.parse_args(sys.argv[2:]).dir)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="model", required=True)
-    p = sub.add_parser("mha", help="torch.nn.MultiheadAttention")
-    p.add_argument("--embed-dim", type=int, required=True)
-    p.add_argument("--heads", type=int, required=True)
-    p.add_argument("--batch-first", action="store_true")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--tgt-len", type=int, default=5)
-    p.add_argument("--src-len", type=int, default=7)
-    p.add_argument("--key-padding", action="store_true")
+    sub.add_parser("mha", help="torch.nn.MultiheadAttention")
+    p = sub.add_parser("transformer", help="torch.nn.Transformer (scripted)")
+    p.add_argument("--layers", type=int, default=2, help="encoder and decoder layers")
+    p.add_argument("--ffn", type=int, default=32, help="dim_feedforward")
     for p in sub.choices.values():
+        p.add_argument("--embed-dim", type=int, required=True)
+        p.add_argument("--heads", type=int, required=True)
+        p.add_argument("--batch-first", action="store_true")
+        p.add_argument("--batch", type=int, default=2)
+        p.add_argument("--tgt-len", type=int, default=5)
+        p.add_argument("--src-len", type=int, default=7)
+        p.add_argument("--key-padding", action="store_true")
         p.add_argument("--out", required=True, help="TorchScript file to write")
         p.add_argument("--method", choices=["script", "trace"], default="script")
         p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -135,17 +184,23 @@ def main():
     dtype = DTYPES[args.dtype]
     if args.embed_dim % args.heads:
         sys.exit(f"error: --heads {args.heads} does not divide --embed-dim {args.embed_dim}")
-    torch.manual_seed(args.seed)
-    module = torch.nn.MultiheadAttention(args.embed_dim, args.heads, dropout=0.0, batch_first=args.batch_first).to(dtype).eval()
-    inputs = mha_inputs(args, dtype)
-    example = tuple(inputs[k] for k in ("query", "key", "value", "key_padding_mask") if k in inputs)
+    module = build(args, dtype)
+    if args.model == "mha":
+        inputs = mha_inputs(args, dtype)
+        example = tuple(inputs[k] for k in ("query", "key", "value", "key_padding_mask") if k in inputs)
+        call = lambda: module(*example)  # noqa: E731
+    else:
+        if args.method == "trace":
+            sys.exit("error: transformer is exported with --method script only")
+        inputs = transformer_inputs(args, dtype)
+        example, call = None, transformer_call(module, inputs)
     export(module, example, args.method, args.out)
     if args.state_dict:
         save_file({k: v.contiguous() for k, v in module.state_dict().items()}, args.state_dict)
     if args.inputs:
         save_file({k: v.contiguous() for k, v in inputs.items()}, args.inputs)
     if args.time_eager:
-        print(json.dumps({"eager_ms": median_ms(lambda: module(*example), args.time_eager), "threads": torch.get_num_threads()}))
+        print(json.dumps({"eager_ms": median_ms(call, args.time_eager), "threads": torch.get_num_threads()}))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ use anyhow::{bail, ensure, Context, Result};
 use clap::{Args, ValueEnum};
 use probattn::interop::{import_params, TorchScript};
 use probattn::{check_finite, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Variant};
+use probattn_models::transformer::{pytorch_name, Transformer, TransformerConfig};
 use serde::Serialize;
 use tch::{nn, Device, IValue, Kind, Tensor};
 
@@ -27,6 +28,8 @@ use crate::common::CommonArgs;
 pub enum NativeModel {
     /// `MultiHeadAttention`, for `torch.nn.MultiheadAttention` (and python/probattn_torch's).
     Mha,
+    /// The encoder-decoder `Transformer` (with final norms), for `torch.nn.Transformer`.
+    Transformer,
 }
 
 /// `--batch-first`.
@@ -136,78 +139,233 @@ fn difference(name: &str, reference: &Tensor, ours: &Tensor) -> Result<Differenc
     Ok(Difference { name: name.into(), max_abs_diff, max_rel_diff: if scale > 0.0 { max_abs_diff / scale } else { max_abs_diff } })
 }
 
-/// The forward arguments of an `nn.MultiheadAttention` call.
-struct MhaArgs {
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    key_padding_mask: Option<Tensor>,
+/// A TorchScript module and a native model with its weights, called on the same inputs.
+trait Pair {
+    /// The forward arguments that are differentiated (`query`, `key`, `value`; `src`, `tgt`).
+    fn inputs(&self) -> Vec<(&'static str, Tensor)>;
+    /// The module's named outputs on `xs` (the first is the one the backward pass weighs).
+    fn torchscript(&self, ts: &TorchScript, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>>;
+    /// The native model's, in the module's layout.
+    fn native(&self, xs: &[Tensor], batch_first: bool) -> Result<Vec<(&'static str, Tensor)>>;
+    /// Multiplies the first output of both sides before they are compared and weighed (1 where
+    /// a position counts); `None`: all count.
+    fn keep(&self, _batch_first: bool, _kind: Kind) -> Option<Tensor> {
+        None
+    }
 }
 
-impl MhaArgs {
-    fn read(args: &CompareArgs, embed_dim: i64, device: Device) -> Result<Self> {
-        let Some(path) = &args.inputs else {
-            tch::manual_seed(args.seed);
-            let (n, l, s, e) = (args.batch, args.tgt_len, args.src_len, embed_dim);
-            ensure!(n >= 1 && l >= 1 && s >= 1, "--batch, --tgt-len and --src-len must be at least 1");
-            let layout = |len: i64| if args.batch_first == BatchFirst::True { [n, len, e] } else { [len, n, e] };
-            let rand = |len| Tensor::randn(layout(len), (Kind::Float, device));
-            return Ok(Self { query: rand(l), key: rand(s), value: rand(s), key_padding_mask: None });
-        };
-        let mut tensors = probattn::io::read_safetensors(path).with_context(|| format!("--inputs {}", path.display()))?;
-        let known = ["query", "key", "value", "key_padding_mask"];
-        if let Some(other) = tensors.keys().find(|k| !known.contains(&k.as_str())) {
-            bail!("--inputs {}: unknown tensor '{other}' (an nn.MultiheadAttention call takes {})", path.display(), known.join(", "));
-        }
-        let mut take = |name: &str| tensors.remove(name).map(|t| t.to_device(device));
-        let need = |t: Option<Tensor>, name: &str| t.with_context(|| format!("--inputs {} has no '{name}'", path.display()));
-        let (query, key, value) = (need(take("query"), "query")?, need(take("key"), "key")?, need(take("value"), "value")?);
-        let key_padding_mask = take("key_padding_mask");
-        for (name, t) in [("query", &query), ("key", &key), ("value", &value)] {
-            ensure!(t.dim() == 3, "--inputs: {name} has shape {:?}; nn.MultiheadAttention takes (L, N, E) or, batch_first, (N, L, E)", t.size());
+/// `output · keep` when there is a mask.
+fn kept(t: &Tensor, keep: &Option<Tensor>) -> Tensor {
+    match keep {
+        Some(k) => t * k,
+        None => t.shallow_clone(),
+    }
+}
+
+/// Reads `--inputs` (every name in `known`; `required` ones must be there) or returns `None`.
+fn read_inputs(args: &CompareArgs, known: &[&str], required: &[&str], device: Device) -> Result<Option<std::collections::HashMap<String, Tensor>>> {
+    let Some(path) = &args.inputs else { return Ok(None) };
+    let tensors = probattn::io::read_safetensors(path).with_context(|| format!("--inputs {}", path.display()))?;
+    if let Some(other) = tensors.keys().find(|k| !known.contains(&k.as_str())) {
+        bail!("--inputs {}: unknown tensor '{other}' (the call takes {})", path.display(), known.join(", "));
+    }
+    for name in required {
+        ensure!(tensors.contains_key(*name), "--inputs {} has no '{name}'", path.display());
+    }
+    for (name, t) in &tensors {
+        if name.ends_with("_mask") {
+            ensure!(t.kind() == Kind::Bool, "--inputs: {name} is {:?}; it must be bool (true = ignored)", t.kind());
+            ensure!(t.dim() == 2, "--inputs: {name} has shape {:?}, not (N, S)", t.size());
+        } else {
+            ensure!(t.dim() == 3, "--inputs: {name} has shape {:?}; the module takes (L, N, E) or, batch_first, (N, L, E)", t.size());
             ensure!(t.is_floating_point(), "--inputs: {name} is {:?}, not a floating-point tensor", t.kind());
             check_finite(name, t)?;
         }
-        ensure!(key.size() == value.size(), "--inputs: key {:?} and value {:?} differ in shape", key.size(), value.size());
-        if let Some(m) = &key_padding_mask {
-            ensure!(m.kind() == Kind::Bool, "--inputs: key_padding_mask is {:?}; it must be bool (true = ignored)", m.kind());
-            ensure!(m.dim() == 2, "--inputs: key_padding_mask has shape {:?}, not (N, S)", m.size());
-        }
-        Ok(Self { query, key, value, key_padding_mask })
     }
+    Ok(Some(tensors.into_iter().map(|(n, t)| (n, t.to_device(device))).collect()))
+}
 
-    fn to_kind(&mut self, kind: Kind) {
-        for t in [&mut self.query, &mut self.key, &mut self.value] {
-            *t = t.to_kind(kind);
-        }
-    }
+/// Random `(len, N, E)` (or batch-first) inputs from `--seed`.
+fn random_input(args: &CompareArgs, len: i64, embed_dim: i64, device: Device) -> Tensor {
+    let shape = if args.batch_first == BatchFirst::True { [args.batch, len, embed_dim] } else { [len, args.batch, embed_dim] };
+    Tensor::randn(shape, (Kind::Float, device))
+}
 
-    fn ivalues(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Vec<IValue> {
-        let mut inputs = vec![IValue::Tensor(q.shallow_clone()), IValue::Tensor(k.shallow_clone()), IValue::Tensor(v.shallow_clone())];
-        if let Some(m) = &self.key_padding_mask {
-            inputs.push(IValue::Tensor(m.shallow_clone()));
-        }
-        inputs
+fn layout(t: &Tensor, batch_first: bool) -> Tensor {
+    if batch_first {
+        t.shallow_clone()
+    } else {
+        t.transpose(0, 1)
     }
 }
 
-/// The native side: (output in the module's layout, weights averaged over heads `(N, L, S)`).
-fn native_mha(mha: &MultiHeadAttention, a: &MhaArgs, q: &Tensor, k: &Tensor, v: &Tensor, batch_first: bool) -> Result<(Tensor, Tensor)> {
-    let to_bf = |t: &Tensor| if batch_first { t.shallow_clone() } else { t.transpose(0, 1) };
-    let (q, k, v) = (to_bf(q), to_bf(k), to_bf(v));
-    let masks = Masks { key_padding: a.key_padding_mask.as_ref(), ..Default::default() };
-    let input = MhaInput::new(&q, &k, &v).with_masks(masks).with_weights();
-    let out = mha.forward_mode(&input, Mode::EVAL)?;
-    let weights = out.weights.context("the native model returned no weights")?.mean_dim(1, false, None);
-    Ok((to_bf(&out.context), weights))
+fn tensor_inputs(xs: &[Tensor], extra: impl IntoIterator<Item = IValue>) -> Vec<IValue> {
+    xs.iter().map(|t| IValue::Tensor(t.shallow_clone())).chain(extra).collect()
 }
 
-/// The TorchScript side: (output, weights when returned).
-fn torchscript_mha(ts: &TorchScript, a: &MhaArgs, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
-    let outs = ts.forward_tensors(&a.ivalues(q, k, v))?;
-    let mut it = outs.into_iter();
-    let (_, output) = it.next().context("the TorchScript module returned no tensor")?;
-    Ok((output, it.next().map(|(_, w)| w)))
+/// `torch.nn.MultiheadAttention` and [`MultiHeadAttention`].
+struct MhaPair {
+    mha: MultiHeadAttention,
+    inputs: [Tensor; 3],
+    key_padding_mask: Option<Tensor>,
+}
+
+impl Pair for MhaPair {
+    fn inputs(&self) -> Vec<(&'static str, Tensor)> {
+        ["query", "key", "value"].into_iter().zip(self.inputs.iter().map(Tensor::shallow_clone)).collect()
+    }
+
+    fn torchscript(&self, ts: &TorchScript, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
+        let outs = ts.forward_tensors(&tensor_inputs(xs, self.key_padding_mask.as_ref().map(|m| IValue::Tensor(m.shallow_clone()))))?;
+        Ok(["output", "weights"].into_iter().zip(outs.into_iter().map(|(_, t)| t)).collect())
+    }
+
+    fn native(&self, xs: &[Tensor], batch_first: bool) -> Result<Vec<(&'static str, Tensor)>> {
+        let (q, k, v) = (layout(&xs[0], batch_first), layout(&xs[1], batch_first), layout(&xs[2], batch_first));
+        let masks = Masks { key_padding: self.key_padding_mask.as_ref(), ..Default::default() };
+        let out = self.mha.forward_mode(&MhaInput::new(&q, &k, &v).with_masks(masks).with_weights(), Mode::EVAL)?;
+        // PyTorch averages the weights over heads (average_attn_weights=True).
+        let weights = out.weights.context("the native model returned no weights")?.mean_dim(1, false, None);
+        Ok(vec![("output", layout(&out.context, batch_first)), ("weights", weights)])
+    }
+}
+
+fn mha_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, device: Device) -> Result<MhaPair> {
+    let shape_of = |name: &str| params.iter().find(|(n, _)| n == name).map(|(_, t)| t.size());
+    let (embed_dim, kdim, vdim) = match (shape_of("in_proj_weight"), shape_of("q_proj_weight"), shape_of("k_proj_weight"), shape_of("v_proj_weight")) {
+        (Some(w), _, _, _) => (w[1], None, None),
+        (None, Some(q), Some(k), Some(v)) => (q[0], Some(k[1]), Some(v[1])),
+        _ => bail!(
+            "{}: no in_proj_weight (or q/k/v_proj_weight) among its parameters ({}): not an nn.MultiheadAttention",
+            args.torchscript.display(),
+            params.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
+        ),
+    };
+    let heads = args.heads.context("--native mha needs --heads (the head count is not stored in the weights)")?;
+    ensure!(heads >= 1 && embed_dim % heads == 0, "--heads {heads} does not divide the module's embed_dim {embed_dim}");
+    let mut cfg = MhaConfig::new(embed_dim, heads).with_variant(args.variant);
+    cfg.kdim = kdim;
+    cfg.vdim = vdim;
+    cfg.bias = params.iter().any(|(n, _)| n == "in_proj_bias");
+    let mha = MultiHeadAttention::new(&vs.root(), cfg)?;
+    let known = ["query", "key", "value", "key_padding_mask"];
+    let (inputs, key_padding_mask) = match read_inputs(args, &known, &known[..3], device)? {
+        Some(mut t) => {
+            let mut take = |n: &str| t.remove(n).context(n.to_string());
+            ([take("query")?, take("key")?, take("value")?], t.remove("key_padding_mask"))
+        }
+        None => {
+            let (l, s) = (args.tgt_len, args.src_len);
+            ([random_input(args, l, embed_dim, device), random_input(args, s, kdim.unwrap_or(embed_dim), device), random_input(args, s, vdim.unwrap_or(embed_dim), device)], None)
+        }
+    };
+    ensure!(inputs[0].size()[2] == embed_dim, "--inputs: query has {} features, the module's embed_dim is {embed_dim}", inputs[0].size()[2]);
+    ensure!(inputs[1].size()[..2] == inputs[2].size()[..2], "--inputs: key {:?} and value {:?} differ in length or batch", inputs[1].size(), inputs[2].size());
+    Ok(MhaPair { mha, inputs, key_padding_mask })
+}
+
+/// `torch.nn.Transformer` (post-norm, ReLU, with its final norms) and the native [`Transformer`]
+/// (`final_norm`), called as a sequence-to-sequence model is: `tgt_mask` causal, the source's
+/// key padding mask also the memory's. Only the target positions that are not padding are
+/// compared (our padded query rows are zero; PyTorch's are whatever they attend to, and nothing
+/// flows from them into real positions), and the backward pass weighs only those.
+struct TransformerPair {
+    model: Transformer,
+    inputs: [Tensor; 2],
+    src_pad: Option<Tensor>,
+    tgt_pad: Option<Tensor>,
+    /// The reading of the module's call that worked (time-first or batch-first), once known.
+    reading: std::cell::Cell<Option<bool>>,
+}
+
+impl Pair for TransformerPair {
+    /// The target padding mask `(N, T)`, in the module's layout, 1 where the position is real.
+    fn keep(&self, batch_first: bool, kind: Kind) -> Option<Tensor> {
+        self.tgt_pad.as_ref().map(|p| layout(&p.logical_not().to_kind(kind), batch_first).unsqueeze(-1))
+    }
+
+    fn inputs(&self) -> Vec<(&'static str, Tensor)> {
+        ["src", "tgt"].into_iter().zip(self.inputs.iter().map(Tensor::shallow_clone)).collect()
+    }
+
+    fn torchscript(&self, ts: &TorchScript, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
+        // Which dimension is time cannot be told from nn.Transformer's call either: the causal
+        // mask is square in the target length, so try the time-first reading, then batch-first
+        // (when N = T both give the same mask), and keep the one that worked.
+        let mut last = None;
+        let readings = match self.reading.get() {
+            Some(bf) => vec![bf],
+            None => vec![false, true],
+        };
+        for batch_first in readings {
+            let t = xs[1].size()[if batch_first { 1 } else { 0 }];
+            let causal = Tensor::ones([t, t], (Kind::Bool, xs[1].device())).triu(1);
+            let opt = |m: &Option<Tensor>| m.as_ref().map_or(IValue::None, |m| IValue::Tensor(m.shallow_clone()));
+            let extra = [IValue::None, IValue::Tensor(causal), IValue::None, opt(&self.src_pad), opt(&self.tgt_pad), opt(&self.src_pad)];
+            match ts.forward_tensors(&tensor_inputs(xs, extra)) {
+                Ok(outs) => {
+                    self.reading.set(Some(batch_first));
+                    return Ok(vec![("output", outs.into_iter().next().context("the TorchScript module returned no tensor")?.1)]);
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.map_or_else(|| anyhow::anyhow!("no call"), anyhow::Error::from))
+    }
+
+    fn native(&self, xs: &[Tensor], batch_first: bool) -> Result<Vec<(&'static str, Tensor)>> {
+        let (src, tgt) = (layout(&xs[0], batch_first), layout(&xs[1], batch_first));
+        let out = self.model.forward_t(&src, self.src_pad.as_ref(), &tgt, self.tgt_pad.as_ref(), false)?.output;
+        Ok(vec![("output", layout(&out, batch_first))])
+    }
+}
+
+fn transformer_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, device: Device) -> Result<TransformerPair> {
+    let count = |side: &str| (0..).take_while(|i| params.iter().any(|(n, _)| n.starts_with(&format!("{side}.layers.{i}.")))).count();
+    let (encoder_layers, decoder_layers) = (count("encoder"), count("decoder"));
+    let linear1 = params.iter().find(|(n, _)| n == "encoder.layers.0.linear1.weight").map(|(_, t)| t.size());
+    let Some([ffn_dim, embed_dim]) = linear1.as_deref().map(|s| [s[0], s[1]]) else {
+        bail!(
+            "{}: no encoder.layers.0.linear1.weight among its parameters ({} ...): not an nn.Transformer",
+            args.torchscript.display(),
+            params.iter().take(6).map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
+        );
+    };
+    ensure!(decoder_layers > 0, "{}: no decoder.layers.*: --native transformer takes an encoder-decoder nn.Transformer", args.torchscript.display());
+    let heads = args.heads.context("--native transformer needs --heads (the head count is not stored in the weights)")?;
+    ensure!(heads >= 1 && embed_dim % heads == 0, "--heads {heads} does not divide the module's d_model {embed_dim}");
+    let cfg = TransformerConfig {
+        encoder_layers,
+        decoder_layers,
+        embed_dim,
+        heads,
+        ffn_dim,
+        dropout: 0.0,
+        attention_dropout: 0.0,
+        variant: args.variant,
+        final_norm: params.iter().any(|(n, _)| n == "encoder.norm.weight"),
+        ..TransformerConfig::iwslt()
+    };
+    let model = Transformer::new(&vs.root(), cfg)?;
+    let known = ["src", "tgt", "src_key_padding_mask", "tgt_key_padding_mask"];
+    let (inputs, src_pad, tgt_pad) = match read_inputs(args, &known, &known[..2], device)? {
+        Some(mut t) => {
+            let mut take = |n: &str| t.remove(n).context(n.to_string());
+            ([take("src")?, take("tgt")?], t.remove("src_key_padding_mask"), t.remove("tgt_key_padding_mask"))
+        }
+        None => ([random_input(args, args.src_len, embed_dim, device), random_input(args, args.tgt_len, embed_dim, device)], None, None),
+    };
+    for x in &inputs {
+        ensure!(x.size()[2] == embed_dim, "--inputs: src and tgt need {embed_dim} features (the module's d_model), got {:?}", x.size());
+    }
+    Ok(TransformerPair { model, inputs, src_pad, tgt_pad, reading: std::cell::Cell::new(None) })
+}
+
+/// Our name of an `nn.Transformer` parameter (names without one pass through unchanged, so the
+/// import reports them as unexpected).
+fn transformer_renamer(vs: &nn::VarStore) -> impl Fn(&str) -> Option<String> {
+    let ours: std::collections::HashMap<String, String> = vs.variables().into_keys().filter_map(|n| pytorch_name(&n).map(|p| (p, n))).collect();
+    move |pt: &str| Some(ours.get(pt).cloned().unwrap_or_else(|| pt.to_string()))
 }
 
 /// Median milliseconds of `repeats` calls of `f` after three warm-ups, synchronizing CUDA.
@@ -232,32 +390,34 @@ fn median_ms(device: Device, repeats: u32, mut f: impl FnMut() -> Result<()>) ->
     Ok(times[times.len() / 2])
 }
 
-fn compare_mha(args: &CompareArgs, device: Device) -> Result<Comparison> {
+fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
     let mut ts = TorchScript::load(&args.torchscript, device)?;
-    let params = ts.named_parameters()?;
-    let shape_of = |name: &str| params.iter().find(|(n, _)| n == name).map(|(_, t)| t.size());
-    let (embed_dim, kdim, vdim) = match (shape_of("in_proj_weight"), shape_of("q_proj_weight"), shape_of("k_proj_weight"), shape_of("v_proj_weight")) {
-        (Some(w), _, _, _) => (w[1], None, None),
-        (None, Some(q), Some(k), Some(v)) => (q[0], Some(k[1]), Some(v[1])),
-        _ => bail!(
-            "{}: no in_proj_weight (or q/k/v_proj_weight) among its parameters ({}): not an nn.MultiheadAttention",
-            args.torchscript.display(),
-            params.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
-        ),
+    let saved = ts.named_parameters()?;
+    let mut vs = nn::VarStore::new(device);
+    if args.inputs.is_none() {
+        tch::manual_seed(args.seed);
+    }
+    let pair: Box<dyn Pair> = match args.native {
+        NativeModel::Mha => Box::new(mha_pair(args, &saved, &vs, device)?),
+        NativeModel::Transformer => Box::new(transformer_pair(args, &saved, &vs, device)?),
     };
-    let heads = args.heads.context("--native mha needs --heads (the head count is not stored in the weights)")?;
-    ensure!(heads >= 1 && embed_dim % heads == 0, "--heads {heads} does not divide the module's embed_dim {embed_dim}");
-    let mut a = MhaArgs::read(args, embed_dim, device)?;
-    ensure!(a.query.size()[2] == embed_dim, "--inputs: query has {} features, the module's embed_dim is {embed_dim}", a.query.size()[2]);
+    let saved_kind = saved.first().map_or(Kind::Float, |(_, t)| t.kind());
     let kind = match args.dtype {
-        DType::Inputs => a.query.kind(),
+        DType::Inputs => pair.inputs()[0].1.kind(),
         DType::Float32 => Kind::Float,
         DType::Float64 => Kind::Double,
     };
-    let saved_kind = params.iter().map(|(_, t)| t.kind()).next().unwrap_or(kind);
-    a.to_kind(kind);
     ts.to_kind(kind);
+    if kind == Kind::Double {
+        vs.double();
+    }
     let params = ts.named_parameters()?;
+    match args.native {
+        NativeModel::Mha => import_params(&vs, &params, |n| Some(n.to_string()), false),
+        NativeModel::Transformer => import_params(&vs, &params, transformer_renamer(&vs), false),
+    }
+    .context("loading the module's weights into the native model")?;
+    let xs: Vec<Tensor> = pair.inputs().into_iter().map(|(_, t)| t.to_kind(kind)).collect();
     let recast = |e: anyhow::Error| {
         if saved_kind == kind {
             e
@@ -268,70 +428,61 @@ fn compare_mha(args: &CompareArgs, device: Device) -> Result<Comparison> {
         }
     };
 
-    let mut vs = nn::VarStore::new(device);
-    let mut cfg = MhaConfig::new(embed_dim, heads).with_variant(args.variant);
-    cfg.kdim = kdim;
-    cfg.vdim = vdim;
-    cfg.bias = params.iter().any(|(n, _)| n == "in_proj_bias");
-    let mha = MultiHeadAttention::new(&vs.root(), cfg)?;
-    if kind == Kind::Double {
-        vs.double();
-    }
-    import_params(&vs, &params, |n| Some(n.to_string()), false).context("loading the module's weights into the native model")?;
-
-    // Forward: find the layout, then compare outputs and weights.
-    let (q, k, v) = (&a.query, &a.key, &a.value);
-    let (ts_out, ts_weights) = tch::no_grad(|| torchscript_mha(&ts, &a, q, k, v)).map_err(recast)?;
+    // Forward: find the layout, then compare every output.
+    let reference = tch::no_grad(|| pair.torchscript(&ts, &xs)).map_err(recast)?;
     let candidates: Vec<bool> = match args.batch_first {
         BatchFirst::Auto => vec![false, true],
         BatchFirst::True => vec![true],
         BatchFirst::False => vec![false],
     };
-    let mut best: Option<(bool, f64, Tensor, Tensor)> = None;
+    let mut best: Option<(bool, f64, Vec<(&str, Tensor)>)> = None;
     for bf in candidates {
-        let Ok((out, w)) = tch::no_grad(|| native_mha(&mha, &a, q, k, v, bf)) else { continue };
-        if out.size() != ts_out.size() {
+        let Ok(ours) = tch::no_grad(|| pair.native(&xs, bf)) else { continue };
+        if ours[0].1.size() != reference[0].1.size() {
             continue;
         }
-        let d = difference("output", &ts_out, &out)?.max_abs_diff;
+        let keep = pair.keep(bf, kind);
+        let d = difference("output", &kept(&reference[0].1, &keep), &kept(&ours[0].1, &keep))?.max_abs_diff;
         if best.as_ref().map_or(true, |b| d < b.1) {
-            best = Some((bf, d, out, w));
+            best = Some((bf, d, ours));
         }
     }
-    let (batch_first, _, out, weights) = best.with_context(|| format!("the native model's output never has the module's shape {:?}", ts_out.size()))?;
-    let mut outputs = vec![difference("output", &ts_out, &out)?];
-    if let Some(w) = &ts_weights {
-        outputs.push(difference("weights", w, &weights)?);
+    let (batch_first, _, ours) = best.with_context(|| format!("the native model's output never has the module's shape {:?}", reference[0].1.size()))?;
+    let keep = pair.keep(batch_first, kind);
+    let mut outputs = vec![];
+    for (i, ((name, r), (_, o))) in reference.iter().zip(&ours).enumerate() {
+        outputs.push(if i == 0 { difference(name, &kept(r, &keep), &kept(o, &keep))? } else { difference(name, r, o)? });
     }
 
     if args.backward {
         tch::manual_seed(args.seed + 1);
-        let g = Tensor::randn(ts_out.size(), (kind, device));
-        let leaf = |t: &Tensor| t.detach().set_requires_grad(true);
-        let (tq, tk, tv) = (leaf(q), leaf(k), leaf(v));
-        let (o, _) = torchscript_mha(&ts, &a, &tq, &tk, &tv)?;
-        (o * &g).sum(Kind::Double).backward();
-        let (nq, nk, nv) = (leaf(q), leaf(k), leaf(v));
-        let (o, _) = native_mha(&mha, &a, &nq, &nk, &nv, batch_first)?;
-        (o * &g).sum(Kind::Double).backward();
-        for (name, t, n) in [("query", &tq, &nq), ("key", &tk, &nk), ("value", &tv, &nv)] {
-            outputs.push(difference(&format!("grad.{name}"), &t.grad(), &n.grad())?);
+        let g = Tensor::randn(reference[0].1.size(), (kind, device));
+        let leaves = || -> Vec<Tensor> { xs.iter().map(|t| t.detach().set_requires_grad(true)).collect() };
+        let (ts_x, our_x) = (leaves(), leaves());
+        (kept(&pair.torchscript(&ts, &ts_x)?[0].1, &keep) * &g).sum(Kind::Double).backward();
+        (kept(&pair.native(&our_x, batch_first)?[0].1, &keep) * &g).sum(Kind::Double).backward();
+        for (((name, _), t), o) in pair.inputs().iter().zip(&ts_x).zip(&our_x) {
+            outputs.push(difference(&format!("grad.{name}"), &t.grad(), &o.grad())?);
         }
+        let rename: Box<dyn Fn(&str) -> Option<String>> = match args.native {
+            NativeModel::Mha => Box::new(|n: &str| Some(n.to_string())),
+            NativeModel::Transformer => Box::new(transformer_renamer(&vs)),
+        };
         let native: std::collections::HashMap<String, Tensor> = vs.variables().into_iter().collect();
         for (name, p) in &params {
-            let ours = native.get(name).with_context(|| format!("no native parameter {name}"))?;
+            let ours = rename(name).and_then(|n| native.get(&n)).with_context(|| format!("no native parameter for {name}"))?;
             ensure!(p.grad().defined(), "the TorchScript module's {name} got no gradient (saved without requires_grad?)");
             outputs.push(difference(&format!("grad.{name}"), &p.grad(), &ours.grad())?);
         }
     }
 
-    let torchscript_ms = tch::no_grad(|| median_ms(device, args.repeats, || torchscript_mha(&ts, &a, q, k, v).map(drop)))?;
-    let native_ms = tch::no_grad(|| median_ms(device, args.repeats, || native_mha(&mha, &a, q, k, v, batch_first).map(drop)))?;
+    let torchscript_ms = tch::no_grad(|| median_ms(device, args.repeats, || pair.torchscript(&ts, &xs).map(drop)))?;
+    let native_ms = tch::no_grad(|| median_ms(device, args.repeats, || pair.native(&xs, batch_first).map(drop)))?;
     Ok(Comparison {
         outputs,
         torchscript_ms,
         native_ms,
-        native: "mha".into(),
+        native: format!("{:?}", args.native).to_lowercase(),
         variant: args.variant.to_string(),
         batch_first,
         dtype: format!("{kind:?}").to_lowercase(),
@@ -343,9 +494,7 @@ fn compare_mha(args: &CompareArgs, device: Device) -> Result<Comparison> {
 
 pub fn run(args: &CompareArgs) -> Result<()> {
     let device = args.common.setup()?;
-    let c = match args.native {
-        NativeModel::Mha => compare_mha(args, device)?,
-    };
+    let c = compare(args, device)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&c)?);
         return Ok(());

@@ -21,13 +21,21 @@ fn text(out: &Output) -> String {
 
 /// Exports nn.MultiheadAttention(16, 4) with `extra` flags; returns (module, inputs) paths.
 fn export(tmp: &TempDir, tag: &str, extra: &[&str]) -> Result<(String, String)> {
+    export_model("mha", tmp, tag, extra)
+}
+
+fn export_model(model: &str, tmp: &TempDir, tag: &str, extra: &[&str]) -> Result<(String, String)> {
     let (m, i) = (tmp.path(&format!("{tag}.pt")).to_string_lossy().to_string(), tmp.path(&format!("{tag}.safetensors")).to_string_lossy().to_string());
-    run_python("export_torchscript.py", &[&["mha", "--embed-dim", "16", "--heads", "4", "--out", &m, "--inputs", &i][..], extra].concat())?;
+    run_python("export_torchscript.py", &[&[model, "--embed-dim", "16", "--heads", "4", "--out", &m, "--inputs", &i][..], extra].concat())?;
     Ok((m, i))
 }
 
 fn compare(module: &str, inputs: &str, extra: &[&str]) -> Result<serde_json::Value> {
-    let o = probattn(&[&["compare", "--torchscript", module, "--native", "mha", "--heads", "4", "--inputs", inputs, "--json", "--threads", "1", "--repeats", "3"][..], extra].concat())?;
+    compare_native("mha", module, inputs, extra)
+}
+
+fn compare_native(native: &str, module: &str, inputs: &str, extra: &[&str]) -> Result<serde_json::Value> {
+    let o = probattn(&[&["compare", "--torchscript", module, "--native", native, "--heads", "4", "--inputs", inputs, "--json", "--threads", "1", "--repeats", "3"][..], extra].concat())?;
     ensure!(o.status.success(), "{}", text(&o));
     serde_json::from_slice(&o.stdout).with_context(|| text(&o))
 }
@@ -62,6 +70,38 @@ fn multihead_attention_agrees_forward_and_backward() -> Result<()> {
     ensure!(o.status.success(), "{}", text(&o));
     let (rel, _) = worst(&serde_json::from_slice(&o.stdout)?)?;
     ensure!(rel > 1e-3, "--heads 2 against a 4-head module agreed to {rel}");
+    Ok(())
+}
+
+#[test]
+fn nn_transformer_agrees_and_its_weights_go_both_ways() -> Result<()> {
+    use probattn::interop::export_params;
+    use probattn_models::transformer::{pytorch_name, Transformer, TransformerConfig};
+
+    let tmp = TempDir::new("compare-transformer")?;
+    // float64, time-first, padded sources and targets: every output and gradient.
+    let (m, i) = export_model("transformer", &tmp, "f64", &["--dtype", "float64", "--key-padding", "--layers", "2", "--ffn", "32"])?;
+    let json = compare_native("transformer", &m, &i, &["--backward"])?;
+    let (rel, n) = worst(&json)?;
+    // output, grad.src, grad.tgt, and the 64 parameters of 2+2 layers with final norms.
+    ensure!(n == 3 + 64, "{n} compared tensors: {json}");
+    ensure!(rel <= 1e-12, "float64 differs by {rel}: {json}");
+    // float32, batch-first (PyTorch's nested-tensor encoder path), other lengths.
+    let (m, i) = export_model("transformer", &tmp, "f32", &["--batch-first", "--key-padding", "--batch", "3", "--tgt-len", "6", "--src-len", "4"])?;
+    let json = compare_native("transformer", &m, &i, &["--backward"])?;
+    let (rel, _) = worst(&json)?;
+    ensure!(rel <= 1e-5 && json["batch_first"] == true, "float32 differs by {rel}: {json}");
+    // With DNAS in our encoder the same weights give another model, and the table says so.
+    let json = compare_native("transformer", &m, &i, &["--variant", "dnas"])?;
+    ensure!(worst(&json)?.0 > 1e-3 && json["variant"] == "dnas", "{json}");
+
+    // Our Transformer's weights (with final norms) load into nn.Transformer strictly.
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let cfg = TransformerConfig { encoder_layers: 2, decoder_layers: 2, embed_dim: 16, heads: 4, ffn_dim: 32, final_norm: true, ..TransformerConfig::iwslt() };
+    Transformer::new(&vs.root(), cfg)?;
+    let out = tmp.path("ours.safetensors");
+    export_params(&vs, &out, |n| pytorch_name(n).unwrap_or_else(|| n.to_string()))?;
+    run_python("export_torchscript.py", &["load-state-dict", "transformer", "--embed-dim", "16", "--heads", "4", "--layers", "2", "--ffn", "32", "--state-dict", &out.to_string_lossy()])?;
     Ok(())
 }
 

@@ -12,6 +12,37 @@ use serde::{Deserialize, Serialize};
 use tch::nn::{self, Module};
 use tch::Tensor;
 
+/// `torch.nn.Transformer`'s state-dict name of one of our parameters: `encoder.I.` is
+/// `encoder.layers.I.`, `encoder_attn` is `multihead_attn`, `fc1`/`fc2` are `linear1`/`linear2`,
+/// the layer norms are `norm1`..`norm3` in order, `encoder_norm`/`decoder_norm` are
+/// `encoder.norm`/`decoder.norm`. `None` for a parameter nn.Transformer does not have (HNAS's
+/// `hybrid_logit`, BAM's prior).
+pub fn pytorch_name(ours: &str) -> Option<String> {
+    if let Some(rest) = ours.strip_prefix("encoder_norm.") {
+        return Some(format!("encoder.norm.{rest}"));
+    }
+    if let Some(rest) = ours.strip_prefix("decoder_norm.") {
+        return Some(format!("decoder.norm.{rest}"));
+    }
+    let (side, rest) = ours.split_once('.')?;
+    let (layer, rest) = rest.split_once('.')?;
+    layer.parse::<usize>().ok()?;
+    let (module, param) = rest.split_once('.')?;
+    let module = match (side, module) {
+        (_, "self_attn") => "self_attn",
+        ("decoder", "encoder_attn") => "multihead_attn",
+        (_, "fc1") => "linear1",
+        (_, "fc2") => "linear2",
+        (_, "self_attn_layer_norm") => "norm1",
+        ("encoder", "final_layer_norm") => "norm2",
+        ("decoder", "encoder_attn_layer_norm") => "norm2",
+        ("decoder", "final_layer_norm") => "norm3",
+        _ => return None,
+    };
+    let known = matches!(param, "weight" | "bias" | "in_proj_weight" | "in_proj_bias" | "out_proj.weight" | "out_proj.bias");
+    (matches!(side, "encoder" | "decoder") && known).then(|| format!("{side}.layers.{layer}.{module}.{param}"))
+}
+
 /// Sizes and regularization of the stack.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -36,6 +67,11 @@ pub struct TransformerConfig {
     pub decoder_self_variant: Variant,
     #[serde(default)]
     pub normalizer: NormalizerConfig,
+    /// A LayerNorm after the last encoder layer and one after the last decoder layer, as
+    /// `torch.nn.Transformer` has (`encoder.norm`, `decoder.norm`); fairseq's post-norm model
+    /// has none (default false, and then left out of the JSON).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub final_norm: bool,
 }
 
 impl TransformerConfig {
@@ -53,6 +89,7 @@ impl TransformerConfig {
             variant: Variant::Softmax,
             decoder_self_variant: Variant::Softmax,
             normalizer: NormalizerConfig::default(),
+            final_norm: false,
         }
     }
 
@@ -128,6 +165,8 @@ pub struct Transformer {
     cfg: TransformerConfig,
     pub encoder: Vec<EncoderLayer>,
     pub decoder: Vec<DecoderLayer>,
+    /// `encoder_norm` and `decoder_norm` with [`TransformerConfig::final_norm`].
+    final_norms: Option<(nn::LayerNorm, nn::LayerNorm)>,
 }
 
 /// The cached keys and values of incremental decoding, per decoder layer, `(B, H, S, d_h)`.
@@ -197,7 +236,8 @@ impl Transformer {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { cfg, encoder, decoder })
+        let final_norms = cfg.final_norm.then(|| (layer_norm(p / "encoder_norm", e), layer_norm(p / "decoder_norm", e)));
+        Ok(Self { cfg, encoder, decoder, final_norms })
     }
 
     pub fn config(&self) -> &TransformerConfig {
@@ -245,7 +285,10 @@ impl Transformer {
             x = (&x + a.context.dropout(p, train)).apply(&layer.norm1);
             x = (&x + layer.ffn.forward(&x).dropout(p, train)).apply(&layer.norm2);
         }
-        Ok(x)
+        Ok(match &self.final_norms {
+            Some((norm, _)) => x.apply(norm),
+            None => x,
+        })
     }
 
     /// The decoder over a whole target prefix (teacher forcing): `tgt (B, T, E)` → `(B, T, E)`.
@@ -263,7 +306,14 @@ impl Transformer {
             y = (&y + c.context.dropout(p, train)).apply(&layer.norm2);
             y = (&y + layer.ffn.forward(&y).dropout(p, train)).apply(&layer.norm3);
         }
-        Ok(y)
+        Ok(self.decoder_norm(y))
+    }
+
+    fn decoder_norm(&self, y: Tensor) -> Tensor {
+        match &self.final_norms {
+            Some((_, norm)) => y.apply(norm),
+            None => y,
+        }
     }
 
     /// An empty incremental-decoding state for `memory (B, S, E)`: the cross-attention keys and
@@ -295,7 +345,7 @@ impl Transformer {
             y = (&y + c.context).apply(&layer.norm2);
             y = (&y + layer.ffn.forward(&y)).apply(&layer.norm3);
         }
-        Ok(y)
+        Ok(self.decoder_norm(y))
     }
 
     /// Registers every attention module with the repulsive hook (its selection decides which
@@ -308,5 +358,26 @@ impl Transformer {
             hook.add_attention(&format!("decoder.{i}.self_attn"), &layer.self_attn, ModuleKind::DecoderSelf, i);
             hook.add_attention(&format!("decoder.{i}.encoder_attn"), &layer.cross_attn, ModuleKind::Cross, i);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_parameter_has_one_nn_transformer_name() {
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let cfg = TransformerConfig { encoder_layers: 2, decoder_layers: 3, embed_dim: 8, heads: 2, ffn_dim: 16, final_norm: true, ..TransformerConfig::iwslt() };
+        Transformer::new(&vs.root(), cfg).unwrap();
+        let names: Vec<String> = vs.variables().into_keys().map(|n| pytorch_name(&n).unwrap_or_else(|| panic!("{n} has no PyTorch name"))).collect();
+        let unique: std::collections::BTreeSet<&String> = names.iter().collect();
+        assert_eq!(unique.len(), names.len(), "two parameters share a PyTorch name: {names:?}");
+        assert!(unique.contains(&"decoder.layers.2.multihead_attn.out_proj.bias".to_string()));
+        assert!(unique.contains(&"encoder.layers.1.norm2.weight".to_string()));
+        assert!(unique.contains(&"decoder.norm.bias".to_string()));
+        // 2 encoder layers x 12 + 3 decoder layers x 18 + 2 final norms x 2.
+        assert_eq!(names.len(), 2 * 12 + 3 * 18 + 4);
+        assert_eq!(pytorch_name("encoder.0.self_attn.hybrid_logit"), None);
     }
 }
