@@ -9,11 +9,15 @@
     python python/export_torchscript.py transformer --embed-dim 16 --heads 4 --layers 2 --ffn 32 \
         --out T.pt [--inputs IN.safetensors --key-padding ...]
 
+    python python/export_torchscript.py probattn-mha --variant dnas --embed-dim 16 --heads 4 --out P.pt ...
+
 `mha` is a plain `torch.nn.MultiheadAttention(embed_dim, heads, dropout=0, batch_first=...)`,
 seeded. IN.safetensors holds its forward arguments by name, in the module's layout: `query`,
 `key`, `value` and, with --key-padding, a boolean `key_padding_mask (N, S)` (True = ignored; each
 sequence keeps at least one key). The state dict holds the module's parameters under PyTorch's
-names. `transformer` is `torch.nn.Transformer(d_model, nhead, layers, layers, dim_feedforward,
+names. `probattn-mha` is python/probattn_torch's drop-in with `--variant softmax|dnas|hnas|
+sinkhorn-N` (HNAS's gate logits drawn from the seed, so u is not 0.5), same inputs as `mha`.
+`transformer` is `torch.nn.Transformer(d_model, nhead, layers, layers, dim_feedforward,
 dropout=0, batch_first=...)` (post-norm, ReLU, with its final encoder and decoder norms), scripted
 only (tracing it would need keyword inputs); its inputs are `src (S, N, E)`, `tgt (T, N, E)` and,
 with --key-padding, `src_key_padding_mask (N, S)` and `tgt_key_padding_mask (N, T)`; it is
@@ -94,6 +98,16 @@ def build(args, dtype):
     torch.manual_seed(args.seed)
     if args.model == "mha":
         module = torch.nn.MultiheadAttention(args.embed_dim, args.heads, dropout=0.0, batch_first=args.batch_first)
+    elif args.model == "probattn-mha":
+        import os
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from probattn_torch import MultiheadAttention
+
+        module = MultiheadAttention(args.embed_dim, args.heads, variant=args.variant, batch_first=args.batch_first)
+        if module.hybrid_logit is not None:
+            with torch.no_grad():
+                module.hybrid_logit.copy_(torch.randn(args.heads))
     else:
         module = torch.nn.Transformer(args.embed_dim, args.heads, args.layers, args.layers, args.ffn, dropout=0.0,
                                       batch_first=args.batch_first)
@@ -162,6 +176,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="model", required=True)
     sub.add_parser("mha", help="torch.nn.MultiheadAttention")
+    p = sub.add_parser("probattn-mha", help="python/probattn_torch.MultiheadAttention")
+    p.add_argument("--variant", default="dnas", help="softmax, dnas, hnas, sinkhorn-N")
     p = sub.add_parser("transformer", help="torch.nn.Transformer (scripted)")
     p.add_argument("--layers", type=int, default=2, help="encoder and decoder layers")
     p.add_argument("--ffn", type=int, default=32, help="dim_feedforward")
@@ -185,7 +201,7 @@ def main():
     if args.embed_dim % args.heads:
         sys.exit(f"error: --heads {args.heads} does not divide --embed-dim {args.embed_dim}")
     module = build(args, dtype)
-    if args.model == "mha":
+    if args.model in ("mha", "probattn-mha"):
         inputs = mha_inputs(args, dtype)
         example = tuple(inputs[k] for k in ("query", "key", "value", "key_padding_mask") if k in inputs)
         call = lambda: module(*example)  # noqa: E731

@@ -13,6 +13,10 @@ import math
 
 import torch
 
+# The normalizers below (masked_logsumexp .. hnas_weights) carry type annotations where an
+# argument is not a tensor, so that torch.jit.script can compile them: python/probattn_torch
+# builds its scriptable modules on these very functions.
+
 
 def allowed_mask(batch, heads, s_q, s_k, key_padding_mask=None, query_padding_mask=None,
                  attn_mask=None, causal=False, device=None):
@@ -32,7 +36,7 @@ def allowed_mask(batch, heads, s_q, s_k, key_padding_mask=None, query_padding_ma
     return allowed
 
 
-def masked_logsumexp(z, allowed, dim):
+def masked_logsumexp(z, allowed, dim: int):
     """log sum_{allowed} exp(z) along dim (keepdim). Where nothing is allowed it returns 0, a
     harmless finite value: every entry it would normalize is excluded anyway."""
     zero = torch.zeros((), dtype=z.dtype, device=z.device)
@@ -63,7 +67,7 @@ def dnas_weights(z, allowed):
     return softmax_weights(log_xi, allowed)
 
 
-def sinkhorn_weights(z, allowed, iterations):
+def sinkhorn_weights(z, allowed, iterations: int):
     """Sinkhorn-n: n times (each key over the queries, then each query over the keys)."""
     log_p = z
     for _ in range(iterations):

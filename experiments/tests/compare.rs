@@ -106,6 +106,26 @@ fn nn_transformer_agrees_and_its_weights_go_both_ways() -> Result<()> {
 }
 
 #[test]
+fn probattn_torch_exports_agree_with_the_native_variants() -> Result<()> {
+    let tmp = TempDir::new("compare-probattn-torch")?;
+    for variant in ["softmax", "dnas", "hnas", "sinkhorn-3"] {
+        let (m, i) = export_model("probattn-mha", &tmp, variant, &["--variant", variant, "--dtype", "float64", "--key-padding"])?;
+        let json = compare(&m, &i, &["--backward", "--variant", variant])?;
+        let (rel, n) = worst(&json)?;
+        // HNAS has one more parameter (hybrid_logit), so one more gradient.
+        ensure!(n == if variant == "hnas" { 10 } else { 9 }, "{variant}: {n} compared tensors: {json}");
+        ensure!(rel <= 1e-12, "{variant}: float64 differs by {rel}: {json}");
+    }
+    let (m, i) = export_model("probattn-mha", &tmp, "dnas-f32", &["--variant", "dnas", "--method", "trace", "--batch-first"])?;
+    let json = compare(&m, &i, &["--backward", "--variant", "dnas"])?;
+    ensure!(worst(&json)?.0 <= 1e-5 && json["batch_first"] == true, "{json}");
+    // A DNAS module is not a softmax one.
+    let json = compare(&m, &i, &["--variant", "softmax"])?;
+    ensure!(worst(&json)?.0 > 1e-3, "DNAS and softmax agreed: {json}");
+    Ok(())
+}
+
+#[test]
 fn bad_input_is_named() -> Result<()> {
     let tmp = TempDir::new("compare-bad")?;
     let (m, i) = export(&tmp, "mha", &[])?;
