@@ -18,6 +18,10 @@ use clap::{Args, ValueEnum};
 use probattn::interop::{import_params, TorchScript};
 use probattn::{check_finite, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Variant};
 use probattn_models::transformer::{pytorch_name, Transformer, TransformerConfig};
+use probattn_models::translation::{baseline_name, Seq2Seq, Seq2SeqConfig};
+
+use crate::translate::data::{EOS, PAD};
+use crate::translate::decode::{self, DecodeConfig};
 use serde::Serialize;
 use tch::{nn, Device, IValue, Kind, Tensor};
 
@@ -30,6 +34,9 @@ pub enum NativeModel {
     Mha,
     /// The encoder-decoder `Transformer` (with final norms), for `torch.nn.Transformer`.
     Transformer,
+    /// The translation model `Seq2Seq`, for python/baselines/translate.py exported with
+    /// `--export-torchscript` (token ids in, logits out).
+    Translation,
 }
 
 /// `--batch-first`.
@@ -95,6 +102,23 @@ pub struct CompareArgs {
     /// Timed calls per side (the median is reported), after three warm-up calls.
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
     pub repeats: u32,
+    /// Translation: the longest sequence the positions cover (the run's max_positions).
+    #[arg(long, default_value_t = 1024)]
+    pub max_positions: i64,
+    /// Translation: also decode this file's sentences greedily with both models and count the
+    /// translations that are identical token for token (needs --tokenizer).
+    #[arg(long)]
+    pub greedy_file: Option<PathBuf>,
+    /// Translation: the run's tokenizer.json, for --greedy-file.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// With --greedy-file: only the first N sentences.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Copy the weights that fit and report the rest, instead of refusing a module whose
+    /// parameters do not all match the native model's.
+    #[arg(long)]
+    pub allow_partial: bool,
     /// Print the result as JSON: {"outputs": [{"name", "max_abs_diff", "max_rel_diff"}],
     /// "torchscript_ms", "native_ms", ...}.
     #[arg(long)]
@@ -129,6 +153,26 @@ pub struct Comparison {
     pub device: String,
     pub threads: i32,
     pub repeats: u32,
+    /// Weights the native model kept its own values for (--allow-partial), and module parameters
+    /// it had no place for.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub not_imported: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub greedy: Option<GreedyReport>,
+}
+
+/// `--greedy-file`: both models' greedy translations of the same sentences.
+#[derive(Debug, Serialize)]
+pub struct GreedyReport {
+    pub sentences: usize,
+    /// Translations identical token for token.
+    pub identical: usize,
+    /// The first sentence (0-based line) whose translations differ.
+    pub first_difference: Option<usize>,
+    /// TorchScript side: each step re-runs the model over the prefix (the module has no cache).
+    pub torchscript_sentences_per_second: f64,
+    /// Native side: incremental decoding with the key/value cache.
+    pub native_sentences_per_second: f64,
 }
 
 fn difference(name: &str, reference: &Tensor, ours: &Tensor) -> Result<Difference> {
@@ -147,10 +191,34 @@ trait Pair {
     fn torchscript(&self, ts: &TorchScript, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>>;
     /// The native model's, in the module's layout.
     fn native(&self, xs: &[Tensor], batch_first: bool) -> Result<Vec<(&'static str, Tensor)>>;
+    /// The layout when the pair has only one (token-id models are batch-first).
+    fn fixed_layout(&self) -> Option<bool> {
+        None
+    }
     /// Multiplies the first output of both sides before they are compared and weighed (1 where
     /// a position counts); `None`: all count.
     fn keep(&self, _batch_first: bool, _kind: Kind) -> Option<Tensor> {
         None
+    }
+}
+
+/// A shared pair is a pair (the translation pair is also needed after the comparison, for
+/// --greedy-file).
+impl<P: Pair> Pair for std::rc::Rc<P> {
+    fn inputs(&self) -> Vec<(&'static str, Tensor)> {
+        (**self).inputs()
+    }
+    fn torchscript(&self, ts: &TorchScript, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
+        (**self).torchscript(ts, xs)
+    }
+    fn native(&self, xs: &[Tensor], batch_first: bool) -> Result<Vec<(&'static str, Tensor)>> {
+        (**self).native(xs, batch_first)
+    }
+    fn fixed_layout(&self) -> Option<bool> {
+        (**self).fixed_layout()
+    }
+    fn keep(&self, batch_first: bool, kind: Kind) -> Option<Tensor> {
+        (**self).keep(batch_first, kind)
     }
 }
 
@@ -361,6 +429,136 @@ fn transformer_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::Va
     Ok(TransformerPair { model, inputs, src_pad, tgt_pad, reading: std::cell::Cell::new(None) })
 }
 
+/// python/baselines/translate.py's `Seq2Seq` and the native [`Seq2Seq`]: logits `(N, T, V)` of
+/// `src (N, S)` and `prev (N, T)` token ids, compared at the real (non-padding) target positions.
+struct TranslationPair {
+    model: Seq2Seq,
+    src: Tensor,
+    prev: Tensor,
+}
+
+impl Pair for TranslationPair {
+    fn inputs(&self) -> Vec<(&'static str, Tensor)> {
+        vec![]
+    }
+
+    fn torchscript(&self, ts: &TorchScript, _xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
+        let out = ts.forward_tensors(&[IValue::Tensor(self.src.shallow_clone()), IValue::Tensor(self.prev.shallow_clone())])?;
+        Ok(vec![("logits", out.into_iter().next().context("the TorchScript module returned no tensor")?.1)])
+    }
+
+    fn native(&self, _xs: &[Tensor], _batch_first: bool) -> Result<Vec<(&'static str, Tensor)>> {
+        Ok(vec![("logits", self.model.forward_t(&self.src, &self.prev, false)?.0)])
+    }
+
+    fn fixed_layout(&self) -> Option<bool> {
+        Some(true)
+    }
+
+    fn keep(&self, _batch_first: bool, kind: Kind) -> Option<Tensor> {
+        Some(self.prev.ne(PAD).to_kind(kind).unsqueeze(-1))
+    }
+}
+
+fn translation_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, device: Device) -> Result<TranslationPair> {
+    let Some(embed) = params.iter().find(|(n, _)| n == "embed").map(|(_, t)| t.size()) else {
+        bail!("{}: no 'embed' parameter: not python/baselines/translate.py's model", args.torchscript.display());
+    };
+    let (vocab, embed_dim) = (embed[0], embed[1]);
+    let count = |side: &str| (0..).take_while(|i| params.iter().any(|(n, _)| n.starts_with(&format!("{side}.{i}.")))).count();
+    let ffn_dim = params.iter().find(|(n, _)| n == "encoder.0.fc1.weight").map(|(_, t)| t.size()[0]).context("no encoder.0.fc1.weight")?;
+    let heads = args.heads.context("--native translation needs --heads (the head count is not stored in the weights)")?;
+    ensure!(heads >= 1 && embed_dim % heads == 0, "--heads {heads} does not divide the model's embed_dim {embed_dim}");
+    let transformer = TransformerConfig {
+        encoder_layers: count("encoder"),
+        decoder_layers: count("decoder"),
+        embed_dim,
+        heads,
+        ffn_dim,
+        dropout: 0.0,
+        attention_dropout: 0.0,
+        variant: args.variant,
+        ..TransformerConfig::iwslt()
+    };
+    let cfg = Seq2SeqConfig { transformer, vocab, pad: PAD, share_all_embeddings: true, max_positions: args.max_positions };
+    let model = Seq2Seq::new(&vs.root(), cfg)?;
+    let (src, prev) = match &args.inputs {
+        Some(path) => {
+            let mut t = probattn::io::read_safetensors(path).with_context(|| format!("--inputs {}", path.display()))?;
+            let mut take = |n: &str| t.remove(n).with_context(|| format!("--inputs {} has no '{n}' (token ids, int64 (N, S) and (N, T))", path.display()));
+            let (src, prev) = (take("src")?, take("prev")?);
+            if let Some(other) = t.keys().next() {
+                bail!("--inputs {}: unknown tensor '{other}' (the call takes src, prev)", path.display());
+            }
+            for (name, x) in [("src", &src), ("prev", &prev)] {
+                ensure!(x.kind() == Kind::Int64 && x.dim() == 2, "--inputs: {name} is {:?}{:?}; token ids are int64 (N, length)", x.kind(), x.size());
+            }
+            (src.to_device(device), prev.to_device(device))
+        }
+        None => {
+            let ids = |len: i64| Tensor::randint_low(4, vocab, [args.batch, len], (Kind::Int64, device));
+            let (src, prev) = (ids(args.src_len), ids(args.tgt_len));
+            let _ = prev.narrow(1, 0, 1).fill_(EOS);
+            let _ = src.narrow(1, args.src_len - 1, 1).fill_(EOS);
+            (src, prev)
+        }
+    };
+    for (name, x) in [("src", &src), ("prev", &prev)] {
+        let (lo, hi) = (x.min().int64_value(&[]), x.max().int64_value(&[]));
+        ensure!(lo >= 0 && hi < vocab, "--inputs: {name} holds ids {lo}..={hi}, outside the vocabulary of {vocab}");
+    }
+    Ok(TranslationPair { model, src, prev })
+}
+
+/// Both models' greedy translations of `--greedy-file`, in the same batches.
+fn compare_greedy(args: &CompareArgs, pair: &TranslationPair, ts: &TorchScript, file: &std::path::Path, device: Device) -> Result<GreedyReport> {
+    let tok = args.tokenizer.as_deref().context("--greedy-file needs --tokenizer (the run's tokenizer.json)")?;
+    let tokenizer = crate::translate::data::load_tokenizer(tok)?;
+    let mut lines = crate::translate::data::read_sentences(file).with_context(|| format!("--greedy-file {}", file.display()))?;
+    if let Some(n) = args.limit {
+        lines.truncate(n);
+    }
+    let sources: Vec<Vec<i64>> = lines
+        .iter()
+        .map(|l| {
+            let mut ids = crate::translate::data::encode(&tokenizer, l)?;
+            ids.push(EOS);
+            Ok(ids)
+        })
+        .collect::<Result<_>>()?;
+    // Sorted by length once, so that both sides see the same batches (translate sorts stably).
+    let mut order: Vec<usize> = (0..sources.len()).collect();
+    order.sort_by_key(|&i| sources[i].len());
+    let sorted: Vec<Vec<i64>> = order.iter().map(|&i| sources[i].clone()).collect();
+    let cfg = DecodeConfig { beam: 1, lenpen: 1.0, max_len_a: 1.2, max_len_b: 10 };
+    let start = Instant::now();
+    let ours = decode::translate(&pair.model, &sorted, &cfg, 64, device, |_| {})?;
+    let native_s = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    let theirs = tch::no_grad(|| decode::greedy_with(|s, p| Ok(ts.forward_tensors(&[IValue::Tensor(s.shallow_clone()), IValue::Tensor(p.shallow_clone())])?.remove(0).1), &sorted, &cfg, 64, device))?;
+    let ts_s = start.elapsed().as_secs_f64();
+    let differ: Vec<usize> = (0..sorted.len()).filter(|&k| ours[k] != theirs[k]).map(|k| order[k]).collect();
+    Ok(GreedyReport {
+        sentences: sorted.len(),
+        identical: sorted.len() - differ.len(),
+        first_difference: differ.iter().min().copied(),
+        torchscript_sentences_per_second: sorted.len() as f64 / ts_s.max(1e-9),
+        native_sentences_per_second: sorted.len() as f64 / native_s.max(1e-9),
+    })
+}
+
+/// The module's parameter name → ours, per native model.
+fn renamer(native: NativeModel, vs: &nn::VarStore) -> Box<dyn Fn(&str) -> Option<String>> {
+    match native {
+        NativeModel::Mha => Box::new(|n: &str| Some(n.to_string())),
+        NativeModel::Transformer => Box::new(transformer_renamer(vs)),
+        NativeModel::Translation => {
+            let ours: std::collections::HashMap<String, String> = vs.variables().into_keys().filter_map(|n| baseline_name(&n).map(|b| (b, n))).collect();
+            Box::new(move |b: &str| Some(ours.get(b).cloned().unwrap_or_else(|| b.to_string())))
+        }
+    }
+}
+
 /// Our name of an `nn.Transformer` parameter (names without one pass through unchanged, so the
 /// import reports them as unexpected).
 fn transformer_renamer(vs: &nn::VarStore) -> impl Fn(&str) -> Option<String> {
@@ -397,13 +595,19 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
     if args.inputs.is_none() {
         tch::manual_seed(args.seed);
     }
+    let mut translation = None;
     let pair: Box<dyn Pair> = match args.native {
         NativeModel::Mha => Box::new(mha_pair(args, &saved, &vs, device)?),
         NativeModel::Transformer => Box::new(transformer_pair(args, &saved, &vs, device)?),
+        NativeModel::Translation => {
+            let p = std::rc::Rc::new(translation_pair(args, &saved, &vs, device)?);
+            translation = Some(p.clone());
+            Box::new(p)
+        }
     };
     let saved_kind = saved.first().map_or(Kind::Float, |(_, t)| t.kind());
     let kind = match args.dtype {
-        DType::Inputs => pair.inputs()[0].1.kind(),
+        DType::Inputs => pair.inputs().first().map_or(saved_kind, |(_, t)| t.kind()),
         DType::Float32 => Kind::Float,
         DType::Float64 => Kind::Double,
     };
@@ -412,11 +616,11 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
         vs.double();
     }
     let params = ts.named_parameters()?;
-    match args.native {
-        NativeModel::Mha => import_params(&vs, &params, |n| Some(n.to_string()), false),
-        NativeModel::Transformer => import_params(&vs, &params, transformer_renamer(&vs), false),
+    let report = import_params(&vs, &params, renamer(args.native, &vs), args.allow_partial).context("loading the module's weights into the native model")?;
+    if !report.is_complete() {
+        eprintln!("--allow-partial: imported what fits:\n{}", report.summary());
     }
-    .context("loading the module's weights into the native model")?;
+    let not_imported: Vec<String> = report.missing.iter().chain(&report.unexpected).chain(report.wrong_shape.iter().map(|w| &w.0)).cloned().collect();
     let xs: Vec<Tensor> = pair.inputs().into_iter().map(|(_, t)| t.to_kind(kind)).collect();
     let recast = |e: anyhow::Error| {
         if saved_kind == kind {
@@ -430,10 +634,11 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
 
     // Forward: find the layout, then compare every output.
     let reference = tch::no_grad(|| pair.torchscript(&ts, &xs)).map_err(recast)?;
-    let candidates: Vec<bool> = match args.batch_first {
-        BatchFirst::Auto => vec![false, true],
-        BatchFirst::True => vec![true],
-        BatchFirst::False => vec![false],
+    let candidates: Vec<bool> = match (pair.fixed_layout(), args.batch_first) {
+        (Some(bf), _) => vec![bf],
+        (None, BatchFirst::Auto) => vec![false, true],
+        (None, BatchFirst::True) => vec![true],
+        (None, BatchFirst::False) => vec![false],
     };
     let mut best: Option<(bool, f64, Vec<(&str, Tensor)>)> = None;
     for bf in candidates {
@@ -464,13 +669,10 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
         for (((name, _), t), o) in pair.inputs().iter().zip(&ts_x).zip(&our_x) {
             outputs.push(difference(&format!("grad.{name}"), &t.grad(), &o.grad())?);
         }
-        let rename: Box<dyn Fn(&str) -> Option<String>> = match args.native {
-            NativeModel::Mha => Box::new(|n: &str| Some(n.to_string())),
-            NativeModel::Transformer => Box::new(transformer_renamer(&vs)),
-        };
+        let rename = renamer(args.native, &vs);
         let native: std::collections::HashMap<String, Tensor> = vs.variables().into_iter().collect();
         for (name, p) in &params {
-            let ours = rename(name).and_then(|n| native.get(&n)).with_context(|| format!("no native parameter for {name}"))?;
+            let Some(ours) = rename(name).and_then(|n| native.get(&n)) else { continue }; // not imported (--allow-partial)
             ensure!(p.grad().defined(), "the TorchScript module's {name} got no gradient (saved without requires_grad?)");
             outputs.push(difference(&format!("grad.{name}"), &p.grad(), &ours.grad())?);
         }
@@ -478,6 +680,11 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
 
     let torchscript_ms = tch::no_grad(|| median_ms(device, args.repeats, || pair.torchscript(&ts, &xs).map(drop)))?;
     let native_ms = tch::no_grad(|| median_ms(device, args.repeats, || pair.native(&xs, batch_first).map(drop)))?;
+    let greedy = match (&args.greedy_file, &translation) {
+        (Some(file), Some(t)) => Some(compare_greedy(args, t, &ts, file, device)?),
+        (Some(_), None) => bail!("--greedy-file goes with --native translation"),
+        _ => None,
+    };
     Ok(Comparison {
         outputs,
         torchscript_ms,
@@ -489,6 +696,8 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
         device: probattn::device::device_name(device),
         threads: tch::get_num_threads(),
         repeats: args.repeats,
+        not_imported,
+        greedy,
     })
 }
 
@@ -512,5 +721,15 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     let rows: Vec<Vec<String>> = c.outputs.iter().map(|d| vec![d.name.clone(), format!("{:.3e}", d.max_abs_diff), format!("{:.3e}", d.max_rel_diff)]).collect();
     println!("{}", crate::report::markdown_table(&["tensor", "max abs diff", "max rel diff"], &rows));
     println!("time per call (median of {}): TorchScript {:.3} ms, probattn {:.3} ms (ratio {:.2})", c.repeats, c.torchscript_ms, c.native_ms, c.native_ms / c.torchscript_ms);
+    if let Some(g) = &c.greedy {
+        println!(
+            "greedy decoding of {} sentences: {} identical token for token{}; TorchScript (no cache) {:.1} sentences/s, probattn (cached) {:.1}",
+            g.sentences,
+            g.identical,
+            g.first_difference.map_or(String::new(), |i| format!(" (first difference: line {})", i + 1)),
+            g.torchscript_sentences_per_second,
+            g.native_sentences_per_second
+        );
+    }
     Ok(())
 }

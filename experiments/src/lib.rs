@@ -7,6 +7,7 @@ pub mod bleu;
 pub mod common;
 pub mod compare;
 pub mod doctor;
+pub mod export;
 pub mod gat;
 pub mod plot;
 pub mod provenance;
@@ -40,6 +41,8 @@ pub enum Command {
     Translate(Box<translate::TranslateArgs>),
     /// A TorchScript module against the native probattn model with its weights: differences and time.
     Compare(compare::CompareArgs),
+    /// A trained translate checkpoint's weights as a PyTorch state dict (the baseline's names).
+    Export(export::ExportArgs),
 }
 
 pub fn run(cli: &Cli) -> anyhow::Result<()> {
@@ -51,5 +54,6 @@ pub fn run(cli: &Cli) -> anyhow::Result<()> {
         Command::Bleu(args) => bleu::run(args),
         Command::Translate(args) => translate::run(args),
         Command::Compare(args) => compare::run(args),
+        Command::Export(args) => export::run(args),
     }
 }

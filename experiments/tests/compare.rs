@@ -9,7 +9,7 @@ mod common;
 use std::process::{Command, Output};
 
 use anyhow::{ensure, Context, Result};
-use common::{run_python, TempDir};
+use common::{python, run_python, write_corpus, TempDir};
 
 fn probattn(args: &[&str]) -> Result<Output> {
     Command::new(env!("CARGO_BIN_EXE_probattn")).args(args).output().context("running probattn")
@@ -122,6 +122,48 @@ fn probattn_torch_exports_agree_with_the_native_variants() -> Result<()> {
     // A DNAS module is not a softmax one.
     let json = compare(&m, &i, &["--variant", "softmax"])?;
     ensure!(worst(&json)?.0 > 1e-3, "DNAS and softmax agreed: {json}");
+    Ok(())
+}
+
+#[test]
+fn the_translation_baseline_runs_our_trained_weights() -> Result<()> {
+    let tmp = TempDir::new("compare-translation")?;
+    let data = tmp.path("data");
+    std::fs::create_dir_all(&data)?;
+    write_corpus(&data, [200, 10, 12])?;
+    let (d, run) = (data.to_string_lossy().to_string(), tmp.path("run").to_string_lossy().to_string());
+    let flags = ["--preset", "tiny", "--bpe-vocab", "120", "--max-tokens", "300", "--max-epochs", "3", "--beam", "2", "--warmup-updates", "20", "--threads", "1", "--device", "cpu"];
+    let o = probattn(&[&["translate", "--data-dir", &d, "--out", &run][..], &flags].concat())?;
+    ensure!(o.status.success(), "{}", text(&o));
+
+    // Our checkpoint -> a PyTorch state dict -> the baseline (strict) -> TorchScript.
+    let (sd, m) = (tmp.path("sd.safetensors").to_string_lossy().to_string(), tmp.path("base.pt").to_string_lossy().to_string());
+    let o = probattn(&["export", "--checkpoint", &format!("{run}/seed-1/checkpoint_best.safetensors"), "--out", &sd])?;
+    ensure!(o.status.success() && text(&o).contains("tensors under the PyTorch baseline's names"), "{}", text(&o));
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let o = Command::new(python()?)
+        .arg(root.join("python/baselines/translate.py"))
+        .args(["--run", &run, "--load-state-dict", &sd, "--export-torchscript", &m, "--threads", "1"])
+        .output()?;
+    ensure!(o.status.success(), "the baseline did not load our weights strictly: {}", text(&o));
+
+    // Same logits and gradients (float64), and the same greedy translations.
+    let o = probattn(&["compare", "--torchscript", &m, "--native", "translation", "--heads", "4", "--dtype", "float64", "--backward", "--json", "--repeats", "2", "--threads", "1"])?;
+    ensure!(o.status.success(), "{}", text(&o));
+    let json: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+    let (rel, n) = worst(&json)?;
+    ensure!(n > 30 && rel <= 1e-12, "float64 translation model differs by {rel} over {n} tensors: {json}");
+    let test = format!("{d}/test.de");
+    let tok = format!("{run}/tokenizer.json");
+    let o = probattn(&["compare", "--torchscript", &m, "--native", "translation", "--heads", "4", "--greedy-file", &test, "--tokenizer", &tok, "--json", "--repeats", "2", "--threads", "1"])?;
+    ensure!(o.status.success(), "{}", text(&o));
+    let json: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+    ensure!(json["greedy"]["sentences"] == 12 && json["greedy"]["identical"] == 12, "{json}");
+    // --greedy-file needs the tokenizer; a bad checkpoint is named.
+    let o = probattn(&["compare", "--torchscript", &m, "--native", "translation", "--heads", "4", "--greedy-file", &test])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("--tokenizer"), "{}", text(&o));
+    let o = probattn(&["export", "--checkpoint", &sd, "--out", &tmp.path("x.safetensors").to_string_lossy()])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("not a probattn translate checkpoint"), "{}", text(&o));
     Ok(())
 }
 

@@ -19,6 +19,17 @@ use tch::{Kind, Tensor};
 
 use crate::transformer::{DecoderState, Transformer, TransformerConfig};
 
+/// The name of one of our parameters in the PyTorch baseline (python/baselines/translate.py): the
+/// same, except the shared embedding matrix, which is `embed` there. `None` for the decoder's own
+/// embeddings (the baseline always shares them).
+pub fn baseline_name(ours: &str) -> Option<String> {
+    match ours {
+        "encoder.embed_tokens.weight" => Some("embed".into()),
+        "decoder.embed_tokens.weight" => None,
+        other => Some(other.into()),
+    }
+}
+
 /// The model's sizes and vocabulary.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

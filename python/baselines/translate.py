@@ -18,6 +18,16 @@ key/value cache: each step re-runs the decoder on the prefix) and sacreBLEU of i
 
 Prints JSON: tokens_per_second (training loop only), updates, train_seconds, valid_loss,
 and with --decode test_bleu (greedy) and its signature.
+
+Weights both ways: `--load-state-dict SD.safetensors` loads a trained probattn model, exported with
+`probattn export --checkpoint CKPT --out SD.safetensors`, with `load_state_dict(strict=True)`
+instead of training, and `--export-torchscript M.pt` saves the model scripted (torch.jit.script)
+for `probattn compare --native translation`. The parameter names are probattn's, except the one
+shared embedding matrix, `embed` here (`encoder.embed_tokens.weight` there); the positions are a
+non-persistent buffer, rebuilt from the config.
+
+    probattn export --checkpoint RUN/seed-1/checkpoint_best.safetensors --out sd.safetensors
+    python python/baselines/translate.py --run RUN --load-state-dict sd.safetensors --export-torchscript base.pt
 """
 
 import argparse
@@ -27,6 +37,8 @@ import os
 import random
 import sys
 import time
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -106,41 +118,46 @@ class Layer(torch.nn.Module):
         self.final_layer_norm = torch.nn.LayerNorm(e)
         self.p = dropout
 
-    def forward(self, x, pad_mask, memory=None, memory_pad=None, causal=None):
+    def forward(self, x: torch.Tensor, pad_mask: Optional[torch.Tensor], memory: Optional[torch.Tensor] = None,
+                memory_pad: Optional[torch.Tensor] = None, causal: Optional[torch.Tensor] = None) -> torch.Tensor:
         a, _ = self.self_attn(x, x, x, key_padding_mask=pad_mask if memory is None else None, attn_mask=causal, need_weights=False)
         x = self.self_attn_layer_norm(x + F.dropout(a, self.p, self.training))
-        if memory is not None:
-            c, _ = self.encoder_attn(x, memory, memory, key_padding_mask=memory_pad, need_weights=False)
-            x = self.encoder_attn_layer_norm(x + F.dropout(c, self.p, self.training))
+        # hasattr is decided when TorchScript compiles each layer: encoder layers have no encoder_attn.
+        if hasattr(self, "encoder_attn"):
+            if memory is not None:
+                c, _ = self.encoder_attn(x, memory, memory, key_padding_mask=memory_pad, need_weights=False)
+                x = self.encoder_attn_layer_norm(x + F.dropout(c, self.p, self.training))
         f = self.fc2(F.relu(self.fc1(x)))
         return self.final_layer_norm(x + F.dropout(f, self.p, self.training))
 
 
 class Seq2Seq(torch.nn.Module):
+    __constants__ = ["pad", "e", "p"]  # TorchScript reads no module-level globals
+
     def __init__(self, cfg):
         super().__init__()
         t = cfg["model"]["transformer"]
         e, v = t["embed_dim"], cfg["model"]["vocab"]
-        self.e, self.p = e, t["dropout"]
+        self.e, self.p, self.pad = e, t["dropout"], PAD
         self.embed = torch.nn.Parameter(torch.randn(v, e) * e ** -0.5)
         with torch.no_grad():
             self.embed[PAD] = 0
-        self.register_buffer("positions", sinusoids(cfg["model"]["max_positions"] + PAD + 1, e, PAD))
+        self.register_buffer("positions", sinusoids(cfg["model"]["max_positions"] + PAD + 1, e, PAD), persistent=False)
         self.encoder = torch.nn.ModuleList(Layer(e, t["heads"], t["ffn_dim"], self.p, False) for _ in range(t["encoder_layers"]))
         self.decoder = torch.nn.ModuleList(Layer(e, t["heads"], t["ffn_dim"], self.p, True) for _ in range(t["decoder_layers"]))
 
-    def embed_tokens(self, tokens):
-        keep = tokens.ne(PAD)
-        pos = torch.cumsum(keep.long(), 1) * keep + PAD
-        x = F.embedding(tokens, self.embed, PAD) * math.sqrt(self.e) + F.embedding(pos, self.positions, PAD)
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        keep = tokens.ne(self.pad)
+        pos = torch.cumsum(keep.long(), 1) * keep + self.pad
+        x = F.embedding(tokens, self.embed, self.pad) * math.sqrt(self.e) + F.embedding(pos, self.positions, self.pad)
         return F.dropout(x, self.p, self.training)
 
-    def forward(self, src, prev):
-        src_pad, tgt_len = src.eq(PAD), prev.size(1)
+    def forward(self, src: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        src_pad, tgt_len = src.eq(self.pad), prev.size(1)
         x = self.embed_tokens(src)
         for layer in self.encoder:
             x = layer(x, src_pad)
-        causal = torch.ones(tgt_len, tgt_len, dtype=torch.bool).triu(1)
+        causal = torch.ones(tgt_len, tgt_len, dtype=torch.bool, device=src.device).triu(1)
         y = self.embed_tokens(prev)
         for layer in self.decoder:
             y = layer(y, None, memory=x, memory_pad=src_pad, causal=causal)
@@ -222,6 +239,8 @@ def main():
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--decode", action="store_true", help="greedy-decode the test set and score it")
+    parser.add_argument("--load-state-dict", metavar="SD", help="load these weights (strict) instead of training")
+    parser.add_argument("--export-torchscript", metavar="M.pt", help="save the model scripted (after training or loading)")
     args = parser.parse_args()
     from tokenizers import Tokenizer
     if args.threads:
@@ -241,6 +260,13 @@ def main():
         data[split] = (encode(tok, src_lines), encode(tok, tgt_lines), tgt_lines)
     torch.manual_seed(args.seed)
     model = Seq2Seq(cfg)
+    if args.load_state_dict:
+        from safetensors.torch import load_file
+        try:
+            model.load_state_dict(load_file(args.load_state_dict), strict=True)
+        except RuntimeError as e:
+            sys.exit(f"error: {args.load_state_dict}: {e}")
+        args.max_updates = 0
     opt = FairseqAdam(model.parameters(), cfg["adam"]["beta1"], cfg["adam"]["beta2"], cfg["adam"]["eps"], cfg["adam"]["weight_decay"])
     src, tgt, _ = data["train"]
     batches = token_batches(src, tgt, cfg["max_tokens"], cfg["model"]["max_positions"])
@@ -269,6 +295,12 @@ def main():
         seconds += time.perf_counter() - start
         epoch += 1
     model.eval()
+    if args.export_torchscript:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.jit.*deprecated.*")
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            torch.jit.script(model).save(args.export_torchscript)
     vs, vt, _ = data["valid"]
     total, ntok = 0.0, 0
     with torch.no_grad():
@@ -277,7 +309,8 @@ def main():
             total += loss.item()
             ntok += sum(len(vt[i]) for i in rows)
     out = {"implementation": f"pytorch {torch.__version__}", "threads": torch.get_num_threads(), "updates": updates,
-           "train_seconds": seconds, "train_tokens": tokens, "tokens_per_second": tokens / seconds, "valid_loss": total / ntok}
+           "train_seconds": seconds, "train_tokens": tokens, "tokens_per_second": tokens / seconds if seconds else None,
+           "valid_loss": total / ntok}
     if args.decode:
         from sacrebleu.metrics import BLEU
         ts, _, refs = data["test"]

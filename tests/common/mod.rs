@@ -103,3 +103,27 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
+
+/// A toy language pair: the target is the source's words mapped through a fixed dictionary and
+/// reversed, so a small model can learn it; `pairs` sentences from a seeded generator.
+pub fn write_corpus(dir: &Path, pairs: [usize; 3]) -> Result<()> {
+    let src_words = ["der", "hund", "die", "katze", "ein", "mann", "rot", "blau", "läuft", "sitzt", "im", "park", "auf", "dem", "gras", "zwei"];
+    let tgt_words = ["the", "dog", "the", "cat", "a", "man", "red", "blue", "runs", "sits", "in", "park", "on", "the", "grass", "two"];
+    let mut state: u64 = 42;
+    let mut next = || {
+        state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) as usize
+    };
+    for (split, n) in ["train", "valid", "test"].iter().zip(pairs) {
+        let (mut de, mut en) = (String::new(), String::new());
+        for _ in 0..n {
+            let len = 3 + next() % 6;
+            let idx: Vec<usize> = (0..len).map(|_| next() % src_words.len()).collect();
+            de += &(idx.iter().map(|&i| src_words[i]).collect::<Vec<_>>().join(" ") + ".\n");
+            en += &(idx.iter().rev().map(|&i| tgt_words[i]).collect::<Vec<_>>().join(" ") + ".\n");
+        }
+        std::fs::write(dir.join(format!("{split}.de")), de)?;
+        std::fs::write(dir.join(format!("{split}.en")), en)?;
+    }
+    Ok(())
+}

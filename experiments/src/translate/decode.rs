@@ -94,6 +94,12 @@ fn greedy(model: &Seq2Seq, batch: &[&[i64]], cfg: &DecodeConfig, device: Device)
 /// Only for measuring what the cache saves (`probattn translate --decode-bench`); the output
 /// equals [`translate`] with beam 1 up to floating-point ties.
 pub fn greedy_uncached(model: &Seq2Seq, sources: &[Vec<i64>], cfg: &DecodeConfig, batch_size: usize, device: Device) -> Result<Vec<Vec<i64>>> {
+    greedy_with(|src, prev| Ok(model.forward_t(src, prev, false)?.0), sources, cfg, batch_size, device)
+}
+
+/// [`greedy_uncached`] with any model that maps `(src (B, S), prev (B, T))` token ids to logits
+/// `(B, T, V)`: a TorchScript translation model (`probattn compare --native translation`), say.
+pub fn greedy_with(logits_of: impl Fn(&Tensor, &Tensor) -> Result<Tensor>, sources: &[Vec<i64>], cfg: &DecodeConfig, batch_size: usize, device: Device) -> Result<Vec<Vec<i64>>> {
     let mut out = vec![];
     tch::no_grad(|| -> Result<()> {
         for chunk in sources.chunks(batch_size.max(1)) {
@@ -107,7 +113,7 @@ pub fn greedy_uncached(model: &Seq2Seq, sources: &[Vec<i64>], cfg: &DecodeConfig
             let mut done = vec![false; b];
             for _ in 0..=longest {
                 let rows: Vec<&[i64]> = prefix.iter().map(Vec::as_slice).collect();
-                let (logits, _) = model.forward_t(&src, &pad_rows(&rows, device), false)?; // (B, T, V)
+                let logits = logits_of(&src, &pad_rows(&rows, device))?; // (B, T, V)
                 let last = logits.select(1, -1).log_softmax(-1, logits.kind());
                 let _ = last.narrow(1, 0, 2).fill_(f64::NEG_INFINITY);
                 let next: Vec<i64> = Vec::try_from(last.argmax(-1, false))?;

@@ -31,7 +31,7 @@ use probattn::normalize::BamConfig;
 use probattn::repulsive::{Method, RepulsiveConfig, RepulsiveHook, Selection};
 use probattn::{NormalizerConfig, Variant};
 use probattn_models::transformer::TransformerConfig;
-use probattn_models::translation::{Seq2Seq, Seq2SeqConfig};
+use probattn_models::translation::{baseline_name, Seq2Seq, Seq2SeqConfig};
 use serde::{Deserialize, Serialize};
 use tch::{nn, Device, Kind, Tensor};
 use tokenizers::Tokenizer;
@@ -843,6 +843,19 @@ fn average_last(vs: &mut nn::VarStore, dir: &Path, last_epoch: usize, n: usize) 
     }
     eprintln!("test with the average of epochs {first}..={last_epoch}");
     Ok(())
+}
+
+/// `probattn export`: the model weights of a translate checkpoint as a safetensors state dict under
+/// the PyTorch baseline's names ([`baseline_name`]), which python/baselines/translate.py loads with
+/// `load_state_dict(strict=True)`. Returns the number of tensors written.
+pub fn export_checkpoint(ckpt: &Path, out: &Path) -> Result<usize> {
+    let (tensors, state) = read_checkpoint(ckpt)?;
+    ensure!(state.config.model.share_all_embeddings, "{}: the PyTorch baseline shares one embedding matrix; this model does not", ckpt.display());
+    let vs = nn::VarStore::new(Device::Cpu);
+    Seq2Seq::new(&vs.root(), state.config.model.clone())?;
+    load_params(&vs, &tensors, ckpt)?;
+    probattn::interop::export_params(&vs, out, |n| baseline_name(n).unwrap_or_else(|| n.to_string()))?;
+    Ok(vs.variables().len())
 }
 
 /// `--decode`: translate a file with a trained checkpoint.
