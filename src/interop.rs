@@ -138,7 +138,12 @@ impl TorchScript {
 
     /// Train mode (dropout active) or eval mode.
     pub fn set_train(&mut self, train: bool) -> Result<()> {
-        Ok(if train { self.module.f_set_train()? } else { self.module.f_set_eval()? })
+        if train {
+            self.module.f_set_train()?;
+        } else {
+            self.module.f_set_eval()?;
+        }
+        Ok(())
     }
 
     /// Casts every parameter and buffer to `kind` (floating kinds only).

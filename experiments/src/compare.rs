@@ -547,8 +547,11 @@ fn compare_greedy(args: &CompareArgs, pair: &TranslationPair, ts: &TorchScript, 
     })
 }
 
+/// Maps a module's parameter name to ours (`None`: skip it).
+type Renamer = Box<dyn Fn(&str) -> Option<String>>;
+
 /// The module's parameter name → ours, per native model.
-fn renamer(native: NativeModel, vs: &nn::VarStore) -> Box<dyn Fn(&str) -> Option<String>> {
+fn renamer(native: NativeModel, vs: &nn::VarStore) -> Renamer {
     match native {
         NativeModel::Mha => Box::new(|n: &str| Some(n.to_string())),
         NativeModel::Transformer => Box::new(transformer_renamer(vs)),
@@ -640,7 +643,9 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
         (None, BatchFirst::True) => vec![true],
         (None, BatchFirst::False) => vec![false],
     };
-    let mut best: Option<(bool, f64, Vec<(&str, Tensor)>)> = None;
+    // (batch_first, output difference, the native outputs) of the best layout so far.
+    type Candidate<'a> = (bool, f64, Vec<(&'a str, Tensor)>);
+    let mut best: Option<Candidate> = None;
     for bf in candidates {
         let Ok(ours) = tch::no_grad(|| pair.native(&xs, bf)) else { continue };
         if ours[0].1.size() != reference[0].1.size() {
