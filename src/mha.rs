@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
 
 use crate::attention::{attend, AttendOptions, Mode};
-use crate::mask::Masks;
+use crate::mask::{Masks, ScoreShape};
 use crate::normalize::{Normalizer, NormalizerConfig, Variant};
 use crate::{Error, Result};
 
@@ -312,13 +312,39 @@ impl MultiHeadAttention {
     /// The normalizer, the value mixing and the output projection, from per-head `q`, `k`, `v`.
     fn attend_heads(&self, q: &Tensor, k: &Tensor, v: &Tensor, sq: i64, input: &MhaInput, mode: Mode) -> Result<MhaOutput> {
         let (b, e) = (q.size()[0], self.cfg.embed_dim);
-        let opts = AttendOptions { mode, dropout: self.cfg.dropout, noise: input.noise };
-        let attended = attend(q, k, v, &input.masks, self.normalizer.as_ref(), opts)?;
-        let merged = attended.output.transpose(1, 2).contiguous().view([b, sq, e]); // (B, S_q, E)
+        let (output, weights, kl) = match self.fused_softmax(q, k, v, input, mode)? {
+            Some(output) => (output, None, None),
+            None => {
+                let opts = AttendOptions { mode, dropout: self.cfg.dropout, noise: input.noise };
+                let attended = attend(q, k, v, &input.masks, self.normalizer.as_ref(), opts)?;
+                (attended.output, input.need_weights.then_some(attended.weights), attended.kl)
+            }
+        };
+        let merged = output.transpose(1, 2).contiguous().view([b, sq, e]); // (B, S_q, E)
         let context = merged.linear(&self.out_proj_weight, self.out_proj_bias.as_ref());
-        let weights = input.need_weights.then_some(attended.weights);
-        let head_outputs = input.need_head_outputs.then_some(attended.output);
-        Ok(MhaOutput { context, weights, kl: attended.kl, head_outputs })
+        let head_outputs = input.need_head_outputs.then_some(output);
+        Ok(MhaOutput { context, weights, kl, head_outputs })
+    }
+
+    /// Softmax attention through libtorch's fused `scaled_dot_product_attention` (on the CPU, a
+    /// blocked kernel that never materializes the `(B, H, S_q, S_k)` weights), when nothing else
+    /// is asked of it: the softmax normalizer, no weights returned, no attention dropout active, no
+    /// BAM noise. Its semantics are ours: a boolean mask of the allowed entries, and a query with
+    /// no allowed key gets a zero output and zero gradients (checked for libtorch 2.11 on the CPU;
+    /// other devices keep the general path until checked there). `None`: take the general path.
+    fn fused_softmax(&self, q: &Tensor, k: &Tensor, v: &Tensor, input: &MhaInput, mode: Mode) -> Result<Option<Tensor>> {
+        let eligible = self.cfg.variant == Variant::Softmax
+            && !input.need_weights
+            && input.noise.is_none()
+            && !(mode.dropout && self.cfg.dropout > 0.0)
+            && q.device() == tch::Device::Cpu
+            && matches!(q.kind(), tch::Kind::Float | tch::Kind::Double);
+        if !eligible {
+            return Ok(None);
+        }
+        let shape = ScoreShape { batch: q.size()[0], heads: q.size()[1], queries: q.size()[2], keys: k.size()[2] };
+        let allowed = input.masks.allowed(shape, q.device())?;
+        Ok(Some(Tensor::f_scaled_dot_product_attention(q, k, v, allowed.as_ref(), 0.0, false, None::<f64>, false)?))
     }
 
     /// Checks the input's shapes; returns `(B, S_q, S_k)`.
