@@ -141,9 +141,23 @@ impl Support {
 
     /// Softmax over each query's keys of filled log-scores, zero on excluded entries (so a fully
     /// excluded row is all zeros rather than uniform).
+    ///
+    /// Dense scores are zeroed again only when some row has no allowed key: elsewhere the fill
+    /// value (far below any score) already gives excluded entries an exact 0, so the extra
+    /// full-size pass is skipped (the check runs on the small, broadcast mask; on the CPU only,
+    /// since on a GPU reading its answer would stall the stream).
     pub fn row_softmax(&self, z_filled: &Tensor) -> Tensor {
         match self {
-            Self::Dense { .. } => self.zero(&z_filled.softmax(-1, z_filled.kind())),
+            Self::Dense { excluded: Some(m) } => {
+                let w = z_filled.softmax(-1, z_filled.kind());
+                let empty_row = m.device() != tch::Device::Cpu || bool::try_from(m.all_dim(-1, false).any()).unwrap_or(true);
+                if empty_row {
+                    self.zero(&w)
+                } else {
+                    w
+                }
+            }
+            Self::Dense { excluded: None } => z_filled.softmax(-1, z_filled.kind()),
             Self::Edges(_) => (z_filled - self.row_lse(z_filled)).exp(),
         }
     }

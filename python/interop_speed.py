@@ -1,0 +1,128 @@
+"""The speed table of PyTorch interop: each model three ways on the same inputs and threads --
+probattn's native model, the same weights as TorchScript called from Rust (`probattn compare`),
+and PyTorch eager from Python -- median milliseconds per forward call (no gradient).
+
+    python python/interop_speed.py --probattn target/release/probattn --threads 2 --out results/interop
+
+Models (float32, eval mode):
+  mha          nn.MultiheadAttention(512, 8), N 16, L = S = 128, key padding; weights returned
+               (PyTorch's default need_weights=True, so both sides materialize them)
+  transformer  nn.Transformer(256, 4 heads, 3+3 layers, FFN 512), N 16, S = T = 30, padded
+  translation  python/baselines/translate.py's model with the small preset's sizes (3+3 layers,
+               E 256, FFN 512, vocabulary 8,000; config from results/translate), N 64, S = T = 30
+               token ids; seeded random weights (speed does not depend on training)
+Writes OUT/speed.json and OUT/speed.md; every number comes from this one run.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+from safetensors.torch import save_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "baselines"))
+
+
+def median_ms(fn, repeats):
+    with torch.no_grad():
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def script(module, path):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.jit.*deprecated.*")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        torch.jit.script(module).save(path)
+
+
+def mha(out):
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(512, 8, dropout=0.0).eval()
+    n, l, s = 16, 128, 128
+    x = {"query": torch.randn(l, n, 512), "key": torch.randn(s, n, 512), "value": torch.randn(s, n, 512)}
+    x["key_padding_mask"] = torch.arange(s)[None, :] >= torch.randint(s // 2, s + 1, (n,))[:, None]
+    return m, x, lambda: m(x["query"], x["key"], x["value"], key_padding_mask=x["key_padding_mask"]), ["--native", "mha", "--heads", "8"]
+
+
+def transformer(out):
+    torch.manual_seed(0)
+    m = torch.nn.Transformer(256, 4, 3, 3, 512, dropout=0.0).eval()
+    n, s, t = 16, 30, 30
+    x = {"src": torch.randn(s, n, 256), "tgt": torch.randn(t, n, 256)}
+    x["src_key_padding_mask"] = torch.arange(s)[None, :] >= torch.randint(s // 2, s + 1, (n,))[:, None]
+    x["tgt_key_padding_mask"] = torch.arange(t)[None, :] >= torch.randint(t // 2, t + 1, (n,))[:, None]
+    causal = torch.ones(t, t, dtype=torch.bool).triu(1)
+    call = lambda: m(x["src"], x["tgt"], tgt_mask=causal, src_key_padding_mask=x["src_key_padding_mask"],  # noqa: E731
+                     tgt_key_padding_mask=x["tgt_key_padding_mask"], memory_key_padding_mask=x["src_key_padding_mask"])
+    return m, x, call, ["--native", "transformer", "--heads", "4"]
+
+
+def translation(out):
+    import translate as baseline
+
+    with open(os.path.join(HERE, "..", "results", "translate", "multi30k-softmax-seed1", "config.json")) as f:
+        cfg = json.load(f)
+    torch.manual_seed(0)
+    m = baseline.Seq2Seq(cfg).eval()
+    n, s, t, v = 64, 30, 30, cfg["model"]["vocab"]
+    x = {"src": torch.randint(4, v, (n, s)), "prev": torch.randint(4, v, (n, t))}
+    x["prev"][:, 0] = baseline.EOS
+    return m, x, lambda: m(x["src"], x["prev"]), ["--native", "translation", "--heads", str(cfg["model"]["transformer"]["heads"])]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--probattn", default="target/release/probattn")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for name, build in (("mha", mha), ("transformer", transformer), ("translation", translation)):
+        module, inputs, call, native = build(args.out)
+        pt, st = os.path.join(args.out, f"{name}.pt"), os.path.join(args.out, f"{name}.inputs.safetensors")
+        script(module, pt)
+        save_file({k: v.contiguous() for k, v in inputs.items()}, st)
+        eager = median_ms(call, args.repeats)
+        res = subprocess.run([args.probattn, "compare", "--torchscript", pt, "--inputs", st, "--json", "--threads", str(args.threads),
+                              "--repeats", str(args.repeats)] + native, capture_output=True, text=True)
+        if res.returncode != 0:
+            sys.exit(f"probattn compare failed on {name}: {res.stderr}")
+        c = json.loads(res.stdout)
+        rows.append({"model": name, "native_ms": c["native_ms"], "torchscript_ms": c["torchscript_ms"], "eager_ms": eager,
+                     "max_rel_diff": max(o["max_rel_diff"] for o in c["outputs"]), "threads": args.threads})
+        os.remove(pt)
+        os.remove(st)
+        print(f"{name}: native {c['native_ms']:.3f} ms, TorchScript {c['torchscript_ms']:.3f} ms, eager {eager:.3f} ms", file=sys.stderr)
+    meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats, "rows": rows}
+    with open(os.path.join(args.out, "speed.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    lines = ["| model | probattn native (ms) | TorchScript from Rust (ms) | PyTorch eager (ms) | native / TorchScript | native / eager | max rel diff |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['native_ms']:.3f} | {r['torchscript_ms']:.3f} | {r['eager_ms']:.3f} | "
+                     f"{r['native_ms'] / r['torchscript_ms']:.2f} | {r['native_ms'] / r['eager_ms']:.2f} | {r['max_rel_diff']:.1e} |")
+    with open(os.path.join(args.out, "speed.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
