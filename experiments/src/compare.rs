@@ -17,7 +17,7 @@ use anyhow::{bail, ensure, Context, Result};
 use clap::{Args, ValueEnum};
 use probattn::interop::{import_params, TorchScript};
 use probattn::{check_finite, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Variant};
-use probattn_models::transformer::{pytorch_name, Transformer, TransformerConfig};
+use probattn_models::transformer::{config_of_pytorch, pytorch_renamer, Transformer, TransformerConfig};
 use probattn_models::translation::{baseline_name, Seq2Seq, Seq2SeqConfig};
 
 use crate::translate::data::{EOS, PAD};
@@ -389,31 +389,9 @@ impl Pair for TransformerPair {
 }
 
 fn transformer_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, device: Device) -> Result<TransformerPair> {
-    let count = |side: &str| (0..).take_while(|i| params.iter().any(|(n, _)| n.starts_with(&format!("{side}.layers.{i}.")))).count();
-    let (encoder_layers, decoder_layers) = (count("encoder"), count("decoder"));
-    let linear1 = params.iter().find(|(n, _)| n == "encoder.layers.0.linear1.weight").map(|(_, t)| t.size());
-    let Some([ffn_dim, embed_dim]) = linear1.as_deref().map(|s| [s[0], s[1]]) else {
-        bail!(
-            "{}: no encoder.layers.0.linear1.weight among its parameters ({} ...): not an nn.Transformer",
-            args.torchscript.display(),
-            params.iter().take(6).map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
-        );
-    };
-    ensure!(decoder_layers > 0, "{}: no decoder.layers.*: --native transformer takes an encoder-decoder nn.Transformer", args.torchscript.display());
     let heads = args.heads.context("--native transformer needs --heads (the head count is not stored in the weights)")?;
-    ensure!(heads >= 1 && embed_dim % heads == 0, "--heads {heads} does not divide the module's d_model {embed_dim}");
-    let cfg = TransformerConfig {
-        encoder_layers,
-        decoder_layers,
-        embed_dim,
-        heads,
-        ffn_dim,
-        dropout: 0.0,
-        attention_dropout: 0.0,
-        variant: args.variant,
-        final_norm: params.iter().any(|(n, _)| n == "encoder.norm.weight"),
-        ..TransformerConfig::iwslt()
-    };
+    let cfg = config_of_pytorch(params, heads, args.variant).with_context(|| args.torchscript.display().to_string())?;
+    let embed_dim = cfg.embed_dim;
     let model = Transformer::new(&vs.root(), cfg)?;
     let known = ["src", "tgt", "src_key_padding_mask", "tgt_key_padding_mask"];
     let (inputs, src_pad, tgt_pad) = match read_inputs(args, &known, &known[..2], device)? {
@@ -554,19 +532,12 @@ type Renamer = Box<dyn Fn(&str) -> Option<String>>;
 fn renamer(native: NativeModel, vs: &nn::VarStore) -> Renamer {
     match native {
         NativeModel::Mha => Box::new(|n: &str| Some(n.to_string())),
-        NativeModel::Transformer => Box::new(transformer_renamer(vs)),
+        NativeModel::Transformer => Box::new(pytorch_renamer(vs)),
         NativeModel::Translation => {
             let ours: std::collections::HashMap<String, String> = vs.variables().into_keys().filter_map(|n| baseline_name(&n).map(|b| (b, n))).collect();
             Box::new(move |b: &str| Some(ours.get(b).cloned().unwrap_or_else(|| b.to_string())))
         }
     }
-}
-
-/// Our name of an `nn.Transformer` parameter (names without one pass through unchanged, so the
-/// import reports them as unexpected).
-fn transformer_renamer(vs: &nn::VarStore) -> impl Fn(&str) -> Option<String> {
-    let ours: std::collections::HashMap<String, String> = vs.variables().into_keys().filter_map(|n| pytorch_name(&n).map(|p| (p, n))).collect();
-    move |pt: &str| Some(ours.get(pt).cloned().unwrap_or_else(|| pt.to_string()))
 }
 
 /// Median milliseconds of `repeats` calls of `f` after three warm-ups, synchronizing CUDA.

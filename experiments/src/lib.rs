@@ -8,6 +8,7 @@ pub mod common;
 pub mod compare;
 pub mod doctor;
 pub mod export;
+pub mod finetune;
 pub mod gat;
 pub mod plot;
 pub mod provenance;

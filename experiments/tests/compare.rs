@@ -168,6 +168,29 @@ fn the_translation_baseline_runs_our_trained_weights() -> Result<()> {
 }
 
 #[test]
+fn an_nn_transformer_fine_tunes_with_dnas_and_svgd_heads_and_goes_back() -> Result<()> {
+    use probattn::repulsive::RepulsiveConfig;
+    use probattn_experiments::finetune::{finetune, FinetuneConfig};
+
+    let tmp = TempDir::new("compare-finetune")?;
+    let (m, _) = export_model("transformer", &tmp, "tr", &["--layers", "2", "--ffn", "32"])?;
+    let out = tmp.path("tuned.safetensors");
+    let cfg = FinetuneConfig { heads: 4, variant: "dnas".parse()?, repulsive: Some(RepulsiveConfig::default()), steps: 40, lr: 3e-3, batch: 8, len: 6, seed: 0 };
+    let r = finetune(std::path::Path::new(&m), &cfg, &out, tch::Device::Cpu)?;
+    // 2 encoder layers x Q, K, V + 2 decoder layers x 2 modules x Q, K, V.
+    ensure!(r.particle_sets == 18, "{} particle sets", r.particle_sets);
+    ensure!(r.import.contains("64 parameter(s) matched") && !r.import.contains("missing"), "{}", r.import);
+    ensure!(r.loss_after < 0.9 * r.loss_before, "the held-out loss went from {} to {}", r.loss_before, r.loss_after);
+    run_python("export_torchscript.py", &["load-state-dict", "transformer", "--embed-dim", "16", "--heads", "4", "--layers", "2", "--ffn", "32", "--state-dict", &out.to_string_lossy()])?;
+    // HNAS's gates have no nn.Transformer counterpart: they keep their initial value, and the
+    // report says so.
+    let cfg = FinetuneConfig { variant: "hnas".parse()?, repulsive: None, steps: 1, ..cfg };
+    let r = finetune(std::path::Path::new(&m), &cfg, &out, tch::Device::Cpu)?;
+    ensure!(r.import.contains("missing (not in the source): encoder.0.self_attn.hybrid_logit") && r.particle_sets == 0, "{}", r.import);
+    Ok(())
+}
+
+#[test]
 fn bad_input_is_named() -> Result<()> {
     let tmp = TempDir::new("compare-bad")?;
     let (m, i) = export(&tmp, "mha", &[])?;

@@ -43,6 +43,43 @@ pub fn pytorch_name(ours: &str) -> Option<String> {
     (matches!(side, "encoder" | "decoder") && known).then(|| format!("{side}.layers.{layer}.{module}.{param}"))
 }
 
+/// The configuration of a `torch.nn.Transformer` read off its parameters (layers, `d_model`,
+/// FFN width, final norms), with `heads` (not recorded in the weights), no dropout and `variant`
+/// in the encoder; an error names what is missing when the parameters are not nn.Transformer's.
+pub fn config_of_pytorch(params: &[(String, Tensor)], heads: i64, variant: Variant) -> Result<TransformerConfig> {
+    let count = |side: &str| (0..).take_while(|i| params.iter().any(|(n, _)| n.starts_with(&format!("{side}.layers.{i}.")))).count();
+    let (encoder_layers, decoder_layers) = (count("encoder"), count("decoder"));
+    let Some((ffn_dim, embed_dim)) = params.iter().find(|(n, _)| n == "encoder.layers.0.linear1.weight").map(|(_, t)| (t.size()[0], t.size()[1])) else {
+        let some: Vec<&str> = params.iter().take(6).map(|(n, _)| n.as_str()).collect();
+        return Err(probattn::Error::Config(format!("no encoder.layers.0.linear1.weight among the parameters ({} ...): not an nn.Transformer", some.join(", "))));
+    };
+    if decoder_layers == 0 {
+        return Err(probattn::Error::Config("no decoder.layers.*: an encoder-decoder nn.Transformer is needed".into()));
+    }
+    if heads < 1 || embed_dim % heads != 0 {
+        return Err(probattn::Error::Config(format!("{heads} heads do not divide d_model {embed_dim}")));
+    }
+    Ok(TransformerConfig {
+        encoder_layers,
+        decoder_layers,
+        embed_dim,
+        heads,
+        ffn_dim,
+        dropout: 0.0,
+        attention_dropout: 0.0,
+        variant,
+        final_norm: params.iter().any(|(n, _)| n == "encoder.norm.weight"),
+        ..TransformerConfig::iwslt()
+    })
+}
+
+/// Maps nn.Transformer's parameter names to those of the variables of `vs` (a [`Transformer`]);
+/// a name with no counterpart passes through unchanged, so an import reports it as unexpected.
+pub fn pytorch_renamer(vs: &nn::VarStore) -> impl Fn(&str) -> Option<String> {
+    let ours: std::collections::HashMap<String, String> = vs.variables().into_keys().filter_map(|n| pytorch_name(&n).map(|p| (p, n))).collect();
+    move |pt: &str| Some(ours.get(pt).cloned().unwrap_or_else(|| pt.to_string()))
+}
+
 /// Sizes and regularization of the stack.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
