@@ -11,6 +11,8 @@
 
     python python/export_torchscript.py probattn-mha --variant dnas --embed-dim 16 --heads 4 --out P.pt ...
 
+    python python/export_torchscript.py gat --features 20 --classes 5 --nodes 30 --out G.pt --inputs IN.safetensors
+
 `mha` is a plain `torch.nn.MultiheadAttention(embed_dim, heads, dropout=0, batch_first=...)`,
 seeded. IN.safetensors holds its forward arguments by name, in the module's layout: `query`,
 `key`, `value` and, with --key-padding, a boolean `key_padding_mask (N, S)` (True = ignored; each
@@ -22,7 +24,9 @@ dropout=0, batch_first=...)` (post-norm, ReLU, with its final encoder and decode
 only (tracing it would need keyword inputs); its inputs are `src (S, N, E)`, `tgt (T, N, E)` and,
 with --key-padding, `src_key_padding_mask (N, S)` and `tgt_key_padding_mask (N, T)`; it is
 called as a sequence-to-sequence model: `tgt_mask` causal, the source mask also the memory's.
-`--time-eager N` prints, as JSON on stdout, the median milliseconds of N eager forward
+`gat` is python/baselines/gat.py's model (8 heads x 8 features, one output head) with seeded
+Glorot weights; its inputs are dense features `x (N, F)` and a random graph with self-loops as
+`dst`, `src` (int64 edge lists, messages flow src -> dst). `--time-eager N` prints, as JSON on stdout, the median milliseconds of N eager forward
 calls on those inputs (the third column of the speed comparison, same threads as the caller).
 
     python python/export_torchscript.py load-state-dict mha --embed-dim 16 --heads 4 --state-dict SD.safetensors
@@ -108,6 +112,13 @@ def build(args, dtype):
         if module.hybrid_logit is not None:
             with torch.no_grad():
                 module.hybrid_logit.copy_(torch.randn(args.heads))
+    elif args.model == "gat":
+        import os
+
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "baselines"))
+        import gat
+
+        module = gat.Gat(args.features, args.classes, 1)
     else:
         module = torch.nn.Transformer(args.embed_dim, args.heads, args.layers, args.layers, args.ffn, dropout=0.0,
                                       batch_first=args.batch_first)
@@ -178,12 +189,18 @@ def main():
     sub.add_parser("mha", help="torch.nn.MultiheadAttention")
     p = sub.add_parser("probattn-mha", help="python/probattn_torch.MultiheadAttention")
     p.add_argument("--variant", default="dnas", help="softmax, dnas, hnas, sinkhorn-N")
+    p = sub.add_parser("gat", help="python/baselines/gat.py's Gat (scripted)")
+    p.add_argument("--features", type=int, default=20)
+    p.add_argument("--classes", type=int, default=5)
+    p.add_argument("--nodes", type=int, default=30)
+    p.add_argument("--degree", type=int, default=3, help="random in-edges per node, besides its self-loop")
     p = sub.add_parser("transformer", help="torch.nn.Transformer (scripted)")
     p.add_argument("--layers", type=int, default=2, help="encoder and decoder layers")
     p.add_argument("--ffn", type=int, default=32, help="dim_feedforward")
-    for p in sub.choices.values():
-        p.add_argument("--embed-dim", type=int, required=True)
-        p.add_argument("--heads", type=int, required=True)
+    for name, p in sub.choices.items():
+        if name != "gat":
+            p.add_argument("--embed-dim", type=int, required=True)
+            p.add_argument("--heads", type=int, required=True)
         p.add_argument("--batch-first", action="store_true")
         p.add_argument("--batch", type=int, default=2)
         p.add_argument("--tgt-len", type=int, default=5)
@@ -198,10 +215,20 @@ def main():
         p.add_argument("--time-eager", type=int, default=0, metavar="N")
     args = parser.parse_args()
     dtype = DTYPES[args.dtype]
-    if args.embed_dim % args.heads:
+    if args.model != "gat" and args.embed_dim % args.heads:
         sys.exit(f"error: --heads {args.heads} does not divide --embed-dim {args.embed_dim}")
     module = build(args, dtype)
-    if args.model in ("mha", "probattn-mha"):
+    if args.model == "gat":
+        g = torch.Generator().manual_seed(args.seed + 1)
+        n = args.nodes
+        x = torch.randn(n, args.features, generator=g, dtype=torch.float64).to(dtype)
+        src = torch.cat([torch.arange(n), torch.randint(0, n, (n * args.degree,), generator=g)])
+        dst = torch.cat([torch.arange(n), torch.arange(n).repeat_interleave(args.degree)])
+        inputs = {"x": x, "dst": dst, "src": src}
+        example, call = (x, dst, src), (lambda: module(x, dst, src))
+        if args.method == "trace":
+            sys.exit("error: gat is exported with --method script only")
+    elif args.model in ("mha", "probattn-mha"):
         inputs = mha_inputs(args, dtype)
         example = tuple(inputs[k] for k in ("query", "key", "value", "key_padding_mask") if k in inputs)
         call = lambda: module(*example)  # noqa: E731

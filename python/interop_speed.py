@@ -11,6 +11,8 @@ Models (float32, eval mode):
   translation  python/baselines/translate.py's model with the small preset's sizes (3+3 layers,
                E 256, FFN 512, vocabulary 8,000; config from results/translate), N 64, S = T = 30
                token ids; seeded random weights (speed does not depend on training)
+  gat          python/baselines/gat.py's model on Cora's sizes (2,708 nodes, 1,433 dense features, 7
+               classes) over a random graph of 13,264 edges with self-loops (Cora has 13,264)
 Writes OUT/speed.json and OUT/speed.md; every number comes from this one run.
 """
 
@@ -85,6 +87,19 @@ def translation(out):
     return m, x, lambda: m(x["src"], x["prev"]), ["--native", "translation", "--heads", str(cfg["model"]["transformer"]["heads"])]
 
 
+def gat(out):
+    import gat as baseline
+
+    torch.manual_seed(0)
+    m = baseline.Gat(1433, 7, 1).eval()
+    n = 2708
+    g = torch.Generator().manual_seed(1)
+    x = {"x": torch.randn(n, 1433, generator=g)}
+    x["src"] = torch.cat([torch.arange(n), torch.randint(0, n, (13264 - n,), generator=g)])
+    x["dst"] = torch.cat([torch.arange(n), torch.randint(0, n, (13264 - n,), generator=g)])
+    return m, x, lambda: m(x["x"], x["dst"], x["src"]), ["--native", "gat"]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--probattn", default="target/release/probattn")
@@ -95,7 +110,7 @@ def main():
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    for name, build in (("mha", mha), ("transformer", transformer), ("translation", translation)):
+    for name, build in (("mha", mha), ("transformer", transformer), ("translation", translation), ("gat", gat)):
         module, inputs, call, native = build(args.out)
         pt, st = os.path.join(args.out, f"{name}.pt"), os.path.join(args.out, f"{name}.inputs.safetensors")
         script(module, pt)

@@ -18,7 +18,9 @@ use clap::{Args, ValueEnum};
 use probattn::interop::{import_params, TorchScript};
 use probattn::{check_finite, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Variant};
 use probattn_models::transformer::{config_of_pytorch, pytorch_renamer, Transformer, TransformerConfig};
+use probattn_models::gat::{Features, Gat, GatConfig};
 use probattn_models::translation::{baseline_name, Seq2Seq, Seq2SeqConfig};
+use probattn::normalize::{EdgeList, Support};
 
 use crate::translate::data::{EOS, PAD};
 use crate::translate::decode::{self, DecodeConfig};
@@ -37,6 +39,9 @@ pub enum NativeModel {
     /// The translation model `Seq2Seq`, for python/baselines/translate.py exported with
     /// `--export-torchscript` (token ids in, logits out).
     Translation,
+    /// `Gat` (two layers over an edge list), for python/baselines/gat.py's model scripted
+    /// (dense features `x`, edges `dst`, `src` in; class logits out).
+    Gat,
 }
 
 /// `--batch-first`.
@@ -488,6 +493,70 @@ fn translation_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::Va
     Ok(TranslationPair { model, src, prev })
 }
 
+/// python/baselines/gat.py's `Gat` and the native [`Gat`]: logits `(N, C)` of dense features
+/// `x (N, F)` over the edges `dst <- src` (self-loops included).
+struct GatPair {
+    model: Gat,
+    x: Tensor,
+    dst: Tensor,
+    src: Tensor,
+}
+
+impl Pair for GatPair {
+    fn inputs(&self) -> Vec<(&'static str, Tensor)> {
+        vec![("x", self.x.shallow_clone())]
+    }
+
+    fn torchscript(&self, ts: &TorchScript, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
+        let out = ts.forward_tensors(&tensor_inputs(xs, [IValue::Tensor(self.dst.shallow_clone()), IValue::Tensor(self.src.shallow_clone())]))?;
+        Ok(vec![("logits", out.into_iter().next().context("the TorchScript module returned no tensor")?.1)])
+    }
+
+    fn native(&self, xs: &[Tensor], _batch_first: bool) -> Result<Vec<(&'static str, Tensor)>> {
+        let n = xs[0].size()[0];
+        let support = Support::Edges(EdgeList::new(self.dst.shallow_clone(), self.src.shallow_clone(), n, n)?);
+        Ok(vec![("logits", self.model.forward(&Features::Dense(xs[0].shallow_clone()), &support, Mode::EVAL)?.logits)])
+    }
+
+    fn fixed_layout(&self) -> Option<bool> {
+        Some(true)
+    }
+}
+
+fn gat_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, device: Device) -> Result<GatPair> {
+    let size = |name: &str| {
+        params.iter().find(|(n, _)| n == name).map(|(_, t)| t.size()).with_context(|| format!("{}: no '{name}' parameter: not python/baselines/gat.py's model", args.torchscript.display()))
+    };
+    let (a1, a2, w1) = (size("l1.att_src")?, size("l2.att_src")?, size("l1.weight")?);
+    let cfg = GatConfig { heads: a1[0], hidden: a1[1], output_heads: a2[0], ..GatConfig::transductive(args.variant) };
+    let model = Gat::new(&vs.root(), w1[0], a2[1], cfg)?;
+    let (x, dst, src) = match &args.inputs {
+        Some(path) => {
+            let mut t = probattn::io::read_safetensors(path).with_context(|| format!("--inputs {}", path.display()))?;
+            let mut take = |n: &str| t.remove(n).with_context(|| format!("--inputs {} has no '{n}' (x (N, F), dst and src int64 (E,))", path.display()));
+            let (x, dst, src) = (take("x")?, take("dst")?, take("src")?);
+            if let Some(other) = t.keys().next() {
+                bail!("--inputs {}: unknown tensor '{other}' (the call takes x, dst, src)", path.display());
+            }
+            (x.to_device(device), dst.to_device(device), src.to_device(device))
+        }
+        None => {
+            let n = args.batch.max(2) * 10;
+            let x = Tensor::randn([n, w1[0]], (Kind::Float, device));
+            let nodes = Tensor::arange(n, (Kind::Int64, device));
+            let src = Tensor::cat(&[nodes.shallow_clone(), Tensor::randint(n, [3 * n], (Kind::Int64, device))], 0);
+            let dst = Tensor::cat(&[nodes.shallow_clone(), nodes.repeat_interleave_self_int(3, None, None)], 0);
+            (x, dst, src)
+        }
+    };
+    ensure!(x.dim() == 2 && x.size()[1] == w1[0] && x.is_floating_point(), "--inputs: x is {:?}{:?}; the model takes floats (N, {})", x.kind(), x.size(), w1[0]);
+    for (name, t) in [("dst", &dst), ("src", &src)] {
+        ensure!(t.kind() == Kind::Int64 && t.dim() == 1 && t.size() == dst.size(), "--inputs: {name} is {:?}{:?}; edges are int64 (E,), dst and src alike", t.kind(), t.size());
+    }
+    check_finite("x", &x)?;
+    Ok(GatPair { model, x, dst, src })
+}
+
 /// Both models' greedy translations of `--greedy-file`, in the same batches.
 fn compare_greedy(args: &CompareArgs, pair: &TranslationPair, ts: &TorchScript, file: &std::path::Path, device: Device) -> Result<GreedyReport> {
     let tok = args.tokenizer.as_deref().context("--greedy-file needs --tokenizer (the run's tokenizer.json)")?;
@@ -533,6 +602,7 @@ fn renamer(native: NativeModel, vs: &nn::VarStore) -> Renamer {
     match native {
         NativeModel::Mha => Box::new(|n: &str| Some(n.to_string())),
         NativeModel::Transformer => Box::new(pytorch_renamer(vs)),
+        NativeModel::Gat => Box::new(|n: &str| Some(n.replacen("l1.", "layer1.", 1).replacen("l2.", "layer2.", 1))),
         NativeModel::Translation => {
             let ours: std::collections::HashMap<String, String> = vs.variables().into_keys().filter_map(|n| baseline_name(&n).map(|b| (b, n))).collect();
             Box::new(move |b: &str| Some(ours.get(b).cloned().unwrap_or_else(|| b.to_string())))
@@ -573,6 +643,7 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
     let pair: Box<dyn Pair> = match args.native {
         NativeModel::Mha => Box::new(mha_pair(args, &saved, &vs, device)?),
         NativeModel::Transformer => Box::new(transformer_pair(args, &saved, &vs, device)?),
+        NativeModel::Gat => Box::new(gat_pair(args, &saved, &vs, device)?),
         NativeModel::Translation => {
             let p = std::rc::Rc::new(translation_pair(args, &saved, &vs, device)?);
             translation = Some(p.clone());

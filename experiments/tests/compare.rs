@@ -191,6 +191,26 @@ fn an_nn_transformer_fine_tunes_with_dnas_and_svgd_heads_and_goes_back() -> Resu
 }
 
 #[test]
+fn the_gat_baseline_agrees() -> Result<()> {
+    let tmp = TempDir::new("compare-gat")?;
+    let gat = |tag: &str, extra: &[&str]| -> Result<(String, String)> {
+        let (m, i) = (tmp.path(&format!("{tag}.pt")).to_string_lossy().to_string(), tmp.path(&format!("{tag}.safetensors")).to_string_lossy().to_string());
+        run_python("export_torchscript.py", &[&["gat", "--out", &m, "--inputs", &i][..], extra].concat())?;
+        Ok((m, i))
+    };
+    let (m, i) = gat("f64", &["--dtype", "float64", "--nodes", "40", "--features", "24", "--classes", "6"])?;
+    let json = compare_native("gat", &m, &i, &["--backward"])?;
+    let (rel, n) = worst(&json)?;
+    ensure!(n == 10 && rel <= 1e-12, "float64 GAT differs by {rel} over {n} tensors: {json}");
+    let (m, i) = gat("f32", &[])?;
+    let json = compare_native("gat", &m, &i, &["--backward"])?;
+    ensure!(worst(&json)?.0 <= 1e-5, "{json}");
+    let json = compare_native("gat", &m, &i, &["--variant", "dnas"])?;
+    ensure!(worst(&json)?.0 > 1e-3, "DNAS and softmax GAT agreed: {json}");
+    Ok(())
+}
+
+#[test]
 fn bad_input_is_named() -> Result<()> {
     let tmp = TempDir::new("compare-bad")?;
     let (m, i) = export(&tmp, "mha", &[])?;

@@ -25,6 +25,7 @@ import tempfile
 import time
 
 import warnings
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -58,23 +59,24 @@ class GatLayer(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(heads, f_out))
         self.heads, self.f_out, self.concat = heads, f_out, concat
 
-    def forward(self, x, dst, src, n, p, sparse=None):
+    def forward(self, x: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, n: int, p: float,
+                sparse: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         if sparse is not None:  # CSR (crow, cols, values): dropout on the non-zeros, then x W
             crow, cols, values = sparse
-            x = torch.sparse_csr_tensor(crow, cols, F.dropout(values, p, self.training), (n, self.weight.shape[0]))
-            wh = x.mm(self.weight)
+            xs = torch.sparse_csr_tensor(crow, cols, F.dropout(values, p, self.training), (n, self.weight.shape[0]))
+            wh = xs.mm(self.weight)
         else:
             wh = F.dropout(x, p, self.training) @ self.weight
         wh = wh.view(n, self.heads, self.f_out)
         e = (wh * self.att_dst).sum(-1)[dst] + (wh * self.att_src).sum(-1)[src]  # (E, H)
         e = F.leaky_relu(e, 0.2).t()  # (H, E)
         idx = dst.unsqueeze(0).expand_as(e)
-        shift = e.new_full((self.heads, n), float("-inf")).scatter_reduce(1, idx, e.detach(), "amax").gather(1, idx)
+        shift = torch.full((self.heads, n), float("-inf"), dtype=e.dtype, device=e.device).scatter_reduce(1, idx, e.detach(), "amax").gather(1, idx)
         ex = (e - shift).exp()
-        alpha = ex / e.new_zeros(self.heads, n).scatter_add(1, idx, ex).gather(1, idx)
+        alpha = ex / torch.zeros(self.heads, n, dtype=e.dtype, device=e.device).scatter_add(1, idx, ex).gather(1, idx)
         alpha = F.dropout(alpha, p, self.training)
         values = F.dropout(wh, p, self.training)
-        out = wh.new_zeros(n, self.heads, self.f_out).index_add(0, dst, values[src] * alpha.t()[..., None]) + self.bias
+        out = torch.zeros(n, self.heads, self.f_out, dtype=wh.dtype, device=wh.device).index_add(0, dst, values[src] * alpha.t()[..., None]) + self.bias
         return out.reshape(n, -1) if self.concat else out.mean(1)
 
 
@@ -84,8 +86,16 @@ class Gat(torch.nn.Module):
         self.l1 = GatLayer(f_in, 8, 8, True)
         self.l2 = GatLayer(64, classes, out_heads, False)
 
-    def forward(self, sparse, dst, src, n):
-        h = F.elu(self.l1(None, dst, src, n, 0.6, sparse))
+    def forward(self, x: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Dense features `x (N, F)` over the edges `dst <- src` (self-loops included): the call a
+        TorchScript export (`torch.jit.script(model)`) offers, for `probattn compare --native gat`."""
+        n = x.size(0)
+        return self.l2(F.elu(self.l1(x, dst, src, n, 0.6)), dst, src, n, 0.6)
+
+    @torch.jit.unused
+    def forward_sparse(self, sparse, dst, src, n):
+        """Training's call: CSR features, dropout on their stored entries only."""
+        h = F.elu(self.l1(torch.empty(0), dst, src, n, 0.6, sparse))
         return self.l2(h, dst, src, n, 0.6)
 
 
@@ -107,14 +117,14 @@ def run(graph, seed, pubmed, max_epochs, patience):
     for epoch in range(max_epochs):
         epochs = epoch + 1
         model.train()
-        logits = model(sparse, dst, src, n)
+        logits = model.forward_sparse(sparse, dst, src, n)
         loss = F.cross_entropy(logits[train], labels[train])
         opt.zero_grad()
         loss.backward()
         opt.step()
         model.eval()
         with torch.no_grad():
-            logits = model(sparse, dst, src, n)
+            logits = model.forward_sparse(sparse, dst, src, n)
             val_loss = float(F.cross_entropy(logits[val], labels[val]))
             val_acc = float((logits[val].argmax(-1) == labels[val]).double().mean())
         if val_acc >= best_acc or val_loss <= best_loss:
@@ -130,7 +140,7 @@ def run(graph, seed, pubmed, max_epochs, patience):
     model.load_state_dict(kept)
     model.eval()
     with torch.no_grad():
-        logits = model(sparse, dst, src, n)
+        logits = model.forward_sparse(sparse, dst, src, n)
     test_acc = float((logits[test].argmax(-1) == labels[test]).double().mean())
     return {"seed": seed, "val_acc": kept_val[0], "val_loss": kept_val[1], "test_acc": test_acc, "best_epoch": best_epoch,
             "epochs": epochs, "train_seconds": seconds, "epoch_ms": 1e3 * seconds / epochs}
