@@ -19,11 +19,8 @@ Writes OUT/speed.json and OUT/speed.md; every number comes from this one run.
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
-import warnings
 
 import torch
 from safetensors.torch import save_file
@@ -31,25 +28,7 @@ from safetensors.torch import save_file
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "baselines"))
-
-
-def median_ms(fn, repeats):
-    with torch.no_grad():
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
-
-
-def script(module, path):
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.jit.*deprecated.*")
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-        torch.jit.script(module).save(path)
+from export_torchscript import export, median_ms  # noqa: E402
 
 
 def mha(out):
@@ -113,7 +92,7 @@ def main():
     for name, build in (("mha", mha), ("transformer", transformer), ("translation", translation), ("gat", gat)):
         module, inputs, call, native = build(args.out)
         pt, st = os.path.join(args.out, f"{name}.pt"), os.path.join(args.out, f"{name}.inputs.safetensors")
-        script(module, pt)
+        export(module, None, "script", pt)
         save_file({k: v.contiguous() for k, v in inputs.items()}, st)
         eager = median_ms(call, args.repeats)
         res = subprocess.run([args.probattn, "compare", "--torchscript", pt, "--inputs", st, "--json", "--threads", str(args.threads),
