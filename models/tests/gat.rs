@@ -13,6 +13,7 @@ use tch::{nn, Kind};
 
 #[test]
 fn gat_layer_matches_the_pytorch_baseline() -> Result<()> {
+    let _serial = common::serial();
     let dir = TempDir::new("parity-gat")?;
     run_python("parity.py", &["gat-cases", "--out", &dir.0.to_string_lossy(), "--seed", "9"])?;
     for case in manifest(&dir.0)? {
@@ -44,6 +45,8 @@ fn gat_layer_matches_the_pytorch_baseline() -> Result<()> {
 
 #[test]
 fn sparse_and_dense_inputs_give_the_same_layer_output() -> Result<()> {
+    // libtorch's generator is global: without the lock another test's draws interleave with ours.
+    let _serial = common::serial();
     tch::manual_seed(5);
     let x = tch::Tensor::rand([6, 9], (Kind::Float, tch::Device::Cpu)).lt(0.3).to_kind(Kind::Float);
     let vs = nn::VarStore::new(tch::Device::Cpu);
@@ -64,6 +67,7 @@ fn pubmed_configuration_trains_on_a_synthetic_graph() -> Result<()> {
     // Pubmed's files are incomplete here; its architecture (8 averaged output heads) still runs.
     use probattn_models::gat::Gat;
     use tch::nn::OptimizerConfig;
+    let _serial = common::serial();
     tch::manual_seed(6);
     let (n, features, classes) = (30, 12, 3);
     let x = tch::Tensor::rand([n, features], (Kind::Float, tch::Device::Cpu));
