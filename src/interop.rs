@@ -111,6 +111,12 @@ impl TorchScript {
             ))
         })?;
         module.f_set_eval()?;
+        if device != Device::Cpu {
+            // `load_on_device` moves the parameters but leaves registered buffers where they were
+            // saved (tch-rs #822); `to` moves both (and keeps the floating dtype it is given).
+            let kind = module.named_parameters().ok().and_then(|p| p.first().map(|(_, t)| t.kind())).unwrap_or(Kind::Float);
+            module.to(device, kind, false);
+        }
         Ok(Self { module, path: path.into(), device })
     }
 
