@@ -14,6 +14,7 @@ pub mod plot;
 pub mod provenance;
 pub mod report;
 pub mod translate;
+pub mod vqa_eval;
 
 use clap::{Parser, Subcommand};
 
@@ -44,6 +45,8 @@ pub enum Command {
     Compare(compare::CompareArgs),
     /// A trained translate checkpoint's weights as a PyTorch state dict (the baseline's names).
     Export(export::ExportArgs),
+    /// The official VQA accuracy of a results file (overall, per answer type, per question type).
+    VqaEval(vqa_eval::VqaEvalArgs),
 }
 
 pub fn run(cli: &Cli) -> anyhow::Result<()> {
@@ -56,5 +59,6 @@ pub fn run(cli: &Cli) -> anyhow::Result<()> {
         Command::Translate(args) => translate::run(args),
         Command::Compare(args) => compare::run(args),
         Command::Export(args) => export::run(args),
+        Command::VqaEval(args) => vqa_eval::run(args),
     }
 }
