@@ -178,8 +178,9 @@ impl TorchScript {
         })
     }
 
-    /// Calls `forward` and returns its tensor outputs in order (a tensor, or a tuple or list of
-    /// tensors and `None`s, the `None`s dropped with their positions kept in the names).
+    /// Calls `forward` and returns its tensor outputs with their positions (a tensor, or a tuple
+    /// or list of tensors and `None`s: the `None`s are dropped, the positions say where each
+    /// tensor was).
     pub fn forward_tensors(&self, inputs: &[IValue]) -> Result<Vec<(usize, Tensor)>> {
         let out = self.call("forward", inputs)?;
         let items = match out {

@@ -85,7 +85,7 @@ pub struct CompareArgs {
     /// Seed of the random inputs (without --inputs) and of the backward pass's output gradient.
     #[arg(long, default_value_t = 0)]
     pub seed: i64,
-    /// Random inputs: batch size N.
+    /// Random inputs: batch size N (gat: a graph of 10·N nodes).
     #[arg(long, default_value_t = 2)]
     pub batch: i64,
     /// Random inputs: query length L.
