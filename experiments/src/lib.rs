@@ -14,6 +14,7 @@ pub mod plot;
 pub mod provenance;
 pub mod report;
 pub mod translate;
+pub mod vqa;
 pub mod vqa_eval;
 
 use clap::{Parser, Subcommand};
@@ -45,6 +46,8 @@ pub enum Command {
     Compare(compare::CompareArgs),
     /// A trained translate checkpoint's weights as a PyTorch state dict (the baseline's names).
     Export(export::ExportArgs),
+    /// Multi-view VQA fusion (UNAS, DNAS, HNAS, BAM) on Sort-of-CLEVR or easy-VQA, with reports.
+    Vqa(Box<vqa::VqaArgs>),
     /// The official VQA accuracy of a results file (overall, per answer type, per question type).
     VqaEval(vqa_eval::VqaEvalArgs),
 }
@@ -59,6 +62,7 @@ pub fn run(cli: &Cli) -> anyhow::Result<()> {
         Command::Translate(args) => translate::run(args),
         Command::Compare(args) => compare::run(args),
         Command::Export(args) => export::run(args),
+        Command::Vqa(args) => vqa::run(args),
         Command::VqaEval(args) => vqa_eval::run(args),
     }
 }

@@ -2,12 +2,13 @@
 //!
 //! - [`transformer`]: the encoder–decoder stack of the translation experiments (fairseq's
 //!   `transformer_iwslt_de_en` sizes), with any normalizer and the repulsive hook.
-//!
-//! Planned, one file per model: GAT node classification (Velickovic et al. 2018, with BAM and
-//! DNAS attention) and the multi-view VQA fusion of Ding et al. 2020 (appendix B).
+//! - [`translation`]: the translation model around it (shared embeddings, positions).
+//! - [`gat`]: GAT node classification (Velickovic et al. 2018) with any normalizer.
+//! - [`vqa`]: the multi-view VQA fusion of Ding et al. 2020 (Appendix B) and a Pythia-lite head.
 
 pub mod gat;
 pub mod transformer;
 pub mod translation;
+pub mod vqa;
 
 pub use probattn;

@@ -1,0 +1,695 @@
+//! `probattn vqa`: the DNAS paper's multi-view VQA fusion (Ding et al. 2020, Sec. 6.1, Table 1,
+//! Fig. 1 and 3, Appendix B) and the BAM paper's VQA uncertainty measures (Fan et al. 2020,
+//! Sec. 4.2), on Sort-of-CLEVR (our seeded generator) and easy-VQA. Facts and recipe:
+//! shared/docs/PAPER-NOTES.md sections 1, 2 and 4.
+//!
+//! Pipeline: python/vqa_data.py writes images, questions and detector labels; python/
+//! vqa_detectors.py trains three CNN backbones on those labels (training images only) and saves
+//! them as TorchScript; here they are loaded with libtorch, run once over every image, and their
+//! region features cached; then [`probattn_models::vqa::VqaModel`] (fusion + Pythia-lite head) is
+//! trained per seed with Adam and early stopping on validation accuracy, and the kept weights
+//! answer the test questions. Reports: accuracy per question type, the mass every secondary box
+//! receives (Fig. 1), HNAS's `u` during training (Fig. 3), and for stochastic fusions Monte Carlo
+//! prediction with PAvPU and calibration error, clean and with noisy features.
+
+pub mod data;
+pub mod uncertainty;
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use clap::{Args, ValueEnum};
+use probattn::normalize::BamConfig;
+use probattn::{Mode, NormalizerConfig, Variant};
+use probattn_models::vqa::{VqaConfig, VqaModel};
+use serde::{Deserialize, Serialize};
+use tch::nn::{self, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+
+use crate::common::CommonArgs;
+use crate::plot::{line_chart, Series};
+use crate::provenance::{run_dir, run_python, write_json, Provenance};
+use crate::report::{markdown_table, mean_std, progress_bar};
+use data::{cached_features, detectors_in, DetectorSpec, Questions, VqaData};
+use uncertainty::{McReport, McSettings};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Dataset {
+    /// Sort-of-CLEVR from our seeded generator (python/vqa_data.py sort-of-clevr).
+    SortOfClevr,
+    /// easy-VQA from PyPI (python/vqa_data.py easy-vqa installs it).
+    EasyVqa,
+}
+
+impl Dataset {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::SortOfClevr => "sort-of-clevr",
+            Self::EasyVqa => "easy-vqa",
+        }
+    }
+}
+
+/// The fusions `--fusion all` trains, in Table 1's order, then HNAS and BAM.
+pub const ALL_FUSIONS: [&str; 5] = ["none", "softmax", "dnas", "hnas", "bam-wc"];
+
+/// Flags of `probattn vqa`.
+#[derive(Args, Debug, Clone)]
+pub struct VqaArgs {
+    /// Dataset: sort-of-clevr or easy-vqa.
+    #[arg(long, value_enum, default_value = "sort-of-clevr")]
+    pub dataset: Dataset,
+    /// Data folder written by python/vqa_data.py (default: data/vqa/<dataset>, or
+    /// data/vqa/<dataset>-quick with --quick); generated there when absent.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Folder of detectors written by python/vqa_detectors.py (default: <data>/detectors);
+    /// trained there when absent.
+    #[arg(long)]
+    pub detectors: Option<PathBuf>,
+    /// A TorchScript detector, `(B, 3, H, W)` floats in [0, 1] to `(B, regions, dim)`; give it
+    /// once per view, the primary first (overrides --detectors).
+    #[arg(long = "detector")]
+    pub detector: Vec<PathBuf>,
+    /// Fusion: none (concatenated views), softmax (UNAS), dnas, hnas, sinkhorn-N, bam-*, or all
+    /// (none, softmax, dnas, hnas, bam-wc).
+    #[arg(long, default_value = "dnas")]
+    pub fusion: String,
+    /// Number of runs, with seeds seed-start, seed-start + 1, ...
+    #[arg(long, default_value_t = 3)]
+    pub seeds: u64,
+    /// The first seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed_start: u64,
+    /// Output folder (default: runs/vqa/<UTC stamp>-<dataset>-<fusion>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Stop after this many epochs.
+    #[arg(long, default_value_t = 30)]
+    pub max_epochs: usize,
+    /// Early stopping: epochs without a better validation accuracy.
+    #[arg(long, default_value_t = 4)]
+    pub patience: usize,
+    /// Questions per batch.
+    #[arg(long, default_value_t = 64)]
+    pub batch: i64,
+    /// Adam learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+    /// Transformer layers over the fused boxes in the head (0: a top-down glimpse alone).
+    #[arg(long, default_value_t = 2)]
+    pub reasoning_layers: usize,
+    /// Top-down attention glimpses.
+    #[arg(long, default_value_t = 2)]
+    pub glimpses: i64,
+    /// Width of the head.
+    #[arg(long, default_value_t = 128)]
+    pub hidden: i64,
+    /// Make view K (0 = primary) unreliable: Gaussian noise of --noise-std added to its
+    /// features in every split.
+    #[arg(long, requires = "noise_std")]
+    pub noisy_view: Option<usize>,
+    /// Standard deviation of --noisy-view's noise.
+    #[arg(long, requires = "noisy_view")]
+    pub noise_std: Option<f64>,
+    /// The BAM paper's noisy test: `scale · N(0, 1)`, one draw broadcast over the batch, added to
+    /// every view's test features for the noisy half of the uncertainty report.
+    #[arg(long, default_value_t = 1.0)]
+    pub eval_noise: f64,
+    /// Monte Carlo samples for the uncertainty report of stochastic fusions (BAM: 20).
+    #[arg(long, default_value_t = 20)]
+    pub mc_samples: usize,
+    /// Override the BAM Weibull shape k.
+    #[arg(long)]
+    pub k: Option<f64>,
+    /// Override the BAM KL weight.
+    #[arg(long)]
+    pub kl_weight: Option<f64>,
+    /// A small run that finishes in minutes on 2 cores: 1,000 training images, detectors
+    /// trained 2 epochs, one seed, at most 4 epochs.
+    #[arg(long)]
+    pub quick: bool,
+    #[command(flatten)]
+    pub common: CommonArgs,
+}
+
+/// Everything that defines one configuration's runs (config.json, results.json).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VqaRunConfig {
+    pub dataset: String,
+    pub model: VqaConfig,
+    pub detectors: Vec<DetectorSpec>,
+    pub lr: f64,
+    pub batch: i64,
+    pub max_epochs: usize,
+    pub patience: usize,
+    /// The KL term's weight (BAM with a prior).
+    pub kl_weight: f64,
+    pub noisy_view: Option<usize>,
+    pub noise_std: Option<f64>,
+    pub eval_noise: f64,
+    pub mc_samples: usize,
+    /// Where the BAM settings come from.
+    pub preset: String,
+}
+
+/// BAM's settings for VQA: the BAM authors' ALBERT script (k = 10, KL weight 1, prior hidden 10;
+/// PAPER-NOTES section 2); their VQA values are not published. Not tuned here yet.
+fn bam_preset(variant: Variant) -> (String, BamConfig, f64) {
+    match variant {
+        Variant::Bam(_) => ("BAM authors' ALBERT script defaults (k 10, KL weight 1); not tuned".into(), BamConfig { k: 10.0, ..Default::default() }, 1.0),
+        _ => ("none".into(), BamConfig::default(), 0.0),
+    }
+}
+
+/// One run's outcome.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunResult {
+    pub seed: u64,
+    pub val_acc: f64,
+    pub test_acc: f64,
+    /// Test accuracy per question type.
+    pub test_acc_by_type: BTreeMap<String, f64>,
+    /// Test accuracy over the relational and the non-relational types (Sort-of-CLEVR).
+    pub test_acc_relational: Option<f64>,
+    pub test_acc_nonrelational: Option<f64>,
+    pub best_epoch: usize,
+    pub epochs: usize,
+    pub train_seconds: f64,
+    pub epoch_seconds: f64,
+    /// HNAS: the final `u` of each secondary view.
+    pub hnas_u: Option<Vec<f64>>,
+    /// The fusion weights on the test images (attention fusions).
+    pub explained_away: Option<ExplainedAway>,
+    /// Monte Carlo prediction (stochastic fusions).
+    pub uncertainty: Option<McReport>,
+}
+
+/// Fig. 1's statistics: the mass `Σ_i π_ij` each secondary box receives, over the test images.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ExplainedAway {
+    /// Boxes counted (test images x secondary boxes of every view).
+    pub boxes: usize,
+    /// The share with mass below 1e-8 (the paper's ε-explained-away).
+    pub share_below_1e8: f64,
+    /// The share with `log mass < -20` (the reading of Fig. 1's cut).
+    pub share_log_below_minus20: f64,
+    /// The smallest mass times the number of keys (DNAS guarantees >= 1: Theorem 2).
+    pub min_mass_times_keys: f64,
+    /// The histogram of `log mass` (natural log): bin edges and counts.
+    pub log_mass_edges: Vec<f64>,
+    pub log_mass_counts: Vec<u64>,
+}
+
+const LOG_MASS_BINS: (f64, f64, usize) = (-60.0, 5.0, 65);
+
+fn histogram(values: &[f64]) -> (Vec<f64>, Vec<u64>) {
+    let (lo, hi, n) = LOG_MASS_BINS;
+    let width = (hi - lo) / n as f64;
+    let mut counts = vec![0u64; n];
+    for &v in values {
+        let b = ((v.clamp(lo, hi - 1e-9) - lo) / width) as usize;
+        counts[b.min(n - 1)] += 1;
+    }
+    ((0..=n).map(|i| lo + width * i as f64).collect(), counts)
+}
+
+/// The loaded data and features on the device.
+struct Prepared {
+    data: VqaData,
+    /// Per view `(N_images, regions, dim)` on the device.
+    views: Vec<Tensor>,
+    relational: Vec<bool>,
+}
+
+impl Prepared {
+    /// The features of `images` (rows), per view.
+    fn gather(&self, images: &Tensor) -> Vec<Tensor> {
+        self.views.iter().map(|v| v.index_select(0, images)).collect()
+    }
+}
+
+/// A batch of one split, on the device.
+struct Batch {
+    views: Vec<Tensor>,
+    tokens: Tensor,
+    answer: Tensor,
+    kind: Tensor,
+}
+
+fn batch_of(p: &Prepared, q: &Questions, idx: &Tensor, device: Device) -> Batch {
+    let images = q.image.index_select(0, idx).to_device(device);
+    Batch { views: p.gather(&images), tokens: q.tokens.index_select(0, idx).to_device(device), answer: q.answer.index_select(0, idx).to_device(device), kind: q.kind.index_select(0, idx) }
+}
+
+/// Correct answers per question type over a split, eval mode.
+fn evaluate(model: &VqaModel, p: &Prepared, split: &str, device: Device) -> Result<(f64, Vec<(u64, u64)>)> {
+    let q = &p.data.splits[split];
+    let types = p.data.meta.types.len();
+    let mut per_type = vec![(0u64, 0u64); types];
+    tch::no_grad(|| -> Result<()> {
+        for start in (0..q.len()).step_by(1024) {
+            let idx = Tensor::arange_start(start, (start + 1024).min(q.len()), (Kind::Int64, Device::Cpu));
+            let b = batch_of(p, q, &idx, device);
+            let out = model.forward(&b.views, &b.tokens, Mode::EVAL)?;
+            let hit = Vec::<bool>::try_from(out.logits.argmax(-1, false).eq_tensor(&b.answer).to_device(Device::Cpu))?;
+            let kind = Vec::<i64>::try_from(&b.kind)?;
+            for (h, k) in hit.into_iter().zip(kind) {
+                per_type[k as usize].0 += u64::from(h);
+                per_type[k as usize].1 += 1;
+            }
+        }
+        Ok(())
+    })?;
+    let (hit, total) = per_type.iter().fold((0, 0), |a, t| (a.0 + t.0, a.1 + t.1));
+    Ok((hit as f64 / total.max(1) as f64, per_type))
+}
+
+/// Fig. 1: the received mass of every secondary box on the test images, per view summed over
+/// the primary's boxes (eval mode: deterministic weights).
+fn explained_away(model: &VqaModel, p: &Prepared, device: Device) -> Result<Option<(ExplainedAway, Vec<f64>)>> {
+    if model.config().fusion.is_none() {
+        return Ok(None);
+    }
+    let q = &p.data.splits["test"];
+    let images = q.image.unique_dim(0, true, false, false).0; // the test images, once each
+    let (mut logs, mut min_scaled) = (vec![], f64::INFINITY);
+    tch::no_grad(|| -> Result<()> {
+        for start in (0..images.size()[0]).step_by(256) {
+            let rows = images.narrow(0, start, 256.min(images.size()[0] - start)).to_device(device);
+            let fused = model.fusion.forward(&p.gather(&rows), Mode::EVAL)?;
+            for w in &fused.weights {
+                // (B, 1, N_P, N_s) -> (B, N_s) in float64 (the log of a float32 underflow is -inf)
+                let mass = probattn::diagnostics::received_mass(&w.to_kind(Kind::Double)).squeeze_dim(1);
+                let keys = mass.size()[1] as f64;
+                min_scaled = min_scaled.min(f64::try_from(mass.min())? * keys);
+                logs.extend(Vec::<f64>::try_from(mass.log().clamp_min(-745.0).flatten(0, -1).to_device(Device::Cpu))?);
+            }
+        }
+        Ok(())
+    })?;
+    let n = logs.len().max(1) as f64;
+    let (edges, counts) = histogram(&logs);
+    let report = ExplainedAway {
+        boxes: logs.len(),
+        share_below_1e8: logs.iter().filter(|&&l| l < 1e-8f64.ln()).count() as f64 / n,
+        share_log_below_minus20: logs.iter().filter(|&&l| l < -20.0).count() as f64 / n,
+        min_mass_times_keys: min_scaled,
+        log_mass_edges: edges,
+        log_mass_counts: counts,
+    };
+    Ok(Some((report, logs)))
+}
+
+fn kl_of(out: &probattn_models::vqa::VqaOutput) -> Option<Tensor> {
+    out.kl.as_ref().map(|k| k.shallow_clone())
+}
+
+/// Trains one model from `seed`; appends per-epoch metrics (and HNAS's `u`) to `metrics`.
+fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metrics: &mut impl Write, gates: &mut Vec<(f64, Vec<f64>)>) -> Result<(RunResult, VqaModel, nn::VarStore)> {
+    tch::manual_seed(seed as i64);
+    let vs = nn::VarStore::new(device);
+    let model = VqaModel::new(&vs.root(), cfg.model.clone())?;
+    let mut opt = nn::Adam::default().build(&vs, cfg.lr)?;
+    let variables = vs.trainable_variables();
+    let mut kept: Vec<Tensor> = variables.iter().map(|v| v.detach().copy()).collect();
+    let train = &p.data.splits["train"];
+    let steps_per_epoch = (train.len() + cfg.batch - 1) / cfg.batch;
+    let (mut best, mut best_epoch, mut waited, mut epochs) = (-1.0f64, 0usize, 0usize, 0usize);
+    let start = Instant::now();
+    for epoch in 0..cfg.max_epochs {
+        epochs = epoch + 1;
+        tch::manual_seed((seed * 1_000 + epoch as u64) as i64);
+        let order = Tensor::randperm(train.len(), (Kind::Int64, Device::Cpu));
+        let bar = progress_bar(steps_per_epoch as u64, format!("{} seed {seed} epoch {epoch}", cfg.model.fusion_name()))?;
+        let (mut loss_sum, mut kl_sum) = (0.0, 0.0);
+        for step in 0..steps_per_epoch {
+            let idx = order.narrow(0, step * cfg.batch, cfg.batch.min(train.len() - step * cfg.batch));
+            let b = batch_of(p, train, &idx, device);
+            let out = model.forward(&b.views, &b.tokens, Mode::TRAIN)?;
+            let mut loss = out.logits.cross_entropy_for_logits(&b.answer);
+            if let Some(kl) = kl_of(&out) {
+                if cfg.kl_weight != 0.0 {
+                    loss = loss + &kl * cfg.kl_weight;
+                }
+                kl_sum += f64::try_from(kl.detach())?;
+            }
+            opt.backward_step(&loss);
+            loss_sum += f64::try_from(loss.detach())?;
+            if step % 50 == 0 {
+                if let Some(u) = model.fusion.gates() {
+                    let step_global = (epoch as i64 * steps_per_epoch + step) as f64;
+                    gates.push((step_global, Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))?));
+                }
+                bar.set_message(format!("loss {:.3}", loss_sum / (step + 1) as f64));
+            }
+            bar.inc(1);
+        }
+        bar.finish_and_clear();
+        let train_loss = loss_sum / steps_per_epoch as f64;
+        ensure!(train_loss.is_finite(), "training loss became {train_loss} in epoch {epoch} (seed {seed})");
+        let (val_acc, _) = evaluate(&model, p, "val", device)?;
+        let u = model.fusion.gates().map(|u| Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))).transpose()?;
+        writeln!(metrics, "{}", serde_json::json!({"seed": seed, "epoch": epoch, "train_loss": train_loss, "kl": kl_sum / steps_per_epoch as f64, "val_acc": val_acc, "hnas_u": u, "seconds": start.elapsed().as_secs_f64()}))?;
+        metrics.flush()?;
+        println!("{} seed {seed} epoch {epoch:3}: train loss {train_loss:.4}, val acc {val_acc:.4}, {:.0} s", cfg.model.fusion_name(), start.elapsed().as_secs_f64());
+        if val_acc > best {
+            best = val_acc;
+            best_epoch = epoch;
+            waited = 0;
+            tch::no_grad(|| {
+                for (k, v) in kept.iter_mut().zip(&variables) {
+                    k.copy_(v);
+                }
+            });
+        } else {
+            waited += 1;
+            if waited >= cfg.patience {
+                break;
+            }
+        }
+    }
+    let train_seconds = start.elapsed().as_secs_f64();
+    tch::no_grad(|| {
+        for (v, k) in variables.iter().zip(&kept) {
+            v.shallow_clone().copy_(k);
+        }
+    });
+    let (test_acc, per_type) = evaluate(&model, p, "test", device)?;
+    let types = &p.data.meta.types;
+    let test_acc_by_type = types.iter().zip(&per_type).map(|(t, (h, n))| (t.clone(), *h as f64 / (*n).max(1) as f64)).collect();
+    let group = |relational: bool| {
+        let (h, n) = per_type.iter().zip(&p.relational).filter(|(_, &r)| r == relational).fold((0, 0), |a, ((h, n), _)| (a.0 + h, a.1 + n));
+        (n > 0).then(|| h as f64 / n as f64)
+    };
+    let hnas_u = model.fusion.gates().map(|u| Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))).transpose()?;
+    let result = RunResult {
+        seed,
+        val_acc: best,
+        test_acc,
+        test_acc_by_type,
+        test_acc_relational: group(true),
+        test_acc_nonrelational: group(false),
+        best_epoch,
+        epochs,
+        train_seconds,
+        epoch_seconds: train_seconds / epochs.max(1) as f64,
+        hnas_u,
+        explained_away: None,
+        uncertainty: None,
+    };
+    Ok((result, model, vs))
+}
+
+/// The results of one fusion over seeds (results.json).
+#[derive(Debug, Serialize)]
+pub struct VqaResults {
+    pub dataset: String,
+    pub fusion: String,
+    pub config: VqaRunConfig,
+    pub runs: Vec<RunResult>,
+    pub test_acc_mean: f64,
+    pub test_acc_std: f64,
+    pub test_acc_by_type_mean: BTreeMap<String, f64>,
+    pub test_acc_relational_mean: Option<f64>,
+    pub test_acc_relational_std: Option<f64>,
+    pub test_acc_nonrelational_mean: Option<f64>,
+    pub test_acc_nonrelational_std: Option<f64>,
+    pub val_acc_mean: f64,
+    pub epoch_seconds_mean: f64,
+    /// Where the features came from.
+    pub features: String,
+    pub provenance: Provenance,
+}
+
+fn run_fusion(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: &[DetectorSpec], features: &str, dir: &Path, device: Device) -> Result<VqaResults> {
+    let (preset, mut bam, mut kl_weight) = bam_preset(fusion.unwrap_or_default());
+    let mut preset = preset;
+    if let Some(k) = args.k {
+        bam.k = k;
+        preset += " with --k";
+    }
+    if let (Some(w), Some(Variant::Bam(_))) = (args.kl_weight, fusion) {
+        kl_weight = w;
+        preset += " with --kl-weight";
+    }
+    let meta = &p.data.meta;
+    let model = VqaConfig {
+        view_regions: p.views.iter().map(|v| v.size()[1]).collect(),
+        feature_dim: p.views[0].size()[2],
+        fusion,
+        key_dim: p.views[0].size()[2],
+        attention_dropout: 0.1,
+        normalizer: NormalizerConfig { hybrid_init_u: 0.5, bam },
+        vocab: meta.vocab.len() as i64,
+        word_dim: 64,
+        question_dim: 128,
+        hidden: args.hidden,
+        reasoning_layers: args.reasoning_layers,
+        reasoning_heads: 4,
+        glimpses: args.glimpses,
+        dropout: 0.1,
+        answers: meta.answers.len() as i64,
+    };
+    let cfg = VqaRunConfig {
+        dataset: meta.dataset.clone(),
+        model,
+        detectors: detectors.to_vec(),
+        lr: args.lr,
+        batch: args.batch,
+        max_epochs: args.max_epochs,
+        patience: args.patience,
+        kl_weight,
+        noisy_view: args.noisy_view,
+        noise_std: args.noise_std,
+        eval_noise: args.eval_noise,
+        mc_samples: args.mc_samples,
+        preset,
+    };
+    write_json(&dir.join("config.json"), &cfg)?;
+    let metrics_path = dir.join("metrics.jsonl");
+    let mut metrics = std::io::BufWriter::new(std::fs::File::create(&metrics_path).with_context(|| format!("creating {}", metrics_path.display()))?);
+    let mut runs = vec![];
+    let mut gate_series = vec![];
+    let mut log_masses = vec![];
+    for seed in args.seed_start..args.seed_start + args.seeds {
+        let mut gates = vec![];
+        let (mut run, model, _vs) = train_run(p, &cfg, seed, device, &mut metrics, &mut gates)?;
+        if let Some((report, logs)) = explained_away(&model, p, device)? {
+            run.explained_away = Some(report);
+            log_masses.push((seed, logs));
+        }
+        if fusion.is_some_and(Variant::is_stochastic) {
+            let settings = McSettings { samples: cfg.mc_samples, eval_noise: cfg.eval_noise, seed };
+            run.uncertainty = Some(uncertainty::report(&model, p, &settings, device)?);
+        }
+        if !gates.is_empty() {
+            gate_series.push((seed, gates));
+        }
+        println!(
+            "{} {:8} seed {seed:3}: test acc {:.4} (relational {}, non-relational {}), val acc {:.4} (epoch {} of {}), {:.1} s/epoch",
+            meta.dataset,
+            cfg.model.fusion_name(),
+            run.test_acc,
+            run.test_acc_relational.map_or("-".into(), |a| format!("{a:.4}")),
+            run.test_acc_nonrelational.map_or("-".into(), |a| format!("{a:.4}")),
+            run.val_acc,
+            run.best_epoch,
+            run.epochs,
+            run.epoch_seconds
+        );
+        runs.push(run);
+    }
+    metrics.flush()?;
+    if !gate_series.is_empty() {
+        let series: Vec<Series> = gate_series
+            .iter()
+            .flat_map(|(seed, g)| (0..g[0].1.len()).map(move |view| Series { name: format!("seed {seed}, view {}", view + 1), points: g.iter().map(|(s, u)| (*s, u[view])).collect() }))
+            .collect();
+        line_chart(&dir.join("hnas_u.svg"), "HNAS mixing weight u during training (Fig. 3)", "update", "u", &series)?;
+    }
+    if !log_masses.is_empty() {
+        let series: Vec<Series> = log_masses
+            .iter()
+            .map(|(seed, logs)| {
+                let (edges, counts) = histogram(logs);
+                let n = logs.len().max(1) as f64;
+                Series { name: format!("seed {seed}"), points: counts.iter().enumerate().map(|(i, c)| (0.5 * (edges[i] + edges[i + 1]), *c as f64 / n)).collect() }
+            })
+            .collect();
+        line_chart(&dir.join("log_mass.svg"), &format!("log Σ_i π_ij per secondary box, {} (Fig. 1)", cfg.model.fusion_name()), "log received mass", "share of boxes", &series)?;
+    }
+    let stats = |f: &dyn Fn(&RunResult) -> Option<f64>| {
+        let v: Vec<f64> = runs.iter().filter_map(f).collect();
+        (!v.is_empty()).then(|| mean_std(&v))
+    };
+    let (test_acc_mean, test_acc_std) = mean_std(&runs.iter().map(|r| r.test_acc).collect::<Vec<_>>());
+    let rel = stats(&|r| r.test_acc_relational);
+    let nonrel = stats(&|r| r.test_acc_nonrelational);
+    let test_acc_by_type_mean = meta.types.iter().map(|t| (t.clone(), mean_std(&runs.iter().map(|r| r.test_acc_by_type[t]).collect::<Vec<_>>()).0)).collect();
+    let results = VqaResults {
+        dataset: meta.dataset.clone(),
+        fusion: cfg.model.fusion_name(),
+        val_acc_mean: mean_std(&runs.iter().map(|r| r.val_acc).collect::<Vec<_>>()).0,
+        epoch_seconds_mean: mean_std(&runs.iter().map(|r| r.epoch_seconds).collect::<Vec<_>>()).0,
+        config: cfg,
+        runs,
+        test_acc_mean,
+        test_acc_std,
+        test_acc_by_type_mean,
+        test_acc_relational_mean: rel.map(|s| s.0),
+        test_acc_relational_std: rel.map(|s| s.1),
+        test_acc_nonrelational_mean: nonrel.map(|s| s.0),
+        test_acc_nonrelational_std: nonrel.map(|s| s.1),
+        features: features.to_string(),
+        provenance: Provenance::gather(device),
+    };
+    write_json(&dir.join("results.json"), &results)?;
+    Ok(results)
+}
+
+/// The markdown table of several fusions' results.
+pub fn table(results: &[VqaResults]) -> String {
+    let pct = |m: Option<f64>, s: Option<f64>| m.map_or("-".into(), |m| format!("{:.2} ± {:.2}", 100.0 * m, 100.0 * s.unwrap_or(0.0)));
+    let rows: Vec<Vec<String>> = results
+        .iter()
+        .map(|r| {
+            let ea = r.runs.iter().filter_map(|x| x.explained_away.as_ref()).map(|e| e.share_below_1e8).collect::<Vec<_>>();
+            let min_mass = r.runs.iter().filter_map(|x| x.explained_away.as_ref()).map(|e| e.min_mass_times_keys).fold(f64::INFINITY, f64::min);
+            let pavpu = r.runs.iter().filter_map(|x| x.uncertainty.as_ref()).map(|u| (u.clean.pavpu_05, u.noisy.pavpu_05)).collect::<Vec<_>>();
+            vec![
+                r.fusion.clone(),
+                pct(Some(r.test_acc_mean), Some(r.test_acc_std)),
+                pct(r.test_acc_relational_mean, r.test_acc_relational_std),
+                pct(r.test_acc_nonrelational_mean, r.test_acc_nonrelational_std),
+                format!("{:.2}", 100.0 * r.val_acc_mean),
+                if ea.is_empty() { "-".into() } else { format!("{:.1}", 100.0 * mean_std(&ea).0) },
+                if min_mass.is_finite() { format!("{min_mass:.3}") } else { "-".into() },
+                if pavpu.is_empty() { "-".into() } else { format!("{:.2} / {:.2}", 100.0 * mean_std(&pavpu.iter().map(|p| p.0).collect::<Vec<_>>()).0, 100.0 * mean_std(&pavpu.iter().map(|p| p.1).collect::<Vec<_>>()).0) },
+                r.runs.len().to_string(),
+                format!("{:.1}", r.epoch_seconds_mean),
+            ]
+        })
+        .collect();
+    markdown_table(
+        &["fusion", "test acc (%)", "relational (%)", "non-relational (%)", "val acc (%)", "ε-explained-away boxes (%)", "min mass × keys", "PAvPU clean / noisy (%)", "seeds", "s/epoch"],
+        &rows,
+    )
+}
+
+/// The default data folder of a dataset.
+fn default_data_dir(dataset: Dataset, quick: bool) -> PathBuf {
+    PathBuf::from("data/vqa").join(if quick { format!("{}-quick", dataset.name()) } else { dataset.name().to_string() })
+}
+
+/// Makes sure the data and detectors exist (generating them with the project's Python when
+/// absent) and returns the detectors, primary first.
+fn prepare_inputs(args: &VqaArgs, data_dir: &Path, threads: i32) -> Result<Vec<DetectorSpec>> {
+    if !data_dir.join("meta.json").exists() {
+        let out = data_dir.to_string_lossy().to_string();
+        eprintln!("{}: no data yet; writing it with python/vqa_data.py", data_dir.display());
+        let mut py: Vec<&str> = vec![args.dataset.name(), "--out", &out];
+        if args.quick && args.dataset == Dataset::SortOfClevr {
+            py.extend(["--train", "1000", "--val", "200", "--test", "200"]);
+        }
+        run_python("vqa_data.py", &py).context("generating the VQA data")?;
+    }
+    if !args.detector.is_empty() {
+        ensure!(args.detector.len() >= 2, "--detector must be given at least twice (a primary and a secondary view), got once");
+        return Ok(args.detector.iter().enumerate().map(|(i, p)| DetectorSpec { name: format!("view{i}"), path: p.clone() }).collect());
+    }
+    let dir = args.detectors.clone().unwrap_or_else(|| data_dir.join("detectors"));
+    if !dir.join("detectors.json").exists() {
+        if args.detectors.is_some() {
+            bail!("{} has no detectors.json (write detectors with `python python/vqa_detectors.py --data {} --out {}`)", dir.display(), data_dir.display(), dir.display());
+        }
+        eprintln!("{}: no detectors yet; training them with python/vqa_detectors.py (minutes)", dir.display());
+        let (d, o, t) = (data_dir.to_string_lossy().to_string(), dir.to_string_lossy().to_string(), threads.to_string());
+        let epochs = if args.quick { "2" } else { "8" };
+        run_python("vqa_detectors.py", &["--data", &d, "--out", &o, "--epochs", epochs, "--threads", &t]).context("training the detectors")?;
+    }
+    detectors_in(&dir)
+}
+
+pub fn run(args: &VqaArgs) -> Result<()> {
+    let device = args.common.setup()?;
+    let quick;
+    let args = if args.quick {
+        quick = VqaArgs { seeds: 1, max_epochs: args.max_epochs.min(4), mc_samples: args.mc_samples.min(5), ..args.clone() };
+        &quick
+    } else {
+        args
+    };
+    ensure!(args.seeds >= 1, "--seeds must be at least 1");
+    ensure!(args.max_epochs >= 1 && args.patience >= 1, "--max-epochs and --patience must be at least 1");
+    ensure!(args.batch >= 1, "--batch must be at least 1");
+    ensure!(args.lr > 0.0 && args.lr.is_finite(), "--lr must be positive");
+    ensure!(args.mc_samples >= 2, "--mc-samples must be at least 2 (PAvPU's t-test compares samples)");
+    if let Some(s) = args.noise_std {
+        ensure!(s >= 0.0 && s.is_finite(), "--noise-std must be a non-negative number, got {s}");
+    }
+    let fusions: Vec<Option<Variant>> = if args.fusion == "all" { ALL_FUSIONS.to_vec() } else { vec![args.fusion.as_str()] }
+        .into_iter()
+        .map(|f| if f == "none" { Ok(None) } else { f.parse::<Variant>().map(Some).context("--fusion") })
+        .collect::<Result<_>>()?;
+    let data_dir = args.data.clone().unwrap_or_else(|| default_data_dir(args.dataset, args.quick));
+    let detectors = prepare_inputs(args, &data_dir, tch::get_num_threads())?;
+    let data = VqaData::load(&data_dir)?;
+    ensure!(data.meta.dataset == args.dataset.name(), "{} holds {} data, not {} (--dataset)", data_dir.display(), data.meta.dataset, args.dataset.name());
+    let start = Instant::now();
+    let (features, cache, hit) = cached_features(&data, &detectors, device)?;
+    eprintln!("features: {} ({}, {:.1} s)", cache.display(), if hit { "cached" } else { "extracted" }, start.elapsed().as_secs_f64());
+    let mut views = features.views;
+    if let (Some(k), Some(std)) = (args.noisy_view, args.noise_std) {
+        ensure!(k < views.len(), "--noisy-view {k}: there are only {} views (0 = primary)", views.len());
+        tch::manual_seed(1_000_003);
+        views[k] = &views[k] + views[k].randn_like() * std;
+    }
+    let views: Vec<Tensor> = views.into_iter().map(|v| v.to_device(device)).collect();
+    let relational = data.relational();
+    let split = |s: &str| data.splits[s].len();
+    println!(
+        "{}: {} images, {} answers, train/val/test questions {}/{}/{}; views {}; device {}, {} threads",
+        data.meta.dataset,
+        data.images.size()[0],
+        data.meta.answers.len(),
+        split("train"),
+        split("val"),
+        split("test"),
+        detectors.iter().zip(&views).map(|(d, v)| format!("{} {:?}", d.name, &v.size()[1..])).collect::<Vec<_>>().join(", "),
+        probattn::device::device_name(device),
+        tch::get_num_threads()
+    );
+    let prepared = Prepared { data, views, relational };
+    let dir = run_dir(args.out.as_deref(), "vqa", &format!("{}-{}", args.dataset.name(), args.fusion))?;
+    let features_note = format!("{} ({})", cache.display(), detectors.iter().map(|d| d.path.display().to_string()).collect::<Vec<_>>().join(", "));
+    let mut all = vec![];
+    for fusion in fusions {
+        let name = fusion.map_or_else(|| "none".to_string(), |v| v.to_string());
+        let sub = if args.fusion == "all" { dir.join(&name) } else { dir.clone() };
+        std::fs::create_dir_all(&sub)?;
+        all.push(run_fusion(&prepared, args, fusion, &detectors, &features_note, &sub, device)?);
+    }
+    let table = table(&all);
+    println!("\n{} ({} seed(s) from {}):\n{table}", args.dataset.name(), args.seeds, args.seed_start);
+    probattn::io::write_bytes_atomic(&dir.join("summary.md"), table.as_bytes())?;
+    if all.len() > 1 {
+        let series: Vec<Series> = all
+            .iter()
+            .filter_map(|r| {
+                let runs: Vec<&ExplainedAway> = r.runs.iter().filter_map(|x| x.explained_away.as_ref()).collect();
+                let first = runs.first()?;
+                let total: f64 = runs.iter().map(|e| e.boxes as f64).sum();
+                let points = (0..first.log_mass_counts.len()).map(|i| (0.5 * (first.log_mass_edges[i] + first.log_mass_edges[i + 1]), runs.iter().map(|e| e.log_mass_counts[i] as f64).sum::<f64>() / total)).collect();
+                Some(Series { name: r.fusion.clone(), points })
+            })
+            .collect();
+        line_chart(&dir.join("log_mass.svg"), "log Σ_i π_ij per secondary box on the test images (Fig. 1)", "log received mass", "share of boxes", &series)?;
+    }
+    println!("results in {}", dir.display());
+    Ok(())
+}

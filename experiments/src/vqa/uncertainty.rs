@@ -1,0 +1,160 @@
+//! Uncertainty of stochastic fusions (BAM), as the BAM group's VQA code measures it
+//! (Bayesian_Attention_Belief_Networks `utils/vqaEval.py`; PAPER-NOTES section 4): Monte Carlo
+//! prediction with sampled attention and no dropout; an answer is *uncertain* when Welch's t-test
+//! between the sampled probabilities of the two most probable answers gives p above a threshold;
+//! `PAvPU = mean(uncertain · (1 - accurate) + (1 - uncertain) · accurate)`. Also the expected
+//! calibration error of the mean prediction (15 equal-width confidence bins). "Noisy": the BAM
+//! paper's setting, `scale · N(0, 1)` drawn once per view and added to every test example's
+//! features.
+
+use anyhow::Result;
+use probattn::mc::monte_carlo;
+use probattn::Mode;
+use probattn_models::vqa::VqaModel;
+use serde::{Deserialize, Serialize};
+use statrs::distribution::{ContinuousCDF, StudentsT};
+use tch::{Device, Kind, Tensor};
+
+use super::{batch_of, Prepared};
+
+/// Monte Carlo settings.
+pub struct McSettings {
+    pub samples: usize,
+    pub eval_noise: f64,
+    pub seed: u64,
+}
+
+/// The measures of one test pass.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct McMetrics {
+    /// Accuracy of the Monte Carlo mean.
+    pub accuracy: f64,
+    /// PAvPU at the t-test thresholds p > 0.01, 0.05, 0.1.
+    pub pavpu_01: f64,
+    pub pavpu_05: f64,
+    pub pavpu_10: f64,
+    /// The share of answers called uncertain at p > 0.05.
+    pub uncertain_05: f64,
+    /// Expected calibration error of the mean prediction (15 bins).
+    pub ece: f64,
+}
+
+/// Clean and noisy test measures.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct McReport {
+    pub samples: usize,
+    pub eval_noise: f64,
+    pub clean: McMetrics,
+    pub noisy: McMetrics,
+}
+
+/// Two-sided p-value of Welch's t-test between two samples of size `n` given their means and
+/// sample variances (scipy's `ttest_ind(equal_var=False)`). Equal samples with no spread: 1;
+/// different ones with no spread: 0.
+pub fn welch_p(m1: f64, v1: f64, m2: f64, v2: f64, n: usize) -> f64 {
+    let n = n as f64;
+    let (a, b) = (v1 / n, v2 / n);
+    if a + b <= 0.0 {
+        return if m1 == m2 { 1.0 } else { 0.0 };
+    }
+    let t = (m1 - m2) / (a + b).sqrt();
+    let df = (a + b).powi(2) / (a * a / (n - 1.0) + b * b / (n - 1.0));
+    match StudentsT::new(0.0, 1.0, df) {
+        Ok(dist) => (2.0 * (1.0 - dist.cdf(t.abs()))).clamp(0.0, 1.0),
+        Err(_) => 1.0,
+    }
+}
+
+/// Expected calibration error over `bins` equal-width confidence bins.
+pub fn ece(confidence: &[f64], correct: &[bool], bins: usize) -> f64 {
+    let mut sums = vec![(0.0f64, 0.0f64, 0usize); bins];
+    for (&c, &ok) in confidence.iter().zip(correct) {
+        let b = ((c * bins as f64) as usize).min(bins - 1);
+        sums[b].0 += c;
+        sums[b].1 += f64::from(u8::from(ok));
+        sums[b].2 += 1;
+    }
+    let n = confidence.len().max(1) as f64;
+    sums.iter().filter(|s| s.2 > 0).map(|(c, a, k)| (*k as f64 / n) * ((a - c) / *k as f64).abs()).sum()
+}
+
+/// PAvPU of `uncertain` and `correct` flags.
+pub fn pavpu(uncertain: &[bool], correct: &[bool]) -> f64 {
+    let hits = uncertain.iter().zip(correct).filter(|(u, c)| u != c).count();
+    hits as f64 / uncertain.len().max(1) as f64
+}
+
+fn measure(model: &VqaModel, p: &Prepared, noise: Option<&[Tensor]>, samples: usize, device: Device) -> Result<McMetrics> {
+    let q = &p.data.splits["test"];
+    let (mut correct, mut confidence, mut pvals) = (vec![], vec![], vec![]);
+    tch::no_grad(|| -> Result<()> {
+        for start in (0..q.len()).step_by(1024) {
+            let idx = Tensor::arange_start(start, (start + 1024).min(q.len()), (Kind::Int64, Device::Cpu));
+            let mut b = batch_of(p, q, &idx, device);
+            if let Some(noise) = noise {
+                b.views = b.views.iter().zip(noise).map(|(v, n)| v + n).collect();
+            }
+            let pred = monte_carlo(samples, |_| Ok(model.forward(&b.views, &b.tokens, Mode::MONTE_CARLO)?.logits.softmax(-1, Kind::Double)))?;
+            let (top, ids) = pred.mean.topk(2, -1, true, true); // (B, 2)
+            let std = pred.std.gather(1, &ids, false); // (B, 2), population std
+            let var = std.square() * (samples as f64 / (samples as f64 - 1.0));
+            let m = Vec::<f64>::try_from(top.flatten(0, -1).to_device(Device::Cpu))?;
+            let v = Vec::<f64>::try_from(var.flatten(0, -1).to_device(Device::Cpu))?;
+            let answer = Vec::<i64>::try_from(b.answer.to_device(Device::Cpu))?;
+            let best = Vec::<i64>::try_from(ids.select(1, 0).to_device(Device::Cpu))?;
+            for i in 0..answer.len() {
+                correct.push(best[i] == answer[i]);
+                confidence.push(m[2 * i]);
+                pvals.push(welch_p(m[2 * i], v[2 * i], m[2 * i + 1], v[2 * i + 1], samples));
+            }
+        }
+        Ok(())
+    })?;
+    let uncertain = |threshold: f64| pvals.iter().map(|&p| p > threshold).collect::<Vec<_>>();
+    let u05 = uncertain(0.05);
+    Ok(McMetrics {
+        accuracy: correct.iter().filter(|&&c| c).count() as f64 / correct.len().max(1) as f64,
+        pavpu_01: pavpu(&uncertain(0.01), &correct),
+        pavpu_05: pavpu(&u05, &correct),
+        pavpu_10: pavpu(&uncertain(0.1), &correct),
+        uncertain_05: u05.iter().filter(|&&u| u).count() as f64 / u05.len().max(1) as f64,
+        ece: ece(&confidence, &correct, 15),
+    })
+}
+
+/// Monte Carlo test measures of `model`, clean and with the BAM paper's feature noise.
+pub(super) fn report(model: &VqaModel, p: &Prepared, settings: &McSettings, device: Device) -> Result<McReport> {
+    tch::manual_seed(settings.seed as i64 + 7_777);
+    let clean = measure(model, p, None, settings.samples, device)?;
+    let noise: Vec<Tensor> = p.views.iter().map(|v| Tensor::randn(&v.size()[1..], (Kind::Float, device)) * settings.eval_noise).collect();
+    let noisy = measure(model, p, Some(&noise), settings.samples, device)?;
+    Ok(McReport { samples: settings.samples, eval_noise: settings.eval_noise, clean, noisy })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn welch_matches_scipy() {
+        // scipy 1.17.1: ttest_ind([1, 2, 3, 4], [2, 4, 6, 9], equal_var=False).pvalue = 0.16470207962805658
+        let (a, b) = ([1.0, 2.0, 3.0, 4.0], [2.0, 4.0, 6.0, 9.0]);
+        let stats = |x: &[f64]| {
+            let m = x.iter().sum::<f64>() / 4.0;
+            (m, x.iter().map(|v| (v - m).powi(2)).sum::<f64>() / 3.0)
+        };
+        let ((m1, v1), (m2, v2)) = (stats(&a), stats(&b));
+        let p = welch_p(m1, v1, m2, v2, 4);
+        assert!((p - 0.164_702_079_628_056_58).abs() < 1e-9, "{p}");
+        assert_eq!(welch_p(0.5, 0.0, 0.5, 0.0, 20), 1.0);
+        assert_eq!(welch_p(0.6, 0.0, 0.4, 0.0, 20), 0.0);
+    }
+
+    #[test]
+    fn calibration_and_pavpu() {
+        // Two bins: confidence 0.95 right once of two (gap 0.45), 0.25 wrong (gap 0.25).
+        let e = ece(&[0.95, 0.95, 0.25], &[true, false, false], 15);
+        assert!((e - (2.0 / 3.0 * 0.45 + 1.0 / 3.0 * 0.25)).abs() < 1e-12, "{e}");
+        assert_eq!(pavpu(&[true, false, false, true], &[false, true, false, true]), 0.5);
+    }
+}

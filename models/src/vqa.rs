@@ -1,0 +1,293 @@
+//! Multi-view VQA: the DNAS paper's fusion of several detectors' box features (Ding et al. 2020,
+//! Sec. 6.1 and Appendix B), then a Pythia-lite answer head.
+//!
+//! Fusion. View 0 is the *primary* detector, views 1.. the *secondary* ones. The primary boxes
+//! give the queries `q_i = Q x^P_i`; each secondary view `s` gives keys `k^s_j = K_s x^s_j` and
+//! its features, untransformed, as values:
+//!
+//! `y_i = LayerNorm(x^P_i + Σ_s Σ_j π^s_ij x^s_j)`,   `π^s = normalize(q k^sᵀ / sqrt(d))`,
+//!
+//! one head, dropout on `π` in training (0.1), any normalizer of the seam (UNAS = softmax, DNAS,
+//! HNAS with `u` initialised at 0.5, Sinkhorn, BAM); each secondary view has its own `K_s` and
+//! normalizer (so HNAS learns one `u` per view). The no-attention baseline concatenates every
+//! view's boxes and normalizes them with the same LayerNorm.
+//!
+//! Head (after Pythia, Jiang et al. 2018, reduced): the question through word embeddings and a
+//! GRU (the state at its last word); optionally `reasoning_layers` Transformer encoder layers over
+//! the fused boxes with the question added to every box (softmax self-attention, the same for
+//! every fusion, so that the fusion is the only difference between variants); then top-down
+//! attention with `glimpses` glimpses, `a_g = softmax_j(w_gᵀ relu(W_v z_j ⊙ W_q q))`, the attended
+//! boxes joined with the question by an element-wise product, and a two-layer classifier.
+
+use probattn::{attend, AttendOptions, Error, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Normalizer, NormalizerConfig, Result, Variant};
+use serde::{Deserialize, Serialize};
+use tch::nn::{self, Module, RNN};
+use tch::{Kind, Tensor};
+
+/// The architecture (the training recipe lives with the experiment).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VqaConfig {
+    /// Regions per view, primary first (informational: any count works at run time).
+    pub view_regions: Vec<i64>,
+    /// Feature size of every view's boxes (the values are untransformed, so all views share it).
+    pub feature_dim: i64,
+    /// The fusion's normalizer; `None`: no attention, the views' boxes concatenated.
+    pub fusion: Option<Variant>,
+    /// Query/key size of the fusion attention (default: `feature_dim`).
+    pub key_dim: i64,
+    /// Dropout on the fusion weights in training (0.1, Appendix B).
+    pub attention_dropout: f64,
+    /// HNAS's initial `u` (0.5 for VQA), BAM's settings.
+    #[serde(default)]
+    pub normalizer: NormalizerConfig,
+    /// Question vocabulary size (token 0 is padding).
+    pub vocab: i64,
+    /// Word embedding size.
+    pub word_dim: i64,
+    /// GRU state size.
+    pub question_dim: i64,
+    /// Width of the head.
+    pub hidden: i64,
+    /// Transformer encoder layers over the fused boxes (0: none).
+    pub reasoning_layers: usize,
+    /// Heads of those layers.
+    pub reasoning_heads: i64,
+    /// Top-down attention glimpses.
+    pub glimpses: i64,
+    /// Dropout in the head (classifier input, reasoning layers).
+    pub dropout: f64,
+    /// Answer vocabulary size.
+    pub answers: i64,
+}
+
+impl VqaConfig {
+    /// The fusion's name: the variant, or `none`.
+    pub fn fusion_name(&self) -> String {
+        self.fusion.map_or_else(|| "none".into(), |v| v.to_string())
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.view_regions.len() < 2 {
+            return Err(Error::Config(format!("multi-view fusion needs a primary and at least one secondary view, got {} view(s)", self.view_regions.len())));
+        }
+        for (name, v) in [("feature_dim", self.feature_dim), ("key_dim", self.key_dim), ("vocab", self.vocab), ("word_dim", self.word_dim), ("question_dim", self.question_dim), ("hidden", self.hidden), ("glimpses", self.glimpses), ("answers", self.answers)] {
+            if v < 1 {
+                return Err(Error::Config(format!("{name} must be at least 1, got {v}")));
+            }
+        }
+        if self.reasoning_layers > 0 && (self.reasoning_heads < 1 || self.hidden % self.reasoning_heads != 0) {
+            return Err(Error::Config(format!("reasoning_heads ({}) must divide hidden ({})", self.reasoning_heads, self.hidden)));
+        }
+        for (name, p) in [("attention_dropout", self.attention_dropout), ("dropout", self.dropout)] {
+            if !(0.0..1.0).contains(&p) {
+                return Err(Error::Config(format!("{name} must lie in [0, 1), got {p}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What the fusion returns.
+#[derive(Debug)]
+pub struct Fused {
+    /// `(B, N, D)`: the primary's N boxes fused (or every view's boxes concatenated).
+    pub boxes: Tensor,
+    /// Per secondary view, `(B, 1, N_P, N_s)`: the fusion weights before dropout.
+    pub weights: Vec<Tensor>,
+    /// The normalizers' KL terms summed (BAM with a prior, when sampling).
+    pub kl: Option<Tensor>,
+}
+
+/// The multi-view fusion layer of Appendix B.
+#[derive(Debug)]
+pub struct MultiViewFusion {
+    query: Option<nn::Linear>,
+    keys: Vec<nn::Linear>,
+    normalizers: Vec<Box<dyn Normalizer>>,
+    norm: nn::LayerNorm,
+    dropout: f64,
+}
+
+impl MultiViewFusion {
+    pub fn new(p: &nn::Path, cfg: &VqaConfig) -> Result<Self> {
+        let secondary = cfg.view_regions.len() - 1;
+        let (mut keys, mut normalizers) = (vec![], vec![]);
+        let query = match cfg.fusion {
+            None => None,
+            Some(variant) => {
+                for s in 0..secondary {
+                    let path = p / format!("view{}", s + 1);
+                    keys.push(nn::linear(&path / "key", cfg.feature_dim, cfg.key_dim, Default::default()));
+                    normalizers.push(variant.build(&(&path / "normalizer"), 1, cfg.key_dim, &cfg.normalizer)?);
+                }
+                Some(nn::linear(p / "query", cfg.feature_dim, cfg.key_dim, Default::default()))
+            }
+        };
+        let norm = nn::layer_norm(p / "norm", vec![cfg.feature_dim], Default::default());
+        Ok(Self { query, keys, normalizers, norm, dropout: cfg.attention_dropout })
+    }
+
+    /// `views[0]` the primary `(B, N_P, D)`, then the secondaries `(B, N_s, D)`.
+    pub fn forward(&self, views: &[Tensor], mode: Mode) -> Result<Fused> {
+        let Some(query) = &self.query else {
+            return Ok(Fused { boxes: self.norm.forward(&Tensor::cat(views, 1)), weights: vec![], kl: None });
+        };
+        let primary = &views[0];
+        let q = query.forward(primary).unsqueeze(1); // (B, 1, N_P, d)
+        let (mut sum, mut weights, mut kl) = (primary.shallow_clone(), vec![], None::<Tensor>);
+        for ((x, key), normalizer) in views[1..].iter().zip(&self.keys).zip(&self.normalizers) {
+            let k = key.forward(x).unsqueeze(1); // (B, 1, N_s, d)
+            let v = x.unsqueeze(1); // (B, 1, N_s, D)
+            let out = attend(&q, &k, &v, &Masks::default(), normalizer.as_ref(), AttendOptions { mode, dropout: self.dropout, noise: None })?;
+            sum = sum + out.output.squeeze_dim(1); // (B, N_P, D)
+            weights.push(out.weights);
+            if let Some(term) = out.kl {
+                kl = Some(match kl {
+                    Some(acc) => acc + term,
+                    None => term,
+                });
+            }
+        }
+        Ok(Fused { boxes: self.norm.forward(&sum), weights, kl })
+    }
+
+    /// HNAS's mixing weight `u` of each secondary view, `(views - 1,)`; `None` for other fusions.
+    pub fn gates(&self) -> Option<Tensor> {
+        let gates: Option<Vec<Tensor>> = self.normalizers.iter().map(|n| n.gate()).collect();
+        gates.filter(|g| !g.is_empty()).map(|g| Tensor::cat(&g, 0))
+    }
+}
+
+#[derive(Debug)]
+struct ReasoningLayer {
+    attn: MultiHeadAttention,
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+    norm1: nn::LayerNorm,
+    norm2: nn::LayerNorm,
+    dropout: f64,
+}
+
+impl ReasoningLayer {
+    fn new(p: &nn::Path, cfg: &VqaConfig) -> Result<Self> {
+        let mut mha = MhaConfig::new(cfg.hidden, cfg.reasoning_heads);
+        mha.dropout = cfg.dropout;
+        Ok(Self {
+            attn: MultiHeadAttention::new(&(p / "self_attn"), mha)?,
+            fc1: nn::linear(p / "linear1", cfg.hidden, 2 * cfg.hidden, Default::default()),
+            fc2: nn::linear(p / "linear2", 2 * cfg.hidden, cfg.hidden, Default::default()),
+            norm1: nn::layer_norm(p / "norm1", vec![cfg.hidden], Default::default()),
+            norm2: nn::layer_norm(p / "norm2", vec![cfg.hidden], Default::default()),
+            dropout: cfg.dropout,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let a = self.attn.forward_t(&MhaInput::self_attention(x), train)?.context;
+        let x = self.norm1.forward(&(x + a.dropout(self.dropout, train)));
+        let f = self.fc2.forward(&self.fc1.forward(&x).relu());
+        Ok(self.norm2.forward(&(&x + f.dropout(self.dropout, train))))
+    }
+}
+
+/// What [`VqaModel::forward`] returns.
+#[derive(Debug)]
+pub struct VqaOutput {
+    /// `(B, answers)`.
+    pub logits: Tensor,
+    /// The fusion's weights per secondary view, `(B, 1, N_P, N_s)`.
+    pub fusion_weights: Vec<Tensor>,
+    /// The fusion's KL term (BAM with a prior, when sampling).
+    pub kl: Option<Tensor>,
+}
+
+/// Fusion, question encoder, reasoning layers, top-down attention and classifier.
+#[derive(Debug)]
+pub struct VqaModel {
+    cfg: VqaConfig,
+    pub fusion: MultiViewFusion,
+    embed: nn::Embedding,
+    gru: nn::GRU,
+    box_proj: nn::Linear,
+    box_question: nn::Linear,
+    reasoning: Vec<ReasoningLayer>,
+    att_box: nn::Linear,
+    att_question: nn::Linear,
+    att_logits: nn::Linear,
+    glimpse_proj: nn::Linear,
+    question_proj: nn::Linear,
+    classifier1: nn::Linear,
+    classifier2: nn::Linear,
+}
+
+impl VqaModel {
+    pub fn new(p: &nn::Path, cfg: VqaConfig) -> Result<Self> {
+        cfg.validate()?;
+        let (d, h, q) = (cfg.feature_dim, cfg.hidden, cfg.question_dim);
+        let lin = |name: &str, i: i64, o: i64| nn::linear(p / name, i, o, Default::default());
+        let rnn = nn::RNNConfig { batch_first: true, ..Default::default() };
+        let reasoning = (0..cfg.reasoning_layers).map(|l| ReasoningLayer::new(&(p / "reasoning" / l), &cfg)).collect::<Result<_>>()?;
+        Ok(Self {
+            fusion: MultiViewFusion::new(&(p / "fusion"), &cfg)?,
+            embed: nn::embedding(p / "embed", cfg.vocab, cfg.word_dim, Default::default()),
+            gru: nn::gru(p / "gru", cfg.word_dim, q, rnn),
+            box_proj: lin("box_proj", d, h),
+            box_question: lin("box_question", q, h),
+            reasoning,
+            att_box: lin("att_box", h, h),
+            att_question: lin("att_question", q, h),
+            att_logits: lin("att_logits", h, cfg.glimpses),
+            glimpse_proj: lin("glimpse_proj", cfg.glimpses * h, h),
+            question_proj: lin("question_proj", q, h),
+            classifier1: lin("classifier1", h, h),
+            classifier2: lin("classifier2", h, cfg.answers),
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &VqaConfig {
+        &self.cfg
+    }
+
+    /// The question's encoding `(B, question_dim)`: the GRU state at each question's last word.
+    /// `tokens (B, L)` int64, 0 = padding after the words; every question has at least one word.
+    pub fn encode_question(&self, tokens: &Tensor) -> Tensor {
+        let (out, _) = self.gru.seq(&self.embed.forward(tokens)); // (B, L, Q)
+        let last = (tokens.ne(0).sum_dim_intlist(&[1i64][..], false, Kind::Int64) - 1).clamp_min(0); // (B,)
+        let index = last.view([-1, 1, 1]).expand([-1, 1, out.size()[2]], false);
+        out.gather(1, &index, false).squeeze_dim(1)
+    }
+
+    /// `views`: per detector `(B, N_v, D)`, primary first; `tokens (B, L)`.
+    pub fn forward(&self, views: &[Tensor], tokens: &Tensor, mode: Mode) -> Result<VqaOutput> {
+        if views.len() != self.cfg.view_regions.len() {
+            return Err(Error::Shape(format!("the model was built for {} views, got {}", self.cfg.view_regions.len(), views.len())));
+        }
+        for (i, v) in views.iter().enumerate() {
+            let s = v.size();
+            if s.len() != 3 || s[2] != self.cfg.feature_dim || s[0] != views[0].size()[0] {
+                return Err(Error::Shape(format!("view {i} has shape {s:?}; expected (B, regions, {}) with the primary's batch", self.cfg.feature_dim)));
+            }
+        }
+        let train = mode.dropout;
+        let fused = self.fusion.forward(views, mode)?;
+        let q = self.encode_question(tokens); // (B, Q)
+        let mut z = self.box_proj.forward(&fused.boxes); // (B, N, H)
+        if !self.reasoning.is_empty() {
+            z = z + self.box_question.forward(&q).unsqueeze(1);
+            for layer in &self.reasoning {
+                z = layer.forward(&z, train)?;
+            }
+        }
+        let joint = (self.att_box.forward(&z) * self.att_question.forward(&q).unsqueeze(1)).relu(); // (B, N, H)
+        let logits = self.att_logits.forward(&joint.dropout(self.cfg.dropout, train)); // (B, N, G)
+        let att = logits.softmax(1, logits.kind());
+        let glimpses = att.transpose(1, 2).matmul(&z).flatten(1, 2); // (B, G * H)
+        let v = self.glimpse_proj.forward(&glimpses).relu();
+        let fused_q = v * self.question_proj.forward(&q).relu(); // (B, H)
+        let hidden = self.classifier1.forward(&fused_q.dropout(self.cfg.dropout, train)).relu();
+        let logits = self.classifier2.forward(&hidden.dropout(self.cfg.dropout, train));
+        Ok(VqaOutput { logits, fusion_weights: fused.weights, kl: fused.kl })
+    }
+}

@@ -1,0 +1,211 @@
+"""Multi-view VQA in plain PyTorch: the same fusion, head and recipe as `probattn vqa`, over the
+same cached region features, printing a results JSON, so accuracy and time per epoch compare on
+one machine:
+
+    python python/baselines/vqa.py --data data/vqa/sort-of-clevr --features FEATURES.safetensors \
+        --fusion dnas --seeds 1 --threads 2 [--export-torchscript model.pt]
+
+(`probattn vqa` prints the features file it used; it is `<data>/features/<key>.safetensors`.)
+
+Model (models/src/vqa.rs, Ding et al. 2020 Appendix B): primary boxes give queries, each secondary
+view keys through its own linear map and its features untransformed as values;
+y = LayerNorm(x_P + sum_s softmax-or-dnas-or-hnas(q k_s^T / sqrt(d)) x_s), one head, dropout 0.1 on
+the weights; no-attention: the views' boxes concatenated, then the LayerNorm. Head: word
+embeddings + GRU (state at the last word); `--reasoning-layers` post-norm Transformer encoder
+layers over the boxes plus the projected question; top-down attention with glimpses; element-wise
+product with the question; two-layer classifier. Adam, cross-entropy, early stopping on validation
+accuracy. Sub-module names follow the Rust model's parameter paths.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+
+def normalize(variant: str, z, hybrid_logit):
+    """z (B, 1, Nq, Nk) -> weights over the keys of each query."""
+    if variant == "softmax":
+        return torch.softmax(z, -1)
+    dnas = torch.softmax(z - torch.logsumexp(z, -2, keepdim=True), -1)
+    if variant == "dnas":
+        return dnas
+    u = torch.sigmoid(hybrid_logit).view(1, -1, 1, 1)
+    return u * dnas + (1 - u) * torch.softmax(z, -1)
+
+
+class View(nn.Module):
+    def __init__(self, dim, key_dim, variant, init_u):
+        super().__init__()
+        self.key = nn.Linear(dim, key_dim)
+        self.normalizer = nn.Module()
+        if variant == "hnas":
+            self.normalizer.hybrid_logit = nn.Parameter(torch.full((1,), math.log(init_u / (1 - init_u))))
+
+
+class Fusion(nn.Module):
+    def __init__(self, dim, views, variant):
+        super().__init__()
+        self.variant = variant
+        if variant != "none":
+            self.query = nn.Linear(dim, dim)
+            for s in range(1, views):
+                self.add_module(f"view{s}", View(dim, dim, variant, 0.5))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, views):
+        if self.variant == "none":
+            return self.norm(torch.cat(views, 1)), []
+        primary = views[0]
+        q = self.query(primary).unsqueeze(1) / math.sqrt(primary.shape[-1])
+        out, weights = primary, []
+        for s, x in enumerate(views[1:], 1):
+            view = getattr(self, f"view{s}")
+            k = view.key(x).unsqueeze(1)
+            w = normalize(self.variant, q @ k.transpose(-1, -2), getattr(view.normalizer, "hybrid_logit", None))
+            weights.append(w)
+            out = out + (F.dropout(w, 0.1, self.training) @ x.unsqueeze(1)).squeeze(1)
+        return self.norm(out), weights
+
+
+class Reasoning(nn.Module):
+    def __init__(self, hidden, heads, dropout):
+        super().__init__()
+        self.self_attn = nn.MultiheadAttention(hidden, heads, dropout=dropout, batch_first=True)
+        self.linear1, self.linear2 = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.dropout = dropout
+
+    def forward(self, x):
+        a = self.self_attn(x, x, x, need_weights=False)[0]
+        x = self.norm1(x + F.dropout(a, self.dropout, self.training))
+        return self.norm2(x + F.dropout(self.linear2(F.relu(self.linear1(x))), self.dropout, self.training))
+
+
+class VqaModel(nn.Module):
+    def __init__(self, views, dim, variant, vocab, answers, hidden=128, layers=2, glimpses=2, word_dim=64, question_dim=128, dropout=0.1):
+        super().__init__()
+        self.fusion = Fusion(dim, views, variant)
+        self.embed = nn.Embedding(vocab, word_dim)
+        self.gru = nn.GRU(word_dim, question_dim, batch_first=True)
+        self.box_proj, self.box_question = nn.Linear(dim, hidden), nn.Linear(question_dim, hidden)
+        self.reasoning = nn.ModuleList([Reasoning(hidden, 4, dropout) for _ in range(layers)])
+        self.att_box, self.att_question = nn.Linear(hidden, hidden), nn.Linear(question_dim, hidden)
+        self.att_logits = nn.Linear(hidden, glimpses)
+        self.glimpse_proj, self.question_proj = nn.Linear(glimpses * hidden, hidden), nn.Linear(question_dim, hidden)
+        self.classifier1, self.classifier2 = nn.Linear(hidden, hidden), nn.Linear(hidden, answers)
+        self.dropout = dropout
+
+    def forward(self, v0, v1, v2, tokens):
+        boxes, _ = self.fusion([v0, v1, v2])
+        out, _ = self.gru(self.embed(tokens))
+        last = (tokens.ne(0).sum(1) - 1).clamp(min=0)
+        q = out.gather(1, last.view(-1, 1, 1).expand(-1, 1, out.shape[2])).squeeze(1)
+        z = self.box_proj(boxes)
+        if len(self.reasoning) > 0:
+            z = z + self.box_question(q).unsqueeze(1)
+            for layer in self.reasoning:
+                z = layer(z)
+        joint = F.relu(self.att_box(z) * self.att_question(q).unsqueeze(1))
+        att = torch.softmax(self.att_logits(F.dropout(joint, self.dropout, self.training)), 1)
+        v = F.relu(self.glimpse_proj((att.transpose(1, 2) @ z).flatten(1)))
+        h = F.relu(self.classifier1(F.dropout(v * F.relu(self.question_proj(q)), self.dropout, self.training)))
+        return self.classifier2(F.dropout(h, self.dropout, self.training))
+
+
+def evaluate(model, views, split, data, batch=1024):
+    model.eval()
+    hits = torch.zeros(len(data["types"]))
+    totals = torch.zeros(len(data["types"]))
+    with torch.no_grad():
+        q = data[split]
+        for i in range(0, len(q["answer"]), batch):
+            sl = slice(i, i + batch)
+            img = q["image"][sl]
+            pred = model(*(v[img] for v in views), q["tokens"][sl]).argmax(-1)
+            hits.index_add_(0, q["type"][sl], (pred == q["answer"][sl]).float())
+            totals.index_add_(0, q["type"][sl], torch.ones(len(img)))
+    return (hits.sum() / totals.sum()).item(), (hits / totals.clamp(min=1)).tolist()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True, help="folder written by python/vqa_data.py")
+    p.add_argument("--features", required=True, help="the features cache probattn vqa wrote (view0, view1, view2)")
+    p.add_argument("--fusion", default="dnas", choices=["none", "softmax", "dnas", "hnas"])
+    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--seed-start", type=int, default=0)
+    p.add_argument("--max-epochs", type=int, default=30)
+    p.add_argument("--patience", type=int, default=4)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--reasoning-layers", type=int, default=2)
+    p.add_argument("--glimpses", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--max-train", type=int, default=0, help="use at most this many training questions (0: all)")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--export-torchscript", help="save the last seed's kept model here (torch.jit.script)")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    meta = json.load(open(os.path.join(args.data, "meta.json")))
+    raw = load_file(os.path.join(args.data, "data.safetensors"))
+    data = {"types": meta["types"]}
+    for s in ("train", "val", "test"):
+        data[s] = {k: raw[f"{s}_{k}"] for k in ("image", "tokens", "answer", "type")}
+    if args.max_train:
+        data["train"] = {k: v[: args.max_train] for k, v in data["train"].items()}
+    feats = load_file(args.features)
+    views = [feats[f"view{i}"] for i in range(3)]
+    runs = []
+    for seed in range(args.seed_start, args.seed_start + args.seeds):
+        torch.manual_seed(seed)
+        model = VqaModel(3, views[0].shape[-1], args.fusion, len(meta["vocab"]), len(meta["answers"]), args.hidden, args.reasoning_layers, args.glimpses)
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        best, best_state, best_epoch, waited, epoch_times = -1.0, None, 0, 0, []
+        tr = data["train"]
+        for epoch in range(args.max_epochs):
+            model.train()
+            start = time.perf_counter()
+            order = torch.randperm(len(tr["answer"]))
+            total = 0.0
+            for i in range(0, len(order), args.batch):
+                idx = order[i : i + args.batch]
+                img = tr["image"][idx]
+                loss = F.cross_entropy(model(*(v[img] for v in views), tr["tokens"][idx]), tr["answer"][idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                total += loss.item()
+            epoch_times.append(time.perf_counter() - start)
+            val, _ = evaluate(model, views, "val", data)
+            print(f"{args.fusion} seed {seed} epoch {epoch}: train loss {total / math.ceil(len(order) / args.batch):.4f}, val acc {val:.4f}, {epoch_times[-1]:.1f} s", file=sys.stderr, flush=True)
+            if val > best:
+                best, best_epoch, waited = val, epoch, 0
+                best_state = {k: v.clone() for k, v in model.state_dict().items()}
+            else:
+                waited += 1
+                if waited >= args.patience:
+                    break
+        model.load_state_dict(best_state)
+        test, by_type = evaluate(model, views, "test", data)
+        runs.append({"seed": seed, "val_acc": best, "test_acc": test, "test_acc_by_type": dict(zip(meta["types"], by_type)), "best_epoch": best_epoch,
+                     "epochs": len(epoch_times), "epoch_seconds": sum(epoch_times) / len(epoch_times)})
+        if args.export_torchscript:
+            model.eval()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # TorchScript is deprecated in 2.11 but is what libtorch loads
+                torch.jit.script(model).save(args.export_torchscript)
+    print(json.dumps({"fusion": args.fusion, "torch": torch.__version__, "threads": torch.get_num_threads(), "runs": runs}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
