@@ -5,6 +5,7 @@
   compare    check a `probattn attend` output file against the reference, with tolerances
   mha-cases  random MultiHeadAttention cases: PyTorch state dicts, inputs, references
   gat-cases  small graphs and GAT layers of the PyTorch baseline, with references
+  vqa-cases  multi-view VQA models of the PyTorch baseline (each fusion), with references
   svgd-cases random particle sets and the reference SVGD/SPOS direction
   score-cases additive (Bahdanau) and self-attentive (Lin et al.) scores and gradients
   demo-input the padded batch of the README's demo (demo.sh)
@@ -281,6 +282,47 @@ def cmd_gat_cases(args):
         json.dump(manifest, f, indent=1)
 
 
+def cmd_vqa_cases(args):
+    """python/baselines/vqa.py models (fusion none, softmax, dnas, hnas) with random weights, random
+    views and questions, and their eval-mode logits and gradients (float64), for the Rust VqaModel
+    to match."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "baselines"))
+    import vqa as baseline
+
+    torch.manual_seed(args.seed)
+    os.makedirs(args.out, exist_ok=True)
+    manifest = []
+    shapes = [(3, 4, 6, 5, 8), (2, 5, 3, 7, 8), (4, 3, 3, 3, 12)]  # batch, regions of the three views, dim
+    for i, fusion in enumerate(["none", "softmax", "dnas", "hnas"]):
+        b, n0, n1, n2, dim = shapes[i % len(shapes)]
+        vocab, answers, length, layers = 11, 7, 5, i % 3
+        model = baseline.VqaModel(3, dim, fusion, vocab, answers, hidden=16, layers=layers, glimpses=2, word_dim=6, question_dim=10).double().eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.5)
+        views = [torch.randn(b, n, dim, dtype=torch.float64, requires_grad=True) for n in (n0, n1, n2)]
+        tokens = torch.randint(1, vocab, (b, length))
+        for row in range(b):  # padding after a random number of words
+            tokens[row, 1 + row % (length - 1) + 1 :] = 0
+        logits = model(*views, tokens)
+        cot = torch.randn_like(logits)
+        names = [name for name, _ in model.named_parameters()]
+        params = list(model.parameters())
+        grads = torch.autograd.grad((logits * cot).sum(), views + params, allow_unused=True)  # box_question is unused without reasoning layers
+        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(views + params, grads)]
+        name = f"vqa-{fusion}"
+        save_file({n_: p.detach().contiguous() for n_, p in model.named_parameters()}, os.path.join(args.out, name + ".weights.safetensors"))
+        tensors = {"tokens": tokens, "cotangent": cot, "logits": logits.detach()}
+        tensors.update({f"view{v}": x.detach() for v, x in enumerate(views)})
+        tensors.update({f"grad.view{v}": g for v, g in enumerate(grads[:3])})
+        tensors.update({f"grad.{n_}": g for n_, g in zip(names, grads[3:])})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(args.out, name + ".safetensors"))
+        manifest.append({"name": name, "fusion": fusion, "regions": [n0, n1, n2], "dim": dim, "vocab": vocab, "answers": answers,
+                         "hidden": 16, "reasoning_layers": layers, "glimpses": 2, "word_dim": 6, "question_dim": 10})
+    with open(os.path.join(args.out, "cases.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+
+
 def cmd_demo_input(args):
     """A padded batch whose scores spread widely enough that softmax explains keys away."""
     gen = torch.Generator().manual_seed(args.seed)
@@ -394,6 +436,7 @@ def main():
     case_command("score-cases", "additive and self-attentive score cases", cmd_score_cases)
     case_command("svgd-cases", "random particle sets with the reference SVGD/SPOS direction", cmd_svgd_cases, count=36)
     case_command("gat-cases", "GAT layers of python/baselines/gat.py with references", cmd_gat_cases)
+    case_command("vqa-cases", "VQA models of python/baselines/vqa.py with references", cmd_vqa_cases)
     p = sub.add_parser("demo-input", help="the input of the README's attend demo")
     p.add_argument("--output", required=True)
     p.add_argument("--seed", type=int, default=0)

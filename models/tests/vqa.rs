@@ -1,0 +1,119 @@
+//! The multi-view VQA model against python/baselines/vqa.py (the PyTorch model written separately
+//! from Appendix B's formula and the same head): same weights, eval mode, float64 logits and the
+//! gradients of every view and parameter within 1e-10, for each fusion (none, UNAS, DNAS, HNAS)
+//! with 0, 1 and 2 reasoning layers.
+
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+use anyhow::{ensure, Context, Result};
+use common::{load, manifest, run_python, scaled_error, TempDir};
+use probattn::{Mode, NormalizerConfig, Variant};
+use probattn_models::vqa::{VqaConfig, VqaModel};
+use tch::{nn, Kind, Tensor};
+
+fn config(case: &serde_json::Value) -> Result<VqaConfig> {
+    let int = |k: &str| case[k].as_i64().with_context(|| format!("case field {k}"));
+    let fusion = match case["fusion"].as_str().context("fusion")? {
+        "none" => None,
+        v => Some(v.parse::<Variant>()?),
+    };
+    let regions: Vec<i64> = case["regions"].as_array().context("regions")?.iter().filter_map(|r| r.as_i64()).collect();
+    Ok(VqaConfig {
+        view_regions: regions,
+        feature_dim: int("dim")?,
+        fusion,
+        key_dim: int("dim")?,
+        attention_dropout: 0.1,
+        normalizer: NormalizerConfig::default(),
+        vocab: int("vocab")?,
+        word_dim: int("word_dim")?,
+        question_dim: int("question_dim")?,
+        hidden: int("hidden")?,
+        reasoning_layers: int("reasoning_layers")? as usize,
+        reasoning_heads: 4,
+        glimpses: int("glimpses")?,
+        dropout: 0.1,
+        answers: int("answers")?,
+    })
+}
+
+#[test]
+fn vqa_model_matches_the_pytorch_baseline() -> Result<()> {
+    let _serial = common::serial();
+    let dir = TempDir::new("parity-vqa")?;
+    run_python("parity.py", &["vqa-cases", "--out", &dir.0.to_string_lossy(), "--seed", "4"])?;
+    let cases = manifest(&dir.0)?;
+    ensure!(cases.len() == 4, "expected four fusions, got {}", cases.len());
+    for case in cases {
+        let name = case["name"].as_str().context("name")?;
+        let t = load(&dir.path(&format!("{name}.safetensors")))?;
+        let mut vs = nn::VarStore::new(tch::Device::Cpu);
+        let model = VqaModel::new(&vs.root(), config(&case)?)?;
+        vs.double();
+        // Every parameter is named as PyTorch names it: the load fails on any name left over.
+        vs.load(dir.path(&format!("{name}.weights.safetensors")))?;
+        let views: Vec<Tensor> = (0..3).map(|v| t[&format!("view{v}")].set_requires_grad(true)).collect();
+        let out = model.forward(&views, &t["tokens"], Mode::EVAL)?;
+        (&out.logits * &t["cotangent"]).sum(Kind::Double).backward();
+        let mut compared = vec![("logits".to_string(), out.logits.detach())];
+        for (v, x) in views.iter().enumerate() {
+            compared.push((format!("grad.view{v}"), x.grad()));
+        }
+        for (param, var) in vs.variables() {
+            let g = var.grad();
+            compared.push((format!("grad.{param}"), if g.defined() { g } else { var.zeros_like() }));
+        }
+        for (what, ours) in compared {
+            let expected = t.get(&what).with_context(|| format!("{name}: the reference has no {what}"))?;
+            let err = scaled_error(&ours, expected)?;
+            ensure!(err <= 1e-10, "{name}: {what} differs by {err:.3e}");
+        }
+        if let Some(u) = model.fusion.gates() {
+            ensure!(u.size() == [2], "{name}: one HNAS gate per secondary view, got {:?}", u.size());
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn dnas_fusion_gives_every_secondary_box_at_least_one_over_its_count() -> Result<()> {
+    // Theorem 2 of Ding et al.: with DNAS, each key receives at least 1 / (number of keys) of
+    // the attention in total; with softmax a key can receive almost nothing.
+    let _serial = common::serial();
+    tch::manual_seed(3);
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let mut cfg = config(&serde_json::json!({"fusion": "dnas", "regions": [6, 9, 4], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 0, "glimpses": 1, "answers": 3}))?;
+    let dnas = VqaModel::new(&(vs.root() / "dnas"), cfg.clone())?;
+    cfg.fusion = Some(Variant::Softmax);
+    let softmax = VqaModel::new(&(vs.root() / "softmax"), cfg)?;
+    // Large features make the scores peaked, so softmax explains boxes away.
+    let views: Vec<Tensor> = [6, 9, 4].iter().map(|&n| Tensor::randn([5, n, 8], (Kind::Float, tch::Device::Cpu)) * 30.0).collect();
+    let min_scaled = |m: &VqaModel| -> Result<f64> {
+        let fused = m.fusion.forward(&views, Mode::EVAL)?;
+        let mut worst = f64::INFINITY;
+        for w in &fused.weights {
+            let mass = probattn::diagnostics::received_mass(w);
+            worst = worst.min(f64::try_from(mass.min())? * w.size()[3] as f64);
+        }
+        Ok(worst)
+    };
+    let (d, s) = (min_scaled(&dnas)?, min_scaled(&softmax)?);
+    ensure!(d >= 1.0 - 1e-5, "DNAS: the least-attended box gets {d} x 1/keys");
+    ensure!(s < 0.1, "softmax: expected an explained-away box at these scales, the least gets {s} x 1/keys");
+    Ok(())
+}
+
+#[test]
+fn wrong_view_shapes_are_named() -> Result<()> {
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let cfg = config(&serde_json::json!({"fusion": "softmax", "regions": [3, 4, 5], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 1, "glimpses": 1, "answers": 3}))?;
+    let model = VqaModel::new(&vs.root(), cfg)?;
+    let tokens = Tensor::from_slice(&[1i64, 2, 0, 3, 0, 0]).view([2, 3]);
+    let good = |n: i64| Tensor::zeros([2, n, 8], (Kind::Float, tch::Device::Cpu));
+    let err = model.forward(&[good(3), good(4)], &tokens, Mode::EVAL).unwrap_err().to_string();
+    ensure!(err.contains("3 views, got 2"), "{err}");
+    let err = model.forward(&[good(3), Tensor::zeros([2, 4, 7], (Kind::Float, tch::Device::Cpu)), good(5)], &tokens, Mode::EVAL).unwrap_err().to_string();
+    ensure!(err.contains("view 1 has shape [2, 4, 7]"), "{err}");
+    Ok(())
+}
