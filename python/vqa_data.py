@@ -239,7 +239,7 @@ def main():
     s = sub.add_parser("sort-of-clevr", help="generate Sort-of-CLEVR")
     s.add_argument("--out", required=True, help="output folder")
     s.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
-    s.add_argument("--train", type=int, default=3000, help="training images (default 3000; the RN paper used 9,800: fewer keeps a five-fusion, three-seed table within hours on a CPU)")
+    s.add_argument("--train", type=int, default=9000, help="training images (default 9000; the RN paper used 9,800)")
     s.add_argument("--val", type=int, default=500, help="validation images (default 500)")
     s.add_argument("--test", type=int, default=500, help="test images (default 500)")
     s.add_argument("--questions-per-kind", type=int, default=10, help="relational and non-relational questions per image, each (default 10)")

@@ -24,6 +24,7 @@ import os
 import sys
 import time
 import warnings
+from typing import List
 
 import torch
 import torch.nn as nn
@@ -42,38 +43,59 @@ def normalize(variant: str, z, hybrid_logit):
     return u * dnas + (1 - u) * torch.softmax(z, -1)
 
 
+class Normalizer(nn.Module):
+    def __init__(self, variant: str, init_u: float):
+        super().__init__()
+        self.variant = variant
+        if variant == "hnas":
+            self.hybrid_logit = nn.Parameter(torch.full((1,), math.log(init_u / (1 - init_u))))
+        else:  # not a parameter, not saved: only so that the scripted code is the same
+            self.register_buffer("hybrid_logit", torch.zeros(1), persistent=False)
+
+    def forward(self, z):
+        return normalize(self.variant, z, self.hybrid_logit)
+
+
 class View(nn.Module):
+    """A secondary view's key map and normalizer."""
+
     def __init__(self, dim, key_dim, variant, init_u):
         super().__init__()
         self.key = nn.Linear(dim, key_dim)
-        self.normalizer = nn.Module()
-        if variant == "hnas":
-            self.normalizer.hybrid_logit = nn.Parameter(torch.full((1,), math.log(init_u / (1 - init_u))))
+        self.normalizer = Normalizer(variant, init_u)
+
+    def forward(self, q, x, training: bool):
+        w = self.normalizer(q @ self.key(x).unsqueeze(1).transpose(-1, -2))  # (B, 1, N_P, N_s)
+        return w, (F.dropout(w, 0.1, training) @ x.unsqueeze(1)).squeeze(1)
 
 
-class Fusion(nn.Module):
-    def __init__(self, dim, views, variant):
+class AttentionFusion(nn.Module):
+    """y = LayerNorm(x_P + sum_s normalize(Q x_P (K_s x_s)^T / sqrt(d)) x_s), three views."""
+
+    def __init__(self, dim, variant):
         super().__init__()
-        self.variant = variant
-        if variant != "none":
-            self.query = nn.Linear(dim, dim)
-            for s in range(1, views):
-                self.add_module(f"view{s}", View(dim, dim, variant, 0.5))
+        self.query = nn.Linear(dim, dim)
+        self.view1 = View(dim, dim, variant, 0.5)
+        self.view2 = View(dim, dim, variant, 0.5)
         self.norm = nn.LayerNorm(dim)
 
-    def forward(self, views):
-        if self.variant == "none":
-            return self.norm(torch.cat(views, 1)), []
-        primary = views[0]
-        q = self.query(primary).unsqueeze(1) / math.sqrt(primary.shape[-1])
-        out, weights = primary, []
-        for s, x in enumerate(views[1:], 1):
-            view = getattr(self, f"view{s}")
-            k = view.key(x).unsqueeze(1)
-            w = normalize(self.variant, q @ k.transpose(-1, -2), getattr(view.normalizer, "hybrid_logit", None))
-            weights.append(w)
-            out = out + (F.dropout(w, 0.1, self.training) @ x.unsqueeze(1)).squeeze(1)
-        return self.norm(out), weights
+    def forward(self, v0, v1, v2):
+        q = self.query(v0).unsqueeze(1) / math.sqrt(v0.shape[-1])
+        w1, y1 = self.view1(q, v1, self.training)
+        w2, y2 = self.view2(q, v2, self.training)
+        return self.norm(v0 + y1 + y2), [w1, w2]
+
+
+class ConcatFusion(nn.Module):
+    """No attention: the views' boxes concatenated, then the LayerNorm."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, v0, v1, v2):
+        no_weights: List[torch.Tensor] = []
+        return self.norm(torch.cat([v0, v1, v2], 1)), no_weights
 
 
 class Reasoning(nn.Module):
@@ -93,7 +115,8 @@ class Reasoning(nn.Module):
 class VqaModel(nn.Module):
     def __init__(self, views, dim, variant, vocab, answers, hidden=128, layers=2, glimpses=2, word_dim=64, question_dim=128, dropout=0.1):
         super().__init__()
-        self.fusion = Fusion(dim, views, variant)
+        assert views == 3, "the baseline is written for three views"
+        self.fusion = ConcatFusion(dim) if variant == "none" else AttentionFusion(dim, variant)
         self.embed = nn.Embedding(vocab, word_dim)
         self.gru = nn.GRU(word_dim, question_dim, batch_first=True)
         self.box_proj, self.box_question = nn.Linear(dim, hidden), nn.Linear(question_dim, hidden)
@@ -105,7 +128,7 @@ class VqaModel(nn.Module):
         self.dropout = dropout
 
     def forward(self, v0, v1, v2, tokens):
-        boxes, _ = self.fusion([v0, v1, v2])
+        boxes, _ = self.fusion(v0, v1, v2)
         out, _ = self.gru(self.embed(tokens))
         last = (tokens.ne(0).sum(1) - 1).clamp(min=0)
         q = out.gather(1, last.view(-1, 1, 1).expand(-1, 1, out.shape[2])).squeeze(1)

@@ -129,6 +129,10 @@ pub struct VqaArgs {
     /// Override the BAM KL weight.
     #[arg(long)]
     pub kl_weight: Option<f64>,
+    /// Score a TorchScript VQA model (python/baselines/vqa.py --export-torchscript: forward(view0,
+    /// view1, view2, tokens) -> logits) on the validation and test questions, instead of training.
+    #[arg(long)]
+    pub eval_torchscript: Option<PathBuf>,
     /// A small run that finishes in minutes on 2 cores: 1,000 training images, detectors
     /// trained 2 epochs, one seed, at most 4 epochs.
     #[arg(long)]
@@ -246,8 +250,14 @@ fn batch_of(p: &Prepared, q: &Questions, idx: &Tensor, device: Device) -> Batch 
     Batch { views: p.gather(&images), tokens: q.tokens.index_select(0, idx).to_device(device), answer: q.answer.index_select(0, idx).to_device(device), kind: q.kind.index_select(0, idx) }
 }
 
-/// Correct answers per question type over a split, eval mode.
+/// Accuracy and (correct, total) per question type over a split, eval mode.
 fn evaluate(model: &VqaModel, p: &Prepared, split: &str, device: Device) -> Result<(f64, Vec<(u64, u64)>)> {
+    score(p, split, device, &|views, tokens| Ok(model.forward(views, tokens, Mode::EVAL)?.logits))
+}
+
+/// Accuracy and (correct, total) per question type of `predict` (views, tokens -> logits
+/// `(B, answers)`) over a split, under `no_grad`.
+fn score(p: &Prepared, split: &str, device: Device, predict: &dyn Fn(&[Tensor], &Tensor) -> Result<Tensor>) -> Result<(f64, Vec<(u64, u64)>)> {
     let q = &p.data.splits[split];
     let types = p.data.meta.types.len();
     let mut per_type = vec![(0u64, 0u64); types];
@@ -255,8 +265,10 @@ fn evaluate(model: &VqaModel, p: &Prepared, split: &str, device: Device) -> Resu
         for start in (0..q.len()).step_by(1024) {
             let idx = Tensor::arange_start(start, (start + 1024).min(q.len()), (Kind::Int64, Device::Cpu));
             let b = batch_of(p, q, &idx, device);
-            let out = model.forward(&b.views, &b.tokens, Mode::EVAL)?;
-            let hit = Vec::<bool>::try_from(out.logits.argmax(-1, false).eq_tensor(&b.answer).to_device(Device::Cpu))?;
+            let logits = predict(&b.views, &b.tokens)?;
+            let answers = p.data.meta.answers.len() as i64;
+            ensure!(logits.size() == [idx.size()[0], answers], "the model returned logits of shape {:?} for {} questions; expected ({}, {answers}) (one score per answer of meta.json)", logits.size(), idx.size()[0], idx.size()[0]);
+            let hit = Vec::<bool>::try_from(logits.argmax(-1, false).eq_tensor(&b.answer).to_device(Device::Cpu))?;
             let kind = Vec::<i64>::try_from(&b.kind)?;
             for (h, k) in hit.into_iter().zip(kind) {
                 per_type[k as usize].0 += u64::from(h);
@@ -581,6 +593,29 @@ pub fn table(results: &[VqaResults]) -> String {
     )
 }
 
+/// `--eval-torchscript`: the module's accuracy per split and question type (eval_torchscript.json).
+fn eval_torchscript(p: &Prepared, path: &Path, args: &VqaArgs, device: Device) -> Result<()> {
+    let module = probattn::interop::TorchScript::load(path, device)?;
+    let predict = |views: &[Tensor], tokens: &Tensor| -> Result<Tensor> {
+        let mut inputs: Vec<tch::IValue> = views.iter().map(|v| tch::IValue::Tensor(v.shallow_clone())).collect();
+        inputs.push(tch::IValue::Tensor(tokens.shallow_clone()));
+        let out = module.forward_tensors(&inputs)?;
+        let [(_, logits)] = <[_; 1]>::try_from(out).map_err(|o: Vec<_>| anyhow::anyhow!("{} returned {} tensors; expected the logits alone", path.display(), o.len()))?;
+        Ok(logits)
+    };
+    let start = Instant::now();
+    let (val_acc, _) = score(p, "val", device, &predict)?;
+    let (test_acc, per_type) = score(p, "test", device, &predict)?;
+    let seconds = start.elapsed().as_secs_f64();
+    let by_type: BTreeMap<String, f64> = p.data.meta.types.iter().zip(&per_type).map(|(t, (h, n))| (t.clone(), *h as f64 / (*n).max(1) as f64)).collect();
+    let dir = run_dir(args.out.as_deref(), "vqa", &format!("{}-torchscript", args.dataset.name()))?;
+    let report = serde_json::json!({"torchscript": path, "val_acc": val_acc, "test_acc": test_acc, "test_acc_by_type": by_type, "seconds": seconds, "provenance": Provenance::gather(device)});
+    write_json(&dir.join("eval_torchscript.json"), &report)?;
+    println!("{}: val acc {val_acc:.4}, test acc {test_acc:.4} ({}), {seconds:.1} s", path.display(), by_type.iter().map(|(t, a)| format!("{t} {a:.4}")).collect::<Vec<_>>().join(", "));
+    println!("results in {}", dir.display());
+    Ok(())
+}
+
 /// The default data folder of a dataset.
 fn default_data_dir(dataset: Dataset, quick: bool) -> PathBuf {
     PathBuf::from("data/vqa").join(if quick { format!("{}-quick", dataset.name()) } else { dataset.name().to_string() })
@@ -665,6 +700,9 @@ pub fn run(args: &VqaArgs) -> Result<()> {
         tch::get_num_threads()
     );
     let prepared = Prepared { data, views, relational };
+    if let Some(path) = &args.eval_torchscript {
+        return eval_torchscript(&prepared, path, args, device);
+    }
     let dir = run_dir(args.out.as_deref(), "vqa", &format!("{}-{}", args.dataset.name(), args.fusion))?;
     let features_note = format!("{} ({})", cache.display(), detectors.iter().map(|d| d.path.display().to_string()).collect::<Vec<_>>().join(", "));
     let mut all = vec![];

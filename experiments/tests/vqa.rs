@@ -1,0 +1,145 @@
+//! `probattn vqa` as a user runs it, on a tiny Sort-of-CLEVR written by python/vqa_data.py with
+//! detectors from python/vqa_detectors.py: every fusion's results files and reports, the PyTorch
+//! baseline scored through --eval-torchscript, and bad input (corrupt or wrong-shaped detectors,
+//! malformed data files, unknown fusions) refused with a named error.
+
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use anyhow::{ensure, Context, Result};
+use common::{python, run_python, TempDir};
+
+fn probattn(args: &[&str]) -> Result<Output> {
+    Command::new(env!("CARGO_BIN_EXE_probattn")).args(args).output().context("running probattn")
+}
+
+fn text(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+fn json(path: &Path) -> Result<serde_json::Value> {
+    Ok(serde_json::from_str(&std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?)?)
+}
+
+/// Tiny data (40 / 10 / 10 images, 4 questions each) and detectors trained one epoch.
+fn tiny(dir: &TempDir) -> Result<(String, String)> {
+    let data = dir.path("data").to_string_lossy().to_string();
+    let det = dir.path("detectors").to_string_lossy().to_string();
+    run_python("vqa_data.py", &["sort-of-clevr", "--out", &data, "--train", "40", "--val", "10", "--test", "10", "--questions-per-kind", "2", "--seed", "3"])?;
+    run_python("vqa_detectors.py", &["--data", &data, "--out", &det, "--epochs", "1", "--threads", "1"])?;
+    Ok((data, det))
+}
+
+#[test]
+fn every_fusion_writes_its_results_and_reports() -> Result<()> {
+    let dir = TempDir::new("cli-vqa")?;
+    let (data, det) = tiny(&dir)?;
+    let out = dir.path("run").to_string_lossy().to_string();
+    let run = probattn(&["vqa", "--data", &data, "--detectors", &det, "--fusion", "all", "--seeds", "1", "--max-epochs", "1", "--mc-samples", "3", "--hidden", "16", "--threads", "1", "--out", &out])?;
+    ensure!(run.status.success(), "{}", text(&run));
+    ensure!(text(&run).contains("features:") && Path::new(&out).join("summary.md").is_file(), "{}", text(&run));
+    ensure!(Path::new(&out).join("log_mass.svg").is_file(), "no Fig. 1 histogram across fusions");
+    for fusion in ["none", "softmax", "dnas", "hnas", "bam-wc"] {
+        let sub = Path::new(&out).join(fusion);
+        let r = json(&sub.join("results.json"))?;
+        ensure!(r["fusion"] == fusion && r["provenance"]["git_sha"].is_string(), "{fusion}: {r}");
+        let run = &r["runs"][0];
+        let acc = run["test_acc"].as_f64().context("test_acc")?;
+        ensure!((0.0..=1.0).contains(&acc) && run["test_acc_by_type"].as_object().map(|m| m.len()) == Some(6), "{fusion}: {run}");
+        ensure!(run["test_acc_relational"].is_number() && run["test_acc_nonrelational"].is_number(), "{fusion}: {run}");
+        let ea = &run["explained_away"];
+        if fusion == "none" {
+            ensure!(ea.is_null(), "the no-attention fusion has no weights to report: {ea}");
+        } else {
+            // 10 test images x (25 + 49) secondary boxes of the grid and wide detectors.
+            ensure!(ea["boxes"] == 740, "{fusion}: {ea}");
+            let counts: u64 = ea["log_mass_counts"].as_array().context("counts")?.iter().filter_map(|c| c.as_u64()).sum();
+            ensure!(counts == 740, "{fusion}: the histogram holds {counts} boxes");
+            ensure!(sub.join("log_mass.svg").is_file(), "{fusion}: no histogram");
+        }
+        if fusion == "dnas" {
+            let m = ea["min_mass_times_keys"].as_f64().context("min mass")?;
+            ensure!(m >= 1.0 - 1e-4, "DNAS must keep every box's mass >= 1/keys, got {m}");
+        }
+        ensure!((fusion == "hnas") == run["hnas_u"].is_array(), "{fusion}: hnas_u {}", run["hnas_u"]);
+        if fusion == "hnas" {
+            ensure!(sub.join("hnas_u.svg").is_file(), "no Fig. 3 plot");
+        }
+        let u = &run["uncertainty"];
+        ensure!((fusion == "bam-wc") == u.is_object(), "{fusion}: uncertainty {u}");
+        if fusion == "bam-wc" {
+            for side in ["clean", "noisy"] {
+                let p = u[side]["pavpu_05"].as_f64().context("pavpu")?;
+                ensure!((0.0..=1.0).contains(&p) && u[side]["ece"].is_number(), "{side}: {u}");
+            }
+        }
+        let lines = std::fs::read_to_string(sub.join("metrics.jsonl"))?.lines().count();
+        ensure!(lines == 1, "{fusion}: one epoch, {lines} metrics lines");
+    }
+    Ok(())
+}
+
+#[test]
+fn the_pytorch_baseline_scores_the_same_inside_probattn() -> Result<()> {
+    let dir = TempDir::new("cli-vqa-ts")?;
+    let (data, det) = tiny(&dir)?;
+    // A first run extracts and caches the features; the baseline trains on that cache.
+    let out = dir.path("run").to_string_lossy().to_string();
+    let first = probattn(&["vqa", "--data", &data, "--detectors", &det, "--fusion", "dnas", "--seeds", "1", "--max-epochs", "1", "--hidden", "16", "--threads", "1", "--out", &out])?;
+    ensure!(first.status.success(), "{}", text(&first));
+    let cache = std::fs::read_dir(Path::new(&data).join("features"))?.next().context("no feature cache")??.path();
+    let model = dir.path("model.pt").to_string_lossy().to_string();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/baselines/vqa.py");
+    let base = Command::new(python()?)
+        .arg(&script)
+        .args(["--data", &data, "--features", &cache.to_string_lossy(), "--fusion", "dnas", "--max-epochs", "2", "--threads", "1", "--export-torchscript", &model])
+        .output()?;
+    ensure!(base.status.success(), "{}", text(&base));
+    let expected: serde_json::Value = serde_json::from_slice(&base.stdout)?;
+    let ts_out = dir.path("ts").to_string_lossy().to_string();
+    let scored = probattn(&["vqa", "--data", &data, "--detectors", &det, "--eval-torchscript", &model, "--threads", "1", "--out", &ts_out])?;
+    ensure!(scored.status.success(), "{}", text(&scored));
+    let ours = json(&Path::new(&ts_out).join("eval_torchscript.json"))?;
+    let (a, b) = (ours["test_acc"].as_f64().context("ours")?, expected["runs"][0]["test_acc"].as_f64().context("baseline")?);
+    ensure!((a - b).abs() < 1e-6, "the TorchScript baseline scores {a} in probattn and {b} in PyTorch");
+    Ok(())
+}
+
+#[test]
+fn bad_detectors_and_data_are_named() -> Result<()> {
+    let dir = TempDir::new("cli-vqa-bad")?;
+    let (data, det) = tiny(&dir)?;
+    let d = |name: &str| Path::new(&det).join(name).to_string_lossy().to_string();
+    let run = |extra: &[&str]| probattn(&[&["vqa", "--data", &data, "--max-epochs", "1", "--seeds", "1", "--threads", "1", "--out", &dir.path("never").to_string_lossy()], extra].concat());
+    // A corrupt TorchScript file.
+    std::fs::write(dir.path("garbage.pt"), b"not a zip archive")?;
+    let garbage = dir.path("garbage.pt").to_string_lossy().to_string();
+    let out = run(&["--detector", &d("patch.pt"), "--detector", &garbage])?;
+    ensure!(out.status.code() == Some(1) && text(&out).contains("garbage.pt"), "{}", text(&out));
+    // A detector returning (B, dim) instead of (B, regions, dim).
+    let flat = dir.path("flat.pt").to_string_lossy().to_string();
+    let code = "import sys, torch\nclass Flat(torch.nn.Module):\n    def forward(self, x):\n        return x.flatten(1)[:, :64]\ntorch.jit.script(Flat()).save(sys.argv[1])\n";
+    let made = Command::new(python()?).args(["-c", code, &flat]).output()?;
+    ensure!(made.status.success(), "{}", text(&made));
+    let out = run(&["--detector", &d("patch.pt"), "--detector", &flat])?;
+    ensure!(out.status.code() == Some(1) && text(&out).contains("returned shape [60, 64] for 60 images"), "{}", text(&out));
+    // An unknown fusion.
+    let out = run(&["--detectors", &det, "--fusion", "attn"])?;
+    ensure!(out.status.code() == Some(1) && text(&out).contains("unknown attention variant 'attn'"), "{}", text(&out));
+    // Malformed meta.json, and answers outside the answer list.
+    let meta = Path::new(&data).join("meta.json");
+    let good = std::fs::read_to_string(&meta)?;
+    std::fs::write(&meta, "{ not json")?;
+    let out = run(&["--detectors", &det])?;
+    ensure!(out.status.code() == Some(1) && text(&out).contains("meta.json is not a VQA data description"), "{}", text(&out));
+    let mut fewer: serde_json::Value = serde_json::from_str(&good)?;
+    fewer["answers"] = serde_json::json!(["square", "circle"]);
+    std::fs::write(&meta, fewer.to_string())?;
+    let out = run(&["--detectors", &det])?;
+    ensure!(out.status.code() == Some(1) && text(&out).contains("train_answer holds ids") && text(&out).contains("outside 0..2"), "{}", text(&out));
+    ensure!(!dir.path("never").exists(), "a failed run left an output folder");
+    Ok(())
+}
