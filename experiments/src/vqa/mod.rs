@@ -184,7 +184,11 @@ pub struct RunResult {
     pub best_epoch: usize,
     pub epochs: usize,
     pub train_seconds: f64,
+    /// Wall time per epoch, validation included.
     pub epoch_seconds: f64,
+    /// Time per epoch in the update loop alone (batches, forward, backward, Adam): what
+    /// python/baselines/vqa.py times, for the speed ratio.
+    pub update_seconds: f64,
     /// HNAS: the final `u` of each secondary view.
     pub hnas_u: Option<Vec<f64>>,
     /// The fusion weights on the test images (attention fusions).
@@ -332,6 +336,7 @@ fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metric
     let train = &p.data.splits["train"];
     let steps_per_epoch = (train.len() + cfg.batch - 1) / cfg.batch;
     let (mut best, mut best_epoch, mut waited, mut epochs) = (-1.0f64, 0usize, 0usize, 0usize);
+    let mut update_seconds = 0.0;
     let start = Instant::now();
     for epoch in 0..cfg.max_epochs {
         epochs = epoch + 1;
@@ -339,6 +344,7 @@ fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metric
         let order = Tensor::randperm(train.len(), (Kind::Int64, Device::Cpu));
         let bar = progress_bar(steps_per_epoch as u64, format!("{} seed {seed} epoch {epoch}", cfg.model.fusion_name()))?;
         let (mut loss_sum, mut kl_sum) = (0.0, 0.0);
+        let loop_start = Instant::now();
         for step in 0..steps_per_epoch {
             let idx = order.narrow(0, step * cfg.batch, cfg.batch.min(train.len() - step * cfg.batch));
             let b = batch_of(p, train, &idx, device);
@@ -361,6 +367,7 @@ fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metric
             }
             bar.inc(1);
         }
+        update_seconds += loop_start.elapsed().as_secs_f64();
         bar.finish_and_clear();
         let train_loss = loss_sum / steps_per_epoch as f64;
         ensure!(train_loss.is_finite(), "training loss became {train_loss} in epoch {epoch} (seed {seed})");
@@ -410,6 +417,7 @@ fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metric
         epochs,
         train_seconds,
         epoch_seconds: train_seconds / epochs.max(1) as f64,
+        update_seconds: update_seconds / epochs.max(1) as f64,
         hnas_u,
         explained_away: None,
         uncertainty: None,

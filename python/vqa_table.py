@@ -1,0 +1,80 @@
+"""The VQA table from `probattn vqa` result folders (any number; each holds results.json, or one
+folder per fusion as --fusion all writes):
+
+    python python/vqa_table.py results/vqa/sort-of-clevr/*/ [--diff softmax]
+
+Rows in Table 1's order (none, softmax, dnas), then the others. Cells: test accuracy (overall,
+relational, non-relational, per question type) as mean ± std over seeds in %, the share of
+ε-explained-away secondary boxes (mass < 1e-8) and the least mass × keys, HNAS's final u, and for
+stochastic fusions PAvPU (t-test p > 0.05) and ECE, clean / noisy. --diff F adds each fusion's
+difference from F with its standard error.
+"""
+
+import argparse
+import glob
+import json
+import os
+
+from tables import cell, diff_cell, markdown, mean_std
+
+ORDER = ["none", "softmax", "dnas", "hnas"]
+
+
+def collect(folders):
+    by_fusion = {}
+    for folder in folders:
+        paths = [os.path.join(folder, "results.json")] if os.path.exists(os.path.join(folder, "results.json")) else sorted(glob.glob(os.path.join(folder, "*", "results.json")))
+        for path in paths:
+            r = json.load(open(path))
+            by_fusion.setdefault(r["fusion"], []).extend(r["runs"])
+    return dict(sorted(by_fusion.items(), key=lambda kv: (ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER), kv[0])))
+
+
+def pct(values):
+    return cell([100 * v for v in values]) if values else "–"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folders", nargs="+")
+    p.add_argument("--diff", help="a fusion to subtract (e.g. softmax)")
+    args = p.parse_args()
+    runs = collect(args.folders)
+    if not runs:
+        raise SystemExit("error: no results.json under " + ", ".join(args.folders))
+    types = sorted({t for rs in runs.values() for r in rs for t in r["test_acc_by_type"]})
+    rows = []
+    for fusion, rs in runs.items():
+        ea = [r["explained_away"] for r in rs if r.get("explained_away")]
+        mc = [r["uncertainty"] for r in rs if r.get("uncertainty")]
+        u = [x for r in rs if r.get("hnas_u") for x in r["hnas_u"]]
+        rows.append([
+            fusion,
+            pct([r["test_acc"] for r in rs]),
+            pct([r["test_acc_relational"] for r in rs if r.get("test_acc_relational") is not None]),
+            pct([r["test_acc_nonrelational"] for r in rs if r.get("test_acc_nonrelational") is not None]),
+            *[f"{100 * mean_std([r['test_acc_by_type'][t] for r in rs])[0]:.1f}" for t in types],
+            f"{100 * mean_std([e['share_below_1e8'] for e in ea])[0]:.1f}" if ea else "–",
+            f"{min(e['min_mass_times_keys'] for e in ea):.3g}" if ea else "–",
+            f"{min(u):.2f}-{max(u):.2f}" if u else "–",
+            f"{100 * mean_std([m['clean']['pavpu_05'] for m in mc])[0]:.1f} / {100 * mean_std([m['noisy']['pavpu_05'] for m in mc])[0]:.1f}" if mc else "–",
+            f"{mean_std([m['clean']['ece'] for m in mc])[0]:.3f} / {mean_std([m['noisy']['ece'] for m in mc])[0]:.3f}" if mc else "–",
+            " ".join(str(r["seed"]) for r in rs),
+            f"{mean_std([r['epoch_seconds'] for r in rs])[0]:.0f}",
+        ])
+    print(markdown(["fusion", "test acc (%)", "relational (%)", "non-relational (%)", *types, "ε-explained-away (%)", "min mass × keys",
+                    "HNAS u", "PAvPU clean / noisy (%)", "ECE clean / noisy", "seeds", "s/epoch"], rows))
+    if args.diff and args.diff in runs:
+        base = runs[args.diff]
+        diff_rows = []
+        for fusion, rs in runs.items():
+            if fusion == args.diff:
+                continue
+            diff_rows.append([fusion] + [diff_cell([100 * r[k] for r in rs], [100 * r[k] for r in base])
+                                         for k in ("test_acc", "test_acc_relational", "test_acc_nonrelational")])
+        print()
+        print(markdown([f"fusion minus {args.diff} (points ± s.e.)", "test acc", "relational", "non-relational"], diff_rows))
+
+
+if __name__ == "__main__":
+    main()
