@@ -121,7 +121,7 @@ fn bad_detectors_and_data_are_named() -> Result<()> {
     ensure!(out.status.code() == Some(1) && text(&out).contains("garbage.pt"), "{}", text(&out));
     // A detector returning (B, dim) instead of (B, regions, dim).
     let flat = dir.path("flat.pt").to_string_lossy().to_string();
-    let code = "import sys, torch\nclass Flat(torch.nn.Module):\n    def forward(self, x):\n        return x.flatten(1)[:, :64]\ntorch.jit.script(Flat()).save(sys.argv[1])\n";
+    let code = "import sys, torch\nclass Flat(torch.nn.Module):\n    def forward(self, x):\n        return x.flatten(1)[:, :64]\ntorch.jit.trace(Flat(), torch.zeros(2, 3, 75, 75)).save(sys.argv[1])\n";
     let made = Command::new(python()?).args(["-c", code, &flat]).output()?;
     ensure!(made.status.success(), "{}", text(&made));
     let out = run(&["--detector", &d("patch.pt"), "--detector", &flat])?;
