@@ -22,6 +22,7 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::{Args, ValueEnum};
+use probattn::diagnostics::{received_mass, EXPLAINED_AWAY_EPS};
 use probattn::normalize::BamConfig;
 use probattn::{Mode, NormalizerConfig, Variant};
 use probattn_models::vqa::{VqaConfig, VqaModel};
@@ -229,12 +230,20 @@ fn histogram(values: &[f64]) -> (Vec<f64>, Vec<u64>) {
     ((0..=n).map(|i| lo + width * i as f64).collect(), counts)
 }
 
+/// Fig. 1's curve: `(bin centre, share of boxes)` over one or more runs' histograms (same bins).
+fn log_mass_points(reports: &[&ExplainedAway]) -> Vec<(f64, f64)> {
+    let Some(first) = reports.first() else { return vec![] };
+    let total: f64 = reports.iter().map(|e| e.boxes as f64).sum::<f64>().max(1.0);
+    (0..first.log_mass_counts.len())
+        .map(|i| (0.5 * (first.log_mass_edges[i] + first.log_mass_edges[i + 1]), reports.iter().map(|e| e.log_mass_counts[i] as f64).sum::<f64>() / total))
+        .collect()
+}
+
 /// The loaded data and features on the device.
 struct Prepared {
     data: VqaData,
     /// Per view `(N_images, regions, dim)` on the device.
     views: Vec<Tensor>,
-    relational: Vec<bool>,
 }
 
 impl Prepared {
@@ -252,6 +261,11 @@ struct Batch {
     kind: Tensor,
 }
 
+/// The question rows of a split in order, `size` at a time (evaluation batches).
+fn chunks(q: &Questions, size: i64) -> impl Iterator<Item = Tensor> + '_ {
+    (0..q.len()).step_by(size as usize).map(move |start| Tensor::arange_start(start, (start + size).min(q.len()), (Kind::Int64, Device::Cpu)))
+}
+
 fn batch_of(p: &Prepared, q: &Questions, idx: &Tensor, device: Device) -> Batch {
     let images = q.image.index_select(0, idx).to_device(device);
     Batch { views: p.gather(&images), tokens: q.tokens.index_select(0, idx).to_device(device), answer: q.answer.index_select(0, idx).to_device(device), kind: q.kind.index_select(0, idx) }
@@ -267,13 +281,12 @@ fn evaluate(model: &VqaModel, p: &Prepared, split: &str, device: Device) -> Resu
 fn score(p: &Prepared, split: &str, device: Device, predict: &dyn Fn(&[Tensor], &Tensor) -> Result<Tensor>) -> Result<(f64, Vec<(u64, u64)>)> {
     let q = &p.data.splits[split];
     let types = p.data.meta.types.len();
+    let answers = p.data.meta.answers.len() as i64;
     let mut per_type = vec![(0u64, 0u64); types];
     tch::no_grad(|| -> Result<()> {
-        for start in (0..q.len()).step_by(1024) {
-            let idx = Tensor::arange_start(start, (start + 1024).min(q.len()), (Kind::Int64, Device::Cpu));
+        for idx in chunks(q, 1024) {
             let b = batch_of(p, q, &idx, device);
             let logits = predict(&b.views, &b.tokens)?;
-            let answers = p.data.meta.answers.len() as i64;
             ensure!(logits.size() == [idx.size()[0], answers], "the model returned logits of shape {:?} for {} questions; expected ({}, {answers}) (one score per answer of meta.json)", logits.size(), idx.size()[0], idx.size()[0]);
             let hit = Vec::<bool>::try_from(logits.argmax(-1, false).eq_tensor(&b.answer).to_device(Device::Cpu))?;
             let kind = Vec::<i64>::try_from(&b.kind)?;
@@ -290,7 +303,7 @@ fn score(p: &Prepared, split: &str, device: Device, predict: &dyn Fn(&[Tensor], 
 
 /// Fig. 1: the received mass of every secondary box on the test images, per view summed over
 /// the primary's boxes (eval mode: deterministic weights).
-fn explained_away(model: &VqaModel, p: &Prepared, device: Device) -> Result<Option<(ExplainedAway, Vec<f64>)>> {
+fn explained_away(model: &VqaModel, p: &Prepared, device: Device) -> Result<Option<ExplainedAway>> {
     if model.config().fusion.is_none() {
         return Ok(None);
     }
@@ -303,7 +316,7 @@ fn explained_away(model: &VqaModel, p: &Prepared, device: Device) -> Result<Opti
             let fused = model.fusion.forward(&p.gather(&rows), Mode::EVAL)?;
             for w in &fused.weights {
                 // (B, 1, N_P, N_s) -> (B, N_s) in float64 (the log of a float32 underflow is -inf)
-                let mass = probattn::diagnostics::received_mass(&w.to_kind(Kind::Double)).squeeze_dim(1);
+                let mass = received_mass(&w.to_kind(Kind::Double)).squeeze_dim(1);
                 let keys = mass.size()[1] as f64;
                 min_scaled = min_scaled.min(f64::try_from(mass.min())? * keys);
                 logs.extend(Vec::<f64>::try_from(mass.log().clamp_min(-745.0).flatten(0, -1).to_device(Device::Cpu))?);
@@ -315,21 +328,17 @@ fn explained_away(model: &VqaModel, p: &Prepared, device: Device) -> Result<Opti
     let (edges, counts) = histogram(&logs);
     let report = ExplainedAway {
         boxes: logs.len(),
-        share_below_1e8: logs.iter().filter(|&&l| l < 1e-8f64.ln()).count() as f64 / n,
+        share_below_1e8: logs.iter().filter(|&&l| l < EXPLAINED_AWAY_EPS.ln()).count() as f64 / n,
         share_log_below_minus20: logs.iter().filter(|&&l| l < -20.0).count() as f64 / n,
         min_mass_times_keys: min_scaled,
         log_mass_edges: edges,
         log_mass_counts: counts,
     };
-    Ok(Some((report, logs)))
-}
-
-fn kl_of(out: &probattn_models::vqa::VqaOutput) -> Option<Tensor> {
-    out.kl.as_ref().map(|k| k.shallow_clone())
+    Ok(Some(report))
 }
 
 /// Trains one model from `seed`; appends per-epoch metrics (and HNAS's `u`) to `metrics`.
-fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metrics: &mut impl Write, gates: &mut Vec<(f64, Vec<f64>)>) -> Result<(RunResult, VqaModel, nn::VarStore)> {
+fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metrics: &mut impl Write, gates: &mut Vec<(f64, Vec<f64>)>) -> Result<(RunResult, VqaModel)> {
     tch::manual_seed(seed as i64);
     let vs = nn::VarStore::new(device);
     let model = VqaModel::new(&vs.root(), cfg.model.clone())?;
@@ -346,37 +355,39 @@ fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metric
         tch::manual_seed((seed * 1_000 + epoch as u64) as i64);
         let order = Tensor::randperm(train.len(), (Kind::Int64, Device::Cpu));
         let bar = progress_bar(steps_per_epoch as u64, format!("{} seed {seed} epoch {epoch}", cfg.model.fusion_name()))?;
-        let (mut loss_sum, mut kl_sum) = (0.0, 0.0);
+        // Summed on the device (float64) and read every 50 updates: no CPU sync per update.
+        let (loss_sum, kl_sum) = (Tensor::zeros([], (Kind::Double, device)), Tensor::zeros([], (Kind::Double, device)));
         let loop_start = Instant::now();
         for step in 0..steps_per_epoch {
             let idx = order.narrow(0, step * cfg.batch, cfg.batch.min(train.len() - step * cfg.batch));
             let b = batch_of(p, train, &idx, device);
             let out = model.forward(&b.views, &b.tokens, Mode::TRAIN)?;
             let mut loss = out.logits.cross_entropy_for_logits(&b.answer);
-            if let Some(kl) = kl_of(&out) {
+            if let Some(kl) = &out.kl {
                 if cfg.kl_weight != 0.0 {
-                    loss = loss + &kl * cfg.kl_weight;
+                    loss = loss + kl * cfg.kl_weight;
                 }
-                kl_sum += f64::try_from(kl.detach())?;
+                let _ = kl_sum.shallow_clone().g_add_(&kl.detach().to_kind(Kind::Double));
             }
             opt.backward_step(&loss);
-            loss_sum += f64::try_from(loss.detach())?;
+            let _ = loss_sum.shallow_clone().g_add_(&loss.detach().to_kind(Kind::Double));
             if step % 50 == 0 {
                 if let Some(u) = model.fusion.gates() {
                     let step_global = (epoch as i64 * steps_per_epoch + step) as f64;
                     gates.push((step_global, Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))?));
                 }
-                bar.set_message(format!("loss {:.3}", loss_sum / (step + 1) as f64));
+                bar.set_message(format!("loss {:.3}", f64::try_from(&loss_sum)? / (step + 1) as f64));
             }
             bar.inc(1);
         }
         update_seconds += loop_start.elapsed().as_secs_f64();
         bar.finish_and_clear();
-        let train_loss = loss_sum / steps_per_epoch as f64;
+        let train_loss = f64::try_from(&loss_sum)? / steps_per_epoch as f64;
+        let kl_mean = f64::try_from(&kl_sum)? / steps_per_epoch as f64;
         ensure!(train_loss.is_finite(), "training loss became {train_loss} in epoch {epoch} (seed {seed})");
         let (val_acc, _) = evaluate(&model, p, "val", device)?;
         let u = model.fusion.gates().map(|u| Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))).transpose()?;
-        writeln!(metrics, "{}", serde_json::json!({"seed": seed, "epoch": epoch, "train_loss": train_loss, "kl": kl_sum / steps_per_epoch as f64, "val_acc": val_acc, "hnas_u": u, "seconds": start.elapsed().as_secs_f64()}))?;
+        writeln!(metrics, "{}", serde_json::json!({"seed": seed, "epoch": epoch, "train_loss": train_loss, "kl": kl_mean, "val_acc": val_acc, "hnas_u": u, "seconds": start.elapsed().as_secs_f64()}))?;
         metrics.flush()?;
         println!("{} seed {seed} epoch {epoch:3}: train loss {train_loss:.4}, val acc {val_acc:.4}, {:.0} s", cfg.model.fusion_name(), start.elapsed().as_secs_f64());
         if val_acc > best {
@@ -404,8 +415,9 @@ fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metric
     let (test_acc, per_type) = evaluate(&model, p, "test", device)?;
     let types = &p.data.meta.types;
     let test_acc_by_type = types.iter().zip(&per_type).map(|(t, (h, n))| (t.clone(), *h as f64 / (*n).max(1) as f64)).collect();
+    let relational_types = p.data.relational();
     let group = |relational: bool| {
-        let (h, n) = per_type.iter().zip(&p.relational).filter(|(_, &r)| r == relational).fold((0, 0), |a, ((h, n), _)| (a.0 + h, a.1 + n));
+        let (h, n) = per_type.iter().zip(&relational_types).filter(|(_, &r)| r == relational).fold((0, 0), |a, ((h, n), _)| (a.0 + h, a.1 + n));
         (n > 0).then(|| h as f64 / n as f64)
     };
     let hnas_u = model.fusion.gates().map(|u| Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))).transpose()?;
@@ -425,7 +437,7 @@ fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metric
         explained_away: None,
         uncertainty: None,
     };
-    Ok((result, model, vs))
+    Ok((result, model))
 }
 
 /// The results of one fusion over seeds (results.json).
@@ -498,14 +510,10 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
     let mut metrics = std::io::BufWriter::new(std::fs::File::create(&metrics_path).with_context(|| format!("creating {}", metrics_path.display()))?);
     let mut runs = vec![];
     let mut gate_series = vec![];
-    let mut log_masses = vec![];
     for seed in args.seed_start..args.seed_start + args.seeds {
         let mut gates = vec![];
-        let (mut run, model, _vs) = train_run(p, &cfg, seed, device, &mut metrics, &mut gates)?;
-        if let Some((report, logs)) = explained_away(&model, p, device)? {
-            run.explained_away = Some(report);
-            log_masses.push((seed, logs));
-        }
+        let (mut run, model) = train_run(p, &cfg, seed, device, &mut metrics, &mut gates)?;
+        run.explained_away = explained_away(&model, p, device)?;
         if fusion.is_some_and(Variant::is_stochastic) {
             let settings = McSettings { samples: cfg.mc_samples, eval_noise: cfg.eval_noise, seed };
             run.uncertainty = Some(uncertainty::report(&model, p, &settings, device)?);
@@ -535,15 +543,8 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
             .collect();
         line_chart(&dir.join("hnas_u.svg"), "HNAS mixing weight u during training (Fig. 3)", "update", "u", &series)?;
     }
-    if !log_masses.is_empty() {
-        let series: Vec<Series> = log_masses
-            .iter()
-            .map(|(seed, logs)| {
-                let (edges, counts) = histogram(logs);
-                let n = logs.len().max(1) as f64;
-                Series { name: format!("seed {seed}"), points: counts.iter().enumerate().map(|(i, c)| (0.5 * (edges[i] + edges[i + 1]), *c as f64 / n)).collect() }
-            })
-            .collect();
+    let series: Vec<Series> = runs.iter().filter_map(|r| r.explained_away.as_ref().map(|e| Series { name: format!("seed {}", r.seed), points: log_mass_points(&[e]) })).collect();
+    if !series.is_empty() {
         line_chart(&dir.join("log_mass.svg"), &format!("log Σ_i π_ij per secondary box, {} (Fig. 1)", cfg.model.fusion_name()), "log received mass", "share of boxes", &series)?;
     }
     let stats = |f: &dyn Fn(&RunResult) -> Option<f64>| {
@@ -696,7 +697,6 @@ pub fn run(args: &VqaArgs) -> Result<()> {
         views[k] = &views[k] + views[k].randn_like() * std;
     }
     let views: Vec<Tensor> = views.into_iter().map(|v| v.to_device(device)).collect();
-    let relational = data.relational();
     let split = |s: &str| data.splits[s].len();
     println!(
         "{}: {} images, {} answers, train/val/test questions {}/{}/{}; views {}; device {}, {} threads",
@@ -710,7 +710,7 @@ pub fn run(args: &VqaArgs) -> Result<()> {
         probattn::device::device_name(device),
         tch::get_num_threads()
     );
-    let prepared = Prepared { data, views, relational };
+    let prepared = Prepared { data, views };
     if let Some(path) = &args.eval_torchscript {
         return eval_torchscript(&prepared, path, args, device);
     }
@@ -730,11 +730,8 @@ pub fn run(args: &VqaArgs) -> Result<()> {
         let series: Vec<Series> = all
             .iter()
             .filter_map(|r| {
-                let runs: Vec<&ExplainedAway> = r.runs.iter().filter_map(|x| x.explained_away.as_ref()).collect();
-                let first = runs.first()?;
-                let total: f64 = runs.iter().map(|e| e.boxes as f64).sum();
-                let points = (0..first.log_mass_counts.len()).map(|i| (0.5 * (first.log_mass_edges[i] + first.log_mass_edges[i + 1]), runs.iter().map(|e| e.log_mass_counts[i] as f64).sum::<f64>() / total)).collect();
-                Some(Series { name: r.fusion.clone(), points })
+                let reports: Vec<&ExplainedAway> = r.runs.iter().filter_map(|x| x.explained_away.as_ref()).collect();
+                (!reports.is_empty()).then(|| Series { name: r.fusion.clone(), points: log_mass_points(&reports) })
             })
             .collect();
         line_chart(&dir.join("log_mass.svg"), "log Σ_i π_ij per secondary box on the test images (Fig. 1)", "log received mass", "share of boxes", &series)?;

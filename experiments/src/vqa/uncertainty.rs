@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use statrs::distribution::{ContinuousCDF, StudentsT};
 use tch::{Device, Kind, Tensor};
 
-use super::{batch_of, Prepared};
+use super::{batch_of, chunks, Prepared};
 
 /// Monte Carlo settings.
 pub struct McSettings {
@@ -88,8 +88,7 @@ fn measure(model: &VqaModel, p: &Prepared, noise: Option<&[Tensor]>, samples: us
     let q = &p.data.splits["test"];
     let (mut correct, mut confidence, mut pvals) = (vec![], vec![], vec![]);
     tch::no_grad(|| -> Result<()> {
-        for start in (0..q.len()).step_by(1024) {
-            let idx = Tensor::arange_start(start, (start + 1024).min(q.len()), (Kind::Int64, Device::Cpu));
+        for idx in chunks(q, 1024) {
             let mut b = batch_of(p, q, &idx, device);
             if let Some(noise) = noise {
                 b.views = b.views.iter().zip(noise).map(|(v, n)| v + n).collect();
