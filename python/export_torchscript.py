@@ -134,10 +134,15 @@ def export(module, example, method, out):
     ts.save(out)
 
 
-def median_ms(fn, repeats):
+def median_ms(fn, repeats, warmup_seconds=1.0):
+    """Median milliseconds per call of `fn`, after warm-up calls for at least `warmup_seconds`
+    (three at the least): the first calls of a fresh process run slow, and counting them would
+    flatter whatever PyTorch is compared with."""
     with torch.no_grad():
-        for _ in range(3):
+        start, calls = time.perf_counter(), 0
+        while calls < 3 or time.perf_counter() - start < warmup_seconds:
             fn()
+            calls += 1
         times = []
         for _ in range(repeats):
             start = time.perf_counter()

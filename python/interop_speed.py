@@ -14,6 +14,12 @@ Models (float32, eval mode):
   gat          python/baselines/gat.py's model on Cora's sizes (2,708 nodes, 1,433 dense features, 7
                classes) over a random graph of 13,264 edges with self-loops (Cora has 13,264)
 Writes OUT/speed.json and OUT/speed.md; every number comes from this one run.
+
+The script re-runs itself under the allocator setting the probattn binary uses (`--allocator
+retain`: glibc keeps freed memory instead of unmapping it, MALLOC_MMAP_MAX_=0 and an unreachable
+MALLOC_TRIM_THRESHOLD_, as src/allocator.rs gives its own children), so that PyTorch eager is timed
+like for like: under glibc's defaults, eager nn.MultiheadAttention took 21 ms in some processes
+and 30 ms in others on this machine, by where its large blocks happened to be mapped.
 """
 
 import argparse
@@ -79,7 +85,12 @@ def gat(out):
     return m, x, lambda: m(x["x"], x["dst"], x["src"]), ["--native", "gat"]
 
 
+RETAIN = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "4611686018427387904"}
+
+
 def main():
+    if any(os.environ.get(k) != v for k, v in RETAIN.items()):
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **RETAIN})
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--probattn", default="target/release/probattn")
     parser.add_argument("--threads", type=int, default=2)

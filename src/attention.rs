@@ -60,11 +60,12 @@ pub struct Attended {
 }
 
 /// Scaled dot-product scores `q·kᵀ / sqrt(d)`, `(B, H, S_q, S_k)`. The queries are scaled before
-/// the product, as `torch.nn.MultiheadAttention` does: `S_q × d` multiplications instead of a full
-/// pass over the `S_q × S_k` scores, forward and backward.
+/// the product, and by `sqrt(1 / d)`, exactly as `torch.nn.MultiheadAttention` does (so the
+/// scores agree with it bit for bit at any `d`): `S_q × d` multiplications instead of a full pass
+/// over the `S_q × S_k` scores, forward and backward.
 pub fn scaled_dot_product_scores(q: &Tensor, k: &Tensor) -> Tensor {
     let d = *q.size().last().unwrap_or(&1) as f64;
-    (q / d.sqrt()).matmul(&k.transpose(-2, -1))
+    (q * (1.0 / d).sqrt()).matmul(&k.transpose(-2, -1))
 }
 
 /// Attends `q` to `k`/`v` under `masks` with `normalizer`, after checking every shape.

@@ -12,9 +12,9 @@
 use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
 
-use crate::attention::{attend, AttendOptions, Mode};
+use crate::attention::{attend, scaled_dot_product_scores, AttendOptions, Attended, Mode};
 use crate::mask::{Masks, ScoreShape};
-use crate::normalize::{Normalizer, NormalizerConfig, Variant};
+use crate::normalize::{Normalizer, NormalizerConfig, Support, Variant};
 use crate::{Error, Result};
 
 /// Configuration of a [`MultiHeadAttention`] layer.
@@ -299,8 +299,18 @@ impl MultiHeadAttention {
 
     /// `x (B, S, ·)` projected by the query (`i` = 0), key (1) or value (2) projection, heads
     /// split: `(B, H, S, d_h)`.
+    /// A time-first tensor seen batch-first (a transposed view of a contiguous `(S, B, ·)`, as a
+    /// PyTorch user's `nn.MultiheadAttention` inputs arrive) is projected in its own layout: the
+    /// linear map needs no copy of it, and its heads come out in a layout whose batch and head
+    /// dimensions merge into one, so the score products batch them without copies either.
     fn project(&self, x: &Tensor, i: usize, (weights, biases): &(Vec<Tensor>, Option<Vec<Tensor>>)) -> Tensor {
-        self.split_heads(&x.linear(&weights[i], biases.as_ref().map(|b| &b[i])))
+        let (w, b) = (&weights[i], biases.as_ref().map(|b| &b[i]));
+        let projected = if x.dim() == 3 && !x.is_contiguous() && x.transpose(0, 1).is_contiguous() {
+            x.transpose(0, 1).linear(w, b).transpose(0, 1)
+        } else {
+            x.linear(w, b)
+        };
+        self.split_heads(&projected)
     }
 
     /// `(B, S, E)` → `(B, H, S, d_h)`.
@@ -315,8 +325,13 @@ impl MultiHeadAttention {
         let (output, weights, kl) = match self.fused_softmax(q, k, v, input, mode)? {
             Some(output) => (output, None, None),
             None => {
-                let opts = AttendOptions { mode, dropout: self.cfg.dropout, noise: input.noise };
-                let attended = attend(q, k, v, &input.masks, self.normalizer.as_ref(), opts)?;
+                let attended = match self.softmax_in_place(q, k, v, input, mode)? {
+                    Some(attended) => attended,
+                    None => {
+                        let opts = AttendOptions { mode, dropout: self.cfg.dropout, noise: input.noise };
+                        attend(q, k, v, &input.masks, self.normalizer.as_ref(), opts)?
+                    }
+                };
                 (attended.output, input.need_weights.then_some(attended.weights), attended.kl)
             }
         };
@@ -345,6 +360,24 @@ impl MultiHeadAttention {
         let shape = ScoreShape { batch: q.size()[0], heads: q.size()[1], queries: q.size()[2], keys: k.size()[2] };
         let allowed = input.masks.allowed(shape, q.device())?;
         Ok(Some(Tensor::f_scaled_dot_product_attention(q, k, v, allowed.as_ref(), 0.0, false, None::<f64>, false)?))
+    }
+
+    /// Softmax attention where [`Self::fused_softmax`] does not apply (weights returned, dropout,
+    /// other devices): [`attend`] with the [`crate::normalize::Softmax`] normalizer, the same
+    /// weights, except that the mask goes into the freshly computed scores in place
+    /// ([`Support::mask_scores_`]) rather than into a copy. `None` for other normalizers and for
+    /// BAM noise.
+    fn softmax_in_place(&self, q: &Tensor, k: &Tensor, v: &Tensor, input: &MhaInput, mode: Mode) -> Result<Option<Attended>> {
+        if self.cfg.variant != Variant::Softmax || input.noise.is_some() {
+            return Ok(None);
+        }
+        let shape = ScoreShape { batch: q.size()[0], heads: q.size()[1], queries: q.size()[2], keys: k.size()[2] };
+        let support = Support::dense(input.masks.allowed(shape, q.device())?);
+        let mut scores = scaled_dot_product_scores(q, k);
+        support.mask_scores_(&mut scores);
+        let weights = support.row_softmax(&scores);
+        let mixing = if mode.dropout && self.cfg.dropout > 0.0 { weights.dropout(self.cfg.dropout, true) } else { weights.shallow_clone() };
+        Ok(Some(Attended { output: mixing.matmul(v), weights, kl: None }))
     }
 
     /// Checks the input's shapes; returns `(B, S_q, S_k)`.

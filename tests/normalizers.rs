@@ -253,3 +253,51 @@ fn dropout_acts_in_training_only_and_weights_are_taken_before_it() -> Result<()>
     assert!(wt.allclose(&we, 1e-12, 1e-12, false));
     Ok(())
 }
+
+#[test]
+fn softmax_with_weights_and_time_first_views_match_the_general_path() -> Result<()> {
+    // The layer's softmax path fills the mask into its scores in place and projects time-first
+    // views in their own layout; `attend` with the Softmax normalizer on a batch-first copy is the
+    // general path. Both must agree, forward and backward, with a fully padded sequence in the
+    // batch (its rows are zero) and random biases.
+    let _serial = common::serial();
+    tch::manual_seed(11);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let mha = MultiHeadAttention::new(&vs.root(), MhaConfig::new(16, 4))?;
+    vs.double();
+    tch::no_grad(|| {
+        for (_, mut v) in vs.variables() {
+            let _ = v.copy_(&Tensor::randn_like(&v));
+        }
+    });
+    let bias = vs.variables()["in_proj_bias"].split(16, 0);
+    let (b, s, h) = (3, 5, 4);
+    let time_first = Tensor::randn([s, b, 16], (Kind::Double, Device::Cpu)).set_requires_grad(true);
+    let padding = Tensor::from_slice(&[0u8, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1]).view([b, s]).ne(0);
+    let masks = Masks { key_padding: Some(&padding), ..Default::default() };
+    let view = time_first.transpose(0, 1);
+    let fast = mha.forward_t(&MhaInput::self_attention(&view).with_masks(masks).with_weights(), false)?;
+
+    let copy = time_first.transpose(0, 1).contiguous();
+    let heads = |i: usize| copy.linear(&mha.proj_weight(i as i64), Some(&bias[i])).view([b, s, h, 4]).transpose(1, 2);
+    let general = attend(&heads(0), &heads(1), &heads(2), &masks, &probattn::normalize::Softmax, AttendOptions::default())?;
+    let merged = general.output.transpose(1, 2).contiguous().view([b, s, 16]);
+    let vars = vs.variables();
+    let context = merged.linear(&vars["out_proj.weight"], Some(&vars["out_proj.bias"]));
+
+    let weights = fast.weights.expect("weights were asked for");
+    assert!(weights.allclose(&general.weights, 0.0, 1e-12, false), "weights differ");
+    assert!(fast.context.allclose(&context, 0.0, 1e-12, false), "outputs differ");
+    assert_eq!(f64::try_from(weights.get(2).abs().max())?, 0.0, "a fully padded sequence must get zero weights");
+    let r = Tensor::randn([b, s, 16], (Kind::Double, Device::Cpu));
+    let grad = |out: &Tensor| -> Result<Vec<Tensor>> {
+        let params: Vec<Tensor> = vars.values().map(Tensor::shallow_clone).collect();
+        let mut wrt = vec![time_first.shallow_clone()];
+        wrt.extend(params);
+        Ok(Tensor::run_backward(&[(out * &r).sum(Kind::Double)], &wrt, true, false))
+    };
+    for (i, (gf, gg)) in grad(&fast.context)?.iter().zip(grad(&context)?.iter()).enumerate() {
+        assert!(gf.allclose(gg, 0.0, 1e-12, false), "gradient {i} differs");
+    }
+    Ok(())
+}

@@ -104,7 +104,8 @@ pub struct CompareArgs {
     /// inputs and every parameter.
     #[arg(long)]
     pub backward: bool,
-    /// Timed calls per side (the median is reported), after three warm-up calls.
+    /// Timed calls per side (the median is reported), after three warm-up calls; the two sides
+    /// alternate call by call.
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
     pub repeats: u32,
     /// Translation: the longest sequence the positions cover (the run's max_positions).
@@ -610,26 +611,42 @@ fn renamer(native: NativeModel, vs: &nn::VarStore) -> Renamer {
     }
 }
 
-/// Median milliseconds of `repeats` calls of `f` after three warm-ups, synchronizing CUDA.
-fn median_ms(device: Device, repeats: u32, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+/// Median milliseconds per call of `a` and of `b`: three warm-up calls each, then `repeats`
+/// rounds that time one call of each, alternating which goes first, so that drift in the
+/// machine's speed (another process, frequency, allocator state) falls on both sides alike.
+/// CUDA is synchronized around every timed call.
+fn paired_median_ms(device: Device, repeats: u32, mut a: impl FnMut() -> Result<()>, mut b: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
     let sync = || {
         if let Device::Cuda(i) = device {
             tch::Cuda::synchronize(i as i64);
         }
     };
     for _ in 0..3 {
-        f()?;
+        a()?;
+        b()?;
     }
     sync();
-    let mut times = Vec::with_capacity(repeats as usize);
-    for _ in 0..repeats {
+    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
         let start = Instant::now();
         f()?;
         sync();
-        times.push(start.elapsed().as_secs_f64() * 1e3);
+        Ok(start.elapsed().as_secs_f64() * 1e3)
+    };
+    let (mut ta, mut tb) = (Vec::with_capacity(repeats as usize), Vec::with_capacity(repeats as usize));
+    for round in 0..repeats {
+        if round % 2 == 0 {
+            ta.push(time(&mut a)?);
+            tb.push(time(&mut b)?);
+        } else {
+            tb.push(time(&mut b)?);
+            ta.push(time(&mut a)?);
+        }
     }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    let median = |mut t: Vec<f64>| {
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
+    Ok((median(ta), median(tb)))
 }
 
 fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
@@ -725,8 +742,8 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
         }
     }
 
-    let torchscript_ms = tch::no_grad(|| median_ms(device, args.repeats, || pair.torchscript(&ts, &xs).map(drop)))?;
-    let native_ms = tch::no_grad(|| median_ms(device, args.repeats, || pair.native(&xs, batch_first).map(drop)))?;
+    let (torchscript_ms, native_ms) =
+        tch::no_grad(|| paired_median_ms(device, args.repeats, || pair.torchscript(&ts, &xs).map(drop), || pair.native(&xs, batch_first).map(drop)))?;
     let greedy = match (&args.greedy_file, &translation) {
         (Some(file), Some(t)) => Some(compare_greedy(args, t, &ts, file, device)?),
         (Some(_), None) => bail!("--greedy-file goes with --native translation"),

@@ -118,6 +118,23 @@ impl Support {
         self.fill_value(z, mask_value(z.kind()))
     }
 
+    /// Masks freshly computed scores that nothing else reads in place, for a row softmax: one
+    /// full-size allocation fewer than [`Self::fill`]. Excluded entries get the mask value
+    /// *added* (a plain broadcast add, cheaper than a masked write; PyTorch adds its float mask
+    /// the same way), which leaves their weights exactly 0 as filling does: `exp(z + value − max)`
+    /// underflows for any score below 1e29 in magnitude. Half precision, whose mask value is small,
+    /// is filled as [`Self::fill`] does.
+    pub fn mask_scores_(&self, z: &mut Tensor) {
+        if let Self::Dense { excluded: Some(m) } = self {
+            let value = mask_value(z.kind());
+            if z.kind() == Kind::Half {
+                let _ = z.masked_fill_(m, value);
+            } else {
+                let _ = z.g_add_(&(m.to_kind(z.kind()) * value));
+            }
+        }
+    }
+
     /// Zeroes excluded entries of weights.
     pub fn zero(&self, w: &Tensor) -> Tensor {
         self.fill_value(w, 0.0)
