@@ -18,7 +18,8 @@ seeded. IN.safetensors holds its forward arguments by name, in the module's layo
 `key`, `value` and, with --key-padding, a boolean `key_padding_mask (N, S)` (True = ignored; each
 sequence keeps at least one key). The state dict holds the module's parameters under PyTorch's
 names. `probattn-mha` is python/probattn_torch's drop-in with `--variant softmax|dnas|hnas|
-sinkhorn-N` (HNAS's gate logits drawn from the seed, so u is not 0.5), same inputs as `mha`.
+sinkhorn-N|bam-*` (HNAS's gate logits drawn from the seed, so u is not 0.5), same inputs as `mha`;
+exported in eval mode, where BAM's weights are its base softmax's.
 `transformer` is `torch.nn.Transformer(d_model, nhead, layers, layers, dim_feedforward,
 dropout=0, batch_first=...)` (post-norm, ReLU, with its final encoder and decoder norms), scripted
 only (tracing it would need keyword inputs); its inputs are `src (S, N, E)`, `tgt (T, N, E)` and,
@@ -34,6 +35,14 @@ calls on those inputs (the third column of the speed comparison, same threads as
 loads a state dict (one probattn exported, say) into a fresh module with
 `load_state_dict(strict=True)` and fails on any missing, unexpected or misshapen name.
 
+    python python/export_torchscript.py check-bam
+
+scripts python/probattn_torch's module with each BAM variant in float64, in training mode with a
+fixed noise draw and random weights (prior included), and prints as JSON, per variant, the
+largest absolute difference from python/reference.py's `bam_weights` (the reference the Rust
+library is tested against) in the weights, the output, the KL term and every gradient of
+`sum(output * G) + KL`, and in eval mode the weights against the base softmax.
+
     python python/export_torchscript.py other-formats --dir DIR
 
 writes what is *not* TorchScript, for the error tests: `DIR/linear.pt2` (torch.export.save of a
@@ -45,6 +54,7 @@ libtorch's C++ API cannot load); the deprecation warning is filtered here, and o
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -182,7 +192,72 @@ def load_state_dict(argv):
     print(f"{args.state_dict}: all {len(state)} tensors loaded (strict)")
 
 
+def check_bam():
+    import os
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import reference as R
+    from probattn_torch import MultiheadAttention
+
+    torch.manual_seed(0)
+    b, l, s, e, h = 2, 4, 5, 8, 2
+    cfg = dict(k=5.0, sigma=0.6, prior_alpha=0.7, prior_beta=1.3, prior_mu=-0.2, prior_sigma=0.8, base="softmax")
+    report = {}
+    for variant in R.BAM_VARIANTS:
+        m = MultiheadAttention(e, h, variant=variant, batch_first=True, bam_k=cfg["k"], bam_sigma=cfg["sigma"],
+                               prior_alpha=cfg["prior_alpha"], prior_beta=cfg["prior_beta"], prior_mu=cfg["prior_mu"],
+                               prior_sigma=cfg["prior_sigma"], prior_hidden=3).double()
+        with torch.no_grad():
+            for t in m.parameters():
+                t.copy_(torch.randn_like(t))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            warnings.filterwarnings("ignore", message=".*torch.jit.*deprecated.*")
+            ts = torch.jit.script(m)
+        x, y = torch.randn(b, l, e, dtype=torch.float64), torch.randn(b, s, e, dtype=torch.float64)
+        pad = torch.tensor([[False] * s, [False, False, True, True, True]])
+        weibull = variant in ("bam-nokl", "bam-wf", "bam-wc")
+        noise = torch.rand(b, h, l, s, dtype=torch.float64) if weibull else torch.randn(b, h, l, s, dtype=torch.float64)
+        g = torch.randn(b, l, e, dtype=torch.float64)
+        names = [n for n, _ in ts.named_parameters()]
+
+        ts.train()
+        out, w = ts(x, y, y, key_padding_mask=pad, average_attn_weights=False, noise=noise)
+        kl = ts.kl
+        ours_grads = torch.autograd.grad((out * g).sum() + (kl if kl is not None else 0.0), list(ts.parameters()))
+
+        sd = {n: t.detach().clone().requires_grad_() for n, t in m.state_dict().items()}
+        w_q, w_k, w_v = sd["in_proj_weight"].split(e)
+        b_q, b_k, b_v = sd["in_proj_bias"].split(e)
+
+        def heads(t, weight, bias, n):
+            return (t @ weight.T + bias).reshape(b, n, h, e // h).transpose(1, 2)
+
+        q, k, v = heads(x, w_q, b_q, l), heads(y, w_k, b_k, s), heads(y, w_v, b_v, s)
+        allowed = R.allowed_mask(b, h, l, s, key_padding_mask=pad)
+        z = q @ k.transpose(-2, -1) / math.sqrt(e // h)
+        rw, rkl = R.bam_weights(variant, z, allowed, k, noise, True, cfg, prior=sd)
+        rout = (rw @ v).transpose(1, 2).reshape(b, l, e) @ sd["out_proj.weight"].T + sd["out_proj.bias"]
+        ref_grads = torch.autograd.grad((rout * g).sum() + (rkl if rkl is not None else 0.0), [sd[n] for n in names])
+
+        ts.eval()
+        _, w_eval = ts(x, y, y, key_padding_mask=pad, average_attn_weights=False)
+        report[variant] = {
+            "weights": (w - rw).abs().max().item(),
+            "output": (out - rout).abs().max().item(),
+            "kl": None if rkl is None else abs(kl.item() - rkl.item()),
+            "kl_value": None if kl is None else kl.item(),
+            "gradients": {n: (a - r).abs().max().item() for n, a, r in zip(names, ours_grads, ref_grads)},
+            "eval_weights_vs_softmax": (w_eval - R.softmax_weights(z, allowed)).abs().max().item(),
+            "eval_kl_is_none": ts.kl is None,
+            "sampled_differs_from_mean": (w - w_eval).abs().max().item(),
+        }
+    print(json.dumps(report, indent=1))
+
+
 def main():
+    if sys.argv[1:2] == ["check-bam"]:
+        return check_bam()
     if sys.argv[1:2] == ["load-state-dict"]:
         return load_state_dict(sys.argv[2:])
     if sys.argv[1:2] == ["other-formats"]:
@@ -193,7 +268,7 @@ def main():
     sub = parser.add_subparsers(dest="model", required=True)
     sub.add_parser("mha", help="torch.nn.MultiheadAttention")
     p = sub.add_parser("probattn-mha", help="python/probattn_torch.MultiheadAttention")
-    p.add_argument("--variant", default="dnas", help="softmax, dnas, hnas, sinkhorn-N")
+    p.add_argument("--variant", default="dnas", help="softmax, dnas, hnas, sinkhorn-N, bam-nokl|lf|lc|wf|wc")
     p = sub.add_parser("gat", help="python/baselines/gat.py's Gat (scripted)")
     p.add_argument("--features", type=int, default=20)
     p.add_argument("--classes", type=int, default=5)

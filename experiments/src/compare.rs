@@ -737,7 +737,11 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
         let native: std::collections::HashMap<String, Tensor> = vs.variables().into_iter().collect();
         for (name, p) in &params {
             let Some(ours) = rename(name).and_then(|n| native.get(&n)) else { continue }; // not imported (--allow-partial)
+            if !p.grad().defined() && !ours.grad().defined() {
+                continue; // used by neither forward (BAM's prior outside training)
+            }
             ensure!(p.grad().defined(), "the TorchScript module's {name} got no gradient (saved without requires_grad?)");
+            ensure!(ours.grad().defined(), "probattn's {name} got no gradient where the TorchScript module's did");
             outputs.push(difference(&format!("grad.{name}"), &p.grad(), &ours.grad())?);
         }
     }

@@ -108,7 +108,10 @@ fn nn_transformer_agrees_and_its_weights_go_both_ways() -> Result<()> {
 #[test]
 fn probattn_torch_exports_agree_with_the_native_variants() -> Result<()> {
     let tmp = TempDir::new("compare-probattn-torch")?;
-    for variant in ["softmax", "dnas", "hnas", "sinkhorn-3"] {
+    // BAM in eval mode: its base softmax's weights; the contextual prior's parameters load by
+    // name (a misnamed one would fail the import) and, unused outside training, get no gradient
+    // on either side, so they are not among the compared tensors.
+    for variant in ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-wc", "bam-lf"] {
         let (m, i) = export_model("probattn-mha", &tmp, variant, &["--variant", variant, "--dtype", "float64", "--key-padding"])?;
         let json = compare(&m, &i, &["--backward", "--variant", variant])?;
         let (rel, n) = worst(&json)?;
@@ -122,6 +125,30 @@ fn probattn_torch_exports_agree_with_the_native_variants() -> Result<()> {
     // A DNAS module is not a softmax one.
     let json = compare(&m, &i, &["--variant", "softmax"])?;
     ensure!(worst(&json)?.0 > 1e-3, "DNAS and softmax agreed: {json}");
+    Ok(())
+}
+
+#[test]
+fn probattn_torch_bam_samples_as_the_reference() -> Result<()> {
+    // Training mode with a fixed noise draw, float64, scripted: weights, output, KL and every
+    // gradient against python/reference.py (which tests/parity.rs holds the Rust BAM to).
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().context("workspace root")?;
+    let out = Command::new(python()?).arg(root.join("python/export_torchscript.py")).arg("check-bam").output()?;
+    ensure!(out.status.success(), "{}", text(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).with_context(|| text(&out))?;
+    for variant in ["bam-nokl", "bam-lf", "bam-lc", "bam-wf", "bam-wc"] {
+        let r = &report[variant];
+        let mut diffs = vec![r["weights"].as_f64(), r["output"].as_f64(), r["eval_weights_vs_softmax"].as_f64()];
+        let grads = r["gradients"].as_object().context("no gradients")?;
+        diffs.extend(grads.values().map(|g| g.as_f64()));
+        ensure!(diffs.iter().all(|d| d.is_some_and(|d| d <= 1e-12)), "{variant}: {r}");
+        ensure!(grads.contains_key("prior.f1.weight") == variant.ends_with('c'), "{variant}: prior parameters {r}");
+        let has_kl = variant != "bam-nokl";
+        ensure!(r["kl"].as_f64().is_some_and(|d| d <= 1e-12) == has_kl, "{variant}: KL {r}");
+        ensure!(r["kl_value"].as_f64().is_some_and(f64::is_finite) == has_kl, "{variant}: KL value {r}");
+        ensure!(r["eval_kl_is_none"] == true, "{variant}: eval mode left a KL term: {r}");
+        ensure!(r["sampled_differs_from_mean"].as_f64().is_some_and(|d| d > 1e-3), "{variant}: sampling had no effect: {r}");
+    }
     Ok(())
 }
 
