@@ -76,7 +76,7 @@ struct Prediction {
 }
 
 /// The official evaluation's numbers (0-100, rounded to 2 decimals).
-#[derive(Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Accuracy {
     pub overall: f64,
     #[serde(rename = "perAnswerType")]

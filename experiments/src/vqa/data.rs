@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
 use probattn::interop::TorchScript;
+
+use super::v2::FeatureFolder;
 use serde::{Deserialize, Serialize};
 use tch::{Device, IValue, Kind, Tensor};
 
@@ -33,8 +35,13 @@ pub struct Questions {
     pub tokens: Tensor,
     /// `(Q,)` answer ids.
     pub answer: Tensor,
-    /// `(Q,)` question type ids (`Meta::types`).
+    /// `(Q,)` question type ids (`Meta::types`; VQA-v2: answer types).
     pub kind: Tensor,
+    /// VQA-v2: `(Q, answers)` float soft scores, each answer's official accuracy against the
+    /// human answers (`answer` is then the best-scored one, or 0 when none is in the vocabulary).
+    pub target: Option<Tensor>,
+    /// VQA-v2: `(Q,)` the official question ids, for results files.
+    pub question_id: Option<Tensor>,
 }
 
 impl Questions {
@@ -54,8 +61,10 @@ pub const SPLITS: [&str; 3] = ["train", "val", "test"];
 pub struct VqaData {
     pub dir: PathBuf,
     pub meta: Meta,
-    /// `(N, 3, H, W)` uint8.
-    pub images: Tensor,
+    /// `(N, 3, H, W)` uint8; None where the features come precomputed (VQA-v2).
+    pub images: Option<Tensor>,
+    /// The rows of the image table that `Questions::image` indexes.
+    pub image_count: i64,
     pub splits: HashMap<String, Questions>,
 }
 
@@ -73,7 +82,7 @@ impl VqaData {
         let n_images = images.size()[0];
         let mut splits = HashMap::new();
         for split in SPLITS {
-            let q = Questions { image: take(&format!("{split}_image"))?, tokens: take(&format!("{split}_tokens"))?, answer: take(&format!("{split}_answer"))?, kind: take(&format!("{split}_type"))? };
+            let q = Questions { image: take(&format!("{split}_image"))?, tokens: take(&format!("{split}_tokens"))?, answer: take(&format!("{split}_answer"))?, kind: take(&format!("{split}_type"))?, target: None, question_id: None };
             let n = q.len();
             ensure!(n > 0, "{}: split {split} has no questions", data_path.display());
             for (name, t, max) in [("image", &q.image, n_images), ("answer", &q.answer, meta.answers.len() as i64), ("type", &q.kind, meta.types.len() as i64)] {
@@ -87,7 +96,7 @@ impl VqaData {
             ensure!(bool::try_from(q.tokens.select(1, 0).ne(0).all())?, "{}: {split}_tokens has an empty question (no first word)", data_path.display());
             splits.insert(split.to_string(), q);
         }
-        Ok(Self { dir: dir.to_path_buf(), meta, images, splits })
+        Ok(Self { dir: dir.to_path_buf(), meta, images: Some(images), image_count: n_images, splits })
     }
 
     /// The relational flag of every question type.
@@ -186,10 +195,47 @@ pub fn cached_features(data: &VqaData, detectors: &[DetectorSpec], device: Devic
         let views = (0..detectors.len()).map(|i| t.remove(&format!("view{i}")).with_context(|| format!("{} lacks view{i}; delete it to extract again", path.display()))).collect::<Result<Vec<_>>>()?;
         return Ok((Features { views }, path, true));
     }
-    let features = extract(&data.images, detectors, device, 256)?;
+    let images = data.images.as_ref().context("this data has no images to run detectors on")?;
+    let features = extract(images, detectors, device, 256)?;
     std::fs::create_dir_all(path.parent().unwrap_or(Path::new(".")))?;
     let names: Vec<String> = (0..features.views.len()).map(|i| format!("view{i}")).collect();
     let pairs: Vec<(&str, &Tensor)> = names.iter().map(String::as_str).zip(features.views.iter()).collect();
     probattn::io::write_safetensors_atomic(&path, &pairs)?;
     Ok((features, path, false))
+}
+
+/// The region features of the image table, per view.
+#[derive(Debug)]
+pub enum Views {
+    /// `(N_images, boxes, dim)` per view on the device.
+    Memory(Vec<Tensor>),
+    /// Read from disk batch by batch: the folders and the image id of every row.
+    Files { folders: Vec<FeatureFolder>, image_ids: Vec<u64>, device: Device },
+}
+
+impl Views {
+    /// `(boxes, dim)` of each view.
+    pub fn shapes(&self) -> Vec<(i64, i64)> {
+        match self {
+            Self::Memory(v) => v.iter().map(|t| (t.size()[1], t.size()[2])).collect(),
+            Self::Files { folders, .. } => folders.iter().map(|f| f.shape).collect(),
+        }
+    }
+
+    /// The features of image-table rows `rows`, per view, on the device.
+    pub fn gather(&self, rows: &Tensor) -> Result<Vec<Tensor>> {
+        match self {
+            Self::Memory(v) => Ok(v.iter().map(|t| t.index_select(0, &rows.to_device(t.device()))).collect()),
+            Self::Files { folders, image_ids, device } => {
+                let rows = Vec::<i64>::try_from(rows.to_device(Device::Cpu))?;
+                folders
+                    .iter()
+                    .map(|f| {
+                        let xs = rows.iter().map(|&r| f.read(image_ids[r as usize])).collect::<Result<Vec<_>>>()?;
+                        Ok(Tensor::stack(&xs, 0).to_device(*device))
+                    })
+                    .collect()
+            }
+        }
+    }
 }

@@ -1,7 +1,8 @@
 //! `probattn vqa`: the DNAS paper's multi-view VQA fusion (Ding et al. 2020, Sec. 6.1, Table 1,
 //! Fig. 1 and 3, Appendix B) and the BAM paper's VQA uncertainty measures (Fan et al. 2020,
-//! Sec. 4.2), on Sort-of-CLEVR (our seeded generator) and easy-VQA. Facts and recipe:
-//! shared/docs/PAPER-NOTES.md sections 1, 2 and 4.
+//! Sec. 4.2), on Sort-of-CLEVR (our seeded generator) and easy-VQA, and on VQA-v2 for users who
+//! have its files and detector features ([`v2`]). Facts and recipe: shared/docs/PAPER-NOTES.md
+//! sections 1, 2 and 4.
 //!
 //! Pipeline: python/vqa_data.py writes images, questions and detector labels; python/
 //! vqa_detectors.py trains three CNN backbones on those labels (training images only) and saves
@@ -14,6 +15,7 @@
 
 pub mod data;
 pub mod uncertainty;
+pub mod v2;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -34,7 +36,7 @@ use crate::common::CommonArgs;
 use crate::plot::{line_chart, Series};
 use crate::provenance::{run_dir, run_python, write_json, Provenance};
 use crate::report::{markdown_table, mean_std, progress_bar};
-use data::{cached_features, detectors_in, DetectorSpec, Questions, VqaData};
+use data::{cached_features, detectors_in, DetectorSpec, Questions, Views, VqaData};
 use uncertainty::{McReport, McSettings};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -44,6 +46,9 @@ pub enum Dataset {
     SortOfClevr,
     /// easy-VQA from PyPI (python/vqa_data.py easy-vqa installs it).
     EasyVqa,
+    /// VQA-v2's official files in --data and one --features folder of .npz files per detector.
+    #[value(name = "vqa-v2")]
+    VqaV2,
 }
 
 impl Dataset {
@@ -51,6 +56,7 @@ impl Dataset {
         match self {
             Self::SortOfClevr => "sort-of-clevr",
             Self::EasyVqa => "easy-vqa",
+            Self::VqaV2 => "vqa-v2",
         }
     }
 }
@@ -61,13 +67,29 @@ pub const ALL_FUSIONS: [&str; 5] = ["none", "softmax", "dnas", "hnas", "bam-wc"]
 /// Flags of `probattn vqa`.
 #[derive(Args, Debug, Clone)]
 pub struct VqaArgs {
-    /// Dataset: sort-of-clevr or easy-vqa.
+    /// Dataset: sort-of-clevr, easy-vqa or vqa-v2.
     #[arg(long, value_enum, default_value = "sort-of-clevr")]
     pub dataset: Dataset,
     /// Data folder written by python/vqa_data.py (default: data/vqa/<dataset>, or
-    /// data/vqa/<dataset>-quick with --quick); generated there when absent.
+    /// data/vqa/<dataset>-quick with --quick); generated there when absent. VQA-v2: the folder of
+    /// the official question and annotation files (train2014 and val2014).
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// VQA-v2: a folder of region features, one `<image_id>.npz` (or COCO_<split>_<id>.npz) with
+    /// an `x (boxes, dim)` array per image; once per detector, the primary first.
+    #[arg(long = "features")]
+    pub features: Vec<PathBuf>,
+    /// VQA-v2: the answer vocabulary, the most frequent normalised training answers.
+    #[arg(long, default_value_t = 3129)]
+    pub answers: usize,
+    /// VQA-v2: the share of train2014's images held out for validation (early stopping); val2014
+    /// is the test split.
+    #[arg(long, default_value_t = 0.05)]
+    pub val_fraction: f64,
+    /// VQA-v2: hold the features in memory up to this many GB, else read them from disk batch by
+    /// batch.
+    #[arg(long, default_value_t = 8.0)]
+    pub feature_memory_gb: f64,
     /// Folder of detectors written by python/vqa_detectors.py (default: <data>/detectors);
     /// trained there when absent.
     #[arg(long)]
@@ -199,6 +221,10 @@ pub struct RunResult {
     pub explained_away: Option<ExplainedAway>,
     /// Monte Carlo prediction (stochastic fusions).
     pub uncertainty: Option<McReport>,
+    /// VQA-v2: the official evaluation of `test_results-seed<N>.json` on val2014 (0-100); the
+    /// run's `test_acc` and `test_acc_by_type` (answer types) are taken from it.
+    #[serde(default)]
+    pub official: Option<crate::vqa_eval::Accuracy>,
 }
 
 /// Fig. 1's statistics: the mass `Σ_i π_ij` each secondary box receives, over the test images.
@@ -239,18 +265,10 @@ fn log_mass_points(reports: &[&ExplainedAway]) -> Vec<(f64, f64)> {
         .collect()
 }
 
-/// The loaded data and features on the device.
+/// The loaded data and features.
 struct Prepared {
     data: VqaData,
-    /// Per view `(N_images, regions, dim)` on the device.
-    views: Vec<Tensor>,
-}
-
-impl Prepared {
-    /// The features of `images` (rows), per view.
-    fn gather(&self, images: &Tensor) -> Vec<Tensor> {
-        self.views.iter().map(|v| v.index_select(0, images)).collect()
-    }
+    views: Views,
 }
 
 /// A batch of one split, on the device.
@@ -258,6 +276,8 @@ struct Batch {
     views: Vec<Tensor>,
     tokens: Tensor,
     answer: Tensor,
+    /// VQA-v2's soft scores `(B, answers)`.
+    target: Option<Tensor>,
     kind: Tensor,
 }
 
@@ -266,44 +286,68 @@ fn chunks(q: &Questions, size: i64) -> impl Iterator<Item = Tensor> + '_ {
     (0..q.len()).step_by(size as usize).map(move |start| Tensor::arange_start(start, (start + size).min(q.len()), (Kind::Int64, Device::Cpu)))
 }
 
-fn batch_of(p: &Prepared, q: &Questions, idx: &Tensor, device: Device) -> Batch {
-    let images = q.image.index_select(0, idx).to_device(device);
-    Batch { views: p.gather(&images), tokens: q.tokens.index_select(0, idx).to_device(device), answer: q.answer.index_select(0, idx).to_device(device), kind: q.kind.index_select(0, idx) }
+fn batch_of(p: &Prepared, q: &Questions, idx: &Tensor, device: Device) -> Result<Batch> {
+    let images = q.image.index_select(0, idx);
+    Ok(Batch {
+        views: p.views.gather(&images)?,
+        tokens: q.tokens.index_select(0, idx).to_device(device),
+        answer: q.answer.index_select(0, idx).to_device(device),
+        target: q.target.as_ref().map(|t| t.index_select(0, idx).to_device(device)),
+        kind: q.kind.index_select(0, idx),
+    })
 }
 
-/// Accuracy and (correct, total) per question type over a split, eval mode.
-fn evaluate(model: &VqaModel, p: &Prepared, split: &str, device: Device) -> Result<(f64, Vec<(u64, u64)>)> {
+/// The accuracy of each prediction `(B,)`: 1 or 0 against the one answer, or VQA-v2's soft score
+/// of the predicted answer (its official accuracy when the answer is in the vocabulary).
+fn accuracy_of(b: &Batch, predicted: &Tensor) -> Result<Vec<f64>> {
+    let acc = match &b.target {
+        Some(t) => t.gather(1, &predicted.unsqueeze(1), false).squeeze_dim(1).to_kind(Kind::Double),
+        None => predicted.eq_tensor(&b.answer).to_kind(Kind::Double),
+    };
+    Ok(Vec::<f64>::try_from(acc.to_device(Device::Cpu))?)
+}
+
+/// Accuracy and (summed accuracy, questions) per question type over a split, eval mode.
+fn evaluate(model: &VqaModel, p: &Prepared, split: &str, device: Device) -> Result<(f64, Vec<(f64, u64)>)> {
     score(p, split, device, &|views, tokens| Ok(model.forward(views, tokens, Mode::EVAL)?.logits))
 }
 
-/// Accuracy and (correct, total) per question type of `predict` (views, tokens -> logits
-/// `(B, answers)`) over a split, under `no_grad`.
-fn score(p: &Prepared, split: &str, device: Device, predict: &dyn Fn(&[Tensor], &Tensor) -> Result<Tensor>) -> Result<(f64, Vec<(u64, u64)>)> {
+/// Accuracy and (summed accuracy, questions) per question type of `predict` (views, tokens ->
+/// logits `(B, answers)`) over a split, under `no_grad`; with `answers_out`, also every predicted
+/// answer id in question order.
+fn score(p: &Prepared, split: &str, device: Device, predict: &dyn Fn(&[Tensor], &Tensor) -> Result<Tensor>) -> Result<(f64, Vec<(f64, u64)>)> {
+    score_and_predict(p, split, device, predict).map(|(acc, per_type, _)| (acc, per_type))
+}
+
+fn score_and_predict(p: &Prepared, split: &str, device: Device, predict: &dyn Fn(&[Tensor], &Tensor) -> Result<Tensor>) -> Result<(f64, Vec<(f64, u64)>, Vec<i64>)> {
     let q = &p.data.splits[split];
     let types = p.data.meta.types.len();
     let answers = p.data.meta.answers.len() as i64;
-    let mut per_type = vec![(0u64, 0u64); types];
+    let mut per_type = vec![(0f64, 0u64); types];
+    let mut predicted = Vec::with_capacity(q.len() as usize);
     tch::no_grad(|| -> Result<()> {
         for idx in chunks(q, 1024) {
-            let b = batch_of(p, q, &idx, device);
+            let b = batch_of(p, q, &idx, device)?;
             let logits = predict(&b.views, &b.tokens)?;
             ensure!(logits.size() == [idx.size()[0], answers], "the model returned logits of shape {:?} for {} questions; expected ({}, {answers}) (one score per answer of meta.json)", logits.size(), idx.size()[0], idx.size()[0]);
-            let hit = Vec::<bool>::try_from(logits.argmax(-1, false).eq_tensor(&b.answer).to_device(Device::Cpu))?;
+            let best = logits.argmax(-1, false);
+            let acc = accuracy_of(&b, &best)?;
+            predicted.extend(Vec::<i64>::try_from(best.to_device(Device::Cpu))?);
             let kind = Vec::<i64>::try_from(&b.kind)?;
-            for (h, k) in hit.into_iter().zip(kind) {
-                per_type[k as usize].0 += u64::from(h);
+            for (a, k) in acc.into_iter().zip(kind) {
+                per_type[k as usize].0 += a;
                 per_type[k as usize].1 += 1;
             }
         }
         Ok(())
     })?;
-    let (hit, total) = per_type.iter().fold((0, 0), |a, t| (a.0 + t.0, a.1 + t.1));
-    Ok((hit as f64 / total.max(1) as f64, per_type))
+    let (hit, total) = per_type.iter().fold((0.0, 0), |a, t| (a.0 + t.0, a.1 + t.1));
+    Ok((hit / total.max(1) as f64, per_type, predicted))
 }
 
 /// Fig. 1: the received mass of every secondary box on the test images, per view summed over
 /// the primary's boxes (eval mode: deterministic weights).
-fn explained_away(model: &VqaModel, p: &Prepared, device: Device) -> Result<Option<ExplainedAway>> {
+fn explained_away(model: &VqaModel, p: &Prepared) -> Result<Option<ExplainedAway>> {
     if model.config().fusion.is_none() {
         return Ok(None);
     }
@@ -312,8 +356,8 @@ fn explained_away(model: &VqaModel, p: &Prepared, device: Device) -> Result<Opti
     let (mut logs, mut min_scaled) = (vec![], f64::INFINITY);
     tch::no_grad(|| -> Result<()> {
         for start in (0..images.size()[0]).step_by(256) {
-            let rows = images.narrow(0, start, 256.min(images.size()[0] - start)).to_device(device);
-            let fused = model.fusion.forward(&p.gather(&rows), Mode::EVAL)?;
+            let rows = images.narrow(0, start, 256.min(images.size()[0] - start));
+            let fused = model.fusion.forward(&p.views.gather(&rows)?, Mode::EVAL)?;
             for w in &fused.weights {
                 // (B, 1, N_P, N_s) -> (B, N_s) in float64 (the log of a float32 underflow is -inf)
                 let mass = received_mass(&w.to_kind(Kind::Double)).squeeze_dim(1);
@@ -360,9 +404,13 @@ fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metric
         let loop_start = Instant::now();
         for step in 0..steps_per_epoch {
             let idx = order.narrow(0, step * cfg.batch, cfg.batch.min(train.len() - step * cfg.batch));
-            let b = batch_of(p, train, &idx, device);
+            let b = batch_of(p, train, &idx, device)?;
             let out = model.forward(&b.views, &b.tokens, Mode::TRAIN)?;
-            let mut loss = out.logits.cross_entropy_for_logits(&b.answer);
+            let mut loss = match &b.target {
+                // Pythia's soft-score loss: binary cross-entropy per answer, times the answers.
+                Some(t) => out.logits.binary_cross_entropy_with_logits::<Tensor>(t, None, None, tch::Reduction::Mean) * t.size()[1] as f64,
+                None => out.logits.cross_entropy_for_logits(&b.answer),
+            };
             if let Some(kl) = &out.kl {
                 if cfg.kl_weight != 0.0 {
                     loss = loss + kl * cfg.kl_weight;
@@ -414,11 +462,13 @@ fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metric
     });
     let (test_acc, per_type) = evaluate(&model, p, "test", device)?;
     let types = &p.data.meta.types;
-    let test_acc_by_type = types.iter().zip(&per_type).map(|(t, (h, n))| (t.clone(), *h as f64 / (*n).max(1) as f64)).collect();
+    let test_acc_by_type = types.iter().zip(&per_type).map(|(t, (h, n))| (t.clone(), *h / (*n).max(1) as f64)).collect();
     let relational_types = p.data.relational();
+    // Relational / non-relational only where the data defines relational types (Sort-of-CLEVR).
+    let has_relational = relational_types.iter().any(|&r| r);
     let group = |relational: bool| {
-        let (h, n) = per_type.iter().zip(&relational_types).filter(|(_, &r)| r == relational).fold((0, 0), |a, ((h, n), _)| (a.0 + h, a.1 + n));
-        (n > 0).then(|| h as f64 / n as f64)
+        let (h, n) = per_type.iter().zip(&relational_types).filter(|(_, &r)| r == relational).fold((0.0, 0), |a, ((h, n), _)| (a.0 + h, a.1 + n));
+        (has_relational && n > 0).then(|| h / n as f64)
     };
     let hnas_u = model.fusion.gates().map(|u| Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))).transpose()?;
     let result = RunResult {
@@ -436,8 +486,22 @@ fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metric
         hnas_u,
         explained_away: None,
         uncertainty: None,
+        official: None,
     };
     Ok((result, model))
+}
+
+/// VQA-v2: answers the test split (val2014) with `model`, writes them in the official results
+/// format (`[{"question_id", "answer"}]`) to `path`, and scores that file with the official
+/// evaluation against the val2014 files.
+fn official_test(model: &VqaModel, p: &Prepared, path: &Path, device: Device) -> Result<crate::vqa_eval::Accuracy> {
+    let (_, _, predicted) = score_and_predict(p, "test", device, &|views, tokens| Ok(model.forward(views, tokens, Mode::EVAL)?.logits))?;
+    let ids = Vec::<i64>::try_from(p.data.splits["test"].question_id.as_ref().context("VQA-v2 questions without ids")?)?;
+    let answers = &p.data.meta.answers;
+    let results: Vec<serde_json::Value> = ids.iter().zip(&predicted).map(|(&q, &a)| serde_json::json!({"question_id": q, "answer": answers[a as usize]})).collect();
+    write_json(path, &results)?;
+    let (questions, annotations) = v2::official_files(&p.data.dir, "val2014");
+    crate::vqa_eval::evaluate(&questions, &annotations, path)
 }
 
 /// The results of one fusion over seeds (results.json).
@@ -474,10 +538,10 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
     }
     let meta = &p.data.meta;
     let model = VqaConfig {
-        view_regions: p.views.iter().map(|v| v.size()[1]).collect(),
-        feature_dim: p.views[0].size()[2],
+        view_regions: p.views.shapes().iter().map(|s| s.0).collect(),
+        feature_dim: p.views.shapes()[0].1,
         fusion,
-        key_dim: p.views[0].size()[2],
+        key_dim: p.views.shapes()[0].1,
         attention_dropout: 0.1,
         normalizer: NormalizerConfig { hybrid_init_u: 0.5, bam },
         vocab: meta.vocab.len() as i64,
@@ -513,7 +577,13 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
     for seed in args.seed_start..args.seed_start + args.seeds {
         let mut gates = vec![];
         let (mut run, model) = train_run(p, &cfg, seed, device, &mut metrics, &mut gates)?;
-        run.explained_away = explained_away(&model, p, device)?;
+        if p.data.meta.dataset == Dataset::VqaV2.name() {
+            let official = official_test(&model, p, &dir.join(format!("test_results-seed{seed}.json")), device)?;
+            run.test_acc = official.overall / 100.0;
+            run.test_acc_by_type = official.per_answer_type.iter().map(|(t, a)| (t.clone(), a / 100.0)).collect();
+            run.official = Some(official);
+        }
+        run.explained_away = explained_away(&model, p)?;
         if fusion.is_some_and(Variant::is_stochastic) {
             let settings = McSettings { samples: cfg.mc_samples, eval_noise: cfg.eval_noise, seed };
             run.uncertainty = Some(uncertainty::report(&model, p, &settings, device)?);
@@ -619,7 +689,7 @@ fn eval_torchscript(p: &Prepared, path: &Path, args: &VqaArgs, device: Device) -
     let (val_acc, _) = score(p, "val", device, &predict)?;
     let (test_acc, per_type) = score(p, "test", device, &predict)?;
     let seconds = start.elapsed().as_secs_f64();
-    let by_type: BTreeMap<String, f64> = p.data.meta.types.iter().zip(&per_type).map(|(t, (h, n))| (t.clone(), *h as f64 / (*n).max(1) as f64)).collect();
+    let by_type: BTreeMap<String, f64> = p.data.meta.types.iter().zip(&per_type).map(|(t, (h, n))| (t.clone(), *h / (*n).max(1) as f64)).collect();
     let dir = run_dir(args.out.as_deref(), "vqa", &format!("{}-torchscript", args.dataset.name()))?;
     let report = serde_json::json!({"torchscript": path, "val_acc": val_acc, "test_acc": test_acc, "test_acc_by_type": by_type, "seconds": seconds, "provenance": Provenance::gather(device)});
     write_json(&dir.join("eval_torchscript.json"), &report)?;
@@ -684,29 +754,49 @@ pub fn run(args: &VqaArgs) -> Result<()> {
         .map(|f| if f == "none" { Ok(None) } else { f.parse::<Variant>().map(Some).context("--fusion") })
         .collect::<Result<_>>()?;
     let data_dir = args.data.clone().unwrap_or_else(|| default_data_dir(args.dataset, args.quick));
-    let detectors = prepare_inputs(args, &data_dir, tch::get_num_threads())?;
-    let data = VqaData::load(&data_dir)?;
-    ensure!(data.meta.dataset == args.dataset.name(), "{} holds {} data, not {} (--dataset)", data_dir.display(), data.meta.dataset, args.dataset.name());
     let start = Instant::now();
-    let (features, cache, hit) = cached_features(&data, &detectors, device)?;
-    eprintln!("features: {} ({}, {:.1} s)", cache.display(), if hit { "cached" } else { "extracted" }, start.elapsed().as_secs_f64());
-    let mut views = features.views;
+    let (data, mut views, detectors, features_note) = if args.dataset == Dataset::VqaV2 {
+        ensure!(args.data.is_some(), "--dataset vqa-v2 needs --data DIR holding the official question and annotation files (train2014, val2014)");
+        ensure!(!args.quick, "--quick runs on the generated datasets (sort-of-clevr, easy-vqa), not vqa-v2");
+        ensure!(args.detector.is_empty(), "--detector runs TorchScript detectors on images; VQA-v2 takes precomputed features (--features)");
+        let opts = v2::V2Options { features: &args.features, answers: args.answers, val_fraction: args.val_fraction, feature_memory_gb: args.feature_memory_gb };
+        let (data, views) = v2::load(&data_dir, &opts, device)?;
+        let detectors: Vec<DetectorSpec> = args.features.iter().enumerate().map(|(i, f)| DetectorSpec { name: format!("view{i}"), path: f.clone() }).collect();
+        let note = format!("precomputed .npz features: {}", args.features.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "));
+        (data, views, detectors, note)
+    } else {
+        ensure!(args.features.is_empty(), "--features goes with --dataset vqa-v2");
+        let detectors = prepare_inputs(args, &data_dir, tch::get_num_threads())?;
+        let data = VqaData::load(&data_dir)?;
+        ensure!(data.meta.dataset == args.dataset.name(), "{} holds {} data, not {} (--dataset)", data_dir.display(), data.meta.dataset, args.dataset.name());
+        let (features, cache, hit) = cached_features(&data, &detectors, device)?;
+        eprintln!("features: {} ({}, {:.1} s)", cache.display(), if hit { "cached" } else { "extracted" }, start.elapsed().as_secs_f64());
+        let note = format!("{} ({})", cache.display(), detectors.iter().map(|d| d.path.display().to_string()).collect::<Vec<_>>().join(", "));
+        (data, Views::Memory(features.views), detectors, note)
+    };
     if let (Some(k), Some(std)) = (args.noisy_view, args.noise_std) {
-        ensure!(k < views.len(), "--noisy-view {k}: there are only {} views (0 = primary)", views.len());
+        let Views::Memory(v) = &mut views else {
+            bail!("--noisy-view needs the features in memory (raise --feature-memory-gb)");
+        };
+        ensure!(k < v.len(), "--noisy-view {k}: there are only {} views (0 = primary)", v.len());
         tch::manual_seed(1_000_003);
-        views[k] = &views[k] + views[k].randn_like() * std;
+        v[k] = &v[k] + v[k].randn_like() * std;
     }
-    let views: Vec<Tensor> = views.into_iter().map(|v| v.to_device(device)).collect();
+    if let Views::Memory(v) = &mut views {
+        for t in v.iter_mut() {
+            *t = t.to_device(device);
+        }
+    }
     let split = |s: &str| data.splits[s].len();
     println!(
         "{}: {} images, {} answers, train/val/test questions {}/{}/{}; views {}; device {}, {} threads",
         data.meta.dataset,
-        data.images.size()[0],
+        data.image_count,
         data.meta.answers.len(),
         split("train"),
         split("val"),
         split("test"),
-        detectors.iter().zip(&views).map(|(d, v)| format!("{} {:?}", d.name, &v.size()[1..])).collect::<Vec<_>>().join(", "),
+        detectors.iter().zip(views.shapes()).map(|(d, s)| format!("{} [{}, {}]", d.name, s.0, s.1)).collect::<Vec<_>>().join(", "),
         probattn::device::device_name(device),
         tch::get_num_threads()
     );
@@ -715,7 +805,6 @@ pub fn run(args: &VqaArgs) -> Result<()> {
         return eval_torchscript(&prepared, path, args, device);
     }
     let dir = run_dir(args.out.as_deref(), "vqa", &format!("{}-{}", args.dataset.name(), args.fusion))?;
-    let features_note = format!("{} ({})", cache.display(), detectors.iter().map(|d| d.path.display().to_string()).collect::<Vec<_>>().join(", "));
     let mut all = vec![];
     for fusion in fusions {
         let name = fusion.map_or_else(|| "none".to_string(), |v| v.to_string());

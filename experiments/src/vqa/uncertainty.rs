@@ -5,7 +5,7 @@
 //! `PAvPU = mean(uncertain · (1 - accurate) + (1 - uncertain) · accurate)`. Also the expected
 //! calibration error of the mean prediction (15 equal-width confidence bins). "Noisy": the BAM
 //! paper's setting, `scale · N(0, 1)` drawn once per view and added to every test example's
-//! features.
+//! features. "Accurate" is 1 or 0 for single-answer data and VQA-v2's soft score of the answer.
 
 use anyhow::Result;
 use probattn::mc::monte_carlo;
@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use statrs::distribution::{ContinuousCDF, StudentsT};
 use tch::{Device, Kind, Tensor};
 
-use super::{batch_of, chunks, Prepared};
+use super::{accuracy_of, batch_of, chunks, Prepared};
 
 /// Monte Carlo settings.
 pub struct McSettings {
@@ -65,31 +65,31 @@ pub fn welch_p(m1: f64, v1: f64, m2: f64, v2: f64, n: usize) -> f64 {
     }
 }
 
-/// Expected calibration error over `bins` equal-width confidence bins.
-pub fn ece(confidence: &[f64], correct: &[bool], bins: usize) -> f64 {
+/// Expected calibration error over `bins` equal-width confidence bins (`accurate` in [0, 1]).
+pub fn ece(confidence: &[f64], accurate: &[f64], bins: usize) -> f64 {
     let mut sums = vec![(0.0f64, 0.0f64, 0usize); bins];
-    for (&c, &ok) in confidence.iter().zip(correct) {
+    for (&c, &a) in confidence.iter().zip(accurate) {
         let b = ((c * bins as f64) as usize).min(bins - 1);
         sums[b].0 += c;
-        sums[b].1 += f64::from(u8::from(ok));
+        sums[b].1 += a;
         sums[b].2 += 1;
     }
     let n = confidence.len().max(1) as f64;
     sums.iter().filter(|s| s.2 > 0).map(|(c, a, k)| (*k as f64 / n) * ((a - c) / *k as f64).abs()).sum()
 }
 
-/// PAvPU of `uncertain` and `correct` flags.
-pub fn pavpu(uncertain: &[bool], correct: &[bool]) -> f64 {
-    let hits = uncertain.iter().zip(correct).filter(|(u, c)| u != c).count();
-    hits as f64 / uncertain.len().max(1) as f64
+/// PAvPU of `uncertain` flags and `accurate` in [0, 1]: `mean(u (1 - a) + (1 - u) a)`.
+pub fn pavpu(uncertain: &[bool], accurate: &[f64]) -> f64 {
+    let sum: f64 = uncertain.iter().zip(accurate).map(|(&u, &a)| if u { 1.0 - a } else { a }).sum();
+    sum / uncertain.len().max(1) as f64
 }
 
 fn measure(model: &VqaModel, p: &Prepared, noise: Option<&[Tensor]>, samples: usize, device: Device) -> Result<McMetrics> {
     let q = &p.data.splits["test"];
-    let (mut correct, mut confidence, mut pvals) = (vec![], vec![], vec![]);
+    let (mut accurate, mut confidence, mut pvals) = (vec![], vec![], vec![]);
     tch::no_grad(|| -> Result<()> {
         for idx in chunks(q, 1024) {
-            let mut b = batch_of(p, q, &idx, device);
+            let mut b = batch_of(p, q, &idx, device)?;
             if let Some(noise) = noise {
                 b.views = b.views.iter().zip(noise).map(|(v, n)| v + n).collect();
             }
@@ -99,10 +99,9 @@ fn measure(model: &VqaModel, p: &Prepared, noise: Option<&[Tensor]>, samples: us
             let var = std.square() * (samples as f64 / (samples as f64 - 1.0));
             let m = Vec::<f64>::try_from(top.flatten(0, -1).to_device(Device::Cpu))?;
             let v = Vec::<f64>::try_from(var.flatten(0, -1).to_device(Device::Cpu))?;
-            let answer = Vec::<i64>::try_from(b.answer.to_device(Device::Cpu))?;
-            let best = Vec::<i64>::try_from(ids.select(1, 0).to_device(Device::Cpu))?;
-            for i in 0..answer.len() {
-                correct.push(best[i] == answer[i]);
+            let acc = accuracy_of(&b, &ids.select(1, 0))?;
+            for (i, a) in acc.into_iter().enumerate() {
+                accurate.push(a);
                 confidence.push(m[2 * i]);
                 pvals.push(welch_p(m[2 * i], v[2 * i], m[2 * i + 1], v[2 * i + 1], samples));
             }
@@ -112,12 +111,12 @@ fn measure(model: &VqaModel, p: &Prepared, noise: Option<&[Tensor]>, samples: us
     let uncertain = |threshold: f64| pvals.iter().map(|&p| p > threshold).collect::<Vec<_>>();
     let u05 = uncertain(0.05);
     Ok(McMetrics {
-        accuracy: correct.iter().filter(|&&c| c).count() as f64 / correct.len().max(1) as f64,
-        pavpu_01: pavpu(&uncertain(0.01), &correct),
-        pavpu_05: pavpu(&u05, &correct),
-        pavpu_10: pavpu(&uncertain(0.1), &correct),
+        accuracy: accurate.iter().sum::<f64>() / accurate.len().max(1) as f64,
+        pavpu_01: pavpu(&uncertain(0.01), &accurate),
+        pavpu_05: pavpu(&u05, &accurate),
+        pavpu_10: pavpu(&uncertain(0.1), &accurate),
         uncertain_05: u05.iter().filter(|&&u| u).count() as f64 / u05.len().max(1) as f64,
-        ece: ece(&confidence, &correct, 15),
+        ece: ece(&confidence, &accurate, 15),
     })
 }
 
@@ -125,7 +124,7 @@ fn measure(model: &VqaModel, p: &Prepared, noise: Option<&[Tensor]>, samples: us
 pub(super) fn report(model: &VqaModel, p: &Prepared, settings: &McSettings, device: Device) -> Result<McReport> {
     tch::manual_seed(settings.seed as i64 + 7_777);
     let clean = measure(model, p, None, settings.samples, device)?;
-    let noise: Vec<Tensor> = p.views.iter().map(|v| Tensor::randn(&v.size()[1..], (Kind::Float, device)) * settings.eval_noise).collect();
+    let noise: Vec<Tensor> = p.views.shapes().iter().map(|&(boxes, dim)| Tensor::randn([boxes, dim], (Kind::Float, device)) * settings.eval_noise).collect();
     let noisy = measure(model, p, Some(&noise), settings.samples, device)?;
     Ok(McReport { samples: settings.samples, eval_noise: settings.eval_noise, clean, noisy })
 }
@@ -152,8 +151,11 @@ mod tests {
     #[test]
     fn calibration_and_pavpu() {
         // Two bins: confidence 0.95 right once of two (gap 0.45), 0.25 wrong (gap 0.25).
-        let e = ece(&[0.95, 0.95, 0.25], &[true, false, false], 15);
+        let e = ece(&[0.95, 0.95, 0.25], &[1.0, 0.0, 0.0], 15);
         assert!((e - (2.0 / 3.0 * 0.45 + 1.0 / 3.0 * 0.25)).abs() < 1e-12, "{e}");
-        assert_eq!(pavpu(&[true, false, false, true], &[false, true, false, true]), 0.5);
+        assert_eq!(pavpu(&[true, false, false, true], &[0.0, 1.0, 0.0, 1.0]), 0.5);
+        // Soft accuracy (VQA-v2): an uncertain answer worth 0.3 counts 0.7, a certain one 0.3.
+        assert!((pavpu(&[true, false], &[0.3, 0.3]) - 0.5).abs() < 1e-12);
+        assert!((pavpu(&[true, true], &[0.3, 0.6]) - 0.55).abs() < 1e-12);
     }
 }
