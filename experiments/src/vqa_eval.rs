@@ -41,32 +41,39 @@ pub struct VqaEvalArgs {
     pub json: bool,
 }
 
+/// The official question and annotation files, as far as the evaluation and `probattn vqa
+/// --dataset vqa-v2` read them.
 #[derive(Deserialize)]
-struct QuestionsFile {
-    questions: Vec<Question>,
+pub(crate) struct QuestionsFile {
+    pub questions: Vec<Question>,
 }
 
 #[derive(Deserialize)]
-struct Question {
-    question_id: u64,
+pub(crate) struct Question {
+    pub question_id: u64,
+    /// Not read by the evaluation (files without it score the same).
+    #[serde(default)]
+    pub image_id: Option<u64>,
+    #[serde(default)]
+    pub question: String,
 }
 
 #[derive(Deserialize)]
-struct AnnotationsFile {
-    annotations: Vec<Annotation>,
+pub(crate) struct AnnotationsFile {
+    pub annotations: Vec<Annotation>,
 }
 
 #[derive(Deserialize)]
-struct Annotation {
-    question_id: u64,
-    question_type: String,
-    answer_type: String,
-    answers: Vec<HumanAnswer>,
+pub(crate) struct Annotation {
+    pub question_id: u64,
+    pub question_type: String,
+    pub answer_type: String,
+    pub answers: Vec<HumanAnswer>,
 }
 
 #[derive(Deserialize)]
-struct HumanAnswer {
-    answer: String,
+pub(crate) struct HumanAnswer {
+    pub answer: String,
 }
 
 #[derive(Deserialize)]

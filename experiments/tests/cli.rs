@@ -3,20 +3,14 @@
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
+mod binary;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
 use common::{manifest, python, run_python, TempDir};
-
-fn probattn(args: &[&str]) -> Result<Output> {
-    Command::new(env!("CARGO_BIN_EXE_probattn")).args(args).output().context("running probattn")
-}
-
-fn text(out: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
-}
+use binary::{probattn, text};
 
 #[test]
 fn doctor_reports_versions_and_cuda() -> Result<()> {

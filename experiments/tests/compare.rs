@@ -5,19 +5,13 @@
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
+mod binary;
 
-use std::process::{Command, Output};
+use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
 use common::{python, run_python, write_corpus, TempDir};
-
-fn probattn(args: &[&str]) -> Result<Output> {
-    Command::new(env!("CARGO_BIN_EXE_probattn")).args(args).output().context("running probattn")
-}
-
-fn text(out: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
-}
+use binary::{probattn, text};
 
 /// Exports nn.MultiheadAttention(16, 4) with `extra` flags; returns (module, inputs) paths.
 fn export(tmp: &TempDir, tag: &str, extra: &[&str]) -> Result<(String, String)> {

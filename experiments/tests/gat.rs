@@ -4,10 +4,12 @@
 //! CI) or data/planetoid (`python python/planetoid.py download --dir data/planetoid`); where
 //! neither exists they say so and skip.
 
+mod binary;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 use anyhow::{ensure, Context, Result};
+use binary::{probattn, text};
 
 /// The Planetoid folder, or `None` (with a notice) when this machine has none.
 fn planetoid() -> Option<PathBuf> {
@@ -17,14 +19,6 @@ fn planetoid() -> Option<PathBuf> {
         eprintln!("SKIPPED: no Planetoid data beside the checkout (../shared/data/planetoid) or in data/planetoid");
     }
     found
-}
-
-fn probattn(args: &[&str]) -> Result<Output> {
-    Command::new(env!("CARGO_BIN_EXE_probattn")).args(args).output().context("running probattn")
-}
-
-fn text(out: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
 }
 
 fn tmp(tag: &str) -> Result<PathBuf> {

@@ -5,26 +5,20 @@
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
+mod binary;
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use common::{write_corpus, TempDir};
+use binary::{probattn, text};
 
 const FLAGS: [&str; 18] = [
     "--preset", "tiny", "--bpe-vocab", "120", "--max-tokens", "300", "--max-epochs", "4", "--beam", "2", "--warmup-updates", "20", "--threads", "1",
     "--device", "cpu", "--seeds", "1",
 ];
-
-fn probattn(args: &[&str]) -> Result<Output> {
-    Command::new(env!("CARGO_BIN_EXE_probattn")).args(args).output().context("running probattn")
-}
-
-fn text(out: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
-}
 
 /// metrics.jsonl without the timing fields, which differ between runs.
 fn metrics(dir: &Path) -> Result<Vec<serde_json::Value>> {

@@ -5,24 +5,14 @@
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
+mod binary;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
 use common::{python, run_python, TempDir};
-
-fn probattn(args: &[&str]) -> Result<Output> {
-    Command::new(env!("CARGO_BIN_EXE_probattn")).args(args).output().context("running probattn")
-}
-
-fn text(out: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
-}
-
-fn json(path: &Path) -> Result<serde_json::Value> {
-    Ok(serde_json::from_str(&std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?)?)
-}
+use binary::{probattn, text, json};
 
 /// Tiny data (40 / 10 / 10 images, 4 questions each) and detectors trained one epoch.
 fn tiny(dir: &TempDir) -> Result<(String, String)> {

@@ -5,23 +5,17 @@
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
+mod binary;
 
 use std::process::{Command, Output};
 
 use anyhow::{ensure, Context, Result};
 use common::{python, TempDir};
-
-fn probattn(args: &[&str]) -> Result<Output> {
-    Command::new(env!("CARGO_BIN_EXE_probattn")).args(args).output().context("running probattn")
-}
+use binary::{probattn, text};
 
 fn reference(args: &[&str]) -> Result<Output> {
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/vqa_eval_reference.py");
     Command::new(python()?).arg(script).args(args).output().context("running python/vqa_eval_reference.py")
-}
-
-fn text(out: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
 }
 
 #[test]

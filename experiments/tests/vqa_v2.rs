@@ -6,25 +6,14 @@
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
+mod binary;
 
 use std::path::Path;
-use std::process::{Command, Output};
 
 use anyhow::{ensure, Context, Result};
 use common::TempDir;
 use tch::{Kind, Tensor};
-
-fn probattn(args: &[&str]) -> Result<Output> {
-    Command::new(env!("CARGO_BIN_EXE_probattn")).args(args).output().context("running probattn")
-}
-
-fn text(out: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
-}
-
-fn json(path: &Path) -> Result<serde_json::Value> {
-    Ok(serde_json::from_str(&std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?)?)
-}
+use binary::{probattn, text, json};
 
 const COLOURS: [&str; 3] = ["red", "blue", "green"];
 

@@ -24,12 +24,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
-use serde::Deserialize;
 use tch::{Device, Kind, Tensor};
 
 use super::data::{Meta, Questions, Views, VqaData};
 use crate::report::progress_bar;
-use crate::vqa_eval::{process_digit_article, process_punctuation, question_accuracy};
+use crate::vqa_eval::{process_digit_article, process_punctuation, question_accuracy, Annotation, AnnotationsFile, QuestionsFile};
 
 /// Pythia's question length.
 pub const MAX_WORDS: usize = 14;
@@ -39,35 +38,6 @@ pub const UNK: i64 = 1;
 /// The official file names in `--data`.
 pub fn official_files(dir: &Path, split: &str) -> (PathBuf, PathBuf) {
     (dir.join(format!("v2_OpenEnded_mscoco_{split}_questions.json")), dir.join(format!("v2_mscoco_{split}_annotations.json")))
-}
-
-#[derive(Deserialize)]
-struct QuestionsFile {
-    questions: Vec<Question>,
-}
-
-#[derive(Deserialize)]
-struct Question {
-    image_id: u64,
-    question: String,
-    question_id: u64,
-}
-
-#[derive(Deserialize)]
-struct AnnotationsFile {
-    annotations: Vec<Annotation>,
-}
-
-#[derive(Deserialize)]
-struct Annotation {
-    question_id: u64,
-    answer_type: String,
-    answers: Vec<HumanAnswer>,
-}
-
-#[derive(Deserialize)]
-struct HumanAnswer {
-    answer: String,
 }
 
 /// One question with its annotation.
@@ -118,7 +88,8 @@ fn read_split(dir: &Path, split: &str) -> Result<Vec<Item>> {
             let a = by_id.remove(&q.question_id).with_context(|| format!("{}: question {} has no annotation in {}", qp.display(), q.question_id, ap.display()))?;
             let words = words(&q.question);
             ensure!(!words.is_empty(), "{}: question {} has no words", qp.display(), q.question_id);
-            Ok(Item { image_id: q.image_id, question_id: q.question_id, words, answer_type: a.answer_type, humans: a.answers.into_iter().map(|h| h.answer).collect() })
+            let image_id = q.image_id.with_context(|| format!("{}: question {} has no image_id", qp.display(), q.question_id))?;
+            Ok(Item { image_id, question_id: q.question_id, words, answer_type: a.answer_type, humans: a.answers.into_iter().map(|h| h.answer).collect() })
         })
         .collect()
 }
