@@ -28,7 +28,7 @@ fn every_fusion_writes_its_results_and_reports() -> Result<()> {
     let dir = TempDir::new("cli-vqa")?;
     let (data, det) = tiny(&dir)?;
     let out = dir.path("run").to_string_lossy().to_string();
-    let run = probattn(&["vqa", "--data", &data, "--detectors", &det, "--fusion", "all", "--seeds", "1", "--max-epochs", "1", "--mc-samples", "3", "--hidden", "16", "--threads", "1", "--out", &out])?;
+    let run = probattn(&["vqa", "--data", &data, "--detectors", &det, "--fusion", "all", "--seeds", "1", "--max-epochs", "1", "--mc-samples", "3", "--image-noise", "0.1", "--hidden", "16", "--threads", "1", "--out", &out])?;
     ensure!(run.status.success(), "{}", text(&run));
     ensure!(text(&run).contains("features:") && Path::new(&out).join("summary.md").is_file(), "{}", text(&run));
     ensure!(Path::new(&out).join("log_mass.svg").is_file(), "no Fig. 1 histogram across fusions");
@@ -58,12 +58,23 @@ fn every_fusion_writes_its_results_and_reports() -> Result<()> {
         if fusion == "hnas" {
             ensure!(sub.join("hnas_u.svg").is_file(), "no Fig. 3 plot");
         }
+        // Every attention fusion gets the uncertainty report (clean, feature noise, pixel noise);
+        // a deterministic one takes two samples, calls every answer certain, so its PAvPU is its
+        // accuracy.
         let u = &run["uncertainty"];
-        ensure!((fusion == "bam-wc") == u.is_object(), "{fusion}: uncertainty {u}");
-        if fusion == "bam-wc" {
-            for side in ["clean", "noisy"] {
+        ensure!((fusion != "none") == u.is_object(), "{fusion}: uncertainty {u}");
+        if fusion != "none" {
+            ensure!(u["samples"] == if fusion == "bam-wc" { 3 } else { 2 } && u["image_noise"] == 0.1, "{fusion}: {u}");
+            for side in ["clean", "noisy", "noisy_image"] {
                 let p = u[side]["pavpu_05"].as_f64().context("pavpu")?;
-                ensure!((0.0..=1.0).contains(&p) && u[side]["ece"].is_number(), "{side}: {u}");
+                ensure!((0.0..=1.0).contains(&p) && u[side]["ece"].is_number(), "{fusion} {side}: {u}");
+                if fusion != "bam-wc" {
+                    ensure!(u[side]["uncertain_05"] == 0.0 && u[side]["pavpu_05"] == u[side]["accuracy"], "{fusion} {side}: {u}");
+                }
+            }
+            if fusion == "softmax" {
+                // The clean Monte Carlo mean is the eval-mode prediction.
+                ensure!((u["clean"]["accuracy"].as_f64().context("accuracy")? - acc).abs() < 1e-12, "{u} vs test_acc {acc}");
             }
         }
         let lines = std::fs::read_to_string(sub.join("metrics.jsonl"))?.lines().count();

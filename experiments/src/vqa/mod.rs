@@ -145,9 +145,14 @@ pub struct VqaArgs {
     /// every view's test features for the noisy half of the uncertainty report.
     #[arg(long, default_value_t = 1.0)]
     pub eval_noise: f64,
-    /// Monte Carlo samples for the uncertainty report of stochastic fusions (BAM: 20).
+    /// Monte Carlo samples for the uncertainty report of stochastic fusions (BAM: 20);
+    /// deterministic fusions take two (they agree, so PAvPU is their accuracy).
     #[arg(long, default_value_t = 20)]
     pub mc_samples: usize,
+    /// Also measure the uncertainty report on test images with Gaussian pixel noise of this
+    /// standard deviation (pixels in [0, 1], clipped), run through the detectors again.
+    #[arg(long)]
+    pub image_noise: Option<f64>,
     /// Override the BAM Weibull shape k.
     #[arg(long)]
     pub k: Option<f64>,
@@ -183,6 +188,9 @@ pub struct VqaRunConfig {
     pub noise_std: Option<f64>,
     pub eval_noise: f64,
     pub mc_samples: usize,
+    /// `--image-noise`.
+    #[serde(default)]
+    pub image_noise: Option<f64>,
     /// Where the BAM settings come from.
     pub preset: String,
 }
@@ -269,6 +277,8 @@ fn log_mass_points(reports: &[&ExplainedAway]) -> Vec<(f64, f64)> {
 struct Prepared {
     data: VqaData,
     views: Views,
+    /// `--image-noise`: its standard deviation and the features of the noised images.
+    noisy_image: Option<(f64, Views)>,
 }
 
 /// A batch of one split, on the device.
@@ -286,10 +296,10 @@ fn chunks(q: &Questions, size: i64) -> impl Iterator<Item = Tensor> + '_ {
     (0..q.len()).step_by(size as usize).map(move |start| Tensor::arange_start(start, (start + size).min(q.len()), (Kind::Int64, Device::Cpu)))
 }
 
-fn batch_of(p: &Prepared, q: &Questions, idx: &Tensor, device: Device) -> Result<Batch> {
+fn batch_of(views: &Views, q: &Questions, idx: &Tensor, device: Device) -> Result<Batch> {
     let images = q.image.index_select(0, idx);
     Ok(Batch {
-        views: p.views.gather(&images)?,
+        views: views.gather(&images)?,
         tokens: q.tokens.index_select(0, idx).to_device(device),
         answer: q.answer.index_select(0, idx).to_device(device),
         target: q.target.as_ref().map(|t| t.index_select(0, idx).to_device(device)),
@@ -327,7 +337,7 @@ fn score_and_predict(p: &Prepared, split: &str, device: Device, predict: &dyn Fn
     let mut predicted = Vec::with_capacity(q.len() as usize);
     tch::no_grad(|| -> Result<()> {
         for idx in chunks(q, 1024) {
-            let b = batch_of(p, q, &idx, device)?;
+            let b = batch_of(&p.views, q, &idx, device)?;
             let logits = predict(&b.views, &b.tokens)?;
             ensure!(logits.size() == [idx.size()[0], answers], "the model returned logits of shape {:?} for {} questions; expected ({}, {answers}) (one score per answer of meta.json)", logits.size(), idx.size()[0], idx.size()[0]);
             let best = logits.argmax(-1, false);
@@ -404,7 +414,7 @@ fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metric
         let loop_start = Instant::now();
         for step in 0..steps_per_epoch {
             let idx = order.narrow(0, step * cfg.batch, cfg.batch.min(train.len() - step * cfg.batch));
-            let b = batch_of(p, train, &idx, device)?;
+            let b = batch_of(&p.views, train, &idx, device)?;
             let out = model.forward(&b.views, &b.tokens, Mode::TRAIN)?;
             let mut loss = match &b.target {
                 // Pythia's soft-score loss: binary cross-entropy per answer, times the answers.
@@ -567,6 +577,7 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
         noise_std: args.noise_std,
         eval_noise: args.eval_noise,
         mc_samples: args.mc_samples,
+        image_noise: args.image_noise,
         preset,
     };
     write_json(&dir.join("config.json"), &cfg)?;
@@ -584,8 +595,9 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
             run.official = Some(official);
         }
         run.explained_away = explained_away(&model, p)?;
-        if fusion.is_some_and(Variant::is_stochastic) {
-            let settings = McSettings { samples: cfg.mc_samples, eval_noise: cfg.eval_noise, seed };
+        if let Some(variant) = fusion {
+            let samples = McSettings::samples_for(variant.is_stochastic(), cfg.mc_samples);
+            let settings = McSettings { samples, eval_noise: cfg.eval_noise, seed };
             run.uncertainty = Some(uncertainty::report(&model, p, &settings, device)?);
         }
         if !gates.is_empty() {
@@ -774,6 +786,18 @@ pub fn run(args: &VqaArgs) -> Result<()> {
         let note = format!("{} ({})", cache.display(), detectors.iter().map(|d| d.path.display().to_string()).collect::<Vec<_>>().join(", "));
         (data, Views::Memory(features.views), detectors, note)
     };
+    let noisy_image = match args.image_noise {
+        None => None,
+        Some(std) => {
+            ensure!(std > 0.0 && std.is_finite(), "--image-noise must be a positive number, got {std}");
+            let images = data.images.as_ref().context("--image-noise needs images to run the detectors on (not --dataset vqa-v2)")?;
+            tch::manual_seed(1_000_033);
+            let noised = (images.to_kind(Kind::Float) / 255.0 + images.to_kind(Kind::Float).randn_like() * std).clamp(0.0, 1.0);
+            let noised = (noised * 255.0).round().to_kind(Kind::Uint8);
+            let features = data::extract(&noised, &detectors, device, 256)?;
+            Some((std, Views::Memory(features.views.into_iter().map(|v| v.to_device(device)).collect())))
+        }
+    };
     if let (Some(k), Some(std)) = (args.noisy_view, args.noise_std) {
         let Views::Memory(v) = &mut views else {
             bail!("--noisy-view needs the features in memory (raise --feature-memory-gb)");
@@ -800,7 +824,7 @@ pub fn run(args: &VqaArgs) -> Result<()> {
         probattn::device::device_name(device),
         tch::get_num_threads()
     );
-    let prepared = Prepared { data, views };
+    let prepared = Prepared { data, views, noisy_image };
     if let Some(path) = &args.eval_torchscript {
         return eval_torchscript(&prepared, path, args, device);
     }

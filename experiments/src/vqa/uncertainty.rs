@@ -6,6 +6,12 @@
 //! calibration error of the mean prediction (15 equal-width confidence bins). "Noisy": the BAM
 //! paper's setting, `scale · N(0, 1)` drawn once per view and added to every test example's
 //! features. "Accurate" is 1 or 0 for single-answer data and VQA-v2's soft score of the answer.
+//! `--image-noise S` adds a third pass: Gaussian pixel noise of standard deviation S (images in
+//! [0, 1], clipped) on the test images, run through the detectors again.
+//!
+//! Every attention fusion gets the report. For a deterministic one (softmax, DNAS, HNAS) the
+//! samples agree, the t-test calls every answer certain, and PAvPU equals accuracy: the baseline
+//! the BAM paper compares against (its softmax rows), measured rather than assumed.
 
 use anyhow::Result;
 use probattn::mc::monte_carlo;
@@ -15,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use statrs::distribution::{ContinuousCDF, StudentsT};
 use tch::{Device, Kind, Tensor};
 
+use super::data::Views;
 use super::{accuracy_of, batch_of, chunks, Prepared};
 
 /// Monte Carlo settings.
@@ -22,6 +29,17 @@ pub struct McSettings {
     pub samples: usize,
     pub eval_noise: f64,
     pub seed: u64,
+}
+
+impl McSettings {
+    /// Samples for a fusion: `mc_samples` when it samples attention, two otherwise (all equal).
+    pub fn samples_for(stochastic: bool, mc_samples: usize) -> usize {
+        if stochastic {
+            mc_samples
+        } else {
+            2
+        }
+    }
 }
 
 /// The measures of one test pass.
@@ -46,6 +64,11 @@ pub struct McReport {
     pub eval_noise: f64,
     pub clean: McMetrics,
     pub noisy: McMetrics,
+    /// `--image-noise`: the pixel noise's standard deviation and the measures under it.
+    #[serde(default)]
+    pub image_noise: Option<f64>,
+    #[serde(default)]
+    pub noisy_image: Option<McMetrics>,
 }
 
 /// Two-sided p-value of Welch's t-test between two samples of size `n` given their means and
@@ -84,12 +107,12 @@ pub fn pavpu(uncertain: &[bool], accurate: &[f64]) -> f64 {
     sum / uncertain.len().max(1) as f64
 }
 
-fn measure(model: &VqaModel, p: &Prepared, noise: Option<&[Tensor]>, samples: usize, device: Device) -> Result<McMetrics> {
+fn measure(model: &VqaModel, p: &Prepared, views: &Views, noise: Option<&[Tensor]>, samples: usize, device: Device) -> Result<McMetrics> {
     let q = &p.data.splits["test"];
     let (mut accurate, mut confidence, mut pvals) = (vec![], vec![], vec![]);
     tch::no_grad(|| -> Result<()> {
         for idx in chunks(q, 1024) {
-            let mut b = batch_of(p, q, &idx, device)?;
+            let mut b = batch_of(views, q, &idx, device)?;
             if let Some(noise) = noise {
                 b.views = b.views.iter().zip(noise).map(|(v, n)| v + n).collect();
             }
@@ -120,13 +143,15 @@ fn measure(model: &VqaModel, p: &Prepared, noise: Option<&[Tensor]>, samples: us
     })
 }
 
-/// Monte Carlo test measures of `model`, clean and with the BAM paper's feature noise.
+/// Monte Carlo test measures of `model`, clean, with the BAM paper's feature noise, and with
+/// pixel noise when `p` holds features of noised images.
 pub(super) fn report(model: &VqaModel, p: &Prepared, settings: &McSettings, device: Device) -> Result<McReport> {
     tch::manual_seed(settings.seed as i64 + 7_777);
-    let clean = measure(model, p, None, settings.samples, device)?;
+    let clean = measure(model, p, &p.views, None, settings.samples, device)?;
     let noise: Vec<Tensor> = p.views.shapes().iter().map(|&(boxes, dim)| Tensor::randn([boxes, dim], (Kind::Float, device)) * settings.eval_noise).collect();
-    let noisy = measure(model, p, Some(&noise), settings.samples, device)?;
-    Ok(McReport { samples: settings.samples, eval_noise: settings.eval_noise, clean, noisy })
+    let noisy = measure(model, p, &p.views, Some(&noise), settings.samples, device)?;
+    let noisy_image = p.noisy_image.as_ref().map(|(_, views)| measure(model, p, views, None, settings.samples, device)).transpose()?;
+    Ok(McReport { samples: settings.samples, eval_noise: settings.eval_noise, clean, noisy, image_noise: p.noisy_image.as_ref().map(|(s, _)| *s), noisy_image })
 }
 
 #[cfg(test)]
