@@ -299,6 +299,7 @@ impl MultiHeadAttention {
 
     /// `x (B, S, ·)` projected by the query (`i` = 0), key (1) or value (2) projection, heads
     /// split: `(B, H, S, d_h)`.
+    ///
     /// A time-first tensor seen batch-first (a transposed view of a contiguous `(S, B, ·)`, as a
     /// PyTorch user's `nn.MultiheadAttention` inputs arrive) is projected in its own layout: the
     /// linear map needs no copy of it, and its heads come out in a layout whose batch and head

@@ -227,7 +227,7 @@ pub struct RunResult {
     pub hnas_u: Option<Vec<f64>>,
     /// The fusion weights on the test images (attention fusions).
     pub explained_away: Option<ExplainedAway>,
-    /// Monte Carlo prediction (stochastic fusions).
+    /// Monte Carlo prediction, PAvPU and calibration (every attention fusion).
     pub uncertainty: Option<McReport>,
     /// VQA-v2: the official evaluation of `test_results-seed<N>.json` on val2014 (0-100); the
     /// run's `test_acc` and `test_acc_by_type` (answer types) are taken from it.
@@ -323,12 +323,12 @@ fn evaluate(model: &VqaModel, p: &Prepared, split: &str, device: Device) -> Resu
 }
 
 /// Accuracy and (summed accuracy, questions) per question type of `predict` (views, tokens ->
-/// logits `(B, answers)`) over a split, under `no_grad`; with `answers_out`, also every predicted
-/// answer id in question order.
+/// logits `(B, answers)`) over a split, under `no_grad`.
 fn score(p: &Prepared, split: &str, device: Device, predict: &dyn Fn(&[Tensor], &Tensor) -> Result<Tensor>) -> Result<(f64, Vec<(f64, u64)>)> {
     score_and_predict(p, split, device, predict).map(|(acc, per_type, _)| (acc, per_type))
 }
 
+/// [`score`], and every predicted answer id in question order.
 fn score_and_predict(p: &Prepared, split: &str, device: Device, predict: &dyn Fn(&[Tensor], &Tensor) -> Result<Tensor>) -> Result<(f64, Vec<(f64, u64)>, Vec<i64>)> {
     let q = &p.data.splits[split];
     let types = p.data.meta.types.len();
