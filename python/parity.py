@@ -293,10 +293,12 @@ def cmd_vqa_cases(args):
     os.makedirs(args.out, exist_ok=True)
     manifest = []
     shapes = [(3, 4, 6, 5, 8), (2, 5, 3, 7, 8), (4, 3, 3, 3, 12)]  # batch, regions of the three views, dim
-    for i, fusion in enumerate(["none", "softmax", "dnas", "hnas"]):
+    # The four fusions with 0, 1, 2, 0 post-norm reasoning layers, then DNAS with two pre-norm ones.
+    for i, (fusion, prenorm) in enumerate([("none", False), ("softmax", False), ("dnas", False), ("hnas", False), ("dnas", True)]):
         b, n0, n1, n2, dim = shapes[i % len(shapes)]
-        vocab, answers, length, layers = 11, 7, 5, i % 3
-        model = baseline.VqaModel(3, dim, fusion, vocab, answers, hidden=16, layers=layers, glimpses=2, word_dim=6, question_dim=10).double().eval()
+        vocab, answers, length, layers = 11, 7, 5, 2 if prenorm else i % 3
+        model = baseline.VqaModel(3, dim, fusion, vocab, answers, hidden=16, layers=layers, glimpses=2, word_dim=6, question_dim=10,
+                                  prenorm=prenorm).double().eval()
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, 0.5)
@@ -310,7 +312,7 @@ def cmd_vqa_cases(args):
         params = list(model.parameters())
         grads = torch.autograd.grad((logits * cot).sum(), views + params, allow_unused=True)  # box_question is unused without reasoning layers
         grads = [torch.zeros_like(x) if g is None else g for x, g in zip(views + params, grads)]
-        name = f"vqa-{fusion}"
+        name = f"vqa-{fusion}" + ("-prenorm" if prenorm else "")
         save_file({n_: p.detach().contiguous() for n_, p in model.named_parameters()}, os.path.join(args.out, name + ".weights.safetensors"))
         tensors = {"tokens": tokens, "cotangent": cot, "logits": logits.detach()}
         tensors.update({f"view{v}": x.detach() for v, x in enumerate(views)})
@@ -318,7 +320,7 @@ def cmd_vqa_cases(args):
         tensors.update({f"grad.{n_}": g for n_, g in zip(names, grads[3:])})
         save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(args.out, name + ".safetensors"))
         manifest.append({"name": name, "fusion": fusion, "regions": [n0, n1, n2], "dim": dim, "vocab": vocab, "answers": answers,
-                         "hidden": 16, "reasoning_layers": layers, "glimpses": 2, "word_dim": 6, "question_dim": 10})
+                         "hidden": 16, "reasoning_layers": layers, "reasoning_prenorm": prenorm, "glimpses": 2, "word_dim": 6, "question_dim": 10})
     with open(os.path.join(args.out, "cases.json"), "w") as f:
         json.dump(manifest, f, indent=1)
 

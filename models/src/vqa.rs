@@ -51,6 +51,12 @@ pub struct VqaConfig {
     pub hidden: i64,
     /// Transformer encoder layers over the fused boxes (0: none).
     pub reasoning_layers: usize,
+    /// Pre-norm reasoning layers (`x + attn(LN x)`, `x + ffn(LN x)`) with their stack's output
+    /// added to the boxes it started from, instead of post-norm layers replacing them. One
+    /// post-norm layer stalled the head on Sort-of-CLEVR; this one learned
+    /// (results/vqa/sort-of-clevr-L0/diagnostics).
+    #[serde(default)]
+    pub reasoning_prenorm: bool,
     /// Heads of those layers.
     pub reasoning_heads: i64,
     /// Top-down attention glimpses.
@@ -183,11 +189,18 @@ impl ReasoningLayer {
         })
     }
 
-    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+    /// Post-norm (`prenorm` false): `x = LN(x + attn(x))`, `LN(x + ffn(x))`; pre-norm:
+    /// `x = x + attn(LN x)`, `x + ffn(LN x)`.
+    fn forward(&self, x: &Tensor, train: bool, prenorm: bool) -> Result<Tensor> {
+        let ffn = |x: &Tensor| self.fc2.forward(&self.fc1.forward(x).relu()).dropout(self.dropout, train);
+        if prenorm {
+            let h = self.norm1.forward(x);
+            let x = x + self.attn.forward_t(&MhaInput::self_attention(&h), train)?.context.dropout(self.dropout, train);
+            return Ok(&x + ffn(&self.norm2.forward(&x)));
+        }
         let a = self.attn.forward_t(&MhaInput::self_attention(x), train)?.context;
         let x = self.norm1.forward(&(x + a.dropout(self.dropout, train)));
-        let f = self.fc2.forward(&self.fc1.forward(&x).relu());
-        Ok(self.norm2.forward(&(&x + f.dropout(self.dropout, train))))
+        Ok(self.norm2.forward(&(&x + ffn(&x))))
     }
 }
 
@@ -275,9 +288,13 @@ impl VqaModel {
         let q = self.encode_question(tokens); // (B, Q)
         let mut z = self.box_proj.forward(&fused.boxes); // (B, N, H)
         if !self.reasoning.is_empty() {
+            let start = z.shallow_clone();
             z = z + self.box_question.forward(&q).unsqueeze(1);
             for layer in &self.reasoning {
-                z = layer.forward(&z, train)?;
+                z = layer.forward(&z, train, self.cfg.reasoning_prenorm)?;
+            }
+            if self.cfg.reasoning_prenorm {
+                z = start + z;
             }
         }
         let joint = (self.att_box.forward(&z) * self.att_question.forward(&q).unsqueeze(1)).relu(); // (B, N, H)

@@ -1,7 +1,7 @@
 //! The multi-view VQA model against python/baselines/vqa.py (the PyTorch model written separately
 //! from Appendix B's formula and the same head): same weights, eval mode, float64 logits and the
 //! gradients of every view and parameter within 1e-10, for each fusion (none, UNAS, DNAS, HNAS)
-//! with 0, 1 and 2 reasoning layers.
+//! with 0, 1 and 2 reasoning layers, post-norm and pre-norm.
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
@@ -31,6 +31,7 @@ fn config(case: &serde_json::Value) -> Result<VqaConfig> {
         question_dim: int("question_dim")?,
         hidden: int("hidden")?,
         reasoning_layers: int("reasoning_layers")? as usize,
+        reasoning_prenorm: case["reasoning_prenorm"].as_bool().context("reasoning_prenorm")?,
         reasoning_heads: 4,
         glimpses: int("glimpses")?,
         dropout: 0.1,
@@ -44,7 +45,7 @@ fn vqa_model_matches_the_pytorch_baseline() -> Result<()> {
     let dir = TempDir::new("parity-vqa")?;
     run_python("parity.py", &["vqa-cases", "--out", &dir.0.to_string_lossy(), "--seed", "4"])?;
     let cases = manifest(&dir.0)?;
-    ensure!(cases.len() == 4, "expected four fusions, got {}", cases.len());
+    ensure!(cases.len() == 5, "expected four fusions and a pre-norm case, got {}", cases.len());
     for case in cases {
         let name = case["name"].as_str().context("name")?;
         let t = load(&dir.path(&format!("{name}.safetensors")))?;
@@ -83,7 +84,7 @@ fn dnas_fusion_gives_every_secondary_box_at_least_one_over_its_count() -> Result
     let _serial = common::serial();
     tch::manual_seed(3);
     let vs = nn::VarStore::new(tch::Device::Cpu);
-    let mut cfg = config(&serde_json::json!({"fusion": "dnas", "regions": [6, 9, 4], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 0, "glimpses": 1, "answers": 3}))?;
+    let mut cfg = config(&serde_json::json!({"fusion": "dnas", "regions": [6, 9, 4], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 0, "reasoning_prenorm": false, "glimpses": 1, "answers": 3}))?;
     let dnas = VqaModel::new(&(vs.root() / "dnas"), cfg.clone())?;
     cfg.fusion = Some(Variant::Softmax);
     let softmax = VqaModel::new(&(vs.root() / "softmax"), cfg)?;
@@ -107,7 +108,7 @@ fn dnas_fusion_gives_every_secondary_box_at_least_one_over_its_count() -> Result
 #[test]
 fn wrong_view_shapes_are_named() -> Result<()> {
     let vs = nn::VarStore::new(tch::Device::Cpu);
-    let cfg = config(&serde_json::json!({"fusion": "softmax", "regions": [3, 4, 5], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 1, "glimpses": 1, "answers": 3}))?;
+    let cfg = config(&serde_json::json!({"fusion": "softmax", "regions": [3, 4, 5], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 1, "reasoning_prenorm": false, "glimpses": 1, "answers": 3}))?;
     let model = VqaModel::new(&vs.root(), cfg)?;
     let tokens = Tensor::from_slice(&[1i64, 2, 0, 3, 0, 0]).view([2, 3]);
     let good = |n: i64| Tensor::zeros([2, n, 8], (Kind::Float, tch::Device::Cpu));

@@ -99,28 +99,39 @@ class ConcatFusion(nn.Module):
 
 
 class Reasoning(nn.Module):
-    def __init__(self, hidden, heads, dropout):
+    __constants__ = ["prenorm"]
+
+    def __init__(self, hidden, heads, dropout, prenorm=False):
         super().__init__()
+        self.prenorm = prenorm
         self.self_attn = nn.MultiheadAttention(hidden, heads, dropout=dropout, batch_first=True)
         self.linear1, self.linear2 = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
         self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
         self.dropout = dropout
 
     def forward(self, x):
+        if self.prenorm:  # x + attn(LN x), x + ffn(LN x)
+            h = self.norm1(x)
+            x = x + F.dropout(self.self_attn(h, h, h, need_weights=False)[0], self.dropout, self.training)
+            return x + F.dropout(self.linear2(F.relu(self.linear1(self.norm2(x)))), self.dropout, self.training)
         a = self.self_attn(x, x, x, need_weights=False)[0]
         x = self.norm1(x + F.dropout(a, self.dropout, self.training))
         return self.norm2(x + F.dropout(self.linear2(F.relu(self.linear1(x))), self.dropout, self.training))
 
 
 class VqaModel(nn.Module):
-    def __init__(self, views, dim, variant, vocab, answers, hidden=128, layers=2, glimpses=2, word_dim=64, question_dim=128, dropout=0.1):
+    __constants__ = ["prenorm"]
+
+    def __init__(self, views, dim, variant, vocab, answers, hidden=128, layers=2, glimpses=2, word_dim=64, question_dim=128, dropout=0.1,
+                 prenorm=False):
         super().__init__()
         assert views == 3, "the baseline is written for three views"
         self.fusion = ConcatFusion(dim) if variant == "none" else AttentionFusion(dim, variant)
         self.embed = nn.Embedding(vocab, word_dim)
         self.gru = nn.GRU(word_dim, question_dim, batch_first=True)
         self.box_proj, self.box_question = nn.Linear(dim, hidden), nn.Linear(question_dim, hidden)
-        self.reasoning = nn.ModuleList([Reasoning(hidden, 4, dropout) for _ in range(layers)])
+        self.prenorm = prenorm  # pre-norm reasoning layers, their stack's output added to the boxes it started from
+        self.reasoning = nn.ModuleList([Reasoning(hidden, 4, dropout, prenorm) for _ in range(layers)])
         self.att_box, self.att_question = nn.Linear(hidden, hidden), nn.Linear(question_dim, hidden)
         self.att_logits = nn.Linear(hidden, glimpses)
         self.glimpse_proj, self.question_proj = nn.Linear(glimpses * hidden, hidden), nn.Linear(question_dim, hidden)
@@ -134,9 +145,12 @@ class VqaModel(nn.Module):
         q = out.gather(1, last.view(-1, 1, 1).expand(-1, 1, out.shape[2])).squeeze(1)
         z = self.box_proj(boxes)
         if len(self.reasoning) > 0:
+            start = z
             z = z + self.box_question(q).unsqueeze(1)
             for layer in self.reasoning:
                 z = layer(z)
+            if self.prenorm:
+                z = start + z
         joint = F.relu(self.att_box(z) * self.att_question(q).unsqueeze(1))
         att = torch.softmax(self.att_logits(F.dropout(joint, self.dropout, self.training)), 1)
         v = F.relu(self.glimpse_proj((att.transpose(1, 2) @ z).flatten(1)))
@@ -171,6 +185,7 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--reasoning-layers", type=int, default=2)
+    p.add_argument("--reasoning-prenorm", action="store_true", help="pre-norm reasoning layers with a skip around their stack")
     p.add_argument("--glimpses", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--max-train", type=int, default=0, help="use at most this many training questions (0: all)")
@@ -191,7 +206,8 @@ def main():
     runs = []
     for seed in range(args.seed_start, args.seed_start + args.seeds):
         torch.manual_seed(seed)
-        model = VqaModel(3, views[0].shape[-1], args.fusion, len(meta["vocab"]), len(meta["answers"]), args.hidden, args.reasoning_layers, args.glimpses)
+        model = VqaModel(3, views[0].shape[-1], args.fusion, len(meta["vocab"]), len(meta["answers"]), args.hidden, args.reasoning_layers, args.glimpses,
+                         prenorm=args.reasoning_prenorm)
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         best, best_state, best_epoch, waited, epoch_times = -1.0, None, 0, 0, []
         tr = data["train"]

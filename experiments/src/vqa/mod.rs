@@ -128,6 +128,11 @@ pub struct VqaArgs {
     /// (results/vqa/sort-of-clevr-L0/README.md); relational questions need more than glimpses.
     #[arg(long, default_value_t = 0)]
     pub reasoning_layers: usize,
+    /// Pre-norm reasoning layers with their stack's output added to the boxes it started from
+    /// (one post-norm layer stalled the head in validation; this one learned:
+    /// results/vqa/sort-of-clevr-L0/diagnostics).
+    #[arg(long)]
+    pub reasoning_prenorm: bool,
     /// Top-down attention glimpses.
     #[arg(long, default_value_t = 2)]
     pub glimpses: i64,
@@ -559,6 +564,7 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
         question_dim: 128,
         hidden: args.hidden,
         reasoning_layers: args.reasoning_layers,
+        reasoning_prenorm: args.reasoning_prenorm,
         reasoning_heads: 4,
         glimpses: args.glimpses,
         dropout: 0.1,
