@@ -1,6 +1,6 @@
 #!/bin/bash
-# Continues queue.sh (killed while its DNAS run went on): HNAS, then the preset comparison
-# (equal 20-minute wall-clock budgets on 2 threads, small's recipe), then BAM-WC.
+# Continues queue.sh (killed while its DNAS run went on): the preset comparison
+# (20-minute wall-clock budgets on 2 threads, small's recipe), then HNAS and BAM-WC.
 cd /work/main
 P=./target-table/probattn
 while kill -0 14986 2>/dev/null; do sleep 20; done
@@ -23,7 +23,7 @@ preset() { # name flags...
   timeout 1200 nice -n 19 $P translate --seeds 1 --seed-start 1 --max-epochs 100 --threads 2 --lr 1e-3 --warmup-updates 400 --bpe-vocab 8000 --max-tokens 4096 --out $out "$@" > $out.log 2>&1
   echo "$(date -u +%H:%M) done preset $name rc=$?" >> runs/table/queue.done
 }
-run hnas 1 --attention hnas
 preset tiny --preset tiny
 preset wide --preset iwslt
+run hnas 1 --attention hnas
 run bam-wc 1 --attention bam-wc
