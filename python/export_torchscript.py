@@ -43,6 +43,13 @@ largest absolute difference from python/reference.py's `bam_weights` (the refere
 library is tested against) in the weights, the output, the KL term and every gradient of
 `sum(output * G) + KL`, and in eval mode the weights against the base softmax.
 
+    python python/export_torchscript.py buffers --out M.pt --expected B.safetensors [--method trace]
+
+writes a module with buffers of several kinds (nested BatchNorm1d running statistics after a
+training step and its int64 counter, a float64 buffer, a bool mask, a strided view of a larger
+tensor, a buffer of a module inside a ModuleList) and its `named_buffers()` as PyTorch lists them,
+for the test of `TorchScript::named_buffers`.
+
     python python/export_torchscript.py other-formats --dir DIR
 
 writes what is *not* TorchScript, for the error tests: `DIR/linear.pt2` (torch.export.save of a
@@ -192,6 +199,38 @@ def load_state_dict(argv):
     print(f"{args.state_dict}: all {len(state)} tensors loaded (strict)")
 
 
+class _Buffers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.blocks = torch.nn.ModuleList([torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4)])
+        self.register_buffer("scale", torch.linspace(0.5, 2.0, 4, dtype=torch.float64))
+        self.register_buffer("keep", torch.tensor([True, False, True, True]))
+        self.register_buffer("every_other", torch.arange(12.0).reshape(3, 4)[:, ::2])
+
+    def forward(self, x):
+        y = self.bn(self.lin(x)) * self.scale.float() * self.keep.float()
+        for block in self.blocks:
+            y = block(y)
+        return y + self.every_other.sum()
+
+
+def buffers_module(argv):
+    p = argparse.ArgumentParser(prog="export_torchscript.py buffers")
+    p.add_argument("--out", required=True)
+    p.add_argument("--expected", required=True)
+    p.add_argument("--method", choices=["script", "trace"], default="script")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    m = _Buffers()
+    m.train()
+    m(torch.randn(8, 3))  # running statistics move away from their initial values
+    m.eval()
+    export(m, (torch.randn(2, 3),), args.method, args.out)
+    save_file({n: b.contiguous() for n, b in m.named_buffers()}, args.expected)
+
+
 def check_bam():
     import os
 
@@ -258,6 +297,8 @@ def check_bam():
 def main():
     if sys.argv[1:2] == ["check-bam"]:
         return check_bam()
+    if sys.argv[1:2] == ["buffers"]:
+        return buffers_module(sys.argv[2:])
     if sys.argv[1:2] == ["load-state-dict"]:
         return load_state_dict(sys.argv[2:])
     if sys.argv[1:2] == ["other-formats"]:

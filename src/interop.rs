@@ -2,7 +2,7 @@
 //!
 //! - [`TorchScript`] loads a module saved by `torch.jit.script(m).save(path)` or
 //!   `torch.jit.trace(m, example).save(path)` (tch's `CModule`) on a device, in eval or train
-//!   mode, lists its parameters and calls its methods. What is not TorchScript is named before
+//!   mode, lists its parameters and buffers and calls its methods. What is not TorchScript is named before
 //!   libtorch sees it: a `torch.export` package (`.pt2`), a `torch.save` pickle, a file that is no
 //!   archive at all. libtorch's own failures (a module saved by a newer PyTorch, a method that does
 //!   not exist, inputs of the wrong rank or dtype) come back as [`Error::File`] naming the file and
@@ -161,6 +161,15 @@ impl TorchScript {
     /// storage with the module: gradients of a backward pass through the module land on them.
     pub fn named_parameters(&self) -> Result<Vec<(String, Tensor)>> {
         self.module.named_parameters().map_err(|e| Error::File { path: self.path.clone(), message: format!("listing parameters: {}", first_line(&e)) })
+    }
+
+    /// The module's buffers (`register_buffer`: BatchNorm's running statistics, constants), by
+    /// dotted name, on the module's device. libtorch's C API as tch exposes it has no list of
+    /// buffers, so they are read from the archive: the values *as saved in the file*, which are
+    /// the module's own unless something in this process has changed them since it was loaded
+    /// (a training-mode forward updating running statistics, say). See `archive.rs`.
+    pub fn named_buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(crate::archive::buffers(&self.path)?.into_iter().map(|(n, t)| (n, t.to_device(self.device))).collect())
     }
 
     /// Calls `method` (`forward` for the module's call) with `inputs`. A missing method, or inputs

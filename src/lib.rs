@@ -10,6 +10,7 @@
 //! (An et al. 2020), an SVGD/SPOS gradient hook over the heads ([`repulsive::RepulsiveHook`]).
 
 pub mod allocator;
+mod archive;
 pub mod attention;
 pub mod device;
 pub mod diagnostics;

@@ -1,5 +1,5 @@
 //! `probattn::interop`: TorchScript modules written by python/export_torchscript.py load, list
-//! their parameters and run; what is not TorchScript (a torch.export package, a torch.save
+//! their parameters and buffers and run; what is not TorchScript (a torch.export package, a torch.save
 //! pickle, a truncated or foreign file), a missing method and inputs the module rejects are named
 //! errors; PyTorch state dicts go into a native MultiHeadAttention by name with a report, and
 //! back out under the same names, which PyTorch loads with `load_state_dict(strict=True)`.
@@ -227,6 +227,35 @@ fn the_svgd_hook_moves_a_torchscript_module_as_it_moves_the_native_one() -> Resu
         ensure!(err < 1e-12, "{device:?}: after the step the outputs differ by {err}");
         let unmatched = register_in_proj(&mut RepulsiveHook::new(RepulsiveConfig::default(), Selection::default())?, &params, "*.self_attn.in_proj_weight", 4);
         ensure!(unmatched.is_err_and(|e| e.to_string().contains("in_proj_weight parameters: in_proj_weight")), "an unmatched pattern was accepted");
+    }
+    Ok(())
+}
+
+#[test]
+fn buffers_are_listed_as_pytorch_lists_them() -> Result<()> {
+    // Nested BatchNorm statistics (moved by a training step) and its int64 counter, float64, bool,
+    // a strided view of a larger tensor, a ModuleList member; scripted and traced.
+    let tmp = TempDir::new("interop-buffers")?;
+    for method in ["script", "trace"] {
+        let (m, expected) = (tmp.path(&format!("{method}.pt")), tmp.path(&format!("{method}.safetensors")));
+        run_python("export_torchscript.py", &["buffers", "--out", &m.to_string_lossy(), "--expected", &expected.to_string_lossy(), "--method", method])?;
+        let want = read_state_dict(&expected)?;
+        for device in devices() {
+            let ts = TorchScript::load(&m, device)?;
+            let got = ts.named_buffers()?;
+            let (mut a, mut b): (Vec<&str>, Vec<&str>) = (got.iter().map(|(n, _)| n.as_str()).collect(), want.iter().map(|(n, _)| n.as_str()).collect());
+            a.sort_unstable();
+            b.sort_unstable();
+            ensure!(a == b && b.len() == 9, "{method}: buffers {a:?}, PyTorch lists {b:?}");
+            for (name, t) in &got {
+                let w = &want.iter().find(|(n, _)| n == name).context("listed")?.1;
+                ensure!(t.device() == device && t.kind() == w.kind() && t.size() == w.size(), "{method} {name}: {:?} {:?} {:?} vs {:?} {:?}", t.device(), t.kind(), t.size(), w.kind(), w.size());
+                ensure!(t.to_device(tch::Device::Cpu).equal(w), "{method} {name}: values differ");
+            }
+            // Parameters are not buffers.
+            let params: Vec<String> = ts.named_parameters()?.into_iter().map(|(n, _)| n).collect();
+            ensure!(params.iter().all(|p| !a.contains(&p.as_str())) && params.contains(&"bn.weight".to_string()), "{params:?}");
+        }
     }
     Ok(())
 }
