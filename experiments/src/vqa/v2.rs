@@ -94,6 +94,15 @@ fn read_split(dir: &Path, split: &str) -> Result<Vec<Item>> {
         .collect()
 }
 
+/// The `x (boxes, dim)` array of one `.npz` feature file.
+fn x_array(path: &Path) -> Result<Tensor> {
+    let arrays = Tensor::read_npz(path).with_context(|| format!("{} is not a readable .npz file", path.display()))?;
+    let names: Vec<String> = arrays.iter().map(|(n, _)| n.clone()).collect();
+    let x = arrays.into_iter().find(|(n, _)| n == "x" || n == "x.npy").map(|(_, t)| t).with_context(|| format!("{} has no array 'x' (it has {names:?})", path.display()))?;
+    ensure!(x.dim() == 2, "{}: x has shape {:?}; expected (boxes, dim)", path.display(), x.size());
+    Ok(x)
+}
+
 /// Where the features of one detector live, and what shape they have.
 #[derive(Debug)]
 pub struct FeatureFolder {
@@ -115,11 +124,8 @@ impl FeatureFolder {
     /// The `x` array of one image, `(boxes, dim)` float32, checked.
     pub fn read(&self, image_id: u64) -> Result<Tensor> {
         let path = self.file(image_id)?;
-        let arrays = Tensor::read_npz(&path).with_context(|| format!("{} is not a readable .npz file", path.display()))?;
-        let names: Vec<String> = arrays.iter().map(|(n, _)| n.clone()).collect();
-        let x = arrays.into_iter().find(|(n, _)| n == "x" || n == "x.npy").map(|(_, t)| t).with_context(|| format!("{} has no array 'x' (it has {names:?})", path.display()))?;
+        let x = x_array(&path)?;
         let size = x.size();
-        ensure!(size.len() == 2, "{}: x has shape {size:?}; expected (boxes, dim)", path.display());
         ensure!((size[0], size[1]) == self.shape, "{}: x has shape {size:?} where this detector's other images have {:?}: variable box counts are not supported (use fixed-K features, e.g. 36 boxes per image)", path.display(), self.shape);
         let x = x.to_kind(Kind::Float);
         probattn::check_finite(&format!("{} x", path.display()), &x)?;
@@ -227,10 +233,7 @@ pub fn load(dir: &Path, opts: &V2Options, device: Device) -> Result<(VqaData, Vi
     for f in opts.features {
         ensure!(f.is_dir(), "--features {}: not a folder", f.display());
         let probe = FeatureFolder { dir: f.clone(), shape: (0, 0) };
-        let path = probe.file(image_ids[0])?;
-        let arrays = Tensor::read_npz(&path).with_context(|| format!("{} is not a readable .npz file", path.display()))?;
-        let x = arrays.into_iter().find(|(n, _)| n == "x" || n == "x.npy").map(|(_, t)| t).with_context(|| format!("{} has no array 'x'", path.display()))?;
-        ensure!(x.dim() == 2, "{}: x has shape {:?}; expected (boxes, dim)", path.display(), x.size());
+        let x = x_array(&probe.file(image_ids[0])?)?;
         folders.push(FeatureFolder { dir: f.clone(), shape: (x.size()[0], x.size()[1]) });
     }
     let dims: Vec<i64> = folders.iter().map(|f| f.shape.1).collect();
