@@ -130,6 +130,41 @@ def sort_of_clevr(args):
     write(args.out, images, aux, questions, splits, meta)
 
 
+# Fill ratio (shape pixels / bounding-box area) of easy-VQA's shapes on the training images:
+# rectangles 0.965-1.0, circles 0.73-0.90, triangles 0.51-0.65 (600 images; README, VQA section).
+EASY_VQA_SHAPES = ((0.93, 1), (0.69, 2), (0.0, 3))  # (lowest fill ratio, class): rectangle, circle, triangle
+
+
+def easy_vqa_labels(images, grid):
+    """Detector labels of easy-VQA images from their pixels alone (never the answers): per cell of a
+    grid x grid partition, whether the shape covers it (more than 1/8 of its pixels differ from the
+    background, the colour of the top-left pixel), the dominant colour bucket of its shape pixels
+    (RGB each halved at 128: 8 buckets, 1-8; 0 = not covered) and the image's shape class (1
+    rectangle, 2 circle, 3 triangle; 0 = not covered), told apart by how much of its bounding box
+    the shape fills. Centres are not labelled (zeros)."""
+    n, _, size, _ = images.shape
+    cell = size // grid
+    px = images.astype(np.int64)
+    mask = np.abs(px - px[:, :, :1, :1]).sum(1) > 60  # (n, H, W)
+    fill = np.zeros(n)
+    for i in range(n):
+        ys, xs = np.nonzero(mask[i])
+        if len(ys):
+            fill[i] = len(ys) / ((ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1))
+    shape = np.zeros(n, np.int64)
+    for lowest, cls in reversed(EASY_VQA_SHAPES):
+        shape[fill >= lowest] = cls
+    shape[fill == 0] = 0
+    m = mask[:, : cell * grid, : cell * grid].reshape(n, grid, cell, grid, cell)
+    px = px[:, :, : cell * grid, : cell * grid].reshape(n, 3, grid, cell, grid, cell)
+    bucket = (px[:, 0] // 128) * 4 + (px[:, 1] // 128) * 2 + px[:, 2] // 128  # (n, G, c, G, c) in 0..7
+    counts = np.stack([((bucket == b) & m).sum((2, 4)) for b in range(8)], -1)  # (n, G, G, 8)
+    covered = m.sum((2, 4)) > cell * cell // 8
+    color = np.where(covered, counts.argmax(-1) + 1, 0)
+    return {"aux_color": color.astype(np.int64), "aux_shape": np.where(covered, shape[:, None, None], 0).astype(np.int64),
+            "aux_center": np.zeros((n, grid, grid, 2), np.float32)}
+
+
 def easy_vqa(args):
     try:
         import easy_vqa  # noqa: F401
@@ -172,20 +207,9 @@ def easy_vqa(args):
         qs = [q[:4] for q in questions if q[4] == split]
         splits[split] = len(ordered), len(ordered) + len(qs)
         ordered += qs
-    # Detector labels from the pixels alone (not the answers): per 8 x 8 cell, the dominant
-    # non-white colour bucket, and whether the cell is covered.
-    grid = args.grid
-    n = len(images)
-    cell = images.shape[-1] // grid
-    pix = images[:, :, : cell * grid, : cell * grid].reshape(n, 3, grid, cell, grid, cell).astype(np.int64)
-    bucket = (pix[:, 0] // 128) * 4 + (pix[:, 1] // 128) * 2 + pix[:, 2] // 128  # (n, G, c, G, c) in 0..7
-    counts = np.stack([(bucket == b).sum((2, 4)) for b in range(8)], -1)  # (n, G, G, 8)
-    counts[..., 7] = 0  # white background
-    color = np.where(counts.max(-1) > cell * cell // 8, counts.argmax(-1) + 1, 0)
-    aux = {"aux_color": color.astype(np.int64), "aux_shape": (color > 0).astype(np.int64),
-           "aux_center": np.zeros((n, grid, grid, 2), np.float32)}
+    aux = easy_vqa_labels(images, args.grid)
     image_splits = {s: (min(rows[(s, i)] for i in split_ids[s]), max(rows[(s, i)] for i in split_ids[s]) + 1) for s in split_ids}
-    meta = {"dataset": "easy-vqa", "generator": {"seed": args.seed, "grid": grid, "source": "PyPI easy-vqa 1.0; val = 10% of its train images"},
+    meta = {"dataset": "easy-vqa", "generator": {"seed": args.seed, "grid": args.grid, "source": "PyPI easy-vqa 1.0; val = 10% of its train images", "labels": "easy_vqa_labels"},
             "vocab": vocab, "answers": answers, "types": types, "relational_types": []}
     write(args.out, images, aux, ordered, image_splits, meta, question_splits=splits)
 
