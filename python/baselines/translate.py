@@ -239,6 +239,7 @@ def main():
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--decode", action="store_true", help="greedy-decode the test set and score it")
+    parser.add_argument("--hyp", metavar="FILE", help="with --decode: also write the test hypotheses here, one per line")
     parser.add_argument("--load-state-dict", metavar="SD", help="load these weights (strict) instead of training")
     parser.add_argument("--export-torchscript", metavar="M.pt", help="save the model scripted (after training or loading)")
     args = parser.parse_args()
@@ -321,6 +322,10 @@ def main():
         bleu = BLEU()
         out["test_bleu_greedy"] = bleu.corpus_score(hyps, [refs]).score
         out["test_signature"] = str(bleu.get_signature())
+        if args.hyp:
+            with open(args.hyp + ".tmp", "w") as f:
+                f.write("".join(h + "\n" for h in hyps))
+            os.replace(args.hyp + ".tmp", args.hyp)
     json.dump(out, sys.stdout, indent=1)
     print()
 
