@@ -210,7 +210,10 @@ def easy_vqa(args):
     aux = easy_vqa_labels(images, args.grid)
     image_splits = {s: (min(rows[(s, i)] for i in split_ids[s]), max(rows[(s, i)] for i in split_ids[s]) + 1) for s in split_ids}
     meta = {"dataset": "easy-vqa", "generator": {"seed": args.seed, "grid": args.grid, "source": "PyPI easy-vqa 1.0; val = 10% of its train images", "labels": "easy_vqa_labels"},
-            "vocab": vocab, "answers": answers, "types": types, "relational_types": []}
+            "vocab": vocab, "answers": answers, "types": types, "relational_types": [],
+            # A cell sees a part of the shape, the questions ask about its whole form: the
+            # detectors mix each region with the mean over all regions (python/vqa_detectors.py).
+            "detector_context": "global"}
     write(args.out, images, aux, ordered, image_splits, meta, question_splits=splits)
 
 

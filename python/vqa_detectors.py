@@ -12,7 +12,10 @@ answers; python/vqa_data.py writes the labels):
   patch   non-overlapping patches (one per label cell), then 1x1 convs  labels: colour, shape, centre
 
 Every backbone sees the image in [0, 1] with two coordinate channels appended (CoordConv), so its
-region features can carry position. The label heads read the regions pooled to the label grid
+region features can carry position. When the data's meta.json asks for `"detector_context":
+"global"` (easy-VQA: its questions ask about the one shape's form, which no cell of a 64 x 64 image
+shows on its own), each backbone mixes every region with the mean over all regions before its
+output. The label heads read the regions pooled to the label grid
 and are not exported. Each backbone is traced with `torch.jit.trace` on the CPU and saved as
 `<name>.pt`: input (B, 3, H, W) float32 in [0, 1], output (B, regions, dim) float32. PyTorch 2.11
 warns that TorchScript is deprecated (in favour of torch.export, which libtorch and tch cannot
@@ -35,17 +38,24 @@ from safetensors.torch import load_file
 
 
 class Backbone(nn.Module):
-    """A CNN over the image plus coordinate channels, returning (B, regions, dim)."""
+    """A CNN over the image plus coordinate channels, returning (B, regions, dim). With `context`,
+    each region's features are mixed with the mean over all regions (a 1x1 convolution of both,
+    then ReLU), so that a region can carry what only the whole image shows."""
 
-    def __init__(self, layers):
+    def __init__(self, layers, dim, context=False):
         super().__init__()
         self.body = nn.Sequential(*layers)
+        self.context = context
+        if context:
+            self.mix = nn.Conv2d(2 * dim, dim, 1)
 
     def forward(self, images):
         b, _, h, w = images.shape
         ys = torch.linspace(-1.0, 1.0, h, device=images.device).view(1, 1, h, 1).expand(b, 1, h, w)
         xs = torch.linspace(-1.0, 1.0, w, device=images.device).view(1, 1, 1, w).expand(b, 1, h, w)
         x = self.body(torch.cat([images, xs, ys], 1))  # (B, dim, h', w')
+        if self.context:
+            x = F.relu(self.mix(torch.cat([x, x.mean((2, 3), keepdim=True).expand_as(x)], 1)))
         return x.flatten(2).transpose(1, 2)  # (B, regions, dim)
 
 
@@ -53,14 +63,14 @@ def conv(cin, cout, k, s, p):
     return [nn.Conv2d(cin, cout, k, s, p), nn.BatchNorm2d(cout), nn.ReLU()]
 
 
-def backbone(name, size, grid, dim):
+def backbone(name, size, grid, dim, context=False):
     if name == "grid":
-        return Backbone(conv(5, 32, 3, 2, 1) + conv(32, 64, 3, 2, 1) + conv(64, 64, 3, 2, 1) + conv(64, dim, 3, 2, 1))
+        return Backbone(conv(5, 32, 3, 2, 1) + conv(32, 64, 3, 2, 1) + conv(64, 64, 3, 2, 1) + conv(64, dim, 3, 2, 1), dim, context)
     if name == "wide":
-        return Backbone(conv(5, 48, 5, 3, 2) + conv(48, 64, 3, 2, 1) + [nn.Conv2d(64, dim, 3, 2, 1), nn.ReLU()])
+        return Backbone(conv(5, 48, 5, 3, 2) + conv(48, 64, 3, 2, 1) + [nn.Conv2d(64, dim, 3, 2, 1), nn.ReLU()], dim, context)
     if name == "patch":
         patch = size // grid
-        return Backbone(conv(5, 64, patch, patch, 0) + conv(64, 64, 1, 1, 0) + [nn.Conv2d(64, dim, 1), nn.ReLU()])
+        return Backbone(conv(5, 64, patch, patch, 0) + conv(64, 64, 1, 1, 0) + [nn.Conv2d(64, dim, 1), nn.ReLU()], dim, context)
     raise ValueError(name)
 
 
@@ -70,9 +80,9 @@ TASKS = {"grid": ("color", "center"), "wide": ("shape", "center"), "patch": ("co
 class Labelled(nn.Module):
     """A backbone with its label heads on the regions pooled to the label grid."""
 
-    def __init__(self, name, size, grid, dim, colors, shapes):
+    def __init__(self, name, size, grid, dim, colors, shapes, context=False):
         super().__init__()
-        self.backbone, self.grid, self.tasks = backbone(name, size, grid, dim), grid, TASKS[name]
+        self.backbone, self.grid, self.tasks = backbone(name, size, grid, dim, context), grid, TASKS[name]
         self.heads = nn.ModuleDict({"color": nn.Linear(dim, colors), "shape": nn.Linear(dim, shapes), "center": nn.Linear(dim, 2)})
 
     def forward(self, images):
@@ -125,13 +135,14 @@ def main():
     if args.max_images:
         t1 = min(t1, t0 + args.max_images)
     labels = (data["aux_color"], data["aux_shape"], data["aux_center"])
+    context = meta.get("detector_context") == "global"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".detectors-", dir=os.path.dirname(os.path.abspath(args.out)))
     manifest = {"data": os.path.abspath(args.data), "data_sha256": meta.get("sha256"), "seed": args.seed, "epochs": args.epochs,
-                "torch": torch.__version__, "input": [None, 3, size, size], "detectors": []}
+                "torch": torch.__version__, "input": [None, 3, size, size], "global_context": context, "detectors": []}
     for index, name in enumerate(TASKS):
         torch.manual_seed(args.seed * 100 + index)
-        model = Labelled(name, size, grid, args.dim, colors, shapes)
+        model = Labelled(name, size, grid, args.dim, colors, shapes, context)
         opt = torch.optim.Adam(model.parameters(), lr=2e-3)
         start = time.time()
         for epoch in range(args.epochs):
