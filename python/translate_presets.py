@@ -1,10 +1,12 @@
 """Validation BLEU per CPU-hour of translation presets: the evidence behind the `small` preset.
 
+    P=results/translate/presets
     python python/translate_presets.py \
         --preset small results/translate/multi30k-softmax-seed1 results/translate/table/softmax-s2 \
-        --preset tiny runs/presets/tiny --preset wide runs/presets/wide \
-        --speed small SPEED/small.json --speed tiny SPEED/tiny.json --speed wide SPEED/wide.json \
-        --threads 2 --out results/translate/presets
+                       results/translate/table/softmax-s3 \
+        --preset tiny $P/tiny --preset wide $P/wide \
+        --speed small $P/speed/small/results.json --speed tiny $P/speed/tiny/results.json \
+        --speed wide $P/speed/wide/results.json --threads 2 --budgets 0.25 0.5 0.75 0.85 --out $P
 
 Each run folder is a `probattn translate` run (config.json, seed-*/metrics.jsonl). The runs were
 trained on a machine shared with other work, so their wall-clock times are not comparable; the
@@ -39,6 +41,15 @@ def curves(folder, clean_tps, threads):
     if not out:
         raise SystemExit(f"{folder}: no seed-*/metrics.jsonl")
     return out
+
+
+def cell(points, budget):
+    """The best validation BLEU a run reached within `budget` CPU-hours; a run that stopped before
+    the budget has no value there (it says where it stopped), nor one not yet validated ("-")."""
+    if points[-1][0] < budget:
+        return f"(ended at {points[-1][0]:.2f})"
+    within = [b for h, b in points if h <= budget]
+    return f"{max(within):.1f}" if within else "-"
 
 
 def svg(path, series, x_max, y_max):
@@ -94,8 +105,7 @@ def main():
         dims = f"{t['encoder_layers']}+{t['decoder_layers']}, E {t['embed_dim']}, FFN {t['ffn_dim']}"
         cells = []
         for budget in args.budgets:
-            reached = [max(b for h, b in pts if h <= budget) for _, pts in runs if pts[-1][0] >= budget and any(h <= budget for h, _ in pts)]
-            cells.append(" / ".join(f"{b:.1f}" for b in reached) if reached else "not reached")
+            cells.append(" / ".join(cell(pts, budget) for _, pts in runs))
         best = [max(pts, key=lambda p: p[1]) for _, pts in runs]
         rows.append(f"| {name} | {dims} | {tps:.0f} | " + " | ".join(cells) + " | " + " / ".join(f"{b:.1f} at {h:.2f}" for h, b in best) + f" | {len(runs)} |")
     os.makedirs(args.out, exist_ok=True)
