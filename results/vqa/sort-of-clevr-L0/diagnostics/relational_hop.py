@@ -6,9 +6,13 @@ Validation accuracy per type every 500 updates (selection on val only).
 
     python relational_hop.py VARIANT UPDATES [SEED]
 
+ORACLE=1 in the environment replaces the detector features with the objects' true state, per cell
+of the 5x5 label grid (one-hot colour, one-hot shape, centre: the detectors' own labels), as all
+three views.
+
 VARIANT: L0 (no hop), hop, hop-pos (a learned embedding per primary region added to the boxes),
-hop-count (hop plus the hop's sigmoid mass sum_j sigma(s_j), a count), hop-pos-count; rn: instead of a
-hop, a relation-network term (Santoro et al. 2017) over every pair of boxes,
+hop-count (hop plus the hop's sigmoid mass sum_j sigma(s_j), a count), hop-pos-count; rn: instead
+of a hop, a relation-network term (Santoro et al. 2017) over every pair of boxes,
 sum_ij W_2 relu(W_1 relu(A z_i + B z_j + C q)), joined with the glimpses (no hop)."""
 import os, sys, time, json
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -24,8 +28,13 @@ data = {"types": meta["types"]}
 for s in ("train", "val"):
     data[s] = {k: raw[f"{s}_{k}"] for k in ("image", "tokens", "answer", "type")}
 data["val"] = {k: v[:3000] for k, v in data["val"].items()}
-feats = load_file("data/vqa/sort-of-clevr/features/e0e6757cb6d94ca7.safetensors")
-views = [feats[f"view{i}"] for i in range(3)]
+if os.environ.get("ORACLE"):
+    state = torch.cat([F.one_hot(raw["aux_color"].flatten(1), 7).float(), F.one_hot(raw["aux_shape"].flatten(1), 3).float(),
+                       raw["aux_center"].flatten(1, 2)], -1)
+    views = [state, state, state]
+else:
+    feats = load_file("data/vqa/sort-of-clevr/features/e0e6757cb6d94ca7.safetensors")
+    views = [feats[f"view{i}"] for i in range(3)]
 hop, pos, count, rn = variant.startswith("hop"), "pos" in variant, "count" in variant, variant == "rn"
 
 
