@@ -1,6 +1,6 @@
 //! `probattn vqa` as a user runs it, on a tiny Sort-of-CLEVR written by python/vqa_data.py with
 //! detectors from python/vqa_detectors.py: every fusion's results files and reports, the PyTorch
-//! baseline scored through --eval-torchscript, and bad input (corrupt or wrong-shaped detectors,
+//! baseline scored through --eval-torchscript, and bad input (corrupt, wrong-shaped or stale detectors,
 //! malformed data files, unknown fusions) refused with a named error.
 
 #[path = "../../tests/common/mod.rs"]
@@ -141,6 +141,22 @@ fn bad_detectors_and_data_are_named() -> Result<()> {
     std::fs::write(&meta, fewer.to_string())?;
     let out = run(&["--detectors", &det])?;
     ensure!(out.status.code() == Some(1) && text(&out).contains("train_answer holds ids") && text(&out).contains("outside 0..2"), "{}", text(&out));
+    // Detectors trained for an earlier conversion of the data (another data file), and for
+    // data whose meta.json now asks for another view.
+    std::fs::write(&meta, &good)?;
+    let manifest = Path::new(&det).join("detectors.json");
+    let trained = std::fs::read_to_string(&manifest)?;
+    let mut other: serde_json::Value = serde_json::from_str(&trained)?;
+    other["data_sha256"] = serde_json::json!("0123");
+    std::fs::write(&manifest, other.to_string())?;
+    let out = run(&["--detectors", &det])?;
+    ensure!(out.status.code() == Some(1) && text(&out).contains("were trained for other data") && text(&out).contains("sha256"), "{}", text(&out));
+    std::fs::write(&manifest, &trained)?;
+    let mut global: serde_json::Value = serde_json::from_str(&good)?;
+    global["detector_context"] = serde_json::json!("global");
+    std::fs::write(&meta, global.to_string())?;
+    let out = run(&["--detectors", &det])?;
+    ensure!(out.status.code() == Some(1) && text(&out).contains("detector_context differs"), "{}", text(&out));
     ensure!(!dir.path("never").exists(), "a failed run left an output folder");
     Ok(())
 }

@@ -113,11 +113,25 @@ pub struct DetectorSpec {
 }
 
 /// The three detectors of a folder written by python/vqa_detectors.py, primary first (the
-/// `patch` backbone, which learns colour, shape and position; see that script).
-pub fn detectors_in(dir: &Path) -> Result<Vec<DetectorSpec>> {
+/// `patch` backbone, which learns colour, shape and position; see that script). They must have
+/// been trained for the data in `data_dir`: the same data file (its sha256) and the view that
+/// its meta.json asks for (`detector_context`); detectors left from an earlier conversion of the
+/// data are refused by name rather than silently reused.
+pub fn detectors_in(dir: &Path, data_dir: &Path) -> Result<Vec<DetectorSpec>> {
+    let read = |path: &Path| -> Result<serde_json::Value> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))
+    };
     let manifest = dir.join("detectors.json");
-    let text = std::fs::read_to_string(&manifest).with_context(|| format!("reading {}", manifest.display()))?;
-    let json: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", manifest.display()))?;
+    let json = read(&manifest)?;
+    // An unreadable meta.json is reported by the data loader, with its own named error.
+    let meta = read(&data_dir.join("meta.json")).unwrap_or_default();
+    let stale = |what: &str| format!("{} were trained for other data than {} ({what} differs); delete {} to retrain them", dir.display(), data_dir.display(), dir.display());
+    if let (Some(trained), Some(data)) = (json["data_sha256"].as_str(), meta["sha256"].as_str()) {
+        ensure!(trained == data, stale("the data file's sha256"));
+    }
+    let wants_context = meta["detector_context"].as_str() == Some("global");
+    ensure!(json["global_context"].as_bool().unwrap_or(false) == wants_context, stale("detector_context"));
     let list = json["detectors"].as_array().with_context(|| format!("{} has no 'detectors' list", manifest.display()))?;
     let mut specs: Vec<DetectorSpec> = list
         .iter()

@@ -747,7 +747,7 @@ fn prepare_inputs(args: &VqaArgs, data_dir: &Path, threads: i32) -> Result<Vec<D
         let epochs = if args.quick { "2" } else { "8" };
         run_python("vqa_detectors.py", &["--data", &d, "--out", &o, "--epochs", epochs, "--threads", &t]).context("training the detectors")?;
     }
-    detectors_in(&dir)
+    detectors_in(&dir, data_dir)
 }
 
 pub fn run(args: &VqaArgs) -> Result<()> {
