@@ -130,6 +130,14 @@ fn bad_detectors_and_data_are_named() -> Result<()> {
     // An unknown fusion.
     let out = run(&["--detectors", &det, "--fusion", "attn"])?;
     ensure!(out.status.code() == Some(1) && text(&out).contains("unknown attention variant 'attn'"), "{}", text(&out));
+    // A bad model flag is named (the end checks that nothing was written); a good one runs the relational layer.
+    let out = run(&["--detectors", &det, "--relational-heads=-1"])?;
+    ensure!(out.status.code() == Some(1) && text(&out).contains("--relational-heads must be 0 or more"), "{}", text(&out));
+    let related = dir.path("related").to_string_lossy().to_string();
+    let out = probattn(&["vqa", "--data", &data, "--detectors", &det, "--fusion", "dnas", "--relational-heads", "2", "--hidden", "16", "--seeds", "1", "--max-epochs", "1", "--threads", "1", "--out", &related])?;
+    ensure!(out.status.success(), "{}", text(&out));
+    let r = json(&Path::new(&related).join("results.json"))?;
+    ensure!(r["config"]["model"]["relational_heads"] == 2 && r["runs"][0]["test_acc"].is_number(), "{r}");
     // Malformed meta.json, and answers outside the answer list.
     let meta = Path::new(&data).join("meta.json");
     let good = std::fs::read_to_string(&meta)?;

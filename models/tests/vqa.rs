@@ -1,7 +1,7 @@
 //! The multi-view VQA model against python/baselines/vqa.py (the PyTorch model written separately
 //! from Appendix B's formula and the same head): same weights, eval mode, float64 logits and the
 //! gradients of every view and parameter within 1e-10, for each fusion (none, UNAS, DNAS, HNAS)
-//! with 0, 1 and 2 reasoning layers, post-norm and pre-norm.
+//! with 0, 1 and 2 reasoning layers, post-norm and pre-norm, and with the relational layer.
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
@@ -33,6 +33,8 @@ fn config(case: &serde_json::Value) -> Result<VqaConfig> {
         reasoning_layers: int("reasoning_layers")? as usize,
         reasoning_prenorm: case["reasoning_prenorm"].as_bool().context("reasoning_prenorm")?,
         reasoning_heads: 4,
+        relational_heads: case.get("relational_heads").and_then(|r| r.as_i64()).unwrap_or(0),
+        relational_dim: case.get("relational_dim").and_then(|r| r.as_i64()).unwrap_or(8),
         glimpses: int("glimpses")?,
         dropout: 0.1,
         answers: int("answers")?,
@@ -45,7 +47,7 @@ fn vqa_model_matches_the_pytorch_baseline() -> Result<()> {
     let dir = TempDir::new("parity-vqa")?;
     run_python("parity.py", &["vqa-cases", "--out", &dir.0.to_string_lossy(), "--seed", "4"])?;
     let cases = manifest(&dir.0)?;
-    ensure!(cases.len() == 5, "expected four fusions and a pre-norm case, got {}", cases.len());
+    ensure!(cases.len() == 7, "expected four fusions, a pre-norm case and two relational ones, got {}", cases.len());
     for case in cases {
         let name = case["name"].as_str().context("name")?;
         let t = load(&dir.path(&format!("{name}.safetensors")))?;

@@ -12,7 +12,9 @@ view keys through its own linear map and its features untransformed as values;
 y = LayerNorm(x_P + sum_s softmax-or-dnas-or-hnas(q k_s^T / sqrt(d)) x_s), one head, dropout 0.1 on
 the weights; no-attention: the views' boxes concatenated, then the LayerNorm. Head: word
 embeddings + GRU (state at the last word); `--reasoning-layers` post-norm Transformer encoder
-layers over the boxes plus the projected question; top-down attention with glimpses; element-wise
+layers over the boxes plus the projected question; optionally a relational layer (`Relate`: each
+box's closest / furthest / like-me summaries under learned metrics) whose output the glimpses read;
+top-down attention with glimpses; element-wise
 product with the question; two-layer classifier. Adam, cross-entropy, early stopping on validation
 accuracy. Sub-module names follow the Rust model's parameter paths.
 """
@@ -119,11 +121,40 @@ class Reasoning(nn.Module):
         return self.norm2(x + F.dropout(self.linear2(F.relu(self.linear1(x))), self.dropout, self.training))
 
 
+class Relate(nn.Module):
+    """Relational summaries of every box, no question: per head r and box i, scores over the other
+    boxes j, s_rij = exp(log_scale_r) sign_r ||P_r z_i - P_r z_j||^2 + key_r(z_j), then
+    x_i = [z_i, sum_j softmax_j(s_ri)_j z_j (per head), mean_j sigmoid(s_rij) (per head)], j != i.
+    A softmax over a scaled squared distance is a soft argmin / argmax (closest / furthest), the
+    sigmoid mass a count (objects like box i)."""
+
+    __constants__ = ["heads", "metric_dim"]
+
+    def __init__(self, hidden, heads, metric_dim):
+        super().__init__()
+        self.heads, self.metric_dim = heads, metric_dim
+        self.metric = nn.Linear(hidden, heads * metric_dim, bias=False)
+        self.key = nn.Linear(hidden, heads)
+        self.sign = nn.Parameter(torch.tensor([-1.0 if r % 2 == 0 else 1.0 for r in range(heads)]))
+        self.log_scale = nn.Parameter(torch.zeros(heads))
+
+    def forward(self, z):
+        b, n, h = z.shape
+        p = self.metric(z).view(b, n, self.heads, self.metric_dim)
+        d = (p.unsqueeze(2) - p.unsqueeze(1)).pow(2).sum(-1)  # (B, N_i, N_j, R)
+        s = self.log_scale.exp() * self.sign * d + self.key(z).unsqueeze(1)
+        other = ~torch.eye(n, dtype=torch.bool, device=z.device).view(1, n, n, 1)
+        w = torch.softmax(s.masked_fill(~other, float("-inf")), 2)
+        summary = torch.einsum("bijr,bjh->birh", w, z).reshape(b, n, self.heads * h)
+        counts = (torch.sigmoid(s) * other).sum(2) / n
+        return torch.cat([z, summary, counts], -1)
+
+
 class VqaModel(nn.Module):
     __constants__ = ["prenorm"]
 
     def __init__(self, views, dim, variant, vocab, answers, hidden=128, layers=2, glimpses=2, word_dim=64, question_dim=128, dropout=0.1,
-                 prenorm=False):
+                 prenorm=False, relational_heads=0, metric_dim=8):
         super().__init__()
         assert views == 3, "the baseline is written for three views"
         self.fusion = ConcatFusion(dim) if variant == "none" else AttentionFusion(dim, variant)
@@ -132,9 +163,11 @@ class VqaModel(nn.Module):
         self.box_proj, self.box_question = nn.Linear(dim, hidden), nn.Linear(question_dim, hidden)
         self.prenorm = prenorm  # pre-norm reasoning layers, their stack's output added to the boxes it started from
         self.reasoning = nn.ModuleList([Reasoning(hidden, 4, dropout, prenorm) for _ in range(layers)])
-        self.att_box, self.att_question = nn.Linear(hidden, hidden), nn.Linear(question_dim, hidden)
+        self.relate = Relate(hidden, relational_heads, metric_dim) if relational_heads > 0 else nn.Identity()
+        width = hidden * (relational_heads + 1) + relational_heads  # a box and its relational summaries
+        self.att_box, self.att_question = nn.Linear(width, hidden), nn.Linear(question_dim, hidden)
         self.att_logits = nn.Linear(hidden, glimpses)
-        self.glimpse_proj, self.question_proj = nn.Linear(glimpses * hidden, hidden), nn.Linear(question_dim, hidden)
+        self.glimpse_proj, self.question_proj = nn.Linear(glimpses * width, hidden), nn.Linear(question_dim, hidden)
         self.classifier1, self.classifier2 = nn.Linear(hidden, hidden), nn.Linear(hidden, answers)
         self.dropout = dropout
 
@@ -151,6 +184,7 @@ class VqaModel(nn.Module):
                 z = layer(z)
             if self.prenorm:
                 z = start + z
+        z = self.relate(z)
         joint = F.relu(self.att_box(z) * self.att_question(q).unsqueeze(1))
         att = torch.softmax(self.att_logits(F.dropout(joint, self.dropout, self.training)), 1)
         v = F.relu(self.glimpse_proj((att.transpose(1, 2) @ z).flatten(1)))
@@ -186,6 +220,8 @@ def main():
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--reasoning-layers", type=int, default=2)
     p.add_argument("--reasoning-prenorm", action="store_true", help="pre-norm reasoning layers with a skip around their stack")
+    p.add_argument("--relational-heads", type=int, default=0, help="heads of the relational layer before the glimpses (0: none)")
+    p.add_argument("--relational-dim", type=int, default=8, help="size of each relational head's learned metric")
     p.add_argument("--glimpses", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--max-train", type=int, default=0, help="use at most this many training questions (0: all)")
@@ -207,7 +243,7 @@ def main():
     for seed in range(args.seed_start, args.seed_start + args.seeds):
         torch.manual_seed(seed)
         model = VqaModel(3, views[0].shape[-1], args.fusion, len(meta["vocab"]), len(meta["answers"]), args.hidden, args.reasoning_layers, args.glimpses,
-                         prenorm=args.reasoning_prenorm)
+                         prenorm=args.reasoning_prenorm, relational_heads=args.relational_heads, metric_dim=args.relational_dim)
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         best, best_state, best_epoch, waited, epoch_times = -1.0, None, 0, 0, []
         tr = data["train"]
