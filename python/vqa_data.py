@@ -135,22 +135,26 @@ def sort_of_clevr(args):
 EASY_VQA_SHAPES = ((0.93, 1), (0.69, 2), (0.0, 3))  # (lowest fill ratio, class): rectangle, circle, triangle
 
 
-def easy_vqa_labels(images, grid):
+def easy_vqa_labels(images, grid, shape_labels="covered"):
     """Detector labels of easy-VQA images from their pixels alone (never the answers): per cell of a
     grid x grid partition, whether the shape covers it (more than 1/8 of its pixels differ from the
     background, the colour of the top-left pixel), the dominant colour bucket of its shape pixels
     (RGB each halved at 128: 8 buckets, 1-8; 0 = not covered) and the image's shape class (1
     rectangle, 2 circle, 3 triangle; 0 = not covered), told apart by how much of its bounding box
-    the shape fills. Centres are not labelled (zeros)."""
+    the shape fills. Centres are not labelled (zeros). shape_labels "centre": the shape class only
+    on the cell holding the centre of the shape's bounding box (one label per object, as
+    Sort-of-CLEVR's), 0 elsewhere, instead of on every covered cell."""
     n, _, size, _ = images.shape
     cell = size // grid
     px = images.astype(np.int64)
     mask = np.abs(px - px[:, :, :1, :1]).sum(1) > 60  # (n, H, W)
     fill = np.zeros(n)
+    centre_cell = np.zeros((n, 2), np.int64)
     for i in range(n):
         ys, xs = np.nonzero(mask[i])
         if len(ys):
             fill[i] = len(ys) / ((ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1))
+            centre_cell[i] = (min((ys.min() + ys.max()) // 2 // cell, grid - 1), min((xs.min() + xs.max()) // 2 // cell, grid - 1))
     shape = np.zeros(n, np.int64)
     for lowest, cls in reversed(EASY_VQA_SHAPES):
         shape[fill >= lowest] = cls
@@ -161,7 +165,12 @@ def easy_vqa_labels(images, grid):
     counts = np.stack([((bucket == b) & m).sum((2, 4)) for b in range(8)], -1)  # (n, G, G, 8)
     covered = m.sum((2, 4)) > cell * cell // 8
     color = np.where(covered, counts.argmax(-1) + 1, 0)
-    return {"aux_color": color.astype(np.int64), "aux_shape": np.where(covered, shape[:, None, None], 0).astype(np.int64),
+    if shape_labels == "centre":
+        shape_grid = np.zeros((n, grid, grid), np.int64)
+        shape_grid[np.arange(n), centre_cell[:, 0], centre_cell[:, 1]] = shape
+    else:
+        shape_grid = np.where(covered, shape[:, None, None], 0)
+    return {"aux_color": color.astype(np.int64), "aux_shape": shape_grid.astype(np.int64),
             "aux_center": np.zeros((n, grid, grid, 2), np.float32)}
 
 
@@ -207,9 +216,10 @@ def easy_vqa(args):
         qs = [q[:4] for q in questions if q[4] == split]
         splits[split] = len(ordered), len(ordered) + len(qs)
         ordered += qs
-    aux = easy_vqa_labels(images, args.grid)
+    aux = easy_vqa_labels(images, args.grid, args.shape_labels)
     image_splits = {s: (min(rows[(s, i)] for i in split_ids[s]), max(rows[(s, i)] for i in split_ids[s]) + 1) for s in split_ids}
-    meta = {"dataset": "easy-vqa", "generator": {"seed": args.seed, "grid": args.grid, "source": "PyPI easy-vqa 1.0; val = 10% of its train images", "labels": "easy_vqa_labels"},
+    meta = {"dataset": "easy-vqa", "generator": {"seed": args.seed, "grid": args.grid, "source": "PyPI easy-vqa 1.0; val = 10% of its train images", "labels": "easy_vqa_labels",
+                          "shape_labels": args.shape_labels},
             "vocab": vocab, "answers": answers, "types": types, "relational_types": [],
             # A cell sees a part of the shape, the questions ask about its whole form: the
             # detectors mix each region with the mean over all regions (python/vqa_detectors.py).
@@ -277,6 +287,8 @@ def main():
     e.add_argument("--out", required=True, help="output folder")
     e.add_argument("--seed", type=int, default=0, help="seed of the validation hold-out (default 0)")
     e.add_argument("--grid", type=int, default=8, help="auxiliary label grid side (default 8)")
+    e.add_argument("--shape-labels", choices=["covered", "centre"], default="covered",
+                   help="the shape class on every covered cell (default) or only on the cell at the centre of the shape")
     args = p.parse_args()
     for name in ("train", "val", "test"):
         if getattr(args, name, 1) < 1:
