@@ -277,7 +277,9 @@ impl Relate {
         let key = self.key.forward(z).transpose(1, 2).unsqueeze(2); // (B, R, 1, N_j)
         let s = d * scale + key;
         let self_pair = Tensor::eye(n, (Kind::Bool, z.device())).view([1, 1, n, n]);
-        let w = s.masked_fill(&self_pair, f64::NEG_INFINITY).softmax(-1, s.kind());
+        // −∞ on the diagonal only: every row keeps N − 1 ≥ 1 finite scores, so no row is all −∞
+        // (no NaN), and a self-pair gets exactly zero weight however large the other scores grow.
+        let w = s.masked_fill(&self_pair, f64::NEG_INFINITY).softmax(-1, s.kind()); // (B, R, N_i, N_j)
         let summary = w.matmul(&z.unsqueeze(1)).permute([0, 2, 1, 3]).reshape([b, n, self.heads * h]); // (B, N, R H)
         let counts = s.sigmoid().masked_fill(&self_pair, 0.0).sum_dim_intlist(&[-1i64][..], false, s.kind()).transpose(1, 2) / n as f64; // (B, N, R)
         Ok(Tensor::cat(&[z.shallow_clone(), summary, counts], -1))
