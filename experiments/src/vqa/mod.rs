@@ -549,7 +549,9 @@ pub struct VqaResults {
     pub provenance: Provenance,
 }
 
-fn run_fusion(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: &[DetectorSpec], features: &str, dir: &Path, device: Device) -> Result<VqaResults> {
+/// One fusion's configuration, checked: built before the run folder exists, so that a bad flag is
+/// named and nothing is written.
+fn run_config(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: &[DetectorSpec]) -> Result<VqaRunConfig> {
     let (preset, mut bam, mut kl_weight) = bam_preset(fusion.unwrap_or_default());
     let mut preset = preset;
     if let Some(k) = args.k {
@@ -597,7 +599,12 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
         image_noise: args.image_noise,
         preset,
     };
-    cfg.model.validate()?; // a bad flag is named before anything is written
+    cfg.model.validate()?;
+    Ok(cfg)
+}
+
+fn run_fusion(p: &Prepared, args: &VqaArgs, cfg: VqaRunConfig, features: &str, dir: &Path, device: Device) -> Result<VqaResults> {
+    let (fusion, meta) = (cfg.model.fusion, &p.data.meta);
     write_json(&dir.join("config.json"), &cfg)?;
     let metrics_path = dir.join("metrics.jsonl");
     let mut metrics = std::io::BufWriter::new(std::fs::File::create(&metrics_path).with_context(|| format!("creating {}", metrics_path.display()))?);
@@ -776,7 +783,6 @@ pub fn run(args: &VqaArgs) -> Result<()> {
     ensure!(args.batch >= 1, "--batch must be at least 1");
     ensure!(args.lr > 0.0 && args.lr.is_finite(), "--lr must be positive");
     ensure!(args.mc_samples >= 2, "--mc-samples must be at least 2 (PAvPU's t-test compares samples)");
-    ensure!(args.hidden >= 1 && args.glimpses >= 1, "--hidden and --glimpses must be at least 1, got {} and {}", args.hidden, args.glimpses);
     ensure!(
         args.relational_heads >= 0 && args.relational_dim >= 1,
         "--relational-heads must be 0 or more and --relational-dim at least 1, got {} and {}",
@@ -853,13 +859,13 @@ pub fn run(args: &VqaArgs) -> Result<()> {
     if let Some(path) = &args.eval_torchscript {
         return eval_torchscript(&prepared, path, args, device);
     }
+    let configs = fusions.into_iter().map(|f| run_config(&prepared, args, f, &detectors)).collect::<Result<Vec<_>>>()?;
     let dir = run_dir(args.out.as_deref(), "vqa", &format!("{}-{}", args.dataset.name(), args.fusion))?;
     let mut all = vec![];
-    for fusion in fusions {
-        let name = fusion.map_or_else(|| "none".to_string(), |v| v.to_string());
-        let sub = if args.fusion == "all" { dir.join(&name) } else { dir.clone() };
+    for cfg in configs {
+        let sub = if args.fusion == "all" { dir.join(cfg.model.fusion_name()) } else { dir.clone() };
         std::fs::create_dir_all(&sub)?;
-        all.push(run_fusion(&prepared, args, fusion, &detectors, &features_note, &sub, device)?);
+        all.push(run_fusion(&prepared, args, cfg, &features_note, &sub, device)?);
     }
     let table = table(&all);
     println!("\n{} ({} seed(s) from {}):\n{table}", args.dataset.name(), args.seeds, args.seed_start);
