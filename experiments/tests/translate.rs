@@ -1,6 +1,7 @@
 //! `probattn translate` as a user runs it, on a small synthetic parallel corpus written here (so
-//! the tests need no data): a run killed with SIGKILL in the middle of an epoch and resumed ends
-//! with exactly the uninterrupted run's metrics and translations; --decode reuses a checkpoint;
+//! the tests need no data): a run killed with SIGKILL in the middle of an epoch, or between an
+//! epoch's metrics line and its checkpoint, and resumed ends with exactly the uninterrupted run's
+//! metrics and translations; --decode reuses a checkpoint;
 //! bad input gets a named error and exit status 1.
 
 #[path = "../../tests/common/mod.rs"]
@@ -85,6 +86,27 @@ fn a_killed_run_resumes_to_the_uninterrupted_result() -> Result<()> {
     let decoded = probattn(&["translate", "--decode", "--checkpoint", &ckpt, "--input", &input, "--output", &out, "--beam", "2", "--threads", "1", "--device", "cpu"])?;
     ensure!(decoded.status.success(), "{}", text(&decoded));
     ensure!(std::fs::read_to_string(&out)? == hyp(&b)?, "--decode differs from the run's test.hyp");
+
+    // Killed the moment an epoch's metrics line lands, before that epoch's checkpoint_last is
+    // saved (the window is a few ms; the tight poll hits it most times): the resumed run must not
+    // write that epoch's line twice.
+    let c = tmp.path("c").to_string_lossy().to_string();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_probattn"))
+        .args([&["translate", "--data-dir", &data, "--out", &c][..], &FLAGS].concat())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let lines = tmp.path("c/seed-1/metrics.jsonl");
+    let start = Instant::now();
+    while std::fs::read_to_string(&lines).map_or(0, |t| t.lines().count()) < 2 {
+        ensure!(child.try_wait()?.is_none(), "the run ended before its second epoch's metrics");
+        ensure!(start.elapsed() < Duration::from_secs(300), "no second epoch after 5 minutes");
+    }
+    child.kill()?;
+    child.wait()?;
+    let resumed = probattn(&[&["translate", "--data-dir", &data, "--resume", &c][..], &FLAGS].concat())?;
+    ensure!(resumed.status.success(), "{}", text(&resumed));
+    ensure!(metrics(Path::new(&a))? == metrics(Path::new(&c))?, "metrics differ after a kill between metrics and checkpoint:\n{:?}\n{:?}", metrics(Path::new(&a))?, metrics(Path::new(&c))?);
 
     // Resuming with other flags is refused by name.
     let other = probattn(&[&["translate", "--data-dir", &data, "--resume", &b, "--label-smoothing", "0.2"][..], &FLAGS].concat())?;

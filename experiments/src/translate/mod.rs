@@ -621,6 +621,11 @@ fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device
         load_params(&vs, &tensors, &last)?;
         adam.load_state(&tensors, saved.updates).with_context(|| last.display().to_string())?;
         eprintln!("resuming seed {seed} after epoch {} ({} updates)", saved.epoch, saved.updates);
+        // metrics.jsonl gets an epoch's line just before checkpoint_last is saved: a kill between
+        // the two leaves a line the checkpoint does not know, which the resumed epoch would write
+        // again. The checkpoint's history is the record: rewrite the file from it.
+        let lines: String = saved.history.iter().map(|m| serde_json::to_string(m).map(|l| l + "\n")).collect::<serde_json::Result<_>>()?;
+        probattn::io::write_bytes_atomic(&dir.join("metrics.jsonl"), lines.as_bytes())?;
         state = saved;
     } else {
         // A fresh start: drop any metrics of an earlier attempt in this folder.
