@@ -13,7 +13,8 @@
 //! view's boxes and normalizes them with the same LayerNorm.
 //!
 //! Head (after Pythia, Jiang et al. 2018, reduced): the question through word embeddings and a
-//! GRU (the state at its last word); optionally `reasoning_layers` Transformer encoder layers over
+//! GRU or LSTM (the state at its last word), or their mean as a bag of words ([`QuestionEncoder`]);
+//! optionally `reasoning_layers` Transformer encoder layers over
 //! the fused boxes with the question added to every box (softmax self-attention, the same for
 //! every fusion, so that the fusion is the only difference between variants); optionally a
 //! relational layer ([`Relate`]: each box's closest / furthest / like-me summaries); then top-down
@@ -22,6 +23,8 @@
 
 use probattn::{attend, AttendOptions, Error, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Normalizer, NormalizerConfig, Result, Variant};
 use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
 use tch::nn::{self, Module, RNN};
 use tch::{Kind, Tensor};
 
@@ -46,7 +49,10 @@ pub struct VqaConfig {
     pub vocab: i64,
     /// Word embedding size.
     pub word_dim: i64,
-    /// GRU state size.
+    /// How the question becomes a vector (GRU when a config predates the choice).
+    #[serde(default)]
+    pub question_encoder: QuestionEncoder,
+    /// Size of the question's encoding (the RNN state, or the bag of words' map).
     pub question_dim: i64,
     /// Width of the head.
     pub hidden: i64,
@@ -77,6 +83,53 @@ pub struct VqaConfig {
 
 fn default_relational_dim() -> i64 {
     8
+}
+
+/// How the head encodes the question `(B, L)` of word ids (0 = padding after the words).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QuestionEncoder {
+    /// Word embeddings through a GRU, its state at the last word (Pythia's choice).
+    #[default]
+    Gru,
+    /// The same with an LSTM (its hidden state at the last word).
+    Lstm,
+    /// A bag of words: `tanh(W mean_t e_t + b)`, the mean over the question's words. Order is lost,
+    /// but every word reaches the head on its own: with the GRU state, Sort-of-CLEVR's closest
+    /// questions stayed at 0.66-0.72 for 45,000 updates on perfect objects, with the bag of words
+    /// they reached 0.93 in 9,000 (results/vqa/sort-of-clevr-L0/diagnostics).
+    Bow,
+}
+
+impl fmt::Display for QuestionEncoder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Gru => "gru",
+            Self::Lstm => "lstm",
+            Self::Bow => "bow",
+        })
+    }
+}
+
+impl FromStr for QuestionEncoder {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "gru" => Ok(Self::Gru),
+            "lstm" => Ok(Self::Lstm),
+            "bow" => Ok(Self::Bow),
+            other => Err(Error::Config(format!("unknown question encoder {other:?}: expected gru, lstm or bow"))),
+        }
+    }
+}
+
+/// The question encoder's weights, named as PyTorch names them (`gru.*`, `lstm.*`, `bag.*`).
+#[derive(Debug)]
+enum Question {
+    Gru(nn::GRU),
+    Lstm(nn::LSTM),
+    Bow(nn::Linear),
 }
 
 impl VqaConfig {
@@ -303,7 +356,7 @@ pub struct VqaModel {
     cfg: VqaConfig,
     pub fusion: MultiViewFusion,
     embed: nn::Embedding,
-    gru: nn::GRU,
+    question: Question,
     box_proj: nn::Linear,
     box_question: nn::Linear,
     reasoning: Vec<ReasoningLayer>,
@@ -323,11 +376,16 @@ impl VqaModel {
         let (d, h, q) = (cfg.feature_dim, cfg.hidden, cfg.question_dim);
         let lin = |name: &str, i: i64, o: i64| nn::linear(p / name, i, o, Default::default());
         let rnn = nn::RNNConfig { batch_first: true, ..Default::default() };
+        let question = match cfg.question_encoder {
+            QuestionEncoder::Gru => Question::Gru(nn::gru(p / "gru", cfg.word_dim, q, rnn)),
+            QuestionEncoder::Lstm => Question::Lstm(nn::lstm(p / "lstm", cfg.word_dim, q, rnn)),
+            QuestionEncoder::Bow => Question::Bow(lin("bag", cfg.word_dim, q)),
+        };
         let reasoning = (0..cfg.reasoning_layers).map(|l| ReasoningLayer::new(&(p / "reasoning" / l), &cfg)).collect::<Result<_>>()?;
         Ok(Self {
             fusion: MultiViewFusion::new(&(p / "fusion"), &cfg)?,
             embed: nn::embedding(p / "embed", cfg.vocab, cfg.word_dim, Default::default()),
-            gru: nn::gru(p / "gru", cfg.word_dim, q, rnn),
+            question,
             box_proj: lin("box_proj", d, h),
             box_question: lin("box_question", q, h),
             reasoning,
@@ -347,10 +405,19 @@ impl VqaModel {
         &self.cfg
     }
 
-    /// The question's encoding `(B, question_dim)`: the GRU state at each question's last word.
-    /// `tokens (B, L)` int64, 0 = padding after the words; every question has at least one word.
+    /// The question's encoding `(B, question_dim)`: the RNN state at each question's last word,
+    /// or the bag of words. `tokens (B, L)` int64, 0 = padding after the words.
     pub fn encode_question(&self, tokens: &Tensor) -> Tensor {
-        let (out, _) = self.gru.seq(&self.embed.forward(tokens)); // (B, L, Q)
+        let words = self.embed.forward(tokens); // (B, L, W)
+        let out = match &self.question {
+            Question::Bow(bag) => {
+                let mask = tokens.ne(0).to_kind(words.kind()).unsqueeze(2); // (B, L, 1)
+                let mean = (words * &mask).sum_dim_intlist(&[1i64][..], false, mask.kind()) / mask.sum_dim_intlist(&[1i64][..], false, mask.kind()).clamp_min(1.0);
+                return bag.forward(&mean).tanh();
+            }
+            Question::Gru(gru) => gru.seq(&words).0,
+            Question::Lstm(lstm) => lstm.seq(&words).0,
+        }; // (B, L, Q)
         let last = (tokens.ne(0).sum_dim_intlist(&[1i64][..], false, Kind::Int64) - 1).clamp_min(0); // (B,)
         let index = last.view([-1, 1, 1]).expand([-1, 1, out.size()[2]], false);
         out.gather(1, &index, false).squeeze_dim(1)

@@ -1,7 +1,8 @@
 //! The multi-view VQA model against python/baselines/vqa.py (the PyTorch model written separately
 //! from Appendix B's formula and the same head): same weights, eval mode, float64 logits and the
 //! gradients of every view and parameter within 1e-10, for each fusion (none, UNAS, DNAS, HNAS)
-//! with 0, 1 and 2 reasoning layers, post-norm and pre-norm, and with the relational layer.
+//! with 0, 1 and 2 reasoning layers, post-norm and pre-norm, with the relational layer, and with
+//! each question encoder (GRU, LSTM, bag of words).
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
@@ -28,6 +29,7 @@ fn config(case: &serde_json::Value) -> Result<VqaConfig> {
         normalizer: NormalizerConfig::default(),
         vocab: int("vocab")?,
         word_dim: int("word_dim")?,
+        question_encoder: case.get("question_encoder").and_then(|e| e.as_str()).unwrap_or("gru").parse()?,
         question_dim: int("question_dim")?,
         hidden: int("hidden")?,
         reasoning_layers: int("reasoning_layers")? as usize,
@@ -47,7 +49,7 @@ fn vqa_model_matches_the_pytorch_baseline() -> Result<()> {
     let dir = TempDir::new("parity-vqa")?;
     run_python("parity.py", &["vqa-cases", "--out", &dir.0.to_string_lossy(), "--seed", "4"])?;
     let cases = manifest(&dir.0)?;
-    ensure!(cases.len() == 7, "expected four fusions, a pre-norm case and two relational ones, got {}", cases.len());
+    ensure!(cases.len() == 9, "expected four fusions, a pre-norm case, two relational ones and the LSTM and bag-of-words encoders, got {}", cases.len());
     for case in cases {
         let name = case["name"].as_str().context("name")?;
         let t = load(&dir.path(&format!("{name}.safetensors")))?;

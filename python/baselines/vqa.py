@@ -11,7 +11,8 @@ Model (models/src/vqa.rs, Ding et al. 2020 Appendix B): primary boxes give queri
 view keys through its own linear map and its features untransformed as values;
 y = LayerNorm(x_P + sum_s softmax-or-dnas-or-hnas(q k_s^T / sqrt(d)) x_s), one head, dropout 0.1 on
 the weights; no-attention: the views' boxes concatenated, then the LayerNorm. Head: word
-embeddings + GRU (state at the last word); `--reasoning-layers` post-norm Transformer encoder
+embeddings + GRU or LSTM (state at the last word), or a bag of words (`tanh(W mean_t e_t)`, the mean
+over the question's words; `--question-encoder`); `--reasoning-layers` post-norm Transformer encoder
 layers over the boxes plus the projected question; optionally a relational layer (`Relate`: each
 box's closest / furthest / like-me summaries under learned metrics) whose output the glimpses read;
 top-down attention with glimpses; element-wise
@@ -154,12 +155,21 @@ class VqaModel(nn.Module):
     __constants__ = ["prenorm"]
 
     def __init__(self, views, dim, variant, vocab, answers, hidden=128, layers=2, glimpses=2, word_dim=64, question_dim=128, dropout=0.1,
-                 prenorm=False, relational_heads=0, metric_dim=8):
+                 prenorm=False, relational_heads=0, metric_dim=8, question_encoder="gru"):
         super().__init__()
         assert views == 3, "the baseline is written for three views"
         self.fusion = ConcatFusion(dim) if variant == "none" else AttentionFusion(dim, variant)
         self.embed = nn.Embedding(vocab, word_dim)
-        self.gru = nn.GRU(word_dim, question_dim, batch_first=True)
+        # Exactly one of gru / lstm / bag exists; forward asks hasattr, which TorchScript resolves
+        # when it compiles, so the scripted model holds only the chosen encoder.
+        if question_encoder == "gru":
+            self.gru = nn.GRU(word_dim, question_dim, batch_first=True)
+        elif question_encoder == "lstm":
+            self.lstm = nn.LSTM(word_dim, question_dim, batch_first=True)
+        elif question_encoder == "bow":
+            self.bag = nn.Linear(word_dim, question_dim)
+        else:
+            raise ValueError(f"question_encoder must be gru, lstm or bow, got {question_encoder!r}")
         self.box_proj, self.box_question = nn.Linear(dim, hidden), nn.Linear(question_dim, hidden)
         self.prenorm = prenorm  # pre-norm reasoning layers, their stack's output added to the boxes it started from
         self.reasoning = nn.ModuleList([Reasoning(hidden, 4, dropout, prenorm) for _ in range(layers)])
@@ -171,11 +181,21 @@ class VqaModel(nn.Module):
         self.classifier1, self.classifier2 = nn.Linear(hidden, hidden), nn.Linear(hidden, answers)
         self.dropout = dropout
 
+    def encode_question(self, tokens):
+        words = self.embed(tokens)
+        if hasattr(self, "bag"):
+            mask = tokens.ne(0).to(words.dtype).unsqueeze(2)
+            return torch.tanh(self.bag((words * mask).sum(1) / mask.sum(1).clamp(min=1.0)))
+        if hasattr(self, "lstm"):
+            out, _ = self.lstm(words)
+        else:
+            out, _ = self.gru(words)
+        last = (tokens.ne(0).sum(1) - 1).clamp(min=0)
+        return out.gather(1, last.view(-1, 1, 1).expand(-1, 1, out.shape[2])).squeeze(1)
+
     def forward(self, v0, v1, v2, tokens):
         boxes, _ = self.fusion(v0, v1, v2)
-        out, _ = self.gru(self.embed(tokens))
-        last = (tokens.ne(0).sum(1) - 1).clamp(min=0)
-        q = out.gather(1, last.view(-1, 1, 1).expand(-1, 1, out.shape[2])).squeeze(1)
+        q = self.encode_question(tokens)
         z = self.box_proj(boxes)
         if len(self.reasoning) > 0:
             start = z
@@ -222,6 +242,8 @@ def main():
     p.add_argument("--reasoning-prenorm", action="store_true", help="pre-norm reasoning layers with a skip around their stack")
     p.add_argument("--relational-heads", type=int, default=0, help="heads of the relational layer before the glimpses (0: none)")
     p.add_argument("--relational-dim", type=int, default=8, help="size of each relational head's learned metric")
+    p.add_argument("--question-encoder", default="gru", choices=["gru", "lstm", "bow"],
+                   help="word embeddings + GRU or LSTM (state at the last word), or their mean (a bag of words)")
     p.add_argument("--glimpses", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--max-train", type=int, default=0, help="use at most this many training questions (0: all)")
@@ -243,7 +265,8 @@ def main():
     for seed in range(args.seed_start, args.seed_start + args.seeds):
         torch.manual_seed(seed)
         model = VqaModel(3, views[0].shape[-1], args.fusion, len(meta["vocab"]), len(meta["answers"]), args.hidden, args.reasoning_layers, args.glimpses,
-                         prenorm=args.reasoning_prenorm, relational_heads=args.relational_heads, metric_dim=args.relational_dim)
+                         prenorm=args.reasoning_prenorm, relational_heads=args.relational_heads, metric_dim=args.relational_dim,
+                         question_encoder=args.question_encoder)
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         best, best_state, best_epoch, waited, epoch_times = -1.0, None, 0, 0, []
         tr = data["train"]
