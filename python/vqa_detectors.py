@@ -16,7 +16,20 @@ region features can carry position. When the data's meta.json asks for `"detecto
 "global"` (easy-VQA: its questions ask about the one shape's form, which no cell of a 64 x 64 image
 shows on its own), each backbone mixes every region with the mean over all regions before its
 output. The label heads read the regions pooled to the label grid
-and are not exported. Each backbone is traced with `torch.jit.trace` on the CPU and saved as
+and are not exported.
+
+`--boxes K` makes each detector an object detector, as the paper's views are (bottom-up attention
+keeps a fixed number of boxes per image): an objectness head on the label-grid cells, trained on
+whether an object's centre lies in the cell, picks the K most object-like cells, and the detector
+returns their pooled features in order of objectness. Sort-of-CLEVR places 6 objects per image, so
+K = 6 gives one box per object (an image whose two centres share a cell gets one background box).
+A head that compares objects with each other learns from such boxes what it does not learn from the
+25 cells of a grid (results/vqa/sort-of-clevr-L0/diagnostics).
+
+With global context (easy-VQA, one shape per image), each detector that learns shape also learns the
+image's shape class (the class its covered cells carry) from the mean over all regions, so that
+what a glimpse spread over the image reads says the shape's form, which no single cell shows.
+Each backbone is traced with `torch.jit.trace` on the CPU and saved as
 `<name>.pt`: input (B, 3, H, W) float32 in [0, 1], output (B, regions, dim) float32. PyTorch 2.11
 warns that TorchScript is deprecated (in favour of torch.export, which libtorch and tch cannot
 load); the warning is filtered here on purpose. `detectors.json` lists the files, shapes, label
@@ -49,14 +62,18 @@ class Backbone(nn.Module):
         if context:
             self.mix = nn.Conv2d(2 * dim, dim, 1)
 
-    def forward(self, images):
+    def feature_map(self, images):
+        """(B, dim, h', w'): the regions on their grid."""
         b, _, h, w = images.shape
         ys = torch.linspace(-1.0, 1.0, h, device=images.device).view(1, 1, h, 1).expand(b, 1, h, w)
         xs = torch.linspace(-1.0, 1.0, w, device=images.device).view(1, 1, 1, w).expand(b, 1, h, w)
         x = self.body(torch.cat([images, xs, ys], 1))  # (B, dim, h', w')
         if self.context:
             x = F.relu(self.mix(torch.cat([x, x.mean((2, 3), keepdim=True).expand_as(x)], 1)))
-        return x.flatten(2).transpose(1, 2)  # (B, regions, dim)
+        return x
+
+    def forward(self, images):
+        return self.feature_map(images).flatten(2).transpose(1, 2)  # (B, regions, dim)
 
 
 def conv(cin, cout, k, s, p):
@@ -77,20 +94,47 @@ def backbone(name, size, grid, dim, context=False):
 TASKS = {"grid": ("color", "center"), "wide": ("shape", "center"), "patch": ("color", "shape", "center")}
 
 
-class Labelled(nn.Module):
-    """A backbone with its label heads on the regions pooled to the label grid."""
+def pool(fmap, grid):
+    """A (B, dim, h', w') feature map averaged to the (B, grid*grid, dim) label grid."""
+    return F.adaptive_avg_pool2d(fmap, grid).flatten(2).transpose(1, 2)
 
-    def __init__(self, name, size, grid, dim, colors, shapes, context=False):
+
+class Objects(nn.Module):
+    """The exported object detector: the backbone's regions pooled to the label grid, and the K
+    cells of highest objectness, (B, K, dim), most object-like first."""
+
+    def __init__(self, backbone, objectness, grid, boxes):
         super().__init__()
-        self.backbone, self.grid, self.tasks = backbone(name, size, grid, dim, context), grid, TASKS[name]
-        self.heads = nn.ModuleDict({"color": nn.Linear(dim, colors), "shape": nn.Linear(dim, shapes), "center": nn.Linear(dim, 2)})
+        self.backbone, self.objectness, self.grid, self.boxes = backbone, objectness, grid, boxes
 
     def forward(self, images):
-        r = self.backbone(images)  # (B, N, dim)
-        side = int(round(r.shape[1] ** 0.5))
-        fmap = r.transpose(1, 2).reshape(r.shape[0], r.shape[2], side, side)
-        pooled = F.adaptive_avg_pool2d(fmap, self.grid).flatten(2).transpose(1, 2)  # (B, G*G, dim)
-        return {t: self.heads[t](pooled) for t in self.tasks}
+        pooled = pool(self.backbone.feature_map(images), self.grid)  # (B, G*G, dim)
+        top = self.objectness(pooled).squeeze(2).topk(self.boxes, 1).indices  # (B, K)
+        return pooled.gather(1, top.unsqueeze(2).expand(-1, -1, pooled.shape[2]))
+
+
+class Labelled(nn.Module):
+    """A backbone with its label heads (and, for object detectors, an objectness head) on the
+    regions pooled to the label grid."""
+
+    def __init__(self, name, size, grid, dim, colors, shapes, context=False, boxes=0, image_shape=False):
+        super().__init__()
+        extra = (("objectness",) if boxes else ()) + (("image_shape",) if image_shape and "shape" in TASKS[name] else ())
+        self.backbone, self.grid, self.tasks = backbone(name, size, grid, dim, context), grid, TASKS[name] + extra
+        self.heads = nn.ModuleDict({"color": nn.Linear(dim, colors), "shape": nn.Linear(dim, shapes), "center": nn.Linear(dim, 2),
+                                    "objectness": nn.Linear(dim, 1), "image_shape": nn.Linear(dim, shapes)})
+        self.boxes = boxes
+
+    def forward(self, images):
+        pooled = pool(self.backbone.feature_map(images), self.grid)  # (B, G*G, dim)
+        out = {t: self.heads[t](pooled) for t in self.tasks if t != "image_shape"}
+        if "image_shape" in self.tasks:  # the mean over every region: what a glimpse spread over the image reads
+            out["image_shape"] = self.heads["image_shape"](pooled.mean(1))
+        return out
+
+    def exported(self):
+        """What the views are: the backbone's regions, or its K most object-like cells."""
+        return Objects(self.backbone, self.heads["objectness"], self.grid, self.boxes) if self.boxes else self.backbone
 
 
 def losses(out, batch):
@@ -103,6 +147,14 @@ def losses(out, batch):
     if "shape" in out:
         total = total + F.cross_entropy(out["shape"].flatten(0, 1), shape.flatten())
         stats["shape_acc"] = (out["shape"].argmax(-1) == shape.flatten(1)).float().mean().item()
+    if "image_shape" in out:  # the image's one shape: every covered cell carries the same class
+        label = shape.flatten(1).max(1).values
+        total = total + F.cross_entropy(out["image_shape"], label)
+        stats["image_shape_acc"] = (out["image_shape"].argmax(-1) == label).float().mean().item()
+    if "objectness" in out:
+        logit = out["objectness"].squeeze(2)
+        total = total + F.binary_cross_entropy_with_logits(logit, occupied.float())
+        stats["objectness_acc"] = ((logit > 0) == occupied).float().mean().item()
     if "center" in out and occupied.any():
         err = (out["center"] - center.flatten(1, 2))[occupied]
         total = total + 10.0 * err.pow(2).mean()
@@ -119,8 +171,12 @@ def main():
     p.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
     p.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--boxes", type=int, default=0,
+                   help="object detectors: return the K most object-like label-grid cells per image instead of every region (0: every region)")
     p.add_argument("--max-images", type=int, default=0, help="train on at most this many images (0: all)")
     args = p.parse_args()
+    if args.boxes < 0:
+        raise SystemExit(f"error: --boxes must be 0 or more, got {args.boxes}")
     if args.threads:
         torch.set_num_threads(args.threads)
     meta_path = os.path.join(args.data, "meta.json")
@@ -131,6 +187,8 @@ def main():
     images = data["images"]
     size, grid = images.shape[-1], data["aux_color"].shape[-1]
     colors, shapes = int(data["aux_color"].max()) + 1, int(data["aux_shape"].max()) + 1
+    if args.boxes > grid * grid:
+        raise SystemExit(f"error: --boxes {args.boxes} is more than the {grid * grid} cells of the label grid")
     (t0, t1), (v0, v1) = meta["image_ranges"]["train"], meta["image_ranges"]["val"]
     if args.max_images:
         t1 = min(t1, t0 + args.max_images)
@@ -139,10 +197,11 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".detectors-", dir=os.path.dirname(os.path.abspath(args.out)))
     manifest = {"data": os.path.abspath(args.data), "data_sha256": meta.get("sha256"), "seed": args.seed, "epochs": args.epochs,
-                "torch": torch.__version__, "input": [None, 3, size, size], "global_context": context, "detectors": []}
+                "torch": torch.__version__, "input": [None, 3, size, size], "global_context": context,
+                "boxes": args.boxes or None, "image_shape": context, "detectors": []}
     for index, name in enumerate(TASKS):
         torch.manual_seed(args.seed * 100 + index)
-        model = Labelled(name, size, grid, args.dim, colors, shapes, context)
+        model = Labelled(name, size, grid, args.dim, colors, shapes, context, args.boxes, image_shape=context)
         opt = torch.optim.Adam(model.parameters(), lr=2e-3)
         start = time.time()
         for epoch in range(args.epochs):
@@ -157,10 +216,15 @@ def main():
         model.eval()
         with torch.no_grad():
             idx = torch.arange(v0, v1)
-            _, stats = losses(model(images[idx].float() / 255.0), [l[idx] for l in labels])
+            out = model(images[idx].float() / 255.0)
+            _, stats = losses(out, [l[idx] for l in labels])
+            if args.boxes:  # share of the objects whose cell is among the K boxes
+                occupied = labels[0][idx].flatten(1) > 0
+                top = out["objectness"].squeeze(2).topk(args.boxes, 1).indices
+                stats["object_recall"] = (occupied.gather(1, top).sum() / occupied.sum()).item()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "torch.jit.trace is deprecated": TorchScript is what tch loads
-            traced = torch.jit.trace(model.backbone, images[:2].float() / 255.0)
+            traced = torch.jit.trace(model.exported(), images[:2].float() / 255.0)
             path = os.path.join(tmp, f"{name}.pt")
             traced.save(path)
         regions, dim = traced(images[:1].float() / 255.0).shape[1:]
