@@ -38,7 +38,10 @@ nearest-read: also rn_objects.py's readout: one question-guided attention over x
 (256, 256) of the attended x and the question, instead of the glimpses and the product head.
 nearest-mlp: the metric an MLP of the box (P_r relu(W z)) rather than linear in it, as
 rn_objects.py's metric acts on an MLP embedding of the object.
-nearest-nofusion: the primary view's boxes go to the head as they are (no fusion, no LayerNorm)."""
+nearest-nofusion: the primary view's boxes go to the head as they are (no fusion, no LayerNorm).
+Any variant with `bow` in its name encodes the question as a bag of words instead of the GRU state:
+tanh(W mean_t e_t) (128), the mean of the word embeddings (rn_objects.py's nearest-bow, which
+learned closest where the GRU state did not)."""
 import math, os, sys, time, json
 import torch, torch.nn as nn, torch.nn.functional as F
 sys.path.insert(0, "python/baselines")
@@ -116,14 +119,20 @@ class Model(B.VqaModel):
                 self.read_f = nn.Sequential(nn.Linear(width + qd, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, len(meta["answers"])))
         if pos:
             self.position = nn.Parameter(torch.zeros(views[0].shape[1], h))
+        if "bow" in variant:
+            self.bag = nn.Linear(self.embed.embedding_dim, qd)
 
     def forward(self, v0, v1, v2, tokens):
         boxes, _ = self.fusion(v0, v1, v2)
         if "nofusion" in variant:
             boxes = v0
-        out, _ = self.gru(self.embed(tokens))
-        last = (tokens.ne(0).sum(1) - 1).clamp(min=0)
-        q = out.gather(1, last.view(-1, 1, 1).expand(-1, 1, out.shape[2])).squeeze(1)
+        if "bow" in variant:
+            m = tokens.ne(0).float().unsqueeze(2)
+            q = torch.tanh(self.bag((self.embed(tokens) * m).sum(1) / m.sum(1).clamp(min=1)))
+        else:
+            out, _ = self.gru(self.embed(tokens))
+            last = (tokens.ne(0).sum(1) - 1).clamp(min=0)
+            q = out.gather(1, last.view(-1, 1, 1).expand(-1, 1, out.shape[2])).squeeze(1)
         z = self.box_proj(boxes)
         if pos:
             z = z + self.position

@@ -14,7 +14,9 @@ P_r a learned 8-d metric, b_r a learned sign started at -1, +1, -1), giving the 
 sum_j softmax_j e_j and a count mean_j sigmoid(s_rij) beside e_i; then one question-guided
 attention over the objects reads the summaries, and an MLP of them and the question answers.
 nearest-gru: the question as the VQA model encodes it instead (word embeddings 64, GRU 128, the
-state at the last word) in place of the one-hot.
+state at the last word) in place of the one-hot. nearest-bow: the question as the mean of its word
+embeddings (64) through a linear map to 128 (a bag of words: order lost, but colour and type each
+a separate word). nearest-grubow: the GRU state and that bag of words concatenated (256).
 """
 import json, os, sys, time
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -54,7 +56,7 @@ def encode(split):
     return torch.cat([F.one_hot(c, 6), F.one_hot(typ, 6)], 1).float()
 
 
-data = {s: (raw[f"{s}_image"], raw[f"{s}_tokens"] if "gru" in variant else encode(s), raw[f"{s}_answer"], raw[f"{s}_type"]) for s in ("train", "val")}
+data = {s: (raw[f"{s}_image"], raw[f"{s}_tokens"] if ("gru" in variant or "bow" in variant) else encode(s), raw[f"{s}_answer"], raw[f"{s}_type"]) for s in ("train", "val")}
 data["val"] = tuple(t[:3000] for t in data["val"])
 
 
@@ -81,19 +83,29 @@ class Nearest(nn.Module):
         self.sign = nn.Parameter(torch.tensor([-1.0, 1.0, -1.0]))
         self.tau = nn.Parameter(torch.zeros(heads))
         width = e * (heads + 1) + heads
-        self.gru = "gru" in variant
-        qd = 128 if self.gru else 12
+        self.gru, self.bow = "gru" in variant, "bow" in variant
+        qd = 128 * (self.gru + self.bow) if (self.gru or self.bow) else 12
+        if self.gru or self.bow:
+            self.embed_words = nn.Embedding(len(vocab), 64)
         if self.gru:
-            self.embed_words, self.rnn = nn.Embedding(len(vocab), 64), nn.GRU(64, 128, batch_first=True)
+            self.rnn = nn.GRU(64, 128, batch_first=True)
+        if self.bow:
+            self.bag = nn.Linear(64, 128)
         self.att_obj, self.att_q, self.att_logit = nn.Linear(width, 128), nn.Linear(qd, 128), nn.Linear(128, 1)
         self.f = nn.Sequential(nn.Linear(width + qd, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, answers))
 
     def forward(self, o, q):
         b, n, _ = o.shape
-        if self.gru:  # q holds the tokens
-            out, _ = self.rnn(self.embed_words(q))
-            last = (q.ne(0).sum(1) - 1).clamp(min=0)
-            q = out.gather(1, last.view(-1, 1, 1).expand(-1, 1, out.shape[2])).squeeze(1)
+        if self.gru or self.bow:  # q holds the tokens
+            words, parts = self.embed_words(q), []
+            if self.gru:
+                out, _ = self.rnn(words)
+                last = (q.ne(0).sum(1) - 1).clamp(min=0)
+                parts.append(out.gather(1, last.view(-1, 1, 1).expand(-1, 1, out.shape[2])).squeeze(1))
+            if self.bow:
+                m = q.ne(0).float().unsqueeze(2)
+                parts.append(torch.tanh(self.bag((words * m).sum(1) / m.sum(1).clamp(min=1))))
+            q = torch.cat(parts, -1)
         e = self.embed(o)
         p = self.metric(e).view(b, n, self.heads, self.k)
         d = (p.unsqueeze(2) - p.unsqueeze(1)).pow(2).sum(-1)  # (B, N_i, N_j, R)
