@@ -109,6 +109,42 @@ fn the_pytorch_baseline_scores_the_same_inside_probattn() -> Result<()> {
     Ok(())
 }
 
+/// The recipe that reaches the targets, as a user runs it: `--detector-boxes` trains object
+/// detectors into a folder named by their settings, and the bag-of-words question and the
+/// relational layer run over their boxes.
+#[test]
+fn object_detectors_and_a_bag_of_words_question_run() -> Result<()> {
+    let dir = TempDir::new("cli-vqa-objects")?;
+    let data = dir.path("data").to_string_lossy().to_string();
+    run_python("vqa_data.py", &["sort-of-clevr", "--out", &data, "--train", "40", "--val", "10", "--test", "10", "--questions-per-kind", "2", "--seed", "3"])?;
+    let out = dir.path("run").to_string_lossy().to_string();
+    let flags = ["--detector-epochs", "1", "--detector-boxes", "3", "--question-encoder", "bow", "--relational-heads", "2", "--fusion", "dnas"];
+    let common = ["--hidden", "16", "--seeds", "1", "--max-epochs", "1", "--mc-samples", "3", "--threads", "1", "--out", &out];
+    let run = probattn(&[&["vqa", "--data", &data][..], &flags, &common].concat())?;
+    ensure!(run.status.success(), "{}", text(&run));
+    let trained = json(&Path::new(&data).join("detectors-e1-boxes3").join("detectors.json"))?;
+    ensure!(trained["boxes"] == 3 && trained["epochs"] == 1, "{trained}");
+    let r = json(&Path::new(&out).join("results.json"))?;
+    let model = &r["config"]["model"];
+    ensure!(model["question_encoder"] == "bow" && model["view_regions"] == serde_json::json!([3, 3, 3]), "{model}");
+    // 10 test images x (3 + 3) secondary boxes.
+    ensure!(r["runs"][0]["explained_away"]["boxes"] == 60 && r["runs"][0]["test_acc"].is_number(), "{r}");
+    // The detector flags say how probattn trains its own detectors: refused beside --detectors,
+    // and an unknown encoder or zero epochs are named.
+    let never = dir.path("never").to_string_lossy().to_string();
+    let det = Path::new(&data).join("detectors-e1-boxes3").to_string_lossy().to_string();
+    for (bad, says) in [
+        (vec!["--detectors", &det, "--detector-boxes", "6"], "do not apply to --detectors"),
+        (vec!["--detector-epochs", "0"], "--detector-epochs must be at least 1"),
+        (vec!["--question-encoder", "transformer"], "transformer"),
+    ] {
+        let out = probattn(&[&["vqa", "--data", &data, "--seeds", "1", "--max-epochs", "1", "--threads", "1", "--out", &never][..], &bad].concat())?;
+        ensure!(out.status.code() == Some(1) && text(&out).contains(says), "{bad:?}: {}", text(&out));
+    }
+    ensure!(!dir.path("never").exists(), "a refused run left an output folder");
+    Ok(())
+}
+
 #[test]
 fn bad_detectors_and_data_are_named() -> Result<()> {
     let dir = TempDir::new("cli-vqa-bad")?;
