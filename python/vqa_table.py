@@ -70,7 +70,9 @@ def main():
         for fusion, rs in runs.items():
             if fusion == args.diff:
                 continue
+            # easy-VQA and VQA-v2 have no relational split: those cells are None there
             diff_rows.append([fusion] + [diff_cell([100 * r[k] for r in rs], [100 * r[k] for r in base])
+                                         if all(r.get(k) is not None for r in rs + base) else "–"
                                          for k in ("test_acc", "test_acc_relational", "test_acc_nonrelational")])
         print()
         print(markdown([f"fusion minus {args.diff} (points ± s.e.)", "test acc", "relational", "non-relational"], diff_rows))
