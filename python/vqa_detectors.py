@@ -1,6 +1,6 @@
 """Three small region-feature "detectors" for `probattn vqa`, trained here and saved as TorchScript.
 
-  python python/vqa_detectors.py --data DATA_DIR --out DETECTOR_DIR [--epochs 4] [--seed 0]
+  python python/vqa_detectors.py --data DATA_DIR --out DETECTOR_DIR [--epochs 8] [--boxes K] [--seed 0]
 
 The DNAS paper's multi-view model (Ding et al. 2020, Appendix B) fuses the box features of three
 object detectors. We cannot ship VQA-v2's detectors, so each view here is a different small CNN
@@ -29,7 +29,8 @@ A head that compares objects with each other learns from such boxes what it does
 With global context (easy-VQA, one shape per image), each detector that learns shape also learns the
 image's shape class (the class its covered cells carry) from the mean over all regions, so that
 what a glimpse spread over the image reads says the shape's form, which no single cell shows.
-Each backbone is traced with `torch.jit.trace` on the CPU and saved as
+
+Each exported detector is traced with `torch.jit.trace` on the CPU and saved as
 `<name>.pt`: input (B, 3, H, W) float32 in [0, 1], output (B, regions, dim) float32. PyTorch 2.11
 warns that TorchScript is deprecated (in favour of torch.export, which libtorch and tch cannot
 load); the warning is filtered here on purpose. `detectors.json` lists the files, shapes, label
