@@ -66,12 +66,14 @@ fn sharp_limits_give_the_softmax_and_eval_gives_it_exactly() -> Result<()> {
         let (_s, softmax) = (0, Variant::Softmax.build(&nn::VarStore::new(device).root(), 3, 4, &NormalizerConfig::default())?);
         let reference = attend(&q, &k, &v, &masks, softmax.as_ref(), AttendOptions::default())?.weights;
         for kind in BamKind::ALL {
-            let cfg = BamConfig { k: 1e6, sigma: 1e-4, ..Default::default() };
+            // At σ the weights move by about σ·|ε|·π(1 − π): σ = 1e-6 keeps that far below the
+            // bound at any draw (1e-4 passed the CPU's draws and failed CUDA's).
+            let cfg = BamConfig { k: 1e7, sigma: 1e-6, ..Default::default() };
             let (_vs, n) = bam(kind, 3, 4, cfg, device)?;
             let sampled = AttendOptions { mode: Mode::TRAIN, ..Default::default() };
             let w = attend(&q, &k, &v, &masks, n.as_ref(), sampled)?.weights;
             let err = f64_of(&(&w - &reference).abs().max());
-            assert!(err < 1e-4, "{kind:?} in training mode at k = 1e6 / σ = 1e-4 differs from softmax by {err}");
+            assert!(err < 1e-4, "{kind:?} in training mode at k = 1e7 / σ = 1e-6 differs from softmax by {err}");
             // Eval mode returns the mean, bit for bit, at the default (noisy) settings too.
             let (_vs, n) = bam(kind, 3, 4, BamConfig::default(), device)?;
             let w = attend(&q, &k, &v, &masks, n.as_ref(), AttendOptions::default())?.weights;

@@ -226,8 +226,10 @@ fn additive_and_self_attentive_scores_match_the_reference() -> Result<()> {
         let lin = SelfAttentiveScore::new(&(vs.root() / "lin"), 6, 7, 3);
         vs.double();
         vs.load(dir.path("scores.weights.safetensors"))?;
-        let query = input["query"].to_device(device).set_requires_grad(true);
-        let key = input["key"].to_device(device).set_requires_grad(true);
+        // detach(): on the CPU, to_device returns the loaded tensor itself, and setting requires_grad
+        // on it would make the next device's copy a non-leaf with no .grad().
+        let query = input["query"].to_device(device).detach().set_requires_grad(true);
+        let key = input["key"].to_device(device).detach().set_requires_grad(true);
         let z_add = additive.forward(&query, &key)?;
         let z_lin = lin.forward(&key)?;
         let g = |n: &str| input[n].to_device(device);
