@@ -56,18 +56,26 @@ class Backbone(nn.Module):
     each region's features are mixed with the mean over all regions (a 1x1 convolution of both,
     then ReLU), so that a region can carry what only the whole image shows."""
 
-    def __init__(self, layers, dim, context=False):
+    def __init__(self, layers, dim, size, context=False):
         super().__init__()
         self.body = nn.Sequential(*layers)
         self.context = context
+        # The x and y coordinate channels, (1, 2, size, size), as a buffer rather than made in
+        # forward: the tracer records `linspace(device=images.device)` with the device it was
+        # traced on as a constant, and such a module fails on CUDA; a buffer moves with the module.
+        line = torch.linspace(-1.0, 1.0, size)
+        self.register_buffer("coords", torch.stack([line.view(1, size).expand(size, size), line.view(size, 1).expand(size, size)])[None].contiguous(), persistent=False)
         if context:
             self.mix = nn.Conv2d(2 * dim, dim, 1)
 
     def feature_map(self, images):
         """(B, dim, h', w'): the regions on their grid."""
         b, _, h, w = images.shape
-        ys = torch.linspace(-1.0, 1.0, h, device=images.device).view(1, 1, h, 1).expand(b, 1, h, w)
-        xs = torch.linspace(-1.0, 1.0, w, device=images.device).view(1, 1, 1, w).expand(b, 1, h, w)
+        xs, ys = self.coords[:, :1], self.coords[:, 1:]
+        if (h, w) != tuple(self.coords.shape[2:]):
+            ys = torch.linspace(-1.0, 1.0, h, device=images.device).view(1, 1, h, 1).expand(1, 1, h, w)
+            xs = torch.linspace(-1.0, 1.0, w, device=images.device).view(1, 1, 1, w).expand(1, 1, h, w)
+        xs, ys = xs.expand(b, 1, h, w), ys.expand(b, 1, h, w)
         x = self.body(torch.cat([images, xs, ys], 1))  # (B, dim, h', w')
         if self.context:
             x = F.relu(self.mix(torch.cat([x, x.mean((2, 3), keepdim=True).expand_as(x)], 1)))
@@ -83,12 +91,12 @@ def conv(cin, cout, k, s, p):
 
 def backbone(name, size, grid, dim, context=False):
     if name == "grid":
-        return Backbone(conv(5, 32, 3, 2, 1) + conv(32, 64, 3, 2, 1) + conv(64, 64, 3, 2, 1) + conv(64, dim, 3, 2, 1), dim, context)
+        return Backbone(conv(5, 32, 3, 2, 1) + conv(32, 64, 3, 2, 1) + conv(64, 64, 3, 2, 1) + conv(64, dim, 3, 2, 1), dim, size, context)
     if name == "wide":
-        return Backbone(conv(5, 48, 5, 3, 2) + conv(48, 64, 3, 2, 1) + [nn.Conv2d(64, dim, 3, 2, 1), nn.ReLU()], dim, context)
+        return Backbone(conv(5, 48, 5, 3, 2) + conv(48, 64, 3, 2, 1) + [nn.Conv2d(64, dim, 3, 2, 1), nn.ReLU()], dim, size, context)
     if name == "patch":
         patch = size // grid
-        return Backbone(conv(5, 64, patch, patch, 0) + conv(64, 64, 1, 1, 0) + [nn.Conv2d(64, dim, 1), nn.ReLU()], dim, context)
+        return Backbone(conv(5, 64, patch, patch, 0) + conv(64, 64, 1, 1, 0) + [nn.Conv2d(64, dim, 1), nn.ReLU()], dim, size, context)
     raise ValueError(name)
 
 

@@ -180,6 +180,13 @@ impl TorchScript {
             let line = first_line(&e);
             let message = if line.contains(&format!("'{method}'")) && (line.contains("not defined") || line.contains("does not have")) {
                 format!("the module has no method '{method}'")
+            } else if line.contains("Expected all tensors to be on the same device") {
+                // torch.jit.trace records `device=x.device` as the tracing device: a constant.
+                format!(
+                    "{method}({}) failed: {line} (the module holds a tensor made on a fixed device, as torch.jit.trace records \
+                     `device=x.device`; re-export it with that tensor as a buffer, or run it on the device it was traced on)",
+                    describe_inputs(inputs)
+                )
             } else {
                 format!("{method}({}) failed: {line}", describe_inputs(inputs))
             };
