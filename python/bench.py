@@ -106,11 +106,20 @@ def main():
             timed = []
             for variant in variants:
                 torch.cuda.reset_peak_memory_stats()
-                timed.append((*time_interleaved([make_step(variant)], args.repeats, device)[0],
-                              torch.cuda.max_memory_allocated()))
+                try:
+                    timed.append((*time_interleaved([make_step(variant)], args.repeats, device)[0],
+                                  torch.cuda.max_memory_allocated()))
+                except torch.cuda.OutOfMemoryError as e:  # left out of the table, said on stderr
+                    x.grad = None
+                    torch.cuda.empty_cache()
+                    timed.append(None)
+                    print(f"pytorch {variant:12s} S={s:5d}: CUDA out of memory ({str(e).splitlines()[0]})", file=sys.stderr, flush=True)
         else:
             timed = [(m, i, None) for m, i in time_interleaved([make_step(v) for v in variants], args.repeats, device)]
-        for variant, (median, iqr, peak) in zip(variants, timed):
+        for variant, t in zip(variants, timed):
+            if t is None:
+                continue
+            median, iqr, peak = t
             out.append({"variant": "softmax" if variant == "pytorch-sdpa" else variant,
                         "impl": "pytorch-sdpa" if variant == "pytorch-sdpa" else "pytorch",
                         "device": str(device), "batch": B, "heads": H, "embed": E, "seq_len": s,

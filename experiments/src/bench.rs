@@ -31,7 +31,7 @@ pub struct BenchArgs {
     /// minutes on 2 CPU cores.
     #[arg(long)]
     pub quick: bool,
-    /// Sequence lengths (default: 64,128,256,512,1024 on CPU; up to 8192 on CUDA).
+    /// Sequence lengths (default: 64,128,256,512,1024 on CPU; 64,256,1024,2048,4096 on CUDA). A length at which a step fails (CUDA out of memory) is reported and skipped with the longer ones.
     #[arg(long, value_delimiter = ',')]
     pub seq_lens: Option<Vec<i64>>,
     /// Timed repeats per configuration, after two warm-up runs (default 10; 3 with --quick).
@@ -78,6 +78,7 @@ pub struct SvgdTiming {
 #[derive(Debug, Serialize)]
 struct Bench {
     measurements: Vec<Measurement>,
+    skipped: Vec<Skipped>,
     svgd: SvgdTiming,
     provenance: Provenance,
 }
@@ -120,48 +121,96 @@ fn time_interleaved(device: Device, repeats: usize, fs: &mut [Box<dyn FnMut() ->
     Ok(times.into_iter().map(median_iqr).collect())
 }
 
-fn measure_ours(device: Device, seq_lens: &[i64], repeats: usize) -> Result<Vec<Measurement>> {
+/// A sequence length left out of the grid (bench.json's `skipped`): the first at which a step
+/// failed (on CUDA, running out of memory), and every longer one after it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Skipped {
+    pub seq_len: i64,
+    pub reason: String,
+}
+
+/// Runs `f`, turning a panic (tch's operators panic on a libtorch error such as CUDA running out
+/// of memory) into an error with the panic's message; the default hook's report is silenced
+/// while `f` runs.
+fn catch_torch_panic<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    std::panic::set_hook(hook);
+    out.unwrap_or_else(|payload| {
+        let msg = payload.downcast_ref::<String>().cloned().or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()));
+        Err(anyhow::anyhow!(msg.unwrap_or_else(|| "a panic without a message".into())))
+    })
+}
+
+/// The first line of a libtorch error, without tch's `Torch("...")` wrapping.
+fn first_line(e: &anyhow::Error) -> String {
+    let text = format!("{e:#}");
+    let line = text.lines().next().unwrap_or_default();
+    let line = line.split_once("Torch(\"").map_or(line, |(_, rest)| rest);
+    // libtorch's message goes on with an escaped newline and a C++ backtrace: keep what is before.
+    line.split("\\n").next().unwrap_or_default().trim_end_matches("\")").to_string()
+}
+
+/// probattn's timings over `seq_lens`, stopping at the first length where a step fails (returned
+/// as skipped with the lengths after it) instead of aborting the whole benchmark.
+fn measure_ours(device: Device, seq_lens: &[i64], repeats: usize) -> Result<(Vec<Measurement>, Vec<Skipped>)> {
     let mut out = vec![];
-    for &s in seq_lens {
-        let x = Tensor::randn([BATCH, s, EMBED], (Kind::Float, device)).set_requires_grad(true);
-        let mut layers = vec![];
-        for name in VARIANTS {
-            tch::manual_seed(0);
-            let vs = nn::VarStore::new(device);
-            let mha = MultiHeadAttention::new(&vs.root(), MhaConfig::new(EMBED, HEADS).with_variant(name.parse::<Variant>()?))?;
-            layers.push((vs, mha));
+    for (i, &s) in seq_lens.iter().enumerate() {
+        match catch_torch_panic(|| measure_length(device, s, repeats)) {
+            Ok(m) => out.extend(m),
+            Err(e) => {
+                let reason = first_line(&e);
+                eprintln!("probattn S={s}: {reason}; S = {:?} skipped", &seq_lens[i..]);
+                let skipped = seq_lens[i..].iter().map(|&seq_len| Skipped { seq_len, reason: reason.clone() }).collect();
+                return Ok((out, skipped));
+            }
         }
-        let mut steps: Vec<Box<dyn FnMut() -> Result<()> + '_>> = layers
-            .iter()
-            .map(|(_, mha)| {
-                let x = &x;
-                Box::new(move || {
-                    let o = mha.forward_t(&MhaInput::self_attention(x), true)?;
-                    let mut loss = o.context.sum(Kind::Float);
-                    if let Some(kl) = o.kl {
-                        loss += kl;
-                    }
-                    loss.backward();
-                    Ok(())
-                }) as Box<dyn FnMut() -> Result<()> + '_>
-            })
-            .collect();
-        let timings = time_interleaved(device, repeats, &mut steps)?;
-        for (name, (median, iqr)) in VARIANTS.into_iter().zip(timings) {
-            eprintln!("probattn {name:12} S={s:5}: {median:9.1} ms");
-            out.push(Measurement {
-                variant: name.into(),
-                implementation: "probattn".into(),
-                device: probattn::device::device_name(device),
-                batch: BATCH,
-                heads: HEADS,
-                embed: EMBED,
-                seq_len: s,
-                fwd_bwd_ms: median,
-                fwd_bwd_ms_iqr: iqr,
-                peak_mem_bytes: None,
-            });
-        }
+    }
+    Ok((out, vec![]))
+}
+
+/// Every variant at one sequence length.
+fn measure_length(device: Device, s: i64, repeats: usize) -> Result<Vec<Measurement>> {
+    let mut out = vec![];
+    let x = Tensor::randn([BATCH, s, EMBED], (Kind::Float, device)).set_requires_grad(true);
+    let mut layers = vec![];
+    for name in VARIANTS {
+        tch::manual_seed(0);
+        let vs = nn::VarStore::new(device);
+        let mha = MultiHeadAttention::new(&vs.root(), MhaConfig::new(EMBED, HEADS).with_variant(name.parse::<Variant>()?))?;
+        layers.push((vs, mha));
+    }
+    let mut steps: Vec<Box<dyn FnMut() -> Result<()> + '_>> = layers
+        .iter()
+        .map(|(_, mha)| {
+            let x = &x;
+            Box::new(move || {
+                let o = mha.forward_t(&MhaInput::self_attention(x), true)?;
+                let mut loss = o.context.sum(Kind::Float);
+                if let Some(kl) = o.kl {
+                    loss += kl;
+                }
+                loss.backward();
+                Ok(())
+            }) as Box<dyn FnMut() -> Result<()> + '_>
+        })
+        .collect();
+    let timings = time_interleaved(device, repeats, &mut steps)?;
+    for (name, (median, iqr)) in VARIANTS.into_iter().zip(timings) {
+        eprintln!("probattn {name:12} S={s:5}: {median:9.1} ms");
+        out.push(Measurement {
+            variant: name.into(),
+            implementation: "probattn".into(),
+            device: probattn::device::device_name(device),
+            batch: BATCH,
+            heads: HEADS,
+            embed: EMBED,
+            seq_len: s,
+            fwd_bwd_ms: median,
+            fwd_bwd_ms_iqr: iqr,
+            peak_mem_bytes: None,
+        });
     }
     Ok(out)
 }
@@ -250,13 +299,17 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         (Some(s), _, _) => s.clone(),
         (None, true, _) => vec![64, 256],
         (None, false, false) => vec![64, 128, 256, 512, 1024],
-        (None, false, true) => vec![64, 256, 1024, 2048, 4096, 8192],
+        // At 8192 one score tensor (B·H·S² floats) is 17 GB and a step holds several: more than
+        // an 80 GB card has (it fails cleanly, and is skipped, when asked for).
+        (None, false, true) => vec![64, 256, 1024, 2048, 4096],
     };
     anyhow::ensure!(seq_lens.iter().all(|&s| s > 0), "--seq-lens must be positive");
     let repeats = args.repeats.unwrap_or(if args.quick { 3 } else { 10 }).max(1);
     let dir = run_dir(args.out.as_deref(), "bench", &probattn::device::device_name(device).replace(':', ""))?;
     println!("bench on {} ({} threads): S = {seq_lens:?}, {repeats} repeats", probattn::device::device_name(device), tch::get_num_threads());
-    let mut measurements = measure_ours(device, &seq_lens, repeats)?;
+    // The PyTorch side first, in its own process: run after ours, it would find the GPU's memory
+    // still held by this process's caching allocator and run out of it early.
+    let mut measurements = vec![];
     if !args.no_pytorch {
         let lens = seq_lens.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
         let dev = match device {
@@ -269,10 +322,37 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let theirs: Vec<Measurement> = serde_json::from_str(json.trim()).context("reading python/bench.py's output")?;
         measurements.extend(theirs);
     }
+    let (ours, skipped) = measure_ours(device, &seq_lens, repeats)?;
+    anyhow::ensure!(!ours.is_empty(), "no sequence length could be measured: {}", skipped[0].reason);
+    measurements.extend(ours);
     let svgd = measure_svgd(device, if args.quick { 256 } else { 1024 }, if args.quick { 3 } else { repeats })?;
-    let table = ratio_table(&measurements, &svgd);
-    write_json(&dir.join("bench.json"), &Bench { measurements, svgd, provenance: Provenance::gather(device) })?;
+    let mut table = ratio_table(&measurements, &svgd);
+    if table.contains("| – |") {
+        table += "\nA – is a configuration that side did not run (python/bench.py reports on stderr which ran out of memory).\n";
+    }
+    if let Some(first) = skipped.first() {
+        let lens: Vec<String> = skipped.iter().map(|k| k.seq_len.to_string()).collect();
+        table += &format!("\nNot measured: S = {} ({}).\n", lens.join(", "), first.reason);
+    }
+    write_json(&dir.join("bench.json"), &Bench { measurements, skipped, svgd, provenance: Provenance::gather(device) })?;
     probattn::io::write_bytes_atomic(&dir.join("bench.md"), table.as_bytes())?;
     println!("\n{table}\nresults in {}", dir.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_torch_panic_becomes_an_error_with_libtorchs_first_line() {
+        // Adding tensors of shapes [2] and [3] panics inside tch, as running out of memory does.
+        let err = catch_torch_panic(|| Ok(Tensor::ones([2], (Kind::Float, Device::Cpu)) + Tensor::ones([3], (Kind::Float, Device::Cpu))))
+            .expect_err("mismatched shapes must fail");
+        let line = first_line(&err);
+        assert!(line.starts_with("The size of tensor a (2) must match the size of tensor b (3)"), "{line}");
+        assert!(!line.contains("\\n") && !line.contains("Torch(") && !line.contains("frame #"), "{line}");
+        // A success passes through.
+        assert_eq!(catch_torch_panic(|| Ok(3)).unwrap(), 3);
+    }
 }
