@@ -1,0 +1,67 @@
+#!/bin/bash
+# The CUDA checks on a GPU machine that has PyTorch 2.11 but no Rust toolchain: the doctor, the
+# test suite's CUDA paths, a GAT run, the VQA and translation smoke tests, and the benchmark.
+#
+# Usage: scripts/cuda_check.sh BIN_DIR DATA_DIR OUT_DIR [STEP...]
+#   BIN_DIR   the release `probattn` and the test binaries, built where Rust is, e.g.
+#             cargo test --workspace --no-run  (then copy target/debug/deps/<test>-<hash> as <test>)
+#   DATA_DIR  a copy of shared/data (planetoid, multi30k)
+#   OUT_DIR   where logs and run folders go
+#   GAT_SEEDS seeds of the GAT run over every variant (default 1)
+#   STEP      any of doctor tests gat vqa translate bench bench-quick (default: all but bench-quick)
+#
+# The test binaries hold the paths they were built at (the workspace root for python/ and the
+# `probattn` binary for the CLI tests): set BUILT_ROOT to the workspace root of the build machine
+# and this checkout is linked there when that path is free.
+set -u
+bin=$(realpath "$1") data=$(realpath "$2") out=$(realpath -m "$3")
+shift 3
+steps=${*:-doctor tests gat vqa translate bench}
+mkdir -p "$out"
+root=$PWD
+python=${PROBATTN_PYTHON:-$(command -v python3)}
+torch_lib=$("$python" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))') || exit 1
+export LD_LIBRARY_PATH=$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PROBATTN_PYTHON=$python
+# The subcommands' data folders default to ../shared/data beside the checkout, as on a developer's machine.
+mkdir -p "$root/../shared" && [ -e "$root/../shared/data" ] || ln -s "$data" "$root/../shared/data"
+built_root=${BUILT_ROOT:-}
+if [ -n "$built_root" ] && [ "$built_root" != "$root" ] && [ ! -e "$built_root" ]; then
+  mkdir -p "$(dirname "$built_root")" && ln -s "$root" "$built_root"
+fi
+# The CLI tests run the binary they were built beside; a checkout without a build gets this one.
+[ -e "$root/target/debug/probattn" ] || { mkdir -p "$root/target/debug" && cp "$bin/probattn" "$root/target/debug/probattn"; }
+p=$bin/probattn
+
+step() { echo "=== $1 ($(date -u +%H:%M:%S))"; }
+for s in $steps; do
+  case $s in
+    doctor)
+      step doctor
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.csv"
+      "$p" doctor --require-cuda --device cuda 2>&1 | tee "$out/doctor.txt"
+      "$p" doctor --json --device cuda > "$out/doctor.json" ;;
+    tests)
+      step tests
+      for t in bam edges interop normalizers parity repulsive; do
+        (cd "$root" && "$bin/$t" --test-threads 4 2>&1) | tee -a "$out/tests.log" | grep -A3 -E "^test |test result|panicked|Error"
+      done
+      (cd "$root/experiments" && "$bin/cli" --test-threads 4 2>&1) | tee -a "$out/tests.log" | grep -A3 -E "^test |test result|panicked|Error" ;;
+    gat)
+      step gat
+      "$p" gat --dataset cora --attention all --seeds "${GAT_SEEDS:-1}" --device cuda --out "$out/gat-cora-all" 2>&1 | tail -20 ;;
+    vqa)
+      step vqa
+      "$p" vqa --quick --fusion all --device cuda --out "$out/vqa-quick" 2>&1 | tail -20 ;;
+    translate)
+      step translate
+      "$p" translate --quick --device cuda --out "$out/translate-quick" 2>&1 | tail -20 ;;
+    bench)
+      step bench
+      "$p" bench --device cuda --out "$out/bench" 2>&1 | tail -40 ;;
+    bench-quick)
+      step bench-quick
+      "$p" bench --quick --device cuda --out "$out/bench-quick" 2>&1 | tail -40 ;;
+    *) echo "unknown step $s" >&2; exit 1 ;;
+  esac
+done
+step done
