@@ -118,7 +118,7 @@ fn object_detectors_and_a_bag_of_words_question_run() -> Result<()> {
     let data = dir.path("data").to_string_lossy().to_string();
     run_python("vqa_data.py", &["sort-of-clevr", "--out", &data, "--train", "40", "--val", "10", "--test", "10", "--questions-per-kind", "2", "--seed", "3"])?;
     let out = dir.path("run").to_string_lossy().to_string();
-    let flags = ["--detector-epochs", "1", "--detector-boxes", "3", "--question-encoder", "bow", "--relational-heads", "2", "--fusion", "dnas"];
+    let flags = ["--detector-epochs", "1", "--detector-boxes", "3", "--question-encoder", "bow", "--relational-heads", "2", "--fusion", "dnas", "--lr-decay", "0.5"];
     let common = ["--hidden", "16", "--seeds", "1", "--max-epochs", "1", "--mc-samples", "3", "--threads", "1", "--out", &out];
     let run = probattn(&[&["vqa", "--data", &data][..], &flags, &common].concat())?;
     ensure!(run.status.success(), "{}", text(&run));
@@ -129,6 +129,10 @@ fn object_detectors_and_a_bag_of_words_question_run() -> Result<()> {
     ensure!(model["question_encoder"] == "bow" && model["view_regions"] == serde_json::json!([3, 3, 3]), "{model}");
     // 10 test images x (3 + 3) secondary boxes.
     ensure!(r["runs"][0]["explained_away"]["boxes"] == 60 && r["runs"][0]["test_acc"].is_number(), "{r}");
+    ensure!(r["config"]["lr_decay"] == 0.5 && r["config"]["lr_patience"] == 2, "{}", r["config"]);
+    // Each epoch's line has the rate it trained at and the validation accuracy of all six types.
+    let epoch: serde_json::Value = serde_json::from_str(std::fs::read_to_string(Path::new(&out).join("metrics.jsonl"))?.lines().next().context("no metrics line")?)?;
+    ensure!(epoch["lr"] == 1e-3 && epoch["val_acc_by_type"].as_object().map(|m| m.len()) == Some(6), "{epoch}");
     // The detector flags say how probattn trains its own detectors: refused beside --detectors,
     // and an unknown encoder or zero epochs are named.
     let never = dir.path("never").to_string_lossy().to_string();
@@ -137,6 +141,9 @@ fn object_detectors_and_a_bag_of_words_question_run() -> Result<()> {
         (vec!["--detectors", &det, "--detector-boxes", "6"], "do not apply to --detectors"),
         (vec!["--detector-epochs", "0"], "--detector-epochs must be at least 1"),
         (vec!["--question-encoder", "transformer"], "transformer"),
+        (vec!["--lr-decay", "0"], "--lr-decay must be in (0, 1]"),
+        (vec!["--lr-decay", "1.5"], "--lr-decay must be in (0, 1]"),
+        (vec!["--lr-patience", "0"], "--lr-patience must be at least 1"),
     ] {
         let out = probattn(&[&["vqa", "--data", &data, "--seeds", "1", "--max-epochs", "1", "--threads", "1", "--out", &never][..], &bad].concat())?;
         ensure!(out.status.code() == Some(1) && text(&out).contains(says), "{bad:?}: {}", text(&out));

@@ -238,6 +238,8 @@ def main():
     p.add_argument("--patience", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr-decay", type=float, default=1.0, help="multiply the learning rate by this after every --lr-patience epochs without a better validation accuracy (as probattn vqa)")
+    p.add_argument("--lr-patience", type=int, default=2)
     p.add_argument("--reasoning-layers", type=int, default=2)
     p.add_argument("--reasoning-prenorm", action="store_true", help="pre-norm reasoning layers with a skip around their stack")
     p.add_argument("--relational-heads", type=int, default=0, help="heads of the relational layer before the glimpses (0: none)")
@@ -293,6 +295,9 @@ def main():
                 waited += 1
                 if waited >= args.patience:
                     break
+                if args.lr_decay != 1.0 and waited % args.lr_patience == 0:
+                    for group in opt.param_groups:
+                        group["lr"] *= args.lr_decay
         model.load_state_dict(best_state)
         test, by_type = evaluate(model, views, "test", data)
         runs.append({"seed": seed, "val_acc": best, "test_acc": test, "test_acc_by_type": dict(zip(meta["types"], by_type)), "best_epoch": best_epoch,
