@@ -109,9 +109,9 @@ fn the_pytorch_baseline_scores_the_same_inside_probattn() -> Result<()> {
     Ok(())
 }
 
-/// The recipe that reaches the targets, as a user runs it: `--detector-boxes` trains object
-/// detectors into a folder named by their settings, and the bag-of-words question and the
-/// relational layer run over their boxes.
+/// The object-box recipe (results/vqa/sort-of-clevr-objects*), as a user runs it:
+/// `--detector-boxes` trains object detectors into a folder named by their settings, and the
+/// bag-of-words question and the relational layer run over their boxes.
 #[test]
 fn object_detectors_and_a_bag_of_words_question_run() -> Result<()> {
     let dir = TempDir::new("cli-vqa-objects")?;
