@@ -1,5 +1,5 @@
 """What the experiments' table scripts share: mean ± std cells, differences with their standard
-error, and markdown tables. Imported by gat_table.py and translate_table.py."""
+error (unpaired, and paired by seed), and markdown tables. Imported by gat_table.py and translate_table.py."""
 
 import statistics
 
@@ -22,6 +22,18 @@ def diff_cell(a, b, digits=2):
         return "–"
     se = (statistics.variance(a) / len(a) + statistics.variance(b) / len(b)) ** 0.5
     return f"{statistics.mean(a) - statistics.mean(b):+.{digits}f} ± {se:.{digits}f} (n={len(a)} vs {len(b)})"
+
+
+def paired_cell(a, b, digits=2):
+    """Paired differences a[s] − b[s] over the seeds both have (dicts seed → value): their mean ±
+    standard error, and on how many seeds a is above b; '–' under two shared seeds."""
+    seeds = sorted(set(a) & set(b))
+    if len(seeds) < 2:
+        return "–"
+    d = [a[s] - b[s] for s in seeds]
+    se = statistics.stdev(d) / len(d) ** 0.5
+    above = sum(x > 0 for x in d)
+    return f"{statistics.mean(d):+.{digits}f} ± {se:.{digits}f} (above on {above} of {len(d)} seeds)"
 
 
 def markdown(header, rows):

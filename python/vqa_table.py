@@ -7,7 +7,8 @@ Rows in Table 1's order (none, softmax, dnas), then the others. Cells: test accu
 relational, non-relational, per question type) as mean ± std over seeds in %, the share of
 ε-explained-away secondary boxes (mass < 1e-8) and the least mass × keys, HNAS's final u, and for
 stochastic fusions PAvPU (t-test p > 0.05) and ECE, clean / noisy. --diff F adds each fusion's
-difference from F with its standard error.
+difference from F with its standard error, unpaired (difference of means) and paired by seed (the
+same seed gives every fusion the same data order and initial draws up to the fusion itself).
 """
 
 import argparse
@@ -15,7 +16,7 @@ import glob
 import json
 import os
 
-from tables import cell, diff_cell, markdown, mean_std
+from tables import cell, diff_cell, markdown, mean_std, paired_cell
 
 ORDER = ["none", "softmax", "dnas", "hnas"]
 
@@ -76,6 +77,15 @@ def main():
                                          for k in ("test_acc", "test_acc_relational", "test_acc_nonrelational")])
         print()
         print(markdown([f"fusion minus {args.diff} (points ± s.e.)", "test acc", "relational", "non-relational"], diff_rows))
+        paired_rows = []
+        for fusion, rs in runs.items():
+            if fusion == args.diff:
+                continue
+            paired_rows.append([fusion] + [paired_cell({r["seed"]: 100 * r[k] for r in rs}, {r["seed"]: 100 * r[k] for r in base})
+                                           if all(r.get(k) is not None for r in rs + base) else "–"
+                                           for k in ("test_acc", "test_acc_relational", "test_acc_nonrelational")])
+        print()
+        print(markdown([f"fusion minus {args.diff}, paired by seed (points ± s.e.)", "test acc", "relational", "non-relational"], paired_rows))
 
 
 if __name__ == "__main__":
