@@ -70,7 +70,7 @@ def main():
         return min(c[1] * grid // size, grid - 1), min(c[0] * grid // size, grid - 1)
 
     shared_images = sum(len({cell(c) for c in cs}) < len(cs) for cs, _ in objects)
-    print(f"images with two objects centred in one {size // grid}-pixel cell: {shared_images} of {len(objects)}")
+    print(f"images with two objects centred in one {size / grid:.3g}-pixel cell: {shared_images} of {len(objects)}")
     rng = np.random.default_rng(0)
     for kind in types:
         idx = np.where(d["test_type"] == types.index(kind))[0]
