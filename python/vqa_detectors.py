@@ -8,6 +8,7 @@ backbone trained, in PyTorch, on auxiliary labels of the *training* images only 
 answers; python/vqa_data.py writes the labels):
 
   grid    four 3x3 stride-2 convolutions: a (H/16)^2 grid of regions    labels: colour, centre
+          (--grid-stride 8: the last at stride 1, an (H/8)^2 grid, for finer label grids)
   wide    5x5 stride 3, then two 3x3 stride 2: a coarser, wider grid     labels: shape, centre
   patch   non-overlapping patches (one per label cell), then 1x1 convs  labels: colour, shape, centre
 
@@ -89,9 +90,13 @@ def conv(cin, cout, k, s, p):
     return [nn.Conv2d(cin, cout, k, s, p), nn.BatchNorm2d(cout), nn.ReLU()]
 
 
-def backbone(name, size, grid, dim, context=False):
+def backbone(name, size, grid, dim, context=False, grid_stride=16):
     if name == "grid":
-        return Backbone(conv(5, 32, 3, 2, 1) + conv(32, 64, 3, 2, 1) + conv(64, 64, 3, 2, 1) + conv(64, dim, 3, 2, 1), dim, size, context)
+        # Four stride-2 convolutions: a ceil(H/16) map (5 x 5 on Sort-of-CLEVR's 75 pixels). With
+        # `--grid-stride 8` the last keeps stride 1 (a ceil(H/8) map), for a label grid finer than
+        # H/16, which pool() would otherwise up-sample (two label cells reading one region).
+        last = 2 if grid_stride == 16 else 1
+        return Backbone(conv(5, 32, 3, 2, 1) + conv(32, 64, 3, 2, 1) + conv(64, 64, 3, 2, 1) + conv(64, dim, 3, last, 1), dim, size, context)
     if name == "wide":
         return Backbone(conv(5, 48, 5, 3, 2) + conv(48, 64, 3, 2, 1) + [nn.Conv2d(64, dim, 3, 2, 1), nn.ReLU()], dim, size, context)
     if name == "patch":
@@ -126,10 +131,10 @@ class Labelled(nn.Module):
     """A backbone with its label heads (and, for object detectors, an objectness head) on the
     regions pooled to the label grid."""
 
-    def __init__(self, name, size, grid, dim, colors, shapes, context=False, boxes=0, image_shape=False):
+    def __init__(self, name, size, grid, dim, colors, shapes, context=False, boxes=0, image_shape=False, grid_stride=16):
         super().__init__()
         extra = (("objectness",) if boxes else ()) + (("image_shape",) if image_shape and "shape" in TASKS[name] else ())
-        self.backbone, self.grid, self.tasks = backbone(name, size, grid, dim, context), grid, TASKS[name] + extra
+        self.backbone, self.grid, self.tasks = backbone(name, size, grid, dim, context, grid_stride), grid, TASKS[name] + extra
         self.heads = nn.ModuleDict({"color": nn.Linear(dim, colors), "shape": nn.Linear(dim, shapes), "center": nn.Linear(dim, 2),
                                     "objectness": nn.Linear(dim, 1), "image_shape": nn.Linear(dim, shapes)})
         self.boxes = boxes
@@ -182,6 +187,9 @@ def main():
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--boxes", type=int, default=0,
                    help="object detectors: return the K most object-like label-grid cells per image instead of every region (0: every region)")
+    p.add_argument("--grid-stride", type=int, choices=(16, 8), default=16,
+                   help="the grid backbone's output stride (default 16; 8 for a label grid finer than H/16, "
+                        "e.g. Sort-of-CLEVR written with --grid 7, whose 5 x 5 map would be up-sampled to 7 x 7)")
     p.add_argument("--max-images", type=int, default=0, help="train on at most this many images (0: all)")
     args = p.parse_args()
     if args.boxes < 0:
@@ -198,6 +206,8 @@ def main():
     colors, shapes = int(data["aux_color"].max()) + 1, int(data["aux_shape"].max()) + 1
     if args.boxes > grid * grid:
         raise SystemExit(f"error: --boxes {args.boxes} is more than the {grid * grid} cells of the label grid")
+    if args.grid_stride == 16 and -(-size // 16) < grid:
+        print(f"note: the grid backbone's {-(-size // 16)}-wide map is up-sampled to the {grid}-wide label grid; --grid-stride 8 avoids that", flush=True)
     (t0, t1), (v0, v1) = meta["image_ranges"]["train"], meta["image_ranges"]["val"]
     if args.max_images:
         t1 = min(t1, t0 + args.max_images)
@@ -207,10 +217,10 @@ def main():
     tmp = tempfile.mkdtemp(prefix=".detectors-", dir=os.path.dirname(os.path.abspath(args.out)))
     manifest = {"data": os.path.abspath(args.data), "data_sha256": meta.get("sha256"), "seed": args.seed, "epochs": args.epochs,
                 "torch": torch.__version__, "input": [None, 3, size, size], "global_context": context,
-                "boxes": args.boxes or None, "image_shape": context, "detectors": []}
+                "boxes": args.boxes or None, "image_shape": context, "grid_stride": args.grid_stride, "detectors": []}
     for index, name in enumerate(TASKS):
         torch.manual_seed(args.seed * 100 + index)
-        model = Labelled(name, size, grid, args.dim, colors, shapes, context, args.boxes, image_shape=context)
+        model = Labelled(name, size, grid, args.dim, colors, shapes, context, args.boxes, image_shape=context, grid_stride=args.grid_stride)
         opt = torch.optim.Adam(model.parameters(), lr=2e-3)
         start = time.time()
         for epoch in range(args.epochs):
