@@ -124,6 +124,8 @@ fn object_detectors_and_a_bag_of_words_question_run() -> Result<()> {
     ensure!(run.status.success(), "{}", text(&run));
     let trained = json(&Path::new(&data).join("detectors-e1-boxes3").join("detectors.json"))?;
     ensure!(trained["boxes"] == 3 && trained["epochs"] == 1, "{trained}");
+    // The run keeps the manifest of the detectors it used (their sha256 and validation metrics).
+    ensure!(json(&Path::new(&out).join("detectors.json"))? == trained, "the run folder's detectors.json is not the detectors' manifest");
     let r = json(&Path::new(&out).join("results.json"))?;
     let model = &r["config"]["model"];
     ensure!(model["question_encoder"] == "bow" && model["view_regions"] == serde_json::json!([3, 3, 3]), "{model}");

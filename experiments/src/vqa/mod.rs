@@ -860,6 +860,10 @@ pub fn run(args: &VqaArgs) -> Result<()> {
         .collect::<Result<_>>()?;
     let data_dir = args.data.clone().unwrap_or_else(|| default_data_dir(args.dataset, args.quick));
     let start = Instant::now();
+    // The manifest of the detectors probattn trained or found (their files' sha256 and validation
+    // metrics), copied beside results.json: retraining them on another machine can give other
+    // detectors, and the features' cache key does not say which ones a run used.
+    let mut manifest = None;
     let (data, mut views, detectors, features_note) = if args.dataset == Dataset::VqaV2 {
         ensure!(args.data.is_some(), "--dataset vqa-v2 needs --data DIR holding the official question and annotation files (train2014, val2014)");
         ensure!(!args.quick, "--quick runs on the generated datasets (sort-of-clevr, easy-vqa), not vqa-v2");
@@ -872,6 +876,9 @@ pub fn run(args: &VqaArgs) -> Result<()> {
     } else {
         ensure!(args.features.is_empty(), "--features goes with --dataset vqa-v2");
         let detectors = prepare_inputs(args, &data_dir, tch::get_num_threads())?;
+        if args.detector.is_empty() {
+            manifest = detectors.first().and_then(|d| d.path.parent()).map(|p| p.join("detectors.json"));
+        }
         let data = VqaData::load(&data_dir)?;
         ensure!(data.meta.dataset == args.dataset.name(), "{} holds {} data, not {} (--dataset)", data_dir.display(), data.meta.dataset, args.dataset.name());
         let (features, cache, hit) = cached_features(&data, &detectors, device)?;
@@ -923,6 +930,10 @@ pub fn run(args: &VqaArgs) -> Result<()> {
     }
     let configs = fusions.into_iter().map(|f| run_config(&prepared, args, f, &detectors)).collect::<Result<Vec<_>>>()?;
     let dir = run_dir(args.out.as_deref(), "vqa", &format!("{}-{}", args.dataset.name(), args.fusion))?;
+    if let Some(path) = manifest {
+        let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+        probattn::io::write_bytes_atomic(&dir.join("detectors.json"), &bytes)?;
+    }
     let mut all = vec![];
     for cfg in configs {
         let sub = if args.fusion == "all" { dir.join(cfg.model.fusion_name()) } else { dir.clone() };
