@@ -100,8 +100,13 @@ def backbone(name, size, grid, dim, context=False, grid_stride=16):
     if name == "wide":
         return Backbone(conv(5, 48, 5, 3, 2) + conv(48, 64, 3, 2, 1) + [nn.Conv2d(64, dim, 3, 2, 1), nn.ReLU()], dim, size, context)
     if name == "patch":
-        patch = size // grid
-        return Backbone(conv(5, 64, patch, patch, 0) + conv(64, 64, 1, 1, 0) + [nn.Conv2d(64, dim, 1), nn.ReLU()], dim, size, context)
+        # One patch per label cell. When the grid does not divide the image (75 pixels, --grid 7),
+        # patches of ceil(size / grid) pixels over the zero-padded image cover all of it, each at
+        # most a pixel off its cell; floor-sized patches would leave the last pixels unseen and
+        # drift up to 5 pixels from the cells. A dividing grid keeps the network it always had.
+        patch = -(-size // grid)
+        pad = (patch * grid - size + 1) // 2
+        return Backbone(conv(5, 64, patch, patch, pad) + conv(64, 64, 1, 1, 0) + [nn.Conv2d(64, dim, 1), nn.ReLU()], dim, size, context)
     raise ValueError(name)
 
 
