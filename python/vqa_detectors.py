@@ -211,8 +211,9 @@ def main():
     colors, shapes = int(data["aux_color"].max()) + 1, int(data["aux_shape"].max()) + 1
     if args.boxes > grid * grid:
         raise SystemExit(f"error: --boxes {args.boxes} is more than the {grid * grid} cells of the label grid")
-    if args.grid_stride == 16 and -(-size // 16) < grid:
-        print(f"note: the grid backbone's {-(-size // 16)}-wide map is up-sampled to the {grid}-wide label grid; --grid-stride 8 avoids that", flush=True)
+    side = -(-size // 16)  # the grid backbone's map at stride 16
+    if args.grid_stride == 16 and side < grid:
+        print(f"note: the grid backbone's {side}-wide map is up-sampled to the {grid}-wide label grid; --grid-stride 8 avoids that", flush=True)
     (t0, t1), (v0, v1) = meta["image_ranges"]["train"], meta["image_ranges"]["val"]
     if args.max_images:
         t1 = min(t1, t0 + args.max_images)

@@ -788,6 +788,19 @@ fn default_data_dir(dataset: Dataset, quick: bool) -> PathBuf {
     PathBuf::from("data/vqa").join(if quick { format!("{}-quick", dataset.name()) } else { dataset.name().to_string() })
 }
 
+/// The epochs probattn trains its detectors for, and their folder: `--detectors`, else
+/// `<data>/detectors-e<epochs>[-boxes<K>]`.
+fn detector_dir(args: &VqaArgs, data_dir: &Path) -> (usize, PathBuf) {
+    let epochs = match (args.quick, args.detector_epochs) {
+        (_, Some(e)) => e,
+        (true, None) => 2,
+        (false, None) if args.dataset == Dataset::EasyVqa => 40,
+        (false, None) => 8,
+    };
+    let boxes = if args.detector_boxes > 0 { format!("-boxes{}", args.detector_boxes) } else { String::new() };
+    (epochs, args.detectors.clone().unwrap_or_else(|| data_dir.join(format!("detectors-e{epochs}{boxes}"))))
+}
+
 /// Makes sure the data and detectors exist (generating them with the project's Python when
 /// absent) and returns the detectors, primary first.
 fn prepare_inputs(args: &VqaArgs, data_dir: &Path, threads: i32) -> Result<Vec<DetectorSpec>> {
@@ -804,14 +817,7 @@ fn prepare_inputs(args: &VqaArgs, data_dir: &Path, threads: i32) -> Result<Vec<D
         ensure!(args.detector.len() >= 2, "--detector must be given at least twice (a primary and a secondary view), got once");
         return Ok(args.detector.iter().enumerate().map(|(i, p)| DetectorSpec { name: format!("view{i}"), path: p.clone() }).collect());
     }
-    let epochs = match (args.quick, args.detector_epochs) {
-        (_, Some(e)) => e,
-        (true, None) => 2,
-        (false, None) if args.dataset == Dataset::EasyVqa => 40,
-        (false, None) => 8,
-    };
-    let boxes = if args.detector_boxes > 0 { format!("-boxes{}", args.detector_boxes) } else { String::new() };
-    let dir = args.detectors.clone().unwrap_or_else(|| data_dir.join(format!("detectors-e{epochs}{boxes}")));
+    let (epochs, dir) = detector_dir(args, data_dir);
     if !dir.join("detectors.json").exists() {
         if args.detectors.is_some() {
             bail!("{} has no detectors.json (write detectors with `python python/vqa_detectors.py --data {} --out {}`)", dir.display(), data_dir.display(), dir.display());
@@ -863,7 +869,7 @@ pub fn run(args: &VqaArgs) -> Result<()> {
     // The manifest of the detectors probattn trained or found (their files' sha256 and validation
     // metrics), copied beside results.json: retraining them on another machine can give other
     // detectors, and the features' cache key does not say which ones a run used.
-    let mut manifest = None;
+    let manifest = (args.dataset != Dataset::VqaV2 && args.detector.is_empty()).then(|| detector_dir(args, &data_dir).1.join("detectors.json"));
     let (data, mut views, detectors, features_note) = if args.dataset == Dataset::VqaV2 {
         ensure!(args.data.is_some(), "--dataset vqa-v2 needs --data DIR holding the official question and annotation files (train2014, val2014)");
         ensure!(!args.quick, "--quick runs on the generated datasets (sort-of-clevr, easy-vqa), not vqa-v2");
@@ -876,9 +882,6 @@ pub fn run(args: &VqaArgs) -> Result<()> {
     } else {
         ensure!(args.features.is_empty(), "--features goes with --dataset vqa-v2");
         let detectors = prepare_inputs(args, &data_dir, tch::get_num_threads())?;
-        if args.detector.is_empty() {
-            manifest = detectors.first().and_then(|d| d.path.parent()).map(|p| p.join("detectors.json"));
-        }
         let data = VqaData::load(&data_dir)?;
         ensure!(data.meta.dataset == args.dataset.name(), "{} holds {} data, not {} (--dataset)", data_dir.display(), data.meta.dataset, args.dataset.name());
         let (features, cache, hit) = cached_features(&data, &detectors, device)?;
