@@ -296,17 +296,18 @@ def cmd_vqa_cases(args):
     # The four fusions with 0, 1, 2, 0 post-norm reasoning layers, then DNAS with two pre-norm ones,
     # then the relational layer: 2 heads after UNAS, 3 heads after concatenated views and a pre-norm layer.
     # Then the LSTM and the bag-of-words question encoders (the rest use the GRU), and last the
-    # primary's unfused boxes read by the head (primary_skip) after HNAS with the relational layer.
+    # primary's unfused boxes read by the head, added (primary_skip, after HNAS) and beside
+    # (primary_beside, after UNAS), each with the relational layer.
     cases = [("none", False, 0, "gru"), ("softmax", False, 0, "gru"), ("dnas", False, 0, "gru"), ("hnas", False, 0, "gru"), ("dnas", True, 0, "gru"),
              ("softmax", False, 2, "gru"), ("none", True, 3, "gru"), ("hnas", False, 0, "lstm"), ("dnas", False, 2, "bow")]
-    cases = [c + (False,) for c in cases] + [("hnas", False, 2, "bow", True)]
-    for i, (fusion, prenorm, relational, encoder, skip) in enumerate(cases):
+    cases = [c + (False, False) for c in cases] + [("hnas", False, 2, "bow", True, False), ("softmax", False, 2, "bow", False, True)]
+    for i, (fusion, prenorm, relational, encoder, skip, beside) in enumerate(cases):
         b, n0, n1, n2, dim = shapes[i % len(shapes)]
         vocab, answers, length = 11, 7, 5
         layers = (1 if relational else 2) if prenorm else i % 3 if not relational else 0
         model = baseline.VqaModel(3, dim, fusion, vocab, answers, hidden=16, layers=layers, glimpses=2, word_dim=6, question_dim=10,
                                   prenorm=prenorm, relational_heads=relational, metric_dim=3, question_encoder=encoder,
-                                  primary_skip=skip).double().eval()
+                                  primary_skip=skip, primary_beside=beside).double().eval()
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, 0.5)
@@ -320,7 +321,7 @@ def cmd_vqa_cases(args):
         params = list(model.parameters())
         grads = torch.autograd.grad((logits * cot).sum(), views + params, allow_unused=True)  # box_question is unused without reasoning layers
         grads = [torch.zeros_like(x) if g is None else g for x, g in zip(views + params, grads)]
-        name = f"vqa-{fusion}" + ("-prenorm" if prenorm else "") + (f"-relational{relational}" if relational else "") + (f"-{encoder}" if encoder != "gru" else "") + ("-skip" if skip else "")
+        name = f"vqa-{fusion}" + ("-prenorm" if prenorm else "") + (f"-relational{relational}" if relational else "") + (f"-{encoder}" if encoder != "gru" else "") + ("-skip" if skip else "") + ("-beside" if beside else "")
         save_file({n_: p.detach().contiguous() for n_, p in model.named_parameters()}, os.path.join(args.out, name + ".weights.safetensors"))
         tensors = {"tokens": tokens, "cotangent": cot, "logits": logits.detach()}
         tensors.update({f"view{v}": x.detach() for v, x in enumerate(views)})
@@ -330,7 +331,7 @@ def cmd_vqa_cases(args):
         manifest.append({"name": name, "fusion": fusion, "regions": [n0, n1, n2], "dim": dim, "vocab": vocab, "answers": answers,
                          "hidden": 16, "reasoning_layers": layers, "reasoning_prenorm": prenorm, "glimpses": 2, "word_dim": 6, "question_dim": 10,
                          "relational_heads": relational, "relational_dim": 3, "question_encoder": encoder,
-                         "primary_skip": skip})
+                         "primary_skip": skip, "primary_beside": beside})
     with open(os.path.join(args.out, "cases.json"), "w") as f:
         json.dump(manifest, f, indent=1)
 

@@ -15,7 +15,8 @@
 //! Head (after Pythia, Jiang et al. 2018, reduced): the question through word embeddings and a
 //! GRU or LSTM (the state at its last word), or their mean as a bag of words ([`QuestionEncoder`]);
 //! the fused boxes through a linear map (optionally plus one of the primary's unfused boxes,
-//! [`VqaConfig::primary_skip`]); optionally `reasoning_layers` Transformer encoder layers over
+//! [`VqaConfig::primary_skip`], or with it beside them after the relational layer,
+//! [`VqaConfig::primary_beside`]); optionally `reasoning_layers` Transformer encoder layers over
 //! the fused boxes with the question added to every box (softmax self-attention, the same for
 //! every fusion, so that the fusion is the only difference between variants); optionally a
 //! relational layer ([`Relate`]: each box's closest / furthest / like-me summaries); then top-down
@@ -82,6 +83,12 @@ pub struct VqaConfig {
     /// bottom 1-2 points below the no-attention baseline.
     #[serde(default)]
     pub primary_skip: bool,
+    /// The glimpses read each primary box unfused beside the box the head built, after the
+    /// relational layer: `[z_i, W_P x^P_i]` (attention fusions only). Unlike `primary_skip`,
+    /// what the relational layer compares is left as it was: with the skip, the relational
+    /// questions were learned 5-15 epochs later on seed 0 (label-grid-7/primary-skip).
+    #[serde(default)]
+    pub primary_beside: bool,
     /// Top-down attention glimpses.
     pub glimpses: i64,
     /// Dropout in the head (classifier input, reasoning layers).
@@ -142,9 +149,10 @@ enum Question {
 }
 
 impl VqaConfig {
-    /// Width of what the glimpses read: a box and, with a relational layer, its summaries.
+    /// Width of what the glimpses read: a box, with a relational layer its summaries, and with
+    /// `primary_beside` the primary's box.
     pub fn box_width(&self) -> i64 {
-        self.hidden * (self.relational_heads + 1) + self.relational_heads
+        self.hidden * (self.relational_heads + 1) + self.relational_heads + if self.primary_beside { self.hidden } else { 0 }
     }
 
     /// The fusion's name: the variant, or `none`.
@@ -162,8 +170,11 @@ impl VqaConfig {
                 return Err(Error::Config(format!("{name} must be at least 1, got {v}")));
             }
         }
-        if self.primary_skip && self.fusion.is_none() {
-            return Err(Error::Config("primary_skip needs an attention fusion: the no-attention baseline already reads the primary's boxes unfused".into()));
+        if (self.primary_skip || self.primary_beside) && self.fusion.is_none() {
+            return Err(Error::Config("primary_skip and primary_beside need an attention fusion: the no-attention baseline already reads the primary's boxes unfused".into()));
+        }
+        if self.primary_skip && self.primary_beside {
+            return Err(Error::Config("primary_skip and primary_beside are two ways to read the primary's boxes: choose one".into()));
         }
         if self.relational_heads < 0 || (self.relational_heads > 0 && self.relational_dim < 1) {
             return Err(Error::Config(format!("relational_heads ({}) must be 0 or more, relational_dim ({}) at least 1", self.relational_heads, self.relational_dim)));
@@ -400,7 +411,7 @@ impl VqaModel {
             embed: nn::embedding(p / "embed", cfg.vocab, cfg.word_dim, Default::default()),
             question,
             box_proj: lin("box_proj", d, h),
-            primary_proj: cfg.primary_skip.then(|| lin("primary_proj", d, h)),
+            primary_proj: (cfg.primary_skip || cfg.primary_beside).then(|| lin("primary_proj", d, h)),
             box_question: lin("box_question", q, h),
             reasoning,
             relate: (cfg.relational_heads > 0).then(|| Relate::new(&(p / "relate"), h, cfg.relational_heads, cfg.relational_dim)),
@@ -452,7 +463,7 @@ impl VqaModel {
         let fused = self.fusion.forward(views, mode)?;
         let q = self.encode_question(tokens); // (B, Q)
         let mut z = self.box_proj.forward(&fused.boxes); // (B, N, H)
-        if let Some(primary) = &self.primary_proj {
+        if let (Some(primary), true) = (&self.primary_proj, self.cfg.primary_skip) {
             z = z + primary.forward(&views[0]);
         }
         if !self.reasoning.is_empty() {
@@ -466,7 +477,10 @@ impl VqaModel {
             }
         }
         if let Some(relate) = &self.relate {
-            z = relate.forward(&z)?; // (B, N, box_width)
+            z = relate.forward(&z)?; // (B, N, H (R + 1) + R)
+        }
+        if let (Some(primary), true) = (&self.primary_proj, self.cfg.primary_beside) {
+            z = Tensor::cat(&[z, primary.forward(&views[0])], -1); // (B, N, box_width)
         }
         let joint = (self.att_box.forward(&z) * self.att_question.forward(&q).unsqueeze(1)).relu(); // (B, N, H)
         let logits = self.att_logits.forward(&joint.dropout(self.cfg.dropout, train)); // (B, N, G)

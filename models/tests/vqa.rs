@@ -2,7 +2,7 @@
 //! from Appendix B's formula and the same head): same weights, eval mode, float64 logits and the
 //! gradients of every view and parameter within 1e-10, for each fusion (none, UNAS, DNAS, HNAS)
 //! with 0, 1 and 2 reasoning layers, post-norm and pre-norm, with the relational layer, and with
-//! each question encoder (GRU, LSTM, bag of words), and with the head reading the primary's unfused boxes.
+//! each question encoder (GRU, LSTM, bag of words), and with the head reading the primary's unfused boxes (added, or beside).
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
@@ -38,6 +38,7 @@ fn config(case: &serde_json::Value) -> Result<VqaConfig> {
         relational_heads: case.get("relational_heads").and_then(|r| r.as_i64()).unwrap_or(0),
         relational_dim: case.get("relational_dim").and_then(|r| r.as_i64()).unwrap_or(8),
         primary_skip: case.get("primary_skip").and_then(|r| r.as_bool()).unwrap_or(false),
+        primary_beside: case.get("primary_beside").and_then(|r| r.as_bool()).unwrap_or(false),
         glimpses: int("glimpses")?,
         dropout: 0.1,
         answers: int("answers")?,
@@ -50,7 +51,7 @@ fn vqa_model_matches_the_pytorch_baseline() -> Result<()> {
     let dir = TempDir::new("parity-vqa")?;
     run_python("parity.py", &["vqa-cases", "--out", &dir.0.to_string_lossy(), "--seed", "4"])?;
     let cases = manifest(&dir.0)?;
-    ensure!(cases.len() == 10, "expected four fusions, a pre-norm case, two relational ones, the LSTM and bag-of-words encoders and a primary skip, got {}", cases.len());
+    ensure!(cases.len() == 11, "expected four fusions, a pre-norm case, two relational ones, the LSTM and bag-of-words encoders, a primary skip and a primary beside, got {}", cases.len());
     for case in cases {
         let name = case["name"].as_str().context("name")?;
         let t = load(&dir.path(&format!("{name}.safetensors")))?;
@@ -125,10 +126,14 @@ fn wrong_view_shapes_are_named() -> Result<()> {
 }
 
 #[test]
-fn a_primary_skip_without_attention_is_refused() -> Result<()> {
+fn the_primary_read_unfused_needs_attention_and_one_way() -> Result<()> {
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let cfg = config(&serde_json::json!({"fusion": "none", "regions": [3, 4, 5], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 0, "reasoning_prenorm": false, "glimpses": 1, "answers": 3, "primary_skip": true}))?;
     let err = VqaModel::new(&vs.root(), cfg).unwrap_err().to_string();
-    ensure!(err.contains("primary_skip needs an attention fusion"), "{err}");
+    ensure!(err.contains("primary_skip and primary_beside need an attention fusion"), "{err}");
+    let mut cfg = config(&serde_json::json!({"fusion": "dnas", "regions": [3, 4, 5], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 0, "reasoning_prenorm": false, "glimpses": 1, "answers": 3, "primary_skip": true}))?;
+    cfg.primary_beside = true;
+    let err = VqaModel::new(&vs.root(), cfg).unwrap_err().to_string();
+    ensure!(err.contains("choose one"), "{err}");
     Ok(())
 }

@@ -152,10 +152,10 @@ class Relate(nn.Module):
 
 
 class VqaModel(nn.Module):
-    __constants__ = ["prenorm"]
+    __constants__ = ["prenorm", "primary_skip", "primary_beside"]
 
     def __init__(self, views, dim, variant, vocab, answers, hidden=128, layers=2, glimpses=2, word_dim=64, question_dim=128, dropout=0.1,
-                 prenorm=False, relational_heads=0, metric_dim=8, question_encoder="gru", primary_skip=False):
+                 prenorm=False, relational_heads=0, metric_dim=8, question_encoder="gru", primary_skip=False, primary_beside=False):
         super().__init__()
         assert views == 3, "the baseline is written for three views"
         self.fusion = ConcatFusion(dim) if variant == "none" else AttentionFusion(dim, variant)
@@ -171,14 +171,19 @@ class VqaModel(nn.Module):
         else:
             raise ValueError(f"question_encoder must be gru, lstm or bow, got {question_encoder!r}")
         self.box_proj, self.box_question = nn.Linear(dim, hidden), nn.Linear(question_dim, hidden)
-        if primary_skip:  # the head also reads each primary box unfused: z_i = W y_i + W_P x^P_i
+        # The head also reads each primary box unfused: added, z_i = W y_i + W_P x^P_i (skip), or
+        # beside the box after the relational layer, [z_i, W_P x^P_i] (beside).
+        if primary_skip or primary_beside:
             if variant == "none":
-                raise ValueError("primary_skip needs an attention fusion: the concatenated views already hold the primary's boxes")
+                raise ValueError("primary_skip and primary_beside need an attention fusion: the concatenated views already hold the primary's boxes")
+            if primary_skip and primary_beside:
+                raise ValueError("primary_skip and primary_beside are two ways to read the primary's boxes: choose one")
             self.primary_proj = nn.Linear(dim, hidden)
+        self.primary_skip, self.primary_beside = primary_skip, primary_beside
         self.prenorm = prenorm  # pre-norm reasoning layers, their stack's output added to the boxes it started from
         self.reasoning = nn.ModuleList([Reasoning(hidden, 4, dropout, prenorm) for _ in range(layers)])
         self.relate = Relate(hidden, relational_heads, metric_dim) if relational_heads > 0 else nn.Identity()
-        width = hidden * (relational_heads + 1) + relational_heads  # a box and its relational summaries
+        width = hidden * (relational_heads + 1) + relational_heads + (hidden if primary_beside else 0)  # a box, its relational summaries, the primary's
         self.att_box, self.att_question = nn.Linear(width, hidden), nn.Linear(question_dim, hidden)
         self.att_logits = nn.Linear(hidden, glimpses)
         self.glimpse_proj, self.question_proj = nn.Linear(glimpses * width, hidden), nn.Linear(question_dim, hidden)
@@ -201,7 +206,7 @@ class VqaModel(nn.Module):
         boxes, _ = self.fusion(v0, v1, v2)
         q = self.encode_question(tokens)
         z = self.box_proj(boxes)
-        if hasattr(self, "primary_proj"):
+        if hasattr(self, "primary_proj") and self.primary_skip:
             z = z + self.primary_proj(v0)
         if len(self.reasoning) > 0:
             start = z
@@ -211,6 +216,8 @@ class VqaModel(nn.Module):
             if self.prenorm:
                 z = start + z
         z = self.relate(z)
+        if hasattr(self, "primary_proj") and self.primary_beside:
+            z = torch.cat([z, self.primary_proj(v0)], -1)
         joint = F.relu(self.att_box(z) * self.att_question(q).unsqueeze(1))
         att = torch.softmax(self.att_logits(F.dropout(joint, self.dropout, self.training)), 1)
         v = F.relu(self.glimpse_proj((att.transpose(1, 2) @ z).flatten(1)))
@@ -253,6 +260,7 @@ def main():
     p.add_argument("--question-encoder", default="gru", choices=["gru", "lstm", "bow"],
                    help="word embeddings + GRU or LSTM (state at the last word), or their mean (a bag of words)")
     p.add_argument("--primary-skip", action="store_true", help="the head also reads each primary box unfused (attention fusions; as probattn vqa)")
+    p.add_argument("--primary-beside", action="store_true", help="the glimpses read each primary box unfused beside the head's box (attention fusions; as probattn vqa)")
     p.add_argument("--glimpses", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--max-train", type=int, default=0, help="use at most this many training questions (0: all)")
@@ -275,7 +283,8 @@ def main():
         torch.manual_seed(seed)
         model = VqaModel(3, views[0].shape[-1], args.fusion, len(meta["vocab"]), len(meta["answers"]), args.hidden, args.reasoning_layers, args.glimpses,
                          prenorm=args.reasoning_prenorm, relational_heads=args.relational_heads, metric_dim=args.relational_dim,
-                         question_encoder=args.question_encoder, primary_skip=args.primary_skip and args.fusion != "none")
+                         question_encoder=args.question_encoder, primary_skip=args.primary_skip and args.fusion != "none",
+                         primary_beside=args.primary_beside and args.fusion != "none")
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         best, best_state, best_epoch, waited, epoch_times = -1.0, None, 0, 0, []
         tr = data["train"]

@@ -173,8 +173,13 @@ pub struct VqaArgs {
     /// space, and on Sort-of-CLEVR's 7×7 object boxes the attention fusions answered position
     /// questions 1-2 points below the no-attention baseline
     /// (results/vqa/sort-of-clevr-objects-e24/label-grid-7).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "primary_beside")]
     pub primary_skip: bool,
+    /// The glimpses read each primary box unfused beside the head's box, after the relational
+    /// layer (`[z_i, W_P x^P_i]`), for attention fusions: the position reaches the answer as with
+    /// --primary-skip, while what the relational layer compares stays as without it.
+    #[arg(long)]
+    pub primary_beside: bool,
     /// Top-down attention glimpses.
     #[arg(long, default_value_t = 2)]
     pub glimpses: i64,
@@ -634,6 +639,7 @@ fn run_config(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
         relational_heads: args.relational_heads,
         relational_dim: args.relational_dim,
         primary_skip: args.primary_skip && fusion.is_some(),
+        primary_beside: args.primary_beside && fusion.is_some(),
         glimpses: args.glimpses,
         dropout: 0.1,
         answers: meta.answers.len() as i64,
