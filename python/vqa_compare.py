@@ -43,8 +43,9 @@ def runs(root):
                 val.update({t: 100 * a for t, a in kept[0]["val_acc_by_type"].items()})
                 relational = set(run["test_acc_by_type"]) & {"closest", "furthest", "count"} if run.get("test_acc_relational") is not None else set()
                 if relational:
-                    val["relational"] = statistics.mean(val[t] for t in relational)
-                    val["nonrelational"] = statistics.mean(val[t] for t in val if t not in relational | {"overall"})
+                    types = kept[0]["val_acc_by_type"]
+                    val["relational"] = statistics.mean(100 * types[t] for t in relational)
+                    val["nonrelational"] = statistics.mean(100 * a for t, a in types.items() if t not in relational)
             found[key] = {"val": val, "test": test}
     if not found:
         raise SystemExit(f"{root}: no results.json in it or in the folders inside it")
