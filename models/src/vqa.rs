@@ -85,8 +85,9 @@ pub struct VqaConfig {
     pub primary_skip: bool,
     /// The glimpses read each primary box unfused beside the box the head built, after the
     /// relational layer: `[z_i, W_P x^P_i]` (attention fusions only). Unlike `primary_skip`,
-    /// what the relational layer compares is left as it was: with the skip, the relational
-    /// questions were learned 5-15 epochs later on seed 0 (label-grid-7/primary-skip).
+    /// what the relational layer compares is left as it was: with the skip, closest questions
+    /// were learned 5-29 epochs later on seed 0, furthest not within 40 epochs for DNAS and HNAS
+    /// (results/vqa/sort-of-clevr-objects-e24/label-grid-7/README.md).
     #[serde(default)]
     pub primary_beside: bool,
     /// Top-down attention glimpses.
