@@ -1,5 +1,6 @@
 """What the experiments' table scripts share: mean ± std cells, differences with their standard
-error (unpaired, and paired by seed), and markdown tables. Imported by gat_table.py and translate_table.py."""
+error (unpaired, and paired by seed), and markdown tables. Imported by gat_table.py,
+translate_table.py, vqa_table.py and vqa_compare.py."""
 
 import statistics
 
