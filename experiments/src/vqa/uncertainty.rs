@@ -5,7 +5,7 @@
 //! `PAvPU = mean(uncertain · (1 - accurate) + (1 - uncertain) · accurate)`. Also the expected
 //! calibration error of the mean prediction (15 equal-width confidence bins). "Noisy": the BAM
 //! paper's setting, `scale · N(0, 1)` drawn once per view and added to every test example's
-//! features. "Accurate" is 1 or 0 for single-answer data and VQA-v2's soft score of the answer.
+//! features (the same draw for every fusion of one seed). "Accurate" is 1 or 0 for single-answer data and VQA-v2's soft score of the answer.
 //! `--image-noise S` adds a third pass: Gaussian pixel noise of standard deviation S (images in
 //! [0, 1], clipped) on the test images, run through the detectors again.
 //!
@@ -143,12 +143,20 @@ fn measure(model: &VqaModel, p: &Prepared, views: &Views, noise: Option<&[Tensor
     })
 }
 
+/// The BAM paper's test noise: `scale · N(0, 1)`, one `(boxes, dim)` draw per view (`shapes`),
+/// broadcast over the test set. It is drawn on the CPU from `seed` alone before any Monte Carlo
+/// sample is taken, so every fusion run with one seed, stochastic or not, on any device, is
+/// measured on the same draw (one draw moves accuracy by points: fusions are compared on it).
+pub fn eval_noise(shapes: &[(i64, i64)], scale: f64, seed: u64, device: Device) -> Vec<Tensor> {
+    tch::manual_seed(seed as i64 + 7_777);
+    shapes.iter().map(|&(boxes, dim)| (Tensor::randn([boxes, dim], (Kind::Float, Device::Cpu)) * scale).to_device(device)).collect()
+}
+
 /// Monte Carlo test measures of `model`, clean, with the BAM paper's feature noise, and with
 /// pixel noise when `p` holds features of noised images.
 pub(super) fn report(model: &VqaModel, p: &Prepared, settings: &McSettings, device: Device) -> Result<McReport> {
-    tch::manual_seed(settings.seed as i64 + 7_777);
+    let noise = eval_noise(&p.views.shapes(), settings.eval_noise, settings.seed, device);
     let clean = measure(model, p, &p.views, None, settings.samples, device)?;
-    let noise: Vec<Tensor> = p.views.shapes().iter().map(|&(boxes, dim)| Tensor::randn([boxes, dim], (Kind::Float, device)) * settings.eval_noise).collect();
     let noisy = measure(model, p, &p.views, Some(&noise), settings.samples, device)?;
     let noisy_image = p.noisy_image.as_ref().map(|(_, views)| measure(model, p, views, None, settings.samples, device)).transpose()?;
     Ok(McReport { samples: settings.samples, eval_noise: settings.eval_noise, clean, noisy, image_noise: p.noisy_image.as_ref().map(|(s, _)| *s), noisy_image })
@@ -157,6 +165,22 @@ pub(super) fn report(model: &VqaModel, p: &Prepared, settings: &McSettings, devi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_test_noise_depends_on_the_seed_alone() {
+        let shapes = [(6, 64), (6, 64), (4, 8)];
+        let first = eval_noise(&shapes, 1.5, 3, Device::Cpu);
+        let _ = Tensor::randn([1000], (Kind::Float, Device::Cpu)); // a stochastic fusion's samples
+        let again = eval_noise(&shapes, 1.5, 3, Device::Cpu);
+        let other = eval_noise(&shapes, 1.5, 4, Device::Cpu);
+        for ((a, b), c) in first.iter().zip(&again).zip(&other) {
+            assert!(a.equal(b));
+            assert!(!a.equal(c));
+        }
+        assert_eq!(first[2].size(), [4, 8]);
+        let std = f64::try_from(first[0].std(true)).unwrap();
+        assert!((std - 1.5).abs() < 0.2, "scale 1.5 gave a standard deviation of {std}");
+    }
 
     #[test]
     fn welch_matches_scipy() {
