@@ -8,7 +8,8 @@ relational, non-relational, per question type) as mean ± std over seeds in %, t
 ε-explained-away secondary boxes (mass < 1e-8) and the least mass × keys, HNAS's final u, and for
 stochastic fusions PAvPU (t-test p > 0.05) and ECE, clean / noisy. --diff F adds each fusion's
 difference from F with its standard error, unpaired (difference of means) and paired by seed (the
-same seed gives every fusion the same data order and initial draws up to the fusion itself).
+same seed gives every fusion the same data order and initial draws up to the fusion itself), and,
+where every run has the uncertainty report, the paired differences of PAvPU and noisy accuracy.
 """
 
 import argparse
@@ -86,6 +87,14 @@ def main():
                                            for k in ("test_acc", "test_acc_relational", "test_acc_nonrelational")])
         print()
         print(markdown([f"fusion minus {args.diff}, paired by seed (points ± s.e.)", "test acc", "relational", "non-relational"], paired_rows))
+        # BAM §4.2's comparison: the noisy half of every fusion of one seed is on the same noise draw
+        mc_keys = [("clean", "pavpu_05"), ("noisy", "pavpu_05"), ("noisy", "accuracy")]
+        mc_rows = [[fusion] + [paired_cell({r["seed"]: 100 * r["uncertainty"][side][k] for r in rs}, {r["seed"]: 100 * r["uncertainty"][side][k] for r in base})
+                               for side, k in mc_keys]
+                   for fusion, rs in runs.items() if fusion != args.diff and all(r.get("uncertainty") for r in rs + base)]
+        if mc_rows:
+            print()
+            print(markdown([f"fusion minus {args.diff}, paired by seed (points ± s.e.)", "PAvPU clean (p > 0.05)", "PAvPU noisy (p > 0.05)", "noisy accuracy"], mc_rows))
 
 
 if __name__ == "__main__":
