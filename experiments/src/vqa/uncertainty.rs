@@ -5,7 +5,8 @@
 //! `PAvPU = mean(uncertain · (1 - accurate) + (1 - uncertain) · accurate)`. Also the expected
 //! calibration error of the mean prediction (15 equal-width confidence bins). "Noisy": the BAM
 //! paper's setting, `scale · N(0, 1)` drawn once per view and added to every test example's
-//! features (the same draw for every fusion of one seed). "Accurate" is 1 or 0 for single-answer data and VQA-v2's soft score of the answer.
+//! features (the same draw for every fusion of one seed). "Accurate" is 1 or 0 for single-answer
+//! data and VQA-v2's soft score of the answer.
 //! `--image-noise S` adds a third pass: Gaussian pixel noise of standard deviation S (images in
 //! [0, 1], clipped) on the test images, run through the detectors again.
 //!
