@@ -78,24 +78,24 @@ def main():
                                          for k in ("test_acc", "test_acc_relational", "test_acc_nonrelational")])
         print()
         print(markdown([f"fusion minus {args.diff} (points ± s.e.)", "test acc", "relational", "non-relational"], diff_rows))
-        paired_rows = []
-        for fusion, rs in runs.items():
-            if fusion == args.diff:
-                continue
-            paired_rows.append([fusion] + [paired_cell({r["seed"]: 100 * r[k] for r in rs}, {r["seed"]: 100 * r[k] for r in base})
-                                           if all(r.get(k) is not None for r in rs + base) else "–"
-                                           for k in ("test_acc", "test_acc_relational", "test_acc_nonrelational")])
+
+        def paired(rs, value):
+            """value(run) × 100, fusion minus base, paired by seed."""
+            return paired_cell({r["seed"]: 100 * value(r) for r in rs}, {r["seed"]: 100 * value(r) for r in base})
+
+        others = [(fusion, rs) for fusion, rs in runs.items() if fusion != args.diff]
+        keys = ("test_acc", "test_acc_relational", "test_acc_nonrelational")
+        paired_rows = [[fusion] + [paired(rs, lambda r: r[k]) if all(r.get(k) is not None for r in rs + base) else "–" for k in keys]
+                       for fusion, rs in others]
         print()
         print(markdown([f"fusion minus {args.diff}, paired by seed (points ± s.e.)", "test acc", "relational", "non-relational"], paired_rows))
         # BAM §4.2's comparison: the noisy half of every fusion of one seed is on the same noise draw
         mc_keys = [("clean", "pavpu_05"), ("noisy", "pavpu_05"), ("noisy", "accuracy")]
-        mc_rows = [[fusion] + [paired_cell({r["seed"]: 100 * r["uncertainty"][side][k] for r in rs}, {r["seed"]: 100 * r["uncertainty"][side][k] for r in base})
-                               for side, k in mc_keys]
-                   for fusion, rs in runs.items() if fusion != args.diff and all(r.get("uncertainty") for r in rs + base)]
+        mc_rows = [[fusion] + [paired(rs, lambda r: r["uncertainty"][side][k]) for side, k in mc_keys]
+                   for fusion, rs in others if all(r.get("uncertainty") for r in rs + base)]
         if mc_rows:
             print()
             print(markdown([f"fusion minus {args.diff}, paired by seed (points ± s.e.)", "PAvPU clean (p > 0.05)", "PAvPU noisy (p > 0.05)", "noisy accuracy"], mc_rows))
-
 
 if __name__ == "__main__":
     main()
