@@ -10,6 +10,8 @@ stochastic fusions PAvPU (t-test p > 0.05) and ECE, clean / noisy. --diff F adds
 difference from F with its standard error, unpaired (difference of means) and paired by seed (the
 same seed gives every fusion the same data order and initial draws up to the fusion itself), and,
 where every run has the uncertainty report, the paired differences of PAvPU and noisy accuracy.
+--val prints instead one row per run with its settings (BAM k, KL weight) and its validation
+measures, clean and noisy: the table a stochastic fusion's settings are chosen on.
 """
 
 import argparse
@@ -32,6 +34,24 @@ def collect(folders):
     return dict(sorted(by_fusion.items(), key=lambda kv: (ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER), kv[0])))
 
 
+def val_rows(folders):
+    """One row per run: its folder, settings and validation measures (no test number)."""
+    rows = []
+    for folder in folders:
+        paths = [os.path.join(folder, "results.json")] if os.path.exists(os.path.join(folder, "results.json")) else sorted(glob.glob(os.path.join(folder, "*", "results.json")))
+        for path in paths:
+            config = json.load(open(os.path.join(os.path.dirname(path), "config.json")))
+            bam = config["model"]["normalizer"]["bam"]
+            for r in json.load(open(path))["runs"]:
+                val = (r.get("uncertainty") or {}).get("val")
+                m = lambda side, k: f"{100 * val[side][k]:.2f}" if val else "–"
+                fusion = config["model"]["fusion"]
+                is_bam = fusion.startswith("bam")
+                rows.append([os.path.dirname(path), fusion, f"{bam['k']:g}" if is_bam else "–", f"{config['kl_weight']:g}" if is_bam else "–", str(r["seed"]),
+                             f"{100 * r['val_acc']:.2f}", m("clean", "pavpu_05"), m("noisy", "accuracy"), m("noisy", "pavpu_05"), m("noisy", "uncertain_05")])
+    return rows
+
+
 def pct(values):
     return cell([100 * v for v in values]) if values else "–"
 
@@ -40,7 +60,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folders", nargs="+")
     p.add_argument("--diff", help="a fusion to subtract (e.g. softmax)")
+    p.add_argument("--val", action="store_true", help="one row per run: settings and validation measures")
     args = p.parse_args()
+    if args.val:
+        rows = val_rows(args.folders)
+        if not rows:
+            raise SystemExit("error: no results.json under " + ", ".join(args.folders))
+        print(markdown(["run", "fusion", "k", "KL weight", "seed", "val acc (%)", "val PAvPU clean (%)", "val noisy acc (%)",
+                        "val PAvPU noisy (%)", "val noisy uncertain (%)"], rows))
+        return
     runs = collect(args.folders)
     if not runs:
         raise SystemExit("error: no results.json under " + ", ".join(args.folders))

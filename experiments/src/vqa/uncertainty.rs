@@ -9,12 +9,14 @@
 //! data and VQA-v2's soft score of the answer.
 //! `--image-noise S` adds a third pass: Gaussian pixel noise of standard deviation S (images in
 //! [0, 1], clipped) on the test images, run through the detectors again.
+//! The same clean and noisy measures on the validation split (`val`, its noise drawn from another
+//! seed than the test's) are what a stochastic fusion's settings (k, KL weight) are chosen on.
 //!
 //! Every attention fusion gets the report. For a deterministic one (softmax, DNAS, HNAS) the
 //! samples agree, the t-test calls every answer certain, and PAvPU equals accuracy: the baseline
 //! the BAM paper compares against (its softmax rows), measured rather than assumed.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use probattn::mc::monte_carlo;
 use probattn::Mode;
 use probattn_models::vqa::VqaModel;
@@ -70,6 +72,16 @@ pub struct McReport {
     pub image_noise: Option<f64>,
     #[serde(default)]
     pub noisy_image: Option<McMetrics>,
+    /// The clean and noisy measures on the validation split, for choosing settings.
+    #[serde(default)]
+    pub val: Option<ValReport>,
+}
+
+/// Clean and noisy validation measures.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ValReport {
+    pub clean: McMetrics,
+    pub noisy: McMetrics,
 }
 
 /// Two-sided p-value of Welch's t-test between two samples of size `n` given their means and
@@ -108,8 +120,8 @@ pub fn pavpu(uncertain: &[bool], accurate: &[f64]) -> f64 {
     sum / uncertain.len().max(1) as f64
 }
 
-fn measure(model: &VqaModel, p: &Prepared, views: &Views, noise: Option<&[Tensor]>, samples: usize, device: Device) -> Result<McMetrics> {
-    let q = &p.data.splits["test"];
+fn measure(model: &VqaModel, p: &Prepared, split: &str, views: &Views, noise: Option<&[Tensor]>, samples: usize, device: Device) -> Result<McMetrics> {
+    let q = p.data.splits.get(split).with_context(|| format!("the data has no {split} split"))?;
     let (mut accurate, mut confidence, mut pvals) = (vec![], vec![], vec![]);
     tch::no_grad(|| -> Result<()> {
         for idx in chunks(q, 1024) {
@@ -149,18 +161,34 @@ fn measure(model: &VqaModel, p: &Prepared, views: &Views, noise: Option<&[Tensor
 /// sample is taken, so every fusion run with one seed, stochastic or not, on any device, is
 /// measured on the same draw (one draw moves accuracy by points: fusions are compared on it).
 pub fn eval_noise(shapes: &[(i64, i64)], scale: f64, seed: u64, device: Device) -> Vec<Tensor> {
-    tch::manual_seed(seed as i64 + 7_777);
+    noise_draw(shapes, scale, seed as i64 + 7_777, device)
+}
+
+/// The validation split's noise: as [`eval_noise`], from another seed, so that settings chosen on
+/// it have not seen the test's draw.
+pub fn val_noise(shapes: &[(i64, i64)], scale: f64, seed: u64, device: Device) -> Vec<Tensor> {
+    noise_draw(shapes, scale, seed as i64 + 8_888, device)
+}
+
+fn noise_draw(shapes: &[(i64, i64)], scale: f64, seed: i64, device: Device) -> Vec<Tensor> {
+    tch::manual_seed(seed);
     shapes.iter().map(|&(boxes, dim)| (Tensor::randn([boxes, dim], (Kind::Float, Device::Cpu)) * scale).to_device(device)).collect()
 }
 
 /// Monte Carlo test measures of `model`, clean, with the BAM paper's feature noise, and with
 /// pixel noise when `p` holds features of noised images.
 pub(super) fn report(model: &VqaModel, p: &Prepared, settings: &McSettings, device: Device) -> Result<McReport> {
-    let noise = eval_noise(&p.views.shapes(), settings.eval_noise, settings.seed, device);
-    let clean = measure(model, p, &p.views, None, settings.samples, device)?;
-    let noisy = measure(model, p, &p.views, Some(&noise), settings.samples, device)?;
-    let noisy_image = p.noisy_image.as_ref().map(|(_, views)| measure(model, p, views, None, settings.samples, device)).transpose()?;
-    Ok(McReport { samples: settings.samples, eval_noise: settings.eval_noise, clean, noisy, image_noise: p.noisy_image.as_ref().map(|(s, _)| *s), noisy_image })
+    let shapes = p.views.shapes();
+    let noise = eval_noise(&shapes, settings.eval_noise, settings.seed, device);
+    let val_noise = val_noise(&shapes, settings.eval_noise, settings.seed, device);
+    let clean = measure(model, p, "test", &p.views, None, settings.samples, device)?;
+    let noisy = measure(model, p, "test", &p.views, Some(&noise), settings.samples, device)?;
+    let noisy_image = p.noisy_image.as_ref().map(|(_, views)| measure(model, p, "test", views, None, settings.samples, device)).transpose()?;
+    let val = ValReport {
+        clean: measure(model, p, "val", &p.views, None, settings.samples, device)?,
+        noisy: measure(model, p, "val", &p.views, Some(&val_noise), settings.samples, device)?,
+    };
+    Ok(McReport { samples: settings.samples, eval_noise: settings.eval_noise, clean, noisy, image_noise: p.noisy_image.as_ref().map(|(s, _)| *s), noisy_image, val: Some(val) })
 }
 
 #[cfg(test)]
@@ -174,9 +202,11 @@ mod tests {
         let _ = Tensor::randn([1000], (Kind::Float, Device::Cpu)); // a stochastic fusion's samples
         let again = eval_noise(&shapes, 1.5, 3, Device::Cpu);
         let other = eval_noise(&shapes, 1.5, 4, Device::Cpu);
-        for ((a, b), c) in first.iter().zip(&again).zip(&other) {
+        let val = val_noise(&shapes, 1.5, 3, Device::Cpu);
+        for (((a, b), c), v) in first.iter().zip(&again).zip(&other).zip(&val) {
             assert!(a.equal(b));
             assert!(!a.equal(c));
+            assert!(!a.equal(v), "the validation split must not see the test's draw");
         }
         assert_eq!(first[2].size(), [4, 8]);
         let std = f64::try_from(first[0].std(true)).unwrap();
