@@ -72,6 +72,18 @@ fn every_fusion_writes_its_results_and_reports() -> Result<()> {
                     ensure!(u[side]["uncertain_05"] == 0.0 && u[side]["pavpu_05"] == u[side]["accuracy"], "{fusion} {side}: {u}");
                 }
             }
+            // The same measures on the validation split, where BAM's settings are chosen.
+            for side in ["clean", "noisy"] {
+                let v = &u["val"][side];
+                ensure!((0.0..=1.0).contains(&v["pavpu_05"].as_f64().context("val pavpu")?), "{fusion} val {side}: {u}");
+                if fusion != "bam-wc" {
+                    ensure!(v["uncertain_05"] == 0.0 && v["pavpu_05"] == v["accuracy"], "{fusion} val {side}: {u}");
+                }
+            }
+            if fusion != "bam-wc" {
+                // A deterministic fusion's clean validation pass is the early-stopping evaluation.
+                ensure!((u["val"]["clean"]["accuracy"].as_f64().context("val accuracy")? - run["val_acc"].as_f64().context("val_acc")?).abs() < 1e-12, "{fusion}: {u}");
+            }
             if fusion == "softmax" {
                 // The clean Monte Carlo mean is the eval-mode prediction.
                 ensure!((u["clean"]["accuracy"].as_f64().context("accuracy")? - acc).abs() < 1e-12, "{u} vs test_acc {acc}");
