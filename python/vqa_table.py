@@ -42,10 +42,11 @@ def val_rows(folders):
         for path in paths:
             config = json.load(open(os.path.join(os.path.dirname(path), "config.json")))
             bam = config["model"]["normalizer"]["bam"]
-            for r in json.load(open(path))["runs"]:
+            results = json.load(open(path))
+            for r in results["runs"]:
                 val = (r.get("uncertainty") or {}).get("val")
                 m = lambda side, k: f"{100 * val[side][k]:.2f}" if val else "–"
-                fusion = config["model"]["fusion"]
+                fusion = results["fusion"]
                 is_bam = fusion.startswith("bam")
                 rows.append([os.path.dirname(path), fusion, f"{bam['k']:g}" if is_bam else "–", f"{config['kl_weight']:g}" if is_bam else "–", str(r["seed"]),
                              f"{100 * r['val_acc']:.2f}", m("clean", "pavpu_05"), m("noisy", "accuracy"), m("noisy", "pavpu_05"), m("noisy", "uncertain_05")])
