@@ -24,32 +24,35 @@ from tables import cell, diff_cell, markdown, mean_std, paired_cell
 ORDER = ["none", "softmax", "dnas", "hnas"]
 
 
+def result_paths(folders):
+    """Each folder's results.json, or its subfolders' (--fusion all writes one per fusion)."""
+    for folder in folders:
+        own = os.path.join(folder, "results.json")
+        yield from [own] if os.path.exists(own) else sorted(glob.glob(os.path.join(folder, "*", "results.json")))
+
+
 def collect(folders):
     by_fusion = {}
-    for folder in folders:
-        paths = [os.path.join(folder, "results.json")] if os.path.exists(os.path.join(folder, "results.json")) else sorted(glob.glob(os.path.join(folder, "*", "results.json")))
-        for path in paths:
-            r = json.load(open(path))
-            by_fusion.setdefault(r["fusion"], []).extend(r["runs"])
+    for path in result_paths(folders):
+        r = json.load(open(path))
+        by_fusion.setdefault(r["fusion"], []).extend(r["runs"])
     return dict(sorted(by_fusion.items(), key=lambda kv: (ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER), kv[0])))
 
 
 def val_rows(folders):
     """One row per run: its folder, settings and validation measures (no test number)."""
     rows = []
-    for folder in folders:
-        paths = [os.path.join(folder, "results.json")] if os.path.exists(os.path.join(folder, "results.json")) else sorted(glob.glob(os.path.join(folder, "*", "results.json")))
-        for path in paths:
-            config = json.load(open(os.path.join(os.path.dirname(path), "config.json")))
-            bam = config["model"]["normalizer"]["bam"]
-            results = json.load(open(path))
-            for r in results["runs"]:
-                val = (r.get("uncertainty") or {}).get("val")
-                m = lambda side, k: f"{100 * val[side][k]:.2f}" if val else "–"
-                fusion = results["fusion"]
-                is_bam = fusion.startswith("bam")
-                rows.append([os.path.dirname(path), fusion, f"{bam['k']:g}" if is_bam else "–", f"{config['kl_weight']:g}" if is_bam else "–", str(r["seed"]),
-                             f"{100 * r['val_acc']:.2f}", m("clean", "pavpu_05"), m("noisy", "accuracy"), m("noisy", "pavpu_05"), m("noisy", "uncertain_05")])
+    for path in result_paths(folders):
+        config = json.load(open(os.path.join(os.path.dirname(path), "config.json")))
+        bam = config["model"]["normalizer"]["bam"]
+        results = json.load(open(path))
+        for r in results["runs"]:
+            val = (r.get("uncertainty") or {}).get("val")
+            m = lambda side, k: f"{100 * val[side][k]:.2f}" if val else "–"
+            fusion = results["fusion"]
+            is_bam = fusion.startswith("bam")
+            rows.append([os.path.dirname(path), fusion, f"{bam['k']:g}" if is_bam else "–", f"{config['kl_weight']:g}" if is_bam else "–", str(r["seed"]),
+                         f"{100 * r['val_acc']:.2f}", m("clean", "pavpu_05"), m("noisy", "accuracy"), m("noisy", "pavpu_05"), m("noisy", "uncertain_05")])
     return rows
 
 
