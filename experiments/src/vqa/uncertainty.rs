@@ -176,7 +176,8 @@ fn noise_draw(shapes: &[(i64, i64)], scale: f64, seed: i64, device: Device) -> V
 }
 
 /// Monte Carlo test measures of `model`, clean, with the BAM paper's feature noise, and with
-/// pixel noise when `p` holds features of noised images.
+/// pixel noise when `p` holds features of noised images; then the clean and noisy measures on the
+/// validation split. Both noise draws come before any sample.
 pub(super) fn report(model: &VqaModel, p: &Prepared, settings: &McSettings, device: Device) -> Result<McReport> {
     let shapes = p.views.shapes();
     let noise = eval_noise(&shapes, settings.eval_noise, settings.seed, device);
