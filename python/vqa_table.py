@@ -46,12 +46,12 @@ def val_rows(folders):
         config = json.load(open(os.path.join(os.path.dirname(path), "config.json")))
         bam = config["model"]["normalizer"]["bam"]
         results = json.load(open(path))
+        fusion = results["fusion"]
+        k, kl = (f"{bam['k']:g}", f"{config['kl_weight']:g}") if fusion.startswith("bam") else ("–", "–")
         for r in results["runs"]:
             val = (r.get("uncertainty") or {}).get("val")
-            m = lambda side, k: f"{100 * val[side][k]:.2f}" if val else "–"
-            fusion = results["fusion"]
-            is_bam = fusion.startswith("bam")
-            rows.append([os.path.dirname(path), fusion, f"{bam['k']:g}" if is_bam else "–", f"{config['kl_weight']:g}" if is_bam else "–", str(r["seed"]),
+            m = lambda side, key: f"{100 * val[side][key]:.2f}" if val else "–"
+            rows.append([os.path.dirname(path), fusion, k, kl, str(r["seed"]),
                          f"{100 * r['val_acc']:.2f}", m("clean", "pavpu_05"), m("noisy", "accuracy"), m("noisy", "pavpu_05"), m("noisy", "uncertain_05")])
     return rows
 
@@ -100,25 +100,21 @@ def main():
                     "HNAS u", "PAvPU clean / noisy (%)", "ECE clean / noisy", "seeds", "s/epoch"], rows))
     if args.diff and args.diff in runs:
         base = runs[args.diff]
-        diff_rows = []
-        for fusion, rs in runs.items():
-            if fusion == args.diff:
-                continue
-            # easy-VQA and VQA-v2 have no relational split: those cells are None there
-            diff_rows.append([fusion] + [diff_cell([100 * r[k] for r in rs], [100 * r[k] for r in base])
-                                         if all(r.get(k) is not None for r in rs + base) else "–"
-                                         for k in ("test_acc", "test_acc_relational", "test_acc_nonrelational")])
-        print()
-        print(markdown([f"fusion minus {args.diff} (points ± s.e.)", "test acc", "relational", "non-relational"], diff_rows))
+        others = [(fusion, rs) for fusion, rs in runs.items() if fusion != args.diff]
+        keys = ("test_acc", "test_acc_relational", "test_acc_nonrelational")
 
         def paired(rs, value):
             """value(run) × 100, fusion minus base, paired by seed."""
             return paired_cell({r["seed"]: 100 * value(r) for r in rs}, {r["seed"]: 100 * value(r) for r in base})
 
-        others = [(fusion, rs) for fusion, rs in runs.items() if fusion != args.diff]
-        keys = ("test_acc", "test_acc_relational", "test_acc_nonrelational")
-        paired_rows = [[fusion] + [paired(rs, lambda r: r[k]) if all(r.get(k) is not None for r in rs + base) else "–" for k in keys]
-                       for fusion, rs in others]
+        # easy-VQA and VQA-v2 have no relational split: those cells are None there
+        diff_rows, paired_rows = [], []
+        for fusion, rs in others:
+            present = [k for k in keys if all(r.get(k) is not None for r in rs + base)]
+            diff_rows.append([fusion] + [diff_cell([100 * r[k] for r in rs], [100 * r[k] for r in base]) if k in present else "–" for k in keys])
+            paired_rows.append([fusion] + [paired(rs, lambda r: r[k]) if k in present else "–" for k in keys])
+        print()
+        print(markdown([f"fusion minus {args.diff} (points ± s.e.)", "test acc", "relational", "non-relational"], diff_rows))
         print()
         print(markdown([f"fusion minus {args.diff}, paired by seed (points ± s.e.)", "test acc", "relational", "non-relational"], paired_rows))
         # BAM §4.2's comparison: the noisy half of every fusion of one seed is on the same noise draw

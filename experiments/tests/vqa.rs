@@ -65,19 +65,13 @@ fn every_fusion_writes_its_results_and_reports() -> Result<()> {
         ensure!((fusion != "none") == u.is_object(), "{fusion}: uncertainty {u}");
         if fusion != "none" {
             ensure!(u["samples"] == if fusion == "bam-wc" { 3 } else { 2 } && u["image_noise"] == 0.1, "{fusion}: {u}");
-            for side in ["clean", "noisy", "noisy_image"] {
-                let p = u[side]["pavpu_05"].as_f64().context("pavpu")?;
-                ensure!((0.0..=1.0).contains(&p) && u[side]["ece"].is_number(), "{fusion} {side}: {u}");
+            // The test's measures, then the same on the validation split, where BAM's settings are chosen.
+            let sides = [("clean", &u["clean"]), ("noisy", &u["noisy"]), ("noisy_image", &u["noisy_image"]), ("val clean", &u["val"]["clean"]), ("val noisy", &u["val"]["noisy"])];
+            for (side, m) in sides {
+                let p = m["pavpu_05"].as_f64().with_context(|| format!("{side} pavpu"))?;
+                ensure!((0.0..=1.0).contains(&p) && m["ece"].is_number(), "{fusion} {side}: {u}");
                 if fusion != "bam-wc" {
-                    ensure!(u[side]["uncertain_05"] == 0.0 && u[side]["pavpu_05"] == u[side]["accuracy"], "{fusion} {side}: {u}");
-                }
-            }
-            // The same measures on the validation split, where BAM's settings are chosen.
-            for side in ["clean", "noisy"] {
-                let v = &u["val"][side];
-                ensure!((0.0..=1.0).contains(&v["pavpu_05"].as_f64().context("val pavpu")?), "{fusion} val {side}: {u}");
-                if fusion != "bam-wc" {
-                    ensure!(v["uncertain_05"] == 0.0 && v["pavpu_05"] == v["accuracy"], "{fusion} val {side}: {u}");
+                    ensure!(m["uncertain_05"] == 0.0 && m["pavpu_05"] == m["accuracy"], "{fusion} {side}: {u}");
                 }
             }
             if fusion != "bam-wc" {
