@@ -39,6 +39,8 @@ fn every_fusion_writes_its_results_and_reports() -> Result<()> {
         let run = &r["runs"][0];
         let acc = run["test_acc"].as_f64().context("test_acc")?;
         ensure!((0.0..=1.0).contains(&acc) && run["test_acc_by_type"].as_object().map(|m| m.len()) == Some(6), "{fusion}: {run}");
+        let curves = std::fs::read_to_string(sub.join("val_acc.svg")).with_context(|| format!("{fusion}: no validation curves"))?;
+        ensure!(curves.contains("closest") && curves.contains("vertical"), "{fusion}: val_acc.svg lacks a question type's curve");
         ensure!(run["test_acc_relational"].is_number() && run["test_acc_nonrelational"].is_number(), "{fusion}: {run}");
         let ea = &run["explained_away"];
         if fusion == "none" {

@@ -456,8 +456,17 @@ fn explained_away(model: &VqaModel, p: &Prepared) -> Result<Option<ExplainedAway
     Ok(Some(report))
 }
 
-/// Trains one model from `seed`; appends per-epoch metrics (and HNAS's `u`) to `metrics`.
-fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metrics: &mut impl Write, gates: &mut Vec<(f64, Vec<f64>)>) -> Result<(RunResult, VqaModel)> {
+/// What one run records for its plots: HNAS's `u` every 50 updates (`(update, u per view)`) and the
+/// validation accuracy per question type after every epoch (`(epoch, accuracy per type)`, the types
+/// in `meta.json`'s order).
+#[derive(Default)]
+struct Trace {
+    gates: Vec<(f64, Vec<f64>)>,
+    val_by_type: Vec<(f64, Vec<f64>)>,
+}
+
+/// Trains one model from `seed`; appends per-epoch metrics to `metrics` and to `trace`.
+fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metrics: &mut impl Write, trace: &mut Trace) -> Result<(RunResult, VqaModel)> {
     tch::manual_seed(seed as i64);
     let vs = nn::VarStore::new(device);
     let model = VqaModel::new(&vs.root(), cfg.model.clone())?;
@@ -498,7 +507,7 @@ fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metric
             if step % 50 == 0 {
                 if let Some(u) = model.fusion.gates() {
                     let step_global = (epoch as i64 * steps_per_epoch + step) as f64;
-                    gates.push((step_global, Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))?));
+                    trace.gates.push((step_global, Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))?));
                 }
                 bar.set_message(format!("loss {:.3}", f64::try_from(&loss_sum)? / (step + 1) as f64));
             }
@@ -511,10 +520,12 @@ fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metric
         ensure!(train_loss.is_finite(), "training loss became {train_loss} in epoch {epoch} (seed {seed})");
         let (val_acc, val_per_type) = evaluate(&model, p, "val", device)?;
         // Per type too: a plateau on one question type (Sort-of-CLEVR's closest) hides in the mean.
-        let val_acc_by_type: BTreeMap<&str, f64> = p.data.meta.types.iter().zip(&val_per_type).map(|(t, (h, n))| (t.as_str(), *h / (*n).max(1) as f64)).collect();
+        let val_by_type: Vec<f64> = val_per_type.iter().map(|(h, n)| *h / (*n).max(1) as f64).collect();
+        let val_acc_by_type: BTreeMap<&str, f64> = p.data.meta.types.iter().map(String::as_str).zip(val_by_type.iter().copied()).collect();
         let u = model.fusion.gates().map(|u| Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))).transpose()?;
         writeln!(metrics, "{}", serde_json::json!({"seed": seed, "epoch": epoch, "lr": lr, "train_loss": train_loss, "kl": kl_mean, "val_acc": val_acc, "val_acc_by_type": val_acc_by_type, "hnas_u": u, "seconds": start.elapsed().as_secs_f64()}))?;
         metrics.flush()?;
+        trace.val_by_type.push((epoch as f64, val_by_type));
         println!("{} seed {seed} epoch {epoch:3}: train loss {train_loss:.4}, val acc {val_acc:.4}, {:.0} s", cfg.model.fusion_name(), start.elapsed().as_secs_f64());
         if val_acc > best {
             best = val_acc;
@@ -672,10 +683,10 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, cfg: VqaRunConfig, features: &str, d
     let metrics_path = dir.join("metrics.jsonl");
     let mut metrics = std::io::BufWriter::new(std::fs::File::create(&metrics_path).with_context(|| format!("creating {}", metrics_path.display()))?);
     let mut runs = vec![];
-    let mut gate_series = vec![];
+    let mut traces = vec![];
     for seed in args.seed_start..args.seed_start + args.seeds {
-        let mut gates = vec![];
-        let (mut run, model) = train_run(p, &cfg, seed, device, &mut metrics, &mut gates)?;
+        let mut trace = Trace::default();
+        let (mut run, model) = train_run(p, &cfg, seed, device, &mut metrics, &mut trace)?;
         if p.data.meta.dataset == Dataset::VqaV2.name() {
             let official = official_test(&model, p, &dir.join(format!("test_results-seed{seed}.json")), device)?;
             run.test_acc = official.overall / 100.0;
@@ -688,9 +699,7 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, cfg: VqaRunConfig, features: &str, d
             let settings = McSettings { samples, eval_noise: cfg.eval_noise, seed };
             run.uncertainty = Some(uncertainty::report(&model, p, &settings, device)?);
         }
-        if !gates.is_empty() {
-            gate_series.push((seed, gates));
-        }
+        traces.push((seed, trace));
         println!(
             "{} {:8} seed {seed:3}: test acc {:.4} (relational {}, non-relational {}), val acc {:.4} (epoch {} of {}), {:.1} s/epoch",
             meta.dataset,
@@ -706,13 +715,25 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, cfg: VqaRunConfig, features: &str, d
         runs.push(run);
     }
     metrics.flush()?;
-    if !gate_series.is_empty() {
-        let series: Vec<Series> = gate_series
-            .iter()
-            .flat_map(|(seed, g)| (0..g[0].1.len()).map(move |view| Series { name: format!("seed {seed}, view {}", view + 1), points: g.iter().map(|(s, u)| (*s, u[view])).collect() }))
-            .collect();
+    let series: Vec<Series> = traces
+        .iter()
+        .filter(|(_, t)| !t.gates.is_empty())
+        .flat_map(|(seed, t)| (0..t.gates[0].1.len()).map(move |view| Series { name: format!("seed {seed}, view {}", view + 1), points: t.gates.iter().map(|(s, u)| (*s, u[view])).collect() }))
+        .collect();
+    if !series.is_empty() {
         line_chart(&dir.join("hnas_u.svg"), "HNAS mixing weight u during training (Fig. 3)", "update", "u", &series)?;
     }
+    // One curve per question type (and seed): a type learned late (Sort-of-CLEVR's closest) shows here.
+    let series: Vec<Series> = traces
+        .iter()
+        .flat_map(|(seed, t)| {
+            meta.types.iter().enumerate().map(move |(k, ty)| Series {
+                name: if args.seeds == 1 { ty.clone() } else { format!("seed {seed}, {ty}") },
+                points: t.val_by_type.iter().map(|(e, acc)| (*e, acc[k])).collect(),
+            })
+        })
+        .collect();
+    line_chart(&dir.join("val_acc.svg"), &format!("validation accuracy per question type, {}", cfg.model.fusion_name()), "epoch", "accuracy", &series)?;
     let series: Vec<Series> = runs.iter().filter_map(|r| r.explained_away.as_ref().map(|e| Series { name: format!("seed {}", r.seed), points: log_mass_points(&[e]) })).collect();
     if !series.is_empty() {
         line_chart(&dir.join("log_mass.svg"), &format!("log Σ_i π_ij per secondary box, {} (Fig. 1)", cfg.model.fusion_name()), "log received mass", "share of boxes", &series)?;
