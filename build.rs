@@ -1,6 +1,58 @@
-// Links libtorch (CUDA included) and sets its rpath: see link_libtorch.rs at the workspace root.
+// Links libtorch (CUDA included) and sets its rpath (link_libtorch.rs at the workspace root), and
+// compiles the C++ layer in csrc/ against the same libtorch that tch links.
 include!("./link_libtorch.rs");
+
+use std::path::PathBuf;
 
 fn main() {
     link_libtorch();
+    build_cxx_layer();
+}
+
+fn build_cxx_layer() {
+    let files = ["csrc/common.cpp", "csrc/pt2.cpp", "csrc/memory.cpp", "csrc/memory_cuda.cpp", "csrc/boundary.h", "csrc/probattn.h"];
+    for file in files {
+        println!("cargo:rerun-if-changed={file}");
+    }
+    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    // torch-sys (`links = "tch"`) says where the libtorch it linked lives; its headers are beside.
+    let lib = PathBuf::from(std::env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys did not export DEP_TCH_LIBTORCH_LIB"));
+    let torch_dir = lib.parent().expect("libtorch's lib folder has a parent").to_path_buf();
+    let include = torch_dir.join("include");
+    assert!(
+        include.join("torch/csrc/inductor/aoti_package/model_package_loader.h").is_file(),
+        "{}: libtorch's C++ headers are not there (run ./download_libtorch.sh, or point LIBTORCH at a full libtorch)",
+        include.display()
+    );
+    let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
+
+    let mut build = cc::Build::new();
+    build.cpp(true).std("c++17").define("_GLIBCXX_USE_CXX11_ABI", abi.as_str()).opt_level(2).warnings(true);
+    // -isystem: libtorch's headers' own warnings are not ours.
+    for dir in [include.clone(), include.join("torch/csrc/api/include")] {
+        build.flag("-isystem").flag(dir.to_str().expect("a UTF-8 include path"));
+    }
+    // CUDA's statistics go through c10's device-generic allocator interface: no CUDA header needed.
+    build.files(["csrc/common.cpp", "csrc/pt2.cpp", "csrc/memory.cpp", "csrc/memory_cuda.cpp"]);
+    build.compile("probattn_cxx");
+
+    println!("cargo:rustc-link-search=native={}", lib.display());
+    for name in ["torch_cpu", "c10"] {
+        println!("cargo:rustc-link-lib=dylib={name}");
+    }
+
+    // The CPU memory counter also as a shared library, for the Python side of `probattn bench`.
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let shared = out.join("libprobattn_memory.so");
+    let mut command = build.get_compiler().to_command();
+    command
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&shared)
+        .arg("csrc/memory.cpp")
+        .arg(format!("-L{}", lib.display()))
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .arg("-lc10");
+    let status = command.status().expect("running the C++ compiler");
+    assert!(status.success(), "compiling csrc/memory.cpp as a shared library failed");
+    println!("cargo:rustc-env=PROBATTN_MEMORY_LIB={}", shared.display());
 }

@@ -1,5 +1,7 @@
-//! PyTorch interop: TorchScript modules in, PyTorch state dicts both ways.
+//! PyTorch interop: TorchScript modules and AOTInductor packages in, PyTorch state dicts both ways.
 //!
+//! - [`Pt2Package`] loads an AOTInductor package (`.pt2`, `torch.export` + AOTInductor: what
+//!   PyTorch 2.11 recommends in TorchScript's place) on the CPU or CUDA and runs it (`pt2.rs`).
 //! - [`TorchScript`] loads a module saved by `torch.jit.script(m).save(path)` or
 //!   `torch.jit.trace(m, example).save(path)` (tch's `CModule`) on a device, in eval or train
 //!   mode, lists its parameters and buffers and calls its methods. What is not TorchScript is named before
@@ -22,11 +24,17 @@ use tch::{nn, CModule, Device, IValue, Kind, Tensor};
 
 use crate::{Error, Result};
 
+mod pt2;
+pub use pt2::{InputSpec, Pt2Package, INPUTS_METADATA_KEY};
+
 /// What a file given as a TorchScript module turned out to be.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ArchiveKind {
     /// A TorchScript archive: a zip with `<name>/data.pkl` and `<name>/code/`.
     TorchScript,
+    /// An AOTInductor package (`torch._inductor.aoti_compile_and_package`, `.pt2`): a
+    /// `torch.export` package that holds compiled code under `<name>/data/aotinductor/`.
+    AotInductor,
     /// A `torch.export` package (`torch.export.save`, `.pt2`): a zip with an `archive_format`
     /// entry or `models/` and `data/` folders, and no TorchScript code.
     TorchExport,
@@ -47,6 +55,8 @@ pub fn archive_kind(path: &Path) -> Result<ArchiveKind> {
     let code = has(&|n| n.split('/').nth(1) == Some("code"));
     Ok(if code && has(&|n| n.ends_with("data.pkl")) {
         ArchiveKind::TorchScript
+    } else if has(&|n| n.split('/').skip(1).take(2).eq(["data", "aotinductor"])) {
+        ArchiveKind::AotInductor
     } else if has(&|n| n.ends_with("archive_format")) || (has(&|n| n.split('/').nth(1) == Some("models")) && !code) {
         ArchiveKind::TorchExport
     } else if has(&|n| n.ends_with("data.pkl")) {
@@ -85,11 +95,18 @@ impl TorchScript {
         let file_error = |message: String| Error::File { path: path.into(), message };
         match archive_kind(path)? {
             ArchiveKind::TorchScript => {}
+            ArchiveKind::AotInductor => {
+                return Err(file_error(
+                    "an AOTInductor package (.pt2), not TorchScript: load it with probattn::interop::Pt2Package \
+                     (`probattn compare --pt2`)"
+                        .into(),
+                ))
+            }
             ArchiveKind::TorchExport => {
                 return Err(file_error(
-                    "a torch.export package (.pt2), which libtorch 2.11's C++ API (and so tch) cannot load: \
-                     export the module with torch.jit.script(m).save(PATH) or torch.jit.trace(m, inputs).save(PATH) \
-                     instead (README: PyTorch interop)"
+                    "a torch.export package (.pt2) with no compiled model, which libtorch cannot run: compile it with \
+                     torch._inductor.aoti_compile_and_package(torch.export.export(m, args)) and load that with Pt2Package, \
+                     or export the module with torch.jit.script(m).save(PATH) (README: PyTorch interop)"
                         .into(),
                 ))
             }
@@ -164,12 +181,13 @@ impl TorchScript {
     }
 
     /// The module's buffers (`register_buffer`: BatchNorm's running statistics, constants), by
-    /// dotted name, on the module's device. libtorch's C API as tch exposes it has no list of
-    /// buffers, so they are read from the archive: the values *as saved in the file*, which are
-    /// the module's own unless something in this process has changed them since it was loaded
-    /// (a training-mode forward updating running statistics, say). See `archive.rs`.
+    /// dotted name, on the module's device: libtorch's `torch::jit::Module::named_buffers()`
+    /// through the C++ layer, which tch's C API does not reach. tch does not hand out its module's
+    /// C++ object, so the layer loads the file again to list them: the values are *as saved in the
+    /// file*, which are the module's own unless something in this process has changed them since
+    /// it was loaded (a training-mode forward updating running statistics, say).
     pub fn named_buffers(&self) -> Result<Vec<(String, Tensor)>> {
-        Ok(crate::archive::buffers(&self.path)?.into_iter().map(|(n, t)| (n, t.to_device(self.device))).collect())
+        Ok(crate::cxx::jit_named_buffers(&self.path)?.into_iter().map(|(n, t)| (n, t.to_device(self.device))).collect())
     }
 
     /// Calls `method` (`forward` for the module's call) with `inputs`. A missing method, or inputs

@@ -10,8 +10,8 @@
 //! (An et al. 2020), an SVGD/SPOS gradient hook over the heads ([`repulsive::RepulsiveHook`]).
 
 pub mod allocator;
-mod archive;
 pub mod attention;
+mod cxx;
 pub mod device;
 pub mod diagnostics;
 mod error;
@@ -19,6 +19,7 @@ pub mod interop;
 pub mod io;
 pub mod mask;
 pub mod mc;
+pub mod memory;
 pub mod mha;
 pub mod normalize;
 pub mod repulsive;

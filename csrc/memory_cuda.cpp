@@ -1,0 +1,46 @@
+// CUDA memory statistics: the caching allocator's device stats, the numbers behind
+// torch.cuda.memory_allocated() / max_memory_allocated() / memory_reserved(). Reached through
+// c10's device-generic allocator interface, so no CUDA header is needed to build this: on a
+// machine without CUDA the calls fail with a message, at run time.
+
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "boundary.h"
+
+namespace {
+
+c10::DeviceIndex checked(int64_t device) {
+  // Throws (caught at the boundary) when this libtorch has no CUDA at all.
+  auto count = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->deviceCount();
+  if (device < 0 || device >= count) {
+    throw std::runtime_error("CUDA device " + std::to_string(device) + " does not exist (" + std::to_string(count) +
+                             " CUDA device(s) visible)");
+  }
+  return static_cast<c10::DeviceIndex>(device);
+}
+
+}  // namespace
+
+extern "C" {
+
+char* pa_cuda_memory_stats(int64_t device, int64_t* allocated, int64_t* allocated_peak, int64_t* reserved, int64_t* reserved_peak) {
+  return probattn::guard([&] {
+    auto index = checked(device);
+    auto stats = c10::getDeviceAllocator(c10::DeviceType::CUDA)->getDeviceStats(index);
+    constexpr auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    *allocated = stats.allocated_bytes[all].current;
+    *allocated_peak = stats.allocated_bytes[all].peak;
+    *reserved = stats.reserved_bytes[all].current;
+    *reserved_peak = stats.reserved_bytes[all].peak;
+  });
+}
+
+char* pa_cuda_memory_reset_peak(int64_t device) {
+  return probattn::guard([&] {
+    auto index = checked(device);
+    c10::getDeviceAllocator(c10::DeviceType::CUDA)->resetPeakStats(index);
+  });
+}
+
+}  // extern "C"

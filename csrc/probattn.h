@@ -1,0 +1,60 @@
+// probattn's C++ layer: what libtorch's C++ API has and tch's C API does not reach.
+//
+// Every function is `extern "C"`, catches every C++ exception, and returns NULL on success or an
+// error message (free it with pa_string_free) on failure: nothing thrown inside libtorch crosses
+// into Rust, where unwinding through a foreign frame would abort the process.
+// Tensors are tch's `C_tensor`, i.e. `at::Tensor*`: inputs are borrowed, every `at::Tensor*`
+// handed out is new and owned by the caller (tch's `Tensor::from_ptr` takes it).
+// The only caller is src/cxx.rs, the one place with `unsafe` on the Rust side.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+namespace at { class Tensor; }
+typedef at::Tensor pa_tensor;
+extern "C" {
+#else
+typedef struct pa_tensor pa_tensor;
+#endif
+
+typedef struct pa_tensors pa_tensors;  // a list of (name, tensor)
+typedef struct pa_pt2 pa_pt2;          // a loaded AOTInductor package
+
+void pa_string_free(char* s);
+
+// ---- lists of named tensors
+size_t pa_tensors_len(const pa_tensors* list);
+const char* pa_tensors_name(const pa_tensors* list, size_t i);  // borrowed, "" when unnamed
+pa_tensor* pa_tensors_get(const pa_tensors* list, size_t i);    // new handle, owned by the caller
+void pa_tensors_free(pa_tensors* list);
+
+// ---- AOTInductor packages (.pt2)
+// The package's metadata (AOTI_DEVICE_KEY, user metadata) as a JSON object, read without loading
+// the compiled model.
+char* pa_pt2_metadata(const char* path, const char* model_name, char** json);
+// device_index: -1 for the CPU, else the CUDA device the package runs on.
+char* pa_pt2_load(const char* path, const char* model_name, int64_t device_index, pa_pt2** out);
+char* pa_pt2_run(pa_pt2* package, const pa_tensor* const* inputs, size_t n, pa_tensors** outputs);
+// The package's weights and buffers by their original (state_dict) names.
+char* pa_pt2_constants(pa_pt2* package, pa_tensors** out);
+void pa_pt2_free(pa_pt2* package);
+
+// ---- TorchScript
+// torch::jit::Module::named_buffers() of the module saved at `path`, loaded on the CPU.
+char* pa_jit_named_buffers(const char* path, pa_tensors** out);
+
+// ---- memory statistics
+// CPU: a counting allocator for libtorch's CPU tensors (installed once, on the first call; tensors
+// allocated before it are not counted). Bytes held by live tensors, and the most since the last reset.
+char* pa_cpu_memory_track(void);
+char* pa_cpu_memory_stats(int64_t* current, int64_t* peak, int64_t* tracking);
+char* pa_cpu_memory_reset_peak(void);
+// CUDA: the caching allocator's device statistics (allocated and reserved bytes, current and peak).
+char* pa_cuda_memory_stats(int64_t device, int64_t* allocated, int64_t* allocated_peak, int64_t* reserved, int64_t* reserved_peak);
+char* pa_cuda_memory_reset_peak(int64_t device);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,197 @@
+//! The boundary with the C++ layer (`csrc/`, compiled by `build.rs` against the libtorch tch
+//! links): the `extern "C"` declarations and the only `unsafe` code that calls them. Everything
+//! public is safe and returns [`Error`]; [`crate::interop`] and [`crate::memory`] build on it.
+//!
+//! Each C++ function catches every exception and returns it as a message (see
+//! `csrc/probattn.h`), so libtorch's errors arrive here as values, never as an abort.
+
+use std::ffi::{c_char, CStr, CString};
+use std::path::Path;
+use std::ptr;
+
+use tch::Tensor;
+use torch_sys::C_tensor;
+
+use crate::{Error, Result};
+
+#[repr(C)]
+struct PaTensors {
+    _opaque: [u8; 0],
+}
+
+#[repr(C)]
+struct PaPt2 {
+    _opaque: [u8; 0],
+}
+
+extern "C" {
+    fn pa_string_free(s: *mut c_char);
+    fn pa_tensors_len(list: *const PaTensors) -> usize;
+    fn pa_tensors_name(list: *const PaTensors, i: usize) -> *const c_char;
+    fn pa_tensors_get(list: *const PaTensors, i: usize) -> *mut C_tensor;
+    fn pa_tensors_free(list: *mut PaTensors);
+    fn pa_pt2_metadata(path: *const c_char, model_name: *const c_char, json: *mut *mut c_char) -> *mut c_char;
+    fn pa_pt2_load(path: *const c_char, model_name: *const c_char, device_index: i64, out: *mut *mut PaPt2) -> *mut c_char;
+    fn pa_pt2_run(package: *mut PaPt2, inputs: *const *const C_tensor, n: usize, outputs: *mut *mut PaTensors) -> *mut c_char;
+    fn pa_pt2_constants(package: *mut PaPt2, out: *mut *mut PaTensors) -> *mut c_char;
+    fn pa_pt2_free(package: *mut PaPt2);
+    fn pa_jit_named_buffers(path: *const c_char, out: *mut *mut PaTensors) -> *mut c_char;
+    fn pa_cpu_memory_track() -> *mut c_char;
+    fn pa_cpu_memory_stats(current: *mut i64, peak: *mut i64, tracking: *mut i64) -> *mut c_char;
+    fn pa_cpu_memory_reset_peak() -> *mut c_char;
+    fn pa_cuda_memory_stats(device: i64, allocated: *mut i64, allocated_peak: *mut i64, reserved: *mut i64, reserved_peak: *mut i64) -> *mut c_char;
+    fn pa_cuda_memory_reset_peak(device: i64) -> *mut c_char;
+}
+
+/// Takes ownership of a C string the C++ layer allocated.
+fn take_string(s: *mut c_char) -> String {
+    // SAFETY: `s` is NULL or a NUL-terminated string from `copy_string`/`strdup` (malloc), freed
+    // here exactly once.
+    unsafe {
+        let text = CStr::from_ptr(s).to_string_lossy().into_owned();
+        pa_string_free(s);
+        text
+    }
+}
+
+/// `Ok` when the C++ call returned no message; `what` names the call in the error.
+fn check(message: *mut c_char, what: impl FnOnce(String) -> Error) -> Result<()> {
+    if message.is_null() {
+        Ok(())
+    } else {
+        Err(what(take_string(message)))
+    }
+}
+
+fn c_path(path: &Path) -> Result<CString> {
+    let text = path.to_str().ok_or_else(|| Error::Config(format!("{}: the C++ layer needs a UTF-8 path", path.display())))?;
+    CString::new(text).map_err(|_| Error::Config(format!("{text:?}: a path with a NUL byte")))
+}
+
+/// Moves a `pa_tensors` list into Rust and frees it.
+fn take_tensors(list: *mut PaTensors) -> Vec<(String, Tensor)> {
+    // SAFETY: `list` is a live list from the C++ layer; `pa_tensors_get` returns a new
+    // `at::Tensor*` that `Tensor::from_ptr` owns from then on; the list is freed once, after.
+    unsafe {
+        let n = pa_tensors_len(list);
+        let mut out = Vec::with_capacity(n);
+        for i in 0..n {
+            let name = pa_tensors_name(list, i);
+            let name = if name.is_null() { String::new() } else { CStr::from_ptr(name).to_string_lossy().into_owned() };
+            let t = pa_tensors_get(list, i);
+            if !t.is_null() {
+                out.push((name, Tensor::from_ptr(t)));
+            }
+        }
+        pa_tensors_free(list);
+        out
+    }
+}
+
+fn file_error(path: &Path) -> impl FnOnce(String) -> Error + '_ {
+    move |message| Error::File { path: path.into(), message }
+}
+
+/// The metadata of the AOTInductor package at `path` (`AOTI_DEVICE_KEY`, the user's own), read
+/// without loading the compiled model.
+pub(crate) fn pt2_metadata(path: &Path, model_name: &str) -> Result<String> {
+    let (p, m) = (c_path(path)?, CString::new(model_name).map_err(|_| Error::Config("a model name with a NUL byte".into()))?);
+    let mut json = ptr::null_mut();
+    // SAFETY: valid C strings; `json` is written on success only.
+    check(unsafe { pa_pt2_metadata(p.as_ptr(), m.as_ptr(), &mut json) }, file_error(path))?;
+    Ok(take_string(json))
+}
+
+/// A loaded AOTInductor package (owns libtorch's `AOTIModelPackageLoader`).
+#[derive(Debug)]
+pub(crate) struct Pt2Handle {
+    raw: *mut PaPt2,
+}
+
+impl Pt2Handle {
+    /// `device_index`: −1 for the CPU, else the CUDA device.
+    pub(crate) fn load(path: &Path, model_name: &str, device_index: i64) -> Result<Self> {
+        let (p, m) = (c_path(path)?, CString::new(model_name).map_err(|_| Error::Config("a model name with a NUL byte".into()))?);
+        let mut raw = ptr::null_mut();
+        // SAFETY: valid C strings; `raw` is written on success only.
+        check(unsafe { pa_pt2_load(p.as_ptr(), m.as_ptr(), device_index, &mut raw) }, file_error(path))?;
+        Ok(Self { raw })
+    }
+
+    /// Runs the compiled model on `inputs` (borrowed) and returns its outputs.
+    pub(crate) fn run(&self, inputs: &[&Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+        let pointers: Vec<*const C_tensor> = inputs.iter().map(|t| t.as_ptr()).collect();
+        let mut list = ptr::null_mut();
+        // SAFETY: `self.raw` is live; the input pointers borrow tensors that outlive the call.
+        let message = unsafe { pa_pt2_run(self.raw, pointers.as_ptr(), pointers.len(), &mut list) };
+        if !message.is_null() {
+            return Err(take_string(message));
+        }
+        Ok(take_tensors(list).into_iter().map(|(_, t)| t).collect())
+    }
+
+    /// The package's weights and buffers under their original (`state_dict`) names.
+    pub(crate) fn constants(&self) -> std::result::Result<Vec<(String, Tensor)>, String> {
+        let mut list = ptr::null_mut();
+        // SAFETY: `self.raw` is live.
+        let message = unsafe { pa_pt2_constants(self.raw, &mut list) };
+        if !message.is_null() {
+            return Err(take_string(message));
+        }
+        Ok(take_tensors(list))
+    }
+}
+
+impl Drop for Pt2Handle {
+    fn drop(&mut self) {
+        // SAFETY: `raw` came from `pa_pt2_load` and is freed once.
+        unsafe { pa_pt2_free(self.raw) }
+    }
+}
+
+/// `torch::jit::Module::named_buffers()` of the TorchScript module at `path`, loaded on the CPU.
+pub(crate) fn jit_named_buffers(path: &Path) -> Result<Vec<(String, Tensor)>> {
+    let p = c_path(path)?;
+    let mut list = ptr::null_mut();
+    // SAFETY: a valid C string; `list` is written on success only.
+    check(unsafe { pa_jit_named_buffers(p.as_ptr(), &mut list) }, |m| Error::File { path: path.into(), message: format!("listing its buffers: {m}") })?;
+    Ok(take_tensors(list))
+}
+
+fn memory_error(message: String) -> Error {
+    Error::Device(format!("memory statistics: {message}"))
+}
+
+/// Installs the counting CPU allocator (once; later calls do nothing).
+pub(crate) fn cpu_memory_track() -> Result<()> {
+    // SAFETY: no arguments.
+    check(unsafe { pa_cpu_memory_track() }, memory_error)
+}
+
+/// `(current, peak, tracking)`: bytes held by counted CPU tensors, the most since the last reset,
+/// and whether the counting allocator is the CPU allocator now.
+pub(crate) fn cpu_memory_stats() -> Result<(i64, i64, bool)> {
+    let (mut current, mut peak, mut tracking) = (0, 0, 0);
+    // SAFETY: three valid out-pointers.
+    check(unsafe { pa_cpu_memory_stats(&mut current, &mut peak, &mut tracking) }, memory_error)?;
+    Ok((current, peak, tracking != 0))
+}
+
+pub(crate) fn cpu_memory_reset_peak() -> Result<()> {
+    // SAFETY: no arguments.
+    check(unsafe { pa_cpu_memory_reset_peak() }, memory_error)
+}
+
+/// `(allocated, allocated peak, reserved, reserved peak)` bytes of CUDA device `device`.
+pub(crate) fn cuda_memory_stats(device: i64) -> Result<[i64; 4]> {
+    let mut s = [0i64; 4];
+    let [a, ap, r, rp] = &mut s;
+    // SAFETY: four valid out-pointers.
+    check(unsafe { pa_cuda_memory_stats(device, a, ap, r, rp) }, memory_error)?;
+    Ok(s)
+}
+
+pub(crate) fn cuda_memory_reset_peak(device: i64) -> Result<()> {
+    // SAFETY: a plain integer argument.
+    check(unsafe { pa_cuda_memory_reset_peak(device) }, memory_error)
+}
