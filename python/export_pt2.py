@@ -58,18 +58,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import export_torchscript as ets  # noqa: E402  (the same modules and inputs)
 
 
-class _Seq2Seq(torch.nn.Module):
-    """nn.Transformer as a sequence-to-sequence model, with the causal mask built inside."""
+class _Seq2Seq(torch.nn.Transformer):
+    """nn.Transformer called as a sequence-to-sequence model, with the causal mask built inside.
+    A subclass rather than a wrapper, so its weights keep nn.Transformer's state_dict names.
 
-    def __init__(self, module):
-        super().__init__()
-        self.transformer = module
+    Two of nn.Transformer's eval-mode shortcuts look at the data, which torch.export cannot
+    trace: the encoder's nested-tensor path (it inspects the padding mask) is turned off, and the
+    target mask is declared causal (`tgt_is_causal=True`) instead of being compared with a causal
+    mask at run time. Neither changes what is computed."""
 
     def forward(self, src, tgt, src_key_padding_mask=None, tgt_key_padding_mask=None):
-        t = tgt.shape[1 if self.transformer.batch_first else 0]
+        t = tgt.shape[1 if self.batch_first else 0]
         causal = torch.ones(t, t, dtype=torch.bool, device=tgt.device).triu(1)
-        return self.transformer(src, tgt, tgt_mask=causal, src_key_padding_mask=src_key_padding_mask,
-                                tgt_key_padding_mask=tgt_key_padding_mask, memory_key_padding_mask=src_key_padding_mask)
+        return super().forward(src, tgt, tgt_mask=causal, tgt_is_causal=True, src_key_padding_mask=src_key_padding_mask,
+                               tgt_key_padding_mask=tgt_key_padding_mask, memory_key_padding_mask=src_key_padding_mask)
+
+
+def as_seq2seq(module):
+    """The nn.Transformer `module` (its weights untouched) as a _Seq2Seq."""
+    module.__class__ = _Seq2Seq
+    module.encoder.enable_nested_tensor = False
+    return module.eval()
 
 
 def example_call(args, module, inputs):
@@ -81,7 +90,7 @@ def example_call(args, module, inputs):
         return module, positional, keywords, ["query", "key", "value"] + list(keywords)
     positional = (inputs["src"], inputs["tgt"])
     keywords = {k: inputs[k] for k in ("src_key_padding_mask", "tgt_key_padding_mask") if k in inputs}
-    return _Seq2Seq(module).eval(), positional, keywords, ["src", "tgt"] + list(keywords)
+    return as_seq2seq(module), positional, keywords, ["src", "tgt"] + list(keywords)
 
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.bool: "bool", torch.int64: "int64"}

@@ -15,6 +15,17 @@ Models (float32, eval mode):
                classes) over a random graph of 13,264 edges with self-loops (Cora has 13,264)
 Writes OUT/speed.json and OUT/speed.md; every number comes from this one run.
 
+    python python/interop_speed.py --pt2 --probattn target/release/probattn --threads 1 --out results/interop
+
+`--pt2` compares instead one AOTInductor package (python/export_pt2.py's export of the same
+`mha` and `transformer` modules, compiled here, about a minute each) loaded two ways: from Rust
+(`probattn compare --pt2`, libtorch's AOTIModelPackageLoader through probattn's C++ layer) and
+from Python (`torch._inductor.aoti_load_package`), with the same input checks on
+(AOTI_RUNTIME_CHECK_INPUTS=1, which probattn turns on). Each side times its package call
+alternated with its other model (probattn's native model in Rust, PyTorch eager in Python): 3
+warm-up calls each, then `--repeats` rounds of one call each, alternating which goes first, the
+median reported. Writes OUT/pt2_speed.json and OUT/pt2_speed.md.
+
 The script re-runs itself under the allocator setting the probattn binary uses (`--allocator
 retain`: glibc keeps freed memory instead of unmapping it, MALLOC_MMAP_MAX_=0 and an unreachable
 MALLOC_TRIM_THRESHOLD_, as src/allocator.rs gives its own children), so that PyTorch eager is timed
@@ -85,7 +96,77 @@ def gat(out):
     return m, x, lambda: m(x["x"], x["dst"], x["src"]), ["--native", "gat"]
 
 
-RETAIN = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "4611686018427387904"}
+RETAIN = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "4611686018427387904", "AOTI_RUNTIME_CHECK_INPUTS": "1"}
+
+
+def paired_median_ms(a, b, repeats):
+    """Median milliseconds per call of `a` and of `b`, as probattn compare times its two sides:
+    three warm-up calls each, then `repeats` rounds of one call each, alternating which goes first."""
+    import statistics
+    import time
+
+    def timed(f):
+        start = time.perf_counter()
+        f()
+        return 1e3 * (time.perf_counter() - start)
+
+    with torch.no_grad():
+        for _ in range(3):
+            a()
+            b()
+        ta, tb = [], []
+        for r in range(repeats):
+            if r % 2 == 0:
+                ta.append(timed(a))
+                tb.append(timed(b))
+            else:
+                tb.append(timed(b))
+                ta.append(timed(a))
+    return statistics.median(ta), statistics.median(tb)
+
+
+def pt2_rows(args):
+    """Each model's package from Rust and from Python, one run."""
+    from export_pt2 import as_seq2seq, compile_package
+
+    rows = []
+    for name, build in (("mha", mha), ("transformer", transformer)):
+        module, inputs, call, native = build(args.out)
+        if name == "mha":
+            order = ["query", "key", "value", "key_padding_mask"]
+            exported, positional, keywords = module, tuple(inputs[k] for k in order[:3]), {"key_padding_mask": inputs[order[3]]}
+        else:
+            order = ["src", "tgt", "src_key_padding_mask", "tgt_key_padding_mask"]
+            exported = as_seq2seq(module)
+            positional, keywords = (inputs["src"], inputs["tgt"]), {k: inputs[k] for k in order[2:]}
+        package, st = os.path.join(args.out, f"{name}.pt2"), os.path.join(args.out, f"{name}.inputs.safetensors")
+        with torch.no_grad():
+            compile_package(exported, positional, keywords, order, package)
+        save_file({k: v.contiguous() for k, v in inputs.items()}, st)
+        loaded = torch._inductor.aoti_load_package(package)
+        xs = [inputs[k] for k in order]
+        python_ms, eager_ms = paired_median_ms(lambda: loaded(*xs), call, args.repeats)
+        res = subprocess.run([args.probattn, "compare", "--pt2", package, "--inputs", st, "--json", "--threads", str(args.threads),
+                              "--repeats", str(args.repeats)] + native, capture_output=True, text=True)
+        if res.returncode != 0:
+            sys.exit(f"probattn compare --pt2 failed on {name}: {res.stderr}")
+        c = json.loads(res.stdout)
+        rows.append({"model": name, "rust_pt2_ms": c["torchscript_ms"], "python_pt2_ms": python_ms, "native_ms": c["native_ms"],
+                     "eager_ms": eager_ms, "max_rel_diff": max(o["max_rel_diff"] for o in c["outputs"]), "threads": args.threads})
+        for f in (package, st):
+            os.remove(f)
+        print(f"{name}: package from Rust {c['torchscript_ms']:.3f} ms, from Python {python_ms:.3f} ms", file=sys.stderr)
+    meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats, "rows": rows}
+    with open(os.path.join(args.out, "pt2_speed.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    lines = ["| model | .pt2 from Rust (ms) | .pt2 from Python (ms) | Rust / Python | probattn native (ms) | PyTorch eager (ms) | max rel diff (package vs native) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['rust_pt2_ms']:.3f} | {r['python_pt2_ms']:.3f} | {r['rust_pt2_ms'] / r['python_pt2_ms']:.3f} | "
+                     f"{r['native_ms']:.3f} | {r['eager_ms']:.3f} | {r['max_rel_diff']:.1e} |")
+    with open(os.path.join(args.out, "pt2_speed.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main():
@@ -96,9 +177,12 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--pt2", action="store_true", help="the .pt2 package from Rust and from Python instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
+    if args.pt2:
+        return pt2_rows(args)
     rows = []
     for name, build in (("mha", mha), ("transformer", transformer), ("translation", translation), ("gat", gat)):
         module, inputs, call, native = build(args.out)

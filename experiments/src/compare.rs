@@ -1,6 +1,12 @@
-//! `probattn compare`: a TorchScript module and the native probattn model holding the same
-//! weights, on the same inputs: the largest differences of every output (and, with
-//! `--backward`, of every gradient) and the median time per call of each side.
+//! `probattn compare`: a TorchScript module (`--torchscript`) or an AOTInductor package
+//! (`--pt2`) and the native probattn model holding the same weights, on the same inputs: the
+//! largest differences of every output (and, with `--backward`, of every gradient: TorchScript
+//! only, a package has no backward) and the median time per call of each side.
+//!
+//! A package takes tensors only, in the order its exported program takes them (python/
+//! export_pt2.py: query, key, value, key_padding_mask for attention; src, tgt, src_key_padding_mask,
+//! tgt_key_padding_mask for nn.Transformer, its causal mask built inside), at the shapes and dtype
+//! it was exported with; its weights come from the package itself, under their state_dict names.
 //!
 //! `--native mha` pairs with `torch.nn.MultiheadAttention` (scripted or traced): its forward
 //! arguments come from `--inputs IN.safetensors` by name (`query`, `key`, `value`, optional
@@ -15,7 +21,7 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::{Args, ValueEnum};
-use probattn::interop::{import_params, TorchScript};
+use probattn::interop::{import_params, Pt2Package, TorchScript};
 use probattn::{check_finite, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Variant};
 use probattn_models::transformer::{config_of_pytorch, pytorch_renamer, Transformer, TransformerConfig};
 use probattn_models::gat::{Features, Gat, GatConfig};
@@ -66,8 +72,12 @@ pub enum DType {
 #[derive(Args, Debug)]
 pub struct CompareArgs {
     /// The TorchScript module (saved with torch.jit.script(m).save(PATH) or torch.jit.trace).
+    #[arg(long, required_unless_present = "pt2", conflicts_with = "pt2")]
+    pub torchscript: Option<PathBuf>,
+    /// Or an AOTInductor package (.pt2: torch._inductor.aoti_compile_and_package of a
+    /// torch.export program; python/export_pt2.py), run forward only, at its exported shapes.
     #[arg(long)]
-    pub torchscript: PathBuf,
+    pub pt2: Option<PathBuf>,
     /// The native model that receives the module's weights by name.
     #[arg(long, value_enum)]
     pub native: NativeModel,
@@ -150,8 +160,12 @@ pub struct Difference {
 #[derive(Debug, Serialize)]
 pub struct Comparison {
     pub outputs: Vec<Difference>,
+    /// The PyTorch side's median milliseconds per call (the name predates `--pt2`; it is the
+    /// package's time when `reference` is "pt2").
     pub torchscript_ms: f64,
     pub native_ms: f64,
+    /// What the PyTorch side was: "torchscript" or "pt2".
+    pub reference: String,
     pub native: String,
     pub variant: String,
     pub batch_first: bool,
@@ -181,6 +195,69 @@ pub struct GreedyReport {
     pub native_sentences_per_second: f64,
 }
 
+impl CompareArgs {
+    /// The file given as `--torchscript` or `--pt2`.
+    fn module_path(&self) -> &std::path::Path {
+        self.torchscript.as_deref().or(self.pt2.as_deref()).unwrap_or(std::path::Path::new("(none)"))
+    }
+}
+
+/// The PyTorch side of a comparison.
+enum Reference {
+    Script(TorchScript),
+    Pt2(Pt2Package),
+}
+
+impl Reference {
+    fn load(args: &CompareArgs, device: Device) -> Result<Self> {
+        Ok(match (&args.torchscript, &args.pt2) {
+            (Some(path), None) => Reference::Script(TorchScript::load(path, device)?),
+            (None, Some(path)) => Reference::Pt2(Pt2Package::load(path, device)?),
+            _ => bail!("give one of --torchscript and --pt2"),
+        })
+    }
+
+    /// Weights by PyTorch name: a module's parameters, a package's constants.
+    fn named_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(match self {
+            Reference::Script(ts) => ts.named_parameters()?,
+            Reference::Pt2(p) => p.named_constants()?,
+        })
+    }
+
+    /// Calls forward. A package takes tensors only: the tensors among `inputs`, in order (a
+    /// `None` is an input the package was exported without).
+    fn forward_tensors(&self, inputs: &[IValue]) -> Result<Vec<(usize, Tensor)>> {
+        match self {
+            Reference::Script(ts) => Ok(ts.forward_tensors(inputs)?),
+            Reference::Pt2(p) => {
+                let mut tensors = vec![];
+                for v in inputs {
+                    match v {
+                        IValue::Tensor(t) => tensors.push(t),
+                        IValue::None => {}
+                        _ => bail!("{}: a .pt2 package takes tensors only", p.path().display()),
+                    }
+                }
+                Ok(p.run(&tensors)?.into_iter().enumerate().collect())
+            }
+        }
+    }
+
+    /// Casts a TorchScript module; a package runs in the dtype it was exported in.
+    fn to_kind(&mut self, kind: Kind, saved: Kind) -> Result<()> {
+        match self {
+            Reference::Script(ts) => ts.to_kind(kind),
+            Reference::Pt2(p) => ensure!(
+                kind == saved,
+                "{}: a .pt2 package runs in the dtype it was exported in ({saved:?}), not {kind:?}: export it again with --dtype",
+                p.path().display()
+            ),
+        }
+        Ok(())
+    }
+}
+
 fn difference(name: &str, reference: &Tensor, ours: &Tensor) -> Result<Difference> {
     ensure!(reference.size() == ours.size(), "{name}: TorchScript gives shape {:?}, probattn {:?}", reference.size(), ours.size());
     let (r, o) = (reference.to_kind(Kind::Double), ours.to_kind(Kind::Double));
@@ -189,12 +266,13 @@ fn difference(name: &str, reference: &Tensor, ours: &Tensor) -> Result<Differenc
     Ok(Difference { name: name.into(), max_abs_diff, max_rel_diff: if scale > 0.0 { max_abs_diff / scale } else { max_abs_diff } })
 }
 
-/// A TorchScript module and a native model with its weights, called on the same inputs.
+/// A PyTorch module (TorchScript or a package) and a native model with its weights, called on
+/// the same inputs.
 trait Pair {
     /// The forward arguments that are differentiated (`query`, `key`, `value`; `src`, `tgt`).
     fn inputs(&self) -> Vec<(&'static str, Tensor)>;
     /// The module's named outputs on `xs` (the first is the one the backward pass weighs).
-    fn torchscript(&self, ts: &TorchScript, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>>;
+    fn torchscript(&self, ts: &Reference, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>>;
     /// The native model's, in the module's layout.
     fn native(&self, xs: &[Tensor], batch_first: bool) -> Result<Vec<(&'static str, Tensor)>>;
     /// The layout when the pair has only one (token-id models are batch-first).
@@ -214,7 +292,7 @@ impl<P: Pair> Pair for std::rc::Rc<P> {
     fn inputs(&self) -> Vec<(&'static str, Tensor)> {
         (**self).inputs()
     }
-    fn torchscript(&self, ts: &TorchScript, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
+    fn torchscript(&self, ts: &Reference, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
         (**self).torchscript(ts, xs)
     }
     fn native(&self, xs: &[Tensor], batch_first: bool) -> Result<Vec<(&'static str, Tensor)>> {
@@ -289,7 +367,7 @@ impl Pair for MhaPair {
         ["query", "key", "value"].into_iter().zip(self.inputs.iter().map(Tensor::shallow_clone)).collect()
     }
 
-    fn torchscript(&self, ts: &TorchScript, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
+    fn torchscript(&self, ts: &Reference, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
         let outs = ts.forward_tensors(&tensor_inputs(xs, self.key_padding_mask.as_ref().map(|m| IValue::Tensor(m.shallow_clone()))))?;
         Ok(["output", "weights"].into_iter().zip(outs.into_iter().map(|(_, t)| t)).collect())
     }
@@ -311,7 +389,7 @@ fn mha_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, 
         (None, Some(q), Some(k), Some(v)) => (q[0], Some(k[1]), Some(v[1])),
         _ => bail!(
             "{}: no in_proj_weight (or q/k/v_proj_weight) among its parameters ({}): not an nn.MultiheadAttention",
-            args.torchscript.display(),
+            args.module_path().display(),
             params.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
         ),
     };
@@ -362,7 +440,13 @@ impl Pair for TransformerPair {
         ["src", "tgt"].into_iter().zip(self.inputs.iter().map(Tensor::shallow_clone)).collect()
     }
 
-    fn torchscript(&self, ts: &TorchScript, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
+    fn torchscript(&self, ts: &Reference, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
+        if let Reference::Pt2(_) = ts {
+            // python/export_pt2.py's seq2seq wrapper: the causal mask is built inside.
+            let pads = [&self.src_pad, &self.tgt_pad].map(|m| m.as_ref().map_or(IValue::None, |m| IValue::Tensor(m.shallow_clone())));
+            let outs = ts.forward_tensors(&tensor_inputs(xs, pads))?;
+            return Ok(vec![("output", outs.into_iter().next().context("the package returned no tensor")?.1)]);
+        }
         // Which dimension is time cannot be told from nn.Transformer's call either: the causal
         // mask is square in the target length, so try the time-first reading, then batch-first
         // (when N = T both give the same mask), and keep the one that worked.
@@ -396,7 +480,7 @@ impl Pair for TransformerPair {
 
 fn transformer_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, device: Device) -> Result<TransformerPair> {
     let heads = args.heads.context("--native transformer needs --heads (the head count is not stored in the weights)")?;
-    let cfg = config_of_pytorch(params, heads, args.variant).with_context(|| args.torchscript.display().to_string())?;
+    let cfg = config_of_pytorch(params, heads, args.variant).with_context(|| args.module_path().display().to_string())?;
     let embed_dim = cfg.embed_dim;
     let model = Transformer::new(&vs.root(), cfg)?;
     let known = ["src", "tgt", "src_key_padding_mask", "tgt_key_padding_mask"];
@@ -426,7 +510,7 @@ impl Pair for TranslationPair {
         vec![]
     }
 
-    fn torchscript(&self, ts: &TorchScript, _xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
+    fn torchscript(&self, ts: &Reference, _xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
         let out = ts.forward_tensors(&[IValue::Tensor(self.src.shallow_clone()), IValue::Tensor(self.prev.shallow_clone())])?;
         Ok(vec![("logits", out.into_iter().next().context("the TorchScript module returned no tensor")?.1)])
     }
@@ -446,7 +530,7 @@ impl Pair for TranslationPair {
 
 fn translation_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, device: Device) -> Result<TranslationPair> {
     let Some(embed) = params.iter().find(|(n, _)| n == "embed").map(|(_, t)| t.size()) else {
-        bail!("{}: no 'embed' parameter: not python/baselines/translate.py's model", args.torchscript.display());
+        bail!("{}: no 'embed' parameter: not python/baselines/translate.py's model", args.module_path().display());
     };
     let (vocab, embed_dim) = (embed[0], embed[1]);
     let count = |side: &str| (0..).take_while(|i| params.iter().any(|(n, _)| n.starts_with(&format!("{side}.{i}.")))).count();
@@ -508,7 +592,7 @@ impl Pair for GatPair {
         vec![("x", self.x.shallow_clone())]
     }
 
-    fn torchscript(&self, ts: &TorchScript, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
+    fn torchscript(&self, ts: &Reference, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
         let out = ts.forward_tensors(&tensor_inputs(xs, [IValue::Tensor(self.dst.shallow_clone()), IValue::Tensor(self.src.shallow_clone())]))?;
         Ok(vec![("logits", out.into_iter().next().context("the TorchScript module returned no tensor")?.1)])
     }
@@ -526,7 +610,7 @@ impl Pair for GatPair {
 
 fn gat_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, device: Device) -> Result<GatPair> {
     let size = |name: &str| {
-        params.iter().find(|(n, _)| n == name).map(|(_, t)| t.size()).with_context(|| format!("{}: no '{name}' parameter: not python/baselines/gat.py's model", args.torchscript.display()))
+        params.iter().find(|(n, _)| n == name).map(|(_, t)| t.size()).with_context(|| format!("{}: no '{name}' parameter: not python/baselines/gat.py's model", args.module_path().display()))
     };
     let (a1, a2, w1) = (size("l1.att_src")?, size("l2.att_src")?, size("l1.weight")?);
     let cfg = GatConfig { heads: a1[0], hidden: a1[1], output_heads: a2[0], ..GatConfig::transductive(args.variant) };
@@ -559,7 +643,7 @@ fn gat_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, 
 }
 
 /// Both models' greedy translations of `--greedy-file`, in the same batches.
-fn compare_greedy(args: &CompareArgs, pair: &TranslationPair, ts: &TorchScript, file: &std::path::Path, device: Device) -> Result<GreedyReport> {
+fn compare_greedy(args: &CompareArgs, pair: &TranslationPair, ts: &Reference, file: &std::path::Path, device: Device) -> Result<GreedyReport> {
     let tok = args.tokenizer.as_deref().context("--greedy-file needs --tokenizer (the run's tokenizer.json)")?;
     let tokenizer = crate::translate::data::load_tokenizer(tok)?;
     let mut lines = crate::translate::data::read_sentences(file).with_context(|| format!("--greedy-file {}", file.display()))?;
@@ -650,7 +734,10 @@ fn paired_median_ms(device: Device, repeats: u32, mut a: impl FnMut() -> Result<
 }
 
 fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
-    let mut ts = TorchScript::load(&args.torchscript, device)?;
+    let is_pt2 = args.pt2.is_some();
+    ensure!(!(is_pt2 && args.backward), "--backward needs --torchscript: a .pt2 package runs forward only (AOTInductor compiles no backward)");
+    ensure!(!(is_pt2 && args.greedy_file.is_some()), "--greedy-file needs --torchscript: a .pt2 package runs only at its exported shapes");
+    let mut ts = Reference::load(args, device)?;
     let saved = ts.named_parameters()?;
     let mut vs = nn::VarStore::new(device);
     if args.inputs.is_none() {
@@ -673,7 +760,7 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
         DType::Float32 => Kind::Float,
         DType::Float64 => Kind::Double,
     };
-    ts.to_kind(kind);
+    ts.to_kind(kind, saved_kind)?;
     if kind == Kind::Double {
         vs.double();
     }
@@ -757,6 +844,7 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
         outputs,
         torchscript_ms,
         native_ms,
+        reference: if is_pt2 { "pt2" } else { "torchscript" }.into(),
         native: format!("{:?}", args.native).to_lowercase(),
         variant: args.variant.to_string(),
         batch_first,
@@ -778,7 +866,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     }
     println!(
         "{} vs probattn {} ({}, batch_first {}, {}, {}, {} threads)",
-        args.torchscript.display(),
+        args.module_path().display(),
         c.native,
         c.variant,
         c.batch_first,
@@ -788,7 +876,8 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     );
     let rows: Vec<Vec<String>> = c.outputs.iter().map(|d| vec![d.name.clone(), format!("{:.3e}", d.max_abs_diff), format!("{:.3e}", d.max_rel_diff)]).collect();
     println!("{}", crate::report::markdown_table(&["tensor", "max abs diff", "max rel diff"], &rows));
-    println!("time per call (median of {}): TorchScript {:.3} ms, probattn {:.3} ms (ratio {:.2})", c.repeats, c.torchscript_ms, c.native_ms, c.native_ms / c.torchscript_ms);
+    let side = if c.reference == "pt2" { "the .pt2 package" } else { "TorchScript" };
+    println!("time per call (median of {}): {side} {:.3} ms, probattn {:.3} ms (ratio {:.2})", c.repeats, c.torchscript_ms, c.native_ms, c.native_ms / c.torchscript_ms);
     if let Some(g) = &c.greedy {
         println!(
             "greedy decoding of {} sentences: {} identical token for token{}; TorchScript (no cache) {:.1} sentences/s, probattn (cached) {:.1}",

@@ -272,3 +272,37 @@ fn bad_input_is_named() -> Result<()> {
     ensure!(o.status.code() == Some(1) && text(&o).contains("--no-such-flag"), "{}", text(&o));
     Ok(())
 }
+
+#[test]
+fn pt2_packages_compare_like_torchscript() -> Result<()> {
+    // nn.MultiheadAttention with a key padding mask, and nn.Transformer, as AOTInductor packages
+    // (python/export_pt2.py compiles each, ~30 s here): the same --inputs file, the same JSON.
+    let tmp = TempDir::new("compare-pt2")?;
+    let p = |name: &str| tmp.path(name).to_string_lossy().to_string();
+    let mha = ["mha", "--embed-dim", "16", "--heads", "4", "--key-padding", "--batch-first"];
+    run_python("export_pt2.py", &[&mha[..], &["--out", &p("mha.pt2"), "--inputs", &p("mha.safetensors")]].concat())?;
+    let transformer = ["transformer", "--embed-dim", "16", "--heads", "4", "--layers", "1", "--ffn", "32", "--key-padding"];
+    run_python("export_pt2.py", &[&transformer[..], &["--out", &p("t.pt2"), "--inputs", &p("t.safetensors")]].concat())?;
+    for (native, package, inputs, count) in [("mha", "mha.pt2", "mha.safetensors", 2), ("transformer", "t.pt2", "t.safetensors", 1)] {
+        let o = probattn(&["compare", "--pt2", &p(package), "--native", native, "--heads", "4", "--inputs", &p(inputs), "--json", "--threads", "1", "--repeats", "3"])?;
+        ensure!(o.status.success(), "{}", text(&o));
+        let json: serde_json::Value = serde_json::from_slice(&o.stdout).with_context(|| text(&o))?;
+        let (rel, n) = worst(&json)?;
+        ensure!(n == count && rel <= 1e-5, "{native}: float32 differs by {rel} over {n} outputs: {json}");
+        ensure!(json["reference"] == "pt2" && json["torchscript_ms"].as_f64().is_some_and(|t| t > 0.0), "{json}");
+    }
+    // What a package cannot do, and what is not a package: exit status 1 and a named error.
+    let (m, i) = export(&tmp, "ts", &[])?;
+    for (args, expected) in [
+        (vec!["--pt2", &p("mha.pt2"), "--inputs", &p("mha.safetensors"), "--backward"], "a .pt2 package runs forward only"),
+        (vec!["--pt2", &m, "--inputs", &i], "a TorchScript archive, not an AOTInductor package"),
+        (vec!["--pt2", &p("absent.pt2")], "no such .pt2 package"),
+        (vec!["--pt2", &p("mha.pt2"), "--inputs", &p("mha.safetensors"), "--dtype", "float64"], "runs in the dtype it was exported in"),
+        (vec!["--pt2", &p("mha.pt2"), "--torchscript", &m], "cannot be used with"),
+    ] {
+        let o = probattn(&[&["compare", "--native", "mha", "--heads", "4"][..], &args].concat())?;
+        ensure!(o.status.code() == Some(1) || (expected == "cannot be used with" && o.status.code() == Some(2)), "{args:?}: {}", text(&o));
+        ensure!(text(&o).contains(expected), "{args:?}: {}", text(&o));
+    }
+    Ok(())
+}
