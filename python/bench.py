@@ -3,10 +3,18 @@ normalizer, in PyTorch eager with the reference implementations (python/referenc
 PyTorch's scaled_dot_product_attention as the anchor for softmax. Prints a JSON list of
 measurements shaped as bench.json's. `probattn bench` runs it; by hand:
 
-    python python/bench.py --device cpu --seq-lens 64,256 --repeats 3 --threads 2
+    python python/bench.py --device cpu --seq-lens 64,256 --repeats 3 --threads 2 \
+        [--memory-lib target/release/build/probattn-*/out/libprobattn_memory.so]
+
+Peak memory: after the timed steps, one more step of each variant, untimed: the peak bytes it
+allocated above what was held before it. On CUDA, torch.cuda's allocator statistics; on the CPU,
+probattn's counting allocator (csrc/memory.cpp, built beside the probattn binary), which
+`--memory-lib` loads into this process with ctypes, so both sides of `probattn bench` count with
+the same code; without it the CPU peak is left out (null).
 """
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -41,6 +49,43 @@ def attention_core(variant, q, k, v):
 BENCH_PRIOR, HYBRID = {}, {}
 
 
+class CpuCounter:
+    """probattn's counting CPU allocator (libprobattn_memory.so), installed in this process."""
+
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(path)
+        self.lib.pa_cpu_memory_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)] * 3
+        for name in ("pa_cpu_memory_track", "pa_cpu_memory_stats", "pa_cpu_memory_reset_peak"):
+            getattr(self.lib, name).restype = ctypes.c_void_p  # NULL or an error message
+        self._check(self.lib.pa_cpu_memory_track(), "installing the counter")
+
+    def _check(self, message, what):
+        if message:
+            sys.exit(f"error: {what}: {ctypes.string_at(message).decode()}")
+
+    def stats(self):
+        current, peak, tracking = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
+        self._check(self.lib.pa_cpu_memory_stats(ctypes.byref(current), ctypes.byref(peak), ctypes.byref(tracking)), "reading the counter")
+        if not tracking.value:
+            sys.exit("error: the counting CPU allocator is not libtorch's CPU allocator in this process")
+        return current.value, peak.value
+
+    def peak_during(self, fn):
+        self._check(self.lib.pa_cpu_memory_reset_peak(), "resetting the peak")
+        before, _ = self.stats()
+        fn()
+        return self.stats()[1] - before
+
+
+def cuda_peak_during(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def time_interleaved(fns, repeats, device):
     """Median and IQR (ms) of `repeats` calls of each of `fns` after two warm-up rounds; the calls
     take turns, so drift of a shared machine hits every one alike (as probattn bench does)."""
@@ -71,10 +116,12 @@ def main():
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--variants", default="softmax,dnas,hnas,sinkhorn-3,bam-wc,bam-lc")
+    parser.add_argument("--memory-lib", help="probattn's libprobattn_memory.so, to count CPU memory as probattn does")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    counter = CpuCounter(args.memory_lib) if args.memory_lib and device.type == "cpu" else None
     torch.manual_seed(0)
     mha = torch.nn.MultiheadAttention(E, H, batch_first=True).to(device)
     params = {n: p for n, p in mha.named_parameters()}
@@ -102,20 +149,21 @@ def main():
             return step
 
         if device.type == "cuda":
-            # One variant at a time, so each gets its own peak-memory reading.
+            # One variant at a time, so one running out of memory leaves the others measured.
             timed = []
             for variant in variants:
-                torch.cuda.reset_peak_memory_stats()
                 try:
-                    timed.append((*time_interleaved([make_step(variant)], args.repeats, device)[0],
-                                  torch.cuda.max_memory_allocated()))
+                    step = make_step(variant)
+                    timed.append((*time_interleaved([step], args.repeats, device)[0], cuda_peak_during(step)))
                 except torch.cuda.OutOfMemoryError as e:  # left out of the table, said on stderr
                     x.grad = None
                     torch.cuda.empty_cache()
                     timed.append(None)
                     print(f"pytorch {variant:12s} S={s:5d}: CUDA out of memory ({str(e).splitlines()[0]})", file=sys.stderr, flush=True)
         else:
-            timed = [(m, i, None) for m, i in time_interleaved([make_step(v) for v in variants], args.repeats, device)]
+            steps = [make_step(v) for v in variants]
+            timed = [(m, i, counter.peak_during(step) if counter else None)
+                     for (m, i), step in zip(time_interleaved(steps, args.repeats, device), steps)]
         for variant, t in zip(variants, timed):
             if t is None:
                 continue
@@ -124,7 +172,8 @@ def main():
                         "impl": "pytorch-sdpa" if variant == "pytorch-sdpa" else "pytorch",
                         "device": str(device), "batch": B, "heads": H, "embed": E, "seq_len": s,
                         "fwd_bwd_ms": median, "fwd_bwd_ms_iqr": iqr, "peak_mem_bytes": peak})
-            print(f"pytorch {out[-1]['impl']:12s} {variant:12s} S={s:5d}: {median:9.1f} ms", file=sys.stderr, flush=True)
+            peak_text = "" if peak is None else f", peak {peak / 2**20:8.1f} MiB"
+            print(f"pytorch {out[-1]['impl']:12s} {variant:12s} S={s:5d}: {median:9.1f} ms{peak_text}", file=sys.stderr, flush=True)
     print(json.dumps(out))
 
 

@@ -9,7 +9,7 @@
 //!   glibc's caches, the program itself) is not counted. `probattn bench` loads the same counter
 //!   into PyTorch's process ([`python_counter_library`]), so both sides are measured alike.
 //!
-//! ```no_run
+//! ```
 //! use probattn::memory;
 //! use tch::{Device, Kind, Tensor};
 //!

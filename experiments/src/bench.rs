@@ -3,6 +3,12 @@
 //! with the reference implementations and PyTorch's `scaled_dot_product_attention`, measured in
 //! the same invocation; and one optimizer step of a Transformer-small-sized stack with and without
 //! the repulsive (SVGD) hook. Writes `bench.json` and `bench.md` (the ratios that matter).
+//!
+//! Memory: after the timed steps, one more step of each variant, untimed, reports the peak bytes
+//! it allocated above what was held before it (activations, the S × S weights autograd keeps,
+//! gradients; not the inputs and parameters). Both sides count the same way: on CUDA the caching
+//! allocator's statistics, on the CPU the counting allocator of `probattn::memory`, loaded into
+//! PyTorch's process too (python/bench.py --memory-lib).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -10,7 +16,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use probattn::repulsive::{RepulsiveConfig, RepulsiveHook, Selection};
-use probattn::{MhaConfig, MhaInput, MultiHeadAttention, Variant};
+use probattn::{memory, MhaConfig, MhaInput, MultiHeadAttention, Variant};
 use probattn_models::transformer::{Transformer, TransformerConfig};
 use serde::{Deserialize, Serialize};
 use tch::nn::{self, OptimizerConfig};
@@ -60,8 +66,8 @@ pub struct Measurement {
     pub seq_len: i64,
     pub fwd_bwd_ms: f64,
     pub fwd_bwd_ms_iqr: f64,
-    /// Peak allocator memory on CUDA (PyTorch side); `null` where not measured (CPU, and
-    /// probattn's side: tch exposes no allocator statistics).
+    /// Peak bytes one forward+backward step allocated above what was held before it (the module
+    /// doc says how each side counts); `null` where not measured.
     pub peak_mem_bytes: Option<u64>,
 }
 
@@ -197,8 +203,14 @@ fn measure_length(device: Device, s: i64, repeats: usize) -> Result<Vec<Measurem
         })
         .collect();
     let timings = time_interleaved(device, repeats, &mut steps)?;
-    for (name, (median, iqr)) in VARIANTS.into_iter().zip(timings) {
-        eprintln!("probattn {name:12} S={s:5}: {median:9.1} ms");
+    let mut peaks = vec![];
+    for step in &mut steps {
+        let (result, peak) = memory::peak_during(device, step)?;
+        result?;
+        peaks.push(peak);
+    }
+    for ((name, (median, iqr)), peak) in VARIANTS.into_iter().zip(timings).zip(peaks) {
+        eprintln!("probattn {name:12} S={s:5}: {median:9.1} ms, peak {:8.1} MiB", peak as f64 / MIB);
         out.push(Measurement {
             variant: name.into(),
             implementation: "probattn".into(),
@@ -209,7 +221,7 @@ fn measure_length(device: Device, s: i64, repeats: usize) -> Result<Vec<Measurem
             seq_len: s,
             fwd_bwd_ms: median,
             fwd_bwd_ms_iqr: iqr,
-            peak_mem_bytes: None,
+            peak_mem_bytes: Some(peak.max(0) as u64),
         });
     }
     Ok(out)
@@ -265,14 +277,22 @@ fn measure_svgd(device: Device, tokens: i64, repeats: usize) -> Result<SvgdTimin
     Ok(SvgdTiming { step_ms_without: a, step_ms_with: b, ratio: b / a, hook_ms: h, tokens_per_side: batch * len })
 }
 
-/// The markdown table: per sequence length and variant, ours, PyTorch's, and the ratios.
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// The markdown table: per sequence length and variant, ours, PyTorch's, and the ratios, of time
+/// and of peak memory.
 pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
-    let find = |v: &str, imp: &str, s: i64| m.iter().find(|x| x.variant == v && x.implementation == imp && x.seq_len == s).map(|x| x.fwd_bwd_ms);
+    let row = |v: &str, imp: &str, s: i64| m.iter().find(|x| x.variant == v && x.implementation == imp && x.seq_len == s);
+    let find = |v: &str, imp: &str, s: i64| row(v, imp, s).map(|x| x.fwd_bwd_ms);
+    let mem = |v: &str, imp: &str, s: i64| row(v, imp, s).and_then(|x| x.peak_mem_bytes).map(|b| b as f64 / MIB);
     let mut seqs: Vec<i64> = m.iter().map(|x| x.seq_len).collect();
     seqs.sort();
     seqs.dedup();
     let fmt = |x: Option<f64>| x.map_or("–".to_string(), |v| format!("{v:.2}"));
-    let mut t = String::from("| S | variant | probattn ms | PyTorch ms | variant / softmax (probattn) | probattn / PyTorch |\n|---|---|---|---|---|---|\n");
+    let fmt1 = |x: Option<f64>| x.map_or("–".to_string(), |v| format!("{v:.1}"));
+    let mut t = String::from(
+        "| S | variant | probattn ms | PyTorch ms | variant / softmax (probattn) | probattn / PyTorch | probattn peak MiB | PyTorch peak MiB | memory probattn / PyTorch |\n|---|---|---|---|---|---|---|---|---|\n",
+    );
     for &s in &seqs {
         let soft = find("softmax", "probattn", s);
         for v in VARIANTS {
@@ -280,10 +300,21 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
             let theirs = find(v, "pytorch", s);
             let rel = ours.zip(soft).map(|(a, b)| a / b);
             let vs = ours.zip(theirs).map(|(a, b)| a / b);
-            t += &format!("| {s} | {v} | {} | {} | {} | {} |\n", fmt(ours), fmt(theirs), fmt(rel), fmt(vs));
+            let (our_mem, their_mem) = (mem(v, "probattn", s), mem(v, "pytorch", s));
+            let mem_ratio = our_mem.zip(their_mem).map(|(a, b)| a / b);
+            t += &format!("| {s} | {v} | {} | {} | {} | {} | {} | {} | {} |\n", fmt(ours), fmt(theirs), fmt(rel), fmt(vs), fmt1(our_mem), fmt1(their_mem), fmt(mem_ratio));
         }
         let sdpa = find("softmax", "pytorch-sdpa", s);
-        t += &format!("| {s} | softmax vs SDPA | {} | {} (SDPA) | | {} |\n", fmt(soft), fmt(sdpa), fmt(soft.zip(sdpa).map(|(a, b)| a / b)));
+        let (soft_mem, sdpa_mem) = (mem("softmax", "probattn", s), mem("softmax", "pytorch-sdpa", s));
+        t += &format!(
+            "| {s} | softmax vs SDPA | {} | {} (SDPA) | | {} | {} | {} (SDPA) | {} |\n",
+            fmt(soft),
+            fmt(sdpa),
+            fmt(soft.zip(sdpa).map(|(a, b)| a / b)),
+            fmt1(soft_mem),
+            fmt1(sdpa_mem),
+            fmt(soft_mem.zip(sdpa_mem).map(|(a, b)| a / b))
+        );
     }
     t += &format!(
         "\nSVGD hook: one Adam step of the 6+6-layer E=512 stack ({} tokens per side) {:.1} ms without, {:.1} ms with (ratio {:.3}; the hook alone {:.1} ms).\n",
@@ -306,6 +337,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     anyhow::ensure!(seq_lens.iter().all(|&s| s > 0), "--seq-lens must be positive");
     let repeats = args.repeats.unwrap_or(if args.quick { 3 } else { 10 }).max(1);
     let dir = run_dir(args.out.as_deref(), "bench", &probattn::device::device_name(device).replace(':', ""))?;
+    // Counting starts before the first tensor of the benchmark exists.
+    memory::track(device).context("memory statistics")?;
     println!("bench on {} ({} threads): S = {seq_lens:?}, {repeats} repeats", probattn::device::device_name(device), tch::get_num_threads());
     // The PyTorch side first, in its own process: run after ours, it would find the GPU's memory
     // still held by this process's caching allocator and run out of it early.
@@ -317,7 +350,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             _ => "cpu".into(),
         };
         let threads = tch::get_num_threads().to_string();
-        let json = run_python("bench.py", &["--device", &dev, "--seq-lens", &lens, "--repeats", &repeats.to_string(), "--threads", &threads])
+        let lib = memory::python_counter_library();
+        let json = run_python(
+            "bench.py",
+            &["--device", &dev, "--seq-lens", &lens, "--repeats", &repeats.to_string(), "--threads", &threads, "--memory-lib", &lib.to_string_lossy()],
+        )
             .context("running the PyTorch side (python/bench.py); --no-pytorch skips it")?;
         let theirs: Vec<Measurement> = serde_json::from_str(json.trim()).context("reading python/bench.py's output")?;
         measurements.extend(theirs);
