@@ -30,11 +30,13 @@ the GPU (it needs one where it is compiled); such a package refuses to load on a
 `--outputs OUT.safetensors` also writes the eager module's outputs on the example inputs
 (`output`, and `weights` for attention), the reference the package is tested against.
 
-    python python/export_pt2.py retarget --package M.pt2 --device-key cuda --out M-cuda.pt2
+    python python/export_pt2.py retarget --package M.pt2 [--device-key cuda] [--drop-inputs] --out M2.pt2
 
-writes, for the error tests, a copy of a package whose metadata says it was compiled for another
-device (`AOTI_DEVICE_KEY`), as a package compiled on a GPU says `cuda`: with no GPU at hand to
-compile one, this is how a CPU-only test meets a CUDA package.
+writes, for the error tests, a copy of a package with its metadata changed: `--device-key` says
+it was compiled for another device (`AOTI_DEVICE_KEY`), as a package compiled on a GPU says
+`cuda` (with no GPU at hand to compile one, this is how a CPU-only test meets a CUDA package);
+`--drop-inputs` removes the input names this script records, as a package made elsewhere lacks
+them, so that only the compiled model's own checks stand between a wrong input and the kernels.
 
     python python/export_pt2.py time --package M.pt2 --inputs IN.safetensors --order query,key,value \
         [--repeats N] [--device cpu]
@@ -142,7 +144,8 @@ def retarget(argv):
 
     p = argparse.ArgumentParser(prog="export_pt2.py retarget")
     p.add_argument("--package", required=True)
-    p.add_argument("--device-key", required=True)
+    p.add_argument("--device-key")
+    p.add_argument("--drop-inputs", action="store_true")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     with zipfile.ZipFile(args.package) as src, zipfile.ZipFile(args.out, "w") as dst:
@@ -150,7 +153,10 @@ def retarget(argv):
             data = src.read(item)
             if item.filename.endswith("_metadata.json"):
                 meta = json.loads(data)
-                meta["AOTI_DEVICE_KEY"] = args.device_key
+                if args.device_key:
+                    meta["AOTI_DEVICE_KEY"] = args.device_key
+                if args.drop_inputs:
+                    meta.pop("probattn.inputs", None)
                 data = json.dumps(meta).encode()
             dst.writestr(item, data)
 

@@ -145,6 +145,18 @@ fn what_is_not_a_runnable_package_is_named() -> Result<()> {
     let double = q.to_kind(Kind::Double);
     let m = loaded.run(&[&double, k, v, pad]).err().context("a float64 query ran")?.to_string();
     ensure!(m.contains("input query is float64"), "{m}");
+
+    // Without the recorded names only the compiled model checks its inputs: the exception it
+    // raises inside libtorch's C++ comes back as an error, not an abort.
+    let bare = tmp.path("bare.pt2");
+    run_python("export_pt2.py", &["retarget", "--package", &package.to_string_lossy(), "--drop-inputs", "--out", &bare.to_string_lossy()])?;
+    let loaded = Pt2Package::load(&bare, Device::Cpu)?;
+    ensure!(loaded.inputs().is_none(), "the input names were not dropped");
+    ensure!(loaded.run(&[q, k, v, pad])?.len() == 2, "the bare package does not run");
+    let m = loaded.run(&[&longer, k, v, pad]).err().context("a longer query ran without the recorded names")?.to_string();
+    ensure!(m.contains("bare.pt2") && m.contains("running the package failed"), "{m}");
+    let m = loaded.run(&[q, k]).err().context("two inputs ran without the recorded names")?.to_string();
+    ensure!(m.contains("running the package failed"), "{m}");
     Ok(())
 }
 
