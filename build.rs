@@ -10,7 +10,7 @@ fn main() {
 }
 
 fn build_cxx_layer() {
-    let files = ["csrc/common.cpp", "csrc/pt2.cpp", "csrc/memory.cpp", "csrc/memory_cuda.cpp", "csrc/boundary.h", "csrc/probattn.h"];
+    let files = ["csrc/common.cpp", "csrc/pt2.cpp", "csrc/memory.cpp", "csrc/memory_cuda.cpp", "csrc/tiled.cpp", "csrc/boundary.h", "csrc/probattn.h"];
     for file in files {
         println!("cargo:rerun-if-changed={file}");
     }
@@ -33,7 +33,7 @@ fn build_cxx_layer() {
         build.flag("-isystem").flag(dir.to_str().expect("a UTF-8 include path"));
     }
     // CUDA's statistics go through c10's device-generic allocator interface: no CUDA header needed.
-    build.files(["csrc/common.cpp", "csrc/pt2.cpp", "csrc/memory.cpp", "csrc/memory_cuda.cpp"]);
+    build.files(["csrc/common.cpp", "csrc/pt2.cpp", "csrc/memory.cpp", "csrc/memory_cuda.cpp", "csrc/tiled.cpp"]);
     build.compile("probattn_cxx");
 
     println!("cargo:rustc-link-search=native={}", lib.display());

@@ -45,6 +45,14 @@ void pa_pt2_free(pa_pt2* package);
 // torch::jit::Module::named_buffers() of the module saved at `path`, loaded on the CPU.
 char* pa_jit_named_buffers(const char* path, pa_tensors** out);
 
+// ---- memory-efficient attention (tiled.cpp)
+// Softmax (dnas = 0) or DNAS attention of heads-first q (B, H, S_q, d), k (B, H, S_k, d),
+// v (B, H, S_k, d_v) under `excluded` (bool, broadcastable to (B, H, S_q, S_k), true = excluded;
+// NULL: none), tiled over blocks of `tile` queries, differentiable in q, k and v. Outputs: the
+// attention output (B, H, S_q, d_v) and the weight each key received (B, H, S_k).
+char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* excluded, int64_t tile,
+                         int dnas, pa_tensor** out, pa_tensor** received_mass);
+
 // ---- memory statistics
 // CPU: a counting allocator for libtorch's CPU tensors (installed once, on the first call; tensors
 // allocated before it are not counted). Bytes held by live tensors, and the most since the last reset.

@@ -116,7 +116,7 @@ pub fn attend(
 }
 
 /// Checks the ranks, sizes, dtypes and devices of heads-first `q`, `k`, `v`.
-fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<ScoreShape> {
+pub(crate) fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<ScoreShape> {
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         if t.dim() != 4 {
             return Err(Error::Shape(format!(

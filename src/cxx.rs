@@ -36,6 +36,16 @@ extern "C" {
     fn pa_pt2_constants(package: *mut PaPt2, out: *mut *mut PaTensors) -> *mut c_char;
     fn pa_pt2_free(package: *mut PaPt2);
     fn pa_jit_named_buffers(path: *const c_char, out: *mut *mut PaTensors) -> *mut c_char;
+    fn pa_tiled_attention(
+        q: *const C_tensor,
+        k: *const C_tensor,
+        v: *const C_tensor,
+        excluded: *const C_tensor,
+        tile: i64,
+        dnas: i32,
+        out: *mut *mut C_tensor,
+        received_mass: *mut *mut C_tensor,
+    ) -> *mut c_char;
     fn pa_cpu_memory_track() -> *mut c_char;
     fn pa_cpu_memory_stats(current: *mut i64, peak: *mut i64, tracking: *mut i64) -> *mut c_char;
     fn pa_cpu_memory_reset_peak() -> *mut c_char;
@@ -156,6 +166,21 @@ pub(crate) fn jit_named_buffers(path: &Path) -> Result<Vec<(String, Tensor)>> {
     // SAFETY: a valid C string; `list` is written on success only.
     check(unsafe { pa_jit_named_buffers(p.as_ptr(), &mut list) }, |m| Error::File { path: path.into(), message: format!("listing its buffers: {m}") })?;
     Ok(take_tensors(list))
+}
+
+/// Softmax (`dnas` false) or DNAS attention tiled over blocks of `tile` queries (csrc/tiled.cpp):
+/// `(output (B, H, S_q, d_v), received mass (B, H, S_k))`, differentiable in q, k and v.
+pub(crate) fn tiled_attention(q: &Tensor, k: &Tensor, v: &Tensor, excluded: Option<&Tensor>, tile: i64, dnas: bool) -> Result<(Tensor, Tensor)> {
+    let (mut out, mut mass) = (ptr::null_mut(), ptr::null_mut());
+    let excluded = excluded.map_or(ptr::null(), |t| t.as_ptr());
+    // SAFETY: the tensor pointers borrow live tensors for the call; the two outputs are new
+    // tensors written on success only, owned by `Tensor::from_ptr` from then on.
+    unsafe {
+        check(pa_tiled_attention(q.as_ptr(), k.as_ptr(), v.as_ptr(), excluded, tile, dnas as i32, &mut out, &mut mass), |m| {
+            Error::Tch(tch::TchError::Torch(m))
+        })?;
+        Ok((Tensor::from_ptr(out), Tensor::from_ptr(mass)))
+    }
 }
 
 fn memory_error(message: String) -> Error {

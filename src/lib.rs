@@ -24,6 +24,7 @@ pub mod mha;
 pub mod normalize;
 pub mod repulsive;
 pub mod scores;
+pub mod tiled;
 
 pub use attention::{attend, scaled_dot_product_scores, AttendOptions, Attended, Mode};
 pub use device::DeviceSpec;
