@@ -43,6 +43,12 @@ pub struct MhaConfig {
     /// The normalizer's settings.
     #[serde(default)]
     pub normalizer: NormalizerConfig,
+    /// `Some(t)`: memory-efficient attention ([`crate::tiled`]), `t` queries at a time, whenever
+    /// no weights are asked for: nothing `(S_q, S_k)` is kept for the backward pass. For
+    /// normalizers with a tiled form (softmax, DNAS, HNAS); others, attention dropout in training
+    /// and a fixed noise draw are refused by name. `None` (default): the eager path.
+    #[serde(default)]
+    pub tile: Option<i64>,
 }
 
 fn default_bias() -> bool {
@@ -61,11 +67,18 @@ impl MhaConfig {
             bias: true,
             variant: Variant::Softmax,
             normalizer: NormalizerConfig::default(),
+            tile: None,
         }
     }
 
     pub fn with_variant(mut self, variant: Variant) -> Self {
         self.variant = variant;
+        self
+    }
+
+    /// The memory-efficient path, `tile` queries at a time (see [`Self::tile`]).
+    pub fn with_tile(mut self, tile: i64) -> Self {
+        self.tile = Some(tile);
         self
     }
 
@@ -95,6 +108,11 @@ impl MhaConfig {
         }
         if !(0.0..1.0).contains(&self.dropout) {
             return bad(format!("dropout must lie in [0, 1), got {}", self.dropout));
+        }
+        if let Some(tile) = self.tile {
+            if tile < 1 {
+                return bad(format!("the memory-efficient tile must be at least 1 query, got {tile}"));
+            }
         }
         Ok(())
     }
@@ -323,7 +341,13 @@ impl MultiHeadAttention {
     /// The normalizer, the value mixing and the output projection, from per-head `q`, `k`, `v`.
     fn attend_heads(&self, q: &Tensor, k: &Tensor, v: &Tensor, sq: i64, input: &MhaInput, mode: Mode) -> Result<MhaOutput> {
         let (b, e) = (q.size()[0], self.cfg.embed_dim);
-        let (output, weights, kl) = match self.fused_softmax(q, k, v, input, mode)? {
+        // The memory-efficient path when configured, else libtorch's fused softmax where it applies,
+        // else the general path; only the general path returns weights.
+        let fast = match self.memory_efficient(q, k, v, input, mode)? {
+            Some(output) => Some(output),
+            None => self.fused_softmax(q, k, v, input, mode)?,
+        };
+        let (output, weights, kl) = match fast {
             Some(output) => (output, None, None),
             None => {
                 let attended = match self.softmax_in_place(q, k, v, input, mode)? {
@@ -340,6 +364,30 @@ impl MultiHeadAttention {
         let context = merged.linear(&self.out_proj_weight, self.out_proj_bias.as_ref());
         let head_outputs = input.need_head_outputs.then_some(output);
         Ok(MhaOutput { context, weights, kl, head_outputs })
+    }
+
+    /// The normalizer's tiled form ([`crate::tiled`]) when the configuration asks for tiles and no
+    /// weights are asked for; what it cannot do is refused by name rather than run eagerly,
+    /// where a long input would not fit. `None`: take the other paths.
+    fn memory_efficient(&self, q: &Tensor, k: &Tensor, v: &Tensor, input: &MhaInput, mode: Mode) -> Result<Option<Tensor>> {
+        let Some(tile) = self.cfg.tile else { return Ok(None) };
+        if input.need_weights {
+            return Ok(None);
+        }
+        let name = self.normalizer.name();
+        let Some(tiled) = self.normalizer.tiled() else {
+            return Err(Error::Unsupported(format!("{name} has no memory-efficient path yet (softmax, dnas and hnas have one): drop the tile setting")));
+        };
+        if mode.dropout && self.cfg.dropout > 0.0 {
+            return Err(Error::Unsupported(format!(
+                "the memory-efficient path has no attention dropout (the weights are never formed): set the attention dropout to 0, got {}",
+                self.cfg.dropout
+            )));
+        }
+        if input.noise.is_some() {
+            return Err(Error::Unsupported(format!("{name}: a fixed noise draw goes with the eager path")));
+        }
+        Ok(Some(crate::tiled::attend_tiled(q, k, v, &input.masks, tiled, tile)?.output))
     }
 
     /// Softmax attention through libtorch's fused `scaled_dot_product_attention` (on the CPU, a

@@ -145,3 +145,48 @@ fn bad_input_to_the_tiled_path_is_named() -> Result<()> {
     ensure!(m.contains("HNAS logits have shape [3]"), "{m}");
     Ok(())
 }
+
+#[test]
+fn a_layer_with_tiles_equals_the_layer_without() -> Result<()> {
+    // MultiHeadAttention takes the tiled path from its configuration (the normalizer's `tiled`
+    // hook); same weights, same output and parameter gradients, float64, key padding.
+    use probattn::{MhaConfig, MhaInput, MultiHeadAttention, Variant};
+    let opts = (Kind::Double, Device::Cpu);
+    let x = Tensor::randn([B, L, 16], opts);
+    let pad = Tensor::arange(L, (Kind::Int64, Device::Cpu)).unsqueeze(0).ge_tensor(&Tensor::from_slice(&[10i64, 13]).unsqueeze(1));
+    for variant in [Variant::Softmax, Variant::Dnas, Variant::Hnas] {
+        let grads = |tile: Option<i64>| -> Result<(Tensor, Vec<(String, Tensor)>)> {
+            tch::manual_seed(1);
+            let mut vs = nn::VarStore::new(Device::Cpu);
+            let mut cfg = MhaConfig::new(16, 4).with_variant(variant);
+            cfg.tile = tile;
+            let mha = MultiHeadAttention::new(&vs.root(), cfg)?;
+            vs.double();
+            let masks = Masks { key_padding: Some(&pad), ..Default::default() };
+            let out = mha.forward_t(&MhaInput::self_attention(&x).with_masks(masks), true)?.context;
+            (&out * &out).sum(Kind::Double).backward();
+            let mut g: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.grad())).collect();
+            g.sort_by(|a, b| a.0.cmp(&b.0));
+            Ok((out.detach(), g))
+        };
+        let (eager, eager_grads) = grads(None)?;
+        let (tiled, tiled_grads) = grads(Some(3))?;
+        ensure!(max_diff(&eager, &tiled) <= 1e-10, "{variant:?}: output differs by {}", max_diff(&eager, &tiled));
+        ensure!(eager_grads.len() == tiled_grads.len() && eager_grads.len() >= 4, "{variant:?}: parameters");
+        for ((name, a), (_, b)) in eager_grads.iter().zip(&tiled_grads) {
+            ensure!(max_diff(a, b) <= 1e-10, "{variant:?}: gradient of {name} differs by {}", max_diff(a, b));
+        }
+    }
+    // What has no tiled form, or cannot be tiled, is refused by name.
+    let vs = nn::VarStore::new(Device::Cpu);
+    let mha = MultiHeadAttention::new(&vs.root(), MhaConfig::new(16, 4).with_variant(Variant::Sinkhorn(3)).with_tile(4))?;
+    let x = x.to_kind(Kind::Float);
+    let m = mha.forward_t(&MhaInput::self_attention(&x), false).err().map(|e| e.to_string()).unwrap_or_default();
+    ensure!(m.contains("no memory-efficient path yet"), "{m}");
+    let mut cfg = MhaConfig::new(16, 4).with_tile(4);
+    cfg.dropout = 0.1;
+    let mha = MultiHeadAttention::new(&vs.root().sub("d"), cfg)?;
+    let m = mha.forward_t(&MhaInput::self_attention(&x), true).err().map(|e| e.to_string()).unwrap_or_default();
+    ensure!(m.contains("no attention dropout"), "{m}");
+    Ok(())
+}

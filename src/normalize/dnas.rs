@@ -48,4 +48,8 @@ impl Normalizer for Dnas {
     fn causal_safe(&self) -> bool {
         false
     }
+
+    fn tiled(&self) -> Option<crate::tiled::Tiled<'_>> {
+        Some(crate::tiled::Tiled::Dnas)
+    }
 }

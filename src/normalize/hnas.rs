@@ -84,4 +84,8 @@ impl Normalizer for Hnas {
     fn gate(&self) -> Option<Tensor> {
         Some(self.logit.sigmoid())
     }
+
+    fn tiled(&self) -> Option<crate::tiled::Tiled<'_>> {
+        Some(crate::tiled::Tiled::Hnas { logit: &self.logit })
+    }
 }

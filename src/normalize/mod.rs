@@ -89,6 +89,12 @@ pub trait Normalizer: fmt::Debug + Send {
     fn gate(&self) -> Option<Tensor> {
         None
     }
+
+    /// This normalizer's memory-efficient form ([`crate::tiled`]), where it has one: the layers
+    /// take it when their configuration asks for tiles. `None` (the default): eager only.
+    fn tiled(&self) -> Option<crate::tiled::Tiled<'_>> {
+        None
+    }
 }
 
 /// The finite stand-in for `-inf` on excluded entries: far below any real score, yet finite, so

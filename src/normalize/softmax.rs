@@ -24,4 +24,8 @@ impl Normalizer for Softmax {
         let s = input.support;
         Ok(s.row_log_softmax(&s.fill(input.scores)))
     }
+
+    fn tiled(&self) -> Option<crate::tiled::Tiled<'_>> {
+        Some(crate::tiled::Tiled::Softmax)
+    }
 }
