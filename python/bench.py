@@ -117,6 +117,7 @@ def main():
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--variants", default="softmax,dnas,hnas,sinkhorn-3,bam-wc,bam-lc")
     parser.add_argument("--memory-lib", help="probattn's libprobattn_memory.so, to count CPU memory as probattn does")
+    parser.add_argument("--batch", type=int, default=B, help="batch size B of the layer")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -132,18 +133,19 @@ def main():
     HYBRID[device] = torch.zeros(H, device=device, requires_grad=True)
     out = []
     for s in [int(x) for x in args.seq_lens.split(",")]:
-        x = torch.randn(B, s, E, device=device, requires_grad=True)
+        b = args.batch
+        x = torch.randn(b, s, E, device=device, requires_grad=True)
         variants = args.variants.split(",") + ["pytorch-sdpa"]
 
         def make_step(variant):
             def step():
                 w_q, w_k, w_v = params["in_proj_weight"].split(E)
                 b_q, b_k, b_v = params["in_proj_bias"].split(E)
-                split = lambda t: t.view(B, s, H, d).transpose(1, 2)  # noqa: E731
+                split = lambda t: t.view(b, s, H, d).transpose(1, 2)  # noqa: E731
                 q, k, v = split(x @ w_q.T + b_q), split(x @ w_k.T + b_k), split(x @ w_v.T + b_v)
                 res = attention_core(variant, q, k, v)
                 res, kl = res if isinstance(res, tuple) else (res, None)
-                ctx = res.transpose(1, 2).reshape(B, s, E) @ params["out_proj.weight"].T + params["out_proj.bias"]
+                ctx = res.transpose(1, 2).reshape(b, s, E) @ params["out_proj.weight"].T + params["out_proj.bias"]
                 loss = ctx.sum() + (kl if kl is not None else 0)
                 loss.backward()
             return step
@@ -170,7 +172,7 @@ def main():
             median, iqr, peak = t
             out.append({"variant": "softmax" if variant == "pytorch-sdpa" else variant,
                         "impl": "pytorch-sdpa" if variant == "pytorch-sdpa" else "pytorch",
-                        "device": str(device), "batch": B, "heads": H, "embed": E, "seq_len": s,
+                        "device": str(device), "batch": b, "heads": H, "embed": E, "seq_len": s,
                         "fwd_bwd_ms": median, "fwd_bwd_ms_iqr": iqr, "peak_mem_bytes": peak})
             peak_text = "" if peak is None else f", peak {peak / 2**20:8.1f} MiB"
             print(f"pytorch {out[-1]['impl']:12s} {variant:12s} S={s:5d}: {median:9.1f} ms{peak_text}", file=sys.stderr, flush=True)

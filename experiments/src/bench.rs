@@ -26,7 +26,9 @@ use crate::common::CommonArgs;
 use crate::provenance::{run_dir, run_python, write_json, Provenance};
 
 const VARIANTS: [&str; 6] = ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-wc", "bam-lc"];
-const BATCH: i64 = 8;
+/// The variants with a memory-efficient (tiled) path.
+const TILED_VARIANTS: [&str; 3] = ["softmax", "dnas", "hnas"];
+const MEMORY_EFFICIENT: &str = "probattn-memory-efficient";
 const HEADS: i64 = 8;
 const EMBED: i64 = 512;
 
@@ -46,6 +48,20 @@ pub struct BenchArgs {
     /// Skip the PyTorch side (python/bench.py).
     #[arg(long)]
     pub no_pytorch: bool,
+    /// Also time the memory-efficient path (`"impl": "probattn-memory-efficient"`: softmax, dnas,
+    /// hnas tiled over the queries, nothing S x S kept), beside the eager rows.
+    #[arg(long)]
+    pub memory_efficient: bool,
+    /// Queries per tile of the memory-efficient path.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(i64).range(1..))]
+    pub tile: i64,
+    /// Skip our eager rows (for lengths the eager path cannot hold; with --memory-efficient, and
+    /// --no-pytorch for PyTorch's eager side).
+    #[arg(long)]
+    pub no_eager: bool,
+    /// Batch size B of the attention layer.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(i64).range(1..))]
+    pub batch: i64,
     /// Output folder (default: runs/bench/<UTC stamp>-<device>).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -160,10 +176,10 @@ fn first_line(e: &anyhow::Error) -> String {
 
 /// probattn's timings over `seq_lens`, stopping at the first length where a step fails (returned
 /// as skipped with the lengths after it) instead of aborting the whole benchmark.
-fn measure_ours(device: Device, seq_lens: &[i64], repeats: usize) -> Result<(Vec<Measurement>, Vec<Skipped>)> {
+fn measure_ours(device: Device, seq_lens: &[i64], repeats: usize, rows: &[Row]) -> Result<(Vec<Measurement>, Vec<Skipped>)> {
     let mut out = vec![];
     for (i, &s) in seq_lens.iter().enumerate() {
-        match catch_torch_panic(|| measure_length(device, s, repeats)) {
+        match catch_torch_panic(|| measure_length(device, s, repeats, rows)) {
             Ok(m) => out.extend(m),
             Err(e) => {
                 let reason = first_line(&e);
@@ -176,15 +192,40 @@ fn measure_ours(device: Device, seq_lens: &[i64], repeats: usize) -> Result<(Vec
     Ok((out, vec![]))
 }
 
-/// Every variant at one sequence length.
-fn measure_length(device: Device, s: i64, repeats: usize) -> Result<Vec<Measurement>> {
+/// One configuration of our side: a variant, the implementation's name, its tile (None: eager),
+/// and the batch size.
+#[derive(Clone, Debug)]
+struct Row {
+    variant: &'static str,
+    implementation: &'static str,
+    tile: Option<i64>,
+    batch: i64,
+}
+
+/// The rows `args` asks for: every variant eagerly, and the tiled ones memory-efficiently.
+fn rows(args: &BenchArgs) -> Vec<Row> {
+    let eager = VARIANTS.into_iter().filter(|_| !args.no_eager).map(|variant| Row { variant, implementation: "probattn", tile: None, batch: args.batch });
+    let tiled = TILED_VARIANTS.into_iter().filter(|_| args.memory_efficient).map(|variant| Row {
+        variant,
+        implementation: MEMORY_EFFICIENT,
+        tile: Some(args.tile),
+        batch: args.batch,
+    });
+    eager.chain(tiled).collect()
+}
+
+/// Every row at one sequence length.
+fn measure_length(device: Device, s: i64, repeats: usize, rows: &[Row]) -> Result<Vec<Measurement>> {
     let mut out = vec![];
-    let x = Tensor::randn([BATCH, s, EMBED], (Kind::Float, device)).set_requires_grad(true);
+    let batch = rows.first().map_or(1, |r| r.batch);
+    let x = Tensor::randn([batch, s, EMBED], (Kind::Float, device)).set_requires_grad(true);
     let mut layers = vec![];
-    for name in VARIANTS {
+    for row in rows {
         tch::manual_seed(0);
         let vs = nn::VarStore::new(device);
-        let mha = MultiHeadAttention::new(&vs.root(), MhaConfig::new(EMBED, HEADS).with_variant(name.parse::<Variant>()?))?;
+        let mut cfg = MhaConfig::new(EMBED, HEADS).with_variant(row.variant.parse::<Variant>()?);
+        cfg.tile = row.tile;
+        let mha = MultiHeadAttention::new(&vs.root(), cfg)?;
         layers.push((vs, mha));
     }
     let mut steps: Vec<Box<dyn FnMut() -> Result<()> + '_>> = layers
@@ -209,13 +250,13 @@ fn measure_length(device: Device, s: i64, repeats: usize) -> Result<Vec<Measurem
         result?;
         peaks.push(peak);
     }
-    for ((name, (median, iqr)), peak) in VARIANTS.into_iter().zip(timings).zip(peaks) {
-        eprintln!("probattn {name:12} S={s:5}: {median:9.1} ms, peak {:8.1} MiB", peak as f64 / MIB);
+    for ((row, (median, iqr)), peak) in rows.iter().zip(timings).zip(peaks) {
+        eprintln!("{:26} {:12} S={s:5}: {median:9.1} ms, peak {:8.1} MiB", row.implementation, row.variant, peak as f64 / MIB);
         out.push(Measurement {
-            variant: name.into(),
-            implementation: "probattn".into(),
+            variant: row.variant.into(),
+            implementation: row.implementation.into(),
             device: probattn::device::device_name(device),
-            batch: BATCH,
+            batch,
             heads: HEADS,
             embed: EMBED,
             seq_len: s,
@@ -293,6 +334,7 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
     let mut t = String::from(
         "| S | variant | probattn ms | PyTorch ms | variant / softmax (probattn) | probattn / PyTorch | probattn peak MiB | PyTorch peak MiB | memory probattn / PyTorch |\n|---|---|---|---|---|---|---|---|---|\n",
     );
+    let tiled_rows = m.iter().any(|x| x.implementation == MEMORY_EFFICIENT);
     for &s in &seqs {
         let soft = find("softmax", "probattn", s);
         for v in VARIANTS {
@@ -306,6 +348,21 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
         }
         let sdpa = find("softmax", "pytorch-sdpa", s);
         let (soft_mem, sdpa_mem) = (mem("softmax", "probattn", s), mem("softmax", "pytorch-sdpa", s));
+        if tiled_rows {
+            for v in TILED_VARIANTS {
+                let (tiled, eager) = (find(v, MEMORY_EFFICIENT, s), find(v, "probattn", s));
+                let (tiled_mem, eager_mem) = (mem(v, MEMORY_EFFICIENT, s), mem(v, "probattn", s));
+                t += &format!(
+                    "| {s} | {v} memory-efficient vs our eager | {} | {} (ours, eager) | | {} | {} | {} (ours, eager) | {} |\n",
+                    fmt(tiled),
+                    fmt(eager),
+                    fmt(tiled.zip(eager).map(|(a, b)| a / b)),
+                    fmt1(tiled_mem),
+                    fmt1(eager_mem),
+                    fmt(tiled_mem.zip(eager_mem).map(|(a, b)| a / b))
+                );
+            }
+        }
         t += &format!(
             "| {s} | softmax vs SDPA | {} | {} (SDPA) | | {} | {} | {} (SDPA) | {} |\n",
             fmt(soft),
@@ -353,13 +410,17 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let lib = memory::python_counter_library();
         let json = run_python(
             "bench.py",
-            &["--device", &dev, "--seq-lens", &lens, "--repeats", &repeats.to_string(), "--threads", &threads, "--memory-lib", &lib.to_string_lossy()],
+            &[
+                "--device", &dev, "--seq-lens", &lens, "--repeats", &repeats.to_string(), "--threads", &threads, "--memory-lib", &lib.to_string_lossy(),
+                "--batch", &args.batch.to_string(),
+            ],
         )
             .context("running the PyTorch side (python/bench.py); --no-pytorch skips it")?;
         let theirs: Vec<Measurement> = serde_json::from_str(json.trim()).context("reading python/bench.py's output")?;
         measurements.extend(theirs);
     }
-    let (ours, skipped) = measure_ours(device, &seq_lens, repeats)?;
+    anyhow::ensure!(!(args.no_eager && !args.memory_efficient), "--no-eager leaves nothing to measure without --memory-efficient");
+    let (ours, skipped) = measure_ours(device, &seq_lens, repeats, &rows(args))?;
     anyhow::ensure!(!ours.is_empty(), "no sequence length could be measured: {}", skipped[0].reason);
     measurements.extend(ours);
     let svgd = measure_svgd(device, if args.quick { 256 } else { 1024 }, if args.quick { 3 } else { repeats })?;
