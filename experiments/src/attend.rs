@@ -11,6 +11,10 @@
 //! Output (`--output`): `output (B, H, S_q, d_v)`, `weights (B, H, S_q, S_k)` and
 //! `received_mass (B, H, S_k)`, plus the scalar `kl` when a BAM variant with a prior samples; all in
 //! the input's dtype. Scores are `q·kᵀ / sqrt(d)`.
+//!
+//! `--memory-efficient [--tile N]` runs the tiled path instead (`probattn::tiled`: softmax, dnas,
+//! hnas), on the same inputs: it writes `output` and `received_mass`, and no weights (they are
+//! never formed).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -40,6 +44,13 @@ pub struct AttendArgs {
     /// Add a causal mask (query i sees keys j <= i); refused for the doubly-normalized variants.
     #[arg(long)]
     pub causal: bool,
+    /// The memory-efficient path (softmax, dnas, hnas): the weights are never formed, so only
+    /// output and received_mass are written.
+    #[arg(long)]
+    pub memory_efficient: bool,
+    /// Queries per tile with --memory-efficient.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(i64).range(1..))]
+    pub tile: i64,
     /// HNAS: the initial mixing weight u when the input has no hybrid_logit.
     #[arg(long, default_value_t = 0.5)]
     pub hybrid_init_u: f64,
@@ -156,6 +167,15 @@ pub fn run(args: &AttendArgs) -> Result<()> {
         }
     }
 
+    if args.memory_efficient {
+        let tiled = normalizer.tiled().with_context(|| format!("--memory-efficient: {} has no memory-efficient path yet (softmax, dnas and hnas have one)", args.variant))?;
+        let out = tch::no_grad(|| probattn::tiled::attend_tiled(&q, &k, &v, &masks, tiled, args.tile))
+            .with_context(|| format!("attending with {} (memory-efficient, tile {}) on {input}", args.variant, args.tile))?;
+        write_safetensors_atomic(&args.output, &[("output", &out.output), ("received_mass", &out.received_mass)]).context("writing --output")?;
+        let shape = probattn::ScoreShape { batch: q.size()[0], heads, queries: q.size()[2], keys: k.size()[2] };
+        let counted = masks.allowed(shape, device)?.map(|a| a.expand(shape.dims(), false).any_dim(-2, false));
+        return summary(&normalizer.name(), device, &out.output, None, &out.received_mass, counted.as_ref(), None, &args.output);
+    }
     let opts = AttendOptions { mode: Mode { dropout: false, sample: args.bam.train }, dropout: 0.0, noise: noise.as_ref() };
     let out = tch::no_grad(|| attend(&q, &k, &v, &masks, normalizer.as_ref(), opts))
         .with_context(|| format!("attending with {} on {input}", args.variant))?;
@@ -167,25 +187,31 @@ pub fn run(args: &AttendArgs) -> Result<()> {
     write_safetensors_atomic(&args.output, &written).context("writing --output")?;
 
     let counted = masks_key_counted(&out.weights, &masks, device)?;
-    let away = explained_away_fraction(&mass, counted.as_ref(), EXPLAINED_AWAY_EPS)?;
-    let least = match &counted {
+    summary(&normalizer.name(), device, &out.output, Some(&out.weights), &mass, counted.as_ref(), out.kl.as_ref(), &args.output)
+}
+
+/// The one line `attend` prints: shapes, the explained-away share of keys and the least received
+/// mass (over keys some query may attend), the KL term.
+#[allow(clippy::too_many_arguments)]
+fn summary(name: &str, device: Device, output: &Tensor, weights: Option<&Tensor>, mass: &Tensor, counted: Option<&Tensor>, kl: Option<&Tensor>, path: &std::path::Path) -> Result<()> {
+    let away = explained_away_fraction(mass, counted, EXPLAINED_AWAY_EPS)?;
+    let least = match counted {
         Some(c) => mass.masked_select(c),
         None => mass.view([-1]),
     };
     let least = if least.numel() > 0 { f64::try_from(least.min())? } else { f64::NAN };
-    let kl = match &out.kl {
+    let kl = match kl {
         Some(kl) => format!("; KL {:.6e}", f64::try_from(kl)?),
         None => String::new(),
     };
+    let weights = weights.map_or("none (memory-efficient)".to_string(), |w| format!("{:?}", w.size()));
     println!(
-        "{} on {}: output {:?}, weights {:?}; keys explained away (received < {EXPLAINED_AWAY_EPS:e}): {:.1}%, \
+        "{name} on {}: output {:?}, weights {weights}; keys explained away (received < {EXPLAINED_AWAY_EPS:e}): {:.1}%, \
          least received mass {least:.3e}{kl}; wrote {}",
-        normalizer.name(),
         probattn::device::device_name(device),
-        out.output.size(),
-        out.weights.size(),
+        output.size(),
         100.0 * away,
-        args.output.display()
+        path.display()
     );
     Ok(())
 }

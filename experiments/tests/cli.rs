@@ -154,3 +154,36 @@ fn bad_input_is_named_and_nothing_is_written() -> Result<()> {
     ensure!(left.is_empty(), "temporary files left: {left:?}");
     Ok(())
 }
+
+#[test]
+fn attend_memory_efficient_writes_what_the_eager_path_does() -> Result<()> {
+    // python/parity.py's cases (masks in every layout, HNAS logits), each variant with a tiled
+    // path both ways: output and received mass agree; no weights are written.
+    let dir = TempDir::new("cli-attend-tiled")?;
+    let root = dir.0.to_string_lossy().to_string();
+    run_python("parity.py", &["cases", "--out", &root, "--seed", "11", "--count", "3"])?;
+    for case in 0..3 {
+        let input = dir.path(&format!("case-{case:03}.safetensors")).to_string_lossy().to_string();
+        for variant in ["softmax", "dnas", "hnas"] {
+            let (eager, tiled) = (dir.path("eager.safetensors"), dir.path("tiled.safetensors"));
+            let (e, t) = (eager.to_string_lossy().to_string(), tiled.to_string_lossy().to_string());
+            let o = probattn(&["attend", "--variant", variant, "--input", &input, "--output", &e])?;
+            ensure!(o.status.success(), "{}", text(&o));
+            let o = probattn(&["attend", "--variant", variant, "--input", &input, "--output", &t, "--memory-efficient", "--tile", "3"])?;
+            ensure!(o.status.success() && text(&o).contains("weights none (memory-efficient)"), "{}", text(&o));
+            let (a, b) = (probattn::io::read_safetensors(&eager)?, probattn::io::read_safetensors(&tiled)?);
+            ensure!(!b.contains_key("weights"), "the memory-efficient path wrote weights");
+            // float64 to 1e-10; float32 cases to its rounding (HNAS mixes in another order).
+            let tolerance = if a["output"].kind() == tch::Kind::Double { 1e-10 } else { 1e-5 };
+            for name in ["output", "received_mass"] {
+                let d = (&a[name] - &b[name]).abs().max().double_value(&[]);
+                ensure!(d <= tolerance, "case {case} {variant}: {name} differs by {d}");
+            }
+        }
+    }
+    let input = dir.path("case-000.safetensors").to_string_lossy().to_string();
+    let out = dir.path("none.safetensors");
+    let o = probattn(&["attend", "--variant", "sinkhorn-3", "--input", &input, "--output", &out.to_string_lossy(), "--memory-efficient"])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("no memory-efficient path yet") && !out.exists(), "{}", text(&o));
+    Ok(())
+}
