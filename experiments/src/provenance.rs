@@ -63,7 +63,15 @@ pub fn run_python(script: &str, args: &[&str]) -> Result<String> {
         .with_context(|| format!("running {} (set PROBATTN_PYTHON, or run ./download_libtorch.sh)", python.display()))?;
     if !out.status.success() {
         let stderr = String::from_utf8_lossy(&out.stderr);
-        bail!("{}", stderr.trim().trim_start_matches("error: "));
+        let stderr = stderr.trim().trim_start_matches("error: ");
+        // A process killed by a signal often says nothing: name the signal (9 is what the
+        // kernel's out-of-memory killer sends).
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(signal) = out.status.signal() {
+            let hint = if signal == 9 { " (SIGKILL: the system's out-of-memory killer, or a user)" } else { "" };
+            bail!("python/{script} was killed by signal {signal}{hint}{}{stderr}", if stderr.is_empty() { "" } else { ": " });
+        }
+        bail!("{stderr}");
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
