@@ -109,6 +109,10 @@ pub struct TransformerConfig {
     /// has none (default false, and then left out of the JSON).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub final_norm: bool,
+    /// Memory-efficient attention in every attention module, this many queries per tile
+    /// ([`MhaConfig::tile`]); `None` (default, and then left out of the JSON): eager.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tile: Option<i64>,
 }
 
 impl TransformerConfig {
@@ -127,6 +131,7 @@ impl TransformerConfig {
             decoder_self_variant: Variant::Softmax,
             normalizer: NormalizerConfig::default(),
             final_norm: false,
+            tile: None,
         }
     }
 
@@ -148,6 +153,7 @@ impl TransformerConfig {
         let mut cfg = MhaConfig::new(self.embed_dim, self.heads).with_variant(variant);
         cfg.dropout = self.attention_dropout;
         cfg.normalizer = self.normalizer.clone();
+        cfg.tile = self.tile;
         cfg
     }
 }

@@ -176,6 +176,14 @@ pub struct TranslateArgs {
     /// '{"layers":[0]}' (first layer only) or '{"kinds":["encoder-self"],"projections":["q"]}'.
     #[arg(long)]
     pub selection: Option<String>,
+    /// Memory-efficient attention in every attention module (softmax, dnas, hnas; probattn::tiled):
+    /// no (S, S) weights are kept for the backward pass. Needs attention dropout 0 (the presets'),
+    /// and refuses the variants without a tiled path.
+    #[arg(long)]
+    pub memory_efficient: bool,
+    /// Queries per tile with --memory-efficient.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(i64).range(1..))]
+    pub tile: i64,
     /// BAM Weibull shape k (bam-w*; the authors' ALBERT script's 10).
     #[arg(long, default_value_t = 10.0)]
     pub k: f64,
@@ -416,6 +424,7 @@ impl TranslateConfig {
         transformer.variant = variant;
         transformer.decoder_self_variant = args.decoder_self_attention.parse().context("--decoder-self-attention")?;
         transformer.normalizer = NormalizerConfig { bam: BamConfig { k: args.k, sigma: args.sigma, ..BamConfig::default() }, ..Default::default() };
+        transformer.tile = args.memory_efficient.then_some(args.tile);
         let (lr, warmup, bpe) = preset.recipe();
         let selection: Selection = match &args.selection {
             Some(s) => serde_json::from_str(s).with_context(|| format!("--selection {s:?} is not a selection (JSON with kinds, layers, projections)"))?,
