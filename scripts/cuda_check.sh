@@ -8,7 +8,8 @@
 #   DATA_DIR  a copy of shared/data (planetoid, multi30k)
 #   OUT_DIR   where logs and run folders go
 #   GAT_SEEDS seeds of the GAT run over every variant (default 1)
-#   STEP      any of doctor tests gat vqa translate bench bench-quick (default: all but bench-quick)
+#   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient
+#             (default: all but bench-quick)
 #
 # The test binaries hold the paths they were built at (the workspace root for python/ and the
 # `probattn` binary for the CLI tests): set BUILT_ROOT to the workspace root of the build machine
@@ -16,7 +17,7 @@
 set -u
 bin=$(realpath "$1") data=$(realpath "$2") out=$(realpath -m "$3")
 shift 3
-steps=${*:-doctor tests gat vqa translate bench}
+steps=${*:-doctor tests gat vqa translate bench pt2 memory-efficient}
 mkdir -p "$out"
 root=$PWD
 python=${PROBATTN_PYTHON:-$(command -v python3)}
@@ -42,7 +43,7 @@ for s in $steps; do
       "$p" doctor --json --device cuda > "$out/doctor.json" ;;
     tests)
       step tests
-      for t in bam edges interop normalizers parity repulsive; do
+      for t in bam edges interop normalizers parity repulsive pt2 tiled; do
         (cd "$root" && "$bin/$t" --test-threads 4 2>&1) | tee -a "$out/tests.log" | grep -A3 -E "^test |test result|panicked|Error"
       done
       (cd "$root/experiments" && "$bin/cli" --test-threads 4 2>&1) | tee -a "$out/tests.log" | grep -A3 -E "^test |test result|panicked|Error" ;;
@@ -61,6 +62,20 @@ for s in $steps; do
     bench-quick)
       step bench-quick
       "$p" bench --quick --device cuda --out "$out/bench-quick" 2>&1 | tail -40 ;;
+    pt2)
+      # A package compiled for CUDA (AOTInductor needs the GPU where it compiles), compared with
+      # the native module on the GPU, then refused by name on the CPU.
+      step pt2
+      "$python" "$root/python/export_pt2.py" mha --embed-dim 64 --heads 4 --key-padding --device cuda \
+        --out "$out/mha-cuda.pt2" --inputs "$out/mha-cuda.safetensors" 2>&1 | tail -3
+      "$p" compare --pt2 "$out/mha-cuda.pt2" --native mha --heads 4 --inputs "$out/mha-cuda.safetensors" --device cuda 2>&1 | tee "$out/pt2-cuda.txt"
+      "$p" compare --pt2 "$out/mha-cuda.pt2" --native mha --heads 4 --inputs "$out/mha-cuda.safetensors" --device cpu 2>&1 | tee -a "$out/pt2-cuda.txt" ;;
+    memory-efficient)
+      # The tiled path against the eager one and PyTorch's, with the caching allocator's peaks.
+      step memory-efficient
+      "$p" bench --device cuda --batch 1 --memory-efficient --seq-lens 1024,4096 --out "$out/bench-me" 2>&1 | tail -30
+      "$p" bench --device cuda --batch 1 --memory-efficient --no-eager --no-pytorch --seq-lens 16384,32768 --repeats 3 \
+        --out "$out/bench-me-long" 2>&1 | tail -20 ;;
     *) echo "unknown step $s" >&2; exit 1 ;;
   esac
 done
