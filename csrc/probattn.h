@@ -46,12 +46,27 @@ void pa_pt2_free(pa_pt2* package);
 char* pa_jit_named_buffers(const char* path, pa_tensors** out);
 
 // ---- memory-efficient attention (tiled.cpp)
-// Softmax (dnas = 0) or DNAS attention of heads-first q (B, H, S_q, d), k (B, H, S_k, d),
-// v (B, H, S_k, d_v) under `excluded` (bool, broadcastable to (B, H, S_q, S_k), true = excluded;
-// NULL: none), tiled over blocks of `tile` queries, differentiable in q, k and v. Outputs: the
-// attention output (B, H, S_q, d_v) and the weight each key received (B, H, S_k).
-char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* excluded, int64_t tile,
-                         int dnas, pa_tensor** out, pa_tensor** received_mass);
+typedef struct pa_tiled_spec {
+  int64_t tile;        // queries per tile, >= 1
+  int64_t sweeps;      // column/row normalizations before the last row softmax: 0 softmax, 1 DNAS, N Sinkhorn-N
+  int32_t noise;       // BAM sampling: 0 none, 1 Weibull ((1/k) log(-log(1 - eps)), eps ~ U(0, 1)), 2 Lognormal (sigma eps)
+  double noise_scale;  // 1/k (Weibull) or sigma (Lognormal)
+  uint64_t seed;       // the counter-based draws' key, when no noise tensor is given
+  int32_t kl;          // the KL's score-dependent part: 0 none, 1 sum a_j log pi_ij, 2 sum (log pi_ij - a_j)^2
+} pa_tiled_spec;
+// Attention of heads-first q (B, H, S_q, d), k (B, H, S_k, d), v (B, H, S_k, d_v) under `excluded`
+// (bool, broadcastable to (B, H, S_q, S_k), true = excluded; NULL: none), tiled over blocks of
+// `spec->tile` queries, differentiable in q, k, v and `prior`. `noise`: eps broadcastable to
+// (B, H, S_q, S_k) (NULL: counter-based draws keyed by spec->seed); `prior`: a_j broadcastable to
+// (B, H, 1, S_k) (NULL unless spec->kl). Outputs: the attention output (B, H, S_q, d_v), the weight
+// each key received (B, H, S_k), and the KL's part per (b, h) (zeros without a KL term).
+char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* excluded, const pa_tensor* noise,
+                         const pa_tensor* prior, const pa_tiled_spec* spec, pa_tensor** out, pa_tensor** received_mass,
+                         pa_tensor** kl_part);
+// The counter-based draws of the tiled path for a whole (B, H, S_q, S_k) = shape[0..4] score
+// tensor, in the eager path's convention (eps ~ U(0, 1) for noise 1, N(0, 1) for noise 2), with
+// the dtype and device of `like`.
+char* pa_counter_noise(const pa_tensor* like, const int64_t* shape, int32_t noise, uint64_t seed, pa_tensor** out);
 
 // ---- memory statistics
 // CPU: a counting allocator for libtorch's CPU tensors (installed once, on the first call; tensors

@@ -1,20 +1,39 @@
-// Memory-efficient attention: softmax and DNAS (Ding et al. 2020) tiled over blocks of queries,
-// forward and backward, as a torch::autograd::Function whose passes are ATen ops (CPU and CUDA
-// alike). No (S_q, S_k) tensor is kept: each pass holds one (tile, S_k) block of scores at a time,
-// and what is saved for backward is q, k, v, the output and, for DNAS, the per-key statistic c.
+// Memory-efficient attention: softmax, DNAS and Sinkhorn-N (Ding et al. 2020), and BAM's sampled
+// weights (Fan et al. 2020) over any of them, tiled over blocks of queries, forward and backward,
+// as a torch::autograd::Function whose passes are ATen ops (CPU and CUDA alike). No (S_q, S_k)
+// tensor is kept: each pass holds one (tile, S_k) block of scores at a time, and what is saved for
+// backward is q, k, v, the output and O(S) statistics per head.
 //
-// Scores z = (q · sqrt(1/d)) kᵀ, excluded entries filled with -1e30 as the eager path does.
-// - softmax: P = row-softmax(z).
-// - DNAS:    P = row-softmax(z - c), c_j = logsumexp_i z_ij (each key normalized over the
-//   queries first). Pass 1 accumulates c over the query tiles (log-add-exp of each tile's column
-//   logsumexp); pass 2 is ordinary attention with the per-key bias -c.
-// Excluded entries get weight exactly 0 (a fully excluded row is all zeros), as in the eager path.
+// Scores z = (q · sqrt(1/d)) kᵀ, excluded entries filled with -1e30 as the eager path does; every
+// exponential of a filled entry is set to exactly 0 (a fully excluded row or column is all zeros).
 //
-// Backward by recomputation, per tile: dP = dO vᵀ, D_i = Σ_d dO_id O_id, dS¹ = P ∘ (dP - D) (the
-// softmax backward); for DNAS g_j = Σ_i dS¹_ij over all tiles (an O(S_k) vector, pass A), then
-// dZ = dS¹ - Pc ∘ g with Pc_ij = exp(z_ij - c_j) (∂c_j/∂z_ij), recomputed in pass B; then
-// dq = sqrt(1/d) dZ k, dk = dZᵀ (q · sqrt(1/d)), dv = Pᵀ dO.
+// N column/row sweeps (N = 0 softmax, 1 DNAS, N Sinkhorn-N) leave log-weights z_ij - C_j - R_i:
+// the eager path's alternating log-softmaxes telescope into one per-key and one per-query sum.
+//   C¹_j = LSE_i z_ij,  R^t_i = LSE_j (z_ij - C^t_j),  C^{t+1}_j = LSE_i (z_ij - R^t_i).
+// The weights are P = row-softmax(y + n), y = z - C^N (y = z for softmax), n BAM's noise term
+// (0 without sampling); the base normalizer's log-weights are log π = y - LSE_j y. Forward: N
+// passes, each computing a tile's R^{t-1} (rows are local to the tile) and folding its column
+// LSE into C^t, then the output pass.
+//
+// Backward by recomputation. Per tile: dP = dO vᵀ, D_i = Σ_d dO_id O_id, dY = P ∘ (dP - D), plus
+// the KL term's part (below). Through the statistics, with A^t = exp(z - R^{t-1} - C^t) (∂C^t/∂z,
+// R⁰ = 0) and B^t = exp(z - C^t - R^t) (∂R^t/∂z):
+//   dC^N = -Σ_i dY_ij,  dR^{t-1}_i = -Σ_j A^t_ij dC^t_j,  dC^{t-1}_j = -Σ_i B^{t-1}_ij dR^{t-1}_i,
+//   dZ = dY + Σ_t A^t ∘ dC^t + Σ_{t<N} B^t ∘ dR^t,
+// one pass for dV and Σ_i dY, N - 1 passes down the chain, one for dZ; then dq = sqrt(1/d) dZ k,
+// dk = dZᵀ (q · sqrt(1/d)), dv = Pᵀ dO. For DNAS this is dZ = dY - Pc ∘ g of PAPER-NOTES §5.
+//
+// BAM: the sampled weights are row-softmax(log π + n) = row-softmax(y + n): the per-row constant
+// cancels. n = (1/k) log(-log(1 - ε)), ε ~ U(0, 1) (Weibull) or σ ε, ε ~ N(0, 1) (Lognormal), from
+// a given tensor or from a counter-based generator keyed by (seed, b, h, i, j) and regenerated per
+// tile, so forward and backward see the same draws. The KL term's only part that needs the scores
+// is, per (b, h), over the allowed entries,
+//   Weibull:   T = Σ_ij a_j log π_ij         (a_j = α_j, the Gamma prior's shape)
+//   Lognormal: T = Σ_ij (log π_ij - a_j)²    (a_j = μ_p,j + σ²/2)
+// returned as the third output, differentiable in the scores and in a; the Rust side adds the
+// per-key and per-row terms (src/tiled.rs). Its gradient in y: dT/dlog π - π ∘ Σ_j dT/dlog π.
 
+#include <cfloat>
 #include <cmath>
 #include <optional>
 
@@ -29,119 +48,288 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr double kMaskValue = -1.0e30;  // the eager path's mask_value for float32 and float64
+constexpr int64_t kLow32 = 0xffffffffLL;
 
-// Rows [start, start + len) of a mask broadcastable to (B, H, S_q, S_k).
-at::Tensor mask_rows(const at::Tensor& excluded, int64_t start, int64_t len) {
-  if (!excluded.defined() || excluded.size(-2) == 1) return excluded;
-  return excluded.narrow(-2, start, len);
+enum Noise : int64_t { kNoNoise = 0, kWeibull = 1, kLognormal = 2 };
+enum Kl : int64_t { kNoKl = 0, kWeibullCross = 1, kLognormalSquares = 2 };
+
+// ---- counter-based draws: integer hashing in ATen ops, every value kept below 2^49, so int64
+// never overflows on any device.
+
+// x · c mod 2^32 for 0 <= x < 2^32, in two 16-bit halves of c.
+at::Tensor mul32(const at::Tensor& x, uint32_t c) {
+  auto low = x * static_cast<int64_t>(c & 0xffffu);
+  auto high = at::bitwise_left_shift(at::bitwise_and(x * static_cast<int64_t>(c >> 16), 0xffff), 16);
+  return at::bitwise_and(low + high, kLow32);
 }
 
-at::Tensor filled(at::Tensor t, const at::Tensor& excluded, double value) {
+// A bijection of 32-bit values with good avalanche (C. Wellons' two-round integer hash).
+at::Tensor hash32(at::Tensor x) {
+  x = at::bitwise_xor(x, at::bitwise_right_shift(x, 16));
+  x = mul32(x, 0x21f0aaadu);
+  x = at::bitwise_xor(x, at::bitwise_right_shift(x, 15));
+  x = mul32(x, 0xd35a2d97u);
+  return at::bitwise_xor(x, at::bitwise_right_shift(x, 15));
+}
+
+// Uniform draws in (0, 1), float64, for entries (b, h, i, j) with i in [start, start + len) of a
+// (B, H, S_q, S_k) score tensor: 32 random bits ((m + 1/2) / 2^32), or 24 for float32 noise so
+// that the value casts to float32 exactly and stays below 1.
+at::Tensor counter_uniform(uint64_t seed, at::IntArrayRef shape, int64_t start, int64_t len, at::ScalarType dtype, at::Device device) {
+  const int64_t b = shape[0], h = shape[1], sq = shape[2], sk = shape[3];
+  auto opts = at::TensorOptions().dtype(at::kLong).device(device);
+  auto heads = at::arange(b * h, opts).view({b, h, 1, 1});
+  auto rows = at::arange(start, start + len, opts).view({1, 1, len, 1});
+  auto cols = at::arange(sk, opts).view({1, 1, 1, sk});
+  auto index = (heads * sq + rows) * sk + cols;  // the entry's position, < 2^63
+  auto low = at::bitwise_and(index, kLow32), high = at::bitwise_right_shift(index, 32);
+  const auto s0 = static_cast<int64_t>(seed & 0xffffffffULL), s1 = static_cast<int64_t>(seed >> 32);
+  auto bits = hash32(at::bitwise_xor(hash32(at::bitwise_xor(low, hash32(at::bitwise_xor(high, s1)))), s0));
+  if (dtype == at::kFloat) return (at::bitwise_right_shift(bits, 8).to(at::kDouble) + 0.5) * std::ldexp(1.0, -24);
+  return (bits.to(at::kDouble) + 0.5) * std::ldexp(1.0, -32);
+}
+
+// The eager path's noise convention: ε ~ U(0, 1) for Weibull, ε ~ N(0, 1) for Lognormal (the
+// inverse normal CDF of the uniform, in float64), in `dtype`.
+at::Tensor counter_noise(uint64_t seed, int64_t noise, at::IntArrayRef shape, int64_t start, int64_t len, at::ScalarType dtype,
+                         at::Device device) {
+  auto u = counter_uniform(seed, shape, start, len, dtype, device);
+  if (noise == kLognormal) u = at::erfinv(u * 2.0 - 1.0) * std::sqrt(2.0);
+  return u.to(dtype);
+}
+
+// The log-domain perturbation of ε, as src/normalize/bam.rs's `perturb`.
+at::Tensor noise_term(const at::Tensor& eps, int64_t noise, double scale) {
+  if (noise == kWeibull) return at::log(-at::log1p(-eps.clamp_min(static_cast<double>(FLT_MIN)))) * scale;
+  return eps * scale;
+}
+
+// ---- tiles
+
+at::Tensor filled(const at::Tensor& t, const at::Tensor& excluded, double value) {
   return excluded.defined() ? t.masked_fill(excluded, value) : t;
 }
 
-// Filled scores of one query tile, (B, H, t, S_k).
-at::Tensor tile_scores(const at::Tensor& qs, const at::Tensor& k, const at::Tensor& excluded) {
-  return filled(at::matmul(qs, k.transpose(-2, -1)), excluded, kMaskValue);
-}
+// exp(t), exactly 0 on excluded entries.
+at::Tensor masked_exp(const at::Tensor& t, const at::Tensor& excluded) { return filled(at::exp(t), excluded, 0.0); }
 
-// Weights of one tile from its filled scores; `c` undefined for softmax.
-at::Tensor tile_weights(const at::Tensor& z, const at::Tensor& c, const at::Tensor& excluded) {
-  auto a = c.defined() ? filled(z - c, excluded, kMaskValue) : z;
-  return filled(at::softmax(a, -1), excluded, 0.0);
-}
+// What the forward and backward passes of one call share: the inputs, the settings and the
+// statistics, and how a tile's scores, log-weights and weights are formed from them.
+struct Problem {
+  at::Tensor qs, k, v;     // q already scaled by sqrt(1/d)
+  at::Tensor excluded;     // bool, broadcastable to (B, H, S_q, S_k); undefined: none
+  at::Tensor given_noise;  // ε expanded to (B, H, S_q, S_k); undefined: counter-based draws
+  int64_t tile, sweeps, noise;
+  double noise_scale;
+  uint64_t seed;
+  std::vector<at::Tensor> c;  // c[t] = C^{t+1}, (B, H, 1, S_k)
+  std::vector<at::Tensor> r;  // r[t] = R^{t+1}, (B, H, S_q, 1), t < sweeps - 1
 
-struct Tiling {
-  int64_t queries;
-  int64_t tile;
+  int64_t queries() const { return qs.size(-2); }
+  std::vector<int64_t> shape() const { return {qs.size(0), qs.size(1), qs.size(2), k.size(2)}; }
+
   template <typename F>
   void each(F&& f) const {
-    for (int64_t start = 0; start < queries; start += tile) f(start, std::min(tile, queries - start));
+    for (int64_t start = 0; start < queries(); start += tile) f(start, std::min(tile, queries() - start));
+  }
+
+  at::Tensor excluded_rows(int64_t start, int64_t len) const {
+    if (!excluded.defined() || excluded.size(-2) == 1) return excluded;
+    return excluded.narrow(-2, start, len);
+  }
+  at::Tensor scores(int64_t start, int64_t len, const at::Tensor& ex) const {
+    return filled(at::matmul(qs.narrow(-2, start, len), k.transpose(-2, -1)), ex, kMaskValue);
+  }
+  // z - s filled, s a per-row or per-key statistic.
+  static at::Tensor minus(const at::Tensor& z, const at::Tensor& s, const at::Tensor& ex) { return filled(z - s, ex, kMaskValue); }
+  // y = z - C^N.
+  at::Tensor logits(const at::Tensor& z, const at::Tensor& ex) const { return sweeps == 0 ? z : minus(z, c.back(), ex); }
+  // The (noisy) weights of a tile from its logits y.
+  at::Tensor weights(const at::Tensor& y, int64_t start, int64_t len, const at::Tensor& ex) const {
+    auto a = y;
+    if (noise != kNoNoise) {
+      auto eps = given_noise.defined() ? given_noise.narrow(-2, start, len).to(y.scalar_type())
+                                       : counter_noise(seed, noise, shape(), start, len, y.scalar_type(), y.device());
+      a = filled(y + noise_term(eps, noise, noise_scale), ex, kMaskValue);
+    }
+    return filled(at::softmax(a, -1), ex, 0.0);
+  }
+  at::Tensor r_rows(size_t t, int64_t start, int64_t len) const { return r[t].narrow(-2, start, len); }
+  // A^t of a tile (t 1-based): exp(z - R^{t-1} - C^t).
+  at::Tensor col_jacobian(size_t t, const at::Tensor& z, int64_t start, int64_t len, const at::Tensor& ex) const {
+    auto base = t == 1 ? z : minus(z, r_rows(t - 2, start, len), ex);
+    return masked_exp(base - c[t - 1], ex);
+  }
+  // B^t of a tile (t 1-based, t < N): exp(z - C^t - R^t).
+  at::Tensor row_jacobian(size_t t, const at::Tensor& z, int64_t start, int64_t len, const at::Tensor& ex) const {
+    return masked_exp(minus(z, c[t - 1], ex) - r_rows(t - 1, start, len), ex);
+  }
+
+  // C¹ … C^N and R¹ … R^{N-1}.
+  void sweep() {
+    for (int64_t t = 1; t <= sweeps; ++t) {
+      at::Tensor col;
+      std::vector<at::Tensor> rows;
+      each([&](int64_t start, int64_t len) {
+        auto ex = excluded_rows(start, len);
+        auto z = scores(start, len, ex);
+        if (t > 1) {
+          auto r_tile = at::logsumexp(minus(z, c.back(), ex), {-1}, true);
+          z = minus(z, r_tile, ex);
+          rows.push_back(r_tile);
+        }
+        auto lse = at::logsumexp(z, {-2}, true);
+        col = col.defined() ? at::logaddexp(col, lse) : lse;
+      });
+      if (t > 1) r.push_back(at::cat(rows, -2));
+      c.push_back(col);
+    }
+  }
+};
+
+// The KL's part T of a tile and its derivative in log π, over the allowed entries.
+struct KlTerm {
+  int64_t kind;
+  at::Tensor a;  // broadcastable to (B, H, 1, S_k)
+
+  at::Tensor value(const at::Tensor& log_pi, const at::Tensor& ex) const {
+    auto t = kind == kWeibullCross ? a * log_pi : (log_pi - a).square();
+    return filled(t, ex, 0.0).sum({-2, -1});  // (B, H)
+  }
+  at::Tensor grad(const at::Tensor& log_pi, const at::Tensor& ex) const {
+    auto g = kind == kWeibullCross ? (a * at::ones_like(log_pi)) : (log_pi - a) * 2.0;
+    return filled(g, ex, 0.0);
+  }
+  // ∂T/∂a_j summed over the tile's rows, (B, H, 1, S_k).
+  at::Tensor grad_a(const at::Tensor& log_pi, const at::Tensor& ex) const {
+    auto g = kind == kWeibullCross ? log_pi : (a - log_pi) * 2.0;
+    return filled(g, ex, 0.0).sum(-2, true);
   }
 };
 
 struct TiledAttention : public torch::autograd::Function<TiledAttention> {
-  // The mask is an optional, not a possibly-undefined tensor: apply() treats tensor arguments as
-  // variables of the graph, which an undefined one cannot be.
-  static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v,
-                               std::optional<at::Tensor> excluded_or_none, int64_t tile, bool dnas) {
-    const at::Tensor excluded = excluded_or_none.value_or(at::Tensor());
-    const double scale = std::sqrt(1.0 / static_cast<double>(q.size(-1)));
-    const Tiling tiling{q.size(-2), tile};
-    auto qs = q * scale;
-    at::Tensor c;  // (B, H, 1, S_k): each key's logsumexp over the queries
-    if (dnas) {
-      tiling.each([&](int64_t start, int64_t len) {
-        auto lse = at::logsumexp(tile_scores(qs.narrow(-2, start, len), k, mask_rows(excluded, start, len)), {-2}, true);
-        c = c.defined() ? at::logaddexp(c, lse) : lse;
-      });
-    }
-    std::vector<at::Tensor> outputs;
-    at::Tensor mass;  // (B, H, S_k): the weight each key receives
-    tiling.each([&](int64_t start, int64_t len) {
-      auto ex = mask_rows(excluded, start, len);
-      auto p = tile_weights(tile_scores(qs.narrow(-2, start, len), k, ex), c, ex);
+  // Optional tensors are optionals, not possibly-undefined tensors: apply() treats tensor
+  // arguments as variables of the graph, which an undefined one cannot be.
+  static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, std::optional<at::Tensor> excluded,
+                               std::optional<at::Tensor> noise_given, std::optional<at::Tensor> prior, int64_t tile, int64_t sweeps,
+                               int64_t noise, double noise_scale, int64_t seed, int64_t kl) {
+    Problem pb{q * std::sqrt(1.0 / static_cast<double>(q.size(-1))), k, v, excluded.value_or(at::Tensor()), at::Tensor(), tile,
+               sweeps, noise, noise_scale, static_cast<uint64_t>(seed), {}, {}};
+    if (noise != kNoNoise && noise_given.has_value()) pb.given_noise = noise_given->expand(pb.shape());
+    const KlTerm term{kl, prior.value_or(at::Tensor())};
+    pb.sweep();
+    std::vector<at::Tensor> outputs, row_lse;
+    at::Tensor mass = at::zeros({q.size(0), q.size(1), k.size(2)}, q.options());  // Σ_i P_ij
+    at::Tensor kl_part = at::zeros({q.size(0), q.size(1)}, q.options());
+    pb.each([&](int64_t start, int64_t len) {
+      auto ex = pb.excluded_rows(start, len);
+      auto y = pb.logits(pb.scores(start, len, ex), ex);
+      auto p = pb.weights(y, start, len, ex);
       outputs.push_back(at::matmul(p, v));
-      auto m = p.sum(-2);
-      mass = mass.defined() ? mass + m : m;
+      mass += p.sum(-2);
+      if (kl != kNoKl) {
+        row_lse.push_back(at::logsumexp(y, {-1}, true));
+        kl_part += term.value(y - row_lse.back(), ex);
+      }
     });
     auto out = at::cat(outputs, -2);  // (B, H, S_q, d_v)
     ctx->save_for_backward({q, k, v, out});
-    // Neither needs a gradient: kept beside the saved variables, `None` when absent.
-    ctx->saved_data["c"] = c.defined() ? at::IValue(c) : at::IValue();
-    ctx->saved_data["excluded"] = excluded.defined() ? at::IValue(excluded) : at::IValue();
-    ctx->saved_data["tile"] = tile;
+    auto keep = [&](const char* key, const at::Tensor& t) { ctx->saved_data[key] = t.defined() ? at::IValue(t) : at::IValue(); };
+    keep("excluded", pb.excluded);
+    keep("noise", pb.given_noise);
+    keep("prior", term.a);
+    keep("row_lse", kl != kNoKl ? at::cat(row_lse, -2) : at::Tensor());
+    ctx->saved_data["c"] = at::IValue(pb.c);
+    ctx->saved_data["r"] = at::IValue(pb.r);
+    ctx->saved_data["settings"] = std::vector<int64_t>{tile, sweeps, noise, seed, kl};
+    ctx->saved_data["noise_scale"] = noise_scale;
     ctx->mark_non_differentiable({mass});
-    return {out, mass};
+    return {out, mass, kl_part};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3];
     auto optional = [&](const char* key) { return ctx->saved_data[key].isNone() ? at::Tensor() : ctx->saved_data[key].toTensor(); };
-    const auto c = optional("c"), excluded = optional("excluded");
-    const Tiling tiling{q.size(-2), ctx->saved_data["tile"].toInt()};
-    const bool dnas = c.defined();
-    auto dout = grads[0];
-    if (!dout.defined()) dout = at::zeros_like(out);
+    const auto settings = ctx->saved_data["settings"].toIntVector();
     const double scale = std::sqrt(1.0 / static_cast<double>(q.size(-1)));
-    auto qs = q * scale;
+    Problem pb{q * scale, k, v, optional("excluded"), optional("noise"), settings[0], settings[1], settings[2],
+               ctx->saved_data["noise_scale"].toDouble(), static_cast<uint64_t>(settings[3]), ctx->saved_data["c"].toTensorVector(),
+               ctx->saved_data["r"].toTensorVector()};
+    const KlTerm term{settings[4], optional("prior")};
+    const auto row_lse = optional("row_lse");
+    const size_t n = static_cast<size_t>(pb.sweeps);
+    auto dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    const bool with_kl = term.kind != kNoKl && grads[2].defined();
+    const auto dkl = with_kl ? grads[2].view({q.size(0), q.size(1), 1, 1}) : at::Tensor();
     auto d = (dout * out).sum(-1, true);  // (B, H, S_q, 1)
-    auto dv = at::zeros_like(v);
-    auto dk = at::zeros_like(k);
-    std::vector<at::Tensor> dq(static_cast<size_t>((tiling.queries + tiling.tile - 1) / tiling.tile));
-    at::Tensor g;  // (B, H, 1, S_k): Σ_i dS¹_ij
-    // One tile's dS¹ and its weights.
-    auto softmax_grad = [&](int64_t start, int64_t len, const at::Tensor& ex) {
-      auto z = tile_scores(qs.narrow(-2, start, len), k, ex);
-      auto p = tile_weights(z, c, ex);
+    auto dv = at::zeros_like(v), dk = at::zeros_like(k);
+    at::Tensor da = with_kl ? at::zeros({q.size(0), q.size(1), 1, k.size(2)}, q.options()) : at::Tensor();
+    std::vector<at::Tensor> dq;
+
+    // dY of a tile (the gradient in y = z - C^N), with the weights P.
+    auto logits_grad = [&](int64_t start, int64_t len, const at::Tensor& ex, const at::Tensor& z, bool first_pass) {
+      auto y = pb.logits(z, ex);
+      auto p = pb.weights(y, start, len, ex);
       auto dp = at::matmul(dout.narrow(-2, start, len), v.transpose(-2, -1));
-      return std::make_tuple(z, p, p * (dp - d.narrow(-2, start, len)));
+      auto dy = p * (dp - d.narrow(-2, start, len));
+      if (with_kl) {
+        auto log_pi = y - row_lse.narrow(-2, start, len);
+        auto pi = masked_exp(log_pi, ex);
+        auto dlog_pi = term.grad(log_pi, ex) * dkl;
+        dy = dy + dlog_pi - pi * dlog_pi.sum(-1, true);
+        if (first_pass) da += term.grad_a(log_pi, ex) * dkl;
+      }
+      return std::make_pair(p, dy);
     };
     auto finish = [&](int64_t start, int64_t len, const at::Tensor& dz) {
-      dq[static_cast<size_t>(start / tiling.tile)] = at::matmul(dz, k) * scale;
-      dk.add_(at::matmul(dz.transpose(-2, -1), qs.narrow(-2, start, len)));
+      dq.push_back(at::matmul(dz, k) * scale);
+      dk.add_(at::matmul(dz.transpose(-2, -1), pb.qs.narrow(-2, start, len)));
     };
-    tiling.each([&](int64_t start, int64_t len) {  // pass A
-      auto ex = mask_rows(excluded, start, len);
-      auto [z, p, ds1] = softmax_grad(start, len, ex);
+
+    at::Tensor g;  // Σ_i dY_ij
+    pb.each([&](int64_t start, int64_t len) {  // dV, and dZ itself for softmax
+      auto ex = pb.excluded_rows(start, len);
+      auto z = pb.scores(start, len, ex);
+      auto [p, dy] = logits_grad(start, len, ex, z, true);
       dv.add_(at::matmul(p.transpose(-2, -1), dout.narrow(-2, start, len)));
-      if (dnas) {
-        auto col = ds1.sum(-2, true);
-        g = g.defined() ? g + col : col;
+      if (n == 0) {
+        finish(start, len, dy);
       } else {
-        finish(start, len, ds1);
+        auto col = dy.sum(-2, true);
+        g = g.defined() ? g + col : col;
       }
     });
-    if (dnas) {
-      tiling.each([&](int64_t start, int64_t len) {  // pass B
-        auto ex = mask_rows(excluded, start, len);
-        auto [z, p, ds1] = softmax_grad(start, len, ex);
-        auto pc = filled(at::exp(z - c), ex, 0.0);
-        finish(start, len, ds1 - pc * g);
+    if (n > 0) {
+      std::vector<at::Tensor> dc(n), dr(n > 1 ? n - 1 : 0);
+      dc[n - 1] = -g;
+      for (size_t t = n; t >= 2; --t) {  // down the chain of statistics
+        std::vector<at::Tensor> rows;
+        at::Tensor col;
+        pb.each([&](int64_t start, int64_t len) {
+          auto ex = pb.excluded_rows(start, len);
+          auto z = pb.scores(start, len, ex);
+          auto dr_tile = -(pb.col_jacobian(t, z, start, len, ex) * dc[t - 1]).sum(-1, true);
+          auto dc_tile = -(pb.row_jacobian(t - 1, z, start, len, ex) * dr_tile).sum(-2, true);
+          col = col.defined() ? col + dc_tile : dc_tile;
+          rows.push_back(dr_tile);
+        });
+        dr[t - 2] = at::cat(rows, -2);
+        dc[t - 2] = col;
+      }
+      pb.each([&](int64_t start, int64_t len) {  // dZ
+        auto ex = pb.excluded_rows(start, len);
+        auto z = pb.scores(start, len, ex);
+        auto dz = logits_grad(start, len, ex, z, false).second;
+        for (size_t t = 1; t <= n; ++t) dz = dz + pb.col_jacobian(t, z, start, len, ex) * dc[t - 1];
+        for (size_t t = 1; t < n; ++t) dz = dz + pb.row_jacobian(t, z, start, len, ex) * dr[t - 1].narrow(-2, start, len);
+        finish(start, len, dz);
       });
     }
-    return {at::cat(dq, -2), dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
+    at::Tensor dprior;
+    if (with_kl && term.a.defined() && term.a.requires_grad()) dprior = at::sum_to(da, term.a.sizes());
+    return {at::cat(dq, -2), dk, dv, at::Tensor(), at::Tensor(), dprior, at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -149,15 +337,30 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
 
 extern "C" {
 
-char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* excluded, int64_t tile,
-                         int dnas, pa_tensor** out, pa_tensor** received_mass) {
+char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* excluded, const pa_tensor* noise,
+                         const pa_tensor* prior, const pa_tiled_spec* spec, pa_tensor** out, pa_tensor** received_mass,
+                         pa_tensor** kl_part) {
   return probattn::guard([&] {
-    TORCH_CHECK(tile >= 1, "the tile size must be at least 1, got ", tile);
-    std::optional<at::Tensor> mask;
-    if (excluded != nullptr) mask = *excluded;
-    auto result = TiledAttention::apply(*q, *k, *v, mask, tile, dnas != 0);
+    TORCH_CHECK(spec->tile >= 1, "the tile size must be at least 1, got ", spec->tile);
+    TORCH_CHECK(spec->sweeps >= 0, "the number of sweeps must be at least 0, got ", spec->sweeps);
+    TORCH_CHECK(spec->noise >= kNoNoise && spec->noise <= kLognormal, "unknown noise kind ", spec->noise);
+    TORCH_CHECK(spec->kl >= kNoKl && spec->kl <= kLognormalSquares, "unknown KL kind ", spec->kl);
+    TORCH_CHECK(spec->kl == kNoKl || prior != nullptr, "a KL term needs the prior's per-key values");
+    auto some = [](const pa_tensor* t) { return t != nullptr ? std::optional<at::Tensor>(*t) : std::nullopt; };
+    auto result = TiledAttention::apply(*q, *k, *v, some(excluded), some(noise), some(prior), spec->tile, spec->sweeps, spec->noise,
+                                        spec->noise_scale, static_cast<int64_t>(spec->seed), spec->kl);
     *out = new at::Tensor(result[0]);
     *received_mass = new at::Tensor(result[1]);
+    *kl_part = new at::Tensor(result[2]);
+  });
+}
+
+char* pa_counter_noise(const pa_tensor* like, const int64_t* shape, int32_t noise, uint64_t seed, pa_tensor** out) {
+  return probattn::guard([&] {
+    TORCH_CHECK(noise == kWeibull || noise == kLognormal, "unknown noise kind ", noise);
+    TORCH_CHECK(like->scalar_type() == at::kFloat || like->scalar_type() == at::kDouble, "counter-based noise is float32 or float64");
+    const at::IntArrayRef dims(shape, 4);
+    *out = new at::Tensor(counter_noise(seed, noise, dims, 0, dims[2], like->scalar_type(), like->device()));
   });
 }
 

@@ -41,11 +41,14 @@ extern "C" {
         k: *const C_tensor,
         v: *const C_tensor,
         excluded: *const C_tensor,
-        tile: i64,
-        dnas: i32,
+        noise: *const C_tensor,
+        prior: *const C_tensor,
+        spec: *const TiledSpec,
         out: *mut *mut C_tensor,
         received_mass: *mut *mut C_tensor,
+        kl_part: *mut *mut C_tensor,
     ) -> *mut c_char;
+    fn pa_counter_noise(like: *const C_tensor, shape: *const i64, noise: i32, seed: u64, out: *mut *mut C_tensor) -> *mut c_char;
     fn pa_cpu_memory_track() -> *mut c_char;
     fn pa_cpu_memory_stats(current: *mut i64, peak: *mut i64, tracking: *mut i64) -> *mut c_char;
     fn pa_cpu_memory_reset_peak() -> *mut c_char;
@@ -168,18 +171,73 @@ pub(crate) fn jit_named_buffers(path: &Path) -> Result<Vec<(String, Tensor)>> {
     Ok(take_tensors(list))
 }
 
-/// Softmax (`dnas` false) or DNAS attention tiled over blocks of `tile` queries (csrc/tiled.cpp):
-/// `(output (B, H, S_q, d_v), received mass (B, H, S_k))`, differentiable in q, k and v.
-pub(crate) fn tiled_attention(q: &Tensor, k: &Tensor, v: &Tensor, excluded: Option<&Tensor>, tile: i64, dnas: bool) -> Result<(Tensor, Tensor)> {
-    let (mut out, mut mass) = (ptr::null_mut(), ptr::null_mut());
-    let excluded = excluded.map_or(ptr::null(), |t| t.as_ptr());
-    // SAFETY: the tensor pointers borrow live tensors for the call; the two outputs are new
-    // tensors written on success only, owned by `Tensor::from_ptr` from then on.
+/// `pa_tiled_spec` of csrc/probattn.h: what the tiled attention computes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TiledSpec {
+    /// Queries per tile.
+    pub tile: i64,
+    /// Column/row normalizations before the last row softmax: 0 softmax, 1 DNAS, N Sinkhorn-N.
+    pub sweeps: i64,
+    /// BAM's noise: 0 none, 1 Weibull, 2 Lognormal ([`TiledSpec::WEIBULL`], [`TiledSpec::LOGNORMAL`]).
+    pub noise: i32,
+    /// `1/k` (Weibull) or `σ` (Lognormal).
+    pub noise_scale: f64,
+    /// The key of the counter-based draws, when no noise tensor is given.
+    pub seed: u64,
+    /// The KL's score-dependent part: 0 none, 1 `Σ a_j log π_ij`, 2 `Σ (log π_ij − a_j)²`.
+    pub kl: i32,
+}
+
+impl TiledSpec {
+    pub const WEIBULL: i32 = 1;
+    pub const LOGNORMAL: i32 = 2;
+    pub const KL_WEIBULL: i32 = 1;
+    pub const KL_LOGNORMAL: i32 = 2;
+}
+
+/// The tiled attention of csrc/tiled.cpp: `(output (B, H, S_q, d_v), received mass (B, H, S_k),
+/// KL part (B, H))`, differentiable in q, k, v and `prior`.
+pub(crate) fn tiled_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    excluded: Option<&Tensor>,
+    noise: Option<&Tensor>,
+    prior: Option<&Tensor>,
+    spec: &TiledSpec,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (mut out, mut mass, mut kl) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+    let optional = |t: Option<&Tensor>| t.map_or(ptr::null(), |t| t.as_ptr());
+    // SAFETY: the tensor pointers and `spec` borrow live values for the call; the three outputs
+    // are new tensors written on success only, owned by `Tensor::from_ptr` from then on.
     unsafe {
-        check(pa_tiled_attention(q.as_ptr(), k.as_ptr(), v.as_ptr(), excluded, tile, dnas as i32, &mut out, &mut mass), |m| {
-            Error::Tch(tch::TchError::Torch(m))
-        })?;
-        Ok((Tensor::from_ptr(out), Tensor::from_ptr(mass)))
+        let status = pa_tiled_attention(
+            q.as_ptr(),
+            k.as_ptr(),
+            v.as_ptr(),
+            optional(excluded),
+            optional(noise),
+            optional(prior),
+            spec,
+            &mut out,
+            &mut mass,
+            &mut kl,
+        );
+        check(status, |m| Error::Tch(tch::TchError::Torch(m)))?;
+        Ok((Tensor::from_ptr(out), Tensor::from_ptr(mass), Tensor::from_ptr(kl)))
+    }
+}
+
+/// The tiled path's counter-based draws for a whole `(B, H, S_q, S_k)` score tensor, in the dtype
+/// and on the device of `like` (see csrc/tiled.cpp).
+pub(crate) fn counter_noise(like: &Tensor, shape: [i64; 4], noise: i32, seed: u64) -> Result<Tensor> {
+    let mut out = ptr::null_mut();
+    // SAFETY: `like` and `shape` (four values) are borrowed for the call; the output is a new
+    // tensor written on success only.
+    unsafe {
+        check(pa_counter_noise(like.as_ptr(), shape.as_ptr(), noise, seed, &mut out), |m| Error::Tch(tch::TchError::Torch(m)))?;
+        Ok(Tensor::from_ptr(out))
     }
 }
 

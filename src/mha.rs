@@ -15,6 +15,7 @@ use tch::{nn, Tensor};
 use crate::attention::{attend, scaled_dot_product_scores, AttendOptions, Attended, Mode};
 use crate::mask::{Masks, ScoreShape};
 use crate::normalize::{Normalizer, NormalizerConfig, Support, Variant};
+use crate::tiled::{attend_tiled, TiledAttended, TiledOptions};
 use crate::{Error, Result};
 
 /// Configuration of a [`MultiHeadAttention`] layer.
@@ -44,9 +45,10 @@ pub struct MhaConfig {
     #[serde(default)]
     pub normalizer: NormalizerConfig,
     /// `Some(t)`: memory-efficient attention ([`crate::tiled`]), `t` queries at a time, whenever
-    /// no weights are asked for: nothing `(S_q, S_k)` is kept for the backward pass. For
-    /// normalizers with a tiled form (softmax, DNAS, HNAS); others, attention dropout in training
-    /// and a fixed noise draw are refused by name. `None` (default): the eager path.
+    /// no weights are asked for: nothing `(S_q, S_k)` is kept for the backward pass. Every variant
+    /// has a tiled form (BAM sampling over an HNAS base excepted); attention dropout in training
+    /// is refused by name. BAM's noise comes from a counter-based generator (a given draw is
+    /// honoured). `None` (default): the eager path.
     #[serde(default)]
     pub tile: Option<i64>,
 }
@@ -344,11 +346,11 @@ impl MultiHeadAttention {
         // The memory-efficient path when configured, else libtorch's fused softmax where it applies,
         // else the general path; only the general path returns weights.
         let fast = match self.memory_efficient(q, k, v, input, mode)? {
-            Some(output) => Some(output),
-            None => self.fused_softmax(q, k, v, input, mode)?,
+            Some(tiled) => Some((tiled.output, tiled.kl)),
+            None => self.fused_softmax(q, k, v, input, mode)?.map(|output| (output, None)),
         };
         let (output, weights, kl) = match fast {
-            Some(output) => (output, None, None),
+            Some((output, kl)) => (output, None, kl),
             None => {
                 let attended = match self.softmax_in_place(q, k, v, input, mode)? {
                     Some(attended) => attended,
@@ -369,14 +371,14 @@ impl MultiHeadAttention {
     /// The normalizer's tiled form ([`crate::tiled`]) when the configuration asks for tiles and no
     /// weights are asked for; what it cannot do is refused by name rather than run eagerly,
     /// where a long input would not fit. `None`: take the other paths.
-    fn memory_efficient(&self, q: &Tensor, k: &Tensor, v: &Tensor, input: &MhaInput, mode: Mode) -> Result<Option<Tensor>> {
+    fn memory_efficient(&self, q: &Tensor, k: &Tensor, v: &Tensor, input: &MhaInput, mode: Mode) -> Result<Option<TiledAttended>> {
         let Some(tile) = self.cfg.tile else { return Ok(None) };
         if input.need_weights {
             return Ok(None);
         }
         let name = self.normalizer.name();
         let Some(tiled) = self.normalizer.tiled() else {
-            return Err(Error::Unsupported(format!("{name} has no memory-efficient path yet (softmax, dnas and hnas have one): drop the tile setting")));
+            return Err(Error::Unsupported(format!("{name} has no memory-efficient path: drop the tile setting")));
         };
         if mode.dropout && self.cfg.dropout > 0.0 {
             return Err(Error::Unsupported(format!(
@@ -384,10 +386,8 @@ impl MultiHeadAttention {
                 self.cfg.dropout
             )));
         }
-        if input.noise.is_some() {
-            return Err(Error::Unsupported(format!("{name}: a fixed noise draw goes with the eager path")));
-        }
-        Ok(Some(crate::tiled::attend_tiled(q, k, v, &input.masks, tiled, tile)?.output))
+        let opts = TiledOptions { tile, sample: mode.sample, noise: input.noise, seed: None };
+        Ok(Some(attend_tiled(q, k, v, &input.masks, tiled, opts)?))
     }
 
     /// Softmax attention through libtorch's fused `scaled_dot_product_attention` (on the CPU, a

@@ -11,42 +11,85 @@
 //! - DNAS: `P = softmax_j(z_ij − c_j)` with `c_j = logsumexp_i z_ij`, computed in a first pass
 //!   over the query tiles; its backward adds the term of `c`: `dZ = dS¹ − Pc ∘ g`,
 //!   `g_j = Σ_i dS¹_ij`, `Pc_ij = exp(z_ij − c_j)`, one more pass;
+//! - Sinkhorn-N: N column/row sweeps telescope into one per-key and one per-query statistic,
+//!   `log w_ij = z_ij − C_j − R_i`, each sweep one more pass (forward and backward); DNAS is N = 1;
 //! - HNAS: `u · O_DNAS + (1 − u) · O_softmax` per head, which is the output of the mixed weights
 //!   `u · P_DNAS + (1 − u) · P_softmax` (the output is linear in the weights), so `u`'s gradient
-//!   flows through the mix.
+//!   flows through the mix;
+//! - BAM (Fan et al. 2020) over a softmax, DNAS or Sinkhorn base: the sampled weights are
+//!   `softmax_j(log π_ij + n_ij)`, the base's logits plus a noise term, `(1/k) log(−log(1 − ε))`
+//!   (Weibull) or `σ ε` (Lognormal). The draws `ε` come from a counter-based generator keyed by
+//!   `(seed, b, h, i, j)` and are regenerated tile by tile, so the backward pass sees the forward
+//!   pass's draws ([`counter_noise`] gives the same draws for a whole score tensor, for checks);
+//!   a given `ε` is honoured instead. The KL term is assembled from per-key and per-row sums, the
+//!   only score-dependent part (`Σ α_j log π_ij`, or `Σ (log π_ij − μ_j)²`) accumulated tile by
+//!   tile with its gradient. Without sampling, BAM is its base.
 //!
 //! It returns no weights; it returns instead the mass each key receives (`Σ_i P_ij`), what the
 //! explained-away diagnostics read. Masks are the eager path's (`Masks`), with the same results;
 //! a causal mask is a `(S_q, S_k)` boolean tensor (one byte per entry, where the eager path keeps
-//! several floats per entry). Sinkhorn and BAM are not tiled yet.
+//! several floats per entry). Not tiled: BAM sampling over an HNAS base (its log-weights are not
+//! logits minus per-row and per-key statistics), and attention dropout (the weights are never
+//! formed).
 //!
 //! ```
-//! use probattn::tiled::{attend_tiled, Tiled};
+//! use probattn::tiled::{attend_tiled, Tiled, TiledOptions};
 //! use probattn::Masks;
 //! use tch::{Device, Kind, Tensor};
 //!
 //! let opts = (Kind::Double, Device::Cpu);
 //! let (q, k, v) = (Tensor::randn([2, 4, 100, 16], opts), Tensor::randn([2, 4, 120, 16], opts), Tensor::randn([2, 4, 120, 16], opts));
-//! let tiled = attend_tiled(&q, &k, &v, &Masks::default(), Tiled::Dnas, 32)?;
+//! let tiled = attend_tiled(&q, &k, &v, &Masks::default(), Tiled::Dnas, TiledOptions::new(32))?;
 //! let eager = probattn::attend(&q, &k, &v, &Masks::default(), &probattn::normalize::Dnas, Default::default())?;
 //! assert!((&tiled.output - &eager.output).abs().max().double_value(&[]) < 1e-12);
 //! # Ok::<(), probattn::Error>(())
 //! ```
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::attention::check_qkv;
-use crate::mask::Masks;
-use crate::{cxx, Error, Result};
+use crate::cxx::{self, TiledSpec};
+use crate::mask::{Masks, ScoreShape};
+use crate::normalize::{Bam, BamKind, Support, Variant};
+use crate::{Error, Result};
 
 /// The variants with a tiled path.
 #[derive(Clone, Copy, Debug)]
 pub enum Tiled<'a> {
     Softmax,
     Dnas,
+    /// Sinkhorn-N, N >= 1 (N = 1 is DNAS).
+    Sinkhorn(u32),
     /// HNAS with its `(H,)` gate logits (`u = sigmoid(logit)`), e.g. `MultiHeadAttention`'s
     /// `hybrid_logit`; differentiable in them.
     Hnas { logit: &'a Tensor },
+    /// A BAM normalizer: sampled when [`TiledOptions::sample`] is set, else its base's weights.
+    /// Differentiable in its contextual prior's parameters through the KL term.
+    Bam(&'a Bam),
+}
+
+/// How [`attend_tiled`] runs.
+#[derive(Clone, Copy, Debug)]
+pub struct TiledOptions<'a> {
+    /// Queries per tile (>= 1). Memory per pass grows with `tile · S_k`; a tile of 128 to 512
+    /// keeps the matrix products efficient.
+    pub tile: i64,
+    /// Stochastic variants (BAM) sample (training, Monte Carlo prediction); otherwise they return
+    /// their mean, the base's weights.
+    pub sample: bool,
+    /// A fixed draw `ε` broadcastable to `(B, H, S_q, S_k)`, in the eager path's convention
+    /// (U(0, 1) for Weibull, N(0, 1) for Lognormal), used instead of the counter-based draws.
+    pub noise: Option<&'a Tensor>,
+    /// The key of the counter-based draws. `None`: one draw from libtorch's generator, so
+    /// `tch::manual_seed` fixes the noise.
+    pub seed: Option<u64>,
+}
+
+impl TiledOptions<'_> {
+    /// `tile` queries at a time, not sampling.
+    pub fn new(tile: i64) -> Self {
+        Self { tile, sample: false, noise: None, seed: None }
+    }
 }
 
 /// What [`attend_tiled`] returns.
@@ -56,41 +99,174 @@ pub struct TiledAttended {
     pub output: Tensor,
     /// `(B, H, S_k)`: the weight each key receives, `Σ_i P_ij` (not differentiable).
     pub received_mass: Tensor,
+    /// BAM's scalar KL term when sampling (variants with a prior), as the eager path's.
+    pub kl: Option<Tensor>,
 }
 
 /// Attends `q (B, H, S_q, d)` to `k (B, H, S_k, d)` / `v (B, H, S_k, d_v)` under `masks` with the
-/// weights never materialised, `tile` queries at a time; equal to [`crate::attend`] with the same
-/// normalizer (to float rounding), gradients included.
-pub fn attend_tiled(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, variant: Tiled, tile: i64) -> Result<TiledAttended> {
+/// weights never materialised, `opts.tile` queries at a time; equal to [`crate::attend`] with the
+/// same normalizer (to float rounding, and for BAM given the same draws), gradients included.
+pub fn attend_tiled(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, variant: Tiled, opts: TiledOptions) -> Result<TiledAttended> {
     let shape = check_qkv(q, k, v)?;
-    if tile < 1 {
-        return Err(Error::Config(format!("the tile size must be at least 1, got {tile}")));
+    if opts.tile < 1 {
+        return Err(Error::Config(format!("the tile size must be at least 1, got {}", opts.tile)));
     }
     if !matches!(q.kind(), Kind::Float | Kind::Double) {
         return Err(Error::Unsupported(format!("the tiled path runs in float32 and float64, not {:?}", q.kind())));
     }
-    if masks.causal && !matches!(variant, Tiled::Softmax) {
-        return Err(Error::Unsupported(
-            "DNAS and HNAS normalize each key over all queries, so under a causal mask future queries would change the weights of \
-             earlier ones (a leak); use softmax for causal attention"
-                .into(),
-        ));
-    }
-    let excluded = masks.allowed(shape, q.device())?.map(|a| a.logical_not());
-    let run = |dnas| cxx::tiled_attention(q, k, v, excluded.as_ref(), tile, dnas);
-    let (output, received_mass) = match variant {
-        Tiled::Softmax => run(false)?,
-        Tiled::Dnas => run(true)?,
+    let allowed = masks.allowed(shape, q.device())?;
+    let excluded = allowed.as_ref().map(|a| a.logical_not());
+    let spec = TiledSpec { tile: opts.tile, sweeps: 0, noise: 0, noise_scale: 0.0, seed: 0, kl: 0 };
+    let causal_check = |name: &str| -> Result<()> {
+        if masks.causal {
+            return Err(Error::Unsupported(format!(
+                "{name} normalizes each key over all queries, so under a causal mask future queries would change the weights of \
+                 earlier ones (a leak); use softmax for causal attention"
+            )));
+        }
+        Ok(())
+    };
+    let plain = |sweeps: i64| -> Result<TiledAttended> {
+        let (output, received_mass, _) = cxx::tiled_attention(q, k, v, excluded.as_ref(), None, None, &TiledSpec { sweeps, ..spec })?;
+        Ok(TiledAttended { output, received_mass, kl: None })
+    };
+    match variant {
+        Tiled::Softmax => plain(0),
+        Tiled::Dnas => {
+            causal_check("DNAS")?;
+            plain(1)
+        }
+        Tiled::Sinkhorn(n) => {
+            if n == 0 {
+                return Err(Error::Config("sinkhorn needs at least one iteration (sinkhorn-1 is DNAS)".into()));
+            }
+            causal_check(&format!("sinkhorn-{n}"))?;
+            plain(i64::from(n))
+        }
         Tiled::Hnas { logit } => {
+            causal_check("HNAS")?;
             let heads = shape.dims()[1];
             if logit.size() != [heads] {
                 return Err(Error::Shape(format!("HNAS logits have shape {:?}, expected ({heads},)", logit.size())));
             }
             let u = logit.to_kind(q.kind()).sigmoid();
-            let ((od, md), (os, ms)) = (run(true)?, run(false)?);
+            let (d, s) = (plain(1)?, plain(0)?);
             let (u4, u3) = (u.view([1, -1, 1, 1]), u.view([1, -1, 1]).detach());
-            (&u4 * od + (1.0 - &u4) * os, &u3 * md + (1.0 - &u3) * ms)
+            Ok(TiledAttended {
+                output: &u4 * d.output + (1.0 - &u4) * s.output,
+                received_mass: &u3 * d.received_mass + (1.0 - &u3) * s.received_mass,
+                kl: None,
+            })
         }
-    };
-    Ok(TiledAttended { output, received_mass })
+        Tiled::Bam(bam) => {
+            let base = bam.config().base;
+            let base_tiled = bam.base().tiled().ok_or_else(|| Error::Unsupported(format!("BAM's base {base} has no tiled path")))?;
+            if !opts.sample {
+                return attend_tiled(q, k, v, masks, base_tiled, opts);
+            }
+            let sweeps = match base {
+                Variant::Softmax => 0,
+                Variant::Dnas => 1,
+                Variant::Sinkhorn(n) => i64::from(n),
+                other => {
+                    return Err(Error::Unsupported(format!(
+                        "{}: sampling over a {other} base has no tiled path (its log-weights are not logits minus per-row and \
+                         per-key statistics); use a softmax, dnas or sinkhorn-N base",
+                        bam.kind().name()
+                    )))
+                }
+            };
+            if sweeps > 0 {
+                causal_check(&base.to_string())?;
+            }
+            let noise = opts.noise.map(|n| check_noise(n, shape)).transpose()?;
+            let (noise_kind, noise_scale) = bam.tiled_noise();
+            let seed = opts.seed.unwrap_or_else(libtorch_seed);
+            let support = Support::dense(allowed.as_ref().map(|a| a.shallow_clone()));
+            let prior = bam.tiled_prior(k, &support)?;
+            let spec = TiledSpec {
+                sweeps,
+                noise: noise_kind,
+                noise_scale,
+                seed,
+                kl: prior.as_ref().map_or(0, |(kind, _)| *kind),
+                ..spec
+            };
+            let a = prior.as_ref().map(|(_, a)| a);
+            let (output, received_mass, part) = cxx::tiled_attention(q, k, v, excluded.as_ref(), noise.as_ref(), a, &spec)?;
+            let kl = match a {
+                Some(a) => Some(bam.tiled_kl(&part, a, &MaskCounts::new(allowed.as_ref(), shape, opts.tile, q.kind(), q.device()))),
+                None => None,
+            };
+            Ok(TiledAttended { output, received_mass, kl })
+        }
+    }
+}
+
+/// A noise draw checked against the scores' shape.
+fn check_noise(noise: &Tensor, shape: ScoreShape) -> Result<Tensor> {
+    let dims = shape.dims();
+    let size = noise.size();
+    let fits = size.len() <= 4 && size.iter().rev().zip(dims.iter().rev()).all(|(&n, &d)| n == d || n == 1);
+    if !fits {
+        return Err(Error::Shape(format!("the noise has shape {size:?}, not broadcastable to the scores {dims:?}")));
+    }
+    if !matches!(noise.kind(), Kind::Float | Kind::Double) {
+        return Err(Error::Unsupported(format!("the noise must be float32 or float64, not {:?}", noise.kind())));
+    }
+    Ok(noise.shallow_clone())
+}
+
+/// One draw from libtorch's generator, the key of the counter-based noise.
+fn libtorch_seed() -> u64 {
+    Tensor::randint(i64::MAX, [1], (Kind::Int64, Device::Cpu)).int64_value(&[0]) as u64
+}
+
+/// The tiled path's counter-based draws for a whole `(B, H, S_q, S_k)` score tensor, keyed by
+/// `seed`: `ε ~ U(0, 1)` for the Weibull variants, `N(0, 1)` for the Lognormal ones, in the eager
+/// path's convention, so that `attend` given these draws equals `attend_tiled` given `seed`.
+/// 32 random bits per float64 draw (24 per float32 one, so that it stays below 1): the Exp(1)
+/// variates reach 22 (float32: 17) and the normal ones 6.3σ (5.4σ).
+pub fn counter_noise(kind: BamKind, shape: [i64; 4], seed: u64, options: (Kind, Device)) -> Result<Tensor> {
+    let like = Tensor::zeros([1], options);
+    let noise = if kind.is_weibull() { TiledSpec::WEIBULL } else { TiledSpec::LOGNORMAL };
+    cxx::counter_noise(&like, shape, noise, seed)
+}
+
+/// Counts of allowed entries, per key and per head, taken tile by tile so that a broadcast mask is
+/// never expanded to `(B, H, S_q, S_k)` floats.
+#[derive(Debug)]
+pub(crate) struct MaskCounts {
+    /// `(B, H, 1, S_k)`: the allowed queries of each key.
+    pub per_key: Tensor,
+    /// `(H,)`: queries with at least one allowed key, over the batch.
+    pub rows: Tensor,
+    /// `(H,)`: allowed entries, over the batch.
+    pub entries: Tensor,
+}
+
+impl MaskCounts {
+    pub(crate) fn new(allowed: Option<&Tensor>, shape: ScoreShape, tile: i64, kind: Kind, device: Device) -> Self {
+        let [b, h, sq, sk] = shape.dims();
+        let Some(allowed) = allowed else {
+            return Self {
+                per_key: Tensor::full([b, h, 1, sk], sq as f64, (kind, device)),
+                rows: Tensor::full([h], (b * sq) as f64, (kind, device)),
+                entries: Tensor::full([h], (b * sq * sk) as f64, (kind, device)),
+            };
+        };
+        let full = allowed.expand([b, h, sq, sk], false); // a view
+        let mut per_key = Tensor::zeros([b, h, 1, sk], (kind, device));
+        let mut rows = Tensor::zeros([h], (kind, device));
+        let mut start = 0;
+        while start < sq {
+            let len = tile.min(sq - start);
+            let block = full.narrow(2, start, len);
+            per_key += block.sum_dim_intlist(&[2i64][..], true, kind);
+            rows += block.any_dim(-1, false).sum_dim_intlist(&[0i64, 2][..], false, kind);
+            start += len;
+        }
+        let entries = per_key.sum_dim_intlist(&[0i64, 2, 3][..], false, kind);
+        Self { per_key, rows, entries }
+    }
 }

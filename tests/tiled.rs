@@ -1,14 +1,16 @@
 //! `probattn::tiled`: the memory-efficient path equals the eager path (`probattn::attend`) in
 //! float64 within 1e-10 (the tolerance; the differences seen are float rounding, ~1e-15):
 //! output, received mass, and the gradients of `sum(output · G)` with respect to q, k, v and
-//! HNAS's gate logits, for softmax, DNAS and HNAS, under every mask layout (none, key padding
-//! with a fully padded sequence, query padding, a boolean (B, H, S_q, S_k) pattern with fully
-//! excluded rows and columns, causal for softmax), at tile sizes that do and do not divide S_q.
+//! HNAS's gate logits, for softmax, DNAS, HNAS and Sinkhorn-N, under every mask layout (none, key
+//! padding with a fully padded sequence, query padding, a boolean (B, H, S_q, S_k) pattern with
+//! fully excluded rows and columns, causal for softmax), at tile sizes that do and do not divide
+//! S_q; and BAM's five variants over three bases, sampled with the same counter-based draws on
+//! both paths, with their KL terms and the gradients of the contextual prior's parameters.
 
 use anyhow::{ensure, Result};
-use probattn::normalize::{Dnas, Hnas, Normalizer, Softmax};
-use probattn::tiled::{attend_tiled, Tiled};
-use probattn::{attend, Masks};
+use probattn::normalize::{Bam, BamConfig, BamKind, Dnas, Hnas, Normalizer, NormalizerConfig, Sinkhorn, Softmax};
+use probattn::tiled::{attend_tiled, counter_noise, Tiled, TiledOptions};
+use probattn::{attend, AttendOptions, Masks, Mode, Variant};
 use tch::{nn, Device, Kind, Tensor};
 
 const B: i64 = 2;
@@ -73,6 +75,7 @@ fn tiled_attention_equals_the_eager_path() -> Result<()> {
     let mut vs = vs;
     vs.double();
     let logit = hnas.logit().shallow_clone();
+    let (sinkhorn2, sinkhorn3) = (Sinkhorn::new(2)?, Sinkhorn::new(3)?);
     let (mut checked, mut largest) = (0, 0.0f64);
     for case in cases() {
         let masks = case.masks();
@@ -80,10 +83,12 @@ fn tiled_attention_equals_the_eager_path() -> Result<()> {
             ("softmax", Tiled::Softmax, &Softmax, vec![]),
             ("dnas", Tiled::Dnas, &Dnas, vec![]),
             ("hnas", Tiled::Hnas { logit: &logit }, &hnas, vec![logit.shallow_clone()]),
+            ("sinkhorn-2", Tiled::Sinkhorn(2), &sinkhorn2, vec![]),
+            ("sinkhorn-3", Tiled::Sinkhorn(3), &sinkhorn3, vec![]),
         ];
         for (name, tiled, eager, params) in variants {
             if case.causal && name != "softmax" {
-                ensure!(attend_tiled(&inputs[0], &inputs[1], &inputs[2], &masks, tiled, 4).is_err(), "{name} ran under a causal mask");
+                ensure!(attend_tiled(&inputs[0], &inputs[1], &inputs[2], &masks, tiled, TiledOptions::new(4)).is_err(), "{name} ran under a causal mask");
                 continue;
             }
             let reference = run(
@@ -98,7 +103,7 @@ fn tiled_attention_equals_the_eager_path() -> Result<()> {
             for tile in [1, 4, 5, L, 64] {
                 let ours = run(
                     |q, k, v| {
-                        let t = attend_tiled(q, k, v, &masks, tiled, tile)?;
+                        let t = attend_tiled(q, k, v, &masks, tiled, TiledOptions::new(tile))?;
                         Ok((t.output, t.received_mass))
                     },
                     &inputs,
@@ -120,10 +125,10 @@ fn tiled_attention_equals_the_eager_path() -> Result<()> {
             }
         }
     }
-    ensure!(checked == 4 * 3 * 5 + 5, "{checked} comparisons");
+    ensure!(checked == 4 * 5 * 5 + 5, "{checked} comparisons");
     eprintln!("{checked} comparisons, largest difference {largest:.1e}");
     // The comparison can fail: tiled softmax is not eager DNAS.
-    let softmax = attend_tiled(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), Tiled::Softmax, 4)?.output;
+    let softmax = attend_tiled(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), Tiled::Softmax, TiledOptions::new(4))?.output;
     let dnas = attend(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), &Dnas, Default::default())?.output;
     ensure!(max_diff(&softmax, &dnas) > 1e-3, "softmax and DNAS agree to {}", max_diff(&softmax, &dnas));
     Ok(())
@@ -133,15 +138,15 @@ fn tiled_attention_equals_the_eager_path() -> Result<()> {
 fn bad_input_to_the_tiled_path_is_named() -> Result<()> {
     let opts = (Kind::Float, Device::Cpu);
     let (q, k) = (Tensor::randn([1, 2, 5, 4], opts), Tensor::randn([1, 2, 6, 4], opts));
-    let m = attend_tiled(&q, &k, &k, &Masks::default(), Tiled::Dnas, 0).err().map(|e| e.to_string()).unwrap_or_default();
+    let m = attend_tiled(&q, &k, &k, &Masks::default(), Tiled::Dnas, TiledOptions::new(0)).err().map(|e| e.to_string()).unwrap_or_default();
     ensure!(m.contains("tile size must be at least 1"), "{m}");
-    let m = attend_tiled(&q.view([2, 5, 4]), &k, &k, &Masks::default(), Tiled::Dnas, 2).err().map(|e| e.to_string()).unwrap_or_default();
+    let m = attend_tiled(&q.view([2, 5, 4]), &k, &k, &Masks::default(), Tiled::Dnas, TiledOptions::new(2)).err().map(|e| e.to_string()).unwrap_or_default();
     ensure!(m.contains("rank 4"), "{m}");
     let half = q.to_kind(Kind::Half);
-    let m = attend_tiled(&half, &k.to_kind(Kind::Half), &k.to_kind(Kind::Half), &Masks::default(), Tiled::Softmax, 2).err().map(|e| e.to_string()).unwrap_or_default();
+    let m = attend_tiled(&half, &k.to_kind(Kind::Half), &k.to_kind(Kind::Half), &Masks::default(), Tiled::Softmax, TiledOptions::new(2)).err().map(|e| e.to_string()).unwrap_or_default();
     ensure!(m.contains("float32 and float64"), "{m}");
     let logit = Tensor::zeros([3], opts);
-    let m = attend_tiled(&q, &k, &k, &Masks::default(), Tiled::Hnas { logit: &logit }, 2).err().map(|e| e.to_string()).unwrap_or_default();
+    let m = attend_tiled(&q, &k, &k, &Masks::default(), Tiled::Hnas { logit: &logit }, TiledOptions::new(2)).err().map(|e| e.to_string()).unwrap_or_default();
     ensure!(m.contains("HNAS logits have shape [3]"), "{m}");
     Ok(())
 }
@@ -150,11 +155,11 @@ fn bad_input_to_the_tiled_path_is_named() -> Result<()> {
 fn a_layer_with_tiles_equals_the_layer_without() -> Result<()> {
     // MultiHeadAttention takes the tiled path from its configuration (the normalizer's `tiled`
     // hook); same weights, same output and parameter gradients, float64, key padding.
-    use probattn::{MhaConfig, MhaInput, MultiHeadAttention, Variant};
+    use probattn::{MhaConfig, MhaInput, MultiHeadAttention};
     let opts = (Kind::Double, Device::Cpu);
     let x = Tensor::randn([B, L, 16], opts);
     let pad = Tensor::arange(L, (Kind::Int64, Device::Cpu)).unsqueeze(0).ge_tensor(&Tensor::from_slice(&[10i64, 13]).unsqueeze(1));
-    for variant in [Variant::Softmax, Variant::Dnas, Variant::Hnas] {
+    for variant in [Variant::Softmax, Variant::Dnas, Variant::Hnas, Variant::Sinkhorn(2)] {
         // Both layers get the weights of one store, copied: the tests of this file run on
         // parallel threads and share libtorch's generator, so reseeding it cannot promise
         // equal initialisations.
@@ -185,14 +190,133 @@ fn a_layer_with_tiles_equals_the_layer_without() -> Result<()> {
     }
     // What has no tiled form, or cannot be tiled, is refused by name.
     let vs = nn::VarStore::new(Device::Cpu);
-    let mha = MultiHeadAttention::new(&vs.root(), MhaConfig::new(16, 4).with_variant(Variant::Sinkhorn(3)).with_tile(4))?;
+    let mut cfg = MhaConfig::new(16, 4).with_variant(Variant::Bam(BamKind::WeibullContextual)).with_tile(4);
+    cfg.normalizer.bam.base = Variant::Hnas;
+    let mha = MultiHeadAttention::new(&vs.root(), cfg)?;
     let x = x.to_kind(Kind::Float);
-    let m = mha.forward_t(&MhaInput::self_attention(&x), false).err().map(|e| e.to_string()).unwrap_or_default();
-    ensure!(m.contains("no memory-efficient path yet"), "{m}");
+    let m = mha.forward_t(&MhaInput::self_attention(&x), true).err().map(|e| e.to_string()).unwrap_or_default();
+    ensure!(m.contains("bam-wc: sampling over a hnas base has no tiled path"), "{m}");
+    ensure!(mha.forward_t(&MhaInput::self_attention(&x), false).is_ok(), "BAM over HNAS without sampling is HNAS, which tiles");
     let mut cfg = MhaConfig::new(16, 4).with_tile(4);
     cfg.dropout = 0.1;
     let mha = MultiHeadAttention::new(&vs.root().sub("d"), cfg)?;
     let m = mha.forward_t(&MhaInput::self_attention(&x), true).err().map(|e| e.to_string()).unwrap_or_default();
     ensure!(m.contains("no attention dropout"), "{m}");
+    Ok(())
+}
+
+/// A BAM normalizer of `kind` over `base` with settings away from the defaults (k = 5: the
+/// Weibull noise matters), its parameters in float64.
+fn bam(kind: BamKind, base: Variant) -> Result<(nn::VarStore, Bam)> {
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let bam = BamConfig { k: 5.0, sigma: 0.7, prior_alpha: 0.8, prior_beta: 1.3, prior_mu: -0.5, prior_sigma: 1.2, base, ..Default::default() };
+    let normalizer = Bam::new(&vs.root(), kind, H, D, &NormalizerConfig { bam, ..Default::default() })?;
+    vs.double();
+    Ok((vs, normalizer))
+}
+
+#[test]
+fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
+    // Loss = Σ output · G + 0.37 KL: output, received mass, KL, and the gradients of q, k, v and of
+    // every parameter (the contextual prior's), eager given the counter-based draws of the seed
+    // against tiled given the seed; once more tiled given the draws as a tensor.
+    tch::manual_seed(7);
+    let opts = (Kind::Double, Device::Cpu);
+    let inputs = [Tensor::randn([B, H, L, D], opts), Tensor::randn([B, H, S, D], opts) * 2.0, Tensor::randn([B, H, S, D], opts)];
+    let g = Tensor::randn([B, H, L, D], opts);
+    let seed = 0x5eed_1234_abcd_u64;
+    let (mut checked, mut largest) = (0, 0.0f64);
+    for kind in BamKind::ALL {
+        let draws = counter_noise(kind, [B, H, L, S], seed, opts)?;
+        for base in [Variant::Softmax, Variant::Dnas, Variant::Sinkhorn(2)] {
+            let (vs, normalizer) = bam(kind, base)?;
+            let params: Vec<Tensor> = vs.trainable_variables();
+            ensure!(params.len() == if kind.is_contextual() { 4 } else { 0 }, "{} parameters", params.len());
+            for case in cases() {
+                let masks = case.masks();
+                if case.causal && base != Variant::Softmax {
+                    continue;
+                }
+                // Output, mass and KL stacked as extra "outputs" so one comparison covers them.
+                let path = |tiled: Option<TiledOptions>| -> Result<(Tensor, Tensor, Tensor, Vec<Tensor>)> {
+                    let leaves: Vec<Tensor> = inputs.iter().map(|t| t.detach().set_requires_grad(true)).collect();
+                    let (q, k, v) = (&leaves[0], &leaves[1], &leaves[2]);
+                    let (out, mass, kl) = match tiled {
+                        Some(options) => {
+                            let t = attend_tiled(q, k, v, &masks, Tiled::Bam(&normalizer), options)?;
+                            (t.output, t.received_mass, t.kl)
+                        }
+                        None => {
+                            let a = attend(q, k, v, &masks, &normalizer, AttendOptions { mode: Mode::MONTE_CARLO, dropout: 0.0, noise: Some(&draws) })?;
+                            (a.output, a.weights.sum_dim_intlist(&[-2i64][..], false, Kind::Double), a.kl)
+                        }
+                    };
+                    ensure!(kl.is_some() == kind.has_kl(), "{}: KL present: {}", kind.name(), kl.is_some());
+                    let kl = kl.unwrap_or_else(|| Tensor::zeros([], opts));
+                    let wrt: Vec<Tensor> = leaves.iter().chain(&params).map(Tensor::shallow_clone).collect();
+                    let loss = (&out * &g).sum(Kind::Double) + &kl * 0.37;
+                    let grads = Tensor::run_backward(&[loss], &wrt, false, false);
+                    Ok((out.detach(), mass.detach(), kl.detach(), grads))
+                };
+                let eager = path(None)?;
+                let counter = TiledOptions { tile: 4, sample: true, noise: None, seed: Some(seed) };
+                let given = TiledOptions { tile: 5, sample: true, noise: Some(&draws), seed: None };
+                let whole = TiledOptions { tile: L, sample: true, noise: None, seed: Some(seed) };
+                for (how, options) in [("counter, tile 4", counter), ("given draws, tile 5", given), ("counter, tile 13", whole)] {
+                    let ours = path(Some(options))?;
+                    let what = format!("{} over {base}, {}, {how}", kind.name(), case.name);
+                    let diffs = [max_diff(&ours.0, &eager.0), max_diff(&ours.1, &eager.1), max_diff(&ours.2, &eager.2)];
+                    for (d, name) in diffs.iter().zip(["output", "received mass", "KL"]) {
+                        ensure!(*d <= 1e-10, "{what}: {name} differs by {d}");
+                    }
+                    ensure!(ours.3.len() == eager.3.len(), "{what}: gradients");
+                    for (i, (a, b)) in ours.3.iter().zip(&eager.3).enumerate() {
+                        let d = max_diff(a, b);
+                        ensure!(d <= 1e-10, "{what}: gradient {i} differs by {d}");
+                        largest = largest.max(d);
+                    }
+                    largest = diffs.into_iter().fold(largest, f64::max);
+                    checked += 1;
+                }
+            }
+        }
+    }
+    ensure!(checked == 5 * (3 * 4 + 1) * 3, "{checked} comparisons");
+    eprintln!("{checked} BAM comparisons, largest difference {largest:.1e}");
+    // The draws matter: another seed gives another output, and the mean (no sampling) is the base.
+    let (_, normalizer) = bam(BamKind::LognormalContextual, Variant::Dnas)?;
+    let run = |options: TiledOptions| attend_tiled(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), Tiled::Bam(&normalizer), options);
+    let a = run(TiledOptions { seed: Some(1), sample: true, ..TiledOptions::new(4) })?.output;
+    let b = run(TiledOptions { seed: Some(2), sample: true, ..TiledOptions::new(4) })?.output;
+    ensure!(max_diff(&a, &b) > 1e-3, "two seeds agree to {}", max_diff(&a, &b));
+    let mean = run(TiledOptions::new(4))?;
+    let dnas = attend(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), &Dnas, Default::default())?.output;
+    ensure!(max_diff(&mean.output, &dnas) <= 1e-12 && mean.kl.is_none(), "without sampling BAM is its base");
+    Ok(())
+}
+
+#[test]
+fn counter_based_draws_have_their_distributions() -> Result<()> {
+    // 2 × 4 × 500 × 500 draws: moments, range, and independence of neighbours and of seeds.
+    let shape = [2, 4, 500, 500];
+    for options in [(Kind::Double, Device::Cpu), (Kind::Float, Device::Cpu)] {
+        let u = counter_noise(BamKind::WeibullFixed, shape, 3, options)?.to_kind(Kind::Double);
+        let (mean, var) = (u.mean(Kind::Double).double_value(&[]), u.var(false).double_value(&[]));
+        ensure!((mean - 0.5).abs() < 2e-3 && (var - 1.0 / 12.0).abs() < 1e-3, "uniform: mean {mean}, variance {var}");
+        ensure!(u.min().double_value(&[]) > 0.0 && u.max().double_value(&[]) < 1.0, "uniform outside (0, 1)");
+        let e = -(-&u).log1p(); // Exp(1)
+        ensure!((e.mean(Kind::Double).double_value(&[]) - 1.0).abs() < 5e-3, "Exp(1) mean {}", e.mean(Kind::Double).double_value(&[]));
+        let n = counter_noise(BamKind::LognormalFixed, shape, 3, options)?.to_kind(Kind::Double);
+        let (mean, var) = (n.mean(Kind::Double).double_value(&[]), n.var(false).double_value(&[]));
+        let kurtosis = n.pow_tensor_scalar(4).mean(Kind::Double).double_value(&[]);
+        ensure!(mean.abs() < 3e-3 && (var - 1.0).abs() < 5e-3 && (kurtosis - 3.0).abs() < 0.05, "normal: {mean} {var} {kurtosis}");
+        // Neighbours along keys and queries, and two seeds, are uncorrelated.
+        let corr = |a: &Tensor, b: &Tensor| (a * b).mean(Kind::Double).double_value(&[]);
+        ensure!(corr(&n.narrow(3, 0, 499), &n.narrow(3, 1, 499)).abs() < 5e-3, "keys correlated");
+        ensure!(corr(&n.narrow(2, 0, 499), &n.narrow(2, 1, 499)).abs() < 5e-3, "queries correlated");
+        let other = counter_noise(BamKind::LognormalFixed, shape, 4, options)?.to_kind(Kind::Double);
+        ensure!(corr(&n, &other).abs() < 5e-3, "seeds correlated");
+        ensure!(n.equal(&counter_noise(BamKind::LognormalFixed, shape, 3, options)?.to_kind(Kind::Double)), "not reproducible");
+    }
     Ok(())
 }

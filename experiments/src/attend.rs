@@ -12,9 +12,10 @@
 //! `received_mass (B, H, S_k)`, plus the scalar `kl` when a BAM variant with a prior samples; all in
 //! the input's dtype. Scores are `q·kᵀ / sqrt(d)`.
 //!
-//! `--memory-efficient [--tile N]` runs the tiled path instead (`probattn::tiled`: softmax, dnas,
-//! hnas), on the same inputs: it writes `output` and `received_mass`, and no weights (they are
-//! never formed).
+//! `--memory-efficient [--tile N]` runs the tiled path instead (`probattn::tiled`, every variant),
+//! on the same inputs: it writes `output`, `received_mass` and BAM's `kl`, and no weights (they are
+//! never formed). BAM with `--train` samples from the input's `noise` when it has one, else from
+//! the tiled path's counter-based draws keyed by `--seed`.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -24,6 +25,7 @@ use clap::Args;
 use probattn::diagnostics::{explained_away_fraction, received_mass, EXPLAINED_AWAY_EPS};
 use probattn::io::{read_safetensors, write_safetensors_atomic};
 use probattn::normalize::BamConfig;
+use probattn::tiled::TiledOptions;
 use probattn::{attend, check_finite, AttendOptions, Masks, Mode, NormalizerConfig, Variant};
 use tch::{nn, Device, Kind, Tensor};
 
@@ -44,8 +46,8 @@ pub struct AttendArgs {
     /// Add a causal mask (query i sees keys j <= i); refused for the doubly-normalized variants.
     #[arg(long)]
     pub causal: bool,
-    /// The memory-efficient path (softmax, dnas, hnas): the weights are never formed, so only
-    /// output and received_mass are written.
+    /// The memory-efficient path (every variant; BAM sampling over an hnas base excepted): the
+    /// weights are never formed, so output, received_mass and BAM's kl are written.
     #[arg(long)]
     pub memory_efficient: bool,
     /// Queries per tile with --memory-efficient.
@@ -67,7 +69,8 @@ pub struct BamArgs {
     /// the base weights exactly.
     #[arg(long)]
     pub train: bool,
-    /// Seed of libtorch's generator: BAM noise (when the input has none) and prior initialisation.
+    /// Seed of libtorch's generator: BAM noise (when the input has none; with --memory-efficient,
+    /// the key of the counter-based draws) and prior initialisation.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// BAM Weibull shape k (> 0).
@@ -168,13 +171,20 @@ pub fn run(args: &AttendArgs) -> Result<()> {
     }
 
     if args.memory_efficient {
-        let tiled = normalizer.tiled().with_context(|| format!("--memory-efficient: {} has no memory-efficient path yet (softmax, dnas and hnas have one)", args.variant))?;
-        let out = tch::no_grad(|| probattn::tiled::attend_tiled(&q, &k, &v, &masks, tiled, args.tile))
+        let tiled = normalizer.tiled().with_context(|| format!("--memory-efficient: {} has no memory-efficient path", args.variant))?;
+        // BAM samples from the input's noise when it has one, else from the counter-based draws
+        // keyed by --seed (`probattn::tiled::counter_noise` reproduces them).
+        let options = TiledOptions { tile: args.tile, sample: args.bam.train, noise: noise.as_ref(), seed: Some(args.bam.seed) };
+        let out = tch::no_grad(|| probattn::tiled::attend_tiled(&q, &k, &v, &masks, tiled, options))
             .with_context(|| format!("attending with {} (memory-efficient, tile {}) on {input}", args.variant, args.tile))?;
-        write_safetensors_atomic(&args.output, &[("output", &out.output), ("received_mass", &out.received_mass)]).context("writing --output")?;
+        let mut written = vec![("output", &out.output), ("received_mass", &out.received_mass)];
+        if let Some(kl) = &out.kl {
+            written.push(("kl", kl));
+        }
+        write_safetensors_atomic(&args.output, &written).context("writing --output")?;
         let shape = probattn::ScoreShape { batch: q.size()[0], heads, queries: q.size()[2], keys: k.size()[2] };
         let counted = masks.allowed(shape, device)?.map(|a| a.expand(shape.dims(), false).any_dim(-2, false));
-        return summary(&normalizer.name(), device, &out.output, None, &out.received_mass, counted.as_ref(), None, &args.output);
+        return summary(&normalizer.name(), device, &out.output, None, &out.received_mass, counted.as_ref(), out.kl.as_ref(), &args.output);
     }
     let opts = AttendOptions { mode: Mode { dropout: false, sample: args.bam.train }, dropout: 0.0, noise: noise.as_ref() };
     let out = tch::no_grad(|| attend(&q, &k, &v, &masks, normalizer.as_ref(), opts))

@@ -26,8 +26,6 @@ use crate::common::CommonArgs;
 use crate::provenance::{run_dir, run_python, write_json, Provenance};
 
 const VARIANTS: [&str; 6] = ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-wc", "bam-lc"];
-/// The variants with a memory-efficient (tiled) path.
-const TILED_VARIANTS: [&str; 3] = ["softmax", "dnas", "hnas"];
 const MEMORY_EFFICIENT: &str = "probattn-memory-efficient";
 const HEADS: i64 = 8;
 const EMBED: i64 = 512;
@@ -48,8 +46,8 @@ pub struct BenchArgs {
     /// Skip the PyTorch side (python/bench.py).
     #[arg(long)]
     pub no_pytorch: bool,
-    /// Also time the memory-efficient path (`"impl": "probattn-memory-efficient"`: softmax, dnas,
-    /// hnas tiled over the queries, nothing S x S kept), beside the eager rows.
+    /// Also time the memory-efficient path (`"impl": "probattn-memory-efficient"`: every variant
+    /// tiled over the queries, nothing S x S kept), beside the eager rows.
     #[arg(long)]
     pub memory_efficient: bool,
     /// Queries per tile of the memory-efficient path.
@@ -202,10 +200,11 @@ struct Row {
     batch: i64,
 }
 
-/// The rows `args` asks for: every variant eagerly, and the tiled ones memory-efficiently.
+/// The rows `args` asks for: every variant eagerly, and memory-efficiently with
+/// --memory-efficient.
 fn rows(args: &BenchArgs) -> Vec<Row> {
     let eager = VARIANTS.into_iter().filter(|_| !args.no_eager).map(|variant| Row { variant, implementation: "probattn", tile: None, batch: args.batch });
-    let tiled = TILED_VARIANTS.into_iter().filter(|_| args.memory_efficient).map(|variant| Row {
+    let tiled = VARIANTS.into_iter().filter(|_| args.memory_efficient).map(|variant| Row {
         variant,
         implementation: MEMORY_EFFICIENT,
         tile: Some(args.tile),

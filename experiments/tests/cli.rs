@@ -157,33 +157,69 @@ fn bad_input_is_named_and_nothing_is_written() -> Result<()> {
 
 #[test]
 fn attend_memory_efficient_writes_what_the_eager_path_does() -> Result<()> {
-    // python/parity.py's cases (masks in every layout, HNAS logits), each variant with a tiled
-    // path both ways: output and received mass agree; no weights are written.
+    // python/parity.py's cases (masks in every layout, HNAS logits, noise), variants both ways:
+    // output, received mass and KL agree; no weights are written.
     let dir = TempDir::new("cli-attend-tiled")?;
     let root = dir.0.to_string_lossy().to_string();
     run_python("parity.py", &["cases", "--out", &root, "--seed", "11", "--count", "3"])?;
     for case in 0..3 {
         let input = dir.path(&format!("case-{case:03}.safetensors")).to_string_lossy().to_string();
-        for variant in ["softmax", "dnas", "hnas"] {
+        // BAM (--train) samples on the tiled path from the counter-based draws keyed by --seed,
+        // and on the eager path from those draws written into the input as `noise`.
+        let tensors = probattn::io::read_safetensors(std::path::Path::new(&input))?;
+        let (q, k) = (&tensors["q"], &tensors["k"]);
+        let shape = [q.size()[0], q.size()[1], q.size()[2], k.size()[2]];
+        let plain: Vec<(&str, &tch::Tensor)> = tensors.iter().filter(|(n, _)| n.as_str() != "noise").map(|(n, t)| (n.as_str(), t)).collect();
+        let without_noise = dir.path("without-noise.safetensors");
+        probattn::io::write_safetensors_atomic(&without_noise, &plain)?;
+        let with_draws = |kind| -> Result<String> {
+            let draws = probattn::tiled::counter_noise(kind, shape, 9, (q.kind(), tch::Device::Cpu))?;
+            let path = dir.path("with-draws.safetensors");
+            probattn::io::write_safetensors_atomic(&path, &[plain.clone(), vec![("noise", &draws)]].concat())?;
+            Ok(path.to_string_lossy().to_string())
+        };
+        let without_noise = without_noise.to_string_lossy().to_string();
+        let variants: [&[&str]; 7] = [
+            &["softmax"],
+            &["dnas"],
+            &["hnas"],
+            &["sinkhorn-3"],
+            &["bam-wc", "--train", "--k", "5"],
+            &["bam-lf", "--train", "--base", "dnas"],
+            &["bam-lc", "--train", "--base", "sinkhorn-2", "--sigma", "0.5"],
+        ];
+        for variant in variants {
             let (eager, tiled) = (dir.path("eager.safetensors"), dir.path("tiled.safetensors"));
             let (e, t) = (eager.to_string_lossy().to_string(), tiled.to_string_lossy().to_string());
-            let o = probattn(&["attend", "--variant", variant, "--input", &input, "--output", &e])?;
+            let bam = probattn::normalize::BamKind::from_name(variant[0]);
+            let (eager_input, tiled_input) = match bam {
+                Some(kind) => (with_draws(kind)?, without_noise.clone()),
+                None => (input.clone(), input.clone()),
+            };
+            let args = |input: &str, out: &str| -> Vec<String> {
+                let head = ["attend", "--variant"].iter().chain(variant);
+                head.chain(&["--seed", "9", "--input", input, "--output", out]).map(|a| a.to_string()).collect()
+            };
+            let o = probattn(&args(&eager_input, &e).iter().map(String::as_str).collect::<Vec<_>>())?;
             ensure!(o.status.success(), "{}", text(&o));
-            let o = probattn(&["attend", "--variant", variant, "--input", &input, "--output", &t, "--memory-efficient", "--tile", "3"])?;
+            let tiled_args = [args(&tiled_input, &t), vec!["--memory-efficient".into(), "--tile".into(), "3".into()]].concat();
+            let o = probattn(&tiled_args.iter().map(String::as_str).collect::<Vec<_>>())?;
             ensure!(o.status.success() && text(&o).contains("weights none (memory-efficient)"), "{}", text(&o));
             let (a, b) = (probattn::io::read_safetensors(&eager)?, probattn::io::read_safetensors(&tiled)?);
             ensure!(!b.contains_key("weights"), "the memory-efficient path wrote weights");
+            ensure!(a.contains_key("kl") == b.contains_key("kl"), "{variant:?}: kl written by one path only");
             // float64 to 1e-10; float32 cases to its rounding (HNAS mixes in another order).
             let tolerance = if a["output"].kind() == tch::Kind::Double { 1e-10 } else { 1e-5 };
-            for name in ["output", "received_mass"] {
+            let names: &[&str] = if a.contains_key("kl") { &["output", "received_mass", "kl"] } else { &["output", "received_mass"] };
+            for &name in names {
                 let d = (&a[name] - &b[name]).abs().max().double_value(&[]);
-                ensure!(d <= tolerance, "case {case} {variant}: {name} differs by {d}");
+                ensure!(d <= tolerance, "case {case} {variant:?}: {name} differs by {d}");
             }
         }
     }
     let input = dir.path("case-000.safetensors").to_string_lossy().to_string();
     let out = dir.path("none.safetensors");
-    let o = probattn(&["attend", "--variant", "sinkhorn-3", "--input", &input, "--output", &out.to_string_lossy(), "--memory-efficient"])?;
-    ensure!(o.status.code() == Some(1) && text(&o).contains("no memory-efficient path yet") && !out.exists(), "{}", text(&o));
+    let o = probattn(&["attend", "--variant", "bam-wc", "--base", "hnas", "--train", "--input", &input, "--output", &out.to_string_lossy(), "--memory-efficient"])?;
+    ensure!(o.status.code() == Some(1) && text(&o).contains("sampling over a hnas base has no tiled path") && !out.exists(), "{}", text(&o));
     Ok(())
 }

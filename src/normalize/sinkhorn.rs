@@ -54,4 +54,8 @@ impl Normalizer for Sinkhorn {
     fn causal_safe(&self) -> bool {
         false
     }
+
+    fn tiled(&self) -> Option<crate::tiled::Tiled<'_>> {
+        Some(crate::tiled::Tiled::Sinkhorn(self.iterations))
+    }
 }

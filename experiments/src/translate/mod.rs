@@ -176,7 +176,7 @@ pub struct TranslateArgs {
     /// '{"layers":[0]}' (first layer only) or '{"kinds":["encoder-self"],"projections":["q"]}'.
     #[arg(long)]
     pub selection: Option<String>,
-    /// Memory-efficient attention in every attention module (softmax, dnas, hnas; probattn::tiled):
+    /// Memory-efficient attention in every attention module (every variant; probattn::tiled):
     /// no (S, S) weights are kept for the backward pass. Needs attention dropout 0 (the presets'),
     /// and refuses the variants without a tiled path.
     #[arg(long)]
