@@ -23,6 +23,7 @@
 //! attention with `glimpses` glimpses, `a_g = softmax_j(w_gᵀ relu(W_v z_j ⊙ W_q q))`, the attended
 //! boxes joined with the question by an element-wise product, and a two-layer classifier.
 
+use probattn::tiled::{attend_tiled, TiledOptions};
 use probattn::{attend, AttendOptions, Error, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Normalizer, NormalizerConfig, Result, Variant};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -96,6 +97,12 @@ pub struct VqaConfig {
     pub dropout: f64,
     /// Answer vocabulary size.
     pub answers: i64,
+    /// Memory-efficient fusion ([`probattn::tiled`]), this many primary boxes per tile: no
+    /// `(N_P, N_s)` weights are formed (the fusion returns each secondary box's received mass
+    /// instead). Needs `attention_dropout` 0. `None` (default, and then left out of the JSON):
+    /// eager.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tile: Option<i64>,
 }
 
 fn default_relational_dim() -> i64 {
@@ -188,6 +195,14 @@ impl VqaConfig {
                 return Err(Error::Config(format!("{name} must lie in [0, 1), got {p}")));
             }
         }
+        if let Some(tile) = self.tile {
+            if tile < 1 || self.attention_dropout > 0.0 {
+                return Err(Error::Config(format!(
+                    "the memory-efficient fusion needs a tile of at least 1 (got {tile}) and attention_dropout 0 (got {}): its weights are never formed",
+                    self.attention_dropout
+                )));
+            }
+        }
         Ok(())
     }
 }
@@ -197,8 +212,12 @@ impl VqaConfig {
 pub struct Fused {
     /// `(B, N, D)`: the primary's N boxes fused (or every view's boxes concatenated).
     pub boxes: Tensor,
-    /// Per secondary view, `(B, 1, N_P, N_s)`: the fusion weights before dropout.
+    /// Per secondary view, `(B, 1, N_P, N_s)`: the fusion weights before dropout (none with a
+    /// tile: they are never formed).
     pub weights: Vec<Tensor>,
+    /// With a tile, per secondary view, `(B, 1, N_s)`: the weight each secondary box receives,
+    /// `Σ_i w_ij` (empty otherwise: the weights have it).
+    pub received_mass: Vec<Tensor>,
     /// The normalizers' KL terms summed (BAM with a prior, when sampling).
     pub kl: Option<Tensor>,
 }
@@ -211,6 +230,7 @@ pub struct MultiViewFusion {
     normalizers: Vec<Box<dyn Normalizer>>,
     norm: nn::LayerNorm,
     dropout: f64,
+    tile: Option<i64>,
 }
 
 impl MultiViewFusion {
@@ -229,31 +249,43 @@ impl MultiViewFusion {
             }
         };
         let norm = nn::layer_norm(p / "norm", vec![cfg.feature_dim], Default::default());
-        Ok(Self { query, keys, normalizers, norm, dropout: cfg.attention_dropout })
+        Ok(Self { query, keys, normalizers, norm, dropout: cfg.attention_dropout, tile: cfg.tile })
     }
 
     /// `views[0]` the primary `(B, N_P, D)`, then the secondaries `(B, N_s, D)`.
     pub fn forward(&self, views: &[Tensor], mode: Mode) -> Result<Fused> {
         let Some(query) = &self.query else {
-            return Ok(Fused { boxes: self.norm.forward(&Tensor::cat(views, 1)), weights: vec![], kl: None });
+            return Ok(Fused { boxes: self.norm.forward(&Tensor::cat(views, 1)), weights: vec![], received_mass: vec![], kl: None });
         };
         let primary = &views[0];
         let q = query.forward(primary).unsqueeze(1); // (B, 1, N_P, d)
-        let (mut sum, mut weights, mut kl) = (primary.shallow_clone(), vec![], None::<Tensor>);
+        let (mut sum, mut weights, mut received_mass, mut kl) = (primary.shallow_clone(), vec![], vec![], None::<Tensor>);
         for ((x, key), normalizer) in views[1..].iter().zip(&self.keys).zip(&self.normalizers) {
             let k = key.forward(x).unsqueeze(1); // (B, 1, N_s, d)
             let v = x.unsqueeze(1); // (B, 1, N_s, D)
-            let out = attend(&q, &k, &v, &Masks::default(), normalizer.as_ref(), AttendOptions { mode, dropout: self.dropout, noise: None })?;
-            sum = sum + out.output.squeeze_dim(1); // (B, N_P, D)
-            weights.push(out.weights);
-            if let Some(term) = out.kl {
+            let (output, term) = match self.tile {
+                Some(tile) => {
+                    let tiled = normalizer.tiled().ok_or_else(|| Error::Unsupported(format!("{} has no memory-efficient path", normalizer.name())))?;
+                    let options = TiledOptions { tile, sample: mode.sample, noise: None, seed: None };
+                    let out = attend_tiled(&q, &k, &v, &Masks::default(), tiled, options)?;
+                    received_mass.push(out.received_mass);
+                    (out.output, out.kl)
+                }
+                None => {
+                    let out = attend(&q, &k, &v, &Masks::default(), normalizer.as_ref(), AttendOptions { mode, dropout: self.dropout, noise: None })?;
+                    weights.push(out.weights);
+                    (out.output, out.kl)
+                }
+            };
+            sum = sum + output.squeeze_dim(1); // (B, N_P, D)
+            if let Some(term) = term {
                 kl = Some(match kl {
                     Some(acc) => acc + term,
                     None => term,
                 });
             }
         }
-        Ok(Fused { boxes: self.norm.forward(&sum), weights, kl })
+        Ok(Fused { boxes: self.norm.forward(&sum), weights, received_mass, kl })
     }
 
     /// HNAS's mixing weight `u` of each secondary view, `(views - 1,)`; `None` for other fusions.

@@ -42,6 +42,7 @@ fn config(case: &serde_json::Value) -> Result<VqaConfig> {
         glimpses: int("glimpses")?,
         dropout: 0.1,
         answers: int("answers")?,
+        tile: None,
     })
 }
 
@@ -135,5 +136,54 @@ fn the_primary_read_unfused_needs_attention_and_one_way() -> Result<()> {
     cfg.primary_beside = true;
     let err = VqaModel::new(&vs.root(), cfg).unwrap_err().to_string();
     ensure!(err.contains("choose one"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn a_tiled_fusion_equals_the_eager_one() -> Result<()> {
+    // Same weights, float64, every fusion variant: the fused boxes and the gradients of every
+    // parameter agree; the tiled fusion's received mass is the eager weights' column sums.
+    let _serial = common::serial();
+    tch::manual_seed(5);
+    let case = serde_json::json!({"fusion": "softmax", "regions": [7, 5, 4], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 0, "reasoning_prenorm": false, "glimpses": 1, "answers": 3});
+    let views: Vec<Tensor> = [7, 5, 4].iter().map(|&n| Tensor::randn([3, n, 8], (Kind::Double, tch::Device::Cpu)) * 3.0).collect();
+    for fusion in ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-wc"] {
+        let mut cfg = config(&case)?;
+        cfg.fusion = Some(fusion.parse()?);
+        cfg.attention_dropout = 0.0;
+        let run = |tile: Option<i64>, from: Option<&nn::VarStore>| -> Result<(nn::VarStore, Tensor, Vec<Tensor>, Vec<Tensor>)> {
+            let mut vs = nn::VarStore::new(tch::Device::Cpu);
+            let model = VqaModel::new(&vs.root(), VqaConfig { tile, ..cfg.clone() })?;
+            vs.double();
+            if let Some(from) = from {
+                vs.copy(from)?;
+            }
+            let fused = model.fusion.forward(&views, Mode::EVAL)?;
+            fused.boxes.square().sum(Kind::Double).backward();
+            let mut grads: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(n, _)| n.starts_with("fusion")).map(|(n, t)| (n, t.grad())).collect();
+            grads.sort_by(|a, b| a.0.cmp(&b.0));
+            let mass = if tile.is_some() { fused.received_mass } else { fused.weights.iter().map(probattn::diagnostics::received_mass).collect() };
+            Ok((vs, fused.boxes.detach(), grads.into_iter().map(|(_, g)| g).collect(), mass))
+        };
+        let (vs, eager, eager_grads, eager_mass) = run(None, None)?;
+        let (_, tiled, tiled_grads, tiled_mass) = run(Some(3), Some(&vs))?;
+        let e = scaled_error(&tiled, &eager)?;
+        ensure!(e <= 1e-10, "{fusion}: boxes differ by {e}");
+        ensure!(!eager_grads.is_empty() && eager_grads.len() == tiled_grads.len(), "{fusion}: parameters");
+        for (a, b) in tiled_grads.iter().zip(&eager_grads) {
+            let e = scaled_error(a, b)?;
+            ensure!(e <= 1e-10, "{fusion}: a gradient differs by {e}");
+        }
+        ensure!(eager_mass.len() == 2 && tiled_mass.len() == 2, "{fusion}: one mass per secondary view");
+        for (a, b) in tiled_mass.iter().zip(&eager_mass) {
+            let e = scaled_error(a, b)?;
+            ensure!(e <= 1e-10, "{fusion}: received mass differs by {e}");
+        }
+    }
+    // The tiled fusion has no attention dropout: a configuration with both is refused by name.
+    let mut cfg = config(&case)?;
+    cfg.tile = Some(4);
+    let err = VqaModel::new(&nn::VarStore::new(tch::Device::Cpu).root(), cfg).unwrap_err().to_string();
+    ensure!(err.contains("attention_dropout 0"), "{err}");
     Ok(())
 }

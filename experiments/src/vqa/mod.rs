@@ -180,6 +180,15 @@ pub struct VqaArgs {
     /// --primary-skip, while what the relational layer compares stays as without it.
     #[arg(long)]
     pub primary_beside: bool,
+    /// Memory-efficient fusion (probattn::tiled, every fusion variant): no (N_P, N_s) weights are
+    /// formed; the explained-away figure reads the received mass the tiled path returns. The
+    /// fusion's attention dropout (0.1 in Appendix B's recipe) becomes 0, as the tiled path has
+    /// none; config.json records it.
+    #[arg(long)]
+    pub memory_efficient: bool,
+    /// Primary boxes per tile with --memory-efficient.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(i64).range(1..))]
+    pub tile: i64,
     /// Top-down attention glimpses.
     #[arg(long, default_value_t = 2)]
     pub glimpses: i64,
@@ -433,9 +442,15 @@ fn explained_away(model: &VqaModel, p: &Prepared) -> Result<Option<ExplainedAway
         for start in (0..images.size()[0]).step_by(256) {
             let rows = images.narrow(0, start, 256.min(images.size()[0] - start));
             let fused = model.fusion.forward(&p.views.gather(&rows)?, Mode::EVAL)?;
-            for w in &fused.weights {
-                // (B, 1, N_P, N_s) -> (B, N_s) in float64 (the log of a float32 underflow is -inf)
-                let mass = received_mass(&w.to_kind(Kind::Double)).squeeze_dim(1);
+            // (B, 1, N_s) per view, in float64 (the log of a float32 underflow is -inf); from the
+            // weights, or from the memory-efficient fusion's received mass.
+            let masses: Vec<Tensor> = if fused.weights.is_empty() {
+                fused.received_mass.iter().map(|m| m.to_kind(Kind::Double)).collect()
+            } else {
+                fused.weights.iter().map(|w| received_mass(&w.to_kind(Kind::Double))).collect()
+            };
+            for mass in &masses {
+                let mass = mass.squeeze_dim(1);
                 let keys = mass.size()[1] as f64;
                 min_scaled = min_scaled.min(f64::try_from(mass.min())? * keys);
                 logs.extend(Vec::<f64>::try_from(mass.log().clamp_min(-745.0).flatten(0, -1).to_device(Device::Cpu))?);
@@ -637,7 +652,7 @@ fn run_config(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
         feature_dim: p.views.shapes()[0].1,
         fusion,
         key_dim: p.views.shapes()[0].1,
-        attention_dropout: 0.1,
+        attention_dropout: if args.memory_efficient { 0.0 } else { 0.1 },
         normalizer: NormalizerConfig { hybrid_init_u: 0.5, bam },
         vocab: meta.vocab.len() as i64,
         word_dim: 64,
@@ -654,6 +669,7 @@ fn run_config(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
         glimpses: args.glimpses,
         dropout: 0.1,
         answers: meta.answers.len() as i64,
+        tile: args.memory_efficient.then_some(args.tile),
     };
     let cfg = VqaRunConfig {
         dataset: meta.dataset.clone(),
