@@ -348,7 +348,7 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
         let sdpa = find("softmax", "pytorch-sdpa", s);
         let (soft_mem, sdpa_mem) = (mem("softmax", "probattn", s), mem("softmax", "pytorch-sdpa", s));
         if tiled_rows {
-            for v in TILED_VARIANTS {
+            for v in VARIANTS {
                 let (tiled, eager) = (find(v, MEMORY_EFFICIENT, s), find(v, "probattn", s));
                 let (tiled_mem, eager_mem) = (mem(v, MEMORY_EFFICIENT, s), mem(v, "probattn", s));
                 t += &format!(
