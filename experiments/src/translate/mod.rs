@@ -166,11 +166,12 @@ pub struct TranslateArgs {
     /// Repulsive heads on the Q, K and V in-projections of every attention module: none, svgd or spos.
     #[arg(long, value_enum, default_value_t = Repulsive::None)]
     pub repulsive: Repulsive,
-    /// Weight alpha of the repulsive term (the paper's IWSLT14 value).
-    #[arg(long, default_value_t = 0.01)]
+    /// Weight alpha of the repulsive term (the paper's translation value, Appendix B.2.3).
+    #[arg(long, default_value_t = RepulsiveConfig::default().alpha)]
     pub repulsive_alpha: f64,
-    /// SVGD / SPOS step size (the paper's IWSLT14 value).
-    #[arg(long, default_value_t = 0.01)]
+    /// SVGD / SPOS step size (the paper's translation value, Appendix B.2.3; before 2026-11-24
+    /// our default was 0.01, which the paper does not give for translation).
+    #[arg(long, default_value_t = RepulsiveConfig::default().stepsize)]
     pub repulsive_stepsize: f64,
     /// Which particle sets the hook moves, as JSON, for the paper's ablations, e.g.
     /// '{"layers":[0]}' (first layer only) or '{"kinds":["encoder-self"],"projections":["q"]}'.
