@@ -42,7 +42,7 @@ pub enum Command {
     Bleu(bleu::BleuArgs),
     /// Transformer translation (Multi30k, IWSLT14) with any attention variant and repulsive heads.
     Translate(Box<translate::TranslateArgs>),
-    /// A TorchScript module against the native probattn model with its weights: differences and time.
+    /// A TorchScript module or .pt2 package against the native probattn model with its weights: differences and time.
     Compare(compare::CompareArgs),
     /// A trained translate checkpoint's weights as a PyTorch state dict (the baseline's names).
     Export(export::ExportArgs),
