@@ -131,7 +131,7 @@ def sort_of_clevr(args):
 
 
 # Fill ratio (shape pixels / bounding-box area) of easy-VQA's shapes on the training images:
-# rectangles 0.965-1.0, circles 0.73-0.90, triangles 0.51-0.65 (600 images; README, VQA section).
+# rectangles 0.965-1.0, circles 0.73-0.90, triangles 0.51-0.65 (600 images; docs/vqa.md).
 EASY_VQA_SHAPES = ((0.93, 1), (0.69, 2), (0.0, 3))  # (lowest fill ratio, class): rectangle, circle, triangle
 
 

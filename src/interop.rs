@@ -106,7 +106,7 @@ impl TorchScript {
                 return Err(file_error(
                     "a torch.export package (.pt2) with no compiled model, which libtorch cannot run: compile it with \
                      torch._inductor.aoti_compile_and_package(torch.export.export(m, args)) and load that with Pt2Package, \
-                     or export the module with torch.jit.script(m).save(PATH) (README: PyTorch interop)"
+                     or export the module with torch.jit.script(m).save(PATH) (docs/interop.md)"
                         .into(),
                 ))
             }

@@ -1,7 +1,7 @@
 //! A PyTorch `nn.Transformer` fine-tuned in probattn: its TorchScript export's weights go into a
 //! native [`Transformer`] with any normalizer in the encoder (DNAS, say), which then trains with
 //! repulsive (SVGD / SPOS) heads, and its weights come back out under nn.Transformer's names.
-//! The mechanics of the README's interop walk-through, on a synthetic task that needs attention
+//! The mechanics of the interop walk-through (docs/interop.md), on a synthetic task that needs attention
 //! (`tgt` = `src` reversed in time, teacher-forced, mean squared error); a real fine-tuning run
 //! brings its own data and loss. `cargo run --release -p probattn-experiments --example
 //! finetune_transformer -- --help`.
