@@ -57,6 +57,10 @@ pub struct BenchArgs {
     /// --no-pytorch for PyTorch's eager side).
     #[arg(long)]
     pub no_eager: bool,
+    /// Variants to measure, from softmax, dnas, hnas, sinkhorn-3, bam-wc, bam-lc (default: all
+    /// six); both sides measure the same ones.
+    #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(VARIANTS))]
+    pub variants: Option<Vec<String>>,
     /// Batch size B of the attention layer.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(i64).range(1..))]
     pub batch: i64,
@@ -203,8 +207,9 @@ struct Row {
 /// The rows `args` asks for: every variant eagerly, and memory-efficiently with
 /// --memory-efficient.
 fn rows(args: &BenchArgs) -> Vec<Row> {
-    let eager = VARIANTS.into_iter().filter(|_| !args.no_eager).map(|variant| Row { variant, implementation: "probattn", tile: None, batch: args.batch });
-    let tiled = VARIANTS.into_iter().filter(|_| args.memory_efficient).map(|variant| Row {
+    let chosen = |v: &&str| args.variants.as_ref().is_none_or(|list| list.iter().any(|c| c == v));
+    let eager = VARIANTS.into_iter().filter(chosen).filter(|_| !args.no_eager).map(|variant| Row { variant, implementation: "probattn", tile: None, batch: args.batch });
+    let tiled = VARIANTS.into_iter().filter(chosen).filter(|_| args.memory_efficient).map(|variant| Row {
         variant,
         implementation: MEMORY_EFFICIENT,
         tile: Some(args.tile),
@@ -334,9 +339,12 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
         "| S | variant | probattn ms | PyTorch ms | variant / softmax (probattn) | probattn / PyTorch | probattn peak MiB | PyTorch peak MiB | memory probattn / PyTorch |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     let tiled_rows = m.iter().any(|x| x.implementation == MEMORY_EFFICIENT);
+    // The variants measured at all (--variants may leave some out), in the usual order.
+    let measured: Vec<&str> = VARIANTS.into_iter().filter(|v| m.iter().any(|x| x.variant == *v)).collect();
+    let eager_rows = m.iter().any(|x| x.implementation == "probattn" || x.implementation == "pytorch");
     for &s in &seqs {
         let soft = find("softmax", "probattn", s);
-        for v in VARIANTS {
+        for &v in measured.iter().filter(|_| eager_rows) {
             let ours = find(v, "probattn", s);
             let theirs = find(v, "pytorch", s);
             let rel = ours.zip(soft).map(|(a, b)| a / b);
@@ -348,7 +356,7 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
         let sdpa = find("softmax", "pytorch-sdpa", s);
         let (soft_mem, sdpa_mem) = (mem("softmax", "probattn", s), mem("softmax", "pytorch-sdpa", s));
         if tiled_rows {
-            for v in VARIANTS {
+            for &v in &measured {
                 let (tiled, eager) = (find(v, MEMORY_EFFICIENT, s), find(v, "probattn", s));
                 let (tiled_mem, eager_mem) = (mem(v, MEMORY_EFFICIENT, s), mem(v, "probattn", s));
                 t += &format!(
@@ -362,15 +370,17 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
                 );
             }
         }
-        t += &format!(
-            "| {s} | softmax vs SDPA | {} | {} (SDPA) | | {} | {} | {} (SDPA) | {} |\n",
-            fmt(soft),
-            fmt(sdpa),
-            fmt(soft.zip(sdpa).map(|(a, b)| a / b)),
-            fmt1(soft_mem),
-            fmt1(sdpa_mem),
-            fmt(soft_mem.zip(sdpa_mem).map(|(a, b)| a / b))
-        );
+        if eager_rows {
+            t += &format!(
+                "| {s} | softmax vs SDPA | {} | {} (SDPA) | | {} | {} | {} (SDPA) | {} |\n",
+                fmt(soft),
+                fmt(sdpa),
+                fmt(soft.zip(sdpa).map(|(a, b)| a / b)),
+                fmt1(soft_mem),
+                fmt1(sdpa_mem),
+                fmt(soft_mem.zip(sdpa_mem).map(|(a, b)| a / b))
+            );
+        }
     }
     t += &format!(
         "\nSVGD hook: one Adam step of the 6+6-layer E=512 stack ({} tokens per side) {:.1} ms without, {:.1} ms with (ratio {:.3}; the hook alone {:.1} ms).\n",
@@ -407,11 +417,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         };
         let threads = tch::get_num_threads().to_string();
         let lib = memory::python_counter_library();
+        let variants = args.variants.as_ref().map_or_else(|| VARIANTS.join(","), |v| v.join(","));
         let json = run_python(
             "bench.py",
             &[
                 "--device", &dev, "--seq-lens", &lens, "--repeats", &repeats.to_string(), "--threads", &threads, "--memory-lib", &lib.to_string_lossy(),
-                "--batch", &args.batch.to_string(),
+                "--batch", &args.batch.to_string(), "--variants", &variants,
             ],
         )
             .context("running the PyTorch side (python/bench.py); --no-pytorch skips it")?;
