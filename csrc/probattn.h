@@ -65,8 +65,10 @@ char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor
                          pa_tensor** kl_part);
 // The counter-based draws of the tiled path for a whole (B, H, S_q, S_k) = shape[0..4] score
 // tensor, in the eager path's convention (eps ~ U(0, 1) for noise 1, N(0, 1) for noise 2), with
-// the dtype and device of `like`.
-char* pa_counter_noise(const pa_tensor* like, const int64_t* shape, int32_t noise, uint64_t seed, pa_tensor** out);
+// the dtype and device of `like`, rows (queries) [start, start + len). `aten_ops`: computed with
+// ATen's integer ops, as on CUDA, instead of the CPU's loop (the same bits; for tests).
+char* pa_counter_noise(const pa_tensor* like, const int64_t* shape, int32_t noise, uint64_t seed, int64_t start, int64_t len,
+                       int32_t aten_ops, pa_tensor** out);
 
 // ---- memory statistics
 // CPU: a counting allocator for libtorch's CPU tensors (installed once, on the first call; tensors

@@ -38,6 +38,7 @@
 #include <optional>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "boundary.h"
@@ -74,8 +75,13 @@ at::Tensor hash32(at::Tensor x) {
 
 // Uniform draws in (0, 1), float64, for entries (b, h, i, j) with i in [start, start + len) of a
 // (B, H, S_q, S_k) score tensor: 32 random bits ((m + 1/2) / 2^32), or 24 for float32 noise so
-// that the value casts to float32 exactly and stays below 1.
-at::Tensor counter_uniform(uint64_t seed, at::IntArrayRef shape, int64_t start, int64_t len, at::ScalarType dtype, at::Device device) {
+// that the value casts to float32 exactly and stays below 1. The bits of entry e (its position in
+// the score tensor) are hash(hash(low(e) ^ hash(high(e) ^ seed_hi)) ^ seed_lo).
+//
+// `counter_uniform_ops` computes them with ATen's integer ops (any device); `counter_uniform_cpu`
+// with a plain loop over the same 32-bit arithmetic (unsigned, so wrapping is defined), about 30
+// times faster on the CPU, where the op-by-op form allocated and swept one int64 tensor per step.
+at::Tensor counter_uniform_ops(uint64_t seed, at::IntArrayRef shape, int64_t start, int64_t len, bool float32, at::Device device) {
   const int64_t b = shape[0], h = shape[1], sq = shape[2], sk = shape[3];
   auto opts = at::TensorOptions().dtype(at::kLong).device(device);
   auto heads = at::arange(b * h, opts).view({b, h, 1, 1});
@@ -85,15 +91,54 @@ at::Tensor counter_uniform(uint64_t seed, at::IntArrayRef shape, int64_t start, 
   auto low = at::bitwise_and(index, kLow32), high = at::bitwise_right_shift(index, 32);
   const auto s0 = static_cast<int64_t>(seed & 0xffffffffULL), s1 = static_cast<int64_t>(seed >> 32);
   auto bits = hash32(at::bitwise_xor(hash32(at::bitwise_xor(low, hash32(at::bitwise_xor(high, s1)))), s0));
-  if (dtype == at::kFloat) return (at::bitwise_right_shift(bits, 8).to(at::kDouble) + 0.5) * std::ldexp(1.0, -24);
+  if (float32) return (at::bitwise_right_shift(bits, 8).to(at::kDouble) + 0.5) * std::ldexp(1.0, -24);
   return (bits.to(at::kDouble) + 0.5) * std::ldexp(1.0, -32);
+}
+
+inline uint32_t hash32_scalar(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21f0aaadu;
+  x ^= x >> 15;
+  x *= 0xd35a2d97u;
+  x ^= x >> 15;
+  return x;
+}
+
+at::Tensor counter_uniform_cpu(uint64_t seed, at::IntArrayRef shape, int64_t start, int64_t len, bool float32) {
+  const int64_t b = shape[0], h = shape[1], sq = shape[2], sk = shape[3];
+  auto out = at::empty({b, h, len, sk}, at::TensorOptions().dtype(at::kDouble));
+  double* data = out.data_ptr<double>();
+  const auto s0 = static_cast<uint32_t>(seed & 0xffffffffULL), s1 = static_cast<uint32_t>(seed >> 32);
+  const double scale = float32 ? std::ldexp(1.0, -24) : std::ldexp(1.0, -32);
+  const int shift = float32 ? 8 : 0;
+  at::parallel_for(0, b * h * len, 16, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const int64_t i = start + r % len;
+      const auto base = static_cast<uint64_t>(((r / len) * sq + i) * sk);
+      double* row = data + r * sk;
+      for (int64_t j = 0; j < sk; ++j) {
+        const uint64_t index = base + static_cast<uint64_t>(j);
+        const auto low = static_cast<uint32_t>(index & 0xffffffffULL), high = static_cast<uint32_t>(index >> 32);
+        const uint32_t bits = hash32_scalar(hash32_scalar(low ^ hash32_scalar(high ^ s1)) ^ s0);
+        row[j] = (static_cast<double>(bits >> shift) + 0.5) * scale;
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor counter_uniform(uint64_t seed, at::IntArrayRef shape, int64_t start, int64_t len, at::ScalarType dtype, at::Device device,
+                           bool ops = false) {
+  const bool float32 = dtype == at::kFloat;
+  if (device.is_cpu() && !ops) return counter_uniform_cpu(seed, shape, start, len, float32);
+  return counter_uniform_ops(seed, shape, start, len, float32, device);
 }
 
 // The eager path's noise convention: ε ~ U(0, 1) for Weibull, ε ~ N(0, 1) for Lognormal (the
 // inverse normal CDF of the uniform, in float64), in `dtype`.
 at::Tensor counter_noise(uint64_t seed, int64_t noise, at::IntArrayRef shape, int64_t start, int64_t len, at::ScalarType dtype,
-                         at::Device device) {
-  auto u = counter_uniform(seed, shape, start, len, dtype, device);
+                         at::Device device, bool ops = false) {
+  auto u = counter_uniform(seed, shape, start, len, dtype, device, ops);
   if (noise == kLognormal) u = at::erfinv(u * 2.0 - 1.0) * std::sqrt(2.0);
   return u.to(dtype);
 }
@@ -267,19 +312,24 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
     at::Tensor da = with_kl ? at::zeros({q.size(0), q.size(1), 1, k.size(2)}, q.options()) : at::Tensor();
     std::vector<at::Tensor> dq;
 
+    // The KL term's part of dY in a tile (undefined without one); the first pass also adds its
+    // gradient in the prior's values.
+    auto kl_grad = [&](int64_t start, int64_t len, const at::Tensor& ex, const at::Tensor& y, bool first_pass) {
+      if (!with_kl) return at::Tensor();
+      auto log_pi = y - row_lse.narrow(-2, start, len);
+      auto pi = masked_exp(log_pi, ex);
+      auto dlog_pi = term.grad(log_pi, ex) * dkl;
+      if (first_pass) da += term.grad_a(log_pi, ex) * dkl;
+      return dlog_pi - pi * dlog_pi.sum(-1, true);
+    };
     // dY of a tile (the gradient in y = z - C^N), with the weights P.
     auto logits_grad = [&](int64_t start, int64_t len, const at::Tensor& ex, const at::Tensor& z, bool first_pass) {
       auto y = pb.logits(z, ex);
       auto p = pb.weights(y, start, len, ex);
       auto dp = at::matmul(dout.narrow(-2, start, len), v.transpose(-2, -1));
       auto dy = p * (dp - d.narrow(-2, start, len));
-      if (with_kl) {
-        auto log_pi = y - row_lse.narrow(-2, start, len);
-        auto pi = masked_exp(log_pi, ex);
-        auto dlog_pi = term.grad(log_pi, ex) * dkl;
-        dy = dy + dlog_pi - pi * dlog_pi.sum(-1, true);
-        if (first_pass) da += term.grad_a(log_pi, ex) * dkl;
-      }
+      auto dy_kl = kl_grad(start, len, ex, y, first_pass);
+      if (dy_kl.defined()) dy = dy + dy_kl;
       return std::make_pair(p, dy);
     };
     auto finish = [&](int64_t start, int64_t len, const at::Tensor& dz) {
@@ -287,19 +337,27 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
       dk.add_(at::matmul(dz.transpose(-2, -1), pb.qs.narrow(-2, start, len)));
     };
 
-    at::Tensor g;  // Σ_i dY_ij
-    pb.each([&](int64_t start, int64_t len) {  // dV, and dZ itself for softmax
+    // First pass: dV, and for softmax dZ itself. With sweeps it gathers g = Σ_i dY_ij instead,
+    // without dP: Σ_i P_ij (dP_ij - D_i) = v_j · dV_j - Σ_i P_ij D_i, so one matrix product fewer.
+    at::Tensor g, pd;  // pd = Σ_i P_ij D_i, (B, H, 1, S_k)
+    pb.each([&](int64_t start, int64_t len) {
       auto ex = pb.excluded_rows(start, len);
       auto z = pb.scores(start, len, ex);
-      auto [p, dy] = logits_grad(start, len, ex, z, true);
-      dv.add_(at::matmul(p.transpose(-2, -1), dout.narrow(-2, start, len)));
       if (n == 0) {
+        auto [p, dy] = logits_grad(start, len, ex, z, true);
+        dv.add_(at::matmul(p.transpose(-2, -1), dout.narrow(-2, start, len)));
         finish(start, len, dy);
-      } else {
-        auto col = dy.sum(-2, true);
-        g = g.defined() ? g + col : col;
+        return;
       }
+      auto y = pb.logits(z, ex);
+      auto p = pb.weights(y, start, len, ex);
+      dv.add_(at::matmul(p.transpose(-2, -1), dout.narrow(-2, start, len)));
+      auto col = at::matmul(d.narrow(-2, start, len).transpose(-2, -1), p);
+      auto dy_kl = kl_grad(start, len, ex, y, true);
+      if (dy_kl.defined()) col = col - dy_kl.sum(-2, true);
+      pd = pd.defined() ? pd + col : col;
     });
+    if (n > 0) g = (v * dv).sum(-1).unsqueeze(-2) - pd;
     if (n > 0) {
       std::vector<at::Tensor> dc(n), dr(n > 1 ? n - 1 : 0);
       dc[n - 1] = -g;
@@ -355,12 +413,14 @@ char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor
   });
 }
 
-char* pa_counter_noise(const pa_tensor* like, const int64_t* shape, int32_t noise, uint64_t seed, pa_tensor** out) {
+char* pa_counter_noise(const pa_tensor* like, const int64_t* shape, int32_t noise, uint64_t seed, int64_t start, int64_t len,
+                       int32_t aten_ops, pa_tensor** out) {
   return probattn::guard([&] {
     TORCH_CHECK(noise == kWeibull || noise == kLognormal, "unknown noise kind ", noise);
     TORCH_CHECK(like->scalar_type() == at::kFloat || like->scalar_type() == at::kDouble, "counter-based noise is float32 or float64");
     const at::IntArrayRef dims(shape, 4);
-    *out = new at::Tensor(counter_noise(seed, noise, dims, 0, dims[2], like->scalar_type(), like->device()));
+    TORCH_CHECK(start >= 0 && len >= 0 && start + len <= dims[2], "rows [", start, ", ", start + len, ") outside ", dims[2], " queries");
+    *out = new at::Tensor(counter_noise(seed, noise, dims, start, len, like->scalar_type(), like->device(), aten_ops != 0));
   });
 }
 

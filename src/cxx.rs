@@ -48,7 +48,16 @@ extern "C" {
         received_mass: *mut *mut C_tensor,
         kl_part: *mut *mut C_tensor,
     ) -> *mut c_char;
-    fn pa_counter_noise(like: *const C_tensor, shape: *const i64, noise: i32, seed: u64, out: *mut *mut C_tensor) -> *mut c_char;
+    fn pa_counter_noise(
+        like: *const C_tensor,
+        shape: *const i64,
+        noise: i32,
+        seed: u64,
+        start: i64,
+        len: i64,
+        aten_ops: i32,
+        out: *mut *mut C_tensor,
+    ) -> *mut c_char;
     fn pa_cpu_memory_track() -> *mut c_char;
     fn pa_cpu_memory_stats(current: *mut i64, peak: *mut i64, tracking: *mut i64) -> *mut c_char;
     fn pa_cpu_memory_reset_peak() -> *mut c_char;
@@ -230,13 +239,15 @@ pub(crate) fn tiled_attention(
 }
 
 /// The tiled path's counter-based draws for a whole `(B, H, S_q, S_k)` score tensor, in the dtype
-/// and on the device of `like` (see csrc/tiled.cpp).
-pub(crate) fn counter_noise(like: &Tensor, shape: [i64; 4], noise: i32, seed: u64) -> Result<Tensor> {
+/// and on the device of `like` (see csrc/tiled.cpp), the rows (queries) in `rows`; `aten_ops`: by
+/// ATen's integer ops (CUDA's way) even on the CPU.
+pub(crate) fn counter_noise(like: &Tensor, shape: [i64; 4], noise: i32, seed: u64, rows: std::ops::Range<i64>, aten_ops: bool) -> Result<Tensor> {
     let mut out = ptr::null_mut();
     // SAFETY: `like` and `shape` (four values) are borrowed for the call; the output is a new
     // tensor written on success only.
     unsafe {
-        check(pa_counter_noise(like.as_ptr(), shape.as_ptr(), noise, seed, &mut out), |m| Error::Tch(tch::TchError::Torch(m)))?;
+        let len = rows.end - rows.start;
+        check(pa_counter_noise(like.as_ptr(), shape.as_ptr(), noise, seed, rows.start, len, aten_ops as i32, &mut out), |m| Error::Tch(tch::TchError::Torch(m)))?;
         Ok(Tensor::from_ptr(out))
     }
 }

@@ -230,7 +230,16 @@ fn libtorch_seed() -> u64 {
 pub fn counter_noise(kind: BamKind, shape: [i64; 4], seed: u64, options: (Kind, Device)) -> Result<Tensor> {
     let like = Tensor::zeros([1], options);
     let noise = if kind.is_weibull() { TiledSpec::WEIBULL } else { TiledSpec::LOGNORMAL };
-    cxx::counter_noise(&like, shape, noise, seed)
+    cxx::counter_noise(&like, shape, noise, seed, 0..shape[2], false)
+}
+
+/// The rows `rows` of [`counter_noise`], computed by the CPU's loop or (`by_ops`) by ATen's integer
+/// ops as on CUDA, whatever the device: the same bits, for the tests.
+#[doc(hidden)]
+pub fn counter_noise_rows(kind: BamKind, shape: [i64; 4], seed: u64, options: (Kind, Device), rows: std::ops::Range<i64>, by_ops: bool) -> Result<Tensor> {
+    let like = Tensor::zeros([1], options);
+    let noise = if kind.is_weibull() { TiledSpec::WEIBULL } else { TiledSpec::LOGNORMAL };
+    cxx::counter_noise(&like, shape, noise, seed, rows, by_ops)
 }
 
 /// Counts of allowed entries, per key and per head, taken tile by tile so that a broadcast mask is

@@ -9,7 +9,7 @@
 
 use anyhow::{ensure, Result};
 use probattn::normalize::{Bam, BamConfig, BamKind, Dnas, Hnas, Normalizer, NormalizerConfig, Sinkhorn, Softmax};
-use probattn::tiled::{attend_tiled, counter_noise, Tiled, TiledOptions};
+use probattn::tiled::{attend_tiled, counter_noise, counter_noise_rows, Tiled, TiledOptions};
 use probattn::{attend, AttendOptions, Masks, Mode, Variant};
 use tch::{nn, Device, Kind, Tensor};
 
@@ -317,6 +317,25 @@ fn counter_based_draws_have_their_distributions() -> Result<()> {
         let other = counter_noise(BamKind::LognormalFixed, shape, 4, options)?.to_kind(Kind::Double);
         ensure!(corr(&n, &other).abs() < 5e-3, "seeds correlated");
         ensure!(n.equal(&counter_noise(BamKind::LognormalFixed, shape, 3, options)?.to_kind(Kind::Double)), "not reproducible");
+    }
+    // The CPU's loop and the ATen integer ops (CUDA's way) give the same draws, bit for bit, also
+    // past position 2^32 (the counter's high word): the last rows of a (2, 4, 2^20, 2^12) tensor.
+    let cases = [([2, 3, 70, 90], 0..70), ([2, 3, 70, 90], 13..40), ([2, 4, 1 << 20, 1 << 12], (1 << 20) - 3..1 << 20)];
+    for (shape, rows) in cases {
+        for kind in [Kind::Double, Kind::Float] {
+            for bam in [BamKind::WeibullContextual, BamKind::LognormalFixed] {
+                let options = (kind, Device::Cpu);
+                let fast = counter_noise_rows(bam, shape, 11, options, rows.clone(), false)?;
+                let ops = counter_noise_rows(bam, shape, 11, options, rows.clone(), true)?;
+                ensure!(fast.size() == [shape[0], shape[1], rows.end - rows.start, shape[3]], "rows {rows:?}: {:?}", fast.size());
+                ensure!(fast.equal(&ops), "{bam:?} {shape:?} {rows:?} {kind:?}: the loop and the ops differ");
+            }
+        }
+        if rows.start == 0 {
+            let whole = counter_noise(BamKind::WeibullFixed, shape, 11, (Kind::Double, Device::Cpu))?;
+            let part = counter_noise_rows(BamKind::WeibullFixed, shape, 11, (Kind::Double, Device::Cpu), 5..9, false)?;
+            ensure!(whole.narrow(2, 5, 4).equal(&part), "rows drawn alone differ from the same rows of the whole");
+        }
     }
     Ok(())
 }
