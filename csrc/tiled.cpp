@@ -74,8 +74,10 @@ at::Tensor hash32(at::Tensor x) {
 }
 
 // Uniform draws in (0, 1), float64, for entries (b, h, i, j) with i in [start, start + len) of a
-// (B, H, S_q, S_k) score tensor: 32 random bits ((m + 1/2) / 2^32), or 24 for float32 noise so
-// that the value casts to float32 exactly and stays below 1. The bits of entry e (its position in
+// (B, H, S_q, S_k) score tensor: 32 random bits ((m + 1/2) / 2^32), or 23 for float32 noise:
+// (2m + 1) / 2^24 has 24 significant bits, so it casts to float32 exactly and its largest value,
+// 1 - 2^-24, stays below 1 (with 24 bits the largest, 1 - 2^-25, rounded to 1.0 in float32, and
+// the Weibull transform log(-log(1 - ε)) became infinite). The bits of entry e (its position in
 // the score tensor) are hash(hash(low(e) ^ hash(high(e) ^ seed_hi)) ^ seed_lo).
 //
 // `counter_uniform_ops` computes them with ATen's integer ops (any device); `counter_uniform_cpu`
@@ -91,7 +93,7 @@ at::Tensor counter_uniform_ops(uint64_t seed, at::IntArrayRef shape, int64_t sta
   auto low = at::bitwise_and(index, kLow32), high = at::bitwise_right_shift(index, 32);
   const auto s0 = static_cast<int64_t>(seed & 0xffffffffULL), s1 = static_cast<int64_t>(seed >> 32);
   auto bits = hash32(at::bitwise_xor(hash32(at::bitwise_xor(low, hash32(at::bitwise_xor(high, s1)))), s0));
-  if (float32) return (at::bitwise_right_shift(bits, 8).to(at::kDouble) + 0.5) * std::ldexp(1.0, -24);
+  if (float32) return (at::bitwise_right_shift(bits, 9).to(at::kDouble) + 0.5) * std::ldexp(1.0, -23);
   return (bits.to(at::kDouble) + 0.5) * std::ldexp(1.0, -32);
 }
 
@@ -109,8 +111,8 @@ at::Tensor counter_uniform_cpu(uint64_t seed, at::IntArrayRef shape, int64_t sta
   auto out = at::empty({b, h, len, sk}, at::TensorOptions().dtype(at::kDouble));
   double* data = out.data_ptr<double>();
   const auto s0 = static_cast<uint32_t>(seed & 0xffffffffULL), s1 = static_cast<uint32_t>(seed >> 32);
-  const double scale = float32 ? std::ldexp(1.0, -24) : std::ldexp(1.0, -32);
-  const int shift = float32 ? 8 : 0;
+  const double scale = float32 ? std::ldexp(1.0, -23) : std::ldexp(1.0, -32);
+  const int shift = float32 ? 9 : 0;
   at::parallel_for(0, b * h * len, 16, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const int64_t i = start + r % len;

@@ -225,8 +225,8 @@ fn libtorch_seed() -> u64 {
 /// The tiled path's counter-based draws for a whole `(B, H, S_q, S_k)` score tensor, keyed by
 /// `seed`: `ε ~ U(0, 1)` for the Weibull variants, `N(0, 1)` for the Lognormal ones, in the eager
 /// path's convention, so that `attend` given these draws equals `attend_tiled` given `seed`.
-/// 32 random bits per float64 draw (24 per float32 one, so that it stays below 1): the Exp(1)
-/// variates reach 22 (float32: 17) and the normal ones 6.3σ (5.4σ).
+/// 32 random bits per float64 draw (23 per float32 one, so that it stays below 1 in float32): the
+/// Exp(1) variates reach 22 (float32: 16.6) and the normal ones 6.3σ (5.3σ).
 pub fn counter_noise(kind: BamKind, shape: [i64; 4], seed: u64, options: (Kind, Device)) -> Result<Tensor> {
     let like = Tensor::zeros([1], options);
     let noise = if kind.is_weibull() { TiledSpec::WEIBULL } else { TiledSpec::LOGNORMAL };

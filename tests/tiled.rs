@@ -304,6 +304,13 @@ fn counter_based_draws_have_their_distributions() -> Result<()> {
         let (mean, var) = (u.mean(Kind::Double).double_value(&[]), u.var(false).double_value(&[]));
         ensure!((mean - 0.5).abs() < 2e-3 && (var - 1.0 / 12.0).abs() < 1e-3, "uniform: mean {mean}, variance {var}");
         ensure!(u.min().double_value(&[]) > 0.0 && u.max().double_value(&[]) < 1.0, "uniform outside (0, 1)");
+        // Their form, (2m + 1) / 2^bits with m below 2^(bits - 1): every value, the largest
+        // included, is exact in the dtype and below 1 (float32 once drew 1 - 2^-25, which rounds
+        // to 1.0, and the Weibull transform of 1 is infinite).
+        let bits = if options.0 == Kind::Float { 24 } else { 33 };
+        let scaled = &u * 2f64.powi(bits);
+        ensure!(scaled.eq_tensor(&scaled.round()).all().int64_value(&[]) == 1, "draws not on the (2m + 1) / 2^{bits} grid");
+        ensure!(scaled.remainder(2.0).eq(1.0).all().int64_value(&[]) == 1, "draws not odd multiples of 2^-{bits}");
         let e = -(-&u).log1p(); // Exp(1)
         ensure!((e.mean(Kind::Double).double_value(&[]) - 1.0).abs() < 5e-3, "Exp(1) mean {}", e.mean(Kind::Double).double_value(&[]));
         let n = counter_noise(BamKind::LognormalFixed, shape, 3, options)?.to_kind(Kind::Double);
