@@ -194,10 +194,7 @@ pub fn attend_tiled(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, variant: 
             };
             let a = prior.as_ref().map(|(_, a)| a);
             let (output, received_mass, part) = cxx::tiled_attention(q, k, v, excluded.as_ref(), noise.as_ref(), a, &spec)?;
-            let kl = match a {
-                Some(a) => Some(bam.tiled_kl(&part, a, &MaskCounts::new(allowed.as_ref(), shape, opts.tile, q.kind(), q.device()))),
-                None => None,
-            };
+            let kl = a.map(|a| bam.tiled_kl(&part, a, &MaskCounts::new(allowed.as_ref(), shape, opts.tile, q.kind(), q.device())));
             Ok(TiledAttended { output, received_mass, kl })
         }
     }

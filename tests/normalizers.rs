@@ -267,7 +267,7 @@ fn softmax_with_weights_and_time_first_views_match_the_general_path() -> Result<
     vs.double();
     tch::no_grad(|| {
         for (_, mut v) in vs.variables() {
-            let _ = v.copy_(&Tensor::randn_like(&v));
+            v.copy_(&Tensor::randn_like(&v));
         }
     });
     let bias = vs.variables()["in_proj_bias"].split(16, 0);

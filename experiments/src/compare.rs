@@ -245,7 +245,7 @@ impl Reference {
     }
 
     /// Casts a TorchScript module; a package runs in the dtype it was exported in.
-    fn to_kind(&mut self, kind: Kind, saved: Kind) -> Result<()> {
+    fn cast(&mut self, kind: Kind, saved: Kind) -> Result<()> {
         match self {
             Reference::Script(ts) => ts.to_kind(kind),
             Reference::Pt2(p) => ensure!(
@@ -760,7 +760,7 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
         DType::Float32 => Kind::Float,
         DType::Float64 => Kind::Double,
     };
-    ts.to_kind(kind, saved_kind)?;
+    ts.cast(kind, saved_kind)?;
     if kind == Kind::Double {
         vs.double();
     }

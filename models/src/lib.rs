@@ -6,6 +6,10 @@
 //! - [`gat`]: GAT node classification (Velickovic et al. 2018) with any normalizer.
 //! - [`vqa`]: the multi-view VQA fusion of Ding et al. 2020 (Appendix B) and a Pythia-lite head.
 
+// `x = x + y` stays: on tch tensors `x += y` is an in-place `add_`, which would overwrite a value
+// autograd saved for the backward pass.
+#![allow(clippy::assign_op_pattern)]
+
 pub mod gat;
 pub mod transformer;
 pub mod translation;

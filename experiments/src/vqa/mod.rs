@@ -403,7 +403,10 @@ fn score(p: &Prepared, split: &str, device: Device, predict: &dyn Fn(&[Tensor], 
 }
 
 /// [`score`], and every predicted answer id in question order.
-fn score_and_predict(p: &Prepared, split: &str, device: Device, predict: &dyn Fn(&[Tensor], &Tensor) -> Result<Tensor>) -> Result<(f64, Vec<(f64, u64)>, Vec<i64>)> {
+/// Accuracy, per question type (accuracy, count), and the predicted answers.
+type Scored = (f64, Vec<(f64, u64)>, Vec<i64>);
+
+fn score_and_predict(p: &Prepared, split: &str, device: Device, predict: &dyn Fn(&[Tensor], &Tensor) -> Result<Tensor>) -> Result<Scored> {
     let q = &p.data.splits[split];
     let types = p.data.meta.types.len();
     let answers = p.data.meta.answers.len() as i64;
