@@ -10,7 +10,15 @@ fn main() {
 }
 
 fn build_cxx_layer() {
-    let files = ["csrc/common.cpp", "csrc/pt2.cpp", "csrc/memory.cpp", "csrc/memory_cuda.cpp", "csrc/tiled.cpp", "csrc/boundary.h", "csrc/probattn.h"];
+    let files = [
+        "csrc/common.cpp",
+        "csrc/pt2.cpp",
+        "csrc/memory.cpp",
+        "csrc/memory_cuda.cpp",
+        "csrc/tiled.cpp",
+        "csrc/boundary.h",
+        "csrc/probattn.h",
+    ];
     for file in files {
         println!("cargo:rerun-if-changed={file}");
     }

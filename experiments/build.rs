@@ -31,7 +31,14 @@ fn main() {
         println!("cargo:rerun-if-changed={}", root.join(".git").join(reference).display());
     }
     let git = |args: &[&str]| {
-        std::process::Command::new("git").arg("-C").arg(&root).args(args).output().ok().filter(|o| o.status.success()).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(&root)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
     println!("cargo:rustc-env=PROBATTN_GIT_SHA={}", git(&["rev-parse", "HEAD"]).unwrap_or_else(|| "unknown".into()));
     let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());

@@ -69,14 +69,7 @@ pub fn scaled_dot_product_scores(q: &Tensor, k: &Tensor) -> Tensor {
 }
 
 /// Attends `q` to `k`/`v` under `masks` with `normalizer`, after checking every shape.
-pub fn attend(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    masks: &Masks,
-    normalizer: &dyn Normalizer,
-    opts: AttendOptions,
-) -> Result<Attended> {
+pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, normalizer: &dyn Normalizer, opts: AttendOptions) -> Result<Attended> {
     let shape = check_qkv(q, k, v)?;
     if masks.causal && !normalizer.causal_safe() {
         return Err(Error::Unsupported(format!(
@@ -90,11 +83,7 @@ pub fn attend(
     }
     if let Some(noise) = opts.noise {
         if noise.size() != shape.dims() {
-            return Err(Error::Shape(format!(
-                "noise has shape {:?}, expected the weights' shape {:?}",
-                noise.size(),
-                shape.dims()
-            )));
+            return Err(Error::Shape(format!("noise has shape {:?}, expected the weights' shape {:?}", noise.size(), shape.dims())));
         }
     }
     let support = Support::dense(masks.allowed(shape, q.device())?);
@@ -119,10 +108,7 @@ pub fn attend(
 pub(crate) fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<ScoreShape> {
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         if t.dim() != 4 {
-            return Err(Error::Shape(format!(
-                "{name} has shape {:?}; expected rank 4 (B, H, S, d)",
-                t.size()
-            )));
+            return Err(Error::Shape(format!("{name} has shape {:?}; expected rank 4 (B, H, S, d)", t.size())));
         }
         if !matches!(t.kind(), Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16) {
             return Err(Error::Shape(format!("{name} has dtype {:?}; expected a floating dtype", t.kind())));
@@ -130,9 +116,7 @@ pub(crate) fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<ScoreShape
     }
     let (qs, ks, vs) = (q.size(), k.size(), v.size());
     if qs[0] != ks[0] || qs[0] != vs[0] || qs[1] != ks[1] || qs[1] != vs[1] {
-        return Err(Error::Shape(format!(
-            "q {qs:?}, k {ks:?} and v {vs:?} must agree on batch and heads (dims 0 and 1)"
-        )));
+        return Err(Error::Shape(format!("q {qs:?}, k {ks:?} and v {vs:?} must agree on batch and heads (dims 0 and 1)")));
     }
     if qs[3] != ks[3] {
         return Err(Error::Shape(format!("q {qs:?} and k {ks:?} must have the same head size (dim 3)")));
@@ -141,12 +125,7 @@ pub(crate) fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<ScoreShape
         return Err(Error::Shape(format!("k {ks:?} and v {vs:?} must have the same number of keys (dim 2)")));
     }
     if q.kind() != k.kind() || q.kind() != v.kind() {
-        return Err(Error::Shape(format!(
-            "q, k and v must share one dtype, got {:?}, {:?}, {:?}",
-            q.kind(),
-            k.kind(),
-            v.kind()
-        )));
+        return Err(Error::Shape(format!("q, k and v must share one dtype, got {:?}, {:?}, {:?}", q.kind(), k.kind(), v.kind())));
     }
     if q.device() != k.device() || q.device() != v.device() {
         return Err(Error::Shape("q, k and v must be on one device".into()));

@@ -61,7 +61,13 @@ extern "C" {
     fn pa_cpu_memory_track() -> *mut c_char;
     fn pa_cpu_memory_stats(current: *mut i64, peak: *mut i64, tracking: *mut i64) -> *mut c_char;
     fn pa_cpu_memory_reset_peak() -> *mut c_char;
-    fn pa_cuda_memory_stats(device: i64, allocated: *mut i64, allocated_peak: *mut i64, reserved: *mut i64, reserved_peak: *mut i64) -> *mut c_char;
+    fn pa_cuda_memory_stats(
+        device: i64,
+        allocated: *mut i64,
+        allocated_peak: *mut i64,
+        reserved: *mut i64,
+        reserved_peak: *mut i64,
+    ) -> *mut c_char;
     fn pa_cuda_memory_reset_peak(device: i64) -> *mut c_char;
 }
 
@@ -176,7 +182,10 @@ pub(crate) fn jit_named_buffers(path: &Path) -> Result<Vec<(String, Tensor)>> {
     let p = c_path(path)?;
     let mut list = ptr::null_mut();
     // SAFETY: a valid C string; `list` is written on success only.
-    check(unsafe { pa_jit_named_buffers(p.as_ptr(), &mut list) }, |m| Error::File { path: path.into(), message: format!("listing its buffers: {m}") })?;
+    check(unsafe { pa_jit_named_buffers(p.as_ptr(), &mut list) }, |m| Error::File {
+        path: path.into(),
+        message: format!("listing its buffers: {m}"),
+    })?;
     Ok(take_tensors(list))
 }
 
@@ -241,13 +250,22 @@ pub(crate) fn tiled_attention(
 /// The tiled path's counter-based draws for a whole `(B, H, S_q, S_k)` score tensor, in the dtype
 /// and on the device of `like` (see csrc/tiled.cpp), the rows (queries) in `rows`; `aten_ops`: by
 /// ATen's integer ops (CUDA's way) even on the CPU.
-pub(crate) fn counter_noise(like: &Tensor, shape: [i64; 4], noise: i32, seed: u64, rows: std::ops::Range<i64>, aten_ops: bool) -> Result<Tensor> {
+pub(crate) fn counter_noise(
+    like: &Tensor,
+    shape: [i64; 4],
+    noise: i32,
+    seed: u64,
+    rows: std::ops::Range<i64>,
+    aten_ops: bool,
+) -> Result<Tensor> {
     let mut out = ptr::null_mut();
     // SAFETY: `like` and `shape` (four values) are borrowed for the call; the output is a new
     // tensor written on success only.
     unsafe {
         let len = rows.end - rows.start;
-        check(pa_counter_noise(like.as_ptr(), shape.as_ptr(), noise, seed, rows.start, len, aten_ops as i32, &mut out), |m| Error::Tch(tch::TchError::Torch(m)))?;
+        check(pa_counter_noise(like.as_ptr(), shape.as_ptr(), noise, seed, rows.start, len, aten_ops as i32, &mut out), |m| {
+            Error::Tch(tch::TchError::Torch(m))
+        })?;
         Ok(Tensor::from_ptr(out))
     }
 }

@@ -90,7 +90,10 @@ impl TorchScript {
     /// Loads `path` on `device` in eval mode; errors name the file and what it is instead.
     pub fn load(path: &Path, device: Device) -> Result<Self> {
         if !path.is_file() {
-            return Err(Error::Io { path: path.into(), error: std::io::Error::new(std::io::ErrorKind::NotFound, "no such TorchScript file") });
+            return Err(Error::Io {
+                path: path.into(),
+                error: std::io::Error::new(std::io::ErrorKind::NotFound, "no such TorchScript file"),
+            });
         }
         let file_error = |message: String| Error::File { path: path.into(), message };
         match archive_kind(path)? {
@@ -118,7 +121,9 @@ impl TorchScript {
                 ))
             }
             ArchiveKind::NotAnArchive => {
-                return Err(file_error("not a TorchScript archive (a zip with data.pkl and code/): corrupt, truncated or another format".into()))
+                return Err(file_error(
+                    "not a TorchScript archive (a zip with data.pkl and code/): corrupt, truncated or another format".into(),
+                ))
             }
         }
         let mut module = CModule::load_on_device(path, device).map_err(|e| {
@@ -177,7 +182,9 @@ impl TorchScript {
     /// The module's parameters by PyTorch name (`layers.0.self_attn.in_proj_weight`), sharing
     /// storage with the module: gradients of a backward pass through the module land on them.
     pub fn named_parameters(&self) -> Result<Vec<(String, Tensor)>> {
-        self.module.named_parameters().map_err(|e| Error::File { path: self.path.clone(), message: format!("listing parameters: {}", first_line(&e)) })
+        self.module
+            .named_parameters()
+            .map_err(|e| Error::File { path: self.path.clone(), message: format!("listing parameters: {}", first_line(&e)) })
     }
 
     /// The module's buffers (`register_buffer`: BatchNorm's running statistics, constants), by
@@ -222,7 +229,10 @@ impl TorchScript {
             IValue::Tuple(v) | IValue::GenericList(v) => v,
             IValue::TensorList(v) => v.into_iter().map(IValue::Tensor).collect(),
             other => {
-                return Err(Error::File { path: self.path.clone(), message: format!("forward returned {}, not tensors", ivalue_kind(&other)) })
+                return Err(Error::File {
+                    path: self.path.clone(),
+                    message: format!("forward returned {}, not tensors", ivalue_kind(&other)),
+                })
             }
         };
         Ok(items.into_iter().enumerate().filter_map(|(i, v)| if let IValue::Tensor(t) = v { Some((i, t)) } else { None }).collect())
@@ -297,7 +307,12 @@ pub fn module_kind_of(name: &str) -> (crate::repulsive::ModuleKind, usize) {
 /// `pattern` (e.g. `*.self_attn.in_proj_weight`, or `*in_proj_weight` for all), as Q, K and V
 /// sets of `heads` particles; the hook's selection filters them by [`module_kind_of`]. Returns
 /// the names registered; none is an error that lists the candidates.
-pub fn register_in_proj(hook: &mut crate::repulsive::RepulsiveHook, params: &[(String, Tensor)], pattern: &str, heads: i64) -> Result<Vec<String>> {
+pub fn register_in_proj(
+    hook: &mut crate::repulsive::RepulsiveHook,
+    params: &[(String, Tensor)],
+    pattern: &str,
+    heads: i64,
+) -> Result<Vec<String>> {
     let mut names = vec![];
     for (name, t) in params.iter().filter(|(n, _)| glob_match(pattern, n)) {
         let (kind, layer) = module_kind_of(name);
@@ -306,7 +321,10 @@ pub fn register_in_proj(hook: &mut crate::repulsive::RepulsiveHook, params: &[(S
     }
     if names.is_empty() {
         let candidates: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).filter(|n| n.ends_with("in_proj_weight")).collect();
-        return Err(Error::Config(format!("no parameter matches '{pattern}' (in_proj_weight parameters: {})", if candidates.is_empty() { "none".into() } else { candidates.join(", ") })));
+        return Err(Error::Config(format!(
+            "no parameter matches '{pattern}' (in_proj_weight parameters: {})",
+            if candidates.is_empty() { "none".into() } else { candidates.join(", ") }
+        )));
     }
     Ok(names)
 }
@@ -370,7 +388,10 @@ where
     }
     report.missing = vars.keys().filter(|k| !seen.contains_key(*k)).cloned().collect();
     if !report.is_complete() && !allow_partial {
-        return Err(Error::Config(format!("the weights do not fit the model (allow a partial import to copy what matches):\n{}", report.summary())));
+        return Err(Error::Config(format!(
+            "the weights do not fit the model (allow a partial import to copy what matches):\n{}",
+            report.summary()
+        )));
     }
     tch::no_grad(|| {
         for (mut var, t) in copies {

@@ -14,17 +14,14 @@ pub fn read_safetensors(path: &Path) -> Result<HashMap<String, Tensor>> {
     if !path.exists() {
         return Err(not_found(path, "no such file"));
     }
-    let named = Tensor::read_safetensors(path).map_err(|e| Error::File {
-        path: path.into(),
-        message: format!("not a readable safetensors file ({e})"),
-    })?;
+    let named = Tensor::read_safetensors(path)
+        .map_err(|e| Error::File { path: path.into(), message: format!("not a readable safetensors file ({e})") })?;
     Ok(named.into_iter().collect())
 }
 
 /// Writes named tensors as safetensors, atomically. Tensors are copied to contiguous CPU memory.
 pub fn write_safetensors_atomic(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<()> {
-    let cpu: Vec<(&str, Tensor)> =
-        tensors.iter().map(|(name, t)| (*name, t.detach().to_device(Device::Cpu).contiguous())).collect();
+    let cpu: Vec<(&str, Tensor)> = tensors.iter().map(|(name, t)| (*name, t.detach().to_device(Device::Cpu).contiguous())).collect();
     write_atomic(path, |tmp| Ok(Tensor::write_safetensors(&cpu, tmp)?))
 }
 

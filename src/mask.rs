@@ -92,8 +92,7 @@ fn as_excluded(name: &str, mask: &Tensor, shape: &[i64]) -> Result<Tensor> {
 /// Checks that `t` broadcasts to `target` (rank at most that of `target`, each size 1 or equal).
 pub(crate) fn check_broadcastable(name: &str, t: &Tensor, target: &[i64]) -> Result<()> {
     let size = t.size();
-    let fits = size.len() <= target.len()
-        && size.iter().rev().zip(target.iter().rev()).all(|(&s, &t)| s == 1 || s == t);
+    let fits = size.len() <= target.len() && size.iter().rev().zip(target.iter().rev()).all(|(&s, &t)| s == 1 || s == t);
     if fits {
         Ok(())
     } else {

@@ -57,7 +57,8 @@ pub fn stats(device: Device) -> Result<MemoryStats> {
             let (current_bytes, peak_bytes, tracking) = cxx::cpu_memory_stats()?;
             if !tracking {
                 return Err(Error::Device(
-                    "CPU memory is counted only after probattn::memory::track(Device::Cpu) (and while no other allocator has replaced it)".into(),
+                    "CPU memory is counted only after probattn::memory::track(Device::Cpu) (and while no other allocator has replaced it)"
+                        .into(),
                 ));
             }
             Ok(MemoryStats { current_bytes, peak_bytes, reserved_bytes: None, reserved_peak_bytes: None })

@@ -103,10 +103,7 @@ impl MhaConfig {
             return bad(format!("sizes must be positive: {self:?}"));
         }
         if self.embed_dim % self.num_heads != 0 {
-            return bad(format!(
-                "embed_dim {} is not divisible by num_heads {}",
-                self.embed_dim, self.num_heads
-            ));
+            return bad(format!("embed_dim {} is not divisible by num_heads {}", self.embed_dim, self.num_heads));
         }
         if !(0.0..1.0).contains(&self.dropout) {
             return bad(format!("dropout must lie in [0, 1), got {}", self.dropout));
@@ -431,13 +428,12 @@ impl MultiHeadAttention {
 
     /// Checks the input's shapes; returns `(B, S_q, S_k)`.
     fn check(&self, input: &MhaInput) -> Result<(i64, i64, i64)> {
-        let expect = [("query", input.query, self.cfg.embed_dim), ("key", input.key, self.cfg.kdim()), ("value", input.value, self.cfg.vdim())];
+        let expect =
+            [("query", input.query, self.cfg.embed_dim), ("key", input.key, self.cfg.kdim()), ("value", input.value, self.cfg.vdim())];
         for (name, t, features) in expect {
             let size = t.size();
             if size.len() != 3 || size[2] != features {
-                return Err(Error::Shape(format!(
-                    "{name} has shape {size:?}; expected (B, S, {features}) (batch first)"
-                )));
+                return Err(Error::Shape(format!("{name} has shape {size:?}; expected (B, S, {features}) (batch first)")));
             }
         }
         let (q, k, v) = (input.query.size(), input.key.size(), input.value.size());

@@ -67,9 +67,7 @@ impl RepulsiveConfig {
     pub fn validate(&self) -> Result<()> {
         let finite = self.alpha.is_finite() && self.alpha >= 0.0 && self.beta.is_finite() && self.beta >= 0.0;
         if !(finite && self.stepsize > 0.0 && self.stepsize.is_finite()) {
-            return Err(Error::Config(format!(
-                "repulsive attention needs alpha >= 0, beta >= 0 and stepsize > 0, got {self:?}"
-            )));
+            return Err(Error::Config(format!("repulsive attention needs alpha >= 0, beta >= 0 and stepsize > 0, got {self:?}")));
         }
         if let Bandwidth::Fixed(h) = self.bandwidth {
             if !(h > 0.0 && h.is_finite()) {
@@ -110,8 +108,8 @@ pub fn direction(theta: &Tensor, grad: &Tensor, cfg: &RepulsiveConfig, xi: Optio
     }
     .clamp_min(MIN_BANDWIDTH); // (S, 1, 1)
     let k = (-&d2 / &h).exp(); // (S, n, n)
-    // Σ_j K_ij (θ_i − θ_j) = (Σ_j K_ij) c_i − (K c)_i, formed before it meets the gradient: when
-    // h is tiny, 2α/h is huge and only this exact cancellation keeps g's digits.
+                               // Σ_j K_ij (θ_i − θ_j) = (Σ_j K_ij) c_i − (K c)_i, formed before it meets the gradient: when
+                               // h is tiny, 2α/h is huge and only this exact cancellation keeps g's digits.
     let repulsion = k.sum_dim_intlist(&[-1i64][..], true, kind) * &c - k.matmul(&c); // (S, n, D)
     let mut total = (k.matmul(grad) - repulsion * ((2.0 * cfg.alpha) / &h)) * (cfg.stepsize / n as f64);
     if cfg.method == Method::Spos {
@@ -247,7 +245,17 @@ impl RepulsiveHook {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn add_projection(&mut self, name: &str, param: Tensor, offset: i64, heads: i64, head_dim: i64, kind: ModuleKind, layer: usize, projection: Projection) {
+    fn add_projection(
+        &mut self,
+        name: &str,
+        param: Tensor,
+        offset: i64,
+        heads: i64,
+        head_dim: i64,
+        kind: ModuleKind,
+        layer: usize,
+        projection: Projection,
+    ) {
         if self.selection.accepts(kind, layer, Some(projection)) {
             self.sets.push(ParticleSet {
                 name: format!("{name}.{projection:?}").to_lowercase(),
@@ -270,7 +278,16 @@ impl RepulsiveHook {
         }
         if self.selection.accepts(kind, layer, None) {
             let particles = param.size()[0];
-            self.sets.push(ParticleSet { name: name.into(), kind, layer, projection: None, param: param.shallow_clone(), offset: 0, particles, rows: 1 });
+            self.sets.push(ParticleSet {
+                name: name.into(),
+                kind,
+                layer,
+                projection: None,
+                param: param.shallow_clone(),
+                offset: 0,
+                particles,
+                rows: 1,
+            });
         }
         Ok(())
     }

@@ -59,11 +59,7 @@ impl SelfAttentiveScore {
     /// `w_s1 (d_a, input_dim)` and `w_s2 (hops, d_a)`, both without bias, as in the paper.
     pub fn new(p: &nn::Path, input_dim: i64, hidden: i64, hops: i64) -> Self {
         let no_bias = nn::LinearConfig { bias: false, ..Default::default() };
-        Self {
-            w_s1: nn::linear(p / "w_s1", input_dim, hidden, no_bias),
-            w_s2: nn::linear(p / "w_s2", hidden, hops, no_bias),
-            input_dim,
-        }
+        Self { w_s1: nn::linear(p / "w_s1", input_dim, hidden, no_bias), w_s2: nn::linear(p / "w_s2", hidden, hops, no_bias), input_dim }
     }
 
     /// The hop matrix `W_s2`, `(r, d_a)`.
@@ -75,10 +71,7 @@ impl SelfAttentiveScore {
     pub fn forward(&self, h: &Tensor) -> Result<Tensor> {
         let size = h.size();
         if size.len() != 3 || size[2] != self.input_dim {
-            return Err(Error::Shape(format!(
-                "self-attentive score: input has shape {size:?}, expected (B, S, {})",
-                self.input_dim
-            )));
+            return Err(Error::Shape(format!("self-attentive score: input has shape {size:?}, expected (B, S, {})", self.input_dim)));
         }
         let z = h.apply(&self.w_s1).tanh().apply(&self.w_s2); // (B, S, r)
         Ok(z.transpose(1, 2).unsqueeze(1)) // (B, 1, r, S)

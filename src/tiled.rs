@@ -62,7 +62,9 @@ pub enum Tiled<'a> {
     Sinkhorn(u32),
     /// HNAS with its `(H,)` gate logits (`u = sigmoid(logit)`), e.g. `MultiHeadAttention`'s
     /// `hybrid_logit`; differentiable in them.
-    Hnas { logit: &'a Tensor },
+    Hnas {
+        logit: &'a Tensor,
+    },
     /// A BAM normalizer: sampled when [`TiledOptions::sample`] is set, else its base's weights.
     /// Differentiable in its contextual prior's parameters through the KL term.
     Bam(&'a Bam),
@@ -184,14 +186,7 @@ pub fn attend_tiled(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, variant: 
             let seed = opts.seed.unwrap_or_else(libtorch_seed);
             let support = Support::dense(allowed.as_ref().map(|a| a.shallow_clone()));
             let prior = bam.tiled_prior(k, &support)?;
-            let spec = TiledSpec {
-                sweeps,
-                noise: noise_kind,
-                noise_scale,
-                seed,
-                kl: prior.as_ref().map_or(0, |(kind, _)| *kind),
-                ..spec
-            };
+            let spec = TiledSpec { sweeps, noise: noise_kind, noise_scale, seed, kl: prior.as_ref().map_or(0, |(kind, _)| *kind), ..spec };
             let a = prior.as_ref().map(|(_, a)| a);
             let (output, received_mass, part) = cxx::tiled_attention(q, k, v, excluded.as_ref(), noise.as_ref(), a, &spec)?;
             let kl = a.map(|a| bam.tiled_kl(&part, a, &MaskCounts::new(allowed.as_ref(), shape, opts.tile, q.kind(), q.device())));
@@ -233,7 +228,14 @@ pub fn counter_noise(kind: BamKind, shape: [i64; 4], seed: u64, options: (Kind, 
 /// The rows `rows` of [`counter_noise`], computed by the CPU's loop or (`by_ops`) by ATen's integer
 /// ops as on CUDA, whatever the device: the same bits, for the tests.
 #[doc(hidden)]
-pub fn counter_noise_rows(kind: BamKind, shape: [i64; 4], seed: u64, options: (Kind, Device), rows: std::ops::Range<i64>, by_ops: bool) -> Result<Tensor> {
+pub fn counter_noise_rows(
+    kind: BamKind,
+    shape: [i64; 4],
+    seed: u64,
+    options: (Kind, Device),
+    rows: std::ops::Range<i64>,
+    by_ops: bool,
+) -> Result<Tensor> {
     let like = Tensor::zeros([1], options);
     let noise = if kind.is_weibull() { TiledSpec::WEIBULL } else { TiledSpec::LOGNORMAL };
     cxx::counter_noise(&like, shape, noise, seed, rows, by_ops)

@@ -171,7 +171,8 @@ fn monte_carlo_prediction_spreads_only_with_stochastic_attention() -> Result<()>
         let prediction = tch::no_grad(|| {
             monte_carlo(20, |_| {
                 let out = mha.forward_mode(&MhaInput::self_attention(&x), Mode::MONTE_CARLO)?;
-                Ok(out.context.mean_dim(&[1i64][..], false, Kind::Float).softmax(-1, Kind::Float)) // (B, E)
+                Ok(out.context.mean_dim(&[1i64][..], false, Kind::Float).softmax(-1, Kind::Float))
+                // (B, E)
             })
         })?;
         assert_eq!(prediction.mean.size(), vec![3, 16]);
@@ -198,8 +199,13 @@ fn drawn_noise_has_the_distribution_of_the_formula() -> Result<()> {
         vs.double();
         let train = AttendOptions { mode: Mode::TRAIN, ..Default::default() };
         let drawn = attend(&q, &k, &k, &Masks::default(), b.as_ref(), train)?.weights.view([n, 4]);
-        let eps = if kind.is_weibull() { Tensor::rand([n, 1, 1, 4], (Kind::Double, Device::Cpu)) } else { Tensor::randn([n, 1, 1, 4], (Kind::Double, Device::Cpu)) };
-        let explicit = attend(&q, &k, &k, &Masks::default(), b.as_ref(), AttendOptions { noise: Some(&eps), ..train })?.weights.view([n, 4]);
+        let eps = if kind.is_weibull() {
+            Tensor::rand([n, 1, 1, 4], (Kind::Double, Device::Cpu))
+        } else {
+            Tensor::randn([n, 1, 1, 4], (Kind::Double, Device::Cpu))
+        };
+        let explicit =
+            attend(&q, &k, &k, &Masks::default(), b.as_ref(), AttendOptions { noise: Some(&eps), ..train })?.weights.view([n, 4]);
         let se = ((drawn.var_dim(&[0i64][..], true, false) + explicit.var_dim(&[0i64][..], true, false)) / n as f64).sqrt();
         let diff = (drawn.mean_dim(&[0i64][..], false, Kind::Double) - explicit.mean_dim(&[0i64][..], false, Kind::Double)).abs();
         assert!(bool::try_from(diff.le_tensor(&(se * 4.0)).all())?, "{kind:?}: drawn and explicit noise differ: {diff}");

@@ -41,7 +41,11 @@ fn every_variant_over_edges_equals_its_dense_form() -> Result<()> {
         let (dst, src) = random_graph(n, device);
         let e = dst.size()[0];
         let edge_support = Support::Edges(EdgeList::new(dst.shallow_clone(), src.shallow_clone(), n, n)?);
-        let allowed = Tensor::zeros([n, n], (Kind::Bool, device)).index_put(&[Some(&dst), Some(&src)], &Tensor::ones([e], (Kind::Bool, device)), false);
+        let allowed = Tensor::zeros([n, n], (Kind::Bool, device)).index_put(
+            &[Some(&dst), Some(&src)],
+            &Tensor::ones([e], (Kind::Bool, device)),
+            false,
+        );
         let dense_support = Support::dense(Some(allowed.view([1, 1, n, n])));
         let scatter = |edge_values: &Tensor| {
             // (H, E) -> (1, H, N, N), zero off the edges.
@@ -58,10 +62,18 @@ fn every_variant_over_edges_equals_its_dense_form() -> Result<()> {
                 vs.double();
                 let z = (Tensor::randn([heads, e], (Kind::Double, device)) * 3.0).set_requires_grad(true);
                 let keys = Tensor::randn([1, heads, n, d], (Kind::Double, device)).set_requires_grad(true);
-                let noise = if name.starts_with("bam-l") { Tensor::randn([heads, e], (Kind::Double, device)) } else { Tensor::rand([heads, e], (Kind::Double, device)) };
+                let noise = if name.starts_with("bam-l") {
+                    Tensor::randn([heads, e], (Kind::Double, device))
+                } else {
+                    Tensor::rand([heads, e], (Kind::Double, device))
+                };
                 let cot = Tensor::randn([heads, e], (Kind::Double, device));
 
-                let run = |support: &Support, scores: &Tensor, noise: &Tensor, to_edges: &dyn Fn(&Tensor) -> Tensor| -> Result<(Tensor, Option<f64>, Vec<Tensor>)> {
+                let run = |support: &Support,
+                           scores: &Tensor,
+                           noise: &Tensor,
+                           to_edges: &dyn Fn(&Tensor) -> Tensor|
+                 -> Result<(Tensor, Option<f64>, Vec<Tensor>)> {
                     for v in vs.variables().values() {
                         let _ = v.grad().defined().then(|| v.grad().zero_());
                     }
@@ -130,29 +142,45 @@ fn neighbourhood_prior_over_edges_equals_a_per_row_dense_prior() -> Result<()> {
         let (dst, src) = random_graph(n, device);
         let e = dst.size()[0];
         let support = Support::Edges(EdgeList::new(dst.shallow_clone(), src.shallow_clone(), n, n)?);
-        let allowed = Tensor::zeros([n, n], (Kind::Bool, device)).index_put(&[Some(&dst), Some(&src)], &Tensor::ones([e], (Kind::Bool, device)), false);
+        let allowed = Tensor::zeros([n, n], (Kind::Bool, device)).index_put(
+            &[Some(&dst), Some(&src)],
+            &Tensor::ones([e], (Kind::Bool, device)),
+            false,
+        );
         let excluded = allowed.logical_not().view([1, 1, n, n]);
         let scatter = |edge_values: &Tensor| {
             // (H, E) -> (1, H, N, N), zero off the edges.
             Tensor::zeros([heads, n, n], (Kind::Double, device)).index_put(&[None, Some(&dst), Some(&src)], edge_values, false).unsqueeze(0)
         };
         let gather = |dense: &Tensor| dense.squeeze_dim(0).index(&[None, Some(&dst), Some(&src)]); // (H, E)
-        // A masked row log-softmax; rows without edges come out uniform and are never gathered.
+                                                                                                   // A masked row log-softmax; rows without edges come out uniform and are never gathered.
         let row_log_softmax = |t: &Tensor| t.masked_fill(&excluded, -1e300).log_softmax(-1, Kind::Double);
 
         for name in ["bam-wc", "bam-lc"] {
             let (k, sigma, beta, sigma_p) = (3.0, 0.5, 2.0, 0.8);
-            let bam = BamConfig { k, sigma, prior_beta: beta, prior_sigma: sigma_p, prior_scope: PriorScope::Neighbourhood, ..Default::default() };
+            let bam = BamConfig {
+                k,
+                sigma,
+                prior_beta: beta,
+                prior_sigma: sigma_p,
+                prior_scope: PriorScope::Neighbourhood,
+                ..Default::default()
+            };
             let mut vs = nn::VarStore::new(device);
             let normalizer = name.parse::<Variant>()?.build(&vs.root(), heads, d, &NormalizerConfig { bam, ..Default::default() })?;
             vs.double();
             let z = (Tensor::randn([heads, e], (Kind::Double, device)) * 3.0).set_requires_grad(true);
             let keys = Tensor::randn([1, heads, n, d], (Kind::Double, device)).set_requires_grad(true);
-            let noise = if name == "bam-lc" { Tensor::randn([heads, e], (Kind::Double, device)) } else { Tensor::rand([heads, e], (Kind::Double, device)) };
+            let noise = if name == "bam-lc" {
+                Tensor::randn([heads, e], (Kind::Double, device))
+            } else {
+                Tensor::rand([heads, e], (Kind::Double, device))
+            };
             let cot = Tensor::randn([heads, e], (Kind::Double, device));
             let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
             params.sort_by(|a, b| a.0.cmp(&b.0));
-            let param = |suffix: &str| params.iter().find(|(n, _)| n.ends_with(suffix)).map(|(_, t)| t.shallow_clone()).context(suffix.to_string());
+            let param =
+                |suffix: &str| params.iter().find(|(n, _)| n.ends_with(suffix)).map(|(_, t)| t.shallow_clone()).context(suffix.to_string());
             let zero_grads = || {
                 for t in params.iter().map(|(_, t)| t).chain([&z, &keys]) {
                     let _ = t.grad().defined().then(|| t.grad().zero_());
@@ -171,10 +199,15 @@ fn neighbourhood_prior_over_edges_equals_a_per_row_dense_prior() -> Result<()> {
             // The formula, dense, per-row mask.
             zero_grads();
             let log_pi = gather(&row_log_softmax(&scatter(&z))); // (H, E)
-            let log_s = if name == "bam-lc" { lognormal_log_sample(&log_pi, sigma, &noise) } else { weibull_log_sample(&log_pi, k, &noise) };
+            let log_s =
+                if name == "bam-lc" { lognormal_log_sample(&log_pi, sigma, &noise) } else { weibull_log_sample(&log_pi, k, &noise) };
             let w_dense = gather(&row_log_softmax(&scatter(&log_s)).exp());
-            let hidden = (keys.matmul(&param("prior.f1.weight")?.transpose(1, 2).unsqueeze(0)) + param("prior.f1.bias")?.view([1, heads, 1, -1])).relu(); // (1, H, N, hidden)
-            let logits = (hidden.matmul(&param("prior.f2.weight")?.view([1, heads, -1, 1])) + param("prior.f2.bias")?.view([1, heads, 1, 1])).transpose(2, 3); // (1, H, 1, N)
+            let hidden = (keys.matmul(&param("prior.f1.weight")?.transpose(1, 2).unsqueeze(0))
+                + param("prior.f1.bias")?.view([1, heads, 1, -1]))
+            .relu(); // (1, H, N, hidden)
+            let logits = (hidden.matmul(&param("prior.f2.weight")?.view([1, heads, -1, 1]))
+                + param("prior.f2.bias")?.view([1, heads, 1, 1]))
+            .transpose(2, 3); // (1, H, 1, N)
             let log_psi = gather(&row_log_softmax(&logits.expand([1, heads, n, n], false))); // (H, E)
             let kl = if name == "bam-lc" {
                 lognormal_kl(&(&log_pi - sigma * sigma / 2.0), sigma, &log_psi, sigma_p)

@@ -18,8 +18,21 @@ fn export_mha(tmp: &TempDir, method: &str) -> Result<()> {
     run_python(
         "export_torchscript.py",
         &[
-            "mha", "--embed-dim", "16", "--heads", "4", "--method", method, "--dtype", "float64", "--out", &m.to_string_lossy(),
-            "--state-dict", &sd.to_string_lossy(), "--inputs", &inputs.to_string_lossy(),
+            "mha",
+            "--embed-dim",
+            "16",
+            "--heads",
+            "4",
+            "--method",
+            method,
+            "--dtype",
+            "float64",
+            "--out",
+            &m.to_string_lossy(),
+            "--state-dict",
+            &sd.to_string_lossy(),
+            "--inputs",
+            &inputs.to_string_lossy(),
         ],
     )
 }
@@ -49,7 +62,8 @@ fn torchscript_loads_runs_and_matches_the_native_module() -> Result<()> {
         let inputs = probattn::io::read_safetensors(&tmp.path("in.safetensors"))?;
         let get = |n: &str| inputs.get(n).map(|t| t.to_device(device)).context(n.to_string());
         let (q, k, v) = (get("query")?, get("key")?, get("value")?);
-        let out = ts.forward_tensors(&[IValue::Tensor(q.shallow_clone()), IValue::Tensor(k.shallow_clone()), IValue::Tensor(v.shallow_clone())])?;
+        let out =
+            ts.forward_tensors(&[IValue::Tensor(q.shallow_clone()), IValue::Tensor(k.shallow_clone()), IValue::Tensor(v.shallow_clone())])?;
         let (q2, k2, v2) = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1));
         let ours = mha.forward_mode(&MhaInput::new(&q2, &k2, &v2), Mode::EVAL)?.context.transpose(0, 1);
         let err = (&out[0].1 - &ours).abs().max().double_value(&[]);
@@ -107,7 +121,9 @@ fn missing_methods_and_rejected_inputs_are_named() -> Result<()> {
     ensure!(m.contains("mha.pt") && m.contains("no method 'translate'"), "{m}");
     // A 4-D query: nn.MultiheadAttention takes 2-D or 3-D.
     let q = Tensor::randn([5, 2, 1, 16], (Kind::Double, tch::Device::Cpu));
-    let m = message(&ts.call("forward", &[IValue::Tensor(q), IValue::Tensor(x.shallow_clone()), IValue::Tensor(x.shallow_clone())]).unwrap_err());
+    let m = message(
+        &ts.call("forward", &[IValue::Tensor(q), IValue::Tensor(x.shallow_clone()), IValue::Tensor(x.shallow_clone())]).unwrap_err(),
+    );
     ensure!(m.contains("forward(Double[5, 2, 1, 16]") && m.contains("Error"), "{m}");
     ensure!(!m.contains("Traceback"), "the TorchScript traceback leaked into the message: {m}");
     // The wrong dtype.
@@ -137,14 +153,19 @@ fn state_dicts_go_both_ways_by_name() -> Result<()> {
     }
 
     // A mismatch is refused whole, with every problem named, unless partial imports are allowed.
-    let mut bad: Vec<(String, Tensor)> = source.iter().filter(|(n, _)| n != "out_proj.bias").map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    let mut bad: Vec<(String, Tensor)> =
+        source.iter().filter(|(n, _)| n != "out_proj.bias").map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
     bad.push(("out_proj.scale".into(), Tensor::ones([16], (Kind::Double, tch::Device::Cpu))));
     let wrong = bad.iter_mut().find(|(n, _)| n == "in_proj_bias").context("in_proj_bias")?;
     wrong.1 = Tensor::zeros([47], (Kind::Double, tch::Device::Cpu));
     let (vs, _) = fresh()?;
     let before = vs.variables()["in_proj_weight"].copy();
     let m = message(&import_params(&vs, &bad, |n| Some(n.to_string()), false).unwrap_err());
-    for needle in ["missing (not in the source): out_proj.bias", "unexpected (no such parameter here): out_proj.scale", "wrong shape: in_proj_bias: source [47], here [48]"] {
+    for needle in [
+        "missing (not in the source): out_proj.bias",
+        "unexpected (no such parameter here): out_proj.scale",
+        "wrong shape: in_proj_bias: source [47], here [48]",
+    ] {
         ensure!(m.contains(needle), "no '{needle}' in:\n{m}");
     }
     ensure!(vs.variables()["in_proj_weight"].equal(&before), "a refused import changed the weights");
@@ -157,10 +178,16 @@ fn state_dicts_go_both_ways_by_name() -> Result<()> {
     let (vs, _) = fresh()?;
     let out = tmp.path("ours.safetensors");
     export_params(&vs, &out, |n| n.to_string())?;
-    run_python("export_torchscript.py", &["load-state-dict", "mha", "--embed-dim", "16", "--heads", "4", "--state-dict", &out.to_string_lossy()])?;
+    run_python(
+        "export_torchscript.py",
+        &["load-state-dict", "mha", "--embed-dim", "16", "--heads", "4", "--state-dict", &out.to_string_lossy()],
+    )?;
     let misnamed = tmp.path("misnamed.safetensors");
     export_params(&vs, &misnamed, |n| n.replace("out_proj.", "out_proj_"))?;
-    let refused = run_python("export_torchscript.py", &["load-state-dict", "mha", "--embed-dim", "16", "--heads", "4", "--state-dict", &misnamed.to_string_lossy()]);
+    let refused = run_python(
+        "export_torchscript.py",
+        &["load-state-dict", "mha", "--embed-dim", "16", "--heads", "4", "--state-dict", &misnamed.to_string_lossy()],
+    );
     ensure!(refused.is_err_and(|e| e.to_string().contains("out_proj_weight")), "PyTorch accepted a misnamed state dict");
     Ok(())
 }
@@ -173,7 +200,10 @@ fn the_svgd_hook_moves_a_torchscript_module_as_it_moves_the_native_one() -> Resu
 
     let tmp = TempDir::new("interop-svgd")?;
     export_mha(&tmp, "script")?;
-    ensure!(glob_match("*.self_attn.in_proj_weight", "layers.0.self_attn.in_proj_weight") && !glob_match("*.self_attn.in_proj_weight", "in_proj_weight"));
+    ensure!(
+        glob_match("*.self_attn.in_proj_weight", "layers.0.self_attn.in_proj_weight")
+            && !glob_match("*.self_attn.in_proj_weight", "in_proj_weight")
+    );
     for device in devices() {
         // The TorchScript module, trainable through a VarStore, and the native module with its weights.
         let vs_ts = nn::VarStore::new(device);
@@ -189,7 +219,14 @@ fn the_svgd_hook_moves_a_torchscript_module_as_it_moves_the_native_one() -> Resu
         let (q, k, v) = (get("query")?, get("key")?, get("value")?);
         let g = Tensor::randn([5, 2, 16], (Kind::Double, device));
         let ts_out = |ts: &TorchScript| -> Result<Tensor> {
-            Ok(ts.forward_tensors(&[IValue::Tensor(q.shallow_clone()), IValue::Tensor(k.shallow_clone()), IValue::Tensor(v.shallow_clone())])?.remove(0).1)
+            Ok(ts
+                .forward_tensors(&[
+                    IValue::Tensor(q.shallow_clone()),
+                    IValue::Tensor(k.shallow_clone()),
+                    IValue::Tensor(v.shallow_clone()),
+                ])?
+                .remove(0)
+                .1)
         };
         let native_out = || -> Result<Tensor> {
             let (q2, k2, v2) = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1));
@@ -225,8 +262,16 @@ fn the_svgd_hook_moves_a_torchscript_module_as_it_moves_the_native_one() -> Resu
         ensure!((&ts.named_parameters()?[0].1 - &before).abs().max().double_value(&[]) > 1e-4, "the step did not move the module");
         let err = tch::no_grad(|| -> Result<f64> { Ok((ts_out(&ts)? - native_out()?).abs().max().double_value(&[])) })?;
         ensure!(err < 1e-12, "{device:?}: after the step the outputs differ by {err}");
-        let unmatched = register_in_proj(&mut RepulsiveHook::new(RepulsiveConfig::default(), Selection::default())?, &params, "*.self_attn.in_proj_weight", 4);
-        ensure!(unmatched.is_err_and(|e| e.to_string().contains("in_proj_weight parameters: in_proj_weight")), "an unmatched pattern was accepted");
+        let unmatched = register_in_proj(
+            &mut RepulsiveHook::new(RepulsiveConfig::default(), Selection::default())?,
+            &params,
+            "*.self_attn.in_proj_weight",
+            4,
+        );
+        ensure!(
+            unmatched.is_err_and(|e| e.to_string().contains("in_proj_weight parameters: in_proj_weight")),
+            "an unmatched pattern was accepted"
+        );
     }
     Ok(())
 }
@@ -238,18 +283,30 @@ fn buffers_are_listed_as_pytorch_lists_them() -> Result<()> {
     let tmp = TempDir::new("interop-buffers")?;
     for method in ["script", "trace"] {
         let (m, expected) = (tmp.path(&format!("{method}.pt")), tmp.path(&format!("{method}.safetensors")));
-        run_python("export_torchscript.py", &["buffers", "--out", &m.to_string_lossy(), "--expected", &expected.to_string_lossy(), "--method", method])?;
+        run_python(
+            "export_torchscript.py",
+            &["buffers", "--out", &m.to_string_lossy(), "--expected", &expected.to_string_lossy(), "--method", method],
+        )?;
         let want = read_state_dict(&expected)?;
         for device in devices() {
             let ts = TorchScript::load(&m, device)?;
             let got = ts.named_buffers()?;
-            let (mut a, mut b): (Vec<&str>, Vec<&str>) = (got.iter().map(|(n, _)| n.as_str()).collect(), want.iter().map(|(n, _)| n.as_str()).collect());
+            let (mut a, mut b): (Vec<&str>, Vec<&str>) =
+                (got.iter().map(|(n, _)| n.as_str()).collect(), want.iter().map(|(n, _)| n.as_str()).collect());
             a.sort_unstable();
             b.sort_unstable();
             ensure!(a == b && b.len() == 9, "{method}: buffers {a:?}, PyTorch lists {b:?}");
             for (name, t) in &got {
                 let w = &want.iter().find(|(n, _)| n == name).context("listed")?.1;
-                ensure!(t.device() == device && t.kind() == w.kind() && t.size() == w.size(), "{method} {name}: {:?} {:?} {:?} vs {:?} {:?}", t.device(), t.kind(), t.size(), w.kind(), w.size());
+                ensure!(
+                    t.device() == device && t.kind() == w.kind() && t.size() == w.size(),
+                    "{method} {name}: {:?} {:?} {:?} vs {:?} {:?}",
+                    t.device(),
+                    t.kind(),
+                    t.size(),
+                    w.kind(),
+                    w.size()
+                );
                 ensure!(t.to_device(tch::Device::Cpu).equal(w), "{method} {name}: values differ");
             }
             // Parameters are not buffers.

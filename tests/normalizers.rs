@@ -150,11 +150,18 @@ fn masked_rows_and_columns_give_zeros_and_no_nan_at_extreme_scores() -> Result<(
                     loss += kl;
                 }
                 loss.backward();
-                for (what, t) in [("weights", &out.weights), ("output", &out.output), ("grad q", &q.grad()), ("grad k", &k.grad()), ("grad v", &v.grad())] {
+                for (what, t) in [
+                    ("weights", &out.weights),
+                    ("output", &out.output),
+                    ("grad q", &q.grad()),
+                    ("grad k", &k.grad()),
+                    ("grad v", &v.grad()),
+                ] {
                     assert!(bool::try_from(t.isfinite().all())?, "{name} {kind:?}: non-finite {what}");
                 }
                 let w = &out.weights;
-                let excluded = masks.allowed(probattn::ScoreShape { batch: b, heads: 2, queries: sq, keys: sk }, device)?.unwrap().logical_not();
+                let excluded =
+                    masks.allowed(probattn::ScoreShape { batch: b, heads: 2, queries: sq, keys: sk }, device)?.unwrap().logical_not();
                 assert!(bool::try_from(w.masked_select(&excluded.expand_as(w)).eq(0.0).all())?, "{name}: weight on a masked entry");
                 // Each row sums to 1 if it has an allowed key, else to exactly 0.
                 let row_allowed = excluded.logical_not().expand_as(w).any_dim(-1, false).to_kind(Kind::Double);
@@ -187,9 +194,8 @@ fn bad_shapes_and_masks_are_named_in_the_error() -> Result<()> {
     let _serial = common::serial();
     let (_vs, n) = normalizer("dnas", 2, Device::Cpu)?;
     let t = |s: &[i64]| Tensor::randn(s, (Kind::Float, Device::Cpu));
-    let run = |q: &Tensor, k: &Tensor, v: &Tensor, m: &Masks| {
-        attend(q, k, v, m, n.as_ref(), AttendOptions::default()).unwrap_err().to_string()
-    };
+    let run =
+        |q: &Tensor, k: &Tensor, v: &Tensor, m: &Masks| attend(q, k, v, m, n.as_ref(), AttendOptions::default()).unwrap_err().to_string();
     let (q, k, v) = (t(&[2, 2, 3, 4]), t(&[2, 2, 5, 4]), t(&[2, 2, 5, 6]));
     let none = Masks::default();
     let cases: Vec<(String, &str)> = vec![
@@ -197,9 +203,18 @@ fn bad_shapes_and_masks_are_named_in_the_error() -> Result<()> {
         (run(&q, &t(&[2, 2, 5, 3]), &v, &none), "head size"),
         (run(&q, &k, &t(&[2, 2, 4, 6]), &none), "number of keys"),
         (run(&q, &k, &t(&[1, 2, 5, 6]), &none), "batch and heads"),
-        (run(&q, &k, &v, &Masks { key_padding: Some(&Tensor::zeros([2, 3], (Kind::Bool, Device::Cpu))), ..none }), "key_padding_mask has shape [2, 3], expected [2, 5]"),
-        (run(&q, &k, &v, &Masks { attn_mask: Some(&Tensor::zeros([3, 4], (Kind::Bool, Device::Cpu))), ..none }), "attn_mask has shape [3, 4], which does not broadcast"),
-        (run(&q, &k, &v, &Masks { query_padding: Some(&Tensor::zeros([2, 3], (Kind::Float, Device::Cpu))), ..none }), "query_padding_mask has dtype Float"),
+        (
+            run(&q, &k, &v, &Masks { key_padding: Some(&Tensor::zeros([2, 3], (Kind::Bool, Device::Cpu))), ..none }),
+            "key_padding_mask has shape [2, 3], expected [2, 5]",
+        ),
+        (
+            run(&q, &k, &v, &Masks { attn_mask: Some(&Tensor::zeros([3, 4], (Kind::Bool, Device::Cpu))), ..none }),
+            "attn_mask has shape [3, 4], which does not broadcast",
+        ),
+        (
+            run(&q, &k, &v, &Masks { query_padding: Some(&Tensor::zeros([2, 3], (Kind::Float, Device::Cpu))), ..none }),
+            "query_padding_mask has dtype Float",
+        ),
     ];
     for (err, expected) in cases {
         assert!(err.contains(expected), "error '{err}' does not say '{expected}'");

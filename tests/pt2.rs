@@ -35,8 +35,20 @@ fn exported() -> Result<&'static Path> {
             run_python(
                 "export_pt2.py",
                 &[
-                    "mha", "--embed-dim", "16", "--heads", "4", "--key-padding", "--out", &p("mha.pt2"), "--inputs", &p("in.safetensors"),
-                    "--state-dict", &p("sd.safetensors"), "--outputs", &p("out.safetensors"),
+                    "mha",
+                    "--embed-dim",
+                    "16",
+                    "--heads",
+                    "4",
+                    "--key-padding",
+                    "--out",
+                    &p("mha.pt2"),
+                    "--inputs",
+                    &p("in.safetensors"),
+                    "--state-dict",
+                    &p("sd.safetensors"),
+                    "--outputs",
+                    &p("out.safetensors"),
                 ],
             )
             .map_err(|e| format!("{e:#}"))?;
@@ -125,7 +137,10 @@ fn what_is_not_a_runnable_package_is_named() -> Result<()> {
 
     if !tch::Cuda::is_available() {
         let cuda = tmp.path("mha-cuda.pt2");
-        run_python("export_pt2.py", &["retarget", "--package", &package.to_string_lossy(), "--device-key", "cuda", "--out", &cuda.to_string_lossy()])?;
+        run_python(
+            "export_pt2.py",
+            &["retarget", "--package", &package.to_string_lossy(), "--device-key", "cuda", "--out", &cuda.to_string_lossy()],
+        )?;
         let m = load_error(&cuda)?;
         ensure!(m.contains("compiled for CUDA") && m.contains("no CUDA device"), "{m}");
     }

@@ -6,7 +6,9 @@ mod common;
 
 use anyhow::{Context, Result};
 use common::{load, manifest, run_python, scaled_error, TempDir};
-use probattn::repulsive::{direction, head_diversity, Bandwidth, Method, ModuleKind, Projection, RepulsiveConfig, RepulsiveHook, Selection};
+use probattn::repulsive::{
+    direction, head_diversity, Bandwidth, Method, ModuleKind, Projection, RepulsiveConfig, RepulsiveHook, Selection,
+};
 use probattn::{MhaConfig, MhaInput, MultiHeadAttention};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};

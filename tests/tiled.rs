@@ -33,7 +33,12 @@ struct Case {
 
 impl Case {
     fn masks(&self) -> Masks<'_> {
-        Masks { key_padding: self.key_padding.as_ref(), query_padding: self.query_padding.as_ref(), attn_mask: self.attn_mask.as_ref(), causal: self.causal }
+        Masks {
+            key_padding: self.key_padding.as_ref(),
+            query_padding: self.query_padding.as_ref(),
+            attn_mask: self.attn_mask.as_ref(),
+            causal: self.causal,
+        }
     }
 }
 
@@ -47,14 +52,31 @@ fn cases() -> Vec<Case> {
     vec![
         Case { name: "none", key_padding: None, query_padding: None, attn_mask: None, causal: false },
         Case { name: "key padding", key_padding: Some(key_padding.shallow_clone()), query_padding: None, attn_mask: None, causal: false },
-        Case { name: "key and query padding", key_padding: Some(key_padding), query_padding: Some(query_padding), attn_mask: None, causal: false },
-        Case { name: "boolean pattern", key_padding: None, query_padding: None, attn_mask: Some(pattern.to_kind(Kind::Bool)), causal: false },
+        Case {
+            name: "key and query padding",
+            key_padding: Some(key_padding),
+            query_padding: Some(query_padding),
+            attn_mask: None,
+            causal: false,
+        },
+        Case {
+            name: "boolean pattern",
+            key_padding: None,
+            query_padding: None,
+            attn_mask: Some(pattern.to_kind(Kind::Bool)),
+            causal: false,
+        },
         Case { name: "causal", key_padding: None, query_padding: None, attn_mask: None, causal: true },
     ]
 }
 
 /// Output, received mass and gradients (q, k, v, then the extra parameters) of one path.
-fn run(path: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor)>, inputs: &[Tensor; 3], params: &[Tensor], g: &Tensor) -> Result<(Tensor, Tensor, Vec<Tensor>)> {
+fn run(
+    path: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor)>,
+    inputs: &[Tensor; 3],
+    params: &[Tensor],
+    g: &Tensor,
+) -> Result<(Tensor, Tensor, Vec<Tensor>)> {
     let leaves: Vec<Tensor> = inputs.iter().map(|t| t.detach().set_requires_grad(true)).collect();
     let (out, mass) = path(&leaves[0], &leaves[1], &leaves[2])?;
     let wrt: Vec<Tensor> = leaves.iter().chain(params).map(Tensor::shallow_clone).collect();
@@ -88,7 +110,10 @@ fn tiled_attention_equals_the_eager_path() -> Result<()> {
         ];
         for (name, tiled, eager, params) in variants {
             if case.causal && name != "softmax" {
-                ensure!(attend_tiled(&inputs[0], &inputs[1], &inputs[2], &masks, tiled, TiledOptions::new(4)).is_err(), "{name} ran under a causal mask");
+                ensure!(
+                    attend_tiled(&inputs[0], &inputs[1], &inputs[2], &masks, tiled, TiledOptions::new(4)).is_err(),
+                    "{name} ran under a causal mask"
+                );
                 continue;
             }
             let reference = run(
@@ -140,13 +165,22 @@ fn bad_input_to_the_tiled_path_is_named() -> Result<()> {
     let (q, k) = (Tensor::randn([1, 2, 5, 4], opts), Tensor::randn([1, 2, 6, 4], opts));
     let m = attend_tiled(&q, &k, &k, &Masks::default(), Tiled::Dnas, TiledOptions::new(0)).err().map(|e| e.to_string()).unwrap_or_default();
     ensure!(m.contains("tile size must be at least 1"), "{m}");
-    let m = attend_tiled(&q.view([2, 5, 4]), &k, &k, &Masks::default(), Tiled::Dnas, TiledOptions::new(2)).err().map(|e| e.to_string()).unwrap_or_default();
+    let m = attend_tiled(&q.view([2, 5, 4]), &k, &k, &Masks::default(), Tiled::Dnas, TiledOptions::new(2))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
     ensure!(m.contains("rank 4"), "{m}");
     let half = q.to_kind(Kind::Half);
-    let m = attend_tiled(&half, &k.to_kind(Kind::Half), &k.to_kind(Kind::Half), &Masks::default(), Tiled::Softmax, TiledOptions::new(2)).err().map(|e| e.to_string()).unwrap_or_default();
+    let m = attend_tiled(&half, &k.to_kind(Kind::Half), &k.to_kind(Kind::Half), &Masks::default(), Tiled::Softmax, TiledOptions::new(2))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
     ensure!(m.contains("float32 and float64"), "{m}");
     let logit = Tensor::zeros([3], opts);
-    let m = attend_tiled(&q, &k, &k, &Masks::default(), Tiled::Hnas { logit: &logit }, TiledOptions::new(2)).err().map(|e| e.to_string()).unwrap_or_default();
+    let m = attend_tiled(&q, &k, &k, &Masks::default(), Tiled::Hnas { logit: &logit }, TiledOptions::new(2))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
     ensure!(m.contains("HNAS logits have shape [3]"), "{m}");
     Ok(())
 }
@@ -209,7 +243,8 @@ fn a_layer_with_tiles_equals_the_layer_without() -> Result<()> {
 /// Weibull noise matters), its parameters in float64.
 fn bam(kind: BamKind, base: Variant) -> Result<(nn::VarStore, Bam)> {
     let mut vs = nn::VarStore::new(Device::Cpu);
-    let bam = BamConfig { k: 5.0, sigma: 0.7, prior_alpha: 0.8, prior_beta: 1.3, prior_mu: -0.5, prior_sigma: 1.2, base, ..Default::default() };
+    let bam =
+        BamConfig { k: 5.0, sigma: 0.7, prior_alpha: 0.8, prior_beta: 1.3, prior_mu: -0.5, prior_sigma: 1.2, base, ..Default::default() };
     let normalizer = Bam::new(&vs.root(), kind, H, D, &NormalizerConfig { bam, ..Default::default() })?;
     vs.double();
     Ok((vs, normalizer))
@@ -247,7 +282,14 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
                             (t.output, t.received_mass, t.kl)
                         }
                         None => {
-                            let a = attend(q, k, v, &masks, &normalizer, AttendOptions { mode: Mode::MONTE_CARLO, dropout: 0.0, noise: Some(&draws) })?;
+                            let a = attend(
+                                q,
+                                k,
+                                v,
+                                &masks,
+                                &normalizer,
+                                AttendOptions { mode: Mode::MONTE_CARLO, dropout: 0.0, noise: Some(&draws) },
+                            )?;
                             (a.output, a.weights.sum_dim_intlist(&[-2i64][..], false, Kind::Double), a.kl)
                         }
                     };

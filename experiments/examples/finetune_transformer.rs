@@ -54,10 +54,22 @@ fn main() -> Result<()> {
         "spos" => Some(RepulsiveConfig { method: Method::Spos, ..Default::default() }),
         other => anyhow::bail!("--repulsive {other}: none, svgd or spos"),
     };
-    let cfg = FinetuneConfig { heads: a.heads, variant: a.variant, repulsive, steps: a.steps, lr: a.lr, batch: a.batch, len: a.len, seed: a.seed };
+    let cfg = FinetuneConfig {
+        heads: a.heads,
+        variant: a.variant,
+        repulsive,
+        steps: a.steps,
+        lr: a.lr,
+        batch: a.batch,
+        len: a.len,
+        seed: a.seed,
+    };
     let r = finetune(&a.torchscript, &cfg, &a.out, tch::Device::cuda_if_available())?;
     println!("import: {}", r.import.replace('\n', "; "));
-    println!("held-out MSE: {:.4} before, {:.4} after {} steps; {} particle sets moved by the hook", r.loss_before, r.loss_after, a.steps, r.particle_sets);
+    println!(
+        "held-out MSE: {:.4} before, {:.4} after {} steps; {} particle sets moved by the hook",
+        r.loss_before, r.loss_after, a.steps, r.particle_sets
+    );
     println!("weights: {}", a.out.display());
     Ok(())
 }

@@ -133,12 +133,15 @@ pub fn run(args: &AttendArgs) -> Result<()> {
     let (q, k, v) = (get("q")?, get("k")?, get("v")?);
     let kind = q.kind();
     for (name, t) in [("q", &q), ("k", &k), ("v", &v)] {
-        ensure!(matches!(t.kind(), Kind::Float | Kind::Double), "{input}: {name} has dtype {:?}; attend takes float32 or float64", t.kind());
+        ensure!(
+            matches!(t.kind(), Kind::Float | Kind::Double),
+            "{input}: {name} has dtype {:?}; attend takes float32 or float64",
+            t.kind()
+        );
         ensure!(t.kind() == kind, "{input}: q is {kind:?} but {name} is {:?}; use one dtype", t.kind());
         check_finite(name, t).with_context(|| input.clone())?;
     }
-    let ignored: Vec<&String> =
-        tensors.keys().filter(|n| !KNOWN_INPUTS.contains(&n.as_str()) && !n.starts_with("prior.")).collect();
+    let ignored: Vec<&String> = tensors.keys().filter(|n| !KNOWN_INPUTS.contains(&n.as_str()) && !n.starts_with("prior.")).collect();
     if !ignored.is_empty() {
         eprintln!("note: ignoring tensors attend does not read: {ignored:?}");
     }
@@ -203,7 +206,16 @@ pub fn run(args: &AttendArgs) -> Result<()> {
 /// The one line `attend` prints: shapes, the explained-away share of keys and the least received
 /// mass (over keys some query may attend), the KL term.
 #[allow(clippy::too_many_arguments)]
-fn summary(name: &str, device: Device, output: &Tensor, weights: Option<&Tensor>, mass: &Tensor, counted: Option<&Tensor>, kl: Option<&Tensor>, path: &std::path::Path) -> Result<()> {
+fn summary(
+    name: &str,
+    device: Device,
+    output: &Tensor,
+    weights: Option<&Tensor>,
+    mass: &Tensor,
+    counted: Option<&Tensor>,
+    kl: Option<&Tensor>,
+    path: &std::path::Path,
+) -> Result<()> {
     let away = explained_away_fraction(mass, counted, EXPLAINED_AWAY_EPS)?;
     let least = match counted {
         Some(c) => mass.masked_select(c),

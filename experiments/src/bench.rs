@@ -208,7 +208,12 @@ struct Row {
 /// --memory-efficient.
 fn rows(args: &BenchArgs) -> Vec<Row> {
     let chosen = |v: &&str| args.variants.as_ref().map_or(true, |list| list.iter().any(|c| c == v));
-    let eager = VARIANTS.into_iter().filter(chosen).filter(|_| !args.no_eager).map(|variant| Row { variant, implementation: "probattn", tile: None, batch: args.batch });
+    let eager = VARIANTS.into_iter().filter(chosen).filter(|_| !args.no_eager).map(|variant| Row {
+        variant,
+        implementation: "probattn",
+        tile: None,
+        batch: args.batch,
+    });
     let tiled = VARIANTS.into_iter().filter(chosen).filter(|_| args.memory_efficient).map(|variant| Row {
         variant,
         implementation: MEMORY_EFFICIENT,
@@ -351,7 +356,16 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
             let vs = ours.zip(theirs).map(|(a, b)| a / b);
             let (our_mem, their_mem) = (mem(v, "probattn", s), mem(v, "pytorch", s));
             let mem_ratio = our_mem.zip(their_mem).map(|(a, b)| a / b);
-            t += &format!("| {s} | {v} | {} | {} | {} | {} | {} | {} | {} |\n", fmt(ours), fmt(theirs), fmt(rel), fmt(vs), fmt1(our_mem), fmt1(their_mem), fmt(mem_ratio));
+            t += &format!(
+                "| {s} | {v} | {} | {} | {} | {} | {} | {} | {} |\n",
+                fmt(ours),
+                fmt(theirs),
+                fmt(rel),
+                fmt(vs),
+                fmt1(our_mem),
+                fmt1(their_mem),
+                fmt(mem_ratio)
+            );
         }
         let sdpa = find("softmax", "pytorch-sdpa", s);
         let (soft_mem, sdpa_mem) = (mem("softmax", "probattn", s), mem("softmax", "pytorch-sdpa", s));
@@ -405,7 +419,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let dir = run_dir(args.out.as_deref(), "bench", &probattn::device::device_name(device).replace(':', ""))?;
     // Counting starts before the first tensor of the benchmark exists.
     memory::track(device).context("memory statistics")?;
-    println!("bench on {} ({} threads): S = {seq_lens:?}, {repeats} repeats", probattn::device::device_name(device), tch::get_num_threads());
+    println!(
+        "bench on {} ({} threads): S = {seq_lens:?}, {repeats} repeats",
+        probattn::device::device_name(device),
+        tch::get_num_threads()
+    );
     // The PyTorch side first, in its own process: run after ours, it would find the GPU's memory
     // still held by this process's caching allocator and run out of it early.
     let mut measurements = vec![];
@@ -421,11 +439,23 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let json = run_python(
             "bench.py",
             &[
-                "--device", &dev, "--seq-lens", &lens, "--repeats", &repeats.to_string(), "--threads", &threads, "--memory-lib", &lib.to_string_lossy(),
-                "--batch", &args.batch.to_string(), "--variants", &variants,
+                "--device",
+                &dev,
+                "--seq-lens",
+                &lens,
+                "--repeats",
+                &repeats.to_string(),
+                "--threads",
+                &threads,
+                "--memory-lib",
+                &lib.to_string_lossy(),
+                "--batch",
+                &args.batch.to_string(),
+                "--variants",
+                &variants,
             ],
         )
-            .context("running the PyTorch side (python/bench.py); --no-pytorch skips it")?;
+        .context("running the PyTorch side (python/bench.py); --no-pytorch skips it")?;
         let theirs: Vec<Measurement> = serde_json::from_str(json.trim()).context("reading python/bench.py's output")?;
         measurements.extend(theirs);
     }

@@ -299,7 +299,8 @@ pub fn corpus_bleu<H: AsRef<str>, R: AsRef<str>>(hyps: &[H], refs: &[R], cfg: &B
 /// The lines of a UTF-8 text file (a final newline does not make an extra empty line).
 pub fn read_lines(path: &Path) -> Result<Vec<String>> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    let text = String::from_utf8(bytes).map_err(|e| anyhow::anyhow!("{} is not UTF-8 text (byte {})", path.display(), e.utf8_error().valid_up_to()))?;
+    let text = String::from_utf8(bytes)
+        .map_err(|e| anyhow::anyhow!("{} is not UTF-8 text (byte {})", path.display(), e.utf8_error().valid_up_to()))?;
     Ok(text.lines().map(str::to_string).collect())
 }
 

@@ -22,11 +22,11 @@ use std::time::Instant;
 use anyhow::{bail, ensure, Context, Result};
 use clap::{Args, ValueEnum};
 use probattn::interop::{import_params, Pt2Package, TorchScript};
-use probattn::{check_finite, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Variant};
-use probattn_models::transformer::{config_of_pytorch, pytorch_renamer, Transformer, TransformerConfig};
-use probattn_models::gat::{Features, Gat, GatConfig};
-use probattn_models::translation::{baseline_name, Seq2Seq, Seq2SeqConfig};
 use probattn::normalize::{EdgeList, Support};
+use probattn::{check_finite, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Variant};
+use probattn_models::gat::{Features, Gat, GatConfig};
+use probattn_models::transformer::{config_of_pytorch, pytorch_renamer, Transformer, TransformerConfig};
+use probattn_models::translation::{baseline_name, Seq2Seq, Seq2SeqConfig};
 
 use crate::translate::data::{EOS, PAD};
 use crate::translate::decode::{self, DecodeConfig};
@@ -315,7 +315,12 @@ fn kept(t: &Tensor, keep: &Option<Tensor>) -> Tensor {
 }
 
 /// Reads `--inputs` (every name in `known`; `required` ones must be there) or returns `None`.
-fn read_inputs(args: &CompareArgs, known: &[&str], required: &[&str], device: Device) -> Result<Option<std::collections::HashMap<String, Tensor>>> {
+fn read_inputs(
+    args: &CompareArgs,
+    known: &[&str],
+    required: &[&str],
+    device: Device,
+) -> Result<Option<std::collections::HashMap<String, Tensor>>> {
     let Some(path) = &args.inputs else { return Ok(None) };
     let tensors = probattn::io::read_safetensors(path).with_context(|| format!("--inputs {}", path.display()))?;
     if let Some(other) = tensors.keys().find(|k| !known.contains(&k.as_str())) {
@@ -384,15 +389,16 @@ impl Pair for MhaPair {
 
 fn mha_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, device: Device) -> Result<MhaPair> {
     let shape_of = |name: &str| params.iter().find(|(n, _)| n == name).map(|(_, t)| t.size());
-    let (embed_dim, kdim, vdim) = match (shape_of("in_proj_weight"), shape_of("q_proj_weight"), shape_of("k_proj_weight"), shape_of("v_proj_weight")) {
-        (Some(w), _, _, _) => (w[1], None, None),
-        (None, Some(q), Some(k), Some(v)) => (q[0], Some(k[1]), Some(v[1])),
-        _ => bail!(
-            "{}: no in_proj_weight (or q/k/v_proj_weight) among its parameters ({}): not an nn.MultiheadAttention",
-            args.module_path().display(),
-            params.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
-        ),
-    };
+    let (embed_dim, kdim, vdim) =
+        match (shape_of("in_proj_weight"), shape_of("q_proj_weight"), shape_of("k_proj_weight"), shape_of("v_proj_weight")) {
+            (Some(w), _, _, _) => (w[1], None, None),
+            (None, Some(q), Some(k), Some(v)) => (q[0], Some(k[1]), Some(v[1])),
+            _ => bail!(
+                "{}: no in_proj_weight (or q/k/v_proj_weight) among its parameters ({}): not an nn.MultiheadAttention",
+                args.module_path().display(),
+                params.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
+            ),
+        };
     let heads = args.heads.context("--native mha needs --heads (the head count is not stored in the weights)")?;
     ensure!(heads >= 1 && embed_dim % heads == 0, "--heads {heads} does not divide the module's embed_dim {embed_dim}");
     let mut cfg = MhaConfig::new(embed_dim, heads).with_variant(args.variant);
@@ -408,11 +414,27 @@ fn mha_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, 
         }
         None => {
             let (l, s) = (args.tgt_len, args.src_len);
-            ([random_input(args, l, embed_dim, device), random_input(args, s, kdim.unwrap_or(embed_dim), device), random_input(args, s, vdim.unwrap_or(embed_dim), device)], None)
+            (
+                [
+                    random_input(args, l, embed_dim, device),
+                    random_input(args, s, kdim.unwrap_or(embed_dim), device),
+                    random_input(args, s, vdim.unwrap_or(embed_dim), device),
+                ],
+                None,
+            )
         }
     };
-    ensure!(inputs[0].size()[2] == embed_dim, "--inputs: query has {} features, the module's embed_dim is {embed_dim}", inputs[0].size()[2]);
-    ensure!(inputs[1].size()[..2] == inputs[2].size()[..2], "--inputs: key {:?} and value {:?} differ in length or batch", inputs[1].size(), inputs[2].size());
+    ensure!(
+        inputs[0].size()[2] == embed_dim,
+        "--inputs: query has {} features, the module's embed_dim is {embed_dim}",
+        inputs[0].size()[2]
+    );
+    ensure!(
+        inputs[1].size()[..2] == inputs[2].size()[..2],
+        "--inputs: key {:?} and value {:?} differ in length or batch",
+        inputs[1].size(),
+        inputs[2].size()
+    );
     Ok(MhaPair { mha, inputs, key_padding_mask })
 }
 
@@ -553,13 +575,20 @@ fn translation_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::Va
     let (src, prev) = match &args.inputs {
         Some(path) => {
             let mut t = probattn::io::read_safetensors(path).with_context(|| format!("--inputs {}", path.display()))?;
-            let mut take = |n: &str| t.remove(n).with_context(|| format!("--inputs {} has no '{n}' (token ids, int64 (N, S) and (N, T))", path.display()));
+            let mut take = |n: &str| {
+                t.remove(n).with_context(|| format!("--inputs {} has no '{n}' (token ids, int64 (N, S) and (N, T))", path.display()))
+            };
             let (src, prev) = (take("src")?, take("prev")?);
             if let Some(other) = t.keys().next() {
                 bail!("--inputs {}: unknown tensor '{other}' (the call takes src, prev)", path.display());
             }
             for (name, x) in [("src", &src), ("prev", &prev)] {
-                ensure!(x.kind() == Kind::Int64 && x.dim() == 2, "--inputs: {name} is {:?}{:?}; token ids are int64 (N, length)", x.kind(), x.size());
+                ensure!(
+                    x.kind() == Kind::Int64 && x.dim() == 2,
+                    "--inputs: {name} is {:?}{:?}; token ids are int64 (N, length)",
+                    x.kind(),
+                    x.size()
+                );
             }
             (src.to_device(device), prev.to_device(device))
         }
@@ -593,7 +622,8 @@ impl Pair for GatPair {
     }
 
     fn torchscript(&self, ts: &Reference, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
-        let out = ts.forward_tensors(&tensor_inputs(xs, [IValue::Tensor(self.dst.shallow_clone()), IValue::Tensor(self.src.shallow_clone())]))?;
+        let out =
+            ts.forward_tensors(&tensor_inputs(xs, [IValue::Tensor(self.dst.shallow_clone()), IValue::Tensor(self.src.shallow_clone())]))?;
         Ok(vec![("logits", out.into_iter().next().context("the TorchScript module returned no tensor")?.1)])
     }
 
@@ -610,7 +640,11 @@ impl Pair for GatPair {
 
 fn gat_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, device: Device) -> Result<GatPair> {
     let size = |name: &str| {
-        params.iter().find(|(n, _)| n == name).map(|(_, t)| t.size()).with_context(|| format!("{}: no '{name}' parameter: not python/baselines/gat.py's model", args.module_path().display()))
+        params
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t.size())
+            .with_context(|| format!("{}: no '{name}' parameter: not python/baselines/gat.py's model", args.module_path().display()))
     };
     let (a1, a2, w1) = (size("l1.att_src")?, size("l2.att_src")?, size("l1.weight")?);
     let cfg = GatConfig { heads: a1[0], hidden: a1[1], output_heads: a2[0], ..GatConfig::transductive(args.variant) };
@@ -618,7 +652,9 @@ fn gat_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, 
     let (x, dst, src) = match &args.inputs {
         Some(path) => {
             let mut t = probattn::io::read_safetensors(path).with_context(|| format!("--inputs {}", path.display()))?;
-            let mut take = |n: &str| t.remove(n).with_context(|| format!("--inputs {} has no '{n}' (x (N, F), dst and src int64 (E,))", path.display()));
+            let mut take = |n: &str| {
+                t.remove(n).with_context(|| format!("--inputs {} has no '{n}' (x (N, F), dst and src int64 (E,))", path.display()))
+            };
             let (x, dst, src) = (take("x")?, take("dst")?, take("src")?);
             if let Some(other) = t.keys().next() {
                 bail!("--inputs {}: unknown tensor '{other}' (the call takes x, dst, src)", path.display());
@@ -634,16 +670,33 @@ fn gat_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, 
             (x, dst, src)
         }
     };
-    ensure!(x.dim() == 2 && x.size()[1] == w1[0] && x.is_floating_point(), "--inputs: x is {:?}{:?}; the model takes floats (N, {})", x.kind(), x.size(), w1[0]);
+    ensure!(
+        x.dim() == 2 && x.size()[1] == w1[0] && x.is_floating_point(),
+        "--inputs: x is {:?}{:?}; the model takes floats (N, {})",
+        x.kind(),
+        x.size(),
+        w1[0]
+    );
     for (name, t) in [("dst", &dst), ("src", &src)] {
-        ensure!(t.kind() == Kind::Int64 && t.dim() == 1 && t.size() == dst.size(), "--inputs: {name} is {:?}{:?}; edges are int64 (E,), dst and src alike", t.kind(), t.size());
+        ensure!(
+            t.kind() == Kind::Int64 && t.dim() == 1 && t.size() == dst.size(),
+            "--inputs: {name} is {:?}{:?}; edges are int64 (E,), dst and src alike",
+            t.kind(),
+            t.size()
+        );
     }
     check_finite("x", &x)?;
     Ok(GatPair { model, x, dst, src })
 }
 
 /// Both models' greedy translations of `--greedy-file`, in the same batches.
-fn compare_greedy(args: &CompareArgs, pair: &TranslationPair, ts: &Reference, file: &std::path::Path, device: Device) -> Result<GreedyReport> {
+fn compare_greedy(
+    args: &CompareArgs,
+    pair: &TranslationPair,
+    ts: &Reference,
+    file: &std::path::Path,
+    device: Device,
+) -> Result<GreedyReport> {
     let tok = args.tokenizer.as_deref().context("--greedy-file needs --tokenizer (the run's tokenizer.json)")?;
     let tokenizer = crate::translate::data::load_tokenizer(tok)?;
     let mut lines = crate::translate::data::read_sentences(file).with_context(|| format!("--greedy-file {}", file.display()))?;
@@ -667,7 +720,15 @@ fn compare_greedy(args: &CompareArgs, pair: &TranslationPair, ts: &Reference, fi
     let ours = decode::translate(&pair.model, &sorted, &cfg, 64, device, |_| {})?;
     let native_s = start.elapsed().as_secs_f64();
     let start = Instant::now();
-    let theirs = tch::no_grad(|| decode::greedy_with(|s, p| Ok(ts.forward_tensors(&[IValue::Tensor(s.shallow_clone()), IValue::Tensor(p.shallow_clone())])?.remove(0).1), &sorted, &cfg, 64, device))?;
+    let theirs = tch::no_grad(|| {
+        decode::greedy_with(
+            |s, p| Ok(ts.forward_tensors(&[IValue::Tensor(s.shallow_clone()), IValue::Tensor(p.shallow_clone())])?.remove(0).1),
+            &sorted,
+            &cfg,
+            64,
+            device,
+        )
+    })?;
     let ts_s = start.elapsed().as_secs_f64();
     let differ: Vec<usize> = (0..sorted.len()).filter(|&k| ours[k] != theirs[k]).map(|k| order[k]).collect();
     Ok(GreedyReport {
@@ -689,7 +750,8 @@ fn renamer(native: NativeModel, vs: &nn::VarStore) -> Renamer {
         NativeModel::Transformer => Box::new(pytorch_renamer(vs)),
         NativeModel::Gat => Box::new(|n: &str| Some(n.replacen("l1.", "layer1.", 1).replacen("l2.", "layer2.", 1))),
         NativeModel::Translation => {
-            let ours: std::collections::HashMap<String, String> = vs.variables().into_keys().filter_map(|n| baseline_name(&n).map(|b| (b, n))).collect();
+            let ours: std::collections::HashMap<String, String> =
+                vs.variables().into_keys().filter_map(|n| baseline_name(&n).map(|b| (b, n))).collect();
             Box::new(move |b: &str| Some(ours.get(b).cloned().unwrap_or_else(|| b.to_string())))
         }
     }
@@ -699,7 +761,12 @@ fn renamer(native: NativeModel, vs: &nn::VarStore) -> Renamer {
 /// rounds that time one call of each, alternating which goes first, so that drift in the
 /// machine's speed (another process, frequency, allocator state) falls on both sides alike.
 /// CUDA is synchronized around every timed call.
-fn paired_median_ms(device: Device, repeats: u32, mut a: impl FnMut() -> Result<()>, mut b: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+fn paired_median_ms(
+    device: Device,
+    repeats: u32,
+    mut a: impl FnMut() -> Result<()>,
+    mut b: impl FnMut() -> Result<()>,
+) -> Result<(f64, f64)> {
     let sync = || {
         if let Device::Cuda(i) = device {
             tch::Cuda::synchronize(i as i64);
@@ -735,7 +802,10 @@ fn paired_median_ms(device: Device, repeats: u32, mut a: impl FnMut() -> Result<
 
 fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
     let is_pt2 = args.pt2.is_some();
-    ensure!(!(is_pt2 && args.backward), "--backward needs --torchscript: a .pt2 package runs forward only (AOTInductor compiles no backward)");
+    ensure!(
+        !(is_pt2 && args.backward),
+        "--backward needs --torchscript: a .pt2 package runs forward only (AOTInductor compiles no backward)"
+    );
     ensure!(!(is_pt2 && args.greedy_file.is_some()), "--greedy-file needs --torchscript: a .pt2 package runs only at its exported shapes");
     let mut ts = Reference::load(args, device)?;
     let saved = ts.named_parameters()?;
@@ -765,11 +835,13 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
         vs.double();
     }
     let params = ts.named_parameters()?;
-    let report = import_params(&vs, &params, renamer(args.native, &vs), args.allow_partial).context("loading the module's weights into the native model")?;
+    let report = import_params(&vs, &params, renamer(args.native, &vs), args.allow_partial)
+        .context("loading the module's weights into the native model")?;
     if !report.is_complete() {
         eprintln!("--allow-partial: imported what fits:\n{}", report.summary());
     }
-    let not_imported: Vec<String> = report.missing.iter().chain(&report.unexpected).chain(report.wrong_shape.iter().map(|w| &w.0)).cloned().collect();
+    let not_imported: Vec<String> =
+        report.missing.iter().chain(&report.unexpected).chain(report.wrong_shape.iter().map(|w| &w.0)).cloned().collect();
     let xs: Vec<Tensor> = pair.inputs().into_iter().map(|(_, t)| t.to_kind(kind)).collect();
     let recast = |e: anyhow::Error| {
         if saved_kind == kind {
@@ -803,7 +875,8 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
             best = Some((bf, d, ours));
         }
     }
-    let (batch_first, _, ours) = best.with_context(|| format!("the native model's output never has the module's shape {:?}", reference[0].1.size()))?;
+    let (batch_first, _, ours) =
+        best.with_context(|| format!("the native model's output never has the module's shape {:?}", reference[0].1.size()))?;
     let keep = pair.keep(batch_first, kind);
     let mut outputs = vec![];
     for (i, ((name, r), (_, o))) in reference.iter().zip(&ours).enumerate() {
@@ -833,8 +906,9 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
         }
     }
 
-    let (torchscript_ms, native_ms) =
-        tch::no_grad(|| paired_median_ms(device, args.repeats, || pair.torchscript(&ts, &xs).map(drop), || pair.native(&xs, batch_first).map(drop)))?;
+    let (torchscript_ms, native_ms) = tch::no_grad(|| {
+        paired_median_ms(device, args.repeats, || pair.torchscript(&ts, &xs).map(drop), || pair.native(&xs, batch_first).map(drop))
+    })?;
     let greedy = match (&args.greedy_file, &translation) {
         (Some(file), Some(t)) => Some(compare_greedy(args, t, &ts, file, device)?),
         (Some(_), None) => bail!("--greedy-file goes with --native translation"),
@@ -874,10 +948,17 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         c.device,
         c.threads
     );
-    let rows: Vec<Vec<String>> = c.outputs.iter().map(|d| vec![d.name.clone(), format!("{:.3e}", d.max_abs_diff), format!("{:.3e}", d.max_rel_diff)]).collect();
+    let rows: Vec<Vec<String>> =
+        c.outputs.iter().map(|d| vec![d.name.clone(), format!("{:.3e}", d.max_abs_diff), format!("{:.3e}", d.max_rel_diff)]).collect();
     println!("{}", crate::report::markdown_table(&["tensor", "max abs diff", "max rel diff"], &rows));
     let side = if c.reference == "pt2" { "the .pt2 package" } else { "TorchScript" };
-    println!("time per call (median of {}): {side} {:.3} ms, probattn {:.3} ms (ratio {:.2})", c.repeats, c.torchscript_ms, c.native_ms, c.native_ms / c.torchscript_ms);
+    println!(
+        "time per call (median of {}): {side} {:.3} ms, probattn {:.3} ms (ratio {:.2})",
+        c.repeats,
+        c.torchscript_ms,
+        c.native_ms,
+        c.native_ms / c.torchscript_ms
+    );
     if let Some(g) = &c.greedy {
         println!(
             "greedy decoding of {} sentences: {} identical token for token{}; TorchScript (no cache) {:.1} sentences/s, probattn (cached) {:.1}",

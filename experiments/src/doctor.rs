@@ -71,7 +71,12 @@ impl Report {
             _ => println!("libtorch  not found among the loaded libraries"),
         }
         println!("threads   {} (intra-op)", self.threads);
-        println!("CUDA      {}, {} device(s); libtorch_cuda loaded: {}", yes(self.cuda_available), self.cuda_device_count, yes(self.libtorch_cuda_loaded));
+        println!(
+            "CUDA      {}, {} device(s); libtorch_cuda loaded: {}",
+            yes(self.cuda_available),
+            self.cuda_device_count,
+            yes(self.libtorch_cuda_loaded)
+        );
         match self.cudnn_version {
             Some(v) => println!("cuDNN     yes (version {v})"),
             None => println!("cuDNN     no"),
@@ -120,7 +125,8 @@ fn file_name_starts(p: &std::path::Path, prefix: &str) -> bool {
 /// The shared libraries mapped into this process (Linux; empty elsewhere).
 fn loaded_libraries() -> Vec<PathBuf> {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
-    let mut libs: Vec<PathBuf> = maps.lines().filter_map(|l| l.split_whitespace().nth(5)).filter(|p| p.contains(".so")).map(PathBuf::from).collect();
+    let mut libs: Vec<PathBuf> =
+        maps.lines().filter_map(|l| l.split_whitespace().nth(5)).filter(|p| p.contains(".so")).map(PathBuf::from).collect();
     libs.sort();
     libs.dedup();
     libs

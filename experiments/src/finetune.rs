@@ -58,7 +58,12 @@ pub fn finetune(torchscript: &Path, cfg: &FinetuneConfig, out: &Path, device: De
     // Parameters of the normalizer (HNAS's gates) have no nn.Transformer counterpart: a partial
     // import keeps their initial values, and the report says which they are.
     let report = import_params(&vs, &params, pytorch_renamer(&vs), true)?;
-    anyhow::ensure!(report.unexpected.is_empty() && report.wrong_shape.is_empty(), "{} does not fit the native model:\n{}", torchscript.display(), report.summary());
+    anyhow::ensure!(
+        report.unexpected.is_empty() && report.wrong_shape.is_empty(),
+        "{} does not fit the native model:\n{}",
+        torchscript.display(),
+        report.summary()
+    );
     let mut hook = match &cfg.repulsive {
         Some(r) => {
             let mut hook = RepulsiveHook::new(r.clone(), Selection::default())?;

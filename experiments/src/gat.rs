@@ -271,7 +271,12 @@ pub fn load_graph(dataset: Dataset, data_dir: &Path, device: Device) -> Result<G
     // missing file.
     let incomplete = data_dir.join(format!("{name}_incomplete"));
     let folder = if !data_dir.join(format!("ind.{name}.x")).exists() && incomplete.is_dir() { incomplete } else { data_dir.to_path_buf() };
-    ensure!(folder.is_dir(), "data folder {} does not exist (run `python python/planetoid.py download --dir {}`, or pass --data-dir)", folder.display(), folder.display());
+    ensure!(
+        folder.is_dir(),
+        "data folder {} does not exist (run `python python/planetoid.py download --dir {}`, or pass --data-dir)",
+        folder.display(),
+        folder.display()
+    );
     let converted = std::env::temp_dir().join(format!("probattn-{name}-{}.safetensors", std::process::id()));
     let (dir, out) = (folder.to_string_lossy().to_string(), converted.to_string_lossy().to_string());
     run_python("planetoid.py", &["convert", "--dir", &dir, "--name", name, "--out", &out]).with_context(|| format!("loading {name}"))?;
@@ -310,7 +315,14 @@ fn cross_entropy(logits: &Tensor, labels: &Tensor, idx: &Tensor) -> Tensor {
 }
 
 /// Trains one model from `seed` with early stopping; appends per-epoch metrics to `metrics`.
-pub fn train_run(graph: &Graph, cfg: &GatRunConfig, seed: u64, device: Device, bar: &ProgressBar, metrics: &mut impl Write) -> Result<RunResult> {
+pub fn train_run(
+    graph: &Graph,
+    cfg: &GatRunConfig,
+    seed: u64,
+    device: Device,
+    bar: &ProgressBar,
+    metrics: &mut impl Write,
+) -> Result<RunResult> {
     tch::manual_seed(seed as i64);
     let vs = nn::VarStore::new(device);
     let model = Gat::new(&vs.root(), graph.features.features(), graph.classes, cfg.model.clone())?;
@@ -405,7 +417,8 @@ fn run_variant(graph: &Graph, args: &GatArgs, variant: Variant, dir: &Path, devi
     cfg.apply_overrides(args);
     write_json(&dir.join("config.json"), &cfg)?;
     let metrics_path = dir.join("metrics.jsonl");
-    let mut metrics = std::io::BufWriter::new(std::fs::File::create(&metrics_path).with_context(|| format!("creating {}", metrics_path.display()))?);
+    let mut metrics =
+        std::io::BufWriter::new(std::fs::File::create(&metrics_path).with_context(|| format!("creating {}", metrics_path.display()))?);
     let mut runs = vec![];
     for seed in args.seed_start..args.seed_start + args.seeds {
         let bar = spinner(format!("{} {variant} seed {seed}:", args.dataset.name()))?;
@@ -444,7 +457,9 @@ fn run_variant(graph: &Graph, args: &GatArgs, variant: Variant, dir: &Path, devi
 
 /// The markdown table of several configurations' results.
 pub fn table(results: &[GatResults]) -> String {
-    let mut t = String::from("| attention | test acc (mean ± std, %) | val acc (%) | runs | epochs (mean) | ms/epoch |\n|---|---|---|---|---|---|\n");
+    let mut t = String::from(
+        "| attention | test acc (mean ± std, %) | val acc (%) | runs | epochs (mean) | ms/epoch |\n|---|---|---|---|---|---|\n",
+    );
     for r in results {
         let epochs = r.runs.iter().map(|x| x.epochs as f64).sum::<f64>() / r.runs.len() as f64;
         t += &format!(

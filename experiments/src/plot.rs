@@ -13,7 +13,8 @@ pub struct Series {
 
 /// Draws `series` into an SVG at `path` (written atomically), axes fitted to the data.
 pub fn line_chart(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[Series]) -> Result<()> {
-    let all: Vec<(f64, f64)> = series.iter().flat_map(|s| s.points.iter().copied()).filter(|(x, y)| x.is_finite() && y.is_finite()).collect();
+    let all: Vec<(f64, f64)> =
+        series.iter().flat_map(|s| s.points.iter().copied()).filter(|(x, y)| x.is_finite() && y.is_finite()).collect();
     if all.is_empty() {
         return Ok(());
     }
@@ -45,7 +46,12 @@ pub fn line_chart(path: &Path, title: &str, x_label: &str, y_label: &str, series
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
         }
         if series.len() > 1 {
-            chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(|e| anyhow!("plotting {title}: {e}"))?;
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .draw()
+                .map_err(|e| anyhow!("plotting {title}: {e}"))?;
         }
         root.present().map_err(|e| anyhow!("plotting {title}: {e}"))?;
     }

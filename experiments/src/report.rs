@@ -14,7 +14,8 @@ pub fn mean_std(x: &[f64]) -> (f64, f64) {
 
 /// A bar over `len` steps on stderr: `prefix [=====>    ] pos/len message eta`.
 pub fn progress_bar(len: u64, prefix: String) -> Result<ProgressBar> {
-    let bar = ProgressBar::new(len).with_style(ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} eta {eta}")?.progress_chars("=> "));
+    let bar = ProgressBar::new(len)
+        .with_style(ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} eta {eta}")?.progress_chars("=> "));
     bar.set_prefix(prefix);
     Ok(bar)
 }

@@ -41,7 +41,12 @@ fn ours(reference: &Path, hyp: &Path, flags: &[&str]) -> Result<serde_json::Valu
 
 fn compare(reference: &Path, hyp: &Path) -> Result<()> {
     let expected = sacrebleu(reference, hyp)?;
-    for (setting, flags) in [("default", &[][..]), ("lowercase", &["--lowercase"][..]), ("tok-none", &["--tokenize", "none"][..]), ("smooth-none", &["--smooth", "none"][..])] {
+    for (setting, flags) in [
+        ("default", &[][..]),
+        ("lowercase", &["--lowercase"][..]),
+        ("tok-none", &["--tokenize", "none"][..]),
+        ("smooth-none", &["--smooth", "none"][..]),
+    ] {
         let (e, o) = (&expected[setting], ours(reference, hyp, flags)?);
         let close = |a: &serde_json::Value, b: &serde_json::Value| -> Result<bool> {
             Ok((a.as_f64().context("number")? - b.as_f64().context("number")?).abs() < 1e-9)
@@ -50,7 +55,12 @@ fn compare(reference: &Path, hyp: &Path) -> Result<()> {
             ensure!(close(&e[field], &o[field])?, "{} {setting} {field}: sacreBLEU {} vs ours {}", hyp.display(), e[field], o[field]);
         }
         for n in 0..4 {
-            ensure!(close(&e["precisions"][n], &o["precisions"][n])?, "{setting} precision {n}: {} vs {}", e["precisions"], o["precisions"]);
+            ensure!(
+                close(&e["precisions"][n], &o["precisions"][n])?,
+                "{setting} precision {n}: {} vs {}",
+                e["precisions"],
+                o["precisions"]
+            );
         }
         // The signature names the same settings (ours carries our version instead of sacreBLEU's).
         let strip = |v: &serde_json::Value| v.as_str().unwrap_or("").rsplit_once("|version:").map(|(a, _)| a.to_string());
@@ -74,7 +84,15 @@ fn bleu_equals_sacrebleu_on_real_text() -> Result<()> {
         let hyp = dir.path(&format!("hyp{i}.txt"));
         let status = Command::new(python()?)
             .arg(python_dir().join("bleu_reference.py"))
-            .args(["corrupt".as_ref(), "--ref".as_ref(), reference.as_os_str(), "--out".as_ref(), hyp.as_os_str(), "--seed".as_ref(), i.to_string().as_ref()])
+            .args([
+                "corrupt".as_ref(),
+                "--ref".as_ref(),
+                reference.as_os_str(),
+                "--out".as_ref(),
+                hyp.as_os_str(),
+                "--seed".as_ref(),
+                i.to_string().as_ref(),
+            ])
             .status()?;
         ensure!(status.success(), "corrupting {}", reference.display());
         compare(reference, &hyp)?;
@@ -98,9 +116,16 @@ fn bleu_refuses_bad_input_by_name() -> Result<()> {
     ensure!(out.status.code() == Some(1) && err.contains("--hyp") && err.contains("/nonexistent/hyp"), "{err}");
     std::fs::write(&h, [0xffu8, 0xfe, b'\n', b'x', b'\n'])?;
     let out = run(&["bleu", "--ref", &rs, "--hyp", &hs])?;
-    ensure!(out.status.code() == Some(1) && String::from_utf8_lossy(&out.stderr).contains("not UTF-8"), "{}", String::from_utf8_lossy(&out.stderr));
+    ensure!(
+        out.status.code() == Some(1) && String::from_utf8_lossy(&out.stderr).contains("not UTF-8"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = run(&["bleu", "--ref", &rs, "--hyp", &hs, "--smooth", "floor"])?;
     let err = String::from_utf8_lossy(&out.stderr);
-    ensure!(out.status.code() == Some(1) && err.contains("--smooth") && err.contains("floor"), "an unknown --smooth value is a named error: {err}");
+    ensure!(
+        out.status.code() == Some(1) && err.contains("--smooth") && err.contains("floor"),
+        "an unknown --smooth value is a named error: {err}"
+    );
     Ok(())
 }

@@ -1,16 +1,16 @@
 //! The `probattn` binary as a user runs it: doctor, attend against the PyTorch reference
 //! (through python/parity.py compare, the script the README gives users), and bad input.
 
+mod binary;
 #[path = "../../tests/common/mod.rs"]
 mod common;
-mod binary;
 
 use std::path::Path;
 use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
-use common::{manifest, python, run_python, TempDir};
 use binary::{probattn, text};
+use common::{manifest, python, run_python, TempDir};
 
 #[test]
 fn doctor_reports_versions_and_cuda() -> Result<()> {
@@ -107,8 +107,13 @@ fn bad_input_is_named_and_nothing_is_written() -> Result<()> {
         ("noq", format!("{good}\ndel t['q']")),
         ("logit", format!("{good}\nt['hybrid_logit'] = torch.zeros(3)")),
         ("noise", format!("{good}\nt['noise'] = torch.rand(1, 2, 3, 4)")),
-        ("prior", format!("{good}\nt.update({{'prior.f1.weight': torch.randn(2, 10, 3), 'prior.f1.bias': torch.zeros(2, 10), \
-                                            'prior.f2.weight': torch.randn(2, 10), 'prior.f2.bias': torch.zeros(2)}})")),
+        (
+            "prior",
+            format!(
+                "{good}\nt.update({{'prior.f1.weight': torch.randn(2, 10, 3), 'prior.f1.bias': torch.zeros(2, 10), \
+                                            'prior.f2.weight': torch.randn(2, 10), 'prior.f2.bias': torch.zeros(2)}})"
+            ),
+        ),
     ];
     for (name, spec) in &inputs {
         write_input(&dir.path(&format!("{name}.safetensors")), spec)?;
@@ -119,22 +124,49 @@ fn bad_input_is_named_and_nothing_is_written() -> Result<()> {
     let cases: Vec<(Vec<String>, &str)> = vec![
         (vec!["--variant".into(), "dnas".into(), "--input".into(), p("rank3.safetensors")], "q has shape [2, 3, 4]; expected rank 4"),
         (vec!["--variant".into(), "dnas".into(), "--input".into(), p("nan.safetensors")], "k holds 1 NaN"),
-        (vec!["--variant".into(), "dnas".into(), "--input".into(), p("badmask.safetensors")], "attn_mask has shape [4, 5], which does not broadcast to [1, 2, 3, 5]"),
+        (
+            vec!["--variant".into(), "dnas".into(), "--input".into(), p("badmask.safetensors")],
+            "attn_mask has shape [4, 5], which does not broadcast to [1, 2, 3, 5]",
+        ),
         (vec!["--variant".into(), "dnas".into(), "--input".into(), p("floatmask.safetensors")], "key_padding_mask has dtype Float"),
         (vec!["--variant".into(), "dnas".into(), "--input".into(), p("sizes.safetensors")], "same number of keys"),
         (vec!["--variant".into(), "dnas".into(), "--input".into(), p("noq.safetensors")], "has no tensor 'q'"),
         (vec!["--variant".into(), "hnas".into(), "--input".into(), p("logit.safetensors")], "hybrid_logit has shape [3], expected (2,)"),
         (vec!["--variant".into(), "dnas".into(), "--input".into(), p("missing.safetensors")], "missing.safetensors: no such file"),
-        (vec!["--variant".into(), "dnas".into(), "--input".into(), p("corrupt.safetensors")], "corrupt.safetensors: not a readable safetensors file"),
+        (
+            vec!["--variant".into(), "dnas".into(), "--input".into(), p("corrupt.safetensors")],
+            "corrupt.safetensors: not a readable safetensors file",
+        ),
         (vec!["--variant".into(), "dnax".into(), "--input".into(), p("good.safetensors")], "unknown attention variant 'dnax'"),
         (vec!["--variant".into(), "dnas".into(), "--causal".into(), "--input".into(), p("good.safetensors")], "leak"),
-        (vec!["--variant".into(), "dnas".into(), "--bogus".into(), "--input".into(), p("good.safetensors")], "unexpected argument '--bogus'"),
-        (vec!["--variant".into(), "dnas".into(), "--device".into(), "tpu".into(), "--input".into(), p("good.safetensors")], "unknown device 'tpu'"),
-        (vec!["--variant".into(), "dnas".into(), "--allocator".into(), "jemalloc".into(), "--input".into(), p("good.safetensors")], "invalid value 'jemalloc' for '--allocator"),
-        (vec!["--variant".into(), "bam-wc".into(), "--train".into(), "--input".into(), p("noise.safetensors")], "noise has shape [1, 2, 3, 4], expected the weights' shape [1, 2, 3, 5]"),
-        (vec!["--variant".into(), "bam-wf".into(), "--k".into(), "0".into(), "--input".into(), p("good.safetensors")], "BAM k must be positive"),
-        (vec!["--variant".into(), "bam-wc".into(), "--input".into(), p("prior.safetensors")], "prior.f1.weight has shape [2, 10, 3], expected [2, 10, 4]"),
-        (vec!["--variant".into(), "bam-lc".into(), "--base".into(), "bam-wc".into(), "--input".into(), p("good.safetensors")], "BAM's base must be deterministic"),
+        (
+            vec!["--variant".into(), "dnas".into(), "--bogus".into(), "--input".into(), p("good.safetensors")],
+            "unexpected argument '--bogus'",
+        ),
+        (
+            vec!["--variant".into(), "dnas".into(), "--device".into(), "tpu".into(), "--input".into(), p("good.safetensors")],
+            "unknown device 'tpu'",
+        ),
+        (
+            vec!["--variant".into(), "dnas".into(), "--allocator".into(), "jemalloc".into(), "--input".into(), p("good.safetensors")],
+            "invalid value 'jemalloc' for '--allocator",
+        ),
+        (
+            vec!["--variant".into(), "bam-wc".into(), "--train".into(), "--input".into(), p("noise.safetensors")],
+            "noise has shape [1, 2, 3, 4], expected the weights' shape [1, 2, 3, 5]",
+        ),
+        (
+            vec!["--variant".into(), "bam-wf".into(), "--k".into(), "0".into(), "--input".into(), p("good.safetensors")],
+            "BAM k must be positive",
+        ),
+        (
+            vec!["--variant".into(), "bam-wc".into(), "--input".into(), p("prior.safetensors")],
+            "prior.f1.weight has shape [2, 10, 3], expected [2, 10, 4]",
+        ),
+        (
+            vec!["--variant".into(), "bam-lc".into(), "--base".into(), "bam-wc".into(), "--input".into(), p("good.safetensors")],
+            "BAM's base must be deterministic",
+        ),
     ];
     for (mut args, expected) in cases {
         args.splice(0..0, ["attend".to_string()]);
@@ -150,7 +182,11 @@ fn bad_input_is_named_and_nothing_is_written() -> Result<()> {
     let missing_dir = dir.path("no/such/dir/out.safetensors").to_string_lossy().to_string();
     let run = probattn(&["attend", "--variant", "dnas", "--input", &p("good.safetensors"), "--output", &missing_dir])?;
     ensure!(!run.status.success() && text(&run).contains("no such directory"), "{}", text(&run));
-    let left: Vec<_> = std::fs::read_dir(&dir.0)?.filter_map(|e| e.ok()).map(|e| e.file_name()).filter(|n| n.to_string_lossy().contains(".tmp-")).collect();
+    let left: Vec<_> = std::fs::read_dir(&dir.0)?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name())
+        .filter(|n| n.to_string_lossy().contains(".tmp-"))
+        .collect();
     ensure!(left.is_empty(), "temporary files left: {left:?}");
     Ok(())
 }
@@ -169,7 +205,8 @@ fn attend_memory_efficient_writes_what_the_eager_path_does() -> Result<()> {
         let tensors = probattn::io::read_safetensors(std::path::Path::new(&input))?;
         let (q, k) = (&tensors["q"], &tensors["k"]);
         let shape = [q.size()[0], q.size()[1], q.size()[2], k.size()[2]];
-        let plain: Vec<(&str, &tch::Tensor)> = tensors.iter().filter(|(n, _)| n.as_str() != "noise").map(|(n, t)| (n.as_str(), t)).collect();
+        let plain: Vec<(&str, &tch::Tensor)> =
+            tensors.iter().filter(|(n, _)| n.as_str() != "noise").map(|(n, t)| (n.as_str(), t)).collect();
         let without_noise = dir.path("without-noise.safetensors");
         probattn::io::write_safetensors_atomic(&without_noise, &plain)?;
         let with_draws = |kind| -> Result<String> {
@@ -219,7 +256,23 @@ fn attend_memory_efficient_writes_what_the_eager_path_does() -> Result<()> {
     }
     let input = dir.path("case-000.safetensors").to_string_lossy().to_string();
     let out = dir.path("none.safetensors");
-    let o = probattn(&["attend", "--variant", "bam-wc", "--base", "hnas", "--train", "--input", &input, "--output", &out.to_string_lossy(), "--memory-efficient"])?;
-    ensure!(o.status.code() == Some(1) && text(&o).contains("sampling over a hnas base has no tiled path") && !out.exists(), "{}", text(&o));
+    let o = probattn(&[
+        "attend",
+        "--variant",
+        "bam-wc",
+        "--base",
+        "hnas",
+        "--train",
+        "--input",
+        &input,
+        "--output",
+        &out.to_string_lossy(),
+        "--memory-efficient",
+    ])?;
+    ensure!(
+        o.status.code() == Some(1) && text(&o).contains("sampling over a hnas base has no tiled path") && !out.exists(),
+        "{}",
+        text(&o)
+    );
     Ok(())
 }

@@ -3,15 +3,15 @@
 //! 1e-5, forward and gradients), the layout found on its own, a wrong head count caught, and bad
 //! input named with exit status 1.
 
+mod binary;
 #[path = "../../tests/common/mod.rs"]
 mod common;
-mod binary;
 
 use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
-use common::{python, run_python, write_corpus, TempDir};
 use binary::{probattn, text};
+use common::{python, run_python, write_corpus, TempDir};
 
 /// Exports nn.MultiheadAttention(16, 4) with `extra` flags; returns (module, inputs) paths.
 fn export(tmp: &TempDir, tag: &str, extra: &[&str]) -> Result<(String, String)> {
@@ -19,7 +19,10 @@ fn export(tmp: &TempDir, tag: &str, extra: &[&str]) -> Result<(String, String)> 
 }
 
 fn export_model(model: &str, tmp: &TempDir, tag: &str, extra: &[&str]) -> Result<(String, String)> {
-    let (m, i) = (tmp.path(&format!("{tag}.pt")).to_string_lossy().to_string(), tmp.path(&format!("{tag}.safetensors")).to_string_lossy().to_string());
+    let (m, i) = (
+        tmp.path(&format!("{tag}.pt")).to_string_lossy().to_string(),
+        tmp.path(&format!("{tag}.safetensors")).to_string_lossy().to_string(),
+    );
     run_python("export_torchscript.py", &[&[model, "--embed-dim", "16", "--heads", "4", "--out", &m, "--inputs", &i][..], extra].concat())?;
     Ok((m, i))
 }
@@ -29,7 +32,28 @@ fn compare(module: &str, inputs: &str, extra: &[&str]) -> Result<serde_json::Val
 }
 
 fn compare_native(native: &str, module: &str, inputs: &str, extra: &[&str]) -> Result<serde_json::Value> {
-    let o = probattn(&[&["compare", "--torchscript", module, "--native", native, "--heads", "4", "--inputs", inputs, "--json", "--threads", "1", "--repeats", "3"][..], extra].concat())?;
+    let o = probattn(
+        &[
+            &[
+                "compare",
+                "--torchscript",
+                module,
+                "--native",
+                native,
+                "--heads",
+                "4",
+                "--inputs",
+                inputs,
+                "--json",
+                "--threads",
+                "1",
+                "--repeats",
+                "3",
+            ][..],
+            extra,
+        ]
+        .concat(),
+    )?;
     ensure!(o.status.success(), "{}", text(&o));
     serde_json::from_slice(&o.stdout).with_context(|| text(&o))
 }
@@ -81,7 +105,8 @@ fn nn_transformer_agrees_and_its_weights_go_both_ways() -> Result<()> {
     ensure!(n == 3 + 64, "{n} compared tensors: {json}");
     ensure!(rel <= 1e-12, "float64 differs by {rel}: {json}");
     // float32, batch-first (PyTorch's nested-tensor encoder path), other lengths.
-    let (m, i) = export_model("transformer", &tmp, "f32", &["--batch-first", "--key-padding", "--batch", "3", "--tgt-len", "6", "--src-len", "4"])?;
+    let (m, i) =
+        export_model("transformer", &tmp, "f32", &["--batch-first", "--key-padding", "--batch", "3", "--tgt-len", "6", "--src-len", "4"])?;
     let json = compare_native("transformer", &m, &i, &["--backward"])?;
     let (rel, _) = worst(&json)?;
     ensure!(rel <= 1e-5 && json["batch_first"] == true, "float32 differs by {rel}: {json}");
@@ -91,11 +116,35 @@ fn nn_transformer_agrees_and_its_weights_go_both_ways() -> Result<()> {
 
     // Our Transformer's weights (with final norms) load into nn.Transformer strictly.
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
-    let cfg = TransformerConfig { encoder_layers: 2, decoder_layers: 2, embed_dim: 16, heads: 4, ffn_dim: 32, final_norm: true, ..TransformerConfig::iwslt() };
+    let cfg = TransformerConfig {
+        encoder_layers: 2,
+        decoder_layers: 2,
+        embed_dim: 16,
+        heads: 4,
+        ffn_dim: 32,
+        final_norm: true,
+        ..TransformerConfig::iwslt()
+    };
     Transformer::new(&vs.root(), cfg)?;
     let out = tmp.path("ours.safetensors");
     export_params(&vs, &out, |n| pytorch_name(n).unwrap_or_else(|| n.to_string()))?;
-    run_python("export_torchscript.py", &["load-state-dict", "transformer", "--embed-dim", "16", "--heads", "4", "--layers", "2", "--ffn", "32", "--state-dict", &out.to_string_lossy()])?;
+    run_python(
+        "export_torchscript.py",
+        &[
+            "load-state-dict",
+            "transformer",
+            "--embed-dim",
+            "16",
+            "--heads",
+            "4",
+            "--layers",
+            "2",
+            "--ffn",
+            "32",
+            "--state-dict",
+            &out.to_string_lossy(),
+        ],
+    )?;
     Ok(())
 }
 
@@ -153,7 +202,24 @@ fn the_translation_baseline_runs_our_trained_weights() -> Result<()> {
     std::fs::create_dir_all(&data)?;
     write_corpus(&data, [200, 10, 12])?;
     let (d, run) = (data.to_string_lossy().to_string(), tmp.path("run").to_string_lossy().to_string());
-    let flags = ["--preset", "tiny", "--bpe-vocab", "120", "--max-tokens", "300", "--max-epochs", "3", "--beam", "2", "--warmup-updates", "20", "--threads", "1", "--device", "cpu"];
+    let flags = [
+        "--preset",
+        "tiny",
+        "--bpe-vocab",
+        "120",
+        "--max-tokens",
+        "300",
+        "--max-epochs",
+        "3",
+        "--beam",
+        "2",
+        "--warmup-updates",
+        "20",
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+    ];
     let o = probattn(&[&["translate", "--data-dir", &d, "--out", &run][..], &flags].concat())?;
     ensure!(o.status.success(), "{}", text(&o));
 
@@ -169,14 +235,47 @@ fn the_translation_baseline_runs_our_trained_weights() -> Result<()> {
     ensure!(o.status.success(), "the baseline did not load our weights strictly: {}", text(&o));
 
     // Same logits and gradients (float64), and the same greedy translations.
-    let o = probattn(&["compare", "--torchscript", &m, "--native", "translation", "--heads", "4", "--dtype", "float64", "--backward", "--json", "--repeats", "2", "--threads", "1"])?;
+    let o = probattn(&[
+        "compare",
+        "--torchscript",
+        &m,
+        "--native",
+        "translation",
+        "--heads",
+        "4",
+        "--dtype",
+        "float64",
+        "--backward",
+        "--json",
+        "--repeats",
+        "2",
+        "--threads",
+        "1",
+    ])?;
     ensure!(o.status.success(), "{}", text(&o));
     let json: serde_json::Value = serde_json::from_slice(&o.stdout)?;
     let (rel, n) = worst(&json)?;
     ensure!(n > 30 && rel <= 1e-12, "float64 translation model differs by {rel} over {n} tensors: {json}");
     let test = format!("{d}/test.de");
     let tok = format!("{run}/tokenizer.json");
-    let o = probattn(&["compare", "--torchscript", &m, "--native", "translation", "--heads", "4", "--greedy-file", &test, "--tokenizer", &tok, "--json", "--repeats", "2", "--threads", "1"])?;
+    let o = probattn(&[
+        "compare",
+        "--torchscript",
+        &m,
+        "--native",
+        "translation",
+        "--heads",
+        "4",
+        "--greedy-file",
+        &test,
+        "--tokenizer",
+        &tok,
+        "--json",
+        "--repeats",
+        "2",
+        "--threads",
+        "1",
+    ])?;
     ensure!(o.status.success(), "{}", text(&o));
     let json: serde_json::Value = serde_json::from_slice(&o.stdout)?;
     ensure!(json["greedy"]["sentences"] == 12 && json["greedy"]["identical"] == 12, "{json}");
@@ -196,13 +295,38 @@ fn an_nn_transformer_fine_tunes_with_dnas_and_svgd_heads_and_goes_back() -> Resu
     let tmp = TempDir::new("compare-finetune")?;
     let (m, _) = export_model("transformer", &tmp, "tr", &["--layers", "2", "--ffn", "32"])?;
     let out = tmp.path("tuned.safetensors");
-    let cfg = FinetuneConfig { heads: 4, variant: "dnas".parse()?, repulsive: Some(RepulsiveConfig::default()), steps: 40, lr: 3e-3, batch: 8, len: 6, seed: 0 };
+    let cfg = FinetuneConfig {
+        heads: 4,
+        variant: "dnas".parse()?,
+        repulsive: Some(RepulsiveConfig::default()),
+        steps: 40,
+        lr: 3e-3,
+        batch: 8,
+        len: 6,
+        seed: 0,
+    };
     let r = finetune(std::path::Path::new(&m), &cfg, &out, tch::Device::Cpu)?;
     // 2 encoder layers x Q, K, V + 2 decoder layers x 2 modules x Q, K, V.
     ensure!(r.particle_sets == 18, "{} particle sets", r.particle_sets);
     ensure!(r.import.contains("64 parameter(s) matched") && !r.import.contains("missing"), "{}", r.import);
     ensure!(r.loss_after < 0.9 * r.loss_before, "the held-out loss went from {} to {}", r.loss_before, r.loss_after);
-    run_python("export_torchscript.py", &["load-state-dict", "transformer", "--embed-dim", "16", "--heads", "4", "--layers", "2", "--ffn", "32", "--state-dict", &out.to_string_lossy()])?;
+    run_python(
+        "export_torchscript.py",
+        &[
+            "load-state-dict",
+            "transformer",
+            "--embed-dim",
+            "16",
+            "--heads",
+            "4",
+            "--layers",
+            "2",
+            "--ffn",
+            "32",
+            "--state-dict",
+            &out.to_string_lossy(),
+        ],
+    )?;
     // HNAS's gates have no nn.Transformer counterpart: they keep their initial value, and the
     // report says so.
     let cfg = FinetuneConfig { variant: "hnas".parse()?, repulsive: None, steps: 1, ..cfg };
@@ -215,7 +339,10 @@ fn an_nn_transformer_fine_tunes_with_dnas_and_svgd_heads_and_goes_back() -> Resu
 fn the_gat_baseline_agrees() -> Result<()> {
     let tmp = TempDir::new("compare-gat")?;
     let gat = |tag: &str, extra: &[&str]| -> Result<(String, String)> {
-        let (m, i) = (tmp.path(&format!("{tag}.pt")).to_string_lossy().to_string(), tmp.path(&format!("{tag}.safetensors")).to_string_lossy().to_string());
+        let (m, i) = (
+            tmp.path(&format!("{tag}.pt")).to_string_lossy().to_string(),
+            tmp.path(&format!("{tag}.safetensors")).to_string_lossy().to_string(),
+        );
         run_python("export_torchscript.py", &[&["gat", "--out", &m, "--inputs", &i][..], extra].concat())?;
         Ok((m, i))
     };
@@ -284,7 +411,22 @@ fn pt2_packages_compare_like_torchscript() -> Result<()> {
     let transformer = ["transformer", "--embed-dim", "16", "--heads", "4", "--layers", "1", "--ffn", "32", "--key-padding"];
     run_python("export_pt2.py", &[&transformer[..], &["--out", &p("t.pt2"), "--inputs", &p("t.safetensors")]].concat())?;
     for (native, package, inputs, count) in [("mha", "mha.pt2", "mha.safetensors", 2), ("transformer", "t.pt2", "t.safetensors", 1)] {
-        let o = probattn(&["compare", "--pt2", &p(package), "--native", native, "--heads", "4", "--inputs", &p(inputs), "--json", "--threads", "1", "--repeats", "3"])?;
+        let o = probattn(&[
+            "compare",
+            "--pt2",
+            &p(package),
+            "--native",
+            native,
+            "--heads",
+            "4",
+            "--inputs",
+            &p(inputs),
+            "--json",
+            "--threads",
+            "1",
+            "--repeats",
+            "3",
+        ])?;
         ensure!(o.status.success(), "{}", text(&o));
         let json: serde_json::Value = serde_json::from_slice(&o.stdout).with_context(|| text(&o))?;
         let (rel, n) = worst(&json)?;

@@ -33,12 +33,31 @@ fn a_short_run_reports_the_data_and_writes_every_results_field() -> Result<()> {
     let Some(data) = planetoid() else { return Ok(()) };
     let out_dir = tmp("run")?;
     let data = data.to_string_lossy().to_string();
-    let out = probattn(&["gat", "--dataset", "cora", "--attention", "bam-wc", "--seeds", "2", "--max-epochs", "8", "--device", "cpu", "--data-dir", &data, "--out", &out_dir.to_string_lossy()])?;
+    let out = probattn(&[
+        "gat",
+        "--dataset",
+        "cora",
+        "--attention",
+        "bam-wc",
+        "--seeds",
+        "2",
+        "--max-epochs",
+        "8",
+        "--device",
+        "cpu",
+        "--data-dir",
+        &data,
+        "--out",
+        &out_dir.to_string_lossy(),
+    ])?;
     let said = text(&out);
     ensure!(out.status.success(), "{said}");
     // shared/data/README.md: 2708 nodes, 1433 features, 7 classes, 5278 undirected edges
     // (10556 directed) plus 2708 self-loops; split 140/500/1000.
-    ensure!(said.contains("cora: 2708 nodes, 1433 features, 7 classes, 13264 edges with self-loops; train/val/test 140/500/1000"), "{said}");
+    ensure!(
+        said.contains("cora: 2708 nodes, 1433 features, 7 classes, 13264 edges with self-loops; train/val/test 140/500/1000"),
+        "{said}"
+    );
     ensure!(said.contains("bam-wc     seed   0: test acc") && said.contains("seed   1:"), "{said}");
     let results: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("results.json"))?)?;
     for key in ["dataset", "attention", "config", "runs", "test_acc_mean", "test_acc_std", "provenance"] {
@@ -63,9 +82,25 @@ fn citeseer_is_padded_as_the_gcn_loader_pads_it() -> Result<()> {
     let Some(data) = planetoid() else { return Ok(()) };
     let out_dir = tmp("citeseer")?;
     let data = data.to_string_lossy().to_string();
-    let out = probattn(&["gat", "--dataset", "citeseer", "--seeds", "1", "--max-epochs", "1", "--data-dir", &data, "--out", &out_dir.to_string_lossy()])?;
+    let out = probattn(&[
+        "gat",
+        "--dataset",
+        "citeseer",
+        "--seeds",
+        "1",
+        "--max-epochs",
+        "1",
+        "--data-dir",
+        &data,
+        "--out",
+        &out_dir.to_string_lossy(),
+    ])?;
     // 3312 real nodes + 15 padded; 4552 undirected edges without self-loops -> 9104 + 3327.
-    ensure!(text(&out).contains("citeseer: 3327 nodes, 3703 features, 6 classes, 12431 edges with self-loops; train/val/test 120/500/1000"), "{}", text(&out));
+    ensure!(
+        text(&out).contains("citeseer: 3327 nodes, 3703 features, 6 classes, 12431 edges with self-loops; train/val/test 120/500/1000"),
+        "{}",
+        text(&out)
+    );
     std::fs::remove_dir_all(&out_dir)?;
     Ok(())
 }

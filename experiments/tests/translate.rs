@@ -4,21 +4,37 @@
 //! metrics and translations; --decode reuses a checkpoint;
 //! bad input gets a named error and exit status 1.
 
+mod binary;
 #[path = "../../tests/common/mod.rs"]
 mod common;
-mod binary;
 
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
-use common::{write_corpus, TempDir};
 use binary::{probattn, text};
+use common::{write_corpus, TempDir};
 
 const FLAGS: [&str; 18] = [
-    "--preset", "tiny", "--bpe-vocab", "120", "--max-tokens", "300", "--max-epochs", "4", "--beam", "2", "--warmup-updates", "20", "--threads", "1",
-    "--device", "cpu", "--seeds", "1",
+    "--preset",
+    "tiny",
+    "--bpe-vocab",
+    "120",
+    "--max-tokens",
+    "300",
+    "--max-epochs",
+    "4",
+    "--beam",
+    "2",
+    "--warmup-updates",
+    "20",
+    "--threads",
+    "1",
+    "--device",
+    "cpu",
+    "--seeds",
+    "1",
 ];
 
 /// metrics.jsonl without the timing fields, which differ between runs.
@@ -69,21 +85,45 @@ fn a_killed_run_resumes_to_the_uninterrupted_result() -> Result<()> {
     let resumed = probattn(&[&["translate", "--data-dir", &data, "--resume", &b][..], &FLAGS].concat())?;
     ensure!(resumed.status.success(), "{}", text(&resumed));
     ensure!(text(&resumed).contains("resuming seed 1 after epoch"), "{}", text(&resumed));
-    ensure!(metrics(Path::new(&a))? == metrics(Path::new(&b))?, "metrics differ:\n{:?}\n{:?}", metrics(Path::new(&a))?, metrics(Path::new(&b))?);
+    ensure!(
+        metrics(Path::new(&a))? == metrics(Path::new(&b))?,
+        "metrics differ:\n{:?}\n{:?}",
+        metrics(Path::new(&a))?,
+        metrics(Path::new(&b))?
+    );
     let hyp = |d: &str| std::fs::read_to_string(Path::new(d).join("seed-1/test.hyp"));
     ensure!(hyp(&a)? == hyp(&b)?, "test translations differ");
     let results: serde_json::Value = serde_json::from_slice(&std::fs::read(tmp.path("b/results.json"))?)?;
     for field in ["test_bleu", "test_bleu_tok", "valid_bleu", "best_epoch", "epochs", "tokens_per_second"] {
         ensure!(!results["runs"][0][field].is_null(), "results.json lacks runs[0].{field}");
     }
-    let left: Vec<String> = std::fs::read_dir(tmp.path("b/seed-1"))?.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.contains(".tmp-")).collect();
+    let left: Vec<String> = std::fs::read_dir(tmp.path("b/seed-1"))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tmp-"))
+        .collect();
     ensure!(left.is_empty(), "temporary files left behind: {left:?}");
 
     // The checkpoint translates a file for users, and agrees with the run's own test output.
     let ckpt = tmp.path("b/seed-1/checkpoint_best.safetensors").to_string_lossy().to_string();
     let input = format!("{data}/test.de");
     let out = tmp.path("decoded.txt").to_string_lossy().to_string();
-    let decoded = probattn(&["translate", "--decode", "--checkpoint", &ckpt, "--input", &input, "--output", &out, "--beam", "2", "--threads", "1", "--device", "cpu"])?;
+    let decoded = probattn(&[
+        "translate",
+        "--decode",
+        "--checkpoint",
+        &ckpt,
+        "--input",
+        &input,
+        "--output",
+        &out,
+        "--beam",
+        "2",
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+    ])?;
     ensure!(decoded.status.success(), "{}", text(&decoded));
     ensure!(std::fs::read_to_string(&out)? == hyp(&b)?, "--decode differs from the run's test.hyp");
 
@@ -106,7 +146,12 @@ fn a_killed_run_resumes_to_the_uninterrupted_result() -> Result<()> {
     child.wait()?;
     let resumed = probattn(&[&["translate", "--data-dir", &data, "--resume", &c][..], &FLAGS].concat())?;
     ensure!(resumed.status.success(), "{}", text(&resumed));
-    ensure!(metrics(Path::new(&a))? == metrics(Path::new(&c))?, "metrics differ after a kill between metrics and checkpoint:\n{:?}\n{:?}", metrics(Path::new(&a))?, metrics(Path::new(&c))?);
+    ensure!(
+        metrics(Path::new(&a))? == metrics(Path::new(&c))?,
+        "metrics differ after a kill between metrics and checkpoint:\n{:?}\n{:?}",
+        metrics(Path::new(&a))?,
+        metrics(Path::new(&c))?
+    );
 
     // Resuming with other flags is refused by name.
     let other = probattn(&[&["translate", "--data-dir", &data, "--resume", &b, "--label-smoothing", "0.2"][..], &FLAGS].concat())?;
@@ -126,7 +171,11 @@ fn bad_input_is_named() -> Result<()> {
 
     std::fs::write(data.join("valid.en"), "one\ntwo\n")?;
     let o = run(&[])?;
-    ensure!(o.status.code() == Some(1) && text(&o).contains("valid.de has 5 lines but") && text(&o).contains("valid.en has 2"), "{}", text(&o));
+    ensure!(
+        o.status.code() == Some(1) && text(&o).contains("valid.de has 5 lines but") && text(&o).contains("valid.en has 2"),
+        "{}",
+        text(&o)
+    );
     std::fs::write(data.join("valid.en"), "one\n\nthree\nfour\nfive\n")?;
     let o = run(&[])?;
     ensure!(o.status.code() == Some(1) && text(&o).contains("valid.en line 2 is empty"), "{}", text(&o));
@@ -187,7 +236,8 @@ fn average_last_tests_the_mean_of_the_last_epochs() -> Result<()> {
     std::fs::copy(data.join("test.de"), &input)?;
     let input = input.to_string_lossy().to_string();
     let ckpt = tmp.path("out/seed-1/checkpoint_average.safetensors").to_string_lossy().to_string();
-    let o = probattn(&["translate", "--decode", "--checkpoint", &ckpt, "--input", &input, "--beam", "2", "--device", "cpu", "--threads", "1"])?;
+    let o =
+        probattn(&["translate", "--decode", "--checkpoint", &ckpt, "--input", &input, "--beam", "2", "--device", "cpu", "--threads", "1"])?;
     ensure!(o.status.success() && String::from_utf8_lossy(&o.stdout).lines().count() == 10, "{}", text(&o));
     Ok(())
 }

@@ -3,22 +3,25 @@
 //! baseline scored through --eval-torchscript, and bad input (corrupt, wrong-shaped or stale detectors,
 //! malformed data files, unknown fusions) refused with a named error.
 
+mod binary;
 #[path = "../../tests/common/mod.rs"]
 mod common;
-mod binary;
 
 use std::path::Path;
 use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
+use binary::{json, probattn, text};
 use common::{python, run_python, TempDir};
-use binary::{probattn, text, json};
 
 /// Tiny data (40 / 10 / 10 images, 4 questions each) and detectors trained one epoch.
 fn tiny(dir: &TempDir) -> Result<(String, String)> {
     let data = dir.path("data").to_string_lossy().to_string();
     let det = dir.path("detectors").to_string_lossy().to_string();
-    run_python("vqa_data.py", &["sort-of-clevr", "--out", &data, "--train", "40", "--val", "10", "--test", "10", "--questions-per-kind", "2", "--seed", "3"])?;
+    run_python(
+        "vqa_data.py",
+        &["sort-of-clevr", "--out", &data, "--train", "40", "--val", "10", "--test", "10", "--questions-per-kind", "2", "--seed", "3"],
+    )?;
     run_python("vqa_detectors.py", &["--data", &data, "--out", &det, "--epochs", "1", "--threads", "1"])?;
     Ok((data, det))
 }
@@ -28,7 +31,29 @@ fn every_fusion_writes_its_results_and_reports() -> Result<()> {
     let dir = TempDir::new("cli-vqa")?;
     let (data, det) = tiny(&dir)?;
     let out = dir.path("run").to_string_lossy().to_string();
-    let run = probattn(&["vqa", "--data", &data, "--detectors", &det, "--fusion", "all", "--seeds", "1", "--max-epochs", "1", "--mc-samples", "3", "--image-noise", "0.1", "--hidden", "16", "--threads", "1", "--out", &out])?;
+    let run = probattn(&[
+        "vqa",
+        "--data",
+        &data,
+        "--detectors",
+        &det,
+        "--fusion",
+        "all",
+        "--seeds",
+        "1",
+        "--max-epochs",
+        "1",
+        "--mc-samples",
+        "3",
+        "--image-noise",
+        "0.1",
+        "--hidden",
+        "16",
+        "--threads",
+        "1",
+        "--out",
+        &out,
+    ])?;
     ensure!(run.status.success(), "{}", text(&run));
     ensure!(text(&run).contains("features:") && Path::new(&out).join("summary.md").is_file(), "{}", text(&run));
     ensure!(Path::new(&out).join("log_mass.svg").is_file(), "no Fig. 1 histogram across fusions");
@@ -68,7 +93,13 @@ fn every_fusion_writes_its_results_and_reports() -> Result<()> {
         if fusion != "none" {
             ensure!(u["samples"] == if fusion == "bam-wc" { 3 } else { 2 } && u["image_noise"] == 0.1, "{fusion}: {u}");
             // The test's measures, then the same on the validation split, where BAM's settings are chosen.
-            let sides = [("clean", &u["clean"]), ("noisy", &u["noisy"]), ("noisy_image", &u["noisy_image"]), ("val clean", &u["val"]["clean"]), ("val noisy", &u["val"]["noisy"])];
+            let sides = [
+                ("clean", &u["clean"]),
+                ("noisy", &u["noisy"]),
+                ("noisy_image", &u["noisy_image"]),
+                ("val clean", &u["val"]["clean"]),
+                ("val noisy", &u["val"]["noisy"]),
+            ];
             for (side, m) in sides {
                 let p = m["pavpu_05"].as_f64().with_context(|| format!("{side} pavpu"))?;
                 ensure!((0.0..=1.0).contains(&p) && m["ece"].is_number(), "{fusion} {side}: {u}");
@@ -78,7 +109,11 @@ fn every_fusion_writes_its_results_and_reports() -> Result<()> {
             }
             if fusion != "bam-wc" {
                 // A deterministic fusion's clean validation pass is the early-stopping evaluation.
-                ensure!((u["val"]["clean"]["accuracy"].as_f64().context("val accuracy")? - run["val_acc"].as_f64().context("val_acc")?).abs() < 1e-12, "{fusion}: {u}");
+                ensure!(
+                    (u["val"]["clean"]["accuracy"].as_f64().context("val accuracy")? - run["val_acc"].as_f64().context("val_acc")?).abs()
+                        < 1e-12,
+                    "{fusion}: {u}"
+                );
             }
             if fusion == "softmax" {
                 // The clean Monte Carlo mean is the eval-mode prediction.
@@ -97,19 +132,51 @@ fn the_pytorch_baseline_scores_the_same_inside_probattn() -> Result<()> {
     let (data, det) = tiny(&dir)?;
     // A first run extracts and caches the features; the baseline trains on that cache.
     let out = dir.path("run").to_string_lossy().to_string();
-    let first = probattn(&["vqa", "--data", &data, "--detectors", &det, "--fusion", "dnas", "--seeds", "1", "--max-epochs", "1", "--hidden", "16", "--threads", "1", "--out", &out])?;
+    let first = probattn(&[
+        "vqa",
+        "--data",
+        &data,
+        "--detectors",
+        &det,
+        "--fusion",
+        "dnas",
+        "--seeds",
+        "1",
+        "--max-epochs",
+        "1",
+        "--hidden",
+        "16",
+        "--threads",
+        "1",
+        "--out",
+        &out,
+    ])?;
     ensure!(first.status.success(), "{}", text(&first));
     let cache = std::fs::read_dir(Path::new(&data).join("features"))?.next().context("no feature cache")??.path();
     let model = dir.path("model.pt").to_string_lossy().to_string();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/baselines/vqa.py");
     let base = Command::new(python()?)
         .arg(&script)
-        .args(["--data", &data, "--features", &cache.to_string_lossy(), "--fusion", "dnas", "--max-epochs", "2", "--threads", "1", "--export-torchscript", &model])
+        .args([
+            "--data",
+            &data,
+            "--features",
+            &cache.to_string_lossy(),
+            "--fusion",
+            "dnas",
+            "--max-epochs",
+            "2",
+            "--threads",
+            "1",
+            "--export-torchscript",
+            &model,
+        ])
         .output()?;
     ensure!(base.status.success(), "{}", text(&base));
     let expected: serde_json::Value = serde_json::from_slice(&base.stdout)?;
     let ts_out = dir.path("ts").to_string_lossy().to_string();
-    let scored = probattn(&["vqa", "--data", &data, "--detectors", &det, "--eval-torchscript", &model, "--threads", "1", "--out", &ts_out])?;
+    let scored =
+        probattn(&["vqa", "--data", &data, "--detectors", &det, "--eval-torchscript", &model, "--threads", "1", "--out", &ts_out])?;
     ensure!(scored.status.success(), "{}", text(&scored));
     let ours = json(&Path::new(&ts_out).join("eval_torchscript.json"))?;
     let (a, b) = (ours["test_acc"].as_f64().context("ours")?, expected["runs"][0]["test_acc"].as_f64().context("baseline")?);
@@ -124,9 +191,25 @@ fn the_pytorch_baseline_scores_the_same_inside_probattn() -> Result<()> {
 fn object_detectors_and_a_bag_of_words_question_run() -> Result<()> {
     let dir = TempDir::new("cli-vqa-objects")?;
     let data = dir.path("data").to_string_lossy().to_string();
-    run_python("vqa_data.py", &["sort-of-clevr", "--out", &data, "--train", "40", "--val", "10", "--test", "10", "--questions-per-kind", "2", "--seed", "3"])?;
+    run_python(
+        "vqa_data.py",
+        &["sort-of-clevr", "--out", &data, "--train", "40", "--val", "10", "--test", "10", "--questions-per-kind", "2", "--seed", "3"],
+    )?;
     let out = dir.path("run").to_string_lossy().to_string();
-    let flags = ["--detector-epochs", "1", "--detector-boxes", "3", "--question-encoder", "bow", "--relational-heads", "2", "--fusion", "dnas", "--lr-decay", "0.5"];
+    let flags = [
+        "--detector-epochs",
+        "1",
+        "--detector-boxes",
+        "3",
+        "--question-encoder",
+        "bow",
+        "--relational-heads",
+        "2",
+        "--fusion",
+        "dnas",
+        "--lr-decay",
+        "0.5",
+    ];
     let common = ["--hidden", "16", "--seeds", "1", "--max-epochs", "1", "--mc-samples", "3", "--threads", "1", "--out", &out];
     let run = probattn(&[&["vqa", "--data", &data][..], &flags, &common].concat())?;
     ensure!(run.status.success(), "{}", text(&run));
@@ -141,7 +224,8 @@ fn object_detectors_and_a_bag_of_words_question_run() -> Result<()> {
     ensure!(r["runs"][0]["explained_away"]["boxes"] == 60 && r["runs"][0]["test_acc"].is_number(), "{r}");
     ensure!(r["config"]["lr_decay"] == 0.5 && r["config"]["lr_patience"] == 2, "{}", r["config"]);
     // Each epoch's line has the rate it trained at and the validation accuracy of all six types.
-    let epoch: serde_json::Value = serde_json::from_str(std::fs::read_to_string(Path::new(&out).join("metrics.jsonl"))?.lines().next().context("no metrics line")?)?;
+    let epoch: serde_json::Value =
+        serde_json::from_str(std::fs::read_to_string(Path::new(&out).join("metrics.jsonl"))?.lines().next().context("no metrics line")?)?;
     ensure!(epoch["lr"] == 1e-3 && epoch["val_acc_by_type"].as_object().map(|m| m.len()) == Some(6), "{epoch}");
     // The detector flags say how probattn trains its own detectors: refused beside --detectors,
     // and an unknown encoder or zero epochs are named.
@@ -155,7 +239,9 @@ fn object_detectors_and_a_bag_of_words_question_run() -> Result<()> {
         (vec!["--lr-decay", "1.5"], "--lr-decay must be in (0, 1]"),
         (vec!["--lr-patience", "0"], "--lr-patience must be at least 1"),
     ] {
-        let out = probattn(&[&["vqa", "--data", &data, "--seeds", "1", "--max-epochs", "1", "--threads", "1", "--out", &never][..], &bad].concat())?;
+        let out = probattn(
+            &[&["vqa", "--data", &data, "--seeds", "1", "--max-epochs", "1", "--threads", "1", "--out", &never][..], &bad].concat(),
+        )?;
         ensure!(out.status.code() == Some(1) && text(&out).contains(says), "{bad:?}: {}", text(&out));
     }
     ensure!(!dir.path("never").exists(), "a refused run left an output folder");
@@ -167,7 +253,27 @@ fn bad_detectors_and_data_are_named() -> Result<()> {
     let dir = TempDir::new("cli-vqa-bad")?;
     let (data, det) = tiny(&dir)?;
     let d = |name: &str| Path::new(&det).join(name).to_string_lossy().to_string();
-    let run = |extra: &[&str]| probattn(&[&["vqa", "--data", &data, "--max-epochs", "1", "--seeds", "1", "--threads", "1", "--out", &dir.path("never").to_string_lossy()], extra].concat());
+    let run = |extra: &[&str]| {
+        probattn(
+            &[
+                &[
+                    "vqa",
+                    "--data",
+                    &data,
+                    "--max-epochs",
+                    "1",
+                    "--seeds",
+                    "1",
+                    "--threads",
+                    "1",
+                    "--out",
+                    &dir.path("never").to_string_lossy(),
+                ],
+                extra,
+            ]
+            .concat(),
+        )
+    };
     // A corrupt TorchScript file.
     std::fs::write(dir.path("garbage.pt"), b"not a zip archive")?;
     let garbage = dir.path("garbage.pt").to_string_lossy().to_string();
@@ -187,7 +293,27 @@ fn bad_detectors_and_data_are_named() -> Result<()> {
     let out = run(&["--detectors", &det, "--relational-heads=-1"])?;
     ensure!(out.status.code() == Some(1) && text(&out).contains("--relational-heads must be 0 or more"), "{}", text(&out));
     let related = dir.path("related").to_string_lossy().to_string();
-    let out = probattn(&["vqa", "--data", &data, "--detectors", &det, "--fusion", "dnas", "--relational-heads", "2", "--hidden", "16", "--seeds", "1", "--max-epochs", "1", "--threads", "1", "--out", &related])?;
+    let out = probattn(&[
+        "vqa",
+        "--data",
+        &data,
+        "--detectors",
+        &det,
+        "--fusion",
+        "dnas",
+        "--relational-heads",
+        "2",
+        "--hidden",
+        "16",
+        "--seeds",
+        "1",
+        "--max-epochs",
+        "1",
+        "--threads",
+        "1",
+        "--out",
+        &related,
+    ])?;
     ensure!(out.status.success(), "{}", text(&out));
     let r = json(&Path::new(&related).join("results.json"))?;
     ensure!(r["config"]["model"]["relational_heads"] == 2 && r["runs"][0]["test_acc"].is_number(), "{r}");
@@ -201,7 +327,11 @@ fn bad_detectors_and_data_are_named() -> Result<()> {
     fewer["answers"] = serde_json::json!(["square", "circle"]);
     std::fs::write(&meta, fewer.to_string())?;
     let out = run(&["--detectors", &det])?;
-    ensure!(out.status.code() == Some(1) && text(&out).contains("train_answer holds ids") && text(&out).contains("outside 0..2"), "{}", text(&out));
+    ensure!(
+        out.status.code() == Some(1) && text(&out).contains("train_answer holds ids") && text(&out).contains("outside 0..2"),
+        "{}",
+        text(&out)
+    );
     // Detectors trained for an earlier conversion of the data (another data file), and for
     // data whose meta.json now asks for another view.
     std::fs::write(&meta, &good)?;
@@ -211,7 +341,11 @@ fn bad_detectors_and_data_are_named() -> Result<()> {
     other["data_sha256"] = serde_json::json!("0123");
     std::fs::write(&manifest, other.to_string())?;
     let out = run(&["--detectors", &det])?;
-    ensure!(out.status.code() == Some(1) && text(&out).contains("were trained for other data") && text(&out).contains("sha256"), "{}", text(&out));
+    ensure!(
+        out.status.code() == Some(1) && text(&out).contains("were trained for other data") && text(&out).contains("sha256"),
+        "{}",
+        text(&out)
+    );
     std::fs::write(&manifest, &trained)?;
     let mut global: serde_json::Value = serde_json::from_str(&good)?;
     global["detector_context"] = serde_json::json!("global");

@@ -3,15 +3,15 @@
 //! next to spaces, commas in numbers, periods, number words, articles, contractions, tabs and
 //! newlines, answers that agree and disagree); and its bad input.
 
+mod binary;
 #[path = "../../tests/common/mod.rs"]
 mod common;
-mod binary;
 
 use std::process::{Command, Output};
 
 use anyhow::{ensure, Context, Result};
-use common::{python, TempDir};
 use binary::{probattn, text};
+use common::{python, TempDir};
 
 fn reference(args: &[&str]) -> Result<Output> {
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/vqa_eval_reference.py");
@@ -31,7 +31,8 @@ fn vqa_eval_equals_the_official_computation() -> Result<()> {
         ensure!(theirs.status.success(), "{}", text(&theirs));
         let ours = probattn(&["vqa-eval", "--questions", &files[0], "--annotations", &files[1], "--results", &files[2], "--json"])?;
         ensure!(ours.status.success(), "{}", text(&ours));
-        let (a, b): (serde_json::Value, serde_json::Value) = (serde_json::from_slice(&ours.stdout)?, serde_json::from_slice(&theirs.stdout)?);
+        let (a, b): (serde_json::Value, serde_json::Value) =
+            (serde_json::from_slice(&ours.stdout)?, serde_json::from_slice(&theirs.stdout)?);
         ensure!(a == b, "seed {seed}: probattn {a} vs the official computation {b}");
         ensure!(a["overall"].as_f64().is_some_and(|x| x > 10.0 && x < 95.0), "seed {seed}: a degenerate case: {a}");
     }

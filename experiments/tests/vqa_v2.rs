@@ -4,16 +4,16 @@
 //! results file it writes (checked again with `probattn vqa-eval`), features read from disk must
 //! give the same run as features held in memory, and bad input is refused by name.
 
+mod binary;
 #[path = "../../tests/common/mod.rs"]
 mod common;
-mod binary;
 
 use std::path::Path;
 
 use anyhow::{ensure, Context, Result};
+use binary::{json, probattn, text};
 use common::TempDir;
 use tch::{Kind, Tensor};
-use binary::{probattn, text, json};
 
 const COLOURS: [&str; 3] = ["red", "blue", "green"];
 
@@ -33,19 +33,34 @@ fn write_split(dir: &Path, split: &str, images: &[u64]) -> Result<()> {
         let capitalised = format!("{}{}.", colour[..1].to_uppercase(), &colour[1..]);
         let count = count.to_string();
         let cases = [
-            ("What color is the big shape?", "what color is the", "other", humans(&[(colour, 7), (&capitalised, 1), ("purple", 1), ("pink", 1)])),
+            (
+                "What color is the big shape?",
+                "what color is the",
+                "other",
+                humans(&[(colour, 7), (&capitalised, 1), ("purple", 1), ("pink", 1)]),
+            ),
             ("How many circles are there?", "how many", "number", humans(&[(&count, 6), ("two", 2), ("7", 2)])),
             ("Is the square left of the circle?", "is the", "yes/no", humans(&[(yes, 9), ("maybe", 1)])),
         ];
         for (k, (q, qtype, atype, humans)) in cases.into_iter().enumerate() {
             let id = image * 10 + k as u64;
             questions.push(serde_json::json!({"image_id": image, "question": q, "question_id": id}));
-            let answers: Vec<_> = humans.iter().enumerate().map(|(i, a)| serde_json::json!({"answer": a, "answer_confidence": "yes", "answer_id": i + 1})).collect();
+            let answers: Vec<_> = humans
+                .iter()
+                .enumerate()
+                .map(|(i, a)| serde_json::json!({"answer": a, "answer_confidence": "yes", "answer_id": i + 1}))
+                .collect();
             annotations.push(serde_json::json!({"question_id": id, "image_id": image, "question_type": qtype, "answer_type": atype, "multiple_choice_answer": humans[0], "answers": answers}));
         }
     }
-    std::fs::write(dir.join(format!("v2_OpenEnded_mscoco_{split}_questions.json")), serde_json::to_vec(&serde_json::json!({"questions": questions}))?)?;
-    std::fs::write(dir.join(format!("v2_mscoco_{split}_annotations.json")), serde_json::to_vec(&serde_json::json!({"annotations": annotations}))?)?;
+    std::fs::write(
+        dir.join(format!("v2_OpenEnded_mscoco_{split}_questions.json")),
+        serde_json::to_vec(&serde_json::json!({"questions": questions}))?,
+    )?;
+    std::fs::write(
+        dir.join(format!("v2_mscoco_{split}_annotations.json")),
+        serde_json::to_vec(&serde_json::json!({"annotations": annotations}))?,
+    )?;
     Ok(())
 }
 
@@ -84,8 +99,37 @@ fn vqa_v2(dir: &TempDir) -> Result<Files> {
 }
 
 fn run_args<'a>(f: &'a Files, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args = vec!["vqa", "--dataset", "vqa-v2", "--data", &f.data, "--features", &f.features[0], "--features", &f.features[1], "--features", &f.features[2]];
-    args.extend(["--seeds", "1", "--max-epochs", "3", "--hidden", "16", "--threads", "1", "--answers", "12", "--val-fraction", "0.2", "--mc-samples", "3", "--out", out]);
+    let mut args = vec![
+        "vqa",
+        "--dataset",
+        "vqa-v2",
+        "--data",
+        &f.data,
+        "--features",
+        &f.features[0],
+        "--features",
+        &f.features[1],
+        "--features",
+        &f.features[2],
+    ];
+    args.extend([
+        "--seeds",
+        "1",
+        "--max-epochs",
+        "3",
+        "--hidden",
+        "16",
+        "--threads",
+        "1",
+        "--answers",
+        "12",
+        "--val-fraction",
+        "0.2",
+        "--mc-samples",
+        "3",
+        "--out",
+        out,
+    ]);
     args.extend(extra);
     args
 }
@@ -111,7 +155,8 @@ fn vqa_v2_scores_its_results_file_with_the_official_evaluation() -> Result<()> {
     let results = Path::new(&out).join("test_results-seed0.json");
     let written = json(&results)?;
     ensure!(written.as_array().map(Vec::len) == Some(30) && written[0]["answer"].is_string(), "{written}");
-    let (q, a) = (format!("{}/v2_OpenEnded_mscoco_val2014_questions.json", f.data), format!("{}/v2_mscoco_val2014_annotations.json", f.data));
+    let (q, a) =
+        (format!("{}/v2_OpenEnded_mscoco_val2014_questions.json", f.data), format!("{}/v2_mscoco_val2014_annotations.json", f.data));
     let eval = probattn(&["vqa-eval", "--questions", &q, "--annotations", &a, "--results", &results.to_string_lossy(), "--json"])?;
     ensure!(eval.status.success(), "{}", text(&eval));
     let scored: serde_json::Value = serde_json::from_slice(&eval.stdout)?;
@@ -122,7 +167,12 @@ fn vqa_v2_scores_its_results_file_with_the_official_evaluation() -> Result<()> {
     let run = probattn(&run_args(&f, &out2, &["--fusion", "bam-wc", "--feature-memory-gb", "0"]))?;
     ensure!(run.status.success() && text(&run).contains("reading them from disk"), "{}", text(&run));
     let r2 = json(&Path::new(&out2).join("results.json"))?;
-    ensure!(r2["runs"][0]["official"] == *official && r2["runs"][0]["val_acc"] == seed["val_acc"], "disk {} vs memory {}", r2["runs"][0], seed);
+    ensure!(
+        r2["runs"][0]["official"] == *official && r2["runs"][0]["val_acc"] == seed["val_acc"],
+        "disk {} vs memory {}",
+        r2["runs"][0],
+        seed
+    );
     Ok(())
 }
 
@@ -144,7 +194,10 @@ fn vqa_v2_bad_input_is_named() -> Result<()> {
     write_features(Path::new(&f.features[0]), &[(7, "train2014")], false, 5)?;
     expect(run_args(&f, &out, &["--fusion", "softmax"]), "variable box counts are not supported")?;
     write_features(Path::new(&f.features[0]), &[(7, "train2014")], false, 4)?;
-    expect(vec!["vqa", "--dataset", "vqa-v2", "--data", &f.data, "--features", &f.features[0], "--out", &out], "needs --features at least twice")?;
+    expect(
+        vec!["vqa", "--dataset", "vqa-v2", "--data", &f.data, "--features", &f.features[0], "--out", &out],
+        "needs --features at least twice",
+    )?;
     // Not an .npz file; a missing annotations file; a malformed questions file.
     std::fs::write(Path::new(&f.features[1]).join("COCO_val2014_000000000101.npz"), b"not a zip")?;
     expect(run_args(&f, &out, &["--fusion", "softmax"]), "COCO_val2014_000000000101.npz is not a readable .npz file")?;

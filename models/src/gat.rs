@@ -167,13 +167,8 @@ impl GatLayer {
         let e = e_dst.index_select(0, &edges.dst) + e_src.index_select(0, &edges.src); // (E, H)
         let scores = e.maximum(&(&e * cfg.negative_slope)).transpose(0, 1).contiguous(); // LeakyReLU, (H, E)
         let keys = wh.transpose(0, 1).unsqueeze(0); // (1, H, N, F)
-        let normalized = self.normalizer.normalize(&NormalizeInput {
-            scores: &scores,
-            support,
-            keys: Some(&keys),
-            noise: None,
-            sample: mode.sample,
-        })?;
+        let normalized =
+            self.normalizer.normalize(&NormalizeInput { scores: &scores, support, keys: Some(&keys), noise: None, sample: mode.sample })?;
         let weights = dropout(&normalized.weights, cfg.attention_dropout, mode.dropout); // (H, E)
         let values = dropout(&wh, cfg.dropout, mode.dropout);
         let messages = values.index_select(0, &edges.src) * weights.transpose(0, 1).unsqueeze(-1); // (E, H, F)

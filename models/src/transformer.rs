@@ -49,9 +49,14 @@ pub fn pytorch_name(ours: &str) -> Option<String> {
 pub fn config_of_pytorch(params: &[(String, Tensor)], heads: i64, variant: Variant) -> Result<TransformerConfig> {
     let count = |side: &str| (0..).take_while(|i| params.iter().any(|(n, _)| n.starts_with(&format!("{side}.layers.{i}.")))).count();
     let (encoder_layers, decoder_layers) = (count("encoder"), count("decoder"));
-    let Some((ffn_dim, embed_dim)) = params.iter().find(|(n, _)| n == "encoder.layers.0.linear1.weight").map(|(_, t)| (t.size()[0], t.size()[1])) else {
+    let Some((ffn_dim, embed_dim)) =
+        params.iter().find(|(n, _)| n == "encoder.layers.0.linear1.weight").map(|(_, t)| (t.size()[0], t.size()[1]))
+    else {
         let some: Vec<&str> = params.iter().take(6).map(|(n, _)| n.as_str()).collect();
-        return Err(probattn::Error::Config(format!("no encoder.layers.0.linear1.weight among the parameters ({} ...): not an nn.Transformer", some.join(", "))));
+        return Err(probattn::Error::Config(format!(
+            "no encoder.layers.0.linear1.weight among the parameters ({} ...): not an nn.Transformer",
+            some.join(", ")
+        )));
     };
     if decoder_layers == 0 {
         return Err(probattn::Error::Config("no decoder.layers.*: an encoder-decoder nn.Transformer is needed".into()));
@@ -76,7 +81,8 @@ pub fn config_of_pytorch(params: &[(String, Tensor)], heads: i64, variant: Varia
 /// Maps nn.Transformer's parameter names to those of the variables of `vs` (a [`Transformer`]);
 /// a name with no counterpart passes through unchanged, so an import reports it as unexpected.
 pub fn pytorch_renamer(vs: &nn::VarStore) -> impl Fn(&str) -> Option<String> {
-    let ours: std::collections::HashMap<String, String> = vs.variables().into_keys().filter_map(|n| pytorch_name(&n).map(|p| (p, n))).collect();
+    let ours: std::collections::HashMap<String, String> =
+        vs.variables().into_keys().filter_map(|n| pytorch_name(&n).map(|p| (p, n))).collect();
     move |pt: &str| Some(ours.get(pt).cloned().unwrap_or_else(|| pt.to_string()))
 }
 
@@ -169,7 +175,8 @@ impl FeedForward {
     fn new(p: &nn::Path, cfg: &TransformerConfig) -> Self {
         let linear = |name: &str, i: i64, o: i64| {
             let bound = (6.0 / (i + o) as f64).sqrt();
-            let c = nn::LinearConfig { ws_init: nn::Init::Uniform { lo: -bound, up: bound }, bs_init: Some(nn::Init::Const(0.0)), bias: true };
+            let c =
+                nn::LinearConfig { ws_init: nn::Init::Uniform { lo: -bound, up: bound }, bs_init: Some(nn::Init::Const(0.0)), bias: true };
             nn::linear(p / name, i, o, c)
         };
         Self { fc1: linear("fc1", cfg.embed_dim, cfg.ffn_dim), fc2: linear("fc2", cfg.ffn_dim, cfg.embed_dim) }
@@ -289,7 +296,14 @@ impl Transformer {
 
     /// `src (B, S, E)` and `tgt (B, T, E)` embedded sequences, padding masks `(B, S)` / `(B, T)`
     /// with `true` = padding.
-    pub fn forward_t(&self, src: &Tensor, src_pad: Option<&Tensor>, tgt: &Tensor, tgt_pad: Option<&Tensor>, train: bool) -> Result<TransformerOutput> {
+    pub fn forward_t(
+        &self,
+        src: &Tensor,
+        src_pad: Option<&Tensor>,
+        tgt: &Tensor,
+        tgt_pad: Option<&Tensor>,
+        train: bool,
+    ) -> Result<TransformerOutput> {
         let mut kls = vec![];
         let memory = self.encode(src, src_pad, train, &mut kls)?;
         let output = self.decode(tgt, tgt_pad, &memory, src_pad, train, &mut kls)?;
@@ -311,7 +325,14 @@ impl Transformer {
         Ok((x, seen))
     }
 
-    fn encode_impl(&self, src: &Tensor, src_pad: Option<&Tensor>, train: bool, kls: &mut Vec<Tensor>, mut inspect: Option<&mut Vec<(Tensor, Tensor)>>) -> Result<Tensor> {
+    fn encode_impl(
+        &self,
+        src: &Tensor,
+        src_pad: Option<&Tensor>,
+        train: bool,
+        kls: &mut Vec<Tensor>,
+        mut inspect: Option<&mut Vec<(Tensor, Tensor)>>,
+    ) -> Result<Tensor> {
         let p = self.cfg.dropout;
         let mut x = src.shallow_clone(); // (B, S, E)
         let src_masks = Masks { key_padding: src_pad, query_padding: src_pad, ..Default::default() };
@@ -335,7 +356,15 @@ impl Transformer {
     }
 
     /// The decoder over a whole target prefix (teacher forcing): `tgt (B, T, E)` → `(B, T, E)`.
-    pub fn decode(&self, tgt: &Tensor, tgt_pad: Option<&Tensor>, memory: &Tensor, src_pad: Option<&Tensor>, train: bool, kls: &mut Vec<Tensor>) -> Result<Tensor> {
+    pub fn decode(
+        &self,
+        tgt: &Tensor,
+        tgt_pad: Option<&Tensor>,
+        memory: &Tensor,
+        src_pad: Option<&Tensor>,
+        train: bool,
+        kls: &mut Vec<Tensor>,
+    ) -> Result<Tensor> {
         let p = self.cfg.dropout;
         let mut y = tgt.shallow_clone(); // (B, T, E)
         let causal = Masks { key_padding: tgt_pad, causal: true, ..Default::default() };
@@ -411,9 +440,18 @@ mod tests {
     #[test]
     fn every_parameter_has_one_nn_transformer_name() {
         let vs = nn::VarStore::new(tch::Device::Cpu);
-        let cfg = TransformerConfig { encoder_layers: 2, decoder_layers: 3, embed_dim: 8, heads: 2, ffn_dim: 16, final_norm: true, ..TransformerConfig::iwslt() };
+        let cfg = TransformerConfig {
+            encoder_layers: 2,
+            decoder_layers: 3,
+            embed_dim: 8,
+            heads: 2,
+            ffn_dim: 16,
+            final_norm: true,
+            ..TransformerConfig::iwslt()
+        };
         Transformer::new(&vs.root(), cfg).unwrap();
-        let names: Vec<String> = vs.variables().into_keys().map(|n| pytorch_name(&n).unwrap_or_else(|| panic!("{n} has no PyTorch name"))).collect();
+        let names: Vec<String> =
+            vs.variables().into_keys().map(|n| pytorch_name(&n).unwrap_or_else(|| panic!("{n} has no PyTorch name"))).collect();
         let unique: std::collections::BTreeSet<&String> = names.iter().collect();
         assert_eq!(unique.len(), names.len(), "two parameters share a PyTorch name: {names:?}");
         assert!(unique.contains(&"decoder.layers.2.multihead_attn.out_proj.bias".to_string()));

@@ -80,7 +80,10 @@ impl Seq2Seq {
     pub fn new(p: &nn::Path, cfg: Seq2SeqConfig) -> Result<Self> {
         let e = cfg.transformer.embed_dim;
         if cfg.vocab <= cfg.pad || cfg.pad < 0 || cfg.max_positions < 1 {
-            return Err(Error::Config(format!("vocab {} must exceed pad {} >= 0; max_positions {} >= 1", cfg.vocab, cfg.pad, cfg.max_positions)));
+            return Err(Error::Config(format!(
+                "vocab {} must exceed pad {} >= 0; max_positions {} >= 1",
+                cfg.vocab, cfg.pad, cfg.max_positions
+            )));
         }
         let embedding = |side: &str| {
             let w = (p / side / "embed_tokens").var("weight", &[cfg.vocab, e], Init::Randn { mean: 0.0, stdev: (e as f64).powf(-0.5) });
@@ -105,7 +108,11 @@ impl Seq2Seq {
     fn embed(&self, table: &Tensor, tokens: &Tensor, offset: i64, train: bool) -> Result<Tensor> {
         let (len, e) = (tokens.size()[1], self.cfg.transformer.embed_dim);
         if offset + len > self.cfg.max_positions {
-            return Err(Error::Shape(format!("a sequence of {} tokens exceeds the model's {} positions", offset + len, self.cfg.max_positions)));
+            return Err(Error::Shape(format!(
+                "a sequence of {} tokens exceeds the model's {} positions",
+                offset + len,
+                self.cfg.max_positions
+            )));
         }
         let not_pad = tokens.ne(self.cfg.pad);
         let pos = (not_pad.to_kind(Kind::Int64).cumsum(1, Kind::Int64) + offset) * &not_pad + self.cfg.pad; // (B, S)

@@ -24,7 +24,9 @@
 //! boxes joined with the question by an element-wise product, and a two-layer classifier.
 
 use probattn::tiled::{attend_tiled, TiledOptions};
-use probattn::{attend, AttendOptions, Error, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Normalizer, NormalizerConfig, Result, Variant};
+use probattn::{
+    attend, AttendOptions, Error, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Normalizer, NormalizerConfig, Result, Variant,
+};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -171,9 +173,21 @@ impl VqaConfig {
     /// Checks every size and rate; [`VqaModel::new`] calls it too.
     pub fn validate(&self) -> Result<()> {
         if self.view_regions.len() < 2 {
-            return Err(Error::Config(format!("multi-view fusion needs a primary and at least one secondary view, got {} view(s)", self.view_regions.len())));
+            return Err(Error::Config(format!(
+                "multi-view fusion needs a primary and at least one secondary view, got {} view(s)",
+                self.view_regions.len()
+            )));
         }
-        for (name, v) in [("feature_dim", self.feature_dim), ("key_dim", self.key_dim), ("vocab", self.vocab), ("word_dim", self.word_dim), ("question_dim", self.question_dim), ("hidden", self.hidden), ("glimpses", self.glimpses), ("answers", self.answers)] {
+        for (name, v) in [
+            ("feature_dim", self.feature_dim),
+            ("key_dim", self.key_dim),
+            ("vocab", self.vocab),
+            ("word_dim", self.word_dim),
+            ("question_dim", self.question_dim),
+            ("hidden", self.hidden),
+            ("glimpses", self.glimpses),
+            ("answers", self.answers),
+        ] {
             if v < 1 {
                 return Err(Error::Config(format!("{name} must be at least 1, got {v}")));
             }
@@ -185,7 +199,10 @@ impl VqaConfig {
             return Err(Error::Config("primary_skip and primary_beside are two ways to read the primary's boxes: choose one".into()));
         }
         if self.relational_heads < 0 || (self.relational_heads > 0 && self.relational_dim < 1) {
-            return Err(Error::Config(format!("relational_heads ({}) must be 0 or more, relational_dim ({}) at least 1", self.relational_heads, self.relational_dim)));
+            return Err(Error::Config(format!(
+                "relational_heads ({}) must be 0 or more, relational_dim ({}) at least 1",
+                self.relational_heads, self.relational_dim
+            )));
         }
         if self.reasoning_layers > 0 && (self.reasoning_heads < 1 || self.hidden % self.reasoning_heads != 0) {
             return Err(Error::Config(format!("reasoning_heads ({}) must divide hidden ({})", self.reasoning_heads, self.hidden)));
@@ -265,14 +282,23 @@ impl MultiViewFusion {
             let v = x.unsqueeze(1); // (B, 1, N_s, D)
             let (output, term) = match self.tile {
                 Some(tile) => {
-                    let tiled = normalizer.tiled().ok_or_else(|| Error::Unsupported(format!("{} has no memory-efficient path", normalizer.name())))?;
+                    let tiled = normalizer
+                        .tiled()
+                        .ok_or_else(|| Error::Unsupported(format!("{} has no memory-efficient path", normalizer.name())))?;
                     let options = TiledOptions { tile, sample: mode.sample, noise: None, seed: None };
                     let out = attend_tiled(&q, &k, &v, &Masks::default(), tiled, options)?;
                     received_mass.push(out.received_mass);
                     (out.output, out.kl)
                 }
                 None => {
-                    let out = attend(&q, &k, &v, &Masks::default(), normalizer.as_ref(), AttendOptions { mode, dropout: self.dropout, noise: None })?;
+                    let out = attend(
+                        &q,
+                        &k,
+                        &v,
+                        &Masks::default(),
+                        normalizer.as_ref(),
+                        AttendOptions { mode, dropout: self.dropout, noise: None },
+                    )?;
                     weights.push(out.weights);
                     (out.output, out.kl)
                 }
@@ -376,11 +402,13 @@ impl Relate {
     pub fn forward(&self, z: &Tensor) -> Result<Tensor> {
         let (b, n, h) = z.size3().map_err(|e| Error::Shape(format!("relational layer input: {e}")))?;
         if n < 2 {
-            return Err(Error::Shape(format!("the relational layer compares each box with the others: it needs at least 2 boxes, got {n}")));
+            return Err(Error::Shape(format!(
+                "the relational layer compares each box with the others: it needs at least 2 boxes, got {n}"
+            )));
         }
         let p = self.metric.forward(z).view([b, n, self.heads, self.dim]).permute([0, 2, 1, 3]); // (B, R, N, K)
         let sq = p.square().sum_dim_intlist(&[-1i64][..], false, p.kind()); // (B, R, N)
-        // ‖p_i − p_j‖² = ‖p_i‖² + ‖p_j‖² − 2 p_i·p_j, (B, R, N_i, N_j)
+                                                                            // ‖p_i − p_j‖² = ‖p_i‖² + ‖p_j‖² − 2 p_i·p_j, (B, R, N_i, N_j)
         let d = sq.unsqueeze(-1) + sq.unsqueeze(-2) - p.matmul(&p.transpose(-1, -2)) * 2.0;
         let scale = (self.log_scale.exp() * &self.sign).view([1, self.heads, 1, 1]);
         let key = self.key.forward(z).transpose(1, 2).unsqueeze(2); // (B, R, 1, N_j)
@@ -470,7 +498,8 @@ impl VqaModel {
         let out = match &self.question {
             Question::Bow(bag) => {
                 let mask = tokens.ne(0).to_kind(words.kind()).unsqueeze(2); // (B, L, 1)
-                let mean = (words * &mask).sum_dim_intlist(&[1i64][..], false, mask.kind()) / mask.sum_dim_intlist(&[1i64][..], false, mask.kind()).clamp_min(1.0);
+                let mean = (words * &mask).sum_dim_intlist(&[1i64][..], false, mask.kind())
+                    / mask.sum_dim_intlist(&[1i64][..], false, mask.kind()).clamp_min(1.0);
                 return bag.forward(&mean).tanh();
             }
             Question::Gru(gru) => gru.seq(&words).0,
@@ -489,7 +518,10 @@ impl VqaModel {
         for (i, v) in views.iter().enumerate() {
             let s = v.size();
             if s.len() != 3 || s[2] != self.cfg.feature_dim || s[0] != views[0].size()[0] {
-                return Err(Error::Shape(format!("view {i} has shape {s:?}; expected (B, regions, {}) with the primary's batch", self.cfg.feature_dim)));
+                return Err(Error::Shape(format!(
+                    "view {i} has shape {s:?}; expected (B, regions, {}) with the primary's batch",
+                    self.cfg.feature_dim
+                )));
             }
         }
         let train = mode.dropout;

@@ -14,7 +14,15 @@ const EOS: i64 = 2;
 
 fn model(variant: Variant) -> Result<(nn::VarStore, Seq2Seq)> {
     let mut vs = nn::VarStore::new(Device::Cpu);
-    let transformer = TransformerConfig { encoder_layers: 2, decoder_layers: 2, embed_dim: 16, heads: 4, ffn_dim: 32, variant, ..TransformerConfig::iwslt() };
+    let transformer = TransformerConfig {
+        encoder_layers: 2,
+        decoder_layers: 2,
+        embed_dim: 16,
+        heads: 4,
+        ffn_dim: 32,
+        variant,
+        ..TransformerConfig::iwslt()
+    };
     let cfg = Seq2SeqConfig { transformer, vocab: 30, pad: PAD, share_all_embeddings: true, max_positions: 64 };
     let m = Seq2Seq::new(&vs.root(), cfg)?;
     vs.double();

@@ -91,7 +91,9 @@ fn dnas_fusion_gives_every_secondary_box_at_least_one_over_its_count() -> Result
     let _serial = common::serial();
     tch::manual_seed(3);
     let vs = nn::VarStore::new(tch::Device::Cpu);
-    let mut cfg = config(&serde_json::json!({"fusion": "dnas", "regions": [6, 9, 4], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 0, "reasoning_prenorm": false, "glimpses": 1, "answers": 3}))?;
+    let mut cfg = config(
+        &serde_json::json!({"fusion": "dnas", "regions": [6, 9, 4], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 0, "reasoning_prenorm": false, "glimpses": 1, "answers": 3}),
+    )?;
     let dnas = VqaModel::new(&(vs.root() / "dnas"), cfg.clone())?;
     cfg.fusion = Some(Variant::Softmax);
     let softmax = VqaModel::new(&(vs.root() / "softmax"), cfg)?;
@@ -115,13 +117,18 @@ fn dnas_fusion_gives_every_secondary_box_at_least_one_over_its_count() -> Result
 #[test]
 fn wrong_view_shapes_are_named() -> Result<()> {
     let vs = nn::VarStore::new(tch::Device::Cpu);
-    let cfg = config(&serde_json::json!({"fusion": "softmax", "regions": [3, 4, 5], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 1, "reasoning_prenorm": false, "glimpses": 1, "answers": 3}))?;
+    let cfg = config(
+        &serde_json::json!({"fusion": "softmax", "regions": [3, 4, 5], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 1, "reasoning_prenorm": false, "glimpses": 1, "answers": 3}),
+    )?;
     let model = VqaModel::new(&vs.root(), cfg)?;
     let tokens = Tensor::from_slice(&[1i64, 2, 0, 3, 0, 0]).view([2, 3]);
     let good = |n: i64| Tensor::zeros([2, n, 8], (Kind::Float, tch::Device::Cpu));
     let err = model.forward(&[good(3), good(4)], &tokens, Mode::EVAL).unwrap_err().to_string();
     ensure!(err.contains("3 views, got 2"), "{err}");
-    let err = model.forward(&[good(3), Tensor::zeros([2, 4, 7], (Kind::Float, tch::Device::Cpu)), good(5)], &tokens, Mode::EVAL).unwrap_err().to_string();
+    let err = model
+        .forward(&[good(3), Tensor::zeros([2, 4, 7], (Kind::Float, tch::Device::Cpu)), good(5)], &tokens, Mode::EVAL)
+        .unwrap_err()
+        .to_string();
     ensure!(err.contains("view 1 has shape [2, 4, 7]"), "{err}");
     Ok(())
 }
@@ -129,10 +136,14 @@ fn wrong_view_shapes_are_named() -> Result<()> {
 #[test]
 fn the_primary_read_unfused_needs_attention_and_one_way() -> Result<()> {
     let vs = nn::VarStore::new(tch::Device::Cpu);
-    let cfg = config(&serde_json::json!({"fusion": "none", "regions": [3, 4, 5], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 0, "reasoning_prenorm": false, "glimpses": 1, "answers": 3, "primary_skip": true}))?;
+    let cfg = config(
+        &serde_json::json!({"fusion": "none", "regions": [3, 4, 5], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 0, "reasoning_prenorm": false, "glimpses": 1, "answers": 3, "primary_skip": true}),
+    )?;
     let err = VqaModel::new(&vs.root(), cfg).unwrap_err().to_string();
     ensure!(err.contains("primary_skip and primary_beside need an attention fusion"), "{err}");
-    let mut cfg = config(&serde_json::json!({"fusion": "dnas", "regions": [3, 4, 5], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 0, "reasoning_prenorm": false, "glimpses": 1, "answers": 3, "primary_skip": true}))?;
+    let mut cfg = config(
+        &serde_json::json!({"fusion": "dnas", "regions": [3, 4, 5], "dim": 8, "vocab": 5, "word_dim": 4, "question_dim": 4, "hidden": 8, "reasoning_layers": 0, "reasoning_prenorm": false, "glimpses": 1, "answers": 3, "primary_skip": true}),
+    )?;
     cfg.primary_beside = true;
     let err = VqaModel::new(&vs.root(), cfg).unwrap_err().to_string();
     ensure!(err.contains("choose one"), "{err}");
@@ -160,9 +171,11 @@ fn a_tiled_fusion_equals_the_eager_one() -> Result<()> {
             }
             let fused = model.fusion.forward(&views, Mode::EVAL)?;
             fused.boxes.square().sum(Kind::Double).backward();
-            let mut grads: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(n, _)| n.starts_with("fusion")).map(|(n, t)| (n, t.grad())).collect();
+            let mut grads: Vec<(String, Tensor)> =
+                vs.variables().into_iter().filter(|(n, _)| n.starts_with("fusion")).map(|(n, t)| (n, t.grad())).collect();
             grads.sort_by(|a, b| a.0.cmp(&b.0));
-            let mass = if tile.is_some() { fused.received_mass } else { fused.weights.iter().map(probattn::diagnostics::received_mass).collect() };
+            let mass =
+                if tile.is_some() { fused.received_mass } else { fused.weights.iter().map(probattn::diagnostics::received_mass).collect() };
             Ok((vs, fused.boxes.detach(), grads.into_iter().map(|(_, g)| g).collect(), mass))
         };
         let (vs, eager, eager_grads, eager_mass) = run(None, None)?;

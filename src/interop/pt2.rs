@@ -114,11 +114,13 @@ impl Pt2Package {
             }
             ArchiveKind::TorchSave => return Err(file_error("a torch.save() pickle, not an AOTInductor package (.pt2)".into())),
             ArchiveKind::NotAnArchive => {
-                return Err(file_error("not an AOTInductor package (a zip with data/aotinductor/): corrupt, truncated or another format".into()))
+                return Err(file_error(
+                    "not an AOTInductor package (a zip with data/aotinductor/): corrupt, truncated or another format".into(),
+                ))
             }
         }
-        let metadata: BTreeMap<String, String> =
-            serde_json::from_str(&cxx::pt2_metadata(path, "model")?).map_err(|e| file_error(format!("its metadata is not a JSON object of strings: {e}")))?;
+        let metadata: BTreeMap<String, String> = serde_json::from_str(&cxx::pt2_metadata(path, "model")?)
+            .map_err(|e| file_error(format!("its metadata is not a JSON object of strings: {e}")))?;
         let compiled_for = metadata.get("AOTI_DEVICE_KEY").map(String::as_str).unwrap_or("cpu");
         let device_index = match (compiled_for, device) {
             ("cpu", Device::Cpu) => -1,
@@ -151,7 +153,9 @@ impl Pt2Package {
             }
         }
         let inputs = match metadata.get(INPUTS_METADATA_KEY) {
-            Some(json) => Some(serde_json::from_str(json).map_err(|e| file_error(format!("its {INPUTS_METADATA_KEY} metadata is unreadable: {e}")))?),
+            Some(json) => {
+                Some(serde_json::from_str(json).map_err(|e| file_error(format!("its {INPUTS_METADATA_KEY} metadata is unreadable: {e}")))?)
+            }
             None => None,
         };
         let handle = Pt2Handle::load(path, "model", device_index)?;
@@ -181,7 +185,8 @@ impl Pt2Package {
     /// The package's weights and buffers under their `state_dict` names (`in_proj_weight`,
     /// `out_proj.weight`), on the package's device.
     pub fn named_constants(&self) -> Result<Vec<(String, Tensor)>> {
-        let mut constants = self.handle.constants().map_err(|m| Error::File { path: self.path.clone(), message: format!("listing its weights: {m}") })?;
+        let mut constants =
+            self.handle.constants().map_err(|m| Error::File { path: self.path.clone(), message: format!("listing its weights: {m}") })?;
         constants.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(constants)
     }

@@ -117,9 +117,10 @@ impl FromStr for PriorScope {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self> {
-        Self::ALL.into_iter().find(|p| p.name() == s).ok_or_else(|| {
-            Error::Config(format!("unknown prior scope {s:?} (expected neighbourhood or all-nodes)"))
-        })
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| Error::Config(format!("unknown prior scope {s:?} (expected neighbourhood or all-nodes)")))
     }
 }
 
@@ -239,9 +240,7 @@ impl ContextualPrior {
         let (heads, hidden, key_dim) = (self.heads, self.hidden, self.key_dim);
         let size = keys.size();
         if size.len() != 4 || size[1] != heads || size[3] != key_dim {
-            return Err(Error::Shape(format!(
-                "the contextual prior takes keys (B, {heads}, S_k, {key_dim}), got {size:?}"
-            )));
+            return Err(Error::Shape(format!("the contextual prior takes keys (B, {heads}, S_k, {key_dim}), got {size:?}")));
         }
         let kind = keys.kind();
         let w1 = self.f1_weight.to_kind(kind).transpose(1, 2).unsqueeze(0); // (1, H, d_k, hidden)
@@ -258,9 +257,7 @@ impl ContextualPrior {
 /// `γα/k − α log λ + log k + βπ − γ − 1 − α log β + lgamma(α)` (note `λΓ(1+1/k) = π`).
 pub fn weibull_gamma_kl(log_pi: &Tensor, k: f64, alpha: &Tensor, beta: f64) -> Tensor {
     let log_lambda = log_pi - lgamma_1p_inv(k);
-    alpha * (EULER_GAMMA / k) - alpha * log_lambda + k.ln() + log_pi.exp() * beta - EULER_GAMMA - 1.0
-        - alpha * beta.ln()
-        + alpha.lgamma()
+    alpha * (EULER_GAMMA / k) - alpha * log_lambda + k.ln() + log_pi.exp() * beta - EULER_GAMMA - 1.0 - alpha * beta.ln() + alpha.lgamma()
 }
 
 /// Elementwise KL(Lognormal(μ_q, σ_q) ‖ Lognormal(μ_p, σ_p)):
@@ -289,7 +286,8 @@ impl Bam {
     pub fn new(p: &nn::Path, kind: BamKind, heads: i64, key_dim: i64, cfg: &NormalizerConfig) -> Result<Self> {
         cfg.bam.validate()?;
         let base = cfg.bam.base.build(p, heads, key_dim, cfg)?;
-        let prior = kind.is_contextual().then(|| ContextualPrior::new(&(p / "prior"), heads, key_dim, cfg.bam.prior_hidden, cfg.bam.prior_scope));
+        let prior =
+            kind.is_contextual().then(|| ContextualPrior::new(&(p / "prior"), heads, key_dim, cfg.bam.prior_hidden, cfg.bam.prior_scope));
         Ok(Self { kind, cfg: cfg.bam.clone(), base, prior })
     }
 
@@ -393,7 +391,8 @@ impl Bam {
         let log_pi = s.fill_value(log_pi, 0.0);
         let log_psi = match &self.prior {
             Some(prior) => {
-                let keys = input.keys.ok_or_else(|| Error::Config(format!("{} needs the keys for its contextual prior", self.kind.name())))?;
+                let keys =
+                    input.keys.ok_or_else(|| Error::Config(format!("{} needs the keys for its contextual prior", self.kind.name())))?;
                 Some(prior.log_psi(keys, s)?) // (B, H, 1, S_k) dense, (H, E) over edges
             }
             None => None,

@@ -20,9 +20,7 @@ impl Hnas {
     /// One gate per head under `p` as `hybrid_logit`, initialised so that `u = init_u`.
     pub fn new(p: &nn::Path, heads: i64, init_u: f64) -> Result<Self> {
         if !(init_u > 0.0 && init_u < 1.0) {
-            return Err(Error::Config(format!(
-                "the initial HNAS mixing weight must lie strictly between 0 and 1, got {init_u}"
-            )));
+            return Err(Error::Config(format!("the initial HNAS mixing weight must lie strictly between 0 and 1, got {init_u}")));
         }
         if heads < 1 {
             return Err(Error::Config(format!("HNAS needs at least one head, got {heads}")));
@@ -43,10 +41,7 @@ impl Hnas {
         let scores = input.scores;
         input.support.check_scores(scores)?;
         if input.support.heads(scores) != heads {
-            return Err(Error::Shape(format!(
-                "HNAS has {heads} head gate(s) but the scores have shape {:?}",
-                scores.size()
-            )));
+            return Err(Error::Shape(format!("HNAS has {heads} head gate(s) but the scores have shape {:?}", scores.size())));
         }
         Ok(input.support.per_head(&self.logit.to_kind(scores.kind())))
     }

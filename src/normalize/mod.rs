@@ -25,8 +25,8 @@ use serde::{Deserialize, Serialize};
 use tch::{nn, Kind, Tensor};
 
 pub use bam::{
-    lognormal_kl, lognormal_log_sample, stable_sigmoid, weibull_gamma_kl, weibull_log_sample, Bam, BamConfig, BamKind,
-    ContextualPrior, KlSchedule, PriorScope,
+    lognormal_kl, lognormal_log_sample, stable_sigmoid, weibull_gamma_kl, weibull_log_sample, Bam, BamConfig, BamKind, ContextualPrior,
+    KlSchedule, PriorScope,
 };
 pub use dnas::Dnas;
 pub use hnas::Hnas;
@@ -125,8 +125,7 @@ pub enum Variant {
 
 impl Variant {
     /// The variant names the parser accepts, for error messages and `--help`.
-    pub const KNOWN: &'static str =
-        "softmax, dnas, hnas, sinkhorn-N (N >= 1), bam-nokl, bam-lf, bam-lc, bam-wf, bam-wc";
+    pub const KNOWN: &'static str = "softmax, dnas, hnas, sinkhorn-N (N >= 1), bam-nokl, bam-lf, bam-lc, bam-wf, bam-wc";
 
     /// Builds the normalizer for `heads` heads of keys with `key_dim` features. Learnable
     /// parameters (HNAS's gate logits, BAM's contextual prior) live under `p`.

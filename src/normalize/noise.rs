@@ -159,7 +159,9 @@ mod tests {
         for (len, kind) in [(1_000_000i64, Kind::Float), (100_000, Kind::Double), (1_000_000, Kind::Double)] {
             let like = Tensor::zeros([len], (kind, Device::Cpu));
             let n = len as f64;
-            for (noise, mean, var, var_se) in [(Noise::Exp1, 1.0, 1.0, (8.0 / n).sqrt()), (Noise::StandardNormal, 0.0, 1.0, (2.0 / n).sqrt())] {
+            for (noise, mean, var, var_se) in
+                [(Noise::Exp1, 1.0, 1.0, (8.0 / n).sqrt()), (Noise::StandardNormal, 0.0, 1.0, (2.0 / n).sqrt())]
+            {
                 for d in [draw(&like, noise), draw_with_libtorch(&like, noise)] {
                     assert_eq!((d.size(), d.kind(), d.requires_grad()), (like.size(), kind, false));
                     let (m, v) = moments(&d);

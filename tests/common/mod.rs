@@ -27,11 +27,7 @@ pub fn run_python(script: &str, args: &[&str]) -> Result<()> {
         .output()
         .with_context(|| format!("running python/{script}"))?;
     if !out.status.success() {
-        bail!(
-            "python/{script} {args:?} failed:\n{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        bail!("python/{script} {args:?} failed:\n{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     }
     Ok(())
 }
@@ -107,7 +103,8 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
 /// A toy language pair: the target is the source's words mapped through a fixed dictionary and
 /// reversed, so a small model can learn it; `pairs` sentences from a seeded generator.
 pub fn write_corpus(dir: &Path, pairs: [usize; 3]) -> Result<()> {
-    let src_words = ["der", "hund", "die", "katze", "ein", "mann", "rot", "blau", "läuft", "sitzt", "im", "park", "auf", "dem", "gras", "zwei"];
+    let src_words =
+        ["der", "hund", "die", "katze", "ein", "mann", "rot", "blau", "läuft", "sitzt", "im", "park", "auf", "dem", "gras", "zwei"];
     let tgt_words = ["the", "dog", "the", "cat", "a", "man", "red", "blue", "runs", "sits", "in", "park", "on", "the", "grass", "two"];
     let mut state: u64 = 42;
     let mut next = || {

@@ -74,7 +74,14 @@ fn read_split(dir: &Path, split: &str, src: &str, tgt: &str) -> Result<Split> {
         ensure!(p.is_file(), "{} does not exist (a corpus folder holds train|valid|test.{{{src},{tgt}}})", p.display());
     }
     let (s, t) = (read_sentences(&sp)?, read_sentences(&tp)?);
-    ensure!(s.len() == t.len(), "{} has {} lines but {} has {}: a parallel corpus needs one line per sentence pair", sp.display(), s.len(), tp.display(), t.len());
+    ensure!(
+        s.len() == t.len(),
+        "{} has {} lines but {} has {}: a parallel corpus needs one line per sentence pair",
+        sp.display(),
+        s.len(),
+        tp.display(),
+        t.len()
+    );
     Ok(Split { name: split.into(), src: s, tgt: t })
 }
 
@@ -105,7 +112,8 @@ pub fn learn_bpe(train: &Split, vocab_size: usize, dir: &Path) -> Result<Tokeniz
         })
         .collect::<Result<_>>()?;
     let specials = SPECIALS.iter().map(|s| AddedToken::from(*s, true)).collect();
-    let mut trainer: TrainerWrapper = BpeTrainerBuilder::new().vocab_size(vocab_size).min_frequency(2).special_tokens(specials).show_progress(false).build().into();
+    let mut trainer: TrainerWrapper =
+        BpeTrainerBuilder::new().vocab_size(vocab_size).min_frequency(2).special_tokens(specials).show_progress(false).build().into();
     let model = BPE::builder().unk_token("<unk>".into()).build().map_err(|e| anyhow!("BPE: {e}"))?;
     let mut tokenizer = Tokenizer::new(model);
     tokenizer.with_pre_tokenizer(Some(Metaspace::default()));

@@ -39,7 +39,14 @@ struct Finished {
 
 /// Translates `sources` (token ids ending in `</s>`) in batches of `batch_size` sentences; returns
 /// the best hypothesis of each (token ids without `</s>`), in input order.
-pub fn translate(model: &Seq2Seq, sources: &[Vec<i64>], cfg: &DecodeConfig, batch_size: usize, device: Device, mut progress: impl FnMut(usize)) -> Result<Vec<Vec<i64>>> {
+pub fn translate(
+    model: &Seq2Seq,
+    sources: &[Vec<i64>],
+    cfg: &DecodeConfig,
+    batch_size: usize,
+    device: Device,
+    mut progress: impl FnMut(usize),
+) -> Result<Vec<Vec<i64>>> {
     // Sort by length so batches pad little; restore the order at the end.
     let mut order: Vec<usize> = (0..sources.len()).collect();
     order.sort_by_key(|&i| sources[i].len());
@@ -93,13 +100,25 @@ fn greedy(model: &Seq2Seq, batch: &[&[i64]], cfg: &DecodeConfig, device: Device)
 /// Greedy decoding *without* the cache: every step re-runs the decoder over the whole prefix.
 /// Only for measuring what the cache saves (`probattn translate --decode-bench`); the output
 /// equals [`translate`] with beam 1 up to floating-point ties.
-pub fn greedy_uncached(model: &Seq2Seq, sources: &[Vec<i64>], cfg: &DecodeConfig, batch_size: usize, device: Device) -> Result<Vec<Vec<i64>>> {
+pub fn greedy_uncached(
+    model: &Seq2Seq,
+    sources: &[Vec<i64>],
+    cfg: &DecodeConfig,
+    batch_size: usize,
+    device: Device,
+) -> Result<Vec<Vec<i64>>> {
     greedy_with(|src, prev| Ok(model.forward_t(src, prev, false)?.0), sources, cfg, batch_size, device)
 }
 
 /// [`greedy_uncached`] with any model that maps `(src (B, S), prev (B, T))` token ids to logits
 /// `(B, T, V)`: a TorchScript translation model (`probattn compare --native translation`), say.
-pub fn greedy_with(logits_of: impl Fn(&Tensor, &Tensor) -> Result<Tensor>, sources: &[Vec<i64>], cfg: &DecodeConfig, batch_size: usize, device: Device) -> Result<Vec<Vec<i64>>> {
+pub fn greedy_with(
+    logits_of: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
+    sources: &[Vec<i64>],
+    cfg: &DecodeConfig,
+    batch_size: usize,
+    device: Device,
+) -> Result<Vec<Vec<i64>>> {
     let mut out = vec![];
     tch::no_grad(|| -> Result<()> {
         for chunk in sources.chunks(batch_size.max(1)) {
@@ -156,7 +175,7 @@ fn beam_search(model: &Seq2Seq, batch: &[&[i64]], cfg: &DecodeConfig, device: De
     for step in 0..=longest {
         let mut lprobs = model.step(&input, step as i64, &mut state, &src_pad)?.to_kind(Kind::Double); // (B·k, V)
         let _ = lprobs.narrow(1, 0, 2).fill_(f64::NEG_INFINITY); // never <s> or <pad>
-        // At a sentence's maximum length only </s> may follow.
+                                                                 // At a sentence's maximum length only </s> may follow.
         let forced: Vec<i64> = (0..b * k).filter(|&r| step >= limits[r / k]).map(|r| r as i64).collect();
         if !forced.is_empty() {
             let rows = Tensor::from_slice(&forced).to_device(device);

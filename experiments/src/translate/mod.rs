@@ -69,7 +69,15 @@ impl Preset {
             Self::Small => (3, 256, 512),
             Self::Tiny => (2, 128, 256),
         };
-        TransformerConfig { encoder_layers: layers, decoder_layers: layers, embed_dim: e, heads: 4, ffn_dim: ffn, dropout: 0.3, ..TransformerConfig::iwslt() }
+        TransformerConfig {
+            encoder_layers: layers,
+            decoder_layers: layers,
+            embed_dim: e,
+            heads: 4,
+            ffn_dim: ffn,
+            dropout: 0.3,
+            ..TransformerConfig::iwslt()
+        }
     }
 
     /// (lr, warm-up updates, BPE vocabulary).
@@ -424,15 +432,18 @@ impl TranslateConfig {
         let mut transformer = preset.transformer();
         transformer.variant = variant;
         transformer.decoder_self_variant = args.decoder_self_attention.parse().context("--decoder-self-attention")?;
-        transformer.normalizer = NormalizerConfig { bam: BamConfig { k: args.k, sigma: args.sigma, ..BamConfig::default() }, ..Default::default() };
+        transformer.normalizer =
+            NormalizerConfig { bam: BamConfig { k: args.k, sigma: args.sigma, ..BamConfig::default() }, ..Default::default() };
         transformer.tile = args.memory_efficient.then_some(args.tile);
         let (lr, warmup, bpe) = preset.recipe();
         let selection: Selection = match &args.selection {
-            Some(s) => serde_json::from_str(s).with_context(|| format!("--selection {s:?} is not a selection (JSON with kinds, layers, projections)"))?,
+            Some(s) => serde_json::from_str(s)
+                .with_context(|| format!("--selection {s:?} is not a selection (JSON with kinds, layers, projections)"))?,
             None => Selection::default(),
         };
         let method = if repulsive == Repulsive::Spos { Method::Spos } else { Method::Svgd };
-        let repulsive_config = RepulsiveConfig { method, alpha: args.repulsive_alpha, stepsize: args.repulsive_stepsize, ..Default::default() };
+        let repulsive_config =
+            RepulsiveConfig { method, alpha: args.repulsive_alpha, stepsize: args.repulsive_stepsize, ..Default::default() };
         repulsive_config.validate()?;
         ensure!(args.label_smoothing >= 0.0 && args.label_smoothing < 1.0, "--label-smoothing must lie in [0, 1)");
         ensure!(args.max_tokens >= 16, "--max-tokens must be at least 16");
@@ -448,7 +459,11 @@ impl TranslateConfig {
             selection,
             kl_weight: args.kl_weight,
             adam: AdamConfig { beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: args.weight_decay },
-            schedule: InverseSqrt { lr: args.lr.unwrap_or(lr), warmup_updates: args.warmup_updates.unwrap_or(warmup), warmup_init_lr: args.warmup_init_lr },
+            schedule: InverseSqrt {
+                lr: args.lr.unwrap_or(lr),
+                warmup_updates: args.warmup_updates.unwrap_or(warmup),
+                warmup_init_lr: args.warmup_init_lr,
+            },
             label_smoothing: args.label_smoothing,
             max_tokens: if args.quick { 2000 } else { args.max_tokens },
             bpe_vocab: args.bpe_vocab.unwrap_or(bpe),
@@ -489,16 +504,20 @@ fn save_checkpoint(path: &Path, vs: &nn::VarStore, adam: &Adam, state: &TrainSta
 /// Reads a checkpoint's tensors and its training state, with errors that name the file.
 fn read_checkpoint(path: &Path) -> Result<(HashMap<String, Tensor>, TrainState)> {
     let tensors = probattn::io::read_safetensors(path).with_context(|| format!("reading checkpoint {}", path.display()))?;
-    let state = tensors.get("train_state.json").with_context(|| format!("{} is not a probattn translate checkpoint (no train_state.json)", path.display()))?;
+    let state = tensors
+        .get("train_state.json")
+        .with_context(|| format!("{} is not a probattn translate checkpoint (no train_state.json)", path.display()))?;
     let bytes: Vec<u8> = Vec::try_from(state).with_context(|| format!("{}: train_state.json", path.display()))?;
-    let state: TrainState = serde_json::from_slice(&bytes).with_context(|| format!("{}: its train_state.json does not parse", path.display()))?;
+    let state: TrainState =
+        serde_json::from_slice(&bytes).with_context(|| format!("{}: its train_state.json does not parse", path.display()))?;
     Ok((tensors, state))
 }
 
 /// Copies the model parameters of a checkpoint into `vs`, checking names and shapes.
 fn load_params(vs: &nn::VarStore, tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
     for (name, mut t) in vs.variables() {
-        let saved = tensors.get(&name).with_context(|| format!("{} lacks parameter {name}: a checkpoint of another model", path.display()))?;
+        let saved =
+            tensors.get(&name).with_context(|| format!("{} lacks parameter {name}: a checkpoint of another model", path.display()))?;
         ensure!(saved.size() == t.size(), "{}: {name} has shape {:?}, the model {:?}", path.display(), saved.size(), t.size());
         tch::no_grad(|| t.copy_(saved));
     }
@@ -560,7 +579,15 @@ const DECODE_BATCH: usize = 64;
 
 /// Translates `data`'s sources and scores them against `refs` (sacreBLEU's default and the
 /// tokenized, lowercased kind); returns (hypotheses, BLEU, BLEU tok-lc, sentences/s).
-fn translate_and_score(model: &Seq2Seq, tokenizer: &Tokenizer, data: &Encoded, refs: &[String], cfg: &DecodeConfig, device: Device, label: &str) -> Result<(Vec<String>, crate::bleu::BleuScore, crate::bleu::BleuScore, f64)> {
+fn translate_and_score(
+    model: &Seq2Seq,
+    tokenizer: &Tokenizer,
+    data: &Encoded,
+    refs: &[String],
+    cfg: &DecodeConfig,
+    device: Device,
+    label: &str,
+) -> Result<(Vec<String>, crate::bleu::BleuScore, crate::bleu::BleuScore, f64)> {
     let bar = progress_bar(data.len() as u64, format!("{label} decoding"))?;
     let start = Instant::now();
     let ids = decode::translate(model, &data.src, cfg, DECODE_BATCH, device, |n| bar.inc(n as u64))?;
@@ -611,7 +638,18 @@ fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device
         }
     };
     let last = dir.join("checkpoint_last.safetensors");
-    let mut state = TrainState { config: cfg.clone(), seed, epoch: 0, updates: 0, best_bleu: f64::NEG_INFINITY, best_epoch: 0, waited: 0, train_seconds: 0.0, train_tokens: 0, history: vec![] };
+    let mut state = TrainState {
+        config: cfg.clone(),
+        seed,
+        epoch: 0,
+        updates: 0,
+        best_bleu: f64::NEG_INFINITY,
+        best_epoch: 0,
+        waited: 0,
+        train_seconds: 0.0,
+        train_tokens: 0,
+        history: vec![],
+    };
     if resume {
         // A kill during an atomic write leaves only its temporary file behind: remove it.
         for entry in std::fs::read_dir(dir)?.flatten() {
@@ -624,8 +662,13 @@ fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device
         let (tensors, saved) = read_checkpoint(&last)?;
         if saved.config != *cfg {
             let (a, b) = (serde_json::to_value(&saved.config)?, serde_json::to_value(cfg)?);
-            let differ: Vec<String> = a.as_object().into_iter().flatten().filter(|(k, v)| b.get(k.as_str()) != Some(v)).map(|(k, _)| k.clone()).collect();
-            bail!("{} was written with another configuration (differs in: {}); resume with the flags of the original run", last.display(), differ.join(", "));
+            let differ: Vec<String> =
+                a.as_object().into_iter().flatten().filter(|(k, v)| b.get(k.as_str()) != Some(v)).map(|(k, _)| k.clone()).collect();
+            bail!(
+                "{} was written with another configuration (differs in: {}); resume with the flags of the original run",
+                last.display(),
+                differ.join(", ")
+            );
         }
         ensure!(saved.seed == seed, "{} belongs to seed {}, not {seed}", last.display(), saved.seed);
         load_params(&vs, &tensors, &last)?;
@@ -707,7 +750,12 @@ fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device
             if pending.len() == SYNC_EVERY {
                 flush(&mut pending, state.updates + 1 - SYNC_EVERY as u64, &mut sums)?;
                 let secs = start.elapsed().as_secs_f64().max(1e-9);
-                bar.set_message(format!("loss {:.3}, lr {lr:.2e}, {:.1} upd/s, {:.0} tok/s", sums[0] / tokens as f64, steps as f64 / secs, tokens as f64 / secs));
+                bar.set_message(format!(
+                    "loss {:.3}, lr {lr:.2e}, {:.1} upd/s, {:.0} tok/s",
+                    sums[0] / tokens as f64,
+                    steps as f64 / secs,
+                    tokens as f64 / secs
+                ));
             }
             bar.inc(1);
         }
@@ -797,18 +845,42 @@ fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device
 /// epochs (hnas runs), and the test set's head diversity and explained-away share per layer.
 fn plots(dir: &Path, history: &[EpochMetrics], dist: &[f64], away: &[f64]) -> Result<()> {
     use crate::plot::{line_chart, Series};
-    let curve = |name: &str, f: &dyn Fn(&EpochMetrics) -> f64| Series { name: name.into(), points: history.iter().map(|m| (m.epoch as f64, f(m))).collect() };
-    line_chart(&dir.join("loss.svg"), "label-smoothed loss per target token", "epoch", "loss", &[curve("train", &|m| m.train_loss), curve("valid", &|m| m.valid_loss)])?;
+    let curve = |name: &str, f: &dyn Fn(&EpochMetrics) -> f64| Series {
+        name: name.into(),
+        points: history.iter().map(|m| (m.epoch as f64, f(m))).collect(),
+    };
+    line_chart(
+        &dir.join("loss.svg"),
+        "label-smoothed loss per target token",
+        "epoch",
+        "loss",
+        &[curve("train", &|m| m.train_loss), curve("valid", &|m| m.valid_loss)],
+    )?;
     line_chart(&dir.join("valid_bleu.svg"), "validation BLEU (sacreBLEU, beam)", "epoch", "BLEU", &[curve("valid", &|m| m.valid_bleu)])?;
     if let Some(layers) = history.first().and_then(|m| m.hnas_u.as_ref()).map(Vec::len) {
         let series: Vec<Series> = (0..layers)
-            .map(|l| Series { name: format!("encoder layer {l}"), points: history.iter().filter_map(|m| m.hnas_u.as_ref().map(|u| (m.epoch as f64, u[l]))).collect() })
+            .map(|l| Series {
+                name: format!("encoder layer {l}"),
+                points: history.iter().filter_map(|m| m.hnas_u.as_ref().map(|u| (m.epoch as f64, u[l]))).collect(),
+            })
             .collect();
         line_chart(&dir.join("hnas_u.svg"), "HNAS mixing weight u (mean over heads)", "epoch", "u", &series)?;
     }
     let per_layer = |v: &[f64]| v.iter().enumerate().map(|(l, &x)| (l as f64, x)).collect::<Vec<_>>();
-    line_chart(&dir.join("head_diversity.svg"), "head diversity (Dist) of encoder self-attention, test set", "encoder layer", "Dist", &[Series { name: "Dist".into(), points: per_layer(dist) }])?;
-    line_chart(&dir.join("explained_away.svg"), "share of source tokens explained away (mass < 1e-8), test set", "encoder layer", "share", &[Series { name: "explained away".into(), points: per_layer(away) }])?;
+    line_chart(
+        &dir.join("head_diversity.svg"),
+        "head diversity (Dist) of encoder self-attention, test set",
+        "encoder layer",
+        "Dist",
+        &[Series { name: "Dist".into(), points: per_layer(dist) }],
+    )?;
+    line_chart(
+        &dir.join("explained_away.svg"),
+        "share of source tokens explained away (mass < 1e-8), test set",
+        "encoder layer",
+        "share",
+        &[Series { name: "explained away".into(), points: per_layer(away) }],
+    )?;
     Ok(())
 }
 
@@ -865,7 +937,11 @@ fn average_last(vs: &mut nn::VarStore, dir: &Path, last_epoch: usize, n: usize) 
 /// `load_state_dict(strict=True)`. Returns the number of tensors written.
 pub fn export_checkpoint(ckpt: &Path, out: &Path) -> Result<usize> {
     let (tensors, state) = read_checkpoint(ckpt)?;
-    ensure!(state.config.model.share_all_embeddings, "{}: the PyTorch baseline shares one embedding matrix; this model does not", ckpt.display());
+    ensure!(
+        state.config.model.share_all_embeddings,
+        "{}: the PyTorch baseline shares one embedding matrix; this model does not",
+        ckpt.display()
+    );
     let vs = nn::VarStore::new(Device::Cpu);
     Seq2Seq::new(&vs.root(), state.config.model.clone())?;
     load_params(&vs, &tensors, ckpt)?;
@@ -881,7 +957,8 @@ fn decode_file(args: &TranslateArgs, device: Device) -> Result<()> {
     // A run keeps its tokenizer in the run folder, above the seed-N folders of its checkpoints
     // (and above the variants' folders of --attention all).
     let dir = ckpt.parent().unwrap_or(Path::new("."));
-    let tok_path = dir.ancestors().take(3).map(|d| d.join("tokenizer.json")).find(|p| p.exists()).unwrap_or_else(|| dir.join("tokenizer.json"));
+    let tok_path =
+        dir.ancestors().take(3).map(|d| d.join("tokenizer.json")).find(|p| p.exists()).unwrap_or_else(|| dir.join("tokenizer.json"));
     let tokenizer = data::load_tokenizer(&tok_path)?;
     let vs = nn::VarStore::new(device);
     let model = Seq2Seq::new(&vs.root(), state.config.model.clone())?;
@@ -932,8 +1009,13 @@ fn decode_file(args: &TranslateArgs, device: Device) -> Result<()> {
 
 /// The rows of `--attention all`: the repulsive-attention paper's MA and RMA, and the other
 /// families on the same recipe.
-const ALL_ROWS: [(&str, &str, Repulsive); 5] =
-    [("softmax", "softmax", Repulsive::None), ("softmax-svgd", "softmax", Repulsive::Svgd), ("dnas", "dnas", Repulsive::None), ("hnas", "hnas", Repulsive::None), ("bam-wc", "bam-wc", Repulsive::None)];
+const ALL_ROWS: [(&str, &str, Repulsive); 5] = [
+    ("softmax", "softmax", Repulsive::None),
+    ("softmax-svgd", "softmax", Repulsive::Svgd),
+    ("dnas", "dnas", Repulsive::None),
+    ("hnas", "hnas", Repulsive::None),
+    ("bam-wc", "bam-wc", Repulsive::None),
+];
 
 pub fn run(args: &TranslateArgs) -> Result<()> {
     let device = args.common.setup()?;
@@ -988,7 +1070,15 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
             format!("{dist:.3}"),
         ]);
     }
-    let header = ["attention", "test BLEU tok-lc (mean ± std)", "test sacreBLEU (mean ± std)", "valid sacreBLEU", "seeds", "train tokens/s", "Dist (encoder, mean over layers)"];
+    let header = [
+        "attention",
+        "test BLEU tok-lc (mean ± std)",
+        "test sacreBLEU (mean ± std)",
+        "valid sacreBLEU",
+        "seeds",
+        "train tokens/s",
+        "Dist (encoder, mean over layers)",
+    ];
     let summary = crate::report::markdown_table(&header, &table);
     println!("\n{summary}");
     if all {
@@ -999,11 +1089,19 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
 }
 
 /// Trains and tests every seed of one configuration in `dir`; writes its results.json.
-fn run_config(p: &Prepared, cfg: &TranslateConfig, args: &TranslateArgs, dir: &Path, device: Device, resume: bool) -> Result<TranslateResults> {
+fn run_config(
+    p: &Prepared,
+    cfg: &TranslateConfig,
+    args: &TranslateArgs,
+    dir: &Path,
+    device: Device,
+    resume: bool,
+) -> Result<TranslateResults> {
     if resume {
         let path = dir.join("config.json");
         ensure!(path.is_file(), "--resume: {} is missing, so no run to resume there", path.display());
-        let saved: TranslateConfig = serde_json::from_slice(&std::fs::read(&path)?).with_context(|| format!("{} does not parse", path.display()))?;
+        let saved: TranslateConfig =
+            serde_json::from_slice(&std::fs::read(&path)?).with_context(|| format!("{} does not parse", path.display()))?;
         ensure!(saved == *cfg, "--resume {}: the flags differ from the original run's (see its config.json)", dir.display());
     } else {
         write_json(&dir.join("config.json"), cfg)?;

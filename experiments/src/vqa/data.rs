@@ -78,22 +78,59 @@ impl VqaData {
         let mut tensors = probattn::io::read_safetensors(&data_path)?;
         let mut take = |name: &str| tensors.remove(name).with_context(|| format!("{} has no tensor '{name}'", data_path.display()));
         let images = take("images")?;
-        ensure!(images.dim() == 4 && images.size()[1] == 3 && images.kind() == Kind::Uint8, "{}: images must be (N, 3, H, W) uint8, got {:?} {:?}", data_path.display(), images.size(), images.kind());
+        ensure!(
+            images.dim() == 4 && images.size()[1] == 3 && images.kind() == Kind::Uint8,
+            "{}: images must be (N, 3, H, W) uint8, got {:?} {:?}",
+            data_path.display(),
+            images.size(),
+            images.kind()
+        );
         let n_images = images.size()[0];
         let mut splits = HashMap::new();
         for split in SPLITS {
-            let q = Questions { image: take(&format!("{split}_image"))?, tokens: take(&format!("{split}_tokens"))?, answer: take(&format!("{split}_answer"))?, kind: take(&format!("{split}_type"))?, target: None, question_id: None };
+            let q = Questions {
+                image: take(&format!("{split}_image"))?,
+                tokens: take(&format!("{split}_tokens"))?,
+                answer: take(&format!("{split}_answer"))?,
+                kind: take(&format!("{split}_type"))?,
+                target: None,
+                question_id: None,
+            };
             let n = q.len();
             ensure!(n > 0, "{}: split {split} has no questions", data_path.display());
-            for (name, t, max) in [("image", &q.image, n_images), ("answer", &q.answer, meta.answers.len() as i64), ("type", &q.kind, meta.types.len() as i64)] {
-                ensure!(t.size() == [n] && t.kind() == Kind::Int64, "{}: {split}_{name} must be ({n},) int64, got {:?} {:?}", data_path.display(), t.size(), t.kind());
+            for (name, t, max) in [
+                ("image", &q.image, n_images),
+                ("answer", &q.answer, meta.answers.len() as i64),
+                ("type", &q.kind, meta.types.len() as i64),
+            ] {
+                ensure!(
+                    t.size() == [n] && t.kind() == Kind::Int64,
+                    "{}: {split}_{name} must be ({n},) int64, got {:?} {:?}",
+                    data_path.display(),
+                    t.size(),
+                    t.kind()
+                );
                 let (lo, hi) = (i64::try_from(t.min())?, i64::try_from(t.max())?);
                 ensure!(lo >= 0 && hi < max, "{}: {split}_{name} holds ids {lo}..={hi}, outside 0..{max}", data_path.display());
             }
-            ensure!(q.tokens.dim() == 2 && q.tokens.size()[0] == n && q.tokens.kind() == Kind::Int64, "{}: {split}_tokens must be ({n}, L) int64, got {:?}", data_path.display(), q.tokens.size());
+            ensure!(
+                q.tokens.dim() == 2 && q.tokens.size()[0] == n && q.tokens.kind() == Kind::Int64,
+                "{}: {split}_tokens must be ({n}, L) int64, got {:?}",
+                data_path.display(),
+                q.tokens.size()
+            );
             let (lo, hi) = (i64::try_from(q.tokens.min())?, i64::try_from(q.tokens.max())?);
-            ensure!(lo >= 0 && hi < meta.vocab.len() as i64, "{}: {split}_tokens holds word ids {lo}..={hi}, outside the vocabulary of {}", data_path.display(), meta.vocab.len());
-            ensure!(bool::try_from(q.tokens.select(1, 0).ne(0).all())?, "{}: {split}_tokens has an empty question (no first word)", data_path.display());
+            ensure!(
+                lo >= 0 && hi < meta.vocab.len() as i64,
+                "{}: {split}_tokens holds word ids {lo}..={hi}, outside the vocabulary of {}",
+                data_path.display(),
+                meta.vocab.len()
+            );
+            ensure!(
+                bool::try_from(q.tokens.select(1, 0).ne(0).all())?,
+                "{}: {split}_tokens has an empty question (no first word)",
+                data_path.display()
+            );
             splits.insert(split.to_string(), q);
         }
         Ok(Self { dir: dir.to_path_buf(), meta, images: Some(images), image_count: n_images, splits })
@@ -126,7 +163,14 @@ pub fn detectors_in(dir: &Path, data_dir: &Path) -> Result<Vec<DetectorSpec>> {
     let json = read(&manifest)?;
     // An unreadable meta.json is reported by the data loader, with its own named error.
     let meta = read(&data_dir.join("meta.json")).unwrap_or_default();
-    let stale = |what: &str| format!("{} were trained for other data than {} ({what} differs); delete {} to retrain them", dir.display(), data_dir.display(), dir.display());
+    let stale = |what: &str| {
+        format!(
+            "{} were trained for other data than {} ({what} differs); delete {} to retrain them",
+            dir.display(),
+            data_dir.display(),
+            dir.display()
+        )
+    };
     if let (Some(trained), Some(data)) = (json["data_sha256"].as_str(), meta["sha256"].as_str()) {
         ensure!(trained == data, stale("the data file's sha256"));
     }
@@ -166,14 +210,28 @@ pub fn extract(images: &Tensor, detectors: &[DetectorSpec], device: Device, batc
         for start in (0..n).step_by(batch as usize) {
             let len = batch.min(n - start);
             let x = images.narrow(0, start, len).to_device(device).to_kind(Kind::Float) / 255.0;
-            let out = tch::no_grad(|| module.forward_tensors(&[IValue::Tensor(x)])).with_context(|| format!("detector {} ({})", spec.name, spec.path.display()))?;
-            let [(_, y)] = <[_; 1]>::try_from(out).map_err(|o: Vec<_>| anyhow::anyhow!("detector {} ({}) returned {} tensors; expected one (B, regions, dim)", spec.name, spec.path.display(), o.len()))?;
+            let out = tch::no_grad(|| module.forward_tensors(&[IValue::Tensor(x)]))
+                .with_context(|| format!("detector {} ({})", spec.name, spec.path.display()))?;
+            let [(_, y)] = <[_; 1]>::try_from(out).map_err(|o: Vec<_>| {
+                anyhow::anyhow!(
+                    "detector {} ({}) returned {} tensors; expected one (B, regions, dim)",
+                    spec.name,
+                    spec.path.display(),
+                    o.len()
+                )
+            })?;
             let s = y.size();
             if s.len() != 3 || s[0] != len {
-                bail!("detector {} ({}) returned shape {s:?} for {len} images; expected ({len}, regions, dim)", spec.name, spec.path.display());
+                bail!(
+                    "detector {} ({}) returned shape {s:?} for {len} images; expected ({len}, regions, dim)",
+                    spec.name,
+                    spec.path.display()
+                );
             }
             match shape {
-                Some(prev) if prev != (s[1], s[2]) => bail!("detector {} returned {:?} then {:?} regions x dim", spec.name, prev, (s[1], s[2])),
+                Some(prev) if prev != (s[1], s[2]) => {
+                    bail!("detector {} returned {:?} then {:?} regions x dim", spec.name, prev, (s[1], s[2]))
+                }
                 _ => shape = Some((s[1], s[2])),
             }
             probattn::check_finite(&format!("detector {} output", spec.name), &y)?;
@@ -206,7 +264,9 @@ pub fn cached_features(data: &VqaData, detectors: &[DetectorSpec], device: Devic
     let path = data.dir.join("features").join(format!("{}.safetensors", cache_key(data, detectors)?));
     if path.exists() {
         let mut t = probattn::io::read_safetensors(&path)?;
-        let views = (0..detectors.len()).map(|i| t.remove(&format!("view{i}")).with_context(|| format!("{} lacks view{i}; delete it to extract again", path.display()))).collect::<Result<Vec<_>>>()?;
+        let views = (0..detectors.len())
+            .map(|i| t.remove(&format!("view{i}")).with_context(|| format!("{} lacks view{i}; delete it to extract again", path.display())))
+            .collect::<Result<Vec<_>>>()?;
         return Ok((Features { views }, path, true));
     }
     let images = data.images.as_ref().context("this data has no images to run detectors on")?;

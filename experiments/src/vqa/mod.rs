@@ -273,7 +273,9 @@ fn default_lr_patience() -> usize {
 /// PAPER-NOTES section 2); their VQA values are not published. Not tuned here yet.
 fn bam_preset(variant: Variant) -> (String, BamConfig, f64) {
     match variant {
-        Variant::Bam(_) => ("BAM authors' ALBERT script defaults (k 10, KL weight 1); not tuned".into(), BamConfig { k: 10.0, ..Default::default() }, 1.0),
+        Variant::Bam(_) => {
+            ("BAM authors' ALBERT script defaults (k 10, KL weight 1); not tuned".into(), BamConfig { k: 10.0, ..Default::default() }, 1.0)
+        }
         _ => ("none".into(), BamConfig::default(), 0.0),
     }
 }
@@ -343,7 +345,12 @@ fn log_mass_points(reports: &[&ExplainedAway]) -> Vec<(f64, f64)> {
     let Some(first) = reports.first() else { return vec![] };
     let total: f64 = reports.iter().map(|e| e.boxes as f64).sum::<f64>().max(1.0);
     (0..first.log_mass_counts.len())
-        .map(|i| (0.5 * (first.log_mass_edges[i] + first.log_mass_edges[i + 1]), reports.iter().map(|e| e.log_mass_counts[i] as f64).sum::<f64>() / total))
+        .map(|i| {
+            (
+                0.5 * (first.log_mass_edges[i] + first.log_mass_edges[i + 1]),
+                reports.iter().map(|e| e.log_mass_counts[i] as f64).sum::<f64>() / total,
+            )
+        })
         .collect()
 }
 
@@ -367,7 +374,9 @@ struct Batch {
 
 /// The question rows of a split in order, `size` at a time (evaluation batches).
 fn chunks(q: &Questions, size: i64) -> impl Iterator<Item = Tensor> + '_ {
-    (0..q.len()).step_by(size as usize).map(move |start| Tensor::arange_start(start, (start + size).min(q.len()), (Kind::Int64, Device::Cpu)))
+    (0..q.len())
+        .step_by(size as usize)
+        .map(move |start| Tensor::arange_start(start, (start + size).min(q.len()), (Kind::Int64, Device::Cpu)))
 }
 
 fn batch_of(views: &Views, q: &Questions, idx: &Tensor, device: Device) -> Result<Batch> {
@@ -398,7 +407,12 @@ fn evaluate(model: &VqaModel, p: &Prepared, split: &str, device: Device) -> Resu
 
 /// Accuracy and (summed accuracy, questions) per question type of `predict` (views, tokens ->
 /// logits `(B, answers)`) over a split, under `no_grad`.
-fn score(p: &Prepared, split: &str, device: Device, predict: &dyn Fn(&[Tensor], &Tensor) -> Result<Tensor>) -> Result<(f64, Vec<(f64, u64)>)> {
+fn score(
+    p: &Prepared,
+    split: &str,
+    device: Device,
+    predict: &dyn Fn(&[Tensor], &Tensor) -> Result<Tensor>,
+) -> Result<(f64, Vec<(f64, u64)>)> {
     score_and_predict(p, split, device, predict).map(|(acc, per_type, _)| (acc, per_type))
 }
 
@@ -416,7 +430,13 @@ fn score_and_predict(p: &Prepared, split: &str, device: Device, predict: &dyn Fn
         for idx in chunks(q, 1024) {
             let b = batch_of(&p.views, q, &idx, device)?;
             let logits = predict(&b.views, &b.tokens)?;
-            ensure!(logits.size() == [idx.size()[0], answers], "the model returned logits of shape {:?} for {} questions; expected ({}, {answers}) (one score per answer of meta.json)", logits.size(), idx.size()[0], idx.size()[0]);
+            ensure!(
+                logits.size() == [idx.size()[0], answers],
+                "the model returned logits of shape {:?} for {} questions; expected ({}, {answers}) (one score per answer of meta.json)",
+                logits.size(),
+                idx.size()[0],
+                idx.size()[0]
+            );
             let best = logits.argmax(-1, false);
             let acc = accuracy_of(&b, &best)?;
             predicted.extend(Vec::<i64>::try_from(best.to_device(Device::Cpu))?);
@@ -484,7 +504,14 @@ struct Trace {
 }
 
 /// Trains one model from `seed`; appends per-epoch metrics to `metrics` and to `trace`.
-fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metrics: &mut impl Write, trace: &mut Trace) -> Result<(RunResult, VqaModel)> {
+fn train_run(
+    p: &Prepared,
+    cfg: &VqaRunConfig,
+    seed: u64,
+    device: Device,
+    metrics: &mut impl Write,
+    trace: &mut Trace,
+) -> Result<(RunResult, VqaModel)> {
     tch::manual_seed(seed as i64);
     let vs = nn::VarStore::new(device);
     let model = VqaModel::new(&vs.root(), cfg.model.clone())?;
@@ -541,10 +568,18 @@ fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metric
         let val_by_type: Vec<f64> = val_per_type.iter().map(|(h, n)| *h / (*n).max(1) as f64).collect();
         let val_acc_by_type: BTreeMap<&str, f64> = p.data.meta.types.iter().map(String::as_str).zip(val_by_type.iter().copied()).collect();
         let u = model.fusion.gates().map(|u| Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))).transpose()?;
-        writeln!(metrics, "{}", serde_json::json!({"seed": seed, "epoch": epoch, "lr": lr, "train_loss": train_loss, "kl": kl_mean, "val_acc": val_acc, "val_acc_by_type": val_acc_by_type, "hnas_u": u, "seconds": start.elapsed().as_secs_f64()}))?;
+        writeln!(
+            metrics,
+            "{}",
+            serde_json::json!({"seed": seed, "epoch": epoch, "lr": lr, "train_loss": train_loss, "kl": kl_mean, "val_acc": val_acc, "val_acc_by_type": val_acc_by_type, "hnas_u": u, "seconds": start.elapsed().as_secs_f64()})
+        )?;
         metrics.flush()?;
         trace.val_by_type.push((epoch as f64, val_by_type));
-        println!("{} seed {seed} epoch {epoch:3}: train loss {train_loss:.4}, val acc {val_acc:.4}, {:.0} s", cfg.model.fusion_name(), start.elapsed().as_secs_f64());
+        println!(
+            "{} seed {seed} epoch {epoch:3}: train loss {train_loss:.4}, val acc {val_acc:.4}, {:.0} s",
+            cfg.model.fusion_name(),
+            start.elapsed().as_secs_f64()
+        );
         if val_acc > best {
             best = val_acc;
             best_epoch = epoch;
@@ -578,7 +613,8 @@ fn train_run(p: &Prepared, cfg: &VqaRunConfig, seed: u64, device: Device, metric
     // Relational / non-relational only where the data defines relational types (Sort-of-CLEVR).
     let has_relational = relational_types.iter().any(|&r| r);
     let group = |relational: bool| {
-        let (h, n) = per_type.iter().zip(&relational_types).filter(|(_, &r)| r == relational).fold((0.0, 0), |a, ((h, n), _)| (a.0 + h, a.1 + n));
+        let (h, n) =
+            per_type.iter().zip(&relational_types).filter(|(_, &r)| r == relational).fold((0.0, 0), |a, ((h, n), _)| (a.0 + h, a.1 + n));
         (has_relational && n > 0).then(|| h / n as f64)
     };
     let hnas_u = model.fusion.gates().map(|u| Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))).transpose()?;
@@ -609,7 +645,8 @@ fn official_test(model: &VqaModel, p: &Prepared, path: &Path, device: Device) ->
     let (_, _, predicted) = score_and_predict(p, "test", device, &|views, tokens| Ok(model.forward(views, tokens, Mode::EVAL)?.logits))?;
     let ids = Vec::<i64>::try_from(p.data.splits["test"].question_id.as_ref().context("VQA-v2 questions without ids")?)?;
     let answers = &p.data.meta.answers;
-    let results: Vec<serde_json::Value> = ids.iter().zip(&predicted).map(|(&q, &a)| serde_json::json!({"question_id": q, "answer": answers[a as usize]})).collect();
+    let results: Vec<serde_json::Value> =
+        ids.iter().zip(&predicted).map(|(&q, &a)| serde_json::json!({"question_id": q, "answer": answers[a as usize]})).collect();
     write_json(path, &results)?;
     let (questions, annotations) = v2::official_files(&p.data.dir, "val2014");
     crate::vqa_eval::evaluate(&questions, &annotations, path)
@@ -700,7 +737,8 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, cfg: VqaRunConfig, features: &str, d
     let (fusion, meta) = (cfg.model.fusion, &p.data.meta);
     write_json(&dir.join("config.json"), &cfg)?;
     let metrics_path = dir.join("metrics.jsonl");
-    let mut metrics = std::io::BufWriter::new(std::fs::File::create(&metrics_path).with_context(|| format!("creating {}", metrics_path.display()))?);
+    let mut metrics =
+        std::io::BufWriter::new(std::fs::File::create(&metrics_path).with_context(|| format!("creating {}", metrics_path.display()))?);
     let mut runs = vec![];
     let mut traces = vec![];
     for seed in args.seed_start..args.seed_start + args.seeds {
@@ -737,7 +775,12 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, cfg: VqaRunConfig, features: &str, d
     let series: Vec<Series> = traces
         .iter()
         .filter(|(_, t)| !t.gates.is_empty())
-        .flat_map(|(seed, t)| (0..t.gates[0].1.len()).map(move |view| Series { name: format!("seed {seed}, view {}", view + 1), points: t.gates.iter().map(|(s, u)| (*s, u[view])).collect() }))
+        .flat_map(|(seed, t)| {
+            (0..t.gates[0].1.len()).map(move |view| Series {
+                name: format!("seed {seed}, view {}", view + 1),
+                points: t.gates.iter().map(|(s, u)| (*s, u[view])).collect(),
+            })
+        })
         .collect();
     if !series.is_empty() {
         line_chart(&dir.join("hnas_u.svg"), "HNAS mixing weight u during training (Fig. 3)", "update", "u", &series)?;
@@ -752,10 +795,25 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, cfg: VqaRunConfig, features: &str, d
             })
         })
         .collect();
-    line_chart(&dir.join("val_acc.svg"), &format!("validation accuracy per question type, {}", cfg.model.fusion_name()), "epoch", "accuracy", &series)?;
-    let series: Vec<Series> = runs.iter().filter_map(|r| r.explained_away.as_ref().map(|e| Series { name: format!("seed {}", r.seed), points: log_mass_points(&[e]) })).collect();
+    line_chart(
+        &dir.join("val_acc.svg"),
+        &format!("validation accuracy per question type, {}", cfg.model.fusion_name()),
+        "epoch",
+        "accuracy",
+        &series,
+    )?;
+    let series: Vec<Series> = runs
+        .iter()
+        .filter_map(|r| r.explained_away.as_ref().map(|e| Series { name: format!("seed {}", r.seed), points: log_mass_points(&[e]) }))
+        .collect();
     if !series.is_empty() {
-        line_chart(&dir.join("log_mass.svg"), &format!("log Σ_i π_ij per secondary box, {} (Fig. 1)", cfg.model.fusion_name()), "log received mass", "share of boxes", &series)?;
+        line_chart(
+            &dir.join("log_mass.svg"),
+            &format!("log Σ_i π_ij per secondary box, {} (Fig. 1)", cfg.model.fusion_name()),
+            "log received mass",
+            "share of boxes",
+            &series,
+        )?;
     }
     let stats = |f: &dyn Fn(&RunResult) -> Option<f64>| {
         let v: Vec<f64> = runs.iter().filter_map(f).collect();
@@ -764,7 +822,8 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, cfg: VqaRunConfig, features: &str, d
     let (test_acc_mean, test_acc_std) = mean_std(&runs.iter().map(|r| r.test_acc).collect::<Vec<_>>());
     let rel = stats(&|r| r.test_acc_relational);
     let nonrel = stats(&|r| r.test_acc_nonrelational);
-    let test_acc_by_type_mean = meta.types.iter().map(|t| (t.clone(), mean_std(&runs.iter().map(|r| r.test_acc_by_type[t]).collect::<Vec<_>>()).0)).collect();
+    let test_acc_by_type_mean =
+        meta.types.iter().map(|t| (t.clone(), mean_std(&runs.iter().map(|r| r.test_acc_by_type[t]).collect::<Vec<_>>()).0)).collect();
     let results = VqaResults {
         dataset: meta.dataset.clone(),
         fusion: cfg.model.fusion_name(),
@@ -793,8 +852,10 @@ pub fn table(results: &[VqaResults]) -> String {
         .iter()
         .map(|r| {
             let ea = r.runs.iter().filter_map(|x| x.explained_away.as_ref()).map(|e| e.share_below_1e8).collect::<Vec<_>>();
-            let min_mass = r.runs.iter().filter_map(|x| x.explained_away.as_ref()).map(|e| e.min_mass_times_keys).fold(f64::INFINITY, f64::min);
-            let pavpu = r.runs.iter().filter_map(|x| x.uncertainty.as_ref()).map(|u| (u.clean.pavpu_05, u.noisy.pavpu_05)).collect::<Vec<_>>();
+            let min_mass =
+                r.runs.iter().filter_map(|x| x.explained_away.as_ref()).map(|e| e.min_mass_times_keys).fold(f64::INFINITY, f64::min);
+            let pavpu =
+                r.runs.iter().filter_map(|x| x.uncertainty.as_ref()).map(|u| (u.clean.pavpu_05, u.noisy.pavpu_05)).collect::<Vec<_>>();
             vec![
                 r.fusion.clone(),
                 pct(Some(r.test_acc_mean), Some(r.test_acc_std)),
@@ -803,14 +864,33 @@ pub fn table(results: &[VqaResults]) -> String {
                 format!("{:.2}", 100.0 * r.val_acc_mean),
                 if ea.is_empty() { "-".into() } else { format!("{:.1}", 100.0 * mean_std(&ea).0) },
                 if min_mass.is_finite() { format!("{min_mass:.3}") } else { "-".into() },
-                if pavpu.is_empty() { "-".into() } else { format!("{:.2} / {:.2}", 100.0 * mean_std(&pavpu.iter().map(|p| p.0).collect::<Vec<_>>()).0, 100.0 * mean_std(&pavpu.iter().map(|p| p.1).collect::<Vec<_>>()).0) },
+                if pavpu.is_empty() {
+                    "-".into()
+                } else {
+                    format!(
+                        "{:.2} / {:.2}",
+                        100.0 * mean_std(&pavpu.iter().map(|p| p.0).collect::<Vec<_>>()).0,
+                        100.0 * mean_std(&pavpu.iter().map(|p| p.1).collect::<Vec<_>>()).0
+                    )
+                },
                 r.runs.len().to_string(),
                 format!("{:.1}", r.epoch_seconds_mean),
             ]
         })
         .collect();
     markdown_table(
-        &["fusion", "test acc (%)", "relational (%)", "non-relational (%)", "val acc (%)", "ε-explained-away boxes (%)", "min mass × keys", "PAvPU clean / noisy (%)", "seeds", "s/epoch"],
+        &[
+            "fusion",
+            "test acc (%)",
+            "relational (%)",
+            "non-relational (%)",
+            "val acc (%)",
+            "ε-explained-away boxes (%)",
+            "min mass × keys",
+            "PAvPU clean / noisy (%)",
+            "seeds",
+            "s/epoch",
+        ],
         &rows,
     )
 }
@@ -822,18 +902,24 @@ fn eval_torchscript(p: &Prepared, path: &Path, args: &VqaArgs, device: Device) -
         let mut inputs: Vec<tch::IValue> = views.iter().map(|v| tch::IValue::Tensor(v.shallow_clone())).collect();
         inputs.push(tch::IValue::Tensor(tokens.shallow_clone()));
         let out = module.forward_tensors(&inputs)?;
-        let [(_, logits)] = <[_; 1]>::try_from(out).map_err(|o: Vec<_>| anyhow::anyhow!("{} returned {} tensors; expected the logits alone", path.display(), o.len()))?;
+        let [(_, logits)] = <[_; 1]>::try_from(out)
+            .map_err(|o: Vec<_>| anyhow::anyhow!("{} returned {} tensors; expected the logits alone", path.display(), o.len()))?;
         Ok(logits)
     };
     let start = Instant::now();
     let (val_acc, _) = score(p, "val", device, &predict)?;
     let (test_acc, per_type) = score(p, "test", device, &predict)?;
     let seconds = start.elapsed().as_secs_f64();
-    let by_type: BTreeMap<String, f64> = p.data.meta.types.iter().zip(&per_type).map(|(t, (h, n))| (t.clone(), *h / (*n).max(1) as f64)).collect();
+    let by_type: BTreeMap<String, f64> =
+        p.data.meta.types.iter().zip(&per_type).map(|(t, (h, n))| (t.clone(), *h / (*n).max(1) as f64)).collect();
     let dir = run_dir(args.out.as_deref(), "vqa", &format!("{}-torchscript", args.dataset.name()))?;
     let report = serde_json::json!({"torchscript": path, "val_acc": val_acc, "test_acc": test_acc, "test_acc_by_type": by_type, "seconds": seconds, "provenance": Provenance::gather(device)});
     write_json(&dir.join("eval_torchscript.json"), &report)?;
-    println!("{}: val acc {val_acc:.4}, test acc {test_acc:.4} ({}), {seconds:.1} s", path.display(), by_type.iter().map(|(t, a)| format!("{t} {a:.4}")).collect::<Vec<_>>().join(", "));
+    println!(
+        "{}: val acc {val_acc:.4}, test acc {test_acc:.4} ({}), {seconds:.1} s",
+        path.display(),
+        by_type.iter().map(|(t, a)| format!("{t} {a:.4}")).collect::<Vec<_>>().join(", ")
+    );
     println!("results in {}", dir.display());
     Ok(())
 }
@@ -875,12 +961,18 @@ fn prepare_inputs(args: &VqaArgs, data_dir: &Path, threads: i32) -> Result<Vec<D
     let (epochs, dir) = detector_dir(args, data_dir);
     if !dir.join("detectors.json").exists() {
         if args.detectors.is_some() {
-            bail!("{} has no detectors.json (write detectors with `python python/vqa_detectors.py --data {} --out {}`)", dir.display(), data_dir.display(), dir.display());
+            bail!(
+                "{} has no detectors.json (write detectors with `python python/vqa_detectors.py --data {} --out {}`)",
+                dir.display(),
+                data_dir.display(),
+                dir.display()
+            );
         }
         eprintln!("{}: no detectors yet; training them with python/vqa_detectors.py (minutes)", dir.display());
         let (d, o, t) = (data_dir.to_string_lossy().to_string(), dir.to_string_lossy().to_string(), threads.to_string());
         let (e, b) = (epochs.to_string(), args.detector_boxes.to_string());
-        run_python("vqa_detectors.py", &["--data", &d, "--out", &o, "--epochs", &e, "--boxes", &b, "--threads", &t]).context("training the detectors")?;
+        run_python("vqa_detectors.py", &["--data", &d, "--out", &o, "--epochs", &e, "--boxes", &b, "--threads", &t])
+            .context("training the detectors")?;
     }
     detectors_in(&dir, data_dir)
 }
@@ -924,24 +1016,45 @@ pub fn run(args: &VqaArgs) -> Result<()> {
     // The manifest of the detectors probattn trained or found (their files' sha256 and validation
     // metrics), copied beside results.json: retraining them on another machine can give other
     // detectors, and the features' cache key does not say which ones a run used.
-    let manifest = (args.dataset != Dataset::VqaV2 && args.detector.is_empty()).then(|| detector_dir(args, &data_dir).1.join("detectors.json"));
+    let manifest =
+        (args.dataset != Dataset::VqaV2 && args.detector.is_empty()).then(|| detector_dir(args, &data_dir).1.join("detectors.json"));
     let (data, mut views, detectors, features_note) = if args.dataset == Dataset::VqaV2 {
-        ensure!(args.data.is_some(), "--dataset vqa-v2 needs --data DIR holding the official question and annotation files (train2014, val2014)");
+        ensure!(
+            args.data.is_some(),
+            "--dataset vqa-v2 needs --data DIR holding the official question and annotation files (train2014, val2014)"
+        );
         ensure!(!args.quick, "--quick runs on the generated datasets (sort-of-clevr, easy-vqa), not vqa-v2");
-        ensure!(args.detector.is_empty(), "--detector runs TorchScript detectors on images; VQA-v2 takes precomputed features (--features)");
-        let opts = v2::V2Options { features: &args.features, answers: args.answers, val_fraction: args.val_fraction, feature_memory_gb: args.feature_memory_gb };
+        ensure!(
+            args.detector.is_empty(),
+            "--detector runs TorchScript detectors on images; VQA-v2 takes precomputed features (--features)"
+        );
+        let opts = v2::V2Options {
+            features: &args.features,
+            answers: args.answers,
+            val_fraction: args.val_fraction,
+            feature_memory_gb: args.feature_memory_gb,
+        };
         let (data, views) = v2::load(&data_dir, &opts, device)?;
-        let detectors: Vec<DetectorSpec> = args.features.iter().enumerate().map(|(i, f)| DetectorSpec { name: format!("view{i}"), path: f.clone() }).collect();
-        let note = format!("precomputed .npz features: {}", args.features.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "));
+        let detectors: Vec<DetectorSpec> =
+            args.features.iter().enumerate().map(|(i, f)| DetectorSpec { name: format!("view{i}"), path: f.clone() }).collect();
+        let note =
+            format!("precomputed .npz features: {}", args.features.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "));
         (data, views, detectors, note)
     } else {
         ensure!(args.features.is_empty(), "--features goes with --dataset vqa-v2");
         let detectors = prepare_inputs(args, &data_dir, tch::get_num_threads())?;
         let data = VqaData::load(&data_dir)?;
-        ensure!(data.meta.dataset == args.dataset.name(), "{} holds {} data, not {} (--dataset)", data_dir.display(), data.meta.dataset, args.dataset.name());
+        ensure!(
+            data.meta.dataset == args.dataset.name(),
+            "{} holds {} data, not {} (--dataset)",
+            data_dir.display(),
+            data.meta.dataset,
+            args.dataset.name()
+        );
         let (features, cache, hit) = cached_features(&data, &detectors, device)?;
         eprintln!("features: {} ({}, {:.1} s)", cache.display(), if hit { "cached" } else { "extracted" }, start.elapsed().as_secs_f64());
-        let note = format!("{} ({})", cache.display(), detectors.iter().map(|d| d.path.display().to_string()).collect::<Vec<_>>().join(", "));
+        let note =
+            format!("{} ({})", cache.display(), detectors.iter().map(|d| d.path.display().to_string()).collect::<Vec<_>>().join(", "));
         (data, Views::Memory(features.views), detectors, note)
     };
     let noisy_image = match args.image_noise {
@@ -1009,7 +1122,13 @@ pub fn run(args: &VqaArgs) -> Result<()> {
                 (!reports.is_empty()).then(|| Series { name: r.fusion.clone(), points: log_mass_points(&reports) })
             })
             .collect();
-        line_chart(&dir.join("log_mass.svg"), "log Σ_i π_ij per secondary box on the test images (Fig. 1)", "log received mass", "share of boxes", &series)?;
+        line_chart(
+            &dir.join("log_mass.svg"),
+            "log Σ_i π_ij per secondary box on the test images (Fig. 1)",
+            "log received mass",
+            "share of boxes",
+            &series,
+        )?;
     }
     println!("results in {}", dir.display());
     Ok(())

@@ -120,7 +120,15 @@ pub fn pavpu(uncertain: &[bool], accurate: &[f64]) -> f64 {
     sum / uncertain.len().max(1) as f64
 }
 
-fn measure(model: &VqaModel, p: &Prepared, split: &str, views: &Views, noise: Option<&[Tensor]>, samples: usize, device: Device) -> Result<McMetrics> {
+fn measure(
+    model: &VqaModel,
+    p: &Prepared,
+    split: &str,
+    views: &Views,
+    noise: Option<&[Tensor]>,
+    samples: usize,
+    device: Device,
+) -> Result<McMetrics> {
     let q = p.data.splits.get(split).with_context(|| format!("the data has no {split} split"))?;
     let (mut accurate, mut confidence, mut pvals) = (vec![], vec![], vec![]);
     tch::no_grad(|| -> Result<()> {
@@ -129,7 +137,8 @@ fn measure(model: &VqaModel, p: &Prepared, split: &str, views: &Views, noise: Op
             if let Some(noise) = noise {
                 b.views = b.views.iter().zip(noise).map(|(v, n)| v + n).collect();
             }
-            let pred = monte_carlo(samples, |_| Ok(model.forward(&b.views, &b.tokens, Mode::MONTE_CARLO)?.logits.softmax(-1, Kind::Double)))?;
+            let pred =
+                monte_carlo(samples, |_| Ok(model.forward(&b.views, &b.tokens, Mode::MONTE_CARLO)?.logits.softmax(-1, Kind::Double)))?;
             let (top, ids) = pred.mean.topk(2, -1, true, true); // (B, 2)
             let std = pred.std.gather(1, &ids, false); // (B, 2), population std
             let var = std.square() * (samples as f64 / (samples as f64 - 1.0));
@@ -184,12 +193,21 @@ pub(super) fn report(model: &VqaModel, p: &Prepared, settings: &McSettings, devi
     let val_noise = val_noise(&shapes, settings.eval_noise, settings.seed, device);
     let clean = measure(model, p, "test", &p.views, None, settings.samples, device)?;
     let noisy = measure(model, p, "test", &p.views, Some(&noise), settings.samples, device)?;
-    let noisy_image = p.noisy_image.as_ref().map(|(_, views)| measure(model, p, "test", views, None, settings.samples, device)).transpose()?;
+    let noisy_image =
+        p.noisy_image.as_ref().map(|(_, views)| measure(model, p, "test", views, None, settings.samples, device)).transpose()?;
     let val = ValReport {
         clean: measure(model, p, "val", &p.views, None, settings.samples, device)?,
         noisy: measure(model, p, "val", &p.views, Some(&val_noise), settings.samples, device)?,
     };
-    Ok(McReport { samples: settings.samples, eval_noise: settings.eval_noise, clean, noisy, image_noise: p.noisy_image.as_ref().map(|(s, _)| *s), noisy_image, val: Some(val) })
+    Ok(McReport {
+        samples: settings.samples,
+        eval_noise: settings.eval_noise,
+        clean,
+        noisy,
+        image_noise: p.noisy_image.as_ref().map(|(s, _)| *s),
+        noisy_image,
+        val: Some(val),
+    })
 }
 
 #[cfg(test)]

@@ -85,11 +85,19 @@ fn read_split(dir: &Path, split: &str) -> Result<Vec<Item>> {
         .questions
         .into_iter()
         .map(|q| {
-            let a = by_id.remove(&q.question_id).with_context(|| format!("{}: question {} has no annotation in {}", qp.display(), q.question_id, ap.display()))?;
+            let a = by_id
+                .remove(&q.question_id)
+                .with_context(|| format!("{}: question {} has no annotation in {}", qp.display(), q.question_id, ap.display()))?;
             let words = words(&q.question);
             ensure!(!words.is_empty(), "{}: question {} has no words", qp.display(), q.question_id);
             let image_id = q.image_id.with_context(|| format!("{}: question {} has no image_id", qp.display(), q.question_id))?;
-            Ok(Item { image_id, question_id: q.question_id, words, answer_type: a.answer_type, humans: a.answers.into_iter().map(|h| h.answer).collect() })
+            Ok(Item {
+                image_id,
+                question_id: q.question_id,
+                words,
+                answer_type: a.answer_type,
+                humans: a.answers.into_iter().map(|h| h.answer).collect(),
+            })
         })
         .collect()
 }
@@ -98,7 +106,11 @@ fn read_split(dir: &Path, split: &str) -> Result<Vec<Item>> {
 fn x_array(path: &Path) -> Result<Tensor> {
     let arrays = Tensor::read_npz(path).with_context(|| format!("{} is not a readable .npz file", path.display()))?;
     let names: Vec<String> = arrays.iter().map(|(n, _)| n.clone()).collect();
-    let x = arrays.into_iter().find(|(n, _)| n == "x" || n == "x.npy").map(|(_, t)| t).with_context(|| format!("{} has no array 'x' (it has {names:?})", path.display()))?;
+    let x = arrays
+        .into_iter()
+        .find(|(n, _)| n == "x" || n == "x.npy")
+        .map(|(_, t)| t)
+        .with_context(|| format!("{} has no array 'x' (it has {names:?})", path.display()))?;
     ensure!(x.dim() == 2, "{}: x has shape {:?}; expected (boxes, dim)", path.display(), x.size());
     Ok(x)
 }
@@ -113,7 +125,8 @@ pub struct FeatureFolder {
 
 impl FeatureFolder {
     fn file(&self, image_id: u64) -> Result<PathBuf> {
-        let candidates = [format!("{image_id}.npz"), format!("COCO_train2014_{image_id:012}.npz"), format!("COCO_val2014_{image_id:012}.npz")];
+        let candidates =
+            [format!("{image_id}.npz"), format!("COCO_train2014_{image_id:012}.npz"), format!("COCO_val2014_{image_id:012}.npz")];
         candidates
             .iter()
             .map(|c| self.dir.join(c))
@@ -152,7 +165,11 @@ pub struct V2Options<'a> {
 /// Reads VQA-v2 from `dir` and the feature folders: the data (splits train / val / test as the
 /// module documentation says) and the views.
 pub fn load(dir: &Path, opts: &V2Options, device: Device) -> Result<(VqaData, Views)> {
-    ensure!(opts.features.len() >= 2, "--dataset vqa-v2 needs --features at least twice (one folder of .npz files per detector, the primary first), got {}", opts.features.len());
+    ensure!(
+        opts.features.len() >= 2,
+        "--dataset vqa-v2 needs --features at least twice (one folder of .npz files per detector, the primary first), got {}",
+        opts.features.len()
+    );
     ensure!(opts.answers >= 2, "--answers must be at least 2");
     ensure!(opts.val_fraction > 0.0 && opts.val_fraction < 1.0, "--val-fraction must lie in (0, 1), got {}", opts.val_fraction);
     let train_all = read_split(dir, "train2014")?;
@@ -185,7 +202,8 @@ pub fn load(dir: &Path, opts: &V2Options, device: Device) -> Result<(VqaData, Vi
     ranked.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
     let answers: Vec<String> = ranked.into_iter().take(opts.answers).map(|(a, _)| a).collect();
     let answer_ids: HashMap<&str, i64> = answers.iter().enumerate().map(|(i, a)| (a.as_str(), i as i64)).collect();
-    let types: Vec<String> = train.iter().chain(&val).chain(&test).map(|i| i.answer_type.clone()).collect::<BTreeSet<_>>().into_iter().collect();
+    let types: Vec<String> =
+        train.iter().chain(&val).chain(&test).map(|i| i.answer_type.clone()).collect::<BTreeSet<_>>().into_iter().collect();
 
     // The image table: every image of every split, once.
     let image_ids: Vec<u64> = train.iter().chain(&val).chain(&test).map(|i| i.image_id).collect::<BTreeSet<_>>().into_iter().collect();
@@ -226,7 +244,10 @@ pub fn load(dir: &Path, opts: &V2Options, device: Device) -> Result<(VqaData, Vi
             question_id: Some(Tensor::from_slice(&qid)),
         })
     };
-    let splits: HashMap<String, Questions> = [("train", &train), ("val", &val), ("test", &test)].into_iter().map(|(s, items)| Ok((s.to_string(), tensors(items)?))).collect::<Result<_>>()?;
+    let splits: HashMap<String, Questions> = [("train", &train), ("val", &val), ("test", &test)]
+        .into_iter()
+        .map(|(s, items)| Ok((s.to_string(), tensors(items)?)))
+        .collect::<Result<_>>()?;
 
     // Features: the first image of each folder fixes its shape.
     let mut folders = vec![];
@@ -253,7 +274,11 @@ pub fn load(dir: &Path, opts: &V2Options, device: Device) -> Result<(VqaData, Vi
         bar.finish_and_clear();
         Views::Memory(views)
     } else {
-        eprintln!("features: {:.1} GB exceed --feature-memory-gb {}: reading them from disk batch by batch", bytes / 1e9, opts.feature_memory_gb);
+        eprintln!(
+            "features: {:.1} GB exceed --feature-memory-gb {}: reading them from disk batch by batch",
+            bytes / 1e9,
+            opts.feature_memory_gb
+        );
         Views::Files { folders, image_ids: image_ids.clone(), device }
     };
 
@@ -261,7 +286,15 @@ pub fn load(dir: &Path, opts: &V2Options, device: Device) -> Result<(VqaData, Vi
     generator.insert("source", serde_json::json!(dir));
     generator.insert("val_fraction", serde_json::json!(opts.val_fraction));
     generator.insert("features", serde_json::json!(opts.features));
-    let meta = Meta { dataset: "vqa-v2".into(), vocab, answers, types, relational_types: vec![], sha256: None, generator: serde_json::json!(generator) };
+    let meta = Meta {
+        dataset: "vqa-v2".into(),
+        vocab,
+        answers,
+        types,
+        relational_types: vec![],
+        sha256: None,
+        generator: serde_json::json!(generator),
+    };
     if meta.answers.len() < opts.answers {
         eprintln!("VQA-v2: train2014 has {} distinct answers, fewer than --answers {}", meta.answers.len(), opts.answers);
     }
