@@ -24,6 +24,10 @@ typedef struct pa_pt2 pa_pt2;          // a loaded AOTInductor package
 
 void pa_string_free(char* s);
 
+// Drops every later libtorch warning whose message starts with `prefix` (process-wide; a filter in
+// front of the handler installed before it, which still gets every other warning).
+char* pa_silence_warning(const char* prefix);
+
 // ---- lists of named tensors
 size_t pa_tensors_len(const pa_tensors* list);
 const char* pa_tensors_name(const pa_tensors* list, size_t i);  // borrowed, "" when unnamed

@@ -9,6 +9,7 @@ use tch::{Kind, Tensor};
 
 use crate::mask::{Masks, ScoreShape};
 use crate::normalize::{NormalizeInput, Normalizer, Support};
+use crate::tiled::{attend_tiled, TiledOptions};
 use crate::{Error, Result};
 
 /// What is random in a forward pass. `train` is the usual switch ([`Mode::train`]); Monte Carlo
@@ -38,7 +39,7 @@ impl Mode {
 }
 
 /// Options of one attention call beside its tensors.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 pub struct AttendOptions<'a> {
     /// What is random (default: nothing, the eval path).
     pub mode: Mode,
@@ -46,6 +47,29 @@ pub struct AttendOptions<'a> {
     pub dropout: f64,
     /// A fixed noise draw `(B, H, S_q, S_k)` for stochastic normalizers.
     pub noise: Option<&'a Tensor>,
+    /// Return the weights (default true). Without them a normalizer may take a kernel that never
+    /// forms them ([`Normalizer::fused`]: softmax takes libtorch's fused attention), and `tile`
+    /// takes the memory-efficient path.
+    pub need_weights: bool,
+    /// `Some(t)`: when no weights are asked for, the memory-efficient path ([`crate::tiled`]), `t`
+    /// queries at a time, which keeps nothing `(S_q, S_k)` for the backward pass and returns
+    /// [`Attended::received_mass`] instead of the weights. A normalizer without a tiled form, or
+    /// active attention dropout, is refused by name rather than run eagerly. `None` (default):
+    /// the eager path.
+    pub tile: Option<i64>,
+}
+
+impl Default for AttendOptions<'_> {
+    fn default() -> Self {
+        Self { mode: Mode::EVAL, dropout: 0.0, noise: None, need_weights: true, tile: None }
+    }
+}
+
+impl AttendOptions<'_> {
+    /// Whether dropout applies to the weights in this call.
+    pub fn dropout_active(&self) -> bool {
+        self.mode.dropout && self.dropout > 0.0
+    }
 }
 
 /// What [`attend`] returns.
@@ -53,10 +77,27 @@ pub struct AttendOptions<'a> {
 pub struct Attended {
     /// `(B, H, S_q, d_v)`.
     pub output: Tensor,
-    /// `(B, H, S_q, S_k)`, before dropout: the distribution the normalizer produced.
-    pub weights: Tensor,
+    /// `(B, H, S_q, S_k)`, before dropout: the distribution the normalizer produced. `None` when
+    /// [`AttendOptions::need_weights`] is off.
+    pub weights: Option<Tensor>,
+    /// `(B, H, S_k)`, the weight each key receives (`Σ_i π_ij`, not differentiable), from the
+    /// memory-efficient path, which forms no weights; `None` elsewhere (the weights have it:
+    /// [`crate::diagnostics::received_mass`]).
+    pub received_mass: Option<Tensor>,
     /// The normalizer's KL term, if it has one.
     pub kl: Option<Tensor>,
+}
+
+impl Attended {
+    /// The weights, or an error saying they were not asked for.
+    pub fn weights(&self) -> Result<&Tensor> {
+        self.weights.as_ref().ok_or_else(|| Error::Config("the attention weights were not asked for (need_weights is off)".into()))
+    }
+
+    /// [`Self::weights`], by value.
+    pub fn into_weights(self) -> Result<Tensor> {
+        self.weights.ok_or_else(|| Error::Config("the attention weights were not asked for (need_weights is off)".into()))
+    }
 }
 
 /// Scaled dot-product scores `q·kᵀ / sqrt(d)`, `(B, H, S_q, S_k)`. The queries are scaled before
@@ -69,6 +110,30 @@ pub fn scaled_dot_product_scores(q: &Tensor, k: &Tensor) -> Tensor {
 }
 
 /// Attends `q` to `k`/`v` under `masks` with `normalizer`, after checking every shape.
+///
+/// One path for every caller (the layers, `probattn attend`): the memory-efficient path when
+/// `opts.tile` is set and no weights are asked for, else the normalizer's own fused form where it
+/// has one ([`Normalizer::fused`]), else scores, [`Normalizer::normalize`], dropout and the mix.
+///
+/// ```
+/// use probattn::normalize::Dnas;
+/// use probattn::{attend, AttendOptions, Masks};
+/// use tch::{Device, Kind, Tensor};
+///
+/// let opts = (Kind::Double, Device::Cpu);
+/// let (q, k, v) = (Tensor::randn([2, 4, 5, 8], opts), Tensor::randn([2, 4, 7, 8], opts), Tensor::randn([2, 4, 7, 16], opts));
+/// let out = attend(&q, &k, &v, &Masks::default(), &Dnas, AttendOptions::default())?;
+/// assert_eq!(out.output.size(), [2, 4, 5, 16]);
+/// // Each query's weights sum to one over the keys.
+/// let rows = out.weights()?.sum_dim_intlist(-1, false, Kind::Double);
+/// assert!(rows.allclose(&rows.ones_like(), 1e-12, 1e-12, false));
+///
+/// // The memory-efficient path: no weights, the same output, the mass each key receives.
+/// let tiled = attend(&q, &k, &v, &Masks::default(), &Dnas, AttendOptions { need_weights: false, tile: Some(2), ..Default::default() })?;
+/// assert!(tiled.output.allclose(&out.output, 1e-12, 1e-12, false));
+/// assert_eq!(tiled.received_mass.map(|m| m.size()), Some(vec![2, 4, 7]));
+/// # Ok::<(), probattn::Error>(())
+/// ```
 pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, normalizer: &dyn Normalizer, opts: AttendOptions) -> Result<Attended> {
     let shape = check_qkv(q, k, v)?;
     if masks.causal && !normalizer.causal_safe() {
@@ -86,6 +151,12 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, normalizer: &dy
             return Err(Error::Shape(format!("noise has shape {:?}, expected the weights' shape {:?}", noise.size(), shape.dims())));
         }
     }
+    if let Some(tile) = opts.tile.filter(|_| !opts.need_weights) {
+        return attend_memory_efficient(q, k, v, masks, normalizer, tile, &opts);
+    }
+    if let Some(attended) = normalizer.fused(q, k, v, masks, &opts)? {
+        return Ok(attended);
+    }
     let support = Support::dense(masks.allowed(shape, q.device())?);
     let scores = scaled_dot_product_scores(q, k); // (B, H, S_q, S_k)
     let normalized = normalizer.normalize(&NormalizeInput {
@@ -95,13 +166,39 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, normalizer: &dy
         noise: opts.noise,
         sample: opts.mode.sample,
     })?;
-    let mixing = if opts.mode.dropout && opts.dropout > 0.0 {
-        normalized.weights.dropout(opts.dropout, true)
-    } else {
-        normalized.weights.shallow_clone()
-    };
+    Ok(mix(normalized.weights, v, normalized.kl, &opts))
+}
+
+/// The weights `(B, H, S_q, S_k)` mix the values `(B, H, S_k, d_v)`, after dropout when it is
+/// active; the weights are kept when asked for.
+pub(crate) fn mix(weights: Tensor, v: &Tensor, kl: Option<Tensor>, opts: &AttendOptions) -> Attended {
+    let mixing = if opts.dropout_active() { weights.dropout(opts.dropout, true) } else { weights.shallow_clone() };
     let output = mixing.matmul(v); // (B, H, S_q, d_v)
-    Ok(Attended { output, weights: normalized.weights, kl: normalized.kl })
+    Attended { output, weights: opts.need_weights.then_some(weights), received_mass: None, kl }
+}
+
+/// The normalizer's tiled form ([`crate::tiled`]); what it cannot do is refused by name rather
+/// than run eagerly, where a long input would not fit.
+fn attend_memory_efficient(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    masks: &Masks,
+    normalizer: &dyn Normalizer,
+    tile: i64,
+    opts: &AttendOptions,
+) -> Result<Attended> {
+    let name = normalizer.name();
+    let tiled =
+        normalizer.tiled().ok_or_else(|| Error::Unsupported(format!("{name} has no memory-efficient path: drop the tile setting")))?;
+    if opts.dropout_active() {
+        return Err(Error::Unsupported(format!(
+            "the memory-efficient path has no attention dropout (the weights are never formed): set the attention dropout to 0, got {}",
+            opts.dropout
+        )));
+    }
+    let out = attend_tiled(q, k, v, masks, tiled, TiledOptions { tile, sample: opts.mode.sample, noise: opts.noise, seed: None })?;
+    Ok(Attended { output: out.output, weights: None, received_mass: Some(out.received_mass), kl: out.kl })
 }
 
 /// Checks the ranks, sizes, dtypes and devices of heads-first `q`, `k`, `v`.

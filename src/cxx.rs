@@ -26,6 +26,7 @@ struct PaPt2 {
 
 extern "C" {
     fn pa_string_free(s: *mut c_char);
+    fn pa_silence_warning(prefix: *const c_char) -> *mut c_char;
     fn pa_tensors_len(list: *const PaTensors) -> usize;
     fn pa_tensors_name(list: *const PaTensors, i: usize) -> *const c_char;
     fn pa_tensors_get(list: *const PaTensors, i: usize) -> *mut C_tensor;
@@ -89,6 +90,13 @@ fn check(message: *mut c_char, what: impl FnOnce(String) -> Error) -> Result<()>
     } else {
         Err(what(take_string(message)))
     }
+}
+
+/// Drops every later libtorch warning that starts with `prefix` (see `device::silence_libtorch_warning`).
+pub(crate) fn silence_warning(prefix: &str) -> Result<()> {
+    let prefix = CString::new(prefix).map_err(|_| Error::Config(format!("{prefix:?}: a warning prefix with a NUL byte")))?;
+    // SAFETY: a valid NUL-terminated string, borrowed for the call (the C++ side copies it).
+    check(unsafe { pa_silence_warning(prefix.as_ptr()) }, |m| Error::Config(format!("silencing a libtorch warning: {m}")))
 }
 
 fn c_path(path: &Path) -> Result<CString> {

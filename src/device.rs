@@ -79,6 +79,14 @@ pub fn set_threads(n: usize) -> Result<()> {
     Ok(())
 }
 
+/// Drops every later libtorch warning whose message starts with `prefix`, for the whole process;
+/// every other warning still prints. For warnings that say nothing to our users, such as
+/// "Sparse CSR tensor support is in beta" on every GAT run (a libtorch notice about an API we
+/// use as documented).
+pub fn silence_libtorch_warning(prefix: &str) -> Result<()> {
+    crate::cxx::silence_warning(prefix)
+}
+
 /// A short human name of a device: `cpu`, `cuda:0`.
 pub fn device_name(device: Device) -> String {
     match device {

@@ -31,7 +31,7 @@ pub use device::DeviceSpec;
 pub use error::{Error, Result};
 pub use mask::{Masks, ScoreShape};
 pub use mha::{MhaConfig, MhaInput, MhaOutput, MultiHeadAttention};
-pub use normalize::{Normalizer, NormalizerConfig, Variant};
+pub use normalize::{Normalizer, NormalizerConfig, NormalizerFactory, Variant};
 
 /// Rejects NaN and infinity in `t`, naming it and counting both.
 pub fn check_finite(name: &str, t: &tch::Tensor) -> Result<()> {

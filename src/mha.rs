@@ -12,10 +12,9 @@
 use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
 
-use crate::attention::{attend, scaled_dot_product_scores, AttendOptions, Attended, Mode};
-use crate::mask::{Masks, ScoreShape};
-use crate::normalize::{Normalizer, NormalizerConfig, Support, Variant};
-use crate::tiled::{attend_tiled, TiledAttended, TiledOptions};
+use crate::attention::{attend, AttendOptions, Mode};
+use crate::mask::Masks;
+use crate::normalize::{Normalizer, NormalizerConfig, Variant};
 use crate::{Error, Result};
 
 /// Configuration of a [`MultiHeadAttention`] layer.
@@ -202,8 +201,50 @@ pub struct MhaOutput {
 impl MultiHeadAttention {
     /// Creates the parameters under `p`, initialised as PyTorch initialises
     /// `nn.MultiheadAttention` (Xavier-uniform input projections, zero biases, Kaiming-uniform
-    /// output projection).
+    /// output projection), and the normalizer of `cfg.variant`.
     pub fn new(p: &nn::Path, cfg: MhaConfig) -> Result<Self> {
+        Self::build(p, cfg, |cfg| cfg.variant.build(p, cfg.num_heads, cfg.head_dim(), &cfg.normalizer))
+    }
+
+    /// [`Self::new`] with any normalizer in place of `cfg.variant`'s (`cfg.variant` and
+    /// `cfg.normalizer` are then not read): a user's own [`Normalizer`] goes through the same
+    /// projections, masks, dropout and fused or memory-efficient paths as the built-in ones.
+    ///
+    /// ```
+    /// use probattn::normalize::{NormalizeInput, Normalized, Normalizer};
+    /// use probattn::{MhaConfig, MhaInput, MultiHeadAttention};
+    /// use tch::{nn, Device, Kind, Tensor};
+    ///
+    /// /// Softmax at temperature `t`: `π_ij ∝ exp(z_ij / t)`.
+    /// #[derive(Debug)]
+    /// struct Tempered(f64);
+    ///
+    /// impl Normalizer for Tempered {
+    ///     fn name(&self) -> String {
+    ///         format!("tempered-{}", self.0)
+    ///     }
+    ///     fn normalize(&self, input: &NormalizeInput) -> probattn::Result<Normalized> {
+    ///         let s = input.support;
+    ///         Ok(Normalized { weights: s.row_softmax(&s.fill(&(input.scores / self.0))), kl: None })
+    ///     }
+    /// }
+    ///
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let mha = MultiHeadAttention::with_normalizer(&vs.root(), MhaConfig::new(16, 4), Box::new(Tempered(2.0)))?;
+    /// let x = Tensor::randn([3, 5, 16], (Kind::Float, Device::Cpu));
+    /// let out = mha.forward_t(&MhaInput::self_attention(&x).with_weights(), false)?;
+    /// assert_eq!(out.context.size(), [3, 5, 16]);
+    /// assert_eq!(out.weights.map(|w| w.size()), Some(vec![3, 4, 5, 5]));
+    /// assert_eq!(mha.normalizer().name(), "tempered-2");
+    /// # Ok::<(), probattn::Error>(())
+    /// ```
+    pub fn with_normalizer(p: &nn::Path, cfg: MhaConfig, normalizer: Box<dyn Normalizer>) -> Result<Self> {
+        Self::build(p, cfg, |_| Ok(normalizer))
+    }
+
+    /// The projections, then the normalizer (in this order, so that seeded initialisations stay
+    /// what they were before normalizers could be given).
+    fn build(p: &nn::Path, cfg: MhaConfig, normalizer: impl FnOnce(&MhaConfig) -> Result<Box<dyn Normalizer>>) -> Result<Self> {
         cfg.validate()?;
         let e = cfg.embed_dim;
         let xavier = |rows: i64, cols: i64| {
@@ -224,7 +265,7 @@ impl MultiHeadAttention {
         let bound = 1.0 / (e as f64).sqrt();
         let out_proj_weight = out.var("weight", &[e, e], nn::Init::Uniform { lo: -bound, up: bound });
         let out_proj_bias = cfg.bias.then(|| out.var("bias", &[e], nn::Init::Const(0.0)));
-        let normalizer = cfg.variant.build(p, cfg.num_heads, cfg.head_dim(), &cfg.normalizer)?;
+        let normalizer = normalizer(&cfg)?;
         Ok(Self { cfg, in_proj, in_proj_bias, out_proj_weight, out_proj_bias, normalizer })
     }
 
@@ -337,93 +378,18 @@ impl MultiHeadAttention {
         x.view([size[0], size[1], self.cfg.num_heads, self.cfg.head_dim()]).transpose(1, 2)
     }
 
-    /// The normalizer, the value mixing and the output projection, from per-head `q`, `k`, `v`.
+    /// The normalizer, the value mixing and the output projection, from per-head `q`, `k`, `v`:
+    /// one call to [`attend`], which picks the memory-efficient, fused or general path.
     fn attend_heads(&self, q: &Tensor, k: &Tensor, v: &Tensor, sq: i64, input: &MhaInput, mode: Mode) -> Result<MhaOutput> {
         let (b, e) = (q.size()[0], self.cfg.embed_dim);
-        // The memory-efficient path when configured, else libtorch's fused softmax where it applies,
-        // else the general path; only the general path returns weights.
-        let fast = match self.memory_efficient(q, k, v, input, mode)? {
-            Some(tiled) => Some((tiled.output, tiled.kl)),
-            None => self.fused_softmax(q, k, v, input, mode)?.map(|output| (output, None)),
-        };
-        let (output, weights, kl) = match fast {
-            Some((output, kl)) => (output, None, kl),
-            None => {
-                let attended = match self.softmax_in_place(q, k, v, input, mode)? {
-                    Some(attended) => attended,
-                    None => {
-                        let opts = AttendOptions { mode, dropout: self.cfg.dropout, noise: input.noise };
-                        attend(q, k, v, &input.masks, self.normalizer.as_ref(), opts)?
-                    }
-                };
-                (attended.output, input.need_weights.then_some(attended.weights), attended.kl)
-            }
-        };
+        let opts =
+            AttendOptions { mode, dropout: self.cfg.dropout, noise: input.noise, need_weights: input.need_weights, tile: self.cfg.tile };
+        let attended = attend(q, k, v, &input.masks, self.normalizer.as_ref(), opts)?;
+        let output = attended.output; // (B, H, S_q, d_h)
         let merged = output.transpose(1, 2).contiguous().view([b, sq, e]); // (B, S_q, E)
         let context = merged.linear(&self.out_proj_weight, self.out_proj_bias.as_ref());
         let head_outputs = input.need_head_outputs.then_some(output);
-        Ok(MhaOutput { context, weights, kl, head_outputs })
-    }
-
-    /// The normalizer's tiled form ([`crate::tiled`]) when the configuration asks for tiles and no
-    /// weights are asked for; what it cannot do is refused by name rather than run eagerly,
-    /// where a long input would not fit. `None`: take the other paths.
-    fn memory_efficient(&self, q: &Tensor, k: &Tensor, v: &Tensor, input: &MhaInput, mode: Mode) -> Result<Option<TiledAttended>> {
-        let Some(tile) = self.cfg.tile else { return Ok(None) };
-        if input.need_weights {
-            return Ok(None);
-        }
-        let name = self.normalizer.name();
-        let Some(tiled) = self.normalizer.tiled() else {
-            return Err(Error::Unsupported(format!("{name} has no memory-efficient path: drop the tile setting")));
-        };
-        if mode.dropout && self.cfg.dropout > 0.0 {
-            return Err(Error::Unsupported(format!(
-                "the memory-efficient path has no attention dropout (the weights are never formed): set the attention dropout to 0, got {}",
-                self.cfg.dropout
-            )));
-        }
-        let opts = TiledOptions { tile, sample: mode.sample, noise: input.noise, seed: None };
-        Ok(Some(attend_tiled(q, k, v, &input.masks, tiled, opts)?))
-    }
-
-    /// Softmax attention through libtorch's fused `scaled_dot_product_attention` (on the CPU, a
-    /// blocked kernel that never materializes the `(B, H, S_q, S_k)` weights), when nothing else
-    /// is asked of it: the softmax normalizer, no weights returned, no attention dropout active, no
-    /// BAM noise. Its semantics are ours: a boolean mask of the allowed entries, and a query with
-    /// no allowed key gets a zero output and zero gradients (checked for libtorch 2.11 on the CPU;
-    /// other devices keep the general path until checked there). `None`: take the general path.
-    fn fused_softmax(&self, q: &Tensor, k: &Tensor, v: &Tensor, input: &MhaInput, mode: Mode) -> Result<Option<Tensor>> {
-        let eligible = self.cfg.variant == Variant::Softmax
-            && !input.need_weights
-            && input.noise.is_none()
-            && !(mode.dropout && self.cfg.dropout > 0.0)
-            && q.device() == tch::Device::Cpu
-            && matches!(q.kind(), tch::Kind::Float | tch::Kind::Double);
-        if !eligible {
-            return Ok(None);
-        }
-        let shape = ScoreShape { batch: q.size()[0], heads: q.size()[1], queries: q.size()[2], keys: k.size()[2] };
-        let allowed = input.masks.allowed(shape, q.device())?;
-        Ok(Some(Tensor::f_scaled_dot_product_attention(q, k, v, allowed.as_ref(), 0.0, false, None::<f64>, false)?))
-    }
-
-    /// Softmax attention where [`Self::fused_softmax`] does not apply (weights returned, dropout,
-    /// other devices): [`attend`] with the [`crate::normalize::Softmax`] normalizer, the same
-    /// weights, except that the mask goes into the freshly computed scores in place
-    /// ([`Support::mask_scores_`]) rather than into a copy. `None` for other normalizers and for
-    /// BAM noise.
-    fn softmax_in_place(&self, q: &Tensor, k: &Tensor, v: &Tensor, input: &MhaInput, mode: Mode) -> Result<Option<Attended>> {
-        if self.cfg.variant != Variant::Softmax || input.noise.is_some() {
-            return Ok(None);
-        }
-        let shape = ScoreShape { batch: q.size()[0], heads: q.size()[1], queries: q.size()[2], keys: k.size()[2] };
-        let support = Support::dense(input.masks.allowed(shape, q.device())?);
-        let mut scores = scaled_dot_product_scores(q, k);
-        support.mask_scores_(&mut scores);
-        let weights = support.row_softmax(&scores);
-        let mixing = if mode.dropout && self.cfg.dropout > 0.0 { weights.dropout(self.cfg.dropout, true) } else { weights.shallow_clone() };
-        Ok(Some(Attended { output: mixing.matmul(v), weights, kl: None }))
+        Ok(MhaOutput { context, weights: attended.weights, kl: attended.kl, head_outputs })
     }
 
     /// Checks the input's shapes; returns `(B, S_q, S_k)`.
@@ -444,5 +410,18 @@ impl MultiHeadAttention {
             return Err(Error::Shape(format!("key {k:?} and value {v:?} differ in sequence length")));
         }
         Ok((q[0], q[1], k[1]))
+    }
+}
+
+/// Self-attention of `x (B, S, E)` with no mask, for composing with tch's `nn` (`x.apply_t(&mha,
+/// train)`, `nn::seq_t`); the context `(B, S, E)`. tch's trait returns no `Result`, so an input
+/// [`MultiHeadAttention::forward_t`] would reject panics here with that error's message: use the
+/// inherent method for masks, cross-attention, weights and errors as values.
+impl nn::ModuleT for MultiHeadAttention {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        match MultiHeadAttention::forward_t(self, &MhaInput::self_attention(xs), train) {
+            Ok(out) => out.context,
+            Err(err) => panic!("MultiHeadAttention as nn::ModuleT: {err}"),
+        }
     }
 }

@@ -64,19 +64,19 @@ fn sharp_limits_give_the_softmax_and_eval_gives_it_exactly() -> Result<()> {
         let _ = pad.get(1).narrow(0, 5, 2).fill_(1);
         let masks = Masks { key_padding: Some(&pad), ..Default::default() };
         let (_s, softmax) = (0, Variant::Softmax.build(&nn::VarStore::new(device).root(), 3, 4, &NormalizerConfig::default())?);
-        let reference = attend(&q, &k, &v, &masks, softmax.as_ref(), AttendOptions::default())?.weights;
+        let reference = attend(&q, &k, &v, &masks, softmax.as_ref(), AttendOptions::default())?.into_weights()?;
         for kind in BamKind::ALL {
             // At σ the weights move by about σ·|ε|·π(1 − π): σ = 1e-6 keeps that far below the
             // bound at any draw (1e-4 passed the CPU's draws and failed CUDA's).
             let cfg = BamConfig { k: 1e7, sigma: 1e-6, ..Default::default() };
             let (_vs, n) = bam(kind, 3, 4, cfg, device)?;
             let sampled = AttendOptions { mode: Mode::TRAIN, ..Default::default() };
-            let w = attend(&q, &k, &v, &masks, n.as_ref(), sampled)?.weights;
+            let w = attend(&q, &k, &v, &masks, n.as_ref(), sampled)?.into_weights()?;
             let err = f64_of(&(&w - &reference).abs().max());
             assert!(err < 1e-4, "{kind:?} in training mode at k = 1e7 / σ = 1e-6 differs from softmax by {err}");
             // Eval mode returns the mean, bit for bit, at the default (noisy) settings too.
             let (_vs, n) = bam(kind, 3, 4, BamConfig::default(), device)?;
-            let w = attend(&q, &k, &v, &masks, n.as_ref(), AttendOptions::default())?.weights;
+            let w = attend(&q, &k, &v, &masks, n.as_ref(), AttendOptions::default())?.into_weights()?;
             assert!(w.equal(&reference), "{kind:?} in eval mode is not exactly the softmax");
         }
     }
@@ -198,14 +198,14 @@ fn drawn_noise_has_the_distribution_of_the_formula() -> Result<()> {
         let (mut vs, b) = bam(kind, 1, 2, BamConfig { k: 2.0, sigma: 0.7, ..Default::default() }, Device::Cpu)?;
         vs.double();
         let train = AttendOptions { mode: Mode::TRAIN, ..Default::default() };
-        let drawn = attend(&q, &k, &k, &Masks::default(), b.as_ref(), train)?.weights.view([n, 4]);
+        let drawn = attend(&q, &k, &k, &Masks::default(), b.as_ref(), train)?.into_weights()?.view([n, 4]);
         let eps = if kind.is_weibull() {
             Tensor::rand([n, 1, 1, 4], (Kind::Double, Device::Cpu))
         } else {
             Tensor::randn([n, 1, 1, 4], (Kind::Double, Device::Cpu))
         };
         let explicit =
-            attend(&q, &k, &k, &Masks::default(), b.as_ref(), AttendOptions { noise: Some(&eps), ..train })?.weights.view([n, 4]);
+            attend(&q, &k, &k, &Masks::default(), b.as_ref(), AttendOptions { noise: Some(&eps), ..train })?.into_weights()?.view([n, 4]);
         let se = ((drawn.var_dim(&[0i64][..], true, false) + explicit.var_dim(&[0i64][..], true, false)) / n as f64).sqrt();
         let diff = (drawn.mean_dim(&[0i64][..], false, Kind::Double) - explicit.mean_dim(&[0i64][..], false, Kind::Double)).abs();
         assert!(bool::try_from(diff.le_tensor(&(se * 4.0)).all())?, "{kind:?}: drawn and explicit noise differ: {diff}");

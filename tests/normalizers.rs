@@ -49,7 +49,7 @@ fn dnas_gives_every_key_at_least_one_over_s_k() -> Result<()> {
             let v = randn(&[2, 3, sk, 2], Kind::Double, device);
             let (kp, am) = random_masks(2, sq, sk, device);
             let masks = Masks { key_padding: Some(&kp), attn_mask: Some(&am), ..Default::default() };
-            let w = attend(&q, &k, &v, &masks, dnas.as_ref(), AttendOptions::default())?.weights;
+            let w = attend(&q, &k, &v, &masks, dnas.as_ref(), AttendOptions::default())?.into_weights()?;
             let allowed = masks.allowed(probattn::ScoreShape { batch: 2, heads: 3, queries: sq, keys: sk }, device)?.unwrap();
             let has_query = allowed.expand([2, 3, sq, sk], false).any_dim(-2, false); // (B, H, S_k)
             let mass = received_mass(&w);
@@ -75,7 +75,7 @@ fn softmax_explains_keys_away_where_dnas_does_not() -> Result<()> {
     let mut fractions = vec![];
     for name in ["softmax", "dnas"] {
         let (_vs, n) = normalizer(name, 1, Device::Cpu)?;
-        let w = attend(&q, &k, &v, &Masks::default(), n.as_ref(), AttendOptions::default())?.weights;
+        let w = attend(&q, &k, &v, &Masks::default(), n.as_ref(), AttendOptions::default())?.into_weights()?;
         fractions.push(explained_away_fraction(&received_mass(&w), None, EXPLAINED_AWAY_EPS)?);
     }
     assert_eq!(fractions, vec![2.0 / 3.0, 0.0]);
@@ -94,8 +94,8 @@ fn sinkhorn_one_equals_dnas() -> Result<()> {
         let v = randn(&[3, 2, 9, 3], Kind::Double, device);
         let (kp, am) = random_masks(3, 6, 9, device);
         let masks = Masks { key_padding: Some(&kp), attn_mask: Some(&am), ..Default::default() };
-        let a = attend(&q, &k, &v, &masks, dnas.as_ref(), AttendOptions::default())?.weights;
-        let b = attend(&q, &k, &v, &masks, sk1.as_ref(), AttendOptions::default())?.weights;
+        let a = attend(&q, &k, &v, &masks, dnas.as_ref(), AttendOptions::default())?.into_weights()?;
+        let b = attend(&q, &k, &v, &masks, sk1.as_ref(), AttendOptions::default())?.into_weights()?;
         let err = f64::try_from((a - b).abs().max())?;
         assert!(err < 1e-12, "sinkhorn-1 and dnas differ by {err}");
     }
@@ -111,7 +111,7 @@ fn sinkhorn_fifty_is_doubly_stochastic_on_square_scores() -> Result<()> {
         let q = randn(&[2, 4, 16, 8], Kind::Float, device);
         let k = randn(&[2, 4, 16, 8], Kind::Float, device);
         let v = randn(&[2, 4, 16, 8], Kind::Float, device);
-        let w = attend(&q, &k, &v, &Masks::default(), sk50.as_ref(), AttendOptions::default())?.weights;
+        let w = attend(&q, &k, &v, &Masks::default(), sk50.as_ref(), AttendOptions::default())?.into_weights()?;
         for dim in [-1i64, -2] {
             let sums = w.sum_dim_intlist(&[dim][..], false, Kind::Double);
             let err = f64::try_from((sums - 1.0).abs().max())?;
@@ -144,14 +144,14 @@ fn masked_rows_and_columns_give_zeros_and_no_nan_at_extreme_scores() -> Result<(
                 let _ = qp.get(0).narrow(0, sq - 1, 1).fill_(1);
                 let masks = Masks { key_padding: Some(&kp), query_padding: Some(&qp), attn_mask: Some(&am), causal: false };
                 let out = attend(&q, &k, &v, &masks, n.as_ref(), AttendOptions { mode: Mode::TRAIN, ..Default::default() })?;
-                let mut loss = out.output.sum(kind) + out.weights.square().sum(kind);
+                let mut loss = out.output.sum(kind) + out.weights()?.square().sum(kind);
                 if let Some(kl) = &out.kl {
                     assert!(bool::try_from(kl.isfinite())?, "{name} {kind:?}: KL {kl}");
                     loss += kl;
                 }
                 loss.backward();
                 for (what, t) in [
-                    ("weights", &out.weights),
+                    ("weights", out.weights()?),
                     ("output", &out.output),
                     ("grad q", &q.grad()),
                     ("grad k", &k.grad()),
@@ -159,7 +159,7 @@ fn masked_rows_and_columns_give_zeros_and_no_nan_at_extreme_scores() -> Result<(
                 ] {
                     assert!(bool::try_from(t.isfinite().all())?, "{name} {kind:?}: non-finite {what}");
                 }
-                let w = &out.weights;
+                let w = out.weights()?;
                 let excluded =
                     masks.allowed(probattn::ScoreShape { batch: b, heads: 2, queries: sq, keys: sk }, device)?.unwrap().logical_not();
                 assert!(bool::try_from(w.masked_select(&excluded.expand_as(w)).eq(0.0).all())?, "{name}: weight on a masked entry");
@@ -184,7 +184,7 @@ fn doubly_normalized_variants_refuse_a_causal_mask() -> Result<()> {
         assert!(err.contains(name) && err.contains("causal") && err.contains("leak"), "{err}");
     }
     let (_vs, softmax) = normalizer("softmax", 2, Device::Cpu)?;
-    let w = attend(&x, &x, &x, &masks, softmax.as_ref(), AttendOptions::default())?.weights;
+    let w = attend(&x, &x, &x, &masks, softmax.as_ref(), AttendOptions::default())?.into_weights()?;
     assert!(bool::try_from(w.triu(1).eq(0.0).all())?, "causal softmax looked ahead");
     Ok(())
 }
@@ -271,9 +271,9 @@ fn dropout_acts_in_training_only_and_weights_are_taken_before_it() -> Result<()>
 
 #[test]
 fn softmax_with_weights_and_time_first_views_match_the_general_path() -> Result<()> {
-    // The layer's softmax path fills the mask into its scores in place and projects time-first
-    // views in their own layout; `attend` with the Softmax normalizer on a batch-first copy is the
-    // general path. Both must agree, forward and backward, with a fully padded sequence in the
+    // The layer's softmax path (Softmax's fused form) fills the mask into its scores in place and
+    // projects time-first views in their own layout; `attend` with a softmax that has no fused form
+    // ([`PlainSoftmax`]) on a batch-first copy is the general path. Both must agree, forward and backward, with a fully padded sequence in the
     // batch (its rows are zero) and random biases.
     let _serial = common::serial();
     tch::manual_seed(11);
@@ -295,13 +295,13 @@ fn softmax_with_weights_and_time_first_views_match_the_general_path() -> Result<
 
     let copy = time_first.transpose(0, 1).contiguous();
     let heads = |i: usize| copy.linear(&mha.proj_weight(i as i64), Some(&bias[i])).view([b, s, h, 4]).transpose(1, 2);
-    let general = attend(&heads(0), &heads(1), &heads(2), &masks, &probattn::normalize::Softmax, AttendOptions::default())?;
+    let general = attend(&heads(0), &heads(1), &heads(2), &masks, &PlainSoftmax, AttendOptions::default())?;
     let merged = general.output.transpose(1, 2).contiguous().view([b, s, 16]);
     let vars = vs.variables();
     let context = merged.linear(&vars["out_proj.weight"], Some(&vars["out_proj.bias"]));
 
     let weights = fast.weights.expect("weights were asked for");
-    assert!(weights.allclose(&general.weights, 0.0, 1e-12, false), "weights differ");
+    assert!(weights.allclose(general.weights()?, 0.0, 1e-12, false), "weights differ");
     assert!(fast.context.allclose(&context, 0.0, 1e-12, false), "outputs differ");
     assert_eq!(f64::try_from(weights.get(2).abs().max())?, 0.0, "a fully padded sequence must get zero weights");
     let r = Tensor::randn([b, s, 16], (Kind::Double, Device::Cpu));
@@ -314,5 +314,70 @@ fn softmax_with_weights_and_time_first_views_match_the_general_path() -> Result<
     for (i, (gf, gg)) in grad(&fast.context)?.iter().zip(grad(&context)?.iter()).enumerate() {
         assert!(gf.allclose(gg, 0.0, 1e-12, false), "gradient {i} differs");
     }
+    Ok(())
+}
+
+/// Softmax through the general path only: [`probattn::normalize::Softmax`]'s weights without its
+/// fused form, as a user's own normalizer would be.
+#[derive(Debug)]
+struct PlainSoftmax;
+
+impl Normalizer for PlainSoftmax {
+    fn name(&self) -> String {
+        "plain-softmax".into()
+    }
+
+    fn normalize(&self, input: &probattn::normalize::NormalizeInput) -> probattn::Result<probattn::normalize::Normalized> {
+        probattn::normalize::Softmax.normalize(input)
+    }
+}
+
+#[test]
+fn a_user_normalizer_goes_into_the_layers_and_softmax_fused_forms_equal_the_general_path() -> Result<()> {
+    // One layer's parameters, three ways to attend with softmax weights: the built-in normalizer
+    // without weights (libtorch's fused kernel), with weights (the in-place form), and a user's
+    // normalizer given to `with_normalizer` (the general path). Outputs and gradients agree in
+    // float64, with key padding.
+    let _serial = common::serial();
+    tch::manual_seed(12);
+    let run = |normalizer: Option<Box<dyn Normalizer>>, need_weights: bool| -> Result<(Tensor, Vec<Tensor>)> {
+        tch::manual_seed(13);
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let cfg = MhaConfig::new(16, 4);
+        let mha = match normalizer {
+            Some(n) => MultiHeadAttention::with_normalizer(&vs.root(), cfg, n)?,
+            None => MultiHeadAttention::new(&vs.root(), cfg)?,
+        };
+        vs.double();
+        let x = Tensor::randn([3, 6, 16], (Kind::Double, Device::Cpu)).set_requires_grad(true);
+        let padding = Tensor::from_slice(&[0u8, 0, 0, 0, 1, 1]).view([1, 6]).ne(0).expand([3, 6], false);
+        let mut input = MhaInput::self_attention(&x).with_masks(Masks { key_padding: Some(&padding), ..Default::default() });
+        input.need_weights = need_weights;
+        let out = mha.forward_t(&input, false)?;
+        assert_eq!(out.weights.is_some(), need_weights);
+        let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut wrt = vec![x.shallow_clone()];
+        wrt.extend(vars.into_iter().map(|(_, v)| v));
+        let grads = Tensor::run_backward(&[(&out.context * &out.context.sin()).sum(Kind::Double)], &wrt, false, false);
+        Ok((out.context.detach(), grads))
+    };
+    let (kernel, kernel_grads) = run(None, false)?;
+    let (in_place, in_place_grads) = run(None, true)?;
+    let (user, user_grads) = run(Some(Box::new(PlainSoftmax)), false)?;
+    for (name, (out, grads)) in [("fused kernel", (&kernel, &kernel_grads)), ("in place", (&in_place, &in_place_grads))] {
+        let d = f64::try_from((out - &user).abs().max())?;
+        assert!(d < 1e-12, "{name}: outputs differ from the general path by {d}");
+        for (i, (a, b)) in grads.iter().zip(&user_grads).enumerate() {
+            let d = f64::try_from((a - b).abs().max())?;
+            assert!(d < 1e-12, "{name}: gradient {i} differs from the general path's by {d}");
+        }
+    }
+    // tch's ModuleT: self-attention without masks, the same context as the inherent forward.
+    let vs = nn::VarStore::new(Device::Cpu);
+    let mha = MultiHeadAttention::new(&vs.root(), MhaConfig::new(16, 4))?;
+    let x = Tensor::randn([2, 5, 16], (Kind::Float, Device::Cpu));
+    let via_trait = x.apply_t(&mha, false);
+    assert!(via_trait.equal(&mha.forward_t(&MhaInput::self_attention(&x), false)?.context));
     Ok(())
 }

@@ -73,19 +73,19 @@ fn attend_case(device: Device, dir: &TempDir, case: &serde_json::Value, worst: &
     }
     let noise = get("noise");
     let sample = case["train"].as_bool().unwrap_or(false);
-    let opts = AttendOptions { mode: Mode { dropout: false, sample }, dropout: 0.0, noise: noise.as_ref() };
+    let opts = AttendOptions { mode: Mode { dropout: false, sample }, noise: noise.as_ref(), ..Default::default() };
     let out = attend(&q, &k, &v, &masks, normalizer.as_ref(), opts)?;
     let mut loss = (&out.output * get("grad_output").context("grad_output")?).sum(kind)
-        + (&out.weights * get("grad_weights").context("grad_weights")?).sum(kind);
+        + (out.weights()? * get("grad_weights").context("grad_weights")?).sum(kind);
     anyhow::ensure!(out.kl.is_some() == expected.contains_key("kl"), "{name}: KL present {} here", out.kl.is_some());
     if let Some(kl) = &out.kl {
         loss += kl * get("grad_kl").context("grad_kl")?;
     }
     loss.backward();
-    let mass = probattn::diagnostics::received_mass(&out.weights);
+    let mass = probattn::diagnostics::received_mass(out.weights()?);
     let mut compared = vec![
         ("output".to_string(), out.output.detach()),
-        ("weights".to_string(), out.weights.detach()),
+        ("weights".to_string(), out.weights()?.detach()),
         ("received_mass".to_string(), mass),
         ("grad_q".to_string(), q.grad()),
         ("grad_k".to_string(), k.grad()),

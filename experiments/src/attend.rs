@@ -189,18 +189,19 @@ pub fn run(args: &AttendArgs) -> Result<()> {
         let counted = masks.allowed(shape, device)?.map(|a| a.expand(shape.dims(), false).any_dim(-2, false));
         return summary(&normalizer.name(), device, &out.output, None, &out.received_mass, counted.as_ref(), out.kl.as_ref(), &args.output);
     }
-    let opts = AttendOptions { mode: Mode { dropout: false, sample: args.bam.train }, dropout: 0.0, noise: noise.as_ref() };
+    let opts = AttendOptions { mode: Mode { dropout: false, sample: args.bam.train }, noise: noise.as_ref(), ..Default::default() };
     let out = tch::no_grad(|| attend(&q, &k, &v, &masks, normalizer.as_ref(), opts))
         .with_context(|| format!("attending with {} on {input}", args.variant))?;
-    let mass = received_mass(&out.weights);
-    let mut written = vec![("output", &out.output), ("weights", &out.weights), ("received_mass", &mass)];
+    let weights = out.weights()?;
+    let mass = received_mass(weights);
+    let mut written = vec![("output", &out.output), ("weights", weights), ("received_mass", &mass)];
     if let Some(kl) = &out.kl {
         written.push(("kl", kl));
     }
     write_safetensors_atomic(&args.output, &written).context("writing --output")?;
 
-    let counted = masks_key_counted(&out.weights, &masks, device)?;
-    summary(&normalizer.name(), device, &out.output, Some(&out.weights), &mass, counted.as_ref(), out.kl.as_ref(), &args.output)
+    let counted = masks_key_counted(weights, &masks, device)?;
+    summary(&normalizer.name(), device, &out.output, Some(weights), &mass, counted.as_ref(), out.kl.as_ref(), &args.output)
 }
 
 /// The one line `attend` prints: shapes, the explained-away share of keys and the least received

@@ -10,8 +10,9 @@
 //! per head; zero biases.
 
 use probattn::normalize::{NormalizeInput, Normalizer, Support};
-use probattn::{Error, Mode, NormalizerConfig, Result, Variant};
+use probattn::{Error, Mode, NormalizerConfig, NormalizerFactory, Result, Variant};
 use serde::{Deserialize, Serialize};
+use std::sync::Once;
 use tch::{nn, Tensor};
 
 /// The architecture (the training recipe lives with the experiment).
@@ -69,8 +70,13 @@ pub enum Features {
 }
 
 impl Features {
-    /// The non-zero entries of a dense `(N, F)` matrix.
+    /// The non-zero entries of a dense `(N, F)` matrix. libtorch's "Sparse CSR tensor support is
+    /// in beta" warning, which its CSR constructor prints once per process, is silenced: the CSR
+    /// product here is checked against the dense one (`models/tests/gat.rs`).
     pub fn sparse_from_dense(x: &Tensor) -> Self {
+        static SILENCE: Once = Once::new();
+        // A failure leaves the warning printing, which is all it does: not worth failing a run for.
+        SILENCE.call_once(|| drop(probattn::device::silence_libtorch_warning("Sparse CSR tensor support is in beta")));
         let nz = x.nonzero(); // (nnz, 2), row-major order
         let (rows, cols) = (nz.select(1, 0).contiguous(), nz.select(1, 1).contiguous());
         let values = x.index(&[Some(&rows), Some(&cols)]);
@@ -139,7 +145,22 @@ pub struct GatLayer {
 }
 
 impl GatLayer {
+    /// A layer with `cfg.variant`'s normalizer.
     pub fn new(p: &nn::Path, in_features: i64, out_features: i64, heads: i64, concat: bool, cfg: &GatConfig) -> Result<Self> {
+        Self::with_normalizer(p, in_features, out_features, heads, concat, &cfg.variant.factory(&cfg.normalizer))
+    }
+
+    /// A layer whose normalizer `make` builds from the layer's path, its heads and its features per
+    /// head (a user's own [`Normalizer`]; [`Variant::factory`] for the built-in ones). The
+    /// normalizer sees `(H, E)` scores over an edge-list [`Support`].
+    pub fn with_normalizer(
+        p: &nn::Path,
+        in_features: i64,
+        out_features: i64,
+        heads: i64,
+        concat: bool,
+        make: &NormalizerFactory,
+    ) -> Result<Self> {
         let glorot = |fan_in: i64, fan_out: i64| {
             let bound = (6.0 / (fan_in + fan_out) as f64).sqrt();
             nn::Init::Uniform { lo: -bound, up: bound }
@@ -152,7 +173,7 @@ impl GatLayer {
             heads,
             out_features,
             concat,
-            normalizer: cfg.variant.build(p, heads, out_features, &cfg.normalizer)?,
+            normalizer: make(p, heads, out_features)?,
         })
     }
 
@@ -201,9 +222,19 @@ pub struct GatOutput {
 }
 
 impl Gat {
+    /// The two layers with `cfg.variant`'s normalizer.
     pub fn new(p: &nn::Path, in_features: i64, classes: i64, cfg: GatConfig) -> Result<Self> {
-        let hidden = GatLayer::new(&(p / "layer1"), in_features, cfg.hidden, cfg.heads, true, &cfg)?;
-        let output = GatLayer::new(&(p / "layer2"), cfg.heads * cfg.hidden, classes, cfg.output_heads, false, &cfg)?;
+        let normalizer = cfg.normalizer.clone();
+        let make = cfg.variant.factory(&normalizer);
+        let gat = Self::with_normalizers(p, in_features, classes, cfg, &make);
+        gat
+    }
+
+    /// The two layers with the normalizers `make` builds (see [`GatLayer::with_normalizer`]);
+    /// `cfg.variant` and `cfg.normalizer` are then not read.
+    pub fn with_normalizers(p: &nn::Path, in_features: i64, classes: i64, cfg: GatConfig, make: &NormalizerFactory) -> Result<Self> {
+        let hidden = GatLayer::with_normalizer(&(p / "layer1"), in_features, cfg.hidden, cfg.heads, true, make)?;
+        let output = GatLayer::with_normalizer(&(p / "layer2"), cfg.heads * cfg.hidden, classes, cfg.output_heads, false, make)?;
         Ok(Self { cfg, hidden, output })
     }
 

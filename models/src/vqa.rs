@@ -23,9 +23,9 @@
 //! attention with `glimpses` glimpses, `a_g = softmax_j(w_gᵀ relu(W_v z_j ⊙ W_q q))`, the attended
 //! boxes joined with the question by an element-wise product, and a two-layer classifier.
 
-use probattn::tiled::{attend_tiled, TiledOptions};
 use probattn::{
-    attend, AttendOptions, Error, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Normalizer, NormalizerConfig, Result, Variant,
+    attend, AttendOptions, Error, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Normalizer, NormalizerConfig, NormalizerFactory,
+    Result, Variant,
 };
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -251,16 +251,31 @@ pub struct MultiViewFusion {
 }
 
 impl MultiViewFusion {
+    /// The fusion of `cfg.fusion` (the concatenation when `None`).
     pub fn new(p: &nn::Path, cfg: &VqaConfig) -> Result<Self> {
+        match cfg.fusion {
+            Some(variant) => Self::build(p, cfg, Some(&variant.factory(&cfg.normalizer))),
+            None => Self::build(p, cfg, None),
+        }
+    }
+
+    /// Attention fusion with the normalizers `make` builds, one per secondary view (from the
+    /// view's path, 1 head, `key_dim` features); `cfg.fusion` and `cfg.normalizer` are then not
+    /// read.
+    pub fn with_normalizers(p: &nn::Path, cfg: &VqaConfig, make: &NormalizerFactory) -> Result<Self> {
+        Self::build(p, cfg, Some(make))
+    }
+
+    fn build(p: &nn::Path, cfg: &VqaConfig, make: Option<&NormalizerFactory>) -> Result<Self> {
         let secondary = cfg.view_regions.len() - 1;
         let (mut keys, mut normalizers) = (vec![], vec![]);
-        let query = match cfg.fusion {
+        let query = match make {
             None => None,
-            Some(variant) => {
+            Some(make) => {
                 for s in 0..secondary {
                     let path = p / format!("view{}", s + 1);
                     keys.push(nn::linear(&path / "key", cfg.feature_dim, cfg.key_dim, Default::default()));
-                    normalizers.push(variant.build(&(&path / "normalizer"), 1, cfg.key_dim, &cfg.normalizer)?);
+                    normalizers.push(make(&(&path / "normalizer"), 1, cfg.key_dim)?);
                 }
                 Some(nn::linear(p / "query", cfg.feature_dim, cfg.key_dim, Default::default()))
             }
@@ -277,34 +292,16 @@ impl MultiViewFusion {
         let primary = &views[0];
         let q = query.forward(primary).unsqueeze(1); // (B, 1, N_P, d)
         let (mut sum, mut weights, mut received_mass, mut kl) = (primary.shallow_clone(), vec![], vec![], None::<Tensor>);
+        // With a tile, the memory-efficient path: no weights, the mass each box receives instead.
+        let opts = AttendOptions { mode, dropout: self.dropout, noise: None, need_weights: self.tile.is_none(), tile: self.tile };
         for ((x, key), normalizer) in views[1..].iter().zip(&self.keys).zip(&self.normalizers) {
             let k = key.forward(x).unsqueeze(1); // (B, 1, N_s, d)
             let v = x.unsqueeze(1); // (B, 1, N_s, D)
-            let (output, term) = match self.tile {
-                Some(tile) => {
-                    let tiled = normalizer
-                        .tiled()
-                        .ok_or_else(|| Error::Unsupported(format!("{} has no memory-efficient path", normalizer.name())))?;
-                    let options = TiledOptions { tile, sample: mode.sample, noise: None, seed: None };
-                    let out = attend_tiled(&q, &k, &v, &Masks::default(), tiled, options)?;
-                    received_mass.push(out.received_mass);
-                    (out.output, out.kl)
-                }
-                None => {
-                    let out = attend(
-                        &q,
-                        &k,
-                        &v,
-                        &Masks::default(),
-                        normalizer.as_ref(),
-                        AttendOptions { mode, dropout: self.dropout, noise: None },
-                    )?;
-                    weights.push(out.weights);
-                    (out.output, out.kl)
-                }
-            };
-            sum = sum + output.squeeze_dim(1); // (B, N_P, D)
-            if let Some(term) = term {
+            let out = attend(&q, &k, &v, &Masks::default(), normalizer.as_ref(), opts)?;
+            weights.extend(out.weights);
+            received_mass.extend(out.received_mass);
+            sum = sum + out.output.squeeze_dim(1); // (B, N_P, D)
+            if let Some(term) = out.kl {
                 kl = Some(match kl {
                     Some(acc) => acc + term,
                     None => term,
@@ -456,7 +453,22 @@ pub struct VqaModel {
 }
 
 impl VqaModel {
+    /// The model with `cfg.fusion`'s normalizers.
     pub fn new(p: &nn::Path, cfg: VqaConfig) -> Result<Self> {
+        Self::build(p, cfg, None)
+    }
+
+    /// The model with attention fusion through the normalizers `make` builds (see
+    /// [`MultiViewFusion::with_normalizers`]); `cfg.fusion` must name a variant (it is recorded in
+    /// configs and results), but its normalizers are `make`'s.
+    pub fn with_normalizers(p: &nn::Path, cfg: VqaConfig, make: &NormalizerFactory) -> Result<Self> {
+        if cfg.fusion.is_none() {
+            return Err(Error::Config("with_normalizers needs attention fusion: cfg.fusion is none (the concatenation)".into()));
+        }
+        Self::build(p, cfg, Some(make))
+    }
+
+    fn build(p: &nn::Path, cfg: VqaConfig, make: Option<&NormalizerFactory>) -> Result<Self> {
         cfg.validate()?;
         let (d, h, q) = (cfg.feature_dim, cfg.hidden, cfg.question_dim);
         let lin = |name: &str, i: i64, o: i64| nn::linear(p / name, i, o, Default::default());
@@ -467,8 +479,12 @@ impl VqaModel {
             QuestionEncoder::Bow => Question::Bow(lin("bag", cfg.word_dim, q)),
         };
         let reasoning = (0..cfg.reasoning_layers).map(|l| ReasoningLayer::new(&(p / "reasoning" / l), &cfg)).collect::<Result<_>>()?;
+        let fusion = match make {
+            Some(make) => MultiViewFusion::with_normalizers(&(p / "fusion"), &cfg, make)?,
+            None => MultiViewFusion::new(&(p / "fusion"), &cfg)?,
+        };
         Ok(Self {
-            fusion: MultiViewFusion::new(&(p / "fusion"), &cfg)?,
+            fusion,
             embed: nn::embedding(p / "embed", cfg.vocab, cfg.word_dim, Default::default()),
             question,
             box_proj: lin("box_proj", d, h),

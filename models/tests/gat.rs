@@ -95,3 +95,46 @@ fn pubmed_configuration_trains_on_a_synthetic_graph() -> Result<()> {
     }
     Ok(())
 }
+
+/// DNAS's weights through a user's own normalizer (the trait, not the `Variant` enum).
+#[derive(Debug)]
+struct UserDnas;
+
+impl probattn::Normalizer for UserDnas {
+    fn name(&self) -> String {
+        "user-dnas".into()
+    }
+
+    fn normalize(&self, input: &probattn::normalize::NormalizeInput) -> probattn::Result<probattn::normalize::Normalized> {
+        probattn::normalize::Dnas.normalize(input)
+    }
+}
+
+#[test]
+fn a_user_normalizer_goes_into_gat_layers() -> Result<()> {
+    // The same seed gives the same parameters to a layer built from the variant and one given a
+    // user's normalizer; their outputs agree, and the user's normalizer is the one in the layer.
+    let _serial = common::serial();
+    let ring: Vec<i64> = (0..6).collect();
+    let dst = tch::Tensor::from_slice(&[ring.clone(), ring.clone()].concat());
+    let src = tch::Tensor::from_slice(&[ring.clone(), ring.iter().map(|i| (i + 2) % 6).collect()].concat());
+    let support = Support::Edges(EdgeList::new(dst, src, 6, 6)?);
+    let cfg = GatConfig::transductive(Variant::Dnas);
+    let x = tch::Tensor::randn([6, 9], (Kind::Float, tch::Device::Cpu));
+    let layer = |user: bool| -> Result<GatLayer> {
+        tch::manual_seed(7);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let make = |_: &nn::Path, _: i64, _: i64| -> probattn::Result<Box<dyn probattn::Normalizer>> { Ok(Box::new(UserDnas)) };
+        Ok(if user {
+            GatLayer::with_normalizer(&vs.root(), 9, 4, 2, true, &make)?
+        } else {
+            GatLayer::new(&vs.root(), 9, 4, 2, true, &cfg)?
+        })
+    };
+    let (built, user) = (layer(false)?, layer(true)?);
+    assert_eq!(user.normalizer().name(), "user-dnas");
+    let (a, _) = built.forward(&Features::Dense(x.shallow_clone()), &support, Mode::EVAL, &cfg)?;
+    let (b, _) = user.forward(&Features::Dense(x), &support, Mode::EVAL, &cfg)?;
+    assert!(a.equal(&b), "a user's DNAS and the built-in one differ");
+    Ok(())
+}

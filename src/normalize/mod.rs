@@ -34,6 +34,8 @@ pub use sinkhorn::Sinkhorn;
 pub use softmax::Softmax;
 pub use support::{EdgeList, Support};
 
+use crate::attention::{AttendOptions, Attended};
+use crate::mask::Masks;
 use crate::{Error, Result};
 
 /// What a normalizer reads.
@@ -90,12 +92,27 @@ pub trait Normalizer: fmt::Debug + Send {
         None
     }
 
+    /// A whole attention call in one kernel, scores to output, where this normalizer has one
+    /// that applies to `opts`: [`crate::attend`] takes it before its general path. Softmax takes
+    /// libtorch's fused attention when no weights are asked for. The result must equal the general
+    /// path's (values, weights when asked for, KL and gradients). `None` (the default): the
+    /// general path.
+    fn fused(&self, q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, opts: &AttendOptions) -> Result<Option<Attended>> {
+        let _ = (q, k, v, masks, opts);
+        Ok(None)
+    }
+
     /// This normalizer's memory-efficient form ([`crate::tiled`]), where it has one: the layers
     /// take it when their configuration asks for tiles. `None` (the default): eager only.
     fn tiled(&self) -> Option<crate::tiled::Tiled<'_>> {
         None
     }
 }
+
+/// Builds a layer's normalizer from the layer's parameter path, its number of heads and its key
+/// features: how the layers with several normalizers (GAT's two layers, one per secondary view in
+/// VQA fusion) take a user's own. [`Variant::factory`] makes one for the built-in variants.
+pub type NormalizerFactory<'a> = dyn Fn(&nn::Path, i64, i64) -> Result<Box<dyn Normalizer>> + 'a;
 
 /// The finite stand-in for `-inf` on excluded entries: far below any real score, yet finite, so
 /// that a row or column with nothing allowed has a finite logsumexp and finite gradients.
@@ -137,6 +154,11 @@ impl Variant {
             Self::Sinkhorn(n) => Box::new(Sinkhorn::new(n)?),
             Self::Bam(kind) => Box::new(Bam::new(p, kind, heads, key_dim, cfg)?),
         })
+    }
+
+    /// [`Self::build`] with `cfg` bound, as a [`NormalizerFactory`].
+    pub fn factory(self, cfg: &NormalizerConfig) -> impl Fn(&nn::Path, i64, i64) -> Result<Box<dyn Normalizer>> + '_ {
+        move |p, heads, key_dim| self.build(p, heads, key_dim, cfg)
     }
 
     /// Whether the variant samples in training mode.

@@ -1,9 +1,11 @@
 //! UNAS, the standard attention normalizer: each query's weights are a softmax over the keys,
 //! `π_ij = exp(z_ij) / Σ_j' exp(z_ij')` (Bahdanau et al. 2015; Vaswani et al. 2017).
 
-use tch::Tensor;
+use tch::{Device, Kind, Tensor};
 
-use super::{NormalizeInput, Normalized, Normalizer};
+use super::{NormalizeInput, Normalized, Normalizer, Support};
+use crate::attention::{mix, scaled_dot_product_scores, AttendOptions, Attended};
+use crate::mask::{Masks, ScoreShape};
 use crate::Result;
 
 /// Softmax over the keys (UNAS).
@@ -23,6 +25,28 @@ impl Normalizer for Softmax {
     fn log_weights(&self, input: &NormalizeInput) -> Result<Tensor> {
         let s = input.support;
         Ok(s.row_log_softmax(&s.fill(input.scores)))
+    }
+
+    /// Without weights, no active dropout, on the CPU in float32 or float64: libtorch's fused
+    /// `scaled_dot_product_attention` (a blocked kernel that never forms the `(B, H, S_q, S_k)`
+    /// weights). Its semantics are ours: a boolean mask of the allowed entries, and a query with no
+    /// allowed key gets a zero output and zero gradients (checked for libtorch 2.11 on the CPU;
+    /// other devices keep the eager form until checked there). Otherwise the eager form with the
+    /// mask written into the fresh scores in place ([`Support::mask_scores_`]) instead of a
+    /// masked copy: the same weights, one `(B, H, S_q, S_k)` tensor fewer.
+    fn fused(&self, q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, opts: &AttendOptions) -> Result<Option<Attended>> {
+        let shape = ScoreShape { batch: q.size()[0], heads: q.size()[1], queries: q.size()[2], keys: k.size()[2] };
+        let allowed = masks.allowed(shape, q.device())?;
+        let kernel =
+            !opts.need_weights && !opts.dropout_active() && q.device() == Device::Cpu && matches!(q.kind(), Kind::Float | Kind::Double);
+        if kernel {
+            let output = Tensor::f_scaled_dot_product_attention(q, k, v, allowed.as_ref(), 0.0, false, None::<f64>, false)?;
+            return Ok(Some(Attended { output, weights: None, received_mass: None, kl: None }));
+        }
+        let support = Support::dense(allowed);
+        let mut scores = scaled_dot_product_scores(q, k); // (B, H, S_q, S_k)
+        support.mask_scores_(&mut scores);
+        Ok(Some(mix(support.row_softmax(&scores), v, None, opts)))
     }
 
     fn tiled(&self) -> Option<crate::tiled::Tiled<'_>> {
