@@ -226,8 +226,7 @@ impl Gat {
     pub fn new(p: &nn::Path, in_features: i64, classes: i64, cfg: GatConfig) -> Result<Self> {
         let normalizer = cfg.normalizer.clone();
         let make = cfg.variant.factory(&normalizer);
-        let gat = Self::with_normalizers(p, in_features, classes, cfg, &make);
-        gat
+        Self::with_normalizers(p, in_features, classes, cfg, &make)
     }
 
     /// The two layers with the normalizers `make` builds (see [`GatLayer::with_normalizer`]);
