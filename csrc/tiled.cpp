@@ -21,7 +21,7 @@
 //   dC^N = -Σ_i dY_ij,  dR^{t-1}_i = -Σ_j A^t_ij dC^t_j,  dC^{t-1}_j = -Σ_i B^{t-1}_ij dR^{t-1}_i,
 //   dZ = dY + Σ_t A^t ∘ dC^t + Σ_{t<N} B^t ∘ dR^t,
 // one pass for dV and Σ_i dY, N - 1 passes down the chain, one for dZ; then dq = sqrt(1/d) dZ k,
-// dk = dZᵀ (q · sqrt(1/d)), dv = Pᵀ dO. For DNAS this is dZ = dY - Pc ∘ g of PAPER-NOTES §5.
+// dk = dZᵀ (q · sqrt(1/d)), dv = Pᵀ dO. For DNAS this is dZ = dY - Pc ∘ g of docs/formulas.md §5.
 //
 // BAM: the sampled weights are row-softmax(log π + n) = row-softmax(y + n): the per-row constant
 // cancels. n = (1/k) log(-log(1 - ε)), ε ~ U(0, 1) (Weibull) or σ ε, ε ~ N(0, 1) (Lognormal), from

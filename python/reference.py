@@ -1,7 +1,7 @@
 """Plain PyTorch reference of probattn's attention variants, written from the formulas.
 
-Sources: Ding et al. 2020, "Attention that does not Explain Away" (see shared/docs/PAPER-NOTES.md,
-section 1) and Vaswani et al. 2017 for multi-head attention. This file is written from those
+Sources: Ding et al. 2020, "Attention that does not Explain Away" (see docs/formulas.md
+§1) and Vaswani et al. 2017 for multi-head attention. This file is written from those
 formulas, not from the Rust code: masking here uses -inf and `torch.where` (with the usual
 double-where so no NaN reaches a gradient), where the Rust uses a finite fill value.
 
@@ -160,7 +160,7 @@ def self_attentive_scores(params, h):
 
 
 # ---------------------------------------------------------------------------------------------
-# Bayesian attention modules (Fan et al. 2020; shared/docs/PAPER-NOTES.md section 2).
+# Bayesian attention modules (Fan et al. 2020; docs/formulas.md §2).
 
 EULER_GAMMA = 0.5772156649015329
 BAM_VARIANTS = ("bam-nokl", "bam-lf", "bam-lc", "bam-wf", "bam-wc")
@@ -246,7 +246,7 @@ def bam_weights(variant, z, allowed, keys, noise, sample, cfg, prior=None, hybri
 
 
 # ---------------------------------------------------------------------------------------------
-# Repulsive attention (An et al. 2020; shared/docs/PAPER-NOTES.md section 3).
+# Repulsive attention (An et al. 2020; docs/formulas.md §3).
 
 def svgd_direction(theta, grad, alpha, stepsize, method="svgd", beta=1.0, xi=None, bandwidth=None):
     """The replaced gradient of one particle set: theta, grad (n, D) -> (n, D).

@@ -14,7 +14,7 @@
 //! and SPOS adds `β g_i − sqrt(2β / stepsize) · ξ_i · median|g|` inside the bracket's total
 //! (ξ ~ N(0,1) from libtorch's generator, `median|g|` over the whole set) before the `stepsize`
 //! factor. Descent along `g̃` pulls particles to the data and pushes them apart.
-//! Formulas and the authors' choices: shared/docs/PAPER-NOTES.md section 3.
+//! Formulas and the authors' choices: docs/formulas.md §3.
 
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};

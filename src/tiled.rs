@@ -4,7 +4,7 @@
 //! The eager path ([`crate::attend`]) materialises the weights of every head, and autograd keeps
 //! several such tensors for the backward pass: memory grows as S². Here each pass holds one
 //! `(tile, S_k)` block of scores at a time and the backward pass recomputes them, so what a step
-//! keeps beyond its inputs and output is O(S) per head. The maths (PAPER-NOTES §5, Ding et al.
+//! keeps beyond its inputs and output is O(S) per head. The maths (docs/formulas.md §5, Ding et al.
 //! 2020 for DNAS):
 //!
 //! - softmax: `P = softmax_j(z_ij)`, `z = (q / sqrt(d)) kᵀ`;

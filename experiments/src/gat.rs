@@ -1,6 +1,6 @@
 //! `probattn gat`: GAT node classification on the Planetoid citation graphs (Cora, Citeseer,
 //! Pubmed) with any attention variant, reproducing Velickovic et al. 2018 and the BAM paper's
-//! Table 1. Recipe: shared/docs/PAPER-NOTES.md section 2.
+//! Table 1. Recipe: docs/formulas.md §2.
 //!
 //! Data: the canonical `ind.<name>.*` files, verified and converted by python/planetoid.py
 //! (Python pickles; read there with a restricted unpickler) into tensors. Training is full-batch

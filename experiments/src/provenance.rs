@@ -47,16 +47,34 @@ pub fn python() -> PathBuf {
     std::env::var_os("PROBATTN_PYTHON").map_or_else(|| PathBuf::from(env!("PROBATTN_PYTHON_DEFAULT")), PathBuf::from)
 }
 
-/// The workspace's `python/` folder (scripts the experiments call).
-pub fn python_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../python")
+/// The project's `python/` folder (the scripts the experiments call), found at run time so that a
+/// binary copied or installed elsewhere still finds it: `PROBATTN_PYTHON_DIR`, else `python/` next
+/// to the binary, two levels up (the checkout of `target/release/probattn`) or in
+/// `../share/probattn/python` (an install prefix), else the checkout the binary was built from.
+/// A folder counts when it holds `probattn_torch/`, the package every script imports.
+pub fn python_dir() -> Result<PathBuf> {
+    let is_ours = |d: &Path| d.join("probattn_torch").is_dir();
+    if let Some(dir) = std::env::var_os("PROBATTN_PYTHON_DIR") {
+        let dir = PathBuf::from(dir);
+        anyhow::ensure!(is_ours(&dir), "PROBATTN_PYTHON_DIR={}: no probattn_torch/ there, so not probattn's python/ folder", dir.display());
+        return Ok(dir);
+    }
+    let mut candidates = vec![];
+    if let Some(bin) = std::env::current_exe().ok().and_then(|e| e.parent().map(Path::to_path_buf)) {
+        candidates.extend([bin.join("python"), bin.join("../../python"), bin.join("../share/probattn/python")]);
+    }
+    candidates.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("../python"));
+    candidates.into_iter().find(|d| is_ours(d)).context(
+        "probattn's python/ folder was not found next to the binary nor in the checkout it was built from: set PROBATTN_PYTHON_DIR \
+         to the python/ folder of a probattn checkout",
+    )
 }
 
 /// Runs `python/<script> args...`; on failure the error carries the script's own message.
 pub fn run_python(script: &str, args: &[&str]) -> Result<String> {
     let python = python();
     let out = Command::new(&python)
-        .arg(python_dir().join(script))
+        .arg(python_dir()?.join(script))
         .args(args)
         .envs(probattn::allocator::child_env())
         .output()

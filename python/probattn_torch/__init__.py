@@ -21,7 +21,7 @@ refused), inputs `(L, N, E)` or, `batch_first`, `(N, L, E)`. Fully masked rows g
 Not supported: `add_bias_kv`, `add_zero_attn`, `kdim`/`vdim` other than `embed_dim`, unbatched
 inputs.
 
-BAM (Fan et al. 2020; shared/docs/PAPER-NOTES.md section 2), as the Rust library has it: in eval
+BAM (Fan et al. 2020; docs/formulas.md §2), as the Rust library has it: in eval
 mode the weights are the base normalizer's, `pi` (the mean of the random weights); in training
 mode they are sampled, `W = softmax_j(log S)`, Weibull (`bam-nokl`, `bam-wf`, `bam-wc`; shape
 `bam_k`) or Lognormal (`bam-lf`, `bam-lc`; `bam_sigma`), and the KL term to the prior (fixed

@@ -9,7 +9,7 @@
 //! `E[S] = π` in both, so the eval path returns `π` itself. The KL term regularizes `S` towards a
 //! prior: Gamma(α, β) for Weibull, Lognormal(μ_p, σ_p) for Lognormal, either fixed or contextual
 //! (computed from the keys by a small per-head network). Formulas and the authors' choices:
-//! shared/docs/PAPER-NOTES.md section 2.
+//! docs/formulas.md §2.
 //!
 //! Variant names follow the paper: `bam-wc` = Weibull with a contextual prior, `bam-wf` fixed,
 //! `bam-lc` / `bam-lf` Lognormal, `bam-nokl` = Weibull sampling without a KL term.

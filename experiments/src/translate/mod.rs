@@ -1,7 +1,7 @@
 //! `probattn translate`: a Transformer translation model trained as fairseq trains it, with any
 //! attention variant in the encoder self-attention and the cross-attention, and repulsive (SVGD /
 //! SPOS) heads; the repulsive-attention paper's Table 2 (An et al. 2020) on Multi30k, and on
-//! IWSLT14 for users who have it. Recipe: shared/docs/PAPER-NOTES.md sections 3 and 4.
+//! IWSLT14 for users who have it. Recipe: docs/formulas.md §3 and §4.
 //!
 //! Training: label-smoothed cross-entropy (ε = 0.1, padding excluded) summed over the batch's
 //! target tokens and divided by their number (fairseq's gradient normalization); fairseq's Adam

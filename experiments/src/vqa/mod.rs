@@ -1,8 +1,8 @@
 //! `probattn vqa`: the DNAS paper's multi-view VQA fusion (Ding et al. 2020, Sec. 6.1, Table 1,
 //! Fig. 1 and 3, Appendix B) and the BAM paper's VQA uncertainty measures (Fan et al. 2020,
 //! Sec. 4.2), on Sort-of-CLEVR (our seeded generator) and easy-VQA, and on VQA-v2 for users who
-//! have its files and detector features ([`v2`]). Facts and recipe: shared/docs/PAPER-NOTES.md
-//! sections 1, 2 and 4.
+//! have its files and detector features ([`v2`]). Facts and recipe: docs/formulas.md §1, §2
+//! and §4.
 //!
 //! Pipeline: python/vqa_data.py writes images, questions and detector labels; python/
 //! vqa_detectors.py trains three CNN backbones on those labels (training images only) and saves
@@ -270,7 +270,7 @@ fn default_lr_patience() -> usize {
 }
 
 /// BAM's settings for VQA: the BAM authors' ALBERT script (k = 10, KL weight 1, prior hidden 10;
-/// PAPER-NOTES section 2); their VQA values are not published. Not tuned here yet.
+/// docs/formulas.md §2); their VQA values are not published. Not tuned here yet.
 fn bam_preset(variant: Variant) -> (String, BamConfig, f64) {
     match variant {
         Variant::Bam(_) => {

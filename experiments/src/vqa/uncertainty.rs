@@ -1,5 +1,5 @@
 //! Uncertainty of stochastic fusions (BAM), as the BAM group's VQA code measures it
-//! (Bayesian_Attention_Belief_Networks `utils/vqaEval.py`; PAPER-NOTES section 4): Monte Carlo
+//! (Bayesian_Attention_Belief_Networks `utils/vqaEval.py`; docs/formulas.md §4): Monte Carlo
 //! prediction with sampled attention and no dropout; an answer is *uncertain* when Welch's t-test
 //! between the sampled probabilities of the two most probable answers gives p above a threshold;
 //! `PAvPU = mean(uncertain · (1 - accurate) + (1 - uncertain) · accurate)`. Also the expected
