@@ -15,6 +15,31 @@
 //!   [`export_params`] writes a VarStore as a safetensors state dict under PyTorch's names, which
 //!   `load_state_dict(strict=True)` accepts when the module's names are PyTorch's (our
 //!   [`crate::MultiHeadAttention`] uses `nn.MultiheadAttention`'s).
+//!
+//! ```
+//! use probattn::interop::{export_params, import_params, read_state_dict, TorchScript};
+//! use probattn::{MhaConfig, MultiHeadAttention};
+//! use tch::{nn, Device};
+//!
+//! let dir = std::env::temp_dir().join(format!("probattn-doc-interop-{}", std::process::id()));
+//! std::fs::create_dir_all(&dir)?;
+//! let path = dir.join("mha.safetensors");
+//!
+//! // A layer's weights out under nn.MultiheadAttention's names, and into another layer by name.
+//! let ours = nn::VarStore::new(Device::Cpu);
+//! let _a = MultiHeadAttention::new(&ours.root(), MhaConfig::new(16, 4))?;
+//! export_params(&ours, &path, |name| name.to_string())?;
+//! let theirs = nn::VarStore::new(Device::Cpu);
+//! let _b = MultiHeadAttention::new(&theirs.root(), MhaConfig::new(16, 4))?;
+//! let report = import_params(&theirs, &read_state_dict(&path)?, |name| Some(name.to_string()), false)?;
+//! assert!(report.is_complete() && report.matched.len() == 4); // in_proj_weight, in_proj_bias, out_proj.{weight, bias}
+//!
+//! // A file that is not TorchScript is named as what it is before libtorch sees it.
+//! let err = TorchScript::load(&path, Device::Cpu).unwrap_err().to_string();
+//! assert!(err.contains("mha.safetensors"), "{err}");
+//! std::fs::remove_dir_all(&dir)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;

@@ -107,9 +107,10 @@ pub fn direction(theta: &Tensor, grad: &Tensor, cfg: &RepulsiveConfig, xi: Optio
         Bandwidth::Fixed(h) => Tensor::full([sets, 1, 1], h, (kind, theta.device())),
     }
     .clamp_min(MIN_BANDWIDTH); // (S, 1, 1)
-    let k = (-&d2 / &h).exp(); // (S, n, n)
-                               // Σ_j K_ij (θ_i − θ_j) = (Σ_j K_ij) c_i − (K c)_i, formed before it meets the gradient: when
-                               // h is tiny, 2α/h is huge and only this exact cancellation keeps g's digits.
+
+    // K (S, n, n). Σ_j K_ij (θ_i − θ_j) = (Σ_j K_ij) c_i − (K c)_i, formed before it meets the
+    // gradient: when h is tiny, 2α/h is huge and only this exact cancellation keeps g's digits.
+    let k = (-&d2 / &h).exp();
     let repulsion = k.sum_dim_intlist(&[-1i64][..], true, kind) * &c - k.matmul(&c); // (S, n, D)
     let mut total = (k.matmul(grad) - repulsion * ((2.0 * cfg.alpha) / &h)) * (cfg.stepsize / n as f64);
     if cfg.method == Method::Spos {
@@ -194,6 +195,29 @@ impl ParticleSet {
 }
 
 /// The gradient hook: call [`RepulsiveHook::apply`] after `backward()`, before `step()`.
+///
+/// ```
+/// use probattn::repulsive::{ModuleKind, RepulsiveConfig, RepulsiveHook, Selection};
+/// use probattn::{MhaConfig, MhaInput, MultiHeadAttention};
+/// use tch::nn::{self, OptimizerConfig};
+/// use tch::{Device, Kind, Tensor};
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let mha = MultiHeadAttention::new(&(vs.root() / "attn"), MhaConfig::new(16, 4))?;
+/// // The paper's translation values (step size 0.1, α = 0.01); every head of every module.
+/// let mut hook = RepulsiveHook::new(RepulsiveConfig::default(), Selection::default())?;
+/// hook.add_attention("attn", &mha, ModuleKind::EncoderSelf, 0);
+/// assert_eq!(hook.sets().len(), 3); // Q, K and V, four particles (heads) each
+///
+/// let mut adam = nn::Adam::default().build(&vs, 1e-3)?;
+/// let x = Tensor::randn([2, 5, 16], (Kind::Float, Device::Cpu));
+/// let loss = mha.forward_t(&MhaInput::self_attention(&x), true)?.context.square().mean(Kind::Float);
+/// adam.zero_grad();
+/// loss.backward();
+/// hook.apply()?; // the heads' gradients become the SVGD direction
+/// adam.step();
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct RepulsiveHook {
     cfg: RepulsiveConfig,

@@ -153,7 +153,8 @@ fn neighbourhood_prior_over_edges_equals_a_per_row_dense_prior() -> Result<()> {
             Tensor::zeros([heads, n, n], (Kind::Double, device)).index_put(&[None, Some(&dst), Some(&src)], edge_values, false).unsqueeze(0)
         };
         let gather = |dense: &Tensor| dense.squeeze_dim(0).index(&[None, Some(&dst), Some(&src)]); // (H, E)
-                                                                                                   // A masked row log-softmax; rows without edges come out uniform and are never gathered.
+
+        // A masked row log-softmax; rows without edges come out uniform and are never gathered.
         let row_log_softmax = |t: &Tensor| t.masked_fill(&excluded, -1e300).log_softmax(-1, Kind::Double);
 
         for name in ["bam-wc", "bam-lc"] {

@@ -4,6 +4,9 @@
 // `x = x + y` stays: on tch tensors `x += y` is an in-place `add_`, which would overwrite a value
 // autograd saved for the backward pass.
 #![allow(clippy::assign_op_pattern)]
+// The `///` lines on the argument structs are clap's `--help` text, written for a terminal
+// (`<UTC stamp>`, `'{"layers":[0]}'`), not markdown: rustdoc would read them as HTML tags and links.
+#![allow(rustdoc::invalid_html_tags, rustdoc::broken_intra_doc_links)]
 
 pub mod attend;
 pub mod bench;

@@ -405,7 +405,8 @@ impl Relate {
         }
         let p = self.metric.forward(z).view([b, n, self.heads, self.dim]).permute([0, 2, 1, 3]); // (B, R, N, K)
         let sq = p.square().sum_dim_intlist(&[-1i64][..], false, p.kind()); // (B, R, N)
-                                                                            // ‖p_i − p_j‖² = ‖p_i‖² + ‖p_j‖² − 2 p_i·p_j, (B, R, N_i, N_j)
+
+        // ‖p_i − p_j‖² = ‖p_i‖² + ‖p_j‖² − 2 p_i·p_j, (B, R, N_i, N_j)
         let d = sq.unsqueeze(-1) + sq.unsqueeze(-2) - p.matmul(&p.transpose(-1, -2)) * 2.0;
         let scale = (self.log_scale.exp() * &self.sign).view([1, self.heads, 1, 1]);
         let key = self.key.forward(z).transpose(1, 2).unsqueeze(2); // (B, R, 1, N_j)

@@ -126,6 +126,28 @@ impl FromStr for PriorScope {
 
 /// BAM settings. Defaults are the authors' GAT code's (`zhougroup/BAM`, `execute_cora.py`);
 /// experiments tune them on validation data and record the values they use.
+///
+/// ```
+/// use probattn::normalize::{BamConfig, BamKind};
+/// use probattn::{MhaConfig, MhaInput, MultiHeadAttention, Variant};
+/// use tch::{nn, Device, Kind, Tensor};
+///
+/// // BAM-WC with the authors' ALBERT script's shape, Weibull k = 10, over a DNAS base.
+/// let mut cfg = MhaConfig::new(16, 4).with_variant(Variant::Bam(BamKind::WeibullContextual));
+/// cfg.normalizer.bam = BamConfig { k: 10.0, base: Variant::Dnas, ..Default::default() };
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let mha = MultiHeadAttention::new(&vs.root(), cfg)?;
+/// let x = Tensor::randn([2, 5, 16], (Kind::Float, Device::Cpu));
+/// let input = MhaInput::self_attention(&x).with_weights();
+///
+/// // Training samples the weights and returns the KL term to add (weighted) to the loss.
+/// let train = mha.forward_t(&input, true)?;
+/// assert!(train.kl.is_some());
+/// // Evaluation returns the mean, the base's weights: deterministic, no KL.
+/// let (a, b) = (mha.forward_t(&input, false)?, mha.forward_t(&input, false)?);
+/// assert!(a.context.equal(&b.context) && a.kl.is_none());
+/// # Ok::<(), probattn::Error>(())
+/// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct BamConfig {

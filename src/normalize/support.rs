@@ -306,7 +306,8 @@ impl Support {
                 match scope {
                     PriorScope::Neighbourhood => {
                         let per_edge = logits.view([heads, -1]).index_select(1, &e.src); // (H, E)
-                                                                                         // Every edge's query has at least that edge, so each segment is finite.
+
+                        // Every edge's query has at least that edge, so each segment is finite.
                         &per_edge - EdgeList::segment_lse(&per_edge, &e.dst, e.queries)
                     }
                     PriorScope::AllNodes => {

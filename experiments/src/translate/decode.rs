@@ -175,7 +175,8 @@ fn beam_search(model: &Seq2Seq, batch: &[&[i64]], cfg: &DecodeConfig, device: De
     for step in 0..=longest {
         let mut lprobs = model.step(&input, step as i64, &mut state, &src_pad)?.to_kind(Kind::Double); // (B·k, V)
         let _ = lprobs.narrow(1, 0, 2).fill_(f64::NEG_INFINITY); // never <s> or <pad>
-                                                                 // At a sentence's maximum length only </s> may follow.
+
+        // At a sentence's maximum length only </s> may follow.
         let forced: Vec<i64> = (0..b * k).filter(|&r| step >= limits[r / k]).map(|r| r as i64).collect();
         if !forced.is_empty() {
             let rows = Tensor::from_slice(&forced).to_device(device);
