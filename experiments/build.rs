@@ -43,4 +43,9 @@ fn main() {
     println!("cargo:rustc-env=PROBATTN_GIT_SHA={}", git(&["rev-parse", "HEAD"]).unwrap_or_else(|| "unknown".into()));
     let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
     println!("cargo:rustc-env=PROBATTN_GIT_DIRTY={dirty}");
+    // A dirty build's diff against HEAD goes into the binary, so its results can save the code
+    // that made them beside them (experiments/src/provenance.rs); empty for a clean build.
+    let diff = if dirty { git(&["diff", "HEAD", "--no-color"]).unwrap_or_default() } else { String::new() };
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR for build scripts"));
+    std::fs::write(out.join("dirty.diff"), diff).expect("writing the build's diff into OUT_DIR");
 }

@@ -23,7 +23,7 @@ use tch::nn::{self, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
 use crate::common::CommonArgs;
-use crate::provenance::{run_dir, run_python, write_json, Provenance};
+use crate::provenance::{run_dir, run_python, write_results, Provenance};
 
 const VARIANTS: [&str; 6] = ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-wc", "bam-lc"];
 const MEMORY_EFFICIENT: &str = "probattn-memory-efficient";
@@ -472,7 +472,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let lens: Vec<String> = skipped.iter().map(|k| k.seq_len.to_string()).collect();
         table += &format!("\nNot measured: S = {} ({}).\n", lens.join(", "), first.reason);
     }
-    write_json(&dir.join("bench.json"), &Bench { measurements, skipped, svgd, provenance: Provenance::gather(device) })?;
+    write_results(&dir.join("bench.json"), &Bench { measurements, skipped, svgd, provenance: Provenance::gather(device) })?;
     probattn::io::write_bytes_atomic(&dir.join("bench.md"), table.as_bytes())?;
     println!("\n{table}\nresults in {}", dir.display());
     Ok(())

@@ -23,7 +23,7 @@ use tch::nn::{self, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
 use crate::common::CommonArgs;
-use crate::provenance::{run_dir, run_python, write_json, Provenance};
+use crate::provenance::{run_dir, run_python, write_json, write_results, Provenance};
 pub use crate::report::mean_std;
 use crate::report::spinner;
 
@@ -451,7 +451,7 @@ fn run_variant(graph: &Graph, args: &GatArgs, variant: Variant, dir: &Path, devi
         test_acc_std,
         provenance: Provenance::gather(device),
     };
-    write_json(&dir.join("results.json"), &results)?;
+    write_results(&dir.join("results.json"), &results)?;
     Ok(results)
 }
 

@@ -12,6 +12,9 @@ use serde::Serialize;
 pub struct Provenance {
     pub git_sha: String,
     pub git_dirty: bool,
+    /// A dirty build's diff against `git_sha`, saved as `dirty.diff` beside the results: its
+    /// SHA-256, so the saved file can be checked against the binary that ran. `None` when clean.
+    pub git_diff_sha256: Option<String>,
     pub probattn_version: String,
     pub tch_version: String,
     pub libtorch_version: Option<String>,
@@ -30,16 +33,67 @@ impl Provenance {
             // Recorded when the binary was built (experiments/build.rs): the code that ran.
             git_sha: env!("PROBATTN_GIT_SHA").into(),
             git_dirty: env!("PROBATTN_GIT_DIRTY") == "true",
+            git_diff_sha256: (!BUILD_DIFF.is_empty()).then(|| sha256_hex(BUILD_DIFF.as_bytes())),
             probattn_version: report.probattn_version,
             tch_version: report.tch_version,
             libtorch_version: report.libtorch_version,
             device: probattn::device::device_name(device),
             threads: tch::get_num_threads(),
             allocator: if probattn::allocator::freed_memory_retained() { "retain" } else { "system" }.into(),
-            command: std::env::args().collect(),
+            command: portable_command(std::env::args()),
             unix_time: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         }
     }
+}
+
+/// The diff of a dirty build against its commit (experiments/build.rs); empty for a clean build.
+const BUILD_DIFF: &str = include_str!(concat!(env!("OUT_DIR"), "/dirty.diff"));
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The command line as a record that means the same on another machine: the binary by its file
+/// name, and absolute paths inside the checkout the binary was built from relative to it (paths
+/// elsewhere are kept: they are where the run read or wrote).
+fn portable_command(args: impl Iterator<Item = String>) -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = root.canonicalize().unwrap_or(root);
+    args.enumerate()
+        .map(|(i, arg)| {
+            let path = Path::new(&arg);
+            if i == 0 {
+                return path.file_name().map_or(arg.clone(), |n| n.to_string_lossy().into_owned());
+            }
+            match path.strip_prefix(&root) {
+                Ok(relative) if path.is_absolute() => relative.display().to_string(),
+                _ => arg,
+            }
+        })
+        .collect()
+}
+
+/// Writes a results file (pretty JSON, atomically) with what provenance needs beside it: from a
+/// dirty build, its diff as `dirty.diff` in the same folder (its SHA-256 is in the provenance)
+/// and a warning, since the commit alone cannot reproduce such results.
+pub fn write_results(path: &Path, value: &impl Serialize) -> Result<()> {
+    write_results_with(path, value, BUILD_DIFF)
+}
+
+fn write_results_with(path: &Path, value: &impl Serialize, build_diff: &str) -> Result<()> {
+    write_json(path, value)?;
+    if !build_diff.is_empty() {
+        let diff = path.with_file_name("dirty.diff");
+        probattn::io::write_bytes_atomic(&diff, build_diff.as_bytes()).with_context(|| format!("writing {}", diff.display()))?;
+        eprintln!(
+            "warning: this binary was built from a tree with uncommitted changes to {}: its diff is saved as {} (label these results \
+             exploratory, or rebuild from a commit)",
+            env!("PROBATTN_GIT_SHA"),
+            diff.display()
+        );
+    }
+    Ok(())
 }
 
 /// The project's Python: `PROBATTN_PYTHON`, else the one download_libtorch.sh set up at build time.
@@ -125,4 +179,32 @@ pub fn utc_stamp() -> String {
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
     format!("{year:04}{month:02}{day:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands_are_recorded_without_this_machines_paths() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").canonicalize().unwrap();
+        let inside = root.join("results/x").display().to_string();
+        let args = ["/somewhere/bin/probattn-abc", "gat", "--out", &inside, "--data-dir", "/data/planetoid", "relative/dir"];
+        let command = portable_command(args.iter().map(|s| s.to_string()));
+        assert_eq!(command, ["probattn-abc", "gat", "--out", "results/x", "--data-dir", "/data/planetoid", "relative/dir"]);
+    }
+
+    #[test]
+    fn a_dirty_build_saves_its_diff_beside_the_results() {
+        let dir = std::env::temp_dir().join(format!("probattn-provenance-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let results = dir.join("results.json");
+        write_results_with(&results, &serde_json::json!({"a": 1}), "").unwrap();
+        assert!(results.is_file() && !dir.join("dirty.diff").exists(), "a clean build writes no diff");
+        let diff = "diff --git a/src/lib.rs b/src/lib.rs\n+changed\n";
+        write_results_with(&results, &serde_json::json!({"a": 2}), diff).unwrap();
+        assert_eq!(std::fs::read_to_string(dir.join("dirty.diff")).unwrap(), diff);
+        assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -38,7 +38,7 @@ use tokenizers::Tokenizer;
 
 use crate::bleu::{corpus_bleu, BleuConfig};
 use crate::common::CommonArgs;
-use crate::provenance::{run_dir, write_json, Provenance};
+use crate::provenance::{run_dir, write_json, write_results, Provenance};
 use crate::report::{mean_std, progress_bar};
 use data::{batch_tensors, epoch_order, token_batches, Corpus, Encoded, PAD};
 use decode::DecodeConfig;
@@ -1144,7 +1144,7 @@ fn run_config(
         test_bleu_tok_std,
         provenance: Provenance::gather(device),
     };
-    write_json(&dir.join("results.json"), &results)?;
+    write_results(&dir.join("results.json"), &results)?;
     println!(
         "test BLEU over {} seed(s): sacreBLEU {:.2} ± {:.2}, tokenized lowercased {:.2} ± {:.2}",
         results.runs.len(),

@@ -34,7 +34,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::common::CommonArgs;
 use crate::plot::{line_chart, Series};
-use crate::provenance::{run_dir, run_python, write_json, Provenance};
+use crate::provenance::{run_dir, run_python, write_json, write_results, Provenance};
 use crate::report::{markdown_table, mean_std, progress_bar};
 use data::{cached_features, detectors_in, DetectorSpec, Questions, Views, VqaData};
 use uncertainty::{McReport, McSettings};
@@ -841,7 +841,7 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, cfg: VqaRunConfig, features: &str, d
         features: features.to_string(),
         provenance: Provenance::gather(device),
     };
-    write_json(&dir.join("results.json"), &results)?;
+    write_results(&dir.join("results.json"), &results)?;
     Ok(results)
 }
 
@@ -914,7 +914,7 @@ fn eval_torchscript(p: &Prepared, path: &Path, args: &VqaArgs, device: Device) -
         p.data.meta.types.iter().zip(&per_type).map(|(t, (h, n))| (t.clone(), *h / (*n).max(1) as f64)).collect();
     let dir = run_dir(args.out.as_deref(), "vqa", &format!("{}-torchscript", args.dataset.name()))?;
     let report = serde_json::json!({"torchscript": path, "val_acc": val_acc, "test_acc": test_acc, "test_acc_by_type": by_type, "seconds": seconds, "provenance": Provenance::gather(device)});
-    write_json(&dir.join("eval_torchscript.json"), &report)?;
+    write_results(&dir.join("eval_torchscript.json"), &report)?;
     println!(
         "{}: val acc {val_acc:.4}, test acc {test_acc:.4} ({}), {seconds:.1} s",
         path.display(),

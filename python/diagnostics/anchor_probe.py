@@ -8,7 +8,7 @@ object (from the label grid).
 import sys, runpy, torch, torch.nn.functional as F
 # train via the diagnostic, then look inside on closest questions
 sys.argv = ["relational_hop.py", sys.argv[1], sys.argv[2], "0"]
-g = runpy.run_path("results/vqa/sort-of-clevr-L0/diagnostics/relational_hop.py", run_name="diag")
+g = runpy.run_path("python/diagnostics/relational_hop.py", run_name="diag")
 model, views, data, raw = g["model"], g["views"], g["data"], g["raw"]
 model.eval()
 va = data["val"]
