@@ -8,7 +8,6 @@
 //! when validation accuracy ≥ its best or validation loss ≤ its best, the checkpoint is kept when
 //! both hold; the test accuracy is that checkpoint's, in eval mode.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -23,6 +22,7 @@ use tch::nn::{self, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
 use crate::common::CommonArgs;
+use crate::harness::{seeds, BestWeights, MetricsLog};
 use crate::provenance::{run_dir, run_python, write_json, write_results, Provenance};
 pub use crate::report::mean_std;
 use crate::report::spinner;
@@ -315,20 +315,31 @@ fn cross_entropy(logits: &Tensor, labels: &Tensor, idx: &Tensor) -> Tensor {
 }
 
 /// Trains one model from `seed` with early stopping; appends per-epoch metrics to `metrics`.
+/// One epoch's line of metrics.jsonl (fields in the order the file has always had them).
+#[derive(Debug, Serialize)]
+struct EpochMetrics {
+    epoch: usize,
+    /// The KL term of stochastic attention (before its weight), if any.
+    kl: Option<f64>,
+    seed: u64,
+    train_loss: f64,
+    val_acc: f64,
+    val_loss: f64,
+}
+
 pub fn train_run(
     graph: &Graph,
     cfg: &GatRunConfig,
     seed: u64,
     device: Device,
     bar: &ProgressBar,
-    metrics: &mut impl Write,
+    metrics: &mut MetricsLog,
 ) -> Result<RunResult> {
     tch::manual_seed(seed as i64);
     let vs = nn::VarStore::new(device);
     let model = Gat::new(&vs.root(), graph.features.features(), graph.classes, cfg.model.clone())?;
     let mut opt = nn::Adam { wd: cfg.weight_decay, ..Default::default() }.build(&vs, cfg.lr)?;
-    let variables: Vec<Tensor> = vs.trainable_variables();
-    let mut kept: Vec<Tensor> = variables.iter().map(|v| v.detach().copy()).collect();
+    let mut kept = BestWeights::new(&vs);
     let (mut best_acc, mut best_loss, mut waited) = (0.0f64, f64::INFINITY, 0usize);
     let (mut best_epoch, mut kept_val) = (0usize, (0.0, f64::INFINITY));
     let start = Instant::now();
@@ -352,18 +363,12 @@ pub fn train_run(
             let logits = model.forward(&graph.features, &graph.support, Mode::EVAL)?.logits;
             Ok((f64::try_from(cross_entropy(&logits, &graph.labels, &graph.val))?, accuracy(&logits, &graph.labels, &graph.val)?))
         })?;
-        let kl_value = kl.map(f64::try_from).transpose()?;
-        writeln!(
-            metrics,
-            "{}",
-            serde_json::json!({"seed": seed, "epoch": epoch, "train_loss": f64::try_from(loss.detach())?, "kl": kl_value, "val_loss": val_loss, "val_acc": val_acc})
-        )?;
+        let kl = kl.map(f64::try_from).transpose()?;
+        metrics.write(&EpochMetrics { epoch, kl, seed, train_loss: f64::try_from(loss.detach())?, val_acc, val_loss })?;
         ensure!(val_loss.is_finite(), "validation loss became {val_loss} at epoch {epoch} (seed {seed})");
         if val_acc >= best_acc || val_loss <= best_loss {
             if val_acc >= best_acc && val_loss <= best_loss {
-                for (k, v) in kept.iter_mut().zip(&variables) {
-                    k.copy_(&v.detach());
-                }
+                kept.keep();
                 best_epoch = epoch;
                 kept_val = (val_acc, val_loss);
             }
@@ -380,11 +385,7 @@ pub fn train_run(
         bar.tick();
     }
     let train_seconds = start.elapsed().as_secs_f64();
-    tch::no_grad(|| {
-        for (v, k) in variables.iter().zip(&kept) {
-            v.shallow_clone().copy_(k);
-        }
-    });
+    kept.restore();
     let logits = tch::no_grad(|| model.forward(&graph.features, &graph.support, Mode::EVAL))?.logits;
     Ok(RunResult {
         seed,
@@ -416,11 +417,9 @@ fn run_variant(graph: &Graph, args: &GatArgs, variant: Variant, dir: &Path, devi
     let mut cfg = GatRunConfig::preset(args.dataset, variant, args.prior_scope);
     cfg.apply_overrides(args);
     write_json(&dir.join("config.json"), &cfg)?;
-    let metrics_path = dir.join("metrics.jsonl");
-    let mut metrics =
-        std::io::BufWriter::new(std::fs::File::create(&metrics_path).with_context(|| format!("creating {}", metrics_path.display()))?);
+    let mut metrics = MetricsLog::create(&dir.join("metrics.jsonl"))?;
     let mut runs = vec![];
-    for seed in args.seed_start..args.seed_start + args.seeds {
+    for seed in seeds(args.seed_start, args.seeds) {
         let bar = spinner(format!("{} {variant} seed {seed}:", args.dataset.name()))?;
         let run = train_run(graph, &cfg, seed, device, &bar, &mut metrics)?;
         bar.finish_and_clear();
@@ -437,7 +436,6 @@ fn run_variant(graph: &Graph, args: &GatArgs, variant: Variant, dir: &Path, devi
         );
         runs.push(run);
     }
-    metrics.flush()?;
     let tests: Vec<f64> = runs.iter().map(|r| r.test_acc).collect();
     let (test_acc_mean, test_acc_std) = mean_std(&tests);
     let results = GatResults {

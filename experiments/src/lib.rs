@@ -17,6 +17,7 @@ pub mod doctor;
 pub mod export;
 pub mod finetune;
 pub mod gat;
+pub mod harness;
 pub mod plot;
 pub mod provenance;
 pub mod report;

@@ -18,7 +18,6 @@ pub mod uncertainty;
 pub mod v2;
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -33,6 +32,7 @@ use tch::nn::{self, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
 use crate::common::CommonArgs;
+use crate::harness::{seeds, BestWeights, MetricsLog};
 use crate::plot::{line_chart, Series};
 use crate::provenance::{run_dir, run_python, write_json, write_results, Provenance};
 use crate::report::{markdown_table, mean_std, progress_bar};
@@ -497,6 +497,23 @@ fn explained_away(model: &VqaModel, p: &Prepared) -> Result<Option<ExplainedAway
 /// What one run records for its plots: HNAS's `u` every 50 updates (`(update, u per view)`) and the
 /// validation accuracy per question type after every epoch (`(epoch, accuracy per type)`, the types
 /// in `meta.json`'s order).
+/// One epoch's line of metrics.jsonl (fields in the order the file has always had them).
+#[derive(Debug, Serialize)]
+struct EpochMetrics {
+    epoch: usize,
+    /// HNAS's `u` per secondary view.
+    hnas_u: Option<Vec<f64>>,
+    /// The mean KL term of the epoch's updates (0 without one).
+    kl: f64,
+    lr: f64,
+    /// Since the seed's training began.
+    seconds: f64,
+    seed: u64,
+    train_loss: f64,
+    val_acc: f64,
+    val_acc_by_type: BTreeMap<String, f64>,
+}
+
 #[derive(Default)]
 struct Trace {
     gates: Vec<(f64, Vec<f64>)>,
@@ -509,7 +526,7 @@ fn train_run(
     cfg: &VqaRunConfig,
     seed: u64,
     device: Device,
-    metrics: &mut impl Write,
+    metrics: &mut MetricsLog,
     trace: &mut Trace,
 ) -> Result<(RunResult, VqaModel)> {
     tch::manual_seed(seed as i64);
@@ -517,8 +534,7 @@ fn train_run(
     let model = VqaModel::new(&vs.root(), cfg.model.clone())?;
     let mut opt = nn::Adam::default().build(&vs, cfg.lr)?;
     let mut lr = cfg.lr;
-    let variables = vs.trainable_variables();
-    let mut kept: Vec<Tensor> = variables.iter().map(|v| v.detach().copy()).collect();
+    let mut kept = BestWeights::new(&vs);
     let train = &p.data.splits["train"];
     let steps_per_epoch = (train.len() + cfg.batch - 1) / cfg.batch;
     let (mut best, mut best_epoch, mut waited, mut epochs) = (-1.0f64, 0usize, 0usize, 0usize);
@@ -566,14 +582,10 @@ fn train_run(
         let (val_acc, val_per_type) = evaluate(&model, p, "val", device)?;
         // Per type too: a plateau on one question type (Sort-of-CLEVR's closest) hides in the mean.
         let val_by_type: Vec<f64> = val_per_type.iter().map(|(h, n)| *h / (*n).max(1) as f64).collect();
-        let val_acc_by_type: BTreeMap<&str, f64> = p.data.meta.types.iter().map(String::as_str).zip(val_by_type.iter().copied()).collect();
-        let u = model.fusion.gates().map(|u| Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))).transpose()?;
-        writeln!(
-            metrics,
-            "{}",
-            serde_json::json!({"seed": seed, "epoch": epoch, "lr": lr, "train_loss": train_loss, "kl": kl_mean, "val_acc": val_acc, "val_acc_by_type": val_acc_by_type, "hnas_u": u, "seconds": start.elapsed().as_secs_f64()})
-        )?;
-        metrics.flush()?;
+        let val_acc_by_type: BTreeMap<String, f64> = p.data.meta.types.iter().cloned().zip(val_by_type.iter().copied()).collect();
+        let hnas_u = model.fusion.gates().map(|u| Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))).transpose()?;
+        let seconds = start.elapsed().as_secs_f64();
+        metrics.write(&EpochMetrics { epoch, hnas_u, kl: kl_mean, lr, seconds, seed, train_loss, val_acc, val_acc_by_type })?;
         trace.val_by_type.push((epoch as f64, val_by_type));
         println!(
             "{} seed {seed} epoch {epoch:3}: train loss {train_loss:.4}, val acc {val_acc:.4}, {:.0} s",
@@ -584,11 +596,7 @@ fn train_run(
             best = val_acc;
             best_epoch = epoch;
             waited = 0;
-            tch::no_grad(|| {
-                for (k, v) in kept.iter_mut().zip(&variables) {
-                    k.copy_(v);
-                }
-            });
+            kept.keep();
         } else {
             waited += 1;
             if waited >= cfg.patience {
@@ -601,11 +609,7 @@ fn train_run(
         }
     }
     let train_seconds = start.elapsed().as_secs_f64();
-    tch::no_grad(|| {
-        for (v, k) in variables.iter().zip(&kept) {
-            v.shallow_clone().copy_(k);
-        }
-    });
+    kept.restore();
     let (test_acc, per_type) = evaluate(&model, p, "test", device)?;
     let types = &p.data.meta.types;
     let test_acc_by_type = types.iter().zip(&per_type).map(|(t, (h, n))| (t.clone(), *h / (*n).max(1) as f64)).collect();
@@ -736,12 +740,10 @@ fn run_config(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
 fn run_fusion(p: &Prepared, args: &VqaArgs, cfg: VqaRunConfig, features: &str, dir: &Path, device: Device) -> Result<VqaResults> {
     let (fusion, meta) = (cfg.model.fusion, &p.data.meta);
     write_json(&dir.join("config.json"), &cfg)?;
-    let metrics_path = dir.join("metrics.jsonl");
-    let mut metrics =
-        std::io::BufWriter::new(std::fs::File::create(&metrics_path).with_context(|| format!("creating {}", metrics_path.display()))?);
+    let mut metrics = MetricsLog::create(&dir.join("metrics.jsonl"))?;
     let mut runs = vec![];
     let mut traces = vec![];
-    for seed in args.seed_start..args.seed_start + args.seeds {
+    for seed in seeds(args.seed_start, args.seeds) {
         let mut trace = Trace::default();
         let (mut run, model) = train_run(p, &cfg, seed, device, &mut metrics, &mut trace)?;
         if p.data.meta.dataset == Dataset::VqaV2.name() {
@@ -771,7 +773,6 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, cfg: VqaRunConfig, features: &str, d
         );
         runs.push(run);
     }
-    metrics.flush()?;
     let series: Vec<Series> = traces
         .iter()
         .filter(|(_, t)| !t.gates.is_empty())
