@@ -93,9 +93,9 @@ mod tests {
         let vs = nn::VarStore::new(Device::Cpu);
         let w = vs.root().var("w", &[3], nn::Init::Const(1.0));
         let mut best = BestWeights::new(&vs);
-        tch::no_grad(|| w.shallow_clone().fill_(2.0));
+        let _ = tch::no_grad(|| w.shallow_clone().fill_(2.0));
         best.keep();
-        tch::no_grad(|| w.shallow_clone().fill_(5.0));
+        let _ = tch::no_grad(|| w.shallow_clone().fill_(5.0));
         best.restore();
         assert_eq!(Vec::<f64>::try_from(w.to_kind(Kind::Double)).unwrap(), [2.0, 2.0, 2.0]);
     }

@@ -1,0 +1,285 @@
+//! `probattn translate`'s flags, its presets and its datasets.
+
+use std::path::{Path, PathBuf};
+
+use clap::{Args, ValueEnum};
+use probattn::repulsive::RepulsiveConfig;
+use probattn_models::transformer::TransformerConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::common::CommonArgs;
+
+/// Model presets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Preset {
+    /// fairseq `transformer_iwslt_de_en` (the repulsive-attention paper's model): 6+6 layers,
+    /// E = 512, FFN 1024, 4 heads, dropout 0.3; 4,096 tokens per batch, lr 5e-4, 4,000 warm-up
+    /// updates, BPE 10,000.
+    Iwslt,
+    /// A CPU-sized model for Multi30k: 3+3 layers, E = 256, FFN 512, 4 heads, dropout 0.3; lr 1e-3
+    /// with 400 warm-up updates, BPE 8,000. One Multi30k epoch is about 130 updates of 4,096
+    /// tokens, so fairseq's 4,000 warm-up updates would be 30 epochs; 400 is three, and a smaller
+    /// model tolerates a larger rate. A first choice, not yet compared on validation BLEU per
+    /// CPU-hour with others.
+    Small,
+    /// `--quick`: 2+2 layers, E = 128, FFN 256, 4 heads; a smoke test, not a result.
+    Tiny,
+}
+
+impl Preset {
+    pub(super) fn transformer(self) -> TransformerConfig {
+        let (layers, e, ffn) = match self {
+            Self::Iwslt => (6, 512, 1024),
+            Self::Small => (3, 256, 512),
+            Self::Tiny => (2, 128, 256),
+        };
+        TransformerConfig {
+            encoder_layers: layers,
+            decoder_layers: layers,
+            embed_dim: e,
+            heads: 4,
+            ffn_dim: ffn,
+            dropout: 0.3,
+            ..TransformerConfig::iwslt()
+        }
+    }
+
+    /// (lr, warm-up updates, BPE vocabulary).
+    pub(super) fn recipe(self) -> (f64, u64, usize) {
+        match self {
+            Self::Iwslt => (5e-4, 4000, 10_000),
+            Self::Small => (1e-3, 400, 8000),
+            Self::Tiny => (2e-3, 100, 2000),
+        }
+    }
+}
+
+/// `--dataset`: which corpus, and so the default data folder and preset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Dataset {
+    /// Multi30k task 1 (train 29,000, val 1,014, test_2016_flickr 1,000): default folder
+    /// ../shared/data/multi30k when it exists, else data/multi30k; default preset small.
+    Multi30k,
+    /// IWSLT14 in fairseq's prepare-iwslt14.sh layout: default folder data/iwslt14 (give the
+    /// tokenized text before its BPE step, since we learn our own); default preset iwslt.
+    Iwslt14,
+}
+
+impl Dataset {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Multi30k => "multi30k",
+            Self::Iwslt14 => "iwslt14",
+        }
+    }
+
+    fn default_dir(self) -> PathBuf {
+        match self {
+            Self::Multi30k => {
+                let shared = Path::new("../shared/data/multi30k");
+                if shared.is_dir() {
+                    shared.into()
+                } else {
+                    "data/multi30k".into()
+                }
+            }
+            Self::Iwslt14 => "data/iwslt14".into(),
+        }
+    }
+
+    fn default_preset(self) -> Preset {
+        match self {
+            Self::Multi30k => Preset::Small,
+            Self::Iwslt14 => Preset::Iwslt,
+        }
+    }
+}
+
+/// `--repulsive`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Repulsive {
+    None,
+    Svgd,
+    Spos,
+}
+
+/// Flags of `probattn translate`.
+#[derive(Args, Debug)]
+pub struct TranslateArgs {
+    /// Corpus: multi30k (default folder ../shared/data/multi30k when it exists, else
+    /// data/multi30k; preset small) or iwslt14 (default folder data/iwslt14; preset iwslt).
+    #[arg(long, value_enum)]
+    pub dataset: Option<Dataset>,
+    /// Corpus folder with train|valid|test.{SRC,TGT} (Multi30k's val.* stand in for valid.*),
+    /// instead of the dataset's default folder.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Source language (file suffix).
+    #[arg(long, default_value = "de")]
+    pub src: String,
+    /// Target language (file suffix).
+    #[arg(long, default_value = "en")]
+    pub tgt: String,
+    /// Model and recipe preset: small (Multi30k on CPU), iwslt (fairseq transformer_iwslt_de_en) or
+    /// tiny (default: the dataset's; tiny with --quick).
+    #[arg(long, value_enum)]
+    pub preset: Option<Preset>,
+    /// Attention of the encoder self-attention and the cross-attention (or all: softmax, softmax
+    /// with SVGD heads, dnas, hnas and bam-wc, one table): softmax, dnas, hnas,
+    /// sinkhorn-N, bam-wc, bam-wf, bam-lc, bam-lf, bam-nokl. DNAS, HNAS and Sinkhorn act in the
+    /// encoder only (over target positions they would leak later tokens); decoder
+    /// self-attention stays softmax.
+    #[arg(long, default_value = "softmax")]
+    pub attention: String,
+    /// The decoder's causal self-attention: softmax, or a BAM variant (around softmax).
+    #[arg(long, default_value = "softmax")]
+    pub decoder_self_attention: String,
+    /// Repulsive heads on the Q, K and V in-projections of every attention module: none, svgd or spos.
+    #[arg(long, value_enum, default_value_t = Repulsive::None)]
+    pub repulsive: Repulsive,
+    /// Weight alpha of the repulsive term (the paper's translation value, Appendix B.2.3).
+    #[arg(long, default_value_t = RepulsiveConfig::default().alpha)]
+    pub repulsive_alpha: f64,
+    /// SVGD / SPOS step size (the paper's translation value, Appendix B.2.3; before 2026-11-24
+    /// our default was 0.01, which the paper does not give for translation).
+    #[arg(long, default_value_t = RepulsiveConfig::default().stepsize)]
+    pub repulsive_stepsize: f64,
+    /// Which particle sets the hook moves, as JSON, for the paper's ablations, e.g.
+    /// '{"layers":[0]}' (first layer only) or '{"kinds":["encoder-self"],"projections":["q"]}'.
+    #[arg(long)]
+    pub selection: Option<String>,
+    /// Memory-efficient attention in every attention module (every variant; probattn::tiled):
+    /// no (S, S) weights are kept for the backward pass. Needs attention dropout 0 (the presets'),
+    /// and refuses the variants without a tiled path.
+    #[arg(long)]
+    pub memory_efficient: bool,
+    /// Queries per tile with --memory-efficient.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(i64).range(1..))]
+    pub tile: i64,
+    /// BAM Weibull shape k (bam-w*; the authors' ALBERT script's 10).
+    #[arg(long, default_value_t = 10.0)]
+    pub k: f64,
+    /// BAM Lognormal sigma (bam-l*).
+    #[arg(long, default_value_t = 1.0)]
+    pub sigma: f64,
+    /// Weight of BAM's KL term in the per-token loss.
+    #[arg(long, default_value_t = 1.0)]
+    pub kl_weight: f64,
+    /// Runs with seeds seed-start, seed-start + 1, ...
+    #[arg(long, default_value_t = 1)]
+    pub seeds: u64,
+    #[arg(long, default_value_t = 1)]
+    pub seed_start: u64,
+    /// Target-plus-source token budget of a batch (fairseq --max-tokens).
+    #[arg(long, default_value_t = 4096)]
+    pub max_tokens: usize,
+    /// Peak learning rate (default: the preset's).
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Warm-up updates of the inverse-sqrt schedule (default: the preset's).
+    #[arg(long)]
+    pub warmup_updates: Option<u64>,
+    /// Learning rate at update 0.
+    #[arg(long, default_value_t = 1e-7)]
+    pub warmup_init_lr: f64,
+    /// Decoupled weight decay.
+    #[arg(long, default_value_t = 1e-4)]
+    pub weight_decay: f64,
+    /// Label smoothing epsilon.
+    #[arg(long, default_value_t = 0.1)]
+    pub label_smoothing: f64,
+    /// Joint BPE vocabulary size (default: the preset's).
+    #[arg(long)]
+    pub bpe_vocab: Option<usize>,
+    /// Stop after this many epochs.
+    #[arg(long, default_value_t = 100)]
+    pub max_epochs: usize,
+    /// Stop after this many updates (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    pub max_updates: u64,
+    /// Early stopping: epochs without a better validation BLEU.
+    #[arg(long, default_value_t = 10)]
+    pub patience: usize,
+    /// Beam size for validation and test (1 = greedy).
+    #[arg(long, default_value_t = 5)]
+    pub beam: usize,
+    /// Length penalty of beam search.
+    #[arg(long, default_value_t = 1.0)]
+    pub lenpen: f64,
+    /// Maximum output length a·|src| + b: a.
+    #[arg(long, default_value_t = 1.2)]
+    pub max_len_a: f64,
+    /// Maximum output length a·|src| + b: b.
+    #[arg(long, default_value_t = 10)]
+    pub max_len_b: usize,
+    /// Sentences per decoding batch.
+    #[arg(long, default_value_t = 64)]
+    pub decode_batch: usize,
+    /// Average the weights of the last N epochs' checkpoints for the test (0: the best checkpoint).
+    #[arg(long, default_value_t = 0)]
+    pub average_last: usize,
+    /// 300 updates of the tiny preset (2,000-token batches) on the first 3,000 training pairs,
+    /// validation on 100 pairs, then decode and score the whole test set: a smoke test of every
+    /// step (a few minutes on 2 cores), not a result.
+    #[arg(long)]
+    pub quick: bool,
+    /// Use only the first N training pairs.
+    #[arg(long)]
+    pub limit_train: Option<usize>,
+    /// Use only the first N validation pairs.
+    #[arg(long)]
+    pub limit_valid: Option<usize>,
+    /// Use only the first N test pairs.
+    #[arg(long)]
+    pub limit_test: Option<usize>,
+    /// Output folder (default: runs/translate/<UTC stamp>-<attention>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Continue the killed run in this folder from its last checkpoints (same flags).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Translate --input with --checkpoint instead of training.
+    #[arg(long)]
+    pub decode: bool,
+    /// With --decode: a checkpoint_*.safetensors of a run (the run's tokenizer.json is read beside
+    /// it or one folder up).
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    /// With --decode: source sentences, one per line.
+    #[arg(long)]
+    pub input: Option<PathBuf>,
+    /// With --decode: where to write the translations (default: standard output).
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+    /// With --decode: also decode greedily with and without the key/value cache and report
+    /// sentences per second of each (and whether their outputs agree) as JSON on stderr.
+    #[arg(long)]
+    pub decode_bench: bool,
+    #[command(flatten)]
+    pub common: CommonArgs,
+}
+
+impl TranslateArgs {
+    pub(super) fn data_dir(&self) -> PathBuf {
+        self.data_dir.clone().unwrap_or_else(|| self.dataset.unwrap_or(Dataset::Multi30k).default_dir())
+    }
+
+    /// results.json's `dataset`: the --dataset named, else the --data-dir folder's name.
+    pub(super) fn dataset_name(&self) -> String {
+        match (self.dataset, &self.data_dir) {
+            (Some(d), _) => d.name().into(),
+            (None, Some(dir)) => dir.file_name().map_or("corpus".into(), |n| n.to_string_lossy().into()),
+            (None, None) => Dataset::Multi30k.name().into(),
+        }
+    }
+
+    pub(super) fn preset(&self) -> Preset {
+        if self.quick {
+            Preset::Tiny
+        } else {
+            self.preset.unwrap_or_else(|| self.dataset.unwrap_or(Dataset::Multi30k).default_preset())
+        }
+    }
+}

@@ -1,0 +1,482 @@
+//! One seed's training, validation and test: the epoch loop, its checkpoints (resumable), the
+//! test with the best (or averaged) weights, and the run's plots.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use probattn::repulsive::RepulsiveHook;
+use probattn_models::translation::Seq2Seq;
+use serde::{Deserialize, Serialize};
+use tch::{nn, Device, Kind, Tensor};
+use tokenizers::Tokenizer;
+
+use super::data::{self, batch_tensors, epoch_order, token_batches, Batch, Encoded, PAD};
+use super::decode::{self, DecodeConfig};
+use super::optim::Adam;
+use super::{EpochMetrics, Prepared, Repulsive, RunResult, TranslateConfig};
+use crate::bleu::{corpus_bleu, BleuConfig};
+use crate::harness::MetricsLog;
+use crate::report::progress_bar;
+
+/// Updates between two readings of the training loss on the CPU (progress bar, NaN check).
+const SYNC_EVERY: usize = 10;
+
+/// Sentences per decoding batch during training (validation and test).
+const DECODE_BATCH: usize = 64;
+
+/// What the checkpoint carries besides tensors (stored in it as a JSON byte tensor, so the file
+/// is one atomic unit).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(super) struct TrainState {
+    pub(super) config: TranslateConfig,
+    pub(super) seed: u64,
+    /// Epochs completed.
+    pub(super) epoch: usize,
+    pub(super) updates: u64,
+    pub(super) best_bleu: f64,
+    pub(super) best_epoch: usize,
+    pub(super) waited: usize,
+    pub(super) train_seconds: f64,
+    pub(super) train_tokens: u64,
+    pub(super) history: Vec<EpochMetrics>,
+}
+
+/// Label-smoothed cross-entropy, fairseq 0.6: `Σ_t (1−ε)·nll_t + ε/V · Σ_v −log p_t(v)` over
+/// non-padding targets; returns (loss sum, nll sum).
+pub fn label_smoothed_loss(logits: &Tensor, target: &Tensor, eps: f64) -> (Tensor, Tensor) {
+    let lprobs = logits.log_softmax(-1, Kind::Float); // (B, T, V)
+    let v = lprobs.size()[2] as f64;
+    let keep = target.ne(PAD).to_kind(Kind::Float); // (B, T)
+    let nll = -lprobs.gather(-1, &target.unsqueeze(-1), false).squeeze_dim(-1) * &keep;
+    let smooth = -lprobs.sum_dim_intlist(&[-1i64][..], false, Kind::Float) * &keep;
+    let nll = nll.sum(Kind::Float);
+    ((&nll * (1.0 - eps)) + smooth.sum(Kind::Float) * (eps / v), nll)
+}
+
+/// Writes the training checkpoint: parameters, Adam's moments, and the state as JSON bytes.
+pub(super) fn save_checkpoint(path: &Path, vs: &nn::VarStore, adam: &Adam, state: &TrainState) -> Result<()> {
+    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    named.extend(adam.state_tensors());
+    let json = serde_json::to_vec(state)?;
+    named.push(("train_state.json".into(), Tensor::from_slice(&json)));
+    let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    probattn::io::write_safetensors_atomic(path, &refs).with_context(|| format!("writing checkpoint {}", path.display()))
+}
+
+/// Reads a checkpoint's tensors and its training state, with errors that name the file.
+pub(super) fn read_checkpoint(path: &Path) -> Result<(HashMap<String, Tensor>, TrainState)> {
+    let tensors = probattn::io::read_safetensors(path).with_context(|| format!("reading checkpoint {}", path.display()))?;
+    let state = tensors
+        .get("train_state.json")
+        .with_context(|| format!("{} is not a probattn translate checkpoint (no train_state.json)", path.display()))?;
+    let bytes: Vec<u8> = Vec::try_from(state).with_context(|| format!("{}: train_state.json", path.display()))?;
+    let state: TrainState =
+        serde_json::from_slice(&bytes).with_context(|| format!("{}: its train_state.json does not parse", path.display()))?;
+    Ok((tensors, state))
+}
+
+/// Copies the model parameters of a checkpoint into `vs`, checking names and shapes.
+pub(super) fn load_params(vs: &nn::VarStore, tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
+    for (name, mut t) in vs.variables() {
+        let saved =
+            tensors.get(&name).with_context(|| format!("{} lacks parameter {name}: a checkpoint of another model", path.display()))?;
+        ensure!(saved.size() == t.size(), "{}: {name} has shape {:?}, the model {:?}", path.display(), saved.size(), t.size());
+        tch::no_grad(|| t.copy_(saved));
+    }
+    Ok(())
+}
+
+/// Translates `data`'s sources and scores them against `refs` (sacreBLEU's default and the
+/// tokenized, lowercased kind); returns (hypotheses, BLEU, BLEU tok-lc, sentences/s).
+pub(super) fn translate_and_score(
+    model: &Seq2Seq,
+    tokenizer: &Tokenizer,
+    data: &Encoded,
+    refs: &[String],
+    cfg: &DecodeConfig,
+    device: Device,
+    label: &str,
+) -> Result<(Vec<String>, crate::bleu::BleuScore, crate::bleu::BleuScore, f64)> {
+    let bar = progress_bar(data.len() as u64, format!("{label} decoding"))?;
+    let start = Instant::now();
+    let ids = decode::translate(model, &data.src, cfg, DECODE_BATCH, device, |n| bar.inc(n as u64))?;
+    let seconds = start.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    let hyps: Vec<String> = ids.iter().map(|h| data::decode(tokenizer, h)).collect::<Result<_>>()?;
+    let bleu = corpus_bleu(&hyps, refs, &BleuConfig::default())?;
+    let tok = corpus_bleu(&hyps, refs, &BleuConfig::tokenized_lowercase())?;
+    Ok((hyps, bleu, tok, data.len() as f64 / seconds.max(1e-9)))
+}
+
+/// Validation loss (label-smoothed and nll, per target token) in eval mode.
+fn valid_loss(model: &Seq2Seq, data: &Encoded, cfg: &TranslateConfig, device: Device) -> Result<(f64, f64)> {
+    let (batches, _) = token_batches(data, cfg.max_tokens, usize::MAX);
+    let (mut loss, mut nll, mut tokens) = (0.0, 0.0, 0usize);
+    tch::no_grad(|| -> Result<()> {
+        for b in &batches {
+            let t = batch_tensors(data, b, device);
+            let (logits, _) = model.forward_t(&t.src, &t.prev, false)?;
+            let (l, n) = label_smoothed_loss(&logits, &t.target, cfg.label_smoothing);
+            loss += f64::try_from(l)?;
+            nll += f64::try_from(n)?;
+            tokens += t.ntokens;
+        }
+        Ok(())
+    })?;
+    Ok((loss / tokens.max(1) as f64, nll / tokens.max(1) as f64))
+}
+
+/// HNAS's mean `u` per encoder layer.
+fn hnas_gates(model: &Seq2Seq) -> Option<Vec<f64>> {
+    model.stack.encoder.iter().map(|l| l.self_attn.hybrid_u().and_then(|u| f64::try_from(u.mean(Kind::Double)).ok())).collect()
+}
+
+/// What one seed's training reads besides its model and optimizer.
+struct SeedRun<'a> {
+    p: &'a Prepared,
+    cfg: &'a TranslateConfig,
+    seed: u64,
+    dir: &'a Path,
+    device: Device,
+}
+
+/// Trains one seed in `dir` (resuming from its checkpoint when there is one); returns its result.
+pub(super) fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device: Device, resume: bool) -> Result<RunResult> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let run = SeedRun { p, cfg, seed, dir, device };
+    tch::manual_seed(seed as i64);
+    let mut vs = nn::VarStore::new(device);
+    let model = Seq2Seq::new(&vs.root(), cfg.model.clone())?;
+    let mut adam = Adam::new(&vs, cfg.adam);
+    let hook = match cfg.repulsive {
+        Repulsive::None => None,
+        _ => {
+            let mut h = RepulsiveHook::new(cfg.repulsive_config.clone(), cfg.selection.clone())?;
+            model.stack.register_repulsive(&mut h);
+            Some(h)
+        }
+    };
+    let last = dir.join("checkpoint_last.safetensors");
+    let mut state = start_or_resume(&run, &vs, &mut adam, resume)?;
+    let (batches, dropped) = token_batches(&p.train, cfg.max_tokens, cfg.model.max_positions as usize);
+    if dropped > 0 && state.epoch == 0 {
+        eprintln!("left out {dropped} training pairs longer than {} tokens", cfg.model.max_positions);
+    }
+    let mut metrics = MetricsLog::append_to(&dir.join("metrics.jsonl"))?;
+    let done_by_updates = |u: u64| cfg.max_updates > 0 && u >= cfg.max_updates;
+    while state.epoch < cfg.max_epochs && state.waited < cfg.patience && !done_by_updates(state.updates) {
+        let m = train_epoch(&run, &model, hook.as_ref(), &mut adam, &batches, &mut state)?;
+        println!(
+            "seed {seed} epoch {:3}: {} updates, train loss {:.3}, valid loss {:.3}, valid BLEU {:.2}, {:.0} tok/s, {:.0} s",
+            m.epoch, m.updates, m.train_loss, m.valid_loss, m.valid_bleu, m.tokens_per_second, m.seconds
+        );
+        if m.valid_bleu > state.best_bleu {
+            state.best_bleu = m.valid_bleu;
+            state.best_epoch = state.epoch;
+            state.waited = 0;
+            save_checkpoint(&dir.join("checkpoint_best.safetensors"), &vs, &adam, &state)?;
+        } else {
+            state.waited += 1;
+        }
+        if cfg.average_last > 0 {
+            let named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+            let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            probattn::io::write_safetensors_atomic(&dir.join(format!("weights_epoch{}.safetensors", state.epoch)), &refs)?;
+            if state.epoch > cfg.average_last {
+                let _ = std::fs::remove_file(dir.join(format!("weights_epoch{}.safetensors", state.epoch - cfg.average_last)));
+            }
+        }
+        metrics.write(&m)?;
+        state.history.push(m);
+        save_checkpoint(&last, &vs, &adam, &state)?;
+    }
+    test_seed(&run, &mut vs, &model, &adam, &state)
+}
+
+/// A fresh training state, or the one in `dir`'s last checkpoint (with the model's and the
+/// optimizer's tensors loaded) when resuming; metrics.jsonl is made to match it.
+fn start_or_resume(run: &SeedRun, vs: &nn::VarStore, adam: &mut Adam, resume: bool) -> Result<TrainState> {
+    let (cfg, seed, dir) = (run.cfg, run.seed, run.dir);
+    let last = dir.join("checkpoint_last.safetensors");
+    let fresh = TrainState {
+        config: cfg.clone(),
+        seed,
+        epoch: 0,
+        updates: 0,
+        best_bleu: f64::NEG_INFINITY,
+        best_epoch: 0,
+        waited: 0,
+        train_seconds: 0.0,
+        train_tokens: 0,
+        history: vec![],
+    };
+    if resume {
+        // A kill during an atomic write leaves only its temporary file behind: remove it.
+        for entry in std::fs::read_dir(dir)?.flatten() {
+            if entry.file_name().to_string_lossy().contains(".tmp-") {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+    if !(resume && last.exists()) {
+        // A fresh start: drop any metrics of an earlier attempt in this folder.
+        let _ = std::fs::remove_file(dir.join("metrics.jsonl"));
+        return Ok(fresh);
+    }
+    let (tensors, saved) = read_checkpoint(&last)?;
+    if saved.config != *cfg {
+        let (a, b) = (serde_json::to_value(&saved.config)?, serde_json::to_value(cfg)?);
+        let differ: Vec<String> =
+            a.as_object().into_iter().flatten().filter(|(k, v)| b.get(k.as_str()) != Some(v)).map(|(k, _)| k.clone()).collect();
+        bail!(
+            "{} was written with another configuration (differs in: {}); resume with the flags of the original run",
+            last.display(),
+            differ.join(", ")
+        );
+    }
+    ensure!(saved.seed == seed, "{} belongs to seed {}, not {seed}", last.display(), saved.seed);
+    load_params(vs, &tensors, &last)?;
+    adam.load_state(&tensors, saved.updates).with_context(|| last.display().to_string())?;
+    eprintln!("resuming seed {seed} after epoch {} ({} updates)", saved.epoch, saved.updates);
+    // metrics.jsonl gets an epoch's line just before checkpoint_last is saved: a kill between
+    // the two leaves a line the checkpoint does not know, which the resumed epoch would write
+    // again. The checkpoint's history is the record: rewrite the file from it.
+    let lines: String = saved.history.iter().map(|m| serde_json::to_string(m).map(|l| l + "\n")).collect::<serde_json::Result<_>>()?;
+    probattn::io::write_bytes_atomic(&dir.join("metrics.jsonl"), lines.as_bytes())?;
+    Ok(saved)
+}
+
+/// One epoch: the updates over `batches` in the epoch's seeded order, then validation loss and
+/// BLEU; advances `state`'s epoch, update, time and token counts and returns the epoch's line.
+fn train_epoch(
+    run: &SeedRun,
+    model: &Seq2Seq,
+    hook: Option<&RepulsiveHook>,
+    adam: &mut Adam,
+    batches: &[Batch],
+    state: &mut TrainState,
+) -> Result<EpochMetrics> {
+    let (p, cfg, seed, device) = (run.p, run.cfg, run.seed, run.device);
+    let epoch = state.epoch;
+    let done_by_updates = |u: u64| cfg.max_updates > 0 && u >= cfg.max_updates;
+    // Dropout, BAM noise and the batch order depend on (seed, epoch) only.
+    tch::manual_seed((seed as i64).wrapping_mul(1_000_003).wrapping_add(epoch as i64 + 1));
+    let order = epoch_order(batches, seed, epoch);
+    let bar = progress_bar(order.len() as u64, format!("seed {seed} epoch {}", epoch + 1))?;
+    let start = Instant::now();
+    // [loss, nll, KL] summed over the epoch's updates.
+    let (mut sums, mut tokens, mut steps) = ([0.0f64; 3], 0usize, 0usize);
+    let mut has_kl = false;
+    // Per-update (loss, nll, KL) stay on the device and reach the CPU together every
+    // SYNC_EVERY updates and at the end of the epoch: one synchronization instead of three per
+    // update. They are added in update order, so the sums are the same.
+    let mut pending: Vec<Tensor> = vec![];
+    let flush = |pending: &mut Vec<Tensor>, first_update: u64, sums: &mut [f64; 3]| -> Result<()> {
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let values: Vec<f64> = Vec::try_from(Tensor::stack(pending, 0).view([-1]).to_device(Device::Cpu))?;
+        for (i, row) in values.chunks(3).enumerate() {
+            ensure!(row[0].is_finite(), "the training loss became {} at update {} (seed {seed})", row[0], first_update + i as u64);
+            for (sum, v) in sums.iter_mut().zip(row) {
+                *sum += v;
+            }
+        }
+        pending.clear();
+        Ok(())
+    };
+    for &bi in &order {
+        if done_by_updates(state.updates) {
+            break;
+        }
+        let t = batch_tensors(&p.train, &batches[bi], device);
+        let (logits, kl) = model.forward_t(&t.src, &t.prev, true)?;
+        let (loss, nll) = label_smoothed_loss(&logits, &t.target, cfg.label_smoothing);
+        let mut objective = &loss / t.ntokens as f64;
+        let kl_value = match &kl {
+            Some(kl) => {
+                objective += kl * cfg.kl_weight;
+                has_kl = true;
+                kl.detach().to_kind(Kind::Double)
+            }
+            None => Tensor::zeros([], (Kind::Double, device)),
+        };
+        adam.zero_grad();
+        objective.backward();
+        if let Some(h) = hook {
+            h.apply()?;
+        }
+        // As fairseq: update n (1-based) runs at the rate the schedule set after update n − 1,
+        // so the first one at warmup_init_lr.
+        let lr = cfg.schedule.lr_at(state.updates);
+        adam.step(lr);
+        state.updates += 1;
+        pending.push(Tensor::stack(&[loss.detach().to_kind(Kind::Double), nll.detach().to_kind(Kind::Double), kl_value], 0));
+        tokens += t.ntokens;
+        steps += 1;
+        if pending.len() == SYNC_EVERY {
+            flush(&mut pending, state.updates + 1 - SYNC_EVERY as u64, &mut sums)?;
+            let secs = start.elapsed().as_secs_f64().max(1e-9);
+            bar.set_message(format!(
+                "loss {:.3}, lr {lr:.2e}, {:.1} upd/s, {:.0} tok/s",
+                sums[0] / tokens as f64,
+                steps as f64 / secs,
+                tokens as f64 / secs
+            ));
+        }
+        bar.inc(1);
+    }
+    let first_pending = state.updates + 1 - pending.len() as u64;
+    flush(&mut pending, first_pending, &mut sums)?;
+    let [loss_sum, nll_sum, kl_sum] = sums;
+    let seconds = start.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    state.train_seconds += seconds;
+    state.train_tokens += tokens as u64;
+    let (valid_loss, valid_nll) = valid_loss(model, &p.valid, cfg, device)?;
+    let (_, vb, _, _) = translate_and_score(model, &p.tokenizer, &p.valid, &p.corpus.valid.tgt, &cfg.decode, device, "valid")?;
+    state.epoch += 1;
+    Ok(EpochMetrics {
+        seed,
+        epoch: state.epoch,
+        updates: state.updates,
+        lr: cfg.schedule.lr_at(state.updates),
+        train_loss: loss_sum / tokens.max(1) as f64,
+        train_nll: nll_sum / tokens.max(1) as f64,
+        kl: has_kl.then(|| kl_sum / steps.max(1) as f64),
+        valid_loss,
+        valid_nll,
+        valid_bleu: vb.bleu,
+        seconds,
+        tokens_per_second: tokens as f64 / seconds.max(1e-9),
+        hnas_u: hnas_gates(model),
+    })
+}
+
+/// The test: the best checkpoint, or the average of the last N epochs' weights, translates the
+/// test set; its translations, diagnostics and plots go into the seed's folder.
+fn test_seed(run: &SeedRun, vs: &mut nn::VarStore, model: &Seq2Seq, adam: &Adam, state: &TrainState) -> Result<RunResult> {
+    let (p, cfg, seed, dir, device) = (run.p, run.cfg, run.seed, run.dir, run.device);
+    let best = dir.join("checkpoint_best.safetensors");
+    let (tensors, _) = read_checkpoint(&best)?;
+    load_params(vs, &tensors, &best)?;
+    if cfg.average_last > 0 {
+        average_last(vs, dir, state.epoch, cfg.average_last)?;
+        // Kept so that `--decode --checkpoint` can translate with the averaged model too.
+        save_checkpoint(&dir.join("checkpoint_average.safetensors"), vs, adam, state)?;
+    }
+    let (hyps, bleu, tok, sps) = translate_and_score(model, &p.tokenizer, &p.test, &p.corpus.test.tgt, &cfg.decode, device, "test")?;
+    probattn::io::write_bytes_atomic(&dir.join("test.hyp"), (hyps.join("\n") + "\n").as_bytes())?;
+    let (head_diversity, explained_away) = encoder_diagnostics(model, &p.test, device)?;
+    plots(dir, &state.history, &head_diversity, &explained_away)?;
+    println!("seed {seed} test: {} {} | tokenized lowercased: BLEU = {:.2} {}", bleu.line(), bleu.signature, tok.bleu, tok.signature);
+    Ok(RunResult {
+        seed,
+        test_bleu: bleu.bleu,
+        test_bleu_tok: tok.bleu,
+        valid_bleu: state.best_bleu,
+        best_epoch: state.best_epoch,
+        epochs: state.epoch,
+        updates: state.updates,
+        train_seconds: state.train_seconds,
+        tokens_per_second: state.train_tokens as f64 / state.train_seconds.max(1e-9),
+        test_sentences_per_second: sps,
+        test_signature: bleu.signature,
+        test_signature_tok: tok.signature,
+        head_diversity,
+        explained_away,
+    })
+}
+
+/// The run's SVG plots: loss and validation BLEU over epochs, HNAS's u per encoder layer over
+/// epochs (hnas runs), and the test set's head diversity and explained-away share per layer.
+fn plots(dir: &Path, history: &[EpochMetrics], dist: &[f64], away: &[f64]) -> Result<()> {
+    use crate::plot::{line_chart, Series};
+    let curve = |name: &str, f: &dyn Fn(&EpochMetrics) -> f64| Series {
+        name: name.into(),
+        points: history.iter().map(|m| (m.epoch as f64, f(m))).collect(),
+    };
+    line_chart(
+        &dir.join("loss.svg"),
+        "label-smoothed loss per target token",
+        "epoch",
+        "loss",
+        &[curve("train", &|m| m.train_loss), curve("valid", &|m| m.valid_loss)],
+    )?;
+    line_chart(&dir.join("valid_bleu.svg"), "validation BLEU (sacreBLEU, beam)", "epoch", "BLEU", &[curve("valid", &|m| m.valid_bleu)])?;
+    if let Some(layers) = history.first().and_then(|m| m.hnas_u.as_ref()).map(Vec::len) {
+        let series: Vec<Series> = (0..layers)
+            .map(|l| Series {
+                name: format!("encoder layer {l}"),
+                points: history.iter().filter_map(|m| m.hnas_u.as_ref().map(|u| (m.epoch as f64, u[l]))).collect(),
+            })
+            .collect();
+        line_chart(&dir.join("hnas_u.svg"), "HNAS mixing weight u (mean over heads)", "epoch", "u", &series)?;
+    }
+    let per_layer = |v: &[f64]| v.iter().enumerate().map(|(l, &x)| (l as f64, x)).collect::<Vec<_>>();
+    line_chart(
+        &dir.join("head_diversity.svg"),
+        "head diversity (Dist) of encoder self-attention, test set",
+        "encoder layer",
+        "Dist",
+        &[Series { name: "Dist".into(), points: per_layer(dist) }],
+    )?;
+    line_chart(
+        &dir.join("explained_away.svg"),
+        "share of source tokens explained away (mass < 1e-8), test set",
+        "encoder layer",
+        "share",
+        &[Series { name: "explained away".into(), points: per_layer(away) }],
+    )?;
+    Ok(())
+}
+
+/// Head diversity and the explained-away share of each encoder layer on `data`'s sources.
+fn encoder_diagnostics(model: &Seq2Seq, data: &Encoded, device: Device) -> Result<(Vec<f64>, Vec<f64>)> {
+    let layers = model.config().transformer.encoder_layers;
+    let (mut dist, mut weight) = (vec![0.0; layers], 0.0);
+    let (mut away, mut keys) = (vec![0.0; layers], 0.0);
+    tch::no_grad(|| -> Result<()> {
+        for chunk in (0..data.len()).collect::<Vec<_>>().chunks(64) {
+            let rows: Vec<&[i64]> = chunk.iter().map(|&i| data.src[i].as_slice()).collect();
+            let src = data::pad_rows(&rows, device);
+            let valid = src.ne(PAD); // (B, S)
+            let tokens = f64::try_from(valid.sum(Kind::Double))?;
+            let heads = model.config().transformer.heads as f64;
+            for (l, (w, h)) in model.encoder_attention(&src)?.into_iter().enumerate() {
+                dist[l] += probattn::repulsive::head_diversity(&h, Some(&valid))? * tokens;
+                let mass = probattn::diagnostics::received_mass(&w); // (B, H, S)
+                let counted = valid.unsqueeze(1).expand_as(&mass);
+                away[l] += f64::try_from(mass.lt(probattn::diagnostics::EXPLAINED_AWAY_EPS).logical_and(&counted).sum(Kind::Double))?;
+                if l == 0 {
+                    keys += tokens * heads;
+                }
+            }
+            weight += tokens;
+        }
+        Ok(())
+    })?;
+    Ok((dist.iter().map(|d| d / weight.max(1.0)).collect(), away.iter().map(|a| a / keys.max(1.0)).collect()))
+}
+
+/// Replaces the parameters by the mean of the last `n` epochs' saved weights.
+fn average_last(vs: &mut nn::VarStore, dir: &Path, last_epoch: usize, n: usize) -> Result<()> {
+    let first = last_epoch.saturating_sub(n) + 1;
+    let files: Vec<PathBuf> = (first..=last_epoch).map(|e| dir.join(format!("weights_epoch{e}.safetensors"))).collect();
+    let mut sums: HashMap<String, Tensor> = HashMap::new();
+    for f in &files {
+        for (name, t) in probattn::io::read_safetensors(f)? {
+            let t = t.to_kind(Kind::Double);
+            let entry = sums.entry(name).or_insert_with(|| t.zeros_like());
+            *entry = &*entry + t;
+        }
+    }
+    for (name, mut t) in vs.variables() {
+        let s = sums.get(&name).with_context(|| format!("the averaged checkpoints lack {name}"))?;
+        tch::no_grad(|| t.copy_(&(s / files.len() as f64).to_kind(t.kind())));
+    }
+    eprintln!("test with the average of epochs {first}..={last_epoch}");
+    Ok(())
+}
