@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, ensure, Context, Result};
 use probattn::interop::TorchScript;
 
-use super::v2::FeatureFolder;
+use super::features::FeatureFolder;
 use serde::{Deserialize, Serialize};
 use tch::{Device, IValue, Kind, Tensor};
 

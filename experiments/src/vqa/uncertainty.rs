@@ -25,7 +25,8 @@ use statrs::distribution::{ContinuousCDF, StudentsT};
 use tch::{Device, Kind, Tensor};
 
 use super::data::Views;
-use super::{accuracy_of, batch_of, chunks, Prepared};
+use super::train::{accuracy_of, batch_of, chunks};
+use super::Prepared;
 
 /// Monte Carlo settings.
 pub struct McSettings {

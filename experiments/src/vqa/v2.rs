@@ -24,9 +24,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
 use super::data::{Meta, Questions, Views, VqaData};
+use super::features::{x_array, FeatureFolder};
 use crate::report::progress_bar;
 use crate::vqa_eval::{process_digit_article, process_punctuation, question_accuracy, Annotation, AnnotationsFile, QuestionsFile};
 
@@ -100,50 +101,6 @@ fn read_split(dir: &Path, split: &str) -> Result<Vec<Item>> {
             })
         })
         .collect()
-}
-
-/// The `x (boxes, dim)` array of one `.npz` feature file.
-fn x_array(path: &Path) -> Result<Tensor> {
-    let arrays = Tensor::read_npz(path).with_context(|| format!("{} is not a readable .npz file", path.display()))?;
-    let names: Vec<String> = arrays.iter().map(|(n, _)| n.clone()).collect();
-    let x = arrays
-        .into_iter()
-        .find(|(n, _)| n == "x" || n == "x.npy")
-        .map(|(_, t)| t)
-        .with_context(|| format!("{} has no array 'x' (it has {names:?})", path.display()))?;
-    ensure!(x.dim() == 2, "{}: x has shape {:?}; expected (boxes, dim)", path.display(), x.size());
-    Ok(x)
-}
-
-/// Where the features of one detector live, and what shape they have.
-#[derive(Debug)]
-pub struct FeatureFolder {
-    pub dir: PathBuf,
-    /// `(boxes, dim)` of every image.
-    pub shape: (i64, i64),
-}
-
-impl FeatureFolder {
-    fn file(&self, image_id: u64) -> Result<PathBuf> {
-        let candidates =
-            [format!("{image_id}.npz"), format!("COCO_train2014_{image_id:012}.npz"), format!("COCO_val2014_{image_id:012}.npz")];
-        candidates
-            .iter()
-            .map(|c| self.dir.join(c))
-            .find(|p| p.is_file())
-            .with_context(|| format!("{}: no features for image {image_id} (looked for {})", self.dir.display(), candidates.join(", ")))
-    }
-
-    /// The `x` array of one image, `(boxes, dim)` float32, checked.
-    pub fn read(&self, image_id: u64) -> Result<Tensor> {
-        let path = self.file(image_id)?;
-        let x = x_array(&path)?;
-        let size = x.size();
-        ensure!((size[0], size[1]) == self.shape, "{}: x has shape {size:?} where this detector's other images have {:?}: variable box counts are not supported (use fixed-K features, e.g. 36 boxes per image)", path.display(), self.shape);
-        let x = x.to_kind(Kind::Float);
-        probattn::check_finite(&format!("{} x", path.display()), &x)?;
-        Ok(x)
-    }
 }
 
 /// SplitMix64's output function (Steele, Lea, Flood 2014): a fixed, well-mixed hash of an id.

@@ -1,0 +1,277 @@
+//! One seed's training of the VQA model: batches, the epoch loop with early stopping on
+//! validation accuracy, and the scores of a split.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{ensure, Context, Result};
+use probattn::Mode;
+use probattn_models::vqa::VqaModel;
+use serde::Serialize;
+use tch::nn::{self, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+
+use super::data::{Questions, Views};
+use super::v2;
+use super::{Prepared, RunResult, VqaRunConfig};
+use crate::harness::{BestWeights, MetricsLog};
+use crate::provenance::write_json;
+use crate::report::progress_bar;
+
+/// A batch of one split, on the device.
+pub(super) struct Batch {
+    pub(super) views: Vec<Tensor>,
+    pub(super) tokens: Tensor,
+    pub(super) answer: Tensor,
+    /// VQA-v2's soft scores `(B, answers)`.
+    pub(super) target: Option<Tensor>,
+    pub(super) kind: Tensor,
+}
+
+/// The question rows of a split in order, `size` at a time (evaluation batches).
+pub(super) fn chunks(q: &Questions, size: i64) -> impl Iterator<Item = Tensor> + '_ {
+    (0..q.len())
+        .step_by(size as usize)
+        .map(move |start| Tensor::arange_start(start, (start + size).min(q.len()), (Kind::Int64, Device::Cpu)))
+}
+
+pub(super) fn batch_of(views: &Views, q: &Questions, idx: &Tensor, device: Device) -> Result<Batch> {
+    let images = q.image.index_select(0, idx);
+    Ok(Batch {
+        views: views.gather(&images)?,
+        tokens: q.tokens.index_select(0, idx).to_device(device),
+        answer: q.answer.index_select(0, idx).to_device(device),
+        target: q.target.as_ref().map(|t| t.index_select(0, idx).to_device(device)),
+        kind: q.kind.index_select(0, idx),
+    })
+}
+
+/// The accuracy of each prediction `(B,)`: 1 or 0 against the one answer, or VQA-v2's soft score
+/// of the predicted answer (its official accuracy when the answer is in the vocabulary).
+pub(super) fn accuracy_of(b: &Batch, predicted: &Tensor) -> Result<Vec<f64>> {
+    let acc = match &b.target {
+        Some(t) => t.gather(1, &predicted.unsqueeze(1), false).squeeze_dim(1).to_kind(Kind::Double),
+        None => predicted.eq_tensor(&b.answer).to_kind(Kind::Double),
+    };
+    Ok(Vec::<f64>::try_from(acc.to_device(Device::Cpu))?)
+}
+
+/// Accuracy and (summed accuracy, questions) per question type over a split, eval mode.
+pub(super) fn evaluate(model: &VqaModel, p: &Prepared, split: &str, device: Device) -> Result<(f64, Vec<(f64, u64)>)> {
+    score(p, split, device, &|views, tokens| Ok(model.forward(views, tokens, Mode::EVAL)?.logits))
+}
+
+/// Accuracy and (summed accuracy, questions) per question type of `predict` (views, tokens ->
+/// logits `(B, answers)`) over a split, under `no_grad`.
+pub(super) fn score(
+    p: &Prepared,
+    split: &str,
+    device: Device,
+    predict: &dyn Fn(&[Tensor], &Tensor) -> Result<Tensor>,
+) -> Result<(f64, Vec<(f64, u64)>)> {
+    score_and_predict(p, split, device, predict).map(|(acc, per_type, _)| (acc, per_type))
+}
+
+/// [`score`], and every predicted answer id in question order.
+/// Accuracy, per question type (accuracy, count), and the predicted answers.
+pub(super) type Scored = (f64, Vec<(f64, u64)>, Vec<i64>);
+
+pub(super) fn score_and_predict(
+    p: &Prepared,
+    split: &str,
+    device: Device,
+    predict: &dyn Fn(&[Tensor], &Tensor) -> Result<Tensor>,
+) -> Result<Scored> {
+    let q = &p.data.splits[split];
+    let types = p.data.meta.types.len();
+    let answers = p.data.meta.answers.len() as i64;
+    let mut per_type = vec![(0f64, 0u64); types];
+    let mut predicted = Vec::with_capacity(q.len() as usize);
+    tch::no_grad(|| -> Result<()> {
+        for idx in chunks(q, 1024) {
+            let b = batch_of(&p.views, q, &idx, device)?;
+            let logits = predict(&b.views, &b.tokens)?;
+            ensure!(
+                logits.size() == [idx.size()[0], answers],
+                "the model returned logits of shape {:?} for {} questions; expected ({}, {answers}) (one score per answer of meta.json)",
+                logits.size(),
+                idx.size()[0],
+                idx.size()[0]
+            );
+            let best = logits.argmax(-1, false);
+            let acc = accuracy_of(&b, &best)?;
+            predicted.extend(Vec::<i64>::try_from(best.to_device(Device::Cpu))?);
+            let kind = Vec::<i64>::try_from(&b.kind)?;
+            for (a, k) in acc.into_iter().zip(kind) {
+                per_type[k as usize].0 += a;
+                per_type[k as usize].1 += 1;
+            }
+        }
+        Ok(())
+    })?;
+    let (hit, total) = per_type.iter().fold((0.0, 0), |a, t| (a.0 + t.0, a.1 + t.1));
+    Ok((hit / total.max(1) as f64, per_type, predicted))
+}
+
+/// What one run records for its plots: HNAS's `u` every 50 updates (`(update, u per view)`) and the
+/// validation accuracy per question type after every epoch (`(epoch, accuracy per type)`, the types
+/// in `meta.json`'s order).
+/// One epoch's line of metrics.jsonl (fields in the order the file has always had them).
+#[derive(Debug, Serialize)]
+struct EpochMetrics {
+    epoch: usize,
+    /// HNAS's `u` per secondary view.
+    hnas_u: Option<Vec<f64>>,
+    /// The mean KL term of the epoch's updates (0 without one).
+    kl: f64,
+    lr: f64,
+    /// Since the seed's training began.
+    seconds: f64,
+    seed: u64,
+    train_loss: f64,
+    val_acc: f64,
+    val_acc_by_type: BTreeMap<String, f64>,
+}
+
+#[derive(Default)]
+pub(super) struct Trace {
+    pub(super) gates: Vec<(f64, Vec<f64>)>,
+    pub(super) val_by_type: Vec<(f64, Vec<f64>)>,
+}
+
+/// Trains one model from `seed`; appends per-epoch metrics to `metrics` and to `trace`.
+pub(super) fn train_run(
+    p: &Prepared,
+    cfg: &VqaRunConfig,
+    seed: u64,
+    device: Device,
+    metrics: &mut MetricsLog,
+    trace: &mut Trace,
+) -> Result<(RunResult, VqaModel)> {
+    tch::manual_seed(seed as i64);
+    let vs = nn::VarStore::new(device);
+    let model = VqaModel::new(&vs.root(), cfg.model.clone())?;
+    let mut opt = nn::Adam::default().build(&vs, cfg.lr)?;
+    let mut lr = cfg.lr;
+    let mut kept = BestWeights::new(&vs);
+    let train = &p.data.splits["train"];
+    let steps_per_epoch = (train.len() + cfg.batch - 1) / cfg.batch;
+    let (mut best, mut best_epoch, mut waited, mut epochs) = (-1.0f64, 0usize, 0usize, 0usize);
+    let mut update_seconds = 0.0;
+    let start = Instant::now();
+    for epoch in 0..cfg.max_epochs {
+        epochs = epoch + 1;
+        tch::manual_seed((seed * 1_000 + epoch as u64) as i64);
+        let order = Tensor::randperm(train.len(), (Kind::Int64, Device::Cpu));
+        let bar = progress_bar(steps_per_epoch as u64, format!("{} seed {seed} epoch {epoch}", cfg.model.fusion_name()))?;
+        // Summed on the device (float64) and read every 50 updates: no CPU sync per update.
+        let (loss_sum, kl_sum) = (Tensor::zeros([], (Kind::Double, device)), Tensor::zeros([], (Kind::Double, device)));
+        let loop_start = Instant::now();
+        for step in 0..steps_per_epoch {
+            let idx = order.narrow(0, step * cfg.batch, cfg.batch.min(train.len() - step * cfg.batch));
+            let b = batch_of(&p.views, train, &idx, device)?;
+            let out = model.forward(&b.views, &b.tokens, Mode::TRAIN)?;
+            let mut loss = match &b.target {
+                // Pythia's soft-score loss: binary cross-entropy per answer, times the answers.
+                Some(t) => out.logits.binary_cross_entropy_with_logits::<Tensor>(t, None, None, tch::Reduction::Mean) * t.size()[1] as f64,
+                None => out.logits.cross_entropy_for_logits(&b.answer),
+            };
+            if let Some(kl) = &out.kl {
+                if cfg.kl_weight != 0.0 {
+                    loss = loss + kl * cfg.kl_weight;
+                }
+                let _ = kl_sum.shallow_clone().g_add_(&kl.detach().to_kind(Kind::Double));
+            }
+            opt.backward_step(&loss);
+            let _ = loss_sum.shallow_clone().g_add_(&loss.detach().to_kind(Kind::Double));
+            if step % 50 == 0 {
+                if let Some(u) = model.fusion.gates() {
+                    let step_global = (epoch as i64 * steps_per_epoch + step) as f64;
+                    trace.gates.push((step_global, Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))?));
+                }
+                bar.set_message(format!("loss {:.3}", f64::try_from(&loss_sum)? / (step + 1) as f64));
+            }
+            bar.inc(1);
+        }
+        update_seconds += loop_start.elapsed().as_secs_f64();
+        bar.finish_and_clear();
+        let train_loss = f64::try_from(&loss_sum)? / steps_per_epoch as f64;
+        let kl_mean = f64::try_from(&kl_sum)? / steps_per_epoch as f64;
+        ensure!(train_loss.is_finite(), "training loss became {train_loss} in epoch {epoch} (seed {seed})");
+        let (val_acc, val_per_type) = evaluate(&model, p, "val", device)?;
+        // Per type too: a plateau on one question type (Sort-of-CLEVR's closest) hides in the mean.
+        let val_by_type: Vec<f64> = val_per_type.iter().map(|(h, n)| *h / (*n).max(1) as f64).collect();
+        let val_acc_by_type: BTreeMap<String, f64> = p.data.meta.types.iter().cloned().zip(val_by_type.iter().copied()).collect();
+        let hnas_u = model.fusion.gates().map(|u| Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))).transpose()?;
+        let seconds = start.elapsed().as_secs_f64();
+        metrics.write(&EpochMetrics { epoch, hnas_u, kl: kl_mean, lr, seconds, seed, train_loss, val_acc, val_acc_by_type })?;
+        trace.val_by_type.push((epoch as f64, val_by_type));
+        println!(
+            "{} seed {seed} epoch {epoch:3}: train loss {train_loss:.4}, val acc {val_acc:.4}, {:.0} s",
+            cfg.model.fusion_name(),
+            start.elapsed().as_secs_f64()
+        );
+        if val_acc > best {
+            best = val_acc;
+            best_epoch = epoch;
+            waited = 0;
+            kept.keep();
+        } else {
+            waited += 1;
+            if waited >= cfg.patience {
+                break;
+            }
+            if cfg.lr_decay != 1.0 && waited % cfg.lr_patience == 0 {
+                lr *= cfg.lr_decay;
+                opt.set_lr(lr);
+            }
+        }
+    }
+    let train_seconds = start.elapsed().as_secs_f64();
+    kept.restore();
+    let (test_acc, per_type) = evaluate(&model, p, "test", device)?;
+    let types = &p.data.meta.types;
+    let test_acc_by_type = types.iter().zip(&per_type).map(|(t, (h, n))| (t.clone(), *h / (*n).max(1) as f64)).collect();
+    let relational_types = p.data.relational();
+    // Relational / non-relational only where the data defines relational types (Sort-of-CLEVR).
+    let has_relational = relational_types.iter().any(|&r| r);
+    let group = |relational: bool| {
+        let (h, n) =
+            per_type.iter().zip(&relational_types).filter(|(_, &r)| r == relational).fold((0.0, 0), |a, ((h, n), _)| (a.0 + h, a.1 + n));
+        (has_relational && n > 0).then(|| h / n as f64)
+    };
+    let hnas_u = model.fusion.gates().map(|u| Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))).transpose()?;
+    let result = RunResult {
+        seed,
+        val_acc: best,
+        test_acc,
+        test_acc_by_type,
+        test_acc_relational: group(true),
+        test_acc_nonrelational: group(false),
+        best_epoch,
+        epochs,
+        train_seconds,
+        epoch_seconds: train_seconds / epochs.max(1) as f64,
+        update_seconds: update_seconds / epochs.max(1) as f64,
+        hnas_u,
+        explained_away: None,
+        uncertainty: None,
+        official: None,
+    };
+    Ok((result, model))
+}
+
+/// VQA-v2: answers the test split (val2014) with `model`, writes them in the official results
+/// format (`[{"question_id", "answer"}]`) to `path`, and scores that file with the official
+/// evaluation against the val2014 files.
+pub(super) fn official_test(model: &VqaModel, p: &Prepared, path: &Path, device: Device) -> Result<crate::vqa_eval::Accuracy> {
+    let (_, _, predicted) = score_and_predict(p, "test", device, &|views, tokens| Ok(model.forward(views, tokens, Mode::EVAL)?.logits))?;
+    let ids = Vec::<i64>::try_from(p.data.splits["test"].question_id.as_ref().context("VQA-v2 questions without ids")?)?;
+    let answers = &p.data.meta.answers;
+    let results: Vec<serde_json::Value> =
+        ids.iter().zip(&predicted).map(|(&q, &a)| serde_json::json!({"question_id": q, "answer": answers[a as usize]})).collect();
+    write_json(path, &results)?;
+    let (questions, annotations) = v2::official_files(&p.data.dir, "val2014");
+    crate::vqa_eval::evaluate(&questions, &annotations, path)
+}
