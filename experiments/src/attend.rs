@@ -35,7 +35,7 @@ use crate::common::CommonArgs;
 #[derive(Args, Debug)]
 pub struct AttendArgs {
     /// Attention variant: softmax, dnas, hnas, sinkhorn-N, bam-nokl, bam-lf, bam-lc, bam-wf or bam-wc.
-    #[arg(long, value_parser = parse_variant)]
+    #[arg(long, visible_alias = "attention", value_parser = parse_variant)]
     pub variant: Variant,
     /// safetensors file with q, k, v (B, H, S, d) and optional masks and hybrid_logit.
     #[arg(long)]

@@ -59,7 +59,7 @@ pub struct BenchArgs {
     pub no_eager: bool,
     /// Variants to measure, from softmax, dnas, hnas, sinkhorn-3, bam-wc, bam-lc (default: all
     /// six); both sides measure the same ones.
-    #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(VARIANTS))]
+    #[arg(long, visible_alias = "attention", value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(VARIANTS))]
     pub variants: Option<Vec<String>>,
     /// Batch size B of the attention layer.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(i64).range(1..))]

@@ -86,7 +86,7 @@ pub struct CompareArgs {
     pub heads: Option<i64>,
     /// Normalizer of the native model: softmax for torch.nn.MultiheadAttention; dnas, hnas,
     /// sinkhorn-N for python/probattn_torch modules of that variant.
-    #[arg(long, default_value = "softmax", value_parser = parse_variant)]
+    #[arg(long, visible_alias = "attention", default_value = "softmax", value_parser = parse_variant)]
     pub variant: Variant,
     /// safetensors file with the forward arguments by name, in the module's layout (mha: query,
     /// key, value, optional key_padding_mask); without it, random inputs from --seed.

@@ -65,7 +65,7 @@ pub struct GatArgs {
     pub seed_start: u64,
     /// Folder with the ind.<dataset>.* files (default: ../shared/data/planetoid when it exists,
     /// else data/planetoid; `python python/planetoid.py download` fetches them).
-    #[arg(long)]
+    #[arg(long, visible_alias = "data")]
     pub data_dir: Option<PathBuf>,
     /// Output folder (default: runs/gat/<UTC stamp>-<dataset>-<attention>).
     #[arg(long)]

@@ -276,3 +276,27 @@ fn attend_memory_efficient_writes_what_the_eager_path_does() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn subcommands_share_flag_names() -> Result<()> {
+    // The attention variant is --attention and the data folder --data-dir on every subcommand that
+    // has one (each subcommand's own older name stays as an alias, or the reverse).
+    for (command, flags) in [
+        ("gat", &["--attention", "--data-dir", "--data", "--seeds", "--seed-start", "--out", "--k"][..]),
+        ("translate", &["--attention", "--data-dir", "--data", "--seeds", "--seed-start", "--out", "--k"]),
+        ("vqa", &["--attention", "--fusion", "--data-dir", "--data", "--seeds", "--seed-start", "--out", "--k"]),
+        ("attend", &["--attention", "--variant"]),
+        ("compare", &["--attention", "--variant"]),
+        ("bench", &["--attention", "--variants"]),
+    ] {
+        let said = text(&probattn(&[command, "--help"])?);
+        for flag in flags {
+            let named = said.contains(&format!("{flag} <")) || said.contains(&format!("alias: {flag}]"));
+            ensure!(named, "probattn {command} --help does not name {flag}:\n{said}");
+        }
+    }
+    // An alias does what the flag does: an unknown variant is refused by name either way.
+    let out = probattn(&["vqa", "--attention", "nonsense", "--quick"])?;
+    ensure!(!out.status.success() && text(&out).contains("nonsense"), "{}", text(&out));
+    Ok(())
+}

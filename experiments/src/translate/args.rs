@@ -114,7 +114,7 @@ pub struct TranslateArgs {
     pub dataset: Option<Dataset>,
     /// Corpus folder with train|valid|test.{SRC,TGT} (Multi30k's val.* stand in for valid.*),
     /// instead of the dataset's default folder.
-    #[arg(long)]
+    #[arg(long, visible_alias = "data")]
     pub data_dir: Option<PathBuf>,
     /// Source language (file suffix).
     #[arg(long, default_value = "de")]
@@ -158,9 +158,9 @@ pub struct TranslateArgs {
     /// Queries per tile with --memory-efficient.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(i64).range(1..))]
     pub tile: i64,
-    /// BAM Weibull shape k (bam-w*; the authors' ALBERT script's 10).
-    #[arg(long, default_value_t = 10.0)]
-    pub k: f64,
+    /// BAM Weibull shape k (bam-w*; default 10, the authors' ALBERT script's).
+    #[arg(long)]
+    pub k: Option<f64>,
     /// BAM Lognormal sigma (bam-l*).
     #[arg(long, default_value_t = 1.0)]
     pub sigma: f64,

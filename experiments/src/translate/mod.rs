@@ -140,8 +140,10 @@ impl TranslateConfig {
         let mut transformer = preset.transformer();
         transformer.variant = variant;
         transformer.decoder_self_variant = args.decoder_self_attention.parse().context("--decoder-self-attention")?;
-        transformer.normalizer =
-            NormalizerConfig { bam: BamConfig { k: args.k, sigma: args.sigma, ..BamConfig::default() }, ..Default::default() };
+        transformer.normalizer = NormalizerConfig {
+            bam: BamConfig { k: args.k.unwrap_or(10.0), sigma: args.sigma, ..BamConfig::default() },
+            ..Default::default()
+        };
         transformer.tile = args.memory_efficient.then_some(args.tile);
         let (lr, warmup, bpe) = preset.recipe();
         let selection: Selection = match &args.selection {

@@ -38,7 +38,7 @@ pub struct VqaArgs {
     /// Data folder written by python/vqa_data.py (default: data/vqa/<dataset>, or
     /// data/vqa/<dataset>-quick with --quick); generated there when absent. VQA-v2: the folder of
     /// the official question and annotation files (train2014 and val2014).
-    #[arg(long)]
+    #[arg(long, visible_alias = "data-dir")]
     pub data: Option<PathBuf>,
     /// VQA-v2: a folder of region features, one `<image_id>.npz` (or COCO_<split>_<id>.npz) with
     /// an `x (boxes, dim)` array per image; once per detector, the primary first.
@@ -75,7 +75,7 @@ pub struct VqaArgs {
     pub detector: Vec<PathBuf>,
     /// Fusion: none (concatenated views), softmax (UNAS), dnas, hnas, sinkhorn-N, bam-*, or all
     /// (none, softmax, dnas, hnas, bam-wc).
-    #[arg(long, default_value = "dnas")]
+    #[arg(long, visible_alias = "attention", default_value = "dnas")]
     pub fusion: String,
     /// Number of runs, with seeds seed-start, seed-start + 1, ...
     #[arg(long, default_value_t = 3)]
