@@ -21,6 +21,7 @@ pub mod harness;
 pub mod plot;
 pub mod provenance;
 pub mod report;
+pub mod seq2seq;
 pub mod translate;
 pub mod vqa;
 pub mod vqa_eval;

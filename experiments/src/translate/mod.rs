@@ -17,8 +17,6 @@
 //! uninterrupted run would have.
 
 mod args;
-pub mod data;
-pub mod decode;
 pub mod optim;
 mod train;
 
@@ -40,8 +38,8 @@ use tokenizers::Tokenizer;
 
 use crate::provenance::{run_dir, write_json, write_results, Provenance};
 use crate::report::{mean_std, progress_bar};
-use data::{Corpus, Encoded, PAD};
-use decode::DecodeConfig;
+use crate::seq2seq::data::{self, Corpus, Encoded, PAD};
+use crate::seq2seq::decode::{self, DecodeConfig};
 use optim::{AdamConfig, InverseSqrt};
 
 /// Everything that defines a run (config.json; a resumed run must match it).

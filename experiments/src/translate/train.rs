@@ -12,13 +12,13 @@ use serde::{Deserialize, Serialize};
 use tch::{nn, Device, Kind, Tensor};
 use tokenizers::Tokenizer;
 
-use super::data::{self, batch_tensors, epoch_order, token_batches, Batch, Encoded, PAD};
-use super::decode::{self, DecodeConfig};
 use super::optim::Adam;
 use super::{EpochMetrics, Prepared, Repulsive, RunResult, TranslateConfig};
 use crate::bleu::{corpus_bleu, BleuConfig};
 use crate::harness::MetricsLog;
 use crate::report::progress_bar;
+use crate::seq2seq::data::{self, batch_tensors, epoch_order, token_batches, Batch, Encoded, PAD};
+use crate::seq2seq::decode::{self, DecodeConfig};
 
 /// Updates between two readings of the training loss on the CPU (progress bar, NaN check).
 const SYNC_EVERY: usize = 10;
