@@ -428,28 +428,7 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
 
     // Forward: find the layout, then compare every output.
     let reference = tch::no_grad(|| pair.torchscript(&ts, &xs)).map_err(recast)?;
-    let candidates: Vec<bool> = match (pair.fixed_layout(), args.batch_first) {
-        (Some(bf), _) => vec![bf],
-        (None, BatchFirst::Auto) => vec![false, true],
-        (None, BatchFirst::True) => vec![true],
-        (None, BatchFirst::False) => vec![false],
-    };
-    // (batch_first, output difference, the native outputs) of the best layout so far.
-    type Candidate<'a> = (bool, f64, Vec<(&'a str, Tensor)>);
-    let mut best: Option<Candidate> = None;
-    for bf in candidates {
-        let Ok(ours) = tch::no_grad(|| pair.native(&xs, bf)) else { continue };
-        if ours[0].1.size() != reference[0].1.size() {
-            continue;
-        }
-        let keep = pair.keep(bf, kind);
-        let d = difference("output", &kept(&reference[0].1, &keep), &kept(&ours[0].1, &keep))?.max_abs_diff;
-        if best.as_ref().map_or(true, |b| d < b.1) {
-            best = Some((bf, d, ours));
-        }
-    }
-    let (batch_first, _, ours) =
-        best.with_context(|| format!("the native model's output never has the module's shape {:?}", reference[0].1.size()))?;
+    let (batch_first, ours) = best_layout(pair.as_ref(), args, &xs, &reference, kind)?;
     let keep = pair.keep(batch_first, kind);
     let mut outputs = vec![];
     for (i, ((name, r), (_, o))) in reference.iter().zip(&ours).enumerate() {
@@ -457,26 +436,8 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
     }
 
     if args.backward {
-        tch::manual_seed(args.seed + 1);
-        let g = Tensor::randn(reference[0].1.size(), (kind, device));
-        let leaves = || -> Vec<Tensor> { xs.iter().map(|t| t.detach().set_requires_grad(true)).collect() };
-        let (ts_x, our_x) = (leaves(), leaves());
-        (kept(&pair.torchscript(&ts, &ts_x)?[0].1, &keep) * &g).sum(Kind::Double).backward();
-        (kept(&pair.native(&our_x, batch_first)?[0].1, &keep) * &g).sum(Kind::Double).backward();
-        for (((name, _), t), o) in pair.inputs().iter().zip(&ts_x).zip(&our_x) {
-            outputs.push(difference(&format!("grad.{name}"), &t.grad(), &o.grad())?);
-        }
-        let rename = renamer(args.native, &vs);
-        let native: std::collections::HashMap<String, Tensor> = vs.variables().into_iter().collect();
-        for (name, p) in &params {
-            let Some(ours) = rename(name).and_then(|n| native.get(&n)) else { continue }; // not imported (--allow-partial)
-            if !p.grad().defined() && !ours.grad().defined() {
-                continue; // used by neither forward (BAM's prior outside training)
-            }
-            ensure!(p.grad().defined(), "the TorchScript module's {name} got no gradient (saved without requires_grad?)");
-            ensure!(ours.grad().defined(), "probattn's {name} got no gradient where the TorchScript module's did");
-            outputs.push(difference(&format!("grad.{name}"), &p.grad(), &ours.grad())?);
-        }
+        let shape = reference[0].1.size();
+        outputs.extend(gradient_differences(args, pair.as_ref(), &ts, &vs, &params, &xs, (batch_first, kind, &shape))?);
     }
 
     let (torchscript_ms, native_ms) = tch::no_grad(|| {
@@ -502,6 +463,76 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
         not_imported,
         greedy,
     })
+}
+
+/// The native model's layout (batch-first or not; `--batch-first auto` tries both) whose first
+/// output is closest to the module's, with its outputs.
+fn best_layout<'a>(
+    pair: &'a dyn Pair,
+    args: &CompareArgs,
+    xs: &[Tensor],
+    reference: &[(&str, Tensor)],
+    kind: Kind,
+) -> Result<(bool, Vec<(&'a str, Tensor)>)> {
+    let candidates: Vec<bool> = match (pair.fixed_layout(), args.batch_first) {
+        (Some(bf), _) => vec![bf],
+        (None, BatchFirst::Auto) => vec![false, true],
+        (None, BatchFirst::True) => vec![true],
+        (None, BatchFirst::False) => vec![false],
+    };
+    // (batch_first, output difference, the native outputs) of the best layout so far.
+    type Candidate<'a> = (bool, f64, Vec<(&'a str, Tensor)>);
+    let mut best: Option<Candidate> = None;
+    for bf in candidates {
+        let Ok(ours) = tch::no_grad(|| pair.native(xs, bf)) else { continue };
+        if ours[0].1.size() != reference[0].1.size() {
+            continue;
+        }
+        let keep = pair.keep(bf, kind);
+        let d = difference("output", &kept(&reference[0].1, &keep), &kept(&ours[0].1, &keep))?.max_abs_diff;
+        if best.as_ref().map_or(true, |b| d < b.1) {
+            best = Some((bf, d, ours));
+        }
+    }
+    let (batch_first, _, ours) =
+        best.with_context(|| format!("the native model's output never has the module's shape {:?}", reference[0].1.size()))?;
+    Ok((batch_first, ours))
+}
+
+/// `--backward`: both sides' gradients of one random projection of the first output, with respect
+/// to every input and every imported parameter, compared. `at`: the layout, the dtype and the
+/// first output's shape.
+fn gradient_differences(
+    args: &CompareArgs,
+    pair: &dyn Pair,
+    ts: &Reference,
+    vs: &nn::VarStore,
+    params: &[(String, Tensor)],
+    xs: &[Tensor],
+    (batch_first, kind, shape): (bool, Kind, &[i64]),
+) -> Result<Vec<Difference>> {
+    let (device, keep, mut outputs) = (vs.device(), pair.keep(batch_first, kind), vec![]);
+    tch::manual_seed(args.seed + 1);
+    let g = Tensor::randn(shape, (kind, device));
+    let leaves = || -> Vec<Tensor> { xs.iter().map(|t| t.detach().set_requires_grad(true)).collect() };
+    let (ts_x, our_x) = (leaves(), leaves());
+    (kept(&pair.torchscript(ts, &ts_x)?[0].1, &keep) * &g).sum(Kind::Double).backward();
+    (kept(&pair.native(&our_x, batch_first)?[0].1, &keep) * &g).sum(Kind::Double).backward();
+    for (((name, _), t), o) in pair.inputs().iter().zip(&ts_x).zip(&our_x) {
+        outputs.push(difference(&format!("grad.{name}"), &t.grad(), &o.grad())?);
+    }
+    let rename = renamer(args.native, vs);
+    let native: std::collections::HashMap<String, Tensor> = vs.variables().into_iter().collect();
+    for (name, p) in params {
+        let Some(ours) = rename(name).and_then(|n| native.get(&n)) else { continue }; // not imported (--allow-partial)
+        if !p.grad().defined() && !ours.grad().defined() {
+            continue; // used by neither forward (BAM's prior outside training)
+        }
+        ensure!(p.grad().defined(), "the TorchScript module's {name} got no gradient (saved without requires_grad?)");
+        ensure!(ours.grad().defined(), "probattn's {name} got no gradient where the TorchScript module's did");
+        outputs.push(difference(&format!("grad.{name}"), &p.grad(), &ours.grad())?);
+    }
+    Ok(outputs)
 }
 
 pub fn run(args: &CompareArgs) -> Result<()> {

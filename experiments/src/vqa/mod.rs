@@ -397,27 +397,7 @@ pub fn run(args: &VqaArgs) -> Result<()> {
     } else {
         args
     };
-    ensure!(args.seeds >= 1, "--seeds must be at least 1");
-    ensure!(args.max_epochs >= 1 && args.patience >= 1, "--max-epochs and --patience must be at least 1");
-    ensure!(args.batch >= 1, "--batch must be at least 1");
-    ensure!(args.detector_epochs != Some(0), "--detector-epochs must be at least 1");
-    ensure!(
-        (args.detectors.is_none() && args.detector.is_empty()) || (args.detector_epochs.is_none() && args.detector_boxes == 0),
-        "--detector-epochs and --detector-boxes set how probattn trains its own detectors; they do not apply to --detectors / --detector"
-    );
-    ensure!(args.lr > 0.0 && args.lr.is_finite(), "--lr must be positive");
-    ensure!(args.lr_decay > 0.0 && args.lr_decay <= 1.0, "--lr-decay must be in (0, 1], got {}", args.lr_decay);
-    ensure!(args.lr_patience >= 1, "--lr-patience must be at least 1");
-    ensure!(args.mc_samples >= 2, "--mc-samples must be at least 2 (PAvPU's t-test compares samples)");
-    ensure!(
-        args.relational_heads >= 0 && args.relational_dim >= 1,
-        "--relational-heads must be 0 or more and --relational-dim at least 1, got {} and {}",
-        args.relational_heads,
-        args.relational_dim
-    );
-    if let Some(s) = args.noise_std {
-        ensure!(s >= 0.0 && s.is_finite(), "--noise-std must be a non-negative number, got {s}");
-    }
+    check_args(args)?;
     let fusions: Vec<Option<Variant>> = if args.fusion == "all" { ALL_FUSIONS.to_vec() } else { vec![args.fusion.as_str()] }
         .into_iter()
         .map(|f| if f == "none" { Ok(None) } else { f.parse::<Variant>().map(Some).context("--fusion") })
@@ -429,70 +409,8 @@ pub fn run(args: &VqaArgs) -> Result<()> {
     // detectors, and the features' cache key does not say which ones a run used.
     let manifest =
         (args.dataset != Dataset::VqaV2 && args.detector.is_empty()).then(|| detector_dir(args, &data_dir).1.join("detectors.json"));
-    let (data, mut views, detectors, features_note) = if args.dataset == Dataset::VqaV2 {
-        ensure!(
-            args.data.is_some(),
-            "--dataset vqa-v2 needs --data DIR holding the official question and annotation files (train2014, val2014)"
-        );
-        ensure!(!args.quick, "--quick runs on the generated datasets (sort-of-clevr, easy-vqa), not vqa-v2");
-        ensure!(
-            args.detector.is_empty(),
-            "--detector runs TorchScript detectors on images; VQA-v2 takes precomputed features (--features)"
-        );
-        let opts = v2::V2Options {
-            features: &args.features,
-            answers: args.answers,
-            val_fraction: args.val_fraction,
-            feature_memory_gb: args.feature_memory_gb,
-        };
-        let (data, views) = v2::load(&data_dir, &opts, device)?;
-        let detectors: Vec<DetectorSpec> =
-            args.features.iter().enumerate().map(|(i, f)| DetectorSpec { name: format!("view{i}"), path: f.clone() }).collect();
-        let note =
-            format!("precomputed .npz features: {}", args.features.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "));
-        (data, views, detectors, note)
-    } else {
-        ensure!(args.features.is_empty(), "--features goes with --dataset vqa-v2");
-        let detectors = prepare_inputs(args, &data_dir, tch::get_num_threads())?;
-        let data = VqaData::load(&data_dir)?;
-        ensure!(
-            data.meta.dataset == args.dataset.name(),
-            "{} holds {} data, not {} (--dataset)",
-            data_dir.display(),
-            data.meta.dataset,
-            args.dataset.name()
-        );
-        let (features, cache, hit) = cached_features(&data, &detectors, device)?;
-        eprintln!("features: {} ({}, {:.1} s)", cache.display(), if hit { "cached" } else { "extracted" }, start.elapsed().as_secs_f64());
-        let note =
-            format!("{} ({})", cache.display(), detectors.iter().map(|d| d.path.display().to_string()).collect::<Vec<_>>().join(", "));
-        (data, Views::Memory(features.views), detectors, note)
-    };
-    let noisy_image = match args.image_noise {
-        None => None,
-        Some(std) => {
-            ensure!(std > 0.0 && std.is_finite(), "--image-noise must be a positive number, got {std}");
-            let images = data.images.as_ref().context("--image-noise needs images to run the detectors on (not --dataset vqa-v2)")?;
-            tch::manual_seed(1_000_033);
-            let noised = (images.to_kind(Kind::Float) / 255.0 + images.to_kind(Kind::Float).randn_like() * std).clamp(0.0, 1.0);
-            let noised = (noised * 255.0).round().to_kind(Kind::Uint8);
-            let features = data::extract(&noised, &detectors, device, 256)?;
-            Some((std, Views::Memory(features.views.into_iter().map(|v| v.to_device(device)).collect())))
-        }
-    };
-    if let (Some(k), Some(std)) = (args.noisy_view, args.noise_std) {
-        let Views::Memory(v) = &mut views else {
-            bail!("--noisy-view needs the features in memory (raise --feature-memory-gb)");
-        };
-        ensure!(k < v.len(), "--noisy-view {k}: there are only {} views (0 = primary)", v.len());
-        tch::manual_seed(1_000_003);
-        v[k] = &v[k] + v[k].randn_like() * std;
-    }
-    if let Views::Memory(v) = &mut views {
-        for t in v.iter_mut() {
-            *t = t.to_device(device);
-        }
-    }
+    let (data, mut views, detectors, features_note) = load_data(args, &data_dir, device, start)?;
+    let noisy_image = add_noise(args, &data, &mut views, &detectors, device)?;
     let split = |s: &str| data.splits[s].len();
     println!(
         "{}: {} images, {} answers, train/val/test questions {}/{}/{}; views {}; device {}, {} threads",
@@ -543,4 +461,113 @@ pub fn run(args: &VqaArgs) -> Result<()> {
     }
     println!("results in {}", dir.display());
     Ok(())
+}
+
+/// Refuses flags that cannot work together, or values out of range, by name.
+fn check_args(args: &VqaArgs) -> Result<()> {
+    ensure!(args.seeds >= 1, "--seeds must be at least 1");
+    ensure!(args.max_epochs >= 1 && args.patience >= 1, "--max-epochs and --patience must be at least 1");
+    ensure!(args.batch >= 1, "--batch must be at least 1");
+    ensure!(args.detector_epochs != Some(0), "--detector-epochs must be at least 1");
+    ensure!(
+        (args.detectors.is_none() && args.detector.is_empty()) || (args.detector_epochs.is_none() && args.detector_boxes == 0),
+        "--detector-epochs and --detector-boxes set how probattn trains its own detectors; they do not apply to --detectors / --detector"
+    );
+    ensure!(args.lr > 0.0 && args.lr.is_finite(), "--lr must be positive");
+    ensure!(args.lr_decay > 0.0 && args.lr_decay <= 1.0, "--lr-decay must be in (0, 1], got {}", args.lr_decay);
+    ensure!(args.lr_patience >= 1, "--lr-patience must be at least 1");
+    ensure!(args.mc_samples >= 2, "--mc-samples must be at least 2 (PAvPU's t-test compares samples)");
+    ensure!(
+        args.relational_heads >= 0 && args.relational_dim >= 1,
+        "--relational-heads must be 0 or more and --relational-dim at least 1, got {} and {}",
+        args.relational_heads,
+        args.relational_dim
+    );
+    if let Some(s) = args.noise_std {
+        ensure!(s >= 0.0 && s.is_finite(), "--noise-std must be a non-negative number, got {s}");
+    }
+    Ok(())
+}
+
+/// The questions and the views of every detector: VQA-v2's precomputed features, or the generated
+/// data with the features of probattn's detectors (extracted once, then cached); and a note of
+/// where the features came from, for results.json.
+fn load_data(args: &VqaArgs, data_dir: &Path, device: Device, start: Instant) -> Result<(VqaData, Views, Vec<DetectorSpec>, String)> {
+    Ok(if args.dataset == Dataset::VqaV2 {
+        ensure!(
+            args.data.is_some(),
+            "--dataset vqa-v2 needs --data DIR holding the official question and annotation files (train2014, val2014)"
+        );
+        ensure!(!args.quick, "--quick runs on the generated datasets (sort-of-clevr, easy-vqa), not vqa-v2");
+        ensure!(
+            args.detector.is_empty(),
+            "--detector runs TorchScript detectors on images; VQA-v2 takes precomputed features (--features)"
+        );
+        let opts = v2::V2Options {
+            features: &args.features,
+            answers: args.answers,
+            val_fraction: args.val_fraction,
+            feature_memory_gb: args.feature_memory_gb,
+        };
+        let (data, views) = v2::load(data_dir, &opts, device)?;
+        let detectors: Vec<DetectorSpec> =
+            args.features.iter().enumerate().map(|(i, f)| DetectorSpec { name: format!("view{i}"), path: f.clone() }).collect();
+        let note =
+            format!("precomputed .npz features: {}", args.features.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "));
+        (data, views, detectors, note)
+    } else {
+        ensure!(args.features.is_empty(), "--features goes with --dataset vqa-v2");
+        let detectors = prepare_inputs(args, data_dir, tch::get_num_threads())?;
+        let data = VqaData::load(data_dir)?;
+        ensure!(
+            data.meta.dataset == args.dataset.name(),
+            "{} holds {} data, not {} (--dataset)",
+            data_dir.display(),
+            data.meta.dataset,
+            args.dataset.name()
+        );
+        let (features, cache, hit) = cached_features(&data, &detectors, device)?;
+        eprintln!("features: {} ({}, {:.1} s)", cache.display(), if hit { "cached" } else { "extracted" }, start.elapsed().as_secs_f64());
+        let note =
+            format!("{} ({})", cache.display(), detectors.iter().map(|d| d.path.display().to_string()).collect::<Vec<_>>().join(", "));
+        (data, Views::Memory(features.views), detectors, note)
+    })
+}
+
+/// `--image-noise`: every view again from noised images (for the clean-vs-noisy uncertainty
+/// report); `--noisy-view` with `--noise-std`: Gaussian noise on one view's features, in place.
+/// Views in memory move to the device here.
+fn add_noise(
+    args: &VqaArgs,
+    data: &VqaData,
+    views: &mut Views,
+    detectors: &[DetectorSpec],
+    device: Device,
+) -> Result<Option<(f64, Views)>> {
+    let noisy_image = match args.image_noise {
+        None => None,
+        Some(std) => {
+            ensure!(std > 0.0 && std.is_finite(), "--image-noise must be a positive number, got {std}");
+            let images = data.images.as_ref().context("--image-noise needs images to run the detectors on (not --dataset vqa-v2)")?;
+            tch::manual_seed(1_000_033);
+            let noised = (images.to_kind(Kind::Float) / 255.0 + images.to_kind(Kind::Float).randn_like() * std).clamp(0.0, 1.0);
+            let noised = (noised * 255.0).round().to_kind(Kind::Uint8);
+            let features = data::extract(&noised, detectors, device, 256)?;
+            Some((std, Views::Memory(features.views.into_iter().map(|v| v.to_device(device)).collect())))
+        }
+    };
+    if let (Some(k), Some(std)) = (args.noisy_view, args.noise_std) {
+        let Views::Memory(v) = views else {
+            bail!("--noisy-view needs the features in memory (raise --feature-memory-gb)");
+        };
+        ensure!(k < v.len(), "--noisy-view {k}: there are only {} views (0 = primary)", v.len());
+        tch::manual_seed(1_000_003);
+        v[k] = &v[k] + v[k].randn_like() * std;
+    }
+    if let Views::Memory(v) = views {
+        for t in v.iter_mut() {
+            *t = t.to_device(device);
+        }
+    }
+    Ok(noisy_image)
 }

@@ -206,38 +206,7 @@ pub fn load(dir: &Path, opts: &V2Options, device: Device) -> Result<(VqaData, Vi
         .map(|(s, items)| Ok((s.to_string(), tensors(items)?)))
         .collect::<Result<_>>()?;
 
-    // Features: the first image of each folder fixes its shape.
-    let mut folders = vec![];
-    for f in opts.features {
-        ensure!(f.is_dir(), "--features {}: not a folder", f.display());
-        let probe = FeatureFolder { dir: f.clone(), shape: (0, 0) };
-        let x = x_array(&probe.file(image_ids[0])?)?;
-        folders.push(FeatureFolder { dir: f.clone(), shape: (x.size()[0], x.size()[1]) });
-    }
-    let dims: Vec<i64> = folders.iter().map(|f| f.shape.1).collect();
-    ensure!(dims.iter().all(|&d| d == dims[0]), "the detectors' feature sizes differ ({dims:?}): the fusion adds the secondary views' features, untransformed, to the primary's, so they must agree");
-    let bytes: f64 = folders.iter().map(|f| (f.shape.0 * f.shape.1) as f64 * 4.0).sum::<f64>() * image_ids.len() as f64;
-    let views = if bytes <= opts.feature_memory_gb * 1e9 {
-        let bar = progress_bar((image_ids.len() * folders.len()) as u64, "reading VQA-v2 features".into())?;
-        let mut views = vec![];
-        for f in &folders {
-            let mut xs = Vec::with_capacity(image_ids.len());
-            for &id in &image_ids {
-                xs.push(f.read(id)?);
-                bar.inc(1);
-            }
-            views.push(Tensor::stack(&xs, 0).to_device(device));
-        }
-        bar.finish_and_clear();
-        Views::Memory(views)
-    } else {
-        eprintln!(
-            "features: {:.1} GB exceed --feature-memory-gb {}: reading them from disk batch by batch",
-            bytes / 1e9,
-            opts.feature_memory_gb
-        );
-        Views::Files { folders, image_ids: image_ids.clone(), device }
-    };
+    let views = read_features(opts, &image_ids, device)?;
 
     let mut generator = BTreeMap::new();
     generator.insert("source", serde_json::json!(dir));
@@ -259,4 +228,41 @@ pub fn load(dir: &Path, opts: &V2Options, device: Device) -> Result<(VqaData, Vi
         bail!("train2014 has no non-empty answers");
     }
     Ok((VqaData { dir: dir.to_path_buf(), meta, images: None, image_count: image_ids.len() as i64, splits }, views))
+}
+
+/// Every detector's features of `image_ids`, in memory when they fit `--feature-memory-gb`, else
+/// read from disk batch by batch. The first image of each folder fixes its shape.
+fn read_features(opts: &V2Options, image_ids: &[u64], device: Device) -> Result<Views> {
+    let mut folders = vec![];
+    for f in opts.features {
+        ensure!(f.is_dir(), "--features {}: not a folder", f.display());
+        let probe = FeatureFolder { dir: f.clone(), shape: (0, 0) };
+        let x = x_array(&probe.file(image_ids[0])?)?;
+        folders.push(FeatureFolder { dir: f.clone(), shape: (x.size()[0], x.size()[1]) });
+    }
+    let dims: Vec<i64> = folders.iter().map(|f| f.shape.1).collect();
+    ensure!(dims.iter().all(|&d| d == dims[0]), "the detectors' feature sizes differ ({dims:?}): the fusion adds the secondary views' features, untransformed, to the primary's, so they must agree");
+    let bytes: f64 = folders.iter().map(|f| (f.shape.0 * f.shape.1) as f64 * 4.0).sum::<f64>() * image_ids.len() as f64;
+    let views = if bytes <= opts.feature_memory_gb * 1e9 {
+        let bar = progress_bar((image_ids.len() * folders.len()) as u64, "reading VQA-v2 features".into())?;
+        let mut views = vec![];
+        for f in &folders {
+            let mut xs = Vec::with_capacity(image_ids.len());
+            for &id in image_ids {
+                xs.push(f.read(id)?);
+                bar.inc(1);
+            }
+            views.push(Tensor::stack(&xs, 0).to_device(device));
+        }
+        bar.finish_and_clear();
+        Views::Memory(views)
+    } else {
+        eprintln!(
+            "features: {:.1} GB exceed --feature-memory-gb {}: reading them from disk batch by batch",
+            bytes / 1e9,
+            opts.feature_memory_gb
+        );
+        Views::Files { folders, image_ids: image_ids.to_vec(), device }
+    };
+    Ok(views)
 }
