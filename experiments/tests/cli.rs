@@ -298,5 +298,8 @@ fn subcommands_share_flag_names() -> Result<()> {
     // An alias does what the flag does: an unknown variant is refused by name either way.
     let out = probattn(&["vqa", "--attention", "nonsense", "--quick"])?;
     ensure!(!out.status.success() && text(&out).contains("nonsense"), "{}", text(&out));
+    // The tiled path has no attention dropout: asking for both is refused by name, before any work.
+    let out = probattn(&["vqa", "--memory-efficient", "--attention-dropout", "0.1", "--quick"])?;
+    ensure!(!out.status.success() && text(&out).contains("--attention-dropout must be 0"), "{}", text(&out));
     Ok(())
 }

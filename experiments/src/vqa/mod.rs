@@ -176,7 +176,7 @@ fn run_config(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
         feature_dim: p.views.shapes()[0].1,
         fusion,
         key_dim: p.views.shapes()[0].1,
-        attention_dropout: if args.memory_efficient { 0.0 } else { 0.1 },
+        attention_dropout: args.attention_dropout.unwrap_or(if args.memory_efficient { 0.0 } else { 0.1 }),
         normalizer: NormalizerConfig { hybrid_init_u: 0.5, bam },
         vocab: meta.vocab.len() as i64,
         word_dim: 64,
@@ -435,6 +435,13 @@ fn check_args(args: &VqaArgs) -> Result<()> {
     ensure!(args.seeds >= 1, "--seeds must be at least 1");
     ensure!(args.max_epochs >= 1 && args.patience >= 1, "--max-epochs and --patience must be at least 1");
     ensure!(args.batch >= 1, "--batch must be at least 1");
+    if let Some(p) = args.attention_dropout {
+        ensure!((0.0..1.0).contains(&p), "--attention-dropout must lie in [0, 1), got {p}");
+        ensure!(
+            p == 0.0 || !args.memory_efficient,
+            "--memory-efficient has no attention dropout (the weights are never formed): --attention-dropout must be 0 with it, got {p}"
+        );
+    }
     ensure!(args.detector_epochs != Some(0), "--detector-epochs must be at least 1");
     ensure!(
         (args.detectors.is_none() && args.detector.is_empty()) || (args.detector_epochs.is_none() && args.detector_boxes == 0),
