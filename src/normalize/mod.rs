@@ -102,8 +102,8 @@ pub trait Normalizer: fmt::Debug + Send {
         Ok(None)
     }
 
-    /// This normalizer's memory-efficient form ([`crate::tiled`]), where it has one: the layers
-    /// take it when their configuration asks for tiles. `None` (the default): eager only.
+    /// This normalizer's memory-efficient form ([`crate::tiled`]), where it has one: [`crate::attend`]
+    /// takes it when a tile is set and no weights are asked for. `None` (the default): eager only.
     fn tiled(&self) -> Option<crate::tiled::Tiled<'_>> {
         None
     }
