@@ -16,6 +16,7 @@ fn build_cxx_layer() {
         "csrc/memory.cpp",
         "csrc/memory_cuda.cpp",
         "csrc/tiled.cpp",
+        "csrc/distributed.cpp",
         "csrc/boundary.h",
         "csrc/probattn.h",
     ];
@@ -23,6 +24,8 @@ fn build_cxx_layer() {
         println!("cargo:rerun-if-changed={file}");
     }
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    println!("cargo:rerun-if-env-changed=PROBATTN_GLOO_INCLUDE");
+    println!("cargo:rerun-if-env-changed=PROBATTN_CUDA_INCLUDE");
     // torch-sys (`links = "tch"`) says where the libtorch it linked lives; its headers are beside.
     let lib = PathBuf::from(std::env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys did not export DEP_TCH_LIBTORCH_LIB"));
     let torch_dir = lib.parent().expect("libtorch's lib folder has a parent").to_path_buf();
@@ -41,7 +44,8 @@ fn build_cxx_layer() {
         build.flag("-isystem").flag(dir.to_str().expect("a UTF-8 include path"));
     }
     // CUDA's statistics go through c10's device-generic allocator interface: no CUDA header needed.
-    build.files(["csrc/common.cpp", "csrc/pt2.cpp", "csrc/memory.cpp", "csrc/memory_cuda.cpp", "csrc/tiled.cpp"]);
+    distributed_flags(&mut build, &torch_dir);
+    build.files(["csrc/common.cpp", "csrc/pt2.cpp", "csrc/memory.cpp", "csrc/memory_cuda.cpp", "csrc/tiled.cpp", "csrc/distributed.cpp"]);
     build.compile("probattn_cxx");
 
     println!("cargo:rustc-link-search=native={}", lib.display());
@@ -63,4 +67,41 @@ fn build_cxx_layer() {
     let status = command.status().expect("running the C++ compiler");
     assert!(status.success(), "compiling csrc/memory.cpp as a shared library failed");
     println!("cargo:rustc-env=PROBATTN_MEMORY_LIB={}", shared.display());
+}
+
+/// c10d's Gloo process group needs gloo's headers, which the PyTorch wheel leaves out (the code is
+/// inside libtorch_cpu): PROBATTN_GLOO_INCLUDE, else the system's (Debian's libgloo-dev, which
+/// ./download_libtorch.sh installs). NCCL's process group needs nccl.h (the wheel's nvidia-nccl)
+/// and the CUDA toolkit's headers (PROBATTN_CUDA_INCLUDE; the wheel's CUDA packages lack
+/// crt/host_config.h). Without gloo's headers the build still succeeds and joining a process
+/// group says what is missing.
+fn distributed_flags(build: &mut cc::Build, torch_dir: &std::path::Path) {
+    let gloo = std::env::var_os("PROBATTN_GLOO_INCLUDE")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain([PathBuf::from("/usr/include"), PathBuf::from("/usr/local/include")])
+        .find(|dir| dir.join("gloo/algorithm.h").is_file());
+    match gloo {
+        Some(dir) => {
+            build.define("USE_C10D_GLOO", None).define("PROBATTN_GLOO", None);
+            // The compiler's own search path already has the system folders (and naming one with
+            // -isystem would break libstdc++'s #include_next).
+            if !dir.starts_with("/usr/include") && !dir.starts_with("/usr/local/include") {
+                build.flag("-isystem").flag(dir.to_str().expect("a UTF-8 include path"));
+            }
+        }
+        None => println!(
+            "cargo:warning=gloo's headers were not found (install Debian's libgloo-dev, or set PROBATTN_GLOO_INCLUDE): \
+             distributed training is left out of this build"
+        ),
+    }
+    let site = torch_dir.parent().map(|p| p.join("nvidia/nccl/include"));
+    let nccl = site.filter(|dir| dir.join("nccl.h").is_file());
+    let cuda = std::env::var_os("PROBATTN_CUDA_INCLUDE").map(PathBuf::from).filter(|dir| dir.join("crt/host_config.h").is_file());
+    if let (Some(nccl), Some(cuda)) = (nccl, cuda) {
+        build.define("USE_C10D_NCCL", None).define("PROBATTN_NCCL", None);
+        for dir in [nccl, cuda] {
+            build.flag("-isystem").flag(dir.to_str().expect("a UTF-8 include path"));
+        }
+    }
 }

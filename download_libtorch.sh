@@ -16,7 +16,8 @@ usage() {
 Usage: ./download_libtorch.sh [--local | --venv DIR | --python PY] [--help]
 
 Installs PyTorch ${TORCH_VERSION} (libtorch ${TORCH_VERSION}) plus numpy, safetensors and sacrebleu from PyPI,
-then writes .cargo/config.toml so cargo builds and runs against it.
+installs gloo's headers (Debian's libgloo-dev, when run as root on Debian; distributed training
+needs them), then writes .cargo/config.toml so cargo builds and runs against it.
 
   (no flag)      per-user cache shared by every clone: ${CACHE_VENV}
   --local        a project-local virtualenv: ${ROOT}/.venv
@@ -25,7 +26,8 @@ then writes .cargo/config.toml so cargo builds and runs against it.
                  into it, only checks it (numpy, safetensors and sacrebleu are needed by the tests)
   --help         this text
 
-Environment: PYTHON (default python3) is the interpreter that creates the virtualenv.
+Environment: PYTHON (default python3) is the interpreter that creates the virtualenv;
+PROBATTN_GLOO_INCLUDE a folder with gloo/algorithm.h, if not the system's.
 USAGE
 }
 
@@ -80,6 +82,26 @@ read -r torch_dir cxx11_abi < <("$python" -c \
 [ -f "$torch_dir/lib/libtorch.so" ] || [ -f "$torch_dir/lib/libtorch.dylib" ] \
   || die "no libtorch in $torch_dir/lib"
 
+# Gloo's headers, for c10d's CPU process group (probattn::distributed): the wheel carries gloo's
+# code inside libtorch_cpu but not its headers. Debian's libgloo-dev supplies them (headers only
+# are used; nothing links Debian's libgloo). PROBATTN_GLOO_INCLUDE names another folder.
+gloo_headers() {
+  for dir in "${PROBATTN_GLOO_INCLUDE:-}" /usr/include /usr/local/include; do
+    [ -n "$dir" ] && [ -f "$dir/gloo/algorithm.h" ] && return 0
+  done
+  return 1
+}
+if ! gloo_headers; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "Installing gloo's headers (Debian's libgloo-dev) for distributed training..."
+    apt-get install -y --no-install-recommends libgloo-dev >/dev/null 2>&1 \
+      || { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends libgloo-dev >/dev/null 2>&1; } \
+      || echo "download_libtorch.sh: warning: apt-get could not install libgloo-dev" >&2
+  fi
+  gloo_headers || echo "download_libtorch.sh: warning: no gloo headers (install libgloo-dev, or set PROBATTN_GLOO_INCLUDE): \
+probattn builds without distributed training, and its distributed tests fail" >&2
+fi
+
 mkdir -p "$ROOT/.cargo"
 config="$ROOT/.cargo/config.toml"
 tmp="$(mktemp "$ROOT/.cargo/config.toml.XXXXXX")"
@@ -94,4 +116,5 @@ if cmp -s "$tmp" "$config"; then rm -f "$tmp"; else mv "$tmp" "$config"; fi
 
 echo "libtorch ${TORCH_VERSION}: $torch_dir"
 echo "Python for the PyTorch reference: $python"
+gloo_headers && echo "gloo headers for distributed training: found"
 echo "cargo is set up through $config"

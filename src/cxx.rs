@@ -24,6 +24,16 @@ struct PaPt2 {
     _opaque: [u8; 0],
 }
 
+#[repr(C)]
+struct PaDist {
+    _opaque: [u8; 0],
+}
+
+#[repr(C)]
+struct PaReducer {
+    _opaque: [u8; 0],
+}
+
 extern "C" {
     fn pa_string_free(s: *mut c_char);
     fn pa_silence_warning(prefix: *const c_char) -> *mut c_char;
@@ -70,6 +80,33 @@ extern "C" {
         reserved_peak: *mut i64,
     ) -> *mut c_char;
     fn pa_cuda_memory_reset_peak(device: i64) -> *mut c_char;
+    fn pa_dist_has_nccl() -> i32;
+    fn pa_dist_join(
+        backend: *const c_char,
+        host: *const c_char,
+        port: i32,
+        is_server: i32,
+        prefix: *const c_char,
+        rank: i32,
+        world_size: i32,
+        timeout_ms: i64,
+        out: *mut *mut PaDist,
+    ) -> *mut c_char;
+    fn pa_dist_broadcast(dist: *mut PaDist, tensors: *const *const C_tensor, n: usize, root: i32) -> *mut c_char;
+    fn pa_dist_all_reduce(dist: *mut PaDist, tensors: *const *const C_tensor, n: usize, op: i32) -> *mut c_char;
+    fn pa_dist_all_gather(dist: *mut PaDist, tensor: *const C_tensor, out: *mut *mut PaTensors) -> *mut c_char;
+    fn pa_dist_barrier(dist: *mut PaDist) -> *mut c_char;
+    fn pa_dist_free(dist: *mut PaDist);
+    fn pa_reducer_new(
+        dist: *mut PaDist,
+        params: *const *const C_tensor,
+        n: usize,
+        bucket_bytes: i64,
+        find_unused: i32,
+        out: *mut *mut PaReducer,
+    ) -> *mut c_char;
+    fn pa_reducer_prepare(reducer: *mut PaReducer, outputs: *const *const C_tensor, n: usize) -> *mut c_char;
+    fn pa_reducer_free(reducer: *mut PaReducer);
 }
 
 /// Takes ownership of a C string the C++ layer allocated.
@@ -314,4 +351,142 @@ pub(crate) fn cuda_memory_stats(device: i64) -> Result<[i64; 4]> {
 pub(crate) fn cuda_memory_reset_peak(device: i64) -> Result<()> {
     // SAFETY: a plain integer argument.
     check(unsafe { pa_cuda_memory_reset_peak(device) }, memory_error)
+}
+
+/// Whether the C++ layer was built with NCCL (`ProcessGroupNCCL`).
+pub(crate) fn dist_has_nccl() -> bool {
+    // SAFETY: no arguments; reads a constant.
+    unsafe { pa_dist_has_nccl() != 0 }
+}
+
+/// Where and how to join a process group (see `pa_dist_join` in csrc/probattn.h).
+pub(crate) struct JoinSpec<'a> {
+    pub(crate) backend: &'a str,
+    pub(crate) host: &'a str,
+    pub(crate) port: u16,
+    pub(crate) is_server: bool,
+    pub(crate) prefix: &'a str,
+    pub(crate) rank: usize,
+    pub(crate) world_size: usize,
+    pub(crate) timeout_ms: i64,
+}
+
+fn c_string(what: &str, text: &str) -> Result<CString> {
+    CString::new(text).map_err(|_| Error::Config(format!("{what} {text:?} has a NUL byte")))
+}
+
+fn tensor_pointers(tensors: &[&Tensor]) -> Vec<*const C_tensor> {
+    tensors.iter().map(|t| t.as_ptr()).collect()
+}
+
+/// A c10d process group (its TCPStore and its Gloo or NCCL backend).
+#[derive(Debug)]
+pub(crate) struct DistHandle {
+    raw: *mut PaDist,
+}
+
+impl DistHandle {
+    pub(crate) fn join(spec: &JoinSpec) -> std::result::Result<Self, String> {
+        let to_message = |e: Error| e.to_string();
+        let backend = c_string("the backend", spec.backend).map_err(to_message)?;
+        let host = c_string("the address", spec.host).map_err(to_message)?;
+        let prefix = c_string("the store prefix", spec.prefix).map_err(to_message)?;
+        let mut raw = ptr::null_mut();
+        // SAFETY: valid C strings borrowed for the call; `raw` is written on success only.
+        let message = unsafe {
+            pa_dist_join(
+                backend.as_ptr(),
+                host.as_ptr(),
+                i32::from(spec.port),
+                i32::from(spec.is_server),
+                prefix.as_ptr(),
+                spec.rank as i32,
+                spec.world_size as i32,
+                spec.timeout_ms,
+                &mut raw,
+            )
+        };
+        if message.is_null() {
+            Ok(Self { raw })
+        } else {
+            Err(take_string(message))
+        }
+    }
+
+    /// Broadcasts each tensor in place from `root`.
+    pub(crate) fn broadcast(&self, tensors: &[&Tensor], root: usize) -> std::result::Result<(), String> {
+        let pointers = tensor_pointers(tensors);
+        // SAFETY: `self.raw` is live; the pointers borrow tensors that outlive the call.
+        into_string_result(unsafe { pa_dist_broadcast(self.raw, pointers.as_ptr(), pointers.len(), root as i32) })
+    }
+
+    /// All-reduces each tensor in place: `max` false sums, true takes the maximum.
+    pub(crate) fn all_reduce(&self, tensors: &[&Tensor], max: bool) -> std::result::Result<(), String> {
+        let pointers = tensor_pointers(tensors);
+        // SAFETY: as in `broadcast`.
+        into_string_result(unsafe { pa_dist_all_reduce(self.raw, pointers.as_ptr(), pointers.len(), i32::from(max)) })
+    }
+
+    /// Every rank's copy of `tensor` (same shape on every rank), in rank order.
+    pub(crate) fn all_gather(&self, tensor: &Tensor) -> std::result::Result<Vec<Tensor>, String> {
+        let mut list = ptr::null_mut();
+        // SAFETY: `self.raw` is live; `tensor` outlives the call; `list` is written on success.
+        into_string_result(unsafe { pa_dist_all_gather(self.raw, tensor.as_ptr(), &mut list) })?;
+        Ok(take_tensors(list).into_iter().map(|(_, t)| t).collect())
+    }
+
+    pub(crate) fn barrier(&self) -> std::result::Result<(), String> {
+        // SAFETY: `self.raw` is live.
+        into_string_result(unsafe { pa_dist_barrier(self.raw) })
+    }
+
+    /// DDP's gradient engine over `params` (it keeps its own reference to the process group).
+    pub(crate) fn reducer(&self, params: &[&Tensor], bucket_bytes: i64, find_unused: bool) -> std::result::Result<ReducerHandle, String> {
+        let pointers = tensor_pointers(params);
+        let mut raw = ptr::null_mut();
+        // SAFETY: `self.raw` is live; the parameters outlive the call (the reducer holds its own
+        // references to them); `raw` is written on success only.
+        into_string_result(unsafe {
+            pa_reducer_new(self.raw, pointers.as_ptr(), pointers.len(), bucket_bytes, i32::from(find_unused), &mut raw)
+        })?;
+        Ok(ReducerHandle { raw })
+    }
+}
+
+impl Drop for DistHandle {
+    fn drop(&mut self) {
+        // SAFETY: `raw` came from `pa_dist_join` and is freed once.
+        unsafe { pa_dist_free(self.raw) }
+    }
+}
+
+/// A `c10d::Reducer`.
+#[derive(Debug)]
+pub(crate) struct ReducerHandle {
+    raw: *mut PaReducer,
+}
+
+impl ReducerHandle {
+    /// What DDP's forward does before backward: `outputs` are the tensors backward starts from
+    /// (read only when the reducer looks for unused parameters).
+    pub(crate) fn prepare(&self, outputs: &[&Tensor]) -> std::result::Result<(), String> {
+        let pointers = tensor_pointers(outputs);
+        // SAFETY: `self.raw` is live; the outputs outlive the call.
+        into_string_result(unsafe { pa_reducer_prepare(self.raw, pointers.as_ptr(), pointers.len()) })
+    }
+}
+
+impl Drop for ReducerHandle {
+    fn drop(&mut self) {
+        // SAFETY: `raw` came from `pa_reducer_new` and is freed once.
+        unsafe { pa_reducer_free(self.raw) }
+    }
+}
+
+fn into_string_result(message: *mut c_char) -> std::result::Result<(), String> {
+    if message.is_null() {
+        Ok(())
+    } else {
+        Err(take_string(message))
+    }
 }

@@ -23,6 +23,10 @@ pub enum Error {
     /// The requested device cannot be used.
     #[error("device error: {0}")]
     Device(String),
+    /// A collective of a distributed run failed: a rank died, the rendezvous or a collective timed
+    /// out, or the ranks disagree.
+    #[error("distributed: {0}")]
+    Distributed(String),
     /// A file could not be read or written.
     /// (The I/O error is part of the message and not a `source()`, so a printed chain names it
     /// once.)

@@ -14,6 +14,7 @@ pub mod attention;
 mod cxx;
 pub mod device;
 pub mod diagnostics;
+pub mod distributed;
 mod error;
 pub mod interop;
 pub mod io;
