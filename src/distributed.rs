@@ -306,6 +306,23 @@ impl ProcessGroup {
         Ok(out)
     }
 
+    /// Rank 0's bytes on every rank (`bytes` is read on rank 0 only): a tokenizer or a training
+    /// state that only rank 0 has read from disk, say.
+    pub fn broadcast_bytes(&self, bytes: &[u8]) -> Result<Vec<u8>> {
+        let length = Tensor::from_slice(&[bytes.len() as i64]);
+        self.broadcast(&[&length], 0)?;
+        let n = i64::try_from(&length)?;
+        let data = if self.rank == 0 { Tensor::from_slice(bytes) } else { Tensor::zeros([n], (Kind::Uint8, Device::Cpu)) };
+        self.broadcast(&[&data], 0)?;
+        Ok(Vec::try_from(&data)?)
+    }
+
+    /// Every rank's `value`, in rank order.
+    pub fn all_gather_f64(&self, value: f64) -> Result<Vec<f64>> {
+        let gathered = self.all_gather(&Tensor::from_slice(&[value]))?;
+        gathered.iter().map(|t| Ok(f64::try_from(t)?)).collect()
+    }
+
     /// Waits for every rank.
     pub fn barrier(&self) -> Result<()> {
         self.handle.barrier().map_err(self.failed("barrier"))

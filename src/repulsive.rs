@@ -239,6 +239,18 @@ impl RepulsiveHook {
         &self.sets
     }
 
+    /// The distinct parameters whose gradients [`Self::apply`] rewrites (a distributed run
+    /// broadcasts SPOS's noisy direction through them).
+    pub fn params(&self) -> Vec<Tensor> {
+        let mut out: Vec<Tensor> = vec![];
+        for set in &self.sets {
+            if !out.iter().any(|p| p.data_ptr() == set.param.data_ptr()) {
+                out.push(set.param.shallow_clone());
+            }
+        }
+        out
+    }
+
     /// Registers the Q, K and V projection weights of `mha` that the selection accepts: in each,
     /// particle `h` is the `d_h` rows of head `h`. Biases and the output projection are not
     /// particles.

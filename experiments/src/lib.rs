@@ -20,6 +20,7 @@ pub mod gat;
 pub mod harness;
 pub mod plot;
 pub mod provenance;
+pub mod ranks;
 pub mod report;
 pub mod seq2seq;
 pub mod translate;
@@ -28,8 +29,8 @@ pub mod vqa_eval;
 
 use clap::{Parser, Subcommand};
 
-/// probattn: probabilistic attention on libtorch (DNAS, HNAS, Sinkhorn; BAM and repulsive
-/// attention to come) and the papers' reproductions.
+/// probattn: probabilistic attention on libtorch (DNAS, HNAS, Sinkhorn, Bayesian and repulsive
+/// attention) and the papers' reproductions.
 #[derive(Parser, Debug)]
 #[command(name = "probattn", version, about, propagate_version = true)]
 pub struct Cli {

@@ -14,15 +14,17 @@ pub fn mean_std(x: &[f64]) -> (f64, f64) {
 
 /// A bar over `len` steps on stderr: `prefix [=====>    ] pos/len message eta`.
 pub fn progress_bar(len: u64, prefix: String) -> Result<ProgressBar> {
-    let bar = ProgressBar::new(len)
-        .with_style(ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} eta {eta}")?.progress_chars("=> "));
+    // A distributed run draws rank 0's bars only.
+    let bar = if crate::ranks::quiet() { ProgressBar::hidden() } else { ProgressBar::new(len) };
+    let bar = bar.with_style(ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} eta {eta}")?.progress_chars("=> "));
     bar.set_prefix(prefix);
     Ok(bar)
 }
 
 /// A spinner on stderr for work of unknown length (early stopping): `prefix message [elapsed]`.
 pub fn spinner(prefix: String) -> Result<ProgressBar> {
-    let bar = ProgressBar::new_spinner().with_style(ProgressStyle::with_template("{spinner} {prefix} {msg} [{elapsed}]")?);
+    let bar = if crate::ranks::quiet() { ProgressBar::hidden() } else { ProgressBar::new_spinner() };
+    let bar = bar.with_style(ProgressStyle::with_template("{spinner} {prefix} {msg} [{elapsed}]")?);
     bar.set_prefix(prefix);
     Ok(bar)
 }

@@ -129,6 +129,13 @@ pub fn learn_bpe(train: &Split, vocab_size: usize, dir: &Path) -> Result<Tokeniz
 }
 
 /// Loads a tokenizer saved with a run, checking the special tokens' ids.
+/// A tokenizer from its JSON (what another rank read from tokenizer.json).
+pub fn tokenizer_from_json(json: &[u8]) -> Result<Tokenizer> {
+    let tokenizer = Tokenizer::from_bytes(json).map_err(|e| anyhow!("not a tokenizers JSON document: {e}"))?;
+    check_specials(&tokenizer)?;
+    Ok(tokenizer)
+}
+
 pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
     ensure!(path.is_file(), "{} does not exist (every run saves its tokenizer.json)", path.display());
     let tokenizer = Tokenizer::from_file(path).map_err(|e| anyhow!("{} is not a tokenizers JSON file: {e}", path.display()))?;

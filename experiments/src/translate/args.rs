@@ -8,6 +8,7 @@ use probattn_models::transformer::TransformerConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::common::CommonArgs;
+use crate::ranks::DistArgs;
 
 /// Model presets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -259,6 +260,8 @@ pub struct TranslateArgs {
     pub decode_bench: bool,
     #[command(flatten)]
     pub common: CommonArgs,
+    #[command(flatten)]
+    pub dist: DistArgs,
 }
 
 impl TranslateArgs {

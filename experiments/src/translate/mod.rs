@@ -37,6 +37,7 @@ use tch::{nn, Device};
 use tokenizers::Tokenizer;
 
 use crate::provenance::{run_dir, write_json, write_results, Provenance};
+use crate::ranks::{DistInfo, Ranks};
 use crate::report::{mean_std, progress_bar};
 use crate::seq2seq::data::{self, Corpus, Encoded, PAD};
 use crate::seq2seq::decode::{self, DecodeConfig};
@@ -102,8 +103,13 @@ pub struct RunResult {
     pub epochs: usize,
     pub updates: u64,
     pub train_seconds: f64,
-    /// Target tokens per second of training (forward, backward, hook and update).
+    /// Target tokens per second of training (forward, backward, hook and update); a distributed
+    /// run's total over its ranks (comparable with a single process's).
     pub tokens_per_second: f64,
+    /// A distributed run's tokens per second of each rank on its own, in rank order (over the
+    /// epochs this job trained); absent in a single-process run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub distributed_tokens_per_second: Option<Vec<f64>>,
     pub test_sentences_per_second: f64,
     pub test_signature: String,
     pub test_signature_tok: String,
@@ -129,6 +135,9 @@ pub struct TranslateResults {
     pub test_bleu_tok_std: f64,
     pub valid_bleu_mean: f64,
     pub tokens_per_second_mean: f64,
+    /// World size, backend and restarts of a run under torchrun; absent for one process.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub distributed: Option<DistInfo>,
     pub provenance: Provenance,
 }
 
@@ -217,17 +226,23 @@ fn load_corpus(data_dir: &Path, args: &TranslateArgs) -> Result<Corpus> {
     Ok(corpus)
 }
 
-fn prepare(corpus: Corpus, args: &TranslateArgs, dir: &Path, resume: bool) -> Result<Prepared> {
+/// Rank 0 learns the BPE (or reads the resumed run's) and shares it with the other ranks.
+fn prepare(corpus: Corpus, args: &TranslateArgs, dir: &Path, resume: bool, ranks: &Ranks) -> Result<Prepared> {
     let tok_path = dir.join("tokenizer.json");
-    let tokenizer = if resume {
-        data::load_tokenizer(&tok_path)?
-    } else {
-        let vocab = args.bpe_vocab.unwrap_or(args.preset().recipe().2);
-        let t = data::learn_bpe(&corpus.train, vocab, dir)?;
-        let json = t.to_string(true).map_err(|e| anyhow::anyhow!("serializing the tokenizer: {e}"))?;
-        probattn::io::write_bytes_atomic(&tok_path, json.as_bytes())?;
-        t
-    };
+    let mut json = vec![];
+    if ranks.is_main() {
+        let tokenizer = if resume {
+            data::load_tokenizer(&tok_path)?
+        } else {
+            let vocab = args.bpe_vocab.unwrap_or(args.preset().recipe().2);
+            data::learn_bpe(&corpus.train, vocab, dir)?
+        };
+        json = tokenizer.to_string(true).map_err(|e| anyhow::anyhow!("serializing the tokenizer: {e}"))?.into_bytes();
+        if !resume {
+            probattn::io::write_bytes_atomic(&tok_path, &json)?;
+        }
+    }
+    let tokenizer = data::tokenizer_from_json(&ranks.share_bytes(&json)?).context("rank 0's tokenizer")?;
     let train = Encoded::new(&tokenizer, &corpus.train)?;
     let valid = Encoded::new(&tokenizer, &corpus.valid)?;
     let test = Encoded::new(&tokenizer, &corpus.test)?;
@@ -324,6 +339,7 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
     if args.decode {
         return decode_file(args, device);
     }
+    let (ranks, device) = Ranks::join(&args.dist, device)?;
     ensure!(args.seeds >= 1, "--seeds must be at least 1");
     ensure!(args.checkpoint.is_none() && args.input.is_none(), "--checkpoint and --input go with --decode");
     let data_dir = args.data_dir();
@@ -345,22 +361,38 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
         TranslateConfig::from_args(args, 0, *variant, *repulsive)?;
     }
     let corpus = load_corpus(&data_dir, args)?;
-    let resume = args.resume.is_some();
-    let dir = match &args.resume {
+    // torchrun's agent restarting the workers (--max-restarts) resumes the run in --out.
+    let restart = match (&args.resume, &args.out) {
+        (None, Some(out)) if ranks.restarted() && out.join("tokenizer.json").is_file() => Some(out.clone()),
+        (None, None) if ranks.restarted() => anyhow::bail!("a restarted job resumes from --out: give the run an --out folder"),
+        _ => None,
+    };
+    let resume_dir = args.resume.clone().or(restart);
+    let resume = resume_dir.is_some();
+    let dir = match &resume_dir {
         Some(d) => {
-            ensure!(d.join("tokenizer.json").is_file(), "--resume {}: no tokenizer.json there, so no run to resume", d.display());
+            ensure!(
+                !ranks.is_main() || d.join("tokenizer.json").is_file(),
+                "--resume {}: no tokenizer.json there, so no run to resume",
+                d.display()
+            );
             d.clone()
         }
-        None => run_dir(args.out.as_deref(), "translate", &name(&args.attention, args.repulsive))?,
+        // Only rank 0 makes (and names) the folder; the others never write there.
+        None if ranks.is_main() => run_dir(args.out.as_deref(), "translate", &name(&args.attention, args.repulsive))?,
+        None => std::path::PathBuf::new(),
     };
-    let p = prepare(corpus, args, &dir, resume)?;
+    let dir = std::path::PathBuf::from(ranks.share(&dir.to_string_lossy().into_owned())?);
+    let p = prepare(corpus, args, &dir, resume, &ranks)?;
     let vocab = p.tokenizer.get_vocab_size(true) as i64;
     let mut table = vec![];
     for (row, variant, repulsive) in rows {
         let sub = if all { dir.join(&row) } else { dir.clone() };
-        std::fs::create_dir_all(&sub).with_context(|| format!("creating {}", sub.display()))?;
+        if ranks.is_main() {
+            std::fs::create_dir_all(&sub).with_context(|| format!("creating {}", sub.display()))?;
+        }
         let cfg = TranslateConfig::from_args(args, vocab, variant, repulsive)?;
-        let results = run_config(&p, &cfg, args, &sub, device, resume)?;
+        let results = run_config(&p, &cfg, args, &sub, device, resume, &ranks)?;
         let (dist, _) = mean_std(&results.runs.iter().map(|r| mean_std(&r.head_diversity).0).collect::<Vec<_>>());
         table.push(vec![
             row,
@@ -381,6 +413,9 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
         "train tokens/s",
         "Dist (encoder, mean over layers)",
     ];
+    if !ranks.is_main() {
+        return Ok(());
+    }
     let summary = crate::report::markdown_table(&header, &table);
     println!("\n{summary}");
     if all {
@@ -398,16 +433,60 @@ fn run_config(
     dir: &Path,
     device: Device,
     resume: bool,
+    ranks: &Ranks,
 ) -> Result<TranslateResults> {
-    if resume {
+    let main = ranks.is_main();
+    if resume && main {
         let path = dir.join("config.json");
         ensure!(path.is_file(), "--resume: {} is missing, so no run to resume there", path.display());
         let saved: TranslateConfig =
             serde_json::from_slice(&std::fs::read(&path)?).with_context(|| format!("{} does not parse", path.display()))?;
         ensure!(saved == *cfg, "--resume {}: the flags differ from the original run's (see its config.json)", dir.display());
-    } else {
+    } else if main {
         write_json(&dir.join("config.json"), cfg)?;
     }
+    if main {
+        print_setup(p, cfg, device);
+    }
+    let mut runs = vec![];
+    for seed in args.seed_start..args.seed_start + args.seeds {
+        runs.push(train_seed(p, cfg, seed, &dir.join(format!("seed-{seed}")), device, resume, ranks)?);
+    }
+    let stat = |f: fn(&RunResult) -> f64| mean_std(&runs.iter().map(f).collect::<Vec<_>>());
+    let (test_bleu_mean, test_bleu_std) = stat(|r| r.test_bleu);
+    let (test_bleu_tok_mean, test_bleu_tok_std) = stat(|r| r.test_bleu_tok);
+    let results = TranslateResults {
+        dataset: args.dataset_name(),
+        attention: cfg.model.transformer.variant.to_string(),
+        repulsive: cfg.repulsive,
+        valid_bleu_mean: stat(|r| r.valid_bleu).0,
+        tokens_per_second_mean: stat(|r| r.tokens_per_second).0,
+        config: cfg.clone(),
+        runs,
+        test_bleu_mean,
+        test_bleu_std,
+        test_bleu_tok_mean,
+        test_bleu_tok_std,
+        distributed: ranks.info(),
+        provenance: Provenance::gather(device),
+    };
+    if !main {
+        return Ok(results);
+    }
+    write_results(&dir.join("results.json"), &results)?;
+    println!(
+        "test BLEU over {} seed(s): sacreBLEU {:.2} ± {:.2}, tokenized lowercased {:.2} ± {:.2}",
+        results.runs.len(),
+        test_bleu_mean,
+        test_bleu_std,
+        test_bleu_tok_mean,
+        test_bleu_tok_std
+    );
+    Ok(results)
+}
+
+/// The run's one-line description: data, model, attention, device.
+fn print_setup(p: &Prepared, cfg: &TranslateConfig, device: Device) {
     println!(
         "{}-{}: {} / {} / {} sentence pairs, joint BPE {} symbols; {} layers, E = {}, {} heads, attention {} (cross-attention {}), repulsive {:?}; device {}, {} threads",
         cfg.src,
@@ -425,35 +504,4 @@ fn run_config(
         probattn::device::device_name(device),
         tch::get_num_threads()
     );
-    let mut runs = vec![];
-    for seed in args.seed_start..args.seed_start + args.seeds {
-        runs.push(train_seed(p, cfg, seed, &dir.join(format!("seed-{seed}")), device, resume)?);
-    }
-    let stat = |f: fn(&RunResult) -> f64| mean_std(&runs.iter().map(f).collect::<Vec<_>>());
-    let (test_bleu_mean, test_bleu_std) = stat(|r| r.test_bleu);
-    let (test_bleu_tok_mean, test_bleu_tok_std) = stat(|r| r.test_bleu_tok);
-    let results = TranslateResults {
-        dataset: args.dataset_name(),
-        attention: cfg.model.transformer.variant.to_string(),
-        repulsive: cfg.repulsive,
-        valid_bleu_mean: stat(|r| r.valid_bleu).0,
-        tokens_per_second_mean: stat(|r| r.tokens_per_second).0,
-        config: cfg.clone(),
-        runs,
-        test_bleu_mean,
-        test_bleu_std,
-        test_bleu_tok_mean,
-        test_bleu_tok_std,
-        provenance: Provenance::gather(device),
-    };
-    write_results(&dir.join("results.json"), &results)?;
-    println!(
-        "test BLEU over {} seed(s): sacreBLEU {:.2} ± {:.2}, tokenized lowercased {:.2} ± {:.2}",
-        results.runs.len(),
-        test_bleu_mean,
-        test_bleu_std,
-        test_bleu_tok_mean,
-        test_bleu_tok_std
-    );
-    Ok(results)
 }

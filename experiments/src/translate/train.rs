@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
-use probattn::repulsive::RepulsiveHook;
+use probattn::distributed::Reducer;
+use probattn::repulsive::{Method, RepulsiveHook};
 use probattn_models::translation::Seq2Seq;
 use serde::{Deserialize, Serialize};
 use tch::{nn, Device, Kind, Tensor};
@@ -16,6 +17,7 @@ use super::optim::Adam;
 use super::{EpochMetrics, Prepared, Repulsive, RunResult, TranslateConfig};
 use crate::bleu::{corpus_bleu, BleuConfig};
 use crate::harness::MetricsLog;
+use crate::ranks::Ranks;
 use crate::report::progress_bar;
 use crate::seq2seq::data::{self, batch_tensors, epoch_order, token_batches, Batch, Encoded, PAD};
 use crate::seq2seq::decode::{self, DecodeConfig};
@@ -35,12 +37,18 @@ pub(super) struct TrainState {
     /// Epochs completed.
     pub(super) epoch: usize,
     pub(super) updates: u64,
+    /// −∞ before the first epoch, which JSON writes as null.
+    #[serde(deserialize_with = "null_as_neg_infinity")]
     pub(super) best_bleu: f64,
     pub(super) best_epoch: usize,
     pub(super) waited: usize,
     pub(super) train_seconds: f64,
     pub(super) train_tokens: u64,
     pub(super) history: Vec<EpochMetrics>,
+}
+
+fn null_as_neg_infinity<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NEG_INFINITY))
 }
 
 /// Label-smoothed cross-entropy, fairseq 0.6: `Σ_t (1−ε)·nll_t + ε/V · Σ_v −log p_t(v)` over
@@ -90,6 +98,8 @@ pub(super) fn load_params(vs: &nn::VarStore, tensors: &HashMap<String, Tensor>, 
 
 /// Translates `data`'s sources and scores them against `refs` (sacreBLEU's default and the
 /// tokenized, lowercased kind); returns (hypotheses, BLEU, BLEU tok-lc, sentences/s).
+/// Under several ranks each decodes its share of the sentences and every rank gets them all.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn translate_and_score(
     model: &Seq2Seq,
     tokenizer: &Tokenizer,
@@ -98,10 +108,14 @@ pub(super) fn translate_and_score(
     cfg: &DecodeConfig,
     device: Device,
     label: &str,
+    ranks: &Ranks,
 ) -> Result<(Vec<String>, crate::bleu::BleuScore, crate::bleu::BleuScore, f64)> {
-    let bar = progress_bar(data.len() as u64, format!("{label} decoding"))?;
+    let share = ranks.shard(data.len()).len();
+    let bar = progress_bar(share as u64, format!("{label} decoding"))?;
     let start = Instant::now();
-    let ids = decode::translate(model, &data.src, cfg, DECODE_BATCH, device, |n| bar.inc(n as u64))?;
+    let ids = ranks.split_sequences(data.len(), |range| {
+        decode::translate(model, &data.src[range], cfg, DECODE_BATCH, device, |n| bar.inc(n as u64))
+    })?;
     let seconds = start.elapsed().as_secs_f64();
     bar.finish_and_clear();
     let hyps: Vec<String> = ids.iter().map(|h| data::decode(tokenizer, h)).collect::<Result<_>>()?;
@@ -110,12 +124,13 @@ pub(super) fn translate_and_score(
     Ok((hyps, bleu, tok, data.len() as f64 / seconds.max(1e-9)))
 }
 
-/// Validation loss (label-smoothed and nll, per target token) in eval mode.
-fn valid_loss(model: &Seq2Seq, data: &Encoded, cfg: &TranslateConfig, device: Device) -> Result<(f64, f64)> {
+/// Validation loss (label-smoothed and nll, per target token) in eval mode; each rank takes its
+/// share of the batches.
+fn valid_loss(model: &Seq2Seq, data: &Encoded, cfg: &TranslateConfig, device: Device, ranks: &Ranks) -> Result<(f64, f64)> {
     let (batches, _) = token_batches(data, cfg.max_tokens, usize::MAX);
     let (mut loss, mut nll, mut tokens) = (0.0, 0.0, 0usize);
     tch::no_grad(|| -> Result<()> {
-        for b in &batches {
+        for b in &batches[ranks.shard(batches.len())] {
             let t = batch_tensors(data, b, device);
             let (logits, _) = model.forward_t(&t.src, &t.prev, false)?;
             let (l, n) = label_smoothed_loss(&logits, &t.target, cfg.label_smoothing);
@@ -125,7 +140,8 @@ fn valid_loss(model: &Seq2Seq, data: &Encoded, cfg: &TranslateConfig, device: De
         }
         Ok(())
     })?;
-    Ok((loss / tokens.max(1) as f64, nll / tokens.max(1) as f64))
+    let [loss, nll, tokens] = ranks.sum(&[loss, nll, tokens as f64])?[..] else { unreachable!("three sums") };
+    Ok((loss / tokens.max(1.0), nll / tokens.max(1.0)))
 }
 
 /// HNAS's mean `u` per encoder layer.
@@ -140,12 +156,33 @@ struct SeedRun<'a> {
     seed: u64,
     dir: &'a Path,
     device: Device,
+    ranks: &'a Ranks,
+}
+
+/// This process's own training throughput (target tokens and seconds since it started or
+/// resumed), for results.json's per-rank list.
+#[derive(Default)]
+struct OwnThroughput {
+    tokens: f64,
+    seconds: f64,
 }
 
 /// Trains one seed in `dir` (resuming from its checkpoint when there is one); returns its result.
-pub(super) fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &Path, device: Device, resume: bool) -> Result<RunResult> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let run = SeedRun { p, cfg, seed, dir, device };
+/// Under several ranks, rank 0 reads and writes the files and shares what it read.
+pub(super) fn train_seed(
+    p: &Prepared,
+    cfg: &TranslateConfig,
+    seed: u64,
+    dir: &Path,
+    device: Device,
+    resume: bool,
+    ranks: &Ranks,
+) -> Result<RunResult> {
+    let main = ranks.is_main();
+    if main {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let run = SeedRun { p, cfg, seed, dir, device, ranks };
     tch::manual_seed(seed as i64);
     let mut vs = nn::VarStore::new(device);
     let model = Seq2Seq::new(&vs.root(), cfg.model.clone())?;
@@ -159,15 +196,38 @@ pub(super) fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &P
         }
     };
     let last = dir.join("checkpoint_last.safetensors");
-    let mut state = start_or_resume(&run, &vs, &mut adam, resume)?;
+    let mut state = if main { start_or_resume(&run, &vs, &mut adam, resume)? } else { fresh_state(cfg, seed) };
+    let reducer = match ranks.group() {
+        Some(group) => {
+            // Rank 0's state, parameters and optimizer moments (fresh or resumed) on every rank.
+            state = ranks.share(&state)?;
+            group.broadcast_vars(&vs)?;
+            let moments = adam.state_tensors();
+            group.broadcast(&moments.iter().map(|(_, t)| t).collect::<Vec<_>>(), 0)?;
+            adam.step = state.updates;
+            Some(group.reducer(&vs.trainable_variables(), false)?)
+        }
+        None => None,
+    };
     let (batches, dropped) = token_batches(&p.train, cfg.max_tokens, cfg.model.max_positions as usize);
-    if dropped > 0 && state.epoch == 0 {
+    if dropped > 0 && state.epoch == 0 && main {
         eprintln!("left out {dropped} training pairs longer than {} tokens", cfg.model.max_positions);
     }
-    let mut metrics = MetricsLog::append_to(&dir.join("metrics.jsonl"))?;
+    let mut metrics = if main { Some(MetricsLog::append_to(&dir.join("metrics.jsonl"))?) } else { None };
+    let mut own = OwnThroughput::default();
     let done_by_updates = |u: u64| cfg.max_updates > 0 && u >= cfg.max_updates;
     while state.epoch < cfg.max_epochs && state.waited < cfg.patience && !done_by_updates(state.updates) {
-        let m = train_epoch(&run, &model, hook.as_ref(), &mut adam, &batches, &mut state)?;
+        let m = train_epoch(&run, &model, hook.as_ref(), reducer.as_ref(), &mut adam, &batches, &mut state, &mut own)?;
+        if !main {
+            // The same decisions as rank 0 (every rank has the same validation BLEU); no files.
+            if m.valid_bleu > state.best_bleu {
+                (state.best_bleu, state.best_epoch, state.waited) = (m.valid_bleu, state.epoch, 0);
+            } else {
+                state.waited += 1;
+            }
+            state.history.push(m);
+            continue;
+        }
         println!(
             "seed {seed} epoch {:3}: {} updates, train loss {:.3}, valid loss {:.3}, valid BLEU {:.2}, {:.0} tok/s, {:.0} s",
             m.epoch, m.updates, m.train_loss, m.valid_loss, m.valid_bleu, m.tokens_per_second, m.seconds
@@ -188,19 +248,21 @@ pub(super) fn train_seed(p: &Prepared, cfg: &TranslateConfig, seed: u64, dir: &P
                 let _ = std::fs::remove_file(dir.join(format!("weights_epoch{}.safetensors", state.epoch - cfg.average_last)));
             }
         }
-        metrics.write(&m)?;
+        if let Some(metrics) = metrics.as_mut() {
+            metrics.write(&m)?;
+        }
         state.history.push(m);
         save_checkpoint(&last, &vs, &adam, &state)?;
     }
-    test_seed(&run, &mut vs, &model, &adam, &state)
+    let per_rank = ranks.gather(own.tokens / own.seconds.max(1e-9))?;
+    let mut result = test_seed(&run, &mut vs, &model, &adam, &state)?;
+    result.distributed_tokens_per_second = ranks.group().map(|_| per_rank);
+    Ok(result)
 }
 
-/// A fresh training state, or the one in `dir`'s last checkpoint (with the model's and the
-/// optimizer's tensors loaded) when resuming; metrics.jsonl is made to match it.
-fn start_or_resume(run: &SeedRun, vs: &nn::VarStore, adam: &mut Adam, resume: bool) -> Result<TrainState> {
-    let (cfg, seed, dir) = (run.cfg, run.seed, run.dir);
-    let last = dir.join("checkpoint_last.safetensors");
-    let fresh = TrainState {
+/// The state of a run that has not started.
+fn fresh_state(cfg: &TranslateConfig, seed: u64) -> TrainState {
+    TrainState {
         config: cfg.clone(),
         seed,
         epoch: 0,
@@ -211,7 +273,15 @@ fn start_or_resume(run: &SeedRun, vs: &nn::VarStore, adam: &mut Adam, resume: bo
         train_seconds: 0.0,
         train_tokens: 0,
         history: vec![],
-    };
+    }
+}
+
+/// A fresh training state, or the one in `dir`'s last checkpoint (with the model's and the
+/// optimizer's tensors loaded) when resuming; metrics.jsonl is made to match it.
+fn start_or_resume(run: &SeedRun, vs: &nn::VarStore, adam: &mut Adam, resume: bool) -> Result<TrainState> {
+    let (cfg, seed, dir) = (run.cfg, run.seed, run.dir);
+    let last = dir.join("checkpoint_last.safetensors");
+    let fresh = fresh_state(cfg, seed);
     if resume {
         // A kill during an atomic write leaves only its temporary file behind: remove it.
         for entry in std::fs::read_dir(dir)?.flatten() {
@@ -250,19 +320,29 @@ fn start_or_resume(run: &SeedRun, vs: &nn::VarStore, adam: &mut Adam, resume: bo
 
 /// One epoch: the updates over `batches` in the epoch's seeded order, then validation loss and
 /// BLEU; advances `state`'s epoch, update, time and token counts and returns the epoch's line.
+///
+/// Under several ranks every rank walks the same batches and takes its share of each batch's
+/// sentences; the objective is scaled so that the reducer's mean over the ranks is the whole
+/// batch's loss per target token, exactly what one process on the whole batch minimizes.
+#[allow(clippy::too_many_arguments)]
 fn train_epoch(
     run: &SeedRun,
     model: &Seq2Seq,
     hook: Option<&RepulsiveHook>,
+    reducer: Option<&Reducer>,
     adam: &mut Adam,
     batches: &[Batch],
     state: &mut TrainState,
+    own: &mut OwnThroughput,
 ) -> Result<EpochMetrics> {
-    let (p, cfg, seed, device) = (run.p, run.cfg, run.seed, run.device);
+    let (p, cfg, seed, device, ranks) = (run.p, run.cfg, run.seed, run.device, run.ranks);
     let epoch = state.epoch;
+    let world = ranks.world_size() as f64;
     let done_by_updates = |u: u64| cfg.max_updates > 0 && u >= cfg.max_updates;
-    // Dropout, BAM noise and the batch order depend on (seed, epoch) only.
-    tch::manual_seed((seed as i64).wrapping_mul(1_000_003).wrapping_add(epoch as i64 + 1));
+    // Dropout, BAM noise and the batch order depend on (seed, epoch) only; each rank's dropout
+    // and noise on its rank too (rank 0's are a single process's).
+    let rank_offset = (ranks.rank() as i64).wrapping_mul(0x9E37_79B9);
+    tch::manual_seed((seed as i64).wrapping_mul(1_000_003).wrapping_add(epoch as i64 + 1).wrapping_add(rank_offset));
     let order = epoch_order(batches, seed, epoch);
     let bar = progress_bar(order.len() as u64, format!("seed {seed} epoch {}", epoch + 1))?;
     let start = Instant::now();
@@ -291,22 +371,41 @@ fn train_epoch(
         if done_by_updates(state.updates) {
             break;
         }
-        let t = batch_tensors(&p.train, &batches[bi], device);
+        let whole = &batches[bi];
+        let share = ranks.shard(whole.len());
+        ensure!(
+            !share.is_empty(),
+            "a batch of {} sentences cannot be shared by {} ranks: raise --max-tokens",
+            whole.len(),
+            ranks.world_size()
+        );
+        let whole_tokens: usize = whole.iter().map(|&i| p.train.tgt[i].len()).sum();
+        let t = batch_tensors(&p.train, &whole[share], device);
         let (logits, kl) = model.forward_t(&t.src, &t.prev, true)?;
         let (loss, nll) = label_smoothed_loss(&logits, &t.target, cfg.label_smoothing);
-        let mut objective = &loss / t.ntokens as f64;
+        let mut objective = &loss * (world / whole_tokens as f64);
         let kl_value = match &kl {
             Some(kl) => {
-                objective += kl * cfg.kl_weight;
+                // The KL is a mean over this rank's attention entries: weighed by the rank's
+                // share of the batch's target tokens (1 in a single process).
+                objective += kl * (cfg.kl_weight * world * t.ntokens as f64 / whole_tokens as f64);
                 has_kl = true;
                 kl.detach().to_kind(Kind::Double)
             }
             None => Tensor::zeros([], (Kind::Double, device)),
         };
         adam.zero_grad();
-        objective.backward();
+        if let Some(r) = reducer {
+            r.prepare_for_backward(&[&objective])?;
+        }
+        objective.backward(); // with a reducer, the gradients are the ranks' mean when it returns
         if let Some(h) = hook {
             h.apply()?;
+            if let (Some(group), Method::Spos) = (ranks.group(), h.config().method) {
+                // SPOS's noise is drawn on each rank: rank 0's direction for every rank.
+                let grads: Vec<Tensor> = h.params().iter().map(Tensor::grad).collect();
+                group.broadcast(&grads.iter().collect::<Vec<_>>(), 0)?;
+            }
         }
         // As fairseq: update n (1-based) runs at the rate the schedule set after update n − 1,
         // so the first one at warmup_init_lr.
@@ -330,27 +429,33 @@ fn train_epoch(
     }
     let first_pending = state.updates + 1 - pending.len() as u64;
     flush(&mut pending, first_pending, &mut sums)?;
-    let [loss_sum, nll_sum, kl_sum] = sums;
     let seconds = start.elapsed().as_secs_f64();
     bar.finish_and_clear();
+    own.tokens += tokens as f64;
+    own.seconds += seconds;
+    // The job's sums: every rank's tokens, the slowest rank's time.
+    let [loss_sum, nll_sum, kl_sum, tokens, kl_terms] = ranks.sum(&[sums[0], sums[1], sums[2], tokens as f64, steps as f64])?[..] else {
+        unreachable!("five sums")
+    };
+    let seconds = ranks.gather(seconds)?.into_iter().fold(0.0, f64::max);
     state.train_seconds += seconds;
     state.train_tokens += tokens as u64;
-    let (valid_loss, valid_nll) = valid_loss(model, &p.valid, cfg, device)?;
-    let (_, vb, _, _) = translate_and_score(model, &p.tokenizer, &p.valid, &p.corpus.valid.tgt, &cfg.decode, device, "valid")?;
+    let (valid_loss, valid_nll) = valid_loss(model, &p.valid, cfg, device, ranks)?;
+    let (_, vb, _, _) = translate_and_score(model, &p.tokenizer, &p.valid, &p.corpus.valid.tgt, &cfg.decode, device, "valid", ranks)?;
     state.epoch += 1;
     Ok(EpochMetrics {
         seed,
         epoch: state.epoch,
         updates: state.updates,
         lr: cfg.schedule.lr_at(state.updates),
-        train_loss: loss_sum / tokens.max(1) as f64,
-        train_nll: nll_sum / tokens.max(1) as f64,
-        kl: has_kl.then(|| kl_sum / steps.max(1) as f64),
+        train_loss: loss_sum / tokens.max(1.0),
+        train_nll: nll_sum / tokens.max(1.0),
+        kl: has_kl.then(|| kl_sum / kl_terms.max(1.0)),
         valid_loss,
         valid_nll,
         valid_bleu: vb.bleu,
         seconds,
-        tokens_per_second: tokens as f64 / seconds.max(1e-9),
+        tokens_per_second: tokens / seconds.max(1e-9),
         hnas_u: hnas_gates(model),
     })
 }
@@ -358,20 +463,31 @@ fn train_epoch(
 /// The test: the best checkpoint, or the average of the last N epochs' weights, translates the
 /// test set; its translations, diagnostics and plots go into the seed's folder.
 fn test_seed(run: &SeedRun, vs: &mut nn::VarStore, model: &Seq2Seq, adam: &Adam, state: &TrainState) -> Result<RunResult> {
-    let (p, cfg, seed, dir, device) = (run.p, run.cfg, run.seed, run.dir, run.device);
-    let best = dir.join("checkpoint_best.safetensors");
-    let (tensors, _) = read_checkpoint(&best)?;
-    load_params(vs, &tensors, &best)?;
-    if cfg.average_last > 0 {
-        average_last(vs, dir, state.epoch, cfg.average_last)?;
-        // Kept so that `--decode --checkpoint` can translate with the averaged model too.
-        save_checkpoint(&dir.join("checkpoint_average.safetensors"), vs, adam, state)?;
+    let (p, cfg, seed, dir, device, ranks) = (run.p, run.cfg, run.seed, run.dir, run.device, run.ranks);
+    if ranks.is_main() {
+        let best = dir.join("checkpoint_best.safetensors");
+        let (tensors, _) = read_checkpoint(&best)?;
+        load_params(vs, &tensors, &best)?;
+        if cfg.average_last > 0 {
+            average_last(vs, dir, state.epoch, cfg.average_last)?;
+            // Kept so that `--decode --checkpoint` can translate with the averaged model too.
+            save_checkpoint(&dir.join("checkpoint_average.safetensors"), vs, adam, state)?;
+        }
     }
-    let (hyps, bleu, tok, sps) = translate_and_score(model, &p.tokenizer, &p.test, &p.corpus.test.tgt, &cfg.decode, device, "test")?;
-    probattn::io::write_bytes_atomic(&dir.join("test.hyp"), (hyps.join("\n") + "\n").as_bytes())?;
-    let (head_diversity, explained_away) = encoder_diagnostics(model, &p.test, device)?;
-    plots(dir, &state.history, &head_diversity, &explained_away)?;
-    println!("seed {seed} test: {} {} | tokenized lowercased: BLEU = {:.2} {}", bleu.line(), bleu.signature, tok.bleu, tok.signature);
+    if let Some(group) = ranks.group() {
+        group.broadcast_vars(vs)?; // the test weights, which rank 0 read
+    }
+    let (hyps, bleu, tok, sps) = translate_and_score(model, &p.tokenizer, &p.test, &p.corpus.test.tgt, &cfg.decode, device, "test", ranks)?;
+    // The diagnostics and the files are rank 0's.
+    let (head_diversity, explained_away) = if ranks.is_main() {
+        probattn::io::write_bytes_atomic(&dir.join("test.hyp"), (hyps.join("\n") + "\n").as_bytes())?;
+        let (dist, away) = encoder_diagnostics(model, &p.test, device)?;
+        plots(dir, &state.history, &dist, &away)?;
+        println!("seed {seed} test: {} {} | tokenized lowercased: BLEU = {:.2} {}", bleu.line(), bleu.signature, tok.bleu, tok.signature);
+        (dist, away)
+    } else {
+        (vec![], vec![])
+    };
     Ok(RunResult {
         seed,
         test_bleu: bleu.bleu,
@@ -382,6 +498,7 @@ fn test_seed(run: &SeedRun, vs: &mut nn::VarStore, model: &Seq2Seq, adam: &Adam,
         updates: state.updates,
         train_seconds: state.train_seconds,
         tokens_per_second: state.train_tokens as f64 / state.train_seconds.max(1e-9),
+        distributed_tokens_per_second: None,
         test_sentences_per_second: sps,
         test_signature: bleu.signature,
         test_signature_tok: tok.signature,
