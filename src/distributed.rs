@@ -29,9 +29,8 @@
 //! for _ in 0..10 {
 //!     let x = Tensor::randn([4, 8], (Kind::Float, Device::Cpu)); // this rank's shard
 //!     let loss = x.apply(&linear).square().mean(Kind::Float);
-//!     reducer.prepare_for_backward(&[&loss])?;
 //!     opt.zero_grad();
-//!     loss.backward(); // the gradients are the ranks' mean when this returns
+//!     reducer.backward(&loss)?; // the gradients are the ranks' mean when this returns
 //!     opt.step();
 //! }
 //! # Ok::<(), Box<dyn std::error::Error>>(())
@@ -372,6 +371,16 @@ impl Reducer {
         self.handle
             .prepare(outputs)
             .map_err(|m| Error::Distributed(format!("preparing the gradient all-reduce on rank {} of {}: {m}", self.rank, self.world_size)))
+    }
+
+    /// [`Self::prepare_for_backward`] then `loss.backward()`: when it returns, every rank holds
+    /// the ranks' mean gradient. A peer that dies during the all-reduce is an
+    /// [`Error::Distributed`] here, not a panic.
+    pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        self.prepare_for_backward(&[loss])?;
+        loss.f_backward().map_err(|e| {
+            Error::Distributed(format!("backward (with the gradient all-reduce) failed on rank {} of {}: {e}", self.rank, self.world_size))
+        })
     }
 }
 

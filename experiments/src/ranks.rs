@@ -138,6 +138,14 @@ impl Ranks {
         }
     }
 
+    /// Waits for every rank (nothing to wait for in one process).
+    pub fn barrier(&self) -> Result<()> {
+        match &self.group {
+            Some(group) => Ok(group.barrier()?),
+            None => Ok(()),
+        }
+    }
+
     /// Each value summed over the ranks.
     pub fn sum(&self, values: &[f64]) -> Result<Vec<f64>> {
         let Some(group) = &self.group else { return Ok(values.to_vec()) };

@@ -395,10 +395,10 @@ fn train_epoch(
             None => Tensor::zeros([], (Kind::Double, device)),
         };
         adam.zero_grad();
-        if let Some(r) = reducer {
-            r.prepare_for_backward(&[&objective])?;
+        match reducer {
+            Some(r) => r.backward(&objective)?, // the gradients are the ranks' mean when it returns
+            None => objective.f_backward()?,
         }
-        objective.backward(); // with a reducer, the gradients are the ranks' mean when it returns
         if let Some(h) = hook {
             h.apply()?;
             if let (Some(group), Method::Spos) = (ranks.group(), h.config().method) {

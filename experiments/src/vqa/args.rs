@@ -200,6 +200,8 @@ pub struct VqaArgs {
     pub quick: bool,
     #[command(flatten)]
     pub common: CommonArgs,
+    #[command(flatten)]
+    pub dist: crate::ranks::DistArgs,
 }
 
 /// The default data folder of a dataset.

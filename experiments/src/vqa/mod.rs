@@ -39,6 +39,7 @@ use tch::{Device, Tensor};
 use crate::harness::{seeds, MetricsLog};
 use crate::plot::{line_chart, Series};
 use crate::provenance::{run_dir, write_json, write_results, Provenance};
+use crate::ranks::Ranks;
 use crate::report::mean_std;
 use args::{default_data_dir, detector_dir};
 use data::{DetectorSpec, Views, VqaData};
@@ -154,6 +155,9 @@ pub struct VqaResults {
     pub epoch_seconds_mean: f64,
     /// Where the features came from.
     pub features: String,
+    /// World size, backend and restarts of a run under torchrun; absent for one process.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub distributed: Option<crate::ranks::DistInfo>,
     pub provenance: Provenance,
 }
 
@@ -217,15 +221,31 @@ fn run_config(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
     Ok(cfg)
 }
 
-fn run_fusion(p: &Prepared, args: &VqaArgs, cfg: VqaRunConfig, features: &str, dir: &Path, device: Device) -> Result<VqaResults> {
+/// Trains and tests every seed of one fusion in `dir`; writes its results.json. Under several
+/// ranks, every rank trains; rank 0 alone tests beyond the accuracy, and writes.
+fn run_fusion(
+    p: &Prepared,
+    args: &VqaArgs,
+    cfg: VqaRunConfig,
+    features: &str,
+    dir: &Path,
+    device: Device,
+    ranks: &Ranks,
+) -> Result<Option<VqaResults>> {
     let (fusion, meta) = (cfg.model.fusion, &p.data.meta);
-    write_json(&dir.join("config.json"), &cfg)?;
-    let mut metrics = MetricsLog::create(&dir.join("metrics.jsonl"))?;
+    let mut metrics = None;
+    if ranks.is_main() {
+        write_json(&dir.join("config.json"), &cfg)?;
+        metrics = Some(MetricsLog::create(&dir.join("metrics.jsonl"))?);
+    }
     let mut runs = vec![];
     let mut traces = vec![];
     for seed in seeds(args.seed_start, args.seeds) {
         let mut trace = Trace::default();
-        let (mut run, model) = train_run(p, &cfg, seed, device, &mut metrics, &mut trace)?;
+        let (mut run, model) = train_run(p, &cfg, seed, device, metrics.as_mut(), &mut trace, ranks)?;
+        if !ranks.is_main() {
+            continue;
+        }
         if p.data.meta.dataset == Dataset::VqaV2.name() {
             let official = official_test(&model, p, &dir.join(format!("test_results-seed{seed}.json")), device)?;
             run.test_acc = official.overall / 100.0;
@@ -252,6 +272,9 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, cfg: VqaRunConfig, features: &str, d
             run.epoch_seconds
         );
         runs.push(run);
+    }
+    if !ranks.is_main() {
+        return Ok(None);
     }
     let series: Vec<Series> = traces
         .iter()
@@ -320,10 +343,11 @@ fn run_fusion(p: &Prepared, args: &VqaArgs, cfg: VqaRunConfig, features: &str, d
         test_acc_nonrelational_mean: nonrel.map(|s| s.0),
         test_acc_nonrelational_std: nonrel.map(|s| s.1),
         features: features.to_string(),
+        distributed: ranks.info(),
         provenance: Provenance::gather(device),
     };
     write_results(&dir.join("results.json"), &results)?;
-    Ok(results)
+    Ok(Some(results))
 }
 
 /// `--eval-torchscript`: the module's accuracy per split and question type (eval_torchscript.json).
@@ -357,6 +381,7 @@ fn eval_torchscript(p: &Prepared, path: &Path, args: &VqaArgs, device: Device) -
 
 pub fn run(args: &VqaArgs) -> Result<()> {
     let device = args.common.setup()?;
+    let (ranks, device) = Ranks::join(&args.dist, device)?;
     let quick;
     let args = if args.quick {
         quick = VqaArgs { seeds: 1, max_epochs: args.max_epochs.min(4), mc_samples: args.mc_samples.min(5), ..args.clone() };
@@ -376,7 +401,14 @@ pub fn run(args: &VqaArgs) -> Result<()> {
     // detectors, and the features' cache key does not say which ones a run used.
     let manifest =
         (args.dataset != Dataset::VqaV2 && args.detector.is_empty()).then(|| detector_dir(args, &data_dir).1.join("detectors.json"));
+    // Rank 0 first: whatever the data needs made (detectors, feature caches) is made once.
+    if !ranks.is_main() {
+        ranks.barrier()?;
+    }
     let (data, mut views, detectors, features_note) = load_data(args, &data_dir, device, start)?;
+    if ranks.is_main() {
+        ranks.barrier()?;
+    }
     let noisy_image = add_noise(args, &data, &mut views, &detectors, device)?;
     let split = |s: &str| data.splits[s].len();
     println!(
@@ -393,9 +425,17 @@ pub fn run(args: &VqaArgs) -> Result<()> {
     );
     let prepared = Prepared { data, views, noisy_image };
     if let Some(path) = &args.eval_torchscript {
+        anyhow::ensure!(ranks.world_size() == 1, "--eval-torchscript runs in one process, not under torchrun");
         return eval_torchscript(&prepared, path, args, device);
     }
     let configs = fusions.into_iter().map(|f| run_config(&prepared, args, f, &detectors)).collect::<Result<Vec<_>>>()?;
+    if !ranks.is_main() {
+        // Training alongside rank 0, which writes everything.
+        for cfg in configs {
+            run_fusion(&prepared, args, cfg, &features_note, Path::new(""), device, &ranks)?;
+        }
+        return Ok(());
+    }
     let dir = run_dir(args.out.as_deref(), "vqa", &format!("{}-{}", args.dataset.name(), args.fusion))?;
     if let Some(path) = manifest {
         let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
@@ -405,7 +445,7 @@ pub fn run(args: &VqaArgs) -> Result<()> {
     for cfg in configs {
         let sub = if args.fusion == "all" { dir.join(cfg.model.fusion_name()) } else { dir.clone() };
         std::fs::create_dir_all(&sub)?;
-        all.push(run_fusion(&prepared, args, cfg, &features_note, &sub, device)?);
+        all.extend(run_fusion(&prepared, args, cfg, &features_note, &sub, device, &ranks)?);
     }
     let table = table(&all);
     println!("\n{} ({} seed(s) from {}):\n{table}", args.dataset.name(), args.seeds, args.seed_start);

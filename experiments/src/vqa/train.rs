@@ -17,6 +17,7 @@ use super::v2;
 use super::{Prepared, RunResult, VqaRunConfig};
 use crate::harness::{BestWeights, MetricsLog};
 use crate::provenance::write_json;
+use crate::ranks::Ranks;
 use crate::report::progress_bar;
 
 /// A batch of one split, on the device.
@@ -140,19 +141,36 @@ pub(super) struct Trace {
     pub(super) val_by_type: Vec<(f64, Vec<f64>)>,
 }
 
-/// Trains one model from `seed`; appends per-epoch metrics to `metrics` and to `trace`.
+/// Trains one model from `seed`; appends per-epoch metrics to `metrics` (rank 0's) and to
+/// `trace`.
+///
+/// Under several ranks every rank draws the same question order and takes its share of each
+/// batch; each rank's loss is scaled by its share of the batch times the world size, so the
+/// reducer's mean is the whole batch's mean loss. Every rank evaluates the whole validation set
+/// (the same weights give the same accuracy), so early stopping decides alike everywhere.
 pub(super) fn train_run(
     p: &Prepared,
     cfg: &VqaRunConfig,
     seed: u64,
     device: Device,
-    metrics: &mut MetricsLog,
+    mut metrics: Option<&mut MetricsLog>,
     trace: &mut Trace,
+    ranks: &Ranks,
 ) -> Result<(RunResult, VqaModel)> {
     tch::manual_seed(seed as i64);
     let vs = nn::VarStore::new(device);
     let model = VqaModel::new(&vs.root(), cfg.model.clone())?;
     let mut opt = nn::Adam::default().build(&vs, cfg.lr)?;
+    let reducer = match ranks.group() {
+        Some(group) => {
+            group.broadcast_vars(&vs)?;
+            // Some parameters get no gradient in some configurations (a fusion's unused view
+            // projections): the reducer looks for them each step, as DDP's find_unused_parameters.
+            Some(group.reducer(&vs.trainable_variables(), true)?)
+        }
+        None => None,
+    };
+    let world = ranks.world_size() as f64;
     let mut lr = cfg.lr;
     let mut kept = BestWeights::new(&vs);
     let train = &p.data.splits["train"];
@@ -164,12 +182,20 @@ pub(super) fn train_run(
         epochs = epoch + 1;
         tch::manual_seed((seed * 1_000 + epoch as u64) as i64);
         let order = Tensor::randperm(train.len(), (Kind::Int64, Device::Cpu));
+        if ranks.rank() > 0 {
+            // The order above is every rank's; dropout and noise below are this rank's own.
+            tch::manual_seed(((seed * 1_000 + epoch as u64) as i64).wrapping_add((ranks.rank() as i64).wrapping_mul(0x9E37_79B9)));
+        }
         let bar = progress_bar(steps_per_epoch as u64, format!("{} seed {seed} epoch {epoch}", cfg.model.fusion_name()))?;
         // Summed on the device (float64) and read every 50 updates: no CPU sync per update.
         let (loss_sum, kl_sum) = (Tensor::zeros([], (Kind::Double, device)), Tensor::zeros([], (Kind::Double, device)));
         let loop_start = Instant::now();
         for step in 0..steps_per_epoch {
-            let idx = order.narrow(0, step * cfg.batch, cfg.batch.min(train.len() - step * cfg.batch));
+            let whole = order.narrow(0, step * cfg.batch, cfg.batch.min(train.len() - step * cfg.batch));
+            let share = ranks.shard(whole.size()[0] as usize);
+            ensure!(!share.is_empty(), "a batch of {} questions cannot be shared by {} ranks", whole.size()[0], ranks.world_size());
+            let share_weight = world * share.len() as f64 / whole.size()[0] as f64;
+            let idx = whole.narrow(0, share.start as i64, share.len() as i64);
             let b = batch_of(&p.views, train, &idx, device)?;
             let out = model.forward(&b.views, &b.tokens, Mode::TRAIN)?;
             let mut loss = match &b.target {
@@ -183,7 +209,14 @@ pub(super) fn train_run(
                 }
                 let _ = kl_sum.shallow_clone().g_add_(&kl.detach().to_kind(Kind::Double));
             }
-            opt.backward_step(&loss);
+            // One process: share_weight is 1. Several: the ranks' mean is the whole batch's.
+            let loss = loss * share_weight;
+            opt.zero_grad();
+            match &reducer {
+                Some(r) => r.backward(&loss)?,
+                None => loss.f_backward()?,
+            }
+            opt.step();
             let _ = loss_sum.shallow_clone().g_add_(&loss.detach().to_kind(Kind::Double));
             if step % 50 == 0 {
                 if let Some(u) = model.fusion.gates() {
@@ -196,8 +229,11 @@ pub(super) fn train_run(
         }
         update_seconds += loop_start.elapsed().as_secs_f64();
         bar.finish_and_clear();
-        let train_loss = f64::try_from(&loss_sum)? / steps_per_epoch as f64;
-        let kl_mean = f64::try_from(&kl_sum)? / steps_per_epoch as f64;
+        let [loss_total, kl_total] = ranks.sum(&[f64::try_from(&loss_sum)?, f64::try_from(&kl_sum)?])?[..] else {
+            unreachable!("two sums")
+        };
+        let train_loss = loss_total / world / steps_per_epoch as f64;
+        let kl_mean = kl_total / world / steps_per_epoch as f64;
         ensure!(train_loss.is_finite(), "training loss became {train_loss} in epoch {epoch} (seed {seed})");
         let (val_acc, val_per_type) = evaluate(&model, p, "val", device)?;
         // Per type too: a plateau on one question type (Sort-of-CLEVR's closest) hides in the mean.
@@ -205,13 +241,17 @@ pub(super) fn train_run(
         let val_acc_by_type: BTreeMap<String, f64> = p.data.meta.types.iter().cloned().zip(val_by_type.iter().copied()).collect();
         let hnas_u = model.fusion.gates().map(|u| Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))).transpose()?;
         let seconds = start.elapsed().as_secs_f64();
-        metrics.write(&EpochMetrics { epoch, hnas_u, kl: kl_mean, lr, seconds, seed, train_loss, val_acc, val_acc_by_type })?;
+        if let Some(metrics) = metrics.as_deref_mut() {
+            metrics.write(&EpochMetrics { epoch, hnas_u, kl: kl_mean, lr, seconds, seed, train_loss, val_acc, val_acc_by_type })?;
+        }
         trace.val_by_type.push((epoch as f64, val_by_type));
-        println!(
-            "{} seed {seed} epoch {epoch:3}: train loss {train_loss:.4}, val acc {val_acc:.4}, {:.0} s",
-            cfg.model.fusion_name(),
-            start.elapsed().as_secs_f64()
-        );
+        if ranks.is_main() {
+            println!(
+                "{} seed {seed} epoch {epoch:3}: train loss {train_loss:.4}, val acc {val_acc:.4}, {:.0} s",
+                cfg.model.fusion_name(),
+                start.elapsed().as_secs_f64()
+            );
+        }
         if val_acc > best {
             best = val_acc;
             best_epoch = epoch;
