@@ -318,12 +318,114 @@ fn start_or_resume(run: &SeedRun, vs: &nn::VarStore, adam: &mut Adam, resume: bo
     Ok(saved)
 }
 
+/// The epoch's running sums of (loss, nll, KL). Per-update values stay on the device and reach
+/// the CPU together every SYNC_EVERY updates and at the end of the epoch: one synchronization
+/// instead of three per update. They are added in update order, so the sums are the same.
+struct LossSums {
+    seed: u64,
+    sums: [f64; 3],
+    pending: Vec<Tensor>,
+    /// The (1-based) update number of `pending[0]`.
+    first_pending: u64,
+}
+
+impl LossSums {
+    fn new(seed: u64) -> Self {
+        Self { seed, sums: [0.0; 3], pending: vec![], first_pending: 0 }
+    }
+
+    /// Adds update `update`'s (loss, nll, KL); true when that brought the sums up to date.
+    fn push(&mut self, update: u64, values: Tensor) -> Result<bool> {
+        if self.pending.is_empty() {
+            self.first_pending = update;
+        }
+        self.pending.push(values);
+        if self.pending.len() < SYNC_EVERY {
+            return Ok(false);
+        }
+        self.flush()?;
+        Ok(true)
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let values: Vec<f64> = Vec::try_from(Tensor::stack(&self.pending, 0).view([-1]).to_device(Device::Cpu))?;
+        for (i, row) in values.chunks(3).enumerate() {
+            let update = self.first_pending + i as u64;
+            ensure!(row[0].is_finite(), "the training loss became {} at update {update} (seed {})", row[0], self.seed);
+            for (sum, v) in self.sums.iter_mut().zip(row) {
+                *sum += v;
+            }
+        }
+        self.pending.clear();
+        Ok(())
+    }
+}
+
+/// What one update hands back: its (loss, nll, KL) on the device, this rank's target tokens, and
+/// whether the model has a KL term.
+struct UpdateStats {
+    values: Tensor,
+    tokens: usize,
+    has_kl: bool,
+}
+
+/// One update on this rank's share of `whole` (a batch's sentence indices): forward, the loss
+/// scaled so that the ranks' mean is the whole batch's loss per target token, backward (with
+/// the gradient all-reduce under several ranks), the repulsive hook, Adam's step at `lr`.
+#[allow(clippy::too_many_arguments)]
+fn update(
+    run: &SeedRun,
+    model: &Seq2Seq,
+    hook: Option<&RepulsiveHook>,
+    reducer: Option<&Reducer>,
+    adam: &mut Adam,
+    whole: &[usize],
+    lr: f64,
+) -> Result<UpdateStats> {
+    let (p, cfg, device, ranks) = (run.p, run.cfg, run.device, run.ranks);
+    let world = ranks.world_size() as f64;
+    let share = ranks.shard(whole.len());
+    ensure!(!share.is_empty(), "a batch of {} sentences cannot be shared by {} ranks: raise --max-tokens", whole.len(), ranks.world_size());
+    let whole_tokens: usize = whole.iter().map(|&i| p.train.tgt[i].len()).sum();
+    let t = batch_tensors(&p.train, &whole[share], device);
+    let (logits, kl) = model.forward_t(&t.src, &t.prev, true)?;
+    let (loss, nll) = label_smoothed_loss(&logits, &t.target, cfg.label_smoothing);
+    let mut objective = &loss * (world / whole_tokens as f64);
+    let kl_value = match &kl {
+        Some(kl) => {
+            // The KL is a mean over this rank's attention entries: weighed by the rank's share of
+            // the batch's target tokens (1 in a single process).
+            objective += kl * (cfg.kl_weight * world * t.ntokens as f64 / whole_tokens as f64);
+            kl.detach().to_kind(Kind::Double)
+        }
+        None => Tensor::zeros([], (Kind::Double, device)),
+    };
+    adam.zero_grad();
+    match reducer {
+        Some(r) => r.backward(&objective)?, // the gradients are the ranks' mean when it returns
+        None => objective.f_backward()?,
+    }
+    if let Some(h) = hook {
+        h.apply()?;
+        if let (Some(group), Method::Spos) = (ranks.group(), h.config().method) {
+            // SPOS's noise is drawn on each rank: rank 0's direction for every rank.
+            let grads: Vec<Tensor> = h.params().iter().map(Tensor::grad).collect();
+            group.broadcast(&grads.iter().collect::<Vec<_>>(), 0)?;
+        }
+    }
+    adam.step(lr);
+    let values = Tensor::stack(&[loss.detach().to_kind(Kind::Double), nll.detach().to_kind(Kind::Double), kl_value], 0);
+    Ok(UpdateStats { values, tokens: t.ntokens, has_kl: kl.is_some() })
+}
+
 /// One epoch: the updates over `batches` in the epoch's seeded order, then validation loss and
 /// BLEU; advances `state`'s epoch, update, time and token counts and returns the epoch's line.
 ///
 /// Under several ranks every rank walks the same batches and takes its share of each batch's
-/// sentences; the objective is scaled so that the reducer's mean over the ranks is the whole
-/// batch's loss per target token, exactly what one process on the whole batch minimizes.
+/// sentences ([`update`]), so the run sees exactly one process's batches.
 #[allow(clippy::too_many_arguments)]
 fn train_epoch(
     run: &SeedRun,
@@ -337,7 +439,6 @@ fn train_epoch(
 ) -> Result<EpochMetrics> {
     let (p, cfg, seed, device, ranks) = (run.p, run.cfg, run.seed, run.device, run.ranks);
     let epoch = state.epoch;
-    let world = ranks.world_size() as f64;
     let done_by_updates = |u: u64| cfg.max_updates > 0 && u >= cfg.max_updates;
     // Dropout, BAM noise and the batch order depend on (seed, epoch) only; each rank's dropout
     // and noise on its rank too (rank 0's are a single process's).
@@ -346,95 +447,37 @@ fn train_epoch(
     let order = epoch_order(batches, seed, epoch);
     let bar = progress_bar(order.len() as u64, format!("seed {seed} epoch {}", epoch + 1))?;
     let start = Instant::now();
-    // [loss, nll, KL] summed over the epoch's updates.
-    let (mut sums, mut tokens, mut steps) = ([0.0f64; 3], 0usize, 0usize);
-    let mut has_kl = false;
-    // Per-update (loss, nll, KL) stay on the device and reach the CPU together every
-    // SYNC_EVERY updates and at the end of the epoch: one synchronization instead of three per
-    // update. They are added in update order, so the sums are the same.
-    let mut pending: Vec<Tensor> = vec![];
-    let flush = |pending: &mut Vec<Tensor>, first_update: u64, sums: &mut [f64; 3]| -> Result<()> {
-        if pending.is_empty() {
-            return Ok(());
-        }
-        let values: Vec<f64> = Vec::try_from(Tensor::stack(pending, 0).view([-1]).to_device(Device::Cpu))?;
-        for (i, row) in values.chunks(3).enumerate() {
-            ensure!(row[0].is_finite(), "the training loss became {} at update {} (seed {seed})", row[0], first_update + i as u64);
-            for (sum, v) in sums.iter_mut().zip(row) {
-                *sum += v;
-            }
-        }
-        pending.clear();
-        Ok(())
-    };
+    let mut sums = LossSums::new(seed);
+    let (mut tokens, mut steps, mut has_kl) = (0usize, 0usize, false);
     for &bi in &order {
         if done_by_updates(state.updates) {
             break;
         }
-        let whole = &batches[bi];
-        let share = ranks.shard(whole.len());
-        ensure!(
-            !share.is_empty(),
-            "a batch of {} sentences cannot be shared by {} ranks: raise --max-tokens",
-            whole.len(),
-            ranks.world_size()
-        );
-        let whole_tokens: usize = whole.iter().map(|&i| p.train.tgt[i].len()).sum();
-        let t = batch_tensors(&p.train, &whole[share], device);
-        let (logits, kl) = model.forward_t(&t.src, &t.prev, true)?;
-        let (loss, nll) = label_smoothed_loss(&logits, &t.target, cfg.label_smoothing);
-        let mut objective = &loss * (world / whole_tokens as f64);
-        let kl_value = match &kl {
-            Some(kl) => {
-                // The KL is a mean over this rank's attention entries: weighed by the rank's
-                // share of the batch's target tokens (1 in a single process).
-                objective += kl * (cfg.kl_weight * world * t.ntokens as f64 / whole_tokens as f64);
-                has_kl = true;
-                kl.detach().to_kind(Kind::Double)
-            }
-            None => Tensor::zeros([], (Kind::Double, device)),
-        };
-        adam.zero_grad();
-        match reducer {
-            Some(r) => r.backward(&objective)?, // the gradients are the ranks' mean when it returns
-            None => objective.f_backward()?,
-        }
-        if let Some(h) = hook {
-            h.apply()?;
-            if let (Some(group), Method::Spos) = (ranks.group(), h.config().method) {
-                // SPOS's noise is drawn on each rank: rank 0's direction for every rank.
-                let grads: Vec<Tensor> = h.params().iter().map(Tensor::grad).collect();
-                group.broadcast(&grads.iter().collect::<Vec<_>>(), 0)?;
-            }
-        }
         // As fairseq: update n (1-based) runs at the rate the schedule set after update n − 1,
         // so the first one at warmup_init_lr.
         let lr = cfg.schedule.lr_at(state.updates);
-        adam.step(lr);
+        let u = update(run, model, hook, reducer, adam, &batches[bi], lr)?;
         state.updates += 1;
-        pending.push(Tensor::stack(&[loss.detach().to_kind(Kind::Double), nll.detach().to_kind(Kind::Double), kl_value], 0));
-        tokens += t.ntokens;
-        steps += 1;
-        if pending.len() == SYNC_EVERY {
-            flush(&mut pending, state.updates + 1 - SYNC_EVERY as u64, &mut sums)?;
+        (tokens, steps, has_kl) = (tokens + u.tokens, steps + 1, u.has_kl);
+        if sums.push(state.updates, u.values)? {
             let secs = start.elapsed().as_secs_f64().max(1e-9);
             bar.set_message(format!(
                 "loss {:.3}, lr {lr:.2e}, {:.1} upd/s, {:.0} tok/s",
-                sums[0] / tokens as f64,
+                sums.sums[0] / tokens as f64,
                 steps as f64 / secs,
                 tokens as f64 / secs
             ));
         }
         bar.inc(1);
     }
-    let first_pending = state.updates + 1 - pending.len() as u64;
-    flush(&mut pending, first_pending, &mut sums)?;
+    sums.flush()?;
     let seconds = start.elapsed().as_secs_f64();
     bar.finish_and_clear();
     own.tokens += tokens as f64;
     own.seconds += seconds;
     // The job's sums: every rank's tokens, the slowest rank's time.
-    let [loss_sum, nll_sum, kl_sum, tokens, kl_terms] = ranks.sum(&[sums[0], sums[1], sums[2], tokens as f64, steps as f64])?[..] else {
+    let [loss_sum, nll_sum, kl_sum] = sums.sums;
+    let [loss_sum, nll_sum, kl_sum, tokens, kl_terms] = ranks.sum(&[loss_sum, nll_sum, kl_sum, tokens as f64, steps as f64])?[..] else {
         unreachable!("five sums")
     };
     let seconds = ranks.gather(seconds)?.into_iter().fold(0.0, f64::max);

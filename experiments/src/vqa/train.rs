@@ -19,6 +19,7 @@ use crate::harness::{BestWeights, MetricsLog};
 use crate::provenance::write_json;
 use crate::ranks::Ranks;
 use crate::report::progress_bar;
+use probattn::distributed::Reducer;
 
 /// A batch of one split, on the device.
 pub(super) struct Batch {
@@ -141,55 +142,48 @@ pub(super) struct Trace {
     pub(super) val_by_type: Vec<(f64, Vec<f64>)>,
 }
 
-/// Trains one model from `seed`; appends per-epoch metrics to `metrics` (rank 0's) and to
-/// `trace`.
-///
-/// Under several ranks every rank draws the same question order and takes its share of each
-/// batch; each rank's loss is scaled by its share of the batch times the world size, so the
-/// reducer's mean is the whole batch's mean loss. Every rank evaluates the whole validation set
-/// (the same weights give the same accuracy), so early stopping decides alike everywhere.
-pub(super) fn train_run(
-    p: &Prepared,
-    cfg: &VqaRunConfig,
-    seed: u64,
+/// What an epoch's updates read besides the model and the optimizer.
+struct Trainer<'a> {
+    p: &'a Prepared,
+    cfg: &'a VqaRunConfig,
     device: Device,
-    mut metrics: Option<&mut MetricsLog>,
-    trace: &mut Trace,
-    ranks: &Ranks,
-) -> Result<(RunResult, VqaModel)> {
-    tch::manual_seed(seed as i64);
-    let vs = nn::VarStore::new(device);
-    let model = VqaModel::new(&vs.root(), cfg.model.clone())?;
-    let mut opt = nn::Adam::default().build(&vs, cfg.lr)?;
-    let reducer = match ranks.group() {
-        Some(group) => {
-            group.broadcast_vars(&vs)?;
-            // Some parameters get no gradient in some configurations (a fusion's unused view
-            // projections): the reducer looks for them each step, as DDP's find_unused_parameters.
-            Some(group.reducer(&vs.trainable_variables(), true)?)
-        }
-        None => None,
-    };
-    let world = ranks.world_size() as f64;
-    let mut lr = cfg.lr;
-    let mut kept = BestWeights::new(&vs);
-    let train = &p.data.splits["train"];
-    let steps_per_epoch = (train.len() + cfg.batch - 1) / cfg.batch;
-    let (mut best, mut best_epoch, mut waited, mut epochs) = (-1.0f64, 0usize, 0usize, 0usize);
-    let mut update_seconds = 0.0;
-    let start = Instant::now();
-    for epoch in 0..cfg.max_epochs {
-        epochs = epoch + 1;
-        tch::manual_seed((seed * 1_000 + epoch as u64) as i64);
-        let order = Tensor::randperm(train.len(), (Kind::Int64, Device::Cpu));
-        if ranks.rank() > 0 {
-            // The order above is every rank's; dropout and noise below are this rank's own.
-            tch::manual_seed(((seed * 1_000 + epoch as u64) as i64).wrapping_add((ranks.rank() as i64).wrapping_mul(0x9E37_79B9)));
-        }
+    ranks: &'a Ranks,
+    reducer: Option<Reducer>,
+}
+
+impl<'a> Trainer<'a> {
+    /// Under several ranks: rank 0's initial weights everywhere, and DDP's reducer over them.
+    fn new(p: &'a Prepared, cfg: &'a VqaRunConfig, device: Device, ranks: &'a Ranks, vs: &nn::VarStore) -> Result<Self> {
+        let reducer = match ranks.group() {
+            Some(group) => {
+                group.broadcast_vars(vs)?;
+                // Some parameters get no gradient in some configurations (a fusion's unused view
+                // projections): the reducer looks for them each step, as DDP's find_unused_parameters.
+                Some(group.reducer(&vs.trainable_variables(), true)?)
+            }
+            None => None,
+        };
+        Ok(Self { p, cfg, device, ranks, reducer })
+    }
+
+    /// One epoch's updates in `order` (question rows; every rank's the same), each rank on its
+    /// share of each batch; returns the mean training loss and KL term over the updates.
+    fn epoch(
+        &self,
+        model: &VqaModel,
+        opt: &mut nn::Optimizer,
+        order: &Tensor,
+        seed: u64,
+        epoch: usize,
+        trace: &mut Trace,
+    ) -> Result<(f64, f64)> {
+        let (p, cfg, device, ranks) = (self.p, self.cfg, self.device, self.ranks);
+        let train = &p.data.splits["train"];
+        let steps_per_epoch = (train.len() + cfg.batch - 1) / cfg.batch;
+        let world = ranks.world_size() as f64;
         let bar = progress_bar(steps_per_epoch as u64, format!("{} seed {seed} epoch {epoch}", cfg.model.fusion_name()))?;
         // Summed on the device (float64) and read every 50 updates: no CPU sync per update.
         let (loss_sum, kl_sum) = (Tensor::zeros([], (Kind::Double, device)), Tensor::zeros([], (Kind::Double, device)));
-        let loop_start = Instant::now();
         for step in 0..steps_per_epoch {
             let whole = order.narrow(0, step * cfg.batch, cfg.batch.min(train.len() - step * cfg.batch));
             let share = ranks.shard(whole.size()[0] as usize);
@@ -212,7 +206,7 @@ pub(super) fn train_run(
             // One process: share_weight is 1. Several: the ranks' mean is the whole batch's.
             let loss = loss * share_weight;
             opt.zero_grad();
-            match &reducer {
+            match &self.reducer {
                 Some(r) => r.backward(&loss)?,
                 None => loss.f_backward()?,
             }
@@ -227,13 +221,52 @@ pub(super) fn train_run(
             }
             bar.inc(1);
         }
-        update_seconds += loop_start.elapsed().as_secs_f64();
         bar.finish_and_clear();
         let [loss_total, kl_total] = ranks.sum(&[f64::try_from(&loss_sum)?, f64::try_from(&kl_sum)?])?[..] else {
             unreachable!("two sums")
         };
-        let train_loss = loss_total / world / steps_per_epoch as f64;
-        let kl_mean = kl_total / world / steps_per_epoch as f64;
+        Ok((loss_total / world / steps_per_epoch as f64, kl_total / world / steps_per_epoch as f64))
+    }
+}
+
+/// Trains one model from `seed`; appends per-epoch metrics to `metrics` (rank 0's) and to
+/// `trace`.
+///
+/// Under several ranks every rank draws the same question order and takes its share of each
+/// batch; each rank's loss is scaled by its share of the batch times the world size, so the
+/// reducer's mean is the whole batch's mean loss. Every rank evaluates the whole validation set
+/// (the same weights give the same accuracy), so early stopping decides alike everywhere.
+pub(super) fn train_run(
+    p: &Prepared,
+    cfg: &VqaRunConfig,
+    seed: u64,
+    device: Device,
+    mut metrics: Option<&mut MetricsLog>,
+    trace: &mut Trace,
+    ranks: &Ranks,
+) -> Result<(RunResult, VqaModel)> {
+    tch::manual_seed(seed as i64);
+    let vs = nn::VarStore::new(device);
+    let model = VqaModel::new(&vs.root(), cfg.model.clone())?;
+    let mut opt = nn::Adam::default().build(&vs, cfg.lr)?;
+    let trainer = Trainer::new(p, cfg, device, ranks, &vs)?;
+    let mut lr = cfg.lr;
+    let mut kept = BestWeights::new(&vs);
+    let train = &p.data.splits["train"];
+    let (mut best, mut best_epoch, mut waited, mut epochs) = (-1.0f64, 0usize, 0usize, 0usize);
+    let mut update_seconds = 0.0;
+    let start = Instant::now();
+    for epoch in 0..cfg.max_epochs {
+        epochs = epoch + 1;
+        tch::manual_seed((seed * 1_000 + epoch as u64) as i64);
+        let order = Tensor::randperm(train.len(), (Kind::Int64, Device::Cpu));
+        if ranks.rank() > 0 {
+            // The order above is every rank's; dropout and noise below are this rank's own.
+            tch::manual_seed(((seed * 1_000 + epoch as u64) as i64).wrapping_add((ranks.rank() as i64).wrapping_mul(0x9E37_79B9)));
+        }
+        let loop_start = Instant::now();
+        let (train_loss, kl_mean) = trainer.epoch(&model, &mut opt, &order, seed, epoch, trace)?;
+        update_seconds += loop_start.elapsed().as_secs_f64();
         ensure!(train_loss.is_finite(), "training loss became {train_loss} in epoch {epoch} (seed {seed})");
         let (val_acc, val_per_type) = evaluate(&model, p, "val", device)?;
         // Per type too: a plateau on one question type (Sort-of-CLEVR's closest) hides in the mean.
