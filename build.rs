@@ -72,9 +72,9 @@ fn build_cxx_layer() {
 /// c10d's Gloo process group needs gloo's headers, which the PyTorch wheel leaves out (the code is
 /// inside libtorch_cpu): PROBATTN_GLOO_INCLUDE, else the system's (Debian's libgloo-dev, which
 /// ./download_libtorch.sh installs). NCCL's process group needs nccl.h (the wheel's nvidia-nccl)
-/// and the CUDA toolkit's headers (PROBATTN_CUDA_INCLUDE; the wheel's CUDA packages lack
-/// crt/host_config.h). Without gloo's headers the build still succeeds and joining a process
-/// group says what is missing.
+/// and CUDA's headers: the wheel's nvidia/cu13/include once ./download_libtorch.sh has added the
+/// crt/ and nv/ folders it lacks (nvidia-cuda-crt, nvidia-cuda-cccl), or PROBATTN_CUDA_INCLUDE.
+/// Without either the build still succeeds and joining such a process group says what is missing.
 fn distributed_flags(build: &mut cc::Build, torch_dir: &std::path::Path) {
     let gloo = std::env::var_os("PROBATTN_GLOO_INCLUDE")
         .map(PathBuf::from)
@@ -95,9 +95,17 @@ fn distributed_flags(build: &mut cc::Build, torch_dir: &std::path::Path) {
              distributed training is left out of this build"
         ),
     }
-    let site = torch_dir.parent().map(|p| p.join("nvidia/nccl/include"));
-    let nccl = site.filter(|dir| dir.join("nccl.h").is_file());
-    let cuda = std::env::var_os("PROBATTN_CUDA_INCLUDE").map(PathBuf::from).filter(|dir| dir.join("crt/host_config.h").is_file());
+    let site = torch_dir.parent().map(std::path::Path::to_path_buf);
+    let nccl = site.as_ref().map(|p| p.join("nvidia/nccl/include")).filter(|dir| dir.join("nccl.h").is_file());
+    // The wheel's CUDA headers, completed by ./download_libtorch.sh with the crt/ and nv/ folders.
+    let cuda = std::env::var_os("PROBATTN_CUDA_INCLUDE")
+        .map(PathBuf::from)
+        .or_else(|| site.as_ref().map(|p| p.join("nvidia/cu13/include")))
+        .filter(|dir| dir.join("crt/host_config.h").is_file() && dir.join("nv/target").is_file());
+    if let Some(dir) = site.as_ref().map(|p| p.join("nvidia/cu13/include")).filter(|d| d.is_dir()) {
+        // Rebuilt when the set-up completes the folder.
+        println!("cargo:rerun-if-changed={}", dir.display());
+    }
     if let (Some(nccl), Some(cuda)) = (nccl, cuda) {
         build.define("USE_C10D_NCCL", None).define("PROBATTN_NCCL", None);
         for dir in [nccl, cuda] {

@@ -102,6 +102,19 @@ if ! gloo_headers; then
 probattn builds without distributed training, and its distributed tests fail" >&2
 fi
 
+# CUDA's compiler-runtime and CCCL headers (crt/, nv/), which c10d's NCCL process group needs at
+# build time and the wheel's CUDA runtime package leaves out: two small header-only wheels of the
+# runtime's CUDA version, into the same nvidia/cu13/include folder. Not into a --python interpreter.
+if [ -z "$reuse_python" ]; then
+  cuda_include="$("$python" -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13", "include"))' 2>/dev/null || true)"
+  if [ -d "$cuda_include" ] && { [ ! -f "$cuda_include/crt/host_config.h" ] || [ ! -d "$cuda_include/nv" ]; }; then
+    cuda_minor="$("$python" -c 'import importlib.metadata as m; print(".".join(m.version("nvidia-cuda-runtime").split(".")[:2]))')"
+    echo "Installing CUDA ${cuda_minor}'s crt and CCCL headers (for NCCL in distributed training)..."
+    "$python" -m pip install --quiet "nvidia-cuda-crt==${cuda_minor}.*" "nvidia-cuda-cccl==${cuda_minor}.*" \
+      || echo "download_libtorch.sh: warning: no CUDA crt/CCCL headers: probattn builds without NCCL" >&2
+  fi
+fi
+
 mkdir -p "$ROOT/.cargo"
 config="$ROOT/.cargo/config.toml"
 tmp="$(mktemp "$ROOT/.cargo/config.toml.XXXXXX")"

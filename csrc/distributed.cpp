@@ -65,6 +65,14 @@ std::shared_ptr<::gloo::transport::Device> gloo_device() {
 
 extern "C" {
 
+int32_t pa_dist_has_gloo(void) {
+#ifdef PROBATTN_GLOO
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 int32_t pa_dist_has_nccl(void) {
 #ifdef PROBATTN_NCCL
   return 1;

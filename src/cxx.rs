@@ -80,6 +80,7 @@ extern "C" {
         reserved_peak: *mut i64,
     ) -> *mut c_char;
     fn pa_cuda_memory_reset_peak(device: i64) -> *mut c_char;
+    fn pa_dist_has_gloo() -> i32;
     fn pa_dist_has_nccl() -> i32;
     fn pa_dist_join(
         backend: *const c_char,
@@ -351,6 +352,12 @@ pub(crate) fn cuda_memory_stats(device: i64) -> Result<[i64; 4]> {
 pub(crate) fn cuda_memory_reset_peak(device: i64) -> Result<()> {
     // SAFETY: a plain integer argument.
     check(unsafe { pa_cuda_memory_reset_peak(device) }, memory_error)
+}
+
+/// Whether the C++ layer was built with Gloo (`ProcessGroupGloo`).
+pub(crate) fn dist_has_gloo() -> bool {
+    // SAFETY: no arguments; reads a constant.
+    unsafe { pa_dist_has_gloo() != 0 }
 }
 
 /// Whether the C++ layer was built with NCCL (`ProcessGroupNCCL`).

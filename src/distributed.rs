@@ -52,7 +52,7 @@ use crate::{Error, Result};
 pub enum Backend {
     /// Gloo: CPU tensors (and CUDA tensors through the host); what torch.distributed uses on CPU.
     Gloo,
-    /// NCCL: CUDA tensors; present only in builds made with the CUDA toolkit's headers
+    /// NCCL: CUDA tensors; present only in builds that found NCCL's and CUDA's headers
     /// ([`Backend::nccl_available`]).
     Nccl,
 }
@@ -70,6 +70,19 @@ impl Backend {
     /// Whether this build has c10d's NCCL process group.
     pub fn nccl_available() -> bool {
         crate::cxx::dist_has_nccl()
+    }
+
+    /// Whether this build has c10d's Gloo process group (gloo's headers were found at build time).
+    pub fn gloo_available() -> bool {
+        crate::cxx::dist_has_gloo()
+    }
+
+    /// The backends this build has.
+    pub fn available() -> Vec<Backend> {
+        [(Backend::Gloo, Self::gloo_available()), (Backend::Nccl, Self::nccl_available())]
+            .into_iter()
+            .filter_map(|(b, has)| has.then_some(b))
+            .collect()
     }
 
     pub fn name(self) -> &'static str {

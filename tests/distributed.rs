@@ -330,3 +330,15 @@ fn world_size_one_reducer_leaves_gradients_as_they_are() {
     let seqs = vec![vec![1, 2, 3], vec![], vec![7]];
     assert_eq!(group.all_gather_sequences(&seqs).unwrap(), vec![seqs]);
 }
+
+#[test]
+fn this_build_has_both_backends_and_nccl_without_a_gpu_is_a_named_error() {
+    // The set-up provides gloo's headers and completes CUDA's, so both process groups are built.
+    assert!(Backend::gloo_available(), "built without gloo's headers: run ./download_libtorch.sh");
+    assert!(Backend::nccl_available(), "built without NCCL: run ./download_libtorch.sh (it adds CUDA's crt and CCCL headers)");
+    if tch::Cuda::is_available() {
+        return;
+    }
+    let err = ProcessGroup::join(&Launch::single(free_port()), Backend::Nccl, Duration::from_secs(20)).unwrap_err().to_string();
+    assert!(err.contains("could not join the nccl process group"), "{err}");
+}

@@ -38,6 +38,8 @@ pub struct Report {
     pub cudnn_available: bool,
     pub cudnn_version: Option<i64>,
     pub device: String,
+    /// The c10d backends this build has, for `torchrun` (docs/distributed.md).
+    pub distributed_backends: Vec<probattn::distributed::Backend>,
 }
 
 impl Report {
@@ -58,6 +60,7 @@ impl Report {
             cudnn_available,
             cudnn_version: cudnn_available.then(tch::utils::version_cudnn),
             device: probattn::device::device_name(device),
+            distributed_backends: probattn::distributed::Backend::available(),
         }
     }
 
@@ -82,6 +85,11 @@ impl Report {
             None => println!("cuDNN     no"),
         }
         println!("device    {} (from --device)", self.device);
+        let backends: Vec<&str> = self.distributed_backends.iter().map(|b| b.name()).collect();
+        println!(
+            "c10d      {} (distributed training under torchrun)",
+            if backends.is_empty() { "none".into() } else { backends.join(", ") }
+        );
     }
 
     /// Why CUDA is not usable, when it is not.
