@@ -17,12 +17,15 @@
 //! uninterrupted run would have.
 
 mod args;
+mod checkpoint;
+mod evaluate;
 pub mod optim;
 mod train;
 
 pub use args::{Dataset, Preset, Repulsive, TranslateArgs};
+use checkpoint::{load_params, read_checkpoint};
 pub use train::label_smoothed_loss;
-use train::{load_params, read_checkpoint, train_seed};
+use train::train_seed;
 
 use std::path::Path;
 use std::time::Instant;

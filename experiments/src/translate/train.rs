@@ -1,55 +1,28 @@
-//! One seed's training, validation and test: the epoch loop, its checkpoints (resumable), the
-//! test with the best (or averaged) weights, and the run's plots.
+//! One seed's training and test: the updates (one process or a rank's share of each batch), the
+//! epoch loop with its checkpoints (resumable), and the test with the best (or averaged) weights.
+//! The checkpoints' format is `checkpoint.rs`; validation, decoding, diagnostics and plots are
+//! `evaluate.rs`.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use probattn::distributed::Reducer;
 use probattn::repulsive::{Method, RepulsiveHook};
 use probattn_models::translation::Seq2Seq;
-use serde::{Deserialize, Serialize};
 use tch::{nn, Device, Kind, Tensor};
-use tokenizers::Tokenizer;
 
+use super::checkpoint::{average_last, fresh_state, load_params, read_checkpoint, save_checkpoint, TrainState};
+use super::evaluate::{encoder_diagnostics, hnas_gates, plots, translate_and_score, valid_loss};
 use super::optim::Adam;
 use super::{EpochMetrics, Prepared, Repulsive, RunResult, TranslateConfig};
-use crate::bleu::{corpus_bleu, BleuConfig};
 use crate::harness::MetricsLog;
 use crate::ranks::Ranks;
 use crate::report::progress_bar;
-use crate::seq2seq::data::{self, batch_tensors, epoch_order, token_batches, Batch, Encoded, PAD};
-use crate::seq2seq::decode::{self, DecodeConfig};
+use crate::seq2seq::data::{batch_tensors, epoch_order, token_batches, Batch, PAD};
 
 /// Updates between two readings of the training loss on the CPU (progress bar, NaN check).
 const SYNC_EVERY: usize = 10;
-
-/// Sentences per decoding batch during training (validation and test).
-const DECODE_BATCH: usize = 64;
-
-/// What the checkpoint carries besides tensors (stored in it as a JSON byte tensor, so the file
-/// is one atomic unit).
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(super) struct TrainState {
-    pub(super) config: TranslateConfig,
-    pub(super) seed: u64,
-    /// Epochs completed.
-    pub(super) epoch: usize,
-    pub(super) updates: u64,
-    /// −∞ before the first epoch, which JSON writes as null.
-    #[serde(deserialize_with = "null_as_neg_infinity")]
-    pub(super) best_bleu: f64,
-    pub(super) best_epoch: usize,
-    pub(super) waited: usize,
-    pub(super) train_seconds: f64,
-    pub(super) train_tokens: u64,
-    pub(super) history: Vec<EpochMetrics>,
-}
-
-fn null_as_neg_infinity<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
-    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NEG_INFINITY))
-}
 
 /// Label-smoothed cross-entropy, fairseq 0.6: `Σ_t (1−ε)·nll_t + ε/V · Σ_v −log p_t(v)` over
 /// non-padding targets; returns (loss sum, nll sum).
@@ -61,92 +34,6 @@ pub fn label_smoothed_loss(logits: &Tensor, target: &Tensor, eps: f64) -> (Tenso
     let smooth = -lprobs.sum_dim_intlist(&[-1i64][..], false, Kind::Float) * &keep;
     let nll = nll.sum(Kind::Float);
     ((&nll * (1.0 - eps)) + smooth.sum(Kind::Float) * (eps / v), nll)
-}
-
-/// Writes the training checkpoint: parameters, Adam's moments, and the state as JSON bytes.
-pub(super) fn save_checkpoint(path: &Path, vs: &nn::VarStore, adam: &Adam, state: &TrainState) -> Result<()> {
-    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-    named.extend(adam.state_tensors());
-    let json = serde_json::to_vec(state)?;
-    named.push(("train_state.json".into(), Tensor::from_slice(&json)));
-    let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    probattn::io::write_safetensors_atomic(path, &refs).with_context(|| format!("writing checkpoint {}", path.display()))
-}
-
-/// Reads a checkpoint's tensors and its training state, with errors that name the file.
-pub(super) fn read_checkpoint(path: &Path) -> Result<(HashMap<String, Tensor>, TrainState)> {
-    let tensors = probattn::io::read_safetensors(path).with_context(|| format!("reading checkpoint {}", path.display()))?;
-    let state = tensors
-        .get("train_state.json")
-        .with_context(|| format!("{} is not a probattn translate checkpoint (no train_state.json)", path.display()))?;
-    let bytes: Vec<u8> = Vec::try_from(state).with_context(|| format!("{}: train_state.json", path.display()))?;
-    let state: TrainState =
-        serde_json::from_slice(&bytes).with_context(|| format!("{}: its train_state.json does not parse", path.display()))?;
-    Ok((tensors, state))
-}
-
-/// Copies the model parameters of a checkpoint into `vs`, checking names and shapes.
-pub(super) fn load_params(vs: &nn::VarStore, tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
-    for (name, mut t) in vs.variables() {
-        let saved =
-            tensors.get(&name).with_context(|| format!("{} lacks parameter {name}: a checkpoint of another model", path.display()))?;
-        ensure!(saved.size() == t.size(), "{}: {name} has shape {:?}, the model {:?}", path.display(), saved.size(), t.size());
-        tch::no_grad(|| t.copy_(saved));
-    }
-    Ok(())
-}
-
-/// Translates `data`'s sources and scores them against `refs` (sacreBLEU's default and the
-/// tokenized, lowercased kind); returns (hypotheses, BLEU, BLEU tok-lc, sentences/s).
-/// Under several ranks each decodes its share of the sentences and every rank gets them all.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn translate_and_score(
-    model: &Seq2Seq,
-    tokenizer: &Tokenizer,
-    data: &Encoded,
-    refs: &[String],
-    cfg: &DecodeConfig,
-    device: Device,
-    label: &str,
-    ranks: &Ranks,
-) -> Result<(Vec<String>, crate::bleu::BleuScore, crate::bleu::BleuScore, f64)> {
-    let share = ranks.shard(data.len()).len();
-    let bar = progress_bar(share as u64, format!("{label} decoding"))?;
-    let start = Instant::now();
-    let ids = ranks.split_sequences(data.len(), |range| {
-        decode::translate(model, &data.src[range], cfg, DECODE_BATCH, device, |n| bar.inc(n as u64))
-    })?;
-    let seconds = start.elapsed().as_secs_f64();
-    bar.finish_and_clear();
-    let hyps: Vec<String> = ids.iter().map(|h| data::decode(tokenizer, h)).collect::<Result<_>>()?;
-    let bleu = corpus_bleu(&hyps, refs, &BleuConfig::default())?;
-    let tok = corpus_bleu(&hyps, refs, &BleuConfig::tokenized_lowercase())?;
-    Ok((hyps, bleu, tok, data.len() as f64 / seconds.max(1e-9)))
-}
-
-/// Validation loss (label-smoothed and nll, per target token) in eval mode; each rank takes its
-/// share of the batches.
-fn valid_loss(model: &Seq2Seq, data: &Encoded, cfg: &TranslateConfig, device: Device, ranks: &Ranks) -> Result<(f64, f64)> {
-    let (batches, _) = token_batches(data, cfg.max_tokens, usize::MAX);
-    let (mut loss, mut nll, mut tokens) = (0.0, 0.0, 0usize);
-    tch::no_grad(|| -> Result<()> {
-        for b in &batches[ranks.shard(batches.len())] {
-            let t = batch_tensors(data, b, device);
-            let (logits, _) = model.forward_t(&t.src, &t.prev, false)?;
-            let (l, n) = label_smoothed_loss(&logits, &t.target, cfg.label_smoothing);
-            loss += f64::try_from(l)?;
-            nll += f64::try_from(n)?;
-            tokens += t.ntokens;
-        }
-        Ok(())
-    })?;
-    let [loss, nll, tokens] = ranks.sum(&[loss, nll, tokens as f64])?[..] else { unreachable!("three sums") };
-    Ok((loss / tokens.max(1.0), nll / tokens.max(1.0)))
-}
-
-/// HNAS's mean `u` per encoder layer.
-fn hnas_gates(model: &Seq2Seq) -> Option<Vec<f64>> {
-    model.stack.encoder.iter().map(|l| l.self_attn.hybrid_u().and_then(|u| f64::try_from(u.mean(Kind::Double)).ok())).collect()
 }
 
 /// What one seed's training reads besides its model and optimizer.
@@ -258,22 +145,6 @@ pub(super) fn train_seed(
     let mut result = test_seed(&run, &mut vs, &model, &adam, &state)?;
     result.distributed_tokens_per_second = ranks.group().map(|_| per_rank);
     Ok(result)
-}
-
-/// The state of a run that has not started.
-fn fresh_state(cfg: &TranslateConfig, seed: u64) -> TrainState {
-    TrainState {
-        config: cfg.clone(),
-        seed,
-        epoch: 0,
-        updates: 0,
-        best_bleu: f64::NEG_INFINITY,
-        best_epoch: 0,
-        waited: 0,
-        train_seconds: 0.0,
-        train_tokens: 0,
-        history: vec![],
-    }
 }
 
 /// A fresh training state, or the one in `dir`'s last checkpoint (with the model's and the
@@ -548,95 +419,4 @@ fn test_seed(run: &SeedRun, vs: &mut nn::VarStore, model: &Seq2Seq, adam: &Adam,
         head_diversity,
         explained_away,
     })
-}
-
-/// The run's SVG plots: loss and validation BLEU over epochs, HNAS's u per encoder layer over
-/// epochs (hnas runs), and the test set's head diversity and explained-away share per layer.
-fn plots(dir: &Path, history: &[EpochMetrics], dist: &[f64], away: &[f64]) -> Result<()> {
-    use crate::plot::{line_chart, Series};
-    let curve = |name: &str, f: &dyn Fn(&EpochMetrics) -> f64| Series {
-        name: name.into(),
-        points: history.iter().map(|m| (m.epoch as f64, f(m))).collect(),
-    };
-    line_chart(
-        &dir.join("loss.svg"),
-        "label-smoothed loss per target token",
-        "epoch",
-        "loss",
-        &[curve("train", &|m| m.train_loss), curve("valid", &|m| m.valid_loss)],
-    )?;
-    line_chart(&dir.join("valid_bleu.svg"), "validation BLEU (sacreBLEU, beam)", "epoch", "BLEU", &[curve("valid", &|m| m.valid_bleu)])?;
-    if let Some(layers) = history.first().and_then(|m| m.hnas_u.as_ref()).map(Vec::len) {
-        let series: Vec<Series> = (0..layers)
-            .map(|l| Series {
-                name: format!("encoder layer {l}"),
-                points: history.iter().filter_map(|m| m.hnas_u.as_ref().map(|u| (m.epoch as f64, u[l]))).collect(),
-            })
-            .collect();
-        line_chart(&dir.join("hnas_u.svg"), "HNAS mixing weight u (mean over heads)", "epoch", "u", &series)?;
-    }
-    let per_layer = |v: &[f64]| v.iter().enumerate().map(|(l, &x)| (l as f64, x)).collect::<Vec<_>>();
-    line_chart(
-        &dir.join("head_diversity.svg"),
-        "head diversity (Dist) of encoder self-attention, test set",
-        "encoder layer",
-        "Dist",
-        &[Series { name: "Dist".into(), points: per_layer(dist) }],
-    )?;
-    line_chart(
-        &dir.join("explained_away.svg"),
-        "share of source tokens explained away (mass < 1e-8), test set",
-        "encoder layer",
-        "share",
-        &[Series { name: "explained away".into(), points: per_layer(away) }],
-    )?;
-    Ok(())
-}
-
-/// Head diversity and the explained-away share of each encoder layer on `data`'s sources.
-fn encoder_diagnostics(model: &Seq2Seq, data: &Encoded, device: Device) -> Result<(Vec<f64>, Vec<f64>)> {
-    let layers = model.config().transformer.encoder_layers;
-    let (mut dist, mut weight) = (vec![0.0; layers], 0.0);
-    let (mut away, mut keys) = (vec![0.0; layers], 0.0);
-    tch::no_grad(|| -> Result<()> {
-        for chunk in (0..data.len()).collect::<Vec<_>>().chunks(64) {
-            let rows: Vec<&[i64]> = chunk.iter().map(|&i| data.src[i].as_slice()).collect();
-            let src = data::pad_rows(&rows, device);
-            let valid = src.ne(PAD); // (B, S)
-            let tokens = f64::try_from(valid.sum(Kind::Double))?;
-            let heads = model.config().transformer.heads as f64;
-            for (l, (w, h)) in model.encoder_attention(&src)?.into_iter().enumerate() {
-                dist[l] += probattn::repulsive::head_diversity(&h, Some(&valid))? * tokens;
-                let mass = probattn::diagnostics::received_mass(&w); // (B, H, S)
-                let counted = valid.unsqueeze(1).expand_as(&mass);
-                away[l] += f64::try_from(mass.lt(probattn::diagnostics::EXPLAINED_AWAY_EPS).logical_and(&counted).sum(Kind::Double))?;
-                if l == 0 {
-                    keys += tokens * heads;
-                }
-            }
-            weight += tokens;
-        }
-        Ok(())
-    })?;
-    Ok((dist.iter().map(|d| d / weight.max(1.0)).collect(), away.iter().map(|a| a / keys.max(1.0)).collect()))
-}
-
-/// Replaces the parameters by the mean of the last `n` epochs' saved weights.
-fn average_last(vs: &mut nn::VarStore, dir: &Path, last_epoch: usize, n: usize) -> Result<()> {
-    let first = last_epoch.saturating_sub(n) + 1;
-    let files: Vec<PathBuf> = (first..=last_epoch).map(|e| dir.join(format!("weights_epoch{e}.safetensors"))).collect();
-    let mut sums: HashMap<String, Tensor> = HashMap::new();
-    for f in &files {
-        for (name, t) in probattn::io::read_safetensors(f)? {
-            let t = t.to_kind(Kind::Double);
-            let entry = sums.entry(name).or_insert_with(|| t.zeros_like());
-            *entry = &*entry + t;
-        }
-    }
-    for (name, mut t) in vs.variables() {
-        let s = sums.get(&name).with_context(|| format!("the averaged checkpoints lack {name}"))?;
-        tch::no_grad(|| t.copy_(&(s / files.len() as f64).to_kind(t.kind())));
-    }
-    eprintln!("test with the average of epochs {first}..={last_epoch}");
-    Ok(())
 }
