@@ -42,7 +42,7 @@ use crate::provenance::{run_dir, write_json, write_results, Provenance};
 use crate::ranks::Ranks;
 use crate::report::mean_std;
 use args::{default_data_dir, detector_dir};
-use data::{DetectorSpec, Views, VqaData};
+use data::{DetectorSpec, Meta, Views, VqaData};
 use inputs::{add_noise, load_data};
 use report::{explained_away, log_mass_points};
 use train::{official_test, score, train_run, Trace};
@@ -276,49 +276,7 @@ fn run_fusion(
     if !ranks.is_main() {
         return Ok(None);
     }
-    let series: Vec<Series> = traces
-        .iter()
-        .filter(|(_, t)| !t.gates.is_empty())
-        .flat_map(|(seed, t)| {
-            (0..t.gates[0].1.len()).map(move |view| Series {
-                name: format!("seed {seed}, view {}", view + 1),
-                points: t.gates.iter().map(|(s, u)| (*s, u[view])).collect(),
-            })
-        })
-        .collect();
-    if !series.is_empty() {
-        line_chart(&dir.join("hnas_u.svg"), "HNAS mixing weight u during training (Fig. 3)", "update", "u", &series)?;
-    }
-    // One curve per question type (and seed): a type learned late (Sort-of-CLEVR's closest) shows here.
-    let series: Vec<Series> = traces
-        .iter()
-        .flat_map(|(seed, t)| {
-            meta.types.iter().enumerate().map(move |(k, ty)| Series {
-                name: if args.seeds == 1 { ty.clone() } else { format!("seed {seed}, {ty}") },
-                points: t.val_by_type.iter().map(|(e, acc)| (*e, acc[k])).collect(),
-            })
-        })
-        .collect();
-    line_chart(
-        &dir.join("val_acc.svg"),
-        &format!("validation accuracy per question type, {}", cfg.model.fusion_name()),
-        "epoch",
-        "accuracy",
-        &series,
-    )?;
-    let series: Vec<Series> = runs
-        .iter()
-        .filter_map(|r| r.explained_away.as_ref().map(|e| Series { name: format!("seed {}", r.seed), points: log_mass_points(&[e]) }))
-        .collect();
-    if !series.is_empty() {
-        line_chart(
-            &dir.join("log_mass.svg"),
-            &format!("log Σ_i π_ij per secondary box, {} (Fig. 1)", cfg.model.fusion_name()),
-            "log received mass",
-            "share of boxes",
-            &series,
-        )?;
-    }
+    fusion_plots(dir, &cfg, meta, args.seeds, &traces, &runs)?;
     let stats = |f: &dyn Fn(&RunResult) -> Option<f64>| {
         let v: Vec<f64> = runs.iter().filter_map(f).collect();
         (!v.is_empty()).then(|| mean_std(&v))
@@ -348,6 +306,55 @@ fn run_fusion(
     };
     write_results(&dir.join("results.json"), &results)?;
     Ok(Some(results))
+}
+
+/// One fusion's plots: HNAS's u during training (Fig. 3), validation accuracy per question type,
+/// and the received mass of the secondary boxes (Fig. 1).
+fn fusion_plots(dir: &Path, cfg: &VqaRunConfig, meta: &Meta, seeds: u64, traces: &[(u64, Trace)], runs: &[RunResult]) -> Result<()> {
+    let series: Vec<Series> = traces
+        .iter()
+        .filter(|(_, t)| !t.gates.is_empty())
+        .flat_map(|(seed, t)| {
+            (0..t.gates[0].1.len()).map(move |view| Series {
+                name: format!("seed {seed}, view {}", view + 1),
+                points: t.gates.iter().map(|(s, u)| (*s, u[view])).collect(),
+            })
+        })
+        .collect();
+    if !series.is_empty() {
+        line_chart(&dir.join("hnas_u.svg"), "HNAS mixing weight u during training (Fig. 3)", "update", "u", &series)?;
+    }
+    // One curve per question type (and seed): a type learned late (Sort-of-CLEVR's closest) shows here.
+    let series: Vec<Series> = traces
+        .iter()
+        .flat_map(|(seed, t)| {
+            meta.types.iter().enumerate().map(move |(k, ty)| Series {
+                name: if seeds == 1 { ty.clone() } else { format!("seed {seed}, {ty}") },
+                points: t.val_by_type.iter().map(|(e, acc)| (*e, acc[k])).collect(),
+            })
+        })
+        .collect();
+    line_chart(
+        &dir.join("val_acc.svg"),
+        &format!("validation accuracy per question type, {}", cfg.model.fusion_name()),
+        "epoch",
+        "accuracy",
+        &series,
+    )?;
+    let series: Vec<Series> = runs
+        .iter()
+        .filter_map(|r| r.explained_away.as_ref().map(|e| Series { name: format!("seed {}", r.seed), points: log_mass_points(&[e]) }))
+        .collect();
+    if !series.is_empty() {
+        line_chart(
+            &dir.join("log_mass.svg"),
+            &format!("log Σ_i π_ij per secondary box, {} (Fig. 1)", cfg.model.fusion_name()),
+            "log received mass",
+            "share of boxes",
+            &series,
+        )?;
+    }
+    Ok(())
 }
 
 /// `--eval-torchscript`: the module's accuracy per split and question type (eval_torchscript.json).
