@@ -124,8 +124,10 @@ char* pa_dist_join(const char* backend, const char* host, int32_t port, int32_t 
       dist->group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
       dist->group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
 #else
-      TORCH_CHECK(false, "this build of probattn has no NCCL (it needs nccl.h and the CUDA toolkit's headers at build time: set "
-                  "PROBATTN_CUDA_INCLUDE and rebuild); --dist-backend gloo works on CUDA tensors too");
+      TORCH_CHECK(false,
+                  "this build of probattn has no NCCL: its build found no complete CUDA headers (run ./download_libtorch.sh, "
+                  "which completes the wheel's, or set PROBATTN_CUDA_INCLUDE, then rebuild); --dist-backend gloo works on CUDA "
+                  "tensors too");
 #endif
     } else {
       TORCH_CHECK(false, "unknown backend '", name, "' (gloo or nccl)");
@@ -219,7 +221,11 @@ char* pa_reducer_prepare(pa_reducer* reducer, const pa_tensor* const* outputs, s
 }
 
 void pa_reducer_free(pa_reducer* reducer) {
-  delete reducer;
+  // ~Reducer may throw (noexcept(false)); nothing may cross into Rust.
+  try {
+    delete reducer;
+  } catch (...) {
+  }
 }
 
 }  // extern "C"

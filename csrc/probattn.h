@@ -84,6 +84,27 @@ char* pa_cpu_memory_reset_peak(void);
 char* pa_cuda_memory_stats(int64_t device, int64_t* allocated, int64_t* allocated_peak, int64_t* reserved, int64_t* reserved_peak);
 char* pa_cuda_memory_reset_peak(int64_t device);
 
+// ---- distributed training (distributed.cpp): c10d's process group and DDP's Reducer
+typedef struct pa_dist pa_dist;        // a joined process group (TCPStore, Gloo or NCCL)
+typedef struct pa_reducer pa_reducer;  // a c10d::Reducer over a model's parameters
+int32_t pa_dist_has_gloo(void);        // 1 when built with gloo's headers
+int32_t pa_dist_has_nccl(void);        // 1 when built with NCCL's and CUDA's headers
+// Joins `world_size` ranks through the TCPStore at host:port (hosted here when is_server), its keys
+// under `prefix`, with backend "gloo" or "nccl"; every collective waits at most timeout_ms.
+char* pa_dist_join(const char* backend, const char* host, int32_t port, int32_t is_server, const char* prefix, int32_t rank,
+                   int32_t world_size, int64_t timeout_ms, pa_dist** out);
+char* pa_dist_broadcast(pa_dist* dist, const pa_tensor* const* tensors, size_t n, int32_t root);  // in place
+char* pa_dist_all_reduce(pa_dist* dist, const pa_tensor* const* tensors, size_t n, int32_t op);  // in place; op 0 sum, 1 max
+char* pa_dist_all_gather(pa_dist* dist, const pa_tensor* tensor, pa_tensors** out);             // every rank's, in rank order
+char* pa_dist_barrier(pa_dist* dist);
+void pa_dist_free(pa_dist* dist);
+// DDP's bucketing over `params` (buckets of bucket_bytes; find_unused: look for parameters without a
+// gradient each step); pa_reducer_prepare before each backward, with the tensors backward starts from.
+char* pa_reducer_new(pa_dist* dist, const pa_tensor* const* params, size_t n, int64_t bucket_bytes, int32_t find_unused,
+                     pa_reducer** out);
+char* pa_reducer_prepare(pa_reducer* reducer, const pa_tensor* const* outputs, size_t n);
+void pa_reducer_free(pa_reducer* reducer);
+
 #ifdef __cplusplus
 }
 #endif
