@@ -123,9 +123,9 @@ impl Ranks {
         shard_range(n, self.rank(), self.world_size())
     }
 
-    /// Rank 0's value of `value` on every rank (through JSON).
-    pub fn share<T: Serialize + serde::de::DeserializeOwned>(&self, value: &T) -> Result<T> {
-        let Some(group) = &self.group else { return Ok(serde_json::from_value(serde_json::to_value(value)?)?) };
+    /// Rank 0's value of `value` on every rank (sent as JSON; one process keeps its own).
+    pub fn share<T: Serialize + serde::de::DeserializeOwned + Clone>(&self, value: &T) -> Result<T> {
+        let Some(group) = &self.group else { return Ok(value.clone()) };
         let bytes = group.broadcast_bytes(&serde_json::to_vec(value)?)?;
         serde_json::from_slice(&bytes).context("rank 0's shared value does not parse")
     }
