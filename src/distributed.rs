@@ -19,7 +19,7 @@
 //! use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
 //!
 //! // Under `torchrun --nproc-per-node 2 --no-python ./my-binary`:
-//! let launch = Launch::from_env()?.expect("started by torchrun");
+//! let launch = Launch::from_env()?.ok_or("not started by torchrun")?;
 //! let group = ProcessGroup::join(&launch, Backend::Gloo, Duration::from_secs(300))?;
 //! let vs = nn::VarStore::new(Device::Cpu);
 //! let linear = nn::linear(vs.root(), 8, 1, Default::default());

@@ -16,29 +16,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use binary::{probattn, text};
+use binary::{metrics, probattn, text, FLAGS};
 use common::{write_corpus, TempDir};
-
-const FLAGS: [&str; 18] = [
-    "--preset",
-    "tiny",
-    "--bpe-vocab",
-    "120",
-    "--max-tokens",
-    "300",
-    "--max-epochs",
-    "4",
-    "--beam",
-    "2",
-    "--warmup-updates",
-    "20",
-    "--threads",
-    "1",
-    "--device",
-    "cpu",
-    "--seeds",
-    "1",
-];
 
 fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
@@ -84,20 +63,6 @@ fn wait_for(path: &Path, mut alive: impl FnMut() -> Result<bool>) -> Result<()> 
         std::thread::sleep(Duration::from_millis(20));
     }
     Ok(())
-}
-
-/// metrics.jsonl without the timing fields.
-fn metrics(dir: &Path) -> Result<Vec<serde_json::Value>> {
-    let body = std::fs::read_to_string(dir.join("seed-1/metrics.jsonl"))?;
-    body.lines()
-        .map(|l| {
-            let mut v: serde_json::Value = serde_json::from_str(l)?;
-            let o = v.as_object_mut().context("object")?;
-            o.remove("seconds");
-            o.remove("tokens_per_second");
-            Ok(v)
-        })
-        .collect()
 }
 
 fn temporary_files(dir: &Path) -> Vec<String> {

@@ -13,43 +13,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
-use binary::{probattn, text};
+use binary::{metrics, probattn, text, FLAGS};
 use common::{write_corpus, TempDir};
-
-const FLAGS: [&str; 18] = [
-    "--preset",
-    "tiny",
-    "--bpe-vocab",
-    "120",
-    "--max-tokens",
-    "300",
-    "--max-epochs",
-    "4",
-    "--beam",
-    "2",
-    "--warmup-updates",
-    "20",
-    "--threads",
-    "1",
-    "--device",
-    "cpu",
-    "--seeds",
-    "1",
-];
-
-/// metrics.jsonl without the timing fields, which differ between runs.
-fn metrics(dir: &Path) -> Result<Vec<serde_json::Value>> {
-    let body = std::fs::read_to_string(dir.join("seed-1/metrics.jsonl"))?;
-    body.lines()
-        .map(|l| {
-            let mut v: serde_json::Value = serde_json::from_str(l)?;
-            let o = v.as_object_mut().context("object")?;
-            o.remove("seconds");
-            o.remove("tokens_per_second");
-            Ok(v)
-        })
-        .collect()
-}
 
 #[test]
 fn a_killed_run_resumes_to_the_uninterrupted_result() -> Result<()> {

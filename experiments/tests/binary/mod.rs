@@ -20,3 +20,40 @@ pub fn text(out: &Output) -> String {
 pub fn json(path: &Path) -> Result<serde_json::Value> {
     Ok(serde_json::from_str(&std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?)?)
 }
+
+/// The flags of the small `probattn translate` runs of the tests: a tiny model on a synthetic
+/// corpus, 4 epochs, one thread.
+pub const FLAGS: [&str; 18] = [
+    "--preset",
+    "tiny",
+    "--bpe-vocab",
+    "120",
+    "--max-tokens",
+    "300",
+    "--max-epochs",
+    "4",
+    "--beam",
+    "2",
+    "--warmup-updates",
+    "20",
+    "--threads",
+    "1",
+    "--device",
+    "cpu",
+    "--seeds",
+    "1",
+];
+
+/// A translate run's seed-1 metrics.jsonl without the timing fields, which differ between runs.
+pub fn metrics(dir: &Path) -> Result<Vec<serde_json::Value>> {
+    let body = std::fs::read_to_string(dir.join("seed-1/metrics.jsonl"))?;
+    body.lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l)?;
+            let o = v.as_object_mut().context("object")?;
+            o.remove("seconds");
+            o.remove("tokens_per_second");
+            Ok(v)
+        })
+        .collect()
+}
