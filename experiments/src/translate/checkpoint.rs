@@ -11,6 +11,7 @@ use tch::{nn, Kind, Tensor};
 
 use super::optim::Adam;
 use super::{EpochMetrics, TranslateConfig};
+use crate::harness::Plateau;
 
 /// What the checkpoint carries besides tensors (stored in it as a JSON byte tensor, so the file
 /// is one atomic unit).
@@ -21,18 +22,13 @@ pub(super) struct TrainState {
     /// Epochs completed.
     pub(super) epoch: usize,
     pub(super) updates: u64,
-    /// −∞ before the first epoch, which JSON writes as null.
-    #[serde(deserialize_with = "null_as_neg_infinity")]
-    pub(super) best_bleu: f64,
-    pub(super) best_epoch: usize,
-    pub(super) waited: usize,
+    /// The best validation BLEU, its epoch, and the epochs waited since (written as `best`,
+    /// `best_epoch`, `waited`; checkpoints before the shared epoch loop wrote `best_bleu`).
+    #[serde(flatten)]
+    pub(super) plateau: Plateau,
     pub(super) train_seconds: f64,
     pub(super) train_tokens: u64,
     pub(super) history: Vec<EpochMetrics>,
-}
-
-fn null_as_neg_infinity<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
-    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NEG_INFINITY))
 }
 
 /// Writes the training checkpoint: parameters, Adam's moments, and the state as JSON bytes.
@@ -75,9 +71,7 @@ pub(super) fn fresh_state(cfg: &TranslateConfig, seed: u64) -> TrainState {
         seed,
         epoch: 0,
         updates: 0,
-        best_bleu: f64::NEG_INFINITY,
-        best_epoch: 0,
-        waited: 0,
+        plateau: Plateau::default(),
         train_seconds: 0.0,
         train_tokens: 0,
         history: vec![],
@@ -102,4 +96,37 @@ pub(super) fn average_last(vs: &mut nn::VarStore, dir: &Path, last_epoch: usize,
     }
     eprintln!("test with the average of epochs {first}..={last_epoch}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+    use probattn::Variant;
+
+    use super::*;
+    use crate::translate::{Repulsive, TranslateArgs};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: TranslateArgs,
+    }
+
+    /// Checkpoints written before the shared epoch loop named the best score `best_bleu`; a
+    /// fresh state's −∞ goes through JSON as null and comes back.
+    #[test]
+    fn a_training_state_reads_back_and_older_checkpoints_still_parse() {
+        let args = Cli::parse_from(["translate"]).args;
+        let cfg = TranslateConfig::from_args(&args, 8000, Variant::Softmax, Repulsive::None).unwrap();
+        let mut state = fresh_state(&cfg, 3);
+        let back: TrainState = serde_json::from_value(serde_json::to_value(&state).unwrap()).unwrap();
+        assert_eq!(back.plateau, Plateau::default());
+        state.plateau = Plateau { best: 36.25, best_epoch: 9, waited: 1 };
+        let mut old = serde_json::to_value(&state).unwrap();
+        let fields = old.as_object_mut().unwrap();
+        let best = fields.remove("best").unwrap();
+        fields.insert("best_bleu".into(), best);
+        let back: TrainState = serde_json::from_value(old).unwrap();
+        assert_eq!((back.plateau, back.seed, back.config == cfg), (state.plateau, 3, true));
+    }
 }

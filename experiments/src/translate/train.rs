@@ -16,7 +16,7 @@ use super::checkpoint::{average_last, fresh_state, load_params, read_checkpoint,
 use super::evaluate::{encoder_diagnostics, hnas_gates, plots, translate_and_score, valid_loss};
 use super::optim::Adam;
 use super::{EpochMetrics, Prepared, Repulsive, RunResult, TranslateConfig};
-use crate::harness::MetricsLog;
+use crate::harness::{train_epochs, EpochLine, MetricsLog, Plateau, Stopping, Training};
 use crate::ranks::Ranks;
 use crate::report::progress_bar;
 use crate::seq2seq::data::{batch_tensors, epoch_order, token_batches, Batch, PAD};
@@ -82,7 +82,6 @@ pub(super) fn train_seed(
             Some(h)
         }
     };
-    let last = dir.join("checkpoint_last.safetensors");
     let mut state = if main { start_or_resume(&run, &vs, &mut adam, resume)? } else { fresh_state(cfg, seed) };
     let reducer = match ranks.group() {
         Some(group) => {
@@ -101,50 +100,94 @@ pub(super) fn train_seed(
         eprintln!("left out {dropped} training pairs longer than {} tokens", cfg.model.max_positions);
     }
     let mut metrics = if main { Some(MetricsLog::append_to(&dir.join("metrics.jsonl"))?) } else { None };
-    let mut own = OwnThroughput::default();
-    let done_by_updates = |u: u64| cfg.max_updates > 0 && u >= cfg.max_updates;
-    while state.epoch < cfg.max_epochs && state.waited < cfg.patience && !done_by_updates(state.updates) {
-        let m = train_epoch(&run, &model, hook.as_ref(), reducer.as_ref(), &mut adam, &batches, &mut state, &mut own)?;
-        if !main {
-            // The same decisions as rank 0 (every rank has the same validation BLEU); no files.
-            if m.valid_bleu > state.best_bleu {
-                (state.best_bleu, state.best_epoch, state.waited) = (m.valid_bleu, state.epoch, 0);
-            } else {
-                state.waited += 1;
-            }
+    let (done, mut plateau) = (state.epoch, state.plateau);
+    let stop = Stopping { max_epochs: cfg.max_epochs, patience: cfg.patience };
+    let mut training = SeedTraining {
+        run: &run,
+        vs: &vs,
+        model: &model,
+        hook: hook.as_ref(),
+        reducer: reducer.as_ref(),
+        adam: &mut adam,
+        batches: &batches,
+        state: &mut state,
+        own: OwnThroughput::default(),
+    };
+    train_epochs(&mut training, stop, done, &mut plateau, metrics.as_mut())?;
+    let own = training.own;
+    state.plateau = plateau;
+    let per_rank = ranks.gather(own.tokens / own.seconds.max(1e-9))?;
+    let mut result = test_seed(&run, &mut vs, &model, &adam, &state)?;
+    result.distributed_tokens_per_second = ranks.group().map(|_| per_rank);
+    Ok(result)
+}
+
+impl EpochLine for EpochMetrics {
+    fn epoch(&self) -> usize {
+        self.epoch
+    }
+    fn score(&self) -> f64 {
+        self.valid_bleu
+    }
+}
+
+/// One seed's training, as the harness's epoch loop drives it. Every rank takes the same
+/// decisions (every rank has the same validation BLEU); rank 0 alone writes files.
+struct SeedTraining<'a> {
+    run: &'a SeedRun<'a>,
+    vs: &'a nn::VarStore,
+    model: &'a Seq2Seq,
+    hook: Option<&'a RepulsiveHook>,
+    reducer: Option<&'a Reducer>,
+    adam: &'a mut Adam,
+    batches: &'a [Batch],
+    state: &'a mut TrainState,
+    own: OwnThroughput,
+}
+
+impl Training for SeedTraining<'_> {
+    type Epoch = EpochMetrics;
+
+    fn epoch(&mut self, _done: usize) -> Result<EpochMetrics> {
+        train_epoch(self.run, self.model, self.hook, self.reducer, self.adam, self.batches, self.state, &mut self.own)
+    }
+
+    fn keep(&mut self, _: &EpochMetrics, plateau: &Plateau) -> Result<()> {
+        self.state.plateau = *plateau;
+        if self.run.ranks.is_main() {
+            save_checkpoint(&self.run.dir.join("checkpoint_best.safetensors"), self.vs, self.adam, self.state)?;
+        }
+        Ok(())
+    }
+
+    /// The epoch's line on stdout, the weights for `--average-last`, and the last checkpoint.
+    fn after(&mut self, m: EpochMetrics, plateau: &Plateau) -> Result<()> {
+        let (cfg, dir, state) = (self.run.cfg, self.run.dir, &mut *self.state);
+        state.plateau = *plateau;
+        if !self.run.ranks.is_main() {
             state.history.push(m);
-            continue;
+            return Ok(());
         }
         println!(
-            "seed {seed} epoch {:3}: {} updates, train loss {:.3}, valid loss {:.3}, valid BLEU {:.2}, {:.0} tok/s, {:.0} s",
-            m.epoch, m.updates, m.train_loss, m.valid_loss, m.valid_bleu, m.tokens_per_second, m.seconds
+            "seed {} epoch {:3}: {} updates, train loss {:.3}, valid loss {:.3}, valid BLEU {:.2}, {:.0} tok/s, {:.0} s",
+            self.run.seed, m.epoch, m.updates, m.train_loss, m.valid_loss, m.valid_bleu, m.tokens_per_second, m.seconds
         );
-        if m.valid_bleu > state.best_bleu {
-            state.best_bleu = m.valid_bleu;
-            state.best_epoch = state.epoch;
-            state.waited = 0;
-            save_checkpoint(&dir.join("checkpoint_best.safetensors"), &vs, &adam, &state)?;
-        } else {
-            state.waited += 1;
-        }
         if cfg.average_last > 0 {
-            let named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+            let named: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
             let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
             probattn::io::write_safetensors_atomic(&dir.join(format!("weights_epoch{}.safetensors", state.epoch)), &refs)?;
             if state.epoch > cfg.average_last {
                 let _ = std::fs::remove_file(dir.join(format!("weights_epoch{}.safetensors", state.epoch - cfg.average_last)));
             }
         }
-        if let Some(metrics) = metrics.as_mut() {
-            metrics.write(&m)?;
-        }
         state.history.push(m);
-        save_checkpoint(&last, &vs, &adam, &state)?;
+        save_checkpoint(&dir.join("checkpoint_last.safetensors"), self.vs, self.adam, state)
     }
-    let per_rank = ranks.gather(own.tokens / own.seconds.max(1e-9))?;
-    let mut result = test_seed(&run, &mut vs, &model, &adam, &state)?;
-    result.distributed_tokens_per_second = ranks.group().map(|_| per_rank);
-    Ok(result)
+
+    /// `--max-updates` reached.
+    fn finished(&self) -> bool {
+        self.run.cfg.max_updates > 0 && self.state.updates >= self.run.cfg.max_updates
+    }
 }
 
 /// A fresh training state, or the one in `dir`'s last checkpoint (with the model's and the
@@ -406,8 +449,8 @@ fn test_seed(run: &SeedRun, vs: &mut nn::VarStore, model: &Seq2Seq, adam: &Adam,
         seed,
         test_bleu: bleu.bleu,
         test_bleu_tok: tok.bleu,
-        valid_bleu: state.best_bleu,
-        best_epoch: state.best_epoch,
+        valid_bleu: state.plateau.best,
+        best_epoch: state.plateau.best_epoch,
         epochs: state.epoch,
         updates: state.updates,
         train_seconds: state.train_seconds,

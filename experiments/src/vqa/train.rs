@@ -15,7 +15,7 @@ use tch::{Device, Kind, Tensor};
 use super::data::{Questions, Views};
 use super::v2;
 use super::{Prepared, RunResult, VqaRunConfig};
-use crate::harness::{BestWeights, MetricsLog};
+use crate::harness::{train_epochs, BestWeights, EpochLine, MetricsLog, Plateau, Stopping, Training};
 use crate::provenance::write_json;
 use crate::ranks::Ranks;
 use crate::report::progress_bar;
@@ -116,9 +116,6 @@ pub(super) fn score_and_predict(
     Ok((hit / total.max(1) as f64, per_type, predicted))
 }
 
-/// What one run records for its plots: HNAS's `u` every 50 updates (`(update, u per view)`) and the
-/// validation accuracy per question type after every epoch (`(epoch, accuracy per type)`, the types
-/// in `meta.json`'s order).
 /// One epoch's line of metrics.jsonl (fields in the order the file has always had them).
 #[derive(Debug, Serialize)]
 struct EpochMetrics {
@@ -134,8 +131,23 @@ struct EpochMetrics {
     train_loss: f64,
     val_acc: f64,
     val_acc_by_type: BTreeMap<String, f64>,
+    /// The same accuracies in `meta.json`'s type order, for the trace (not in the file).
+    #[serde(skip)]
+    val_by_type: Vec<f64>,
 }
 
+impl EpochLine for EpochMetrics {
+    fn epoch(&self) -> usize {
+        self.epoch
+    }
+    fn score(&self) -> f64 {
+        self.val_acc
+    }
+}
+
+/// What one run records for its plots: HNAS's `u` every 50 updates (`(update, u per view)`) and the
+/// validation accuracy per question type after every epoch (`(epoch, accuracy per type)`, the types
+/// in `meta.json`'s order).
 #[derive(Default)]
 pub(super) struct Trace {
     pub(super) gates: Vec<(f64, Vec<f64>)>,
@@ -229,6 +241,93 @@ impl<'a> Trainer<'a> {
     }
 }
 
+/// One seed's training, as the harness's epoch loop drives it.
+struct VqaTraining<'a> {
+    p: &'a Prepared,
+    cfg: &'a VqaRunConfig,
+    seed: u64,
+    device: Device,
+    ranks: &'a Ranks,
+    model: VqaModel,
+    opt: nn::Optimizer,
+    trainer: Trainer<'a>,
+    trace: &'a mut Trace,
+    lr: f64,
+    kept: BestWeights,
+    /// Seconds in the updates alone (no validation), summed over epochs.
+    update_seconds: f64,
+    start: Instant,
+}
+
+impl Training for VqaTraining<'_> {
+    type Epoch = EpochMetrics;
+
+    fn epoch(&mut self, epoch: usize) -> Result<EpochMetrics> {
+        let (p, seed, ranks) = (self.p, self.seed, self.ranks);
+        let train = &p.data.splits["train"];
+        tch::manual_seed((seed * 1_000 + epoch as u64) as i64);
+        let order = Tensor::randperm(train.len(), (Kind::Int64, Device::Cpu));
+        if ranks.rank() > 0 {
+            // The order above is every rank's; dropout and noise below are this rank's own.
+            tch::manual_seed(((seed * 1_000 + epoch as u64) as i64).wrapping_add((ranks.rank() as i64).wrapping_mul(0x9E37_79B9)));
+        }
+        let loop_start = Instant::now();
+        let (train_loss, kl_mean) = self.trainer.epoch(&self.model, &mut self.opt, &order, seed, epoch, self.trace)?;
+        self.update_seconds += loop_start.elapsed().as_secs_f64();
+        ensure!(train_loss.is_finite(), "training loss became {train_loss} in epoch {epoch} (seed {seed})");
+        let (val_acc, val_per_type) = evaluate(&self.model, p, "val", self.device)?;
+        // Per type too: a plateau on one question type (Sort-of-CLEVR's closest) hides in the mean.
+        let val_by_type: Vec<f64> = val_per_type.iter().map(|(h, n)| *h / (*n).max(1) as f64).collect();
+        let val_acc_by_type: BTreeMap<String, f64> = p.data.meta.types.iter().cloned().zip(val_by_type.iter().copied()).collect();
+        Ok(EpochMetrics {
+            epoch,
+            hnas_u: gates(&self.model)?,
+            kl: kl_mean,
+            lr: self.lr,
+            seconds: self.start.elapsed().as_secs_f64(),
+            seed,
+            train_loss,
+            val_acc,
+            val_acc_by_type,
+            val_by_type,
+        })
+    }
+
+    fn keep(&mut self, _: &EpochMetrics, _: &Plateau) -> Result<()> {
+        self.kept.keep();
+        Ok(())
+    }
+
+    /// The trace, the epoch's line on stdout, and the learning-rate decay after every
+    /// `lr_patience` epochs waited (unless patience has run out).
+    fn after(&mut self, m: EpochMetrics, plateau: &Plateau) -> Result<()> {
+        self.trace.val_by_type.push((m.epoch as f64, m.val_by_type));
+        if self.ranks.is_main() {
+            println!(
+                "{} seed {} epoch {:3}: train loss {:.4}, val acc {:.4}, {:.0} s",
+                self.cfg.model.fusion_name(),
+                self.seed,
+                m.epoch,
+                m.train_loss,
+                m.val_acc,
+                self.start.elapsed().as_secs_f64()
+            );
+        }
+        let cfg = self.cfg;
+        let waited = plateau.waited;
+        if waited > 0 && waited < cfg.patience && cfg.lr_decay != 1.0 && waited % cfg.lr_patience == 0 {
+            self.lr *= cfg.lr_decay;
+            self.opt.set_lr(self.lr);
+        }
+        Ok(())
+    }
+}
+
+/// HNAS's `u` per secondary view, when the fusion has gates.
+fn gates(model: &VqaModel) -> Result<Option<Vec<f64>>> {
+    Ok(model.fusion.gates().map(|u| Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))).transpose()?)
+}
+
 /// Trains one model from `seed`; appends per-epoch metrics to `metrics` (rank 0's) and to
 /// `trace`.
 ///
@@ -241,66 +340,25 @@ pub(super) fn train_run(
     cfg: &VqaRunConfig,
     seed: u64,
     device: Device,
-    mut metrics: Option<&mut MetricsLog>,
+    metrics: Option<&mut MetricsLog>,
     trace: &mut Trace,
     ranks: &Ranks,
 ) -> Result<(RunResult, VqaModel)> {
     tch::manual_seed(seed as i64);
     let vs = nn::VarStore::new(device);
     let model = VqaModel::new(&vs.root(), cfg.model.clone())?;
-    let mut opt = nn::Adam::default().build(&vs, cfg.lr)?;
+    let opt = nn::Adam::default().build(&vs, cfg.lr)?;
     let trainer = Trainer::new(p, cfg, device, ranks, &vs)?;
-    let mut lr = cfg.lr;
-    let mut kept = BestWeights::new(&vs);
-    let train = &p.data.splits["train"];
-    let (mut best, mut best_epoch, mut waited, mut epochs) = (-1.0f64, 0usize, 0usize, 0usize);
-    let mut update_seconds = 0.0;
+    let kept = BestWeights::new(&vs);
     let start = Instant::now();
-    for epoch in 0..cfg.max_epochs {
-        epochs = epoch + 1;
-        tch::manual_seed((seed * 1_000 + epoch as u64) as i64);
-        let order = Tensor::randperm(train.len(), (Kind::Int64, Device::Cpu));
-        if ranks.rank() > 0 {
-            // The order above is every rank's; dropout and noise below are this rank's own.
-            tch::manual_seed(((seed * 1_000 + epoch as u64) as i64).wrapping_add((ranks.rank() as i64).wrapping_mul(0x9E37_79B9)));
-        }
-        let loop_start = Instant::now();
-        let (train_loss, kl_mean) = trainer.epoch(&model, &mut opt, &order, seed, epoch, trace)?;
-        update_seconds += loop_start.elapsed().as_secs_f64();
-        ensure!(train_loss.is_finite(), "training loss became {train_loss} in epoch {epoch} (seed {seed})");
-        let (val_acc, val_per_type) = evaluate(&model, p, "val", device)?;
-        // Per type too: a plateau on one question type (Sort-of-CLEVR's closest) hides in the mean.
-        let val_by_type: Vec<f64> = val_per_type.iter().map(|(h, n)| *h / (*n).max(1) as f64).collect();
-        let val_acc_by_type: BTreeMap<String, f64> = p.data.meta.types.iter().cloned().zip(val_by_type.iter().copied()).collect();
-        let hnas_u = model.fusion.gates().map(|u| Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))).transpose()?;
-        let seconds = start.elapsed().as_secs_f64();
-        if let Some(metrics) = metrics.as_deref_mut() {
-            metrics.write(&EpochMetrics { epoch, hnas_u, kl: kl_mean, lr, seconds, seed, train_loss, val_acc, val_acc_by_type })?;
-        }
-        trace.val_by_type.push((epoch as f64, val_by_type));
-        if ranks.is_main() {
-            println!(
-                "{} seed {seed} epoch {epoch:3}: train loss {train_loss:.4}, val acc {val_acc:.4}, {:.0} s",
-                cfg.model.fusion_name(),
-                start.elapsed().as_secs_f64()
-            );
-        }
-        if val_acc > best {
-            best = val_acc;
-            best_epoch = epoch;
-            waited = 0;
-            kept.keep();
-        } else {
-            waited += 1;
-            if waited >= cfg.patience {
-                break;
-            }
-            if cfg.lr_decay != 1.0 && waited % cfg.lr_patience == 0 {
-                lr *= cfg.lr_decay;
-                opt.set_lr(lr);
-            }
-        }
-    }
+    let mut training =
+        VqaTraining { p, cfg, seed, device, ranks, model, opt, trainer, trace, lr: cfg.lr, kept, update_seconds: 0.0, start };
+    // −1: below any accuracy, so the first epoch is always kept.
+    let mut plateau = Plateau { best: -1.0, ..Plateau::default() };
+    let stop = Stopping { max_epochs: cfg.max_epochs, patience: cfg.patience };
+    let epochs = train_epochs(&mut training, stop, 0, &mut plateau, metrics)?;
+    let VqaTraining { model, kept, update_seconds, .. } = training;
+    let (best, best_epoch) = (plateau.best, plateau.best_epoch);
     let train_seconds = start.elapsed().as_secs_f64();
     kept.restore();
     let (test_acc, per_type) = evaluate(&model, p, "test", device)?;
@@ -314,7 +372,7 @@ pub(super) fn train_run(
             per_type.iter().zip(&relational_types).filter(|(_, &r)| r == relational).fold((0.0, 0), |a, ((h, n), _)| (a.0 + h, a.1 + n));
         (has_relational && n > 0).then(|| h / n as f64)
     };
-    let hnas_u = model.fusion.gates().map(|u| Vec::<f64>::try_from(u.to_kind(Kind::Double).to_device(Device::Cpu))).transpose()?;
+    let hnas_u = gates(&model)?;
     let result = RunResult {
         seed,
         val_acc: best,
