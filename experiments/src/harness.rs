@@ -289,6 +289,11 @@ mod tests {
         assert_eq!(fresh, Plateau::default());
         let old: Plateau = serde_json::from_str(r#"{"best_bleu":35.5,"best_epoch":7,"waited":2}"#).unwrap();
         assert_eq!(old, Plateau { best: 35.5, best_epoch: 7, waited: 2 });
+        // A resumed run (and every rank of a distributed one) reads the best score back from JSON:
+        // bit for bit, so a tie is decided as the uninterrupted run decided it. (serde_json's
+        // default parser misses this one by an ulp; the workspace enables float_roundtrip.)
+        let score = Plateau { best: 9.762104020478679, best_epoch: 8, waited: 0 };
+        assert_eq!(serde_json::from_str::<Plateau>(&serde_json::to_string(&score).unwrap()).unwrap(), score);
     }
 
     #[test]

@@ -121,7 +121,7 @@ mod tests {
         let mut state = fresh_state(&cfg, 3);
         let back: TrainState = serde_json::from_value(serde_json::to_value(&state).unwrap()).unwrap();
         assert_eq!(back.plateau, Plateau::default());
-        state.plateau = Plateau { best: 36.25, best_epoch: 9, waited: 1 };
+        state.plateau = Plateau { best: 9.762104020478679, best_epoch: 9, waited: 1 };
         let mut old = serde_json::to_value(&state).unwrap();
         let fields = old.as_object_mut().unwrap();
         let best = fields.remove("best").unwrap();
