@@ -2,6 +2,7 @@
 //! a run resumes with 2 ranks from a 1-rank checkpoint and the reverse; a SIGKILLed rank ends
 //! the other with a named error and no partial file; under torchrun --max-restarts 1 a killed
 //! rank restarts the job, which ends with the uninterrupted run's metrics and translations.
+//! `probattn vqa` trains on two ranks, and on one rank of a process group as one process does.
 //!
 //! Ranks are started either by this test with torchrun's variables set by hand, or by torchrun
 //! itself (the one in the set-up's virtualenv, beside PROBATTN_PYTHON).
@@ -17,19 +18,19 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use binary::{metrics, probattn, text, FLAGS};
-use common::{write_corpus, TempDir};
+use common::{tiny_sort_of_clevr, write_corpus, TempDir};
 
 fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-/// `probattn translate <args> FLAGS` as rank `rank` of `world` (a plain process when `world`
-/// is 1), its output in `log`.
-fn spawn_rank(args: &[&str], rank: usize, world: usize, port: u16, log: &Path) -> Result<Child> {
+/// `probattn <args>` as rank `rank` of `world` with torchrun's variables set (a plain process,
+/// without them, when `world` is 0), its output in `log`.
+fn spawn_probattn(args: &[&str], rank: usize, world: usize, port: u16, log: &Path) -> Result<Child> {
     let log = std::fs::File::create(log)?;
     let mut command = Command::new(env!("CARGO_BIN_EXE_probattn"));
-    command.args([&["translate"][..], args, &FLAGS].concat()).stdout(Stdio::null()).stderr(log);
-    if world == 1 {
+    command.args(args).stdout(Stdio::null()).stderr(log);
+    if world == 0 {
         return Ok(command.spawn()?);
     }
     Ok(command
@@ -41,17 +42,31 @@ fn spawn_rank(args: &[&str], rank: usize, world: usize, port: u16, log: &Path) -
         .spawn()?)
 }
 
-/// Runs `args` on `world` ranks to the end; fails with the ranks' logs.
-fn run_ranks(args: &[&str], world: usize, logs: &Path) -> Result<()> {
+/// `probattn translate <args> FLAGS` as rank `rank` of `world` (a plain process when `world`
+/// is 1), its output in `log`.
+fn spawn_rank(args: &[&str], rank: usize, world: usize, port: u16, log: &Path) -> Result<Child> {
+    let world = if world == 1 { 0 } else { world };
+    spawn_probattn(&[&["translate"][..], args, &FLAGS].concat(), rank, world, port, log)
+}
+
+/// Runs `probattn <args>` on `world` ranks (0: one plain process) to the end; fails with the
+/// ranks' logs.
+fn run_job(args: &[&str], world: usize, logs: &Path) -> Result<()> {
     let port = free_port()?;
     let children: Vec<Child> =
-        (0..world).map(|r| spawn_rank(args, r, world, port, &logs.join(format!("rank{r}.log")))).collect::<Result<_>>()?;
+        (0..world.max(1)).map(|r| spawn_probattn(args, r, world, port, &logs.join(format!("rank{r}.log")))).collect::<Result<_>>()?;
     for (r, mut child) in children.into_iter().enumerate() {
         let status = child.wait()?;
         let log = std::fs::read_to_string(logs.join(format!("rank{r}.log"))).unwrap_or_default();
         ensure!(status.success(), "rank {r} of {world} failed: {log}");
     }
     Ok(())
+}
+
+/// Runs `probattn translate <args> FLAGS` on `world` ranks to the end.
+fn run_ranks(args: &[&str], world: usize, logs: &Path) -> Result<()> {
+    let world = if world == 1 { 0 } else { world };
+    run_job(&[&["translate"][..], args, &FLAGS].concat(), world, logs)
 }
 
 /// Waits until `path` exists, while `alive` says the run goes on.
@@ -213,6 +228,78 @@ fn torchrun_restarts_a_killed_rank_and_ends_as_the_uninterrupted_run() -> Result
     ensure!(hyp(&cut)? == hyp(Path::new(&whole))?, "test translations differ");
     let results: serde_json::Value = serde_json::from_slice(&std::fs::read(cut.join("results.json"))?)?;
     ensure!(results["distributed"]["restarts"] == 1, "{}", results["distributed"]);
+    Ok(())
+}
+
+/// A VQA run's metrics.jsonl without its timing field.
+fn vqa_metrics(dir: &Path) -> Result<Vec<serde_json::Value>> {
+    let body = std::fs::read_to_string(dir.join("metrics.jsonl"))?;
+    body.lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l)?;
+            v.as_object_mut().context("object")?.remove("seconds");
+            Ok(v)
+        })
+        .collect()
+}
+
+/// `probattn vqa` (BAM-WC fusion: sampled attention, so each rank's noise seeding is on the
+/// path) as one process, as a one-rank process group (which must train exactly as the process
+/// does: rank 0 keeps a single process's seeds, the reducer's mean of one is the gradient), and
+/// on two ranks, which share every batch and must end with one results file and its
+/// distributed block.
+#[test]
+fn vqa_trains_on_two_ranks_and_one_rank_is_the_single_process() -> Result<()> {
+    let tmp = TempDir::new("dist-vqa")?;
+    let (data, det) = tiny_sort_of_clevr(&tmp)?;
+    let run = |name: &str, world: usize| -> Result<PathBuf> {
+        let out = tmp.path(name);
+        std::fs::create_dir_all(&out)?;
+        let o = out.join("run").to_string_lossy().into_owned();
+        let args = [
+            "vqa",
+            "--data",
+            &data,
+            "--detectors",
+            &det,
+            "--fusion",
+            "bam-wc",
+            "--seeds",
+            "1",
+            "--max-epochs",
+            "2",
+            "--batch",
+            "8",
+            "--mc-samples",
+            "3",
+            "--hidden",
+            "16",
+            "--threads",
+            "1",
+            "--device",
+            "cpu",
+            "--out",
+            &o,
+        ];
+        run_job(&args, world, &out)?;
+        Ok(out.join("run"))
+    };
+    let (plain, one, two) = (run("plain", 0)?, run("one-rank", 1)?, run("two-ranks", 2)?);
+    let expected = vqa_metrics(&plain)?;
+    ensure!(expected.len() == 2, "{} epochs in the single process's metrics.jsonl", expected.len());
+    ensure!(vqa_metrics(&one)? == expected, "a one-rank group trained differently from one process");
+    let m2 = vqa_metrics(&two)?;
+    ensure!(m2.len() == 2 && m2.iter().all(|m| m["train_loss"].as_f64().is_some_and(f64::is_finite)), "two ranks: {m2:?}");
+    for (dir, world) in [(&plain, None), (&one, Some(1)), (&two, Some(2))] {
+        let results = binary::json(&dir.join("results.json"))?;
+        match world {
+            None => ensure!(results.get("distributed").is_none(), "one process recorded a distributed block"),
+            Some(n) => ensure!(results["distributed"]["world_size"] == n && results["distributed"]["backend"] == "gloo", "{results}"),
+        }
+        let acc = results["runs"][0]["test_acc"].as_f64().context("no test accuracy")?;
+        ensure!((0.0..=1.0).contains(&acc), "test accuracy {acc}");
+        ensure!(temporary_files(dir).is_empty(), "temporary files: {:?}", temporary_files(dir));
+    }
     Ok(())
 }
 

@@ -12,24 +12,12 @@ use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
 use binary::{json, probattn, text};
-use common::{python, run_python, TempDir};
-
-/// Tiny data (40 / 10 / 10 images, 4 questions each) and detectors trained one epoch.
-fn tiny(dir: &TempDir) -> Result<(String, String)> {
-    let data = dir.path("data").to_string_lossy().to_string();
-    let det = dir.path("detectors").to_string_lossy().to_string();
-    run_python(
-        "vqa_data.py",
-        &["sort-of-clevr", "--out", &data, "--train", "40", "--val", "10", "--test", "10", "--questions-per-kind", "2", "--seed", "3"],
-    )?;
-    run_python("vqa_detectors.py", &["--data", &data, "--out", &det, "--epochs", "1", "--threads", "1"])?;
-    Ok((data, det))
-}
+use common::{python, run_python, tiny_sort_of_clevr, TempDir};
 
 #[test]
 fn every_fusion_writes_its_results_and_reports() -> Result<()> {
     let dir = TempDir::new("cli-vqa")?;
-    let (data, det) = tiny(&dir)?;
+    let (data, det) = tiny_sort_of_clevr(&dir)?;
     let out = dir.path("run").to_string_lossy().to_string();
     let run = probattn(&[
         "vqa",
@@ -129,7 +117,7 @@ fn every_fusion_writes_its_results_and_reports() -> Result<()> {
 #[test]
 fn the_pytorch_baseline_scores_the_same_inside_probattn() -> Result<()> {
     let dir = TempDir::new("cli-vqa-ts")?;
-    let (data, det) = tiny(&dir)?;
+    let (data, det) = tiny_sort_of_clevr(&dir)?;
     // A first run extracts and caches the features; the baseline trains on that cache.
     let out = dir.path("run").to_string_lossy().to_string();
     let first = probattn(&[
@@ -251,7 +239,7 @@ fn object_detectors_and_a_bag_of_words_question_run() -> Result<()> {
 #[test]
 fn bad_detectors_and_data_are_named() -> Result<()> {
     let dir = TempDir::new("cli-vqa-bad")?;
-    let (data, det) = tiny(&dir)?;
+    let (data, det) = tiny_sort_of_clevr(&dir)?;
     let d = |name: &str| Path::new(&det).join(name).to_string_lossy().to_string();
     let run = |extra: &[&str]| {
         probattn(

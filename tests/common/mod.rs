@@ -124,3 +124,16 @@ pub fn write_corpus(dir: &Path, pairs: [usize; 3]) -> Result<()> {
     }
     Ok(())
 }
+
+/// A tiny Sort-of-CLEVR in `dir` (40 / 10 / 10 images, 4 questions each, from python/vqa_data.py)
+/// and detectors trained on it for one epoch (python/vqa_detectors.py): (data, detectors).
+pub fn tiny_sort_of_clevr(dir: &TempDir) -> Result<(String, String)> {
+    let data = dir.path("data").to_string_lossy().to_string();
+    let det = dir.path("detectors").to_string_lossy().to_string();
+    run_python(
+        "vqa_data.py",
+        &["sort-of-clevr", "--out", &data, "--train", "40", "--val", "10", "--test", "10", "--questions-per-kind", "2", "--seed", "3"],
+    )?;
+    run_python("vqa_detectors.py", &["--data", &data, "--out", &det, "--epochs", "1", "--threads", "1"])?;
+    Ok((data, det))
+}
