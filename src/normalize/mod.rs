@@ -14,6 +14,7 @@ mod bam;
 mod dnas;
 mod hnas;
 mod noise;
+mod prior;
 mod sinkhorn;
 mod softmax;
 mod support;
@@ -25,11 +26,11 @@ use serde::{Deserialize, Serialize};
 use tch::{nn, Kind, Tensor};
 
 pub use bam::{
-    lognormal_kl, lognormal_log_sample, stable_sigmoid, weibull_gamma_kl, weibull_log_sample, Bam, BamConfig, BamKind, ContextualPrior,
-    KlSchedule, PriorScope,
+    lognormal_kl, lognormal_log_sample, stable_sigmoid, weibull_gamma_kl, weibull_log_sample, Bam, BamConfig, BamKind, KlSchedule,
 };
 pub use dnas::Dnas;
 pub use hnas::Hnas;
+pub use prior::{ContextualPrior, PriorScope};
 pub use sinkhorn::Sinkhorn;
 pub use softmax::Softmax;
 pub use support::{EdgeList, Support};

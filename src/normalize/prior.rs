@@ -1,0 +1,120 @@
+//! The contextual prior of BAM-WC and BAM-LC (Fan et al. 2020, §3.3): `ψ = softmax(F2(ReLU(F1(k))))`
+//! over the keys, one small network per head, and the choice of keys that softmax runs over when
+//! attention is a graph ([`PriorScope`]).
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use tch::{nn, Tensor};
+
+use super::Support;
+use crate::{Error, Result};
+
+/// Which keys the contextual prior's softmax runs over when attention is an edge list (a graph).
+///
+/// The paper's `Ψ` is one distribution over the keys of one attention. In a graph every node `i`
+/// attends its own keys, its neighbourhood `N(i)`, so the faithful reading normalizes per node:
+/// `ψ_ij = softmax_{j ∈ N(i)} F2(ReLU(F1(k_j)))`, and each node's prior sums to one over the nodes
+/// it attends. The authors' GAT code instead takes one softmax over every node that is some
+/// edge's key (with self-loops: all `N` nodes), so `ψ_j ≈ 1/N`. Dense attention has one reading,
+/// the paper's (one `Ψ` per example and head over the keys some query may attend), whatever this
+/// says.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PriorScope {
+    /// Per query node, over its neighbourhood `N(i)` (the paper's `Ψ` for an attention whose keys
+    /// are `N(i)`).
+    Neighbourhood,
+    /// One softmax over all key nodes, shared by every query node (the authors' GAT code).
+    #[default]
+    AllNodes,
+}
+
+impl PriorScope {
+    pub const ALL: [PriorScope; 2] = [Self::Neighbourhood, Self::AllNodes];
+
+    /// The name the CLI and config files use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Neighbourhood => "neighbourhood",
+            Self::AllNodes => "all-nodes",
+        }
+    }
+}
+
+impl fmt::Display for PriorScope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for PriorScope {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| Error::Config(format!("unknown prior scope {s:?} (expected neighbourhood or all-nodes)")))
+    }
+}
+
+/// The contextual prior network of one attention layer: per head,
+/// `ψ_j = softmax_j(F2(ReLU(F1(k_j))))` over the keys some query may attend, with
+/// `F1: d_k → hidden` and `F2: hidden → 1`, initialised as the authors' code (He-normal weights,
+/// zero biases). Over dense scores the softmax runs over the keys some query of the example may
+/// attend. Over an edge list, `scope` decides: per query node over its neighbourhood (the paper's
+/// reading for graphs) or over all key nodes at once (the authors' GAT code); see [`PriorScope`].
+#[derive(Debug)]
+pub struct ContextualPrior {
+    scope: PriorScope,
+    heads: i64,
+    hidden: i64,
+    key_dim: i64,
+    /// `(H, hidden, d_k)`
+    f1_weight: Tensor,
+    /// `(H, hidden)`
+    f1_bias: Tensor,
+    /// `(H, hidden)`
+    f2_weight: Tensor,
+    /// `(H,)`
+    f2_bias: Tensor,
+}
+
+impl ContextualPrior {
+    /// Parameters `f1.weight`, `f1.bias`, `f2.weight`, `f2.bias` under `p`.
+    pub fn new(p: &nn::Path, heads: i64, key_dim: i64, hidden: i64, scope: PriorScope) -> Self {
+        let he = |fan_in: i64| nn::Init::Randn { mean: 0.0, stdev: (2.0 / fan_in as f64).sqrt() };
+        let (f1, f2) = (p / "f1", p / "f2");
+        Self {
+            scope,
+            heads,
+            hidden,
+            key_dim,
+            f1_weight: f1.var("weight", &[heads, hidden, key_dim], he(key_dim)),
+            f1_bias: f1.var("bias", &[heads, hidden], nn::Init::Const(0.0)),
+            f2_weight: f2.var("weight", &[heads, hidden], he(hidden)),
+            f2_bias: f2.var("bias", &[heads], nn::Init::Const(0.0)),
+        }
+    }
+
+    /// `log ψ` broadcastable to the scores (`(B, H, 1, S_k)` dense, `(H, E)` over edges: one value
+    /// per edge, which varies with the query node under the neighbourhood scope), from keys
+    /// `(B, H, S_k, d_k)` (`(1, H, N, d_k)` over edges); keys no query may attend get 0.
+    pub fn log_psi(&self, keys: &Tensor, support: &Support) -> Result<Tensor> {
+        let (heads, hidden, key_dim) = (self.heads, self.hidden, self.key_dim);
+        let size = keys.size();
+        if size.len() != 4 || size[1] != heads || size[3] != key_dim {
+            return Err(Error::Shape(format!("the contextual prior takes keys (B, {heads}, S_k, {key_dim}), got {size:?}")));
+        }
+        let kind = keys.kind();
+        let w1 = self.f1_weight.to_kind(kind).transpose(1, 2).unsqueeze(0); // (1, H, d_k, hidden)
+        let b1 = self.f1_bias.to_kind(kind).view([1, heads, 1, hidden]);
+        let h = (keys.matmul(&w1) + b1).relu(); // (B, H, S_k, hidden)
+        let w2 = self.f2_weight.to_kind(kind).view([1, heads, hidden, 1]);
+        let b2 = self.f2_bias.to_kind(kind).view([1, heads, 1, 1]);
+        let logits = (h.matmul(&w2) + b2).transpose(2, 3); // (B, H, 1, S_k)
+        Ok(support.key_log_softmax(&logits, self.scope))
+    }
+}
