@@ -36,6 +36,7 @@
 #include <cfloat>
 #include <cmath>
 #include <optional>
+#include <tuple>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -254,6 +255,102 @@ struct KlTerm {
   }
 };
 
+// ---- softmax and DNAS through libtorch's fused attention kernel for the CPU
+//
+// Without noise or KL, on the CPU, with no mask or a per-key one, softmax and DNAS need no tile
+// loop of ours: libtorch's flash-attention kernel for the CPU (blocked, vectorized, O(S · d)
+// memory) returns each row's log-sum-exp beside its output, adds a mask broadcast over the
+// queries, and has its backward exposed. With s = sqrt(1/d):
+//   C, Pcᵀ q = the kernel with the keys as queries and the queries as keys and values: C_j is the
+//       column log-sum-exp, Pc = exp(z - C) the column-normalized weights (DNAS only);
+//   O, R = the kernel on (q, k, v) with the per-key bias -C (0 for softmax), filled keys at -1e30.
+// Backward: the kernel's backward gives dq, dk, dv of dY = P ∘ (dP - D). For DNAS it also gives
+// g_j = Σ_i dY_ij: with a column of ones appended to q (zeros to k, v, O and dO) the scores do not
+// change, and that column of dk is s · g. Then dZ = dY - Pc ∘ g, Pc = P ∘ exp(R):
+//   dq -= s · exp(R) ∘ P (g ∘ k)     (the kernel on (q, k, g ∘ k) with the same bias)
+//   dk -= s · g ∘ (Pcᵀ q)            (from the forward)
+// The received mass Σ_i P_ij = Σ_i exp(z_ij - C_j - R_i) is the kernel with the keys as queries
+// and values exp(min R - R), scaled back (exp(C' - C) for softmax, whose C is that call's own).
+// A sequence whose keys are all filled keeps the tile loop (the kernel would average its values
+// where the eager path returns zeros).
+
+bool fused_cpu_applies(const at::Tensor& q, const at::Tensor& v, const at::Tensor& excluded, int64_t sweeps, int64_t noise,
+                       int64_t kl) {
+  if (!q.device().is_cpu() || noise != kNoNoise || kl != kNoKl || (sweeps != 0 && sweeps != 1)) return false;
+  if (q.dim() != 4 || v.size(-1) != q.size(-1)) return false;
+  if (!excluded.defined()) return true;
+  return excluded.size(-2) == 1 && !excluded.all(-1).any().item<bool>();
+}
+
+// The key mask as the kernel's additive bias, -bias on allowed keys; (B, H, 1, S_k).
+at::Tensor key_bias(const at::Tensor& minus, const at::Tensor& excluded) {
+  return excluded.defined() ? at::where(excluded, at::scalar_tensor(kMaskValue, minus.options()), -minus) : -minus;
+}
+
+// Σ_i P_ij with P = exp(z - col - R) (col the per-key statistic the output pass subtracted, zeros
+// for softmax), (B, H, S_k); 0 on filled keys.
+at::Tensor fused_mass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& col, const at::Tensor& r, const at::Tensor& excluded,
+                      double scale) {
+  auto r_min = r.amin(-1, true);                                              // (B, H, 1)
+  auto weights = at::exp(r_min - r).unsqueeze(-1).expand(q.sizes()).contiguous();  // ≤ 1
+  auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(k, q, weights, 0.0, false, std::nullopt, scale);
+  // out_j = Σ_i exp(z_ij - lse_j) exp(r_min - R_i), so mass_j = out_j exp(lse_j - col_j - r_min).
+  auto log_mass = at::log(out.select(-1, 0)) + lse.to(q.scalar_type()) - col - r_min;
+  auto mass = at::exp(log_mass);
+  return excluded.defined() ? mass.masked_fill(excluded.squeeze(-2).expand_as(mass), 0.0) : mass;
+}
+
+struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
+  static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, std::optional<at::Tensor> excluded,
+                               int64_t sweeps) {
+    const double scale = std::sqrt(1.0 / static_cast<double>(q.size(-1)));
+    const auto ex = excluded.value_or(at::Tensor());
+    at::Tensor col = at::zeros({q.size(0), q.size(1), 1, k.size(2)}, q.options()), col_q;  // C, Pcᵀ q
+    if (sweeps == 1) {
+      auto [pq, c] = at::_scaled_dot_product_flash_attention_for_cpu(k, q, q, 0.0, false, std::nullopt, scale);
+      col = c.to(q.scalar_type()).unsqueeze(-2);
+      col_q = pq;
+    }
+    auto bias = key_bias(col, ex);
+    auto [out, r] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, false, bias, scale);
+    r = r.to(q.scalar_type());
+    auto mass = fused_mass(q, k, col.squeeze(-2), r, ex, scale);
+    ctx->save_for_backward({q, k, v, out, r, bias});
+    ctx->saved_data["col_q"] = col_q.defined() ? at::IValue(col_q) : at::IValue();
+    ctx->saved_data["sweeps"] = sweeps;
+    ctx->mark_non_differentiable({mass});
+    return {out, mass, at::zeros({q.size(0), q.size(1)}, q.options())};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &r = saved[4], &bias = saved[5];
+    const bool dnas = ctx->saved_data["sweeps"].toInt() == 1;
+    const double scale = std::sqrt(1.0 / static_cast<double>(q.size(-1)));
+    const int64_t d = q.size(-1);
+    auto dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    at::Tensor dq, dk, dv;
+    if (!dnas) {
+      std::tie(dq, dk, dv) = at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, r, 0.0, false, bias, scale);
+      return {dq, dk, dv, at::Tensor(), at::Tensor()};
+    }
+    // One column of ones on q (zeros on the others) carries g = Σ_i dY_ij into dk.
+    auto pad = [](const at::Tensor& t) { return at::constant_pad_nd(t, {0, 1}, 0.0); };
+    auto qa = pad(q);
+    qa.select(-1, d).fill_(1.0);
+    std::tie(dq, dk, dv) =
+        at::_scaled_dot_product_flash_attention_for_cpu_backward(pad(dout), qa, pad(k), pad(v), pad(out), r, 0.0, false, bias, scale);
+    auto g = dk.select(-1, d) / scale;  // (B, H, S_k)
+    dq = dq.narrow(-1, 0, d);
+    dk = dk.narrow(-1, 0, d);
+    dv = dv.narrow(-1, 0, d);
+    auto [pgk, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, g.unsqueeze(-1) * k, 0.0, false, bias, scale);
+    dq = dq - pgk * (at::exp(r) * scale).unsqueeze(-1);
+    dk = dk - ctx->saved_data["col_q"].toTensor() * (g * scale).unsqueeze(-1);
+    return {dq, dk, dv, at::Tensor(), at::Tensor()};
+  }
+};
+
 struct TiledAttention : public torch::autograd::Function<TiledAttention> {
   // Optional tensors are optionals, not possibly-undefined tensors: apply() treats tensor
   // arguments as variables of the graph, which an undefined one cannot be.
@@ -407,6 +504,14 @@ char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor
     TORCH_CHECK(spec->kl >= kNoKl && spec->kl <= kLognormalSquares, "unknown KL kind ", spec->kl);
     TORCH_CHECK(spec->kl == kNoKl || prior != nullptr, "a KL term needs the prior's per-key values");
     auto some = [](const pa_tensor* t) { return t != nullptr ? std::optional<at::Tensor>(*t) : std::nullopt; };
+    if (spec->fused_cpu != 0 && fused_cpu_applies(*q, *v, excluded != nullptr ? *excluded : at::Tensor(), spec->sweeps, spec->noise,
+                                                  spec->kl)) {
+      auto result = FusedCpuAttention::apply(*q, *k, *v, some(excluded), spec->sweeps);
+      *out = new at::Tensor(result[0]);
+      *received_mass = new at::Tensor(result[1]);
+      *kl_part = new at::Tensor(result[2]);
+      return;
+    }
     auto result = TiledAttention::apply(*q, *k, *v, some(excluded), some(noise), some(prior), spec->tile, spec->sweeps, spec->noise,
                                         spec->noise_scale, static_cast<int64_t>(spec->seed), spec->kl);
     *out = new at::Tensor(result[0]);

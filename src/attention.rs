@@ -197,7 +197,7 @@ fn attend_memory_efficient(
             opts.dropout
         )));
     }
-    let out = attend_tiled(q, k, v, masks, tiled, TiledOptions { tile, sample: opts.mode.sample, noise: opts.noise, seed: None })?;
+    let out = attend_tiled(q, k, v, masks, tiled, TiledOptions { sample: opts.mode.sample, noise: opts.noise, ..TiledOptions::new(tile) })?;
     Ok(Attended { output: out.output, weights: None, received_mass: Some(out.received_mass), kl: out.kl })
 }
 

@@ -251,6 +251,9 @@ pub(crate) struct TiledSpec {
     pub seed: u64,
     /// The KL's score-dependent part: 0 none, 1 `Σ a_j log π_ij`, 2 `Σ (log π_ij − a_j)²`.
     pub kl: i32,
+    /// 1: softmax and DNAS without noise take libtorch's fused CPU kernel where it applies; 0:
+    /// always the tiles ([`crate::tiled::TiledOptions::fused_cpu`]).
+    pub fused_cpu: i32,
 }
 
 impl TiledSpec {

@@ -85,12 +85,18 @@ pub struct TiledOptions<'a> {
     /// The key of the counter-based draws. `None`: one draw from libtorch's generator, so
     /// `tch::manual_seed` fixes the noise.
     pub seed: Option<u64>,
+    /// On the CPU, softmax and DNAS (and so HNAS, and BAM's mean over those bases) without
+    /// sampling take libtorch's fused flash-attention kernel where the mask allows it (none, or
+    /// key padding only): the same O(S · d) memory without a tile loop, and faster (two kernel
+    /// passes forward where DNAS's tiles compute the scores twice in full; csrc/tiled.cpp has the
+    /// algebra). `tile` then does not apply. `false` always runs the tiles. Default `true`.
+    pub fused_cpu: bool,
 }
 
 impl TiledOptions<'_> {
-    /// `tile` queries at a time, not sampling.
+    /// `tile` queries at a time, not sampling, the fused CPU kernel where it applies.
     pub fn new(tile: i64) -> Self {
-        Self { tile, sample: false, noise: None, seed: None }
+        Self { tile, sample: false, noise: None, seed: None, fused_cpu: true }
     }
 }
 
@@ -118,7 +124,7 @@ pub fn attend_tiled(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, variant: 
     }
     let allowed = masks.allowed(shape, q.device())?;
     let excluded = allowed.as_ref().map(|a| a.logical_not());
-    let spec = TiledSpec { tile: opts.tile, sweeps: 0, noise: 0, noise_scale: 0.0, seed: 0, kl: 0 };
+    let spec = TiledSpec { tile: opts.tile, sweeps: 0, noise: 0, noise_scale: 0.0, seed: 0, kl: 0, fused_cpu: i32::from(opts.fused_cpu) };
     let causal_check = |name: &str| -> Result<()> {
         if masks.causal {
             return Err(Error::Unsupported(format!(

@@ -45,6 +45,8 @@ impl Case {
 fn cases() -> Vec<Case> {
     // Sequence 1 has every key padded: its rows are all zero in both paths.
     let key_padding = Tensor::arange(S, (Kind::Int64, Device::Cpu)).unsqueeze(0).ge_tensor(&Tensor::from_slice(&[7i64, 0]).unsqueeze(1));
+    let partial_padding =
+        Tensor::arange(S, (Kind::Int64, Device::Cpu)).unsqueeze(0).ge_tensor(&Tensor::from_slice(&[7i64, 3]).unsqueeze(1));
     let query_padding = Tensor::arange(L, (Kind::Int64, Device::Cpu)).unsqueeze(0).ge_tensor(&Tensor::from_slice(&[9i64, 12]).unsqueeze(1));
     let pattern = Tensor::rand([B, H, L, S], (Kind::Double, Device::Cpu)).lt(0.3);
     let _ = pattern.narrow(2, 4, 1).fill_(1); // a fully excluded row in every head
@@ -52,6 +54,14 @@ fn cases() -> Vec<Case> {
     vec![
         Case { name: "none", key_padding: None, query_padding: None, attn_mask: None, causal: false },
         Case { name: "key padding", key_padding: Some(key_padding.shallow_clone()), query_padding: None, attn_mask: None, causal: false },
+        // Every sequence keeps a key: the fused CPU kernel takes it (above it falls back).
+        Case {
+            name: "key padding, no empty sequence",
+            key_padding: Some(partial_padding),
+            query_padding: None,
+            attn_mask: None,
+            causal: false,
+        },
         Case {
             name: "key and query padding",
             key_padding: Some(key_padding),
@@ -126,17 +136,18 @@ fn tiled_attention_equals_the_eager_path() -> Result<()> {
                 &params,
                 &g,
             )?;
-            for tile in [1, 4, 5, L, 64] {
+            // The tiles at sizes that do and do not divide S, and the fused CPU kernel where it applies.
+            for (tile, fused_cpu) in [(1, false), (4, false), (5, false), (L, false), (64, false), (4, true)] {
                 let ours = run(
                     |q, k, v| {
-                        let t = attend_tiled(q, k, v, &masks, tiled, TiledOptions::new(tile))?;
+                        let t = attend_tiled(q, k, v, &masks, tiled, TiledOptions { fused_cpu, ..TiledOptions::new(tile) })?;
                         Ok((t.output, t.received_mass))
                     },
                     &inputs,
                     &params,
                     &g,
                 )?;
-                let what = format!("{name}, {}, tile {tile}", case.name);
+                let what = format!("{name}, {}, tile {tile}{}", case.name, if fused_cpu { ", fused CPU kernel" } else { "" });
                 largest = [max_diff(&ours.0, &reference.0), max_diff(&ours.1, &reference.1)]
                     .into_iter()
                     .chain(ours.2.iter().zip(&reference.2).map(|(a, b)| max_diff(a, b)))
@@ -151,8 +162,24 @@ fn tiled_attention_equals_the_eager_path() -> Result<()> {
             }
         }
     }
-    ensure!(checked == 4 * 5 * 5 + 5, "{checked} comparisons");
+    ensure!(checked == 5 * 5 * 6 + 6, "{checked} comparisons");
     eprintln!("{checked} comparisons, largest difference {largest:.1e}");
+    // Where the fused CPU kernel applies it computes differently from the tiles (equal to 1e-10
+    // above, not bit for bit); where it does not (a sequence without keys, query padding, a
+    // pattern), the option changes nothing.
+    for case in cases().iter().filter(|c| !c.causal) {
+        let route = |fused_cpu| {
+            let opts = TiledOptions { fused_cpu, ..TiledOptions::new(4) };
+            attend_tiled(&inputs[0], &inputs[1], &inputs[2], &case.masks(), Tiled::Dnas, opts).map(|t| t.output)
+        };
+        let applies = matches!(case.name, "none" | "key padding, no empty sequence");
+        ensure!(
+            route(true)?.equal(&route(false)?) != applies,
+            "{}: the fused CPU kernel {}",
+            case.name,
+            if applies { "was not taken" } else { "was taken" }
+        );
+    }
     // The comparison can fail: tiled softmax is not eager DNAS.
     let softmax = attend_tiled(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), Tiled::Softmax, TiledOptions::new(4))?.output;
     let dnas = attend(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), &Dnas, Default::default())?.output;
@@ -303,9 +330,9 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
                     Ok((out.detach(), mass.detach(), kl.detach(), grads))
                 };
                 let eager = path(None)?;
-                let counter = TiledOptions { tile: 4, sample: true, noise: None, seed: Some(seed) };
-                let given = TiledOptions { tile: 5, sample: true, noise: Some(&draws), seed: None };
-                let whole = TiledOptions { tile: L, sample: true, noise: None, seed: Some(seed) };
+                let counter = TiledOptions { sample: true, seed: Some(seed), ..TiledOptions::new(4) };
+                let given = TiledOptions { sample: true, noise: Some(&draws), ..TiledOptions::new(5) };
+                let whole = TiledOptions { sample: true, seed: Some(seed), ..TiledOptions::new(L) };
                 for (how, options) in [("counter, tile 4", counter), ("given draws, tile 5", given), ("counter, tile 13", whole)] {
                     let ours = path(Some(options))?;
                     let what = format!("{} over {base}, {}, {how}", kind.name(), case.name);
@@ -325,7 +352,7 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
             }
         }
     }
-    ensure!(checked == 5 * (3 * 4 + 1) * 3, "{checked} comparisons");
+    ensure!(checked == 5 * (3 * 5 + 1) * 3, "{checked} comparisons");
     eprintln!("{checked} BAM comparisons, largest difference {largest:.1e}");
     // The draws matter: another seed gives another output, and the mean (no sampling) is the base.
     let (_, normalizer) = bam(BamKind::LognormalContextual, Variant::Dnas)?;

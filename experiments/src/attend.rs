@@ -177,7 +177,8 @@ pub fn run(args: &AttendArgs) -> Result<()> {
         let tiled = normalizer.tiled().with_context(|| format!("--memory-efficient: {} has no memory-efficient path", args.variant))?;
         // BAM samples from the input's noise when it has one, else from the counter-based draws
         // keyed by --seed (`probattn::tiled::counter_noise` reproduces them).
-        let options = TiledOptions { tile: args.tile, sample: args.bam.train, noise: noise.as_ref(), seed: Some(args.bam.seed) };
+        let options =
+            TiledOptions { sample: args.bam.train, noise: noise.as_ref(), seed: Some(args.bam.seed), ..TiledOptions::new(args.tile) };
         let out = tch::no_grad(|| probattn::tiled::attend_tiled(&q, &k, &v, &masks, tiled, options))
             .with_context(|| format!("attending with {} (memory-efficient, tile {}) on {input}", args.variant, args.tile))?;
         let mut written = vec![("output", &out.output), ("received_mass", &out.received_mass)];
