@@ -282,9 +282,12 @@ bool fused_cpu_applies(const at::Tensor& q, const at::Tensor& v, const at::Tenso
   return excluded.size(-2) == 1 && !excluded.all(-1).any().item<bool>();
 }
 
-// The key mask as the kernel's additive bias, -bias on allowed keys; (B, H, 1, S_k).
+// The key mask as the kernel's additive bias, -bias on allowed keys; (B, H, 1, S_k), contiguous:
+// the kernel's log-sum-exp comes back with strides (S·H, 1, H), and a mask laid out like that is
+// expanded to a full (S_q, S_k) copy by the kernel (checked: 512 MiB more at S = 4096, H = 8).
 at::Tensor key_bias(const at::Tensor& minus, const at::Tensor& excluded) {
-  return excluded.defined() ? at::where(excluded, at::scalar_tensor(kMaskValue, minus.options()), -minus) : -minus;
+  auto bias = excluded.defined() ? at::where(excluded, at::scalar_tensor(kMaskValue, minus.options()), -minus) : -minus;
+  return bias.contiguous();
 }
 
 // Σ_i P_ij with P = exp(z - col - R) (col the per-key statistic the output pass subtracted, zeros
