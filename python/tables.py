@@ -11,8 +11,10 @@ def mean_std(values):
 
 
 def cell(values, digits=2):
-    """'mean ± std (n=N)'."""
+    """'mean ± std (n=N)'; one value alone has no spread, so it is written 'value (n=1)'."""
     m, s = mean_std(values)
+    if len(values) == 1:
+        return f"{m:.{digits}f} (n=1)"
     return f"{m:.{digits}f} ± {s:.{digits}f} (n={len(values)})"
 
 

@@ -19,12 +19,30 @@ import sys
 
 from tables import cell, diff_cell, markdown
 
-ORDER = ["softmax", "softmax-svgd", "softmax-spos", "dnas", "hnas", "bam-wc"]
+ORDER = ["softmax", "softmax-svgd", "softmax-svgd-cross", "softmax-spos-cross", "dnas", "hnas", "bam-wc"]
 
 
 def row_name(results):
+    """attention[-repulsive[-selection]]: `softmax-svgd` repels every module's heads,
+    `softmax-svgd-cross` only the kinds / layers its `--selection` names."""
     rep = results["repulsive"]
-    return results["attention"] if rep == "none" else f"{results['attention']}-{rep}"
+    if rep == "none":
+        return results["attention"]
+    selection = results["config"].get("selection") or {}
+    parts = [k for k in selection.get("kinds") or []]
+    parts += [f"layer{l}" for l in selection.get("layers") or []]
+    parts += [p for p in selection.get("projections") or []]
+    return "-".join([results["attention"], rep] + parts)
+
+
+def pooled_config(results):
+    """The configuration runs must share to pool: without repulsive heads, the repulsive settings
+    (whose defaults changed over time) do not act and are left out."""
+    config = dict(results["config"])
+    if results["repulsive"] == "none":
+        config.pop("repulsive_config", None)
+        config.pop("selection", None)
+    return config
 
 
 def collect(roots):
@@ -41,7 +59,7 @@ def collect(roots):
                 continue  # not a translate result
             for run in results["runs"]:
                 run["_folder"] = folder
-                run["_config"] = results["config"]
+                run["_config"] = pooled_config(results)
                 rows.setdefault(row_name(results), []).append(run)
     for name, runs in rows.items():
         first = runs[0]["_config"]
