@@ -57,8 +57,8 @@ typedef struct pa_tiled_spec {
   double noise_scale;  // 1/k (Weibull) or sigma (Lognormal)
   uint64_t seed;       // the counter-based draws' key, when no noise tensor is given
   int32_t kl;          // the KL's score-dependent part: 0 none, 1 sum a_j log pi_ij, 2 sum (log pi_ij - a_j)^2
-  int32_t fused_cpu;   // 1: softmax and DNAS without noise take libtorch's fused CPU kernel where it applies (CPU, no mask
-                       // or a per-key one); 0: always the tiles
+  int32_t fused_cpu;   // 1: softmax and DNAS without noise, and noise over a softmax base, take libtorch's fused CPU kernel
+                       // where it applies (CPU, no mask or a per-key one); 0: always the tiles
 } pa_tiled_spec;
 // Attention of heads-first q (B, H, S_q, d), k (B, H, S_k, d), v (B, H, S_k, d_v) under `excluded`
 // (bool, broadcastable to (B, H, S_q, S_k), true = excluded; NULL: none), tiled over blocks of

@@ -107,49 +107,77 @@ inline uint32_t hash32_scalar(uint32_t x) {
   return x;
 }
 
-at::Tensor counter_uniform_cpu(uint64_t seed, at::IntArrayRef shape, int64_t start, int64_t len, bool float32) {
-  const int64_t b = shape[0], h = shape[1], sq = shape[2], sk = shape[3];
-  auto out = at::empty({b, h, len, sk}, at::TensorOptions().dtype(at::kDouble));
-  double* data = out.data_ptr<double>();
+template <typename T>
+void fill_counter_uniform(T* data, uint64_t seed, int64_t sq, int64_t sk, int64_t start, int64_t len, int64_t rows, bool float32) {
   const auto s0 = static_cast<uint32_t>(seed & 0xffffffffULL), s1 = static_cast<uint32_t>(seed >> 32);
   const double scale = float32 ? std::ldexp(1.0, -23) : std::ldexp(1.0, -32);
   const int shift = float32 ? 9 : 0;
-  at::parallel_for(0, b * h * len, 16, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const int64_t i = start + r % len;
       const auto base = static_cast<uint64_t>(((r / len) * sq + i) * sk);
-      double* row = data + r * sk;
+      T* row = data + r * sk;
       for (int64_t j = 0; j < sk; ++j) {
         const uint64_t index = base + static_cast<uint64_t>(j);
         const auto low = static_cast<uint32_t>(index & 0xffffffffULL), high = static_cast<uint32_t>(index >> 32);
         const uint32_t bits = hash32_scalar(hash32_scalar(low ^ hash32_scalar(high ^ s1)) ^ s0);
-        row[j] = (static_cast<double>(bits >> shift) + 0.5) * scale;
+        row[j] = static_cast<T>((static_cast<double>(bits >> shift) + 0.5) * scale);
       }
     }
   });
+}
+
+// `out_type` float32 (only with float32 draws, whose 24 significant bits it holds exactly) or
+// float64: the same values either way.
+at::Tensor counter_uniform_cpu(uint64_t seed, at::IntArrayRef shape, int64_t start, int64_t len, bool float32, at::ScalarType out_type) {
+  const int64_t b = shape[0], h = shape[1], sq = shape[2], sk = shape[3];
+  auto out = at::empty({b, h, len, sk}, at::TensorOptions().dtype(float32 ? out_type : at::kDouble));
+  if (out.scalar_type() == at::kFloat) {
+    fill_counter_uniform(out.data_ptr<float>(), seed, sq, sk, start, len, b * h * len, float32);
+  } else {
+    fill_counter_uniform(out.data_ptr<double>(), seed, sq, sk, start, len, b * h * len, float32);
+  }
   return out;
 }
 
 at::Tensor counter_uniform(uint64_t seed, at::IntArrayRef shape, int64_t start, int64_t len, at::ScalarType dtype, at::Device device,
                            bool ops = false) {
   const bool float32 = dtype == at::kFloat;
-  if (device.is_cpu() && !ops) return counter_uniform_cpu(seed, shape, start, len, float32);
+  if (device.is_cpu() && !ops) return counter_uniform_cpu(seed, shape, start, len, float32, at::kDouble);
   return counter_uniform_ops(seed, shape, start, len, float32, device);
 }
 
 // The eager path's noise convention: ε ~ U(0, 1) for Weibull, ε ~ N(0, 1) for Lognormal (the
-// inverse normal CDF of the uniform, in float64), in `dtype`.
+// inverse normal CDF of the uniform, in float64), in `dtype`. Uniform float32 draws on the CPU are
+// written as float32 directly (one pass, no float64 block).
 at::Tensor counter_noise(uint64_t seed, int64_t noise, at::IntArrayRef shape, int64_t start, int64_t len, at::ScalarType dtype,
                          at::Device device, bool ops = false) {
+  if (noise == kWeibull && device.is_cpu() && !ops) return counter_uniform_cpu(seed, shape, start, len, dtype == at::kFloat, dtype).to(dtype);
   auto u = counter_uniform(seed, shape, start, len, dtype, device, ops);
   if (noise == kLognormal) u = at::erfinv(u * 2.0 - 1.0) * std::sqrt(2.0);
   return u.to(dtype);
 }
 
-// The log-domain perturbation of ε, as src/normalize/bam.rs's `perturb`.
-at::Tensor noise_term(const at::Tensor& eps, int64_t noise, double scale) {
-  if (noise == kWeibull) return at::log(-at::log1p(-eps.clamp_min(static_cast<double>(FLT_MIN)))) * scale;
-  return eps * scale;
+// The log-domain perturbation of ε, as src/normalize/bam.rs's `perturb`, in place on a tensor of
+// the caller's own (the same operations, in the same order, as the out-of-place form).
+at::Tensor noise_term_(at::Tensor eps, int64_t noise, double scale) {
+  if (noise == kWeibull) eps.clamp_min_(static_cast<double>(FLT_MIN)).neg_().log1p_().neg_().log_();
+  return eps.mul_(scale);
+}
+
+// The noise term of rows [start, start + len) of the scores, (B, H, len, S_k), a fresh tensor:
+// from `given` (ε expanded to the scores' shape) or from the counter-based draws.
+at::Tensor noise_rows(const at::Tensor& given, uint64_t seed, int64_t noise, double scale, at::IntArrayRef shape, int64_t start,
+                      int64_t len, at::ScalarType dtype, at::Device device) {
+  at::Tensor eps;
+  if (given.defined()) {
+    const auto rows = given.narrow(-2, start, len);
+    eps = at::empty(rows.sizes(), rows.options().dtype(dtype));
+    eps.copy_(rows);
+  } else {
+    eps = counter_noise(seed, noise, shape, start, len, dtype, device);
+  }
+  return noise_term_(eps, noise, scale);
 }
 
 // ---- tiles
@@ -196,9 +224,8 @@ struct Problem {
   at::Tensor weights(const at::Tensor& y, int64_t start, int64_t len, const at::Tensor& ex) const {
     auto a = y;
     if (noise != kNoNoise) {
-      auto eps = given_noise.defined() ? given_noise.narrow(-2, start, len).to(y.scalar_type())
-                                       : counter_noise(seed, noise, shape(), start, len, y.scalar_type(), y.device());
-      a = filled(y + noise_term(eps, noise, noise_scale), ex, kMaskValue);
+      a = filled(noise_rows(given_noise, seed, noise, noise_scale, shape(), start, len, y.scalar_type(), y.device()).add_(y), ex,
+                 kMaskValue);
     }
     return filled(at::softmax(a, -1), ex, 0.0);
   }
@@ -352,6 +379,200 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
     dk = dk - ctx->saved_data["col_q"].toTensor() * (g * scale).unsqueeze(-1);
     return {dq, dk, dv, at::Tensor(), at::Tensor()};
   }
+};
+
+// ---- BAM over a softmax base through the same kernel, a block of queries at a time
+//
+// The sampled weights are P = row-softmax(z + n) (the base's per-row constant cancels): the kernel
+// on a block of queries with the block's noise term (plus the key mask) as its additive mask, so
+// one (tile, S_k) block of noise is all that exists at a time, drawn again in backward. Its
+// backward gives dq, dk, dv of dY = P ∘ (dP - D). The received mass of a block is the kernel with
+// the keys as queries and the mask (n - L)ᵀ, L the block's row log-sum-exps: its log-sum-exp is
+// log Σ_i P_ij. With a key mask only, the KL's part T needs no (S_q, S_k) block at all: with
+// log π_ij = z_ij - l_i (l_i = LSE_j z_ij over the allowed keys A, from one kernel call that also
+// returns πK), a'_j = a_j on A and 0 elsewhere, α = Σ_j a'_j, z_ij = qs_i · k_j:
+//   Weibull:   T = Σ_j a'_j zc_j - α Σ_i l_i,             zc_j = k_j · Σ_i qs_i
+//   Lognormal: T = Σ_{i, j∈A} (z_ij - l_i - a_j)²
+//                = Σ_i qs_i G qs_iᵀ + |A| Σ_i l_i² + S_q Σ_j a'_j² - 2 Σ_i l_i zr_i - 2 Σ_j a'_j zc_j + 2 α Σ_i l_i,
+//              G = Σ_{j∈A} k_jᵀ k_j (d × d), zr_i = qs_i · Σ_{j∈A} k_j.
+// Gradients, dT/dz_ij = u_ij - π_ij U_i with u = ∂T/∂log π on A and U_i = Σ_j u_ij, so through
+// z = qs kᵀ: dqs_i = Σ_j u_ij k_j - U_i (πK)_i and dk_j = Σ_i u_ij qs_i - Σ_i π_ij U_i qs_i, the
+// last the kernel with the keys as queries and the bias -l: out_j exp(lse_j) = Σ_i π_ij x_i.
+//   Weibull:   u_ij = a'_j:                  Σ_j u_ij k_j = a'K,  Σ_i u_ij qs_i = a'_j Σ_i qs_i, U_i = α
+//   Lognormal: u_ij = 2 (z_ij - l_i - a_j):  Σ_j u_ij k_j = 2 (qs_i G - l_i Σ_{A} k - a'K),
+//              Σ_i u_ij qs_i = 2 (k_j QᵀQ - Σ_i l_i qs_i - a_j Σ_i qs_i) (QᵀQ = Σ_i qs_iᵀ qs_i), U_i = 2 (zr_i - |A| l_i - α)
+// and ∂T/∂a_j = Σ_i log π_ij = zc_j - Σ_i l_i (Weibull), -2 (zc_j - Σ_i l_i - S_q a_j) (Lognormal), on A.
+// Sums like Σ_i qs_i G qs_iᵀ replace sums of squares of the scores: in float32 they agree with
+// the tiles to rounding of the (large) total, not entry by entry.
+
+bool fused_cpu_bam_applies(const at::Tensor& q, const at::Tensor& v, const at::Tensor& excluded, int64_t sweeps, int64_t noise) {
+  if (!q.device().is_cpu() || noise == kNoNoise || sweeps != 0 || q.dim() != 4 || v.size(-1) != q.size(-1)) return false;
+  if (!excluded.defined()) return true;
+  return excluded.size(-2) == 1 && !excluded.all(-1).any().item<bool>();
+}
+
+struct FusedCpuBam : public torch::autograd::Function<FusedCpuBam> {
+  // What forward and backward both form: the shape, the key bias and the noise of a block.
+  struct Blocks {
+    at::Tensor q, bias, given;  // bias (B, H, 1, S_k); given: ε expanded to the scores' shape, or undefined
+    int64_t tile, noise;
+    double noise_scale;
+    uint64_t seed;
+    std::vector<int64_t> shape;
+
+    template <typename F>
+    void each(F&& f) const {
+      for (int64_t start = 0; start < shape[2]; start += tile) f(start, std::min(tile, shape[2] - start));
+    }
+    // The kernel's mask for queries [start, start + len): the noise term plus the key bias.
+    at::Tensor mask(int64_t start, int64_t len) const {
+      return noise_rows(given, seed, noise, noise_scale, shape, start, len, q.scalar_type(), q.device()).add_(bias);
+    }
+  };
+
+  static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, std::optional<at::Tensor> excluded,
+                               std::optional<at::Tensor> noise_given, std::optional<at::Tensor> prior, int64_t tile, int64_t noise,
+                               double noise_scale, int64_t seed, int64_t kl) {
+    const double scale = std::sqrt(1.0 / static_cast<double>(q.size(-1)));
+    const auto ex = excluded.value_or(at::Tensor());
+    const std::vector<int64_t> shape{q.size(0), q.size(1), q.size(2), k.size(2)};
+    const auto bias = key_bias(at::zeros({shape[0], shape[1], 1, shape[3]}, q.options()), ex);
+    const Blocks blocks{q, bias, noise_given.has_value() ? noise_given->expand(shape) : at::Tensor(), tile, noise, noise_scale,
+                        static_cast<uint64_t>(seed), shape};
+    std::vector<at::Tensor> outputs, lses;
+    auto mass = at::zeros({shape[0], shape[1], shape[3]}, q.options());
+    blocks.each([&](int64_t start, int64_t len) {
+      auto qt = q.narrow(-2, start, len);
+      auto m = blocks.mask(start, len);
+      auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(qt, k, v, 0.0, false, m, scale);
+      lse = lse.to(q.scalar_type());
+      auto swapped = m.sub_(lse.unsqueeze(-1)).transpose(-2, -1).contiguous();  // (n + bias - L)ᵀ
+      auto col = std::get<1>(at::_scaled_dot_product_flash_attention_for_cpu(k, qt, qt, 0.0, false, swapped, scale));
+      mass += at::exp(col.to(q.scalar_type()));
+      outputs.push_back(out);
+      lses.push_back(lse);
+    });
+    if (ex.defined()) mass.masked_fill_(ex.squeeze(-2).expand_as(mass), 0.0);
+    auto out = at::cat(outputs, -2);
+    auto lse = at::cat(lses, -1);
+    auto kl_part = at::zeros({shape[0], shape[1]}, q.options());
+    at::Tensor pik, l;
+    if (kl != kNoKl) {
+      std::tie(pik, l) = at::_scaled_dot_product_flash_attention_for_cpu(q, k, k, 0.0, false, bias, scale);
+      l = l.to(q.scalar_type());
+      kl_part = KlClosedForm(q * scale, k, *prior, ex, kl).value(l);
+    }
+    ctx->save_for_backward({q, k, v, out, lse, bias});
+    auto keep = [&](const char* key, const at::Tensor& t) { ctx->saved_data[key] = t.defined() ? at::IValue(t) : at::IValue(); };
+    keep("excluded", ex);
+    keep("given", blocks.given);
+    keep("prior", prior.value_or(at::Tensor()));
+    keep("pik", pik);
+    keep("l", l);
+    ctx->saved_data["settings"] = std::vector<int64_t>{tile, noise, seed, kl};
+    ctx->saved_data["noise_scale"] = noise_scale;
+    ctx->mark_non_differentiable({mass});
+    return {out, mass, kl_part};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4], &bias = saved[5];
+    auto optional = [&](const char* key) { return ctx->saved_data[key].isNone() ? at::Tensor() : ctx->saved_data[key].toTensor(); };
+    const auto settings = ctx->saved_data["settings"].toIntVector();
+    const double scale = std::sqrt(1.0 / static_cast<double>(q.size(-1)));
+    const std::vector<int64_t> shape{q.size(0), q.size(1), q.size(2), k.size(2)};
+    const Blocks blocks{q, bias, optional("given"), settings[0], settings[1], ctx->saved_data["noise_scale"].toDouble(),
+                        static_cast<uint64_t>(settings[2]), shape};
+    const int64_t kl = settings[3];
+    auto dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    auto dq = at::empty_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+    blocks.each([&](int64_t start, int64_t len) {
+      auto rows = [&](const at::Tensor& t) { return t.narrow(-2, start, len).contiguous(); };
+      auto [dqt, dkt, dvt] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+          rows(dout), q.narrow(-2, start, len), k, v, rows(out), lse.narrow(-1, start, len).contiguous(), 0.0, false,
+          blocks.mask(start, len), scale);
+      dq.narrow(-2, start, len).copy_(dqt);
+      dk.add_(dkt);
+      dv.add_(dvt);
+    });
+    at::Tensor dprior;
+    const auto prior = optional("prior");
+    if (kl != kNoKl && grads[2].defined()) {
+      const KlClosedForm form(q * scale, k, prior, optional("excluded"), kl);
+      auto [dqs, dkk, da] = form.grad(optional("l"), optional("pik"), grads[2], scale);
+      dq.add_(dqs * scale);
+      dk.add_(dkk);
+      if (prior.requires_grad()) dprior = at::sum_to(da, prior.sizes());
+    }
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), dprior, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+
+  // The KL's part T in closed form (above), its gradients in qs, k and the prior.
+  struct KlClosedForm {
+    at::Tensor qs, k, a, allowed;  // a' (B, H, 1, S_k), 0 off A; allowed (B, H, 1, S_k) as 0 / 1
+    int64_t kind;
+    at::Tensor zc, sq;  // zc (B, H, 1, S_k), sq = Σ_i qs_i (B, H, 1, d)
+
+    KlClosedForm(const at::Tensor& qs_, const at::Tensor& k_, const at::Tensor& prior, const at::Tensor& ex, int64_t kind_)
+        : qs(qs_), k(k_), kind(kind_) {
+      const auto opts = qs.options();
+      allowed = at::ones({qs.size(0), qs.size(1), 1, k.size(2)}, opts);
+      if (ex.defined()) allowed = allowed.masked_fill(ex, 0.0);
+      a = prior.expand_as(allowed) * allowed;
+      sq = qs.sum(-2, true);
+      zc = at::matmul(sq, k.transpose(-2, -1));
+    }
+    at::Tensor alpha() const { return a.sum(-1); }  // (B, H, 1)
+    at::Tensor gram() const {                       // G and Σ_A k: the keys of A only
+      auto ka = k * allowed.transpose(-2, -1);
+      return at::matmul(ka.transpose(-2, -1), ka);
+    }
+    at::Tensor key_sum() const { return (k * allowed.transpose(-2, -1)).sum(-2, true); }  // (B, H, 1, d)
+    at::Tensor count() const { return allowed.sum(-1); }                                   // |A|, (B, H, 1)
+
+    at::Tensor value(const at::Tensor& l) const {  // l (B, H, S_q)
+      const auto sum_l = l.sum(-1);
+      if (kind == kWeibullCross) return (a * zc).sum({-2, -1}) - alpha().squeeze(-1) * sum_l;
+      const auto zr = at::matmul(qs, key_sum().transpose(-2, -1)).squeeze(-1);  // (B, H, S_q)
+      const double sq_rows = static_cast<double>(qs.size(-2));
+      return (at::matmul(qs, gram()) * qs).sum({-2, -1}) + count().squeeze(-1) * l.square().sum(-1) +
+             a.square().sum({-2, -1}) * sq_rows - (l * zr).sum(-1) * 2.0 - (a * zc).sum({-2, -1}) * 2.0 +
+             sum_l * alpha().squeeze(-1) * 2.0;
+    }
+
+    // (d qs, d k, d a) for the incoming gradient dt (B, H) of T.
+    std::tuple<at::Tensor, at::Tensor, at::Tensor> grad(const at::Tensor& l, const at::Tensor& pik, const at::Tensor& dt,
+                                                        double scale) const {
+      const auto g = dt.view({dt.size(0), dt.size(1), 1, 1});
+      const auto li = l.unsqueeze(-1);                       // (B, H, S_q, 1)
+      const auto sum_l = l.sum(-1).view_as(g);
+      const auto ak = at::matmul(a, k);                      // a'K, (B, H, 1, d)
+      const auto keys = allowed.transpose(-2, -1);           // (B, H, S_k, 1)
+      // Σ_i π_ij x_i: the kernel with the keys as queries, bias -l over its keys.
+      auto pi_t = [&](const at::Tensor& x) {
+        auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(k, qs / scale, x, 0.0, false, (-l).unsqueeze(-2).contiguous(),
+                                                                          scale);
+        return o * at::exp(lse.to(o.scalar_type())).unsqueeze(-1);
+      };
+      at::Tensor dqs, dk, da;
+      if (kind == kWeibullCross) {
+        const auto al = alpha().unsqueeze(-1);  // (B, H, 1, 1)
+        dqs = (ak - pik * al) * g;
+        dk = (a.transpose(-2, -1) * sq - pi_t(qs) * al) * keys * g;
+        da = (zc - sum_l) * allowed * g;
+      } else {
+        const auto ks = key_sum();
+        const auto u_rows = (at::matmul(qs, ks.transpose(-2, -1)) - li * count().unsqueeze(-1) - alpha().unsqueeze(-1)) * 2.0;
+        dqs = ((at::matmul(qs, gram()) - li * ks - ak) * 2.0 - pik * u_rows) * g;
+        const auto qq = at::matmul(qs.transpose(-2, -1), qs);
+        const auto lq = (li * qs).sum(-2, true);
+        dk = ((at::matmul(k, qq) - lq - a.transpose(-2, -1) * sq) * 2.0 - pi_t(u_rows * qs)) * keys * g;
+        da = (zc - sum_l - a * static_cast<double>(qs.size(-2))) * allowed * (g * -2.0);
+      }
+      return {dqs, dk, da};
+    }
+  };
 };
 
 struct TiledAttention : public torch::autograd::Function<TiledAttention> {
@@ -510,6 +731,15 @@ char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor
     if (spec->fused_cpu != 0 && fused_cpu_applies(*q, *v, excluded != nullptr ? *excluded : at::Tensor(), spec->sweeps, spec->noise,
                                                   spec->kl)) {
       auto result = FusedCpuAttention::apply(*q, *k, *v, some(excluded), spec->sweeps);
+      *out = new at::Tensor(result[0]);
+      *received_mass = new at::Tensor(result[1]);
+      *kl_part = new at::Tensor(result[2]);
+      return;
+    }
+    if (spec->fused_cpu != 0 &&
+        fused_cpu_bam_applies(*q, *v, excluded != nullptr ? *excluded : at::Tensor(), spec->sweeps, spec->noise)) {
+      auto result = FusedCpuBam::apply(*q, *k, *v, some(excluded), some(noise), some(prior), spec->tile, spec->noise, spec->noise_scale,
+                                       static_cast<int64_t>(spec->seed), spec->kl);
       *out = new at::Tensor(result[0]);
       *received_mass = new at::Tensor(result[1]);
       *kl_part = new at::Tensor(result[2]);

@@ -89,7 +89,9 @@ pub struct TiledOptions<'a> {
     /// sampling take libtorch's fused flash-attention kernel where the mask allows it (none, or
     /// key padding only): the same O(S · d) memory without a tile loop, and faster (two kernel
     /// passes forward where DNAS's tiles compute the scores twice in full; csrc/tiled.cpp has the
-    /// algebra). `tile` then does not apply. `false` always runs the tiles. Default `true`.
+    /// algebra). `tile` then does not apply. BAM sampling over a softmax base takes the same
+    /// kernel under the same masks, `tile` queries at a time with their noise as the kernel's
+    /// mask, and its KL term in closed form. `false` always runs the tiles. Default `true`.
     pub fused_cpu: bool,
 }
 

@@ -333,7 +333,10 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
                 let counter = TiledOptions { sample: true, seed: Some(seed), ..TiledOptions::new(4) };
                 let given = TiledOptions { sample: true, noise: Some(&draws), ..TiledOptions::new(5) };
                 let whole = TiledOptions { sample: true, seed: Some(seed), ..TiledOptions::new(L) };
-                for (how, options) in [("counter, tile 4", counter), ("given draws, tile 5", given), ("counter, tile 13", whole)] {
+                // Over a softmax base with a key mask, the three above take the fused CPU kernel; this one keeps the tiles.
+                let tiles = TiledOptions { sample: true, seed: Some(seed), fused_cpu: false, ..TiledOptions::new(4) };
+                let runs = [("counter, tile 4", counter), ("given draws, tile 5", given), ("counter, tile 13", whole), ("tiles only", tiles)];
+                for (how, options) in runs {
                     let ours = path(Some(options))?;
                     let what = format!("{} over {base}, {}, {how}", kind.name(), case.name);
                     let diffs = [max_diff(&ours.0, &eager.0), max_diff(&ours.1, &eager.1), max_diff(&ours.2, &eager.2)];
@@ -352,8 +355,23 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
             }
         }
     }
-    ensure!(checked == 5 * (3 * 5 + 1) * 3, "{checked} comparisons");
+    ensure!(checked == 5 * (3 * 5 + 1) * 4, "{checked} comparisons");
     eprintln!("{checked} BAM comparisons, largest difference {largest:.1e}");
+    // Sampling over a softmax base takes the fused CPU kernel exactly where the mask allows it.
+    let (_, normalizer) = bam(BamKind::WeibullContextual, Variant::Softmax)?;
+    for case in cases() {
+        let route = |fused_cpu| {
+            let opts = TiledOptions { sample: true, seed: Some(seed), fused_cpu, ..TiledOptions::new(4) };
+            attend_tiled(&inputs[0], &inputs[1], &inputs[2], &case.masks(), Tiled::Bam(&normalizer), opts).map(|t| t.output)
+        };
+        let applies = matches!(case.name, "none" | "key padding, no empty sequence");
+        ensure!(
+            route(true)?.equal(&route(false)?) != applies,
+            "BAM-WC, {}: the fused CPU kernel {}",
+            case.name,
+            if applies { "was not taken" } else { "was taken" }
+        );
+    }
     // The draws matter: another seed gives another output, and the mean (no sampling) is the base.
     let (_, normalizer) = bam(BamKind::LognormalContextual, Variant::Dnas)?;
     let run = |options: TiledOptions| attend_tiled(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), Tiled::Bam(&normalizer), options);
