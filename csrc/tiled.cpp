@@ -282,28 +282,34 @@ struct KlTerm {
   }
 };
 
-// ---- softmax and DNAS through libtorch's fused attention kernel for the CPU
+// ---- softmax, DNAS and Sinkhorn-N through libtorch's fused attention kernel for the CPU
 //
-// Without noise or KL, on the CPU, with no mask or a per-key one, softmax and DNAS need no tile
-// loop of ours: libtorch's flash-attention kernel for the CPU (blocked, vectorized, O(S · d)
-// memory) returns each row's log-sum-exp beside its output, adds a mask broadcast over the
-// queries, and has its backward exposed. With s = sqrt(1/d):
-//   C, Pcᵀ q = the kernel with the keys as queries and the queries as keys and values: C_j is the
-//       column log-sum-exp, Pc = exp(z - C) the column-normalized weights (DNAS only);
-//   O, R = the kernel on (q, k, v) with the per-key bias -C (0 for softmax), filled keys at -1e30.
-// Backward: the kernel's backward gives dq, dk, dv of dY = P ∘ (dP - D). For DNAS it also gives
-// g_j = Σ_i dY_ij: with a column of ones appended to q (zeros to k, v, O and dO) the scores do not
-// change, and that column of dk is s · g. Then dZ = dY - Pc ∘ g, Pc = P ∘ exp(R):
-//   dq -= s · exp(R) ∘ P (g ∘ k)     (the kernel on (q, k, g ∘ k) with the same bias)
-//   dk -= s · g ∘ (Pcᵀ q)            (from the forward)
+// Without noise or KL, on the CPU, with no mask or a per-key one, these need no tile loop of
+// ours: libtorch's flash-attention kernel for the CPU (blocked, vectorized, O(S · d) memory)
+// returns each row's log-sum-exp beside its output, adds a mask broadcast over the queries, and
+// has its backward exposed. Every statistic is one call, with s = sqrt(1/d) and "swapped" meaning
+// the keys as queries and the queries as keys:
+//   C^t, Σ_i A^t_ij q_i = the swapped call with values q and bias -R^{t-1} over its keys (none for
+//       t = 1): its log-sum-exp is C^t, its output Σ_i exp(z_ij - R^{t-1}_i - C^t_j) q_i;
+//   R^t, Σ_j B^t_ij k_j = the call on (q, k) with values k and the per-key bias -C^t (t < N);
+//   O, R^N = the call on (q, k, v) with the bias -C^N (0 for softmax), filled keys at -1e30.
+// Backward: the kernel's backward gives dq, dk, dv of dY = P ∘ (dP - D), and g_j = Σ_i dY_ij with
+// a column of ones appended to q (zeros to k, v, O and dO: the scores do not change, and that
+// column of dk is s · g). Then down the chain from dC^N = -g (header), two more calls a sweep:
+//   Σ_j A^t_ij dC^t_j [k_j, 1] = the call on (q, k) with values [dC^t ∘ k, dC^t] and bias -C^t,
+//       scaled by exp(lse_i - R^{t-1}_i): dq += s ·(its first d columns), dR^{t-1} = -(its last);
+//   Σ_i B^{t-1}_ij dR^{t-1}_i [q_i, 1] = the swapped call with values [dR^{t-1} ∘ q, dR^{t-1}] and
+//       bias -R^{t-1}, scaled by exp(lse_j - C^{t-1}_j): dk += s ·(first d), dC^{t-1} = -(last);
+// and from the forward, dk += s · dC^t ∘ (Σ_i A^t_ij q_i), dq += s · dR^t ∘ (Σ_j B^t_ij k_j). (The
+// kernel wants the values as wide as the queries: for d + 1 columns q and k get a zero column.)
+// For DNAS this is dZ = dY - Pc ∘ g of docs/formulas.md §5.
 // The received mass Σ_i P_ij = Σ_i exp(z_ij - C_j - R_i) is the kernel with the keys as queries
 // and values exp(min R - R), scaled back (exp(C' - C) for softmax, whose C is that call's own).
 // A sequence whose keys are all filled keeps the tile loop (the kernel would average its values
 // where the eager path returns zeros).
 
-bool fused_cpu_applies(const at::Tensor& q, const at::Tensor& v, const at::Tensor& excluded, int64_t sweeps, int64_t noise,
-                       int64_t kl) {
-  if (!q.device().is_cpu() || noise != kNoNoise || kl != kNoKl || (sweeps != 0 && sweeps != 1)) return false;
+bool fused_cpu_applies(const at::Tensor& q, const at::Tensor& v, const at::Tensor& excluded, int64_t noise, int64_t kl) {
+  if (!q.device().is_cpu() || noise != kNoNoise || kl != kNoKl) return false;
   if (q.dim() != 4 || v.size(-1) != q.size(-1)) return false;
   if (!excluded.defined()) return true;
   return excluded.size(-2) == 1 && !excluded.all(-1).any().item<bool>();
@@ -317,16 +323,32 @@ at::Tensor key_bias(const at::Tensor& minus, const at::Tensor& excluded) {
   return bias.contiguous();
 }
 
+// The kernel on (q, k, x) with an optional bias: (output, log-sum-exp in q's dtype). Values wider
+// than q ride on a zero column of q and k; narrower ones on zero columns of their own.
+std::pair<at::Tensor, at::Tensor> kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& x, const at::Tensor& bias,
+                                         double scale) {
+  const int64_t d = q.size(-1), w = x.size(-1);
+  auto widen = [](const at::Tensor& t, int64_t to) { return at::constant_pad_nd(t, {0, to - t.size(-1)}, 0.0); };
+  std::optional<at::Tensor> mask = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+  at::Tensor out, lse;
+  if (w > d) {
+    std::tie(out, lse) = at::_scaled_dot_product_flash_attention_for_cpu(widen(q, w), widen(k, w), x, 0.0, false, mask, scale);
+  } else {
+    std::tie(out, lse) = at::_scaled_dot_product_flash_attention_for_cpu(q, k, w < d ? widen(x, d) : x, 0.0, false, mask, scale);
+    out = out.narrow(-1, 0, w);
+  }
+  return {out, lse.to(q.scalar_type())};
+}
+
 // Σ_i P_ij with P = exp(z - col - R) (col the per-key statistic the output pass subtracted, zeros
 // for softmax), (B, H, S_k); 0 on filled keys.
 at::Tensor fused_mass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& col, const at::Tensor& r, const at::Tensor& excluded,
                       double scale) {
-  auto r_min = r.amin(-1, true);                                              // (B, H, 1)
+  auto r_min = r.amin(-1, true);                                                   // (B, H, 1)
   auto weights = at::exp(r_min - r).unsqueeze(-1).expand(q.sizes()).contiguous();  // ≤ 1
-  auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(k, q, weights, 0.0, false, std::nullopt, scale);
+  auto [out, lse] = kernel(k, q, weights, at::Tensor(), scale);
   // out_j = Σ_i exp(z_ij - lse_j) exp(r_min - R_i), so mass_j = out_j exp(lse_j - col_j - r_min).
-  auto log_mass = at::log(out.select(-1, 0)) + lse.to(q.scalar_type()) - col - r_min;
-  auto mass = at::exp(log_mass);
+  auto mass = at::exp(at::log(out.select(-1, 0)) + lse - col - r_min);
   return excluded.defined() ? mass.masked_fill(excluded.squeeze(-2).expand_as(mass), 0.0) : mass;
 }
 
@@ -335,33 +357,45 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
                                int64_t sweeps) {
     const double scale = std::sqrt(1.0 / static_cast<double>(q.size(-1)));
     const auto ex = excluded.value_or(at::Tensor());
-    at::Tensor col = at::zeros({q.size(0), q.size(1), 1, k.size(2)}, q.options()), col_q;  // C, Pcᵀ q
-    if (sweeps == 1) {
-      auto [pq, c] = at::_scaled_dot_product_flash_attention_for_cpu(k, q, q, 0.0, false, std::nullopt, scale);
-      col = c.to(q.scalar_type()).unsqueeze(-2);
-      col_q = pq;
+    std::vector<at::Tensor> c, r, col_q, row_k;  // C^t, R^t (t < N), Σ_i A^t_ij q_i, Σ_j B^t_ij k_j
+    for (int64_t t = 1; t <= sweeps; ++t) {
+      auto rows = t == 1 ? at::Tensor() : (-r.back()).unsqueeze(-2).contiguous();
+      auto [aq, lse] = kernel(k, q, q, rows, scale);
+      c.push_back(lse);
+      col_q.push_back(aq);
+      if (t == sweeps) break;
+      auto [bk, lse_r] = kernel(q, k, k, key_bias(lse.unsqueeze(-2), ex), scale);
+      r.push_back(lse_r);
+      row_k.push_back(bk);
     }
-    auto bias = key_bias(col, ex);
-    auto [out, r] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, false, bias, scale);
-    r = r.to(q.scalar_type());
-    auto mass = fused_mass(q, k, col.squeeze(-2), r, ex, scale);
-    ctx->save_for_backward({q, k, v, out, r, bias});
-    ctx->saved_data["col_q"] = col_q.defined() ? at::IValue(col_q) : at::IValue();
-    ctx->saved_data["sweeps"] = sweeps;
+    auto col = sweeps > 0 ? c.back() : at::zeros({q.size(0), q.size(1), k.size(2)}, q.options());
+    auto bias = key_bias(col.unsqueeze(-2), ex);
+    auto [out, r_last] = kernel(q, k, v, bias, scale);
+    auto mass = fused_mass(q, k, col, r_last, ex, scale);
+    ctx->save_for_backward({q, k, v, out, r_last, bias});
+    ctx->saved_data["excluded"] = ex.defined() ? at::IValue(ex) : at::IValue();
+    ctx->saved_data["c"] = at::IValue(c);
+    ctx->saved_data["r"] = at::IValue(r);
+    ctx->saved_data["col_q"] = at::IValue(col_q);
+    ctx->saved_data["row_k"] = at::IValue(row_k);
     ctx->mark_non_differentiable({mass});
     return {out, mass, at::zeros({q.size(0), q.size(1)}, q.options())};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &r = saved[4], &bias = saved[5];
-    const bool dnas = ctx->saved_data["sweeps"].toInt() == 1;
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &r_last = saved[4], &bias = saved[5];
+    const auto c = ctx->saved_data["c"].toTensorVector(), r = ctx->saved_data["r"].toTensorVector();
+    const auto col_q = ctx->saved_data["col_q"].toTensorVector(), row_k = ctx->saved_data["row_k"].toTensorVector();
+    const auto ex = ctx->saved_data["excluded"].isNone() ? at::Tensor() : ctx->saved_data["excluded"].toTensor();
+    const size_t n = c.size();
     const double scale = std::sqrt(1.0 / static_cast<double>(q.size(-1)));
     const int64_t d = q.size(-1);
     auto dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
     at::Tensor dq, dk, dv;
-    if (!dnas) {
-      std::tie(dq, dk, dv) = at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, r, 0.0, false, bias, scale);
+    if (n == 0) {
+      std::tie(dq, dk, dv) =
+          at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, r_last, 0.0, false, bias, scale);
       return {dq, dk, dv, at::Tensor(), at::Tensor()};
     }
     // One column of ones on q (zeros on the others) carries g = Σ_i dY_ij into dk.
@@ -369,14 +403,27 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
     auto qa = pad(q);
     qa.select(-1, d).fill_(1.0);
     std::tie(dq, dk, dv) =
-        at::_scaled_dot_product_flash_attention_for_cpu_backward(pad(dout), qa, pad(k), pad(v), pad(out), r, 0.0, false, bias, scale);
+        at::_scaled_dot_product_flash_attention_for_cpu_backward(pad(dout), qa, pad(k), pad(v), pad(out), r_last, 0.0, false, bias, scale);
     auto g = dk.select(-1, d) / scale;  // (B, H, S_k)
     dq = dq.narrow(-1, 0, d);
     dk = dk.narrow(-1, 0, d);
     dv = dv.narrow(-1, 0, d);
-    auto [pgk, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, g.unsqueeze(-1) * k, 0.0, false, bias, scale);
-    dq = dq - pgk * (at::exp(r) * scale).unsqueeze(-1);
-    dk = dk - ctx->saved_data["col_q"].toTensor() * (g * scale).unsqueeze(-1);
+    auto keys_only = [&](const at::Tensor& t) { return ex.defined() ? t.masked_fill(ex.squeeze(-2).expand_as(t), 0.0) : t; };
+    auto with_ones = [](const at::Tensor& w, const at::Tensor& x) { return at::cat({w.unsqueeze(-1) * x, w.unsqueeze(-1)}, -1); };
+    auto dc = keys_only(-g);  // dC^N
+    for (size_t t = n; t >= 1; --t) {
+      auto [a, lse] = kernel(q, k, with_ones(dc, k), key_bias(c[t - 1].unsqueeze(-2), ex), scale);
+      auto a_scale = t >= 2 ? at::exp(lse - r[t - 2]) : at::exp(lse);  // exp(lse_i - R^{t-1}_i)
+      dq = dq + a.narrow(-1, 0, d) * (a_scale * scale).unsqueeze(-1);
+      dk = dk + col_q[t - 1] * (dc * scale).unsqueeze(-1);
+      if (t == 1) break;
+      auto dr = -a.select(-1, d) * a_scale;  // dR^{t-1}
+      dq = dq + row_k[t - 2] * (dr * scale).unsqueeze(-1);
+      auto [b, lse_c] = kernel(k, q, with_ones(dr, q), (-r[t - 2]).unsqueeze(-2).contiguous(), scale);
+      auto b_scale = keys_only(at::exp(lse_c - c[t - 2]));  // exp(lse_j - C^{t-1}_j), 0 on filled keys
+      dk = dk + b.narrow(-1, 0, d) * (b_scale * scale).unsqueeze(-1);
+      dc = -b.select(-1, d) * b_scale;  // dC^{t-1}
+    }
     return {dq, dk, dv, at::Tensor(), at::Tensor()};
   }
 };
@@ -444,11 +491,9 @@ struct FusedCpuBam : public torch::autograd::Function<FusedCpuBam> {
     blocks.each([&](int64_t start, int64_t len) {
       auto qt = q.narrow(-2, start, len);
       auto m = blocks.mask(start, len);
-      auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(qt, k, v, 0.0, false, m, scale);
-      lse = lse.to(q.scalar_type());
+      auto [out, lse] = kernel(qt, k, v, m, scale);
       auto swapped = m.sub_(lse.unsqueeze(-1)).transpose(-2, -1).contiguous();  // (n + bias - L)ᵀ
-      auto col = std::get<1>(at::_scaled_dot_product_flash_attention_for_cpu(k, qt, qt, 0.0, false, swapped, scale));
-      mass += at::exp(col.to(q.scalar_type()));
+      mass += at::exp(kernel(k, qt, qt, swapped, scale).second);
       outputs.push_back(out);
       lses.push_back(lse);
     });
@@ -458,8 +503,7 @@ struct FusedCpuBam : public torch::autograd::Function<FusedCpuBam> {
     auto kl_part = at::zeros({shape[0], shape[1]}, q.options());
     at::Tensor pik, l;
     if (kl != kNoKl) {
-      std::tie(pik, l) = at::_scaled_dot_product_flash_attention_for_cpu(q, k, k, 0.0, false, bias, scale);
-      l = l.to(q.scalar_type());
+      std::tie(pik, l) = kernel(q, k, k, bias, scale);
       kl_part = KlClosedForm(q * scale, k, *prior, ex, kl).value(l);
     }
     ctx->save_for_backward({q, k, v, out, lse, bias});
@@ -551,9 +595,8 @@ struct FusedCpuBam : public torch::autograd::Function<FusedCpuBam> {
       const auto keys = allowed.transpose(-2, -1);           // (B, H, S_k, 1)
       // Σ_i π_ij x_i: the kernel with the keys as queries, bias -l over its keys.
       auto pi_t = [&](const at::Tensor& x) {
-        auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(k, qs / scale, x, 0.0, false, (-l).unsqueeze(-2).contiguous(),
-                                                                          scale);
-        return o * at::exp(lse.to(o.scalar_type())).unsqueeze(-1);
+        auto [o, lse] = kernel(k, qs / scale, x, (-l).unsqueeze(-2).contiguous(), scale);
+        return o * at::exp(lse).unsqueeze(-1);
       };
       at::Tensor dqs, dk, da;
       if (kind == kWeibullCross) {
@@ -728,8 +771,7 @@ char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor
     TORCH_CHECK(spec->kl >= kNoKl && spec->kl <= kLognormalSquares, "unknown KL kind ", spec->kl);
     TORCH_CHECK(spec->kl == kNoKl || prior != nullptr, "a KL term needs the prior's per-key values");
     auto some = [](const pa_tensor* t) { return t != nullptr ? std::optional<at::Tensor>(*t) : std::nullopt; };
-    if (spec->fused_cpu != 0 && fused_cpu_applies(*q, *v, excluded != nullptr ? *excluded : at::Tensor(), spec->sweeps, spec->noise,
-                                                  spec->kl)) {
+    if (spec->fused_cpu != 0 && fused_cpu_applies(*q, *v, excluded != nullptr ? *excluded : at::Tensor(), spec->noise, spec->kl)) {
       auto result = FusedCpuAttention::apply(*q, *k, *v, some(excluded), spec->sweeps);
       *out = new at::Tensor(result[0]);
       *received_mass = new at::Tensor(result[1]);

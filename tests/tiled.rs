@@ -167,15 +167,15 @@ fn tiled_attention_equals_the_eager_path() -> Result<()> {
     // Where the fused CPU kernel applies it computes differently from the tiles (equal to 1e-10
     // above, not bit for bit); where it does not (a sequence without keys, query padding, a
     // pattern), the option changes nothing.
-    for case in cases().iter().filter(|c| !c.causal) {
+    for (case, variant) in cases().iter().filter(|c| !c.causal).flat_map(|c| [(c, Tiled::Dnas), (c, Tiled::Sinkhorn(3))]) {
         let route = |fused_cpu| {
             let opts = TiledOptions { fused_cpu, ..TiledOptions::new(4) };
-            attend_tiled(&inputs[0], &inputs[1], &inputs[2], &case.masks(), Tiled::Dnas, opts).map(|t| t.output)
+            attend_tiled(&inputs[0], &inputs[1], &inputs[2], &case.masks(), variant, opts).map(|t| t.output)
         };
         let applies = matches!(case.name, "none" | "key padding, no empty sequence");
         ensure!(
             route(true)?.equal(&route(false)?) != applies,
-            "{}: the fused CPU kernel {}",
+            "{variant:?}, {}: the fused CPU kernel {}",
             case.name,
             if applies { "was not taken" } else { "was taken" }
         );
