@@ -335,7 +335,8 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
                 let whole = TiledOptions { sample: true, seed: Some(seed), ..TiledOptions::new(L) };
                 // Over a softmax base with a key mask, the three above take the fused CPU kernel; this one keeps the tiles.
                 let tiles = TiledOptions { sample: true, seed: Some(seed), fused_cpu: false, ..TiledOptions::new(4) };
-                let runs = [("counter, tile 4", counter), ("given draws, tile 5", given), ("counter, tile 13", whole), ("tiles only", tiles)];
+                let runs =
+                    [("counter, tile 4", counter), ("given draws, tile 5", given), ("counter, tile 13", whole), ("tiles only", tiles)];
                 for (how, options) in runs {
                     let ours = path(Some(options))?;
                     let what = format!("{} over {base}, {}, {how}", kind.name(), case.name);
