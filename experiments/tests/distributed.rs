@@ -17,7 +17,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use binary::{metrics, probattn, text, FLAGS};
+use binary::{metrics, metrics_file, probattn, text, FLAGS};
 use common::{tiny_sort_of_clevr, write_corpus, TempDir};
 
 fn free_port() -> Result<u16> {
@@ -231,18 +231,6 @@ fn torchrun_restarts_a_killed_rank_and_ends_as_the_uninterrupted_run() -> Result
     Ok(())
 }
 
-/// A VQA run's metrics.jsonl without its timing field.
-fn vqa_metrics(dir: &Path) -> Result<Vec<serde_json::Value>> {
-    let body = std::fs::read_to_string(dir.join("metrics.jsonl"))?;
-    body.lines()
-        .map(|l| {
-            let mut v: serde_json::Value = serde_json::from_str(l)?;
-            v.as_object_mut().context("object")?.remove("seconds");
-            Ok(v)
-        })
-        .collect()
-}
-
 /// `probattn vqa` (BAM-WC fusion: sampled attention, so each rank's noise seeding is on the
 /// path) as one process, as a one-rank process group (which must train exactly as the process
 /// does: rank 0 keeps a single process's seeds, the reducer's mean of one is the gradient), and
@@ -285,10 +273,10 @@ fn vqa_trains_on_two_ranks_and_one_rank_is_the_single_process() -> Result<()> {
         Ok(out.join("run"))
     };
     let (plain, one, two) = (run("plain", 0)?, run("one-rank", 1)?, run("two-ranks", 2)?);
-    let expected = vqa_metrics(&plain)?;
+    let expected = metrics_file(&plain.join("metrics.jsonl"))?;
     ensure!(expected.len() == 2, "{} epochs in the single process's metrics.jsonl", expected.len());
-    ensure!(vqa_metrics(&one)? == expected, "a one-rank group trained differently from one process");
-    let m2 = vqa_metrics(&two)?;
+    ensure!(metrics_file(&one.join("metrics.jsonl"))? == expected, "a one-rank group trained differently from one process");
+    let m2 = metrics_file(&two.join("metrics.jsonl"))?;
     ensure!(m2.len() == 2 && m2.iter().all(|m| m["train_loss"].as_f64().is_some_and(f64::is_finite)), "two ranks: {m2:?}");
     for (dir, world) in [(&plain, None), (&one, Some(1)), (&two, Some(2))] {
         let results = binary::json(&dir.join("results.json"))?;

@@ -46,7 +46,12 @@ pub const FLAGS: [&str; 18] = [
 
 /// A translate run's seed-1 metrics.jsonl without the timing fields, which differ between runs.
 pub fn metrics(dir: &Path) -> Result<Vec<serde_json::Value>> {
-    let body = std::fs::read_to_string(dir.join("seed-1/metrics.jsonl"))?;
+    metrics_file(&dir.join("seed-1/metrics.jsonl"))
+}
+
+/// The lines of a metrics.jsonl without the timing fields (`seconds`, `tokens_per_second`).
+pub fn metrics_file(path: &Path) -> Result<Vec<serde_json::Value>> {
+    let body = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     body.lines()
         .map(|l| {
             let mut v: serde_json::Value = serde_json::from_str(l)?;
