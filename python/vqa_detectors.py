@@ -86,6 +86,14 @@ class Backbone(nn.Module):
         return self.feature_map(images).flatten(2).transpose(1, 2)  # (B, regions, dim)
 
 
+def portable(path):
+    """The data folder as the manifest records it: relative to the working directory (the
+    checkout, when probattn runs this) where it lies inside it, else absolute."""
+    full = os.path.abspath(path)
+    relative = os.path.relpath(full)
+    return full if relative.startswith("..") else relative
+
+
 def conv(cin, cout, k, s, p):
     return [nn.Conv2d(cin, cout, k, s, p), nn.BatchNorm2d(cout), nn.ReLU()]
 
@@ -221,7 +229,7 @@ def main():
     context = meta.get("detector_context") == "global"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".detectors-", dir=os.path.dirname(os.path.abspath(args.out)))
-    manifest = {"data": os.path.abspath(args.data), "data_sha256": meta.get("sha256"), "seed": args.seed, "epochs": args.epochs,
+    manifest = {"data": portable(args.data), "data_sha256": meta.get("sha256"), "seed": args.seed, "epochs": args.epochs,
                 "torch": torch.__version__, "input": [None, 3, size, size], "global_context": context,
                 "boxes": args.boxes or None, "image_shape": context, "grid_stride": args.grid_stride, "detectors": []}
     for index, name in enumerate(TASKS):
