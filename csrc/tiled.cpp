@@ -2,7 +2,8 @@
 // weights (Fan et al. 2020) over any of them, tiled over blocks of queries, forward and backward,
 // as a torch::autograd::Function whose passes are ATen ops (CPU and CUDA alike). No (S_q, S_k)
 // tensor is kept: each pass holds one (tile, S_k) block of scores at a time, and what is saved for
-// backward is q, k, v, the output and O(S) statistics per head.
+// backward is q, k, v, the output and O(S) statistics per head. On the CPU, where the mask allows
+// it, libtorch's fused flash-attention kernel does the work of the tile loop (sections below).
 //
 // Scores z = (q · sqrt(1/d)) kᵀ, excluded entries filled with -1e30 as the eager path does; every
 // exponential of a filled entry is set to exactly 0 (a fully excluded row or column is all zeros).
@@ -152,7 +153,9 @@ at::Tensor counter_uniform(uint64_t seed, at::IntArrayRef shape, int64_t start, 
 // written as float32 directly (one pass, no float64 block).
 at::Tensor counter_noise(uint64_t seed, int64_t noise, at::IntArrayRef shape, int64_t start, int64_t len, at::ScalarType dtype,
                          at::Device device, bool ops = false) {
-  if (noise == kWeibull && device.is_cpu() && !ops) return counter_uniform_cpu(seed, shape, start, len, dtype == at::kFloat, dtype).to(dtype);
+  if (noise == kWeibull && device.is_cpu() && !ops) {
+    return counter_uniform_cpu(seed, shape, start, len, dtype == at::kFloat, dtype).to(dtype);
+  }
   auto u = counter_uniform(seed, shape, start, len, dtype, device, ops);
   if (noise == kLognormal) u = at::erfinv(u * 2.0 - 1.0) * std::sqrt(2.0);
   return u.to(dtype);
