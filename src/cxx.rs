@@ -297,7 +297,7 @@ pub(crate) fn tiled_attention(
 }
 
 /// The tiled path's counter-based draws for a whole `(B, H, S_q, S_k)` score tensor, in the dtype
-/// and on the device of `like` (see csrc/tiled.cpp), the rows (queries) in `rows`; `aten_ops`: by
+/// and on the device of `like` (see csrc/noise.cpp), the rows (queries) in `rows`; `aten_ops`: by
 /// ATen's integer ops (CUDA's way) even on the CPU.
 pub(crate) fn counter_noise(
     like: &Tensor,

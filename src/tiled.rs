@@ -88,7 +88,7 @@ pub struct TiledOptions<'a> {
     /// On the CPU, softmax and DNAS (and so HNAS, and BAM's mean over those bases) without
     /// sampling take libtorch's fused flash-attention kernel where the mask allows it (none, or
     /// key padding only): the same O(S · d) memory without a tile loop, and faster (two kernel
-    /// passes forward where DNAS's tiles compute the scores twice in full; csrc/tiled.cpp has the
+    /// passes forward where DNAS's tiles compute the scores twice in full; csrc/fused_cpu.cpp has the
     /// algebra). `tile` then does not apply. BAM sampling over a softmax base takes the same
     /// kernel under the same masks, `tile` queries at a time with their noise as the kernel's
     /// mask, and its KL term in closed form. `false` always runs the tiles. Default `true`.

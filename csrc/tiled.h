@@ -1,0 +1,48 @@
+// What the memory-efficient attention's files share (csrc/tiled.cpp: the tile loop;
+// csrc/fused_cpu.cpp: the routes through libtorch's fused CPU kernel; csrc/noise.cpp: BAM's
+// counter-based draws). Internal to the C++ layer: the Rust side sees csrc/probattn.h only.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace probattn::tiled {
+
+constexpr double kMaskValue = -1.0e30;  // the eager path's mask_value for float32 and float64
+
+enum Noise : int64_t { kNoNoise = 0, kWeibull = 1, kLognormal = 2 };
+enum Kl : int64_t { kNoKl = 0, kWeibullCross = 1, kLognormalSquares = 2 };
+
+// t with the excluded entries set to `value` (t itself without a mask).
+inline at::Tensor filled(const at::Tensor& t, const at::Tensor& excluded, double value) {
+  return excluded.defined() ? t.masked_fill(excluded, value) : t;
+}
+
+// exp(t), exactly 0 on excluded entries.
+inline at::Tensor masked_exp(const at::Tensor& t, const at::Tensor& excluded) { return filled(at::exp(t), excluded, 0.0); }
+
+// BAM's draws ε for rows [start, start + len) of a (B, H, S_q, S_k) score tensor `shape`, in
+// `dtype` (csrc/noise.cpp); `ops`: with ATen's integer ops even on the CPU (the same values).
+at::Tensor counter_noise(uint64_t seed, int64_t noise, at::IntArrayRef shape, int64_t start, int64_t len, at::ScalarType dtype,
+                         at::Device device, bool ops = false);
+
+// The noise term of those rows, (B, H, len, S_k), a fresh tensor: from `given` (ε expanded to the
+// scores' shape) or from the counter-based draws.
+at::Tensor noise_rows(const at::Tensor& given, uint64_t seed, int64_t noise, double scale, at::IntArrayRef shape, int64_t start,
+                      int64_t len, at::ScalarType dtype, at::Device device);
+
+// The fused CPU routes (csrc/fused_cpu.cpp): whether one applies, and the call, which returns
+// (output, received mass, KL part) as the tile loop does.
+bool fused_cpu_applies(const at::Tensor& q, const at::Tensor& v, const at::Tensor& excluded, int64_t noise, int64_t kl);
+bool fused_cpu_bam_applies(const at::Tensor& q, const at::Tensor& v, const at::Tensor& excluded, int64_t sweeps, int64_t noise);
+std::vector<at::Tensor> fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            const std::optional<at::Tensor>& excluded, int64_t sweeps);
+std::vector<at::Tensor> fused_cpu_bam(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const std::optional<at::Tensor>& excluded, const std::optional<at::Tensor>& noise_given,
+                                      const std::optional<at::Tensor>& prior, int64_t tile, int64_t noise, double noise_scale, int64_t seed,
+                                      int64_t kl);
+
+}  // namespace probattn::tiled
