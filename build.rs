@@ -48,16 +48,7 @@ fn build_cxx_layer() {
     }
     // CUDA's statistics go through c10's device-generic allocator interface: no CUDA header needed.
     distributed_flags(&mut build, &torch_dir);
-    build.files([
-        "csrc/common.cpp",
-        "csrc/pt2.cpp",
-        "csrc/memory.cpp",
-        "csrc/memory_cuda.cpp",
-        "csrc/tiled.cpp",
-        "csrc/fused_cpu.cpp",
-        "csrc/noise.cpp",
-        "csrc/distributed.cpp",
-    ]);
+    build.files(files.iter().filter(|f| f.ends_with(".cpp")));
     build.compile("probattn_cxx");
 
     println!("cargo:rustc-link-search=native={}", lib.display());

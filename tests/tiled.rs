@@ -94,6 +94,24 @@ fn run(
     Ok((out.detach(), mass.detach(), grads))
 }
 
+/// Where the fused CPU kernel applies (no mask, or key padding with a key in every sequence) it
+/// computes differently from the tiles (equal to 1e-10, not bit for bit); elsewhere `fused_cpu`
+/// changes nothing. Either way round is an error naming the case.
+fn check_fused_route(inputs: &[Tensor; 3], case: &Case, variant: Tiled, options: TiledOptions) -> Result<()> {
+    let route = |fused_cpu| {
+        let opts = TiledOptions { fused_cpu, ..options };
+        attend_tiled(&inputs[0], &inputs[1], &inputs[2], &case.masks(), variant, opts).map(|t| t.output)
+    };
+    let applies = matches!(case.name, "none" | "key padding, no empty sequence");
+    ensure!(
+        route(true)?.equal(&route(false)?) != applies,
+        "{variant:?}, {}: the fused CPU kernel {}",
+        case.name,
+        if applies { "was not taken" } else { "was taken" }
+    );
+    Ok(())
+}
+
 #[test]
 fn tiled_attention_equals_the_eager_path() -> Result<()> {
     tch::manual_seed(0);
@@ -164,21 +182,11 @@ fn tiled_attention_equals_the_eager_path() -> Result<()> {
     }
     ensure!(checked == 5 * 5 * 6 + 6, "{checked} comparisons");
     eprintln!("{checked} comparisons, largest difference {largest:.1e}");
-    // Where the fused CPU kernel applies it computes differently from the tiles (equal to 1e-10
-    // above, not bit for bit); where it does not (a sequence without keys, query padding, a
-    // pattern), the option changes nothing.
-    for (case, variant) in cases().iter().filter(|c| !c.causal).flat_map(|c| [(c, Tiled::Dnas), (c, Tiled::Sinkhorn(3))]) {
-        let route = |fused_cpu| {
-            let opts = TiledOptions { fused_cpu, ..TiledOptions::new(4) };
-            attend_tiled(&inputs[0], &inputs[1], &inputs[2], &case.masks(), variant, opts).map(|t| t.output)
-        };
-        let applies = matches!(case.name, "none" | "key padding, no empty sequence");
-        ensure!(
-            route(true)?.equal(&route(false)?) != applies,
-            "{variant:?}, {}: the fused CPU kernel {}",
-            case.name,
-            if applies { "was not taken" } else { "was taken" }
-        );
+    // The fused CPU kernel is taken exactly where it applies.
+    for case in cases().iter().filter(|c| !c.causal) {
+        for variant in [Tiled::Dnas, Tiled::Sinkhorn(3)] {
+            check_fused_route(&inputs, case, variant, TiledOptions::new(4))?;
+        }
     }
     // The comparison can fail: tiled softmax is not eager DNAS.
     let softmax = attend_tiled(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), Tiled::Softmax, TiledOptions::new(4))?.output;
@@ -361,17 +369,8 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
     // Sampling over a softmax base takes the fused CPU kernel exactly where the mask allows it.
     let (_, normalizer) = bam(BamKind::WeibullContextual, Variant::Softmax)?;
     for case in cases() {
-        let route = |fused_cpu| {
-            let opts = TiledOptions { sample: true, seed: Some(seed), fused_cpu, ..TiledOptions::new(4) };
-            attend_tiled(&inputs[0], &inputs[1], &inputs[2], &case.masks(), Tiled::Bam(&normalizer), opts).map(|t| t.output)
-        };
-        let applies = matches!(case.name, "none" | "key padding, no empty sequence");
-        ensure!(
-            route(true)?.equal(&route(false)?) != applies,
-            "BAM-WC, {}: the fused CPU kernel {}",
-            case.name,
-            if applies { "was not taken" } else { "was taken" }
-        );
+        let options = TiledOptions { sample: true, seed: Some(seed), ..TiledOptions::new(4) };
+        check_fused_route(&inputs, &case, Tiled::Bam(&normalizer), options)?;
     }
     // The draws matter: another seed gives another output, and the mean (no sampling) is the base.
     let (_, normalizer) = bam(BamKind::LognormalContextual, Variant::Dnas)?;
