@@ -189,8 +189,11 @@ def download(folder, names):
                 pass
             url = URL.format(name=name, part=part)
             print(f"downloading {url}")
-            with urllib.request.urlopen(url, timeout=60) as response:
-                data = response.read()
+            try:
+                with urllib.request.urlopen(url, timeout=60) as response:
+                    data = response.read()
+            except OSError as e:  # URLError and socket timeouts are OSErrors
+                raise DataError(f"could not fetch {url}: {e}") from e
             with open(path + ".tmp", "wb") as f:
                 f.write(data)
             os.replace(path + ".tmp", path)
