@@ -1,0 +1,121 @@
+"""The translation budget check (issue 37): runs trained for longer than the table's 13 epochs,
+each set beside the table's run of the same attention and seed, the first pair being MA.
+
+    python python/translate_budget.py LONG=SHORT [LONG=SHORT ...]
+
+e.g. `results/translate/budget/softmax-e26-s1=results/translate/multi30k-softmax-seed1`. Prints
+three markdown blocks:
+
+1. Repetition: the long run's first epochs against the short run's, field by field (train loss,
+   validation loss and BLEU): the learning-rate schedule does not depend on `--max-epochs`, so
+   they should agree up to float32 rounding.
+2. Validation sacreBLEU per epoch for every long run, and each one's difference to the first.
+3. Test BLEU at the short run's budget (the short run's selected checkpoint) and at the long
+   run's (best validation epoch of all of them), tok-lc and sacreBLEU, with each run's
+   difference to the first run at both budgets.
+
+A long run still going (no results.json yet) is shown with the epochs it has finished and no
+test column; such a table is a progress view, not a result.
+"""
+
+import json
+import os
+import sys
+
+FIELDS = ("train_loss", "valid_loss", "valid_bleu")
+
+
+def load(folder):
+    """(metrics lines, the run's results entry or None while it is still going) of a one-seed run."""
+    path = os.path.join(folder, "results.json")
+    run = None
+    if os.path.isfile(path):
+        runs = json.load(open(path)).get("runs", [])
+        if len(runs) != 1:
+            sys.exit(f"translate_budget.py: {path} is not a one-seed probattn translate result")
+        run = runs[0]
+    seeds = [d for d in sorted(os.listdir(folder)) if d.startswith("seed-")] if os.path.isdir(folder) else []
+    if len(seeds) != 1:
+        sys.exit(f"translate_budget.py: {folder} should hold one seed-N folder (found {len(seeds)})")
+    metrics = os.path.join(folder, seeds[0], "metrics.jsonl")
+    if not os.path.isfile(metrics):
+        sys.exit(f"translate_budget.py: {metrics} is missing")
+    lines = [json.loads(line) for line in open(metrics) if line.strip()]
+    return lines, run
+
+
+def name(folder):
+    return os.path.basename(os.path.normpath(folder))
+
+
+def minus(x):
+    return f"{x:+.2f}".replace("-", "−")
+
+
+def best(lines):
+    """The first epoch at the highest validation BLEU, as a run keeps its checkpoint."""
+    return max(lines, key=lambda m: m["valid_bleu"])
+
+
+def main(argv):
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    pairs = []
+    for arg in argv:
+        if "=" not in arg:
+            sys.exit(f"translate_budget.py: '{arg}' is not LONG=SHORT")
+        long_dir, short_dir = arg.split("=", 1)
+        (long_lines, long_run), (short_lines, short_run) = load(long_dir), load(short_dir)
+        if short_run is None:
+            sys.exit(f"translate_budget.py: {short_dir} has no results.json; the short run must be finished")
+        pairs.append((name(long_dir), long_lines, long_run, short_lines, short_run))
+
+    print("Repetition of the short runs' epochs (largest |difference| over the shared epochs):\n")
+    print("| run | shared epochs | " + " | ".join(FIELDS) + " |")
+    print("|---|---|" + "---|" * len(FIELDS))
+    for label, long_lines, _, short_lines, _ in pairs:
+        shared = min(len(long_lines), len(short_lines))
+        if shared == 0:
+            print(f"| {label} | 0 of {len(short_lines)} |" + " |" * len(FIELDS))
+            continue
+        diffs = [max(abs(a[f] - b[f]) for a, b in zip(long_lines[:shared], short_lines[:shared])) for f in FIELDS]
+        print(f"| {label} | {shared} of {len(short_lines)} | " + " | ".join(f"{d:.2e}" for d in diffs) + " |")
+
+    ref = pairs[0]
+    epochs = max(len(p[1]) for p in pairs)
+    print("\nValidation sacreBLEU per epoch (the checkpoint-selection measure):\n")
+    print("| epoch | " + " | ".join(p[0] for p in pairs) + "".join(f" | {p[0]} − {ref[0]}" for p in pairs[1:]) + " |")
+    print("|---|" + "---|" * (2 * len(pairs) - 1))
+    for e in range(epochs):
+        cells = [f"{p[1][e]['valid_bleu']:.2f}" if e < len(p[1]) else "" for p in pairs]
+        deltas = [minus(p[1][e]["valid_bleu"] - ref[1][e]["valid_bleu"]) if e < min(len(p[1]), len(ref[1])) else "" for p in pairs[1:]]
+        print(f"| {e + 1} | " + " | ".join(cells + deltas) + " |")
+
+    print("\nTest BLEU (Multi30k test_2016_flickr) at each budget's selected checkpoint:\n")
+    print("| run | short: epochs, best | short: tok-lc | short: sacreBLEU | long: epochs, best | long: tok-lc | long: sacreBLEU |")
+    print("|---|---|---|---|---|---|---|")
+
+    def at(run, key, ref_run):
+        if run is None:
+            return "running"
+        delta = "" if ref_run is None or ref_run is run else f" ({minus(run[key] - ref_run[key])})"
+        return f"{run[key]:.2f}{delta}"
+
+    for label, long_lines, long_run, short_lines, short_run in pairs:
+        ref_long, ref_short = ref[2], ref[4]
+        short_cells = [f"{len(short_lines)}, {short_run['best_epoch']}", at(short_run, "test_bleu_tok", ref_short),
+                       at(short_run, "test_bleu", ref_short)]
+        if long_run:
+            long_best = f"{long_run['best_epoch']}"
+        else:
+            long_best = f"{best(long_lines)['epoch']} so far" if long_lines else "none yet"
+        long_cells = [f"{len(long_lines)}, {long_best}", at(long_run, "test_bleu_tok", ref_long),
+                      at(long_run, "test_bleu", ref_long)]
+        print(f"| {label} | " + " | ".join(short_cells + long_cells) + " |")
+    print(f"\nIn brackets: the run minus {ref[0]} at the same budget.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
