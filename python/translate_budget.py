@@ -10,9 +10,11 @@ three markdown blocks:
    validation loss and BLEU): the learning-rate schedule does not depend on `--max-epochs`, so
    they should agree up to float32 rounding.
 2. Validation sacreBLEU per epoch for every long run, and each one's difference to the first.
-3. Test BLEU at the short run's budget (the short run's selected checkpoint) and at the long
-   run's (best validation epoch of all of them), tok-lc and sacreBLEU, with each run's
-   difference to the first run at both budgets.
+3. Test BLEU, tok-lc and sacreBLEU, each with the run's difference to the first run: the short
+   run's (its selected checkpoint); the long run's own checkpoint at the short budget, when its
+   seed folder holds `test-epochN.json` (that checkpoint decoded with `probattn translate
+   --decode` and scored with `probattn bleu`); and the long run's (the best validation epoch
+   of all of them).
 
 A long run still going (no results.json yet) is shown with the epochs it has finished and no
 test column; such a table is a progress view, not a result.
@@ -44,6 +46,18 @@ def load(folder):
     return lines, run
 
 
+def at_epoch(folder, epoch):
+    """The test BLEU of a run's own checkpoint at `epoch` (test-epochN.json), or None."""
+    seeds = [d for d in sorted(os.listdir(folder)) if d.startswith("seed-")]
+    path = os.path.join(folder, seeds[0], f"test-epoch{epoch}.json")
+    if not os.path.isfile(path):
+        return None
+    scored = json.load(open(path))
+    if scored.get("epoch") != epoch:
+        sys.exit(f"translate_budget.py: {path} is for epoch {scored.get('epoch')}, not {epoch}")
+    return scored
+
+
 def name(folder):
     return os.path.basename(os.path.normpath(folder))
 
@@ -69,12 +83,13 @@ def main(argv):
         (long_lines, long_run), (short_lines, short_run) = load(long_dir), load(short_dir)
         if short_run is None:
             sys.exit(f"translate_budget.py: {short_dir} has no results.json; the short run must be finished")
-        pairs.append((name(long_dir), long_lines, long_run, short_lines, short_run))
+        own = at_epoch(long_dir, len(short_lines))
+        pairs.append((name(long_dir), long_lines, long_run, short_lines, short_run, own))
 
     print("Repetition of the short runs' epochs (largest |difference| over the shared epochs):\n")
     print("| run | shared epochs | " + " | ".join(FIELDS) + " |")
     print("|---|---|" + "---|" * len(FIELDS))
-    for label, long_lines, _, short_lines, _ in pairs:
+    for label, long_lines, _, short_lines, _, _ in pairs:
         shared = min(len(long_lines), len(short_lines))
         if shared == 0:
             print(f"| {label} | 0 of {len(short_lines)} |" + " |" * len(FIELDS))
@@ -92,27 +107,28 @@ def main(argv):
         deltas = [minus(p[1][e]["valid_bleu"] - ref[1][e]["valid_bleu"]) if e < min(len(p[1]), len(ref[1])) else "" for p in pairs[1:]]
         print(f"| {e + 1} | " + " | ".join(cells + deltas) + " |")
 
-    print("\nTest BLEU (Multi30k test_2016_flickr) at each budget's selected checkpoint:\n")
-    print("| run | short: epochs, best | short: tok-lc | short: sacreBLEU | long: epochs, best | long: tok-lc | long: sacreBLEU |")
-    print("|---|---|---|---|---|---|---|")
+    short_epochs = len(ref[3])
+    print("\nTest BLEU (Multi30k test_2016_flickr), tok-lc / sacreBLEU:\n")
+    print(f"| run | short run ({short_epochs} epochs) | long run's own epoch {short_epochs} | long run (epochs, best) | long run's best |")
+    print("|---|---|---|---|---|")
 
-    def at(run, key, ref_run):
+    def cell(run, ref_run):
+        """'tok-lc / sacreBLEU', each with its difference to the reference in brackets."""
         if run is None:
-            return "running"
-        delta = "" if ref_run is None or ref_run is run else f" ({minus(run[key] - ref_run[key])})"
-        return f"{run[key]:.2f}{delta}"
+            return "–"
+        out = []
+        for key in ("test_bleu_tok", "test_bleu"):
+            delta = "" if ref_run is None or ref_run is run else f" ({minus(run[key] - ref_run[key])})"
+            out.append(f"{run[key]:.2f}{delta}")
+        return " / ".join(out)
 
-    for label, long_lines, long_run, short_lines, short_run in pairs:
-        ref_long, ref_short = ref[2], ref[4]
-        short_cells = [f"{len(short_lines)}, {short_run['best_epoch']}", at(short_run, "test_bleu_tok", ref_short),
-                       at(short_run, "test_bleu", ref_short)]
+    for label, long_lines, long_run, short_lines, short_run, own in pairs:
         if long_run:
-            long_best = f"{long_run['best_epoch']}"
+            long_best = f"{len(long_lines)}, {long_run['best_epoch']}"
         else:
-            long_best = f"{best(long_lines)['epoch']} so far" if long_lines else "none yet"
-        long_cells = [f"{len(long_lines)}, {long_best}", at(long_run, "test_bleu_tok", ref_long),
-                      at(long_run, "test_bleu", ref_long)]
-        print(f"| {label} | " + " | ".join(short_cells + long_cells) + " |")
+            long_best = f"{len(long_lines)} so far, best {best(long_lines)['epoch']}" if long_lines else "none yet"
+        cells = [cell(short_run, ref[4]), cell(own, ref[5]), long_best, cell(long_run, ref[2]) if long_run else "running"]
+        print(f"| {label} | " + " | ".join(cells) + " |")
     print(f"\nIn brackets: the run minus {ref[0]} at the same budget.")
     return 0
 
