@@ -16,19 +16,22 @@ three markdown blocks:
    --decode` and scored with `probattn bleu`); and the long run's (the best validation epoch
    of all of them).
 
-A long run still going (no results.json yet) is shown with the epochs it has finished and no
-test column; such a table is a progress view, not a result.
+A long run still going (no results.json yet) is shown with the epochs it has finished and
+"running" for its test BLEU; such a table is a progress view, not a result.
 """
 
 import json
 import os
 import sys
 
+from tables import markdown
+
 FIELDS = ("train_loss", "valid_loss", "valid_bleu")
 
 
 def load(folder):
-    """(metrics lines, the run's results entry or None while it is still going) of a one-seed run."""
+    """(seed folder, metrics lines, the run's results entry or None while it is still going) of a
+    one-seed run."""
     path = os.path.join(folder, "results.json")
     run = None
     if os.path.isfile(path):
@@ -43,13 +46,12 @@ def load(folder):
     if not os.path.isfile(metrics):
         sys.exit(f"translate_budget.py: {metrics} is missing")
     lines = [json.loads(line) for line in open(metrics) if line.strip()]
-    return lines, run
+    return os.path.join(folder, seeds[0]), lines, run
 
 
-def at_epoch(folder, epoch):
+def at_epoch(seed_dir, epoch):
     """The test BLEU of a run's own checkpoint at `epoch` (test-epochN.json), or None."""
-    seeds = [d for d in sorted(os.listdir(folder)) if d.startswith("seed-")]
-    path = os.path.join(folder, seeds[0], f"test-epoch{epoch}.json")
+    path = os.path.join(seed_dir, f"test-epoch{epoch}.json")
     if not os.path.isfile(path):
         return None
     scored = json.load(open(path))
@@ -80,37 +82,28 @@ def main(argv):
         if "=" not in arg:
             sys.exit(f"translate_budget.py: '{arg}' is not LONG=SHORT")
         long_dir, short_dir = arg.split("=", 1)
-        (long_lines, long_run), (short_lines, short_run) = load(long_dir), load(short_dir)
+        (long_seed, long_lines, long_run), (_, short_lines, short_run) = load(long_dir), load(short_dir)
         if short_run is None:
             sys.exit(f"translate_budget.py: {short_dir} has no results.json; the short run must be finished")
-        own = at_epoch(long_dir, len(short_lines))
+        own = at_epoch(long_seed, len(short_lines))
         pairs.append((name(long_dir), long_lines, long_run, short_lines, short_run, own))
 
     print("Repetition of the short runs' epochs (largest |difference| over the shared epochs):\n")
-    print("| run | shared epochs | " + " | ".join(FIELDS) + " |")
-    print("|---|---|" + "---|" * len(FIELDS))
+    rows = []
     for label, long_lines, _, short_lines, _, _ in pairs:
         shared = min(len(long_lines), len(short_lines))
-        if shared == 0:
-            print(f"| {label} | 0 of {len(short_lines)} |" + " |" * len(FIELDS))
-            continue
-        diffs = [max(abs(a[f] - b[f]) for a, b in zip(long_lines[:shared], short_lines[:shared])) for f in FIELDS]
-        print(f"| {label} | {shared} of {len(short_lines)} | " + " | ".join(f"{d:.2e}" for d in diffs) + " |")
+        diffs = [max(abs(a[f] - b[f]) for a, b in zip(long_lines[:shared], short_lines[:shared])) for f in FIELDS] if shared else []
+        rows.append([label, f"{shared} of {len(short_lines)}"] + ([f"{d:.2e}" for d in diffs] or [""] * len(FIELDS)))
+    print(markdown(["run", "shared epochs", *FIELDS], rows))
 
     ref = pairs[0]
-    epochs = max(len(p[1]) for p in pairs)
     print("\nValidation sacreBLEU per epoch (the checkpoint-selection measure):\n")
-    print("| epoch | " + " | ".join(p[0] for p in pairs) + "".join(f" | {p[0]} − {ref[0]}" for p in pairs[1:]) + " |")
-    print("|---|" + "---|" * (2 * len(pairs) - 1))
-    for e in range(epochs):
+    rows = []
+    for e in range(max(len(p[1]) for p in pairs)):
         cells = [f"{p[1][e]['valid_bleu']:.2f}" if e < len(p[1]) else "" for p in pairs]
         deltas = [minus(p[1][e]["valid_bleu"] - ref[1][e]["valid_bleu"]) if e < min(len(p[1]), len(ref[1])) else "" for p in pairs[1:]]
-        print(f"| {e + 1} | " + " | ".join(cells + deltas) + " |")
-
-    short_epochs = len(ref[3])
-    print("\nTest BLEU (Multi30k test_2016_flickr), tok-lc / sacreBLEU:\n")
-    print(f"| run | short run ({short_epochs} epochs) | long run's own epoch {short_epochs} | long run (epochs, best) | long run's best |")
-    print("|---|---|---|---|---|")
+        rows.append([e + 1] + cells + deltas)
+    print(markdown(["epoch"] + [p[0] for p in pairs] + [f"{p[0]} − {ref[0]}" for p in pairs[1:]], rows))
 
     def cell(run, ref_run):
         """'tok-lc / sacreBLEU', each with its difference to the reference in brackets."""
@@ -122,13 +115,17 @@ def main(argv):
             out.append(f"{run[key]:.2f}{delta}")
         return " / ".join(out)
 
+    short_epochs = len(ref[3])
+    print("\nTest BLEU (Multi30k test_2016_flickr), tok-lc / sacreBLEU:\n")
+    rows = []
     for label, long_lines, long_run, short_lines, short_run, own in pairs:
         if long_run:
             long_best = f"{len(long_lines)}, {long_run['best_epoch']}"
         else:
             long_best = f"{len(long_lines)} so far, best {best(long_lines)['epoch']}" if long_lines else "none yet"
-        cells = [cell(short_run, ref[4]), cell(own, ref[5]), long_best, cell(long_run, ref[2]) if long_run else "running"]
-        print(f"| {label} | " + " | ".join(cells) + " |")
+        rows.append([label, cell(short_run, ref[4]), cell(own, ref[5]), long_best, cell(long_run, ref[2]) if long_run else "running"])
+    header = ["run", f"short run ({short_epochs} epochs)", f"long run's own epoch {short_epochs}", "long run (epochs, best)", "long run's best"]
+    print(markdown(header, rows))
     print(f"\nIn brackets: the run minus {ref[0]} at the same budget.")
     return 0
 
