@@ -3,6 +3,7 @@
 // notation is csrc/tiled.cpp's; what is shared is in csrc/tiled.h.
 
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -38,8 +39,8 @@ using torch::autograd::variable_list;
 // and from the forward, dk += s · dC^t ∘ (Σ_i A^t_ij q_i), dq += s · dR^t ∘ (Σ_j B^t_ij k_j). (The
 // kernel wants the values as wide as the queries: for d + 1 columns q and k get a zero column.)
 // For DNAS this is dZ = dY - Pc ∘ g of docs/formulas.md §5.
-// The received mass Σ_i P_ij = Σ_i exp(z_ij - C_j - R_i) is the kernel with the keys as queries
-// and values exp(min R - R), scaled back (exp(C' - C) for softmax, whose C is that call's own).
+// The received mass Σ_i P_ij = Σ_i exp(z_ij - C_j - R_i) is the swapped call with the bias -R^N
+// over its keys: its log-sum-exp minus C^N (0 for softmax).
 // A sequence whose keys are all filled keeps the tile loop (the kernel would average its values
 // where the eager path returns zeros).
 
@@ -69,14 +70,15 @@ std::pair<at::Tensor, at::Tensor> kernel(const at::Tensor& q, const at::Tensor& 
 }
 
 // Σ_i P_ij with P = exp(z - col - R) (col the per-key statistic the output pass subtracted, zeros
-// for softmax), (B, H, S_k); 0 on filled keys.
+// for softmax), (B, H, S_k); 0 on filled keys. The swapped kernel with the bias -R over its keys
+// (the queries) returns log Σ_i exp(z_ij - R_i) as its log-sum-exp, stabilised by the kernel's own
+// running maximum, so mass_j = exp(that - col_j) for any spread of R. (Folding exp(-R_i) into the
+// values instead underflows to 0 for every row whose R_i lies ~700 (float64) or ~90 (float32)
+// above the smallest: large scores lost whole rows of mass that way.)
 at::Tensor fused_mass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& col, const at::Tensor& r, const at::Tensor& excluded,
                       double scale) {
-  auto r_min = r.amin(-1, true);                                                   // (B, H, 1)
-  auto weights = at::exp(r_min - r).unsqueeze(-1).expand(q.sizes()).contiguous();  // ≤ 1
-  auto [out, lse] = kernel(k, q, weights, at::Tensor(), scale);
-  // out_j = Σ_i exp(z_ij - lse_j) exp(r_min - R_i), so mass_j = out_j exp(lse_j - col_j - r_min).
-  auto mass = at::exp(at::log(out.select(-1, 0)) + lse - col - r_min);
+  auto lse = kernel(k, q, q, (-r).unsqueeze(-2).contiguous(), scale).second;  // (B, H, S_k)
+  auto mass = at::exp(lse - col);
   return excluded.defined() ? mass.masked_fill(excluded.squeeze(-2).expand_as(mass), 0.0) : mass;
 }
 
@@ -316,9 +318,12 @@ struct FusedCpuBam : public torch::autograd::Function<FusedCpuBam> {
       const auto ak = at::matmul(a, k);                      // a'K, (B, H, 1, d)
       const auto keys = allowed.transpose(-2, -1);           // (B, H, S_k, 1)
       // Σ_i π_ij x_i: the kernel with the keys as queries, bias -l over its keys.
+      // A filled key is no query's key: its z_ij − l_i is not bounded by l_i and may exceed exp's
+      // range (inf, then inf · 0 = NaN below), so its sum is 0 before the exponential.
+      const auto filled_keys = allowed.squeeze(-2).eq(0.0);  // (B, H, S_k)
       auto pi_t = [&](const at::Tensor& x) {
         auto [o, lse] = kernel(k, qs / scale, x, (-l).unsqueeze(-2).contiguous(), scale);
-        return o * at::exp(lse).unsqueeze(-1);
+        return o * at::exp(lse.masked_fill(filled_keys, -std::numeric_limits<double>::infinity())).unsqueeze(-1);
       };
       at::Tensor dqs, dk, da;
       if (kind == kWeibullCross) {

@@ -44,7 +44,7 @@ impl Masks<'_> {
     }
 
     /// Checks every mask against `shape` and combines them into one boolean tensor on `device`,
-    /// broadcastable to `(B, H, S_q, S_k)`, `true` = may attend. `None` when nothing is masked.
+    /// of rank 4 and broadcastable to `(B, H, S_q, S_k)`, `true` = may attend. `None` when nothing is masked.
     pub fn allowed(&self, shape: ScoreShape, device: Device) -> Result<Option<Tensor>> {
         let [b, _, sq, sk] = shape.dims();
         let mut allowed: Option<Tensor> = None;
@@ -70,7 +70,14 @@ impl Masks<'_> {
         if self.causal {
             and(Tensor::ones([sq, sk], (Kind::Bool, device)).tril(0));
         }
-        Ok(allowed)
+        // Always rank 4 (an attn_mask may be (S_k,) or (S_q, S_k)): every consumer reads the query
+        // and key dimensions as dims -2 and -1 of a 4-D tensor.
+        Ok(allowed.map(|mut a| {
+            while a.dim() < 4 {
+                a = a.unsqueeze(0);
+            }
+            a
+        }))
     }
 }
 
