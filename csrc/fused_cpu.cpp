@@ -347,6 +347,9 @@ struct FusedCpuBam : public torch::autograd::Function<FusedCpuBam> {
 
 }  // namespace
 
+// Above this bound on |z| the Lognormal KL's closed form is left to the tiles (fused_cpu_bam_applies).
+constexpr double kMaxClosedFormScore = 64.0;
+
 // Where the routes apply: the CPU, no mask or a per-key one with a key left in every sequence
 // (sections above); for BAM, sampling over a softmax base.
 bool fused_cpu_applies(const at::Tensor& q, const at::Tensor& v, const at::Tensor& excluded, int64_t noise, int64_t kl) {
@@ -356,8 +359,18 @@ bool fused_cpu_applies(const at::Tensor& q, const at::Tensor& v, const at::Tenso
   return excluded.size(-2) == 1 && !excluded.all(-1).any().item<bool>();
 }
 
-bool fused_cpu_bam_applies(const at::Tensor& q, const at::Tensor& v, const at::Tensor& excluded, int64_t sweeps, int64_t noise) {
+bool fused_cpu_bam_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& excluded, int64_t sweeps,
+                           int64_t noise, int64_t kl) {
   if (!q.device().is_cpu() || noise == kNoNoise || sweeps != 0 || q.dim() != 4 || v.size(-1) != q.size(-1)) return false;
+  if (kl == kLognormalSquares) {
+    // The Lognormal closed form expands Σ (z_ij − l_i − a_j)² into sums of squares of size
+    // S_q · S_k · z², which cancel to the (much smaller) total: its rounding grows as eps · z²
+    // where the tiles' grows as eps · |z|. Where the scores may exceed kMaxClosedFormScore (a
+    // bound from the norms, |z_ij| ≤ |q_i| |k_j| / √d) the tiles compute it instead.
+    const double bound = (at::linalg_vector_norm(q, 2, {-1}).amax() * at::linalg_vector_norm(k, 2, {-1}).amax()).item<double>() /
+                         std::sqrt(static_cast<double>(q.size(-1)));
+    if (!(bound <= kMaxClosedFormScore)) return false;
+  }
   if (!excluded.defined()) return true;
   return excluded.size(-2) == 1 && !excluded.all(-1).any().item<bool>();
 }

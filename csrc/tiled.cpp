@@ -292,33 +292,34 @@ char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor
                          const pa_tensor* prior, const pa_tiled_spec* spec, pa_tensor** out, pa_tensor** received_mass,
                          pa_tensor** kl_part) {
   return probattn::guard([&] {
+    for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {spec, "spec"}, {out, "out"},
+                                 {received_mass, "received_mass"}, {kl_part, "kl_part"}}) {
+      probattn::require(pointer, "pa_tiled_attention", name);
+    }
     TORCH_CHECK(spec->tile >= 1, "the tile size must be at least 1, got ", spec->tile);
     TORCH_CHECK(spec->sweeps >= 0, "the number of sweeps must be at least 0, got ", spec->sweeps);
     TORCH_CHECK(spec->noise >= kNoNoise && spec->noise <= kLognormal, "unknown noise kind ", spec->noise);
     TORCH_CHECK(spec->kl >= kNoKl && spec->kl <= kLognormalSquares, "unknown KL kind ", spec->kl);
     TORCH_CHECK(spec->kl == kNoKl || prior != nullptr, "a KL term needs the prior's per-key values");
     auto some = [](const pa_tensor* t) { return t != nullptr ? std::optional<at::Tensor>(*t) : std::nullopt; };
-    if (spec->fused_cpu != 0 && fused_cpu_applies(*q, *v, excluded != nullptr ? *excluded : at::Tensor(), spec->noise, spec->kl)) {
-      auto result = fused_cpu_attention(*q, *k, *v, some(excluded), spec->sweeps);
-      *out = new at::Tensor(result[0]);
-      *received_mass = new at::Tensor(result[1]);
-      *kl_part = new at::Tensor(result[2]);
-      return;
+    const auto ex = excluded != nullptr ? *excluded : at::Tensor();
+    std::vector<at::Tensor> result;
+    if (spec->fused_cpu != 0 && fused_cpu_applies(*q, *v, ex, spec->noise, spec->kl)) {
+      result = fused_cpu_attention(*q, *k, *v, some(excluded), spec->sweeps);
+    } else if (spec->fused_cpu != 0 && fused_cpu_bam_applies(*q, *k, *v, ex, spec->sweeps, spec->noise, spec->kl)) {
+      result = fused_cpu_bam(*q, *k, *v, some(excluded), some(noise), some(prior), spec->tile, spec->noise, spec->noise_scale,
+                             static_cast<int64_t>(spec->seed), spec->kl);
+    } else {
+      result = TiledAttention::apply(*q, *k, *v, some(excluded), some(noise), some(prior), spec->tile, spec->sweeps, spec->noise,
+                                     spec->noise_scale, static_cast<int64_t>(spec->seed), spec->kl);
     }
-    if (spec->fused_cpu != 0 &&
-        fused_cpu_bam_applies(*q, *v, excluded != nullptr ? *excluded : at::Tensor(), spec->sweeps, spec->noise)) {
-      auto result = fused_cpu_bam(*q, *k, *v, some(excluded), some(noise), some(prior), spec->tile, spec->noise, spec->noise_scale,
-                                  static_cast<int64_t>(spec->seed), spec->kl);
-      *out = new at::Tensor(result[0]);
-      *received_mass = new at::Tensor(result[1]);
-      *kl_part = new at::Tensor(result[2]);
-      return;
-    }
-    auto result = TiledAttention::apply(*q, *k, *v, some(excluded), some(noise), some(prior), spec->tile, spec->sweeps, spec->noise,
-                                        spec->noise_scale, static_cast<int64_t>(spec->seed), spec->kl);
-    *out = new at::Tensor(result[0]);
-    *received_mass = new at::Tensor(result[1]);
-    *kl_part = new at::Tensor(result[2]);
+    // All three handles exist before any is handed out: an allocation that fails leaks none.
+    auto o = std::make_unique<at::Tensor>(result[0]);
+    auto m = std::make_unique<at::Tensor>(result[1]);
+    auto p = std::make_unique<at::Tensor>(result[2]);
+    *out = o.release();
+    *received_mass = m.release();
+    *kl_part = p.release();
   });
 }
 

@@ -37,7 +37,8 @@ at::Tensor noise_rows(const at::Tensor& given, uint64_t seed, int64_t noise, dou
 // The fused CPU routes (csrc/fused_cpu.cpp): whether one applies, and the call, which returns
 // (output, received mass, KL part) as the tile loop does.
 bool fused_cpu_applies(const at::Tensor& q, const at::Tensor& v, const at::Tensor& excluded, int64_t noise, int64_t kl);
-bool fused_cpu_bam_applies(const at::Tensor& q, const at::Tensor& v, const at::Tensor& excluded, int64_t sweeps, int64_t noise);
+bool fused_cpu_bam_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& excluded, int64_t sweeps,
+                           int64_t noise, int64_t kl);
 std::vector<at::Tensor> fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             const std::optional<at::Tensor>& excluded, int64_t sweeps);
 std::vector<at::Tensor> fused_cpu_bam(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

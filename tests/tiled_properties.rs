@@ -431,7 +431,7 @@ fn check_invariants(case: &Case, side: &str, outcome: &Outcome, allowed: &Tensor
     if matches!(case.which, Which::Dnas) {
         // Theorem 2: every key with an allowed query receives at least 1 / (the most keys a row allows).
         let widest = allowed.sum_dim_intlist(&[-1i64][..], false, Kind::Double).amax(&[-1i64][..], true).clamp_min(1.0);
-        let floor: Tensor = widest.reciprocal() * (1.0 - sum_tol);
+        let floor: Tensor = widest.reciprocal() * (1.0 - mass_tol.min(0.5));
         let short = floor.expand_as(&mass).masked_select(&live_keys) - mass.masked_select(&live_keys);
         ensure!(
             max_abs(&short.clamp_min(0.0)) == 0.0,
@@ -518,7 +518,8 @@ fn check_case(case: &Case, largest: &mut Largest) -> Result<()> {
             2 => ("gradient of v", g),
             // Σ (O_DNAS − O_softmax) · G over every row: the outputs may nearly cancel.
             _ if built.hnas_logit.is_some() => ("gradient of the HNAS logit", params.max(g * v * (case.dims[0] * case.dims[2]) as f64)),
-            _ => ("gradient of the prior", params),
+            // ∂KL/∂a_j sums log π_ij over the rows, terms of size ln S_k or more that cancel.
+            _ => ("gradient of the prior", params * (case.dims[0] * case.dims[2]) as f64 * (1.0 + (case.dims[3] as f64).ln())),
         };
         match (a.defined(), b.defined()) {
             (true, true) => compare(name, a, b, t.map(|t| &t.grads[i]), floor)?,
@@ -542,15 +543,22 @@ fn the_memory_efficient_path_equals_the_eager_path_on_random_inputs() -> Result<
     let start = env_u64("PROBATTN_PROPERTY_SEED", 0)?;
     let mut largest = Largest::default();
     let mut by_variant: BTreeMap<String, usize> = BTreeMap::new();
+    let mut failures = vec![];
     for seed in start..start + cases {
         let case = Case::generate(seed);
-        check_case(&case, &mut largest).with_context(|| format!("{case}"))?;
+        if let Err(e) = check_case(&case, &mut largest) {
+            failures.push(format!("{case}: {e:#}"));
+        }
         *by_variant.entry(case.which.name().split(' ').next().unwrap_or_default().to_string()).or_default() += 1;
     }
-    eprintln!("{cases} cases from seed {start}: {by_variant:?}");
+    eprintln!("{cases} cases from seed {start}, {} failed: {by_variant:?}", failures.len());
     for (what, (ratio, diff)) in &largest.0 {
         eprintln!("  {what}: largest difference {diff:.2e}, at most {:.1}% of its case's allowance", 100.0 * ratio);
     }
+    for failure in &failures {
+        eprintln!("FAILED {failure}");
+    }
+    ensure!(failures.is_empty(), "{} of {cases} cases failed; the first: {}", failures.len(), failures[0]);
     Ok(())
 }
 
