@@ -20,6 +20,7 @@ fn build_cxx_layer() {
         "csrc/noise.cpp",
         "csrc/distributed.cpp",
         "csrc/boundary.h",
+        "csrc/guard.h",
         "csrc/tiled.h",
         "csrc/probattn.h",
     ];

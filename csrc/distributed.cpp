@@ -36,8 +36,13 @@ namespace {
 
 std::vector<at::Tensor> borrow(const pa_tensor* const* tensors, size_t n) {
   std::vector<at::Tensor> out;
+  if (n == 0) return out;
+  probattn::require(tensors, "a collective", "tensors");
   out.reserve(n);
-  for (size_t i = 0; i < n; ++i) out.push_back(*tensors[i]);
+  for (size_t i = 0; i < n; ++i) {
+    probattn::require(tensors[i], "a collective", "tensors[i]");
+    out.push_back(*tensors[i]);
+  }
   return out;
 }
 
@@ -84,6 +89,10 @@ int32_t pa_dist_has_nccl(void) {
 char* pa_dist_join(const char* backend, const char* host, int32_t port, int32_t is_server, const char* prefix, int32_t rank,
                    int32_t world_size, int64_t timeout_ms, pa_dist** out) {
   return probattn::guard([&] {
+    probattn::require(backend, "pa_dist_join", "backend");
+    probattn::require(host, "pa_dist_join", "host");
+    probattn::require(prefix, "pa_dist_join", "prefix");
+    probattn::require(out, "pa_dist_join", "out");
     TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "rank ", rank, " is not in 0..", world_size);
     TORCH_CHECK(port > 0 && port < 65536, "port ", port, " is not a TCP port");
     auto timeout = std::chrono::milliseconds(timeout_ms);
@@ -138,6 +147,7 @@ char* pa_dist_join(const char* backend, const char* host, int32_t port, int32_t 
 
 char* pa_dist_broadcast(pa_dist* dist, const pa_tensor* const* tensors, size_t n, int32_t root) {
   return probattn::guard([&] {
+    probattn::require(dist, "pa_dist_broadcast", "dist");
     for (auto tensor : borrow(tensors, n)) {
       std::vector<at::Tensor> one{tensor};
       c10d::BroadcastOptions options;
@@ -150,6 +160,7 @@ char* pa_dist_broadcast(pa_dist* dist, const pa_tensor* const* tensors, size_t n
 
 char* pa_dist_all_reduce(pa_dist* dist, const pa_tensor* const* tensors, size_t n, int32_t op) {
   return probattn::guard([&] {
+    probattn::require(dist, "pa_dist_all_reduce", "dist");
     c10d::AllreduceOptions options;
     options.timeout = dist->timeout;
     options.reduceOp = op == 1 ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
@@ -162,6 +173,9 @@ char* pa_dist_all_reduce(pa_dist* dist, const pa_tensor* const* tensors, size_t 
 
 char* pa_dist_all_gather(pa_dist* dist, const pa_tensor* tensor, pa_tensors** out) {
   return probattn::guard([&] {
+    probattn::require(dist, "pa_dist_all_gather", "dist");
+    probattn::require(tensor, "pa_dist_all_gather", "tensor");
+    probattn::require(out, "pa_dist_all_gather", "out");
     std::vector<at::Tensor> input{*tensor};
     std::vector<std::vector<at::Tensor>> output(1);
     for (int i = 0; i < dist->group->getSize(); ++i) output[0].push_back(at::empty_like(*tensor));
@@ -176,6 +190,7 @@ char* pa_dist_all_gather(pa_dist* dist, const pa_tensor* tensor, pa_tensors** ou
 
 char* pa_dist_barrier(pa_dist* dist) {
   return probattn::guard([&] {
+    probattn::require(dist, "pa_dist_barrier", "dist");
     c10d::BarrierOptions options;
     options.timeout = dist->timeout;
     wait(dist->group->barrier(options), dist->timeout);
@@ -183,12 +198,14 @@ char* pa_dist_barrier(pa_dist* dist) {
 }
 
 void pa_dist_free(pa_dist* dist) {
-  delete dist;
+  probattn::guard_release([&] { delete dist; });
 }
 
 char* pa_reducer_new(pa_dist* dist, const pa_tensor* const* params, size_t n, int64_t bucket_bytes, int32_t find_unused,
                      pa_reducer** out) {
   return probattn::guard([&] {
+    probattn::require(dist, "pa_reducer_new", "dist");
+    probattn::require(out, "pa_reducer_new", "out");
     std::vector<at::Tensor> tensors = borrow(params, n);
     TORCH_CHECK(!tensors.empty(), "no parameters to synchronise");
     // As DistributedDataParallel: buckets in reverse parameter order (the order in which backward
@@ -212,6 +229,7 @@ char* pa_reducer_new(pa_dist* dist, const pa_tensor* const* params, size_t n, in
 
 char* pa_reducer_prepare(pa_reducer* reducer, const pa_tensor* const* outputs, size_t n) {
   return probattn::guard([&] {
+    probattn::require(reducer, "pa_reducer_prepare", "reducer");
     // What DistributedDataParallel.forward does around the module's forward; rebuild_buckets
     // (a collective, once) regroups the buckets in the order the first backward produced them.
     reducer->reducer->rebuild_buckets();
@@ -222,10 +240,7 @@ char* pa_reducer_prepare(pa_reducer* reducer, const pa_tensor* const* outputs, s
 
 void pa_reducer_free(pa_reducer* reducer) {
   // ~Reducer may throw (noexcept(false)); nothing may cross into Rust.
-  try {
-    delete reducer;
-  } catch (...) {
-  }
+  probattn::guard_release([&] { delete reducer; });
 }
 
 }  // extern "C"

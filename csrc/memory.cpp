@@ -11,11 +11,13 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <utility>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 
+#include "guard.h"
 #include "probattn.h"
 
 namespace {
@@ -61,24 +63,12 @@ struct CountingCpuAllocator final : c10::Allocator {
 
 CountingCpuAllocator g_allocator;
 
-template <typename F>
-char* guard(F&& body) noexcept {
-  try {
-    body();
-    return nullptr;
-  } catch (const std::exception& e) {
-    return strdup(e.what());
-  } catch (...) {
-    return strdup("an unknown C++ exception");
-  }
-}
-
 }  // namespace
 
 extern "C" {
 
 char* pa_cpu_memory_track(void) {
-  return guard([] {
+  return probattn::guard([] {
     std::lock_guard<std::mutex> lock(g_install);
     if (!g_installed.load()) {
       // Above the default allocator's priority (0), so it takes the slot.
@@ -89,10 +79,14 @@ char* pa_cpu_memory_track(void) {
 }
 
 char* pa_cpu_memory_stats(int64_t* current, int64_t* peak, int64_t* tracking) {
-  *current = g_current.load();
-  *peak = g_peak.load();
-  *tracking = g_installed.load() && c10::GetCPUAllocator() == &g_allocator;
-  return nullptr;
+  return probattn::guard([&] {
+    for (auto [pointer, name] : {std::pair<const void*, const char*>{current, "current"}, {peak, "peak"}, {tracking, "tracking"}}) {
+      probattn::require(pointer, "pa_cpu_memory_stats", name);
+    }
+    *current = g_current.load();
+    *peak = g_peak.load();
+    *tracking = g_installed.load() && c10::GetCPUAllocator() == &g_allocator;
+  });
 }
 
 char* pa_cpu_memory_reset_peak(void) {

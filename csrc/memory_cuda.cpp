@@ -26,6 +26,10 @@ extern "C" {
 
 char* pa_cuda_memory_stats(int64_t device, int64_t* allocated, int64_t* allocated_peak, int64_t* reserved, int64_t* reserved_peak) {
   return probattn::guard([&] {
+    for (auto [pointer, name] : {std::pair<const void*, const char*>{allocated, "allocated"}, {allocated_peak, "allocated_peak"},
+                                 {reserved, "reserved"}, {reserved_peak, "reserved_peak"}}) {
+      probattn::require(pointer, "pa_cuda_memory_stats", name);
+    }
     auto index = checked(device);
     auto stats = c10::getDeviceAllocator(c10::DeviceType::CUDA)->getDeviceStats(index);
     constexpr auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);

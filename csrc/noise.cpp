@@ -152,6 +152,9 @@ extern "C" {
 char* pa_counter_noise(const pa_tensor* like, const int64_t* shape, int32_t noise, uint64_t seed, int64_t start, int64_t len,
                        int32_t aten_ops, pa_tensor** out) {
   return probattn::guard([&] {
+    probattn::require(like, "pa_counter_noise", "like");
+    probattn::require(shape, "pa_counter_noise", "shape");
+    probattn::require(out, "pa_counter_noise", "out");
     TORCH_CHECK(noise == probattn::tiled::kWeibull || noise == probattn::tiled::kLognormal, "unknown noise kind ", noise);
     TORCH_CHECK(like->scalar_type() == at::kFloat || like->scalar_type() == at::kDouble, "counter-based noise is float32 or float64");
     const at::IntArrayRef dims(shape, 4);

@@ -1,11 +1,13 @@
 // probattn's C++ layer: what libtorch's C++ API has and tch's C API does not reach.
 //
-// Every function is `extern "C"`, catches every C++ exception, and returns NULL on success or an
-// error message (free it with pa_string_free) on failure: nothing thrown inside libtorch crosses
-// into Rust, where unwinding through a foreign frame would abort the process.
+// Every function is `extern "C"` and catches every C++ exception (csrc/guard.h): those returning
+// `char*` return NULL on success and an error message on failure, never NULL then (free it with
+// pa_string_free); the `_free` functions swallow what a destructor throws. Nothing thrown inside
+// libtorch crosses into Rust, where unwinding through a foreign frame would abort the process.
+// A NULL where a function needs a pointer is an error naming the argument, not a crash.
 // Tensors are tch's `C_tensor`, i.e. `at::Tensor*`: inputs are borrowed, every `at::Tensor*`
 // handed out is new and owned by the caller (tch's `Tensor::from_ptr` takes it).
-// The only caller is src/cxx.rs, the one place with `unsafe` on the Rust side.
+// The only caller is src/cxx.rs: every `unsafe` block that crosses into this layer is there.
 #pragma once
 
 #include <stddef.h>
@@ -24,14 +26,16 @@ typedef struct pa_pt2 pa_pt2;          // a loaded AOTInductor package
 
 void pa_string_free(char* s);
 
-// Drops every later libtorch warning whose message starts with `prefix` (process-wide; a filter in
-// front of the handler installed before it, which still gets every other warning).
+// Drops every later libtorch warning whose message starts with `prefix`, on the calling thread
+// (c10's warning handler is per thread): a filter in front of the thread's handler, which still
+// gets every other warning. The prefixes are shared: a thread that calls this with any prefix
+// filters all of them.
 char* pa_silence_warning(const char* prefix);
 
 // ---- lists of named tensors
 size_t pa_tensors_len(const pa_tensors* list);
 const char* pa_tensors_name(const pa_tensors* list, size_t i);  // borrowed, "" when unnamed
-pa_tensor* pa_tensors_get(const pa_tensors* list, size_t i);    // new handle, owned by the caller
+pa_tensor* pa_tensors_get(const pa_tensors* list, size_t i);    // new handle, owned by the caller; NULL out of range or memory
 void pa_tensors_free(pa_tensors* list);
 
 // ---- AOTInductor packages (.pt2)
@@ -60,6 +64,16 @@ typedef struct pa_tiled_spec {
   int32_t fused_cpu;   // 1: softmax and DNAS without noise, and noise over a softmax base, take libtorch's fused CPU kernel
                        // where it applies (CPU, no mask or a per-key one); 0: always the tiles
 } pa_tiled_spec;
+// The layout src/cxx.rs mirrors (`TiledSpec`, which asserts the same at compile time).
+#ifdef __cplusplus
+static_assert(sizeof(pa_tiled_spec) == 48, "pa_tiled_spec's size changed: update TiledSpec in src/cxx.rs");
+static_assert(offsetof(pa_tiled_spec, tile) == 0 && offsetof(pa_tiled_spec, sweeps) == 8 && offsetof(pa_tiled_spec, noise) == 16 &&
+                  offsetof(pa_tiled_spec, noise_scale) == 24 && offsetof(pa_tiled_spec, seed) == 32 &&
+                  offsetof(pa_tiled_spec, kl) == 40 && offsetof(pa_tiled_spec, fused_cpu) == 44,
+              "pa_tiled_spec's fields moved: update TiledSpec in src/cxx.rs");
+#else
+_Static_assert(sizeof(pa_tiled_spec) == 48, "pa_tiled_spec's size changed: update TiledSpec in src/cxx.rs");
+#endif
 // Attention of heads-first q (B, H, S_q, d), k (B, H, S_k, d), v (B, H, S_k, d_v) under `excluded`
 // (bool, broadcastable to (B, H, S_q, S_k), true = excluded; NULL: none), tiled over blocks of
 // `spec->tile` queries, differentiable in q, k, v and `prior`. `noise`: eps broadcastable to

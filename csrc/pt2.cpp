@@ -39,6 +39,9 @@ extern "C" {
 
 char* pa_pt2_metadata(const char* path, const char* model_name, char** json) {
   return probattn::guard([&] {
+    probattn::require(path, "pa_pt2_metadata", "path");
+    probattn::require(model_name, "pa_pt2_metadata", "model_name");
+    probattn::require(json, "pa_pt2_metadata", "json");
     auto metadata = torch::inductor::AOTIModelPackageLoader::load_metadata_from_package(path, model_name);
     std::ostringstream out;
     out << '{';
@@ -54,6 +57,9 @@ char* pa_pt2_metadata(const char* path, const char* model_name, char** json) {
 
 char* pa_pt2_load(const char* path, const char* model_name, int64_t device_index, pa_pt2** out) {
   return probattn::guard([&] {
+    probattn::require(path, "pa_pt2_load", "path");
+    probattn::require(model_name, "pa_pt2_load", "model_name");
+    probattn::require(out, "pa_pt2_load", "out");
     // The compiled model checks each input's dtype, sizes, strides and device against the
     // exported program only when this is set (read once, at its first call); without the check a
     // wrong input is read out of bounds. A user's explicit setting is kept.
@@ -68,9 +74,15 @@ char* pa_pt2_load(const char* path, const char* model_name, int64_t device_index
 
 char* pa_pt2_run(pa_pt2* package, const pa_tensor* const* inputs, size_t n, pa_tensors** outputs) {
   return probattn::guard([&] {
+    probattn::require(package, "pa_pt2_run", "package");
+    probattn::require(outputs, "pa_pt2_run", "outputs");
+    if (n > 0) probattn::require(inputs, "pa_pt2_run", "inputs");
     std::vector<at::Tensor> xs;
     xs.reserve(n);
-    for (size_t i = 0; i < n; ++i) xs.push_back(*inputs[i]);
+    for (size_t i = 0; i < n; ++i) {
+      probattn::require(inputs[i], "pa_pt2_run", "inputs[i]");
+      xs.push_back(*inputs[i]);
+    }
     auto ys = package->loader->run(xs);
     auto list = std::make_unique<pa_tensors>();
     for (auto& y : ys) list->items.emplace_back("", std::move(y));
@@ -80,6 +92,8 @@ char* pa_pt2_run(pa_pt2* package, const pa_tensor* const* inputs, size_t n, pa_t
 
 char* pa_pt2_constants(pa_pt2* package, pa_tensors** out) {
   return probattn::guard([&] {
+    probattn::require(package, "pa_pt2_constants", "package");
+    probattn::require(out, "pa_pt2_constants", "out");
     auto* runner = package->loader->get_runner();
     auto fqns = runner->getConstantNamesToOriginalFQNs();
     auto list = std::make_unique<pa_tensors>();
@@ -92,7 +106,7 @@ char* pa_pt2_constants(pa_pt2* package, pa_tensors** out) {
 }
 
 void pa_pt2_free(pa_pt2* package) {
-  delete package;
+  probattn::guard_release([&] { delete package; });
 }
 
 }  // extern "C"

@@ -110,23 +110,26 @@ extern "C" {
     fn pa_reducer_free(reducer: *mut PaReducer);
 }
 
-/// Takes ownership of a C string the C++ layer allocated.
-fn take_string(s: *mut c_char) -> String {
-    // SAFETY: `s` is NULL or a NUL-terminated string from `copy_string`/`strdup` (malloc), freed
-    // here exactly once.
+/// Takes ownership of a C string the C++ layer allocated; `None` for NULL.
+fn take_string(s: *mut c_char) -> Option<String> {
+    if s.is_null() {
+        return None;
+    }
+    // SAFETY: `s` is not NULL, so it is a NUL-terminated string from `copy_string` (malloc) or the
+    // layer's static out-of-memory message, which `pa_string_free` knows not to free; freed here
+    // exactly once.
     unsafe {
         let text = CStr::from_ptr(s).to_string_lossy().into_owned();
         pa_string_free(s);
-        text
+        Some(text)
     }
 }
 
 /// `Ok` when the C++ call returned no message; `what` names the call in the error.
 fn check(message: *mut c_char, what: impl FnOnce(String) -> Error) -> Result<()> {
-    if message.is_null() {
-        Ok(())
-    } else {
-        Err(what(take_string(message)))
+    match take_string(message) {
+        None => Ok(()),
+        Some(text) => Err(what(text)),
     }
 }
 
@@ -142,23 +145,34 @@ fn c_path(path: &Path) -> Result<CString> {
     CString::new(text).map_err(|_| Error::Config(format!("{text:?}: a path with a NUL byte")))
 }
 
-/// Moves a `pa_tensors` list into Rust and frees it.
-fn take_tensors(list: *mut PaTensors) -> Vec<(String, Tensor)> {
-    // SAFETY: `list` is a live list from the C++ layer; `pa_tensors_get` returns a new
-    // `at::Tensor*` that `Tensor::from_ptr` owns from then on; the list is freed once, after.
+/// Moves a `pa_tensors` list into Rust and frees it. A NULL list, or a NULL entry (no memory for
+/// its handle), is an error: skipping the entry would shift every later one (a `.pt2`'s outputs).
+fn take_tensors(list: *mut PaTensors) -> std::result::Result<Vec<(String, Tensor)>, String> {
+    if list.is_null() {
+        return Err("the C++ layer returned no list of tensors".into());
+    }
+    // SAFETY: `list` is a live list from the C++ layer; `pa_tensors_get` returns NULL or a new
+    // `at::Tensor*` that `Tensor::from_ptr` owns from then on; the list is freed once, after,
+    // whatever happens to its entries.
     unsafe {
         let n = pa_tensors_len(list);
         let mut out = Vec::with_capacity(n);
+        let mut failed = None;
         for i in 0..n {
             let name = pa_tensors_name(list, i);
             let name = if name.is_null() { String::new() } else { CStr::from_ptr(name).to_string_lossy().into_owned() };
             let t = pa_tensors_get(list, i);
-            if !t.is_null() {
-                out.push((name, Tensor::from_ptr(t)));
+            if t.is_null() {
+                failed = Some(format!("entry {i} of {n} ({name:?}) could not be handed over (out of memory)"));
+                break;
             }
+            out.push((name, Tensor::from_ptr(t)));
         }
         pa_tensors_free(list);
-        out
+        match failed {
+            Some(message) => Err(message),
+            None => Ok(out),
+        }
     }
 }
 
@@ -173,7 +187,7 @@ pub(crate) fn pt2_metadata(path: &Path, model_name: &str) -> Result<String> {
     let mut json = ptr::null_mut();
     // SAFETY: valid C strings; `json` is written on success only.
     check(unsafe { pa_pt2_metadata(p.as_ptr(), m.as_ptr(), &mut json) }, file_error(path))?;
-    Ok(take_string(json))
+    take_string(json).ok_or_else(|| Error::File { path: path.into(), message: "the C++ layer returned no metadata".into() })
 }
 
 /// A loaded AOTInductor package (owns libtorch's `AOTIModelPackageLoader`).
@@ -197,22 +211,16 @@ impl Pt2Handle {
         let pointers: Vec<*const C_tensor> = inputs.iter().map(|t| t.as_ptr()).collect();
         let mut list = ptr::null_mut();
         // SAFETY: `self.raw` is live; the input pointers borrow tensors that outlive the call.
-        let message = unsafe { pa_pt2_run(self.raw, pointers.as_ptr(), pointers.len(), &mut list) };
-        if !message.is_null() {
-            return Err(take_string(message));
-        }
-        Ok(take_tensors(list).into_iter().map(|(_, t)| t).collect())
+        into_string_result(unsafe { pa_pt2_run(self.raw, pointers.as_ptr(), pointers.len(), &mut list) })?;
+        Ok(take_tensors(list)?.into_iter().map(|(_, t)| t).collect())
     }
 
     /// The package's weights and buffers under their original (`state_dict`) names.
     pub(crate) fn constants(&self) -> std::result::Result<Vec<(String, Tensor)>, String> {
         let mut list = ptr::null_mut();
         // SAFETY: `self.raw` is live.
-        let message = unsafe { pa_pt2_constants(self.raw, &mut list) };
-        if !message.is_null() {
-            return Err(take_string(message));
-        }
-        Ok(take_tensors(list))
+        into_string_result(unsafe { pa_pt2_constants(self.raw, &mut list) })?;
+        take_tensors(list)
     }
 }
 
@@ -228,11 +236,9 @@ pub(crate) fn jit_named_buffers(path: &Path) -> Result<Vec<(String, Tensor)>> {
     let p = c_path(path)?;
     let mut list = ptr::null_mut();
     // SAFETY: a valid C string; `list` is written on success only.
-    check(unsafe { pa_jit_named_buffers(p.as_ptr(), &mut list) }, |m| Error::File {
-        path: path.into(),
-        message: format!("listing its buffers: {m}"),
-    })?;
-    Ok(take_tensors(list))
+    let listing = |m| Error::File { path: path.into(), message: format!("listing its buffers: {m}") };
+    check(unsafe { pa_jit_named_buffers(p.as_ptr(), &mut list) }, listing)?;
+    take_tensors(list).map_err(listing)
 }
 
 /// `pa_tiled_spec` of csrc/probattn.h: what the tiled attention computes.
@@ -255,6 +261,16 @@ pub(crate) struct TiledSpec {
     /// always the tiles ([`crate::tiled::TiledOptions::fused_cpu`]).
     pub fused_cpu: i32,
 }
+
+// The layout of `pa_tiled_spec`, which csrc/probattn.h asserts too: a field added or moved on one
+// side only fails the build instead of reading the wrong bytes.
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(size_of::<TiledSpec>() == 48);
+    assert!(offset_of!(TiledSpec, tile) == 0 && offset_of!(TiledSpec, sweeps) == 8 && offset_of!(TiledSpec, noise) == 16);
+    assert!(offset_of!(TiledSpec, noise_scale) == 24 && offset_of!(TiledSpec, seed) == 32);
+    assert!(offset_of!(TiledSpec, kl) == 40 && offset_of!(TiledSpec, fused_cpu) == 44);
+};
 
 impl TiledSpec {
     pub const WEIBULL: i32 = 1;
@@ -416,11 +432,8 @@ impl DistHandle {
                 &mut raw,
             )
         };
-        if message.is_null() {
-            Ok(Self { raw })
-        } else {
-            Err(take_string(message))
-        }
+        into_string_result(message)?;
+        Ok(Self { raw })
     }
 
     /// Broadcasts each tensor in place from `root`.
@@ -442,7 +455,7 @@ impl DistHandle {
         let mut list = ptr::null_mut();
         // SAFETY: `self.raw` is live; `tensor` outlives the call; `list` is written on success.
         into_string_result(unsafe { pa_dist_all_gather(self.raw, tensor.as_ptr(), &mut list) })?;
-        Ok(take_tensors(list).into_iter().map(|(_, t)| t).collect())
+        Ok(take_tensors(list)?.into_iter().map(|(_, t)| t).collect())
     }
 
     pub(crate) fn barrier(&self) -> std::result::Result<(), String> {
@@ -494,9 +507,8 @@ impl Drop for ReducerHandle {
 }
 
 fn into_string_result(message: *mut c_char) -> std::result::Result<(), String> {
-    if message.is_null() {
-        Ok(())
-    } else {
-        Err(take_string(message))
+    match take_string(message) {
+        None => Ok(()),
+        Some(text) => Err(text),
     }
 }

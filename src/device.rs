@@ -79,8 +79,9 @@ pub fn set_threads(n: usize) -> Result<()> {
     Ok(())
 }
 
-/// Drops every later libtorch warning whose message starts with `prefix`, for the whole process;
-/// every other warning still prints. For warnings that say nothing to our users, such as
+/// Drops every later libtorch warning whose message starts with `prefix` on the calling thread
+/// (c10 keeps its warning handler per thread, so a thread that runs the ops behind the warning
+/// calls this itself); every other warning still prints. For warnings that say nothing to our users, such as
 /// "Sparse CSR tensor support is in beta" on every GAT run (a libtorch notice about an API we
 /// use as documented).
 pub fn silence_libtorch_warning(prefix: &str) -> Result<()> {

@@ -12,7 +12,6 @@
 use probattn::normalize::{NormalizeInput, Normalizer, Support};
 use probattn::{Error, Mode, NormalizerConfig, NormalizerFactory, Result, Variant};
 use serde::{Deserialize, Serialize};
-use std::sync::Once;
 use tch::{nn, Tensor};
 
 /// The architecture (the training recipe lives with the experiment).
@@ -74,9 +73,12 @@ impl Features {
     /// in beta" warning, which its CSR constructor prints once per process, is silenced: the CSR
     /// product here is checked against the dense one (`models/tests/gat.rs`).
     pub fn sparse_from_dense(x: &Tensor) -> Self {
-        static SILENCE: Once = Once::new();
-        // A failure leaves the warning printing, which is all it does: not worth failing a run for.
-        SILENCE.call_once(|| drop(probattn::device::silence_libtorch_warning("Sparse CSR tensor support is in beta")));
+        // Once per thread: c10's warning handler is per thread. A failure leaves the warning
+        // printing, which is all it does: not worth failing a run for.
+        thread_local!(static SILENCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
+        if !SILENCED.replace(true) {
+            drop(probattn::device::silence_libtorch_warning("Sparse CSR tensor support is in beta"));
+        }
         let nz = x.nonzero(); // (nnz, 2), row-major order
         let (rows, cols) = (nz.select(1, 0).contiguous(), nz.select(1, 1).contiguous());
         let values = x.index(&[Some(&rows), Some(&cols)]);
