@@ -154,19 +154,29 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, normalizer: &dy
     if let Some(tile) = opts.tile.filter(|_| !opts.need_weights) {
         return attend_memory_efficient(q, k, v, masks, normalizer, tile, &opts);
     }
-    if let Some(attended) = normalizer.fused(q, k, v, masks, &opts)? {
-        return Ok(attended);
-    }
-    let support = Support::dense(masks.allowed(shape, q.device())?);
-    let scores = scaled_dot_product_scores(q, k); // (B, H, S_q, S_k)
-    let normalized = normalizer.normalize(&NormalizeInput {
-        scores: &scores,
-        support: &support,
-        keys: Some(k),
-        noise: opts.noise,
-        sample: opts.mode.sample,
-    })?;
-    Ok(mix(normalized.weights, v, normalized.kl, &opts))
+    // The eager path holds several (B, H, S_q, S_k) tensors: one that cannot be allocated is an
+    // error that says so (and which path needs O(S) memory), not a panic inside tch.
+    let [b, h, sq, sk] = shape.dims();
+    let what = format!("eager {} attention over ({b}, {h}, {sq}, {sk}) weights", normalizer.name());
+    let hint = normalizer.tiled().is_some().then_some(
+        "the memory-efficient path holds no (S_q, S_k) tensor (AttendOptions::tile with need_weights false; --memory-efficient on the command line)",
+    );
+    crate::catch_out_of_memory(&what, hint, || {
+        if let Some(attended) = normalizer.fused(q, k, v, masks, &opts)? {
+            return Ok(attended);
+        }
+        let support = Support::dense(masks.allowed(shape, q.device())?);
+        let d = *q.size().last().unwrap_or(&1) as f64;
+        let scores = (q * (1.0 / d).sqrt()).f_matmul(&k.transpose(-2, -1))?; // (B, H, S_q, S_k), as scaled_dot_product_scores
+        let normalized = normalizer.normalize(&NormalizeInput {
+            scores: &scores,
+            support: &support,
+            keys: Some(k),
+            noise: opts.noise,
+            sample: opts.mode.sample,
+        })?;
+        Ok(mix(normalized.weights, v, normalized.kl, &opts))
+    })
 }
 
 /// The weights `(B, H, S_q, S_k)` mix the values `(B, H, S_k, d_v)`, after dropout when it is

@@ -4,12 +4,12 @@
 
 mod common;
 
-use anyhow::{Context, Result};
+use anyhow::{ensure, Context, Result};
 use common::devices;
 use probattn::normalize::{
     lognormal_kl, lognormal_log_sample, weibull_gamma_kl, weibull_log_sample, BamConfig, EdgeList, NormalizeInput, PriorScope, Support,
 };
-use probattn::{NormalizerConfig, Variant};
+use probattn::{attend, AttendOptions, Masks, NormalizerConfig, Variant};
 use tch::{nn, Device, Kind, Tensor};
 
 /// A random directed graph on `n` nodes with self-loops, except the last node, which has no edge
@@ -258,5 +258,21 @@ fn all_nodes_prior_is_one_softmax_over_every_key_node() -> Result<()> {
     assert!(got.equal(&expected), "all-nodes ψ changed: {got} vs {expected}");
     let neighbourhood = support.key_log_softmax(&logits, PriorScope::Neighbourhood);
     assert!(!neighbourhood.allclose(&expected, 1e-3, 1e-3, false), "the two scopes should differ on this graph");
+    Ok(())
+}
+
+#[test]
+fn weights_that_cannot_be_allocated_are_a_named_error() -> Result<()> {
+    // (1, 1, 400000, 400000) float64 weights: 1.28 TB, which libtorch's allocator refuses. The
+    // eager path returns Error::OutOfMemory naming the shape and the memory-efficient path,
+    // instead of panicking inside tch.
+    let q = Tensor::randn([1, 1, 400_000, 4], (Kind::Double, Device::Cpu));
+    let err = match attend(&q, &q, &q, &Masks::default(), &probattn::normalize::Dnas, AttendOptions::default()) {
+        Ok(_) => anyhow::bail!("1.28 TB of weights were allocated"),
+        Err(e) => e,
+    };
+    let m = err.to_string();
+    ensure!(matches!(err, probattn::Error::OutOfMemory(_)), "{m}");
+    ensure!(m.contains("(1, 1, 400000, 400000)") && m.contains("memory-efficient") && !m.contains("frame #"), "{m}");
     Ok(())
 }

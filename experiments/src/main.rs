@@ -22,7 +22,25 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    match probattn_experiments::run(&cli) {
+    // tch's operators panic when libtorch cannot allocate a tensor: such a panic is reported below
+    // as the named error it is (status 1), not as a panic with a backtrace hint (status 101).
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if !probattn::panic_message(info.payload()).is_some_and(probattn::is_allocation_failure) {
+            default_hook(info);
+        }
+    }));
+    let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| probattn_experiments::run(&cli))) {
+        Ok(result) => result,
+        Err(payload) => match probattn::panic_message(payload.as_ref()) {
+            Some(message) if probattn::is_allocation_failure(message) => {
+                let hint = "a smaller batch or sequence needs less, and so does --memory-efficient where the command has it";
+                Err(probattn::Error::out_of_memory("the command's tensors do not fit", message, Some(hint)).into())
+            }
+            _ => std::panic::resume_unwind(payload),
+        },
+    };
+    match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
