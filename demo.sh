@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The main job until the GAT reproduction lands: check the install (probattn doctor), then run
-# every attention variant on one padded batch and check each result against the independent
+# Checks the install (probattn doctor), then runs the four deterministic normalizers (softmax,
+# dnas, hnas, sinkhorn-3) on one padded batch and checks each result against the independent
 # PyTorch reference (python/parity.py compare). Outputs go to runs/attend-demo/.
 # Run ./download_libtorch.sh first.
 set -euo pipefail

@@ -46,6 +46,13 @@ fn a_killed_run_resumes_to_the_uninterrupted_result() -> Result<()> {
     child.kill()?;
     child.wait()?;
     ensure!(!tmp.path("b/results.json").exists(), "the killed run wrote results");
+    // Our checkpoints are data only: safetensors (an 8-byte little-endian header length, then a
+    // JSON header), never a pickle (0x80 ...) or a zip archive (torch.save's "PK").
+    let bytes = std::fs::read(&ckpt)?;
+    ensure!(bytes.len() > 9 && bytes[8] == b'{' && !bytes.starts_with(b"PK") && bytes[0] != 0x80, "the checkpoint is not safetensors");
+    let header_len = u64::from_le_bytes(bytes[..8].try_into()?) as usize;
+    ensure!(8 + header_len <= bytes.len(), "the checkpoint's safetensors header runs past its end");
+    serde_json::from_slice::<serde_json::Value>(&bytes[8..8 + header_len]).context("the checkpoint's header is not JSON")?;
 
     let resumed = probattn(&[&["translate", "--data-dir", &data, "--resume", &b][..], &FLAGS].concat())?;
     ensure!(resumed.status.success(), "{}", text(&resumed));

@@ -44,10 +44,13 @@ pub enum DType {
 #[derive(Args, Debug)]
 pub struct CompareArgs {
     /// The TorchScript module (saved with torch.jit.script(m).save(PATH) or torch.jit.trace).
+    /// Loading it runs the code it carries: load only archives from a source you trust.
     #[arg(long, required_unless_present = "pt2", conflicts_with = "pt2")]
     pub torchscript: Option<PathBuf>,
     /// Or an AOTInductor package (.pt2: torch._inductor.aoti_compile_and_package of a
     /// torch.export program; python/export_pt2.py), run forward only, at its exported shapes.
+    /// It holds a compiled shared library that runs inside this process when the package is
+    /// loaded: load only packages from a source you trust.
     #[arg(long)]
     pub pt2: Option<PathBuf>,
     /// The native model that receives the module's weights by name.
