@@ -342,7 +342,7 @@ fn build(case: &Case, kind: Kind, rng: &mut Xoshiro256PlusPlus) -> Result<Built>
             for (_, p) in variables {
                 // Rounded to the case's dtype first: the float64 reference gets the same values.
                 let values = (randn(rng, &p.size(), case.kind) * 0.3).to_kind(case.kind).to_kind(p.kind());
-                let _ = p.shallow_clone().copy_(&values);
+                p.shallow_clone().copy_(&values);
             }
         }
     });
