@@ -105,8 +105,16 @@ impl Attended {
 /// scores agree with it bit for bit at any `d`): `S_q × d` multiplications instead of a full pass
 /// over the `S_q × S_k` scores, forward and backward.
 pub fn scaled_dot_product_scores(q: &Tensor, k: &Tensor) -> Tensor {
+    match try_scores(q, k) {
+        Ok(scores) => scores,
+        Err(e) => panic!("{e}"), // as tch's own operators do
+    }
+}
+
+/// [`scaled_dot_product_scores`], with libtorch's error (a failed allocation) returned.
+fn try_scores(q: &Tensor, k: &Tensor) -> std::result::Result<Tensor, tch::TchError> {
     let d = *q.size().last().unwrap_or(&1) as f64;
-    (q * (1.0 / d).sqrt()).matmul(&k.transpose(-2, -1))
+    (q * (1.0 / d).sqrt()).f_matmul(&k.transpose(-2, -1))
 }
 
 /// Attends `q` to `k`/`v` under `masks` with `normalizer`, after checking every shape.
@@ -166,8 +174,7 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, normalizer: &dy
             return Ok(attended);
         }
         let support = Support::dense(masks.allowed(shape, q.device())?);
-        let d = *q.size().last().unwrap_or(&1) as f64;
-        let scores = (q * (1.0 / d).sqrt()).f_matmul(&k.transpose(-2, -1))?; // (B, H, S_q, S_k), as scaled_dot_product_scores
+        let scores = try_scores(q, k).map_err(|e| Error::from_torch(e, &what, hint))?; // (B, H, S_q, S_k)
         let normalized = normalizer.normalize(&NormalizeInput {
             scores: &scores,
             support: &support,

@@ -51,14 +51,30 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
-    /// [`Error::OutOfMemory`] for `what`, from libtorch's `message` (its line that names the
-    /// failed allocation, without tch's wrapping or a C++ backtrace) and an optional `hint`.
+    /// [`Error::OutOfMemory`] for `what`, from libtorch's `message` ([`libtorch_message`]) and an
+    /// optional `hint`.
     pub fn out_of_memory(what: &str, message: &str, hint: Option<&str>) -> Error {
-        let line = message.split("\\n").flat_map(str::lines).find(|l| is_allocation_failure(l)).unwrap_or(message);
-        let line = line.split_once("Torch(\"").map_or(line, |(_, rest)| rest).trim().trim_end_matches("\")");
+        let line = libtorch_message(message);
         let hint = hint.map(|h| format!("; {h}")).unwrap_or_default();
         Error::OutOfMemory(format!("{what}: {line}{hint}"))
     }
+
+    /// A libtorch error from an `f_` operation: [`Error::OutOfMemory`] (as
+    /// [`Error::out_of_memory`]) when it reports a failed allocation, else [`Error::Tch`].
+    pub fn from_torch(error: tch::TchError, what: &str, hint: Option<&str>) -> Error {
+        match error {
+            tch::TchError::Torch(message) if is_allocation_failure(&message) => Error::out_of_memory(what, &message, hint),
+            other => Error::Tch(other),
+        }
+    }
+}
+
+/// The first line of a libtorch error as tch reports it: without tch's `Torch("...")` wrapping
+/// and without the C++ backtrace that follows (escaped `\n` in tch's text, or real newlines).
+pub fn libtorch_message(text: &str) -> &str {
+    let line = text.lines().next().unwrap_or_default();
+    let line = line.split_once("Torch(\"").map_or(line, |(_, rest)| rest);
+    line.split("\\n").next().unwrap_or_default().trim().trim_end_matches("\")")
 }
 
 /// Whether `message` is libtorch's report of a failed allocation (CPU or CUDA).
@@ -71,20 +87,24 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> Option<&str> {
     payload.downcast_ref::<String>().map(String::as_str).or_else(|| payload.downcast_ref::<&str>().copied())
 }
 
-/// Runs `body`, turning a failed allocation into [`Error::OutOfMemory`] naming `what` and `hint`.
+/// Runs `body`, turning a panic on a failed allocation into [`Error::OutOfMemory`] naming `what`
+/// and `hint` (as `E`, which may be [`Error`] or any error built from one).
 ///
-/// tch's tensor operations panic when libtorch reports an error (its `f_` forms return it), so an
-/// allocation that cannot be made inside a chain of them arrives as a panic whose message is
-/// libtorch's; this catches exactly those (any other panic continues) and the `f_` errors with
-/// the same message. The panic's own message has been printed by the panic hook by then, unless
-/// the program's hook is quiet about allocation failures, as the `probattn` binary's is.
-pub fn catch_out_of_memory<T>(what: &str, hint: Option<&str>, body: impl FnOnce() -> Result<T>) -> Result<T> {
-    let named = |message: &str| Error::out_of_memory(what, message, hint);
+/// tch's tensor operations panic when libtorch reports an error (its `f_` forms return it, and
+/// [`Error::from_torch`] names an allocation failure among those), so an allocation that cannot
+/// be made inside a chain of them arrives as a panic whose message is libtorch's; this catches
+/// exactly those, and any other panic continues. The panic's own message has been printed by the
+/// panic hook by then, unless the program's hook is quiet about allocation failures, as the
+/// `probattn` binary's is.
+pub fn catch_out_of_memory<T, E: From<Error>>(
+    what: &str,
+    hint: Option<&str>,
+    body: impl FnOnce() -> std::result::Result<T, E>,
+) -> std::result::Result<T, E> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
-        Ok(Err(Error::Tch(tch::TchError::Torch(message)))) if is_allocation_failure(&message) => Err(named(&message)),
         Ok(result) => result,
         Err(payload) => match panic_message(payload.as_ref()) {
-            Some(message) if is_allocation_failure(message) => Err(named(message)),
+            Some(message) if is_allocation_failure(message) => Err(Error::out_of_memory(what, message, hint).into()),
             _ => std::panic::resume_unwind(payload),
         },
     }

@@ -29,7 +29,7 @@ pub mod tiled;
 
 pub use attention::{attend, scaled_dot_product_scores, AttendOptions, Attended, Mode};
 pub use device::DeviceSpec;
-pub use error::{catch_out_of_memory, is_allocation_failure, panic_message, Error, Result};
+pub use error::{catch_out_of_memory, is_allocation_failure, libtorch_message, panic_message, Error, Result};
 pub use mask::{Masks, ScoreShape};
 pub use mha::{MhaConfig, MhaInput, MhaOutput, MultiHeadAttention};
 pub use normalize::{Normalizer, NormalizerConfig, NormalizerFactory, Variant};

@@ -162,18 +162,13 @@ fn catch_torch_panic<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
     std::panic::set_hook(hook);
     out.unwrap_or_else(|payload| {
-        let msg = payload.downcast_ref::<String>().cloned().or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()));
-        Err(anyhow::anyhow!(msg.unwrap_or_else(|| "a panic without a message".into())))
+        Err(anyhow::anyhow!(probattn::panic_message(payload.as_ref()).unwrap_or("a panic without a message").to_string()))
     })
 }
 
 /// The first line of a libtorch error, without tch's `Torch("...")` wrapping.
 fn first_line(e: &anyhow::Error) -> String {
-    let text = format!("{e:#}");
-    let line = text.lines().next().unwrap_or_default();
-    let line = line.split_once("Torch(\"").map_or(line, |(_, rest)| rest);
-    // libtorch's message goes on with an escaped newline and a C++ backtrace: keep what is before.
-    line.split("\\n").next().unwrap_or_default().trim_end_matches("\")").to_string()
+    probattn::libtorch_message(&format!("{e:#}")).to_string()
 }
 
 /// probattn's timings over `seq_lens`, stopping at the first length where a step fails (returned

@@ -30,16 +30,8 @@ fn main() -> std::process::ExitCode {
             default_hook(info);
         }
     }));
-    let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| probattn_experiments::run(&cli))) {
-        Ok(result) => result,
-        Err(payload) => match probattn::panic_message(payload.as_ref()) {
-            Some(message) if probattn::is_allocation_failure(message) => {
-                let hint = "a smaller batch or sequence needs less, and so does --memory-efficient where the command has it";
-                Err(probattn::Error::out_of_memory("the command's tensors do not fit", message, Some(hint)).into())
-            }
-            _ => std::panic::resume_unwind(payload),
-        },
-    };
+    let hint = "a smaller batch or sequence needs less, and so does --memory-efficient where the command has it";
+    let result = probattn::catch_out_of_memory("the command's tensors do not fit", Some(hint), || probattn_experiments::run(&cli));
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
