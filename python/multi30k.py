@@ -5,8 +5,9 @@
             layout `probattn translate --dataset multi30k` reads
   verify    check the files in a folder against the known checksums
 
-The checksums are those of the copy described in shared/data/README.md (multi30k/dataset commit
-a3d2e0d2, data/task1/raw/*.gz, gunzipped). Each file is written to a temporary name and renamed
+The checksums are those of multi30k/dataset at commit a3d2e0d2 (data/task1/raw/*.gz,
+gunzipped). The default folder is multi30k/ under the data folder ($PROBATTN_DATA, else data/),
+where `probattn translate` looks by default. Each file is written to a temporary name and renamed
 only once its checksum is right, so nothing half-written is left behind.
 """
 
@@ -67,7 +68,7 @@ def download(folder):
         digest = hashlib.sha256(data).hexdigest()
         if digest != SHA256[name]:
             raise DataError(f"{url} gunzipped to sha256 {digest}, expected {SHA256[name]}: upstream changed; "
-                            "see shared/data/README.md for the commit these checksums describe")
+                            "these checksums describe multi30k/dataset at commit a3d2e0d2")
         path = os.path.join(folder, name)
         with open(path + ".tmp", "wb") as f:
             f.write(data)
@@ -79,7 +80,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("download")
-    p.add_argument("--dir", default="data/multi30k")
+    p.add_argument("--dir", default=os.path.join(os.environ.get("PROBATTN_DATA") or "data", "multi30k"))
     p = sub.add_parser("verify")
     p.add_argument("--dir", required=True)
     args = parser.parse_args()

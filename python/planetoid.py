@@ -1,12 +1,14 @@
 """Planetoid citation graphs (Cora, Citeseer, Pubmed): verify, download, convert.
 
   convert   read the canonical ind.<name>.* files, check their checksums, and write one
-            safetensors file for `probattn gat` (features, labels, edges, split)
+            safetensors file for `probattn gat` (features, labels, edges, split); with
+            --unverified, files that are not the canonical ones too (a graph of your own)
+  synth     write a small random graph in the same file format (for tests and examples)
   download  fetch the canonical files (kimiyoung/planetoid on GitHub) and verify them
   verify    check the files in a folder against the known checksums
 
-The files are Python 2 pickles of scipy CSR matrices, numpy arrays and a dict of lists (see
-shared/data/README.md). They are read with a restricted unpickler that accepts only those
+The files are Python 2 pickles of scipy CSR matrices, numpy arrays and a dict of lists
+(kimiyoung/planetoid's data/ folder). They are read with a restricted unpickler that accepts only those
 globals, so scipy is not needed and nothing else in a file can run.
 
 Processing follows the GCN/GAT loaders (tkipf/gcn, PetarV-/GAT): features = vstack(allx, tx) and
@@ -31,7 +33,7 @@ from safetensors.torch import save_file
 
 PARTS = ["x", "y", "tx", "ty", "allx", "ally", "graph", "test.index"]
 URL = "https://github.com/kimiyoung/planetoid/raw/master/data/ind.{name}.{part}"
-# sha256 of the canonical files (shared/data/README.md); for ind.pubmed.allx only its git blob
+# sha256 of the canonical files (kimiyoung/planetoid's data/ folder); for ind.pubmed.allx only its git blob
 # id is known: the upstream repository's id for the file.
 SHA256 = {
     "cora": {
@@ -77,7 +79,7 @@ def how_to_get(name, part):
             f"or by hand from {url}")
 
 
-def check_file(folder, name, part):
+def check_file(folder, name, part, verify=True):
     path = os.path.join(folder, f"ind.{name}.{part}")
     if not os.path.isfile(path):
         hint = ""
@@ -86,6 +88,8 @@ def check_file(folder, name, part):
                     f"`git hash-object ind.pubmed.allx` = {GIT_BLOB[('pubmed', 'allx')]})")
         raise DataError(f"{path} is missing: {how_to_get(name, part)}{hint}")
     data = open(path, "rb").read()
+    if not verify:
+        return data
     if (name, part) in GIT_BLOB:
         got = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
         expected = GIT_BLOB[(name, part)]
@@ -127,8 +131,8 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unexpected global {module}.{name}")
 
 
-def load_part(folder, name, part):
-    data = check_file(folder, name, part)
+def load_part(folder, name, part, verify=True):
+    data = check_file(folder, name, part, verify)
     if part == "test.index":
         return np.array([int(line) for line in data.decode().split()], dtype=np.int64)
     try:
@@ -138,8 +142,8 @@ def load_part(folder, name, part):
     return obj.toarray() if isinstance(obj, _Csr) else obj
 
 
-def convert(folder, name, out):
-    x, y, tx, ty, allx, ally, graph, test_index = (load_part(folder, name, p) for p in PARTS)
+def convert(folder, name, out, verify=True):
+    x, y, tx, ty, allx, ally, graph, test_index = (load_part(folder, name, p, verify) for p in PARTS)
     test_sorted = np.sort(test_index)
     if name == "citeseer":
         # Isolated nodes in the test range have no rows in tx/ty: pad them with zeros.
@@ -177,6 +181,62 @@ def convert(folder, name, out):
     os.replace(tmp, out)
 
 
+def _csr_pickle(dense):
+    """A dense matrix pickled as a scipy CSR matrix is (the global scipy.sparse.csr.csr_matrix,
+    its state a dict), written without scipy: the global by hand, then the state as pickle writes
+    it. Protocol 3, whose raw bytes need no helper global (upstream's protocol 2 files are
+    Python 2's, whose strings are the bytes)."""
+    rows, cols = np.nonzero(dense)
+    indptr = np.searchsorted(rows, np.arange(dense.shape[0] + 1)).astype(np.int32)
+    state = {"_shape": dense.shape, "indptr": indptr, "indices": cols.astype(np.int32),
+             "data": dense[rows, cols].astype(np.float32), "maxprint": 50, "format": "csr"}
+    body = pickle.dumps(state, protocol=3)
+    # PROTO 3, GLOBAL, EMPTY_TUPLE, NEWOBJ; the state without its PROTO and STOP; BUILD, STOP.
+    return b"\x80\x03cscipy.sparse.csr\ncsr_matrix\n)\x81" + body[2:-1] + b"b."
+
+
+def synth(folder, name, nodes, features, classes, labelled, test, seed):
+    """A random graph of `nodes` nodes in Planetoid's file format under the name `name`: `labelled`
+    training rows (x, y), every non-test row in allx/ally, the last `test` nodes as tx/ty with a
+    shuffled test.index, and a graph whose neighbours are mostly of the same class."""
+    if nodes < labelled + 500 + test:
+        raise DataError(f"synth: {nodes} nodes cannot hold {labelled} train, 500 validation and {test} test nodes")
+    rng = np.random.default_rng(seed)
+    label = rng.integers(0, classes, nodes)
+    onehot = np.eye(classes, dtype=np.int32)[label]
+    # Bag-of-words features: a few words per node, most from its class's share of the vocabulary.
+    x = np.zeros((nodes, features), dtype=np.float32)
+    share = features // classes
+    for i in range(nodes):
+        own = label[i] * share + rng.integers(0, share, 4)
+        x[i, own] = 1.0
+        x[i, rng.integers(0, features, 2)] = 1.0
+    graph = collections.defaultdict(list)
+    for i in range(nodes):
+        same = np.flatnonzero(label == label[i])
+        for j in list(rng.choice(same, 2)) + [int(rng.integers(0, nodes))]:
+            if j != i:
+                graph[i].append(int(j))
+    first_test = nodes - test
+    order = rng.permutation(test) + first_test  # test.index lists the test nodes in any order
+    parts = {
+        "x": _csr_pickle(x[:labelled]),
+        "y": pickle.dumps(onehot[:labelled], protocol=3),
+        "allx": _csr_pickle(x[:first_test]),
+        "ally": pickle.dumps(onehot[:first_test], protocol=3),
+        "tx": _csr_pickle(x[np.sort(order)]),
+        "ty": pickle.dumps(onehot[np.sort(order)], protocol=3),
+        "graph": pickle.dumps(graph, protocol=3),
+        "test.index": "".join(f"{i}\n" for i in order).encode(),
+    }
+    os.makedirs(folder, exist_ok=True)
+    for part, data in parts.items():
+        path = os.path.join(folder, f"ind.{name}.{part}")
+        with open(path + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(path + ".tmp", path)
+
+
 def download(folder, names):
     os.makedirs(folder, exist_ok=True)
     for name in names:
@@ -207,8 +267,19 @@ def main():
     p.add_argument("--dir", required=True, help="folder with the ind.<name>.* files")
     p.add_argument("--name", required=True, choices=sorted(SHA256))
     p.add_argument("--out", required=True, help="safetensors file to write")
+    p.add_argument("--unverified", action="store_true",
+                   help="read files whose checksums are not the canonical ones (a graph of your own)")
+    p = sub.add_parser("synth")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--name", required=True, choices=sorted(SHA256), help="the file names to write (ind.NAME.*)")
+    p.add_argument("--nodes", type=int, default=700)
+    p.add_argument("--features", type=int, default=60)
+    p.add_argument("--classes", type=int, default=3)
+    p.add_argument("--labelled", type=int, default=30)
+    p.add_argument("--test", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("download")
-    p.add_argument("--dir", default="data/planetoid")
+    p.add_argument("--dir", default=os.path.join(os.environ.get("PROBATTN_DATA") or "data", "planetoid"))
     p.add_argument("--names", nargs="+", default=sorted(SHA256), choices=sorted(SHA256))
     p = sub.add_parser("verify")
     p.add_argument("--dir", required=True)
@@ -216,7 +287,9 @@ def main():
     args = parser.parse_args()
     try:
         if args.command == "convert":
-            convert(args.dir, args.name, args.out)
+            convert(args.dir, args.name, args.out, verify=not args.unverified)
+        elif args.command == "synth":
+            synth(args.dir, args.name, args.nodes, args.features, args.classes, args.labelled, args.test, args.seed)
         elif args.command == "download":
             download(args.dir, args.names)
         else:

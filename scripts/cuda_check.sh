@@ -5,7 +5,7 @@
 # Usage: scripts/cuda_check.sh BIN_DIR DATA_DIR OUT_DIR [STEP...]
 #   BIN_DIR   the release `probattn` and the test binaries, built where Rust is, e.g.
 #             cargo test --workspace --no-run  (then copy target/debug/deps/<test>-<hash> as <test>)
-#   DATA_DIR  a copy of shared/data (planetoid, multi30k)
+#   DATA_DIR  the data folder (planetoid/, multi30k/), as PROBATTN_DATA names it
 #   OUT_DIR   where logs and run folders go
 #   GAT_SEEDS seeds of the GAT run over every variant (default 1)
 #   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient
@@ -22,9 +22,8 @@ mkdir -p "$out"
 root=$PWD
 python=${PROBATTN_PYTHON:-$(command -v python3)}
 torch_lib=$("$python" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))') || exit 1
-export LD_LIBRARY_PATH=$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PROBATTN_PYTHON=$python
-# The subcommands' data folders default to ../shared/data beside the checkout, as on a developer's machine.
-mkdir -p "$root/../shared" && [ -e "$root/../shared/data" ] || ln -s "$data" "$root/../shared/data"
+# The subcommands' data folders default to subfolders of PROBATTN_DATA.
+export LD_LIBRARY_PATH=$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PROBATTN_PYTHON=$python PROBATTN_DATA=$data
 built_root=${BUILT_ROOT:-}
 if [ -n "$built_root" ] && [ "$built_root" != "$root" ] && [ ! -e "$built_root" ]; then
   mkdir -p "$(dirname "$built_root")" && ln -s "$root" "$built_root"

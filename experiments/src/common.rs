@@ -5,6 +5,12 @@ use clap::{Args, ValueEnum};
 use probattn::DeviceSpec;
 use tch::Device;
 
+/// The data folder the user sets: `$PROBATTN_DATA`, else `data/` (where the download scripts put
+/// the datasets). Each dataset lives in a subfolder of it (`planetoid/`, `multi30k/`, ...).
+pub fn data_root() -> std::path::PathBuf {
+    std::env::var_os("PROBATTN_DATA").filter(|v| !v.is_empty()).map_or_else(|| "data".into(), std::path::PathBuf::from)
+}
+
 /// Flags shared by every subcommand.
 #[derive(Args, Debug, Clone)]
 pub struct CommonArgs {

@@ -1,8 +1,12 @@
-//! `probattn gat` as a user runs it: the Planetoid data (statistics as shared/data/README.md
-//! records them), clear errors for missing or corrupt files, and a short run's results files.
-//! These tests read the canonical files from ../shared/data/planetoid (beside the checkout, as in
-//! CI) or data/planetoid (`python python/planetoid.py download --dir data/planetoid`); where
-//! neither exists they say so and skip.
+//! `probattn gat` as a user runs it: a short run's results files, the data it reports, and clear
+//! errors for missing, corrupt and foreign files.
+//!
+//! The tests that always run write their own graph in Planetoid's file format
+//! (`python/planetoid.py synth`, 700 nodes) and read it with `--unverified`. Those that need the
+//! canonical files (the published statistics of Cora and Citeseer, Pubmed's missing file) are
+//! `#[ignore]`d, so that a missing data folder shows as ignored rather than passed; with the data
+//! under `$PROBATTN_DATA/planetoid` they run with `cargo test -p probattn-experiments --test gat --
+//! --include-ignored` (.ci/run does so where the data is), and fail if the folder is absent.
 
 mod binary;
 
@@ -10,15 +14,20 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{ensure, Context, Result};
 use binary::{probattn, text};
+use probattn_experiments::provenance::run_python;
 
-/// The Planetoid folder, or `None` (with a notice) when this machine has none.
-fn planetoid() -> Option<PathBuf> {
+/// The canonical Planetoid folder: `$PROBATTN_DATA/planetoid`, else `data/planetoid` at the
+/// workspace root; an error naming both when neither holds Cora.
+fn planetoid() -> Result<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let found = [root.join("../shared/data/planetoid"), root.join("data/planetoid")].into_iter().find(|d| d.join("ind.cora.x").exists());
-    if found.is_none() {
-        eprintln!("SKIPPED: no Planetoid data beside the checkout (../shared/data/planetoid) or in data/planetoid");
-    }
-    found
+    let data = std::env::var_os("PROBATTN_DATA").filter(|v| !v.is_empty()).map_or_else(|| root.join("data"), PathBuf::from);
+    let folder = data.join("planetoid");
+    ensure!(
+        folder.join("ind.cora.x").exists(),
+        "no Planetoid data in {} (set PROBATTN_DATA, or run `python python/planetoid.py download`)",
+        folder.display()
+    );
+    Ok(folder)
 }
 
 fn tmp(tag: &str) -> Result<PathBuf> {
@@ -28,36 +37,39 @@ fn tmp(tag: &str) -> Result<PathBuf> {
     Ok(d)
 }
 
+/// A 700-node graph written by python/planetoid.py synth as ind.cora.* in a new folder.
+fn synthetic_cora(tag: &str) -> Result<PathBuf> {
+    let dir = tmp(tag)?;
+    run_python("planetoid.py", &["synth", "--dir", &dir.to_string_lossy(), "--name", "cora", "--seed", "3"])?;
+    Ok(dir)
+}
+
 #[test]
 fn a_short_run_reports_the_data_and_writes_every_results_field() -> Result<()> {
-    let Some(data) = planetoid() else { return Ok(()) };
+    let data = synthetic_cora("run-data")?;
     let out_dir = tmp("run")?;
-    let data = data.to_string_lossy().to_string();
-    let out = probattn(&[
-        "gat",
-        "--dataset",
-        "cora",
-        "--attention",
-        "bam-wc",
-        "--seeds",
-        "2",
-        "--max-epochs",
-        "8",
-        "--device",
-        "cpu",
-        "--data-dir",
-        &data,
-        "--out",
-        &out_dir.to_string_lossy(),
-    ])?;
+    let args = |extra: &[&'static str]| -> Vec<String> {
+        let mut a: Vec<String> =
+            ["gat", "--dataset", "cora", "--attention", "bam-wc", "--seeds", "2", "--max-epochs", "8", "--device", "cpu"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+        a.extend(["--data-dir".into(), data.to_string_lossy().into(), "--out".into(), out_dir.to_string_lossy().into()]);
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let run = |extra: &[&'static str]| {
+        let a = args(extra);
+        probattn(&a.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    // Not the canonical files: refused by checksum, and read with --unverified.
+    let refused = run(&[])?;
+    ensure!(!refused.status.success() && text(&refused).contains("is corrupt or not the canonical file"), "{}", text(&refused));
+    let out = run(&["--unverified"])?;
     let said = text(&out);
     ensure!(out.status.success(), "{said}");
-    // shared/data/README.md: 2708 nodes, 1433 features, 7 classes, 5278 undirected edges
-    // (10556 directed) plus 2708 self-loops; split 140/500/1000.
-    ensure!(
-        said.contains("cora: 2708 nodes, 1433 features, 7 classes, 13264 edges with self-loops; train/val/test 140/500/1000"),
-        "{said}"
-    );
+    // 700 nodes, 3 classes; 30 labelled, the next 500 validation, the last 100 test.
+    ensure!(said.contains("cora: 700 nodes, 60 features, 3 classes,") && said.contains("train/val/test 30/500/100"), "{said}");
     ensure!(said.contains("bam-wc     seed   0: test acc") && said.contains("seed   1:"), "{said}");
     let results: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("results.json"))?)?;
     for key in ["dataset", "attention", "config", "runs", "test_acc_mean", "test_acc_std", "provenance"] {
@@ -69,54 +81,75 @@ fn a_short_run_reports_the_data_and_writes_every_results_field() -> Result<()> {
     for key in ["git_sha", "tch_version", "device", "threads"] {
         ensure!(!results["provenance"][key].is_null(), "provenance lacks {key}");
     }
-    ensure!(results["runs"][0]["epochs"] == 8 && results["attention"] == "bam-wc");
+    ensure!(results["runs"][0]["epochs"] == 8 && results["attention"] == "bam-wc" && results["data_verified"] == false);
     ensure!(out_dir.join("config.json").exists() && out_dir.join("metrics.jsonl").exists());
     let lines = std::fs::read_to_string(out_dir.join("metrics.jsonl"))?.lines().count();
     ensure!(lines == 16, "metrics.jsonl has {lines} lines, expected 2 runs x 8 epochs");
     std::fs::remove_dir_all(&out_dir)?;
+    std::fs::remove_dir_all(&data)?;
     Ok(())
 }
 
 #[test]
-fn citeseer_is_padded_as_the_gcn_loader_pads_it() -> Result<()> {
-    let Some(data) = planetoid() else { return Ok(()) };
-    let out_dir = tmp("citeseer")?;
-    let data = data.to_string_lossy().to_string();
-    let out = probattn(&[
-        "gat",
-        "--dataset",
-        "citeseer",
-        "--seeds",
-        "1",
-        "--max-epochs",
-        "1",
-        "--data-dir",
-        &data,
-        "--out",
-        &out_dir.to_string_lossy(),
-    ])?;
-    // 3312 real nodes + 15 padded; 4552 undirected edges without self-loops -> 9104 + 3327.
+fn missing_and_unreadable_data_are_named_with_how_to_get_them() -> Result<()> {
+    let data = synthetic_cora("missing")?;
+    let dir = data.to_string_lossy().to_string();
+    // A truncated file: named, with how to get it, never a traceback.
+    let x = data.join("ind.cora.x");
+    let bytes = std::fs::read(&x)?;
+    std::fs::write(&x, &bytes[..bytes.len() / 2])?;
+    let out = probattn(&["gat", "--dataset", "cora", "--unverified", "--data-dir", &dir])?;
+    let said = text(&out);
+    ensure!(!out.status.success() && said.contains("ind.cora.x could not be read") && !said.contains("Traceback"), "{said}");
+    std::fs::write(&x, &bytes)?;
+    std::fs::remove_file(data.join("ind.cora.ty"))?;
+    let out = probattn(&["gat", "--dataset", "cora", "--unverified", "--data-dir", &dir])?;
+    ensure!(text(&out).contains("ind.cora.ty is missing") && text(&out).contains("download"), "{}", text(&out));
+    std::fs::remove_dir_all(&data)?;
+    let out = probattn(&["gat", "--dataset", "cora", "--data-dir", "/no/such/folder"])?;
+    ensure!(!out.status.success() && text(&out).contains("/no/such/folder does not exist"), "{}", text(&out));
+    let out = probattn(&["gat", "--dataset", "cora", "--attention", "softmaxx", "--data-dir", "/no/such/folder"])?;
+    ensure!(!out.status.success() && text(&out).contains("unknown attention variant 'softmaxx'"), "{}", text(&out));
+    ensure!(!text(&out).contains("panicked"), "{}", text(&out));
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs the canonical Planetoid files under $PROBATTN_DATA/planetoid"]
+fn the_canonical_graphs_load_with_their_published_statistics() -> Result<()> {
+    let folder = planetoid()?;
+    let data = folder.to_string_lossy().to_string();
+    let out_dir = tmp("canonical")?;
+    let out_path = out_dir.to_string_lossy().to_string();
+    let out = probattn(&["gat", "--dataset", "cora", "--seeds", "1", "--max-epochs", "1", "--data-dir", &data, "--out", &out_path])?;
+    // Cora: 2708 nodes, 1433 features, 7 classes, 5278 undirected edges (10556 directed) plus
+    // 2708 self-loops; split 140/500/1000.
+    ensure!(
+        text(&out).contains("cora: 2708 nodes, 1433 features, 7 classes, 13264 edges with self-loops; train/val/test 140/500/1000"),
+        "{}",
+        text(&out)
+    );
+    let results: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("results.json"))?)?;
+    ensure!(results["data_verified"] == true, "{results}");
+    // Citeseer, padded as the GCN loader pads it: 3312 real nodes + 15 padded; 4552 undirected
+    // edges without self-loops -> 9104 + 3327.
+    let out = probattn(&["gat", "--dataset", "citeseer", "--seeds", "1", "--max-epochs", "1", "--data-dir", &data, "--out", &out_path])?;
     ensure!(
         text(&out).contains("citeseer: 3327 nodes, 3703 features, 6 classes, 12431 edges with self-loops; train/val/test 120/500/1000"),
         "{}",
         text(&out)
     );
     std::fs::remove_dir_all(&out_dir)?;
-    Ok(())
-}
-
-#[test]
-fn missing_and_corrupt_data_are_named_with_how_to_get_them() -> Result<()> {
-    let Some(folder) = planetoid() else { return Ok(()) };
-    let data = folder.to_string_lossy().to_string();
-    // Pubmed in shared/data lacks ind.pubmed.allx; elsewhere its files may be absent altogether.
+    // Pubmed may lack ind.pubmed.allx (a known incomplete copy), or be absent altogether.
     let out = probattn(&["gat", "--dataset", "pubmed", "--data-dir", &data])?;
     let said = text(&out);
-    ensure!(!out.status.success() && said.contains("ind.pubmed.") && said.contains("is missing"), "{said}");
-    if folder.join("pubmed_incomplete").is_dir() {
-        ensure!(said.contains("ind.pubmed.allx is missing") && said.contains("git hash-object"), "{said}");
+    if !out.status.success() {
+        ensure!(said.contains("ind.pubmed.") && said.contains("is missing"), "{said}");
+        if folder.join("pubmed_incomplete").is_dir() {
+            ensure!(said.contains("ind.pubmed.allx is missing") && said.contains("git hash-object"), "{said}");
+        }
     }
-    // A corrupted copy of Cora.
+    // A corrupted copy of Cora is refused by checksum.
     let copy = tmp("corrupt")?;
     for entry in std::fs::read_dir(&folder)? {
         let path = entry?.path();
@@ -131,14 +164,6 @@ fn missing_and_corrupt_data_are_named_with_how_to_get_them() -> Result<()> {
     let out = probattn(&["gat", "--dataset", "cora", "--data-dir", &copy.to_string_lossy()])?;
     let said = text(&out);
     ensure!(!out.status.success() && said.contains("ind.cora.graph is corrupt") && said.contains("download"), "{said}");
-    std::fs::remove_file(copy.join("ind.cora.ty"))?;
-    let out = probattn(&["gat", "--dataset", "cora", "--data-dir", &copy.to_string_lossy()])?;
-    ensure!(text(&out).contains("ind.cora.ty is missing"), "{}", text(&out));
     std::fs::remove_dir_all(&copy)?;
-    let out = probattn(&["gat", "--dataset", "cora", "--data-dir", "/no/such/folder"])?;
-    ensure!(!out.status.success() && text(&out).contains("/no/such/folder does not exist"), "{}", text(&out));
-    let out = probattn(&["gat", "--dataset", "cora", "--attention", "softmaxx", "--data-dir", &data])?;
-    ensure!(!out.status.success() && text(&out).contains("unknown attention variant 'softmaxx'"), "{}", text(&out));
-    ensure!(!text(&out).contains("panicked"), "{}", text(&out));
     Ok(())
 }

@@ -159,7 +159,7 @@ def main():
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    data_dir = args.data_dir or next((d for d in ["../shared/data/planetoid", "data/planetoid"] if os.path.isdir(d)), "data/planetoid")
+    data_dir = args.data_dir or os.path.join(os.environ.get("PROBATTN_DATA") or "data", "planetoid")
     graph = load(args.dataset, data_dir)
     runs = []
     for seed in range(args.seed_start, args.seed_start + args.seeds):

@@ -30,19 +30,14 @@ impl Graph {
     }
 }
 
-/// The default data folder: ../shared/data/planetoid when it exists, else data/planetoid.
+/// The default data folder: `planetoid/` under the data folder (`$PROBATTN_DATA`, else `data/`).
 pub fn default_data_dir() -> PathBuf {
-    let shared = Path::new("../shared/data/planetoid");
-    if shared.is_dir() {
-        shared.into()
-    } else {
-        "data/planetoid".into()
-    }
+    crate::common::data_root().join("planetoid")
 }
 
-/// Reads, verifies and converts the dataset's `ind.*` files (python/planetoid.py), then loads
-/// the tensors onto `device`.
-pub fn load_graph(dataset: Dataset, data_dir: &Path, device: Device) -> Result<Graph> {
+/// Reads, verifies (unless `verify` is false: a graph of the user's own) and converts the
+/// dataset's `ind.*` files (python/planetoid.py), then loads the tensors onto `device`.
+pub fn load_graph(dataset: Dataset, data_dir: &Path, verify: bool, device: Device) -> Result<Graph> {
     let name = dataset.name();
     // A copy known to be incomplete lives in <name>_incomplete/; the converter then names the
     // missing file.
@@ -56,7 +51,11 @@ pub fn load_graph(dataset: Dataset, data_dir: &Path, device: Device) -> Result<G
     );
     let converted = std::env::temp_dir().join(format!("probattn-{name}-{}.safetensors", std::process::id()));
     let (dir, out) = (folder.to_string_lossy().to_string(), converted.to_string_lossy().to_string());
-    run_python("planetoid.py", &["convert", "--dir", &dir, "--name", name, "--out", &out]).with_context(|| format!("loading {name}"))?;
+    let mut command = vec!["convert", "--dir", &dir, "--name", name, "--out", &out];
+    if !verify {
+        command.push("--unverified");
+    }
+    run_python("planetoid.py", &command).with_context(|| format!("loading {name}"))?;
     let tensors = probattn::io::read_safetensors(&converted);
     let _ = std::fs::remove_file(&converted);
     let tensors = tensors?;

@@ -68,10 +68,15 @@ pub struct GatArgs {
     /// The first seed.
     #[arg(long, default_value_t = 0)]
     pub seed_start: u64,
-    /// Folder with the ind.<dataset>.* files (default: ../shared/data/planetoid when it exists,
-    /// else data/planetoid; `python python/planetoid.py download` fetches them).
+    /// Folder with the ind.<dataset>.* files (default: $PROBATTN_DATA/planetoid, data/planetoid
+    /// when PROBATTN_DATA is unset; `python python/planetoid.py download` fetches them).
     #[arg(long, visible_alias = "data")]
     pub data_dir: Option<PathBuf>,
+    /// Read ind.<dataset>.* files whose checksums are not the canonical ones: a graph of your own
+    /// in Planetoid's file format (`python python/planetoid.py synth` writes a small one).
+    /// results.json records `data_verified: false`.
+    #[arg(long)]
+    pub unverified: bool,
     /// Output folder (default: runs/gat/<UTC stamp>-<dataset>-<attention>).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -108,6 +113,8 @@ pub struct GatArgs {
 #[derive(Debug, Serialize)]
 pub struct GatResults {
     pub dataset: Dataset,
+    /// Whether the files' checksums were the canonical ones (false under --unverified).
+    pub data_verified: bool,
     pub attention: String,
     pub config: GatRunConfig,
     pub runs: Vec<RunResult>,
@@ -145,6 +152,7 @@ fn run_variant(graph: &Graph, args: &GatArgs, variant: Variant, dir: &Path, devi
     let (test_acc_mean, test_acc_std) = mean_std(&tests);
     let results = GatResults {
         dataset: args.dataset,
+        data_verified: !args.unverified,
         attention: variant.to_string(),
         val_acc_mean: mean_std(&runs.iter().map(|r| r.val_acc).collect::<Vec<_>>()).0,
         epoch_ms_mean: mean_std(&runs.iter().map(|r| r.epoch_ms).collect::<Vec<_>>()).0,
@@ -189,7 +197,7 @@ pub fn run(args: &GatArgs) -> Result<()> {
         vec![args.attention.parse().context("--attention")?]
     };
     let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
-    let graph = load_graph(args.dataset, &data_dir, device)?;
+    let graph = load_graph(args.dataset, &data_dir, !args.unverified, device)?;
     println!(
         "{}: {} nodes, {} features, {} classes, {} edges with self-loops; train/val/test {}/{}/{}; device {}, {} threads",
         args.dataset.name(),

@@ -1,6 +1,6 @@
 //! `probattn translate`'s flags, its presets and its datasets.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 use probattn::repulsive::RepulsiveConfig;
@@ -60,10 +60,11 @@ impl Preset {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Dataset {
     /// Multi30k task 1 (train 29,000, val 1,014, test_2016_flickr 1,000): default folder
-    /// ../shared/data/multi30k when it exists, else data/multi30k; default preset small.
+    /// multi30k/ under the data folder ($PROBATTN_DATA, else data/); default preset small.
     Multi30k,
-    /// IWSLT14 in fairseq's prepare-iwslt14.sh layout: default folder data/iwslt14 (give the
-    /// tokenized text before its BPE step, since we learn our own); default preset iwslt.
+    /// IWSLT14 in fairseq's prepare-iwslt14.sh layout: default folder iwslt14/ under the data
+    /// folder (give the tokenized text before its BPE step, since we learn our own); default
+    /// preset iwslt.
     Iwslt14,
 }
 
@@ -77,15 +78,8 @@ impl Dataset {
 
     fn default_dir(self) -> PathBuf {
         match self {
-            Self::Multi30k => {
-                let shared = Path::new("../shared/data/multi30k");
-                if shared.is_dir() {
-                    shared.into()
-                } else {
-                    "data/multi30k".into()
-                }
-            }
-            Self::Iwslt14 => "data/iwslt14".into(),
+            Self::Multi30k => crate::common::data_root().join("multi30k"),
+            Self::Iwslt14 => crate::common::data_root().join("iwslt14"),
         }
     }
 
@@ -109,8 +103,8 @@ pub enum Repulsive {
 /// Flags of `probattn translate`.
 #[derive(Args, Debug)]
 pub struct TranslateArgs {
-    /// Corpus: multi30k (default folder ../shared/data/multi30k when it exists, else
-    /// data/multi30k; preset small) or iwslt14 (default folder data/iwslt14; preset iwslt).
+    /// Corpus: multi30k (default folder $PROBATTN_DATA/multi30k, data/multi30k when unset; preset
+    /// small) or iwslt14 (default folder $PROBATTN_DATA/iwslt14; preset iwslt).
     #[arg(long, value_enum)]
     pub dataset: Option<Dataset>,
     /// Corpus folder with train|valid|test.{SRC,TGT} (Multi30k's val.* stand in for valid.*),
