@@ -48,24 +48,28 @@ fn synthetic_cora(tag: &str) -> Result<PathBuf> {
 fn a_short_run_reports_the_data_and_writes_every_results_field() -> Result<()> {
     let data = synthetic_cora("run-data")?;
     let out_dir = tmp("run")?;
-    let args = |extra: &[&'static str]| -> Vec<String> {
-        let mut a: Vec<String> =
-            ["gat", "--dataset", "cora", "--attention", "bam-wc", "--seeds", "2", "--max-epochs", "8", "--device", "cpu"]
-                .iter()
-                .map(|s| s.to_string())
-                .collect();
-        a.extend(["--data-dir".into(), data.to_string_lossy().into(), "--out".into(), out_dir.to_string_lossy().into()]);
-        a.extend(extra.iter().map(|s| s.to_string()));
-        a
-    };
-    let run = |extra: &[&'static str]| {
-        let a = args(extra);
-        probattn(&a.iter().map(String::as_str).collect::<Vec<_>>())
-    };
+    let (d, o) = (data.to_string_lossy().to_string(), out_dir.to_string_lossy().to_string());
+    let args = [
+        "gat",
+        "--dataset",
+        "cora",
+        "--attention",
+        "bam-wc",
+        "--seeds",
+        "2",
+        "--max-epochs",
+        "8",
+        "--device",
+        "cpu",
+        "--data-dir",
+        &d,
+        "--out",
+        &o,
+    ];
     // Not the canonical files: refused by checksum, and read with --unverified.
-    let refused = run(&[])?;
+    let refused = probattn(&args)?;
     ensure!(!refused.status.success() && text(&refused).contains("is corrupt or not the canonical file"), "{}", text(&refused));
-    let out = run(&["--unverified"])?;
+    let out = probattn(&[&args[..], &["--unverified"]].concat())?;
     let said = text(&out);
     ensure!(out.status.success(), "{said}");
     // 700 nodes, 3 classes; 30 labelled, the next 500 validation, the last 100 test.
