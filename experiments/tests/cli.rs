@@ -303,3 +303,50 @@ fn subcommands_share_flag_names() -> Result<()> {
     ensure!(!out.status.success() && text(&out).contains("--attention-dropout must be 0"), "{}", text(&out));
     Ok(())
 }
+
+#[test]
+fn commands_whose_tensors_cannot_fit_say_out_of_memory() -> Result<()> {
+    // Sizes no machine holds (terabytes), so that the allocation is refused at once: an error
+    // that names the shortage and the way out, exit status 1, no panic and nothing half-written.
+    let tmp = TempDir::new("cli-oom")?;
+    let named = |what: &str, o: &std::process::Output, hint: &str| -> Result<()> {
+        let said = text(o);
+        ensure!(o.status.code() == Some(1), "{what}: exit status {:?}:\n{said}", o.status.code());
+        ensure!(said.contains("out of memory") && said.contains(hint) && !said.contains("panicked"), "{what}:\n{said}");
+        Ok(())
+    };
+    // attend: eager DNAS over 600,000 queries and keys wants 1.44 TB of scores.
+    let input = tmp.path("long.safetensors");
+    let t = tch::Tensor::randn([1, 1, 600_000, 4], (tch::Kind::Float, tch::Device::Cpu));
+    probattn::io::write_safetensors_atomic(&input, &[("q", &t), ("k", &t), ("v", &t)])?;
+    let (i, o) = (input.to_string_lossy().to_string(), tmp.path("out.safetensors"));
+    let args = ["attend", "--variant", "dnas", "--input", &i, "--output", &o.to_string_lossy(), "--device", "cpu", "--threads", "1"];
+    named("attend", &probattn(&args)?, "--memory-efficient")?;
+    ensure!(!o.exists(), "a failed attend wrote {}", o.display());
+    // Training: a VQA head a trillion units wide (its bias alone is 4 TB; a smaller width such
+    // as four billion is granted by the kernel and filled, 16 GB, before a later tensor fails).
+    let (data, det) = common::tiny_sort_of_clevr(&tmp)?;
+    let run = tmp.path("run").to_string_lossy().to_string();
+    let args = [
+        "vqa",
+        "--data",
+        &data,
+        "--detectors",
+        &det,
+        "--fusion",
+        "softmax",
+        "--seeds",
+        "1",
+        "--max-epochs",
+        "1",
+        "--hidden",
+        "1000000000000",
+        "--threads",
+        "1",
+        "--out",
+        &run,
+    ];
+    named("vqa", &probattn(&args)?, "smaller")?;
+    ensure!(!Path::new(&run).join("results.json").exists(), "a failed run wrote results");
+    Ok(())
+}

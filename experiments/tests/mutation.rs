@@ -4,11 +4,14 @@
 //! crash) or a hang (killed after 120 s).
 //!
 //! The files: an `attend` input (safetensors), a training checkpoint (safetensors) and its
-//! tokenizer (JSON), a corpus (text), a graph in Planetoid's format (pickles and text), and a
-//! TorchScript archive (zip). The mutations: truncation, bit flips, a run of 0xFF bytes (huge
-//! numbers), bytes appended, an empty file, and for safetensors a huge declared header length
-//! and headers with a wrong dtype or shape or a huge one. Not mutated: a `.pt2` package's
-//! compiled library, which runs inside the process by design (docs/interop.md).
+//! tokenizer (JSON), a corpus (text), a graph in Planetoid's format (pickles and text), a
+//! TorchScript archive (zip) and a `.pt2` package (zip); the VQA files are mutated by the VQA
+//! tests (`vqa.rs`: meta.json, data.safetensors, detectors.json; `vqa_v2.rs`: the official
+//! questions and annotations JSON, a region-feature .npz, a results file for `vqa-eval`). The
+//! mutations (binary/mutate.rs): truncation, bit flips, a run of 0xFF bytes (huge numbers), bytes
+//! appended, an empty file, and for safetensors a huge declared header length and headers with a
+//! wrong dtype or shape or a huge one. A `.pt2` package is mutated everywhere but its compiled
+//! library, which runs inside the process by design (docs/interop.md).
 //!
 //! `PROBATTN_MUTATION_ROUNDS` (default 1) repeats the random mutations with further seeds: the
 //! long run of the closing notes.
@@ -18,133 +21,12 @@ mod binary;
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
+use binary::mutate::{check_run, each_mutation, mutations, rounds, safetensors_mutations, Lcg};
 use binary::{probattn, text, FLAGS};
 use common::{run_python, write_corpus, TempDir};
 use tch::{Device, Kind, Tensor};
-
-/// A 64-bit linear congruential generator: the same mutations on every machine.
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-        self.0 >> 11
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
-/// The byte-level mutations of `bytes`, `rounds` random ones of each kind: (name, bytes).
-fn mutations(bytes: &[u8], seed: u64, rounds: usize) -> Vec<(String, Vec<u8>)> {
-    let mut rng = Lcg(seed);
-    let mut out = vec![("empty".to_string(), vec![])];
-    for round in 0..rounds {
-        let cut = rng.below(bytes.len());
-        out.push((format!("truncated at {cut} (round {round})"), bytes[..cut].to_vec()));
-        let mut flipped = bytes.to_vec();
-        let flips = 1 + rng.below(8);
-        for _ in 0..flips {
-            let at = rng.below(flipped.len());
-            flipped[at] ^= 1 << rng.below(8);
-        }
-        out.push((format!("{flips} bits flipped (round {round})"), flipped));
-        let mut ones = bytes.to_vec();
-        let at = rng.below(ones.len());
-        for b in ones.iter_mut().skip(at).take(8) {
-            *b = 0xff;
-        }
-        out.push((format!("0xFF x 8 at {at} (round {round})"), ones));
-        let mut longer = bytes.to_vec();
-        longer.extend((0..1 + rng.below(64)).map(|_| rng.next() as u8));
-        out.push((format!("bytes appended (round {round})"), longer));
-    }
-    out
-}
-
-/// Mutations that keep a safetensors file's framing but lie in its header.
-fn safetensors_mutations(bytes: &[u8]) -> Result<Vec<(String, Vec<u8>)>> {
-    let header_len = u64::from_le_bytes(bytes[..8].try_into()?) as usize;
-    let header = std::str::from_utf8(&bytes[8..8 + header_len])?.to_string();
-    let body = &bytes[8 + header_len..];
-    let with_header = |h: &str| {
-        let mut out = (h.len() as u64).to_le_bytes().to_vec();
-        out.extend(h.as_bytes());
-        out.extend(body);
-        out
-    };
-    let mut out = vec![];
-    for huge in [u64::MAX, 1 << 40, (bytes.len() as u64) + 1] {
-        let mut b = bytes.to_vec();
-        b[..8].copy_from_slice(&huge.to_le_bytes());
-        out.push((format!("header length {huge}"), b));
-    }
-    for (from, to) in
-        [("\"F64\"", "\"I64\""), ("\"F64\"", "\"F16\""), ("\"F64\"", "\"XX\""), ("\"F32\"", "\"BOOL\""), ("\"F32\"", "\"U8\"")]
-    {
-        if header.contains(from) {
-            out.push((format!("dtype {from} -> {to}"), with_header(&header.replacen(from, to, 1))));
-        }
-    }
-    // Shapes: one dimension changed, one made huge (the offsets no longer match either).
-    if let Some(start) = header.find("\"shape\":[") {
-        let open = start + "\"shape\":[".len();
-        let close = open + header[open..].find(']').context("a shape without ]")?;
-        for shape in ["1", "1,2,3,4,5", "4611686018427387904,4", "0,7"] {
-            out.push((format!("shape [{shape}]"), with_header(&format!("{}{shape}{}", &header[..open], &header[close..]))));
-        }
-    }
-    out.push(("header not JSON".into(), with_header(&"x".repeat(header_len))));
-    Ok(out)
-}
-
-/// Runs `probattn args`, killing it after 120 s; an error unless it loaded (status 0) or named
-/// its error (status 1 with an `error:` line and no panic).
-fn check_run(what: &str, args: &[&str]) -> Result<()> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_probattn")).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
-    let start = Instant::now();
-    while child.try_wait()?.is_none() {
-        if start.elapsed() > Duration::from_secs(120) {
-            child.kill()?;
-            bail!("{what}: still running after 120 s (a hang)");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output()?;
-    let said = text(&out);
-    match out.status.code() {
-        Some(0) => Ok(()),
-        Some(1) if said.contains("error:") && !said.contains("panicked") => Ok(()),
-        Some(code) => bail!("{what}: exit status {code}:\n{said}"),
-        None => bail!("{what}: killed by a signal (a crash or an abort):\n{said}"),
-    }
-}
-
-fn rounds() -> Result<usize> {
-    match std::env::var("PROBATTN_MUTATION_ROUNDS") {
-        Ok(s) => s.parse().with_context(|| format!("PROBATTN_MUTATION_ROUNDS={s}")),
-        Err(_) => Ok(1),
-    }
-}
-
-/// Writes each mutation of `original` to `path` and runs `args`; returns the cases run.
-fn each_mutation(original: &[u8], path: &Path, cases: Vec<(String, Vec<u8>)>, args: &[&str]) -> Result<usize> {
-    let mut failures = vec![];
-    let n = cases.len();
-    for (name, bytes) in cases {
-        std::fs::write(path, &bytes)?;
-        if let Err(e) = check_run(&format!("{} {name}", path.display()), args) {
-            failures.push(format!("{e:#}"));
-        }
-    }
-    std::fs::write(path, original)?;
-    ensure!(failures.is_empty(), "{} of {n} mutations failed:\n{}", failures.len(), failures.join("\n"));
-    Ok(n)
-}
 
 #[test]
 fn mutated_attend_inputs_load_or_are_named() -> Result<()> {
@@ -265,5 +147,71 @@ fn mutated_torchscript_archives_load_or_are_named() -> Result<()> {
     let args = ["compare", "--torchscript", &m, "--native", "mha", "--heads", "4", "--inputs", &i, "--device", "cpu"];
     let n = each_mutation(&original, Path::new(&m), mutations(&original, 20, rounds()?), &args)?;
     eprintln!("TorchScript archive: {n} mutations");
+    Ok(())
+}
+
+/// The byte ranges of a zip archive's entries whose names end in `.so`, from each local header
+/// to the next entry's (or the central directory): the compiled library of a `.pt2` package.
+fn shared_library_spans(zip: &[u8]) -> Result<Vec<std::ops::Range<usize>>> {
+    let u16_at = |at: usize| u16::from_le_bytes([zip[at], zip[at + 1]]) as usize;
+    let u32_at = |at: usize| u32::from_le_bytes(zip[at..at + 4].try_into().unwrap()) as usize;
+    let eocd = (0..zip.len().saturating_sub(21))
+        .rev()
+        .find(|&i| zip[i..i + 4] == [0x50, 0x4b, 0x05, 0x06])
+        .context("no end of central directory")?;
+    let (entries, directory) = (u16_at(eocd + 10), u32_at(eocd + 16));
+    let (mut at, mut locals) = (directory, vec![]);
+    for _ in 0..entries {
+        ensure!(zip[at..at + 4] == [0x50, 0x4b, 0x01, 0x02], "central directory entry expected at {at}");
+        let (name_len, extra_len, comment_len) = (u16_at(at + 28), u16_at(at + 30), u16_at(at + 32));
+        let name = String::from_utf8_lossy(&zip[at + 46..at + 46 + name_len]).to_string();
+        locals.push((u32_at(at + 42), name));
+        at += 46 + name_len + extra_len + comment_len;
+    }
+    locals.sort();
+    let ends: Vec<usize> = locals.iter().skip(1).map(|(o, _)| *o).chain([directory]).collect();
+    Ok(locals.iter().zip(ends).filter(|((_, name), _)| name.ends_with(".so")).map(|((start, _), end)| *start..end).collect())
+}
+
+#[test]
+fn mutated_pt2_archives_load_or_are_named() -> Result<()> {
+    // The archive's structure and every entry but the compiled library: its zip framing, the
+    // metadata, the weights. The library itself runs inside the process by design (docs/interop.md).
+    let tmp = TempDir::new("mutation-pt2")?;
+    let (m, i) = (tmp.path("mha.pt2").to_string_lossy().to_string(), tmp.path("in.safetensors").to_string_lossy().to_string());
+    run_python("export_pt2.py", &["mha", "--embed-dim", "16", "--heads", "4", "--out", &m, "--inputs", &i])?;
+    let original = std::fs::read(&m)?;
+    let library = shared_library_spans(&original)?;
+    ensure!(!library.is_empty(), "{m} holds no compiled library");
+    let outside = |rng: &mut Lcg| loop {
+        let at = rng.below(original.len() - 8);
+        if !library.iter().any(|s| s.contains(&at) || s.contains(&(at + 7))) {
+            break at;
+        }
+    };
+    let mut rng = Lcg(30);
+    let mut cases = vec![("empty".to_string(), vec![])];
+    for round in 0..rounds()? {
+        let cut = rng.below(original.len());
+        cases.push((format!("truncated at {cut} (round {round})"), original[..cut].to_vec()));
+        for flips in [1, 4, 16] {
+            let mut flipped = original.clone();
+            for _ in 0..flips {
+                let at = outside(&mut rng);
+                flipped[at] ^= 1 << rng.below(8);
+            }
+            cases.push((format!("{flips} bits flipped outside the library (round {round})"), flipped));
+        }
+        let mut ones = original.clone();
+        let at = outside(&mut rng);
+        ones[at..at + 8].fill(0xff);
+        cases.push((format!("0xFF x 8 at {at} (round {round})"), ones));
+        let mut longer = original.clone();
+        longer.extend((0..1 + rng.below(64)).map(|_| rng.next() as u8));
+        cases.push((format!("bytes appended (round {round})"), longer));
+    }
+    let args = ["compare", "--pt2", &m, "--native", "mha", "--heads", "4", "--inputs", &i, "--device", "cpu", "--threads", "1"];
+    let n = each_mutation(&original, Path::new(&m), cases, &args)?;
+    eprintln!(".pt2 archive: {n} mutations");
     Ok(())
 }

@@ -11,6 +11,7 @@ use std::path::Path;
 use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
+use binary::mutate::{each_mutation, mutations, rounds, safetensors_mutations};
 use binary::{json, probattn, text};
 use common::{python, run_python, tiny_sort_of_clevr, TempDir};
 
@@ -341,5 +342,48 @@ fn bad_detectors_and_data_are_named() -> Result<()> {
     let out = run(&["--detectors", &det])?;
     ensure!(out.status.code() == Some(1) && text(&out).contains("detector_context differs"), "{}", text(&out));
     ensure!(!dir.path("never").exists(), "a failed run left an output folder");
+    Ok(())
+}
+
+#[test]
+fn mutated_vqa_files_load_or_are_named() -> Result<()> {
+    // Every file `probattn vqa` reads from a converted dataset and a detector folder, mutated as
+    // tests/mutation.rs mutates the others: a correct load or a named error, never a crash.
+    let dir = TempDir::new("mutation-vqa")?;
+    let (data, det) = tiny_sort_of_clevr(&dir)?;
+    let out = dir.path("run").to_string_lossy().to_string();
+    let args = [
+        "vqa",
+        "--data",
+        &data,
+        "--detectors",
+        &det,
+        "--fusion",
+        "dnas",
+        "--seeds",
+        "1",
+        "--max-epochs",
+        "1",
+        "--mc-samples",
+        "2",
+        "--hidden",
+        "16",
+        "--threads",
+        "1",
+        "--out",
+        &out,
+    ];
+    let rounds = rounds()?;
+    let mut n = 0;
+    for (seed, path) in [(40, Path::new(&data).join("meta.json")), (41, Path::new(&det).join("detectors.json"))] {
+        let original = std::fs::read(&path)?;
+        n += each_mutation(&original, &path, mutations(&original, seed, rounds), &args)?;
+    }
+    let path = Path::new(&data).join("data.safetensors");
+    let original = std::fs::read(&path)?;
+    let mut cases = mutations(&original, 42, rounds);
+    cases.extend(safetensors_mutations(&original)?);
+    n += each_mutation(&original, &path, cases, &args)?;
+    eprintln!("VQA data and detector files: {n} mutations");
     Ok(())
 }

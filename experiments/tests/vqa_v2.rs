@@ -11,6 +11,7 @@ mod common;
 use std::path::Path;
 
 use anyhow::{ensure, Context, Result};
+use binary::mutate::{each_mutation, mutations, rounds};
 use binary::{json, probattn, text};
 use common::TempDir;
 use tch::{Kind, Tensor};
@@ -206,5 +207,43 @@ fn vqa_v2_bad_input_is_named() -> Result<()> {
     std::fs::write(Path::new(&f.data).join("v2_OpenEnded_mscoco_train2014_questions.json"), b"{\"questions\": 3}")?;
     expect(run_args(&f, &out, &["--fusion", "softmax"]), "is not in the official VQA-v2 format")?;
     ensure!(!Path::new(&out).exists(), "a failed run left {out} behind");
+    Ok(())
+}
+
+#[test]
+fn mutated_vqa_v2_files_load_or_are_named() -> Result<()> {
+    // The official questions and annotations JSON, a region-feature .npz, and `vqa-eval`'s
+    // results file, mutated as tests/mutation.rs mutates the others: a correct load or a named
+    // error, never a crash.
+    let dir = TempDir::new("mutation-vqa-v2")?;
+    let f = vqa_v2(&dir)?;
+    let out = dir.path("run").to_string_lossy().to_string();
+    let mut args = run_args(&f, &out, &["--fusion", "softmax"]);
+    let epochs = args.iter().position(|a| *a == "--max-epochs").context("--max-epochs")? + 1;
+    args[epochs] = "1";
+    let rounds = rounds()?;
+    let data = Path::new(&f.data);
+    let mut n = 0;
+    for (seed, path) in [
+        (50, data.join("v2_OpenEnded_mscoco_train2014_questions.json")),
+        (51, data.join("v2_mscoco_val2014_annotations.json")),
+        (52, Path::new(&f.features[1]).join("COCO_train2014_000000000003.npz")),
+    ] {
+        let original = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+        n += each_mutation(&original, &path, mutations(&original, seed, rounds), &args)?;
+    }
+    // vqa-eval on a results file of the run above.
+    let run = probattn(&args)?;
+    ensure!(run.status.success(), "{}", text(&run));
+    let results = Path::new(&out).join("test_results-seed0.json");
+    let (q, a, r) = (
+        data.join("v2_OpenEnded_mscoco_val2014_questions.json").to_string_lossy().to_string(),
+        data.join("v2_mscoco_val2014_annotations.json").to_string_lossy().to_string(),
+        results.to_string_lossy().to_string(),
+    );
+    let original = std::fs::read(&results)?;
+    let eval = ["vqa-eval", "--questions", &q, "--annotations", &a, "--results", &r, "--json"];
+    n += each_mutation(&original, &results, mutations(&original, 53, rounds), &eval)?;
+    eprintln!("VQA-v2 files: {n} mutations");
     Ok(())
 }

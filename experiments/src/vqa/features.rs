@@ -6,9 +6,24 @@ use std::path::{Path, PathBuf};
 use anyhow::{ensure, Context, Result};
 use tch::{Kind, Tensor};
 
+/// Reads every entry of the zip archive at `path` through, so that a damaged entry (a bad header,
+/// a wrong CRC, a cut stream) is an error here. tch's `read_npz` unwraps its entry reads with the
+/// same zip crate, and panics on what this returns as an error.
+fn check_archive(path: &Path) -> Result<()> {
+    let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut zip = zip::ZipArchive::new(std::io::BufReader::new(file))?;
+    for i in 0..zip.len() {
+        let mut entry = zip.by_index(i)?;
+        std::io::copy(&mut entry, &mut std::io::sink())?;
+    }
+    Ok(())
+}
+
 /// The `x (boxes, dim)` array of one `.npz` feature file.
 pub(super) fn x_array(path: &Path) -> Result<Tensor> {
-    let arrays = Tensor::read_npz(path).with_context(|| format!("{} is not a readable .npz file", path.display()))?;
+    let unreadable = || format!("{} is not a readable .npz file", path.display());
+    check_archive(path).with_context(unreadable)?;
+    let arrays = Tensor::read_npz(path).with_context(unreadable)?;
     let names: Vec<String> = arrays.iter().map(|(n, _)| n.clone()).collect();
     let x = arrays
         .into_iter()

@@ -1,6 +1,8 @@
 //! Running the `probattn` binary as a user does, for the experiments crate's tests.
 #![allow(dead_code)] // each test file uses its own subset
 
+pub mod mutate;
+
 use std::path::Path;
 use std::process::{Command, Output};
 
