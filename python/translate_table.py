@@ -1,6 +1,11 @@
-"""The translation table from `probattn translate` results: one row per configuration (attention
-and repulsive heads), runs pooled over every results.json found under the folders given, so runs
-of one seed each (run one at a time, as they fit) make one table.
+"""The translation table from `probattn translate` results: one row per configuration (model,
+attention and its settings, repulsive heads), runs pooled over every results.json found under the
+folders given, so runs of one seed each (run one at a time, as they fit) make one table.
+
+Rows of the attentional LSTM (`--arch lstm`) are named `lstm-<attention>`; BAM rows whose KL
+weight, Weibull shape or anneal differ from the defaults (1, 10, none) carry them in the name
+(`bam-wc-k100-w0.1`, `-anneal2000`), so a tuned row stands beside the untuned one. Each row's
+difference (`--diff`) is taken against the softmax row of its own model.
 
     python python/translate_table.py results/translate/table [--diff] [--paper]
 
@@ -22,12 +27,32 @@ from tables import cell, diff_cell, markdown
 ORDER = ["softmax", "softmax-svgd", "softmax-svgd-cross", "softmax-spos-cross", "dnas", "hnas", "bam-wc"]
 
 
+def is_lstm(results):
+    return "lstm" in results["config"]["model"]
+
+
+def attention_name(results):
+    """The attention with its non-default BAM settings, prefixed `lstm-` for the LSTM."""
+    name = results["attention"]
+    config = results["config"]
+    if name.startswith("bam-"):
+        model = config["model"].get("lstm") or config["model"]["transformer"]
+        k = model["normalizer"]["bam"]["k"]
+        if name.startswith("bam-w") and k != 10:
+            name += f"-k{k:g}"
+        if config["kl_weight"] != 1:
+            name += f"-w{config['kl_weight']:g}"
+        if config.get("kl_anneal_updates"):
+            name += f"-anneal{config['kl_anneal_updates']}"
+    return ("lstm-" if is_lstm(results) else "") + name
+
+
 def row_name(results):
     """attention[-repulsive[-selection]]: `softmax-svgd` repels every module's heads,
     `softmax-svgd-cross` only the kinds / layers its `--selection` names."""
     rep = results["repulsive"]
     if rep == "none":
-        return results["attention"]
+        return attention_name(results)
     selection = results["config"].get("selection") or {}
     parts = [k for k in selection.get("kinds") or []]
     parts += [f"layer{l}" for l in selection.get("layers") or []]
@@ -80,6 +105,18 @@ def dist(run):
     return statistics.mean(run["head_diversity"])
 
 
+def dist_cell(runs, fn):
+    """Dist, or '–' for the LSTM, whose encoder has no attention heads."""
+    if not all(r["head_diversity"] for r in runs):
+        return "–"
+    return fn(runs)
+
+
+def reference(name):
+    """The softmax row a row is compared with: its own model's."""
+    return "lstm-softmax" if name.startswith("lstm-") else "softmax"
+
+
 def main():
     args = sys.argv[1:]
     diff = "--diff" in args
@@ -98,28 +135,28 @@ def main():
             f"{statistics.mean(r['valid_bleu'] for r in runs):.2f}",
             "/".join(str(r["epochs"]) for r in runs),
             f"{statistics.mean(r['tokens_per_second'] for r in runs):.0f}",
-            cell([dist(r) for r in runs], 3),
+            dist_cell(runs, lambda rs: cell([dist(r) for r in rs], 3)),
             " ".join(str(r["seed"]) for r in runs),
         ])
     header = ["attention", "test BLEU tok-lc", "test sacreBLEU", "valid sacreBLEU (best)", "epochs",
               "train tokens/s", "Dist (encoder)", "seeds"]
     print(markdown(header, table))
-    if diff and "softmax" in rows:
-        base = rows["softmax"]
+    if diff:
         table = []
         for name in names:
-            if name == "softmax":
+            ref = reference(name)
+            if name == ref or ref not in rows:
                 continue
-            runs = rows[name]
+            runs, base = rows[name], rows[ref]
             table.append([
-                name,
+                f"{name} − {ref}",
                 diff_cell([r["test_bleu_tok"] for r in runs], [r["test_bleu_tok"] for r in base]),
                 diff_cell([r["test_bleu"] for r in runs], [r["test_bleu"] for r in base]),
-                diff_cell([dist(r) for r in runs], [dist(r) for r in base], 3),
+                dist_cell(runs + base, lambda _: diff_cell([dist(r) for r in runs], [dist(r) for r in base], 3)),
             ])
         print()
-        print(markdown(["attention", "tok-lc BLEU minus softmax (± s.e.)", "sacreBLEU minus softmax (± s.e.)",
-                        "Dist minus softmax (± s.e.)"], table))
+        print(markdown(["rows", "tok-lc BLEU difference (± s.e.)", "sacreBLEU difference (± s.e.)",
+                        "Dist difference (± s.e.)"], table))
 
 
 if __name__ == "__main__":

@@ -213,3 +213,73 @@ fn average_last_tests_the_mean_of_the_last_epochs() -> Result<()> {
     ensure!(o.status.success() && String::from_utf8_lossy(&o.stdout).lines().count() == 10, "{}", text(&o));
     Ok(())
 }
+
+#[test]
+fn the_attentional_lstm_trains_resumes_decodes_and_refuses_what_it_lacks() -> Result<()> {
+    let tmp = TempDir::new("translate-lstm")?;
+    let data = tmp.path("data");
+    std::fs::create_dir_all(&data)?;
+    write_corpus(&data, [200, 10, 10])?;
+    let (d, a, b) =
+        (data.to_string_lossy().to_string(), tmp.path("a").to_string_lossy().to_string(), tmp.path("b").to_string_lossy().to_string());
+    // The test flags without --warmup-updates, which the LSTM's schedule does not have.
+    let at = FLAGS.iter().position(|f| *f == "--warmup-updates").context("FLAGS sets --warmup-updates")?;
+    let flags: Vec<&str> = FLAGS.iter().enumerate().filter(|(i, _)| *i != at && *i != at + 1).map(|(_, f)| *f).collect();
+    let lstm = ["--arch", "lstm", "--attention", "bam-wc", "--kl-weight", "0.1", "--kl-anneal-updates", "8"];
+    let o = probattn(&[&["translate", "--data-dir", &d, "--out", &a][..], &flags, &lstm].concat())?;
+    ensure!(o.status.success(), "{}", text(&o));
+    ensure!(text(&o).contains("attentional LSTM") && text(&o).contains("attention bam-wc"), "{}", text(&o));
+    let r = binary::json(&tmp.path("a/results.json"))?;
+    let cfg = &r["config"];
+    ensure!(cfg["model"]["lstm"]["variant"] == "bam-wc" && cfg["model"]["transformer"].is_null(), "{cfg}");
+    ensure!(cfg["schedule"]["decay"] == 0.5 && cfg["max_grad_norm"] == 5.0 && cfg["kl_anneal_updates"] == 8, "{cfg}");
+    let lines = metrics(Path::new(&a))?;
+    ensure!(lines.len() == 4 && lines.iter().all(|m| m["kl"].as_f64().is_some_and(f64::is_finite)), "{lines:?}");
+    ensure!(r["runs"][0]["test_bleu"].is_number(), "{r}");
+
+    // Killed after its first checkpoint and resumed: the uninterrupted run's metrics.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_probattn"))
+        .args([&["translate", "--data-dir", &d, "--out", &b][..], &flags, &lstm].concat())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let ckpt = tmp.path("b/seed-1/checkpoint_last.safetensors");
+    let start = Instant::now();
+    while !ckpt.exists() {
+        ensure!(child.try_wait()?.is_none(), "the run ended before its first checkpoint");
+        ensure!(start.elapsed() < Duration::from_secs(300), "no checkpoint after 300 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill()?;
+    child.wait()?;
+    let o = probattn(&[&["translate", "--data-dir", &d, "--resume", &b][..], &flags, &lstm].concat())?;
+    ensure!(o.status.success(), "{}", text(&o));
+    ensure!(metrics(Path::new(&b))? == lines, "the resumed LSTM run's metrics differ from the uninterrupted run's");
+
+    // Its checkpoint decodes.
+    let ckpt = tmp.path("a/seed-1/checkpoint_best.safetensors").to_string_lossy().to_string();
+    let input = format!("{d}/test.de");
+    let o =
+        probattn(&["translate", "--decode", "--checkpoint", &ckpt, "--input", &input, "--beam", "2", "--device", "cpu", "--threads", "1"])?;
+    ensure!(o.status.success() && String::from_utf8_lossy(&o.stdout).lines().count() == 10, "{}", text(&o));
+
+    // What the LSTM has no place for: a named error, nothing written.
+    let never = tmp.path("never").to_string_lossy().to_string();
+    for (extra, said) in [
+        (&["--attention", "dnas"][..], "one decoder state at a time"),
+        (&["--repulsive", "svgd"][..], "one head"),
+        (&["--preset", "small"][..], "--arch lstm takes deng2018, deng2018-small or tiny"),
+        (&["--warmup-updates", "10"][..], "OpenNMT-py"),
+    ] {
+        let mut args = [&["translate", "--data-dir", &d, "--out", &never][..], &flags, &["--arch", "lstm"], extra].concat();
+        if extra[0] == "--preset" {
+            let at = args.iter().position(|a| *a == "tiny").context("the flags set --preset tiny")?;
+            args[at] = "small";
+            args.truncate(args.len() - 2);
+        }
+        let o = probattn(&args)?;
+        ensure!(o.status.code() == Some(1) && text(&o).contains(said), "{extra:?}: expected '{said}':\n{}", text(&o));
+    }
+    ensure!(!Path::new(&never).exists(), "a refused run left {never} behind");
+    Ok(())
+}

@@ -2,7 +2,8 @@
 //!
 //! - [`transformer`]: the encoder–decoder stack of the translation experiments (fairseq's
 //!   `transformer_iwslt_de_en` sizes), with any normalizer and the repulsive hook.
-//! - [`translation`]: the translation model around it (shared embeddings, positions).
+//! - [`translation`]: the translation model around it (shared embeddings, positions), or
+//!   around [`lstm`], the attentional LSTM of Deng et al. 2018 (the BAM paper's Table 4).
 //! - [`gat`]: GAT node classification (Velickovic et al. 2018) with any normalizer.
 //! - [`vqa`]: the multi-view VQA fusion of Ding et al. 2020 (Appendix B) and a Pythia-lite head.
 
@@ -11,6 +12,7 @@
 #![allow(clippy::assign_op_pattern)]
 
 pub mod gat;
+pub mod lstm;
 pub mod transformer;
 pub mod translation;
 pub mod vqa;

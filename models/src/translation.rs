@@ -11,12 +11,17 @@
 //!
 //! Decoding caches each layer's keys and values ([`DecoderState`]), so a step costs O(current
 //! length): see [`Seq2Seq::start`] and [`Seq2Seq::step`].
+//!
+//! The same type holds the other architecture of the translation experiments, the attentional
+//! LSTM of Deng et al. 2018 ([`crate::lstm`]), when its config has `lstm` instead of
+//! `transformer`: training, decoding and checkpoints take either through the same calls.
 
-use probattn::{Error, Result};
+use probattn::{Error, Result, Variant};
 use serde::{Deserialize, Serialize};
 use tch::nn::{self, Init};
 use tch::{Kind, Tensor};
 
+use crate::lstm::{AttentionalLstm, LstmConfig, LstmState};
 use crate::transformer::{DecoderState, Transformer, TransformerConfig};
 
 /// The name of one of our parameters in the PyTorch baseline (python/baselines/translate.py): the
@@ -30,11 +35,16 @@ pub fn baseline_name(ours: &str) -> Option<String> {
     }
 }
 
-/// The model's sizes and vocabulary.
+/// The model's sizes and vocabulary: exactly one of `transformer` and `lstm`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Seq2SeqConfig {
-    pub transformer: TransformerConfig,
+    /// The Transformer's sizes and attention (absent for the LSTM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transformer: Option<TransformerConfig>,
+    /// The attentional LSTM's (absent for the Transformer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lstm: Option<LstmConfig>,
     /// Vocabulary size (joint when `share_all_embeddings`).
     pub vocab: i64,
     /// The padding token's id.
@@ -45,17 +55,77 @@ pub struct Seq2SeqConfig {
     pub max_positions: i64,
 }
 
-/// Embeddings, the stack and the output layer.
+impl Seq2SeqConfig {
+    /// The attention variant of the model's main attention (the Transformer's encoder
+    /// self-attention, the LSTM's only one).
+    pub fn variant(&self) -> Variant {
+        match (&self.transformer, &self.lstm) {
+            (Some(t), _) => t.variant,
+            (None, Some(l)) => l.variant,
+            (None, None) => Variant::Softmax,
+        }
+    }
+
+    /// A line that names the architecture and its sizes, for logs.
+    pub fn describe(&self) -> String {
+        match (&self.transformer, &self.lstm) {
+            (Some(t), _) => format!(
+                "Transformer: {} layers, E = {}, {} heads, attention {} (cross-attention {})",
+                t.encoder_layers,
+                t.embed_dim,
+                t.heads,
+                t.variant,
+                t.cross_variant()
+            ),
+            (None, Some(l)) => format!(
+                "attentional LSTM: {}-layer bidirectional encoder of {} units each way, {}-layer decoder of {}, E = {}, attention {}",
+                l.encoder_layers, l.encoder_hidden, l.decoder_layers, l.decoder_hidden, l.embed_dim, l.variant
+            ),
+            (None, None) => "no architecture".into(),
+        }
+    }
+}
+
+/// The Transformer's embeddings, stack and output layer.
 #[derive(Debug)]
-pub struct Seq2Seq {
-    cfg: Seq2SeqConfig,
+struct TransformerBody {
     /// `(V, E)` source embeddings (and target and output ones when shared).
     src_embed: Tensor,
     /// `(V, E)` target embeddings, also the output layer; the source's when shared.
     tgt_embed: Tensor,
     /// `(max_positions + pad + 1, E)` fixed sinusoids.
     positions: Tensor,
-    pub stack: Transformer,
+    stack: Transformer,
+}
+
+#[derive(Debug)]
+enum Body {
+    Transformer(TransformerBody),
+    Lstm(AttentionalLstm),
+}
+
+/// A translation model: the Transformer, or the attentional LSTM.
+#[derive(Debug)]
+pub struct Seq2Seq {
+    cfg: Seq2SeqConfig,
+    body: Body,
+}
+
+/// The incremental decoding state of either architecture.
+#[derive(Debug)]
+pub enum DecodingState {
+    Transformer(DecoderState),
+    Lstm(LstmState),
+}
+
+impl DecodingState {
+    /// Keeps the rows `index (B',)`, in that order: beam search's reorder after each step.
+    pub fn reorder(&mut self, index: &Tensor) {
+        match self {
+            Self::Transformer(s) => s.reorder(index),
+            Self::Lstm(s) => s.reorder(index),
+        }
+    }
 }
 
 /// fairseq's `SinusoidalPositionalEmbedding.get_embedding`: row `p` is
@@ -75,38 +145,64 @@ pub fn sinusoids(rows: i64, dim: i64, pad: i64, device: tch::Device) -> Tensor {
 }
 
 impl Seq2Seq {
-    /// Parameters under `p`: `encoder.embed_tokens.weight` (shared) or also
-    /// `decoder.embed_tokens.weight`, then the stack's.
+    /// The Transformer's parameters under `p`: `encoder.embed_tokens.weight` (shared) or also
+    /// `decoder.embed_tokens.weight`, then the stack's; or the LSTM's ([`AttentionalLstm::new`]).
     pub fn new(p: &nn::Path, cfg: Seq2SeqConfig) -> Result<Self> {
-        let e = cfg.transformer.embed_dim;
         if cfg.vocab <= cfg.pad || cfg.pad < 0 || cfg.max_positions < 1 {
             return Err(Error::Config(format!(
                 "vocab {} must exceed pad {} >= 0; max_positions {} >= 1",
                 cfg.vocab, cfg.pad, cfg.max_positions
             )));
         }
-        let embedding = |side: &str| {
-            let w = (p / side / "embed_tokens").var("weight", &[cfg.vocab, e], Init::Randn { mean: 0.0, stdev: (e as f64).powf(-0.5) });
-            tch::no_grad(|| {
-                let _ = w.get(cfg.pad).zero_();
-            });
-            w
+        let body = match (&cfg.transformer, &cfg.lstm) {
+            (Some(t), None) => {
+                let e = t.embed_dim;
+                let embedding = |side: &str| {
+                    let w =
+                        (p / side / "embed_tokens").var("weight", &[cfg.vocab, e], Init::Randn { mean: 0.0, stdev: (e as f64).powf(-0.5) });
+                    tch::no_grad(|| {
+                        let _ = w.get(cfg.pad).zero_();
+                    });
+                    w
+                };
+                let src_embed = embedding("encoder");
+                let tgt_embed = if cfg.share_all_embeddings { src_embed.shallow_clone() } else { embedding("decoder") };
+                let stack = Transformer::new(p, t.clone())?;
+                let positions = sinusoids(cfg.max_positions + cfg.pad + 1, e, cfg.pad, p.device());
+                Body::Transformer(TransformerBody { src_embed, tgt_embed, positions, stack })
+            }
+            (None, Some(l)) => {
+                if cfg.share_all_embeddings {
+                    return Err(Error::Config(
+                        "the attentional LSTM has its own source and target embeddings and generator: share_all_embeddings must be false"
+                            .into(),
+                    ));
+                }
+                Body::Lstm(AttentionalLstm::new(p, l.clone(), cfg.vocab, cfg.pad)?)
+            }
+            _ => return Err(Error::Config("a translation model's config has exactly one of `transformer` and `lstm`".into())),
         };
-        let src_embed = embedding("encoder");
-        let tgt_embed = if cfg.share_all_embeddings { src_embed.shallow_clone() } else { embedding("decoder") };
-        let stack = Transformer::new(p, cfg.transformer.clone())?;
-        let positions = sinusoids(cfg.max_positions + cfg.pad + 1, e, cfg.pad, p.device());
-        Ok(Self { cfg, src_embed, tgt_embed, positions, stack })
+        Ok(Self { cfg, body })
     }
 
     pub fn config(&self) -> &Seq2SeqConfig {
         &self.cfg
     }
 
+    /// The Transformer stack (`None` for the LSTM): its modules, for the repulsive hook and the
+    /// encoder's diagnostics.
+    pub fn transformer(&self) -> Option<&Transformer> {
+        match &self.body {
+            Body::Transformer(t) => Some(&t.stack),
+            Body::Lstm(_) => None,
+        }
+    }
+
     /// `tokens (B, S)` int64 → `(B, S, E)`: `sqrt(E)·embed + position`, positions counted from
     /// `pad + 1 + offset` for non-padding tokens (padding gets the zero row), then dropout.
-    fn embed(&self, table: &Tensor, tokens: &Tensor, offset: i64, train: bool) -> Result<Tensor> {
-        let (len, e) = (tokens.size()[1], self.cfg.transformer.embed_dim);
+    fn embed(&self, t: &TransformerBody, table: &Tensor, tokens: &Tensor, offset: i64, train: bool) -> Result<Tensor> {
+        let cfg = t.stack.config();
+        let (len, e) = (tokens.size()[1], cfg.embed_dim);
         if offset + len > self.cfg.max_positions {
             return Err(Error::Shape(format!(
                 "a sequence of {} tokens exceeds the model's {} positions",
@@ -117,43 +213,59 @@ impl Seq2Seq {
         let not_pad = tokens.ne(self.cfg.pad);
         let pos = (not_pad.to_kind(Kind::Int64).cumsum(1, Kind::Int64) + offset) * &not_pad + self.cfg.pad; // (B, S)
         let x = Tensor::embedding(table, tokens, self.cfg.pad, false, false) * (e as f64).sqrt()
-            + Tensor::embedding(&self.positions, &pos, self.cfg.pad, false, false); // (B, S, E)
-        Ok(x.dropout(self.cfg.transformer.dropout, train))
+            + Tensor::embedding(&t.positions, &pos, self.cfg.pad, false, false); // (B, S, E)
+        Ok(x.dropout(cfg.dropout, train))
     }
 
     /// Teacher-forced logits `(B, T, V)` of `prev_tokens (B, T)` (the target shifted right, starting
     /// with the begin token) given `src (B, S)`; and the KL term of stochastic attention.
     pub fn forward_t(&self, src: &Tensor, prev_tokens: &Tensor, train: bool) -> Result<(Tensor, Option<Tensor>)> {
+        let t = match &self.body {
+            Body::Transformer(t) => t,
+            Body::Lstm(l) => return l.forward_t(src, prev_tokens, train),
+        };
         let src_pad = src.eq(self.cfg.pad);
         let tgt_pad = prev_tokens.eq(self.cfg.pad);
-        let x = self.embed(&self.src_embed, src, 0, train)?;
-        let y = self.embed(&self.tgt_embed, prev_tokens, 0, train)?;
-        let out = self.stack.forward_t(&x, Some(&src_pad), &y, Some(&tgt_pad), train)?;
-        Ok((out.output.matmul(&self.tgt_embed.transpose(0, 1)), out.kl)) // (B, T, V)
+        let x = self.embed(t, &t.src_embed, src, 0, train)?;
+        let y = self.embed(t, &t.tgt_embed, prev_tokens, 0, train)?;
+        let out = t.stack.forward_t(&x, Some(&src_pad), &y, Some(&tgt_pad), train)?;
+        Ok((out.output.matmul(&t.tgt_embed.transpose(0, 1)), out.kl)) // (B, T, V)
     }
 
     /// Each encoder layer's self-attention weights `(B, H, S, S)` and per-head outputs
-    /// `(B, H, S, d_h)` on `src (B, S)`, in eval mode.
+    /// `(B, H, S, d_h)` on `src (B, S)`, in eval mode; empty for the LSTM, whose encoder has no
+    /// attention.
     pub fn encoder_attention(&self, src: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+        let Body::Transformer(t) = &self.body else { return Ok(vec![]) };
         let src_pad = src.eq(self.cfg.pad);
-        let x = self.embed(&self.src_embed, src, 0, false)?;
-        Ok(self.stack.encode_inspect(&x, Some(&src_pad))?.1)
+        let x = self.embed(t, &t.src_embed, src, 0, false)?;
+        Ok(t.stack.encode_inspect(&x, Some(&src_pad))?.1)
     }
 
     /// Encodes `src (B, S)` in eval mode and returns the decoding state and the source padding.
-    pub fn start(&self, src: &Tensor) -> Result<(DecoderState, Tensor)> {
+    pub fn start(&self, src: &Tensor) -> Result<(DecodingState, Tensor)> {
+        let t = match &self.body {
+            Body::Transformer(t) => t,
+            Body::Lstm(l) => return l.start(src).map(|(state, pad)| (DecodingState::Lstm(state), pad)),
+        };
         let src_pad = src.eq(self.cfg.pad);
-        let x = self.embed(&self.src_embed, src, 0, false)?;
-        let memory = self.stack.encode(&x, Some(&src_pad), false, &mut vec![])?;
-        Ok((self.stack.start_decoding(&memory), src_pad))
+        let x = self.embed(t, &t.src_embed, src, 0, false)?;
+        let memory = t.stack.encode(&x, Some(&src_pad), false, &mut vec![])?;
+        Ok((DecodingState::Transformer(t.stack.start_decoding(&memory)), src_pad))
     }
 
     /// Log-probabilities `(B, V)` of the next token after `token (B,)` at position `step`
     /// (0 for the begin token), extending `state`.
-    pub fn step(&self, token: &Tensor, step: i64, state: &mut DecoderState, src_pad: &Tensor) -> Result<Tensor> {
-        let y = self.embed(&self.tgt_embed, &token.unsqueeze(1), step, false)?; // (B, 1, E)
-        let y = self.stack.decode_step(&y, state, Some(src_pad))?;
-        let logits = y.squeeze_dim(1).matmul(&self.tgt_embed.transpose(0, 1)); // (B, V)
-        Ok(logits.log_softmax(-1, logits.kind()))
+    pub fn step(&self, token: &Tensor, step: i64, state: &mut DecodingState, src_pad: &Tensor) -> Result<Tensor> {
+        match (&self.body, state) {
+            (Body::Transformer(t), DecodingState::Transformer(state)) => {
+                let y = self.embed(t, &t.tgt_embed, &token.unsqueeze(1), step, false)?; // (B, 1, E)
+                let y = t.stack.decode_step(&y, state, Some(src_pad))?;
+                let logits = y.squeeze_dim(1).matmul(&t.tgt_embed.transpose(0, 1)); // (B, V)
+                Ok(logits.log_softmax(-1, logits.kind()))
+            }
+            (Body::Lstm(l), DecodingState::Lstm(state)) => l.step(token, state, src_pad),
+            _ => Err(Error::Config("a decoding state of the other architecture".into())),
+        }
     }
 }

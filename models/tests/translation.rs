@@ -1,12 +1,14 @@
 //! The translation model's incremental decoder against the full decoder: feeding a prefix one
 //! token at a time through `Seq2Seq::step` (cached keys and values, one query per step) gives the
 //! log-probabilities of the teacher-forced `forward_t` at every position, in float64, for every
-//! kind of encoder attention; and `DecoderState::reorder` moves a beam's cache with it.
+//! kind of encoder attention; and `DecoderState::reorder` moves a beam's cache with it. The same
+//! for the attentional LSTM, whose bidirectional encoder must also not read the padding.
 
 use anyhow::Result;
 use probattn::Variant;
+use probattn_models::lstm::LstmConfig;
 use probattn_models::transformer::TransformerConfig;
-use probattn_models::translation::{Seq2Seq, Seq2SeqConfig};
+use probattn_models::translation::{DecodingState, Seq2Seq, Seq2SeqConfig};
 use tch::{nn, Device, Kind, Tensor};
 
 const PAD: i64 = 1;
@@ -23,7 +25,8 @@ fn model(variant: Variant) -> Result<(nn::VarStore, Seq2Seq)> {
         variant,
         ..TransformerConfig::iwslt()
     };
-    let cfg = Seq2SeqConfig { transformer, vocab: 30, pad: PAD, share_all_embeddings: true, max_positions: 64 };
+    let cfg =
+        Seq2SeqConfig { transformer: Some(transformer), lstm: None, vocab: 30, pad: PAD, share_all_embeddings: true, max_positions: 64 };
     let m = Seq2Seq::new(&vs.root(), cfg)?;
     vs.double();
     Ok((vs, m))
@@ -50,9 +53,82 @@ fn cached_steps_equal_the_teacher_forced_decoder() -> Result<()> {
             let err = f64::try_from((&step - full.select(1, t)).abs().max())?;
             assert!(err < 1e-10, "{name}: step {t} differs from the full decoder by {err}");
         }
+        let DecodingState::Transformer(state) = &state else { panic!("{name}: not a Transformer's state") };
         assert_eq!(state.own[0].as_ref().map(|(k, _)| k.size()), Some(vec![3, 4, 6, 4]), "{name}: the cache holds 6 positions");
     }
     Ok(())
+}
+
+fn lstm(variant: Variant) -> Result<(nn::VarStore, Seq2Seq)> {
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let lstm = LstmConfig { embed_dim: 8, encoder_hidden: 6, decoder_hidden: 10, variant, ..LstmConfig::deng2018() };
+    let cfg = Seq2SeqConfig { transformer: None, lstm: Some(lstm), vocab: 30, pad: PAD, share_all_embeddings: false, max_positions: 64 };
+    let m = Seq2Seq::new(&vs.root(), cfg)?;
+    vs.double();
+    Ok((vs, m))
+}
+
+#[test]
+fn lstm_cached_steps_equal_the_teacher_forced_decoder() -> Result<()> {
+    tch::manual_seed(7);
+    for name in ["softmax", "bam-wc", "bam-lc"] {
+        let (_vs, m) = lstm(name.parse()?)?;
+        let src = sources();
+        let prefix = Tensor::from_slice(&[EOS, 7, 9, 4, 20, 5, EOS, 3, 3, 8, PAD, PAD, EOS, 25, 6, 7, 11, 12]).view([3, 6]);
+        let (logits, kl) = m.forward_t(&src, &prefix, false)?;
+        assert!(kl.is_none(), "{name}: no KL in eval mode");
+        let full = logits.log_softmax(-1, Kind::Double);
+        let (mut state, src_pad) = m.start(&src)?;
+        // Past a sentence's end (its padded steps) the teacher-forced pass leaves the attention
+        // out, and nothing reads those positions: compare the live ones.
+        let live = prefix.ne(PAD).unsqueeze(-1).to_kind(Kind::Double);
+        for t in 0..6 {
+            let step = m.step(&prefix.select(1, t), t, &mut state, &src_pad)?;
+            let err = f64::try_from(((&step - full.select(1, t)) * live.select(1, t)).abs().max())?;
+            assert!(err < 1e-10, "{name}: step {t} differs from the full decoder by {err}");
+        }
+        // Training: BAM samples and returns a finite, differentiable KL; softmax none.
+        let (logits, kl) = m.forward_t(&src, &prefix, true)?;
+        assert_eq!(kl.is_some(), name != "softmax", "{name}");
+        let loss = logits.sum(Kind::Double) + kl.unwrap_or_else(|| Tensor::zeros([], (Kind::Double, Device::Cpu)));
+        assert!(f64::try_from(&loss)?.is_finite(), "{name}");
+        loss.backward();
+    }
+    Ok(())
+}
+
+#[test]
+fn lstm_encoder_reads_no_padding_and_its_cache_reorders() -> Result<()> {
+    tch::manual_seed(8);
+    let (_vs, m) = lstm(Variant::Softmax)?;
+    // Sentence 1 alone, and inside the padded batch: the same log-probabilities at every step,
+    // so neither encoder direction (nor the attention) saw the padding.
+    let src = sources();
+    let alone = src.narrow(0, 1, 1).narrow(1, 0, 3);
+    let prefix = Tensor::from_slice(&[EOS, 7, 9, EOS, 3, 3, EOS, 25, 6]).view([3, 3]);
+    let (batched, _) = m.forward_t(&src, &prefix, false)?;
+    let (single, _) = m.forward_t(&alone, &prefix.narrow(0, 1, 1), false)?;
+    let err = f64::try_from((batched.narrow(0, 1, 1) - single).abs().max())?;
+    assert!(err < 1e-12, "the padded sentence's outputs moved by {err}");
+    // Reorder after two steps, as beam search does.
+    let (mut state, src_pad) = m.start(&src)?;
+    for t in 0..2 {
+        let _ = m.step(&prefix.select(1, t), t, &mut state, &src_pad)?;
+    }
+    let order = Tensor::from_slice(&[2i64, 1, 0]);
+    state.reorder(&order);
+    let swapped = m.step(&prefix.select(1, 2).index_select(0, &order), 2, &mut state, &src_pad.index_select(0, &order))?;
+    let full = batched.select(1, 2).log_softmax(-1, Kind::Double).index_select(0, &order);
+    assert!(f64::try_from((&swapped - &full).abs().max())? < 1e-10);
+    Ok(())
+}
+
+#[test]
+fn lstm_refuses_what_normalizes_over_queries() {
+    for name in ["dnas", "hnas", "sinkhorn-2"] {
+        let err = lstm(name.parse().unwrap()).unwrap_err().to_string();
+        assert!(err.contains("one decoder state at a time") && err.contains(name), "{name}: {err}");
+    }
 }
 
 #[test]

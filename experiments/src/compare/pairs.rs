@@ -282,7 +282,14 @@ pub(super) fn translation_pair(
         variant: args.variant,
         ..TransformerConfig::iwslt()
     };
-    let cfg = Seq2SeqConfig { transformer, vocab, pad: PAD, share_all_embeddings: true, max_positions: args.max_positions };
+    let cfg = Seq2SeqConfig {
+        transformer: Some(transformer),
+        lstm: None,
+        vocab,
+        pad: PAD,
+        share_all_embeddings: true,
+        max_positions: args.max_positions,
+    };
     let model = Seq2Seq::new(&vs.root(), cfg)?;
     let (src, prev) = match &args.inputs {
         Some(path) => {

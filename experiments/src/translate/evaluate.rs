@@ -71,7 +71,7 @@ pub(super) fn valid_loss(model: &Seq2Seq, data: &Encoded, cfg: &TranslateConfig,
 
 /// HNAS's mean `u` per encoder layer.
 pub(super) fn hnas_gates(model: &Seq2Seq) -> Option<Vec<f64>> {
-    model.stack.encoder.iter().map(|l| l.self_attn.hybrid_u().and_then(|u| f64::try_from(u.mean(Kind::Double)).ok())).collect()
+    model.transformer()?.encoder.iter().map(|l| l.self_attn.hybrid_u().and_then(|u| f64::try_from(u.mean(Kind::Double)).ok())).collect()
 }
 
 /// The run's SVG plots: loss and validation BLEU over epochs, HNAS's u per encoder layer over
@@ -117,9 +117,11 @@ pub(super) fn plots(dir: &Path, history: &[EpochMetrics], dist: &[f64], away: &[
     Ok(())
 }
 
-/// Head diversity and the explained-away share of each encoder layer on `data`'s sources.
+/// Head diversity and the explained-away share of each encoder layer on `data`'s sources (none
+/// for the LSTM, whose encoder has no attention).
 pub(super) fn encoder_diagnostics(model: &Seq2Seq, data: &Encoded, device: Device) -> Result<(Vec<f64>, Vec<f64>)> {
-    let layers = model.config().transformer.encoder_layers;
+    let Some(transformer) = model.config().transformer.as_ref() else { return Ok((vec![], vec![])) };
+    let layers = transformer.encoder_layers;
     let (mut dist, mut weight) = (vec![0.0; layers], 0.0);
     let (mut away, mut keys) = (vec![0.0; layers], 0.0);
     tch::no_grad(|| -> Result<()> {
@@ -128,7 +130,7 @@ pub(super) fn encoder_diagnostics(model: &Seq2Seq, data: &Encoded, device: Devic
             let src = data::pad_rows(&rows, device);
             let valid = src.ne(PAD); // (B, S)
             let tokens = f64::try_from(valid.sum(Kind::Double))?;
-            let heads = model.config().transformer.heads as f64;
+            let heads = transformer.heads as f64;
             for (l, (w, h)) in model.encoder_attention(&src)?.into_iter().enumerate() {
                 dist[l] += probattn::repulsive::head_diversity(&h, Some(&valid))? * tokens;
                 let mass = probattn::diagnostics::received_mass(&w); // (B, H, S)

@@ -22,7 +22,7 @@ mod evaluate;
 pub mod optim;
 mod train;
 
-pub use args::{Dataset, Preset, Repulsive, TranslateArgs};
+pub use args::{Arch, Dataset, Preset, Repulsive, TranslateArgs};
 use checkpoint::{load_params, read_checkpoint};
 pub use train::label_smoothed_loss;
 use train::train_seed;
@@ -44,7 +44,7 @@ use crate::ranks::{DistInfo, Ranks};
 use crate::report::{mean_std, progress_bar};
 use crate::seq2seq::data::{self, Corpus, Encoded, PAD};
 use crate::seq2seq::decode::{self, DecodeConfig};
-use optim::{AdamConfig, InverseSqrt};
+use optim::{AdamConfig, InverseSqrt, PlateauDecay, Schedule};
 
 /// Everything that defines a run (config.json; a resumed run must match it).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -58,8 +58,15 @@ pub struct TranslateConfig {
     pub repulsive_config: RepulsiveConfig,
     pub selection: Selection,
     pub kl_weight: f64,
+    /// Updates over which the KL weight rises linearly from 0 (0, and then left out of the JSON:
+    /// the full weight from the start).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub kl_anneal_updates: u64,
     pub adam: AdamConfig,
-    pub schedule: InverseSqrt,
+    pub schedule: Schedule,
+    /// Gradient norm clipping (0, and then left out of the JSON: none).
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub max_grad_norm: f64,
     pub label_smoothing: f64,
     pub max_tokens: usize,
     pub bpe_vocab: usize,
@@ -72,6 +79,24 @@ pub struct TranslateConfig {
     pub limit_train: Option<usize>,
     pub limit_valid: Option<usize>,
     pub limit_test: Option<usize>,
+}
+
+fn is_zero_u64(x: &u64) -> bool {
+    *x == 0
+}
+
+fn is_zero_f64(x: &f64) -> bool {
+    *x == 0.0
+}
+
+impl TranslateConfig {
+    /// The KL weight of the update after `updates` updates (`kl_weight`, annealed).
+    pub fn kl_weight_at(&self, updates: u64) -> f64 {
+        match self.kl_anneal_updates {
+            0 => self.kl_weight,
+            n => self.kl_weight * ((updates + 1) as f64 / n as f64).min(1.0),
+        }
+    }
 }
 
 /// One epoch's metrics (metrics.jsonl).
@@ -147,15 +172,71 @@ pub struct TranslateResults {
 impl TranslateConfig {
     fn from_args(args: &TranslateArgs, vocab: i64, variant: Variant, repulsive: Repulsive) -> Result<Self> {
         let preset = args.preset();
-        let mut transformer = preset.transformer();
-        transformer.variant = variant;
-        transformer.decoder_self_variant = args.decoder_self_attention.parse().context("--decoder-self-attention")?;
-        transformer.normalizer = NormalizerConfig {
+        let arch = args.arch;
+        if let Some(a) = preset.arch().filter(|a| *a != arch) {
+            anyhow::bail!(
+                "--preset {} is a preset of the {}; --arch {} takes {}",
+                clap::ValueEnum::to_possible_value(&preset).map_or("?".into(), |v| v.get_name().to_string()),
+                if a == Arch::Lstm { "attentional LSTM" } else { "Transformer" },
+                if arch == Arch::Lstm { "lstm" } else { "transformer" },
+                if arch == Arch::Lstm { "deng2018, deng2018-small or tiny" } else { "small, iwslt or tiny" }
+            );
+        }
+        let recipe = preset.recipe(arch);
+        let normalizer = NormalizerConfig {
             bam: BamConfig { k: args.k.unwrap_or(10.0), sigma: args.sigma, ..BamConfig::default() },
             ..Default::default()
         };
-        transformer.tile = args.memory_efficient.then_some(args.tile);
-        let (lr, warmup, bpe) = preset.recipe();
+        let tile = args.memory_efficient.then_some(args.tile);
+        let model = match arch {
+            Arch::Transformer => {
+                let mut transformer = preset.transformer();
+                transformer.variant = variant;
+                transformer.decoder_self_variant = args.decoder_self_attention.parse().context("--decoder-self-attention")?;
+                transformer.normalizer = normalizer;
+                transformer.tile = tile;
+                Seq2SeqConfig {
+                    transformer: Some(transformer),
+                    lstm: None,
+                    vocab,
+                    pad: PAD,
+                    share_all_embeddings: true,
+                    max_positions: 1024,
+                }
+            }
+            Arch::Lstm => {
+                ensure!(
+                    repulsive == Repulsive::None,
+                    "--repulsive moves the heads of multi-head attention; the LSTM's attention has one head"
+                );
+                ensure!(
+                    args.decoder_self_attention == "softmax",
+                    "--decoder-self-attention is the Transformer's; the LSTM decoder has no self-attention"
+                );
+                let lstm = probattn_models::lstm::LstmConfig { variant, normalizer, tile, ..preset.lstm() };
+                // Built once here, on the CPU, so that a variant the LSTM refuses is refused before
+                // the run folder exists.
+                probattn_models::lstm::AttentionalLstm::new(&nn::VarStore::new(Device::Cpu).root(), lstm.clone(), vocab.max(PAD + 1), PAD)?;
+                Seq2SeqConfig { transformer: None, lstm: Some(lstm), vocab, pad: PAD, share_all_embeddings: false, max_positions: 1024 }
+            }
+        };
+        let schedule = match recipe.warmup {
+            Some(warmup) => Schedule::InverseSqrt(InverseSqrt {
+                lr: args.lr.unwrap_or(recipe.lr),
+                warmup_updates: args.warmup_updates.unwrap_or(warmup),
+                warmup_init_lr: args.warmup_init_lr,
+            }),
+            None => {
+                ensure!(
+                    args.warmup_updates.is_none(),
+                    "--warmup-updates belongs to the inverse-sqrt schedule; the LSTM presets decay the rate as OpenNMT-py does"
+                );
+                Schedule::PlateauDecay(PlateauDecay { lr: args.lr.unwrap_or(recipe.lr), decay: 0.5, start_decay_at: recipe.start_decay_at })
+            }
+        };
+        let label_smoothing = args.label_smoothing.unwrap_or(recipe.label_smoothing);
+        let max_tokens = args.max_tokens.unwrap_or(if args.quick { 2000 } else { recipe.max_tokens });
+        let max_grad_norm = args.max_grad_norm.unwrap_or(recipe.max_grad_norm);
         let selection: Selection = match &args.selection {
             Some(s) => serde_json::from_str(s)
                 .with_context(|| format!("--selection {s:?} is not a selection (JSON with kinds, layers, projections)"))?,
@@ -165,28 +246,27 @@ impl TranslateConfig {
         let repulsive_config =
             RepulsiveConfig { method, alpha: args.repulsive_alpha, stepsize: args.repulsive_stepsize, ..Default::default() };
         repulsive_config.validate()?;
-        ensure!(args.label_smoothing >= 0.0 && args.label_smoothing < 1.0, "--label-smoothing must lie in [0, 1)");
-        ensure!(args.max_tokens >= 16, "--max-tokens must be at least 16");
+        ensure!((0.0..1.0).contains(&label_smoothing), "--label-smoothing must lie in [0, 1)");
+        ensure!(max_tokens >= 16, "--max-tokens must be at least 16");
+        ensure!(max_grad_norm >= 0.0 && max_grad_norm.is_finite(), "--max-grad-norm must be finite and at least 0 (0: no clipping)");
         ensure!(args.beam >= 1, "--beam must be at least 1");
         Ok(Self {
             data_dir: args.data_dir().to_string_lossy().into(),
             src: args.src.clone(),
             tgt: args.tgt.clone(),
             preset,
-            model: Seq2SeqConfig { transformer, vocab, pad: PAD, share_all_embeddings: true, max_positions: 1024 },
+            model,
             repulsive,
             repulsive_config,
             selection,
             kl_weight: args.kl_weight,
-            adam: AdamConfig { beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: args.weight_decay },
-            schedule: InverseSqrt {
-                lr: args.lr.unwrap_or(lr),
-                warmup_updates: args.warmup_updates.unwrap_or(warmup),
-                warmup_init_lr: args.warmup_init_lr,
-            },
-            label_smoothing: args.label_smoothing,
-            max_tokens: if args.quick { 2000 } else { args.max_tokens },
-            bpe_vocab: args.bpe_vocab.unwrap_or(bpe),
+            kl_anneal_updates: args.kl_anneal_updates,
+            adam: AdamConfig { beta1: 0.9, beta2: recipe.beta2, eps: 1e-8, weight_decay: args.weight_decay.unwrap_or(recipe.weight_decay) },
+            schedule,
+            max_grad_norm,
+            label_smoothing,
+            max_tokens,
+            bpe_vocab: args.bpe_vocab.unwrap_or(recipe.bpe),
             max_epochs: if args.quick { 100 } else { args.max_epochs },
             max_updates: if args.quick { 300 } else { args.max_updates },
             patience: args.patience,
@@ -237,7 +317,7 @@ fn prepare(corpus: Corpus, args: &TranslateArgs, dir: &Path, resume: bool, ranks
         let tokenizer = if resume {
             data::load_tokenizer(&tok_path)?
         } else {
-            let vocab = args.bpe_vocab.unwrap_or(args.preset().recipe().2);
+            let vocab = args.bpe_vocab.unwrap_or(args.preset().recipe(args.arch).bpe);
             data::learn_bpe(&corpus.train, vocab, dir)?
         };
         json = tokenizer.to_string(true).map_err(|e| anyhow::anyhow!("serializing the tokenizer: {e}"))?.into_bytes();
@@ -257,6 +337,11 @@ fn prepare(corpus: Corpus, args: &TranslateArgs, dir: &Path, resume: bool, ranks
 /// `load_state_dict(strict=True)`. Returns the number of tensors written.
 pub fn export_checkpoint(ckpt: &Path, out: &Path) -> Result<usize> {
     let (tensors, state) = read_checkpoint(ckpt)?;
+    ensure!(
+        state.config.model.transformer.is_some(),
+        "{}: the PyTorch baseline is the Transformer; this checkpoint holds the attentional LSTM",
+        ckpt.display()
+    );
     ensure!(
         state.config.model.share_all_embeddings,
         "{}: the PyTorch baseline shares one embedding matrix; this model does not",
@@ -337,6 +422,9 @@ const ALL_ROWS: [(&str, &str, Repulsive); 5] = [
     ("bam-wc", "bam-wc", Repulsive::None),
 ];
 
+/// The rows of `--attention all --arch lstm`: the BAM paper's Table 4 pair.
+const LSTM_ROWS: [(&str, &str, Repulsive); 2] = [("softmax", "softmax", Repulsive::None), ("bam-wc", "bam-wc", Repulsive::None)];
+
 pub fn run(args: &TranslateArgs) -> Result<()> {
     let device = args.common.setup()?;
     if args.decode {
@@ -354,7 +442,8 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
     };
     let rows: Vec<(String, Variant, Repulsive)> = if all {
         ensure!(args.repulsive == Repulsive::None, "--attention all runs its own repulsive row; drop --repulsive");
-        ALL_ROWS.iter().map(|(n, v, r)| Ok((n.to_string(), v.parse()?, *r))).collect::<Result<_>>()?
+        let rows = if args.arch == Arch::Lstm { &LSTM_ROWS[..] } else { &ALL_ROWS[..] };
+        rows.iter().map(|(n, v, r)| Ok((n.to_string(), v.parse()?, *r))).collect::<Result<_>>()?
     } else {
         vec![(name(&args.attention, args.repulsive), args.attention.parse().context("--attention")?, args.repulsive)]
     };
@@ -404,7 +493,7 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
             format!("{:.2}", results.valid_bleu_mean),
             results.runs.len().to_string(),
             format!("{:.0}", results.tokens_per_second_mean),
-            format!("{dist:.3}"),
+            if dist.is_nan() { "–".into() } else { format!("{dist:.3}") }, // the LSTM's encoder has no heads
         ]);
     }
     let header = [
@@ -460,7 +549,7 @@ fn run_config(
     let (test_bleu_tok_mean, test_bleu_tok_std) = stat(|r| r.test_bleu_tok);
     let results = TranslateResults {
         dataset: args.dataset_name(),
-        attention: cfg.model.transformer.variant.to_string(),
+        attention: cfg.model.variant().to_string(),
         repulsive: cfg.repulsive,
         valid_bleu_mean: stat(|r| r.valid_bleu).0,
         tokens_per_second_mean: stat(|r| r.tokens_per_second).0,
@@ -491,18 +580,14 @@ fn run_config(
 /// The run's one-line description: data, model, attention, device.
 fn print_setup(p: &Prepared, cfg: &TranslateConfig, device: Device) {
     println!(
-        "{}-{}: {} / {} / {} sentence pairs, joint BPE {} symbols; {} layers, E = {}, {} heads, attention {} (cross-attention {}), repulsive {:?}; device {}, {} threads",
+        "{}-{}: {} / {} / {} sentence pairs, joint BPE {} symbols; {}, repulsive {:?}; device {}, {} threads",
         cfg.src,
         cfg.tgt,
         p.train.len(),
         p.valid.len(),
         p.test.len(),
         cfg.model.vocab,
-        cfg.model.transformer.encoder_layers,
-        cfg.model.transformer.embed_dim,
-        cfg.model.transformer.heads,
-        cfg.model.transformer.variant,
-        cfg.model.transformer.cross_variant(),
+        cfg.model.describe(),
         cfg.repulsive,
         probattn::device::device_name(device),
         tch::get_num_threads()

@@ -1,6 +1,8 @@
-//! fairseq's Adam with decoupled weight decay and the inverse-square-root schedule, written out so
-//! that its state (step, first and second moments) can be checkpointed and restored exactly; tch's
-//! optimizers keep theirs inside libtorch, out of reach.
+//! fairseq's Adam with decoupled weight decay and the inverse-square-root schedule (the
+//! Transformer's), OpenNMT-py's learning-rate decay on a validation plateau (the attentional
+//! LSTM's) and gradient-norm clipping, written out so that the optimizer's state (step, first and
+//! second moments) can be checkpointed and restored exactly; tch's optimizers keep theirs inside
+//! libtorch, out of reach.
 //!
 //! Per parameter, as fairseq's `optim/adam.py`: `m ← β1 m + (1−β1) g`, `v ← β2 v + (1−β2) g²`,
 //! `p ← p − lr·wd·p`, `p ← p − lr·sqrt(1−β2^t)/(1−β1^t) · m / (sqrt(v) + ε)`.
@@ -43,6 +45,77 @@ impl InverseSqrt {
     }
 }
 
+/// OpenNMT-py's `Optim.update_learning_rate` (the recipe of Deng et al. 2018): a constant rate,
+/// multiplied by `decay` after every epoch from the one where decaying started on: epoch
+/// `start_decay_at` (1-based), or the first epoch whose validation loss was above the epoch
+/// before's, whichever comes first.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlateauDecay {
+    pub lr: f64,
+    pub decay: f64,
+    /// `None`: only the validation loss starts the decay.
+    pub start_decay_at: Option<usize>,
+}
+
+impl PlateauDecay {
+    /// The rate of the epoch after those whose validation losses are `valid_losses` (in order).
+    pub fn lr_after(&self, valid_losses: &[f64]) -> f64 {
+        let mut decaying = false;
+        let mut lr = self.lr;
+        for (i, loss) in valid_losses.iter().enumerate() {
+            let epoch = i + 1;
+            decaying |= self.start_decay_at.is_some_and(|s| epoch >= s) || (i > 0 && *loss > valid_losses[i - 1]);
+            if decaying {
+                lr *= self.decay;
+            }
+        }
+        lr
+    }
+}
+
+/// The learning-rate schedule: fairseq's inverse square root (by update) or OpenNMT-py's decay
+/// (by epoch). Written to config.json as its fields alone, so a Transformer run's config reads
+/// as it always has.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Schedule {
+    InverseSqrt(InverseSqrt),
+    PlateauDecay(PlateauDecay),
+}
+
+impl Schedule {
+    /// The rate of the update after `updates` updates, in the epoch after those whose
+    /// validation losses are `valid_losses`.
+    pub fn lr(&self, updates: u64, valid_losses: &[f64]) -> f64 {
+        match self {
+            Self::InverseSqrt(s) => s.lr_at(updates),
+            Self::PlateauDecay(s) => s.lr_after(valid_losses),
+        }
+    }
+}
+
+/// Scales the gradients of `params` so that their joint L2 norm is at most `max_norm`
+/// (`torch.nn.utils.clip_grad_norm_`, as OpenNMT-py's `-max_grad_norm`); returns the norm before.
+pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Result<f64> {
+    let grads: Vec<Tensor> = params.iter().map(Tensor::grad).filter(Tensor::defined).collect();
+    if grads.is_empty() {
+        return Ok(0.0);
+    }
+    let squares: Vec<Tensor> = grads.iter().map(|g| g.square().sum(tch::Kind::Float)).collect();
+    let norm = f64::try_from(Tensor::stack(&squares, 0).sum(tch::Kind::Float).sqrt())?;
+    let scale = max_norm / (norm + 1e-6);
+    if scale < 1.0 {
+        tch::no_grad(|| {
+            for g in &grads {
+                let mut g = g.shallow_clone();
+                g *= scale;
+            }
+        });
+    }
+    Ok(norm)
+}
+
 /// The optimizer over a VarStore's trainable variables, by name.
 #[derive(Debug)]
 pub struct Adam {
@@ -59,6 +132,11 @@ impl Adam {
         let params: BTreeMap<String, Tensor> = vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
         let zeros = |p: &BTreeMap<String, Tensor>| p.iter().map(|(n, t)| (n.clone(), t.zeros_like())).collect();
         Self { cfg, step: 0, exp_avg: zeros(&params), exp_avg_sq: zeros(&params), params }
+    }
+
+    /// The parameters it updates.
+    pub fn params(&self) -> Vec<Tensor> {
+        self.params.values().map(Tensor::shallow_clone).collect()
     }
 
     pub fn zero_grad(&self) {
@@ -125,6 +203,32 @@ impl Adam {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn plateau_decay_halves_from_the_first_worse_epoch_or_start_decay_at() {
+        let s = PlateauDecay { lr: 1.0, decay: 0.5, start_decay_at: None };
+        assert_eq!(s.lr_after(&[]), 1.0);
+        assert_eq!(s.lr_after(&[5.0, 4.0, 3.0]), 1.0);
+        // Epoch 3 is worse: decaying starts there and goes on every epoch after.
+        assert_eq!(s.lr_after(&[5.0, 4.0, 4.5, 3.0, 2.0]), 0.125);
+        let s = PlateauDecay { start_decay_at: Some(2), ..s };
+        assert_eq!(s.lr_after(&[5.0]), 1.0);
+        assert_eq!(s.lr_after(&[5.0, 4.0, 3.0]), 0.25);
+        let json = serde_json::to_value(Schedule::PlateauDecay(s)).unwrap();
+        assert_eq!(serde_json::from_value::<Schedule>(json).unwrap(), Schedule::PlateauDecay(s));
+        let old = serde_json::json!({"lr": 5e-4, "warmup_updates": 4000, "warmup_init_lr": 1e-7});
+        assert!(matches!(serde_json::from_value::<Schedule>(old).unwrap(), Schedule::InverseSqrt(_)));
+    }
+
+    #[test]
+    fn clipping_scales_the_joint_norm() {
+        let a = Tensor::from_slice(&[3.0f32]).set_requires_grad(true);
+        let b = Tensor::from_slice(&[4.0f32]).set_requires_grad(true);
+        (&a * &a / 2.0 + &b * &b / 2.0).sum(tch::Kind::Float).backward(); // gradients 3 and 4: norm 5
+        assert!((clip_grad_norm(&[a.shallow_clone(), b.shallow_clone()], 1.0).unwrap() - 5.0).abs() < 1e-6);
+        assert!((f64::try_from(a.grad()).unwrap() - 0.6).abs() < 1e-5 && (f64::try_from(b.grad()).unwrap() - 0.8).abs() < 1e-5);
+        assert!((clip_grad_norm(&[a, b], 10.0).unwrap() - 1.0).abs() < 1e-5, "under the bound nothing changes");
+    }
 
     #[test]
     fn schedule_warms_up_then_decays() {

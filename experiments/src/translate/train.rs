@@ -14,7 +14,7 @@ use tch::{nn, Device, Kind, Tensor};
 
 use super::checkpoint::{average_last, fresh_state, load_params, read_checkpoint, save_checkpoint, TrainState};
 use super::evaluate::{encoder_diagnostics, hnas_gates, plots, translate_and_score, valid_loss};
-use super::optim::Adam;
+use super::optim::{clip_grad_norm, Adam};
 use super::{EpochMetrics, Prepared, Repulsive, RunResult, TranslateConfig};
 use crate::harness::{train_epochs, EpochLine, MetricsLog, Plateau, Stopping, Training};
 use crate::ranks::Ranks;
@@ -78,7 +78,7 @@ pub(super) fn train_seed(
         Repulsive::None => None,
         _ => {
             let mut h = RepulsiveHook::new(cfg.repulsive_config.clone(), cfg.selection.clone())?;
-            model.stack.register_repulsive(&mut h);
+            model.transformer().context("repulsive heads need the Transformer's multi-head attention")?.register_repulsive(&mut h);
             Some(h)
         }
     };
@@ -298,6 +298,7 @@ fn update(
     adam: &mut Adam,
     whole: &[usize],
     lr: f64,
+    kl_weight: f64,
 ) -> Result<UpdateStats> {
     let (p, cfg, device, ranks) = (run.p, run.cfg, run.device, run.ranks);
     let world = ranks.world_size() as f64;
@@ -312,7 +313,7 @@ fn update(
         Some(kl) => {
             // The KL is a mean over this rank's attention entries: weighed by the rank's share of
             // the batch's target tokens (1 in a single process).
-            objective += kl * (cfg.kl_weight * world * t.ntokens as f64 / whole_tokens as f64);
+            objective += kl * (kl_weight * world * t.ntokens as f64 / whole_tokens as f64);
             kl.detach().to_kind(Kind::Double)
         }
         None => Tensor::zeros([], (Kind::Double, device)),
@@ -329,6 +330,10 @@ fn update(
             let grads: Vec<Tensor> = h.params().iter().map(Tensor::grad).collect();
             group.broadcast(&grads.iter().collect::<Vec<_>>(), 0)?;
         }
+    }
+    if cfg.max_grad_norm > 0.0 {
+        // After the all-reduce and the hook: the norm of the gradient Adam will take.
+        clip_grad_norm(&adam.params(), cfg.max_grad_norm)?;
     }
     adam.step(lr);
     let values = Tensor::stack(&[loss.detach().to_kind(Kind::Double), nll.detach().to_kind(Kind::Double), kl_value], 0);
@@ -359,6 +364,7 @@ fn train_epoch(
     let rank_offset = (ranks.rank() as i64).wrapping_mul(0x9E37_79B9);
     tch::manual_seed((seed as i64).wrapping_mul(1_000_003).wrapping_add(epoch as i64 + 1).wrapping_add(rank_offset));
     let order = epoch_order(batches, seed, epoch);
+    let valid_losses: Vec<f64> = state.history.iter().map(|m| m.valid_loss).collect();
     let bar = progress_bar(order.len() as u64, format!("seed {seed} epoch {}", epoch + 1))?;
     let start = Instant::now();
     let mut sums = LossSums::new(seed);
@@ -369,8 +375,8 @@ fn train_epoch(
         }
         // As fairseq: update n (1-based) runs at the rate the schedule set after update n − 1,
         // so the first one at warmup_init_lr.
-        let lr = cfg.schedule.lr_at(state.updates);
-        let u = update(run, model, hook, reducer, adam, &batches[bi], lr)?;
+        let lr = cfg.schedule.lr(state.updates, &valid_losses);
+        let u = update(run, model, hook, reducer, adam, &batches[bi], lr, cfg.kl_weight_at(state.updates))?;
         state.updates += 1;
         (tokens, steps, has_kl) = (tokens + u.tokens, steps + 1, u.has_kl);
         if sums.push(state.updates, u.values)? {
@@ -404,7 +410,7 @@ fn train_epoch(
         seed,
         epoch: state.epoch,
         updates: state.updates,
-        lr: cfg.schedule.lr_at(state.updates),
+        lr: cfg.schedule.lr(state.updates, &[valid_losses, vec![valid_loss]].concat()),
         train_loss: loss_sum / tokens.max(1.0),
         train_nll: nll_sum / tokens.max(1.0),
         kl: has_kl.then(|| kl_sum / kl_terms.max(1.0)),
