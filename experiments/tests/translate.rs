@@ -283,3 +283,63 @@ fn the_attentional_lstm_trains_resumes_decodes_and_refuses_what_it_lacks() -> Re
     ensure!(!Path::new(&never).exists(), "a refused run left {never} behind");
     Ok(())
 }
+
+#[test]
+fn the_lstm_equals_an_independent_pytorch_lstm_on_the_same_weights() -> Result<()> {
+    // python/baselines/translate.py writes the LSTM again in PyTorch (packed bidirectional
+    // nn.LSTM, LSTMCell decoder, softmax attention by hand); our trained checkpoint, exported and
+    // cast to float64, must give the same logits on a padded batch.
+    let tmp = TempDir::new("translate-lstm-parity")?;
+    let data = tmp.path("data");
+    std::fs::create_dir_all(&data)?;
+    write_corpus(&data, [100, 5, 5])?;
+    let (d, run) = (data.to_string_lossy().to_string(), tmp.path("run").to_string_lossy().to_string());
+    let at = FLAGS.iter().position(|f| *f == "--warmup-updates").context("FLAGS sets --warmup-updates")?;
+    let mut flags: Vec<&str> = FLAGS.iter().enumerate().filter(|(i, _)| *i != at && *i != at + 1).map(|(_, f)| *f).collect();
+    let epochs = flags.iter().position(|f| *f == "--max-epochs").context("--max-epochs")? + 1;
+    flags[epochs] = "1";
+    let o = probattn(&[&["translate", "--arch", "lstm", "--data-dir", &d, "--out", &run][..], &flags].concat())?;
+    ensure!(o.status.success(), "{}", text(&o));
+    let sd = tmp.path("sd.safetensors");
+    let o = probattn(&["export", "--checkpoint", &format!("{run}/seed-1/checkpoint_best.safetensors"), "--out", &sd.to_string_lossy()])?;
+    ensure!(o.status.success(), "{}", text(&o));
+    let weights: Vec<(String, tch::Tensor)> =
+        tch::Tensor::read_safetensors(&sd)?.into_iter().map(|(n, t)| (n, t.to_kind(tch::Kind::Double))).collect();
+    let sd64 = tmp.path("sd64.safetensors");
+    tch::Tensor::write_safetensors(&weights.iter().map(|(n, t)| (n.as_str(), t)).collect::<Vec<_>>(), &sd64)?;
+    // A padded batch of ids from the vocabulary (4 and up: not the special tokens).
+    let src = tch::Tensor::from_slice(&[5i64, 9, 11, 7, 2, 8, 4, 2, 1, 1, 12, 6, 2, 1, 1]).view([3, 5]);
+    let prev = tch::Tensor::from_slice(&[2i64, 7, 9, 4, 2, 5, 10, 1, 2, 13, 1, 1]).view([3, 4]);
+    let inputs = tmp.path("in.safetensors");
+    tch::Tensor::write_safetensors(&[("src", &src), ("prev", &prev)], &inputs)?;
+    let theirs = tmp.path("logits.safetensors");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let o = Command::new(common::python()?)
+        .arg(root.join("python/baselines/translate.py"))
+        .args([
+            "--run",
+            &run,
+            "--load-state-dict",
+            &sd64.to_string_lossy(),
+            "--logits",
+            &inputs.to_string_lossy(),
+            &theirs.to_string_lossy(),
+        ])
+        .output()?;
+    ensure!(o.status.success(), "the PyTorch LSTM did not run: {}", text(&o));
+    let theirs = tch::Tensor::read_safetensors(&theirs)?.into_iter().next().context("no logits")?.1;
+
+    let config = binary::json(&tmp.path("run/config.json"))?;
+    let cfg: probattn_models::translation::Seq2SeqConfig = serde_json::from_value(config["model"].clone())?;
+    let mut vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let model = probattn_models::translation::Seq2Seq::new(&vs.root(), cfg)?;
+    vs.double();
+    vs.load(&sd64)?;
+    let (ours, _) = model.forward_t(&src, &prev, false)?;
+    // Padded target steps are nobody's output; compare the live ones.
+    let live = prev.ne(1).unsqueeze(-1).to_kind(tch::Kind::Double);
+    let err = ((&ours - &theirs) * &live).abs().max().double_value(&[]);
+    let scale = theirs.abs().max().double_value(&[]);
+    ensure!(err <= 1e-10 * (1.0 + scale), "ours and PyTorch's LSTM logits differ by {err} (scale {scale})");
+    Ok(())
+}

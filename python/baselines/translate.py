@@ -1,5 +1,6 @@
-"""Transformer translation in plain PyTorch: the model, BPE'd data, batching and recipe of a
-`probattn translate` run (softmax attention), for training speed and BLEU side by side.
+"""Translation in plain PyTorch: the model, BPE'd data, batching and recipe of a `probattn
+translate` run (softmax attention; the Transformer, or the attentional LSTM of `--arch lstm`),
+for training speed and BLEU side by side.
 
 It reads the run's config.json and tokenizer.json (the Python `tokenizers` package loads the Rust
 crate's file, so both sides see the same token ids), batches by token count in the same seeded
@@ -18,6 +19,14 @@ key/value cache: each step re-runs the decoder on the prefix) and sacreBLEU of i
 
 Prints JSON: tokens_per_second (training loop only), updates, train_seconds, valid_loss,
 and with --decode test_bleu (greedy) and its signature.
+
+The attentional LSTM (`--arch lstm`, Deng et al. 2018) is written here independently of
+models/src/lstm.rs: the encoder is `torch.nn.LSTM(bidirectional=True)` over packed sequences, one
+per layer (ours reverses each sentence within its length); the decoder is `torch.nn.LSTMCell`s with
+input feeding of the context; the attention is `softmax(q·m / sqrt(M))` of `q = W_a s_t` over the
+memory, padded keys excluded; the output `tanh(W_out [c; s])` and a generator. Its recipe: Adam
+(β2 0.999) without weight decay, gradient norm clipping, the constant rate of the first epoch
+(OpenNMT-py's decay acts between epochs), cross-entropy without smoothing, as the run's config says.
 
 Weights both ways: `--load-state-dict SD.safetensors` loads a trained probattn model, exported with
 `probattn export --checkpoint CKPT --out SD.safetensors`, with `load_state_dict(strict=True)`
@@ -164,6 +173,81 @@ class Seq2Seq(torch.nn.Module):
         return y @ self.embed.t()
 
 
+class AttentionalLstm(torch.nn.Module):
+    """The LSTM of `probattn translate --arch lstm` (softmax attention), parameters named so that
+    `probattn export`'s state dict loads through `load_probattn`."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        c, v = cfg["model"]["lstm"], cfg["model"]["vocab"]
+        e, h, m, hd = c["embed_dim"], c["encoder_hidden"], 2 * c["encoder_hidden"], c["decoder_hidden"]
+        self.p, self.pad, self.m, self.hd = c["dropout"], PAD, m, hd
+        self.src_embed = torch.nn.Embedding(v, e, padding_idx=PAD)
+        self.tgt_embed = torch.nn.Embedding(v, e, padding_idx=PAD)
+        self.encoder = torch.nn.ModuleList(
+            torch.nn.LSTM(e if l == 0 else m, h, batch_first=True, bidirectional=True) for l in range(c["encoder_layers"]))
+        self.decoder = torch.nn.ModuleList(torch.nn.LSTMCell(e + m if l == 0 else hd, hd) for l in range(c["decoder_layers"]))
+        self.linear_in = torch.nn.Linear(hd, m, bias=False)
+        self.linear_out = torch.nn.Linear(m + hd, hd, bias=False)
+        self.generator = torch.nn.Linear(hd, v)
+        r = c["init_range"]
+        for p in self.parameters():
+            torch.nn.init.uniform_(p, -r, r)
+        with torch.no_grad():
+            self.src_embed.weight[PAD] = 0
+            self.tgt_embed.weight[PAD] = 0
+
+    def load_probattn(self, sd):
+        """Loads `probattn export`'s names (strict): encoder.layers.L.forward|backward.weight_ih, ..."""
+        ours = {"encoder.embed_tokens.weight": "src_embed.weight", "decoder.embed_tokens.weight": "tgt_embed.weight",
+                "decoder.attention.linear_in.weight": "linear_in.weight",
+                "decoder.attention.linear_out.weight": "linear_out.weight",
+                "generator.weight": "generator.weight", "generator.bias": "generator.bias"}
+        for l in range(len(self.encoder)):
+            for d, suffix in (("forward", ""), ("backward", "_reverse")):
+                for w in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                    ours[f"encoder.layers.{l}.{d}.{w}"] = f"encoder.{l}.{w}_l0{suffix}"
+        for l in range(len(self.decoder)):
+            for w in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                ours[f"decoder.layers.{l}.{w}"] = f"decoder.{l}.{w}"
+        unknown = sorted(set(sd) - set(ours))
+        if unknown:
+            raise RuntimeError(f"not parameters of the LSTM baseline: {', '.join(unknown)}")
+        self.load_state_dict({ours[k]: t for k, t in sd.items()}, strict=True)
+
+    def encode(self, src):
+        lengths = src.ne(self.pad).sum(1)
+        x = F.dropout(self.src_embed(src), self.p, self.training)
+        for l, lstm in enumerate(self.encoder):
+            if l:
+                x = F.dropout(x, self.p, self.training)
+            packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+            x, _ = lstm(packed)
+            x, _ = torch.nn.utils.rnn.pad_packed_sequence(x, batch_first=True, total_length=src.size(1))
+        return x
+
+    def forward(self, src, prev):
+        memory, src_pad = self.encode(src), src.eq(self.pad)
+        b = src.size(0)
+        hs = [memory.new_zeros(b, self.hd) for _ in self.decoder]
+        cs = [memory.new_zeros(b, self.hd) for _ in self.decoder]
+        feed, outs = memory.new_zeros(b, self.m), []
+        emb = F.dropout(self.tgt_embed(prev), self.p, self.training)
+        for t in range(prev.size(1)):
+            x = torch.cat([emb[:, t], feed], 1)
+            for l, cell in enumerate(self.decoder):
+                if l:
+                    x = F.dropout(x, self.p, self.training)
+                hs[l], cs[l] = cell(x, (hs[l], cs[l]))
+                x = hs[l]
+            q = self.linear_in(x)
+            scores = torch.einsum("bm,bsm->bs", q, memory) / math.sqrt(self.m)
+            weights = scores.masked_fill(src_pad, -math.inf).softmax(-1)
+            feed = torch.einsum("bs,bsm->bm", weights, memory)
+            outs.append(F.dropout(torch.tanh(self.linear_out(torch.cat([feed, x], 1))), self.p, self.training))
+        return self.generator(torch.stack(outs, 1))
+
+
 def label_smoothed(logits, target, eps):
     lprobs = logits.log_softmax(-1)
     keep = target.ne(PAD).float()
@@ -198,6 +282,8 @@ class FairseqAdam:
 
 
 def lr_at(s, update):
+    if "warmup_updates" not in s:
+        return s["lr"]  # OpenNMT-py's decay: constant within an epoch (the first, here)
     w = max(s["warmup_updates"], 1)
     if update < w:
         return s["warmup_init_lr"] + (s["lr"] - s["warmup_init_lr"]) * update / w
@@ -242,14 +328,33 @@ def main():
     parser.add_argument("--hyp", metavar="FILE", help="with --decode: also write the test hypotheses here, one per line")
     parser.add_argument("--load-state-dict", metavar="SD", help="load these weights (strict) instead of training")
     parser.add_argument("--export-torchscript", metavar="M.pt", help="save the model scripted (after training or loading)")
+    parser.add_argument("--logits", nargs=2, metavar=("IN", "OUT"),
+                        help="with --load-state-dict: the eval-mode logits of IN's `src` and `prev` (safetensors) "
+                             "to OUT, in IN's dtype, and nothing else")
     args = parser.parse_args()
     from tokenizers import Tokenizer
     if args.threads:
         torch.set_num_threads(args.threads)
     with open(os.path.join(args.run, "config.json")) as f:
         cfg = json.load(f)
-    if cfg["model"]["transformer"]["variant"] != "softmax" or cfg["repulsive"] != "none":
+    lstm = "lstm" in cfg["model"]
+    if (cfg["model"].get("lstm") or cfg["model"]["transformer"])["variant"] != "softmax" or cfg["repulsive"] != "none":
         sys.exit("the baseline is softmax attention without repulsive heads; give it a softmax run")
+    if lstm and args.export_torchscript:
+        sys.exit("--export-torchscript is the Transformer's (the LSTM decoder is a Python loop)")
+    if args.logits:
+        from safetensors.torch import load_file, save_file
+        if not args.load_state_dict:
+            sys.exit("--logits needs --load-state-dict")
+        inputs = load_file(args.logits[0])
+        model = AttentionalLstm(cfg) if lstm else Seq2Seq(cfg)
+        sd = load_file(args.load_state_dict)
+        model.to(next(iter(sd.values())).dtype)
+        model.load_probattn(sd) if lstm else model.load_state_dict(sd, strict=True)
+        model.eval()
+        with torch.no_grad():
+            save_file({"logits": model(inputs["src"], inputs["prev"]).contiguous()}, args.logits[1])
+        return
     tok = Tokenizer.from_file(os.path.join(args.run, "tokenizer.json"))
     d, s, t = cfg["data_dir"], cfg["src"], cfg["tgt"]
     lim = {"train": cfg.get("limit_train"), "valid": cfg.get("limit_valid"), "test": cfg.get("limit_test")}
@@ -260,11 +365,12 @@ def main():
             src_lines, tgt_lines = src_lines[:lim[split]], tgt_lines[:lim[split]]
         data[split] = (encode(tok, src_lines), encode(tok, tgt_lines), tgt_lines)
     torch.manual_seed(args.seed)
-    model = Seq2Seq(cfg)
+    model = AttentionalLstm(cfg) if lstm else Seq2Seq(cfg)
     if args.load_state_dict:
         from safetensors.torch import load_file
         try:
-            model.load_state_dict(load_file(args.load_state_dict), strict=True)
+            sd = load_file(args.load_state_dict)
+            model.load_probattn(sd) if lstm else model.load_state_dict(sd, strict=True)
         except RuntimeError as e:
             sys.exit(f"error: {args.load_state_dict}: {e}")
         args.max_updates = 0
@@ -290,6 +396,8 @@ def main():
             for p in model.parameters():
                 p.grad = None
             (loss / ntok).backward()
+            if cfg.get("max_grad_norm"):
+                torch.nn.utils.clip_grad_norm_(opt.params, cfg["max_grad_norm"])
             opt.step(lr_at(cfg["schedule"], updates))  # fairseq: update n runs at the rate set after n - 1
             updates += 1
             tokens += ntok

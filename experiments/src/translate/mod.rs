@@ -337,20 +337,17 @@ fn prepare(corpus: Corpus, args: &TranslateArgs, dir: &Path, resume: bool, ranks
 /// `load_state_dict(strict=True)`. Returns the number of tensors written.
 pub fn export_checkpoint(ckpt: &Path, out: &Path) -> Result<usize> {
     let (tensors, state) = read_checkpoint(ckpt)?;
+    let lstm = state.config.model.lstm.is_some();
     ensure!(
-        state.config.model.transformer.is_some(),
-        "{}: the PyTorch baseline is the Transformer; this checkpoint holds the attentional LSTM",
-        ckpt.display()
-    );
-    ensure!(
-        state.config.model.share_all_embeddings,
+        lstm || state.config.model.share_all_embeddings,
         "{}: the PyTorch baseline shares one embedding matrix; this model does not",
         ckpt.display()
     );
     let vs = nn::VarStore::new(Device::Cpu);
     Seq2Seq::new(&vs.root(), state.config.model.clone())?;
     load_params(&vs, &tensors, ckpt)?;
-    probattn::interop::export_params(&vs, out, |n| baseline_name(n).unwrap_or_else(|| n.to_string()))?;
+    // The LSTM baseline maps our names itself (a PyTorch module cannot be called `forward`).
+    probattn::interop::export_params(&vs, out, |n| if lstm { n.to_string() } else { baseline_name(n).unwrap_or_else(|| n.to_string()) })?;
     Ok(vs.variables().len())
 }
 
