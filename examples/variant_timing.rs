@@ -20,7 +20,7 @@ fn main() -> probattn::Result<()> {
     let device = Device::Cpu;
     let allocator = if retained { "retain" } else { "system" };
     println!("B=8 H=8 E=512 S={seq}, {} threads, allocator {allocator}, median of {repeats}", tch::get_num_threads());
-    let names = ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-nokl", "bam-lf", "bam-lc", "bam-wf", "bam-wc"];
+    let names = probattn::normalize::registry::examples();
     let stores: Vec<nn::VarStore> = names.iter().map(|_| nn::VarStore::new(device)).collect();
     let layers = names
         .iter()

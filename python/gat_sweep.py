@@ -30,6 +30,9 @@ import os
 import subprocess
 import sys
 
+import variants  # python/, this script's folder
+
+
 def grid(variant, chosen):
     """The settings tried for `variant`, given the choices already made."""
     if variant == "bam-nokl":
@@ -39,7 +42,8 @@ def grid(variant, chosen):
     return {"sigma": [0.1, 0.5, 1.0], "kl_weight": [1.0]}
 
 
-VARIANTS = ["bam-nokl", "bam-wf", "bam-wc", "bam-lf", "bam-lc"]
+# The registry's BAM variants, bam-nokl first: it chooses the Weibull shape the others share.
+VARIANTS = sorted(variants.examples(family="bayesian"), key=lambda v: v != "bam-nokl")
 
 
 def run_setting(args, variant, setting):

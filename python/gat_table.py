@@ -18,9 +18,10 @@ import os
 import statistics
 import sys
 
+import variants
 from tables import cell, diff_cell, markdown
 
-ORDER = ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-nokl", "bam-lf", "bam-lc", "bam-wf", "bam-wc"]
+ORDER = variants.examples()  # the registry's order: softmax, dnas, hnas, sinkhorn-3, the five BAM
 PAPER = {  # BAM paper Table 1 (5 runs; GAT row is their rerun) and the GAT paper (100 runs)
     "softmax": {"cora": "83.00 (GAT paper 83.0 ± 0.7)", "citeseer": "72.50 (GAT paper 72.5 ± 0.7)"},
     "bam-nokl": {"cora": "83.39", "citeseer": "72.91"},

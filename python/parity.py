@@ -28,8 +28,11 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference as ref  # noqa: E402
+import variants  # noqa: E402
 
-VARIANTS = ["softmax", "dnas", "hnas", "sinkhorn-1", "sinkhorn-3"]
+# The deterministic variants of the registry, with Sinkhorn's one-sweep limit (DNAS) beside its example.
+VARIANTS = [n for v in variants.registry() if not v["stochastic"]
+            for n in (["sinkhorn-1", v["example"]] if v["name"] == "sinkhorn-N" else [v["example"]])]
 PRIOR_NAMES = ["prior.f1.weight", "prior.f1.bias", "prior.f2.weight", "prior.f2.bias"]
 BAM_DEFAULTS = {"k": 1000.0, "sigma": 1.0, "prior_alpha": 1.0, "prior_beta": 1.0, "prior_mu": 0.0,
                 "prior_sigma": 1.0, "base": "softmax"}

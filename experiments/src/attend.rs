@@ -35,7 +35,7 @@ use crate::common::CommonArgs;
 #[derive(Args, Debug)]
 pub struct AttendArgs {
     /// Attention variant: softmax, dnas, hnas, sinkhorn-N, bam-nokl, bam-lf, bam-lc, bam-wf or bam-wc.
-    #[arg(long, visible_alias = "attention", value_parser = parse_variant)]
+    #[arg(long, visible_alias = "attention", value_parser = crate::variants::parse_variant)]
     pub variant: Variant,
     /// safetensors file with q, k, v (B, H, S, d) and optional masks and hybrid_logit.
     #[arg(long)]
@@ -95,7 +95,7 @@ pub struct BamArgs {
     #[arg(long, default_value_t = BamConfig::default().prior_hidden)]
     pub prior_hidden: i64,
     /// BAM base normalizer whose weights are the mean: softmax, dnas, hnas or sinkhorn-N.
-    #[arg(long, default_value = "softmax", value_parser = parse_variant)]
+    #[arg(long, default_value = "softmax", value_parser = crate::variants::parse_variant)]
     pub base: Variant,
 }
 
@@ -114,10 +114,6 @@ impl BamArgs {
             ..BamConfig::default()
         }
     }
-}
-
-fn parse_variant(s: &str) -> std::result::Result<Variant, String> {
-    s.parse().map_err(|e: probattn::Error| e.to_string())
 }
 
 const KNOWN_INPUTS: [&str; 8] = ["q", "k", "v", "key_padding_mask", "query_padding_mask", "attn_mask", "hybrid_logit", "noise"];

@@ -25,7 +25,10 @@ use tch::{Device, Kind, Tensor};
 use crate::common::CommonArgs;
 use crate::provenance::{run_dir, run_python, write_results, Provenance};
 
-const VARIANTS: [&str; 6] = ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-wc", "bam-lc"];
+/// The registry's benchmarked variants (softmax, dnas, hnas, sinkhorn-3, bam-lc, bam-wc).
+fn variants() -> Vec<&'static str> {
+    probattn::normalize::registry::benchmarked()
+}
 const MEMORY_EFFICIENT: &str = "probattn-memory-efficient";
 const HEADS: i64 = 8;
 const EMBED: i64 = 512;
@@ -57,9 +60,9 @@ pub struct BenchArgs {
     /// --no-pytorch for PyTorch's eager side).
     #[arg(long)]
     pub no_eager: bool,
-    /// Variants to measure, from softmax, dnas, hnas, sinkhorn-3, bam-wc, bam-lc (default: all
+    /// Variants to measure, from the registry's benchmarked ones: softmax, dnas, hnas, sinkhorn-3, bam-lc, bam-wc (default: all
     /// six); both sides measure the same ones.
-    #[arg(long, visible_alias = "attention", value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(VARIANTS))]
+    #[arg(long, visible_alias = "attention", value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(variants()))]
     pub variants: Option<Vec<String>>,
     /// Batch size B of the attention layer.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(i64).range(1..))]
@@ -203,13 +206,13 @@ struct Row {
 /// --memory-efficient.
 fn rows(args: &BenchArgs) -> Vec<Row> {
     let chosen = |v: &&str| args.variants.as_ref().map_or(true, |list| list.iter().any(|c| c == v));
-    let eager = VARIANTS.into_iter().filter(chosen).filter(|_| !args.no_eager).map(|variant| Row {
+    let eager = variants().into_iter().filter(chosen).filter(|_| !args.no_eager).map(|variant| Row {
         variant,
         implementation: "probattn",
         tile: None,
         batch: args.batch,
     });
-    let tiled = VARIANTS.into_iter().filter(chosen).filter(|_| args.memory_efficient).map(|variant| Row {
+    let tiled = variants().into_iter().filter(chosen).filter(|_| args.memory_efficient).map(|variant| Row {
         variant,
         implementation: MEMORY_EFFICIENT,
         tile: Some(args.tile),
@@ -340,7 +343,7 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
     );
     let tiled_rows = m.iter().any(|x| x.implementation == MEMORY_EFFICIENT);
     // The variants measured at all (--variants may leave some out), in the usual order.
-    let measured: Vec<&str> = VARIANTS.into_iter().filter(|v| m.iter().any(|x| x.variant == *v)).collect();
+    let measured: Vec<&str> = variants().into_iter().filter(|v| m.iter().any(|x| x.variant == *v)).collect();
     let eager_rows = m.iter().any(|x| x.implementation == "probattn" || x.implementation == "pytorch");
     for &s in &seqs {
         let soft = find("softmax", "probattn", s);
@@ -430,7 +433,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         };
         let threads = tch::get_num_threads().to_string();
         let lib = memory::python_counter_library();
-        let variants = args.variants.as_ref().map_or_else(|| VARIANTS.join(","), |v| v.join(","));
+        let variants = args.variants.as_ref().map_or_else(|| variants().join(","), |v| v.join(","));
         let json = run_python(
             "bench.py",
             &[

@@ -24,6 +24,7 @@ pub mod ranks;
 pub mod report;
 pub mod seq2seq;
 pub mod translate;
+pub mod variants;
 pub mod vqa;
 pub mod vqa_eval;
 
@@ -60,6 +61,8 @@ pub enum Command {
     Vqa(Box<vqa::VqaArgs>),
     /// The official VQA accuracy of a results file (overall, per answer type, per question type).
     VqaEval(vqa_eval::VqaEvalArgs),
+    /// The attention variants: what each is, its family, properties and settings (--json for scripts).
+    Variants(variants::VariantsArgs),
 }
 
 pub fn run(cli: &Cli) -> anyhow::Result<()> {
@@ -74,5 +77,6 @@ pub fn run(cli: &Cli) -> anyhow::Result<()> {
         Command::Export(args) => export::run(args),
         Command::Vqa(args) => vqa::run(args),
         Command::VqaEval(args) => vqa_eval::run(args),
+        Command::Variants(args) => variants::run(args),
     }
 }

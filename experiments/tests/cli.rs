@@ -350,3 +350,32 @@ fn commands_whose_tensors_cannot_fit_say_out_of_memory() -> Result<()> {
     ensure!(!Path::new(&run).join("results.json").exists(), "a failed run wrote results");
     Ok(())
 }
+
+#[test]
+fn the_variant_registry_is_what_the_python_scripts_read() -> Result<()> {
+    // python/variants.json is `probattn variants --json`, saved for the scripts: the two may not
+    // drift (regenerate with `probattn variants --json > python/variants.json`).
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let o = probattn(&["variants", "--json"])?;
+    ensure!(o.status.success(), "{}", text(&o));
+    let saved = std::fs::read_to_string(root.join("python/variants.json"))?;
+    ensure!(
+        String::from_utf8_lossy(&o.stdout) == saved,
+        "python/variants.json differs from `probattn variants --json`: regenerate it with `probattn variants --json > python/variants.json`"
+    );
+    let table = probattn(&["variants"])?;
+    ensure!(table.status.success() && text(&table).contains("| sinkhorn-N | doubly-normalized |"), "{}", text(&table));
+    // The scripts' lists come from it.
+    let out = Command::new(python()?)
+        .current_dir(root.join("python"))
+        .args(["-c", "import parity, gat_table; print(parity.VARIANTS, gat_table.ORDER)"])
+        .output()?;
+    ensure!(out.status.success(), "{}", text(&out));
+    ensure!(
+        text(&out).trim()
+            == "['softmax', 'dnas', 'hnas', 'sinkhorn-1', 'sinkhorn-3'] ['softmax', 'dnas', 'hnas', 'sinkhorn-3', 'bam-nokl', 'bam-lf', 'bam-lc', 'bam-wf', 'bam-wc']",
+        "{}",
+        text(&out)
+    );
+    Ok(())
+}

@@ -15,6 +15,7 @@ mod dnas;
 mod hnas;
 mod noise;
 mod prior;
+pub mod registry;
 mod sinkhorn;
 mod softmax;
 mod support;
@@ -142,8 +143,10 @@ pub enum Variant {
 }
 
 impl Variant {
-    /// The variant names the parser accepts, for error messages and `--help`.
-    pub const KNOWN: &'static str = "softmax, dnas, hnas, sinkhorn-N (N >= 1), bam-nokl, bam-lf, bam-lc, bam-wf, bam-wc";
+    /// Its entry in the [`registry`].
+    pub fn spec(self) -> &'static registry::VariantSpec {
+        registry::spec_of(self)
+    }
 
     /// Builds the normalizer for `heads` heads of keys with `key_dim` features. Learnable
     /// parameters (HNAS's gate logits, BAM's contextual prior) live under `p`.
@@ -172,20 +175,7 @@ impl FromStr for Variant {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self> {
-        let unknown = || Error::UnknownVariant { name: s.to_string(), known: Self::KNOWN.to_string() };
-        match s {
-            "softmax" | "unas" => Ok(Self::Softmax),
-            "dnas" => Ok(Self::Dnas),
-            "hnas" => Ok(Self::Hnas),
-            _ if s.starts_with("bam-") => BamKind::from_name(s).map(Self::Bam).ok_or_else(unknown),
-            _ => {
-                let n: u32 = s.strip_prefix("sinkhorn-").ok_or_else(unknown)?.parse().map_err(|_| unknown())?;
-                if n == 0 {
-                    return Err(unknown());
-                }
-                Ok(Self::Sinkhorn(n))
-            }
-        }
+        registry::lookup(s).map(|(_, v)| v).ok_or_else(|| Error::UnknownVariant { name: s.to_string(), known: registry::known() })
     }
 }
 

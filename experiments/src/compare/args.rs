@@ -61,7 +61,7 @@ pub struct CompareArgs {
     pub heads: Option<i64>,
     /// Normalizer of the native model: softmax for torch.nn.MultiheadAttention; dnas, hnas,
     /// sinkhorn-N for python/probattn_torch modules of that variant.
-    #[arg(long, visible_alias = "attention", default_value = "softmax", value_parser = parse_variant)]
+    #[arg(long, visible_alias = "attention", default_value = "softmax", value_parser = crate::variants::parse_variant)]
     pub variant: Variant,
     /// safetensors file with the forward arguments by name, in the module's layout (mha: query,
     /// key, value, optional key_padding_mask); without it, random inputs from --seed.
@@ -116,10 +116,6 @@ pub struct CompareArgs {
     pub json: bool,
     #[command(flatten)]
     pub common: CommonArgs,
-}
-
-fn parse_variant(s: &str) -> std::result::Result<Variant, String> {
-    s.parse().map_err(|e: probattn::Error| e.to_string())
 }
 
 impl CompareArgs {

@@ -50,9 +50,6 @@ impl Dataset {
     }
 }
 
-/// The variants `--attention all` runs, in the order of the table.
-pub const ALL_VARIANTS: [&str; 9] = ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-nokl", "bam-lf", "bam-lc", "bam-wf", "bam-wc"];
-
 /// Flags of `probattn gat`.
 #[derive(Args, Debug)]
 pub struct GatArgs {
@@ -192,7 +189,8 @@ pub fn run(args: &GatArgs) -> Result<()> {
     ensure!(args.seeds >= 1, "--seeds must be at least 1");
     ensure!(args.max_epochs >= 1 && args.patience >= 1, "--max-epochs and --patience must be at least 1");
     let variants: Vec<Variant> = if args.attention == "all" {
-        ALL_VARIANTS.iter().map(|v| v.parse()).collect::<probattn::Result<_>>()?
+        // Every variant of the registry, in its order (the papers' tables').
+        probattn::normalize::registry::examples().iter().map(|v| v.parse()).collect::<probattn::Result<_>>()?
     } else {
         vec![args.attention.parse().context("--attention")?]
     };

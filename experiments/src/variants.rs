@@ -1,0 +1,51 @@
+//! `probattn variants`: the registry of attention variants (`probattn::normalize::registry`), as
+//! a table or as JSON. `python/variants.json` is its `--json` output, which the Python scripts
+//! read (a test keeps the two equal).
+
+use anyhow::Result;
+use clap::Args;
+use probattn::normalize::registry::VARIANTS;
+
+/// Flags of `probattn variants`.
+#[derive(Args, Debug)]
+pub struct VariantsArgs {
+    /// Print the registry as JSON (one object per variant, every field) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The registry as pretty JSON, newline-terminated: what `--json` prints.
+pub fn registry_json() -> Result<String> {
+    Ok(serde_json::to_string_pretty(VARIANTS)? + "\n")
+}
+
+/// A clap value parser of variant names: the registry's, with its error message.
+pub fn parse_variant(s: &str) -> std::result::Result<probattn::Variant, String> {
+    s.parse().map_err(|e: probattn::Error| e.to_string())
+}
+
+pub fn run(args: &VariantsArgs) -> Result<()> {
+    if args.json {
+        print!("{}", registry_json()?);
+        return Ok(());
+    }
+    let yes = |b: bool| if b { "yes" } else { "no" };
+    let rows: Vec<Vec<String>> = VARIANTS
+        .iter()
+        .map(|s| {
+            vec![
+                s.name.to_string(),
+                serde_json::to_value(s.family).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(),
+                s.summary.to_string(),
+                yes(s.causal_safe).into(),
+                yes(s.stochastic).into(),
+                yes(s.kl).into(),
+                yes(s.memory_efficient.is_some()).into(),
+                s.settings.iter().map(|x| format!("{} = {}", x.name, x.default)).collect::<Vec<_>>().join(", "),
+            ]
+        })
+        .collect();
+    let header = ["variant", "family", "what it does", "causal", "samples", "KL", "memory-efficient", "settings (defaults)"];
+    println!("{}", crate::report::markdown_table(&header, &rows));
+    Ok(())
+}

@@ -1,0 +1,309 @@
+//! The registry of attention variants: one table of what each variant is, that the library's
+//! parser, the command line's value lists, `bench`, `gat`, `probattn variants --json` and the
+//! Python scripts all read, so that no list of names is kept anywhere else.
+//!
+//! Each entry names the variant as the command line spells it, says which family it belongs to
+//! and where it comes from, and states the properties the callers branch on: whether it may run
+//! under a causal mask, whether it samples and has a KL term, and which memory-efficient route
+//! it has. The settings a variant reads (BAM's `k`, HNAS's initial `u`, ...) are listed with
+//! their defaults, which [`NormalizerConfig::default`](super::NormalizerConfig) supplies.
+
+use serde::Serialize;
+
+use super::{BamKind, Variant};
+
+/// How a variant normalizes, as the papers group them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Family {
+    /// Each query over its keys (softmax).
+    RowWise,
+    /// Each key over the queries too (DNAS, Sinkhorn).
+    DoublyNormalized,
+    /// A learned mix of the two (HNAS).
+    Hybrid,
+    /// Stochastic weights around a deterministic base (BAM).
+    Bayesian,
+}
+
+/// A setting a variant reads, with its default.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Setting {
+    /// The field of [`NormalizerConfig`](super::NormalizerConfig) (`bam.k`, `hybrid_init_u`, ...).
+    pub name: &'static str,
+    pub default: &'static str,
+    pub meaning: &'static str,
+}
+
+/// One variant of the registry.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct VariantSpec {
+    /// The name as the command line spells it; `N` stands for a positive integer.
+    pub name: &'static str,
+    /// Other spellings the parser accepts.
+    pub aliases: &'static [&'static str],
+    /// The instance examples, benches and sweeps take (`sinkhorn-3` for `sinkhorn-N`).
+    pub example: &'static str,
+    pub family: Family,
+    pub summary: &'static str,
+    /// The paper and section it comes from.
+    pub source: &'static str,
+    /// May run under a causal mask (its weights of query `i` ignore later queries).
+    pub causal_safe: bool,
+    /// Samples in training (and Monte Carlo prediction); its eval weights are the base's.
+    pub stochastic: bool,
+    /// Returns a KL term for the loss.
+    pub kl: bool,
+    /// The memory-efficient route (`probattn::tiled`), in words; `None`: eager only.
+    pub memory_efficient: Option<&'static str>,
+    /// In `probattn bench`'s default set.
+    pub benchmarked: bool,
+    pub settings: &'static [Setting],
+    /// Parses a name of this entry.
+    #[serde(skip)]
+    pub parse: fn(&str) -> Option<Variant>,
+}
+
+const BAM_SETTINGS_WEIBULL: &[Setting] = &[
+    Setting { name: "bam.k", default: "1000", meaning: "Weibull shape; larger is less noise" },
+    Setting { name: "bam.base", default: "softmax", meaning: "the deterministic normalizer whose weights are the mean" },
+];
+const BAM_SETTINGS_WF: &[Setting] = &[
+    Setting { name: "bam.k", default: "1000", meaning: "Weibull shape; larger is less noise" },
+    Setting { name: "bam.prior_alpha", default: "1", meaning: "Gamma prior shape" },
+    Setting { name: "bam.prior_beta", default: "1", meaning: "Gamma prior rate" },
+    Setting { name: "bam.base", default: "softmax", meaning: "the deterministic normalizer whose weights are the mean" },
+];
+const BAM_SETTINGS_WC: &[Setting] = &[
+    Setting { name: "bam.k", default: "1000", meaning: "Weibull shape; larger is less noise" },
+    Setting { name: "bam.prior_beta", default: "1", meaning: "Gamma prior rate; the shape is β·softmax of the prior network" },
+    Setting { name: "bam.prior_hidden", default: "10", meaning: "hidden units of the contextual prior network" },
+    Setting { name: "bam.base", default: "softmax", meaning: "the deterministic normalizer whose weights are the mean" },
+];
+const BAM_SETTINGS_LF: &[Setting] = &[
+    Setting { name: "bam.sigma", default: "1", meaning: "Lognormal σ; smaller is less noise" },
+    Setting { name: "bam.prior_mu", default: "0", meaning: "Lognormal prior mean" },
+    Setting { name: "bam.prior_sigma", default: "1", meaning: "Lognormal prior σ" },
+    Setting { name: "bam.base", default: "softmax", meaning: "the deterministic normalizer whose weights are the mean" },
+];
+const BAM_SETTINGS_LC: &[Setting] = &[
+    Setting { name: "bam.sigma", default: "1", meaning: "Lognormal σ; smaller is less noise" },
+    Setting { name: "bam.prior_sigma", default: "1", meaning: "Lognormal prior σ; the mean is log of the prior network's softmax" },
+    Setting { name: "bam.prior_hidden", default: "10", meaning: "hidden units of the contextual prior network" },
+    Setting { name: "bam.base", default: "softmax", meaning: "the deterministic normalizer whose weights are the mean" },
+];
+
+const FAN: &str = "Fan, Zhang, Chen, Zhou 2020, Bayesian Attention Modules, Sec. 3";
+const DING: &str = "Ding, Xu, Zhang, Gu 2020, Attention that does not Explain Away";
+const BAM_ROUTE: &str = "the base's route, sampled with counter-based draws; the KL in closed form per tile";
+
+fn bam(kind: BamKind) -> impl Fn(&str) -> Option<Variant> {
+    move |s| (s == kind.name()).then_some(Variant::Bam(kind))
+}
+
+/// Every built-in variant, in the order of the papers' tables.
+pub const VARIANTS: &[VariantSpec] = &[
+    VariantSpec {
+        name: "softmax",
+        aliases: &["unas"],
+        example: "softmax",
+        family: Family::RowWise,
+        summary: "each query's weights are a softmax over its keys (UNAS)",
+        source: "Vaswani et al. 2017; Ding et al. 2020's UNAS",
+        causal_safe: true,
+        stochastic: false,
+        kl: false,
+        memory_efficient: Some("libtorch's fused kernel, or the tiles (the fused CPU route when masks allow)"),
+        benchmarked: true,
+        settings: &[],
+        parse: |s| matches!(s, "softmax" | "unas").then_some(Variant::Softmax),
+    },
+    VariantSpec {
+        name: "dnas",
+        aliases: &[],
+        example: "dnas",
+        family: Family::DoublyNormalized,
+        summary: "each key normalized over the queries, then each query over the keys",
+        source: DING,
+        causal_safe: false,
+        stochastic: false,
+        kl: false,
+        memory_efficient: Some("two passes: column log-sum-exps, then rows (the fused CPU route when masks allow)"),
+        benchmarked: true,
+        settings: &[],
+        parse: |s| (s == "dnas").then_some(Variant::Dnas),
+    },
+    VariantSpec {
+        name: "hnas",
+        aliases: &[],
+        example: "hnas",
+        family: Family::Hybrid,
+        summary: "u·DNAS + (1 − u)·softmax with a learned u per head",
+        source: DING,
+        causal_safe: false,
+        stochastic: false,
+        kl: false,
+        memory_efficient: Some("the DNAS and softmax passes, mixed per head"),
+        benchmarked: true,
+        settings: &[Setting { name: "hybrid_init_u", default: "0.5", meaning: "initial mixing weight u of every head" }],
+        parse: |s| (s == "hnas").then_some(Variant::Hnas),
+    },
+    VariantSpec {
+        name: "sinkhorn-N",
+        aliases: &[],
+        example: "sinkhorn-3",
+        family: Family::DoublyNormalized,
+        summary: "N alternating column and row normalizations (N = 1 is DNAS)",
+        source: "Sinkhorn 1964; Ding et al. 2020 (DNAS is one sweep)",
+        causal_safe: false,
+        stochastic: false,
+        kl: false,
+        memory_efficient: Some("N column passes, then rows"),
+        benchmarked: true,
+        settings: &[],
+        parse: |s| s.strip_prefix("sinkhorn-")?.parse().ok().filter(|n| *n >= 1).map(Variant::Sinkhorn),
+    },
+    VariantSpec {
+        name: "bam-nokl",
+        aliases: &[],
+        example: "bam-nokl",
+        family: Family::Bayesian,
+        summary: "Weibull sampling around the base weights, no KL term",
+        source: FAN,
+        causal_safe: true,
+        stochastic: true,
+        kl: false,
+        memory_efficient: Some(BAM_ROUTE),
+        benchmarked: false,
+        settings: BAM_SETTINGS_WEIBULL,
+        parse: |s| bam(BamKind::NoKl)(s),
+    },
+    VariantSpec {
+        name: "bam-lf",
+        aliases: &[],
+        example: "bam-lf",
+        family: Family::Bayesian,
+        summary: "Lognormal weights with a fixed Lognormal prior",
+        source: FAN,
+        causal_safe: true,
+        stochastic: true,
+        kl: true,
+        memory_efficient: Some(BAM_ROUTE),
+        benchmarked: false,
+        settings: BAM_SETTINGS_LF,
+        parse: |s| bam(BamKind::LognormalFixed)(s),
+    },
+    VariantSpec {
+        name: "bam-lc",
+        aliases: &[],
+        example: "bam-lc",
+        family: Family::Bayesian,
+        summary: "Lognormal weights with a contextual prior computed from the keys",
+        source: FAN,
+        causal_safe: true,
+        stochastic: true,
+        kl: true,
+        memory_efficient: Some(BAM_ROUTE),
+        benchmarked: true,
+        settings: BAM_SETTINGS_LC,
+        parse: |s| bam(BamKind::LognormalContextual)(s),
+    },
+    VariantSpec {
+        name: "bam-wf",
+        aliases: &[],
+        example: "bam-wf",
+        family: Family::Bayesian,
+        summary: "Weibull weights with a fixed Gamma prior",
+        source: FAN,
+        causal_safe: true,
+        stochastic: true,
+        kl: true,
+        memory_efficient: Some(BAM_ROUTE),
+        benchmarked: false,
+        settings: BAM_SETTINGS_WF,
+        parse: |s| bam(BamKind::WeibullFixed)(s),
+    },
+    VariantSpec {
+        name: "bam-wc",
+        aliases: &[],
+        example: "bam-wc",
+        family: Family::Bayesian,
+        summary: "Weibull weights with a contextual Gamma prior computed from the keys",
+        source: FAN,
+        causal_safe: true,
+        stochastic: true,
+        kl: true,
+        memory_efficient: Some(BAM_ROUTE),
+        benchmarked: true,
+        settings: BAM_SETTINGS_WC,
+        parse: |s| bam(BamKind::WeibullContextual)(s),
+    },
+];
+
+/// The registry entry that parses `name`.
+pub fn lookup(name: &str) -> Option<(&'static VariantSpec, Variant)> {
+    VARIANTS.iter().find_map(|spec| (spec.parse)(name).map(|v| (spec, v)))
+}
+
+/// The entry of a parsed variant.
+pub fn spec_of(variant: Variant) -> &'static VariantSpec {
+    let name = variant.to_string();
+    lookup(&name).map(|(spec, _)| spec).expect("every Variant has a registry entry (tested)")
+}
+
+/// The names as the command line spells them, for messages and `--help`:
+/// `softmax, dnas, hnas, sinkhorn-N (N >= 1), bam-nokl, ...`.
+pub fn known() -> String {
+    VARIANTS
+        .iter()
+        .map(|s| if s.name.ends_with("-N") { format!("{} (N >= 1)", s.name) } else { s.name.to_string() })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Every variant's example instance (`softmax`, ..., `sinkhorn-3`, ..., `bam-wc`): the rows of
+/// a sweep over all variants.
+pub fn examples() -> Vec<&'static str> {
+    VARIANTS.iter().map(|s| s.example).collect()
+}
+
+/// The example instances of `probattn bench`'s default set.
+pub fn benchmarked() -> Vec<&'static str> {
+    VARIANTS.iter().filter(|s| s.benchmarked).map(|s| s.example).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_variant_and_name_round_trips_through_the_registry() {
+        for spec in VARIANTS {
+            let (found, v) = lookup(spec.example).unwrap_or_else(|| panic!("{} does not parse", spec.example));
+            assert_eq!(found.name, spec.name);
+            assert_eq!(v.to_string(), spec.example, "Display gives the name back");
+            assert_eq!(spec_of(v).name, spec.name);
+            assert_eq!(spec.stochastic, v.is_stochastic(), "{}", spec.name);
+            for alias in spec.aliases {
+                assert_eq!(lookup(alias).map(|(_, v)| v), Some(v));
+            }
+        }
+        // The table's properties are the built normalizers' (default settings: BAM over softmax).
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        for spec in VARIANTS {
+            let v: Variant = spec.example.parse().unwrap();
+            let n = v.build(&vs.root(), 2, 4, &super::super::NormalizerConfig::default()).unwrap();
+            assert_eq!(n.name(), spec.example);
+            assert_eq!(n.causal_safe(), spec.causal_safe, "{}", spec.name);
+            assert_eq!(n.tiled().is_some(), spec.memory_efficient.is_some(), "{}", spec.name);
+        }
+        for kind in BamKind::ALL {
+            assert_eq!(spec_of(Variant::Bam(kind)).kl, kind.has_kl(), "{}", kind.name());
+        }
+        for bad in ["sinkhorn-0", "sinkhorn-", "bam-xx", "Softmax", ""] {
+            assert!(lookup(bad).is_none(), "{bad} parsed");
+        }
+        assert!(known().starts_with("softmax, dnas, hnas, sinkhorn-N (N >= 1), bam-nokl"));
+        assert_eq!(benchmarked(), ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-lc", "bam-wc"]);
+    }
+}
