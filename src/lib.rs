@@ -11,6 +11,7 @@
 
 pub mod allocator;
 pub mod attention;
+mod call;
 mod cxx;
 pub mod device;
 pub mod diagnostics;

@@ -12,7 +12,8 @@
 use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
 
-use crate::attention::{attend, AttendOptions, Mode};
+use crate::attention::attend;
+use crate::call::{AttendOptions, Mode};
 use crate::mask::Masks;
 use crate::normalize::{Normalizer, NormalizerConfig, Variant};
 use crate::{Error, Result};

@@ -47,7 +47,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::attention::check_qkv;
+use crate::call::check_qkv;
 use crate::cxx::{self, TiledSpec};
 use crate::mask::{Masks, ScoreShape};
 use crate::normalize::{Bam, BamKind, Support, Variant};

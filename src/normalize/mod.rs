@@ -36,7 +36,7 @@ pub use sinkhorn::Sinkhorn;
 pub use softmax::Softmax;
 pub use support::{EdgeList, Support};
 
-use crate::attention::{AttendOptions, Attended};
+use crate::call::{AttendOptions, Attended};
 use crate::mask::Masks;
 use crate::{Error, Result};
 

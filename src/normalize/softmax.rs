@@ -4,7 +4,7 @@
 use tch::{Device, Kind, Tensor};
 
 use super::{NormalizeInput, Normalized, Normalizer, Support};
-use crate::attention::{mix, scaled_dot_product_scores, AttendOptions, Attended};
+use crate::call::{mix, scaled_dot_product_scores, AttendOptions, Attended};
 use crate::mask::{Masks, ScoreShape};
 use crate::Result;
 

@@ -10,7 +10,7 @@ use probattn_models::translation::Seq2Seq;
 use tch::{Device, Kind};
 use tokenizers::Tokenizer;
 
-use super::train::label_smoothed_loss;
+use super::loss::label_smoothed_loss;
 use super::{EpochMetrics, TranslateConfig};
 use crate::bleu::{corpus_bleu, BleuConfig};
 use crate::ranks::Ranks;

@@ -19,12 +19,13 @@
 mod args;
 mod checkpoint;
 mod evaluate;
+mod loss;
 pub mod optim;
 mod train;
 
 pub use args::{Arch, Dataset, Preset, Repulsive, TranslateArgs};
 use checkpoint::{load_params, read_checkpoint};
-pub use train::label_smoothed_loss;
+pub use loss::label_smoothed_loss;
 use train::train_seed;
 
 use std::path::Path;

@@ -14,27 +14,16 @@ use tch::{nn, Device, Kind, Tensor};
 
 use super::checkpoint::{average_last, fresh_state, load_params, read_checkpoint, save_checkpoint, TrainState};
 use super::evaluate::{encoder_diagnostics, hnas_gates, plots, translate_and_score, valid_loss};
+use super::loss::label_smoothed_loss;
 use super::optim::{clip_grad_norm, Adam};
 use super::{EpochMetrics, Prepared, Repulsive, RunResult, TranslateConfig};
 use crate::harness::{train_epochs, EpochLine, MetricsLog, Plateau, Stopping, Training};
 use crate::ranks::Ranks;
 use crate::report::progress_bar;
-use crate::seq2seq::data::{batch_tensors, epoch_order, token_batches, Batch, PAD};
+use crate::seq2seq::data::{batch_tensors, epoch_order, token_batches, Batch};
 
 /// Updates between two readings of the training loss on the CPU (progress bar, NaN check).
 const SYNC_EVERY: usize = 10;
-
-/// Label-smoothed cross-entropy, fairseq 0.6: `Σ_t (1−ε)·nll_t + ε/V · Σ_v −log p_t(v)` over
-/// non-padding targets; returns (loss sum, nll sum).
-pub fn label_smoothed_loss(logits: &Tensor, target: &Tensor, eps: f64) -> (Tensor, Tensor) {
-    let lprobs = logits.log_softmax(-1, Kind::Float); // (B, T, V)
-    let v = lprobs.size()[2] as f64;
-    let keep = target.ne(PAD).to_kind(Kind::Float); // (B, T)
-    let nll = -lprobs.gather(-1, &target.unsqueeze(-1), false).squeeze_dim(-1) * &keep;
-    let smooth = -lprobs.sum_dim_intlist(&[-1i64][..], false, Kind::Float) * &keep;
-    let nll = nll.sum(Kind::Float);
-    ((&nll * (1.0 - eps)) + smooth.sum(Kind::Float) * (eps / v), nll)
-}
 
 /// What one seed's training reads besides its model and optimizer.
 struct SeedRun<'a> {

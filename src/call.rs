@@ -1,0 +1,151 @@
+//! What one attention call takes and returns ([`Mode`], [`AttendOptions`], [`Attended`]), the
+//! score formula, the value mix and the validation of `q`, `k`, `v`: the leaf module that
+//! [`crate::attention`], the normalizers and [`crate::tiled`] all import, so that none of them
+//! imports another for its types.
+
+use tch::{Kind, Tensor};
+
+use crate::mask::ScoreShape;
+use crate::{Error, Result};
+
+/// What is random in a forward pass. `train` is the usual switch ([`Mode::train`]); Monte Carlo
+/// prediction samples the attention without dropout ([`Mode::MONTE_CARLO`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Mode {
+    /// Apply dropout to the weights.
+    pub dropout: bool,
+    /// Let stochastic normalizers (BAM) sample; otherwise they return their mean.
+    pub sample: bool,
+}
+
+impl Mode {
+    pub const EVAL: Mode = Mode { dropout: false, sample: false };
+    pub const TRAIN: Mode = Mode { dropout: true, sample: true };
+    /// Stochastic attention without dropout, for Monte Carlo prediction.
+    pub const MONTE_CARLO: Mode = Mode { dropout: false, sample: true };
+
+    /// [`Mode::TRAIN`] or [`Mode::EVAL`].
+    pub fn train(train: bool) -> Self {
+        if train {
+            Self::TRAIN
+        } else {
+            Self::EVAL
+        }
+    }
+}
+
+/// Options of one attention call beside its tensors.
+#[derive(Debug, Clone, Copy)]
+pub struct AttendOptions<'a> {
+    /// What is random (default: nothing, the eval path).
+    pub mode: Mode,
+    /// Dropout probability on the weights, applied when `mode.dropout` is set.
+    pub dropout: f64,
+    /// A fixed noise draw `(B, H, S_q, S_k)` for stochastic normalizers.
+    pub noise: Option<&'a Tensor>,
+    /// Return the weights (default true). Without them a normalizer may take a kernel that never
+    /// forms them ([`crate::Normalizer::fused`]: softmax takes libtorch's fused attention), and `tile`
+    /// takes the memory-efficient path.
+    pub need_weights: bool,
+    /// `Some(t)`: when no weights are asked for, the memory-efficient path ([`crate::tiled`]), `t`
+    /// queries at a time, which keeps nothing `(S_q, S_k)` for the backward pass and returns
+    /// [`Attended::received_mass`] instead of the weights. A normalizer without a tiled form, or
+    /// active attention dropout, is refused by name rather than run eagerly. `None` (default):
+    /// the eager path.
+    pub tile: Option<i64>,
+}
+
+impl Default for AttendOptions<'_> {
+    fn default() -> Self {
+        Self { mode: Mode::EVAL, dropout: 0.0, noise: None, need_weights: true, tile: None }
+    }
+}
+
+impl AttendOptions<'_> {
+    /// Whether dropout applies to the weights in this call.
+    pub fn dropout_active(&self) -> bool {
+        self.mode.dropout && self.dropout > 0.0
+    }
+}
+
+/// What [`crate::attend`] returns.
+#[derive(Debug)]
+pub struct Attended {
+    /// `(B, H, S_q, d_v)`.
+    pub output: Tensor,
+    /// `(B, H, S_q, S_k)`, before dropout: the distribution the normalizer produced. `None` when
+    /// [`AttendOptions::need_weights`] is off.
+    pub weights: Option<Tensor>,
+    /// `(B, H, S_k)`, the weight each key receives (`Σ_i π_ij`, not differentiable), from the
+    /// memory-efficient path, which forms no weights; `None` elsewhere (the weights have it:
+    /// [`crate::diagnostics::received_mass`]).
+    pub received_mass: Option<Tensor>,
+    /// The normalizer's KL term, if it has one.
+    pub kl: Option<Tensor>,
+}
+
+impl Attended {
+    /// The weights, or an error saying they were not asked for.
+    pub fn weights(&self) -> Result<&Tensor> {
+        self.weights.as_ref().ok_or_else(|| Error::Config("the attention weights were not asked for (need_weights is off)".into()))
+    }
+
+    /// [`Self::weights`], by value.
+    pub fn into_weights(self) -> Result<Tensor> {
+        self.weights.ok_or_else(|| Error::Config("the attention weights were not asked for (need_weights is off)".into()))
+    }
+}
+
+/// Scaled dot-product scores `q·kᵀ / sqrt(d)`, `(B, H, S_q, S_k)`. The queries are scaled before
+/// the product, and by `sqrt(1 / d)`, exactly as `torch.nn.MultiheadAttention` does (so the
+/// scores agree with it bit for bit at any `d`): `S_q × d` multiplications instead of a full pass
+/// over the `S_q × S_k` scores, forward and backward.
+pub fn scaled_dot_product_scores(q: &Tensor, k: &Tensor) -> Tensor {
+    match try_scores(q, k) {
+        Ok(scores) => scores,
+        Err(e) => panic!("{e}"), // as tch's own operators do
+    }
+}
+
+/// [`scaled_dot_product_scores`], with libtorch's error (a failed allocation) returned.
+pub(crate) fn try_scores(q: &Tensor, k: &Tensor) -> std::result::Result<Tensor, tch::TchError> {
+    let d = *q.size().last().unwrap_or(&1) as f64;
+    (q * (1.0 / d).sqrt()).f_matmul(&k.transpose(-2, -1))
+}
+
+/// The weights `(B, H, S_q, S_k)` mix the values `(B, H, S_k, d_v)`, after dropout when it is
+/// active; the weights are kept when asked for.
+pub(crate) fn mix(weights: Tensor, v: &Tensor, kl: Option<Tensor>, opts: &AttendOptions) -> Attended {
+    let mixing = if opts.dropout_active() { weights.dropout(opts.dropout, true) } else { weights.shallow_clone() };
+    let output = mixing.matmul(v); // (B, H, S_q, d_v)
+    Attended { output, weights: opts.need_weights.then_some(weights), received_mass: None, kl }
+}
+
+/// Checks the ranks, sizes, dtypes and devices of heads-first `q`, `k`, `v`.
+pub(crate) fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<ScoreShape> {
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        if t.dim() != 4 {
+            return Err(Error::Shape(format!("{name} has shape {:?}; expected rank 4 (B, H, S, d)", t.size())));
+        }
+        if !matches!(t.kind(), Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16) {
+            return Err(Error::Shape(format!("{name} has dtype {:?}; expected a floating dtype", t.kind())));
+        }
+    }
+    let (qs, ks, vs) = (q.size(), k.size(), v.size());
+    if qs[0] != ks[0] || qs[0] != vs[0] || qs[1] != ks[1] || qs[1] != vs[1] {
+        return Err(Error::Shape(format!("q {qs:?}, k {ks:?} and v {vs:?} must agree on batch and heads (dims 0 and 1)")));
+    }
+    if qs[3] != ks[3] {
+        return Err(Error::Shape(format!("q {qs:?} and k {ks:?} must have the same head size (dim 3)")));
+    }
+    if ks[2] != vs[2] {
+        return Err(Error::Shape(format!("k {ks:?} and v {vs:?} must have the same number of keys (dim 2)")));
+    }
+    if q.kind() != k.kind() || q.kind() != v.kind() {
+        return Err(Error::Shape(format!("q, k and v must share one dtype, got {:?}, {:?}, {:?}", q.kind(), k.kind(), v.kind())));
+    }
+    if q.device() != k.device() || q.device() != v.device() {
+        return Err(Error::Shape("q, k and v must be on one device".into()));
+    }
+    Ok(ScoreShape { batch: qs[0], heads: qs[1], queries: qs[2], keys: ks[2] })
+}
