@@ -235,8 +235,8 @@ impl Drop for Pt2Handle {
 pub(crate) fn jit_named_buffers(path: &Path) -> Result<Vec<(String, Tensor)>> {
     let p = c_path(path)?;
     let mut list = ptr::null_mut();
-    // SAFETY: a valid C string; `list` is written on success only.
     let listing = |m| Error::File { path: path.into(), message: format!("listing its buffers: {m}") };
+    // SAFETY: a valid C string; `list` is written on success only.
     check(unsafe { pa_jit_named_buffers(p.as_ptr(), &mut list) }, listing)?;
     take_tensors(list).map_err(listing)
 }

@@ -9,6 +9,11 @@
 //! Fan et al. 2020 around any of them ([`normalize::Bam`]); and repulsive multi-head attention
 //! (An et al. 2020), an SVGD/SPOS gradient hook over the heads ([`repulsive::RepulsiveHook`]).
 
+#![deny(unsafe_op_in_unsafe_fn)]
+// Every `unsafe` block says why it is sound (a `// SAFETY:` comment), as src/cxx.rs does for each
+// call into the C++ layer.
+#![warn(clippy::undocumented_unsafe_blocks)]
+
 pub mod allocator;
 pub mod attention;
 mod call;

@@ -1,6 +1,9 @@
 //! The `probattn` binary: parses the command line and dispatches to probattn_experiments.
 //! Every error, a usage error (unknown flag, bad value) included, exits with status 1.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
 use clap::Parser;
 
 fn main() -> std::process::ExitCode {

@@ -11,6 +11,9 @@
 // autograd saved for the backward pass.
 #![allow(clippy::assign_op_pattern)]
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
 pub mod gat;
 pub mod lstm;
 pub mod transformer;

@@ -42,10 +42,11 @@ pub(crate) fn draw(like: &Tensor, noise: Noise) -> Tensor {
     // One draw from libtorch's generator: manual_seed governs everything below.
     let seed = Tensor::randint(i64::MAX, [1], (Kind::Int64, Device::Cpu)).int64_value(&[0]) as u64;
     let threads = if len < PARALLEL_FROM { 1 } else { tch::get_num_threads().max(1) as usize };
-    // SAFETY: `out` is a fresh, contiguous CPU tensor of `len` elements of `kind`, owned here and
-    // not shared with libtorch until this function returns.
     match kind {
+        // SAFETY: `out` is a fresh, contiguous CPU tensor of `len` elements of `kind`, owned here
+        // and not shared with libtorch until this function returns.
         Kind::Float => fill(unsafe { std::slice::from_raw_parts_mut(out.data_ptr() as *mut f32, len) }, seed, threads, noise),
+        // SAFETY: as above, with elements of f64.
         _ => fill(unsafe { std::slice::from_raw_parts_mut(out.data_ptr() as *mut f64, len) }, seed, threads, noise),
     }
     if noise == Noise::Exp1 {
