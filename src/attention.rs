@@ -42,11 +42,7 @@ use crate::{Error, Result};
 pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, normalizer: &dyn Normalizer, opts: AttendOptions) -> Result<Attended> {
     let shape = check_qkv(q, k, v)?;
     if masks.causal && !normalizer.causal_safe() {
-        return Err(Error::Unsupported(format!(
-            "{} normalizes each key over all queries, so under a causal mask future queries would \
-             change the weights of earlier ones (a leak); use softmax for causal attention",
-            normalizer.name()
-        )));
+        return Err(Error::causal_leak(&normalizer.name()));
     }
     if !(0.0..1.0).contains(&opts.dropout) {
         return Err(Error::Config(format!("dropout must lie in [0, 1), got {}", opts.dropout)));

@@ -51,6 +51,15 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
+    /// A variant that normalizes each key over the queries, asked to run under a causal mask:
+    /// the one message [`crate::attend`] and [`crate::tiled`] give.
+    pub fn causal_leak(variant: &str) -> Self {
+        Error::Unsupported(format!(
+            "{variant} normalizes each key over all queries, so under a causal mask future queries would change the \
+             weights of earlier ones (a leak); use softmax for causal attention"
+        ))
+    }
+
     /// [`Error::OutOfMemory`] for `what`, from libtorch's `message` ([`libtorch_message`]) and an
     /// optional `hint`.
     pub fn out_of_memory(what: &str, message: &str, hint: Option<&str>) -> Error {

@@ -129,10 +129,7 @@ pub fn attend_tiled(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, variant: 
     let spec = TiledSpec { tile: opts.tile, sweeps: 0, noise: 0, noise_scale: 0.0, seed: 0, kl: 0, fused_cpu: i32::from(opts.fused_cpu) };
     let causal_check = |name: &str| -> Result<()> {
         if masks.causal {
-            return Err(Error::Unsupported(format!(
-                "{name} normalizes each key over all queries, so under a causal mask future queries would change the weights of \
-                 earlier ones (a leak); use softmax for causal attention"
-            )));
+            return Err(Error::causal_leak(name));
         }
         Ok(())
     };

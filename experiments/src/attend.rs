@@ -46,13 +46,8 @@ pub struct AttendArgs {
     /// Add a causal mask (query i sees keys j <= i); refused for the doubly-normalized variants.
     #[arg(long)]
     pub causal: bool,
-    /// The memory-efficient path (every variant; BAM sampling over an hnas base excepted): the
-    /// weights are never formed, so output, received_mass and BAM's kl are written.
-    #[arg(long)]
-    pub memory_efficient: bool,
-    /// Queries per tile with --memory-efficient.
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(i64).range(1..))]
-    pub tile: i64,
+    #[command(flatten)]
+    pub memory: crate::common::MemoryEfficientArgs,
     /// HNAS: the initial mixing weight u when the input has no hybrid_logit.
     #[arg(long, default_value_t = 0.5)]
     pub hybrid_init_u: f64,
@@ -169,14 +164,14 @@ pub fn run(args: &AttendArgs) -> Result<()> {
         }
     }
 
-    if args.memory_efficient {
+    if args.memory.memory_efficient {
         let tiled = normalizer.tiled().with_context(|| format!("--memory-efficient: {} has no memory-efficient path", args.variant))?;
         // BAM samples from the input's noise when it has one, else from the counter-based draws
         // keyed by --seed (`probattn::tiled::counter_noise` reproduces them).
         let options =
-            TiledOptions { sample: args.bam.train, noise: noise.as_ref(), seed: Some(args.bam.seed), ..TiledOptions::new(args.tile) };
+            TiledOptions { sample: args.bam.train, noise: noise.as_ref(), seed: Some(args.bam.seed), ..TiledOptions::new(args.memory.tile) };
         let out = tch::no_grad(|| probattn::tiled::attend_tiled(&q, &k, &v, &masks, tiled, options))
-            .with_context(|| format!("attending with {} (memory-efficient, tile {}) on {input}", args.variant, args.tile))?;
+            .with_context(|| format!("attending with {} (memory-efficient, tile {}) on {input}", args.variant, args.memory.tile))?;
         let mut written = vec![("output", &out.output), ("received_mass", &out.received_mass)];
         if let Some(kl) = &out.kl {
             written.push(("kl", kl));

@@ -49,13 +49,8 @@ pub struct BenchArgs {
     /// Skip the PyTorch side (python/bench.py).
     #[arg(long)]
     pub no_pytorch: bool,
-    /// Also time the memory-efficient path (`"impl": "probattn-memory-efficient"`: every variant
-    /// tiled over the queries, nothing S x S kept), beside the eager rows.
-    #[arg(long)]
-    pub memory_efficient: bool,
-    /// Queries per tile of the memory-efficient path.
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(i64).range(1..))]
-    pub tile: i64,
+    #[command(flatten)]
+    pub memory: crate::common::MemoryEfficientArgs,
     /// Skip our eager rows (for lengths the eager path cannot hold; with --memory-efficient, and
     /// --no-pytorch for PyTorch's eager side).
     #[arg(long)]
@@ -212,10 +207,10 @@ fn rows(args: &BenchArgs) -> Vec<Row> {
         tile: None,
         batch: args.batch,
     });
-    let tiled = variants().into_iter().filter(chosen).filter(|_| args.memory_efficient).map(|variant| Row {
+    let tiled = variants().into_iter().filter(chosen).filter(|_| args.memory.memory_efficient).map(|variant| Row {
         variant,
         implementation: MEMORY_EFFICIENT,
-        tile: Some(args.tile),
+        tile: Some(args.memory.tile),
         batch: args.batch,
     });
     eager.chain(tiled).collect()
@@ -457,7 +452,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let theirs: Vec<Measurement> = serde_json::from_str(json.trim()).context("reading python/bench.py's output")?;
         measurements.extend(theirs);
     }
-    anyhow::ensure!(!args.no_eager || args.memory_efficient, "--no-eager leaves nothing to measure without --memory-efficient");
+    anyhow::ensure!(!args.no_eager || args.memory.memory_efficient, "--no-eager leaves nothing to measure without --memory-efficient");
     let (ours, skipped) = measure_ours(device, &seq_lens, repeats, &rows(args))?;
     anyhow::ensure!(!ours.is_empty(), "no sequence length could be measured: {}", skipped[0].reason);
     measurements.extend(ours);

@@ -28,6 +28,28 @@ pub struct CommonArgs {
     pub allocator: Allocator,
 }
 
+/// `--memory-efficient [--tile N]`: one definition for attend, bench, translate and vqa.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct MemoryEfficientArgs {
+    /// The memory-efficient path (probattn::tiled, every variant but BAM sampling over an hnas
+    /// base): the (S_q, S_k) weights are never formed, so nothing that size is kept for the
+    /// backward pass, and the mass each key receives is returned instead. attend writes it;
+    /// bench times these rows beside the eager ones; translate takes it in every attention
+    /// module, vqa in the fusion. Needs attention dropout 0 (vqa sets it).
+    #[arg(long)]
+    pub memory_efficient: bool,
+    /// Queries per tile with --memory-efficient (vqa: primary boxes).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(i64).range(1..))]
+    pub tile: i64,
+}
+
+impl MemoryEfficientArgs {
+    /// The tile when the memory-efficient path is asked for.
+    pub fn tile(&self) -> Option<i64> {
+        self.memory_efficient.then_some(self.tile)
+    }
+}
+
 /// `--allocator`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Allocator {

@@ -251,14 +251,8 @@ pub struct TranslateArgs {
     /// '{"layers":[0]}' (first layer only) or '{"kinds":["encoder-self"],"projections":["q"]}'.
     #[arg(long)]
     pub selection: Option<String>,
-    /// Memory-efficient attention in every attention module (every variant; probattn::tiled):
-    /// no (S, S) weights are kept for the backward pass. Needs attention dropout 0 (the presets'),
-    /// and refuses the variants without a tiled path.
-    #[arg(long)]
-    pub memory_efficient: bool,
-    /// Queries per tile with --memory-efficient.
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(i64).range(1..))]
-    pub tile: i64,
+    #[command(flatten)]
+    pub memory: crate::common::MemoryEfficientArgs,
     /// BAM Weibull shape k (bam-w*; default 10, the authors' ALBERT script's).
     #[arg(long)]
     pub k: Option<f64>,

@@ -188,7 +188,7 @@ impl TranslateConfig {
             bam: BamConfig { k: args.k.unwrap_or(10.0), sigma: args.sigma, ..BamConfig::default() },
             ..Default::default()
         };
-        let tile = args.memory_efficient.then_some(args.tile);
+        let tile = args.memory.tile();
         let model = match arch {
             Arch::Transformer => {
                 let mut transformer = preset.transformer();

@@ -145,19 +145,13 @@ pub struct VqaArgs {
     /// --primary-skip, while what the relational layer compares stays as without it.
     #[arg(long)]
     pub primary_beside: bool,
-    /// Memory-efficient fusion (probattn::tiled, every fusion variant): no (N_P, N_s) weights are
-    /// formed; the explained-away figure reads the received mass the tiled path returns. The
-    /// fusion's attention dropout becomes 0 (the tiled path has none); config.json records it.
-    #[arg(long)]
-    pub memory_efficient: bool,
+    #[command(flatten)]
+    pub memory: crate::common::MemoryEfficientArgs,
     /// Dropout on the fusion weights in training (default 0.1, Appendix B's recipe; 0 with
     /// --memory-efficient, which refuses any other value). 0 on the eager path gives the model the
     /// memory-efficient path trains, for comparing the two.
     #[arg(long)]
     pub attention_dropout: Option<f64>,
-    /// Primary boxes per tile with --memory-efficient.
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(i64).range(1..))]
-    pub tile: i64,
     /// Top-down attention glimpses.
     #[arg(long, default_value_t = 2)]
     pub glimpses: i64,

@@ -180,7 +180,7 @@ fn run_config(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
         feature_dim: p.views.shapes()[0].1,
         fusion,
         key_dim: p.views.shapes()[0].1,
-        attention_dropout: args.attention_dropout.unwrap_or(if args.memory_efficient { 0.0 } else { 0.1 }),
+        attention_dropout: args.attention_dropout.unwrap_or(if args.memory.memory_efficient { 0.0 } else { 0.1 }),
         normalizer: NormalizerConfig { hybrid_init_u: 0.5, bam },
         vocab: meta.vocab.len() as i64,
         word_dim: 64,
@@ -197,7 +197,7 @@ fn run_config(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
         glimpses: args.glimpses,
         dropout: 0.1,
         answers: meta.answers.len() as i64,
-        tile: args.memory_efficient.then_some(args.tile),
+        tile: args.memory.tile(),
     };
     let cfg = VqaRunConfig {
         dataset: meta.dataset.clone(),
@@ -485,7 +485,7 @@ fn check_args(args: &VqaArgs) -> Result<()> {
     if let Some(p) = args.attention_dropout {
         ensure!((0.0..1.0).contains(&p), "--attention-dropout must lie in [0, 1), got {p}");
         ensure!(
-            p == 0.0 || !args.memory_efficient,
+            p == 0.0 || !args.memory.memory_efficient,
             "--memory-efficient has no attention dropout (the weights are never formed): --attention-dropout must be 0 with it, got {p}"
         );
     }
