@@ -7,11 +7,12 @@
 
 use tch::Tensor;
 
-pub use crate::call::{scaled_dot_product_scores, AttendOptions, Attended, Mode};
 use crate::call::{check_qkv, mix, try_scores};
+pub use crate::call::{scaled_dot_product_scores, AttendOptions, Attended, Mode};
 use crate::mask::Masks;
+use crate::mask::ScoreShape;
 use crate::normalize::{NormalizeInput, Normalizer, Support};
-use crate::tiled::{attend_tiled, TiledOptions};
+use crate::tiled::{attend_tiled_shaped, TiledOptions};
 use crate::{Error, Result};
 
 /// Attends `q` to `k`/`v` under `masks` with `normalizer`, after checking every shape.
@@ -53,7 +54,7 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, normalizer: &dy
         }
     }
     if let Some(tile) = opts.tile.filter(|_| !opts.need_weights) {
-        return attend_memory_efficient(q, k, v, masks, normalizer, tile, &opts);
+        return attend_memory_efficient(shape, q, k, v, masks, normalizer, tile, &opts);
     }
     // The eager path holds several (B, H, S_q, S_k) tensors: one that cannot be allocated is an
     // error that says so (and which path needs O(S) memory), not a panic inside tch.
@@ -81,7 +82,9 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, normalizer: &dy
 
 /// The normalizer's tiled form ([`crate::tiled`]); what it cannot do is refused by name rather
 /// than run eagerly, where a long input would not fit.
+#[allow(clippy::too_many_arguments)]
 fn attend_memory_efficient(
+    shape: ScoreShape,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -99,6 +102,14 @@ fn attend_memory_efficient(
             opts.dropout
         )));
     }
-    let out = attend_tiled(q, k, v, masks, tiled, TiledOptions { sample: opts.mode.sample, noise: opts.noise, ..TiledOptions::new(tile) })?;
+    let out = attend_tiled_shaped(
+        shape,
+        q,
+        k,
+        v,
+        masks,
+        tiled,
+        TiledOptions { sample: opts.mode.sample, noise: opts.noise, seed: opts.seed, ..TiledOptions::new(tile) },
+    )?;
     Ok(Attended { output: out.output, weights: None, received_mass: Some(out.received_mass), kl: out.kl })
 }

@@ -53,11 +53,16 @@ pub struct AttendOptions<'a> {
     /// active attention dropout, is refused by name rather than run eagerly. `None` (default):
     /// the eager path.
     pub tile: Option<i64>,
+    /// The key of the memory-efficient path's counter-based draws (BAM sampling without a fixed
+    /// `noise`), so that a draw can be reproduced ([`crate::tiled::counter_noise`]). `None`
+    /// (default): one draw from libtorch's generator, so `tch::manual_seed` fixes the noise. The
+    /// eager path samples from libtorch's generator and ignores it.
+    pub seed: Option<u64>,
 }
 
 impl Default for AttendOptions<'_> {
     fn default() -> Self {
-        Self { mode: Mode::EVAL, dropout: 0.0, noise: None, need_weights: true, tile: None }
+        Self { mode: Mode::EVAL, dropout: 0.0, noise: None, need_weights: true, tile: None, seed: None }
     }
 }
 

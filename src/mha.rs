@@ -383,8 +383,14 @@ impl MultiHeadAttention {
     /// one call to [`attend`], which picks the memory-efficient, fused or general path.
     fn attend_heads(&self, q: &Tensor, k: &Tensor, v: &Tensor, sq: i64, input: &MhaInput, mode: Mode) -> Result<MhaOutput> {
         let (b, e) = (q.size()[0], self.cfg.embed_dim);
-        let opts =
-            AttendOptions { mode, dropout: self.cfg.dropout, noise: input.noise, need_weights: input.need_weights, tile: self.cfg.tile };
+        let opts = AttendOptions {
+            mode,
+            dropout: self.cfg.dropout,
+            noise: input.noise,
+            need_weights: input.need_weights,
+            tile: self.cfg.tile,
+            seed: None,
+        };
         let attended = attend(q, k, v, &input.masks, self.normalizer.as_ref(), opts)?;
         let output = attended.output; // (B, H, S_q, d_h)
         let merged = output.transpose(1, 2).contiguous().view([b, sq, e]); // (B, S_q, E)

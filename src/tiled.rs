@@ -117,7 +117,20 @@ pub struct TiledAttended {
 /// weights never materialised, `opts.tile` queries at a time; equal to [`crate::attend`] with the
 /// same normalizer (to float rounding, and for BAM given the same draws), gradients included.
 pub fn attend_tiled(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, variant: Tiled, opts: TiledOptions) -> Result<TiledAttended> {
-    let shape = check_qkv(q, k, v)?;
+    attend_tiled_shaped(check_qkv(q, k, v)?, q, k, v, masks, variant, opts)
+}
+
+/// [`attend_tiled`] on `q`, `k`, `v` that [`crate::attend`] has validated already (`shape` is
+/// what its check returned): one validation per call.
+pub(crate) fn attend_tiled_shaped(
+    shape: ScoreShape,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    masks: &Masks,
+    variant: Tiled,
+    opts: TiledOptions,
+) -> Result<TiledAttended> {
     if opts.tile < 1 {
         return Err(Error::Config(format!("the tile size must be at least 1, got {}", opts.tile)));
     }

@@ -25,7 +25,6 @@ use clap::Args;
 use probattn::diagnostics::{explained_away_fraction, received_mass, EXPLAINED_AWAY_EPS};
 use probattn::io::{read_safetensors, write_safetensors_atomic};
 use probattn::normalize::BamConfig;
-use probattn::tiled::TiledOptions;
 use probattn::{attend, check_finite, AttendOptions, Masks, Mode, NormalizerConfig, Variant};
 use tch::{nn, Device, Kind, Tensor};
 
@@ -165,21 +164,28 @@ pub fn run(args: &AttendArgs) -> Result<()> {
     }
 
     if args.memory.memory_efficient {
-        let tiled = normalizer.tiled().with_context(|| format!("--memory-efficient: {} has no memory-efficient path", args.variant))?;
-        // BAM samples from the input's noise when it has one, else from the counter-based draws
-        // keyed by --seed (`probattn::tiled::counter_noise` reproduces them).
-        let options =
-            TiledOptions { sample: args.bam.train, noise: noise.as_ref(), seed: Some(args.bam.seed), ..TiledOptions::new(args.memory.tile) };
-        let out = tch::no_grad(|| probattn::tiled::attend_tiled(&q, &k, &v, &masks, tiled, options))
+        // Through probattn::attend, as every caller: BAM samples from the input's noise when it
+        // has one, else from the counter-based draws keyed by --seed
+        // (`probattn::tiled::counter_noise` reproduces them).
+        let opts = AttendOptions {
+            mode: Mode { dropout: false, sample: args.bam.train },
+            noise: noise.as_ref(),
+            need_weights: false,
+            tile: Some(args.memory.tile),
+            seed: Some(args.bam.seed),
+            ..Default::default()
+        };
+        let out = tch::no_grad(|| attend(&q, &k, &v, &masks, normalizer.as_ref(), opts))
             .with_context(|| format!("attending with {} (memory-efficient, tile {}) on {input}", args.variant, args.memory.tile))?;
-        let mut written = vec![("output", &out.output), ("received_mass", &out.received_mass)];
+        let received_mass = out.received_mass.as_ref().context("the memory-efficient path returns the received mass")?;
+        let mut written = vec![("output", &out.output), ("received_mass", received_mass)];
         if let Some(kl) = &out.kl {
             written.push(("kl", kl));
         }
         write_safetensors_atomic(&args.output, &written).context("writing --output")?;
         let shape = probattn::ScoreShape { batch: q.size()[0], heads, queries: q.size()[2], keys: k.size()[2] };
         let counted = masks.allowed(shape, device)?.map(|a| a.expand(shape.dims(), false).any_dim(-2, false));
-        return summary(&normalizer.name(), device, &out.output, None, &out.received_mass, counted.as_ref(), out.kl.as_ref(), &args.output);
+        return summary(&normalizer.name(), device, &out.output, None, received_mass, counted.as_ref(), out.kl.as_ref(), &args.output);
     }
     let opts = AttendOptions { mode: Mode { dropout: false, sample: args.bam.train }, noise: noise.as_ref(), ..Default::default() };
     let out = tch::no_grad(|| attend(&q, &k, &v, &masks, normalizer.as_ref(), opts))

@@ -7,7 +7,6 @@
 // The `///` lines on the argument structs are clap's `--help` text, written for a terminal
 // (`<UTC stamp>`, `'{"layers":[0]}'`), not markdown: rustdoc would read them as HTML tags and links.
 #![allow(rustdoc::invalid_html_tags, rustdoc::broken_intra_doc_links)]
-
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 

@@ -10,7 +10,6 @@
 // `x = x + y` stays: on tch tensors `x += y` is an in-place `add_`, which would overwrite a value
 // autograd saved for the backward pass.
 #![allow(clippy::assign_op_pattern)]
-
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
