@@ -108,7 +108,7 @@ fn attend_memory_efficient(
         k,
         v,
         masks,
-        tiled,
+        &tiled,
         TiledOptions { sample: opts.mode.sample, noise: opts.noise, seed: opts.seed, ..TiledOptions::new(tile) },
     )?;
     Ok(Attended { output: out.output, weights: None, received_mass: Some(out.received_mass), kl: out.kl })

@@ -29,6 +29,7 @@ pub mod mc;
 pub mod memory;
 pub mod mha;
 pub mod normalize;
+mod plan;
 pub mod repulsive;
 pub mod scores;
 pub mod tiled;

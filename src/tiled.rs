@@ -25,6 +25,11 @@
 //!   only score-dependent part (`Σ α_j log π_ij`, or `Σ (log π_ij − μ_j)²`) accumulated tile by
 //!   tile with its gradient. Without sampling, BAM is its base.
 //!
+//! The tiles know no variant: they run a plan ([`Tiled`], from [`crate::Normalizer::tiled`]), the
+//! data above (a score scale, the sweeps, a mix with softmax, noise and a KL form with per-key
+//! prior values), so a normalizer defined outside the crate whose weights are of these forms has
+//! a memory-efficient path too.
+//!
 //! It returns no weights; it returns instead the mass each key receives (`Σ_i P_ij`), what the
 //! explained-away diagnostics read. Masks are the eager path's (`Masks`), with the same results;
 //! a causal mask is a `(S_q, S_k)` boolean tensor (one byte per entry, where the eager path keeps
@@ -39,7 +44,7 @@
 //!
 //! let opts = (Kind::Double, Device::Cpu);
 //! let (q, k, v) = (Tensor::randn([2, 4, 100, 16], opts), Tensor::randn([2, 4, 120, 16], opts), Tensor::randn([2, 4, 120, 16], opts));
-//! let tiled = attend_tiled(&q, &k, &v, &Masks::default(), Tiled::Dnas, TiledOptions::new(32))?;
+//! let tiled = attend_tiled(&q, &k, &v, &Masks::default(), &Tiled::dnas(), TiledOptions::new(32))?;
 //! let eager = probattn::attend(&q, &k, &v, &Masks::default(), &probattn::normalize::Dnas, Default::default())?;
 //! assert!((&tiled.output - &eager.output).abs().max().double_value(&[]) < 1e-12);
 //! # Ok::<(), probattn::Error>(())
@@ -50,25 +55,12 @@ use tch::{Device, Kind, Tensor};
 use crate::call::check_qkv;
 use crate::cxx::{self, TiledSpec};
 use crate::mask::{Masks, ScoreShape};
-use crate::normalize::{Bam, BamKind, Support, Variant};
+use crate::normalize::BamKind;
+pub use crate::plan::{Kl, KlForm, NoiseKind, PriorFn, Sampling, Tiled};
 use crate::{Error, Result};
 
-/// The variants with a tiled path.
-#[derive(Clone, Copy, Debug)]
-pub enum Tiled<'a> {
-    Softmax,
-    Dnas,
-    /// Sinkhorn-N, N >= 1 (N = 1 is DNAS).
-    Sinkhorn(u32),
-    /// HNAS with its `(H,)` gate logits (`u = sigmoid(logit)`), e.g. `MultiHeadAttention`'s
-    /// `hybrid_logit`; differentiable in them.
-    Hnas {
-        logit: &'a Tensor,
-    },
-    /// A BAM normalizer: sampled when [`TiledOptions::sample`] is set, else its base's weights.
-    /// Differentiable in its contextual prior's parameters through the KL term.
-    Bam(&'a Bam),
-}
+/// Euler–Mascheroni constant γ.
+const EULER_GAMMA: f64 = 0.577_215_664_901_532_9;
 
 /// How [`attend_tiled`] runs.
 #[derive(Clone, Copy, Debug)]
@@ -116,8 +108,8 @@ pub struct TiledAttended {
 /// Attends `q (B, H, S_q, d)` to `k (B, H, S_k, d)` / `v (B, H, S_k, d_v)` under `masks` with the
 /// weights never materialised, `opts.tile` queries at a time; equal to [`crate::attend`] with the
 /// same normalizer (to float rounding, and for BAM given the same draws), gradients included.
-pub fn attend_tiled(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, variant: Tiled, opts: TiledOptions) -> Result<TiledAttended> {
-    attend_tiled_shaped(check_qkv(q, k, v)?, q, k, v, masks, variant, opts)
+pub fn attend_tiled(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, plan: &Tiled, opts: TiledOptions) -> Result<TiledAttended> {
+    attend_tiled_shaped(check_qkv(q, k, v)?, q, k, v, masks, plan, opts)
 }
 
 /// [`attend_tiled`] on `q`, `k`, `v` that [`crate::attend`] has validated already (`shape` is
@@ -128,7 +120,7 @@ pub(crate) fn attend_tiled_shaped(
     k: &Tensor,
     v: &Tensor,
     masks: &Masks,
-    variant: Tiled,
+    plan: &Tiled,
     opts: TiledOptions,
 ) -> Result<TiledAttended> {
     if opts.tile < 1 {
@@ -140,37 +132,30 @@ pub(crate) fn attend_tiled_shaped(
     let allowed = masks.allowed(shape, q.device())?;
     let excluded = allowed.as_ref().map(|a| a.logical_not());
     let spec = TiledSpec { tile: opts.tile, sweeps: 0, noise: 0, noise_scale: 0.0, seed: 0, kl: 0, fused_cpu: i32::from(opts.fused_cpu) };
-    let causal_check = |name: &str| -> Result<()> {
-        if masks.causal {
-            return Err(Error::causal_leak(name));
-        }
-        Ok(())
-    };
-    let plain = |sweeps: i64| -> Result<TiledAttended> {
-        let (output, received_mass, _) = cxx::tiled_attention(q, k, v, excluded.as_ref(), None, None, &TiledSpec { sweeps, ..spec })?;
+    let name = plan.name.as_str();
+    if plan.sweeps > 0 && masks.causal {
+        return Err(Error::causal_leak(name));
+    }
+    if !(plan.score_scale.is_finite() && plan.score_scale > 0.0) {
+        return Err(Error::Config(format!("{name}: the plan's score scale must be positive and finite, got {}", plan.score_scale)));
+    }
+    // The scale multiplies the scores, so the queries (the kernels scale them by 1/sqrt(d)).
+    let q = &if plan.score_scale == 1.0 { q.shallow_clone() } else { q * plan.score_scale };
+    let plain = |sweeps: u32| -> Result<TiledAttended> {
+        let (output, received_mass, _) =
+            cxx::tiled_attention(q, k, v, excluded.as_ref(), None, None, &TiledSpec { sweeps: i64::from(sweeps), ..spec })?;
         Ok(TiledAttended { output, received_mass, kl: None })
     };
-    match variant {
-        Tiled::Softmax => plain(0),
-        Tiled::Dnas => {
-            causal_check("DNAS")?;
-            plain(1)
-        }
-        Tiled::Sinkhorn(n) => {
-            if n == 0 {
-                return Err(Error::Config("sinkhorn needs at least one iteration (sinkhorn-1 is DNAS)".into()));
-            }
-            causal_check(&format!("sinkhorn-{n}"))?;
-            plain(i64::from(n))
-        }
-        Tiled::Hnas { logit } => {
-            causal_check("HNAS")?;
+    let sampling = plan.sampling.as_ref().filter(|_| opts.sample);
+    match (plan.hybrid_logit, sampling) {
+        (None, None) => plain(plan.sweeps),
+        (Some(logit), None) => {
             let heads = shape.dims()[1];
             if logit.size() != [heads] {
                 return Err(Error::Shape(format!("HNAS logits have shape {:?}, expected ({heads},)", logit.size())));
             }
             let u = logit.to_kind(q.kind()).sigmoid();
-            let (d, s) = (plain(1)?, plain(0)?);
+            let (d, s) = (plain(plan.sweeps)?, plain(0)?);
             let (u4, u3) = (u.view([1, -1, 1, 1]), u.view([1, -1, 1]).detach());
             Ok(TiledAttended {
                 output: &u4 * d.output + (1.0 - &u4) * s.output,
@@ -178,39 +163,55 @@ pub(crate) fn attend_tiled_shaped(
                 kl: None,
             })
         }
-        Tiled::Bam(bam) => {
-            let base = bam.config().base;
-            let base_tiled = bam.base().tiled().ok_or_else(|| Error::Unsupported(format!("BAM's base {base} has no tiled path")))?;
-            if !opts.sample {
-                return attend_tiled(q, k, v, masks, base_tiled, opts);
-            }
-            let sweeps = match base {
-                Variant::Softmax => 0,
-                Variant::Dnas => 1,
-                Variant::Sinkhorn(n) => i64::from(n),
-                other => {
-                    return Err(Error::Unsupported(format!(
-                        "{}: sampling over a {other} base has no tiled path (its log-weights are not logits minus per-row and \
-                         per-key statistics); use a softmax, dnas or sinkhorn-N base",
-                        bam.kind().name()
-                    )))
-                }
-            };
-            if sweeps > 0 {
-                causal_check(&base.to_string())?;
-            }
+        (Some(_), Some(_)) => Err(Error::Unsupported(format!(
+            "{name}: sampling over a hnas base has no tiled path (its log-weights are not logits minus per-row and \
+             per-key statistics); use a softmax, dnas or sinkhorn-N base"
+        ))),
+        (None, Some(sampling)) => {
             let noise = opts.noise.map(|n| check_noise(n, shape)).transpose()?;
-            let (noise_kind, noise_scale) = bam.tiled_noise();
+            let (noise_kind, noise_scale) = match sampling.noise {
+                NoiseKind::Weibull => (TiledSpec::WEIBULL, sampling.scale),
+                NoiseKind::Lognormal => (TiledSpec::LOGNORMAL, sampling.scale),
+            };
             let seed = opts.seed.unwrap_or_else(libtorch_seed);
-            let support = Support::dense(allowed.as_ref().map(|a| a.shallow_clone()));
-            let prior = bam.tiled_prior(k, &support)?;
-            let spec = TiledSpec { sweeps, noise: noise_kind, noise_scale, seed, kl: prior.as_ref().map_or(0, |(kind, _)| *kind), ..spec };
+            let prior = sampling.kl.as_ref().map(|kl| (kl.prior)(k, allowed.as_ref()).map(|a| (kl.form, a))).transpose()?;
+            let kl_kind = match prior.as_ref().map(|(form, _)| *form) {
+                None => 0,
+                Some(KlForm::WeibullGamma { .. }) => TiledSpec::KL_WEIBULL,
+                Some(KlForm::Lognormal { .. }) => TiledSpec::KL_LOGNORMAL,
+            };
+            let spec = TiledSpec { sweeps: i64::from(plan.sweeps), noise: noise_kind, noise_scale, seed, kl: kl_kind, ..spec };
             let a = prior.as_ref().map(|(_, a)| a);
             let (output, received_mass, part) = cxx::tiled_attention(q, k, v, excluded.as_ref(), noise.as_ref(), a, &spec)?;
-            let kl = a.map(|a| bam.tiled_kl(&part, a, &MaskCounts::new(allowed.as_ref(), shape, opts.tile, q.kind(), q.device())));
+            let kl = prior
+                .as_ref()
+                .map(|(form, a)| tiled_kl(*form, &part, a, &MaskCounts::new(allowed.as_ref(), shape, opts.tile, q.kind(), q.device())));
             Ok(TiledAttended { output, received_mass, kl })
         }
     }
+}
+
+/// The KL term (as BAM's eager one: averaged over the allowed entries of each head, then over
+/// heads) from the tiles' score-dependent part `part (B, H)`, the prior's per-key values `a`,
+/// and the mask's counts.
+fn tiled_kl(form: KlForm, part: &Tensor, a: &Tensor, counts: &MaskCounts) -> Tensor {
+    let kind = part.kind();
+    let per_head = |t: &Tensor| t.sum_dim_intlist(&[0i64][..], false, kind); // (B, H) -> (H,)
+    let total = match form {
+        KlForm::WeibullGamma { k, beta } => {
+            // KL_ij = A(α_j) − α_j log π_ij + β π_ij; Σ_j π_ij = 1 on every row with an allowed key.
+            let lgamma_1p_inv = f64::try_from(Tensor::from(1.0 + 1.0 / k).lgamma()).unwrap_or(0.0);
+            let big_a = a * (EULER_GAMMA / k + lgamma_1p_inv - beta.ln()) + a.lgamma() + (k.ln() - EULER_GAMMA - 1.0);
+            let keys = (big_a * &counts.per_key).sum_dim_intlist(&[0i64, 2, 3][..], false, kind);
+            keys - per_head(part) + &counts.rows * beta
+        }
+        KlForm::Lognormal { sigma, sigma_p } => {
+            // KL_ij = (log π_ij − μ_p − σ²/2)² / (2σ_p²) + log(σ_p/σ) + σ²/(2σ_p²) − 1/2.
+            let constant = (sigma_p / sigma).ln() + sigma * sigma / (2.0 * sigma_p * sigma_p) - 0.5;
+            per_head(part) / (2.0 * sigma_p * sigma_p) + &counts.entries * constant
+        }
+    };
+    (total / counts.entries.clamp_min(1.0)).mean(kind)
 }
 
 /// A noise draw checked against the scores' shape.
@@ -262,7 +263,7 @@ pub fn counter_noise_rows(
 /// Counts of allowed entries, per key and per head, taken tile by tile so that a broadcast mask is
 /// never expanded to `(B, H, S_q, S_k)` floats.
 #[derive(Debug)]
-pub(crate) struct MaskCounts {
+struct MaskCounts {
     /// `(B, H, 1, S_k)`: the allowed queries of each key.
     pub per_key: Tensor,
     /// `(H,)`: queries with at least one allowed key, over the batch.
@@ -272,7 +273,7 @@ pub(crate) struct MaskCounts {
 }
 
 impl MaskCounts {
-    pub(crate) fn new(allowed: Option<&Tensor>, shape: ScoreShape, tile: i64, kind: Kind, device: Device) -> Self {
+    fn new(allowed: Option<&Tensor>, shape: ScoreShape, tile: i64, kind: Kind, device: Device) -> Self {
         let [b, h, sq, sk] = shape.dims();
         let Some(allowed) = allowed else {
             return Self {

@@ -97,7 +97,7 @@ fn run(
 /// Where the fused CPU kernel applies (no mask, or key padding with a key in every sequence) it
 /// computes differently from the tiles (equal to 1e-10, not bit for bit); elsewhere `fused_cpu`
 /// changes nothing. Either way round is an error naming the case.
-fn check_fused_route(inputs: &[Tensor; 3], case: &Case, variant: Tiled, options: TiledOptions) -> Result<()> {
+fn check_fused_route(inputs: &[Tensor; 3], case: &Case, variant: &Tiled, options: TiledOptions) -> Result<()> {
     let route = |fused_cpu| {
         let opts = TiledOptions { fused_cpu, ..options };
         attend_tiled(&inputs[0], &inputs[1], &inputs[2], &case.masks(), variant, opts).map(|t| t.output)
@@ -130,16 +130,16 @@ fn tiled_attention_equals_the_eager_path() -> Result<()> {
     for case in cases() {
         let masks = case.masks();
         let variants: Vec<(&str, Tiled, &dyn Normalizer, Vec<Tensor>)> = vec![
-            ("softmax", Tiled::Softmax, &Softmax, vec![]),
-            ("dnas", Tiled::Dnas, &Dnas, vec![]),
-            ("hnas", Tiled::Hnas { logit: &logit }, &hnas, vec![logit.shallow_clone()]),
-            ("sinkhorn-2", Tiled::Sinkhorn(2), &sinkhorn2, vec![]),
-            ("sinkhorn-3", Tiled::Sinkhorn(3), &sinkhorn3, vec![]),
+            ("softmax", Tiled::softmax(), &Softmax, vec![]),
+            ("dnas", Tiled::dnas(), &Dnas, vec![]),
+            ("hnas", Tiled::hnas(&logit), &hnas, vec![logit.shallow_clone()]),
+            ("sinkhorn-2", Tiled::sinkhorn(2), &sinkhorn2, vec![]),
+            ("sinkhorn-3", Tiled::sinkhorn(3), &sinkhorn3, vec![]),
         ];
         for (name, tiled, eager, params) in variants {
             if case.causal && name != "softmax" {
                 ensure!(
-                    attend_tiled(&inputs[0], &inputs[1], &inputs[2], &masks, tiled, TiledOptions::new(4)).is_err(),
+                    attend_tiled(&inputs[0], &inputs[1], &inputs[2], &masks, &tiled, TiledOptions::new(4)).is_err(),
                     "{name} ran under a causal mask"
                 );
                 continue;
@@ -158,7 +158,7 @@ fn tiled_attention_equals_the_eager_path() -> Result<()> {
             for (tile, fused_cpu) in [(1, false), (4, false), (5, false), (L, false), (64, false), (4, true)] {
                 let ours = run(
                     |q, k, v| {
-                        let t = attend_tiled(q, k, v, &masks, tiled, TiledOptions { fused_cpu, ..TiledOptions::new(tile) })?;
+                        let t = attend_tiled(q, k, v, &masks, &tiled, TiledOptions { fused_cpu, ..TiledOptions::new(tile) })?;
                         Ok((t.output, t.received_mass))
                     },
                     &inputs,
@@ -184,12 +184,12 @@ fn tiled_attention_equals_the_eager_path() -> Result<()> {
     eprintln!("{checked} comparisons, largest difference {largest:.1e}");
     // The fused CPU kernel is taken exactly where it applies.
     for case in cases().iter().filter(|c| !c.causal) {
-        for variant in [Tiled::Dnas, Tiled::Sinkhorn(3)] {
-            check_fused_route(&inputs, case, variant, TiledOptions::new(4))?;
+        for variant in [Tiled::dnas(), Tiled::sinkhorn(3)] {
+            check_fused_route(&inputs, case, &variant, TiledOptions::new(4))?;
         }
     }
     // The comparison can fail: tiled softmax is not eager DNAS.
-    let softmax = attend_tiled(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), Tiled::Softmax, TiledOptions::new(4))?.output;
+    let softmax = attend_tiled(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), &Tiled::softmax(), TiledOptions::new(4))?.output;
     let dnas = attend(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), &Dnas, Default::default())?.output;
     ensure!(max_diff(&softmax, &dnas) > 1e-3, "softmax and DNAS agree to {}", max_diff(&softmax, &dnas));
     Ok(())
@@ -199,21 +199,22 @@ fn tiled_attention_equals_the_eager_path() -> Result<()> {
 fn bad_input_to_the_tiled_path_is_named() -> Result<()> {
     let opts = (Kind::Float, Device::Cpu);
     let (q, k) = (Tensor::randn([1, 2, 5, 4], opts), Tensor::randn([1, 2, 6, 4], opts));
-    let m = attend_tiled(&q, &k, &k, &Masks::default(), Tiled::Dnas, TiledOptions::new(0)).err().map(|e| e.to_string()).unwrap_or_default();
+    let m =
+        attend_tiled(&q, &k, &k, &Masks::default(), &Tiled::dnas(), TiledOptions::new(0)).err().map(|e| e.to_string()).unwrap_or_default();
     ensure!(m.contains("tile size must be at least 1"), "{m}");
-    let m = attend_tiled(&q.view([2, 5, 4]), &k, &k, &Masks::default(), Tiled::Dnas, TiledOptions::new(2))
+    let m = attend_tiled(&q.view([2, 5, 4]), &k, &k, &Masks::default(), &Tiled::dnas(), TiledOptions::new(2))
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
     ensure!(m.contains("rank 4"), "{m}");
     let half = q.to_kind(Kind::Half);
-    let m = attend_tiled(&half, &k.to_kind(Kind::Half), &k.to_kind(Kind::Half), &Masks::default(), Tiled::Softmax, TiledOptions::new(2))
+    let m = attend_tiled(&half, &k.to_kind(Kind::Half), &k.to_kind(Kind::Half), &Masks::default(), &Tiled::softmax(), TiledOptions::new(2))
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
     ensure!(m.contains("float32 and float64"), "{m}");
     let logit = Tensor::zeros([3], opts);
-    let m = attend_tiled(&q, &k, &k, &Masks::default(), Tiled::Hnas { logit: &logit }, TiledOptions::new(2))
+    let m = attend_tiled(&q, &k, &k, &Masks::default(), &Tiled::hnas(&logit), TiledOptions::new(2))
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
@@ -314,7 +315,7 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
                     let (q, k, v) = (&leaves[0], &leaves[1], &leaves[2]);
                     let (out, mass, kl) = match tiled {
                         Some(options) => {
-                            let t = attend_tiled(q, k, v, &masks, Tiled::Bam(&normalizer), options)?;
+                            let t = attend_tiled(q, k, v, &masks, &normalizer.tiled().expect("BAM has a plan"), options)?;
                             (t.output, t.received_mass, t.kl)
                         }
                         None => {
@@ -370,11 +371,13 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
     let (_, normalizer) = bam(BamKind::WeibullContextual, Variant::Softmax)?;
     for case in cases() {
         let options = TiledOptions { sample: true, seed: Some(seed), ..TiledOptions::new(4) };
-        check_fused_route(&inputs, &case, Tiled::Bam(&normalizer), options)?;
+        check_fused_route(&inputs, &case, &normalizer.tiled().expect("BAM has a plan"), options)?;
     }
     // The draws matter: another seed gives another output, and the mean (no sampling) is the base.
     let (_, normalizer) = bam(BamKind::LognormalContextual, Variant::Dnas)?;
-    let run = |options: TiledOptions| attend_tiled(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), Tiled::Bam(&normalizer), options);
+    let run = |options: TiledOptions| {
+        attend_tiled(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), &normalizer.tiled().expect("BAM has a plan"), options)
+    };
     let a = run(TiledOptions { seed: Some(1), sample: true, ..TiledOptions::new(4) })?.output;
     let b = run(TiledOptions { seed: Some(2), sample: true, ..TiledOptions::new(4) })?.output;
     ensure!(max_diff(&a, &b) > 1e-3, "two seeds agree to {}", max_diff(&a, &b));

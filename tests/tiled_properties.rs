@@ -360,7 +360,7 @@ fn run(case: &Case, built: &Built, seed: u64, tiled: Option<TiledOptions>, kind:
         Some(options) => {
             // The normalizer's own tiled form, as the layers take it.
             let variant = built.eager.tiled().with_context(|| format!("{} has no tiled form", case.which.name()))?;
-            let t = attend_tiled(q, k, v, &masks, variant, TiledOptions { sample, seed: Some(seed), ..options })?;
+            let t = attend_tiled(q, k, v, &masks, &variant, TiledOptions { sample, seed: Some(seed), ..options })?;
             (t.output, t.received_mass, t.kl, None)
         }
         None => {
@@ -582,7 +582,7 @@ fn large_scores_keep_every_row_of_received_mass() -> Result<()> {
     let logit = hnas.logit().shallow_clone();
     for tile in [3, 64] {
         for fused_cpu in [true, false] {
-            let t = attend_tiled(&q, &k, &v, &Masks::default(), Tiled::Softmax, TiledOptions { fused_cpu, ..TiledOptions::new(tile) })?;
+            let t = attend_tiled(&q, &k, &v, &Masks::default(), &Tiled::softmax(), TiledOptions { fused_cpu, ..TiledOptions::new(tile) })?;
             let d = max_diff(&t.received_mass, &expected);
             ensure!(d < 1e-9, "softmax, tile {tile}, fused {fused_cpu}: received mass {} (off by {d})", t.received_mass);
         }
@@ -590,7 +590,7 @@ fn large_scores_keep_every_row_of_received_mass() -> Result<()> {
     // DNAS, Sinkhorn and HNAS on the same rows: the eager weights' column sums.
     let sinkhorn3 = Sinkhorn::new(3)?;
     let variants: [(&str, Tiled, &dyn Normalizer); 3] =
-        [("dnas", Tiled::Dnas, &Dnas), ("sinkhorn-3", Tiled::Sinkhorn(3), &sinkhorn3), ("hnas", Tiled::Hnas { logit: &logit }, &hnas)];
+        [("dnas", Tiled::dnas(), &Dnas), ("sinkhorn-3", Tiled::sinkhorn(3), &sinkhorn3), ("hnas", Tiled::hnas(&logit), &hnas)];
     for (name, variant, eager) in variants {
         let reference = attend(&q, &k, &v, &Masks::default(), eager, Default::default())?.into_weights()?.sum_dim_intlist(
             &[-2i64][..],
@@ -598,7 +598,7 @@ fn large_scores_keep_every_row_of_received_mass() -> Result<()> {
             Kind::Double,
         );
         for fused_cpu in [true, false] {
-            let t = attend_tiled(&q, &k, &v, &Masks::default(), variant, TiledOptions { fused_cpu, ..TiledOptions::new(3) })?;
+            let t = attend_tiled(&q, &k, &v, &Masks::default(), &variant, TiledOptions { fused_cpu, ..TiledOptions::new(3) })?;
             let d = max_diff(&t.received_mass, &reference);
             ensure!(d < 1e-9, "{name}, fused {fused_cpu}: received mass {} against {reference} (off by {d})", t.received_mass);
         }

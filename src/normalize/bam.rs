@@ -20,8 +20,7 @@ use tch::{nn, Tensor};
 use super::noise::{draw, Noise};
 use super::prior::{ContextualPrior, PriorScope};
 use super::{NormalizeInput, Normalized, Normalizer, NormalizerConfig, Support, Variant};
-use crate::cxx::TiledSpec;
-use crate::tiled::MaskCounts;
+use crate::plan::{Kl, KlForm, NoiseKind, PriorFn, Sampling, Tiled};
 use crate::{Error, Result};
 
 /// Euler–Mascheroni constant γ.
@@ -216,56 +215,6 @@ impl Bam {
         self.base.as_ref()
     }
 
-    /// The tiled path's noise ([`crate::tiled`]): its kind and the scale of its log-domain term.
-    pub(crate) fn tiled_noise(&self) -> (i32, f64) {
-        if self.kind.is_weibull() {
-            (TiledSpec::WEIBULL, 1.0 / self.cfg.k)
-        } else {
-            (TiledSpec::LOGNORMAL, self.cfg.sigma)
-        }
-    }
-
-    /// The tiled path's KL kind and per-key values `a_j`, broadcastable to `(B, H, 1, S_k)`: the
-    /// Gamma prior's shape `α_j` (Weibull) or `μ_p,j + σ²/2` (Lognormal), from the keys
-    /// `(B, H, S_k, d_k)` for a contextual prior. `None` for `bam-nokl`.
-    pub(crate) fn tiled_prior(&self, keys: &Tensor, support: &Support) -> Result<Option<(i32, Tensor)>> {
-        if !self.kind.has_kl() {
-            return Ok(None);
-        }
-        let log_psi = self.prior.as_ref().map(|p| p.log_psi(keys, support)).transpose()?; // (B, H, 1, S_k)
-        let constant = |x: f64| Tensor::from(x).to_kind(keys.kind()).to_device(keys.device()).view([1, 1, 1, 1]);
-        Ok(Some(if self.kind.is_weibull() {
-            let beta = self.cfg.prior_beta;
-            let alpha = log_psi.map_or_else(|| constant(self.cfg.prior_alpha), |l| (l.exp() * beta).clamp_min(1e-30));
-            (TiledSpec::KL_WEIBULL, alpha)
-        } else {
-            let sigma = self.cfg.sigma;
-            let mu_p = log_psi.unwrap_or_else(|| constant(self.cfg.prior_mu));
-            (TiledSpec::KL_LOGNORMAL, mu_p + sigma * sigma / 2.0)
-        }))
-    }
-
-    /// The KL term (as [`Self::kl`]: averaged over the allowed entries of each head, then over
-    /// heads) from the tiled path's score-dependent part `part (B, H)`, the per-key values
-    /// `a` of [`Self::tiled_prior`], and the mask's counts.
-    pub(crate) fn tiled_kl(&self, part: &Tensor, a: &Tensor, counts: &MaskCounts) -> Tensor {
-        let kind = part.kind();
-        let per_head = |t: &Tensor| t.sum_dim_intlist(&[0i64][..], false, kind); // (B, H) -> (H,)
-        let total = if self.kind.is_weibull() {
-            // KL_ij = A(α_j) − α_j log π_ij + β π_ij; Σ_j π_ij = 1 on every row with an allowed key.
-            let (k, beta) = (self.cfg.k, self.cfg.prior_beta);
-            let big_a = a * (EULER_GAMMA / k + lgamma_1p_inv(k) - beta.ln()) + a.lgamma() + (k.ln() - EULER_GAMMA - 1.0);
-            let keys = (big_a * &counts.per_key).sum_dim_intlist(&[0i64, 2, 3][..], false, kind);
-            keys - per_head(part) + &counts.rows * beta
-        } else {
-            // KL_ij = (log π_ij − μ_p − σ²/2)² / (2σ_p²) + log(σ_p/σ) + σ²/(2σ_p²) − 1/2.
-            let (sigma, sigma_p) = (self.cfg.sigma, self.cfg.prior_sigma);
-            let constant = (sigma_p / sigma).ln() + sigma * sigma / (2.0 * sigma_p * sigma_p) - 0.5;
-            per_head(part) / (2.0 * sigma_p * sigma_p) + &counts.entries * constant
-        };
-        (total / counts.entries.clamp_min(1.0)).mean(kind)
-    }
-
     /// Log-weights of one sample, `(B, H, S_q, S_k)` before normalization over the keys:
     /// `log S` up to a per-row constant (which the normalization cancels), from `log π` and noise
     /// `ε` of the same shape (U(0,1) for Weibull, N(0,1) for Lognormal).
@@ -385,8 +334,35 @@ impl Normalizer for Bam {
         self.base.gate()
     }
 
-    fn tiled(&self) -> Option<crate::tiled::Tiled<'_>> {
-        Some(crate::tiled::Tiled::Bam(self))
+    /// The base's plan, with the noise and the KL term it samples with: the Gamma prior's shape
+    /// `α_j` (Weibull) or `μ_p,j + σ²/2` (Lognormal) per key, from the keys for a contextual prior.
+    fn tiled(&self) -> Option<Tiled<'_>> {
+        let mut plan = self.base.tiled()?;
+        plan.name = self.kind.name().to_string();
+        let (noise, scale) =
+            if self.kind.is_weibull() { (NoiseKind::Weibull, 1.0 / self.cfg.k) } else { (NoiseKind::Lognormal, self.cfg.sigma) };
+        let kl = self.kind.has_kl().then(|| {
+            let form = if self.kind.is_weibull() {
+                KlForm::WeibullGamma { k: self.cfg.k, beta: self.cfg.prior_beta }
+            } else {
+                KlForm::Lognormal { sigma: self.cfg.sigma, sigma_p: self.cfg.prior_sigma }
+            };
+            let prior: PriorFn<'_> = Box::new(move |keys: &Tensor, allowed: Option<&Tensor>| {
+                let support = Support::dense(allowed.map(Tensor::shallow_clone));
+                let log_psi = self.prior.as_ref().map(|p| p.log_psi(keys, &support)).transpose()?; // (B, H, 1, S_k)
+                let constant = |x: f64| Tensor::from(x).to_kind(keys.kind()).to_device(keys.device()).view([1, 1, 1, 1]);
+                Ok(if self.kind.is_weibull() {
+                    let beta = self.cfg.prior_beta;
+                    log_psi.map_or_else(|| constant(self.cfg.prior_alpha), |l| (l.exp() * beta).clamp_min(1e-30))
+                } else {
+                    let sigma = self.cfg.sigma;
+                    log_psi.unwrap_or_else(|| constant(self.cfg.prior_mu)) + sigma * sigma / 2.0
+                })
+            });
+            Kl { form, prior }
+        });
+        plan.sampling = Some(Sampling { noise, scale, kl });
+        Some(plan)
     }
 }
 

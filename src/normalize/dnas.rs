@@ -49,7 +49,7 @@ impl Normalizer for Dnas {
         false
     }
 
-    fn tiled(&self) -> Option<crate::tiled::Tiled<'_>> {
-        Some(crate::tiled::Tiled::Dnas)
+    fn tiled(&self) -> Option<crate::plan::Tiled<'_>> {
+        Some(crate::plan::Tiled::dnas())
     }
 }

@@ -80,7 +80,7 @@ impl Normalizer for Hnas {
         Some(self.logit.sigmoid())
     }
 
-    fn tiled(&self) -> Option<crate::tiled::Tiled<'_>> {
-        Some(crate::tiled::Tiled::Hnas { logit: &self.logit })
+    fn tiled(&self) -> Option<crate::plan::Tiled<'_>> {
+        Some(crate::plan::Tiled::hnas(&self.logit))
     }
 }

@@ -104,9 +104,11 @@ pub trait Normalizer: fmt::Debug + Send {
         Ok(None)
     }
 
-    /// This normalizer's memory-efficient form ([`crate::tiled`]), where it has one: [`crate::attend`]
-    /// takes it when a tile is set and no weights are asked for. `None` (the default): eager only.
-    fn tiled(&self) -> Option<crate::tiled::Tiled<'_>> {
+    /// This normalizer's memory-efficient form, described as data ([`crate::tiled::Tiled`]: score
+    /// scale, column/row sweeps, a mix with softmax, noise and KL when sampling), where its
+    /// weights have one: [`crate::attend`] takes it when a tile is set and no weights are asked
+    /// for. `None` (the default): eager only.
+    fn tiled(&self) -> Option<crate::plan::Tiled<'_>> {
         None
     }
 }

@@ -55,7 +55,7 @@ impl Normalizer for Sinkhorn {
         false
     }
 
-    fn tiled(&self) -> Option<crate::tiled::Tiled<'_>> {
-        Some(crate::tiled::Tiled::Sinkhorn(self.iterations))
+    fn tiled(&self) -> Option<crate::plan::Tiled<'_>> {
+        Some(crate::plan::Tiled::sinkhorn(self.iterations))
     }
 }

@@ -49,7 +49,7 @@ impl Normalizer for Softmax {
         Ok(Some(mix(support.row_softmax(&scores), v, None, opts)))
     }
 
-    fn tiled(&self) -> Option<crate::tiled::Tiled<'_>> {
-        Some(crate::tiled::Tiled::Softmax)
+    fn tiled(&self) -> Option<crate::plan::Tiled<'_>> {
+        Some(crate::plan::Tiled::softmax())
     }
 }
