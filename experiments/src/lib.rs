@@ -1,5 +1,7 @@
-//! The `probattn` command line: each subcommand's arguments and logic live in a module here; the
-//! binary (`src/main.rs`) only parses and dispatches.
+//! The `probattn` command line: each subcommand's arguments and logic live in a module, the
+//! reproductions of the papers' experiments under `reproductions/` and the other commands under
+//! `tools/`, with what they share at the top (`common`, `harness`, `report`, `plot`,
+//! `provenance`, `ranks`); the binary (`src/main.rs`) only parses and dispatches.
 
 // `x = x + y` stays: on tch tensors `x += y` is an in-place `add_`, which would overwrite a value
 // autograd saved for the backward pass.
@@ -10,25 +12,18 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
-pub mod attend;
-pub mod bench;
-pub mod bleu;
 pub mod common;
-pub mod compare;
-pub mod doctor;
-pub mod export;
-pub mod finetune;
-pub mod gat;
 pub mod harness;
 pub mod plot;
 pub mod provenance;
 pub mod ranks;
 pub mod report;
-pub mod seq2seq;
-pub mod translate;
-pub mod variants;
-pub mod vqa;
-pub mod vqa_eval;
+pub mod reproductions;
+pub mod tools;
+
+// Each command's module at the crate root too, as before the split into tools/ and reproductions/.
+pub use reproductions::{gat, seq2seq, translate, vqa};
+pub use tools::{attend, bench, bleu, compare, doctor, export, finetune, variants, vqa_eval};
 
 use clap::{Parser, Subcommand};
 

@@ -1,0 +1,12 @@
+//! The tools: commands that are not reproductions of a paper's experiment (checking a variant
+//! against your own code, timing, BLEU, comparing with PyTorch modules, exports, the registry).
+
+pub mod attend;
+pub mod bench;
+pub mod bleu;
+pub mod compare;
+pub mod doctor;
+pub mod export;
+pub mod finetune;
+pub mod variants;
+pub mod vqa_eval;
