@@ -123,7 +123,7 @@ at::Tensor counter_noise(uint64_t seed, int64_t noise, at::IntArrayRef shape, in
   return u.to(dtype);
 }
 
-// The log-domain perturbation of ε, as src/normalize/bam.rs's `perturb`, in place on a tensor of
+// The log-domain perturbation of ε, as src/attention/normalize/bam.rs's `perturb`, in place on a tensor of
 // the caller's own (the same operations, in the same order, as the out-of-place form).
 at::Tensor noise_term_(at::Tensor eps, int64_t noise, double scale) {
   if (noise == kWeibull) eps.clamp_min_(static_cast<double>(FLT_MIN)).neg_().log1p_().neg_().log_();

@@ -32,7 +32,7 @@
 //   Weibull:   T = Σ_ij a_j log π_ij         (a_j = α_j, the Gamma prior's shape)
 //   Lognormal: T = Σ_ij (log π_ij - a_j)²    (a_j = μ_p,j + σ²/2)
 // returned as the third output, differentiable in the scores and in a; the Rust side adds the
-// per-key and per-row terms (src/tiled.rs). Its gradient in y: dT/dlog π - π ∘ Σ_j dT/dlog π.
+// per-key and per-row terms (src/attention/tiled.rs). Its gradient in y: dT/dlog π - π ∘ Σ_j dT/dlog π.
 
 #include <cmath>
 #include <optional>

@@ -28,7 +28,7 @@ median reported. Writes OUT/pt2_speed.json and OUT/pt2_speed.md.
 
 The script re-runs itself under the allocator setting the probattn binary uses (`--allocator
 retain`: glibc keeps freed memory instead of unmapping it, MALLOC_MMAP_MAX_=0 and an unreachable
-MALLOC_TRIM_THRESHOLD_, as src/allocator.rs gives its own children), so that PyTorch eager is timed
+MALLOC_TRIM_THRESHOLD_, as src/runtime/allocator.rs gives its own children), so that PyTorch eager is timed
 like for like: under glibc's defaults, eager nn.MultiheadAttention took 21 ms in some processes
 and 30 ms in others on this machine, by where its large blocks happened to be mapped.
 """

@@ -1,5 +1,10 @@
 //! probattn: the probabilistic views of attention on libtorch.
 //!
+//! The crate in two parts: [`attention`] (masks, `attend`, the normalizers and their registry,
+//! the memory-efficient tiles, multi-head attention, repulsive heads) and [`runtime`] (devices,
+//! memory, the allocator, distributed training, PyTorch interop, files, the C++ boundary). Every
+//! module of both is also at the crate root. docs/architecture.md has the map.
+//!
 //! One seam serves every variant: scores go in, a [`normalize::Normalizer`] turns them into
 //! weights over the allowed entries ([`Masks`], [`normalize::Support`]), and the weights mix the
 //! values ([`attend`]). [`MultiHeadAttention`] wraps the seam in PyTorch's parameter layout.
@@ -10,29 +15,19 @@
 //! (An et al. 2020), an SVGD/SPOS gradient hook over the heads ([`repulsive::RepulsiveHook`]).
 
 #![deny(unsafe_op_in_unsafe_fn)]
-// Every `unsafe` block says why it is sound (a `// SAFETY:` comment), as src/cxx.rs does for each
+// Every `unsafe` block says why it is sound (a `// SAFETY:` comment), as src/runtime/cxx.rs does for each
 // call into the C++ layer.
 #![warn(clippy::undocumented_unsafe_blocks)]
 
-pub mod allocator;
 pub mod attention;
-mod call;
-mod cxx;
-pub mod device;
-pub mod diagnostics;
-pub mod distributed;
 mod error;
-pub mod interop;
-pub mod io;
-pub mod mask;
-pub mod mc;
-pub mod memory;
-pub mod mha;
-pub mod normalize;
-mod plan;
-pub mod repulsive;
-pub mod scores;
-pub mod tiled;
+pub mod runtime;
+
+// The modules of both parts at the crate root, where they have always been.
+pub(crate) use attention::{call, plan};
+pub use attention::{diagnostics, mask, mc, mha, normalize, repulsive, scores, tiled};
+pub(crate) use runtime::cxx;
+pub use runtime::{allocator, device, distributed, interop, io, memory};
 
 pub use attention::{attend, scaled_dot_product_scores, AttendOptions, Attended, Mode};
 pub use device::DeviceSpec;

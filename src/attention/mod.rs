@@ -1,0 +1,19 @@
+//! The attention part of the library: the masks, one attention call (`seam`: `attend`), the normalizers
+//! and their registry, the memory-efficient tiles and their plans, multi-head attention, the
+//! repulsive heads, scores, diagnostics and Monte Carlo prediction. Each module is also at the
+//! crate root (`probattn::mha`, `probattn::tiled`, ...).
+
+pub(crate) mod call;
+pub mod diagnostics;
+pub mod mask;
+pub mod mc;
+pub mod mha;
+pub mod normalize;
+pub(crate) mod plan;
+pub mod repulsive;
+pub mod scores;
+pub mod seam;
+pub mod tiled;
+
+// `probattn::attention::{attend, AttendOptions, ...}`, as when this was one file.
+pub use seam::{attend, scaled_dot_product_scores, AttendOptions, Attended, Mode};
