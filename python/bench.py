@@ -8,7 +8,7 @@ measurements shaped as bench.json's. `probattn bench` runs it; by hand:
 
 Peak memory: after the timed steps, one more step of each variant, untimed: the peak bytes it
 allocated above what was held before it. On CUDA, torch.cuda's allocator statistics; on the CPU,
-probattn's counting allocator (csrc/memory.cpp, built beside the probattn binary), which
+probattn's counting allocator (probattn-sys/csrc/memory.cpp, built beside the probattn binary), which
 `--memory-lib` loads into this process with ctypes, so both sides of `probattn bench` count with
 the same code; without it the CPU peak is left out (null).
 """

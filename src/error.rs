@@ -50,6 +50,17 @@ pub enum Error {
 /// `Result` with the library's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
 
+impl From<probattn_sys::Error> for Error {
+    fn from(e: probattn_sys::Error) -> Self {
+        match e {
+            probattn_sys::Error::Config(m) => Error::Config(m),
+            probattn_sys::Error::File { path, message } => Error::File { path, message },
+            probattn_sys::Error::Torch(m) => Error::Tch(tch::TchError::Torch(m)),
+            probattn_sys::Error::Device(m) => Error::Device(m),
+        }
+    }
+}
+
 impl Error {
     /// A variant that normalizes each key over the queries, asked to run under a causal mask:
     /// the one message [`crate::attend`] and [`crate::tiled`] give.

@@ -15,7 +15,7 @@
 //! (An et al. 2020), an SVGD/SPOS gradient hook over the heads ([`repulsive::RepulsiveHook`]).
 
 #![deny(unsafe_op_in_unsafe_fn)]
-// Every `unsafe` block says why it is sound (a `// SAFETY:` comment), as src/runtime/cxx.rs does for each
+// Every `unsafe` block says why it is sound (a `// SAFETY:` comment), as probattn-sys/src/lib.rs does for each
 // call into the C++ layer.
 #![warn(clippy::undocumented_unsafe_blocks)]
 
@@ -26,7 +26,8 @@ pub mod runtime;
 // The modules of both parts at the crate root, where they have always been.
 pub(crate) use attention::{call, plan};
 pub use attention::{diagnostics, mask, mc, mha, normalize, repulsive, scores, tiled};
-pub(crate) use runtime::cxx;
+// The C++ layer, under the name the library has always used for it.
+pub(crate) use probattn_sys as cxx;
 pub use runtime::{allocator, device, distributed, interop, io, memory};
 
 pub use attention::{attend, scaled_dot_product_scores, AttendOptions, Attended, Mode};

@@ -1,5 +1,5 @@
 //! Memory-efficient attention: the variants computed tile by tile over the queries, forward and
-//! backward, without the `(S_q, S_k)` weights (csrc/tiled.cpp, a libtorch autograd function).
+//! backward, without the `(S_q, S_k)` weights (probattn-sys/csrc/tiled.cpp, a libtorch autograd function).
 //!
 //! The eager path ([`crate::attend`]) materialises the weights of every head, and autograd keeps
 //! several such tensors for the backward pass: memory grows as S². Here each pass holds one
@@ -80,7 +80,7 @@ pub struct TiledOptions<'a> {
     /// On the CPU, softmax and DNAS (and so HNAS, and BAM's mean over those bases) without
     /// sampling take libtorch's fused flash-attention kernel where the mask allows it (none, or
     /// key padding only): the same O(S · d) memory without a tile loop, and faster (two kernel
-    /// passes forward where DNAS's tiles compute the scores twice in full; csrc/fused_cpu.cpp has the
+    /// passes forward where DNAS's tiles compute the scores twice in full; probattn-sys/csrc/fused_cpu.cpp has the
     /// algebra). `tile` then does not apply. BAM sampling over a softmax base takes the same
     /// kernel under the same masks, `tile` queries at a time with their noise as the kernel's
     /// mask, and its KL term in closed form. `false` always runs the tiles. Default `true`.
@@ -241,7 +241,7 @@ fn libtorch_seed() -> u64 {
 pub fn counter_noise(kind: BamKind, shape: [i64; 4], seed: u64, options: (Kind, Device)) -> Result<Tensor> {
     let like = Tensor::zeros([1], options);
     let noise = if kind.is_weibull() { TiledSpec::WEIBULL } else { TiledSpec::LOGNORMAL };
-    cxx::counter_noise(&like, shape, noise, seed, 0..shape[2], false)
+    Ok(cxx::counter_noise(&like, shape, noise, seed, 0..shape[2], false)?)
 }
 
 /// The rows `rows` of [`counter_noise`], computed by the CPU's loop or (`by_ops`) by ATen's integer
@@ -257,7 +257,7 @@ pub fn counter_noise_rows(
 ) -> Result<Tensor> {
     let like = Tensor::zeros([1], options);
     let noise = if kind.is_weibull() { TiledSpec::WEIBULL } else { TiledSpec::LOGNORMAL };
-    cxx::counter_noise(&like, shape, noise, seed, rows, by_ops)
+    Ok(cxx::counter_noise(&like, shape, noise, seed, rows, by_ops)?)
 }
 
 /// Counts of allowed entries, per key and per head, taken tile by tile so that a broadcast mask is

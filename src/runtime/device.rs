@@ -85,7 +85,7 @@ pub fn set_threads(n: usize) -> Result<()> {
 /// "Sparse CSR tensor support is in beta" on every GAT run (a libtorch notice about an API we
 /// use as documented).
 pub fn silence_libtorch_warning(prefix: &str) -> Result<()> {
-    crate::cxx::silence_warning(prefix)
+    Ok(crate::cxx::silence_warning(prefix)?)
 }
 
 /// A short human name of a device: `cpu`, `cuda:0`.

@@ -44,8 +44,8 @@ pub struct MemoryStats {
 /// rest of the process; tensors allocated before are not counted); CUDA's allocator always counts.
 pub fn track(device: Device) -> Result<()> {
     match device {
-        Device::Cpu => cxx::cpu_memory_track(),
-        Device::Cuda(i) => cxx::cuda_memory_stats(i as i64).map(drop),
+        Device::Cpu => Ok(cxx::cpu_memory_track()?),
+        Device::Cuda(i) => Ok(cxx::cuda_memory_stats(i as i64).map(drop)?),
         other => Err(Error::Device(format!("memory statistics are kept for the CPU and CUDA, not {other:?}"))),
     }
 }
@@ -74,8 +74,8 @@ pub fn stats(device: Device) -> Result<MemoryStats> {
 /// Sets the peak to the current value: the next [`stats`] peak is the most since now.
 pub fn reset_peak(device: Device) -> Result<()> {
     match device {
-        Device::Cpu => cxx::cpu_memory_reset_peak(),
-        Device::Cuda(i) => cxx::cuda_memory_reset_peak(i as i64),
+        Device::Cpu => Ok(cxx::cpu_memory_reset_peak()?),
+        Device::Cuda(i) => Ok(cxx::cuda_memory_reset_peak(i as i64)?),
         other => Err(Error::Device(format!("memory statistics are kept for the CPU and CUDA, not {other:?}"))),
     }
 }
@@ -99,5 +99,5 @@ pub fn peak_during<T>(device: Device, f: impl FnOnce() -> T) -> Result<(T, i64)>
 /// libtorch (PyTorch: `ctypes.CDLL(path).pa_cpu_memory_track()`): `PROBATTN_MEMORY_LIB` if set,
 /// else the one built with this binary.
 pub fn python_counter_library() -> PathBuf {
-    std::env::var_os("PROBATTN_MEMORY_LIB").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("PROBATTN_MEMORY_LIB")))
+    std::env::var_os("PROBATTN_MEMORY_LIB").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(crate::cxx::MEMORY_LIB))
 }

@@ -4,7 +4,7 @@
 //! `torch._inductor.aoti_compile_and_package(torch.export.export(module, args, kwargs))`
 //! (python/export_pt2.py does it for our reference modules): the exported program compiled to a
 //! shared library for one device and fixed input shapes. [`Pt2Package`] loads it with libtorch's
-//! own `torch::inductor::AOTIModelPackageLoader` (through the C++ layer in `csrc/`, since tch
+//! own `torch::inductor::AOTIModelPackageLoader` (through the C++ layer in `probattn-sys/csrc/`, since tch
 //! cannot) and runs it on our tensors, forward only: a package holds no autograd graph.
 //!
 //! What is checked before libtorch sees the file, each a named [`Error`]: that it is there, that it

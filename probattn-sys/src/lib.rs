@@ -1,18 +1,52 @@
-//! The boundary with the C++ layer (`csrc/`, compiled by `build.rs` against the libtorch tch
-//! links): the `extern "C"` declarations and the only `unsafe` code that calls them. Everything
-//! public is safe and returns [`Error`]; [`crate::interop`] and [`crate::memory`] build on it.
+//! probattn-sys: probattn's C++ layer (`csrc/`, compiled by `build.rs` against the libtorch that
+//! tch links) and its boundary: the `extern "C"` declarations and the only `unsafe` code that
+//! calls them. Everything public is safe and returns [`Error`]; the `probattn` crate builds its
+//! tiles, memory statistics, `.pt2` loading and distributed training on it, and turns [`Error`]
+//! into its own.
 //!
 //! Each C++ function catches every exception and returns it as a message (see
 //! `csrc/probattn.h`), so libtorch's errors arrive here as values, never as an abort.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
 use std::ffi::{c_char, CStr, CString};
-use std::path::Path;
+use std::fmt;
+use std::path::{Path, PathBuf};
 use std::ptr;
 
 use tch::Tensor;
 use torch_sys::C_tensor;
 
-use crate::{Error, Result};
+/// What a call into the C++ layer can fail with.
+#[derive(Debug)]
+pub enum Error {
+    /// A bad argument: a path or a name with a NUL byte, a path that is not UTF-8.
+    Config(String),
+    /// A file the C++ layer could not read as asked.
+    File { path: PathBuf, message: String },
+    /// libtorch raised (its message).
+    Torch(String),
+    /// A device query failed.
+    Device(String),
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Config(m) | Self::Torch(m) | Self::Device(m) => f.write_str(m),
+            Self::File { path, message } => write!(f, "{}: {message}", path.display()),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// The CPU memory counter built as a shared library too (`libprobattn_memory.so`), for the
+/// Python side of `probattn bench`.
+pub const MEMORY_LIB: &str = env!("PROBATTN_MEMORY_LIB");
 
 #[repr(C)]
 struct PaTensors {
@@ -134,7 +168,7 @@ fn check(message: *mut c_char, what: impl FnOnce(String) -> Error) -> Result<()>
 }
 
 /// Drops every later libtorch warning that starts with `prefix` (see `device::silence_libtorch_warning`).
-pub(crate) fn silence_warning(prefix: &str) -> Result<()> {
+pub fn silence_warning(prefix: &str) -> Result<()> {
     let prefix = CString::new(prefix).map_err(|_| Error::Config(format!("{prefix:?}: a warning prefix with a NUL byte")))?;
     // SAFETY: a valid NUL-terminated string, borrowed for the call (the C++ side copies it).
     check(unsafe { pa_silence_warning(prefix.as_ptr()) }, |m| Error::Config(format!("silencing a libtorch warning: {m}")))
@@ -182,7 +216,7 @@ fn file_error(path: &Path) -> impl FnOnce(String) -> Error + '_ {
 
 /// The metadata of the AOTInductor package at `path` (`AOTI_DEVICE_KEY`, the user's own), read
 /// without loading the compiled model.
-pub(crate) fn pt2_metadata(path: &Path, model_name: &str) -> Result<String> {
+pub fn pt2_metadata(path: &Path, model_name: &str) -> Result<String> {
     let (p, m) = (c_path(path)?, CString::new(model_name).map_err(|_| Error::Config("a model name with a NUL byte".into()))?);
     let mut json = ptr::null_mut();
     // SAFETY: valid C strings; `json` is written on success only.
@@ -192,13 +226,13 @@ pub(crate) fn pt2_metadata(path: &Path, model_name: &str) -> Result<String> {
 
 /// A loaded AOTInductor package (owns libtorch's `AOTIModelPackageLoader`).
 #[derive(Debug)]
-pub(crate) struct Pt2Handle {
+pub struct Pt2Handle {
     raw: *mut PaPt2,
 }
 
 impl Pt2Handle {
     /// `device_index`: −1 for the CPU, else the CUDA device.
-    pub(crate) fn load(path: &Path, model_name: &str, device_index: i64) -> Result<Self> {
+    pub fn load(path: &Path, model_name: &str, device_index: i64) -> Result<Self> {
         let (p, m) = (c_path(path)?, CString::new(model_name).map_err(|_| Error::Config("a model name with a NUL byte".into()))?);
         let mut raw = ptr::null_mut();
         // SAFETY: valid C strings; `raw` is written on success only.
@@ -207,7 +241,7 @@ impl Pt2Handle {
     }
 
     /// Runs the compiled model on `inputs` (borrowed) and returns its outputs.
-    pub(crate) fn run(&self, inputs: &[&Tensor]) -> std::result::Result<Vec<Tensor>, String> {
+    pub fn run(&self, inputs: &[&Tensor]) -> std::result::Result<Vec<Tensor>, String> {
         let pointers: Vec<*const C_tensor> = inputs.iter().map(|t| t.as_ptr()).collect();
         let mut list = ptr::null_mut();
         // SAFETY: `self.raw` is live; the input pointers borrow tensors that outlive the call.
@@ -216,7 +250,7 @@ impl Pt2Handle {
     }
 
     /// The package's weights and buffers under their original (`state_dict`) names.
-    pub(crate) fn constants(&self) -> std::result::Result<Vec<(String, Tensor)>, String> {
+    pub fn constants(&self) -> std::result::Result<Vec<(String, Tensor)>, String> {
         let mut list = ptr::null_mut();
         // SAFETY: `self.raw` is live.
         into_string_result(unsafe { pa_pt2_constants(self.raw, &mut list) })?;
@@ -232,7 +266,7 @@ impl Drop for Pt2Handle {
 }
 
 /// `torch::jit::Module::named_buffers()` of the TorchScript module at `path`, loaded on the CPU.
-pub(crate) fn jit_named_buffers(path: &Path) -> Result<Vec<(String, Tensor)>> {
+pub fn jit_named_buffers(path: &Path) -> Result<Vec<(String, Tensor)>> {
     let p = c_path(path)?;
     let mut list = ptr::null_mut();
     let listing = |m| Error::File { path: path.into(), message: format!("listing its buffers: {m}") };
@@ -244,7 +278,7 @@ pub(crate) fn jit_named_buffers(path: &Path) -> Result<Vec<(String, Tensor)>> {
 /// `pa_tiled_spec` of csrc/probattn.h: what the tiled attention computes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct TiledSpec {
+pub struct TiledSpec {
     /// Queries per tile.
     pub tile: i64,
     /// Column/row normalizations before the last row softmax: 0 softmax, 1 DNAS, N Sinkhorn-N.
@@ -258,7 +292,7 @@ pub(crate) struct TiledSpec {
     /// The KL's score-dependent part: 0 none, 1 `Σ a_j log π_ij`, 2 `Σ (log π_ij − a_j)²`.
     pub kl: i32,
     /// 1: softmax and DNAS without noise take libtorch's fused CPU kernel where it applies; 0:
-    /// always the tiles ([`crate::tiled::TiledOptions::fused_cpu`]).
+    /// always the tiles (`probattn::tiled::TiledOptions::fused_cpu`).
     pub fused_cpu: i32,
 }
 
@@ -281,7 +315,7 @@ impl TiledSpec {
 
 /// The tiled attention of csrc/tiled.cpp: `(output (B, H, S_q, d_v), received mass (B, H, S_k),
 /// KL part (B, H))`, differentiable in q, k, v and `prior`.
-pub(crate) fn tiled_attention(
+pub fn tiled_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -307,7 +341,7 @@ pub(crate) fn tiled_attention(
             &mut mass,
             &mut kl,
         );
-        check(status, |m| Error::Tch(tch::TchError::Torch(m)))?;
+        check(status, Error::Torch)?;
         Ok((Tensor::from_ptr(out), Tensor::from_ptr(mass), Tensor::from_ptr(kl)))
     }
 }
@@ -315,22 +349,13 @@ pub(crate) fn tiled_attention(
 /// The tiled path's counter-based draws for a whole `(B, H, S_q, S_k)` score tensor, in the dtype
 /// and on the device of `like` (see csrc/noise.cpp), the rows (queries) in `rows`; `aten_ops`: by
 /// ATen's integer ops (CUDA's way) even on the CPU.
-pub(crate) fn counter_noise(
-    like: &Tensor,
-    shape: [i64; 4],
-    noise: i32,
-    seed: u64,
-    rows: std::ops::Range<i64>,
-    aten_ops: bool,
-) -> Result<Tensor> {
+pub fn counter_noise(like: &Tensor, shape: [i64; 4], noise: i32, seed: u64, rows: std::ops::Range<i64>, aten_ops: bool) -> Result<Tensor> {
     let mut out = ptr::null_mut();
     // SAFETY: `like` and `shape` (four values) are borrowed for the call; the output is a new
     // tensor written on success only.
     unsafe {
         let len = rows.end - rows.start;
-        check(pa_counter_noise(like.as_ptr(), shape.as_ptr(), noise, seed, rows.start, len, aten_ops as i32, &mut out), |m| {
-            Error::Tch(tch::TchError::Torch(m))
-        })?;
+        check(pa_counter_noise(like.as_ptr(), shape.as_ptr(), noise, seed, rows.start, len, aten_ops as i32, &mut out), Error::Torch)?;
         Ok(Tensor::from_ptr(out))
     }
 }
@@ -340,27 +365,27 @@ fn memory_error(message: String) -> Error {
 }
 
 /// Installs the counting CPU allocator (once; later calls do nothing).
-pub(crate) fn cpu_memory_track() -> Result<()> {
+pub fn cpu_memory_track() -> Result<()> {
     // SAFETY: no arguments.
     check(unsafe { pa_cpu_memory_track() }, memory_error)
 }
 
 /// `(current, peak, tracking)`: bytes held by counted CPU tensors, the most since the last reset,
 /// and whether the counting allocator is the CPU allocator now.
-pub(crate) fn cpu_memory_stats() -> Result<(i64, i64, bool)> {
+pub fn cpu_memory_stats() -> Result<(i64, i64, bool)> {
     let (mut current, mut peak, mut tracking) = (0, 0, 0);
     // SAFETY: three valid out-pointers.
     check(unsafe { pa_cpu_memory_stats(&mut current, &mut peak, &mut tracking) }, memory_error)?;
     Ok((current, peak, tracking != 0))
 }
 
-pub(crate) fn cpu_memory_reset_peak() -> Result<()> {
+pub fn cpu_memory_reset_peak() -> Result<()> {
     // SAFETY: no arguments.
     check(unsafe { pa_cpu_memory_reset_peak() }, memory_error)
 }
 
 /// `(allocated, allocated peak, reserved, reserved peak)` bytes of CUDA device `device`.
-pub(crate) fn cuda_memory_stats(device: i64) -> Result<[i64; 4]> {
+pub fn cuda_memory_stats(device: i64) -> Result<[i64; 4]> {
     let mut s = [0i64; 4];
     let [a, ap, r, rp] = &mut s;
     // SAFETY: four valid out-pointers.
@@ -368,33 +393,33 @@ pub(crate) fn cuda_memory_stats(device: i64) -> Result<[i64; 4]> {
     Ok(s)
 }
 
-pub(crate) fn cuda_memory_reset_peak(device: i64) -> Result<()> {
+pub fn cuda_memory_reset_peak(device: i64) -> Result<()> {
     // SAFETY: a plain integer argument.
     check(unsafe { pa_cuda_memory_reset_peak(device) }, memory_error)
 }
 
 /// Whether the C++ layer was built with Gloo (`ProcessGroupGloo`).
-pub(crate) fn dist_has_gloo() -> bool {
+pub fn dist_has_gloo() -> bool {
     // SAFETY: no arguments; reads a constant.
     unsafe { pa_dist_has_gloo() != 0 }
 }
 
 /// Whether the C++ layer was built with NCCL (`ProcessGroupNCCL`).
-pub(crate) fn dist_has_nccl() -> bool {
+pub fn dist_has_nccl() -> bool {
     // SAFETY: no arguments; reads a constant.
     unsafe { pa_dist_has_nccl() != 0 }
 }
 
 /// Where and how to join a process group (see `pa_dist_join` in csrc/probattn.h).
-pub(crate) struct JoinSpec<'a> {
-    pub(crate) backend: &'a str,
-    pub(crate) host: &'a str,
-    pub(crate) port: u16,
-    pub(crate) is_server: bool,
-    pub(crate) prefix: &'a str,
-    pub(crate) rank: usize,
-    pub(crate) world_size: usize,
-    pub(crate) timeout_ms: i64,
+pub struct JoinSpec<'a> {
+    pub backend: &'a str,
+    pub host: &'a str,
+    pub port: u16,
+    pub is_server: bool,
+    pub prefix: &'a str,
+    pub rank: usize,
+    pub world_size: usize,
+    pub timeout_ms: i64,
 }
 
 fn c_string(what: &str, text: &str) -> Result<CString> {
@@ -407,12 +432,12 @@ fn tensor_pointers(tensors: &[&Tensor]) -> Vec<*const C_tensor> {
 
 /// A c10d process group (its TCPStore and its Gloo or NCCL backend).
 #[derive(Debug)]
-pub(crate) struct DistHandle {
+pub struct DistHandle {
     raw: *mut PaDist,
 }
 
 impl DistHandle {
-    pub(crate) fn join(spec: &JoinSpec) -> std::result::Result<Self, String> {
+    pub fn join(spec: &JoinSpec) -> std::result::Result<Self, String> {
         let to_message = |e: Error| e.to_string();
         let backend = c_string("the backend", spec.backend).map_err(to_message)?;
         let host = c_string("the address", spec.host).map_err(to_message)?;
@@ -437,34 +462,34 @@ impl DistHandle {
     }
 
     /// Broadcasts each tensor in place from `root`.
-    pub(crate) fn broadcast(&self, tensors: &[&Tensor], root: usize) -> std::result::Result<(), String> {
+    pub fn broadcast(&self, tensors: &[&Tensor], root: usize) -> std::result::Result<(), String> {
         let pointers = tensor_pointers(tensors);
         // SAFETY: `self.raw` is live; the pointers borrow tensors that outlive the call.
         into_string_result(unsafe { pa_dist_broadcast(self.raw, pointers.as_ptr(), pointers.len(), root as i32) })
     }
 
     /// All-reduces each tensor in place: `max` false sums, true takes the maximum.
-    pub(crate) fn all_reduce(&self, tensors: &[&Tensor], max: bool) -> std::result::Result<(), String> {
+    pub fn all_reduce(&self, tensors: &[&Tensor], max: bool) -> std::result::Result<(), String> {
         let pointers = tensor_pointers(tensors);
         // SAFETY: as in `broadcast`.
         into_string_result(unsafe { pa_dist_all_reduce(self.raw, pointers.as_ptr(), pointers.len(), i32::from(max)) })
     }
 
     /// Every rank's copy of `tensor` (same shape on every rank), in rank order.
-    pub(crate) fn all_gather(&self, tensor: &Tensor) -> std::result::Result<Vec<Tensor>, String> {
+    pub fn all_gather(&self, tensor: &Tensor) -> std::result::Result<Vec<Tensor>, String> {
         let mut list = ptr::null_mut();
         // SAFETY: `self.raw` is live; `tensor` outlives the call; `list` is written on success.
         into_string_result(unsafe { pa_dist_all_gather(self.raw, tensor.as_ptr(), &mut list) })?;
         Ok(take_tensors(list)?.into_iter().map(|(_, t)| t).collect())
     }
 
-    pub(crate) fn barrier(&self) -> std::result::Result<(), String> {
+    pub fn barrier(&self) -> std::result::Result<(), String> {
         // SAFETY: `self.raw` is live.
         into_string_result(unsafe { pa_dist_barrier(self.raw) })
     }
 
     /// DDP's gradient engine over `params` (it keeps its own reference to the process group).
-    pub(crate) fn reducer(&self, params: &[&Tensor], bucket_bytes: i64, find_unused: bool) -> std::result::Result<ReducerHandle, String> {
+    pub fn reducer(&self, params: &[&Tensor], bucket_bytes: i64, find_unused: bool) -> std::result::Result<ReducerHandle, String> {
         let pointers = tensor_pointers(params);
         let mut raw = ptr::null_mut();
         // SAFETY: `self.raw` is live; the parameters outlive the call (the reducer holds its own
@@ -485,14 +510,14 @@ impl Drop for DistHandle {
 
 /// A `c10d::Reducer`.
 #[derive(Debug)]
-pub(crate) struct ReducerHandle {
+pub struct ReducerHandle {
     raw: *mut PaReducer,
 }
 
 impl ReducerHandle {
     /// What DDP's forward does before backward: `outputs` are the tensors backward starts from
     /// (read only when the reducer looks for unused parameters).
-    pub(crate) fn prepare(&self, outputs: &[&Tensor]) -> std::result::Result<(), String> {
+    pub fn prepare(&self, outputs: &[&Tensor]) -> std::result::Result<(), String> {
         let pointers = tensor_pointers(outputs);
         // SAFETY: `self.raw` is live; the outputs outlive the call.
         into_string_result(unsafe { pa_reducer_prepare(self.raw, pointers.as_ptr(), pointers.len()) })
