@@ -42,4 +42,7 @@ def main(root: Path) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0)
     main(Path(sys.argv[1] if len(sys.argv) > 1 else "results/distributed/scaling"))

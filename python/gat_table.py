@@ -43,6 +43,9 @@ def runs_of(roots, d, variant):
 
 def main():
     args = sys.argv[1:]
+    if args and args[0] in ("-h", "--help"):
+        print(__doc__)
+        return
     diff = "--diff" in args
     roots = [a for a in args if a != "--diff"] or ["results/gat"]
     for r in roots:

@@ -119,6 +119,9 @@ def reference(name):
 
 def main():
     args = sys.argv[1:]
+    if args and args[0] in ("-h", "--help"):
+        print(__doc__)
+        return
     diff = "--diff" in args
     roots = [a for a in args if not a.startswith("--")] or ["results/translate"]
     rows = collect(roots)

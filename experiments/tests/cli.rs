@@ -379,3 +379,35 @@ fn the_variant_registry_is_what_the_python_scripts_read() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn every_python_script_compiles_and_answers_help() -> Result<()> {
+    // The scripts users run (and the tests call) may not rot: each file of python/ compiles, and
+    // each script with a main answers --help with its usage and status 0.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../python");
+    let mut scripts = vec![];
+    let mut stack = vec![root.clone()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir)? {
+            let path = entry?.path();
+            if path.is_dir() && path.file_name().is_some_and(|n| n != "__pycache__") {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "py") {
+                scripts.push(path);
+            }
+        }
+    }
+    scripts.sort();
+    ensure!(scripts.len() >= 30, "found only {} scripts under {}", scripts.len(), root.display());
+    let compile = Command::new(python()?).args(["-m", "py_compile"]).args(&scripts).output()?;
+    ensure!(compile.status.success(), "{}", text(&compile));
+    let mut failures = vec![];
+    for script in scripts.iter().filter(|s| std::fs::read_to_string(s).is_ok_and(|t| t.contains("__main__"))) {
+        let o = Command::new(python()?).arg(script).arg("--help").current_dir(root.join("..")).output()?;
+        if !o.status.success() || o.stdout.is_empty() {
+            failures.push(format!("{}: status {:?}\n{}", script.display(), o.status.code(), text(&o)));
+        }
+    }
+    ensure!(failures.is_empty(), "{}", failures.join("\n"));
+    Ok(())
+}
