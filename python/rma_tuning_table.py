@@ -2,8 +2,12 @@
 one row per run folder, validation only, MA (the folder `ma`) as the reference.
 
     python python/rma_tuning_table.py results/translate/rma-tuning [ma svgd-first-a0.01 ...]
+    python python/rma_tuning_table.py --reference results/translate/rma-tuning/ma results/translate/bam-tuning/transformer
 
 With folder names after the root, rows come in that order; otherwise every run folder, MA first.
+`--reference DIR` takes the reference row (the `− MA` column) from DIR instead of the root's `ma`
+(the BAM grids compare with the softmax run of their tuning seed; issue 49). The LSTM's encoder has
+no attention heads: its Dist column is `–`.
 Columns: best validation sacreBLEU (the checkpoint-selection measure) and its difference to MA's;
 the epoch that reached it; the median seconds per epoch (the median, because single epochs vary
 with what else shares the machine) and its ratio to MA's; the encoder self-attention's head
@@ -36,6 +40,11 @@ def main(argv):
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
+    reference_dir = None
+    if argv[0] == "--reference":
+        if len(argv) < 3:
+            sys.exit("rma_tuning_table.py: --reference needs a run folder, then the root")
+        reference_dir, argv = argv[1], argv[2:]
     root, names = argv[0], argv[1:]
     if not os.path.isdir(root):
         sys.exit(f"rma_tuning_table.py: {root} is not a folder")
@@ -43,7 +52,10 @@ def main(argv):
         found = sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "results.json")))
         names = (["ma"] if "ma" in found else []) + [d for d in found if d != "ma"]
     rows = [load(os.path.join(root, n)) for n in names]
-    reference = next((r for r in rows if r[0] == "ma"), None) or load(os.path.join(root, "ma"))
+    reference = (load(reference_dir) if reference_dir else None) or next((r for r in rows if r[0] == "ma"), None) \
+        or load(os.path.join(root, "ma"))
+    if reference_dir:
+        rows.insert(0, reference)
     seeds = {r[2]["seed"] for r in rows} | {reference[2]["seed"]}
     if len(seeds) != 1:
         sys.exit(f"rma_tuning_table.py: the runs use different seeds {sorted(seeds)}; compare runs of one tuning seed")
@@ -55,12 +67,11 @@ def main(argv):
         best = max(lines, key=lambda m: m["valid_bleu"])  # the first epoch at the maximum, as the run keeps it
         seconds = statistics.median(m["seconds"] for m in lines)
         dist = run["head_diversity"]
-        layers = " / ".join(f"{d:.2f}" for d in dist)
+        layers = " / ".join(f"{d:.2f}" for d in dist) + f" → {statistics.mean(dist):.3f}" if dist else "–"
         is_ref = name == reference[0]
         delta = "–" if is_ref else f"{best['valid_bleu'] - ref_bleu:+.2f}".replace("-", "−")
         ratio = "" if is_ref else f" ({seconds / ref_seconds:.2f})"
-        print(f"| {name} | {best['valid_bleu']:.2f} | {delta} | {best['epoch']} of {len(lines)} | {seconds:.1f}{ratio} | "
-              f"{layers} → {statistics.mean(dist):.3f} |")
+        print(f"| {name} | {best['valid_bleu']:.2f} | {delta} | {best['epoch']} of {len(lines)} | {seconds:.1f}{ratio} | {layers} |")
     return 0
 
 
