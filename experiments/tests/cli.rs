@@ -323,6 +323,11 @@ fn commands_whose_tensors_cannot_fit_say_out_of_memory() -> Result<()> {
     let args = ["attend", "--variant", "dnas", "--input", &i, "--output", &o.to_string_lossy(), "--device", "cpu", "--threads", "1"];
     named("attend", &probattn(&args)?, "--memory-efficient")?;
     ensure!(!o.exists(), "a failed attend wrote {}", o.display());
+    // bench: the eager DNAS row at S = 600,000 (11.5 TB of weights); no length left to measure.
+    let bench_out = tmp.path("bench");
+    let args = ["bench", "--seq-lens", "600000", "--variants", "dnas", "--no-pytorch", "--repeats", "1", "--batch", "1"];
+    named("bench", &probattn(&[&args[..], &["--threads", "1", "--out", &bench_out.to_string_lossy()]].concat())?, "--memory-efficient")?;
+    ensure!(!bench_out.exists(), "a failed bench wrote {}", bench_out.display());
     // Training: a VQA head a trillion units wide (its bias alone is 4 TB; a smaller width such
     // as four billion is granted by the kernel and filled, 16 GB, before a later tensor fails).
     let (data, det) = common::tiny_sort_of_clevr(&tmp)?;

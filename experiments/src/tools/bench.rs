@@ -409,7 +409,6 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     };
     anyhow::ensure!(seq_lens.iter().all(|&s| s > 0), "--seq-lens must be positive");
     let repeats = args.repeats.unwrap_or(if args.quick { 3 } else { 10 }).max(1);
-    let dir = run_dir(args.out.as_deref(), "bench", &probattn::device::device_name(device).replace(':', ""))?;
     // Counting starts before the first tensor of the benchmark exists.
     memory::track(device).context("memory statistics")?;
     println!(
@@ -465,6 +464,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let lens: Vec<String> = skipped.iter().map(|k| k.seq_len.to_string()).collect();
         table += &format!("\nNot measured: S = {} ({}).\n", lens.join(", "), first.reason);
     }
+    // The folder is made once there is something to write: a run that fails leaves none behind.
+    let dir = run_dir(args.out.as_deref(), "bench", &probattn::device::device_name(device).replace(':', ""))?;
     write_results(&dir.join("bench.json"), &Bench { measurements, skipped, svgd, provenance: Provenance::gather(device) })?;
     probattn::io::write_bytes_atomic(&dir.join("bench.md"), table.as_bytes())?;
     println!("\n{table}\nresults in {}", dir.display());
