@@ -142,6 +142,9 @@ pub enum Variant {
     Sinkhorn(u32),
     /// `bam-nokl`, `bam-lf`, `bam-lc`, `bam-wf`, `bam-wc`: Bayesian attention (Fan et al. 2020).
     Bam(BamKind),
+    /// A variant of the [`registry`] without an arm of its own: its file and its registry entry
+    /// are all it takes (docs/adding-a-variant.md). `n` is its parameter (`N` of a `name-N`).
+    Registered { spec: &'static registry::VariantSpec, n: u32 },
 }
 
 impl Variant {
@@ -152,14 +155,17 @@ impl Variant {
 
     /// Builds the normalizer for `heads` heads of keys with `key_dim` features. Learnable
     /// parameters (HNAS's gate logits, BAM's contextual prior) live under `p`.
+    /// The registry entry's `build` does it.
     pub fn build(self, p: &nn::Path, heads: i64, key_dim: i64, cfg: &NormalizerConfig) -> Result<Box<dyn Normalizer>> {
-        Ok(match self {
-            Self::Softmax => Box::new(Softmax),
-            Self::Dnas => Box::new(Dnas),
-            Self::Hnas => Box::new(Hnas::new(p, heads, cfg.hybrid_init_u)?),
-            Self::Sinkhorn(n) => Box::new(Sinkhorn::new(n)?),
-            Self::Bam(kind) => Box::new(Bam::new(p, kind, heads, key_dim, cfg)?),
-        })
+        (self.spec().build)(p, heads, key_dim, cfg, self.param())
+    }
+
+    /// Its parameter: `N` of `sinkhorn-N` (or of a registered `name-N`), else 0.
+    pub fn param(self) -> u32 {
+        match self {
+            Self::Sinkhorn(n) | Self::Registered { n, .. } => n,
+            _ => 0,
+        }
     }
 
     /// [`Self::build`] with `cfg` bound, as a [`NormalizerFactory`].
@@ -169,7 +175,7 @@ impl Variant {
 
     /// Whether the variant samples in training mode.
     pub fn is_stochastic(self) -> bool {
-        matches!(self, Self::Bam(_))
+        self.spec().stochastic
     }
 }
 
@@ -189,6 +195,10 @@ impl fmt::Display for Variant {
             Self::Hnas => write!(f, "hnas"),
             Self::Sinkhorn(n) => write!(f, "sinkhorn-{n}"),
             Self::Bam(kind) => write!(f, "{}", kind.name()),
+            Self::Registered { spec, n } => match spec.name.strip_suffix("-N") {
+                Some(prefix) => write!(f, "{prefix}-{n}"),
+                None => f.write_str(spec.name),
+            },
         }
     }
 }

@@ -6,11 +6,17 @@
 //! and where it comes from, and states the properties the callers branch on: whether it may run
 //! under a causal mask, whether it samples and has a KL term, and which memory-efficient route
 //! it has. The settings a variant reads (BAM's `k`, HNAS's initial `u`, ...) are listed with
-//! their defaults, which [`NormalizerConfig::default`](super::NormalizerConfig) supplies.
+//! their defaults, which [`NormalizerConfig::default`] supplies.
 
 use serde::Serialize;
+use tch::nn;
 
-use super::{BamKind, Variant};
+use super::{Bam, BamKind, Dnas, Hnas, Normalizer, NormalizerConfig, Sinkhorn, Softmax, Variant};
+use crate::Result;
+
+/// Builds a variant's normalizer from the layer's parameter path, its heads, its key features,
+/// the settings and the variant's parameter (`N` of `sinkhorn-N`; 0 for the others).
+pub type BuildFn = fn(&nn::Path, i64, i64, &NormalizerConfig, u32) -> Result<Box<dyn Normalizer>>;
 
 /// How a variant normalizes, as the papers group them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -29,7 +35,7 @@ pub enum Family {
 /// A setting a variant reads, with its default.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct Setting {
-    /// The field of [`NormalizerConfig`](super::NormalizerConfig) (`bam.k`, `hybrid_init_u`, ...).
+    /// The field of [`NormalizerConfig`] (`bam.k`, `hybrid_init_u`, ...).
     pub name: &'static str,
     pub default: &'static str,
     pub meaning: &'static str,
@@ -62,7 +68,19 @@ pub struct VariantSpec {
     /// Parses a name of this entry.
     #[serde(skip)]
     pub parse: fn(&str) -> Option<Variant>,
+    /// Builds its normalizer ([`Variant::build`] calls it).
+    #[serde(skip)]
+    pub build: BuildFn,
 }
+
+/// Entries are one per name.
+impl PartialEq for VariantSpec {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+    }
+}
+
+impl Eq for VariantSpec {}
 
 const BAM_SETTINGS_WEIBULL: &[Setting] = &[
     Setting { name: "bam.k", default: "1000", meaning: "Weibull shape; larger is less noise" },
@@ -117,6 +135,7 @@ pub const VARIANTS: &[VariantSpec] = &[
         benchmarked: true,
         settings: &[],
         parse: |s| matches!(s, "softmax" | "unas").then_some(Variant::Softmax),
+        build: |_, _, _, _, _| Ok(Box::new(Softmax)),
     },
     VariantSpec {
         name: "dnas",
@@ -132,6 +151,7 @@ pub const VARIANTS: &[VariantSpec] = &[
         benchmarked: true,
         settings: &[],
         parse: |s| (s == "dnas").then_some(Variant::Dnas),
+        build: |_, _, _, _, _| Ok(Box::new(Dnas)),
     },
     VariantSpec {
         name: "hnas",
@@ -147,6 +167,7 @@ pub const VARIANTS: &[VariantSpec] = &[
         benchmarked: true,
         settings: &[Setting { name: "hybrid_init_u", default: "0.5", meaning: "initial mixing weight u of every head" }],
         parse: |s| (s == "hnas").then_some(Variant::Hnas),
+        build: |p, heads, _, cfg, _| Ok(Box::new(Hnas::new(p, heads, cfg.hybrid_init_u)?)),
     },
     VariantSpec {
         name: "sinkhorn-N",
@@ -162,6 +183,7 @@ pub const VARIANTS: &[VariantSpec] = &[
         benchmarked: true,
         settings: &[],
         parse: |s| s.strip_prefix("sinkhorn-")?.parse().ok().filter(|n| *n >= 1).map(Variant::Sinkhorn),
+        build: |_, _, _, _, n| Ok(Box::new(Sinkhorn::new(n)?)),
     },
     VariantSpec {
         name: "bam-nokl",
@@ -177,6 +199,7 @@ pub const VARIANTS: &[VariantSpec] = &[
         benchmarked: false,
         settings: BAM_SETTINGS_WEIBULL,
         parse: |s| bam(BamKind::NoKl)(s),
+        build: |p, heads, key_dim, cfg, _| Ok(Box::new(Bam::new(p, BamKind::NoKl, heads, key_dim, cfg)?)),
     },
     VariantSpec {
         name: "bam-lf",
@@ -192,6 +215,7 @@ pub const VARIANTS: &[VariantSpec] = &[
         benchmarked: false,
         settings: BAM_SETTINGS_LF,
         parse: |s| bam(BamKind::LognormalFixed)(s),
+        build: |p, heads, key_dim, cfg, _| Ok(Box::new(Bam::new(p, BamKind::LognormalFixed, heads, key_dim, cfg)?)),
     },
     VariantSpec {
         name: "bam-lc",
@@ -207,6 +231,7 @@ pub const VARIANTS: &[VariantSpec] = &[
         benchmarked: true,
         settings: BAM_SETTINGS_LC,
         parse: |s| bam(BamKind::LognormalContextual)(s),
+        build: |p, heads, key_dim, cfg, _| Ok(Box::new(Bam::new(p, BamKind::LognormalContextual, heads, key_dim, cfg)?)),
     },
     VariantSpec {
         name: "bam-wf",
@@ -222,6 +247,7 @@ pub const VARIANTS: &[VariantSpec] = &[
         benchmarked: false,
         settings: BAM_SETTINGS_WF,
         parse: |s| bam(BamKind::WeibullFixed)(s),
+        build: |p, heads, key_dim, cfg, _| Ok(Box::new(Bam::new(p, BamKind::WeibullFixed, heads, key_dim, cfg)?)),
     },
     VariantSpec {
         name: "bam-wc",
@@ -237,6 +263,7 @@ pub const VARIANTS: &[VariantSpec] = &[
         benchmarked: true,
         settings: BAM_SETTINGS_WC,
         parse: |s| bam(BamKind::WeibullContextual)(s),
+        build: |p, heads, key_dim, cfg, _| Ok(Box::new(Bam::new(p, BamKind::WeibullContextual, heads, key_dim, cfg)?)),
     },
 ];
 
@@ -247,6 +274,9 @@ pub fn lookup(name: &str) -> Option<(&'static VariantSpec, Variant)> {
 
 /// The entry of a parsed variant.
 pub fn spec_of(variant: Variant) -> &'static VariantSpec {
+    if let Variant::Registered { spec, .. } = variant {
+        return spec;
+    }
     let name = variant.to_string();
     lookup(&name).map(|(spec, _)| spec).expect("every Variant has a registry entry (tested)")
 }
@@ -275,6 +305,52 @@ pub fn benchmarked() -> Vec<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A variant with no arm of its own: softmax at a temperature `N` (as `tempered-N`), built
+    /// through its entry alone.
+    #[derive(Debug)]
+    struct Tempered(u32);
+
+    impl Normalizer for Tempered {
+        fn name(&self) -> String {
+            format!("tempered-{}", self.0)
+        }
+        fn normalize(&self, input: &super::super::NormalizeInput) -> Result<super::super::Normalized> {
+            let scaled = input.scores / f64::from(self.0);
+            Softmax.normalize(&super::super::NormalizeInput { scores: &scaled, ..*input })
+        }
+    }
+
+    static TEMPERED: VariantSpec = VariantSpec {
+        name: "tempered-N",
+        aliases: &[],
+        example: "tempered-2",
+        family: Family::RowWise,
+        summary: "softmax of the scores divided by N",
+        source: "a test",
+        causal_safe: true,
+        stochastic: false,
+        kl: false,
+        memory_efficient: None,
+        benchmarked: false,
+        settings: &[],
+        parse: |s| s.strip_prefix("tempered-")?.parse().ok().map(|n| Variant::Registered { spec: &TEMPERED, n }),
+        build: |_, _, _, _, n| Ok(Box::new(Tempered(n))),
+    };
+
+    #[test]
+    fn a_registered_variant_needs_no_arm_of_its_own() {
+        let v = (TEMPERED.parse)("tempered-3").unwrap();
+        assert_eq!(v.to_string(), "tempered-3");
+        assert_eq!(v.spec().name, "tempered-N");
+        assert_eq!(v.param(), 3);
+        assert!(!v.is_stochastic());
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        let n = v.build(&vs.root(), 1, 2, &super::super::NormalizerConfig::default()).unwrap();
+        assert_eq!(n.name(), "tempered-3");
+        // Not in VARIANTS, so the parser does not know it: registering is the one line.
+        assert!("tempered-3".parse::<Variant>().is_err());
+    }
 
     #[test]
     fn every_variant_and_name_round_trips_through_the_registry() {
