@@ -55,13 +55,14 @@ def main(argv):
     reference = (load(reference_dir) if reference_dir else None) or next((r for r in rows if r[0] == "ma"), None) \
         or load(os.path.join(root, "ma"))
     if reference_dir:
-        rows.insert(0, reference)
+        rows = [reference] + [r for r in rows if r[0] != reference[0]]
     seeds = {r[2]["seed"] for r in rows} | {reference[2]["seed"]}
     if len(seeds) != 1:
         sys.exit(f"rma_tuning_table.py: the runs use different seeds {sorted(seeds)}; compare runs of one tuning seed")
     ref_bleu = max(m["valid_bleu"] for m in reference[1])
     ref_seconds = statistics.median(m["seconds"] for m in reference[1])
-    print("| name | best valid sacreBLEU | − MA | best epoch | median s / epoch (vs MA) | Dist (encoder, per layer → mean) |")
+    ref = "MA" if reference[0] == "ma" else reference[0]
+    print(f"| name | best valid sacreBLEU | − {ref} | best epoch | median s / epoch (vs {ref}) | Dist (encoder, per layer → mean) |")
     print("|---|---|---|---|---|---|")
     for name, lines, run in rows:
         best = max(lines, key=lambda m: m["valid_bleu"])  # the first epoch at the maximum, as the run keeps it
