@@ -115,170 +115,137 @@ const FAN: &str = "Fan, Zhang, Chen, Zhou 2020, Bayesian Attention Modules, Sec.
 const DING: &str = "Ding, Xu, Zhang, Gu 2020, Attention that does not Explain Away";
 const BAM_ROUTE: &str = "the base's route, sampled with counter-based draws; the KL in closed form per tile";
 
-fn bam(kind: BamKind) -> impl Fn(&str) -> Option<Variant> {
-    move |s| (s == kind.name()).then_some(Variant::Bam(kind))
+/// One BAM entry: `$kind` with its name, summary, KL, bench flag and settings.
+macro_rules! bam_spec {
+    ($kind:expr, $name:literal, $summary:literal, $kl:literal, $benchmarked:literal, $settings:expr) => {
+        VariantSpec {
+            name: $name,
+            aliases: &[],
+            example: $name,
+            family: Family::Bayesian,
+            summary: $summary,
+            source: FAN,
+            causal_safe: true,
+            stochastic: true,
+            kl: $kl,
+            memory_efficient: Some(BAM_ROUTE),
+            benchmarked: $benchmarked,
+            settings: $settings,
+            parse: |s| (s == $name).then_some(Variant::Bam($kind)),
+            build: |p, heads, key_dim, cfg, _| Ok(Box::new(Bam::new(p, $kind, heads, key_dim, cfg)?)),
+        }
+    };
 }
 
+static SOFTMAX: VariantSpec = VariantSpec {
+    name: "softmax",
+    aliases: &["unas"],
+    example: "softmax",
+    family: Family::RowWise,
+    summary: "each query's weights are a softmax over its keys (UNAS)",
+    source: "Vaswani et al. 2017; Ding et al. 2020's UNAS",
+    causal_safe: true,
+    stochastic: false,
+    kl: false,
+    memory_efficient: Some("libtorch's fused kernel, or the tiles (the fused CPU route when masks allow)"),
+    benchmarked: true,
+    settings: &[],
+    parse: |s| matches!(s, "softmax" | "unas").then_some(Variant::Softmax),
+    build: |_, _, _, _, _| Ok(Box::new(Softmax)),
+};
+static DNAS: VariantSpec = VariantSpec {
+    name: "dnas",
+    aliases: &[],
+    example: "dnas",
+    family: Family::DoublyNormalized,
+    summary: "each key normalized over the queries, then each query over the keys",
+    source: DING,
+    causal_safe: false,
+    stochastic: false,
+    kl: false,
+    memory_efficient: Some("two passes: column log-sum-exps, then rows (the fused CPU route when masks allow)"),
+    benchmarked: true,
+    settings: &[],
+    parse: |s| (s == "dnas").then_some(Variant::Dnas),
+    build: |_, _, _, _, _| Ok(Box::new(Dnas)),
+};
+static HNAS: VariantSpec = VariantSpec {
+    name: "hnas",
+    aliases: &[],
+    example: "hnas",
+    family: Family::Hybrid,
+    summary: "u·DNAS + (1 − u)·softmax with a learned u per head",
+    source: DING,
+    causal_safe: false,
+    stochastic: false,
+    kl: false,
+    memory_efficient: Some("the DNAS and softmax passes, mixed per head"),
+    benchmarked: true,
+    settings: &[Setting { name: "hybrid_init_u", default: "0.5", meaning: "initial mixing weight u of every head" }],
+    parse: |s| (s == "hnas").then_some(Variant::Hnas),
+    build: |p, heads, _, cfg, _| Ok(Box::new(Hnas::new(p, heads, cfg.hybrid_init_u)?)),
+};
+static SINKHORN: VariantSpec = VariantSpec {
+    name: "sinkhorn-N",
+    aliases: &[],
+    example: "sinkhorn-3",
+    family: Family::DoublyNormalized,
+    summary: "N alternating column and row normalizations (N = 1 is DNAS)",
+    source: "Sinkhorn 1964; Ding et al. 2020 (DNAS is one sweep)",
+    causal_safe: false,
+    stochastic: false,
+    kl: false,
+    memory_efficient: Some("N column passes, then rows"),
+    benchmarked: true,
+    settings: &[],
+    parse: |s| s.strip_prefix("sinkhorn-")?.parse().ok().filter(|n| *n >= 1).map(Variant::Sinkhorn),
+    build: |_, _, _, _, n| Ok(Box::new(Sinkhorn::new(n)?)),
+};
+static BAM_NOKL: VariantSpec =
+    bam_spec!(BamKind::NoKl, "bam-nokl", "Weibull sampling around the base weights, no KL term", false, false, BAM_SETTINGS_WEIBULL);
+static BAM_LF: VariantSpec =
+    bam_spec!(BamKind::LognormalFixed, "bam-lf", "Lognormal weights with a fixed Lognormal prior", true, false, BAM_SETTINGS_LF);
+static BAM_LC: VariantSpec = bam_spec!(
+    BamKind::LognormalContextual,
+    "bam-lc",
+    "Lognormal weights with a contextual prior computed from the keys",
+    true,
+    true,
+    BAM_SETTINGS_LC
+);
+static BAM_WF: VariantSpec =
+    bam_spec!(BamKind::WeibullFixed, "bam-wf", "Weibull weights with a fixed Gamma prior", true, false, BAM_SETTINGS_WF);
+static BAM_WC: VariantSpec = bam_spec!(
+    BamKind::WeibullContextual,
+    "bam-wc",
+    "Weibull weights with a contextual Gamma prior computed from the keys",
+    true,
+    true,
+    BAM_SETTINGS_WC
+);
+
 /// Every built-in variant, in the order of the papers' tables.
-pub const VARIANTS: &[VariantSpec] = &[
-    VariantSpec {
-        name: "softmax",
-        aliases: &["unas"],
-        example: "softmax",
-        family: Family::RowWise,
-        summary: "each query's weights are a softmax over its keys (UNAS)",
-        source: "Vaswani et al. 2017; Ding et al. 2020's UNAS",
-        causal_safe: true,
-        stochastic: false,
-        kl: false,
-        memory_efficient: Some("libtorch's fused kernel, or the tiles (the fused CPU route when masks allow)"),
-        benchmarked: true,
-        settings: &[],
-        parse: |s| matches!(s, "softmax" | "unas").then_some(Variant::Softmax),
-        build: |_, _, _, _, _| Ok(Box::new(Softmax)),
-    },
-    VariantSpec {
-        name: "dnas",
-        aliases: &[],
-        example: "dnas",
-        family: Family::DoublyNormalized,
-        summary: "each key normalized over the queries, then each query over the keys",
-        source: DING,
-        causal_safe: false,
-        stochastic: false,
-        kl: false,
-        memory_efficient: Some("two passes: column log-sum-exps, then rows (the fused CPU route when masks allow)"),
-        benchmarked: true,
-        settings: &[],
-        parse: |s| (s == "dnas").then_some(Variant::Dnas),
-        build: |_, _, _, _, _| Ok(Box::new(Dnas)),
-    },
-    VariantSpec {
-        name: "hnas",
-        aliases: &[],
-        example: "hnas",
-        family: Family::Hybrid,
-        summary: "u·DNAS + (1 − u)·softmax with a learned u per head",
-        source: DING,
-        causal_safe: false,
-        stochastic: false,
-        kl: false,
-        memory_efficient: Some("the DNAS and softmax passes, mixed per head"),
-        benchmarked: true,
-        settings: &[Setting { name: "hybrid_init_u", default: "0.5", meaning: "initial mixing weight u of every head" }],
-        parse: |s| (s == "hnas").then_some(Variant::Hnas),
-        build: |p, heads, _, cfg, _| Ok(Box::new(Hnas::new(p, heads, cfg.hybrid_init_u)?)),
-    },
-    VariantSpec {
-        name: "sinkhorn-N",
-        aliases: &[],
-        example: "sinkhorn-3",
-        family: Family::DoublyNormalized,
-        summary: "N alternating column and row normalizations (N = 1 is DNAS)",
-        source: "Sinkhorn 1964; Ding et al. 2020 (DNAS is one sweep)",
-        causal_safe: false,
-        stochastic: false,
-        kl: false,
-        memory_efficient: Some("N column passes, then rows"),
-        benchmarked: true,
-        settings: &[],
-        parse: |s| s.strip_prefix("sinkhorn-")?.parse().ok().filter(|n| *n >= 1).map(Variant::Sinkhorn),
-        build: |_, _, _, _, n| Ok(Box::new(Sinkhorn::new(n)?)),
-    },
-    VariantSpec {
-        name: "bam-nokl",
-        aliases: &[],
-        example: "bam-nokl",
-        family: Family::Bayesian,
-        summary: "Weibull sampling around the base weights, no KL term",
-        source: FAN,
-        causal_safe: true,
-        stochastic: true,
-        kl: false,
-        memory_efficient: Some(BAM_ROUTE),
-        benchmarked: false,
-        settings: BAM_SETTINGS_WEIBULL,
-        parse: |s| bam(BamKind::NoKl)(s),
-        build: |p, heads, key_dim, cfg, _| Ok(Box::new(Bam::new(p, BamKind::NoKl, heads, key_dim, cfg)?)),
-    },
-    VariantSpec {
-        name: "bam-lf",
-        aliases: &[],
-        example: "bam-lf",
-        family: Family::Bayesian,
-        summary: "Lognormal weights with a fixed Lognormal prior",
-        source: FAN,
-        causal_safe: true,
-        stochastic: true,
-        kl: true,
-        memory_efficient: Some(BAM_ROUTE),
-        benchmarked: false,
-        settings: BAM_SETTINGS_LF,
-        parse: |s| bam(BamKind::LognormalFixed)(s),
-        build: |p, heads, key_dim, cfg, _| Ok(Box::new(Bam::new(p, BamKind::LognormalFixed, heads, key_dim, cfg)?)),
-    },
-    VariantSpec {
-        name: "bam-lc",
-        aliases: &[],
-        example: "bam-lc",
-        family: Family::Bayesian,
-        summary: "Lognormal weights with a contextual prior computed from the keys",
-        source: FAN,
-        causal_safe: true,
-        stochastic: true,
-        kl: true,
-        memory_efficient: Some(BAM_ROUTE),
-        benchmarked: true,
-        settings: BAM_SETTINGS_LC,
-        parse: |s| bam(BamKind::LognormalContextual)(s),
-        build: |p, heads, key_dim, cfg, _| Ok(Box::new(Bam::new(p, BamKind::LognormalContextual, heads, key_dim, cfg)?)),
-    },
-    VariantSpec {
-        name: "bam-wf",
-        aliases: &[],
-        example: "bam-wf",
-        family: Family::Bayesian,
-        summary: "Weibull weights with a fixed Gamma prior",
-        source: FAN,
-        causal_safe: true,
-        stochastic: true,
-        kl: true,
-        memory_efficient: Some(BAM_ROUTE),
-        benchmarked: false,
-        settings: BAM_SETTINGS_WF,
-        parse: |s| bam(BamKind::WeibullFixed)(s),
-        build: |p, heads, key_dim, cfg, _| Ok(Box::new(Bam::new(p, BamKind::WeibullFixed, heads, key_dim, cfg)?)),
-    },
-    VariantSpec {
-        name: "bam-wc",
-        aliases: &[],
-        example: "bam-wc",
-        family: Family::Bayesian,
-        summary: "Weibull weights with a contextual Gamma prior computed from the keys",
-        source: FAN,
-        causal_safe: true,
-        stochastic: true,
-        kl: true,
-        memory_efficient: Some(BAM_ROUTE),
-        benchmarked: true,
-        settings: BAM_SETTINGS_WC,
-        parse: |s| bam(BamKind::WeibullContextual)(s),
-        build: |p, heads, key_dim, cfg, _| Ok(Box::new(Bam::new(p, BamKind::WeibullContextual, heads, key_dim, cfg)?)),
-    },
-];
+pub static VARIANTS: &[&VariantSpec] = &[&SOFTMAX, &DNAS, &HNAS, &SINKHORN, &BAM_NOKL, &BAM_LF, &BAM_LC, &BAM_WF, &BAM_WC];
 
 /// The registry entry that parses `name`.
 pub fn lookup(name: &str) -> Option<(&'static VariantSpec, Variant)> {
-    VARIANTS.iter().find_map(|spec| (spec.parse)(name).map(|v| (spec, v)))
+    VARIANTS.iter().find_map(|spec| (spec.parse)(name).map(|v| (*spec, v)))
 }
 
 /// The entry of a parsed variant.
 pub fn spec_of(variant: Variant) -> &'static VariantSpec {
-    if let Variant::Registered { spec, .. } = variant {
-        return spec;
+    match variant {
+        Variant::Softmax => &SOFTMAX,
+        Variant::Dnas => &DNAS,
+        Variant::Hnas => &HNAS,
+        Variant::Sinkhorn(_) => &SINKHORN,
+        Variant::Bam(BamKind::NoKl) => &BAM_NOKL,
+        Variant::Bam(BamKind::LognormalFixed) => &BAM_LF,
+        Variant::Bam(BamKind::LognormalContextual) => &BAM_LC,
+        Variant::Bam(BamKind::WeibullFixed) => &BAM_WF,
+        Variant::Bam(BamKind::WeibullContextual) => &BAM_WC,
+        Variant::Registered { spec, .. } => spec,
     }
-    let name = variant.to_string();
-    lookup(&name).map(|(spec, _)| spec).expect("every Variant has a registry entry (tested)")
 }
 
 /// The names as the command line spells them, for messages and `--help`:
