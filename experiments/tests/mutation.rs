@@ -151,26 +151,17 @@ fn mutated_torchscript_archives_load_or_are_named() -> Result<()> {
 }
 
 /// The byte ranges of a zip archive's entries whose names end in `.so`, from each local header
-/// to the next entry's (or the central directory): the compiled library of a `.pt2` package.
+/// to the end of its data: the compiled library of a `.pt2` package.
 fn shared_library_spans(zip: &[u8]) -> Result<Vec<std::ops::Range<usize>>> {
-    let u16_at = |at: usize| u16::from_le_bytes([zip[at], zip[at + 1]]) as usize;
-    let u32_at = |at: usize| u32::from_le_bytes(zip[at..at + 4].try_into().unwrap()) as usize;
-    let eocd = (0..zip.len().saturating_sub(21))
-        .rev()
-        .find(|&i| zip[i..i + 4] == [0x50, 0x4b, 0x05, 0x06])
-        .context("no end of central directory")?;
-    let (entries, directory) = (u16_at(eocd + 10), u32_at(eocd + 16));
-    let (mut at, mut locals) = (directory, vec![]);
-    for _ in 0..entries {
-        ensure!(zip[at..at + 4] == [0x50, 0x4b, 0x01, 0x02], "central directory entry expected at {at}");
-        let (name_len, extra_len, comment_len) = (u16_at(at + 28), u16_at(at + 30), u16_at(at + 32));
-        let name = String::from_utf8_lossy(&zip[at + 46..at + 46 + name_len]).to_string();
-        locals.push((u32_at(at + 42), name));
-        at += 46 + name_len + extra_len + comment_len;
+    let mut archive = zip::ZipArchive::new(std::io::Cursor::new(zip))?;
+    let mut spans = vec![];
+    for i in 0..archive.len() {
+        let entry = archive.by_index_raw(i)?;
+        if entry.name().ends_with(".so") {
+            spans.push(entry.header_start() as usize..(entry.data_start() + entry.compressed_size()) as usize);
+        }
     }
-    locals.sort();
-    let ends: Vec<usize> = locals.iter().skip(1).map(|(o, _)| *o).chain([directory]).collect();
-    Ok(locals.iter().zip(ends).filter(|((_, name), _)| name.ends_with(".so")).map(|((start, _), end)| *start..end).collect())
+    Ok(spans)
 }
 
 #[test]

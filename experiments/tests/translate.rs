@@ -16,6 +16,29 @@ use anyhow::{ensure, Context, Result};
 use binary::{metrics, probattn, text, FLAGS};
 use common::{write_corpus, TempDir};
 
+/// Runs `probattn args` until `ready()` holds (polled every `poll`, at most 5 minutes, the run
+/// still going), waits `linger` more, then kills it with SIGKILL while it still runs.
+fn kill_when(args: &[&str], ready: impl Fn() -> bool, what: &str, poll: Duration, linger: Duration) -> Result<()> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_probattn")).args(args).stdout(Stdio::null()).stderr(Stdio::null()).spawn()?;
+    let start = Instant::now();
+    while !ready() {
+        ensure!(child.try_wait()?.is_none(), "the run ended before {what}");
+        ensure!(start.elapsed() < Duration::from_secs(300), "no {what} after 5 minutes");
+        std::thread::sleep(poll);
+    }
+    std::thread::sleep(linger);
+    ensure!(child.try_wait()?.is_none(), "the run finished before it could be killed: make it longer");
+    child.kill()?;
+    child.wait()?;
+    Ok(())
+}
+
+/// The test flags without --warmup-updates, which the LSTM's schedule does not have.
+fn lstm_flags() -> Vec<&'static str> {
+    let at = FLAGS.iter().position(|f| *f == "--warmup-updates").unwrap_or(FLAGS.len());
+    FLAGS.iter().enumerate().filter(|(i, _)| *i != at && *i != at + 1).map(|(_, f)| *f).collect()
+}
+
 #[test]
 fn a_killed_run_resumes_to_the_uninterrupted_result() -> Result<()> {
     let tmp = TempDir::new("translate-resume")?;
@@ -29,22 +52,9 @@ fn a_killed_run_resumes_to_the_uninterrupted_result() -> Result<()> {
     ensure!(whole.status.success(), "{}", text(&whole));
 
     // The same run, killed (SIGKILL) after its first checkpoint, in the middle of a later epoch.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_probattn"))
-        .args([&["translate", "--data-dir", &data, "--out", &b][..], &FLAGS].concat())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
     let ckpt = tmp.path("b/seed-1/checkpoint_last.safetensors");
-    let start = Instant::now();
-    while !ckpt.exists() {
-        ensure!(child.try_wait()?.is_none(), "the run ended before its first checkpoint");
-        ensure!(start.elapsed() < Duration::from_secs(300), "no checkpoint after 5 minutes");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    std::thread::sleep(Duration::from_millis(300));
-    ensure!(child.try_wait()?.is_none(), "the run finished before it could be killed: make it longer");
-    child.kill()?;
-    child.wait()?;
+    let args = [&["translate", "--data-dir", &data, "--out", &b][..], &FLAGS].concat();
+    kill_when(&args, || ckpt.exists(), "its first checkpoint", Duration::from_millis(20), Duration::from_millis(300))?;
     ensure!(!tmp.path("b/results.json").exists(), "the killed run wrote results");
     // Our checkpoints are data only: safetensors (an 8-byte little-endian header length, then a
     // JSON header), never a pickle (0x80 ...) or a zip archive (torch.save's "PK").
@@ -103,19 +113,10 @@ fn a_killed_run_resumes_to_the_uninterrupted_result() -> Result<()> {
     // saved (the window is a few ms; the tight poll hits it most times): the resumed run must not
     // write that epoch's line twice.
     let c = tmp.path("c").to_string_lossy().to_string();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_probattn"))
-        .args([&["translate", "--data-dir", &data, "--out", &c][..], &FLAGS].concat())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
     let lines = tmp.path("c/seed-1/metrics.jsonl");
-    let start = Instant::now();
-    while std::fs::read_to_string(&lines).map_or(0, |t| t.lines().count()) < 2 {
-        ensure!(child.try_wait()?.is_none(), "the run ended before its second epoch's metrics");
-        ensure!(start.elapsed() < Duration::from_secs(300), "no second epoch after 5 minutes");
-    }
-    child.kill()?;
-    child.wait()?;
+    let args = [&["translate", "--data-dir", &data, "--out", &c][..], &FLAGS].concat();
+    let second_line = || std::fs::read_to_string(&lines).map_or(0, |t| t.lines().count()) >= 2;
+    kill_when(&args, second_line, "its second epoch's metrics", Duration::ZERO, Duration::ZERO)?;
     let resumed = probattn(&[&["translate", "--data-dir", &data, "--resume", &c][..], &FLAGS].concat())?;
     ensure!(resumed.status.success(), "{}", text(&resumed));
     ensure!(
@@ -222,9 +223,7 @@ fn the_attentional_lstm_trains_resumes_decodes_and_refuses_what_it_lacks() -> Re
     write_corpus(&data, [200, 10, 10])?;
     let (d, a, b) =
         (data.to_string_lossy().to_string(), tmp.path("a").to_string_lossy().to_string(), tmp.path("b").to_string_lossy().to_string());
-    // The test flags without --warmup-updates, which the LSTM's schedule does not have.
-    let at = FLAGS.iter().position(|f| *f == "--warmup-updates").context("FLAGS sets --warmup-updates")?;
-    let flags: Vec<&str> = FLAGS.iter().enumerate().filter(|(i, _)| *i != at && *i != at + 1).map(|(_, f)| *f).collect();
+    let flags = lstm_flags();
     let lstm = ["--arch", "lstm", "--attention", "bam-wc", "--kl-weight", "0.1", "--kl-anneal-updates", "8"];
     let o = probattn(&[&["translate", "--data-dir", &d, "--out", &a][..], &flags, &lstm].concat())?;
     ensure!(o.status.success(), "{}", text(&o));
@@ -238,20 +237,9 @@ fn the_attentional_lstm_trains_resumes_decodes_and_refuses_what_it_lacks() -> Re
     ensure!(r["runs"][0]["test_bleu"].is_number(), "{r}");
 
     // Killed after its first checkpoint and resumed: the uninterrupted run's metrics.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_probattn"))
-        .args([&["translate", "--data-dir", &d, "--out", &b][..], &flags, &lstm].concat())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
     let ckpt = tmp.path("b/seed-1/checkpoint_last.safetensors");
-    let start = Instant::now();
-    while !ckpt.exists() {
-        ensure!(child.try_wait()?.is_none(), "the run ended before its first checkpoint");
-        ensure!(start.elapsed() < Duration::from_secs(300), "no checkpoint after 300 s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.kill()?;
-    child.wait()?;
+    let args = [&["translate", "--data-dir", &d, "--out", &b][..], &flags, &lstm].concat();
+    kill_when(&args, || ckpt.exists(), "its first checkpoint", Duration::from_millis(20), Duration::ZERO)?;
     let o = probattn(&[&["translate", "--data-dir", &d, "--resume", &b][..], &flags, &lstm].concat())?;
     ensure!(o.status.success(), "{}", text(&o));
     ensure!(metrics(Path::new(&b))? == lines, "the resumed LSTM run's metrics differ from the uninterrupted run's");
@@ -294,8 +282,7 @@ fn the_lstm_equals_an_independent_pytorch_lstm_on_the_same_weights() -> Result<(
     std::fs::create_dir_all(&data)?;
     write_corpus(&data, [100, 5, 5])?;
     let (d, run) = (data.to_string_lossy().to_string(), tmp.path("run").to_string_lossy().to_string());
-    let at = FLAGS.iter().position(|f| *f == "--warmup-updates").context("FLAGS sets --warmup-updates")?;
-    let mut flags: Vec<&str> = FLAGS.iter().enumerate().filter(|(i, _)| *i != at && *i != at + 1).map(|(_, f)| *f).collect();
+    let mut flags = lstm_flags();
     let epochs = flags.iter().position(|f| *f == "--max-epochs").context("--max-epochs")? + 1;
     flags[epochs] = "1";
     let o = probattn(&[&["translate", "--arch", "lstm", "--data-dir", &d, "--out", &run][..], &flags].concat())?;

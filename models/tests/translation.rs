@@ -111,16 +111,7 @@ fn lstm_encoder_reads_no_padding_and_its_cache_reorders() -> Result<()> {
     let err = f64::try_from((batched.narrow(0, 1, 1) - single).abs().max())?;
     assert!(err < 1e-12, "the padded sentence's outputs moved by {err}");
     // Reorder after two steps, as beam search does.
-    let (mut state, src_pad) = m.start(&src)?;
-    for t in 0..2 {
-        let _ = m.step(&prefix.select(1, t), t, &mut state, &src_pad)?;
-    }
-    let order = Tensor::from_slice(&[2i64, 1, 0]);
-    state.reorder(&order);
-    let swapped = m.step(&prefix.select(1, 2).index_select(0, &order), 2, &mut state, &src_pad.index_select(0, &order))?;
-    let full = batched.select(1, 2).log_softmax(-1, Kind::Double).index_select(0, &order);
-    assert!(f64::try_from((&swapped - &full).abs().max())? < 1e-10);
-    Ok(())
+    assert_reorder_moves_each_hypothesis(&m, &src, &prefix)
 }
 
 #[test]
@@ -135,17 +126,21 @@ fn lstm_refuses_what_normalizes_over_queries() {
 fn reordering_the_cache_moves_each_hypothesis_with_its_beam() -> Result<()> {
     tch::manual_seed(6);
     let (_vs, m) = model(Variant::Softmax)?;
-    let src = sources();
     let prefix = Tensor::from_slice(&[EOS, 7, 9, EOS, 3, 3, EOS, 25, 6]).view([3, 3]);
-    let (mut state, src_pad) = m.start(&src)?;
+    assert_reorder_moves_each_hypothesis(&m, &sources(), &prefix)
+}
+
+/// Two cached steps of `prefix (3, 3)`, then sentences 0 and 2 swapped in the cache (and the
+/// source padding) and the last step taken: it must equal the teacher-forced decoder's, swapped.
+fn assert_reorder_moves_each_hypothesis(m: &Seq2Seq, src: &Tensor, prefix: &Tensor) -> Result<()> {
+    let (mut state, src_pad) = m.start(src)?;
     for t in 0..2 {
         let _ = m.step(&prefix.select(1, t), t, &mut state, &src_pad)?;
     }
-    // Swap sentences 0 and 2 in the cache (and the source padding), then take the last step.
     let order = Tensor::from_slice(&[2i64, 1, 0]);
     state.reorder(&order);
     let swapped = m.step(&prefix.select(1, 2).index_select(0, &order), 2, &mut state, &src_pad.index_select(0, &order))?;
-    let (logits, _) = m.forward_t(&src, &prefix, false)?;
+    let (logits, _) = m.forward_t(src, prefix, false)?;
     let full = logits.select(1, 2).log_softmax(-1, Kind::Double).index_select(0, &order);
     assert!(f64::try_from((&swapped - &full).abs().max())? < 1e-10);
     Ok(())
