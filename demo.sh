@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks the install (probattn doctor), then runs the four deterministic normalizers (softmax,
 # dnas, hnas, sinkhorn-3) on one padded batch and checks each result against the independent
-# PyTorch reference (python/parity.py compare). Outputs go to runs/attend-demo/.
+# PyTorch reference (`python -m probattn_tools.reference.parity compare`). Outputs go to runs/attend-demo/.
 # Run ./download_libtorch.sh first.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -15,9 +15,9 @@ bin=target/release/probattn
 
 out=runs/attend-demo
 mkdir -p "$out"
-"$python" python/parity.py demo-input --output "$out/input.safetensors"
+PYTHONPATH=python "$python" -m probattn_tools.reference.parity demo-input --output "$out/input.safetensors"
 for variant in softmax dnas hnas sinkhorn-3; do
   echo
   "$bin" attend --variant "$variant" --input "$out/input.safetensors" --output "$out/$variant.safetensors"
-  "$python" python/parity.py compare --variant "$variant" --input "$out/input.safetensors" --output "$out/$variant.safetensors"
+  PYTHONPATH=python "$python" -m probattn_tools.reference.parity compare --variant "$variant" --input "$out/input.safetensors" --output "$out/$variant.safetensors"
 done

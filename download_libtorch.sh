@@ -76,6 +76,15 @@ else
   fi
 fi
 
+# probattn's Python package (python/probattn_tools: references, data, baselines, tables, exports)
+# on the interpreter's path, so that `python -m probattn_tools.<role>.<script>` runs from anywhere:
+# a .pth file naming this checkout's python/ folder, in our own virtualenv only (the binary and the
+# tests set PYTHONPATH themselves; with --python, `pip install ./python` does it for that interpreter).
+if [ -z "$reuse_python" ]; then
+  site="$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  printf '%s\n' "$ROOT/python" > "$site/probattn_tools.pth"
+fi
+
 # Everything cargo needs, read from the interpreter itself.
 read -r torch_dir cxx11_abi < <("$python" -c \
   'import os, torch; print(os.path.dirname(torch.__file__), int(torch._C._GLIBCXX_USE_CXX11_ABI))')

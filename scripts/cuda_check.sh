@@ -65,7 +65,7 @@ for s in $steps; do
       # A package compiled for CUDA (AOTInductor needs the GPU where it compiles), compared with
       # the native module on the GPU, then refused by name on the CPU.
       step pt2
-      "$python" "$root/python/export_pt2.py" mha --embed-dim 64 --heads 4 --key-padding --device cuda \
+      PYTHONPATH="$root/python" "$python" -m probattn_tools.export.pt2 mha --embed-dim 64 --heads 4 --key-padding --device cuda \
         --out "$out/mha-cuda.pt2" --inputs "$out/mha-cuda.safetensors" 2>&1 | tail -3
       "$p" compare --pt2 "$out/mha-cuda.pt2" --native mha --heads 4 --inputs "$out/mha-cuda.safetensors" --device cuda 2>&1 | tee "$out/pt2-cuda.txt"
       "$p" compare --pt2 "$out/mha-cuda.pt2" --native mha --heads 4 --inputs "$out/mha-cuda.safetensors" --device cpu 2>&1 | tee -a "$out/pt2-cuda.txt" ;;

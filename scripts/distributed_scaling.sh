@@ -2,7 +2,7 @@
 # Issue 35's CPU scaling target, measured in one run on the same two cores: Multi30k, the small
 # preset, the same seeded batches and the same number of updates in each of
 #   1 rank x 1 thread, 1 rank x 2 threads, 2 ranks x 1 thread (torchrun, Gloo over loopback),
-# then `python/distributed_table.py` writes the table (tokens/s and ratios) beside the runs.
+# then `python/probattn_tools/tables/distributed.py` writes the table (tokens/s and ratios) beside the runs.
 #
 #   scripts/distributed_scaling.sh [OUT]      (default results/distributed/scaling)
 #
@@ -28,4 +28,4 @@ for round in $(seq 1 "$rounds"); do
   OMP_NUM_THREADS=1 "$torchrun" --nproc-per-node 2 --no-python "$bin" "${common[@]}" --threads 1 \
     --out "$out/round-$round/2ranks-1thread"
 done
-"$python" python/distributed_table.py "$out"
+PYTHONPATH=python "$python" -m probattn_tools.tables.distributed "$out"

@@ -1,4 +1,4 @@
-//! `probattn::interop`: TorchScript modules written by python/export_torchscript.py load, list
+//! `probattn::interop`: TorchScript modules written by python/probattn_tools/export/torchscript.py load, list
 //! their parameters and buffers and run; what is not TorchScript (a torch.export package, a torch.save
 //! pickle, a truncated or foreign file), a missing method and inputs the module rejects are named
 //! errors; PyTorch state dicts go into a native MultiHeadAttention by name with a report, and
@@ -16,7 +16,7 @@ use tch::{nn, IValue, Kind, Tensor};
 fn export_mha(tmp: &TempDir, method: &str) -> Result<()> {
     let (m, sd, inputs) = (tmp.path("mha.pt"), tmp.path("sd.safetensors"), tmp.path("in.safetensors"));
     run_python(
-        "export_torchscript.py",
+        "export.torchscript",
         &[
             "mha",
             "--embed-dim",
@@ -80,7 +80,7 @@ fn torchscript_loads_runs_and_matches_the_native_module() -> Result<()> {
 fn what_is_not_torchscript_is_named() -> Result<()> {
     let tmp = TempDir::new("interop-formats")?;
     export_mha(&tmp, "trace")?;
-    run_python("export_torchscript.py", &["other-formats", "--dir", &tmp.0.to_string_lossy()])?;
+    run_python("export.torchscript", &["other-formats", "--dir", &tmp.0.to_string_lossy()])?;
     let err = |name: &str| -> Result<String> {
         match TorchScript::load(&tmp.path(name), tch::Device::Cpu) {
             Ok(_) => anyhow::bail!("{name} loaded as TorchScript"),
@@ -179,13 +179,13 @@ fn state_dicts_go_both_ways_by_name() -> Result<()> {
     let out = tmp.path("ours.safetensors");
     export_params(&vs, &out, |n| n.to_string())?;
     run_python(
-        "export_torchscript.py",
+        "export.torchscript",
         &["load-state-dict", "mha", "--embed-dim", "16", "--heads", "4", "--state-dict", &out.to_string_lossy()],
     )?;
     let misnamed = tmp.path("misnamed.safetensors");
     export_params(&vs, &misnamed, |n| n.replace("out_proj.", "out_proj_"))?;
     let refused = run_python(
-        "export_torchscript.py",
+        "export.torchscript",
         &["load-state-dict", "mha", "--embed-dim", "16", "--heads", "4", "--state-dict", &misnamed.to_string_lossy()],
     );
     ensure!(refused.is_err_and(|e| e.to_string().contains("out_proj_weight")), "PyTorch accepted a misnamed state dict");
@@ -284,7 +284,7 @@ fn buffers_are_listed_as_pytorch_lists_them() -> Result<()> {
     for method in ["script", "trace"] {
         let (m, expected) = (tmp.path(&format!("{method}.pt")), tmp.path(&format!("{method}.safetensors")));
         run_python(
-            "export_torchscript.py",
+            "export.torchscript",
             &["buffers", "--out", &m.to_string_lossy(), "--expected", &expected.to_string_lossy(), "--method", method],
         )?;
         let want = read_state_dict(&expected)?;

@@ -1,4 +1,4 @@
-//! PyTorch parity: every normalizer and the multi-head module against python/reference.py, an
+//! PyTorch parity: every normalizer and the multi-head module against python/probattn_tools/reference/formulas.py, an
 //! independent implementation written from the formulas, on random cases it generates (shapes
 //! with S_q != S_k, bool and uint8 masks of every broadcast layout with fully masked rows and
 //! columns, scores up to ±1e4).
@@ -134,7 +134,7 @@ fn bam_config(bam: &serde_json::Value) -> Result<BamConfig> {
 fn every_normalizer_matches_the_pytorch_reference() -> Result<()> {
     let dir = TempDir::new("parity-attend")?;
     let out = dir.0.to_string_lossy().to_string();
-    run_python("parity.py", &["cases", "--out", &out, "--seed", &seed(20260101), "--count", "150", "--bam"])?;
+    run_python("reference.parity", &["cases", "--out", &out, "--seed", &seed(20260101), "--count", "150", "--bam"])?;
     let cases = manifest(&dir.0)?;
     for device in devices() {
         let mut worst = Worst::default();
@@ -197,7 +197,7 @@ fn mha_case(device: Device, dir: &TempDir, case: &serde_json::Value, worst: &mut
 fn multi_head_attention_loads_pytorch_weights_and_matches_the_reference() -> Result<()> {
     let dir = TempDir::new("parity-mha")?;
     let out = dir.0.to_string_lossy().to_string();
-    run_python("parity.py", &["mha-cases", "--out", &out, "--seed", &seed(7), "--count", "30"])?;
+    run_python("reference.parity", &["mha-cases", "--out", &out, "--seed", &seed(7), "--count", "30"])?;
     let cases = manifest(&dir.0)?;
     for device in devices() {
         let mut worst = Worst::default();
@@ -213,7 +213,7 @@ fn multi_head_attention_loads_pytorch_weights_and_matches_the_reference() -> Res
 fn additive_and_self_attentive_scores_match_the_reference() -> Result<()> {
     use probattn::scores::{AdditiveScore, SelfAttentiveScore};
     let dir = TempDir::new("parity-scores")?;
-    run_python("parity.py", &["score-cases", "--out", &dir.0.to_string_lossy(), "--seed", &seed(11)])?;
+    run_python("reference.parity", &["score-cases", "--out", &dir.0.to_string_lossy(), "--seed", &seed(11)])?;
     let input = load(&dir.path("scores.safetensors"))?;
     let expected = load(&dir.path("scores.ref.safetensors"))?;
     for device in devices() {

@@ -1,5 +1,5 @@
 //! `probattn::interop::Pt2Package`: an AOTInductor package of `nn.MultiheadAttention` made by
-//! python/export_pt2.py runs from Rust and equals the eager module and our native module; what is
+//! python/probattn_tools/export/pt2.py runs from Rust and equals the eager module and our native module; what is
 //! not a runnable package (missing, truncated, TorchScript, an uncompiled torch.export program, a
 //! package for CUDA on a machine without it, wrong inputs) is a named error, never an abort.
 //! Also `probattn::memory`'s CPU counter.
@@ -25,7 +25,7 @@ fn exported() -> Result<&'static Path> {
     let dir = DIR.get_or_init(|| {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
         let mut hasher = DefaultHasher::new();
-        for script in ["export_pt2.py", "export_torchscript.py"] {
+        for script in ["probattn_tools/export/pt2.py", "probattn_tools/export/torchscript.py"] {
             std::fs::read(root.join(script)).map_err(|e| e.to_string())?.hash(&mut hasher);
         }
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("pt2-{:016x}", hasher.finish()));
@@ -33,7 +33,7 @@ fn exported() -> Result<&'static Path> {
             std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
             let p = |name: &str| dir.join(name).to_string_lossy().into_owned();
             run_python(
-                "export_pt2.py",
+                "export.pt2",
                 &[
                     "mha",
                     "--embed-dim",
@@ -66,7 +66,7 @@ fn read(dir: &Path, name: &str) -> Result<std::collections::HashMap<String, Tens
 fn a_pt2_package_equals_the_eager_module_and_the_native_one() -> Result<()> {
     let dir = exported()?;
     let package = Pt2Package::load(&dir.join("mha.pt2"), Device::Cpu)?;
-    let names: Vec<&str> = package.inputs().context("export_pt2.py records the inputs")?.iter().map(|s| s.name.as_str()).collect();
+    let names: Vec<&str> = package.inputs().context("export.pt2 records the inputs")?.iter().map(|s| s.name.as_str()).collect();
     ensure!(names == ["query", "key", "value", "key_padding_mask"], "inputs {names:?}");
     let inputs = read(dir, "in.safetensors")?;
     let xs: Vec<&Tensor> = names.iter().map(|n| &inputs[*n]).collect();
@@ -125,20 +125,20 @@ fn what_is_not_a_runnable_package_is_named() -> Result<()> {
     let m = load_error(&tmp.path("truncated.pt2"))?;
     ensure!(m.contains("truncated.pt2") && m.contains("corrupt, truncated"), "{m}");
 
-    run_python("export_torchscript.py", &["mha", "--embed-dim", "16", "--heads", "4", "--out", &tmp.path("mha.pt").to_string_lossy()])?;
+    run_python("export.torchscript", &["mha", "--embed-dim", "16", "--heads", "4", "--out", &tmp.path("mha.pt").to_string_lossy()])?;
     let m = load_error(&tmp.path("mha.pt"))?;
     ensure!(m.contains("a TorchScript archive") && m.contains("TorchScript"), "{m}");
     let m = TorchScript::load(&package, Device::Cpu).err().context("a .pt2 loaded as TorchScript")?.to_string();
     ensure!(m.contains("an AOTInductor package") && m.contains("Pt2Package"), "{m}");
 
-    run_python("export_torchscript.py", &["other-formats", "--dir", &tmp.0.to_string_lossy()])?;
+    run_python("export.torchscript", &["other-formats", "--dir", &tmp.0.to_string_lossy()])?;
     let m = load_error(&tmp.path("linear.pt2"))?;
     ensure!(m.contains("without compiled code") && m.contains("aoti_compile_and_package"), "{m}");
 
     if !tch::Cuda::is_available() {
         let cuda = tmp.path("mha-cuda.pt2");
         run_python(
-            "export_pt2.py",
+            "export.pt2",
             &["retarget", "--package", &package.to_string_lossy(), "--device-key", "cuda", "--out", &cuda.to_string_lossy()],
         )?;
         let m = load_error(&cuda)?;
@@ -164,7 +164,7 @@ fn what_is_not_a_runnable_package_is_named() -> Result<()> {
     // Without the recorded names only the compiled model checks its inputs: the exception it
     // raises inside libtorch's C++ comes back as an error, not an abort.
     let bare = tmp.path("bare.pt2");
-    run_python("export_pt2.py", &["retarget", "--package", &package.to_string_lossy(), "--drop-inputs", "--out", &bare.to_string_lossy()])?;
+    run_python("export.pt2", &["retarget", "--package", &package.to_string_lossy(), "--drop-inputs", "--out", &bare.to_string_lossy()])?;
     let loaded = Pt2Package::load(&bare, Device::Cpu)?;
     ensure!(loaded.inputs().is_none(), "the input names were not dropped");
     ensure!(loaded.run(&[q, k, v, pad])?.len() == 2, "the bare package does not run");

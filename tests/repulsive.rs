@@ -21,7 +21,7 @@ fn cfg(method: Method, alpha: f64, stepsize: f64) -> RepulsiveConfig {
 fn direction_matches_the_pytorch_reference() -> Result<()> {
     let _serial = common::serial();
     let dir = TempDir::new("parity-svgd")?;
-    run_python("parity.py", &["svgd-cases", "--out", &dir.0.to_string_lossy(), "--seed", "3"])?;
+    run_python("reference.parity", &["svgd-cases", "--out", &dir.0.to_string_lossy(), "--seed", "3"])?;
     let mut worst: f64 = 0.0;
     for case in manifest(&dir.0)? {
         let name = case["name"].as_str().context("name")?;

@@ -2,7 +2,7 @@
 //! normalizer) in the encoder and repulsive heads, then write its weights back under
 //! nn.Transformer's names. See `probattn_experiments::finetune`.
 //!
-//!     python python/export_torchscript.py transformer --embed-dim 64 --heads 4 --layers 2 --ffn 128 --out tr.pt
+//!     python -m probattn_tools.export.torchscript transformer --embed-dim 64 --heads 4 --layers 2 --ffn 128 --out tr.pt
 //!     cargo run --release -p probattn-experiments --example finetune_transformer -- \
 //!         --torchscript tr.pt --heads 4 --variant dnas --repulsive svgd --out tuned.safetensors
 
@@ -17,7 +17,7 @@ use probattn_experiments::finetune::{finetune, FinetuneConfig};
 #[derive(Parser, Debug)]
 #[command(about = "Fine-tune an nn.Transformer TorchScript export in probattn (DNAS encoder, repulsive heads)")]
 struct Args {
-    /// The nn.Transformer, scripted and saved (python/export_torchscript.py transformer ...).
+    /// The nn.Transformer, scripted and saved (python/probattn_tools/export/torchscript.py transformer ...).
     #[arg(long)]
     torchscript: PathBuf,
     /// Attention heads (not recorded in the weights).

@@ -105,12 +105,12 @@ pub fn python() -> PathBuf {
 /// binary copied or installed elsewhere still finds it: `PROBATTN_PYTHON_DIR`, else `python/` next
 /// to the binary, two levels up (the checkout of `target/release/probattn`) or in
 /// `../share/probattn/python` (an install prefix), else the checkout the binary was built from.
-/// A folder counts when it holds `probattn_torch/`, the package every script imports.
+/// A folder counts when it holds `probattn_tools/`, the package of every script.
 pub fn python_dir() -> Result<PathBuf> {
-    let is_ours = |d: &Path| d.join("probattn_torch").is_dir();
+    let is_ours = |d: &Path| d.join("probattn_tools").is_dir();
     if let Some(dir) = std::env::var_os("PROBATTN_PYTHON_DIR") {
         let dir = PathBuf::from(dir);
-        anyhow::ensure!(is_ours(&dir), "PROBATTN_PYTHON_DIR={}: no probattn_torch/ there, so not probattn's python/ folder", dir.display());
+        anyhow::ensure!(is_ours(&dir), "PROBATTN_PYTHON_DIR={}: no probattn_tools/ there, so not probattn's python/ folder", dir.display());
         return Ok(dir);
     }
     let mut candidates = vec![];
@@ -124,12 +124,20 @@ pub fn python_dir() -> Result<PathBuf> {
     )
 }
 
-/// Runs `python/<script> args...`; on failure the error carries the script's own message.
-pub fn run_python(script: &str, args: &[&str]) -> Result<String> {
+/// Runs `python -m probattn_tools.<module> args...` (`module` as `data.planetoid`), with
+/// [`python_dir`] first on `PYTHONPATH`; on failure the error carries the script's own message.
+pub fn run_python(module: &str, args: &[&str]) -> Result<String> {
     let python = python();
+    let mut path = std::ffi::OsString::from(python_dir()?);
+    if let Some(rest) = std::env::var_os("PYTHONPATH") {
+        path.push(":");
+        path.push(rest);
+    }
     let out = Command::new(&python)
-        .arg(python_dir()?.join(script))
+        .arg("-m")
+        .arg(format!("probattn_tools.{module}"))
         .args(args)
+        .env("PYTHONPATH", path)
         .envs(probattn::allocator::child_env())
         .output()
         .with_context(|| format!("running {} (set PROBATTN_PYTHON, or run ./download_libtorch.sh)", python.display()))?;
@@ -141,7 +149,7 @@ pub fn run_python(script: &str, args: &[&str]) -> Result<String> {
         use std::os::unix::process::ExitStatusExt;
         if let Some(signal) = out.status.signal() {
             let hint = if signal == 9 { " (SIGKILL: the system's out-of-memory killer, or a user)" } else { "" };
-            bail!("python/{script} was killed by signal {signal}{hint}{}{stderr}", if stderr.is_empty() { "" } else { ": " });
+            bail!("probattn_tools.{module} was killed by signal {signal}{hint}{}{stderr}", if stderr.is_empty() { "" } else { ": " });
         }
         bail!("{stderr}");
     }

@@ -13,18 +13,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
-use common::{python, TempDir};
-
-fn python_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../python")
-}
+use common::{python_module, TempDir};
 
 fn sacrebleu(reference: &Path, hyp: &Path) -> Result<serde_json::Value> {
-    let out = Command::new(python()?)
-        .arg(python_dir().join("bleu_reference.py"))
-        .args(["--ref".as_ref(), reference.as_os_str(), "--hyp".as_ref(), hyp.as_os_str()])
-        .output()?;
-    ensure!(out.status.success(), "bleu_reference.py: {}", String::from_utf8_lossy(&out.stderr));
+    let out =
+        python_module("reference.bleu")?.args(["--ref".as_ref(), reference.as_os_str(), "--hyp".as_ref(), hyp.as_os_str()]).output()?;
+    ensure!(out.status.success(), "reference.bleu: {}", String::from_utf8_lossy(&out.stderr));
     Ok(serde_json::from_slice(&out.stdout)?)
 }
 
@@ -85,8 +79,7 @@ fn bleu_equals_sacrebleu_on_real_text() -> Result<()> {
     }
     for (i, reference) in references.iter().enumerate() {
         let hyp = dir.path(&format!("hyp{i}.txt"));
-        let status = Command::new(python()?)
-            .arg(python_dir().join("bleu_reference.py"))
+        let status = python_module("reference.bleu")?
             .args([
                 "corrupt".as_ref(),
                 "--ref".as_ref(),

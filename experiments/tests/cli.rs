@@ -1,5 +1,5 @@
 //! The `probattn` binary as a user runs it: doctor, attend against the PyTorch reference
-//! (through python/parity.py compare, the script the README gives users), and bad input.
+//! (through python/probattn_tools/reference/parity.py compare, the script the README gives users), and bad input.
 
 mod binary;
 #[path = "../../tests/common/mod.rs"]
@@ -10,7 +10,7 @@ use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
 use binary::{probattn, text};
-use common::{manifest, python, run_python, TempDir};
+use common::{manifest, python, python_module, run_python, TempDir};
 
 #[test]
 fn doctor_reports_versions_and_cuda() -> Result<()> {
@@ -37,7 +37,7 @@ fn doctor_reports_versions_and_cuda() -> Result<()> {
 fn attend_agrees_with_the_pytorch_reference_on_fresh_cases() -> Result<()> {
     let dir = TempDir::new("cli-attend")?;
     let root = dir.0.to_string_lossy().to_string();
-    run_python("parity.py", &["cases", "--out", &root, "--seed", "424242", "--count", "20", "--bam"])?;
+    run_python("reference.parity", &["cases", "--out", &root, "--seed", "424242", "--count", "20", "--bam"])?;
     for case in manifest(&dir.0)? {
         let name = case["name"].as_str().context("name")?;
         let variant = case["variant"].as_str().context("variant")?;
@@ -64,7 +64,7 @@ fn attend_agrees_with_the_pytorch_reference_on_fresh_cases() -> Result<()> {
         compare.extend(&flags);
         let out = probattn(&args)?;
         ensure!(out.status.success(), "{name}: {}", text(&out));
-        run_python("parity.py", &compare).with_context(|| format!("{name} ({variant})"))?;
+        run_python("reference.parity", &compare).with_context(|| format!("{name} ({variant})"))?;
     }
     Ok(())
 }
@@ -74,14 +74,14 @@ fn the_compare_script_catches_a_wrong_output() -> Result<()> {
     // A check that cannot fail proves nothing: perturb one weight and expect compare to fail.
     let dir = TempDir::new("cli-compare")?;
     let root = dir.0.to_string_lossy().to_string();
-    run_python("parity.py", &["cases", "--out", &root, "--seed", "5", "--count", "2"])?;
+    run_python("reference.parity", &["cases", "--out", &root, "--seed", "5", "--count", "2"])?;
     let input = dir.path("case-001.safetensors").to_string_lossy().to_string();
     let output = dir.path("out.safetensors").to_string_lossy().to_string();
     ensure!(probattn(&["attend", "--variant", "dnas", "--input", &input, "--output", &output])?.status.success());
     let script = "import sys; from safetensors.torch import load_file, save_file\n\
                   t = load_file(sys.argv[1]); t['weights'].view(-1)[0] += 1e-8; save_file(t, sys.argv[1])";
     ensure!(Command::new(python()?).args(["-c", script, &output]).status()?.success());
-    ensure!(run_python("parity.py", &["compare", "--variant", "dnas", "--input", &input, "--output", &output]).is_err());
+    ensure!(run_python("reference.parity", &["compare", "--variant", "dnas", "--input", &input, "--output", &output]).is_err());
     Ok(())
 }
 
@@ -193,11 +193,11 @@ fn bad_input_is_named_and_nothing_is_written() -> Result<()> {
 
 #[test]
 fn attend_memory_efficient_writes_what_the_eager_path_does() -> Result<()> {
-    // python/parity.py's cases (masks in every layout, HNAS logits, noise), variants both ways:
+    // python/probattn_tools/reference/parity.py's cases (masks in every layout, HNAS logits, noise), variants both ways:
     // output, received mass and KL agree; no weights are written.
     let dir = TempDir::new("cli-attend-tiled")?;
     let root = dir.0.to_string_lossy().to_string();
-    run_python("parity.py", &["cases", "--out", &root, "--seed", "11", "--count", "3"])?;
+    run_python("reference.parity", &["cases", "--out", &root, "--seed", "11", "--count", "3"])?;
     for case in 0..3 {
         let input = dir.path(&format!("case-{case:03}.safetensors")).to_string_lossy().to_string();
         // BAM (--train) samples on the tiled path from the counter-based draws keyed by --seed,
@@ -358,22 +358,25 @@ fn commands_whose_tensors_cannot_fit_say_out_of_memory() -> Result<()> {
 
 #[test]
 fn the_variant_registry_is_what_the_python_scripts_read() -> Result<()> {
-    // python/variants.json is `probattn variants --json`, saved for the scripts: the two may not
-    // drift (regenerate with `probattn variants --json > python/variants.json`).
+    // python/probattn_tools/reference/variants.json is `probattn variants --json`, saved for the scripts: the two may not
+    // drift (regenerate with `probattn variants --json > python/probattn_tools/reference/variants.json`).
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let o = probattn(&["variants", "--json"])?;
     ensure!(o.status.success(), "{}", text(&o));
-    let saved = std::fs::read_to_string(root.join("python/variants.json"))?;
+    let saved = std::fs::read_to_string(root.join("python/probattn_tools/reference/variants.json"))?;
     ensure!(
         String::from_utf8_lossy(&o.stdout) == saved,
-        "python/variants.json differs from `probattn variants --json`: regenerate it with `probattn variants --json > python/variants.json`"
+        "python/probattn_tools/reference/variants.json differs from `probattn variants --json`: regenerate it with `probattn variants --json > python/probattn_tools/reference/variants.json`"
     );
     let table = probattn(&["variants"])?;
     ensure!(table.status.success() && text(&table).contains("| sinkhorn-N | doubly-normalized |"), "{}", text(&table));
     // The scripts' lists come from it.
     let out = Command::new(python()?)
         .current_dir(root.join("python"))
-        .args(["-c", "import parity, gat_table; print(parity.VARIANTS, gat_table.ORDER)"])
+        .args([
+            "-c",
+            "from probattn_tools.reference import parity; from probattn_tools.tables import gat; print(parity.VARIANTS, gat.ORDER)",
+        ])
         .output()?;
     ensure!(out.status.success(), "{}", text(&out));
     ensure!(
@@ -387,9 +390,10 @@ fn the_variant_registry_is_what_the_python_scripts_read() -> Result<()> {
 
 #[test]
 fn every_python_script_compiles_and_answers_help() -> Result<()> {
-    // The scripts users run (and the tests call) may not rot: each file of python/ compiles, and
-    // each script with a main answers --help with its usage and status 0.
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../python");
+    // The scripts users run (and the tests call) may not rot: each file of python/probattn_tools
+    // compiles, and each script with a main answers `python -m probattn_tools.<module> --help`
+    // with its usage and status 0.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/probattn_tools");
     let mut scripts = vec![];
     let mut stack = vec![root.clone()];
     while let Some(dir) = stack.pop() {
@@ -408,11 +412,22 @@ fn every_python_script_compiles_and_answers_help() -> Result<()> {
     ensure!(compile.status.success(), "{}", text(&compile));
     let mut failures = vec![];
     for script in scripts.iter().filter(|s| std::fs::read_to_string(s).is_ok_and(|t| t.contains("__main__"))) {
-        let o = Command::new(python()?).arg(script).arg("--help").current_dir(root.join("..")).output()?;
+        let module = script.strip_prefix(&root)?.with_extension("").to_string_lossy().replace('/', ".");
+        let o = python_module(&module)?.arg("--help").output()?;
         if !o.status.success() || o.stdout.is_empty() {
             failures.push(format!("{}: status {:?}\n{}", script.display(), o.status.code(), text(&o)));
         }
     }
     ensure!(failures.is_empty(), "{}", failures.join("\n"));
+    Ok(())
+}
+
+#[test]
+fn the_python_packages_own_tests_pass() -> Result<()> {
+    // python/tests: every module of probattn_tools imports, the table helpers and the reference
+    // formulas keep what their docstrings say (run by hand: `python -m unittest discover -s python/tests`).
+    let dir = common::python_dir()?;
+    let out = Command::new(python()?).args(["-m", "unittest", "discover", "-s"]).arg(dir.join("tests")).env("PYTHONPATH", &dir).output()?;
+    ensure!(out.status.success() && text(&out).contains("\nOK"), "{}", text(&out));
     Ok(())
 }

@@ -1,5 +1,5 @@
 //! `probattn compare` as a user runs it on torch.nn.MultiheadAttention exported by
-//! python/export_torchscript.py: agreement within the tolerances (float64 1e-12, float32
+//! python/probattn_tools/export/torchscript.py: agreement within the tolerances (float64 1e-12, float32
 //! 1e-5, forward and gradients), the layout found on its own, a wrong head count caught, and bad
 //! input named with exit status 1.
 
@@ -7,11 +7,9 @@ mod binary;
 #[path = "../../tests/common/mod.rs"]
 mod common;
 
-use std::process::Command;
-
 use anyhow::{ensure, Context, Result};
 use binary::{probattn, text};
-use common::{python, run_python, write_corpus, TempDir};
+use common::{python_module, run_python, write_corpus, TempDir};
 
 /// Exports nn.MultiheadAttention(16, 4) with `extra` flags; returns (module, inputs) paths.
 fn export(tmp: &TempDir, tag: &str, extra: &[&str]) -> Result<(String, String)> {
@@ -23,7 +21,7 @@ fn export_model(model: &str, tmp: &TempDir, tag: &str, extra: &[&str]) -> Result
         tmp.path(&format!("{tag}.pt")).to_string_lossy().to_string(),
         tmp.path(&format!("{tag}.safetensors")).to_string_lossy().to_string(),
     );
-    run_python("export_torchscript.py", &[&[model, "--embed-dim", "16", "--heads", "4", "--out", &m, "--inputs", &i][..], extra].concat())?;
+    run_python("export.torchscript", &[&[model, "--embed-dim", "16", "--heads", "4", "--out", &m, "--inputs", &i][..], extra].concat())?;
     Ok((m, i))
 }
 
@@ -129,7 +127,7 @@ fn nn_transformer_agrees_and_its_weights_go_both_ways() -> Result<()> {
     let out = tmp.path("ours.safetensors");
     export_params(&vs, &out, |n| pytorch_name(n).unwrap_or_else(|| n.to_string()))?;
     run_python(
-        "export_torchscript.py",
+        "export.torchscript",
         &[
             "load-state-dict",
             "transformer",
@@ -174,9 +172,8 @@ fn probattn_torch_exports_agree_with_the_native_variants() -> Result<()> {
 #[test]
 fn probattn_torch_bam_samples_as_the_reference() -> Result<()> {
     // Training mode with a fixed noise draw, float64, scripted: weights, output, KL and every
-    // gradient against python/reference.py (which tests/parity.rs holds the Rust BAM to).
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().context("workspace root")?;
-    let out = Command::new(python()?).arg(root.join("python/export_torchscript.py")).arg("check-bam").output()?;
+    // gradient against python/probattn_tools/reference/formulas.py (which tests/parity.rs holds the Rust BAM to).
+    let out = python_module("export.torchscript")?.arg("check-bam").output()?;
     ensure!(out.status.success(), "{}", text(&out));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).with_context(|| text(&out))?;
     for variant in ["bam-nokl", "bam-lf", "bam-lc", "bam-wf", "bam-wc"] {
@@ -227,9 +224,7 @@ fn the_translation_baseline_runs_our_trained_weights() -> Result<()> {
     let (sd, m) = (tmp.path("sd.safetensors").to_string_lossy().to_string(), tmp.path("base.pt").to_string_lossy().to_string());
     let o = probattn(&["export", "--checkpoint", &format!("{run}/seed-1/checkpoint_best.safetensors"), "--out", &sd])?;
     ensure!(o.status.success() && text(&o).contains("tensors under the PyTorch baseline's names"), "{}", text(&o));
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let o = Command::new(python()?)
-        .arg(root.join("python/baselines/translate.py"))
+    let o = python_module("baselines.translate")?
         .args(["--run", &run, "--load-state-dict", &sd, "--export-torchscript", &m, "--threads", "1"])
         .output()?;
     ensure!(o.status.success(), "the baseline did not load our weights strictly: {}", text(&o));
@@ -311,7 +306,7 @@ fn an_nn_transformer_fine_tunes_with_dnas_and_svgd_heads_and_goes_back() -> Resu
     ensure!(r.import.contains("64 parameter(s) matched") && !r.import.contains("missing"), "{}", r.import);
     ensure!(r.loss_after < 0.9 * r.loss_before, "the held-out loss went from {} to {}", r.loss_before, r.loss_after);
     run_python(
-        "export_torchscript.py",
+        "export.torchscript",
         &[
             "load-state-dict",
             "transformer",
@@ -343,7 +338,7 @@ fn the_gat_baseline_agrees() -> Result<()> {
             tmp.path(&format!("{tag}.pt")).to_string_lossy().to_string(),
             tmp.path(&format!("{tag}.safetensors")).to_string_lossy().to_string(),
         );
-        run_python("export_torchscript.py", &[&["gat", "--out", &m, "--inputs", &i][..], extra].concat())?;
+        run_python("export.torchscript", &[&["gat", "--out", &m, "--inputs", &i][..], extra].concat())?;
         Ok((m, i))
     };
     let (m, i) = gat("f64", &["--dtype", "float64", "--nodes", "40", "--features", "24", "--classes", "6"])?;
@@ -370,7 +365,7 @@ fn bad_input_is_named() -> Result<()> {
     ensure!(o.status.code() == Some(1) && text(&o).contains("--heads 3 does not divide"), "{}", text(&o));
     let o = run(&["--torchscript", &tmp.path("none.pt").to_string_lossy(), "--heads", "4"])?;
     ensure!(o.status.code() == Some(1) && text(&o).contains("none.pt"), "{}", text(&o));
-    run_python("export_torchscript.py", &["other-formats", "--dir", &tmp.0.to_string_lossy()])?;
+    run_python("export.torchscript", &["other-formats", "--dir", &tmp.0.to_string_lossy()])?;
     let o = run(&["--torchscript", &tmp.path("linear.pt2").to_string_lossy(), "--heads", "4"])?;
     ensure!(o.status.code() == Some(1) && text(&o).contains("torch.export"), "{}", text(&o));
     // Inputs of the wrong rank, a missing argument, an unknown tensor: named before libtorch sees them.
@@ -403,13 +398,13 @@ fn bad_input_is_named() -> Result<()> {
 #[test]
 fn pt2_packages_compare_like_torchscript() -> Result<()> {
     // nn.MultiheadAttention with a key padding mask, and nn.Transformer, as AOTInductor packages
-    // (python/export_pt2.py compiles each, ~30 s here): the same --inputs file, the same JSON.
+    // (python/probattn_tools/export/pt2.py compiles each, ~30 s here): the same --inputs file, the same JSON.
     let tmp = TempDir::new("compare-pt2")?;
     let p = |name: &str| tmp.path(name).to_string_lossy().to_string();
     let mha = ["mha", "--embed-dim", "16", "--heads", "4", "--key-padding", "--batch-first"];
-    run_python("export_pt2.py", &[&mha[..], &["--out", &p("mha.pt2"), "--inputs", &p("mha.safetensors")]].concat())?;
+    run_python("export.pt2", &[&mha[..], &["--out", &p("mha.pt2"), "--inputs", &p("mha.safetensors")]].concat())?;
     let transformer = ["transformer", "--embed-dim", "16", "--heads", "4", "--layers", "1", "--ffn", "32", "--key-padding"];
-    run_python("export_pt2.py", &[&transformer[..], &["--out", &p("t.pt2"), "--inputs", &p("t.safetensors")]].concat())?;
+    run_python("export.pt2", &[&transformer[..], &["--out", &p("t.pt2"), "--inputs", &p("t.safetensors")]].concat())?;
     for (native, package, inputs, count) in [("mha", "mha.pt2", "mha.safetensors", 2), ("transformer", "t.pt2", "t.safetensors", 1)] {
         let o = probattn(&[
             "compare",

@@ -2,7 +2,7 @@
 //! errors for missing, corrupt and foreign files.
 //!
 //! The tests that always run write their own graph in Planetoid's file format
-//! (`python/planetoid.py synth`, 700 nodes) and read it with `--unverified`. Those that need the
+//! (`python/probattn_tools/data/planetoid.py synth`, 700 nodes) and read it with `--unverified`. Those that need the
 //! canonical files (the published statistics of Cora and Citeseer, Pubmed's missing file) are
 //! `#[ignore]`d, so that a missing data folder shows as ignored rather than passed; with the data
 //! under `$PROBATTN_DATA/planetoid` they run with `cargo test -p probattn-experiments --test gat --
@@ -24,7 +24,7 @@ fn planetoid() -> Result<PathBuf> {
     let folder = data.join("planetoid");
     ensure!(
         folder.join("ind.cora.x").exists(),
-        "no Planetoid data in {} (set PROBATTN_DATA, or run `python python/planetoid.py download`)",
+        "no Planetoid data in {} (set PROBATTN_DATA, or run `python -m probattn_tools.data.planetoid download`)",
         folder.display()
     );
     Ok(folder)
@@ -37,10 +37,10 @@ fn tmp(tag: &str) -> Result<PathBuf> {
     Ok(d)
 }
 
-/// A 700-node graph written by python/planetoid.py synth as ind.cora.* in a new folder.
+/// A 700-node graph written by python/probattn_tools/data/planetoid.py synth as ind.cora.* in a new folder.
 fn synthetic_cora(tag: &str) -> Result<PathBuf> {
     let dir = tmp(tag)?;
-    run_python("planetoid.py", &["synth", "--dir", &dir.to_string_lossy(), "--name", "cora", "--seed", "3"])?;
+    run_python("data.planetoid", &["synth", "--dir", &dir.to_string_lossy(), "--name", "cora", "--seed", "3"])?;
     Ok(dir)
 }
 

@@ -110,7 +110,7 @@ fn mutated_planetoid_files_load_or_are_named() -> Result<()> {
     let tmp = TempDir::new("mutation-planetoid")?;
     let dir = tmp.path("graph");
     let d = dir.to_string_lossy().to_string();
-    run_python("planetoid.py", &["synth", "--dir", &d, "--name", "cora", "--seed", "5"])?;
+    run_python("data.planetoid", &["synth", "--dir", &d, "--name", "cora", "--seed", "5"])?;
     let out = tmp.path("run").to_string_lossy().to_string();
     let args = [
         "gat",
@@ -142,7 +142,7 @@ fn mutated_planetoid_files_load_or_are_named() -> Result<()> {
 fn mutated_torchscript_archives_load_or_are_named() -> Result<()> {
     let tmp = TempDir::new("mutation-torchscript")?;
     let (m, i) = (tmp.path("mha.pt").to_string_lossy().to_string(), tmp.path("in.safetensors").to_string_lossy().to_string());
-    run_python("export_torchscript.py", &["mha", "--embed-dim", "16", "--heads", "4", "--out", &m, "--inputs", &i])?;
+    run_python("export.torchscript", &["mha", "--embed-dim", "16", "--heads", "4", "--out", &m, "--inputs", &i])?;
     let original = std::fs::read(&m)?;
     let args = ["compare", "--torchscript", &m, "--native", "mha", "--heads", "4", "--inputs", &i, "--device", "cpu"];
     let n = each_mutation(&original, Path::new(&m), mutations(&original, 20, rounds()?), &args)?;
@@ -170,7 +170,7 @@ fn mutated_pt2_archives_load_or_are_named() -> Result<()> {
     // metadata, the weights. The library itself runs inside the process by design (docs/interop.md).
     let tmp = TempDir::new("mutation-pt2")?;
     let (m, i) = (tmp.path("mha.pt2").to_string_lossy().to_string(), tmp.path("in.safetensors").to_string_lossy().to_string());
-    run_python("export_pt2.py", &["mha", "--embed-dim", "16", "--heads", "4", "--out", &m, "--inputs", &i])?;
+    run_python("export.pt2", &["mha", "--embed-dim", "16", "--heads", "4", "--out", &m, "--inputs", &i])?;
     let original = std::fs::read(&m)?;
     let library = shared_library_spans(&original)?;
     ensure!(!library.is_empty(), "{m} holds no compiled library");

@@ -274,7 +274,7 @@ fn the_attentional_lstm_trains_resumes_decodes_and_refuses_what_it_lacks() -> Re
 
 #[test]
 fn the_lstm_equals_an_independent_pytorch_lstm_on_the_same_weights() -> Result<()> {
-    // python/baselines/translate.py writes the LSTM again in PyTorch (packed bidirectional
+    // python/probattn_tools/baselines/translate.py writes the LSTM again in PyTorch (packed bidirectional
     // nn.LSTM, LSTMCell decoder, softmax attention by hand); our trained checkpoint, exported and
     // cast to float64, must give the same logits on a padded batch.
     let tmp = TempDir::new("translate-lstm-parity")?;
@@ -300,9 +300,7 @@ fn the_lstm_equals_an_independent_pytorch_lstm_on_the_same_weights() -> Result<(
     let inputs = tmp.path("in.safetensors");
     tch::Tensor::write_safetensors(&[("src", &src), ("prev", &prev)], &inputs)?;
     let theirs = tmp.path("logits.safetensors");
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let o = Command::new(common::python()?)
-        .arg(root.join("python/baselines/translate.py"))
+    let o = common::python_module("baselines.translate")?
         .args([
             "--run",
             &run,

@@ -1,5 +1,5 @@
-//! `probattn vqa` as a user runs it, on a tiny Sort-of-CLEVR written by python/vqa_data.py with
-//! detectors from python/vqa_detectors.py: every fusion's results files and reports, the PyTorch
+//! `probattn vqa` as a user runs it, on a tiny Sort-of-CLEVR written by python/probattn_tools/data/vqa.py with
+//! detectors from python/probattn_tools/data/vqa_detectors.py: every fusion's results files and reports, the PyTorch
 //! baseline scored through --eval-torchscript, and bad input (corrupt, wrong-shaped or stale detectors,
 //! malformed data files, unknown fusions) refused with a named error.
 
@@ -13,7 +13,7 @@ use std::process::Command;
 use anyhow::{ensure, Context, Result};
 use binary::mutate::{each_mutation, mutations, rounds, safetensors_mutations};
 use binary::{json, probattn, text};
-use common::{python, run_python, tiny_sort_of_clevr, TempDir};
+use common::{python, python_module, run_python, tiny_sort_of_clevr, TempDir};
 
 #[test]
 fn every_fusion_writes_its_results_and_reports() -> Result<()> {
@@ -143,9 +143,7 @@ fn the_pytorch_baseline_scores_the_same_inside_probattn() -> Result<()> {
     ensure!(first.status.success(), "{}", text(&first));
     let cache = std::fs::read_dir(Path::new(&data).join("features"))?.next().context("no feature cache")??.path();
     let model = dir.path("model.pt").to_string_lossy().to_string();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/baselines/vqa.py");
-    let base = Command::new(python()?)
-        .arg(&script)
+    let base = python_module("baselines.vqa")?
         .args([
             "--data",
             &data,
@@ -181,7 +179,7 @@ fn object_detectors_and_a_bag_of_words_question_run() -> Result<()> {
     let dir = TempDir::new("cli-vqa-objects")?;
     let data = dir.path("data").to_string_lossy().to_string();
     run_python(
-        "vqa_data.py",
+        "data.vqa",
         &["sort-of-clevr", "--out", &data, "--train", "40", "--val", "10", "--test", "10", "--questions-per-kind", "2", "--seed", "3"],
     )?;
     let out = dir.path("run").to_string_lossy().to_string();

@@ -1,4 +1,4 @@
-//! `probattn vqa-eval` against python/vqa_eval_reference.py (the official evaluation's steps) on
+//! `probattn vqa-eval` against python/probattn_tools/reference/vqa_eval.py (the official evaluation's steps) on
 //! seeded files in the official formats whose answers exercise every normalisation (punctuation
 //! next to spaces, commas in numbers, periods, number words, articles, contractions, tabs and
 //! newlines, answers that agree and disagree); and its bad input.
@@ -7,15 +7,14 @@ mod binary;
 #[path = "../../tests/common/mod.rs"]
 mod common;
 
-use std::process::{Command, Output};
+use std::process::Output;
 
 use anyhow::{ensure, Context, Result};
 use binary::{probattn, text};
-use common::{python, TempDir};
+use common::{python_module, TempDir};
 
 fn reference(args: &[&str]) -> Result<Output> {
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/vqa_eval_reference.py");
-    Command::new(python()?).arg(script).args(args).output().context("running python/vqa_eval_reference.py")
+    python_module("reference.vqa_eval")?.args(args).output().context("running probattn_tools.reference.vqa_eval")
 }
 
 #[test]

@@ -24,7 +24,7 @@ use tch::{Kind, Tensor};
 use crate::lstm::{AttentionalLstm, LstmConfig, LstmState};
 use crate::transformer::{DecoderState, Transformer, TransformerConfig};
 
-/// The name of one of our parameters in the PyTorch baseline (python/baselines/translate.py): the
+/// The name of one of our parameters in the PyTorch baseline (python/probattn_tools/baselines/translate.py): the
 /// same, except the shared embedding matrix, which is `embed` there. `None` for the decoder's own
 /// embeddings (the baseline always shares them).
 pub fn baseline_name(ours: &str) -> Option<String> {

@@ -1,4 +1,4 @@
-//! The edge-list GAT layer against python/baselines/gat.py (the PyTorch GAT written separately
+//! The edge-list GAT layer against python/probattn_tools/baselines/gat.py (the PyTorch GAT written separately
 //! from the same formulas): same weights, eval mode, float64 outputs and gradients within 1e-10.
 
 #[path = "../../tests/common/mod.rs"]
@@ -15,7 +15,7 @@ use tch::{nn, Kind};
 fn gat_layer_matches_the_pytorch_baseline() -> Result<()> {
     let _serial = common::serial();
     let dir = TempDir::new("parity-gat")?;
-    run_python("parity.py", &["gat-cases", "--out", &dir.0.to_string_lossy(), "--seed", "9"])?;
+    run_python("reference.parity", &["gat-cases", "--out", &dir.0.to_string_lossy(), "--seed", "9"])?;
     for case in manifest(&dir.0)? {
         let name = case["name"].as_str().context("name")?;
         let int = |k: &str| case[k].as_i64().context("int");

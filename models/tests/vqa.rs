@@ -1,4 +1,4 @@
-//! The multi-view VQA model against python/baselines/vqa.py (the PyTorch model written separately
+//! The multi-view VQA model against python/probattn_tools/baselines/vqa.py (the PyTorch model written separately
 //! from Appendix B's formula and the same head): same weights, eval mode, float64 logits and the
 //! gradients of every view and parameter within 1e-10, for each fusion (none, UNAS, DNAS, HNAS)
 //! with 0, 1 and 2 reasoning layers, post-norm and pre-norm, with the relational layer, and with
@@ -50,7 +50,7 @@ fn config(case: &serde_json::Value) -> Result<VqaConfig> {
 fn vqa_model_matches_the_pytorch_baseline() -> Result<()> {
     let _serial = common::serial();
     let dir = TempDir::new("parity-vqa")?;
-    run_python("parity.py", &["vqa-cases", "--out", &dir.0.to_string_lossy(), "--seed", "4"])?;
+    run_python("reference.parity", &["vqa-cases", "--out", &dir.0.to_string_lossy(), "--seed", "4"])?;
     let cases = manifest(&dir.0)?;
     ensure!(cases.len() == 11, "expected four fusions, a pre-norm case, two relational ones, the LSTM and bag-of-words encoders, a primary skip and a primary beside, got {}", cases.len());
     for case in cases {

@@ -16,18 +16,32 @@ pub fn python() -> Result<PathBuf> {
     Ok(PathBuf::from(py))
 }
 
-/// Runs `python/<script>` with `args` from the workspace root; fails with its stderr.
-pub fn run_python(script: &str, args: &[&str]) -> Result<()> {
-    // The workspace root: the first ancestor of this crate's folder that holds python/.
+/// The workspace's `python/` folder: the first ancestor of this crate's folder that holds it.
+pub fn python_dir() -> Result<PathBuf> {
     let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let root = crate_dir.ancestors().find(|d| d.join("python/reference.py").is_file()).context("no python/ folder above the crate")?;
-    let out = Command::new(python()?)
-        .arg(root.join("python").join(script))
-        .args(args)
-        .output()
-        .with_context(|| format!("running python/{script}"))?;
+    let root = crate_dir.ancestors().find(|d| d.join("python/probattn_tools").is_dir()).context("no python/ folder above the crate")?;
+    Ok(root.join("python"))
+}
+
+/// `python -m probattn_tools.<module>` (e.g. `reference.parity`), with this checkout's `python/`
+/// first on `PYTHONPATH`, so that the package imported is this tree's whatever is installed.
+pub fn python_module(module: &str) -> Result<Command> {
+    let dir = python_dir()?;
+    let mut path = std::ffi::OsString::from(&dir);
+    if let Some(rest) = std::env::var_os("PYTHONPATH") {
+        path.push(":");
+        path.push(rest);
+    }
+    let mut command = Command::new(python()?);
+    command.arg("-m").arg(format!("probattn_tools.{module}")).env("PYTHONPATH", path);
+    Ok(command)
+}
+
+/// Runs `python -m probattn_tools.<module>` with `args`; fails with its stderr.
+pub fn run_python(module: &str, args: &[&str]) -> Result<()> {
+    let out = python_module(module)?.args(args).output().with_context(|| format!("running probattn_tools.{module}"))?;
     if !out.status.success() {
-        bail!("python/{script} {args:?} failed:\n{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        bail!("probattn_tools.{module} {args:?} failed:\n{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     }
     Ok(())
 }
@@ -125,15 +139,15 @@ pub fn write_corpus(dir: &Path, pairs: [usize; 3]) -> Result<()> {
     Ok(())
 }
 
-/// A tiny Sort-of-CLEVR in `dir` (40 / 10 / 10 images, 4 questions each, from python/vqa_data.py)
-/// and detectors trained on it for one epoch (python/vqa_detectors.py): (data, detectors).
+/// A tiny Sort-of-CLEVR in `dir` (40 / 10 / 10 images, 4 questions each, from python/probattn_tools/data/vqa.py)
+/// and detectors trained on it for one epoch (python/probattn_tools/data/vqa_detectors.py): (data, detectors).
 pub fn tiny_sort_of_clevr(dir: &TempDir) -> Result<(String, String)> {
     let data = dir.path("data").to_string_lossy().to_string();
     let det = dir.path("detectors").to_string_lossy().to_string();
     run_python(
-        "vqa_data.py",
+        "data.vqa",
         &["sort-of-clevr", "--out", &data, "--train", "40", "--val", "10", "--test", "10", "--questions-per-kind", "2", "--seed", "3"],
     )?;
-    run_python("vqa_detectors.py", &["--data", &data, "--out", &det, "--epochs", "1", "--threads", "1"])?;
+    run_python("data.vqa_detectors", &["--data", &data, "--out", &det, "--epochs", "1", "--threads", "1"])?;
     Ok((data, det))
 }

@@ -1,5 +1,5 @@
 //! `probattn attend`: one attention call from a safetensors file, so anyone can check a variant
-//! against their own PyTorch code (python/parity.py compare does it for ours).
+//! against their own PyTorch code (python/probattn_tools/reference/parity.py compare does it for ours).
 //!
 //! Input (`--input`): `q`, `k`, `v` as `(B, H, S, d)` in float32 or float64; optional
 //! `key_padding_mask (B, S_k)`, `query_padding_mask (B, S_q)`, `attn_mask` (broadcastable to

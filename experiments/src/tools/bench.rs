@@ -8,7 +8,7 @@
 //! it allocated above what was held before it (activations, the S × S weights autograd keeps,
 //! gradients; not the inputs and parameters). Both sides count the same way: on CUDA the caching
 //! allocator's statistics, on the CPU the counting allocator of `probattn::memory`, loaded into
-//! PyTorch's process too (python/bench.py --memory-lib).
+//! PyTorch's process too (python/probattn_tools/baselines/bench.py --memory-lib).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -46,7 +46,7 @@ pub struct BenchArgs {
     /// Timed repeats per configuration, after two warm-up runs (default 10; 3 with --quick).
     #[arg(long)]
     pub repeats: Option<usize>,
-    /// Skip the PyTorch side (python/bench.py).
+    /// Skip the PyTorch side (python/probattn_tools/baselines/bench.py).
     #[arg(long)]
     pub no_pytorch: bool,
     #[command(flatten)]
@@ -429,7 +429,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let lib = memory::python_counter_library();
         let variants = args.variants.as_ref().map_or_else(|| variants().join(","), |v| v.join(","));
         let json = run_python(
-            "bench.py",
+            "baselines.bench",
             &[
                 "--device",
                 &dev,
@@ -447,8 +447,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 &variants,
             ],
         )
-        .context("running the PyTorch side (python/bench.py); --no-pytorch skips it")?;
-        let theirs: Vec<Measurement> = serde_json::from_str(json.trim()).context("reading python/bench.py's output")?;
+        .context("running the PyTorch side (python/probattn_tools/baselines/bench.py); --no-pytorch skips it")?;
+        let theirs: Vec<Measurement> =
+            serde_json::from_str(json.trim()).context("reading python/probattn_tools/baselines/bench.py's output")?;
         measurements.extend(theirs);
     }
     anyhow::ensure!(!args.no_eager || args.memory.memory_efficient, "--no-eager leaves nothing to measure without --memory-efficient");
@@ -458,7 +459,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let svgd = measure_svgd(device, if args.quick { 256 } else { 1024 }, if args.quick { 3 } else { repeats })?;
     let mut table = ratio_table(&measurements, &svgd);
     if table.contains("| – |") {
-        table += "\nA – is a configuration that side did not run (python/bench.py reports on stderr which ran out of memory).\n";
+        table += "\nA – is a configuration that side did not run (python/probattn_tools/baselines/bench.py reports on stderr which ran out of memory).\n";
     }
     if let Some(first) = skipped.first() {
         let lens: Vec<String> = skipped.iter().map(|k| k.seq_len.to_string()).collect();

@@ -11,7 +11,7 @@ pub struct ExportArgs {
     /// A `probattn translate` checkpoint (seed-N/checkpoint_best.safetensors, or _last, _average).
     #[arg(long)]
     pub checkpoint: PathBuf,
-    /// The safetensors state dict to write (atomically), under python/baselines/translate.py's
+    /// The safetensors state dict to write (atomically), under python/probattn_tools/baselines/translate.py's
     /// names, for its `--load-state-dict` (load_state_dict(strict=True)).
     #[arg(long)]
     pub out: PathBuf,

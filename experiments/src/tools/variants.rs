@@ -1,5 +1,5 @@
 //! `probattn variants`: the registry of attention variants (`probattn::normalize::registry`), as
-//! a table or as JSON. `python/variants.json` is its `--json` output, which the Python scripts
+//! a table or as JSON. `python/probattn_tools/reference/variants.json` is its `--json` output, which the Python scripts
 //! read (a test keeps the two equal).
 
 use anyhow::Result;

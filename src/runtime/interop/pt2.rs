@@ -2,7 +2,7 @@
 //!
 //! A package is made in PyTorch by
 //! `torch._inductor.aoti_compile_and_package(torch.export.export(module, args, kwargs))`
-//! (python/export_pt2.py does it for our reference modules): the exported program compiled to a
+//! (python/probattn_tools/export/pt2.py does it for our reference modules): the exported program compiled to a
 //! shared library for one device and fixed input shapes. [`Pt2Package`] loads it with libtorch's
 //! own `torch::inductor::AOTIModelPackageLoader` (through the C++ layer in `probattn-sys/csrc/`, since tch
 //! cannot) and runs it on our tensors, forward only: a package holds no autograd graph.
@@ -12,14 +12,14 @@
 //! file), that it was compiled for the device asked for (a CUDA package on a machine without
 //! CUDA), and that this processor has the vector instructions it was compiled with. Each input's
 //! dtype, sizes, strides and device are then checked by the compiled model itself
-//! (`AOTI_RUNTIME_CHECK_INPUTS`, which the loader turns on) and, where python/export_pt2.py
+//! (`AOTI_RUNTIME_CHECK_INPUTS`, which the loader turns on) and, where python/probattn_tools/export/pt2.py
 //! recorded the inputs in the package's metadata, by name before the call.
 //!
 //! ```no_run
 //! use probattn::interop::Pt2Package;
 //! use tch::{Device, Kind, Tensor};
 //!
-//! // python python/export_pt2.py mha --embed-dim 16 --heads 4 --out mha.pt2
+//! // python -m probattn_tools.export.pt2 mha --embed-dim 16 --heads 4 --out mha.pt2
 //! let package = Pt2Package::load("mha.pt2".as_ref(), Device::Cpu)?;
 //! let x = Tensor::randn([5, 2, 16], (Kind::Float, Device::Cpu)); // (L, N, E)
 //! let outputs = package.run(&[&x, &x, &x])?; // attn_output, attn_weights
@@ -37,11 +37,11 @@ use super::{archive_kind, ArchiveKind};
 use crate::cxx::{self, Pt2Handle};
 use crate::{Error, Result};
 
-/// The metadata key under which python/export_pt2.py records the inputs (JSON: a list of
+/// The metadata key under which python/probattn_tools/export/pt2.py records the inputs (JSON: a list of
 /// [`InputSpec`]), in the order the package takes them.
 pub const INPUTS_METADATA_KEY: &str = "probattn.inputs";
 
-/// One input of a package, as python/export_pt2.py records it.
+/// One input of a package, as python/probattn_tools/export/pt2.py records it.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 pub struct InputSpec {
     /// The argument's name in the module's `forward` (`query`, `key_padding_mask`, ...).
@@ -108,7 +108,7 @@ impl Pt2Package {
             ArchiveKind::TorchExport => {
                 return Err(file_error(
                     "a torch.export program without compiled code (torch.export.save): compile it into a package with \
-                     torch._inductor.aoti_compile_and_package(torch.export.export(m, args)) (python/export_pt2.py)"
+                     torch._inductor.aoti_compile_and_package(torch.export.export(m, args)) (python/probattn_tools/export/pt2.py)"
                         .into(),
                 ))
             }
@@ -134,7 +134,7 @@ impl Pt2Package {
                 let here = if tch::Cuda::is_available() { "pass a CUDA device (--device cuda)" } else { "this machine has no CUDA device" };
                 return Err(file_error(format!(
                     "the package was compiled for CUDA (AOTI_DEVICE_KEY cuda) and runs only there; {here}, or export it again \
-                     for the CPU (python/export_pt2.py --device cpu)"
+                     for the CPU (python/probattn_tools/export/pt2.py --device cpu)"
                 )));
             }
             (other, _) => {
@@ -177,7 +177,7 @@ impl Pt2Package {
     }
 
     /// The inputs in the order the package takes them, when the exporter recorded them
-    /// (python/export_pt2.py does).
+    /// (python/probattn_tools/export/pt2.py does).
     pub fn inputs(&self) -> Option<&[InputSpec]> {
         self.inputs.as_deref()
     }

@@ -1,5 +1,5 @@
 //! The Planetoid graphs: the canonical `ind.<name>.*` files, verified and converted by
-//! python/planetoid.py (Python pickles; read there with a restricted unpickler) into tensors.
+//! python/probattn_tools/data/planetoid.py (Python pickles; read there with a restricted unpickler) into tensors.
 
 use std::path::{Path, PathBuf};
 
@@ -36,7 +36,7 @@ pub fn default_data_dir() -> PathBuf {
 }
 
 /// Reads, verifies (unless `verify` is false: a graph of the user's own) and converts the
-/// dataset's `ind.*` files (python/planetoid.py), then loads the tensors onto `device`.
+/// dataset's `ind.*` files (python/probattn_tools/data/planetoid.py), then loads the tensors onto `device`.
 pub fn load_graph(dataset: Dataset, data_dir: &Path, verify: bool, device: Device) -> Result<Graph> {
     let name = dataset.name();
     // A copy known to be incomplete lives in <name>_incomplete/; the converter then names the
@@ -45,7 +45,7 @@ pub fn load_graph(dataset: Dataset, data_dir: &Path, verify: bool, device: Devic
     let folder = if !data_dir.join(format!("ind.{name}.x")).exists() && incomplete.is_dir() { incomplete } else { data_dir.to_path_buf() };
     ensure!(
         folder.is_dir(),
-        "data folder {} does not exist (run `python python/planetoid.py download --dir {}`, or pass --data-dir)",
+        "data folder {} does not exist (run `python -m probattn_tools.data.planetoid download --dir {}`, or pass --data-dir)",
         folder.display(),
         folder.display()
     );
@@ -55,7 +55,7 @@ pub fn load_graph(dataset: Dataset, data_dir: &Path, verify: bool, device: Devic
     if !verify {
         command.push("--unverified");
     }
-    run_python("planetoid.py", &command).with_context(|| format!("loading {name}"))?;
+    run_python("data.planetoid", &command).with_context(|| format!("loading {name}"))?;
     let tensors = probattn::io::read_safetensors(&converted);
     let _ = std::fs::remove_file(&converted);
     let tensors = tensors?;

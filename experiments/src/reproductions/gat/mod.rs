@@ -2,7 +2,7 @@
 //! Pubmed) with any attention variant, reproducing Velickovic et al. 2018 and the BAM paper's
 //! Table 1. Recipe: docs/formulas.md §2.
 //!
-//! Data: the canonical `ind.<name>.*` files, verified and converted by python/planetoid.py
+//! Data: the canonical `ind.<name>.*` files, verified and converted by python/probattn_tools/data/planetoid.py
 //! (Python pickles; read there with a restricted unpickler) into tensors. Training is full-batch
 //! with Adam and L2 on all weights; early stopping as the original: the patience counter resets
 //! when validation accuracy ≥ its best or validation loss ≤ its best, the checkpoint is kept when
@@ -66,11 +66,11 @@ pub struct GatArgs {
     #[arg(long, default_value_t = 0)]
     pub seed_start: u64,
     /// Folder with the ind.<dataset>.* files (default: $PROBATTN_DATA/planetoid, data/planetoid
-    /// when PROBATTN_DATA is unset; `python python/planetoid.py download` fetches them).
+    /// when PROBATTN_DATA is unset; `python -m probattn_tools.data.planetoid download` fetches them).
     #[arg(long, visible_alias = "data")]
     pub data_dir: Option<PathBuf>,
     /// Read ind.<dataset>.* files whose checksums are not the canonical ones: a graph of your own
-    /// in Planetoid's file format (`python python/planetoid.py synth` writes a small one).
+    /// in Planetoid's file format (`python -m probattn_tools.data.planetoid synth` writes a small one).
     /// results.json records `data_verified: false`.
     #[arg(long)]
     pub unverified: bool,

@@ -26,7 +26,7 @@ pub struct GatRunConfig {
 /// The BAM preset of `variant` on `dataset` with the contextual prior's `scope` (for bam-wc and
 /// bam-lc; `None`: the scope validation preferred, [`default_prior_scope`]): its name, its
 /// settings and the KL weight (the ceiling of the authors' sigmoid schedule). Chosen on
-/// validation accuracy only by python/gat_sweep.py on tuning seeds the reported runs (seeds 0-19)
+/// validation accuracy only by python/probattn_tools/tables/gat_sweep.py on tuning seeds the reported runs (seeds 0-19)
 /// do not use.
 ///
 /// All-nodes scope (the authors' code), and the variants without a contextual prior: a greedy

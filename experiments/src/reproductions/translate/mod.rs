@@ -293,7 +293,9 @@ struct Prepared {
 fn load_corpus(data_dir: &Path, args: &TranslateArgs) -> Result<Corpus> {
     let hint = match (args.dataset.unwrap_or(Dataset::Multi30k), &args.data_dir) {
         (_, Some(_)) => String::new(),
-        (Dataset::Multi30k, None) => format!(" (`python python/multi30k.py download --dir {}` fetches Multi30k)", data_dir.display()),
+        (Dataset::Multi30k, None) => {
+            format!(" (`python -m probattn_tools.data.multi30k download --dir {}` fetches Multi30k)", data_dir.display())
+        }
         (Dataset::Iwslt14, None) => {
             format!(" (run fairseq's examples/translation/prepare-iwslt14.sh and give its iwslt14.tokenized.de-en/tmp folder with --data-dir, or copy it to {})", data_dir.display())
         }
@@ -334,7 +336,7 @@ fn prepare(corpus: Corpus, args: &TranslateArgs, dir: &Path, resume: bool, ranks
 }
 
 /// `probattn export`: the model weights of a translate checkpoint as a safetensors state dict under
-/// the PyTorch baseline's names ([`baseline_name`]), which python/baselines/translate.py loads with
+/// the PyTorch baseline's names ([`baseline_name`]), which python/probattn_tools/baselines/translate.py loads with
 /// `load_state_dict(strict=True)`. Returns the number of tensors written.
 pub fn export_checkpoint(ckpt: &Path, out: &Path) -> Result<usize> {
     let (tensors, state) = read_checkpoint(ckpt)?;

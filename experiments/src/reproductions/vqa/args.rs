@@ -10,9 +10,9 @@ use crate::common::CommonArgs;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Dataset {
-    /// Sort-of-CLEVR from our seeded generator (python/vqa_data.py sort-of-clevr).
+    /// Sort-of-CLEVR from our seeded generator (python/probattn_tools/data/vqa.py sort-of-clevr).
     SortOfClevr,
-    /// easy-VQA from PyPI (python/vqa_data.py easy-vqa installs it).
+    /// easy-VQA from PyPI (python/probattn_tools/data/vqa.py easy-vqa installs it).
     EasyVqa,
     /// VQA-v2's official files in --data and one --features folder of .npz files per detector.
     #[value(name = "vqa-v2")]
@@ -35,7 +35,7 @@ pub struct VqaArgs {
     /// Dataset: sort-of-clevr, easy-vqa or vqa-v2.
     #[arg(long, value_enum, default_value = "sort-of-clevr")]
     pub dataset: Dataset,
-    /// Data folder written by python/vqa_data.py (default: data/vqa/<dataset>, or
+    /// Data folder written by python/probattn_tools/data/vqa.py (default: data/vqa/<dataset>, or
     /// data/vqa/<dataset>-quick with --quick); generated there when absent. VQA-v2: the folder of
     /// the official question and annotation files (train2014 and val2014).
     #[arg(long, visible_alias = "data-dir")]
@@ -55,7 +55,7 @@ pub struct VqaArgs {
     /// batch.
     #[arg(long, default_value_t = 8.0)]
     pub feature_memory_gb: f64,
-    /// Folder of detectors written by python/vqa_detectors.py (default: <data>/detectors);
+    /// Folder of detectors written by python/probattn_tools/data/vqa_detectors.py (default: <data>/detectors);
     /// trained there when absent.
     #[arg(long)]
     pub detectors: Option<PathBuf>,
@@ -65,7 +65,7 @@ pub struct VqaArgs {
     #[arg(long)]
     pub detector_epochs: Option<usize>,
     /// Object detectors: each view returns its K most object-like label-grid cells instead of
-    /// every region (python/vqa_detectors.py --boxes; 0: every region). Sort-of-CLEVR places 6
+    /// every region (python/probattn_tools/data/vqa_detectors.py --boxes; 0: every region). Sort-of-CLEVR places 6
     /// objects per image.
     #[arg(long, default_value_t = 0)]
     pub detector_boxes: usize,
@@ -183,7 +183,7 @@ pub struct VqaArgs {
     /// Override the BAM KL weight.
     #[arg(long)]
     pub kl_weight: Option<f64>,
-    /// Score a TorchScript VQA model (python/baselines/vqa.py --export-torchscript: forward(view0,
+    /// Score a TorchScript VQA model (python/probattn_tools/baselines/vqa.py --export-torchscript: forward(view0,
     /// view1, view2, tokens) -> logits) on the validation and test questions, instead of training.
     #[arg(long)]
     pub eval_torchscript: Option<PathBuf>,

@@ -1,4 +1,4 @@
-//! The data of `probattn vqa`: the tensors python/vqa_data.py writes, the detectors
+//! The data of `probattn vqa`: the tensors python/probattn_tools/data/vqa.py writes, the detectors
 //! (TorchScript) and the region features they give, cached once per data and detector set.
 
 use std::collections::HashMap;
@@ -149,7 +149,7 @@ pub struct DetectorSpec {
     pub path: PathBuf,
 }
 
-/// The three detectors of a folder written by python/vqa_detectors.py, primary first (the
+/// The three detectors of a folder written by python/probattn_tools/data/vqa_detectors.py, primary first (the
 /// `patch` backbone, which learns colour, shape and position; see that script). They must have
 /// been trained for the data in `data_dir`: the same data file (its sha256) and the view that
 /// its meta.json asks for (`detector_context`); detectors left from an earlier conversion of the

@@ -18,12 +18,12 @@ use crate::provenance::run_python;
 pub(super) fn prepare_inputs(args: &VqaArgs, data_dir: &Path, threads: i32) -> Result<Vec<DetectorSpec>> {
     if !data_dir.join("meta.json").exists() {
         let out = data_dir.to_string_lossy().to_string();
-        eprintln!("{}: no data yet; writing it with python/vqa_data.py", data_dir.display());
+        eprintln!("{}: no data yet; writing it with python/probattn_tools/data/vqa.py", data_dir.display());
         let mut py: Vec<&str> = vec![args.dataset.name(), "--out", &out];
         if args.quick && args.dataset == Dataset::SortOfClevr {
             py.extend(["--train", "1000", "--val", "200", "--test", "200"]);
         }
-        run_python("vqa_data.py", &py).context("generating the VQA data")?;
+        run_python("data.vqa", &py).context("generating the VQA data")?;
     }
     if !args.detector.is_empty() {
         ensure!(args.detector.len() >= 2, "--detector must be given at least twice (a primary and a secondary view), got once");
@@ -33,16 +33,16 @@ pub(super) fn prepare_inputs(args: &VqaArgs, data_dir: &Path, threads: i32) -> R
     if !dir.join("detectors.json").exists() {
         if args.detectors.is_some() {
             bail!(
-                "{} has no detectors.json (write detectors with `python python/vqa_detectors.py --data {} --out {}`)",
+                "{} has no detectors.json (write detectors with `python -m probattn_tools.data.vqa_detectors --data {} --out {}`)",
                 dir.display(),
                 data_dir.display(),
                 dir.display()
             );
         }
-        eprintln!("{}: no detectors yet; training them with python/vqa_detectors.py (minutes)", dir.display());
+        eprintln!("{}: no detectors yet; training them with python/probattn_tools/data/vqa_detectors.py (minutes)", dir.display());
         let (d, o, t) = (data_dir.to_string_lossy().to_string(), dir.to_string_lossy().to_string(), threads.to_string());
         let (e, b) = (epochs.to_string(), args.detector_boxes.to_string());
-        run_python("vqa_detectors.py", &["--data", &d, "--out", &o, "--epochs", &e, "--boxes", &b, "--threads", &t])
+        run_python("data.vqa_detectors", &["--data", &d, "--out", &o, "--epochs", &e, "--boxes", &b, "--threads", &t])
             .context("training the detectors")?;
     }
     detectors_in(&dir, data_dir)

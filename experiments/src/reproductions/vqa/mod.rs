@@ -4,8 +4,8 @@
 //! have its files and detector features ([`v2`]). Facts and recipe: docs/formulas.md §1, §2
 //! and §4.
 //!
-//! Pipeline: python/vqa_data.py writes images, questions and detector labels; python/
-//! vqa_detectors.py trains three CNN backbones on those labels (training images only) and saves
+//! Pipeline: python/probattn_tools/data/vqa.py writes images, questions and detector labels;
+//! python/probattn_tools/data/vqa_detectors.py trains three CNN backbones on those labels (training images only) and saves
 //! them as TorchScript; here they are loaded with libtorch, run once over every image, and their
 //! region features cached; then [`probattn_models::vqa::VqaModel`] (fusion + Pythia-lite head) is
 //! trained per seed with Adam and early stopping on validation accuracy, and the kept weights
@@ -115,7 +115,7 @@ pub struct RunResult {
     /// Wall time per epoch, validation included.
     pub epoch_seconds: f64,
     /// Time per epoch in the update loop alone (batches, forward, backward, Adam): what
-    /// python/baselines/vqa.py times, for the speed ratio.
+    /// python/probattn_tools/baselines/vqa.py times, for the speed ratio.
     pub update_seconds: f64,
     /// HNAS: the final `u` of each secondary view.
     pub hnas_u: Option<Vec<f64>>,

@@ -10,14 +10,14 @@ use crate::common::CommonArgs;
 /// `--native`: which probattn model to pair with the TorchScript module.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum NativeModel {
-    /// `MultiHeadAttention`, for `torch.nn.MultiheadAttention` (and python/probattn_torch's).
+    /// `MultiHeadAttention`, for `torch.nn.MultiheadAttention` (and python/probattn_tools/reference/mha.py's).
     Mha,
     /// The encoder-decoder `Transformer` (with final norms), for `torch.nn.Transformer`.
     Transformer,
-    /// The translation model `Seq2Seq`, for python/baselines/translate.py exported with
+    /// The translation model `Seq2Seq`, for python/probattn_tools/baselines/translate.py exported with
     /// `--export-torchscript` (token ids in, logits out).
     Translation,
-    /// `Gat` (two layers over an edge list), for python/baselines/gat.py's model scripted
+    /// `Gat` (two layers over an edge list), for python/probattn_tools/baselines/gat.py's model scripted
     /// (dense features `x`, edges `dst`, `src` in; class logits out).
     Gat,
 }
@@ -48,7 +48,7 @@ pub struct CompareArgs {
     #[arg(long, required_unless_present = "pt2", conflicts_with = "pt2")]
     pub torchscript: Option<PathBuf>,
     /// Or an AOTInductor package (.pt2: torch._inductor.aoti_compile_and_package of a
-    /// torch.export program; python/export_pt2.py), run forward only, at its exported shapes.
+    /// torch.export program; python/probattn_tools/export/pt2.py), run forward only, at its exported shapes.
     /// It holds a compiled shared library that runs inside this process when the package is
     /// loaded: load only packages from a source you trust.
     #[arg(long)]
@@ -60,7 +60,7 @@ pub struct CompareArgs {
     #[arg(long)]
     pub heads: Option<i64>,
     /// Normalizer of the native model: softmax for torch.nn.MultiheadAttention; dnas, hnas,
-    /// sinkhorn-N for python/probattn_torch modules of that variant.
+    /// sinkhorn-N for python/probattn_tools/reference/mha.py modules of that variant.
     #[arg(long, visible_alias = "attention", default_value = "softmax", value_parser = crate::variants::parse_variant)]
     pub variant: Variant,
     /// safetensors file with the forward arguments by name, in the module's layout (mha: query,

@@ -4,7 +4,7 @@
 //! only, a package has no backward) and the median time per call of each side.
 //!
 //! A package takes tensors only, in the order its exported program takes them (python/
-//! export_pt2.py: query, key, value, key_padding_mask for attention; src, tgt, src_key_padding_mask,
+//! probattn_tools/export/pt2.py: query, key, value, key_padding_mask for attention; src, tgt, src_key_padding_mask,
 //! tgt_key_padding_mask for nn.Transformer, its causal mask built inside), at the shapes and dtype
 //! it was exported with; its weights come from the package itself, under their state_dict names.
 //!

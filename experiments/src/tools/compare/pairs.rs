@@ -166,7 +166,7 @@ impl Pair for TransformerPair {
 
     fn torchscript(&self, ts: &Reference, xs: &[Tensor]) -> Result<Vec<(&'static str, Tensor)>> {
         if let Reference::Pt2(_) = ts {
-            // python/export_pt2.py's seq2seq wrapper: the causal mask is built inside.
+            // python/probattn_tools/export/pt2.py's seq2seq wrapper: the causal mask is built inside.
             let pads = [&self.src_pad, &self.tgt_pad].map(|m| m.as_ref().map_or(IValue::None, |m| IValue::Tensor(m.shallow_clone())));
             let outs = ts.forward_tensors(&tensor_inputs(xs, pads))?;
             return Ok(vec![("output", outs.into_iter().next().context("the package returned no tensor")?.1)]);
@@ -226,7 +226,7 @@ pub(super) fn transformer_pair(
     Ok(TransformerPair { model, inputs, src_pad, tgt_pad, reading: std::cell::Cell::new(None) })
 }
 
-/// python/baselines/translate.py's `Seq2Seq` and the native [`Seq2Seq`]: logits `(N, T, V)` of
+/// python/probattn_tools/baselines/translate.py's `Seq2Seq` and the native [`Seq2Seq`]: logits `(N, T, V)` of
 /// `src (N, S)` and `prev (N, T)` token ids, compared at the real (non-padding) target positions.
 pub(super) struct TranslationPair {
     model: Seq2Seq,
@@ -264,7 +264,7 @@ pub(super) fn translation_pair(
     device: Device,
 ) -> Result<TranslationPair> {
     let Some(embed) = params.iter().find(|(n, _)| n == "embed").map(|(_, t)| t.size()) else {
-        bail!("{}: no 'embed' parameter: not python/baselines/translate.py's model", args.module_path().display());
+        bail!("{}: no 'embed' parameter: not python/probattn_tools/baselines/translate.py's model", args.module_path().display());
     };
     let (vocab, embed_dim) = (embed[0], embed[1]);
     let count = |side: &str| (0..).take_while(|i| params.iter().any(|(n, _)| n.starts_with(&format!("{side}.{i}.")))).count();
@@ -326,7 +326,7 @@ pub(super) fn translation_pair(
     Ok(TranslationPair { model, src, prev })
 }
 
-/// python/baselines/gat.py's `Gat` and the native [`Gat`]: logits `(N, C)` of dense features
+/// python/probattn_tools/baselines/gat.py's `Gat` and the native [`Gat`]: logits `(N, C)` of dense features
 /// `x (N, F)` over the edges `dst <- src` (self-loops included).
 pub(super) struct GatPair {
     model: Gat,
@@ -359,11 +359,9 @@ impl Pair for GatPair {
 
 pub(super) fn gat_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, device: Device) -> Result<GatPair> {
     let size = |name: &str| {
-        params
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, t)| t.size())
-            .with_context(|| format!("{}: no '{name}' parameter: not python/baselines/gat.py's model", args.module_path().display()))
+        params.iter().find(|(n, _)| n == name).map(|(_, t)| t.size()).with_context(|| {
+            format!("{}: no '{name}' parameter: not python/probattn_tools/baselines/gat.py's model", args.module_path().display())
+        })
     };
     let (a1, a2, w1) = (size("l1.att_src")?, size("l2.att_src")?, size("l1.weight")?);
     let cfg = GatConfig { heads: a1[0], hidden: a1[1], output_heads: a2[0], ..GatConfig::transductive(args.variant) };

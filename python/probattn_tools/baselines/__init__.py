@@ -1,0 +1,1 @@
+"""The PyTorch models and timings that each reproduction and benchmark compares against."""

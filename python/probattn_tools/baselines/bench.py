@@ -1,0 +1,181 @@
+"""The PyTorch side of `probattn bench`: forward+backward time of multi-head attention with each
+normalizer, in PyTorch eager with the reference implementations (python/probattn_tools/reference/formulas.py), plus
+PyTorch's scaled_dot_product_attention as the anchor for softmax. Prints a JSON list of
+measurements shaped as bench.json's. `probattn bench` runs it; by hand:
+
+    python -m probattn_tools.baselines.bench --device cpu --seq-lens 64,256 --repeats 3 --threads 2 \
+        [--memory-lib target/release/build/probattn-*/out/libprobattn_memory.so]
+
+Peak memory: after the timed steps, one more step of each variant, untimed: the peak bytes it
+allocated above what was held before it. On CUDA, torch.cuda's allocator statistics; on the CPU,
+probattn's counting allocator (probattn-sys/csrc/memory.cpp, built beside the probattn binary), which
+`--memory-lib` loads into this process with ctypes, so both sides of `probattn bench` count with
+the same code; without it the CPU peak is left out (null).
+"""
+
+import argparse
+import ctypes
+import json
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from probattn_tools.reference import formulas as ref
+
+B, H, E = 8, 8, 512
+
+
+def attention_core(variant, q, k, v):
+    """(B, H, S, d) -> (B, H, S, d) with the reference normalizers; BAM samples (training)."""
+    if variant == "pytorch-sdpa":
+        return F.scaled_dot_product_attention(q, k, v)
+    z = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device).expand_as(z)
+    if variant in ref.BAM_VARIANTS:
+        noise = torch.rand_like(z) if variant in ("bam-wc", "bam-wf", "bam-nokl") else torch.randn_like(z)
+        prior = BENCH_PRIOR.get(q.device)
+        cfg = {"k": 1000.0, "sigma": 1.0, "prior_alpha": 1.0, "prior_beta": 1.0, "prior_mu": 0.0, "prior_sigma": 1.0, "base": "softmax"}
+        w, kl = ref.bam_weights(variant, z, allowed, k, noise, True, cfg, prior)
+        return w @ v, kl
+    logit = HYBRID.get(q.device)
+    return ref.normalize(variant, z, allowed, logit) @ v
+
+
+BENCH_PRIOR, HYBRID = {}, {}
+
+
+class CpuCounter:
+    """probattn's counting CPU allocator (libprobattn_memory.so), installed in this process."""
+
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(path)
+        self.lib.pa_cpu_memory_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)] * 3
+        for name in ("pa_cpu_memory_track", "pa_cpu_memory_stats", "pa_cpu_memory_reset_peak"):
+            getattr(self.lib, name).restype = ctypes.c_void_p  # NULL or an error message
+        self._check(self.lib.pa_cpu_memory_track(), "installing the counter")
+
+    def _check(self, message, what):
+        if message:
+            sys.exit(f"error: {what}: {ctypes.string_at(message).decode()}")
+
+    def stats(self):
+        current, peak, tracking = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
+        self._check(self.lib.pa_cpu_memory_stats(ctypes.byref(current), ctypes.byref(peak), ctypes.byref(tracking)), "reading the counter")
+        if not tracking.value:
+            sys.exit("error: the counting CPU allocator is not libtorch's CPU allocator in this process")
+        return current.value, peak.value
+
+    def peak_during(self, fn):
+        self._check(self.lib.pa_cpu_memory_reset_peak(), "resetting the peak")
+        before, _ = self.stats()
+        fn()
+        return self.stats()[1] - before
+
+
+def cuda_peak_during(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def time_interleaved(fns, repeats, device):
+    """Median and IQR (ms) of `repeats` calls of each of `fns` after two warm-up rounds; the calls
+    take turns, so drift of a shared machine hits every one alike (as probattn bench does)."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    times = [[] for _ in fns]
+    for rnd in range(repeats + 2):
+        for fn, t in zip(fns, times):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            if rnd >= 2:
+                t.append(1e3 * (time.perf_counter() - start))
+    out = []
+    for t in times:
+        t.sort()
+        q = lambda p: t[min(len(t) - 1, int(round(p * (len(t) - 1))))]  # noqa: E731
+        out.append((q(0.5), q(0.75) - q(0.25)))
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seq-lens", required=True)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--variants", default="softmax,dnas,hnas,sinkhorn-3,bam-wc,bam-lc")
+    parser.add_argument("--memory-lib", help="probattn's libprobattn_memory.so, to count CPU memory as probattn does")
+    parser.add_argument("--batch", type=int, default=B, help="batch size B of the layer")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    counter = CpuCounter(args.memory_lib) if args.memory_lib and device.type == "cpu" else None
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(E, H, batch_first=True).to(device)
+    params = {n: p for n, p in mha.named_parameters()}
+    d = E // H
+    BENCH_PRIOR[device] = {n: t.to(device).requires_grad_(True) for n, t in {
+        "prior.f1.weight": torch.randn(H, 10, d) * math.sqrt(2 / d), "prior.f1.bias": torch.zeros(H, 10),
+        "prior.f2.weight": torch.randn(H, 10) * math.sqrt(2 / 10), "prior.f2.bias": torch.zeros(H)}.items()}
+    HYBRID[device] = torch.zeros(H, device=device, requires_grad=True)
+    out = []
+    for s in [int(x) for x in args.seq_lens.split(",")]:
+        b = args.batch
+        x = torch.randn(b, s, E, device=device, requires_grad=True)
+        variants = args.variants.split(",") + ["pytorch-sdpa"]
+
+        def make_step(variant):
+            def step():
+                w_q, w_k, w_v = params["in_proj_weight"].split(E)
+                b_q, b_k, b_v = params["in_proj_bias"].split(E)
+                split = lambda t: t.view(b, s, H, d).transpose(1, 2)  # noqa: E731
+                q, k, v = split(x @ w_q.T + b_q), split(x @ w_k.T + b_k), split(x @ w_v.T + b_v)
+                res = attention_core(variant, q, k, v)
+                res, kl = res if isinstance(res, tuple) else (res, None)
+                ctx = res.transpose(1, 2).reshape(b, s, E) @ params["out_proj.weight"].T + params["out_proj.bias"]
+                loss = ctx.sum() + (kl if kl is not None else 0)
+                loss.backward()
+            return step
+
+        if device.type == "cuda":
+            # One variant at a time, so one running out of memory leaves the others measured.
+            timed = []
+            for variant in variants:
+                try:
+                    step = make_step(variant)
+                    timed.append((*time_interleaved([step], args.repeats, device)[0], cuda_peak_during(step)))
+                except torch.cuda.OutOfMemoryError as e:  # left out of the table, said on stderr
+                    x.grad = None
+                    torch.cuda.empty_cache()
+                    timed.append(None)
+                    print(f"pytorch {variant:12s} S={s:5d}: CUDA out of memory ({str(e).splitlines()[0]})", file=sys.stderr, flush=True)
+        else:
+            steps = [make_step(v) for v in variants]
+            timed = [(m, i, counter.peak_during(step) if counter else None)
+                     for (m, i), step in zip(time_interleaved(steps, args.repeats, device), steps)]
+        for variant, t in zip(variants, timed):
+            if t is None:
+                continue
+            median, iqr, peak = t
+            out.append({"variant": "softmax" if variant == "pytorch-sdpa" else variant,
+                        "impl": "pytorch-sdpa" if variant == "pytorch-sdpa" else "pytorch",
+                        "device": str(device), "batch": b, "heads": H, "embed": E, "seq_len": s,
+                        "fwd_bwd_ms": median, "fwd_bwd_ms_iqr": iqr, "peak_mem_bytes": peak})
+            peak_text = "" if peak is None else f", peak {peak / 2**20:8.1f} MiB"
+            print(f"pytorch {out[-1]['impl']:12s} {variant:12s} S={s:5d}: {median:9.1f} ms{peak_text}", file=sys.stderr, flush=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Dataset download, verification and conversion into the files the Rust reproductions read."""

@@ -1,0 +1,1 @@
+"""One-off probes behind the analyses of the VQA READMEs."""

@@ -1,0 +1,1 @@
+"""TorchScript and `.pt2` exports for `probattn compare` and the interop tests."""

@@ -1,0 +1,1 @@
+"""Scripts that read run folders and print the tables of the READMEs."""

@@ -1,0 +1,166 @@
+"""The translation table from `probattn translate` results: one row per configuration (model,
+attention and its settings, repulsive heads), runs pooled over every results.json found under the
+folders given, so runs of one seed each (run one at a time, as they fit) make one table.
+
+Rows of the attentional LSTM (`--arch lstm`) are named `lstm-<attention>`; BAM rows whose KL
+weight, Weibull shape or anneal differ from the defaults (1, 10, none) carry them in the name
+(`bam-wc-k100-w0.1`, `-anneal2000`), so a tuned row stands beside the untuned one. Each row's
+difference (`--diff`) is taken against the softmax row of its own model.
+
+    python -m probattn_tools.tables.translate results/translate/table [--diff] [--paper]
+
+Columns: test BLEU of both kinds (tokenized and lowercased, as the papers and fairseq report it;
+sacreBLEU's default, cased and detokenized), mean ± std over seeds; mean best validation
+sacreBLEU; epochs; training tokens/s; the head diversity "Dist" of the encoder self-attention
+(mean over layers). `--diff` adds each row minus softmax (MA) with the standard error of the
+difference, sqrt(s1²/n1 + s2²/n2), for both BLEUs and Dist: the repulsive-attention paper's claim
+is RMA − MA = +0.8 BLEU (IWSLT14) and a larger Dist.
+"""
+
+import json
+import os
+import statistics
+import sys
+
+from probattn_tools.tables.common import cell, diff_cell, markdown
+
+ORDER = ["softmax", "softmax-svgd", "softmax-svgd-cross", "softmax-spos-cross", "dnas", "hnas", "bam-wc"]
+
+
+def is_lstm(results):
+    return "lstm" in results["config"]["model"]
+
+
+def attention_name(results):
+    """The attention with its non-default BAM settings, prefixed `lstm-` for the LSTM."""
+    name = results["attention"]
+    config = results["config"]
+    if name.startswith("bam-"):
+        model = config["model"].get("lstm") or config["model"]["transformer"]
+        k = model["normalizer"]["bam"]["k"]
+        if name.startswith("bam-w") and k != 10:
+            name += f"-k{k:g}"
+        if config["kl_weight"] != 1:
+            name += f"-w{config['kl_weight']:g}"
+        if config.get("kl_anneal_updates"):
+            name += f"-anneal{config['kl_anneal_updates']}"
+    return ("lstm-" if is_lstm(results) else "") + name
+
+
+def row_name(results):
+    """attention[-repulsive[-selection]]: `softmax-svgd` repels every module's heads,
+    `softmax-svgd-cross` only the kinds / layers its `--selection` names."""
+    rep = results["repulsive"]
+    if rep == "none":
+        return attention_name(results)
+    selection = results["config"].get("selection") or {}
+    parts = [k for k in selection.get("kinds") or []]
+    parts += [f"layer{l}" for l in selection.get("layers") or []]
+    parts += [p for p in selection.get("projections") or []]
+    return "-".join([results["attention"], rep] + parts)
+
+
+def pooled_config(results):
+    """The configuration runs must share to pool: without repulsive heads, the repulsive settings
+    (whose defaults changed over time) do not act and are left out."""
+    config = dict(results["config"])
+    if results["repulsive"] == "none":
+        config.pop("repulsive_config", None)
+        config.pop("selection", None)
+    return config
+
+
+def collect(roots):
+    """{row: [run, ...]} over every results.json under the roots; a seed twice in a row is an error."""
+    rows = {}
+    for root in roots:
+        if not os.path.isdir(root):
+            sys.exit(f"tables.translate: {root} is not a folder of probattn translate results")
+        for folder, _, files in sorted(os.walk(root)):
+            if "results.json" not in files:
+                continue
+            results = json.load(open(os.path.join(folder, "results.json")))
+            if "test_bleu_tok" not in results.get("runs", [{}])[0]:
+                continue  # not a translate result
+            for run in results["runs"]:
+                run["_folder"] = folder
+                run["_config"] = pooled_config(results)
+                rows.setdefault(row_name(results), []).append(run)
+    for name, runs in rows.items():
+        first = runs[0]["_config"]
+        for r in runs[1:]:
+            keys = sorted(k for k in set(first) | set(r["_config"]) if first.get(k) != r["_config"].get(k))
+            if keys:
+                sys.exit(f"tables.translate: {name}: {runs[0]['_folder']} and {r['_folder']} differ in {', '.join(keys)}; "
+                         "pool runs of one configuration only")
+        seeds = [r["seed"] for r in runs]
+        if len(set(seeds)) != len(seeds):
+            dup = sorted({s for s in seeds if seeds.count(s) > 1})
+            folders = sorted({r["_folder"] for r in runs if r["seed"] in dup})
+            sys.exit(f"tables.translate: {name}: seed(s) {dup} appear more than once ({', '.join(folders)}); pool distinct seeds only")
+    return rows
+
+
+def dist(run):
+    return statistics.mean(run["head_diversity"])
+
+
+def dist_cell(runs, fn):
+    """Dist, or '–' for the LSTM, whose encoder has no attention heads."""
+    if not all(r["head_diversity"] for r in runs):
+        return "–"
+    return fn(runs)
+
+
+def reference(name):
+    """The softmax row a row is compared with: its own model's."""
+    return "lstm-softmax" if name.startswith("lstm-") else "softmax"
+
+
+def main():
+    args = sys.argv[1:]
+    if args and args[0] in ("-h", "--help"):
+        print(__doc__)
+        return
+    diff = "--diff" in args
+    roots = [a for a in args if not a.startswith("--")] or ["results/translate"]
+    rows = collect(roots)
+    if not rows:
+        sys.exit(f"tables.translate: no probattn translate results.json under {', '.join(roots)}")
+    names = [n for n in ORDER if n in rows] + sorted(n for n in rows if n not in ORDER)
+    table = []
+    for name in names:
+        runs = rows[name]
+        table.append([
+            name,
+            cell([r["test_bleu_tok"] for r in runs]),
+            cell([r["test_bleu"] for r in runs]),
+            f"{statistics.mean(r['valid_bleu'] for r in runs):.2f}",
+            "/".join(str(r["epochs"]) for r in runs),
+            f"{statistics.mean(r['tokens_per_second'] for r in runs):.0f}",
+            dist_cell(runs, lambda rs: cell([dist(r) for r in rs], 3)),
+            " ".join(str(r["seed"]) for r in runs),
+        ])
+    header = ["attention", "test BLEU tok-lc", "test sacreBLEU", "valid sacreBLEU (best)", "epochs",
+              "train tokens/s", "Dist (encoder)", "seeds"]
+    print(markdown(header, table))
+    if diff:
+        table = []
+        for name in names:
+            ref = reference(name)
+            if name == ref or ref not in rows:
+                continue
+            runs, base = rows[name], rows[ref]
+            table.append([
+                f"{name} − {ref}",
+                diff_cell([r["test_bleu_tok"] for r in runs], [r["test_bleu_tok"] for r in base]),
+                diff_cell([r["test_bleu"] for r in runs], [r["test_bleu"] for r in base]),
+                dist_cell(runs + base, lambda _: diff_cell([dist(r) for r in runs], [dist(r) for r in base], 3)),
+            ])
+        print()
+        print(markdown(["rows", "tok-lc BLEU difference (± s.e.)", "sacreBLEU difference (± s.e.)",
+                        "Dist difference (± s.e.)"], table))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The Python package's own checks (`python -m unittest discover -s python/tests`, run by
+`cargo test` through experiments/tests/cli.rs): every module imports, the table helpers compute
+what their docstrings say, and the reference formulas keep their defining properties."""
+
+import importlib
+import importlib.util
+import pkgutil
+import unittest
+
+import torch
+
+import probattn_tools
+from probattn_tools.reference import formulas, variants
+from probattn_tools.tables import common
+
+
+def runs_on_import(module):
+    """The diagnostics' one-off probes run at import (they have no main guard); the rest do not."""
+    spec = importlib.util.find_spec(module)
+    with open(spec.origin) as f:
+        source = f.read()
+    return module.startswith("probattn_tools.diagnostics.") and "__main__" not in source
+
+
+class EveryModuleImports(unittest.TestCase):
+    def test_walk(self):
+        names = [m.name for m in pkgutil.walk_packages(probattn_tools.__path__, "probattn_tools.")]
+        self.assertGreaterEqual(len(names), 35)
+        names = [n for n in names if not runs_on_import(n)]
+        self.assertGreaterEqual(len(names), 30)
+        for name in names:
+            with self.subTest(module=name):
+                importlib.import_module(name)
+
+
+class TableHelpers(unittest.TestCase):
+    def test_mean_std(self):
+        self.assertEqual(common.mean_std([1.0, 2.0, 3.0]), (2.0, 1.0))
+        self.assertEqual(common.mean_std([4.0]), (4.0, 0.0))
+
+    def test_cells(self):
+        self.assertEqual(common.cell([1.0, 2.0, 3.0]), "2.00 ± 1.00 (n=3)")
+        self.assertEqual(common.cell([4.0]), "4.00 (n=1)")
+        # se = sqrt(1/3 + 4/3) = 1.29
+        self.assertEqual(common.diff_cell([1.0, 2.0, 3.0], [0.0, 2.0, 4.0]), "+0.00 ± 1.29 (n=3 vs 3)")
+        self.assertEqual(common.diff_cell([1.0], [2.0, 3.0]), "–")
+
+    def test_paired(self):
+        a, b = {1: 3.0, 2: 5.0, 3: 4.0, 9: 0.0}, {1: 1.0, 2: 4.0, 3: 4.0}
+        # differences 2, 1, 0 on the three shared seeds: mean 1, se 1/sqrt(3)
+        self.assertEqual(common.paired_cell(a, b), "+1.00 ± 0.58 (above on 2 of 3 seeds)")
+        self.assertEqual(common.paired_cell({1: 1.0}, {1: 2.0}), "–")
+
+    def test_markdown(self):
+        self.assertEqual(common.markdown(["a", "b"], [[1, "x"]]), "| a | b |\n|---|---|\n| 1 | x |")
+
+
+class ReferenceFormulas(unittest.TestCase):
+    def setUp(self):
+        g = torch.Generator().manual_seed(0)
+        self.z = torch.randn(2, 3, 5, 7, generator=g, dtype=torch.float64) * 3
+        self.allowed = torch.rand(2, 3, 5, 7, generator=g) > 0.3
+        self.allowed[..., 0] = True  # every query keeps a key
+        self.allowed[..., 0, :] = True  # every key keeps a query
+
+    def test_rows_are_distributions_over_allowed_keys(self):
+        for variant in ("softmax", "dnas", "sinkhorn-3"):
+            with self.subTest(variant=variant):
+                w = formulas.normalize(variant, self.z, self.allowed)
+                self.assertTrue(torch.all(w[~self.allowed] == 0))
+                torch.testing.assert_close(w.sum(-1), torch.ones(2, 3, 5, dtype=torch.float64), rtol=0, atol=1e-12)
+
+    def test_dnas_is_the_row_softmax_of_column_normalized_scores(self):
+        # Written out with dense softmaxes on a full mask, independently of masked_logsumexp.
+        full = torch.ones_like(self.allowed)
+        xi = torch.softmax(self.z, dim=-2)
+        torch.testing.assert_close(formulas.dnas_weights(self.z, full), xi / xi.sum(-1, keepdim=True), rtol=0, atol=1e-12)
+
+    def test_sinkhorn_on_a_square_full_mask_becomes_doubly_stochastic(self):
+        z = self.z[..., :5] / 3
+        w = formulas.sinkhorn_weights(z, torch.ones_like(z, dtype=torch.bool), 200)
+        torch.testing.assert_close(w.sum(-2), torch.ones(2, 3, 5, dtype=torch.float64), rtol=0, atol=1e-9)
+
+    def test_unknown_variant_is_named(self):
+        with self.assertRaisesRegex(ValueError, "unknown variant 'nope'"):
+            formulas.normalize("nope", self.z, self.allowed)
+
+
+class Registry(unittest.TestCase):
+    def test_the_deterministic_examples_have_a_reference(self):
+        logit = torch.zeros(3, dtype=torch.float64)
+        found = 0
+        for entry in variants.registry():
+            if entry["stochastic"]:
+                continue
+            found += 1
+            w = formulas.normalize(entry["example"], torch.zeros(1, 3, 4, 4, dtype=torch.float64),
+                                   torch.ones(1, 3, 4, 4, dtype=torch.bool), hybrid_logit=logit)
+            torch.testing.assert_close(w, torch.full_like(w, 0.25), rtol=0, atol=1e-12)
+        self.assertEqual(found, len(variants.examples()) - len(variants.examples(family="bayesian")))
+
+
+if __name__ == "__main__":
+    unittest.main()
