@@ -132,6 +132,8 @@ cat > "$tmp" <<TOML
 [env]
 LIBTORCH = "$torch_dir"
 LIBTORCH_CXX11_ABI = "$cxx11_abi"
+# The Python whose headers pyo3 builds the extension of python/probattn for (abi3).
+PYO3_PYTHON = "$python"
 PROBATTN_PYTHON = "$python"
 TOML
 if cmp -s "$tmp" "$config"; then rm -f "$tmp"; else mv "$tmp" "$config"; fi

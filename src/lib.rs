@@ -25,7 +25,7 @@ pub mod runtime;
 
 // The modules of both parts at the crate root, where they have always been.
 pub(crate) use attention::{call, plan};
-pub use attention::{diagnostics, mask, mc, mha, normalize, repulsive, scores, tiled};
+pub use attention::{diagnostics, mask, mc, mha, normalize, param, repulsive, scores, tiled};
 // The C++ layer, under the name the library has always used for it.
 pub(crate) use probattn_sys as cxx;
 pub use runtime::{allocator, device, distributed, interop, io, memory};

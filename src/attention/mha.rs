@@ -16,6 +16,7 @@ use crate::attention::attend;
 use crate::call::{AttendOptions, Mode};
 use crate::mask::Masks;
 use crate::normalize::{Normalizer, NormalizerConfig, Variant};
+use crate::param::param;
 use crate::{Error, Result};
 
 /// Configuration of a [`MultiHeadAttention`] layer.
@@ -253,19 +254,19 @@ impl MultiHeadAttention {
             nn::Init::Uniform { lo: -bound, up: bound }
         };
         let in_proj = if cfg.kdim() == e && cfg.vdim() == e {
-            InProj::Packed(p.var("in_proj_weight", &[3 * e, e], xavier(3 * e, e)))
+            InProj::Packed(param(p, "in_proj_weight", &[3 * e, e], xavier(3 * e, e))?)
         } else {
             InProj::Separate {
-                q: p.var("q_proj_weight", &[e, e], xavier(e, e)),
-                k: p.var("k_proj_weight", &[e, cfg.kdim()], xavier(e, cfg.kdim())),
-                v: p.var("v_proj_weight", &[e, cfg.vdim()], xavier(e, cfg.vdim())),
+                q: param(p, "q_proj_weight", &[e, e], xavier(e, e))?,
+                k: param(p, "k_proj_weight", &[e, cfg.kdim()], xavier(e, cfg.kdim()))?,
+                v: param(p, "v_proj_weight", &[e, cfg.vdim()], xavier(e, cfg.vdim()))?,
             }
         };
-        let in_proj_bias = cfg.bias.then(|| p.var("in_proj_bias", &[3 * e], nn::Init::Const(0.0)));
+        let in_proj_bias = cfg.bias.then(|| param(p, "in_proj_bias", &[3 * e], nn::Init::Const(0.0))).transpose()?;
         let out = p / "out_proj";
         let bound = 1.0 / (e as f64).sqrt();
-        let out_proj_weight = out.var("weight", &[e, e], nn::Init::Uniform { lo: -bound, up: bound });
-        let out_proj_bias = cfg.bias.then(|| out.var("bias", &[e], nn::Init::Const(0.0)));
+        let out_proj_weight = param(&out, "weight", &[e, e], nn::Init::Uniform { lo: -bound, up: bound })?;
+        let out_proj_bias = cfg.bias.then(|| param(&out, "bias", &[e], nn::Init::Const(0.0))).transpose()?;
         let normalizer = normalizer(&cfg)?;
         Ok(Self { cfg, in_proj, in_proj_bias, out_proj_weight, out_proj_bias, normalizer })
     }

@@ -9,6 +9,7 @@ pub mod mask;
 pub mod mc;
 pub mod mha;
 pub mod normalize;
+pub mod param;
 pub(crate) mod plan;
 pub mod repulsive;
 pub mod scores;

@@ -197,8 +197,10 @@ impl Bam {
     pub fn new(p: &nn::Path, kind: BamKind, heads: i64, key_dim: i64, cfg: &NormalizerConfig) -> Result<Self> {
         cfg.bam.validate()?;
         let base = cfg.bam.base.build(p, heads, key_dim, cfg)?;
-        let prior =
-            kind.is_contextual().then(|| ContextualPrior::new(&(p / "prior"), heads, key_dim, cfg.bam.prior_hidden, cfg.bam.prior_scope));
+        let prior = kind
+            .is_contextual()
+            .then(|| ContextualPrior::new(&(p / "prior"), heads, key_dim, cfg.bam.prior_hidden, cfg.bam.prior_scope))
+            .transpose()?;
         Ok(Self { kind, cfg: cfg.bam.clone(), base, prior })
     }
 

@@ -17,7 +17,8 @@ pub struct Hnas {
 }
 
 impl Hnas {
-    /// One gate per head under `p` as `hybrid_logit`, initialised so that `u = init_u`.
+    /// One gate per head under `p` as `hybrid_logit`, initialised so that `u = init_u` (or the
+    /// tensor already there: [`crate::param`]).
     pub fn new(p: &nn::Path, heads: i64, init_u: f64) -> Result<Self> {
         if !(init_u > 0.0 && init_u < 1.0) {
             return Err(Error::Config(format!("the initial HNAS mixing weight must lie strictly between 0 and 1, got {init_u}")));
@@ -25,7 +26,7 @@ impl Hnas {
         if heads < 1 {
             return Err(Error::Config(format!("HNAS needs at least one head, got {heads}")));
         }
-        let logit = p.var("hybrid_logit", &[heads], nn::Init::Const((init_u / (1.0 - init_u)).ln()));
+        let logit = crate::param::param(p, "hybrid_logit", &[heads], nn::Init::Const((init_u / (1.0 - init_u)).ln()))?;
         Ok(Self { logit })
     }
 

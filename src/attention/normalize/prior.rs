@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
 
 use super::Support;
+use crate::param::param;
 use crate::{Error, Result};
 
 /// Which keys the contextual prior's softmax runs over when attention is an edge list (a graph).
@@ -83,20 +84,21 @@ pub struct ContextualPrior {
 }
 
 impl ContextualPrior {
-    /// Parameters `f1.weight`, `f1.bias`, `f2.weight`, `f2.bias` under `p`.
-    pub fn new(p: &nn::Path, heads: i64, key_dim: i64, hidden: i64, scope: PriorScope) -> Self {
+    /// Parameters `f1.weight`, `f1.bias`, `f2.weight`, `f2.bias` under `p` (or the tensors already
+    /// there: [`crate::param`]).
+    pub fn new(p: &nn::Path, heads: i64, key_dim: i64, hidden: i64, scope: PriorScope) -> Result<Self> {
         let he = |fan_in: i64| nn::Init::Randn { mean: 0.0, stdev: (2.0 / fan_in as f64).sqrt() };
         let (f1, f2) = (p / "f1", p / "f2");
-        Self {
+        Ok(Self {
             scope,
             heads,
             hidden,
             key_dim,
-            f1_weight: f1.var("weight", &[heads, hidden, key_dim], he(key_dim)),
-            f1_bias: f1.var("bias", &[heads, hidden], nn::Init::Const(0.0)),
-            f2_weight: f2.var("weight", &[heads, hidden], he(hidden)),
-            f2_bias: f2.var("bias", &[heads], nn::Init::Const(0.0)),
-        }
+            f1_weight: param(&f1, "weight", &[heads, hidden, key_dim], he(key_dim))?,
+            f1_bias: param(&f1, "bias", &[heads, hidden], nn::Init::Const(0.0))?,
+            f2_weight: param(&f2, "weight", &[heads, hidden], he(hidden))?,
+            f2_bias: param(&f2, "bias", &[heads], nn::Init::Const(0.0))?,
+        })
     }
 
     /// `log ψ` broadcastable to the scores (`(B, H, 1, S_k)` dense, `(H, E)` over edges: one value

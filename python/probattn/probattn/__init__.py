@@ -1,0 +1,157 @@
+"""probattn for PyTorch: doubly-normalized (DNAS, HNAS, Sinkhorn), Bayesian (BAM) and
+memory-efficient attention from the Rust library, on `torch.Tensor`s, with autograd.
+
+    import torch, probattn
+    q, k, v = (torch.randn(2, 8, 128, 64, requires_grad=True) for _ in range(3))
+    out = probattn.attention(q, k, v, variant="dnas")                 # (2, 8, 128, 64)
+    out, info = probattn.attention(q, k, v, variant="dnas", memory_efficient=True, return_info=True)
+    out.sum().backward()
+
+Every computation is the Rust library's (`probattn::attend`, its normalizers, BAM and the
+memory-efficient tiles); this package converts arguments and holds parameters. See
+docs/python.md.
+"""
+
+import json
+from typing import NamedTuple, Optional
+
+import torch
+
+# The torch this package is built against: the extension shares libtorch with the torch already
+# imported, so any other version is refused here, before the extension is loaded, by name.
+REQUIRED_TORCH = "2.11.0"
+
+if torch.__version__.split("+")[0] != REQUIRED_TORCH:
+    raise ImportError(
+        f"probattn was built against torch {REQUIRED_TORCH}, but this interpreter has torch {torch.__version__}: "
+        f"install torch=={REQUIRED_TORCH}, or build probattn against your torch (docs/python.md, 'Which torch')"
+    )
+
+from . import _native  # noqa: E402  (after the version check, on purpose)
+
+__all__ = ["attention", "AttentionInfo", "variants", "DEFAULT_TILE", "REQUIRED_TORCH"]
+
+DEFAULT_TILE = 256
+"""Queries per tile on the memory-efficient path, as `probattn --memory-efficient` uses."""
+
+_BAM_SETTINGS = ("k", "sigma", "prior_alpha", "prior_beta", "prior_mu", "prior_sigma", "prior_hidden")
+
+
+class AttentionInfo(NamedTuple):
+    """What `attention(..., return_info=True)` returns beside the output.
+
+    received_mass: `(B, H, S_k)`, the weight each key receives, sum_i pi_ij (not differentiable).
+    kl: BAM's KL term (a scalar tensor, differentiable) when the variant has one and samples
+        (`training=True`), else None.
+    weights: `(B, H, S_q, S_k)` on the eager path, None on the memory-efficient one (it never
+        forms them).
+    """
+
+    received_mass: torch.Tensor
+    kl: Optional[torch.Tensor]
+    weights: Optional[torch.Tensor]
+
+
+def variants():
+    """The variant registry, as `probattn variants --json` prints it: a list of dicts (name,
+    aliases, example, family, summary, source, causal_safe, stochastic, kl, memory_efficient,
+    benchmarked, settings)."""
+    return json.loads(_native.registry_json())
+
+
+def _tensor(name, t, kind="tensor"):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _mask(name, m):
+    if m is None:
+        return None
+    _tensor(name, m)
+    if m.dtype != torch.bool:
+        raise TypeError(f"{name} must be a boolean tensor with True = excluded, got dtype {m.dtype}")
+    return m
+
+
+def _bam_arguments(bam):
+    """(settings, base, params, noise) from the `bam=` dict."""
+    if bam is None:
+        return {}, None, {}, None
+    if not isinstance(bam, dict):
+        raise TypeError(f"bam must be a dict of settings, got {type(bam).__name__}")
+    known = set(_BAM_SETTINGS) | {"base", "prior", "noise"}
+    unknown = sorted(set(bam) - known)
+    if unknown:
+        raise ValueError(f"unknown bam settings {unknown} (known: {sorted(known)})")
+    settings = {name: float(bam[name]) for name in _BAM_SETTINGS if name in bam}
+    params = {}
+    prior = bam.get("prior")
+    if prior is not None:
+        items = prior.named_parameters() if isinstance(prior, torch.nn.Module) else prior.items()
+        for name, t in items:
+            params["prior." + name] = _tensor(f"bam['prior']['{name}']", t)
+    noise = bam.get("noise")
+    if noise is not None:
+        _tensor("bam['noise']", noise)
+    return settings, bam.get("base"), params, noise
+
+
+def attention(query, key, value, *, variant="softmax", key_padding_mask=None, attn_mask=None, is_causal=False,
+              memory_efficient=False, tile=None, training=False, dropout_p=0.0, seed=None, hybrid_logit=None,
+              bam=None, return_info=False):
+    """Attention of heads-first `query (B, H, S_q, d)` over `key (B, H, S_k, d)` and
+    `value (B, H, S_k, d_v)`, as `F.scaled_dot_product_attention` takes them, with any variant of
+    the registry (`variants()`): softmax, dnas, hnas, sinkhorn-N, bam-nokl, bam-lf, bam-lc,
+    bam-wf, bam-wc. Scores are `q k^T / sqrt(d)`.
+
+    Masks are boolean with True = excluded (nn.MultiheadAttention's convention; note that SDPA's
+    boolean masks mean the opposite): `key_padding_mask (B, S_k)`, `attn_mask` broadcastable to
+    `(B, H, S_q, S_k)`; `is_causal` adds the causal mask (refused for variants that would leak
+    the future through their column normalization).
+
+    memory_efficient: the tiled path (`tile` queries at a time, default `DEFAULT_TILE`), which
+        keeps nothing `(S_q, S_k)` for the backward pass; every variant has one.
+    training: BAM samples (and dropout_p applies on the eager path); otherwise BAM returns its mean.
+    seed: the key of the memory-efficient path's BAM draws (None: libtorch's generator, which
+        `torch.manual_seed` sets).
+    hybrid_logit: HNAS's `(H,)` gate logits, u = sigmoid(logit) (required for hnas).
+    bam: BAM's settings, a dict: k, sigma, prior_alpha, prior_beta, prior_mu, prior_sigma,
+        prior_hidden, base (the variant under the noise, default softmax), prior (the contextual
+        prior network's parameters, `{'f1.weight': (H, hidden, d), 'f1.bias': (H, hidden),
+        'f2.weight': (H, hidden), 'f2.bias': (H,)}` or a module with those; required for bam-wc
+        and bam-lc), noise (a fixed draw `(B, H, S_q, S_k)`: U(0,1) for Weibull, N(0,1) for
+        Lognormal).
+
+    Returns the output `(B, H, S_q, d_v)`, or `(output, AttentionInfo)` with `return_info`.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _tensor(name, t)
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+    if not isinstance(variant, str):
+        raise TypeError(f"variant must be a name (str), got {type(variant).__name__}")
+    settings, base, params, noise = _bam_arguments(bam)
+    if hybrid_logit is not None:
+        params["hybrid_logit"] = _tensor("hybrid_logit", hybrid_logit)
+    if tile is not None and not memory_efficient:
+        raise ValueError("tile applies to the memory-efficient path: pass memory_efficient=True with it")
+    tile = (DEFAULT_TILE if tile is None else int(tile)) if memory_efficient else None
+    if tile is not None and tile < 1:
+        raise ValueError(f"tile must be at least 1, got {tile}")
+    output, weights, mass, kl = _native.attention(
+        query, key, value, variant,
+        key_padding_mask=_mask("key_padding_mask", key_padding_mask), attn_mask=_mask("attn_mask", attn_mask),
+        causal=bool(is_causal), tile=tile, training=bool(training), dropout=float(dropout_p), seed=seed, noise=noise,
+        need_weights=bool(return_info) and not memory_efficient, params=params, settings=settings, bam_base=base,
+    )
+    if not return_info:
+        return output
+    if mass is None:
+        mass = weights.detach().sum(-2)
+    return output, AttentionInfo(received_mass=mass, kl=kl, weights=weights)
+
+
+from . import nn  # noqa: E402,F401  (probattn.nn.MultiheadAttention)

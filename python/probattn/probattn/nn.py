@@ -1,0 +1,125 @@
+"""`probattn.nn.MultiheadAttention`: `torch.nn.MultiheadAttention`'s call and parameter names,
+with any probattn variant, computed by the Rust library's multi-head module (projections, masks,
+dropout, the normalizer and the memory-efficient path)."""
+
+import torch
+
+from . import DEFAULT_TILE, _BAM_SETTINGS, _mask, _native
+
+__all__ = ["MultiheadAttention"]
+
+
+class _Holder(torch.nn.Module):
+    """An empty module holding parameters under a dotted name (`prior.f1.weight`)."""
+
+
+class MultiheadAttention(torch.nn.Module):
+    """A drop-in for `torch.nn.MultiheadAttention` with `variant=` any name of
+    `probattn.variants()`.
+
+    Parameters carry nn.MultiheadAttention's names (`in_proj_weight (3E, E)`, `in_proj_bias`,
+    `out_proj.weight`, `out_proj.bias`; `q_proj_weight`, `k_proj_weight`, `v_proj_weight` when
+    kdim or vdim differ from E), so state dicts move between this module, nn.MultiheadAttention
+    and probattn's Rust models. HNAS adds `hybrid_logit (H,)`; bam-wc and bam-lc add the
+    contextual prior `prior.f1.weight (H, hidden, d)`, `prior.f1.bias`, `prior.f2.weight`,
+    `prior.f2.bias`. They are initialised as the Rust module initialises them (as PyTorch does
+    for the projections), from libtorch's generator, which `torch.manual_seed` sets.
+
+    After a forward pass in training mode, `self.kl` holds BAM's KL term (a scalar to add to the
+    loss with its weight), else None.
+
+    memory_efficient: the tiled path (`tile` queries at a time), which keeps nothing
+    `(S_q, S_k)` for the backward pass; it forms no weights, so call it with
+    `need_weights=False`, and attention dropout must be 0.
+    hybrid_init_u: HNAS's initial mixing weight u. bam: BAM's settings as a dict (k, sigma,
+    prior_alpha, prior_beta, prior_mu, prior_sigma, prior_hidden, base).
+    """
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False, kdim=None,
+                 vdim=None, batch_first=False, device=None, dtype=None, *, variant="softmax", memory_efficient=False,
+                 tile=None, hybrid_init_u=0.5, bam=None):
+        super().__init__()
+        if add_bias_kv or add_zero_attn:
+            raise ValueError("add_bias_kv and add_zero_attn are not supported by probattn.nn.MultiheadAttention")
+        if tile is not None and not memory_efficient:
+            raise ValueError("tile applies to the memory-efficient path: pass memory_efficient=True with it")
+        bam = dict(bam or {})
+        unknown = sorted(set(bam) - set(_BAM_SETTINGS) - {"base"})
+        if unknown:
+            raise ValueError(f"unknown bam settings {unknown} (known: {sorted(set(_BAM_SETTINGS) | {'base'})})")
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.dropout, self.batch_first, self.variant = dropout, batch_first, variant
+        self.head_dim = embed_dim // num_heads
+        self.tile = (DEFAULT_TILE if tile is None else int(tile)) if memory_efficient else None
+        self._settings = {name: float(bam[name]) for name in _BAM_SETTINGS if name in bam}
+        self._settings["hybrid_init_u"] = float(hybrid_init_u)
+        self._base = bam.get("base")
+        self._bias = bias
+        self.kl = None
+        initial = _native.initial_parameters(embed_dim, num_heads, variant, kdim=kdim, vdim=vdim, bias=bias,
+                                             settings=self._settings, bam_base=self._base)
+        factory = {"device": device, "dtype": dtype}
+        self.out_proj = torch.nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        if self._qkv_same_embed_dim:
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.register_parameter("in_proj_weight", None)
+        if not bias:
+            self.register_parameter("in_proj_bias", None)
+        with torch.no_grad():
+            for name, value in initial:
+                *path, leaf = name.split(".")
+                owner = self
+                for part in path:
+                    if not hasattr(owner, part):
+                        owner.add_module(part, _Holder())
+                    owner = getattr(owner, part)
+                value = value.to(device=device, dtype=dtype if dtype is not None else torch.get_default_dtype())
+                if isinstance(getattr(owner, leaf, None), torch.nn.Parameter):
+                    getattr(owner, leaf).copy_(value)
+                else:
+                    owner.register_parameter(leaf, torch.nn.Parameter(value))
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False, noise=None):
+        """nn.MultiheadAttention's forward: `(L, N, E)` inputs (`(N, L, E)` with batch_first, or
+        unbatched `(L, E)`), returns `(output, weights)`; weights are averaged over heads
+        (`(N, L, S)`) unless `average_attn_weights=False` (`(N, H, L, S)`), None without
+        need_weights. `noise`: a fixed BAM draw `(N, H, L, S)`."""
+        if self.tile is not None and need_weights:
+            raise ValueError("the memory-efficient path forms no weights: call it with need_weights=False")
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif not self.batch_first:
+            # Views, not copies: the Rust module projects a transposed input in its own layout.
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        attn_mask = _mask("attn_mask", attn_mask)
+        if attn_mask is not None and attn_mask.dim() == 3:
+            # nn.MultiheadAttention's (N * H, L, S) per-head masks, as (N, H, L, S).
+            attn_mask = attn_mask.view(query.shape[0], self.num_heads, *attn_mask.shape[1:])
+        params = {name: p for name, p in self.named_parameters()}
+        output, weights, kl = _native.multi_head_attention(
+            query, key, value, self.embed_dim, self.num_heads, self.variant, params,
+            kdim=None if self._qkv_same_embed_dim else self.kdim, vdim=None if self._qkv_same_embed_dim else self.vdim,
+            bias=self._bias, dropout=float(self.dropout), tile=self.tile,
+            key_padding_mask=_mask("key_padding_mask", key_padding_mask), attn_mask=attn_mask,
+            causal=bool(is_causal), training=self.training, need_weights=bool(need_weights), noise=noise,
+            settings=self._settings, bam_base=self._base,
+        )
+        self.kl = kl
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(1)
+        if unbatched:
+            output = output.squeeze(0)
+            weights = weights.squeeze(0) if weights is not None else None
+        elif not self.batch_first:
+            output = output.transpose(0, 1)
+        return output, weights

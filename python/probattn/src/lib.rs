@@ -1,0 +1,304 @@
+//! `probattn._native`: the Rust library's attention for Python, through tch's own bridge
+//! (`pyo3-tch`: a `torch.Tensor` and a `tch::Tensor` are the same libtorch tensor, autograd graph
+//! included). Every computation is the library's; this module only converts arguments, builds the
+//! normalizer or module on the caller's parameters, and turns errors into Python exceptions.
+//! The public Python API (`python/probattn/probattn/`) wraps these functions.
+//!
+//! Parameters owned by Python (`nn.Parameter`s: HNAS's gate logits, BAM's contextual prior, the
+//! projections of multi-head attention) are put under a fresh `VarStore`'s root by name before the
+//! normalizer or module is built, which then uses those very tensors ([`probattn::param`]), so
+//! their gradients arrive in Python.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use probattn::normalize::BamConfig;
+use probattn::{attend, AttendOptions, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, NormalizerConfig, Variant};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3_tch::PyTensor;
+use tch::{nn, Tensor};
+
+/// A library error as the Python exception a PyTorch user expects: bad arguments are
+/// `ValueError`s, what happened inside libtorch (a device, an allocation) `RuntimeError`s.
+fn to_py(e: probattn::Error) -> PyErr {
+    use probattn::Error as E;
+    match e {
+        E::Shape(_) | E::Config(_) | E::UnknownVariant { .. } | E::Unsupported(_) | E::NonFinite(_) => PyValueError::new_err(e.to_string()),
+        _ => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+/// Runs `body`, turning a panic (a tch operation that libtorch refused) into a `RuntimeError`
+/// carrying libtorch's message: no panic reaches Python.
+fn guarded<T>(body: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(result) => result,
+        Err(payload) => {
+            let message = probattn::panic_message(payload.as_ref()).map(probattn::libtorch_message).unwrap_or("a panic without a message");
+            Err(PyRuntimeError::new_err(format!("probattn: libtorch refused an operation: {message}")))
+        }
+    }
+}
+
+fn variant(name: &str) -> PyResult<Variant> {
+    name.parse().map_err(to_py)
+}
+
+/// The normalizer settings from Python's `settings` dict (names as `NormalizerConfig` and
+/// `BamConfig` spell them) and BAM's base variant.
+fn config(settings: &HashMap<String, f64>, base: Option<&str>) -> PyResult<NormalizerConfig> {
+    let mut cfg = NormalizerConfig::default();
+    let b: &mut BamConfig = &mut cfg.bam;
+    for (name, &value) in settings {
+        match name.as_str() {
+            "hybrid_init_u" => cfg.hybrid_init_u = value,
+            "k" => b.k = value,
+            "sigma" => b.sigma = value,
+            "prior_alpha" => b.prior_alpha = value,
+            "prior_beta" => b.prior_beta = value,
+            "prior_mu" => b.prior_mu = value,
+            "prior_sigma" => b.prior_sigma = value,
+            "prior_hidden" => {
+                if value.fract() != 0.0 {
+                    return Err(PyValueError::new_err(format!("prior_hidden must be a whole number, got {value}")));
+                }
+                b.prior_hidden = value as i64;
+            }
+            other => {
+                return Err(PyValueError::new_err(format!(
+                "unknown setting '{other}' (known: hybrid_init_u, k, sigma, prior_alpha, prior_beta, prior_mu, prior_sigma, prior_hidden)"
+            )))
+            }
+        }
+    }
+    if let Some(base) = base {
+        cfg.bam.base = variant(base)?;
+    }
+    Ok(cfg)
+}
+
+/// A `VarStore` whose root holds `params` under their dotted names (`prior.f1.weight` is
+/// `weight` under `prior / f1`), as the caller's tensors themselves.
+fn store_with(device: tch::Device, params: &HashMap<String, PyTensor>) -> nn::VarStore {
+    let vs = nn::VarStore::new(device);
+    for (name, tensor) in params {
+        let mut path = vs.root();
+        let mut parts: Vec<&str> = name.split('.').collect();
+        let leaf = parts.pop().unwrap_or_default();
+        for part in parts {
+            path = path / part;
+        }
+        // Not trainable here: the tensor's requires_grad is the caller's to set.
+        let _ = path.add(leaf, tensor.0.shallow_clone(), false);
+    }
+    vs
+}
+
+/// Refuses what of `given` the module would not read (a misspelt name would otherwise be
+/// ignored) and names what it would read but was not given.
+fn check_names(given: &HashMap<String, PyTensor>, built: &[String]) -> PyResult<()> {
+    let mut missing: Vec<&String> = built.iter().filter(|n| !given.contains_key(*n)).collect();
+    if !missing.is_empty() {
+        missing.sort();
+        return Err(PyValueError::new_err(format!("parameters {missing:?} were not given")));
+    }
+    let mut extra: Vec<&String> = given.keys().filter(|n| !built.contains(n)).collect();
+    if extra.is_empty() {
+        return Ok(());
+    }
+    extra.sort();
+    let mut known = built.to_vec();
+    known.sort();
+    Err(PyValueError::new_err(format!("parameters {extra:?} are not read by this configuration (it reads {known:?})")))
+}
+
+/// The names the normalizer of `variant` creates for `heads` heads (built once on the meta
+/// device: nothing is allocated).
+fn names_of(variant: Variant, heads: i64, key_dim: i64, cfg: &NormalizerConfig) -> PyResult<Vec<String>> {
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let _ = tch::no_grad(|| variant.build(&vs.root(), heads, key_dim, cfg)).map_err(to_py)?;
+    Ok(vs.variables().into_keys().collect())
+}
+
+/// `(output, weights, received_mass, kl)` as Python receives them.
+type Attended = (PyTensor, Option<PyTensor>, Option<PyTensor>, Option<PyTensor>);
+
+/// One attention call: `probattn::attend` on heads-first `(B, H, S, d)` tensors. Returns
+/// `(output, weights, received_mass, kl)`, the last three `None` where the path has none.
+#[pyfunction]
+#[pyo3(signature = (query, key, value, variant, *, key_padding_mask=None, attn_mask=None, causal=false, tile=None,
+    training=false, dropout=0.0, seed=None, noise=None, need_weights=false, params=HashMap::new(), settings=HashMap::new(), bam_base=None))]
+#[allow(clippy::too_many_arguments)]
+fn attention(
+    py: Python<'_>,
+    query: PyTensor,
+    key: PyTensor,
+    value: PyTensor,
+    variant: &str,
+    key_padding_mask: Option<PyTensor>,
+    attn_mask: Option<PyTensor>,
+    causal: bool,
+    tile: Option<i64>,
+    training: bool,
+    dropout: f64,
+    seed: Option<u64>,
+    noise: Option<PyTensor>,
+    need_weights: bool,
+    params: HashMap<String, PyTensor>,
+    settings: HashMap<String, f64>,
+    bam_base: Option<&str>,
+) -> PyResult<Attended> {
+    let variant = self::variant(variant)?;
+    let cfg = config(&settings, bam_base)?;
+    if query.dim() != 4 {
+        return Err(PyValueError::new_err(format!("query has shape {:?}; expected (B, H, S_q, d), heads first", query.size())));
+    }
+    let (heads, key_dim) = (query.size()[1], query.size()[3]);
+    let built = names_of(variant, heads, key_dim, &cfg)?;
+    check_names(&params, &built).map_err(|e| {
+        PyValueError::new_err(format!("{variant}: {} (learnable parameters are passed as hybrid_logit= and bam={{'prior': ...}}, or owned by probattn.nn.MultiheadAttention)", e.value(py)))
+    })?;
+    let vs = store_with(query.device(), &params);
+    // Owned tensors move into the closure: the computation runs without the GIL.
+    let result = py.allow_threads(move || {
+        guarded(|| {
+            let normalizer = variant.build(&vs.root(), heads, key_dim, &cfg).map_err(to_py)?;
+            let masks = Masks { key_padding: key_padding_mask.as_deref(), query_padding: None, attn_mask: attn_mask.as_deref(), causal };
+            let opts = AttendOptions {
+                mode: Mode { dropout: training && dropout > 0.0, sample: training },
+                dropout,
+                noise: noise.as_deref(),
+                need_weights,
+                tile,
+                seed,
+            };
+            let out = attend(&query, &key, &value, &masks, normalizer.as_ref(), opts).map_err(to_py)?;
+            Ok((out.output, out.weights, out.received_mass, out.kl))
+        })
+    })?;
+    let (output, weights, mass, kl) = result;
+    Ok((PyTensor(output), weights.map(PyTensor), mass.map(PyTensor), kl.map(PyTensor)))
+}
+
+/// `MultiHeadAttention::forward_mode` on batch-first `(B, S, E)` inputs, the module built on the
+/// caller's parameters (`in_proj_weight`, `in_proj_bias`, `out_proj.weight`, `out_proj.bias`,
+/// or `q_proj_weight`, ... when kdim/vdim differ; the normalizer's own). Returns
+/// `(output, per-head weights, kl)`.
+#[pyfunction]
+#[pyo3(signature = (query, key, value, embed_dim, num_heads, variant, params, *, kdim=None, vdim=None, bias=true, dropout=0.0,
+    tile=None, key_padding_mask=None, attn_mask=None, causal=false, training=false, need_weights=false, noise=None,
+    settings=HashMap::new(), bam_base=None))]
+#[allow(clippy::too_many_arguments)]
+fn multi_head_attention(
+    py: Python<'_>,
+    query: PyTensor,
+    key: PyTensor,
+    value: PyTensor,
+    embed_dim: i64,
+    num_heads: i64,
+    variant: &str,
+    params: HashMap<String, PyTensor>,
+    kdim: Option<i64>,
+    vdim: Option<i64>,
+    bias: bool,
+    dropout: f64,
+    tile: Option<i64>,
+    key_padding_mask: Option<PyTensor>,
+    attn_mask: Option<PyTensor>,
+    causal: bool,
+    training: bool,
+    need_weights: bool,
+    noise: Option<PyTensor>,
+    settings: HashMap<String, f64>,
+    bam_base: Option<&str>,
+) -> PyResult<(PyTensor, Option<PyTensor>, Option<PyTensor>)> {
+    let normalizer = config(&settings, bam_base)?;
+    let cfg =
+        MhaConfig { kdim, vdim, dropout, bias, variant: self::variant(variant)?, normalizer, tile, ..MhaConfig::new(embed_dim, num_heads) };
+    let built = {
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        tch::no_grad(|| MultiHeadAttention::new(&vs.root(), cfg.clone())).map_err(to_py)?;
+        vs.variables().into_keys().collect::<Vec<_>>()
+    };
+    check_names(&params, &built)?;
+    let vs = store_with(query.device(), &params);
+    let (output, weights, kl) = py.allow_threads(move || {
+        guarded(|| {
+            let mha = MultiHeadAttention::new(&vs.root(), cfg).map_err(to_py)?;
+            let masks = Masks { key_padding: key_padding_mask.as_deref(), query_padding: None, attn_mask: attn_mask.as_deref(), causal };
+            let input = MhaInput {
+                query: &query.0,
+                key: &key.0,
+                value: &value.0,
+                masks,
+                need_weights,
+                need_head_outputs: false,
+                noise: noise.as_deref(),
+            };
+            let out = mha.forward_mode(&input, Mode::train(training)).map_err(to_py)?;
+            Ok((out.context, out.weights, out.kl))
+        })
+    })?;
+    Ok((PyTensor(output), weights.map(PyTensor), kl.map(PyTensor)))
+}
+
+/// The parameter names and shapes `nn.MultiheadAttention`-style module of this configuration
+/// owns, with their initial values (as the Rust module initialises them, from libtorch's
+/// generator): `[(name, tensor)]`.
+#[pyfunction]
+#[pyo3(signature = (embed_dim, num_heads, variant, *, kdim=None, vdim=None, bias=true, settings=HashMap::new(), bam_base=None))]
+#[allow(clippy::too_many_arguments)]
+fn initial_parameters(
+    embed_dim: i64,
+    num_heads: i64,
+    variant: &str,
+    kdim: Option<i64>,
+    vdim: Option<i64>,
+    bias: bool,
+    settings: HashMap<String, f64>,
+    bam_base: Option<&str>,
+) -> PyResult<Vec<(String, PyTensor)>> {
+    let normalizer = config(&settings, bam_base)?;
+    let cfg = MhaConfig { kdim, vdim, bias, variant: self::variant(variant)?, normalizer, ..MhaConfig::new(embed_dim, num_heads) };
+    guarded(|| {
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        tch::no_grad(|| MultiHeadAttention::new(&vs.root(), cfg)).map_err(to_py)?;
+        let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(params.into_iter().map(|(n, t)| (n, PyTensor(t.detach()))).collect())
+    })
+}
+
+/// The names of the normalizer parameters `variant` reads for `heads` heads of `key_dim`
+/// features, sorted.
+#[pyfunction]
+#[pyo3(signature = (variant, heads, key_dim, *, settings=HashMap::new(), bam_base=None))]
+fn normalizer_parameters(
+    variant: &str,
+    heads: i64,
+    key_dim: i64,
+    settings: HashMap<String, f64>,
+    bam_base: Option<&str>,
+) -> PyResult<Vec<String>> {
+    let cfg = config(&settings, bam_base)?;
+    let mut names = guarded(|| names_of(self::variant(variant)?, heads, key_dim, &cfg))?;
+    names.sort();
+    Ok(names)
+}
+
+/// The variant registry as `probattn variants --json` prints it.
+#[pyfunction]
+fn registry_json() -> PyResult<String> {
+    serde_json::to_string_pretty(probattn::normalize::registry::VARIANTS).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(attention, m)?)?;
+    m.add_function(wrap_pyfunction!(multi_head_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(initial_parameters, m)?)?;
+    m.add_function(wrap_pyfunction!(normalizer_parameters, m)?)?;
+    m.add_function(wrap_pyfunction!(registry_json, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,296 @@
+"""The probattn Python package against the independent PyTorch references
+(python/probattn_tools/reference: formulas written from the papers, and the pure-PyTorch
+multi-head module) and against torch.nn.MultiheadAttention. Run by `cargo test` (tests/python.rs
+beside this file builds the extension and runs `python -m unittest discover` here)."""
+
+import os
+import subprocess
+import sys
+import unittest
+
+import torch
+from torch.autograd import gradcheck
+
+import probattn
+from probattn_tools.reference import formulas as R
+from probattn_tools.reference import variants as registry
+from probattn_tools.reference.mha import MultiheadAttention as ReferenceMha
+
+D = torch.float64
+DETERMINISTIC = [v for v in registry.examples() if not v.startswith("bam")]
+BAM = registry.examples(family="bayesian")
+BAM_CFG = {"k": 10.0, "sigma": 0.5, "prior_alpha": 1.5, "prior_beta": 2.0, "prior_mu": -0.3, "prior_sigma": 1.2, "prior_hidden": 4}
+
+
+def qkv(b=2, h=3, sq=5, sk=6, d=4, dv=3, seed=0, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    ts = [torch.randn(b, h, sq, d, generator=g, dtype=D), torch.randn(b, h, sk, d, generator=g, dtype=D),
+          torch.randn(b, h, sk, dv, generator=g, dtype=D)]
+    return [t.requires_grad_(grad) for t in ts]
+
+
+def layouts(b, h, sq, sk):
+    """Mask layouts: none, key padding, a 2-D attn_mask, a 4-D one with padding, causal."""
+    kp = torch.zeros(b, sk, dtype=torch.bool)
+    kp[0, -2:] = True
+    am = torch.zeros(sq, sk, dtype=torch.bool)
+    am[1, 0] = am[3, 2] = True
+    am4 = torch.rand(b, h, sq, sk, generator=torch.Generator().manual_seed(1)) < 0.2
+    am4[..., 0] = False
+    return [("none", {}), ("key_padding", {"key_padding_mask": kp}), ("attn_mask", {"attn_mask": am}),
+            ("attn_mask_4d", {"attn_mask": am4, "key_padding_mask": kp}), ("causal", {"is_causal": True})]
+
+
+def allowed(b, h, sq, sk, masks):
+    return R.allowed_mask(b, h, sq, sk, key_padding_mask=masks.get("key_padding_mask"), attn_mask=masks.get("attn_mask"),
+                          causal=masks.get("is_causal", False))
+
+
+def causal_safe(variant):
+    return next(e for e in registry.registry() if variant in (e["name"], e["example"]))["causal_safe"]
+
+
+def prior_params(h, d, hidden, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return {"f1.weight": torch.randn(h, hidden, d, generator=g, dtype=D), "f1.bias": torch.randn(h, hidden, generator=g, dtype=D),
+            "f2.weight": torch.randn(h, hidden, generator=g, dtype=D), "f2.bias": torch.randn(h, generator=g, dtype=D)}
+
+
+def bam_noise(variant, shape, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    if variant in ("bam-nokl", "bam-wf", "bam-wc"):
+        return torch.rand(shape, generator=g, dtype=D).clamp(1e-6, 1 - 1e-6)
+    return torch.randn(shape, generator=g, dtype=D)
+
+
+class Reference(unittest.TestCase):
+    """Outputs and gradients equal the formulas to 1e-10 (float64), eager and memory-efficient."""
+
+    def check(self, ours, theirs, inputs, what):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-10, msg=lambda m: f"{what}: output: {m}")
+        g = torch.randn_like(ours)
+        mine = torch.autograd.grad(ours, inputs, g, retain_graph=True, allow_unused=True)
+        ref = torch.autograd.grad(theirs, inputs, g, retain_graph=True, allow_unused=True)
+        for i, (a, b) in enumerate(zip(mine, ref)):
+            a = torch.zeros_like(inputs[i]) if a is None else a
+            b = torch.zeros_like(inputs[i]) if b is None else b
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=lambda m: f"{what}: gradient {i}: {m}")
+
+    def test_deterministic_variants(self):
+        b, h, sq, sk = 2, 3, 5, 6
+        for variant in DETERMINISTIC:
+            for layout, masks in layouts(b, h, sq, sk):
+                if layout == "causal" and not causal_safe(variant):
+                    continue
+                for memory_efficient in (False, True):
+                    what = f"{variant} {layout} {'memory-efficient' if memory_efficient else 'eager'}"
+                    with self.subTest(what):
+                        q, k, v = qkv()
+                        logit = torch.tensor([0.3, -1.0, 2.0], dtype=D, requires_grad=True)
+                        extra = {"hybrid_logit": logit} if variant == "hnas" else {}
+                        tile = {"tile": 2} if memory_efficient else {}
+                        ours, info = probattn.attention(q, k, v, variant=variant, memory_efficient=memory_efficient,
+                                                        return_info=True, **masks, **extra, **tile)
+                        theirs, w = R.attention(variant, q, k, v, allowed(b, h, sq, sk, masks), hybrid_logit=logit)
+                        self.check(ours, theirs, [q, k, v, logit], what)
+                        torch.testing.assert_close(info.received_mass, R.received_mass(w).detach(), rtol=0, atol=1e-10)
+                        self.assertIsNone(info.kl)
+
+    def test_bam_variants_sampling_a_given_draw(self):
+        b, h, sq, sk, d = 2, 3, 5, 6, 4
+        for variant in BAM:
+            for layout, masks in layouts(b, h, sq, sk)[:4]:
+                for memory_efficient in (False, True):
+                    what = f"{variant} {layout} {'memory-efficient' if memory_efficient else 'eager'}"
+                    with self.subTest(what):
+                        q, k, v = qkv()
+                        prior = {n: t.requires_grad_() for n, t in prior_params(h, d, 4).items()}
+                        noise = bam_noise(variant, (b, h, sq, sk))
+                        bam = dict(BAM_CFG, noise=noise)
+                        if variant in ("bam-wc", "bam-lc"):
+                            bam["prior"] = prior
+                        tile = {"tile": 4} if memory_efficient else {}
+                        ours, info = probattn.attention(q, k, v, variant=variant, training=True, bam=bam,
+                                                        memory_efficient=memory_efficient, return_info=True, **masks, **tile)
+                        ok = allowed(b, h, sq, sk, masks)
+                        cfg = dict(BAM_CFG, base="softmax")
+                        w, kl = R.bam_weights(variant, q @ k.transpose(-2, -1) / d ** 0.5, ok, k, noise, True, cfg,
+                                              prior={"prior." + n: t for n, t in prior.items()})
+                        self.check(ours, w @ v, [q, k, v] + list(prior.values()), what)
+                        if kl is None:
+                            self.assertIsNone(info.kl)
+                        else:
+                            torch.testing.assert_close(info.kl, kl, rtol=0, atol=1e-10)
+                            gk = torch.autograd.grad(info.kl, [q, k], allow_unused=True)
+                            gr = torch.autograd.grad(kl, [q, k], allow_unused=True)
+                            for a, r in zip(gk, gr):
+                                torch.testing.assert_close(a if a is not None else torch.zeros_like(q), r if r is not None else torch.zeros_like(q), rtol=0, atol=1e-10)
+
+    def test_bam_without_sampling_is_its_base(self):
+        q, k, v = qkv()
+        prior = prior_params(3, 4, 10)
+        out = probattn.attention(q, k, v, variant="bam-wc", bam={"prior": prior})
+        torch.testing.assert_close(out, probattn.attention(q, k, v, variant="softmax"), rtol=0, atol=1e-12)
+
+
+class Gradcheck(unittest.TestCase):
+    """torch.autograd.gradcheck in float64 through every variant, eager and memory-efficient."""
+
+    def test_every_variant(self):
+        b, h, sq, sk = 1, 2, 4, 5
+        for variant in registry.examples():
+            for layout, masks in layouts(b, h, sq, sk)[:3]:
+                for memory_efficient in (False, True):
+                    with self.subTest(f"{variant} {layout} {memory_efficient}"):
+                        q, k, v = qkv(b, h, sq, sk, 3, 2, seed=7)
+                        inputs = [q, k, v]
+                        extra = {}
+                        if variant == "hnas":
+                            logit = torch.tensor([0.2, -0.4], dtype=D, requires_grad=True)
+                            inputs.append(logit)
+                        bam = None
+                        if variant.startswith("bam"):
+                            bam = dict(BAM_CFG, noise=bam_noise(variant, (b, h, sq, sk)))
+                            if variant in ("bam-wc", "bam-lc"):
+                                bam["prior"] = prior_params(h, 3, 4)
+
+                        def f(*xs):
+                            kw = {"hybrid_logit": xs[3]} if variant == "hnas" else {}
+                            out, info = probattn.attention(xs[0], xs[1], xs[2], variant=variant, memory_efficient=memory_efficient,
+                                                           tile=2 if memory_efficient else None, training=bam is not None, bam=bam,
+                                                           return_info=True, **masks, **kw, **extra)
+                            return (out, info.kl) if info.kl is not None else out
+
+                        self.assertTrue(gradcheck(f, tuple(inputs), eps=1e-6, atol=1e-8))
+
+
+class MultiheadAttention(unittest.TestCase):
+    def test_softmax_equals_torch_both_ways(self):
+        torch.manual_seed(0)
+        ours = probattn.nn.MultiheadAttention(16, 4, dtype=D)
+        theirs = torch.nn.MultiheadAttention(16, 4, dtype=D)
+        self.assertEqual(sorted(ours.state_dict()), sorted(theirs.state_dict()))
+        x = torch.randn(7, 3, 16, dtype=D)  # (L, N, E)
+        kp = torch.zeros(3, 7, dtype=torch.bool)
+        kp[1, -3:] = True
+        for direction in ("theirs -> ours", "ours -> theirs"):
+            with self.subTest(direction):
+                if direction == "theirs -> ours":
+                    ours.load_state_dict(theirs.state_dict())
+                else:
+                    with torch.no_grad():
+                        for p in ours.parameters():
+                            p.normal_()
+                    theirs.load_state_dict(ours.state_dict())
+                a, wa = ours(x, x, x, key_padding_mask=kp)
+                b, wb = theirs(x, x, x, key_padding_mask=kp)
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+                torch.testing.assert_close(wa, wb, rtol=0, atol=1e-12)
+                names = [n for n, _ in ours.named_parameters()]
+                ga = torch.autograd.grad(a.sum(), [dict(ours.named_parameters())[n] for n in names])
+                gb = torch.autograd.grad(b.sum(), [dict(theirs.named_parameters())[n] for n in names])
+                for name, p, q in zip(names, ga, gb):
+                    torch.testing.assert_close(p, q, rtol=0, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+    def test_every_deterministic_variant_equals_the_pure_pytorch_module(self):
+        for variant in DETERMINISTIC:
+            for batch_first in (False, True):
+                with self.subTest(f"{variant} batch_first={batch_first}"):
+                    torch.manual_seed(1)
+                    ours = probattn.nn.MultiheadAttention(12, 3, variant=variant, batch_first=batch_first, dtype=D)
+                    ref = ReferenceMha(12, 3, variant=variant, batch_first=batch_first).to(D)
+                    ref.load_state_dict(ours.state_dict())
+                    x = torch.randn(4, 6, 12, dtype=D)
+                    kp = torch.zeros(4 if batch_first else 6, 6 if batch_first else 4, dtype=torch.bool)
+                    kp[0, -1] = True
+                    a, wa = ours(x, x, x, key_padding_mask=kp, average_attn_weights=False)
+                    b, wb = ref(x, x, x, key_padding_mask=kp, average_attn_weights=False)
+                    torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+                    torch.testing.assert_close(wa, wb, rtol=0, atol=1e-10)
+                    ga = torch.autograd.grad(a.square().sum(), list(ours.parameters()))
+                    gb = dict(zip([n for n, _ in ref.named_parameters()], torch.autograd.grad(b.square().sum(), list(ref.parameters()))))
+                    for (name, _), g in zip(ours.named_parameters(), ga):
+                        torch.testing.assert_close(g, gb[name], rtol=0, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+    def test_memory_efficient_module_equals_the_eager_one_and_keeps_the_kl(self):
+        torch.manual_seed(2)
+        eager = probattn.nn.MultiheadAttention(12, 3, variant="dnas", batch_first=True, dtype=D)
+        tiled = probattn.nn.MultiheadAttention(12, 3, variant="dnas", batch_first=True, dtype=D, memory_efficient=True, tile=2)
+        tiled.load_state_dict(eager.state_dict())
+        x = torch.randn(2, 5, 12, dtype=D)
+        a, _ = eager(x, x, x, need_weights=False)
+        b, w = tiled(x, x, x, need_weights=False)
+        self.assertIsNone(w)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+        with self.assertRaisesRegex(ValueError, "need_weights=False"):
+            tiled(x, x, x)
+        bam = probattn.nn.MultiheadAttention(12, 3, variant="bam-wc", batch_first=True, dtype=D)
+        self.assertIn("prior.f1.weight", dict(bam.named_parameters()))
+        bam.train()
+        bam(x, x, x)
+        self.assertEqual(bam.kl.dim(), 0)
+        bam.kl.backward()
+        self.assertIsNotNone(bam.prior.f1.weight.grad)
+        bam.eval()
+        bam(x, x, x)
+        self.assertIsNone(bam.kl)
+
+
+class Training(unittest.TestCase):
+    def test_the_readme_loop_lowers_the_loss(self):
+        # The README's five lines, with each kind of variant (BAM's KL added to the loss).
+        for variant in ("dnas", "hnas", "bam-wc"):
+            with self.subTest(variant):
+                torch.manual_seed(0)
+                mha = probattn.nn.MultiheadAttention(32, 4, variant=variant, batch_first=True)
+                opt = torch.optim.Adam(mha.parameters(), lr=1e-2)
+                x, y = torch.randn(8, 10, 32), torch.randn(8, 10, 32)
+                losses = []
+                for _ in range(30):
+                    out, _ = mha(x, x, x, need_weights=False)
+                    loss = (out - y).square().mean() + (0.01 * mha.kl if mha.kl is not None else 0)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    losses.append(loss.item())
+                self.assertLess(losses[-1], 0.9 * losses[0], losses)
+                if variant == "hnas":
+                    self.assertIsNotNone(mha.hybrid_logit.grad)
+
+
+class Errors(unittest.TestCase):
+    def test_bad_inputs_raise_with_the_library_message(self):
+        q, k, v = qkv(grad=False)
+        cases = [
+            (ValueError, "unknown attention variant 'nope'", lambda: probattn.attention(q, k, v, variant="nope")),
+            (ValueError, "shape", lambda: probattn.attention(q, k[..., :2], v)),
+            (ValueError, r"query has shape \[3, 5, 4\]; expected \(B, H, S_q, d\)", lambda: probattn.attention(q[0], k[0], v[0])),
+            (TypeError, "share one dtype", lambda: probattn.attention(q, k.float(), v)),
+            (TypeError, "boolean", lambda: probattn.attention(q, k, v, attn_mask=torch.zeros(5, 6))),
+            (TypeError, "torch.Tensor", lambda: probattn.attention(q, [1], v)),
+            (ValueError, "hybrid_logit", lambda: probattn.attention(q, k, v, variant="hnas")),
+            (ValueError, "prior", lambda: probattn.attention(q, k, v, variant="bam-wc", training=True)),
+            (ValueError, "causal", lambda: probattn.attention(q, k, v, variant="dnas", is_causal=True)),
+            (ValueError, "unknown bam settings", lambda: probattn.attention(q, k, v, variant="bam-wf", bam={"kk": 1})),
+            (ValueError, "key_padding_mask", lambda: probattn.attention(q, k, v, key_padding_mask=torch.zeros(2, 3, dtype=torch.bool))),
+            (ValueError, "memory_efficient=True", lambda: probattn.attention(q, k, v, tile=4)),
+        ]
+        for kind, message, call in cases:
+            with self.subTest(message):
+                with self.assertRaisesRegex(kind, message):
+                    call()
+
+    def test_another_torch_is_refused_at_import_by_name(self):
+        code = "import torch; torch.__version__ = '2.99.0'; import probattn"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("ImportError: probattn was built against torch 2.11.0, but this interpreter has torch 2.99.0", out.stderr)
+
+
+class Registry(unittest.TestCase):
+    def test_the_registry_is_the_binarys(self):
+        self.assertEqual(probattn.variants(), registry.registry())
+
+
+if __name__ == "__main__":
+    unittest.main()
