@@ -280,6 +280,28 @@ impl RepulsiveHook {
         Ok(())
     }
 
+    /// Registers one projection weight `(E, ·)` of `heads` heads (the separate `q_proj_weight`,
+    /// `k_proj_weight` or `v_proj_weight` that `nn.MultiheadAttention` keeps when kdim or vdim
+    /// differ from E): particle `h` is the `E / heads` rows of head `h`.
+    pub fn add_projection_weight(
+        &mut self,
+        name: &str,
+        weight: &Tensor,
+        heads: i64,
+        kind: ModuleKind,
+        layer: usize,
+        projection: Projection,
+    ) -> Result<()> {
+        let size = weight.size();
+        if size.len() != 2 || heads < 1 || size[0] % heads != 0 {
+            return Err(Error::Shape(format!(
+                "{name} has shape {size:?}; a projection weight of {heads} heads is (E, ·) with E divisible by {heads}"
+            )));
+        }
+        self.add_projection(name, weight.shallow_clone(), 0, heads, size[0] / heads, kind, layer, projection);
+        Ok(())
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn add_projection(
         &mut self,

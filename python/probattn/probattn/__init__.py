@@ -155,3 +155,4 @@ def attention(query, key, value, *, variant="softmax", key_padding_mask=None, at
 
 
 from . import nn  # noqa: E402,F401  (probattn.nn.MultiheadAttention)
+from . import repulsive  # noqa: E402,F401  (probattn.repulsive.attach)

@@ -258,6 +258,86 @@ class Training(unittest.TestCase):
                     self.assertIsNotNone(mha.hybrid_logit.grad)
 
 
+class Repulsive(unittest.TestCase):
+    """probattn.repulsive.attach against the reference formulas' SVGD/SPOS direction."""
+
+    def step(self, method, selection=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16, dtype=D), torch.nn.Identity())
+        model.attn = torch.nn.MultiheadAttention(16, 4, dtype=D, batch_first=True)
+        x = torch.randn(3, 5, 8, dtype=D)
+        h = model[0](x)
+        model.attn(h, h, h)[0].square().sum().backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        hook = probattn.repulsive.attach(opt, model, kind=method, alpha=0.05, stepsize=0.1, beta=0.7, selection=selection)
+        torch.manual_seed(42)
+        opt.step()
+        return model, hook, before, grads
+
+    def expected_in_proj(self, method, before, grads, projections):
+        w, g = before["attn.in_proj_weight"].view(3, 4, -1), grads["attn.in_proj_weight"].view(3, 4, -1)
+        torch.manual_seed(42)
+        xi = torch.randn(3, 4, w.shape[-1], dtype=D) if method == "spos" else None
+        out = g.clone()
+        for i, p in enumerate("qkv"):
+            if p in projections:
+                out[i] = R.svgd_direction(w[i], g[i], 0.05, 0.1, method=method, beta=0.7, xi=None if xi is None else xi[i])
+        return before["attn.in_proj_weight"] - out.view_as(before["attn.in_proj_weight"])
+
+    def test_svgd_and_spos_move_the_heads_as_the_formulas_say(self):
+        for method in ("svgd", "spos"):
+            with self.subTest(method):
+                model, hook, before, grads = self.step(method)
+                self.assertEqual(hook.modules, [("attn", "other", 0)])
+                self.assertEqual(hook.sets, ["attn.q", "attn.k", "attn.v"])
+                torch.testing.assert_close(model.attn.in_proj_weight.detach(), self.expected_in_proj(method, before, grads, "qkv"), rtol=0, atol=1e-12)
+                # Everything else took its plain gradient.
+                for name in ("0.weight", "attn.out_proj.weight", "attn.in_proj_bias"):
+                    torch.testing.assert_close(dict(model.named_parameters())[name].detach(), before[name] - grads[name], rtol=0, atol=1e-15)
+
+    def test_the_selection_is_the_command_lines(self):
+        model, hook, before, grads = self.step("svgd", selection={"projections": ["q"]})
+        self.assertEqual(hook.sets, ["attn.q"])
+        torch.testing.assert_close(model.attn.in_proj_weight.detach(), self.expected_in_proj("svgd", before, grads, "q"), rtol=0, atol=1e-12)
+        with self.assertRaisesRegex(ValueError, "selection"):
+            probattn.repulsive.attach(torch.optim.SGD(model.parameters(), lr=1), model, selection={"kind": ["cross"]})
+
+    def test_kinds_and_layers_of_a_transformer(self):
+        t = torch.nn.Transformer(16, 2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=8, batch_first=True)
+        found = [(n, k, l) for n, _, k, l in probattn.repulsive.attention_modules(t)]
+        self.assertIn(("encoder.layers.1.self_attn", "encoder-self", 1), found)
+        self.assertIn(("decoder.layers.0.self_attn", "decoder-self", 0), found)
+        self.assertIn(("decoder.layers.1.multihead_attn", "cross", 1), found)
+        self.assertEqual(len(found), 6)
+
+
+class Compile(unittest.TestCase):
+    def test_torch_compile_equals_eager_with_one_graph_break_per_call(self):
+        # Dynamo cannot trace into the extension: it breaks the graph around each call (docs/python.md).
+        import torch._dynamo
+
+        class Model(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(16, 16, dtype=D)
+                self.attn = probattn.nn.MultiheadAttention(16, 4, variant="dnas", batch_first=True, dtype=D)
+
+            def forward(self, x):
+                h = torch.relu(self.lin(x))
+                return self.attn(h, h, h, need_weights=False)[0].sum(-1)
+
+        torch.manual_seed(0)
+        model, x = Model(), torch.randn(2, 5, 16, dtype=D)
+        eager = model(x)
+        compiled = torch.compile(model)(x)
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-12)
+        grad = torch.autograd.grad(compiled.sum(), model.lin.weight)[0]
+        torch.testing.assert_close(grad, torch.autograd.grad(eager.sum(), model.lin.weight)[0], rtol=0, atol=1e-12)
+        self.assertEqual(torch._dynamo.explain(model)(x).graph_break_count, 1)
+
+
 class Errors(unittest.TestCase):
     def test_bad_inputs_raise_with_the_library_message(self):
         q, k, v = qkv(grad=False)

@@ -1,0 +1,71 @@
+//! Time of one `probattn::attend` call from Rust, forward alone and forward + backward, on
+//! heads-first inputs: the Rust side of the Python package's overhead benchmark
+//! (python/probattn/benchmarks/overhead.py runs it and the same call from Python, interleaved).
+//!
+//! `cargo run --release --example attend_timing -- VARIANT S [--memory-efficient] [--repeats N]
+//! [--batch B] [--heads H] [--dim D] [--seed S]`: prints one JSON line with the medians in ms.
+//! Inputs are `randn (B, H, S, D)` float32 from `--seed` (default B 1, H 8, D 64, 20 repeats after
+//! two warm-up calls, one thread unless `RAYON`/`OMP` settings say otherwise: the caller sets
+//! threads with `--threads T`).
+
+use std::time::Instant;
+
+use probattn::{attend, AttendOptions, Masks, NormalizerConfig, Variant};
+use tch::{nn, Device, Kind, Tensor};
+
+fn median(mut t: Vec<f64>) -> f64 {
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let flag = |name: &str, default: i64| -> Result<i64, Box<dyn std::error::Error>> {
+        match args.iter().position(|a| a == name) {
+            Some(i) => Ok(args.get(i + 1).ok_or(format!("{name} needs a value"))?.parse()?),
+            None => Ok(default),
+        }
+    };
+    let usage =
+        "usage: attend_timing VARIANT S [--memory-efficient] [--repeats N] [--batch B] [--heads H] [--dim D] [--seed S] [--threads T]";
+    let variant: Variant = args.first().ok_or(usage)?.parse()?;
+    let s: i64 = args.get(1).ok_or(usage)?.parse()?;
+    let memory_efficient = args.iter().any(|a| a == "--memory-efficient");
+    let (repeats, b, h, d, seed) =
+        (flag("--repeats", 20)?, flag("--batch", 1)?, flag("--heads", 8)?, flag("--dim", 64)?, flag("--seed", 0)?);
+    tch::set_num_threads(flag("--threads", 1)? as i32);
+    tch::manual_seed(seed);
+    let opts = (Kind::Float, Device::Cpu);
+    let (q, k, v) = (Tensor::randn([b, h, s, d], opts), Tensor::randn([b, h, s, d], opts), Tensor::randn([b, h, s, d], opts));
+    let vs = nn::VarStore::new(Device::Cpu);
+    let normalizer = variant.build(&vs.root(), h, d, &NormalizerConfig::default())?;
+    let call = |q: &Tensor, k: &Tensor, v: &Tensor| {
+        let options = AttendOptions { need_weights: false, tile: memory_efficient.then_some(256), ..Default::default() };
+        attend(q, k, v, &Masks::default(), normalizer.as_ref(), options)
+    };
+    let (mut forward, mut backward) = (vec![], vec![]);
+    for round in 0..repeats + 2 {
+        let start = Instant::now();
+        tch::no_grad(|| call(&q, &k, &v))?;
+        let f = start.elapsed().as_secs_f64() * 1e3;
+        let (mut qg, mut kg, mut vg) = (q.set_requires_grad(true), k.set_requires_grad(true), v.set_requires_grad(true));
+        let start = Instant::now();
+        let out = call(&qg, &kg, &vg)?.output;
+        out.sum(Kind::Float).backward();
+        let fb = start.elapsed().as_secs_f64() * 1e3;
+        for t in [&mut qg, &mut kg, &mut vg] {
+            t.zero_grad();
+        }
+        if round >= 2 {
+            forward.push(f);
+            backward.push(fb);
+        }
+    }
+    println!(
+        "{{\"variant\": \"{variant}\", \"s\": {s}, \"memory_efficient\": {memory_efficient}, \"forward_ms\": {:.4}, \"forward_backward_ms\": {:.4}, \"repeats\": {repeats}, \"threads\": {}}}",
+        median(forward),
+        median(backward),
+        tch::get_num_threads()
+    );
+    Ok(())
+}

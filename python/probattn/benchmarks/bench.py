@@ -1,0 +1,171 @@
+"""Benchmarks of the probattn Python package (results/python/), each against its comparison in the
+same run:
+
+1. overhead: `probattn.attention` called from Python against the same `probattn::attend` call
+   from Rust (examples/attend_timing.rs, release build), B 1, H 8, d 64, S 1024, float32, one
+   thread; forward alone and forward + backward, eager and memory-efficient. The two sides take
+   turns, `--rounds` times, each round the median of `--repeats` calls; the ratio is of the
+   medians over rounds.
+2. memory: one multi-head attention layer (E 512, H 8, B 1) with DNAS, forward + backward, at
+   `--memory-seq` (default 4096): `probattn.nn.MultiheadAttention(memory_efficient=True)` against
+   the pure-PyTorch module of python/probattn_tools (S x S weights). Peak bytes from probattn's
+   counting CPU allocator (`--memory-lib`, libprobattn_memory.so beside the build), loaded into
+   this process as `probattn bench` does, and the median time of interleaved calls.
+
+    cargo build --release --example attend_timing
+    python python/probattn/benchmarks/bench.py --rust target/release/examples/attend_timing \\
+        --memory-lib target/release/build/probattn-sys-*/out/libprobattn_memory.so --out results/python
+
+with `probattn` importable (installed, or on PYTHONPATH) and python/ on PYTHONPATH for the
+reference module. Writes `bench.json` (with the code's version) and `README`-ready `bench.md`.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def git_state():
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True).stdout.strip()
+    return {"git_sha": sha, "git_dirty": bool(dirty)}
+
+
+def python_timing(probattn, variant, s, memory_efficient, repeats, seed=0):
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(1, 8, s, 64) for _ in range(3))
+    tile = 256 if memory_efficient else None
+
+    def forward():
+        with torch.no_grad():
+            probattn.attention(q, k, v, variant=variant, memory_efficient=memory_efficient, tile=tile)
+
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+    def forward_backward():
+        probattn.attention(qg, kg, vg, variant=variant, memory_efficient=memory_efficient, tile=tile).sum().backward()
+        for t in (qg, kg, vg):
+            t.grad = None
+
+    out = {}
+    for name, fn in (("forward_ms", forward), ("forward_backward_ms", forward_backward)):
+        times = []
+        for i in range(repeats + 2):
+            start = time.perf_counter()
+            fn()
+            if i >= 2:
+                times.append(1e3 * (time.perf_counter() - start))
+        out[name] = statistics.median(times)
+    return out
+
+
+def rust_timing(binary, variant, s, memory_efficient, repeats):
+    cmd = [binary, variant, str(s), "--repeats", str(repeats), "--threads", "1"] + (["--memory-efficient"] if memory_efficient else [])
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"error: {' '.join(cmd)}: {out.stderr.strip()}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def overhead(probattn, args):
+    rows = []
+    for variant in ("softmax", "dnas"):
+        for memory_efficient in (False, True):
+            py, rs = {"forward_ms": [], "forward_backward_ms": []}, {"forward_ms": [], "forward_backward_ms": []}
+            for _ in range(args.rounds):
+                r = rust_timing(args.rust, variant, args.seq, memory_efficient, args.repeats)
+                p = python_timing(probattn, variant, args.seq, memory_efficient, args.repeats)
+                for key in py:
+                    py[key].append(p[key])
+                    rs[key].append(r[key])
+            for key in py:
+                a, b = statistics.median(py[key]), statistics.median(rs[key])
+                rows.append({"variant": variant, "memory_efficient": memory_efficient, "pass": key.replace("_ms", ""),
+                             "python_ms": a, "rust_ms": b, "ratio": a / b, "python_rounds": py[key], "rust_rounds": rs[key]})
+                print(f"overhead {variant:8} {'memory-efficient' if memory_efficient else 'eager':16} {key:20} python {a:8.2f} ms  rust {b:8.2f} ms  ratio {a / b:.3f}", file=sys.stderr)
+    return rows
+
+
+def memory(probattn, args):
+    from probattn_tools.baselines.bench import CpuCounter, time_interleaved
+    from probattn_tools.reference.mha import MultiheadAttention as Reference
+
+    counter = CpuCounter(args.memory_lib)
+    torch.manual_seed(0)
+    ours = probattn.nn.MultiheadAttention(512, 8, variant="dnas", batch_first=True, memory_efficient=True)
+    ref = Reference(512, 8, variant="dnas", batch_first=True)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(1, args.memory_seq, 512, requires_grad=True)
+
+    def step(module):
+        def run():
+            out = module(x, x, x, need_weights=False)[0]
+            out.sum().backward()
+            x.grad = None
+            module.zero_grad(set_to_none=True)
+        return run
+
+    (t_ours, iqr_ours), (t_ref, iqr_ref) = time_interleaved([step(ours), step(ref)], args.memory_repeats, torch.device("cpu"))
+    peak_ours, peak_ref = counter.peak_during(step(ours)), counter.peak_during(step(ref))
+    row = {"variant": "dnas", "s": args.memory_seq, "embed_dim": 512, "heads": 8, "batch": 1,
+           "probattn_ms": t_ours, "probattn_iqr_ms": iqr_ours, "reference_ms": t_ref, "reference_iqr_ms": iqr_ref,
+           "probattn_peak_bytes": peak_ours, "reference_peak_bytes": peak_ref,
+           "time_ratio": t_ours / t_ref, "memory_ratio": peak_ours / peak_ref}
+    print(f"memory dnas S={args.memory_seq}: probattn {t_ours:.0f} ms, {peak_ours / 2**20:.0f} MiB; "
+          f"pure PyTorch {t_ref:.0f} ms, {peak_ref / 2**20:.0f} MiB", file=sys.stderr)
+    return row
+
+
+def markdown(result):
+    lines = ["Python call against the same call from Rust (B 1, H 8, d 64, S %d, float32, one thread; median of %d calls, median over %d alternating rounds):" % (
+        result["settings"]["seq"], result["settings"]["repeats"], result["settings"]["rounds"]), "",
+        "| variant | path | pass | Python ms | Rust ms | Python / Rust |", "|---|---|---|---|---|---|"]
+    for r in result["overhead"]:
+        lines.append(f"| {r['variant']} | {'memory-efficient' if r['memory_efficient'] else 'eager'} | {r['pass']} | {r['python_ms']:.2f} | {r['rust_ms']:.2f} | {r['ratio']:.3f} |")
+    m = result.get("memory")
+    if m:
+        lines += ["", f"One DNAS layer, E 512, H 8, B 1, S {m['s']}, forward + backward, one thread:", "",
+                  "| module | median ms | peak MiB |", "|---|---|---|",
+                  f"| probattn.nn.MultiheadAttention (memory-efficient) | {m['probattn_ms']:.0f} | {m['probattn_peak_bytes'] / 2**20:.0f} |",
+                  f"| pure PyTorch (probattn_tools.reference.mha) | {m['reference_ms']:.0f} | {m['reference_peak_bytes'] / 2**20:.0f} |",
+                  f"| ratio | {m['time_ratio']:.3f} | {m['memory_ratio']:.3f} |"]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rust", required=True, help="the attend_timing example, release build")
+    parser.add_argument("--memory-lib", help="libprobattn_memory.so (skip the memory benchmark without it)")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--memory-seq", type=int, default=4096)
+    parser.add_argument("--memory-repeats", type=int, default=3)
+    parser.add_argument("--out", required=True, help="folder for bench.json and bench.md")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import probattn
+
+    result = {"settings": vars(args) | {"threads": 1, "torch": torch.__version__}, "provenance": git_state()}
+    result["overhead"] = overhead(probattn, args)
+    if args.memory_lib:
+        result["memory"] = memory(probattn, args)
+    os.makedirs(args.out, exist_ok=True)
+    for name, text in (("bench.json", json.dumps(result, indent=2) + "\n"), ("bench.md", markdown(result))):
+        fd, tmp = tempfile.mkstemp(dir=args.out)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(args.out, name))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
