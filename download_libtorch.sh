@@ -7,7 +7,7 @@
 set -euo pipefail
 
 TORCH_VERSION="2.11.0"
-PY_PACKAGES=("torch==${TORCH_VERSION}" "numpy" "safetensors" "sacrebleu==2.6.0" "tokenizers==0.23.3")
+PY_PACKAGES=("torch==${TORCH_VERSION}" "numpy" "safetensors" "sacrebleu==2.6.0" "tokenizers==0.23.3" "transformers==5.24.0")
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CACHE_VENV="${XDG_CACHE_HOME:-$HOME/.cache}/probattn/torch-${TORCH_VERSION}-venv"
 
@@ -50,14 +50,14 @@ done
 check_python() {
   "$1" - "$TORCH_VERSION" <<'PY' 2>/dev/null
 import sys
-import numpy, safetensors, sacrebleu, torch
+import numpy, safetensors, sacrebleu, torch, transformers
 assert torch.__version__.split("+")[0] == sys.argv[1], torch.__version__
 PY
 }
 
 if [ -n "$reuse_python" ]; then
   command -v "$reuse_python" >/dev/null || die "no Python at '$reuse_python'"
-  check_python "$reuse_python" || die "'$reuse_python' lacks torch==${TORCH_VERSION}, numpy, safetensors or sacrebleu; \
+  check_python "$reuse_python" || die "'$reuse_python' lacks torch==${TORCH_VERSION}, numpy, safetensors, sacrebleu or transformers; \
 install them with: $reuse_python -m pip install ${PY_PACKAGES[*]}"
   python="$(command -v "$reuse_python")"
 else

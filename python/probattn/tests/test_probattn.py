@@ -338,6 +338,83 @@ class Compile(unittest.TestCase):
         self.assertEqual(torch._dynamo.explain(model)(x).graph_break_count, 1)
 
 
+class HuggingFace(unittest.TestCase):
+    """Every registered implementation in tiny Llama and BERT models built from configs (no download)."""
+
+    @classmethod
+    def setUpClass(cls):
+        import probattn.hf
+        from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
+
+        cls.names = probattn.hf.register()
+        cls.llama = staticmethod(lambda: LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)))
+        cls.bert = staticmethod(lambda: BertForMaskedLM(BertConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                      num_attention_heads=4, max_position_embeddings=32, attention_probs_dropout_prob=0.0)))
+        cls.ids = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(0))
+        cls.mask = torch.ones(2, 10, dtype=torch.long)
+        cls.mask[1, :3] = 0
+
+    def model(self, kind, impl, train=True):
+        torch.manual_seed(0)
+        m = self.llama() if kind == "llama" else self.bert()
+        m.set_attn_implementation(impl)
+        return m.train(train)
+
+    def loss(self, m):
+        return m(input_ids=self.ids, attention_mask=self.mask, labels=self.ids).loss
+
+    def test_softmax_equals_sdpa(self):
+        for kind in ("llama", "bert"):
+            for impl in ("probattn-softmax", "probattn-softmax-me"):
+                with self.subTest(f"{kind} {impl}"):
+                    ours, theirs = self.model(kind, impl, False), self.model(kind, "sdpa", False)
+                    a, b = self.loss(ours), self.loss(theirs)
+                    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+                    a.backward()
+                    b.backward()
+                    for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
+                        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+    def test_memory_efficient_forms_equal_the_eager_ones(self):
+        for impl in ("probattn-dnas", "probattn-sinkhorn-3", "probattn-bam-wf"):
+            with self.subTest(impl):
+                a, b = self.loss(self.model("bert", impl, False)), self.loss(self.model("bert", impl + "-me", False))
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+    def test_every_implementation_trains(self):
+        for name in self.names:
+            variant = name.removeprefix("probattn-").removesuffix("-me")
+            kinds = ["bert"] + (["llama"] if variant.startswith(("softmax", "bam")) else [])
+            for kind in kinds:
+                with self.subTest(f"{kind} {name}"):
+                    m = self.model(kind, name)
+                    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+                    losses = []
+                    for _ in range(8):
+                        loss = self.loss(m)
+                        kl = [mod.probattn_kl for mod in m.modules() if getattr(mod, "probattn_kl", None) is not None]
+                        if variant in ("bam-wf", "bam-lf"):
+                            self.assertEqual(len(kl), 2)
+                            loss = loss + 0.01 * sum(kl)
+                        opt.zero_grad()
+                        loss.backward()
+                        opt.step()
+                        losses.append(loss.item())
+                    self.assertLess(losses[-1], losses[0], losses)
+
+    def test_a_causal_model_refuses_a_variant_that_would_see_the_future(self):
+        for impl in ("probattn-dnas", "probattn-sinkhorn-3-me"):
+            with self.assertRaisesRegex(ValueError, "causal model"):
+                self.loss(self.model("llama", impl))
+        with self.assertRaisesRegex(ValueError, "no attention dropout"):
+            m = self.model("llama", "probattn-softmax-me")
+            m.config.attention_dropout = 0.1
+            for layer in m.model.layers:
+                layer.self_attn.attention_dropout = 0.1
+            self.loss(m)
+
+
 class Errors(unittest.TestCase):
     def test_bad_inputs_raise_with_the_library_message(self):
         q, k, v = qkv(grad=False)

@@ -1,0 +1,101 @@
+"""probattn's variants as Hugging Face transformers attention implementations.
+
+    import probattn.hf
+    probattn.hf.register()
+    model = AutoModelForMaskedLM.from_config(config, attn_implementation="probattn-dnas")
+
+`register()` adds, for every parameter-free variant of `probattn.variants()` (softmax, dnas,
+sinkhorn-N for N in `sinkhorn`, bam-nokl, bam-lf, bam-wf), an implementation named
+`probattn-<variant>` and its memory-efficient form `probattn-<variant>-me`, to transformers'
+`AttentionInterface`, with `sdpa`'s mask builder in `AttentionMaskInterface`. Variants with
+learnable parameters of their own (hnas's gates, bam-wc's and bam-lc's prior network) need a place
+in the model's modules and are not registered.
+
+A causal model (Llama, GPT) may only use causal-safe variants: DNAS, HNAS and Sinkhorn normalize
+each key over the queries, which under a causal mask lets a query's weights depend on later
+queries. Such a call raises `ValueError` instead of training a model that sees the future.
+BAM samples in training mode and leaves its KL on the attention module as `probattn_kl` (None for
+bam-nokl and in eval mode); add it to the loss yourself.
+"""
+
+import math
+
+import torch
+
+from . import attention, variants
+
+__all__ = ["register", "names"]
+
+
+def _entry(variant):
+    name = "sinkhorn-N" if variant.startswith("sinkhorn-") else variant
+    return next(e for e in variants() if e["name"] == name)
+
+
+def _forward(variant, memory_efficient):
+    causal_safe = _entry(variant)["causal_safe"]
+    bayesian = variant.startswith("bam")
+
+    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+            raise ValueError(f"probattn-{variant}: position biases and softcapping are not supported")
+        groups = getattr(module, "num_key_value_groups", 1)
+        if groups > 1:
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+        module_causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
+        if module_causal and not causal_safe and query.shape[2] > 1:
+            raise ValueError(
+                f"probattn-{variant} on a causal model: {variant} normalizes each key over the queries, so under a causal "
+                f"mask a query's weights would depend on later queries (use softmax or a bam variant over softmax)")
+        causal = bool(module_causal) and attention_mask is None and query.shape[2] > 1
+        if causal and key.shape[2] > query.shape[2]:
+            key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+        excluded = None
+        if attention_mask is not None:
+            if attention_mask.dtype == torch.bool:
+                excluded = ~attention_mask
+            else:
+                lowest = torch.finfo(attention_mask.dtype).min
+                if not torch.all((attention_mask == 0) | (attention_mask <= lowest / 2)):
+                    raise ValueError(f"probattn-{variant}: additive masks other than 0 / -inf are not supported")
+                excluded = attention_mask <= lowest / 2
+        if memory_efficient and module.training and dropout > 0:
+            raise ValueError(f"probattn-{variant}-me: the memory-efficient path has no attention dropout; set the model's "
+                             f"attention dropout to 0 (BERT: attention_probs_dropout_prob, Llama: attention_dropout)")
+        d = query.shape[-1]
+        if scaling is not None and not math.isclose(scaling, d ** -0.5, rel_tol=1e-12):
+            query = query * (scaling * math.sqrt(d))  # probattn's scores are q k^T / sqrt(d)
+        out, info = attention(query, key, value, variant=variant, attn_mask=excluded, is_causal=causal,
+                              memory_efficient=memory_efficient, training=module.training,
+                              dropout_p=dropout if module.training else 0.0, return_info=True)
+        if bayesian:
+            module.probattn_kl = info.kl
+        return out.transpose(1, 2).contiguous(), None
+
+    return forward
+
+
+def names(sinkhorn=(3,)):
+    """The implementation names `register(sinkhorn)` adds, with the variant each runs."""
+    out = {}
+    for entry in variants():
+        if entry["name"] in ("hnas", "bam-lc", "bam-wc"):
+            continue
+        chosen = [f"sinkhorn-{n}" for n in sinkhorn] if entry["name"] == "sinkhorn-N" else [entry["name"]]
+        for variant in chosen:
+            out[f"probattn-{variant}"] = (variant, False)
+            out[f"probattn-{variant}-me"] = (variant, True)
+    return out
+
+
+def register(sinkhorn=(3,)):
+    """Registers every name of `names(sinkhorn)` with transformers; returns the names."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    registered = names(sinkhorn)
+    for name, (variant, memory_efficient) in registered.items():
+        AttentionInterface.register(name, _forward(variant, memory_efficient))
+        AttentionMaskInterface.register(name, sdpa_mask)
+    return sorted(registered)
