@@ -113,8 +113,8 @@ fn check_names(given: &HashMap<String, PyTensor>, built: &[String]) -> PyResult<
     Err(PyValueError::new_err(format!("parameters {extra:?} are not read by this configuration (it reads {known:?})")))
 }
 
-/// The names the normalizer of `variant` creates for `heads` heads (built once on the meta
-/// device: nothing is allocated).
+/// The names of the parameters the normalizer of `variant` creates for `heads` heads (built once
+/// on the CPU, where its few small tensors are dropped at once).
 fn names_of(variant: Variant, heads: i64, key_dim: i64, cfg: &NormalizerConfig) -> PyResult<Vec<String>> {
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let _ = tch::no_grad(|| variant.build(&vs.root(), heads, key_dim, cfg)).map_err(to_py)?;
