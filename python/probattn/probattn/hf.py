@@ -4,12 +4,12 @@
     probattn.hf.register()
     model = AutoModelForMaskedLM.from_config(config, attn_implementation="probattn-dnas")
 
-`register()` adds, for every parameter-free variant of `probattn.variants()` (softmax, dnas,
-sinkhorn-N for N in `sinkhorn`, bam-nokl, bam-lf, bam-wf), an implementation named
-`probattn-<variant>` and its memory-efficient form `probattn-<variant>-me`, to transformers'
-`AttentionInterface`, with `sdpa`'s mask builder in `AttentionMaskInterface`. Variants with
-learnable parameters of their own (hnas's gates, bam-wc's and bam-lc's prior network) need a place
-in the model's modules and are not registered.
+`register()` adds, for every variant of `probattn.variants()` (sinkhorn-N for N in `sinkhorn`),
+an implementation named `probattn-<variant>` and its memory-efficient form
+`probattn-<variant>-me`, to transformers' `AttentionInterface`, with `sdpa`'s mask builder in
+`AttentionMaskInterface`. Variants with learnable parameters of their own (hnas's gates, bam-wc's
+and bam-lc's prior network) read them from the attention modules: `prepare(model, variant)` puts
+them there, before the optimizer is built.
 
 A causal model (Llama, GPT) may only use causal-safe variants: DNAS, HNAS and Sinkhorn normalize
 each key over the queries, which under a causal mask lets a query's weights depend on later
@@ -22,9 +22,12 @@ import math
 
 import torch
 
-from . import attention, variants
+from . import _native, attention, variants
 
-__all__ = ["register", "names"]
+__all__ = ["register", "names", "prepare"]
+
+# Variants with learnable parameters of their own, which `prepare` puts on the attention modules.
+WITH_PARAMETERS = ("hnas", "bam-wc", "bam-lc")
 
 
 def _entry(variant):
@@ -66,7 +69,17 @@ def _forward(variant, memory_efficient):
         d = query.shape[-1]
         if scaling is not None and not math.isclose(scaling, d ** -0.5, rel_tol=1e-12):
             query = query * (scaling * math.sqrt(d))  # probattn's scores are q k^T / sqrt(d)
-        out, info = attention(query, key, value, variant=variant, attn_mask=excluded, is_causal=causal,
+        extra = {}
+        if variant in WITH_PARAMETERS:
+            held = getattr(module, "probattn", None)
+            if held is None:
+                raise ValueError(f"probattn-{variant} reads learnable parameters: call probattn.hf.prepare(model, "
+                                 f"'{variant}') before building the optimizer")
+            if variant == "hnas":
+                extra["hybrid_logit"] = held["hybrid_logit"]
+            else:
+                extra["bam"] = {"prior": {n.removeprefix("prior_").replace("_", ".", 1): p for n, p in held.items() if n.startswith("prior_")}}
+        out, info = attention(query, key, value, variant=variant, attn_mask=excluded, is_causal=causal, **extra,
                               memory_efficient=memory_efficient, training=module.training,
                               dropout_p=dropout if module.training else 0.0, return_info=True)
         if bayesian:
@@ -80,13 +93,36 @@ def names(sinkhorn=(3,)):
     """The implementation names `register(sinkhorn)` adds, with the variant each runs."""
     out = {}
     for entry in variants():
-        if entry["name"] in ("hnas", "bam-lc", "bam-wc"):
-            continue
         chosen = [f"sinkhorn-{n}" for n in sinkhorn] if entry["name"] == "sinkhorn-N" else [entry["name"]]
         for variant in chosen:
             out[f"probattn-{variant}"] = (variant, False)
             out[f"probattn-{variant}-me"] = (variant, True)
     return out
+
+
+def prepare(model, variant, hybrid_init_u=0.5):
+    """Gives every attention module of a transformers `model` the parameters `variant` reads (hnas:
+    `hybrid_logit (H,)`; bam-wc, bam-lc: the contextual prior's network), as a `ParameterDict`
+    named `probattn` on the module, initialised as the Rust library initialises them (libtorch's
+    generator, which `torch.manual_seed` sets). Call it before building the optimizer. Returns the
+    names of the modules prepared."""
+    if variant not in WITH_PARAMETERS:
+        raise ValueError(f"{variant} has no parameters of its own (those that do: {', '.join(WITH_PARAMETERS)})")
+    heads = model.config.num_attention_heads
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // heads
+    prepared = []
+    for name, module in model.named_modules():
+        if not type(module).__name__.endswith("Attention") or not any(isinstance(c, torch.nn.Linear) for c in module.children()):
+            continue
+        initial = _native.initial_parameters(heads * head_dim, heads, variant, settings={"hybrid_init_u": float(hybrid_init_u)})
+        params = {n.replace(".", "_"): torch.nn.Parameter(t) for n, t in initial
+                  if not n.startswith(("in_proj", "out_proj", "q_proj", "k_proj", "v_proj"))}
+        device = next(module.parameters()).device
+        module.probattn = torch.nn.ParameterDict({n: torch.nn.Parameter(p.to(device)) for n, p in params.items()})
+        prepared.append(name)
+    if not prepared:
+        raise ValueError("found no attention module (a module whose class name ends in 'Attention' and holds the projections)")
+    return prepared
 
 
 def register(sinkhorn=(3,)):

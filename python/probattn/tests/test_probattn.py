@@ -389,12 +389,14 @@ class HuggingFace(unittest.TestCase):
             for kind in kinds:
                 with self.subTest(f"{kind} {name}"):
                     m = self.model(kind, name)
+                    if variant in probattn.hf.WITH_PARAMETERS:
+                        self.assertEqual(len(probattn.hf.prepare(m, variant)), 2)
                     opt = torch.optim.Adam(m.parameters(), lr=3e-3)
                     losses = []
                     for _ in range(8):
                         loss = self.loss(m)
                         kl = [mod.probattn_kl for mod in m.modules() if getattr(mod, "probattn_kl", None) is not None]
-                        if variant in ("bam-wf", "bam-lf"):
+                        if variant in ("bam-wf", "bam-lf", "bam-wc", "bam-lc"):
                             self.assertEqual(len(kl), 2)
                             loss = loss + 0.01 * sum(kl)
                         opt.zero_grad()
@@ -402,6 +404,15 @@ class HuggingFace(unittest.TestCase):
                         opt.step()
                         losses.append(loss.item())
                     self.assertLess(losses[-1], losses[0], losses)
+                    for n, p in m.named_parameters():
+                        if ".probattn." in n:
+                            self.assertIsNotNone(p.grad, n)
+
+    def test_parameters_are_asked_for_by_name(self):
+        with self.assertRaisesRegex(ValueError, r"call probattn.hf.prepare\(model, 'hnas'\)"):
+            self.loss(self.model("bert", "probattn-hnas"))
+        with self.assertRaisesRegex(ValueError, "no parameters of its own"):
+            probattn.hf.prepare(self.model("bert", "probattn-dnas"), "dnas")
 
     def test_a_causal_model_refuses_a_variant_that_would_see_the_future(self):
         for impl in ("probattn-dnas", "probattn-sinkhorn-3-me"):
