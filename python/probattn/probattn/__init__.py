@@ -27,7 +27,7 @@ if torch.__version__.split("+")[0] != REQUIRED_TORCH:
         f"install torch=={REQUIRED_TORCH}, or build probattn against your torch (docs/python.md, 'Which torch')"
     )
 
-from . import _native  # noqa: E402  (after the version check, on purpose)
+from . import _native, _ops  # noqa: E402  (after the version check, on purpose)
 
 __all__ = ["attention", "AttentionInfo", "variants", "DEFAULT_TILE", "REQUIRED_TORCH"]
 
@@ -141,9 +141,14 @@ def attention(query, key, value, *, variant="softmax", key_padding_mask=None, at
     tile = (DEFAULT_TILE if tile is None else int(tile)) if memory_efficient else None
     if tile is not None and tile < 1:
         raise ValueError(f"tile must be at least 1, got {tile}")
+    attn_mask, key_padding_mask = _mask("attn_mask", attn_mask), _mask("key_padding_mask", key_padding_mask)
+    if (memory_efficient and not return_info and _ops.traceable(variant) and not (training and dropout_p > 0)
+            and torch.compiler.is_compiling()):
+        # Under torch.compile: the custom operator, which the compiler traces without a graph break.
+        return _ops.memory_efficient_attention(query, key, value, variant, tile, attn_mask, key_padding_mask, bool(is_causal))
     output, weights, mass, kl = _native.attention(
         query, key, value, variant,
-        key_padding_mask=_mask("key_padding_mask", key_padding_mask), attn_mask=_mask("attn_mask", attn_mask),
+        key_padding_mask=key_padding_mask, attn_mask=attn_mask,
         causal=bool(is_causal), tile=tile, training=bool(training), dropout=float(dropout_p), seed=seed, noise=noise,
         need_weights=bool(return_info) and not memory_efficient, params=params, settings=settings, bam_base=base,
     )

@@ -426,6 +426,31 @@ class HuggingFace(unittest.TestCase):
             self.loss(m)
 
 
+class CompileWithoutGraphBreaks(unittest.TestCase):
+    def test_the_memory_efficient_call_compiles_into_one_graph(self):
+        from probattn import _ops
+
+        b, h, sq, sk = 2, 3, 5, 6
+        for variant in ("softmax", "dnas", "sinkhorn-3"):
+            for layout, masks in layouts(b, h, sq, sk)[:4]:
+                with self.subTest(f"{variant} {layout}"):
+                    q, k, v = qkv(b, h, sq, sk)
+
+                    def f(q, k, v):
+                        return torch.tanh(probattn.attention(q * 1.5, k, v, variant=variant, memory_efficient=True, tile=2, **masks)).sum()
+
+                    torch._dynamo.reset()
+                    compiled = torch.compile(f, fullgraph=True)(q, k, v)
+                    eager = f(q, k, v)
+                    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-12)
+                    for a, r in zip(torch.autograd.grad(compiled, (q, k, v)), torch.autograd.grad(eager, (q, k, v))):
+                        torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
+                    self.assertEqual(torch._dynamo.explain(f)(q, k, v).graph_break_count, 0)
+        q, k, v = qkv(grad=True)
+        torch.library.opcheck(_ops.memory_efficient_attention, (q, k, v, "dnas", 2, None, None, False))
+        self.assertTrue(gradcheck(lambda a, b, c: _ops.memory_efficient_attention(a, b, c, "dnas", 2, None, None, False), (q, k, v)))
+
+
 class Errors(unittest.TestCase):
     def test_bad_inputs_raise_with_the_library_message(self):
         q, k, v = qkv(grad=False)
