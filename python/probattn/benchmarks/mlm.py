@@ -1,14 +1,15 @@
-"""A tiny BERT trained as a masked language model on Multi30k's English side with probattn's
-transformers implementations against `sdpa`, the models trained in turns, step by step, on the
-same batches and masks from the same initial weights: validation loss curves side by side and
-training tokens/s (results/python/mlm/).
+"""A tiny BERT trained as a masked language model (or, with `--model llama`, a tiny Llama as a
+causal one) on Multi30k's English side with probattn's transformers implementations against
+`sdpa`, the models trained in turns, step by step, on the same batches and masks from the same
+initial weights: validation loss curves side by side and training tokens/s (results/python/mlm/,
+results/python/llama/).
 
     python python/probattn/benchmarks/mlm.py --data $PROBATTN_DATA/multi30k \\
         --tokenizer results/translate/multi30k-softmax-seed1/tokenizer.json --out results/python/mlm
 
-An encoder, not the issue's tiny Llama: DNAS normalizes each key over the queries, which a causal
-model must not do (docs/python.md), so DNAS is compared where it is valid. Model: BERT with 2
-layers, E 128, 4 heads, FFN 256, attention dropout 0 (the memory-efficient forms have none),
+DNAS runs in the encoder only: it normalizes each key over the queries, which a causal model
+must not do (docs/python.md). Models: BERT or Llama (2 key/value heads) with 2 layers, E 128,
+4 heads, FFN 256, attention dropout 0 (the memory-efficient forms have none),
 sentences cut to 48 BPE tokens, 15% of tokens masked (replaced by a [MASK] id added after the BPE
 vocabulary), AdamW lr 1e-3, batch 32, one thread. Writes curves.json (every step's loss and time,
 the code's version), curves.md and val_loss.svg.
@@ -58,7 +59,12 @@ def batches(sentences, count, size, pad, mask_id, vocab, seed):
     return out
 
 
-def svg(curves, path, width=640, height=360, pad=48):
+def l_or_i(inputs, labels):
+    """The unmasked ids: the label where a token was masked, else the input."""
+    return torch.where(labels != -100, labels, inputs)
+
+
+def svg(curves, path, title, width=640, height=360, pad=48):
     """Validation loss against step, one polyline per implementation."""
     colours = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
     points = [(s, v) for c in curves.values() for s, v in zip(c["val_steps"], c["val_loss"])]
@@ -68,7 +74,7 @@ def svg(curves, path, width=640, height=360, pad=48):
     sy = lambda v: height - pad - (v - y0) / max(y1 - y0, 1e-9) * (height - 2 * pad)  # noqa: E731
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">',
              f'<rect width="{width}" height="{height}" fill="white"/>',
-             f'<text x="{width / 2}" y="20" text-anchor="middle">validation MLM loss (Multi30k en, tiny BERT)</text>',
+             f'<text x="{width / 2}" y="20" text-anchor="middle">{title}</text>',
              f'<text x="{width / 2}" y="{height - 10}" text-anchor="middle">update</text>',
              f'<text x="{pad}" y="{height - pad + 16}" text-anchor="middle">{x0}</text>',
              f'<text x="{width - pad}" y="{height - pad + 16}" text-anchor="middle">{x1}</text>',
@@ -90,7 +96,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="the Multi30k folder (train.en, val.en)")
     parser.add_argument("--tokenizer", required=True, help="a probattn translate run's tokenizer.json (joint BPE)")
-    parser.add_argument("--impls", nargs="+", default=["sdpa", "probattn-softmax-me", "probattn-dnas-me"])
+    parser.add_argument("--model", choices=["bert", "llama"], default="bert")
+    parser.add_argument("--impls", nargs="+", default=None,
+                        help="default: sdpa probattn-softmax-me probattn-dnas-me (bert), sdpa probattn-softmax probattn-softmax-me (llama)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--batch", type=int, default=32)
@@ -99,8 +107,10 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.impls is None:
+        args.impls = ["sdpa", "probattn-softmax-me", "probattn-dnas-me"] if args.model == "bert" else ["sdpa", "probattn-softmax", "probattn-softmax-me"]
     from tokenizers import Tokenizer
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
 
     import probattn.hf
 
@@ -116,12 +126,23 @@ def main():
     val = encode(tok, os.path.join(args.data, "val.en"), 48)
     train_batches = batches(train, args.steps, args.batch, pad, mask_id, vocab, args.seed)
     val_batches = batches(val, 8, 64, pad, mask_id, vocab, args.seed + 1)
-    config = BertConfig(vocab_size=vocab + 1, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=256, max_position_embeddings=64, attention_probs_dropout_prob=0.0, pad_token_id=pad)
+    if args.model == "llama":
+        # A causal language model: every real token is a target, nothing is masked.
+        train_batches = [(torch.where(a == 1, l_or_i(i, l), torch.full_like(i, pad)), torch.where(a == 1, l_or_i(i, l), torch.full_like(i, -100)), a)
+                         for i, l, a in train_batches]
+        val_batches = [(torch.where(a == 1, l_or_i(i, l), torch.full_like(i, pad)), torch.where(a == 1, l_or_i(i, l), torch.full_like(i, -100)), a)
+                       for i, l, a in val_batches]
+        config = LlamaConfig(vocab_size=vocab + 1, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=256, max_position_embeddings=64, attention_dropout=0.0, pad_token_id=pad)
+        build = LlamaForCausalLM
+    else:
+        config = BertConfig(vocab_size=vocab + 1, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=256, max_position_embeddings=64, attention_probs_dropout_prob=0.0, pad_token_id=pad)
+        build = BertForMaskedLM
     models, optimizers, curves = {}, {}, {}
     for impl in args.impls:
         torch.manual_seed(args.seed)
-        m = BertForMaskedLM(config)
+        m = build(config)
         m.set_attn_implementation(impl)
         models[impl], optimizers[impl] = m, torch.optim.AdamW(m.parameters(), lr=1e-3)
         curves[impl] = {"train_loss": [], "seconds": [], "tokens": [], "val_steps": [], "val_loss": []}
@@ -157,7 +178,7 @@ def main():
     for impl, c in curves.items():
         summary[impl] = {"final_val_loss": c["val_loss"][-1], "tokens_per_second": sum(c["tokens"]) / sum(c["seconds"])}
     base = summary[args.impls[0]]["tokens_per_second"]
-    lines = [f"Tiny BERT MLM on Multi30k en, {args.steps} updates of {args.batch} sentences, seed {args.seed}, {args.threads} thread(s):", "",
+    lines = [f"Tiny {'BERT MLM' if args.model == 'bert' else 'Llama causal LM'} on Multi30k en, {args.steps} updates of {args.batch} sentences, seed {args.seed}, {args.threads} thread(s):", "",
              "| implementation | final validation loss | training tokens/s | / " + args.impls[0] + " |", "|---|---|---|---|"]
     for impl, s in summary.items():
         lines.append(f"| {impl} | {s['final_val_loss']:.3f} | {s['tokens_per_second']:.0f} | {s['tokens_per_second'] / base:.2f} |")
@@ -171,7 +192,8 @@ def main():
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, os.path.join(args.out, name))
-    svg(curves, os.path.join(args.out, "val_loss.svg"))
+    what = "MLM loss (Multi30k en, tiny BERT)" if args.model == "bert" else "causal LM loss (Multi30k en, tiny Llama)"
+    svg(curves, os.path.join(args.out, "val_loss.svg"), "validation " + what)
     print("\n".join(lines))
 
 
