@@ -79,10 +79,12 @@ def _forward(variant, memory_efficient):
                 extra["hybrid_logit"] = held["hybrid_logit"]
             else:
                 extra["bam"] = {"prior": {n.removeprefix("prior_").replace("_", ".", 1): p for n, p in held.items() if n.startswith("prior_")}}
-        out, info = attention(query, key, value, variant=variant, attn_mask=excluded, is_causal=causal, **extra,
-                              memory_efficient=memory_efficient, training=module.training,
-                              dropout_p=dropout if module.training else 0.0, return_info=True)
+        out = attention(query, key, value, variant=variant, attn_mask=excluded, is_causal=causal, **extra,
+                        memory_efficient=memory_efficient, training=module.training,
+                        dropout_p=dropout if module.training else 0.0, return_info=bayesian)
         if bayesian:
+            # Only BAM asks for the info (its KL): without it the eager path need not form weights.
+            out, info = out
             module.probattn_kl = info.kl
         return out.transpose(1, 2).contiguous(), None
 
