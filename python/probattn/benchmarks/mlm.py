@@ -1,7 +1,7 @@
 """A tiny BERT trained as a masked language model (or, with `--model llama`, a tiny Llama as a
 causal one) on Multi30k's English side with probattn's transformers implementations against
-`sdpa`, the models trained in turns, step by step, on the same batches and masks from the same
-initial weights: validation loss curves side by side and training tokens/s (results/python/mlm/,
+`sdpa`, the models trained in turns, step by step, on the same batches, masks and dropout draws from the
+same initial weights: validation loss curves side by side and training tokens/s (results/python/mlm/,
 results/python/llama/).
 
     python python/probattn/benchmarks/mlm.py --data $PROBATTN_DATA/multi30k \\
@@ -164,6 +164,7 @@ def main():
             break
         inputs, labels, attention = train_batches[step]
         for impl, m in models.items():  # in turns: drift of a shared machine hits each alike
+            torch.manual_seed(args.seed * 1_000_003 + step)  # the same dropout masks for every model
             start = time.perf_counter()
             loss = m(input_ids=inputs, labels=labels, attention_mask=attention).loss
             optimizers[impl].zero_grad()
