@@ -16,6 +16,7 @@ the code's version), curves.md and val_loss.svg.
 """
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -142,10 +143,14 @@ def main():
     models, optimizers, curves = {}, {}, {}
     for impl in args.impls:
         torch.manual_seed(args.seed)
-        m = build(config)
+        m = build(copy.deepcopy(config))  # a config each: set_attn_implementation writes into it
         m.set_attn_implementation(impl)
         models[impl], optimizers[impl] = m, torch.optim.AdamW(m.parameters(), lr=1e-3)
         curves[impl] = {"train_loss": [], "seconds": [], "tokens": [], "val_steps": [], "val_loss": []}
+
+    for impl, m in models.items():
+        if m.config._attn_implementation != impl:
+            sys.exit(f"error: the {impl} model runs {m.config._attn_implementation}")
 
     def evaluate(m):
         m.eval()
