@@ -59,7 +59,7 @@ def variants():
     return json.loads(_native.registry_json())
 
 
-def _tensor(name, t, kind="tensor"):
+def _tensor(name, t):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     return t
