@@ -26,17 +26,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
+from _record import git_state, write_atomic  # this folder's, beside the script
 
-
-def git_state():
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True).stdout.strip()
-    return {"git_sha": sha, "git_dirty": bool(dirty)}
 
 
 def python_timing(probattn, variant, s, memory_efficient, repeats, seed=0):
@@ -160,10 +154,7 @@ def main():
         result["memory"] = memory(probattn, args)
     os.makedirs(args.out, exist_ok=True)
     for name, text in (("bench.json", json.dumps(result, indent=2) + "\n"), ("bench.md", markdown(result))):
-        fd, tmp = tempfile.mkstemp(dir=args.out)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(args.out, name))
+        write_atomic(os.path.join(args.out, name), text)
     print(markdown(result))
 
 

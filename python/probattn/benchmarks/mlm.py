@@ -20,18 +20,12 @@ import copy
 import json
 import os
 import random
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
+from _record import git_state, write_atomic  # this folder's, beside the script
 
-
-def git_state():
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-    run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    return {"git_sha": run("rev-parse", "HEAD"), "git_dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
 
 
 def encode(tokenizer, path, limit):
@@ -87,10 +81,7 @@ def svg(curves, path, title, width=640, height=360, pad=48):
         parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{pts}"/>')
         parts.append(f'<text x="{width - pad - 150}" y="{pad + 16 * i}" fill="{colour}">{name}</text>')
     parts.append("</svg>")
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".")
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(parts) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, "\n".join(parts) + "\n")
 
 
 def main():
@@ -194,10 +185,7 @@ def main():
     result = {"settings": vars(args), "provenance": git_state(), "torch": torch.__version__, "summary": summary, "curves": curves}
     os.makedirs(args.out, exist_ok=True)
     for name, text in (("curves.json", json.dumps(result, indent=1) + "\n"), ("curves.md", "\n".join(lines) + "\n")):
-        fd, tmp = tempfile.mkstemp(dir=args.out)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(args.out, name))
+        write_atomic(os.path.join(args.out, name), text)
     what = "MLM loss (Multi30k en, tiny BERT)" if args.model == "bert" else "causal LM loss (Multi30k en, tiny Llama)"
     svg(curves, os.path.join(args.out, "val_loss.svg"), "validation " + what)
     print("\n".join(lines))

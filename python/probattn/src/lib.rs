@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Mutex, OnceLock};
 
 use probattn::normalize::BamConfig;
 use probattn::{attend, AttendOptions, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, NormalizerConfig, Variant};
@@ -113,12 +114,21 @@ fn check_names(given: &HashMap<String, PyTensor>, built: &[String]) -> PyResult<
     Err(PyValueError::new_err(format!("parameters {extra:?} are not read by this configuration (it reads {known:?})")))
 }
 
-/// The names of the parameters the normalizer of `variant` creates for `heads` heads (built once
-/// on the CPU, where its few small tensors are dropped at once).
-fn names_of(variant: Variant, heads: i64, key_dim: i64, cfg: &NormalizerConfig) -> PyResult<Vec<String>> {
+/// The names of the parameters the normalizer of `variant` reads. They depend on the variant and
+/// its BAM base only, so each pair is built once per process (one head of one feature) and
+/// remembered: a call does not build a normalizer twice, nor draw its initial values.
+fn names_of(variant: Variant, cfg: &NormalizerConfig) -> PyResult<Vec<String>> {
+    static KNOWN: OnceLock<Mutex<HashMap<String, Vec<String>>>> = OnceLock::new();
+    let key = format!("{variant}/{}", cfg.bam.base);
+    let known = KNOWN.get_or_init(Default::default);
+    if let Some(names) = known.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return Ok(names.clone());
+    }
     let vs = nn::VarStore::new(tch::Device::Cpu);
-    let _ = tch::no_grad(|| variant.build(&vs.root(), heads, key_dim, cfg)).map_err(to_py)?;
-    Ok(vs.variables().into_keys().collect())
+    let _ = tch::no_grad(|| variant.build(&vs.root(), 1, 1, cfg)).map_err(to_py)?;
+    let names: Vec<String> = vs.variables().into_keys().collect();
+    known.lock().unwrap_or_else(|e| e.into_inner()).insert(key, names.clone());
+    Ok(names)
 }
 
 /// `(output, weights, received_mass, kl)` as Python receives them.
@@ -155,7 +165,7 @@ fn attention(
         return Err(PyValueError::new_err(format!("query has shape {:?}; expected (B, H, S_q, d), heads first", query.size())));
     }
     let (heads, key_dim) = (query.size()[1], query.size()[3]);
-    let built = names_of(variant, heads, key_dim, &cfg)?;
+    let built = names_of(variant, &cfg)?;
     check_names(&params, &built).map_err(|e| {
         PyValueError::new_err(format!("{variant}: {} (learnable parameters are passed as hybrid_logit= and bam={{'prior': ...}}, or owned by probattn.nn.MultiheadAttention)", e.value(py)))
     })?;
@@ -216,16 +226,17 @@ fn multi_head_attention(
     let normalizer = config(&settings, bam_base)?;
     let cfg =
         MhaConfig { kdim, vdim, dropout, bias, variant: self::variant(variant)?, normalizer, tile, ..MhaConfig::new(embed_dim, num_heads) };
-    let built = {
-        let vs = nn::VarStore::new(tch::Device::Cpu);
-        tch::no_grad(|| MultiHeadAttention::new(&vs.root(), cfg.clone())).map_err(to_py)?;
-        vs.variables().into_keys().collect::<Vec<_>>()
-    };
-    check_names(&params, &built)?;
     let vs = store_with(query.device(), &params);
     let (output, weights, kl) = py.allow_threads(move || {
         guarded(|| {
             let mha = MultiHeadAttention::new(&vs.root(), cfg).map_err(to_py)?;
+            // The module takes the given tensors; what it had to create was not given (the Python
+            // module passes its own parameters, so this only catches a caller's mistake).
+            let mut fresh: Vec<String> = vs.variables().into_keys().filter(|n| !params.contains_key(n)).collect();
+            if !fresh.is_empty() {
+                fresh.sort();
+                return Err(PyValueError::new_err(format!("parameters {fresh:?} were not given")));
+            }
             let masks = Masks { key_padding: key_padding_mask.as_deref(), query_padding: None, attn_mask: attn_mask.as_deref(), causal };
             let input = MhaInput {
                 query: &query.0,
@@ -268,23 +279,6 @@ fn initial_parameters(
         params.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(params.into_iter().map(|(n, t)| (n, PyTensor(t.detach()))).collect())
     })
-}
-
-/// The names of the normalizer parameters `variant` reads for `heads` heads of `key_dim`
-/// features, sorted.
-#[pyfunction]
-#[pyo3(signature = (variant, heads, key_dim, *, settings=HashMap::new(), bam_base=None))]
-fn normalizer_parameters(
-    variant: &str,
-    heads: i64,
-    key_dim: i64,
-    settings: HashMap<String, f64>,
-    bam_base: Option<&str>,
-) -> PyResult<Vec<String>> {
-    let cfg = config(&settings, bam_base)?;
-    let mut names = guarded(|| names_of(self::variant(variant)?, heads, key_dim, &cfg))?;
-    names.sort();
-    Ok(names)
 }
 
 /// A value of one of the library's serde enums from its name (`"encoder-self"`, `"q"`, `"spos"`).
@@ -351,7 +345,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention, m)?)?;
     m.add_function(wrap_pyfunction!(multi_head_attention, m)?)?;
     m.add_function(wrap_pyfunction!(initial_parameters, m)?)?;
-    m.add_function(wrap_pyfunction!(normalizer_parameters, m)?)?;
     m.add_function(wrap_pyfunction!(registry_json, m)?)?;
     m.add_function(wrap_pyfunction!(repulsive_step, m)?)?;
     Ok(())
