@@ -12,6 +12,7 @@ fn main() {
 fn build_cxx_layer() {
     let files = [
         "csrc/common.cpp",
+        "csrc/autocast.cpp",
         "csrc/pt2.cpp",
         "csrc/memory.cpp",
         "csrc/memory_cuda.cpp",

@@ -28,7 +28,7 @@ pub(crate) use attention::{call, plan};
 pub use attention::{diagnostics, mask, mc, mha, normalize, param, repulsive, scores, tiled};
 // The C++ layer, under the name the library has always used for it.
 pub(crate) use probattn_sys as cxx;
-pub use runtime::{allocator, device, distributed, interop, io, memory};
+pub use runtime::{allocator, device, distributed, interop, io, memory, precision};
 
 pub use attention::{attend, scaled_dot_product_scores, AttendOptions, Attended, Mode};
 pub use device::DeviceSpec;

@@ -52,21 +52,23 @@ at::Tensor key_bias(const at::Tensor& minus, const at::Tensor& excluded) {
   return bias.contiguous();
 }
 
-// The kernel on (q, k, x) with an optional bias: (output, log-sum-exp in q's dtype). Values wider
-// than q ride on a zero column of q and k; narrower ones on zero columns of their own.
+// The kernel on (q, k, x) with an optional bias: (output, log-sum-exp in the statistics' dtype,
+// float32 for bfloat16 inputs, as the kernel computes it). Values wider than q ride on a zero
+// column of q and k; narrower ones on zero columns of their own; values are taken in q's dtype.
 std::pair<at::Tensor, at::Tensor> kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& x, const at::Tensor& bias,
                                          double scale) {
   const int64_t d = q.size(-1), w = x.size(-1);
+  const auto xs = x.to(q.scalar_type());
   auto widen = [](const at::Tensor& t, int64_t to) { return at::constant_pad_nd(t, {0, to - t.size(-1)}, 0.0); };
   std::optional<at::Tensor> mask = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
   at::Tensor out, lse;
   if (w > d) {
-    std::tie(out, lse) = at::_scaled_dot_product_flash_attention_for_cpu(widen(q, w), widen(k, w), x, 0.0, false, mask, scale);
+    std::tie(out, lse) = at::_scaled_dot_product_flash_attention_for_cpu(widen(q, w), widen(k, w), xs, 0.0, false, mask, scale);
   } else {
-    std::tie(out, lse) = at::_scaled_dot_product_flash_attention_for_cpu(q, k, w < d ? widen(x, d) : x, 0.0, false, mask, scale);
+    std::tie(out, lse) = at::_scaled_dot_product_flash_attention_for_cpu(q, k, w < d ? widen(xs, d) : xs, 0.0, false, mask, scale);
     out = out.narrow(-1, 0, w);
   }
-  return {out, lse.to(q.scalar_type())};
+  return {out, lse.to(statistics_type(q.scalar_type()))};
 }
 
 // Σ_i P_ij with P = exp(z - col - R) (col the per-key statistic the output pass subtracted, zeros
@@ -98,7 +100,8 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
       r.push_back(lse_r);
       row_k.push_back(bk);
     }
-    auto col = sweeps > 0 ? c.back() : at::zeros({q.size(0), q.size(1), k.size(2)}, q.options());
+    const auto stats = q.options().dtype(statistics_type(q.scalar_type()));
+    auto col = sweeps > 0 ? c.back() : at::zeros({q.size(0), q.size(1), k.size(2)}, stats);
     auto bias = key_bias(col.unsqueeze(-2), ex);
     auto [out, r_last] = kernel(q, k, v, bias, scale);
     auto mass = fused_mass(q, k, col, r_last, ex, scale);
@@ -109,10 +112,11 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
     ctx->saved_data["col_q"] = at::IValue(col_q);
     ctx->saved_data["row_k"] = at::IValue(row_k);
     ctx->mark_non_differentiable({mass});
-    return {out, mass, at::zeros({q.size(0), q.size(1)}, q.options())};
+    return {out, mass, at::zeros({q.size(0), q.size(1)}, stats)};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const NoAutocast no_autocast;
     auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &r_last = saved[4], &bias = saved[5];
     const auto c = ctx->saved_data["c"].toTensorVector(), r = ctx->saved_data["r"].toTensorVector();
@@ -134,7 +138,7 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
     qa.select(-1, d).fill_(1.0);
     std::tie(dq, dk, dv) =
         at::_scaled_dot_product_flash_attention_for_cpu_backward(pad(dout), qa, pad(k), pad(v), pad(out), r_last, 0.0, false, bias, scale);
-    auto g = dk.select(-1, d) / scale;  // (B, H, S_k)
+    auto g = dk.select(-1, d).to(statistics_type(q.scalar_type())) / scale;  // (B, H, S_k)
     dq = dq.narrow(-1, 0, d);
     dk = dk.narrow(-1, 0, d);
     dv = dv.narrow(-1, 0, d);
@@ -154,7 +158,7 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
       dk = dk + b.narrow(-1, 0, d) * (b_scale * scale).unsqueeze(-1);
       dc = -b.select(-1, d) * b_scale;  // dC^{t-1}
     }
-    return {dq, dk, dv, at::Tensor(), at::Tensor()};
+    return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type()), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -244,6 +248,7 @@ struct FusedCpuBam : public torch::autograd::Function<FusedCpuBam> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const NoAutocast no_autocast;
     auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4], &bias = saved[5];
     auto optional = [&](const char* key) { return ctx->saved_data[key].isNone() ? at::Tensor() : ctx->saved_data[key].toTensor(); };
@@ -362,6 +367,8 @@ bool fused_cpu_applies(const at::Tensor& q, const at::Tensor& v, const at::Tenso
 bool fused_cpu_bam_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& excluded, int64_t sweeps,
                            int64_t noise, int64_t kl) {
   if (!q.device().is_cpu() || noise == kNoNoise || sweeps != 0 || q.dim() != 4 || v.size(-1) != q.size(-1)) return false;
+  // The KL's closed form cancels large sums: bfloat16 and float16 inputs take the tiles.
+  if (statistics_type(q.scalar_type()) != q.scalar_type()) return false;
   if (kl == kLognormalSquares) {
     // The Lognormal closed form expands Σ (z_ij − l_i − a_j)² into sums of squares of size
     // S_q · S_k · z², which cancel to the (much smaller) total: its rounding grows as eps · z²

@@ -53,6 +53,23 @@ void pa_pt2_free(pa_pt2* package);
 // torch::jit::Module::named_buffers() of the module saved at `path`, loaded on the CPU.
 char* pa_jit_named_buffers(const char* path, pa_tensors** out);
 
+// ---- mixed precision (autocast.cpp): libtorch's autocast on the calling thread
+#define PA_AUTOCAST_BF16 1
+#define PA_AUTOCAST_F16 2
+typedef struct pa_autocast_state {
+  int32_t enabled;  // 0 or 1
+  int32_t dtype;    // PA_AUTOCAST_BF16 or PA_AUTOCAST_F16
+} pa_autocast_state;
+// cuda: 0 the CPU's autocast, 1 CUDA's. Enter turns it on in `dtype` and writes what was there
+// before into `previous`; exit restores it (and clears the cast cache when the outermost region
+// ends). Regions nest as torch.autocast's do.
+char* pa_autocast_enter(int32_t cuda, int32_t dtype, pa_autocast_state* previous);
+char* pa_autocast_exit(int32_t cuda, const pa_autocast_state* previous);
+char* pa_autocast_state_of(int32_t cuda, pa_autocast_state* state);
+// Switches autocast on or off without entering a region (no nesting, no cache): what a call
+// that runs its own precision does around itself.
+char* pa_autocast_set_enabled(int32_t cuda, int32_t enabled);
+
 // ---- memory-efficient attention (tiled.cpp)
 typedef struct pa_tiled_spec {
   int64_t tile;        // queries per tile, >= 1

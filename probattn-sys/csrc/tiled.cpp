@@ -65,6 +65,7 @@ struct Problem {
   std::vector<at::Tensor> r;  // r[t] = R^{t+1}, (B, H, S_q, 1), t < sweeps - 1
 
   int64_t queries() const { return qs.size(-2); }
+  at::ScalarType stats() const { return statistics_type(qs.scalar_type()); }
   std::vector<int64_t> shape() const { return {qs.size(0), qs.size(1), qs.size(2), k.size(2)}; }
 
   template <typename F>
@@ -77,7 +78,7 @@ struct Problem {
     return excluded.narrow(-2, start, len);
   }
   at::Tensor scores(int64_t start, int64_t len, const at::Tensor& ex) const {
-    return filled(at::matmul(qs.narrow(-2, start, len), k.transpose(-2, -1)), ex, kMaskValue);
+    return filled(at::matmul(qs.narrow(-2, start, len), k.transpose(-2, -1)).to(stats()), ex, kMaskValue);
   }
   // z - s filled, s a per-row or per-key statistic.
   static at::Tensor minus(const at::Tensor& z, const at::Tensor& s, const at::Tensor& ex) { return filled(z - s, ex, kMaskValue); }
@@ -151,19 +152,21 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
   static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, std::optional<at::Tensor> excluded,
                                std::optional<at::Tensor> noise_given, std::optional<at::Tensor> prior, int64_t tile, int64_t sweeps,
                                int64_t noise, double noise_scale, int64_t seed, int64_t kl) {
+    const NoAutocast no_autocast;
     Problem pb{q * std::sqrt(1.0 / static_cast<double>(q.size(-1))), k, v, excluded.value_or(at::Tensor()), at::Tensor(), tile,
                sweeps, noise, noise_scale, static_cast<uint64_t>(seed), {}, {}};
     if (noise != kNoNoise && noise_given.has_value()) pb.given_noise = noise_given->expand(pb.shape());
     const KlTerm term{kl, prior.value_or(at::Tensor())};
     pb.sweep();
     std::vector<at::Tensor> outputs, row_lse;
-    at::Tensor mass = at::zeros({q.size(0), q.size(1), k.size(2)}, q.options());  // Σ_i P_ij
-    at::Tensor kl_part = at::zeros({q.size(0), q.size(1)}, q.options());
+    const auto stats = q.options().dtype(pb.stats());
+    at::Tensor mass = at::zeros({q.size(0), q.size(1), k.size(2)}, stats);  // Σ_i P_ij
+    at::Tensor kl_part = at::zeros({q.size(0), q.size(1)}, stats);
     pb.each([&](int64_t start, int64_t len) {
       auto ex = pb.excluded_rows(start, len);
       auto y = pb.logits(pb.scores(start, len, ex), ex);
       auto p = pb.weights(y, start, len, ex);
-      outputs.push_back(at::matmul(p, v));
+      outputs.push_back(at::matmul(p.to(v.scalar_type()), v));
       mass += p.sum(-2);
       if (kl != kNoKl) {
         row_lse.push_back(at::logsumexp(y, {-1}, true));
@@ -186,6 +189,7 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const NoAutocast no_autocast;
     auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3];
     auto optional = [&](const char* key) { return ctx->saved_data[key].isNone() ? at::Tensor() : ctx->saved_data[key].toTensor(); };
@@ -200,9 +204,12 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
     auto dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
     const bool with_kl = term.kind != kNoKl && grads[2].defined();
     const auto dkl = with_kl ? grads[2].view({q.size(0), q.size(1), 1, 1}) : at::Tensor();
-    auto d = (dout * out).sum(-1, true);  // (B, H, S_q, 1)
-    auto dv = at::zeros_like(v), dk = at::zeros_like(k);
-    at::Tensor da = with_kl ? at::zeros({q.size(0), q.size(1), 1, k.size(2)}, q.options()) : at::Tensor();
+    // Statistics and the accumulated gradients in the statistics' dtype, products in the inputs'.
+    const auto stats = q.options().dtype(pb.stats());
+    const auto lower = [&](const at::Tensor& t) { return t.to(q.scalar_type()); };
+    auto d = (dout.to(pb.stats()) * out.to(pb.stats())).sum(-1, true);  // (B, H, S_q, 1)
+    auto dv = at::zeros(v.sizes(), stats), dk = at::zeros(k.sizes(), stats);
+    at::Tensor da = with_kl ? at::zeros({q.size(0), q.size(1), 1, k.size(2)}, stats) : at::Tensor();
     std::vector<at::Tensor> dq;
 
     // The KL term's part of dY in a tile (undefined without one); the first pass also adds its
@@ -219,15 +226,15 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
     auto logits_grad = [&](int64_t start, int64_t len, const at::Tensor& ex, const at::Tensor& z, bool first_pass) {
       auto y = pb.logits(z, ex);
       auto p = pb.weights(y, start, len, ex);
-      auto dp = at::matmul(dout.narrow(-2, start, len), v.transpose(-2, -1));
+      auto dp = at::matmul(dout.narrow(-2, start, len), v.transpose(-2, -1)).to(pb.stats());
       auto dy = p * (dp - d.narrow(-2, start, len));
       auto dy_kl = kl_grad(start, len, ex, y, first_pass);
       if (dy_kl.defined()) dy = dy + dy_kl;
       return std::make_pair(p, dy);
     };
     auto finish = [&](int64_t start, int64_t len, const at::Tensor& dz) {
-      dq.push_back(at::matmul(dz, k) * scale);
-      dk.add_(at::matmul(dz.transpose(-2, -1), pb.qs.narrow(-2, start, len)));
+      dq.push_back(at::matmul(lower(dz), k) * scale);
+      dk.add_(at::matmul(lower(dz).transpose(-2, -1), pb.qs.narrow(-2, start, len)));
     };
 
     // First pass: dV, and for softmax dZ itself. With sweeps it gathers g = Σ_i dY_ij instead,
@@ -238,13 +245,13 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
       auto z = pb.scores(start, len, ex);
       if (n == 0) {
         auto [p, dy] = logits_grad(start, len, ex, z, true);
-        dv.add_(at::matmul(p.transpose(-2, -1), dout.narrow(-2, start, len)));
+        dv.add_(at::matmul(lower(p).transpose(-2, -1), dout.narrow(-2, start, len)));
         finish(start, len, dy);
         return;
       }
       auto y = pb.logits(z, ex);
       auto p = pb.weights(y, start, len, ex);
-      dv.add_(at::matmul(p.transpose(-2, -1), dout.narrow(-2, start, len)));
+      dv.add_(at::matmul(lower(p).transpose(-2, -1), dout.narrow(-2, start, len)));
       auto col = at::matmul(d.narrow(-2, start, len).transpose(-2, -1), p);
       auto dy_kl = kl_grad(start, len, ex, y, true);
       if (dy_kl.defined()) col = col - dy_kl.sum(-2, true);
@@ -279,7 +286,7 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
     }
     at::Tensor dprior;
     if (with_kl && term.a.defined() && term.a.requires_grad()) dprior = at::sum_to(da, term.a.sizes());
-    return {at::cat(dq, -2), dk, dv, at::Tensor(), at::Tensor(), dprior, at::Tensor(), at::Tensor(),
+    return {at::cat(dq, -2), dk.to(k.scalar_type()), dv.to(v.scalar_type()), at::Tensor(), at::Tensor(), dprior, at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -301,6 +308,7 @@ char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor
     TORCH_CHECK(spec->noise >= kNoNoise && spec->noise <= kLognormal, "unknown noise kind ", spec->noise);
     TORCH_CHECK(spec->kl >= kNoKl && spec->kl <= kLognormalSquares, "unknown KL kind ", spec->kl);
     TORCH_CHECK(spec->kl == kNoKl || prior != nullptr, "a KL term needs the prior's per-key values");
+    const NoAutocast no_autocast;
     auto some = [](const pa_tensor* t) { return t != nullptr ? std::optional<at::Tensor>(*t) : std::nullopt; };
     const auto ex = excluded != nullptr ? *excluded : at::Tensor();
     std::vector<at::Tensor> result;

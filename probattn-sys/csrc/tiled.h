@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 namespace probattn::tiled {
 
@@ -15,6 +16,16 @@ constexpr double kMaskValue = -1.0e30;  // the eager path's mask_value for float
 
 enum Noise : int64_t { kNoNoise = 0, kWeibull = 1, kLognormal = 2 };
 enum Kl : int64_t { kNoKl = 0, kWeibullCross = 1, kLognormalSquares = 2 };
+
+// The dtype a pass keeps its scores' statistics, weights and gradients in: float32 for bfloat16
+// and float16 inputs (whose matrix products stay in their dtype), the inputs' own otherwise.
+inline at::ScalarType statistics_type(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf ? at::kFloat : t; }
+
+// Autocast off while a pass runs: every dtype in these files is set by hand (forward and backward
+// alike, whatever the caller's autocast state).
+struct NoAutocast {
+  c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
+};
 
 // t with the excluded entries set to `value` (t itself without a mask).
 inline at::Tensor filled(const at::Tensor& t, const at::Tensor& excluded, double value) {

@@ -58,6 +58,14 @@ struct PaPt2 {
     _opaque: [u8; 0],
 }
 
+/// libtorch's autocast state for one device type (`pa_autocast_state`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AutocastState {
+    enabled: i32,
+    dtype: i32,
+}
+
 #[repr(C)]
 struct PaDist {
     _opaque: [u8; 0],
@@ -103,6 +111,10 @@ extern "C" {
         aten_ops: i32,
         out: *mut *mut C_tensor,
     ) -> *mut c_char;
+    fn pa_autocast_enter(cuda: i32, dtype: i32, previous: *mut AutocastState) -> *mut c_char;
+    fn pa_autocast_exit(cuda: i32, previous: *const AutocastState) -> *mut c_char;
+    fn pa_autocast_state_of(cuda: i32, state: *mut AutocastState) -> *mut c_char;
+    fn pa_autocast_set_enabled(cuda: i32, enabled: i32) -> *mut c_char;
     fn pa_cpu_memory_track() -> *mut c_char;
     fn pa_cpu_memory_stats(current: *mut i64, peak: *mut i64, tracking: *mut i64) -> *mut c_char;
     fn pa_cpu_memory_reset_peak() -> *mut c_char;
@@ -358,6 +370,57 @@ pub fn counter_noise(like: &Tensor, shape: [i64; 4], noise: i32, seed: u64, rows
         check(pa_counter_noise(like.as_ptr(), shape.as_ptr(), noise, seed, rows.start, len, aten_ops as i32, &mut out), Error::Torch)?;
         Ok(Tensor::from_ptr(out))
     }
+}
+
+/// The lower-precision dtypes autocast can run in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AutocastDtype {
+    BFloat16 = 1,
+    Float16 = 2,
+}
+
+impl AutocastState {
+    /// Whether autocast is on, and in which dtype.
+    pub fn enabled(&self) -> Option<AutocastDtype> {
+        (self.enabled != 0).then_some(if self.dtype == AutocastDtype::Float16 as i32 {
+            AutocastDtype::Float16
+        } else {
+            AutocastDtype::BFloat16
+        })
+    }
+}
+
+fn autocast_error(message: String) -> Error {
+    Error::Torch(format!("autocast: {message}"))
+}
+
+/// Turns on libtorch's autocast for the CPU (`cuda` false) or CUDA on the calling thread, in
+/// `dtype`; returns the state before, for [`autocast_exit`].
+pub fn autocast_enter(cuda: bool, dtype: AutocastDtype) -> Result<AutocastState> {
+    let mut previous = AutocastState::default();
+    // SAFETY: a valid out-pointer.
+    check(unsafe { pa_autocast_enter(i32::from(cuda), dtype as i32, &mut previous) }, autocast_error)?;
+    Ok(previous)
+}
+
+/// Restores the state [`autocast_enter`] returned; the outermost region clears the cast cache.
+pub fn autocast_exit(cuda: bool, previous: &AutocastState) -> Result<()> {
+    // SAFETY: a valid pointer, read during the call only.
+    check(unsafe { pa_autocast_exit(i32::from(cuda), previous) }, autocast_error)
+}
+
+/// Switches autocast for the CPU or CUDA on or off on the calling thread, outside any region.
+pub fn autocast_set_enabled(cuda: bool, enabled: bool) -> Result<()> {
+    // SAFETY: plain integer arguments.
+    check(unsafe { pa_autocast_set_enabled(i32::from(cuda), i32::from(enabled)) }, autocast_error)
+}
+
+/// The calling thread's autocast state for the CPU or CUDA.
+pub fn autocast_state(cuda: bool) -> Result<AutocastState> {
+    let mut state = AutocastState::default();
+    // SAFETY: a valid out-pointer.
+    check(unsafe { pa_autocast_state_of(i32::from(cuda), &mut state) }, autocast_error)?;
+    Ok(state)
 }
 
 fn memory_error(message: String) -> Error {

@@ -122,6 +122,8 @@ pub(crate) fn try_scores(q: &Tensor, k: &Tensor) -> std::result::Result<Tensor, 
 /// active; the weights are kept when asked for.
 pub(crate) fn mix(weights: Tensor, v: &Tensor, kl: Option<Tensor>, opts: &AttendOptions) -> Attended {
     let mixing = if opts.dropout_active() { weights.dropout(opts.dropout, true) } else { weights.shallow_clone() };
+    // Float32 weights of bfloat16 or float16 values mix in the values' dtype.
+    let mixing = if mixing.kind() == v.kind() { mixing } else { mixing.to_kind(v.kind()) };
     let output = mixing.matmul(v); // (B, H, S_q, d_v)
     Attended { output, weights: opts.need_weights.then_some(weights), received_mass: None, kl }
 }

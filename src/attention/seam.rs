@@ -5,13 +5,14 @@
 //! `(B, H, S_q, S_k)`; output `(B, H, S_q, d_v)`. [`crate::MultiHeadAttention`] projects and splits
 //! heads around this; `probattn attend` calls it directly.
 
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use crate::call::{check_qkv, mix, try_scores};
 pub use crate::call::{scaled_dot_product_scores, AttendOptions, Attended, Mode};
 use crate::mask::Masks;
 use crate::mask::ScoreShape;
 use crate::normalize::{NormalizeInput, Normalizer, Support};
+use crate::precision::{autocast_kind, outside_autocast, widen};
 use crate::tiled::{attend_tiled_shaped, TiledOptions};
 use crate::{Error, Result};
 
@@ -40,7 +41,32 @@ use crate::{Error, Result};
 /// assert_eq!(tiled.received_mass.map(|m| m.size()), Some(vec![2, 4, 7]));
 /// # Ok::<(), probattn::Error>(())
 /// ```
+///
+/// Precision: bfloat16 and float16 inputs are multiplied in their dtype while the weights and
+/// every statistic (log-sum-exps, BAM's noise and KL, the received mass) are float32; the
+/// output has the values' dtype. Under autocast ([`crate::precision`]) attention is a
+/// lower-precision operation, as `scaled_dot_product_attention` is under `torch.autocast`:
+/// float32 inputs run in the autocast dtype.
 pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, normalizer: &dyn Normalizer, opts: AttendOptions) -> Result<Attended> {
+    match autocast_kind(q.device())? {
+        None => attend_as_given(q, k, v, masks, normalizer, opts),
+        Some(lower) => {
+            let cast = |t: &Tensor| if t.kind() == Kind::Float { t.to_kind(lower) } else { t.shallow_clone() };
+            let (q, k, v) = (cast(q), cast(k), cast(v));
+            outside_autocast(q.device(), || attend_as_given(&q, &k, &v, masks, normalizer, opts))
+        }
+    }
+}
+
+/// [`attend`] in the dtypes given, autocast off.
+fn attend_as_given(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    masks: &Masks,
+    normalizer: &dyn Normalizer,
+    opts: AttendOptions,
+) -> Result<Attended> {
     let shape = check_qkv(q, k, v)?;
     if masks.causal && !normalizer.causal_safe() {
         return Err(Error::causal_leak(&normalizer.name()));
@@ -68,11 +94,12 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, normalizer: &dy
             return Ok(attended);
         }
         let support = Support::dense(masks.allowed(shape, q.device())?);
-        let scores = try_scores(q, k).map_err(|e| Error::from_torch(e, &what, hint))?; // (B, H, S_q, S_k)
+        // (B, H, S_q, S_k), float32 from bfloat16 or float16 inputs.
+        let scores = widen(&try_scores(q, k).map_err(|e| Error::from_torch(e, &what, hint))?);
         let normalized = normalizer.normalize(&NormalizeInput {
             scores: &scores,
             support: &support,
-            keys: Some(k),
+            keys: Some(&widen(k)),
             noise: opts.noise,
             sample: opts.mode.sample,
         })?;

@@ -57,6 +57,7 @@ use crate::cxx::{self, TiledSpec};
 use crate::mask::{Masks, ScoreShape};
 use crate::normalize::BamKind;
 pub use crate::plan::{Kl, KlForm, NoiseKind, PriorFn, Sampling, Tiled};
+use crate::precision::{statistics_kind, widen};
 use crate::{Error, Result};
 
 /// Euler–Mascheroni constant γ.
@@ -126,9 +127,11 @@ pub(crate) fn attend_tiled_shaped(
     if opts.tile < 1 {
         return Err(Error::Config(format!("the tile size must be at least 1, got {}", opts.tile)));
     }
-    if !matches!(q.kind(), Kind::Float | Kind::Double) {
-        return Err(Error::Unsupported(format!("the tiled path runs in float32 and float64, not {:?}", q.kind())));
+    if !matches!(q.kind(), Kind::Float | Kind::Double | Kind::BFloat16 | Kind::Half) {
+        return Err(Error::Unsupported(format!("the tiled path runs in float64, float32, bfloat16 and float16, not {:?}", q.kind())));
     }
+    // bfloat16 and float16 inputs keep their statistics, the received mass and the KL in float32.
+    let stats = statistics_kind(q.kind());
     let allowed = masks.allowed(shape, q.device())?;
     let excluded = allowed.as_ref().map(|a| a.logical_not());
     let spec = TiledSpec { tile: opts.tile, sweeps: 0, noise: 0, noise_scale: 0.0, seed: 0, kl: 0, fused_cpu: i32::from(opts.fused_cpu) };
@@ -154,11 +157,11 @@ pub(crate) fn attend_tiled_shaped(
             if logit.size() != [heads] {
                 return Err(Error::Shape(format!("HNAS logits have shape {:?}, expected ({heads},)", logit.size())));
             }
-            let u = logit.to_kind(q.kind()).sigmoid();
+            let u = logit.to_kind(stats).sigmoid();
             let (d, s) = (plain(plan.sweeps)?, plain(0)?);
             let (u4, u3) = (u.view([1, -1, 1, 1]), u.view([1, -1, 1]).detach());
             Ok(TiledAttended {
-                output: &u4 * d.output + (1.0 - &u4) * s.output,
+                output: Tensor::to_kind(&(&u4 * d.output + (1.0 - &u4) * s.output), v.kind()),
                 received_mass: &u3 * d.received_mass + (1.0 - &u3) * s.received_mass,
                 kl: None,
             })
@@ -174,7 +177,8 @@ pub(crate) fn attend_tiled_shaped(
                 NoiseKind::Lognormal => (TiledSpec::LOGNORMAL, sampling.scale),
             };
             let seed = opts.seed.unwrap_or_else(libtorch_seed);
-            let prior = sampling.kl.as_ref().map(|kl| (kl.prior)(k, allowed.as_ref()).map(|a| (kl.form, a))).transpose()?;
+            let keys = widen(k);
+            let prior = sampling.kl.as_ref().map(|kl| (kl.prior)(&keys, allowed.as_ref()).map(|a| (kl.form, a))).transpose()?;
             let kl_kind = match prior.as_ref().map(|(form, _)| *form) {
                 None => 0,
                 Some(KlForm::WeibullGamma { .. }) => TiledSpec::KL_WEIBULL,
@@ -185,7 +189,7 @@ pub(crate) fn attend_tiled_shaped(
             let (output, received_mass, part) = cxx::tiled_attention(q, k, v, excluded.as_ref(), noise.as_ref(), a, &spec)?;
             let kl = prior
                 .as_ref()
-                .map(|(form, a)| tiled_kl(*form, &part, a, &MaskCounts::new(allowed.as_ref(), shape, opts.tile, q.kind(), q.device())));
+                .map(|(form, a)| tiled_kl(*form, &part, a, &MaskCounts::new(allowed.as_ref(), shape, opts.tile, stats, q.device())));
             Ok(TiledAttended { output, received_mass, kl })
         }
     }

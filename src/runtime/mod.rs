@@ -9,3 +9,4 @@ pub mod distributed;
 pub mod interop;
 pub mod io;
 pub mod memory;
+pub mod precision;

@@ -6,6 +6,7 @@ use tch::{Device, Kind, Tensor};
 use super::{NormalizeInput, Normalized, Normalizer, Support};
 use crate::call::{mix, scaled_dot_product_scores, AttendOptions, Attended};
 use crate::mask::{Masks, ScoreShape};
+use crate::precision::widen;
 use crate::Result;
 
 /// Softmax over the keys (UNAS).
@@ -37,14 +38,16 @@ impl Normalizer for Softmax {
     fn fused(&self, q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, opts: &AttendOptions) -> Result<Option<Attended>> {
         let shape = ScoreShape { batch: q.size()[0], heads: q.size()[1], queries: q.size()[2], keys: k.size()[2] };
         let allowed = masks.allowed(shape, q.device())?;
-        let kernel =
-            !opts.need_weights && !opts.dropout_active() && q.device() == Device::Cpu && matches!(q.kind(), Kind::Float | Kind::Double);
+        let kernel = !opts.need_weights
+            && !opts.dropout_active()
+            && q.device() == Device::Cpu
+            && matches!(q.kind(), Kind::Float | Kind::Double | Kind::BFloat16);
         if kernel {
             let output = Tensor::f_scaled_dot_product_attention(q, k, v, allowed.as_ref(), 0.0, false, None::<f64>, false)?;
             return Ok(Some(Attended { output, weights: None, received_mass: None, kl: None }));
         }
         let support = Support::dense(allowed);
-        let mut scores = scaled_dot_product_scores(q, k); // (B, H, S_q, S_k)
+        let mut scores = widen(&scaled_dot_product_scores(q, k)); // (B, H, S_q, S_k), float32 from bfloat16
         support.mask_scores_(&mut scores);
         Ok(Some(mix(support.row_softmax(&scores), v, None, opts)))
     }

@@ -1,0 +1,165 @@
+//! Mixed precision as PyTorch's autocast does it: [`Precision::Bf16`] runs a region of code with
+//! libtorch's autocast on for the device, so matrix products (linear layers, `matmul`, attention's
+//! scores and value mix) run in bfloat16 while the weights, the optimizer state and everything
+//! outside the region stay float32. probattn's attention keeps its statistics wider than its inputs
+//! in every precision ([`statistics_kind`]): softmax's and DNAS/Sinkhorn's log-sum-exps, BAM's noise
+//! transform and KL, the received mass. Losses are the caller's to take in float32 (the models do,
+//! as fairseq does).
+//!
+//! ```
+//! use probattn::precision::Precision;
+//! use tch::{Device, Kind, Tensor};
+//!
+//! let (x, w) = (Tensor::randn([4, 8], (Kind::Float, Device::Cpu)), Tensor::randn([8, 8], (Kind::Float, Device::Cpu)));
+//! let y = Precision::Bf16.run(Device::Cpu, || x.matmul(&w))?;
+//! assert_eq!(y.kind(), Kind::BFloat16); // inside the region: bfloat16
+//! assert_eq!(x.matmul(&w).kind(), Kind::Float); // after it: float32 again
+//! # Ok::<(), probattn::Error>(())
+//! ```
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use crate::cxx;
+use crate::{Error, Result};
+
+/// The precision a run computes in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Everything in float32 (the default).
+    #[default]
+    F32,
+    /// bfloat16 autocast, as `torch.autocast(device, torch.bfloat16)`: float32 weights.
+    Bf16,
+}
+
+impl Precision {
+    pub const NAMES: &'static str = "f32, bf16";
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        }
+    }
+
+    /// The dtype matrix products run in inside a region.
+    pub fn compute_kind(self) -> Kind {
+        match self {
+            Self::F32 => Kind::Float,
+            Self::Bf16 => Kind::BFloat16,
+        }
+    }
+
+    /// Enters a region on `device`: autocast on for its device type until the guard drops (a
+    /// no-op guard for [`Precision::F32`]). Regions nest; the state before is restored on drop.
+    pub fn enter(self, device: Device) -> Result<Autocast> {
+        let cuda = device.is_cuda();
+        let previous = match self {
+            Self::F32 => None,
+            Self::Bf16 => Some(cxx::autocast_enter(cuda, cxx::AutocastDtype::BFloat16)?),
+        };
+        Ok(Autocast { cuda, previous })
+    }
+
+    /// Runs `f` in a region on `device` (see [`Precision::enter`]).
+    pub fn run<T>(self, device: Device, f: impl FnOnce() -> T) -> Result<T> {
+        let guard = self.enter(device)?;
+        let out = f();
+        guard.exit()?;
+        Ok(out)
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Precision {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "fp32" | "float32" => Ok(Self::F32),
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
+            _ => Err(Error::Config(format!("unknown precision '{s}' (known: {})", Self::NAMES))),
+        }
+    }
+}
+
+/// An autocast region; dropping it restores the state before ([`Autocast::exit`] reports an error
+/// that a drop cannot).
+#[must_use = "the region ends when the guard drops"]
+#[derive(Debug)]
+pub struct Autocast {
+    cuda: bool,
+    previous: Option<cxx::AutocastState>,
+}
+
+impl Autocast {
+    /// Ends the region.
+    pub fn exit(mut self) -> Result<()> {
+        self.restore()
+    }
+
+    fn restore(&mut self) -> Result<()> {
+        match self.previous.take() {
+            Some(previous) => Ok(cxx::autocast_exit(self.cuda, &previous)?),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Autocast {
+    fn drop(&mut self) {
+        // Restoring passes known-good values back; it fails only if libtorch itself is broken,
+        // and a drop has no one to tell.
+        let _ = self.restore();
+    }
+}
+
+/// The dtype attention keeps its statistics in for inputs of `kind`: float32 for bfloat16 and
+/// float16, the inputs' own otherwise.
+pub fn statistics_kind(kind: Kind) -> Kind {
+    match kind {
+        Kind::BFloat16 | Kind::Half => Kind::Float,
+        other => other,
+    }
+}
+
+/// `t` in [`statistics_kind`] of its dtype (itself, not a copy, when that is its dtype).
+pub fn widen(t: &Tensor) -> Tensor {
+    let kind = statistics_kind(t.kind());
+    if kind == t.kind() {
+        t.shallow_clone()
+    } else {
+        t.to_kind(kind)
+    }
+}
+
+/// The dtype autocast computes in on `device` on this thread, `None` when it is off.
+pub fn autocast_kind(device: Device) -> Result<Option<Kind>> {
+    Ok(cxx::autocast_state(device.is_cuda())?.enabled().map(|dtype| match dtype {
+        cxx::AutocastDtype::BFloat16 => Kind::BFloat16,
+        cxx::AutocastDtype::Float16 => Kind::Half,
+    }))
+}
+
+/// Runs `f` with autocast off on `device`'s type (when it was on, it is switched back on after,
+/// whatever `f` returns): for code that sets its dtypes itself, as attention does.
+pub fn outside_autocast<T>(device: Device, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let cuda = device.is_cuda();
+    if cxx::autocast_state(cuda)?.enabled().is_none() {
+        return f();
+    }
+    cxx::autocast_set_enabled(cuda, false)?;
+    let out = f();
+    cxx::autocast_set_enabled(cuda, true)?;
+    out
+}
