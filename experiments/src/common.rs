@@ -2,6 +2,7 @@
 
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
+use probattn::precision::Precision;
 use probattn::DeviceSpec;
 use tch::Device;
 
@@ -48,6 +49,21 @@ impl MemoryEfficientArgs {
     pub fn tile(&self) -> Option<i64> {
         self.memory_efficient.then_some(self.tile)
     }
+}
+
+/// `--precision f32|bf16`: one definition for translate, vqa, gat, bench and attend.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct PrecisionArgs {
+    /// f32: everything in float32. bf16: bfloat16 autocast, as torch.autocast(device,
+    /// torch.bfloat16): matrix products and attention in bfloat16, while the weights, the
+    /// optimizer state, the losses, attention's statistics (log-sum-exps, weights, BAM's noise
+    /// and KL) and the SVGD kernel stay float32; checkpoints are float32 in both (docs/precision.md).
+    #[arg(long, default_value = "f32", value_parser = parse_precision)]
+    pub precision: Precision,
+}
+
+fn parse_precision(s: &str) -> std::result::Result<Precision, String> {
+    s.parse().map_err(|e: probattn::Error| e.to_string())
 }
 
 /// `--allocator`.

@@ -10,6 +10,7 @@
 //! per head; zero biases.
 
 use probattn::normalize::{NormalizeInput, Normalizer, Support};
+use probattn::precision::{outside_autocast, statistics_kind, widen};
 use probattn::{Error, Mode, NormalizerConfig, NormalizerFactory, Result, Variant};
 use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
@@ -101,10 +102,11 @@ impl Features {
         }
     }
 
-    /// `dropout(x) · weight`, `(N, out)`.
-    fn dropout_matmul(&self, weight: &Tensor, p: f64, train: bool) -> Tensor {
+    /// `dropout(x) · weight`, `(N, out)`. The sparse product stays float32 under autocast:
+    /// libtorch has no bfloat16 sparse (CSR) product on the CPU.
+    fn dropout_matmul(&self, weight: &Tensor, p: f64, train: bool) -> Result<Tensor> {
         match self {
-            Self::Dense(x) => dropout(x, p, train).matmul(weight),
+            Self::Dense(x) => Ok(dropout(x, p, train).matmul(weight)),
             Self::Sparse { crow, cols, values, nodes, features } => {
                 let x = Tensor::sparse_csr_tensor_crow_col_value_size(
                     crow,
@@ -113,7 +115,7 @@ impl Features {
                     [*nodes, *features],
                     (values.kind(), values.device()),
                 );
-                x.mm(weight)
+                outside_autocast(weight.device(), || Ok(x.mm(weight)))
             }
         }
     }
@@ -184,19 +186,21 @@ impl GatLayer {
     pub fn forward(&self, x: &Features, support: &Support, mode: Mode, cfg: &GatConfig) -> Result<(Tensor, Option<Tensor>)> {
         let edges = support.edges().ok_or_else(|| Error::Config("GAT layers need an edge-list support".into()))?;
         let (n, h, f) = (x.nodes(), self.heads, self.out_features);
-        let wh = x.dropout_matmul(&self.weight, cfg.dropout, mode.dropout).view([n, h, f]); // (N, H, F)
-        let e_src = (&wh * &self.att_src).sum_dim_intlist(&[-1i64][..], false, wh.kind()); // (N, H)
-        let e_dst = (&wh * &self.att_dst).sum_dim_intlist(&[-1i64][..], false, wh.kind());
+        let wh = x.dropout_matmul(&self.weight, cfg.dropout, mode.dropout)?.view([n, h, f]); // (N, H, F)
+                                                                                             // Scores in float32 when the product ran in bfloat16 (autocast): attention's statistics.
+        let stats = statistics_kind(wh.kind());
+        let e_src = (&wh * &self.att_src).sum_dim_intlist(&[-1i64][..], false, stats); // (N, H)
+        let e_dst = (&wh * &self.att_dst).sum_dim_intlist(&[-1i64][..], false, stats);
         let e = e_dst.index_select(0, &edges.dst) + e_src.index_select(0, &edges.src); // (E, H)
         let scores = e.maximum(&(&e * cfg.negative_slope)).transpose(0, 1).contiguous(); // LeakyReLU, (H, E)
-        let keys = wh.transpose(0, 1).unsqueeze(0); // (1, H, N, F)
+        let keys = widen(&wh).transpose(0, 1).unsqueeze(0); // (1, H, N, F)
         let normalized =
             self.normalizer.normalize(&NormalizeInput { scores: &scores, support, keys: Some(&keys), noise: None, sample: mode.sample })?;
         let weights = dropout(&normalized.weights, cfg.attention_dropout, mode.dropout); // (H, E)
         let values = dropout(&wh, cfg.dropout, mode.dropout);
         let messages = values.index_select(0, &edges.src) * weights.transpose(0, 1).unsqueeze(-1); // (E, H, F)
-        let aggregated = Tensor::zeros([n, h, f], (wh.kind(), wh.device())).index_add(0, &edges.dst, &messages) + &self.bias;
-        let out = if self.concat { aggregated.view([n, h * f]) } else { aggregated.mean_dim(&[1i64][..], false, wh.kind()) };
+        let aggregated = Tensor::zeros([n, h, f], (messages.kind(), wh.device())).index_add(0, &edges.dst, &messages) + &self.bias;
+        let out = if self.concat { aggregated.view([n, h * f]) } else { aggregated.mean_dim(&[1i64][..], false, aggregated.kind()) };
         Ok((out, normalized.kl))
     }
 

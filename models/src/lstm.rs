@@ -333,7 +333,7 @@ impl AttentionalLstm {
     pub fn step(&self, token: &Tensor, state: &mut LstmState, src_pad: &Tensor) -> Result<Tensor> {
         let (out, _) = self.step_t(token, state, src_pad, None, false)?;
         let logits = out.apply(&self.generator);
-        Ok(logits.log_softmax(-1, logits.kind()))
+        Ok(logits.log_softmax(-1, probattn::precision::statistics_kind(logits.kind())))
     }
 
     /// The vocabulary size.

@@ -262,7 +262,7 @@ impl Seq2Seq {
                 let y = self.embed(t, &t.tgt_embed, &token.unsqueeze(1), step, false)?; // (B, 1, E)
                 let y = t.stack.decode_step(&y, state, Some(src_pad))?;
                 let logits = y.squeeze_dim(1).matmul(&t.tgt_embed.transpose(0, 1)); // (B, V)
-                Ok(logits.log_softmax(-1, logits.kind()))
+                Ok(logits.log_softmax(-1, probattn::precision::statistics_kind(logits.kind())))
             }
             (Body::Lstm(l), DecodingState::Lstm(state)) => l.step(token, state, src_pad),
             _ => Err(Error::Config("a decoding state of the other architecture".into())),

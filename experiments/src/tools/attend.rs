@@ -29,6 +29,7 @@ use probattn::{attend, check_finite, AttendOptions, Masks, Mode, NormalizerConfi
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::common::CommonArgs;
+use probattn::precision::Precision;
 
 /// Flags of `probattn attend`.
 #[derive(Args, Debug)]
@@ -52,6 +53,10 @@ pub struct AttendArgs {
     pub hybrid_init_u: f64,
     #[command(flatten)]
     pub bam: BamArgs,
+    /// bf16: float32 inputs attend in bfloat16 (an autocast region); the weights, received mass
+    /// and KL stay float32 and the output is bfloat16.
+    #[command(flatten)]
+    pub precision: crate::common::PrecisionArgs,
     #[command(flatten)]
     pub common: CommonArgs,
 }
@@ -131,6 +136,11 @@ pub fn run(args: &AttendArgs) -> Result<()> {
         ensure!(t.kind() == kind, "{input}: q is {kind:?} but {name} is {:?}; use one dtype", t.kind());
         check_finite(name, t).with_context(|| input.clone())?;
     }
+    let precision = args.precision.precision;
+    ensure!(
+        precision == Precision::F32 || kind == Kind::Float,
+        "{input}: --precision {precision} takes float32 inputs (autocast leaves {kind:?} as it is)"
+    );
     let ignored: Vec<&String> = tensors.keys().filter(|n| !KNOWN_INPUTS.contains(&n.as_str()) && !n.starts_with("prior.")).collect();
     if !ignored.is_empty() {
         eprintln!("note: ignoring tensors attend does not read: {ignored:?}");
@@ -175,7 +185,7 @@ pub fn run(args: &AttendArgs) -> Result<()> {
             seed: Some(args.bam.seed),
             ..Default::default()
         };
-        let out = tch::no_grad(|| attend(&q, &k, &v, &masks, normalizer.as_ref(), opts))
+        let out = tch::no_grad(|| precision.run(device, || attend(&q, &k, &v, &masks, normalizer.as_ref(), opts)))?
             .with_context(|| format!("attending with {} (memory-efficient, tile {}) on {input}", args.variant, args.memory.tile))?;
         let received_mass = out.received_mass.as_ref().context("the memory-efficient path returns the received mass")?;
         let mut written = vec![("output", &out.output), ("received_mass", received_mass)];
@@ -188,7 +198,7 @@ pub fn run(args: &AttendArgs) -> Result<()> {
         return summary(&normalizer.name(), device, &out.output, None, received_mass, counted.as_ref(), out.kl.as_ref(), &args.output);
     }
     let opts = AttendOptions { mode: Mode { dropout: false, sample: args.bam.train }, noise: noise.as_ref(), ..Default::default() };
-    let out = tch::no_grad(|| attend(&q, &k, &v, &masks, normalizer.as_ref(), opts))
+    let out = tch::no_grad(|| precision.run(device, || attend(&q, &k, &v, &masks, normalizer.as_ref(), opts)))?
         .with_context(|| format!("attending with {} on {input}", args.variant))?;
     let weights = out.weights()?;
     let mass = received_mass(weights);

@@ -24,6 +24,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::common::CommonArgs;
 use crate::provenance::{run_dir, run_python, write_results, Provenance};
+use probattn::precision::Precision;
 
 /// The registry's benchmarked variants (softmax, dnas, hnas, sinkhorn-3, bam-lc, bam-wc).
 fn variants() -> Vec<&'static str> {
@@ -66,6 +67,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub out: Option<PathBuf>,
     #[command(flatten)]
+    pub precision: crate::common::PrecisionArgs,
+    #[command(flatten)]
     pub common: CommonArgs,
 }
 
@@ -85,6 +88,10 @@ pub struct Measurement {
     /// Peak bytes one forward+backward step allocated above what was held before it (the module
     /// doc says how each side counts); `null` where not measured.
     pub peak_mem_bytes: Option<u64>,
+    /// The forward pass's precision, the same on both sides (`--precision`; absent from records
+    /// written before it: float32).
+    #[serde(default)]
+    pub precision: Precision,
 }
 
 /// The SVGD hook's cost (bench.json's `svgd`).
@@ -171,10 +178,16 @@ fn first_line(e: &anyhow::Error) -> String {
 
 /// probattn's timings over `seq_lens`, stopping at the first length where a step fails (returned
 /// as skipped with the lengths after it) instead of aborting the whole benchmark.
-fn measure_ours(device: Device, seq_lens: &[i64], repeats: usize, rows: &[Row]) -> Result<(Vec<Measurement>, Vec<Skipped>)> {
+fn measure_ours(
+    device: Device,
+    seq_lens: &[i64],
+    repeats: usize,
+    rows: &[Row],
+    precision: Precision,
+) -> Result<(Vec<Measurement>, Vec<Skipped>)> {
     let mut out = vec![];
     for (i, &s) in seq_lens.iter().enumerate() {
-        match catch_torch_panic(|| measure_length(device, s, repeats, rows)) {
+        match catch_torch_panic(|| measure_length(device, s, repeats, rows, precision)) {
             Ok(m) => out.extend(m),
             Err(e) => {
                 let reason = first_line(&e);
@@ -217,7 +230,9 @@ fn rows(args: &BenchArgs) -> Vec<Row> {
 }
 
 /// Every row at one sequence length.
-fn measure_length(device: Device, s: i64, repeats: usize, rows: &[Row]) -> Result<Vec<Measurement>> {
+/// The forward pass in `precision` (an autocast region), the backward pass after it, as PyTorch's
+/// side does.
+fn measure_length(device: Device, s: i64, repeats: usize, rows: &[Row], precision: Precision) -> Result<Vec<Measurement>> {
     let mut out = vec![];
     let batch = rows.first().map_or(1, |r| r.batch);
     let x = Tensor::randn([batch, s, EMBED], (Kind::Float, device)).set_requires_grad(true);
@@ -235,7 +250,9 @@ fn measure_length(device: Device, s: i64, repeats: usize, rows: &[Row]) -> Resul
         .map(|(_, mha)| {
             let x = &x;
             Box::new(move || {
+                let region = precision.enter(device)?;
                 let o = mha.forward_t(&MhaInput::self_attention(x), true)?;
+                region.exit()?;
                 let mut loss = o.context.sum(Kind::Float);
                 if let Some(kl) = o.kl {
                     loss += kl;
@@ -265,6 +282,7 @@ fn measure_length(device: Device, s: i64, repeats: usize, rows: &[Row]) -> Resul
             fwd_bwd_ms: median,
             fwd_bwd_ms_iqr: iqr,
             peak_mem_bytes: Some(peak.max(0) as u64),
+            precision,
         });
     }
     Ok(out)
@@ -272,7 +290,7 @@ fn measure_length(device: Device, s: i64, repeats: usize, rows: &[Row]) -> Resul
 
 /// One Adam step of the 6+6-layer, E = 512, 4-head stack, with and without the hook (the two
 /// take turns so machine drift hits both alike).
-fn measure_svgd(device: Device, tokens: i64, repeats: usize) -> Result<SvgdTiming> {
+fn measure_svgd(device: Device, tokens: i64, repeats: usize, precision: Precision) -> Result<SvgdTiming> {
     tch::manual_seed(0);
     let vs = nn::VarStore::new(device);
     let model = Transformer::new(&vs.root(), TransformerConfig::iwslt())?;
@@ -287,7 +305,7 @@ fn measure_svgd(device: Device, tokens: i64, repeats: usize) -> Result<SvgdTimin
         for use_hook in [false, true] {
             sync(device);
             let start = Instant::now();
-            let out = model.forward_t(&src, None, &tgt, None, true)?;
+            let out = precision.run(device, || model.forward_t(&src, None, &tgt, None, true))??;
             adam.zero_grad();
             out.output.square().mean(Kind::Float).backward();
             let mut h = 0.0;
@@ -412,9 +430,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     // Counting starts before the first tensor of the benchmark exists.
     memory::track(device).context("memory statistics")?;
     println!(
-        "bench on {} ({} threads): S = {seq_lens:?}, {repeats} repeats",
+        "bench on {} ({} threads, {}): S = {seq_lens:?}, {repeats} repeats",
         probattn::device::device_name(device),
-        tch::get_num_threads()
+        tch::get_num_threads(),
+        args.precision.precision
     );
     // The PyTorch side first, in its own process: run after ours, it would find the GPU's memory
     // still held by this process's caching allocator and run out of it early.
@@ -445,6 +464,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 &args.batch.to_string(),
                 "--variants",
                 &variants,
+                "--precision",
+                args.precision.precision.name(),
             ],
         )
         .context("running the PyTorch side (python/probattn_tools/baselines/bench.py); --no-pytorch skips it")?;
@@ -453,10 +474,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         measurements.extend(theirs);
     }
     anyhow::ensure!(!args.no_eager || args.memory.memory_efficient, "--no-eager leaves nothing to measure without --memory-efficient");
-    let (ours, skipped) = measure_ours(device, &seq_lens, repeats, &rows(args))?;
+    let (ours, skipped) = measure_ours(device, &seq_lens, repeats, &rows(args), args.precision.precision)?;
     anyhow::ensure!(!ours.is_empty(), "no sequence length could be measured: {}", skipped[0].reason);
     measurements.extend(ours);
-    let svgd = measure_svgd(device, if args.quick { 256 } else { 1024 }, if args.quick { 3 } else { repeats })?;
+    let svgd = measure_svgd(device, if args.quick { 256 } else { 1024 }, if args.quick { 3 } else { repeats }, args.precision.precision)?;
     let mut table = ratio_table(&measurements, &svgd);
     if table.contains("| – |") {
         table += "\nA – is a configuration that side did not run (python/probattn_tools/baselines/bench.py reports on stderr which ran out of memory).\n";

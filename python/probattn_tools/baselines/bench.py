@@ -116,6 +116,8 @@ def main():
     parser.add_argument("--variants", default="softmax,dnas,hnas,sinkhorn-3,bam-wc,bam-lc")
     parser.add_argument("--memory-lib", help="probattn's libprobattn_memory.so, to count CPU memory as probattn does")
     parser.add_argument("--batch", type=int, default=B, help="batch size B of the layer")
+    parser.add_argument("--precision", choices=["f32", "bf16"], default="f32",
+                        help="bf16: the forward pass under torch.autocast(device, torch.bfloat16), the backward after it")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -137,15 +139,20 @@ def main():
 
         def make_step(variant):
             def step():
+                with torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16"):
+                    loss = forward()
+                loss.backward()
+
+            def forward():
                 w_q, w_k, w_v = params["in_proj_weight"].split(E)
                 b_q, b_k, b_v = params["in_proj_bias"].split(E)
                 split = lambda t: t.view(b, s, H, d).transpose(1, 2)  # noqa: E731
-                q, k, v = split(x @ w_q.T + b_q), split(x @ w_k.T + b_k), split(x @ w_v.T + b_v)
+                # F.linear, as nn.Linear: under autocast the bias joins the product in bfloat16.
+                q, k, v = split(F.linear(x, w_q, b_q)), split(F.linear(x, w_k, b_k)), split(F.linear(x, w_v, b_v))
                 res = attention_core(variant, q, k, v)
                 res, kl = res if isinstance(res, tuple) else (res, None)
-                ctx = res.transpose(1, 2).reshape(b, s, E) @ params["out_proj.weight"].T + params["out_proj.bias"]
-                loss = ctx.sum() + (kl if kl is not None else 0)
-                loss.backward()
+                ctx = F.linear(res.transpose(1, 2).reshape(b, s, E), params["out_proj.weight"], params["out_proj.bias"])
+                return ctx.float().sum() + (kl.float() if kl is not None else 0)
             return step
 
         if device.type == "cuda":
@@ -171,7 +178,8 @@ def main():
             out.append({"variant": "softmax" if variant == "pytorch-sdpa" else variant,
                         "impl": "pytorch-sdpa" if variant == "pytorch-sdpa" else "pytorch",
                         "device": str(device), "batch": b, "heads": H, "embed": E, "seq_len": s,
-                        "fwd_bwd_ms": median, "fwd_bwd_ms_iqr": iqr, "peak_mem_bytes": peak})
+                        "fwd_bwd_ms": median, "fwd_bwd_ms_iqr": iqr, "peak_mem_bytes": peak,
+                        "precision": args.precision})
             peak_text = "" if peak is None else f", peak {peak / 2**20:8.1f} MiB"
             print(f"pytorch {out[-1]['impl']:12s} {variant:12s} S={s:5d}: {median:9.1f} ms{peak_text}", file=sys.stderr, flush=True)
     print(json.dumps(out))

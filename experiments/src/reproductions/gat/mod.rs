@@ -103,6 +103,8 @@ pub struct GatArgs {
     #[arg(long, value_parser = parse_prior_scope)]
     pub prior_scope: Option<PriorScope>,
     #[command(flatten)]
+    pub precision: crate::common::PrecisionArgs,
+    #[command(flatten)]
     pub common: CommonArgs,
 }
 

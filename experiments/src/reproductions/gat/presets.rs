@@ -2,6 +2,7 @@
 //! and the command-line overrides.
 
 use probattn::normalize::{BamConfig, KlSchedule, PriorScope};
+use probattn::precision::Precision;
 use probattn::{NormalizerConfig, Variant};
 use probattn_models::gat::GatConfig;
 use serde::{Deserialize, Serialize};
@@ -21,6 +22,9 @@ pub struct GatRunConfig {
     pub kl_schedule: KlSchedule,
     /// Where the BAM settings come from.
     pub preset: String,
+    /// The precision of training and evaluation (absent from configs written before it: float32).
+    #[serde(default)]
+    pub precision: Precision,
 }
 
 /// The BAM preset of `variant` on `dataset` with the contextual prior's `scope` (for bam-wc and
@@ -115,6 +119,7 @@ impl GatRunConfig {
             // The authors' schedule: weight · sigmoid(epoch · 1), computed stably.
             kl_schedule: KlSchedule::Sigmoid { weight: kl_weight, rate: 1.0, start: 0.0 },
             preset: name,
+            precision: Precision::F32,
         }
     }
 
@@ -136,6 +141,7 @@ impl GatRunConfig {
         }
         self.patience = args.patience;
         self.max_epochs = args.max_epochs;
+        self.precision = args.precision.precision;
     }
 }
 

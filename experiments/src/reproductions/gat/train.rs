@@ -77,7 +77,11 @@ impl Training for GatTraining<'_> {
 
     fn epoch(&mut self, epoch: usize) -> Result<EpochMetrics> {
         let (graph, cfg) = (self.graph, self.cfg);
+        // The forward pass in the run's precision, the loss in float32.
+        let device = graph.labels.device();
+        let region = cfg.precision.enter(device)?;
         let out = self.model.forward(&graph.features, &graph.support, Mode::TRAIN)?;
+        region.exit()?;
         let mut loss = cross_entropy(&out.logits, &graph.labels, &graph.train);
         let kl = match &out.kl {
             Some(kl) => {
@@ -91,7 +95,7 @@ impl Training for GatTraining<'_> {
         };
         self.opt.backward_step(&loss);
         let (val_loss, val_acc) = tch::no_grad(|| -> Result<(f64, f64)> {
-            let logits = self.model.forward(&graph.features, &graph.support, Mode::EVAL)?.logits;
+            let logits = cfg.precision.run(device, || self.model.forward(&graph.features, &graph.support, Mode::EVAL))??.logits;
             Ok((f64::try_from(cross_entropy(&logits, &graph.labels, &graph.val))?, accuracy(&logits, &graph.labels, &graph.val)?))
         })?;
         let kl = kl.map(f64::try_from).transpose()?;
@@ -149,7 +153,8 @@ pub fn train_run(
     let epochs = train_epochs(&mut training, stop, 0, &mut plateau, Some(metrics))?;
     let train_seconds = start.elapsed().as_secs_f64();
     training.kept.restore();
-    let logits = tch::no_grad(|| training.model.forward(&graph.features, &graph.support, Mode::EVAL))?.logits;
+    let logits =
+        tch::no_grad(|| cfg.precision.run(device, || training.model.forward(&graph.features, &graph.support, Mode::EVAL)))??.logits;
     Ok(RunResult {
         seed,
         val_acc: plateau.best,

@@ -253,6 +253,8 @@ pub struct TranslateArgs {
     pub selection: Option<String>,
     #[command(flatten)]
     pub memory: crate::common::MemoryEfficientArgs,
+    #[command(flatten)]
+    pub precision: crate::common::PrecisionArgs,
     /// BAM Weibull shape k (bam-w*; default 10, the authors' ALBERT script's).
     #[arg(long)]
     pub k: Option<f64>,

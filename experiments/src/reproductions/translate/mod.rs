@@ -33,6 +33,7 @@ use std::time::Instant;
 
 use anyhow::{ensure, Context, Result};
 use probattn::normalize::BamConfig;
+use probattn::precision::Precision;
 use probattn::repulsive::{Method, RepulsiveConfig, Selection};
 use probattn::{NormalizerConfig, Variant};
 use probattn_models::translation::{baseline_name, Seq2Seq, Seq2SeqConfig};
@@ -76,6 +77,9 @@ pub struct TranslateConfig {
     pub patience: usize,
     pub decode: DecodeConfig,
     pub average_last: usize,
+    /// The precision of training and decoding (absent from configs written before it: float32).
+    #[serde(default)]
+    pub precision: Precision,
     /// The first N pairs of each split used (`None`: all).
     pub limit_train: Option<usize>,
     pub limit_valid: Option<usize>,
@@ -273,6 +277,7 @@ impl TranslateConfig {
             patience: args.patience,
             decode: DecodeConfig { beam: args.beam, lenpen: args.lenpen, max_len_a: args.max_len_a, max_len_b: args.max_len_b },
             average_last: args.average_last,
+            precision: args.precision.precision,
             limit_train: args.limit_train.or(args.quick.then_some(3000)),
             limit_valid: args.limit_valid.or(args.quick.then_some(100)),
             limit_test: args.limit_test,

@@ -295,8 +295,11 @@ fn update(
     ensure!(!share.is_empty(), "a batch of {} sentences cannot be shared by {} ranks: raise --max-tokens", whole.len(), ranks.world_size());
     let whole_tokens: usize = whole.iter().map(|&i| p.train.tgt[i].len()).sum();
     let t = batch_tensors(&p.train, &whole[share], device);
+    // The forward pass in the run's precision; the loss takes its log-probabilities in float32.
+    let region = cfg.precision.enter(device)?;
     let (logits, kl) = model.forward_t(&t.src, &t.prev, true)?;
     let (loss, nll) = label_smoothed_loss(&logits, &t.target, cfg.label_smoothing);
+    region.exit()?;
     let mut objective = &loss * (world / whole_tokens as f64);
     let kl_value = match &kl {
         Some(kl) => {
@@ -392,8 +395,10 @@ fn train_epoch(
     let seconds = ranks.gather(seconds)?.into_iter().fold(0.0, f64::max);
     state.train_seconds += seconds;
     state.train_tokens += tokens as u64;
+    let region = cfg.precision.enter(device)?;
     let (valid_loss, valid_nll) = valid_loss(model, &p.valid, cfg, device, ranks)?;
     let (_, vb, _, _) = translate_and_score(model, &p.tokenizer, &p.valid, &p.corpus.valid.tgt, &cfg.decode, device, "valid", ranks)?;
+    region.exit()?;
     state.epoch += 1;
     Ok(EpochMetrics {
         seed,
@@ -429,7 +434,9 @@ fn test_seed(run: &SeedRun, vs: &mut nn::VarStore, model: &Seq2Seq, adam: &Adam,
     if let Some(group) = ranks.group() {
         group.broadcast_vars(vs)?; // the test weights, which rank 0 read
     }
+    let region = cfg.precision.enter(device)?;
     let (hyps, bleu, tok, sps) = translate_and_score(model, &p.tokenizer, &p.test, &p.corpus.test.tgt, &cfg.decode, device, "test", ranks)?;
+    region.exit()?;
     // The diagnostics and the files are rank 0's.
     let (head_diversity, explained_away) = if ranks.is_main() {
         probattn::io::write_bytes_atomic(&dir.join("test.hyp"), (hyps.join("\n") + "\n").as_bytes())?;

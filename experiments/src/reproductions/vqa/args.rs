@@ -147,6 +147,8 @@ pub struct VqaArgs {
     pub primary_beside: bool,
     #[command(flatten)]
     pub memory: crate::common::MemoryEfficientArgs,
+    #[command(flatten)]
+    pub precision: crate::common::PrecisionArgs,
     /// Dropout on the fusion weights in training (default 0.1, Appendix B's recipe; 0 with
     /// --memory-efficient, which refuses any other value). 0 on the eager path gives the model the
     /// memory-efficient path trains, for comparing the two.

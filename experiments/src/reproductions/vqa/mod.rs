@@ -31,6 +31,7 @@ use std::time::Instant;
 
 use anyhow::{ensure, Context, Result};
 use probattn::normalize::BamConfig;
+use probattn::precision::Precision;
 use probattn::{NormalizerConfig, Variant};
 use probattn_models::vqa::VqaConfig;
 use serde::{Deserialize, Serialize};
@@ -77,6 +78,9 @@ pub struct VqaRunConfig {
     pub image_noise: Option<f64>,
     /// Where the BAM settings come from.
     pub preset: String,
+    /// The precision of training and evaluation (absent from configs written before it: float32).
+    #[serde(default)]
+    pub precision: Precision,
 }
 
 fn no_decay() -> f64 {
@@ -216,6 +220,7 @@ fn run_config(p: &Prepared, args: &VqaArgs, fusion: Option<Variant>, detectors: 
         mc_samples: args.mc_samples,
         image_noise: args.image_noise,
         preset,
+        precision: args.precision.precision,
     };
     cfg.model.validate()?;
     Ok(cfg)

@@ -6,6 +6,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{ensure, Context, Result};
+use probattn::precision::{widen, Precision};
 use probattn::Mode;
 use probattn_models::vqa::VqaModel;
 use serde::Serialize;
@@ -60,8 +61,14 @@ pub(super) fn accuracy_of(b: &Batch, predicted: &Tensor) -> Result<Vec<f64>> {
 }
 
 /// Accuracy and (summed accuracy, questions) per question type over a split, eval mode.
-pub(super) fn evaluate(model: &VqaModel, p: &Prepared, split: &str, device: Device) -> Result<(f64, Vec<(f64, u64)>)> {
-    score(p, split, device, &|views, tokens| Ok(model.forward(views, tokens, Mode::EVAL)?.logits))
+pub(super) fn evaluate(
+    model: &VqaModel,
+    p: &Prepared,
+    split: &str,
+    device: Device,
+    precision: Precision,
+) -> Result<(f64, Vec<(f64, u64)>)> {
+    score(p, split, device, &|views, tokens| Ok(widen(&precision.run(device, || model.forward(views, tokens, Mode::EVAL))??.logits)))
 }
 
 /// Accuracy and (summed accuracy, questions) per question type of `predict` (views, tokens ->
@@ -203,11 +210,13 @@ impl<'a> Trainer<'a> {
             let share_weight = world * share.len() as f64 / whole.size()[0] as f64;
             let idx = whole.narrow(0, share.start as i64, share.len() as i64);
             let b = batch_of(&p.views, train, &idx, device)?;
-            let out = model.forward(&b.views, &b.tokens, Mode::TRAIN)?;
+            // The forward pass in the run's precision, the loss in float32.
+            let out = cfg.precision.run(device, || model.forward(&b.views, &b.tokens, Mode::TRAIN))??;
+            let logits = widen(&out.logits);
             let mut loss = match &b.target {
                 // Pythia's soft-score loss: binary cross-entropy per answer, times the answers.
-                Some(t) => out.logits.binary_cross_entropy_with_logits::<Tensor>(t, None, None, tch::Reduction::Mean) * t.size()[1] as f64,
-                None => out.logits.cross_entropy_for_logits(&b.answer),
+                Some(t) => logits.binary_cross_entropy_with_logits::<Tensor>(t, None, None, tch::Reduction::Mean) * t.size()[1] as f64,
+                None => logits.cross_entropy_for_logits(&b.answer),
             };
             if let Some(kl) = &out.kl {
                 if cfg.kl_weight != 0.0 {
@@ -275,7 +284,7 @@ impl Training for VqaTraining<'_> {
         let (train_loss, kl_mean) = self.trainer.epoch(&self.model, &mut self.opt, &order, seed, epoch, self.trace)?;
         self.update_seconds += loop_start.elapsed().as_secs_f64();
         ensure!(train_loss.is_finite(), "training loss became {train_loss} in epoch {epoch} (seed {seed})");
-        let (val_acc, val_per_type) = evaluate(&self.model, p, "val", self.device)?;
+        let (val_acc, val_per_type) = evaluate(&self.model, p, "val", self.device, self.cfg.precision)?;
         // Per type too: a plateau on one question type (Sort-of-CLEVR's closest) hides in the mean.
         let val_by_type: Vec<f64> = val_per_type.iter().map(|(h, n)| *h / (*n).max(1) as f64).collect();
         let val_acc_by_type: BTreeMap<String, f64> = p.data.meta.types.iter().cloned().zip(val_by_type.iter().copied()).collect();
@@ -361,7 +370,7 @@ pub(super) fn train_run(
     let (best, best_epoch) = (plateau.best, plateau.best_epoch);
     let train_seconds = start.elapsed().as_secs_f64();
     kept.restore();
-    let (test_acc, per_type) = evaluate(&model, p, "test", device)?;
+    let (test_acc, per_type) = evaluate(&model, p, "test", device, cfg.precision)?;
     let types = &p.data.meta.types;
     let test_acc_by_type = types.iter().zip(&per_type).map(|(t, (h, n))| (t.clone(), *h / (*n).max(1) as f64)).collect();
     let relational_types = p.data.relational();
