@@ -249,7 +249,7 @@ class AttentionalLstm(torch.nn.Module):
 
 
 def label_smoothed(logits, target, eps):
-    lprobs = logits.log_softmax(-1)
+    lprobs = logits.float().log_softmax(-1)  # float32 under autocast too, as fairseq
     keep = target.ne(PAD).float()
     nll = -lprobs.gather(-1, target[..., None]).squeeze(-1) * keep
     smooth = -lprobs.sum(-1) * keep
@@ -324,6 +324,9 @@ def main():
     parser.add_argument("--max-updates", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--precision", choices=["f32", "bf16"], default=None,
+                        help="bf16: forward passes under torch.autocast(device, torch.bfloat16), backward after "
+                             "(default: the run's config.json precision, f32 when it has none)")
     parser.add_argument("--decode", action="store_true", help="greedy-decode the test set and score it")
     parser.add_argument("--hyp", metavar="FILE", help="with --decode: also write the test hypotheses here, one per line")
     parser.add_argument("--load-state-dict", metavar="SD", help="load these weights (strict) instead of training")
@@ -365,6 +368,8 @@ def main():
             src_lines, tgt_lines = src_lines[:lim[split]], tgt_lines[:lim[split]]
         data[split] = (encode(tok, src_lines), encode(tok, tgt_lines), tgt_lines)
     torch.manual_seed(args.seed)
+    precision = args.precision or cfg.get("precision", "f32")
+    autocast = lambda: torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16")  # noqa: E731
     model = AttentionalLstm(cfg) if lstm else Seq2Seq(cfg)
     if args.load_state_dict:
         from safetensors.torch import load_file
@@ -392,7 +397,8 @@ def main():
             prev = pad([[EOS] + tgt[i][:-1] for i in rows])
             target = pad([tgt[i] for i in rows])
             ntok = sum(len(tgt[i]) for i in rows)
-            loss, _ = label_smoothed(model(s_t, prev), target, eps)
+            with autocast():
+                loss, _ = label_smoothed(model(s_t, prev), target, eps)
             for p in model.parameters():
                 p.grad = None
             (loss / ntok).backward()
@@ -412,12 +418,13 @@ def main():
             torch.jit.script(model).save(args.export_torchscript)
     vs, vt, _ = data["valid"]
     total, ntok = 0.0, 0
-    with torch.no_grad():
+    with torch.no_grad(), autocast():
         for rows in token_batches(vs, vt, cfg["max_tokens"], 10 ** 9):
             loss, _ = label_smoothed(model(pad([vs[i] for i in rows]), pad([[EOS] + vt[i][:-1] for i in rows])), pad([vt[i] for i in rows]), eps)
             total += loss.item()
             ntok += sum(len(vt[i]) for i in rows)
-    out = {"implementation": f"pytorch {torch.__version__}", "threads": torch.get_num_threads(), "updates": updates,
+    out = {"implementation": f"pytorch {torch.__version__}", "threads": torch.get_num_threads(), "precision": precision,
+           "updates": updates,
            "train_seconds": seconds, "train_tokens": tokens, "tokens_per_second": tokens / seconds if seconds else None,
            "valid_loss": total / ntok}
     if args.decode:
