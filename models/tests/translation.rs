@@ -154,3 +154,62 @@ fn cross_attention_stays_row_wise() {
     assert_eq!(cfg("bam-wc").cross_variant(), "bam-wc".parse().unwrap());
     assert_eq!(cfg("softmax").cross_variant(), Variant::Softmax);
 }
+
+/// A training step's loss in bfloat16 (an autocast region over the forward pass) against float32,
+/// on the same float32 weights: within this share of the float32 loss (docs/precision.md), and
+/// the gradients, which stay float32 like the weights, within `GRAD_TOL` of their largest entry.
+const LOSS_TOL: f64 = 0.002;
+const GRAD_TOL: f64 = 0.1;
+
+#[test]
+fn a_bfloat16_step_agrees_with_float32_and_keeps_float32_weights() -> Result<()> {
+    use probattn::precision::Precision;
+    tch::manual_seed(9);
+    for name in ["softmax", "dnas", "bam-wc"] {
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let transformer = TransformerConfig {
+            encoder_layers: 2,
+            decoder_layers: 2,
+            embed_dim: 32,
+            heads: 4,
+            ffn_dim: 64,
+            variant: name.parse()?,
+            ..TransformerConfig::iwslt()
+        };
+        let cfg =
+            Seq2SeqConfig { transformer: Some(transformer), lstm: None, vocab: 30, pad: PAD, share_all_embeddings: true, max_positions: 64 };
+        let m = Seq2Seq::new(&vs.root(), cfg)?;
+        vs.float();
+        let src = sources();
+        let prefix = Tensor::from_slice(&[EOS, 7, 9, 4, 20, 5, EOS, 3, 3, 8, 8, 10, EOS, 25, 6, 7, 11, 12]).view([3, 6]);
+        let target = prefix.roll([-1], [1]);
+        let mut step = |precision: Precision| -> Result<(f64, Vec<Tensor>)> {
+            for v in vs.trainable_variables() {
+                let _ = v.grad().f_zero_();
+            }
+            let (logits, _) = precision.run(Device::Cpu, || m.forward_t(&src, &prefix, false))??;
+            let lprobs = logits.log_softmax(-1, Kind::Float);
+            let loss = -lprobs.gather(-1, &target.unsqueeze(-1), false).mean(Kind::Float);
+            loss.backward();
+            // Parameters the eval pass does not reach (BAM's prior) have no gradient.
+            let grads = vs.trainable_variables().iter().map(|v| v.grad()).filter(Tensor::defined).map(|g| g.copy()).collect();
+            Ok((f64::try_from(&loss)?, grads))
+        };
+        let (want, want_grads) = step(Precision::F32)?;
+        let (got, got_grads) = step(Precision::Bf16)?;
+        let err = (got - want).abs() / want.abs();
+        assert!(err <= LOSS_TOL, "{name}: bfloat16 loss {got} against float32 {want}: {err:.2e} > {LOSS_TOL}");
+        assert!(got != want, "{name}: the same loss in both precisions: the region did nothing");
+        let (mut worst, mut largest) = (0.0f64, 0.0f64);
+        assert_eq!(got_grads.len(), want_grads.len(), "{name}: the two steps reached different parameters");
+        for (a, b) in got_grads.iter().zip(&want_grads) {
+            assert_eq!(a.kind(), Kind::Float, "{name}: a gradient left float32");
+            worst = worst.max(f64::try_from((a - b).abs().max())?);
+            largest = largest.max(f64::try_from(b.abs().max())?);
+        }
+        assert!(worst <= GRAD_TOL * largest, "{name}: gradients off by {worst:.2e} (largest {largest:.2e})");
+        assert!(vs.trainable_variables().iter().all(|v| v.kind() == Kind::Float), "{name}: weights left float32");
+        println!("{name}: loss {want:.6} (f32) {got:.6} (bf16), relative {err:.2e}; gradients {:.2e} of the largest", worst / largest);
+    }
+    Ok(())
+}
