@@ -328,3 +328,37 @@ fn the_lstm_equals_an_independent_pytorch_lstm_on_the_same_weights() -> Result<(
     ensure!(err <= 1e-10 * (1.0 + scale), "ours and PyTorch's LSTM logits differ by {err} (scale {scale})");
     Ok(())
 }
+
+#[test]
+fn a_bfloat16_run_records_its_precision_and_keeps_float32_checkpoints() -> Result<()> {
+    // `--precision bf16` trains (DNAS in the encoder: a doubly-normalized variant's float32
+    // statistics under autocast), records the precision, and writes float32 weights that a float32
+    // decode reads; an unknown precision is named.
+    let tmp = TempDir::new("translate-bf16")?;
+    let data = tmp.path("data");
+    std::fs::create_dir_all(&data)?;
+    write_corpus(&data, [120, 10, 10])?;
+    let (d, out) = (data.to_string_lossy().to_string(), tmp.path("out").to_string_lossy().to_string());
+    let args = [&["translate", "--data-dir", &d, "--out", &out, "--attention", "dnas", "--precision", "bf16"][..], &FLAGS].concat();
+    let o = probattn(&args)?;
+    ensure!(o.status.success(), "{}", text(&o));
+    let results: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path("out/results.json"))?)?;
+    ensure!(results["config"]["precision"] == "bf16", "results.json records {}", results["config"]["precision"]);
+    let ckpt = tmp.path("out/seed-1/checkpoint_best.safetensors");
+    let weights = tch::Tensor::read_safetensors(&ckpt)?;
+    // Every tensor but the training state (JSON as bytes): weights and Adam's moments.
+    let other: Vec<String> = weights
+        .iter()
+        .filter(|(n, t)| n != "train_state.json" && t.kind() != tch::Kind::Float)
+        .map(|(n, t)| format!("{n} {:?}", t.kind()))
+        .collect();
+    ensure!(!weights.is_empty() && other.is_empty(), "checkpoint tensors not float32: {other:?}");
+    let input = data.join("test.de").to_string_lossy().to_string();
+    let ckpt = ckpt.to_string_lossy().to_string();
+    let o =
+        probattn(&["translate", "--decode", "--checkpoint", &ckpt, "--input", &input, "--beam", "2", "--device", "cpu", "--threads", "1"])?;
+    ensure!(o.status.success() && String::from_utf8_lossy(&o.stdout).lines().count() == 10, "{}", text(&o));
+    let o = probattn(&["translate", "--precision", "fp8", "--data-dir", &d])?;
+    ensure!(!o.status.success() && text(&o).contains("unknown precision 'fp8' (known: f32, bf16)"), "{}", text(&o));
+    Ok(())
+}
