@@ -258,6 +258,27 @@ class Training(unittest.TestCase):
                     self.assertIsNotNone(mha.hybrid_logit.grad)
 
 
+class Autocast(unittest.TestCase):
+    def test_attention_under_torch_autocast_runs_in_bfloat16_with_float32_statistics(self):
+        # torch.autocast and the library share libtorch's autocast state: float32 inputs attend in
+        # bfloat16 (as sdpa does), within docs/precision.md's tolerance of float64, and the
+        # received mass stays float32; bfloat16 inputs need no region.
+        q, k, v = (t.detach().float() for t in qkv(seed=7))
+        for variant in ("softmax", "dnas", "sinkhorn-3"):
+            for me in (False, True):
+                with self.subTest(variant=variant, memory_efficient=me):
+                    want = probattn.attention(q.double(), k.double(), v.double(), variant=variant)
+                    with torch.autocast("cpu", torch.bfloat16):
+                        out, info = probattn.attention(q, k, v, variant=variant, memory_efficient=me, return_info=True)
+                    self.assertEqual(out.dtype, torch.bfloat16)
+                    if me:
+                        self.assertEqual(info.received_mass.dtype, torch.float32)
+                    direct = probattn.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), variant=variant, memory_efficient=me)
+                    for got in (out, direct):
+                        err = (got.double() - want).abs().max() / want.abs().max()
+                        self.assertLess(err.item(), 0.02)
+
+
 class Repulsive(unittest.TestCase):
     """probattn.repulsive.attach against the reference formulas' SVGD/SPOS direction."""
 
