@@ -176,8 +176,14 @@ fn a_bfloat16_step_agrees_with_float32_and_keeps_float32_weights() -> Result<()>
             variant: name.parse()?,
             ..TransformerConfig::iwslt()
         };
-        let cfg =
-            Seq2SeqConfig { transformer: Some(transformer), lstm: None, vocab: 30, pad: PAD, share_all_embeddings: true, max_positions: 64 };
+        let cfg = Seq2SeqConfig {
+            transformer: Some(transformer),
+            lstm: None,
+            vocab: 30,
+            pad: PAD,
+            share_all_embeddings: true,
+            max_positions: 64,
+        };
         let m = Seq2Seq::new(&vs.root(), cfg)?;
         vs.float();
         let src = sources();
