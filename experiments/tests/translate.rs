@@ -332,8 +332,8 @@ fn the_lstm_equals_an_independent_pytorch_lstm_on_the_same_weights() -> Result<(
 #[test]
 fn a_bfloat16_run_records_its_precision_and_keeps_float32_checkpoints() -> Result<()> {
     // `--precision bf16` trains (DNAS in the encoder: a doubly-normalized variant's float32
-    // statistics under autocast), records the precision, and writes float32 weights that a float32
-    // decode reads; an unknown precision is named.
+    // statistics under autocast), records the precision, and writes float32 weights that decoding
+    // reads in either precision; an unknown precision is named.
     let tmp = TempDir::new("translate-bf16")?;
     let data = tmp.path("data");
     std::fs::create_dir_all(&data)?;
@@ -355,9 +355,11 @@ fn a_bfloat16_run_records_its_precision_and_keeps_float32_checkpoints() -> Resul
     ensure!(!weights.is_empty() && other.is_empty(), "checkpoint tensors not float32: {other:?}");
     let input = data.join("test.de").to_string_lossy().to_string();
     let ckpt = ckpt.to_string_lossy().to_string();
-    let o =
-        probattn(&["translate", "--decode", "--checkpoint", &ckpt, "--input", &input, "--beam", "2", "--device", "cpu", "--threads", "1"])?;
-    ensure!(o.status.success() && String::from_utf8_lossy(&o.stdout).lines().count() == 10, "{}", text(&o));
+    for precision in ["f32", "bf16"] {
+        let args = ["translate", "--decode", "--checkpoint", &ckpt, "--input", &input, "--beam", "2", "--precision", precision];
+        let o = probattn(&[&args[..], &["--device", "cpu", "--threads", "1"]].concat())?;
+        ensure!(o.status.success() && String::from_utf8_lossy(&o.stdout).lines().count() == 10, "{precision}: {}", text(&o));
+    }
     let o = probattn(&["translate", "--precision", "fp8", "--data-dir", &d])?;
     ensure!(!o.status.success() && text(&o).contains("unknown precision 'fp8' (known: f32, bf16)"), "{}", text(&o));
     Ok(())

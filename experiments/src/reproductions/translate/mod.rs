@@ -385,7 +385,10 @@ fn decode_file(args: &TranslateArgs, device: Device) -> Result<()> {
     let cfg = DecodeConfig { beam: args.beam, lenpen: args.lenpen, max_len_a: args.max_len_a, max_len_b: args.max_len_b };
     let bar = progress_bar(sources.len() as u64, "decoding".into())?;
     let start = Instant::now();
+    // Checkpoints are float32 whatever precision trained them; --precision picks the decoding's.
+    let region = args.precision.precision.enter(device)?;
     let ids = decode::translate(&model, &sources, &cfg, args.decode_batch, device, |n| bar.inc(n as u64))?;
+    region.exit()?;
     let beam_s = start.elapsed().as_secs_f64();
     bar.finish_and_clear();
     let text: Vec<String> = ids.iter().map(|h| data::decode(&tokenizer, h)).collect::<Result<_>>()?;
