@@ -8,7 +8,7 @@
 #   DATA_DIR  the data folder (planetoid/, multi30k/), as PROBATTN_DATA names it
 #   OUT_DIR   where logs and run folders go
 #   GAT_SEEDS seeds of the GAT run over every variant (default 1)
-#   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient
+#   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient precision
 #             (default: all but bench-quick)
 #
 # The test binaries hold the paths they were built at (the workspace root for python/ and the
@@ -17,7 +17,7 @@
 set -u
 bin=$(realpath "$1") data=$(realpath "$2") out=$(realpath -m "$3")
 shift 3
-steps=${*:-doctor tests gat vqa translate bench pt2 memory-efficient}
+steps=${*:-doctor tests gat vqa translate bench pt2 memory-efficient precision}
 mkdir -p "$out"
 root=$PWD
 python=${PROBATTN_PYTHON:-$(command -v python3)}
@@ -42,7 +42,7 @@ for s in $steps; do
       "$p" doctor --json --device cuda > "$out/doctor.json" ;;
     tests)
       step tests
-      for t in bam edges interop normalizers parity repulsive pt2 tiled; do
+      for t in bam edges interop normalizers parity precision repulsive pt2 tiled; do
         (cd "$root" && "$bin/$t" --test-threads 4 2>&1) | tee -a "$out/tests.log" | grep -A3 -E "^test |test result|panicked|Error"
       done
       (cd "$root/experiments" && "$bin/cli" --test-threads 4 2>&1) | tee -a "$out/tests.log" | grep -A3 -E "^test |test result|panicked|Error" ;;
@@ -75,6 +75,15 @@ for s in $steps; do
       "$p" bench --device cuda --batch 1 --memory-efficient --seq-lens 1024,4096 --out "$out/bench-me" 2>&1 | tail -30
       "$p" bench --device cuda --batch 1 --memory-efficient --no-eager --no-pytorch --seq-lens 16384,32768 --repeats 3 \
         --out "$out/bench-me-long" 2>&1 | tail -20 ;;
+    precision)
+      # bfloat16 (docs/precision.md): the memory-efficient path against SDPA in bfloat16 up to
+      # S = 32,768, float32 beside it, and a quick translation run in bfloat16.
+      step precision
+      for prec in f32 bf16; do
+        "$p" bench --device cuda --batch 1 --memory-efficient --variants softmax,dnas --seq-lens 4096,8192,16384,32768 \
+          --repeats 3 --precision $prec --out "$out/bench-me-long-$prec" 2>&1 | tail -20
+      done
+      "$p" translate --quick --precision bf16 --device cuda --out "$out/translate-quick-bf16" 2>&1 | tail -5 ;;
     *) echo "unknown step $s" >&2; exit 1 ;;
   esac
 done

@@ -33,11 +33,12 @@ fn relative_error(got: &Tensor, want: &Tensor) -> f64 {
     (got.to_kind(Kind::Double) - want).abs().max().double_value(&[]) / scale
 }
 
-/// (name, key padding, boolean pattern): no mask, a per-key mask (the fused CPU route), and a
-/// pattern with an excluded row and column (the tile loop).
-fn mask_cases() -> Vec<(&'static str, Option<Tensor>, Option<Tensor>)> {
-    let keys = Tensor::arange(S, (Kind::Int64, Device::Cpu)).unsqueeze(0).ge_tensor(&Tensor::from_slice(&[8i64, 5]).unsqueeze(1));
-    let pattern = Tensor::rand([B, H, L, S], (Kind::Double, Device::Cpu)).lt(0.25);
+/// (name, key padding, boolean pattern) on `device`: no mask, a per-key mask (on the CPU, the
+/// fused route), and a pattern with an excluded row and column (the tile loop).
+fn mask_cases(device: Device) -> Vec<(&'static str, Option<Tensor>, Option<Tensor>)> {
+    let keys =
+        Tensor::arange(S, (Kind::Int64, device)).unsqueeze(0).ge_tensor(&Tensor::from_slice(&[8i64, 5]).to_device(device).unsqueeze(1));
+    let pattern = Tensor::rand([B, H, L, S], (Kind::Double, device)).lt(0.25);
     let _ = pattern.narrow(2, 4, 1).fill_(1);
     let _ = pattern.narrow(3, 2, 1).fill_(1);
     vec![("none", None, None), ("key padding", Some(keys), None), ("pattern", None, Some(pattern))]
@@ -83,8 +84,20 @@ fn run(
 
 #[test]
 fn every_variant_in_bfloat16_stays_within_the_stated_tolerance_of_float64() -> Result<()> {
+    // The CPU always; CUDA too where there is a GPU (its kernels differ: no fused CPU route).
+    let mut devices = vec![Device::Cpu];
+    if tch::Cuda::is_available() {
+        devices.push(Device::Cuda(0));
+    }
+    for device in devices {
+        every_variant_on(device)?;
+    }
+    Ok(())
+}
+
+fn every_variant_on(device: Device) -> Result<()> {
     tch::manual_seed(53);
-    let opts = (Kind::Double, Device::Cpu);
+    let opts = (Kind::Double, device);
     // Inputs rounded to bfloat16 once: both runs see the same values.
     let round = |t: Tensor| t.to_kind(Kind::BFloat16).to_kind(Kind::Double);
     let inputs = [
@@ -97,18 +110,19 @@ fn every_variant_in_bfloat16_stays_within_the_stated_tolerance_of_float64() -> R
     let mut cases = 0;
     for spec in VARIANTS {
         let (_, variant) = probattn::normalize::registry::lookup(spec.example).expect("every example parses");
-        let mut vs = nn::VarStore::new(Device::Cpu);
+        let mut vs = nn::VarStore::new(device);
         let cfg = NormalizerConfig { bam: BamConfig { k: 5.0, ..Default::default() }, ..Default::default() };
         let normalizer = variant.build(&vs.root(), H, D, &cfg)?;
         let noise = match variant {
             Variant::Bam(kind) => Some(counter_noise(kind, [B, H, L, S], 11, opts)?),
             _ => None,
         };
-        for (mask_name, keys, pattern) in mask_cases() {
+        for (mask_name, keys, pattern) in mask_cases(device) {
             let masks = Masks { key_padding: keys.as_ref(), attn_mask: pattern.as_ref(), ..Default::default() };
             let tiles: &[Option<i64>] = if spec.memory_efficient.is_some() { &[None, Some(4)] } else { &[None] };
             for &tile in tiles {
-                let what = format!("{} ({mask_name}, {})", spec.example, if tile.is_some() { "memory-efficient" } else { "eager" });
+                let path = if tile.is_some() { "memory-efficient" } else { "eager" };
+                let what = format!("{} ({mask_name}, {path}, {device:?})", spec.example);
                 vs.double();
                 let want = run(&inputs, &g, Kind::Double, &masks, normalizer.as_ref(), noise.as_ref(), tile)?;
                 vs.float(); // master weights in float32, as under autocast
@@ -138,7 +152,7 @@ fn every_variant_in_bfloat16_stays_within_the_stated_tolerance_of_float64() -> R
         }
     }
     println!(
-        "{cases} cases; worst relative errors: output {:.2e}, gradients {:.2e}, KL {:.2e}, received mass {:.2e}",
+        "{device:?}: {cases} cases; worst relative errors: output {:.2e}, gradients {:.2e}, KL {:.2e}, received mass {:.2e}",
         worst[0], worst[1], worst[2], worst[3]
     );
     Ok(())
