@@ -189,7 +189,7 @@ fn a_bfloat16_step_agrees_with_float32_and_keeps_float32_weights() -> Result<()>
         let src = sources();
         let prefix = Tensor::from_slice(&[EOS, 7, 9, 4, 20, 5, EOS, 3, 3, 8, 8, 10, EOS, 25, 6, 7, 11, 12]).view([3, 6]);
         let target = prefix.roll([-1], [1]);
-        let mut step = |precision: Precision| -> Result<(f64, Vec<Tensor>)> {
+        let step = |precision: Precision| -> Result<(f64, Vec<Tensor>)> {
             for v in vs.trainable_variables() {
                 let _ = v.grad().f_zero_();
             }
