@@ -212,7 +212,7 @@ fn bad_input_to_the_tiled_path_is_named() -> Result<()> {
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
-    ensure!(m.contains("float32 and float64"), "{m}");
+    ensure!(m.contains("float32 and float64, or bfloat16, not Half"), "{m}");
     let logit = Tensor::zeros([3], opts);
     let m = attend_tiled(&q, &k, &k, &Masks::default(), &Tiled::hnas(&logit), TiledOptions::new(2))
         .err()

@@ -127,10 +127,10 @@ pub(crate) fn attend_tiled_shaped(
     if opts.tile < 1 {
         return Err(Error::Config(format!("the tile size must be at least 1, got {}", opts.tile)));
     }
-    if !matches!(q.kind(), Kind::Float | Kind::Double | Kind::BFloat16 | Kind::Half) {
-        return Err(Error::Unsupported(format!("the tiled path runs in float64, float32, bfloat16 and float16, not {:?}", q.kind())));
+    if !matches!(q.kind(), Kind::Float | Kind::Double | Kind::BFloat16) {
+        return Err(Error::Unsupported(format!("the tiled path runs in float32 and float64, or bfloat16, not {:?}", q.kind())));
     }
-    // bfloat16 and float16 inputs keep their statistics, the received mass and the KL in float32.
+    // bfloat16 inputs keep their statistics, the received mass and the KL in float32.
     let stats = statistics_kind(q.kind());
     let allowed = masks.allowed(shape, q.device())?;
     let excluded = allowed.as_ref().map(|a| a.logical_not());
