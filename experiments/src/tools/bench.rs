@@ -489,6 +489,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     // The folder is made once there is something to write: a run that fails leaves none behind.
     let dir = run_dir(args.out.as_deref(), "bench", &probattn::device::device_name(device).replace(':', ""))?;
     write_results(&dir.join("bench.json"), &Bench { measurements, skipped, svgd, provenance: Provenance::gather(device) })?;
+    if args.precision.precision != Precision::F32 {
+        table += &format!(
+            "\nPrecision: {} (forward passes in an autocast region on both sides; docs/precision.md).\n",
+            args.precision.precision
+        );
+    }
     probattn::io::write_bytes_atomic(&dir.join("bench.md"), table.as_bytes())?;
     println!("\n{table}\nresults in {}", dir.display());
     Ok(())
