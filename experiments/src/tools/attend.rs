@@ -53,8 +53,8 @@ pub struct AttendArgs {
     pub hybrid_init_u: f64,
     #[command(flatten)]
     pub bam: BamArgs,
-    /// bf16: float32 inputs attend in bfloat16 (an autocast region); the weights, received mass
-    /// and KL stay float32 and the output is bfloat16.
+    // bf16: float32 inputs attend in bfloat16 (an autocast region); the weights, received mass and
+    // KL stay float32 and the output is bfloat16.
     #[command(flatten)]
     pub precision: crate::common::PrecisionArgs,
     #[command(flatten)]
