@@ -57,6 +57,12 @@ def _backward(ctx, grad):
 
 memory_efficient_attention.register_autograd(_backward, setup_context=_setup_context)
 
+# Under torch.autocast the operator is a lower-precision one, as scaled_dot_product_attention is:
+# its floating inputs arrive in bfloat16 (the one lower precision the memory-efficient path runs
+# in), in eager and compiled code alike, so a compiled call returns what the eager call does.
+for _device in ("cpu", "cuda"):
+    torch.library.register_autocast("probattn::memory_efficient_attention", _device, torch.bfloat16)
+
 
 def traceable(variant):
     """Whether `variant` runs through the custom operators: no parameters, no sampling."""

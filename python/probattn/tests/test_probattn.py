@@ -278,6 +278,16 @@ class Autocast(unittest.TestCase):
                         err = (got.double() - want).abs().max() / want.abs().max()
                         self.assertLess(err.item(), 0.02)
 
+    def test_a_compiled_call_under_autocast_equals_the_eager_one(self):
+        # The custom operator is registered for autocast, so the compiled graph casts as eager does.
+        q, k, v = (t.detach().float() for t in qkv(seed=8))
+        call = lambda q, k, v: probattn.attention(q, k, v, variant="dnas", memory_efficient=True)  # noqa: E731
+        compiled = torch.compile(call, fullgraph=True)
+        with torch.autocast("cpu", torch.bfloat16):
+            eager, traced = call(q, k, v), compiled(q, k, v)
+        self.assertEqual((eager.dtype, traced.dtype), (torch.bfloat16, torch.bfloat16))
+        self.assertTrue(torch.equal(eager, traced))
+
 
 class Repulsive(unittest.TestCase):
     """probattn.repulsive.attach against the reference formulas' SVGD/SPOS direction."""
