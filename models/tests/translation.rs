@@ -166,25 +166,8 @@ fn a_bfloat16_step_agrees_with_float32_and_keeps_float32_weights() -> Result<()>
     use probattn::precision::Precision;
     tch::manual_seed(9);
     for name in ["softmax", "dnas", "bam-wc"] {
-        let mut vs = nn::VarStore::new(Device::Cpu);
-        let transformer = TransformerConfig {
-            encoder_layers: 2,
-            decoder_layers: 2,
-            embed_dim: 32,
-            heads: 4,
-            ffn_dim: 64,
-            variant: name.parse()?,
-            ..TransformerConfig::iwslt()
-        };
-        let cfg = Seq2SeqConfig {
-            transformer: Some(transformer),
-            lstm: None,
-            vocab: 30,
-            pad: PAD,
-            share_all_embeddings: true,
-            max_positions: 64,
-        };
-        let m = Seq2Seq::new(&vs.root(), cfg)?;
+        // The float64 model of the tests above, its weights in float32 as a training run keeps them.
+        let (mut vs, m) = model(name.parse()?)?;
         vs.float();
         let src = sources();
         let prefix = Tensor::from_slice(&[EOS, 7, 9, 4, 20, 5, EOS, 3, 3, 8, 8, 10, EOS, 25, 6, 7, 11, 12]).view([3, 6]);

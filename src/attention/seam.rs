@@ -12,7 +12,7 @@ pub use crate::call::{scaled_dot_product_scores, AttendOptions, Attended, Mode};
 use crate::mask::Masks;
 use crate::mask::ScoreShape;
 use crate::normalize::{NormalizeInput, Normalizer, Support};
-use crate::precision::{autocast_kind, outside_autocast, widen};
+use crate::precision::{autocast_kind, widen, with_autocast_off};
 use crate::tiled::{attend_tiled_shaped, TiledOptions};
 use crate::{Error, Result};
 
@@ -53,7 +53,7 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, normalizer: &dy
         Some(lower) => {
             let cast = |t: &Tensor| if t.kind() == Kind::Float { t.to_kind(lower) } else { t.shallow_clone() };
             let (q, k, v) = (cast(q), cast(k), cast(v));
-            outside_autocast(q.device(), || attend_as_given(&q, &k, &v, masks, normalizer, opts))
+            with_autocast_off(q.device(), || attend_as_given(&q, &k, &v, masks, normalizer, opts))
         }
     }
 }

@@ -47,14 +47,6 @@ impl Precision {
         }
     }
 
-    /// The dtype matrix products run in inside a region.
-    pub fn compute_kind(self) -> Kind {
-        match self {
-            Self::F32 => Kind::Float,
-            Self::Bf16 => Kind::BFloat16,
-        }
-    }
-
     /// Enters a region on `device`: autocast on for its device type until the guard drops (a
     /// no-op guard for [`Precision::F32`]). Regions nest; the state before is restored on drop.
     pub fn enter(self, device: Device) -> Result<Autocast> {
@@ -154,10 +146,15 @@ pub fn autocast_kind(device: Device) -> Result<Option<Kind>> {
 /// Runs `f` with autocast off on `device`'s type (when it was on, it is switched back on after,
 /// whatever `f` returns): for code that sets its dtypes itself, as attention does.
 pub fn outside_autocast<T>(device: Device, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    let cuda = device.is_cuda();
-    if cxx::autocast_state(cuda)?.enabled().is_none() {
+    if cxx::autocast_state(device.is_cuda())?.enabled().is_none() {
         return f();
     }
+    with_autocast_off(device, f)
+}
+
+/// Runs `f` with autocast, known to be on for `device`'s type, switched off, and on again after.
+pub(crate) fn with_autocast_off<T>(device: Device, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let cuda = device.is_cuda();
     cxx::autocast_set_enabled(cuda, false)?;
     let out = f();
     cxx::autocast_set_enabled(cuda, true)?;
