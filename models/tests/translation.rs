@@ -9,6 +9,7 @@ use probattn::Variant;
 use probattn_models::lstm::LstmConfig;
 use probattn_models::transformer::TransformerConfig;
 use probattn_models::translation::{DecodingState, Seq2Seq, Seq2SeqConfig};
+use std::sync::{Mutex, MutexGuard};
 use tch::{nn, Device, Kind, Tensor};
 
 const PAD: i64 = 1;
@@ -32,6 +33,16 @@ fn model(variant: Variant) -> Result<(nn::VarStore, Seq2Seq)> {
     Ok((vs, m))
 }
 
+/// Seeds libtorch's generator and holds a process-wide lock for the test's duration. The generator
+/// is global and tests run in parallel threads: without the lock another test's draws (its model's
+/// initial weights) interleave with this one's, and its data changes from run to run.
+fn seeded(seed: i64) -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    let guard = LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    tch::manual_seed(seed);
+    guard
+}
+
 /// `(B, S)` random source ids with `</s>` last and right padding of different lengths.
 fn sources() -> Tensor {
     let rows: [&[i64]; 3] = [&[5, 9, 11, 7, EOS], &[8, 4, EOS, PAD, PAD], &[12, 3, 3, 6, EOS]];
@@ -40,7 +51,7 @@ fn sources() -> Tensor {
 
 #[test]
 fn cached_steps_equal_the_teacher_forced_decoder() -> Result<()> {
-    tch::manual_seed(5);
+    let _serial = seeded(5);
     for name in ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-wc", "bam-lf"] {
         let (_vs, m) = model(name.parse()?)?;
         let src = sources();
@@ -70,7 +81,7 @@ fn lstm(variant: Variant) -> Result<(nn::VarStore, Seq2Seq)> {
 
 #[test]
 fn lstm_cached_steps_equal_the_teacher_forced_decoder() -> Result<()> {
-    tch::manual_seed(7);
+    let _serial = seeded(7);
     for name in ["softmax", "bam-wc", "bam-lc"] {
         let (_vs, m) = lstm(name.parse()?)?;
         let src = sources();
@@ -99,7 +110,7 @@ fn lstm_cached_steps_equal_the_teacher_forced_decoder() -> Result<()> {
 
 #[test]
 fn lstm_encoder_reads_no_padding_and_its_cache_reorders() -> Result<()> {
-    tch::manual_seed(8);
+    let _serial = seeded(8);
     let (_vs, m) = lstm(Variant::Softmax)?;
     // Sentence 1 alone, and inside the padded batch: the same log-probabilities at every step,
     // so neither encoder direction (nor the attention) saw the padding.
@@ -116,6 +127,7 @@ fn lstm_encoder_reads_no_padding_and_its_cache_reorders() -> Result<()> {
 
 #[test]
 fn lstm_refuses_what_normalizes_over_queries() {
+    let _serial = seeded(10); // building the models draws their weights
     for name in ["dnas", "hnas", "sinkhorn-2"] {
         let err = lstm(name.parse().unwrap()).unwrap_err().to_string();
         assert!(err.contains("one decoder state at a time") && err.contains(name), "{name}: {err}");
@@ -124,7 +136,7 @@ fn lstm_refuses_what_normalizes_over_queries() {
 
 #[test]
 fn reordering_the_cache_moves_each_hypothesis_with_its_beam() -> Result<()> {
-    tch::manual_seed(6);
+    let _serial = seeded(6);
     let (_vs, m) = model(Variant::Softmax)?;
     let prefix = Tensor::from_slice(&[EOS, 7, 9, EOS, 3, 3, EOS, 25, 6]).view([3, 3]);
     assert_reorder_moves_each_hypothesis(&m, &sources(), &prefix)
@@ -156,15 +168,18 @@ fn cross_attention_stays_row_wise() {
 }
 
 /// A training step's loss in bfloat16 (an autocast region over the forward pass) against float32,
-/// on the same float32 weights: within this share of the float32 loss (docs/precision.md), and
-/// the gradients, which stay float32 like the weights, within `GRAD_TOL` of their largest entry.
+/// on the same float32 weights: within `LOSS_TOL` of the float32 loss, and the gradients, which
+/// stay float32 like the weights, within `GRAD_TOL` in norm (‖Δg‖ / ‖g‖ over every parameter).
+/// The norm, not the largest entry: at initialization a gradient entry is a sum that largely
+/// cancels, so single entries carry bfloat16's error many times over while the step's direction
+/// holds. Seeded 0–39 instead, the loss errors reached 9e-4 and the gradient errors 0.086.
 const LOSS_TOL: f64 = 0.002;
-const GRAD_TOL: f64 = 0.1;
+const GRAD_TOL: f64 = 0.15;
 
 #[test]
 fn a_bfloat16_step_agrees_with_float32_and_keeps_float32_weights() -> Result<()> {
     use probattn::precision::Precision;
-    tch::manual_seed(9);
+    let _serial = seeded(9);
     for name in ["softmax", "dnas", "bam-wc"] {
         // The float64 model of the tests above, its weights in float32 as a training run keeps them.
         let (mut vs, m) = model(name.parse()?)?;
@@ -189,16 +204,17 @@ fn a_bfloat16_step_agrees_with_float32_and_keeps_float32_weights() -> Result<()>
         let err = (got - want).abs() / want.abs();
         assert!(err <= LOSS_TOL, "{name}: bfloat16 loss {got} against float32 {want}: {err:.2e} > {LOSS_TOL}");
         assert!(got != want, "{name}: the same loss in both precisions: the region did nothing");
-        let (mut worst, mut largest) = (0.0f64, 0.0f64);
         assert_eq!(got_grads.len(), want_grads.len(), "{name}: the two steps reached different parameters");
+        let (mut off, mut norm) = (0.0f64, 0.0f64);
         for (a, b) in got_grads.iter().zip(&want_grads) {
             assert_eq!(a.kind(), Kind::Float, "{name}: a gradient left float32");
-            worst = worst.max(f64::try_from((a - b).abs().max())?);
-            largest = largest.max(f64::try_from(b.abs().max())?);
+            off += f64::try_from((a - b).square().sum(Kind::Double))?;
+            norm += f64::try_from(b.square().sum(Kind::Double))?;
         }
-        assert!(worst <= GRAD_TOL * largest, "{name}: gradients off by {worst:.2e} (largest {largest:.2e})");
+        let grad_err = (off / norm).sqrt();
+        assert!(grad_err <= GRAD_TOL, "{name}: gradients off by {grad_err:.3} of their norm > {GRAD_TOL}");
         assert!(vs.trainable_variables().iter().all(|v| v.kind() == Kind::Float), "{name}: weights left float32");
-        println!("{name}: loss {want:.6} (f32) {got:.6} (bf16), relative {err:.2e}; gradients {:.2e} of the largest", worst / largest);
+        println!("{name}: loss {want:.6} (f32) {got:.6} (bf16), relative {err:.2e}; gradients {grad_err:.2e} of their norm");
     }
     Ok(())
 }
