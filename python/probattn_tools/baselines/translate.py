@@ -18,7 +18,7 @@ inverse-sqrt schedule. `--decode` adds greedy decoding of the test set (the base
 key/value cache: each step re-runs the decoder on the prefix) and sacreBLEU of it.
 
 Prints JSON: tokens_per_second (training loop only), updates, train_seconds, valid_loss,
-and with --decode test_bleu (greedy) and its signature.
+and with --decode test_bleu (greedy) and its signature; on stderr, a line per epoch of training.
 
 The attentional LSTM (`--arch lstm`, Deng et al. 2018) is written here independently of
 models/src/lstm.rs: the encoder is `torch.nn.LSTM(bidirectional=True)` over packed sequences, one
@@ -407,8 +407,11 @@ def main():
             opt.step(lr_at(cfg["schedule"], updates))  # fairseq: update n runs at the rate set after n - 1
             updates += 1
             tokens += ntok
-        seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        seconds += elapsed
         epoch += 1
+        print(f"epoch {epoch}: {updates} of {args.max_updates} updates, {tokens / seconds:.0f} tokens/s, {elapsed:.0f} s",
+              file=sys.stderr, flush=True)
     model.eval()
     if args.export_torchscript:
         import warnings
