@@ -70,17 +70,18 @@ for s in $steps; do
       "$p" compare --pt2 "$out/mha-cuda.pt2" --native mha --heads 4 --inputs "$out/mha-cuda.safetensors" --device cuda 2>&1 | tee "$out/pt2-cuda.txt"
       "$p" compare --pt2 "$out/mha-cuda.pt2" --native mha --heads 4 --inputs "$out/mha-cuda.safetensors" --device cpu 2>&1 | tee -a "$out/pt2-cuda.txt" ;;
     memory-efficient)
-      # The tiled path against the eager one and PyTorch's, with the caching allocator's peaks.
+      # The tiled path against the eager one and PyTorch's, with the caching allocator's peaks;
+      # then at length, every variant against SDPA and DNAS against FlexAttention's composition.
       step memory-efficient
       "$p" bench --device cuda --batch 1 --memory-efficient --seq-lens 1024,4096 --out "$out/bench-me" 2>&1 | tail -30
-      "$p" bench --device cuda --batch 1 --memory-efficient --no-eager --no-pytorch --seq-lens 16384,32768 --repeats 3 \
-        --out "$out/bench-me-long" 2>&1 | tail -20 ;;
+      "$p" bench --device cuda --batch 1 --memory-efficient --no-eager --seq-lens 4096,8192,16384,32768 --repeats 3 \
+        --out "$out/bench-me-long" 2>&1 | tail -30 ;;
     precision)
       # bfloat16 (docs/precision.md): the memory-efficient path against SDPA in bfloat16 up to
       # S = 32,768, float32 beside it, and a quick translation run in bfloat16.
       step precision
       for prec in f32 bf16; do
-        "$p" bench --device cuda --batch 1 --memory-efficient --variants softmax,dnas --seq-lens 4096,8192,16384,32768 \
+        "$p" bench --device cuda --batch 1 --memory-efficient --no-eager --variants softmax,dnas --seq-lens 4096,8192,16384,32768 \
           --repeats 3 --precision $prec --out "$out/bench-me-long-$prec" 2>&1 | tail -20
       done
       "$p" translate --quick --precision bf16 --device cuda --out "$out/translate-quick-bf16" 2>&1 | tail -5 ;;

@@ -86,6 +86,51 @@ class ReferenceFormulas(unittest.TestCase):
             formulas.normalize("nope", self.z, self.allowed)
 
 
+class FlexDnas(unittest.TestCase):
+    """The FlexAttention composition of `probattn bench`'s CUDA rows is DNAS, against the reference
+    formulas in float64: on the CPU the eager FlexAttention forward in float64 (there is no CPU
+    backward); on CUDA the compiled one in float32 (the dtype the benchmark runs), forward and
+    backward."""
+
+    def setUp(self):
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+        except ImportError as e:
+            self.skipTest(f"no FlexAttention in this torch: {e}")
+        self.flex = flex_attention
+        g = torch.Generator().manual_seed(3)
+        self.qkv = [torch.randn(2, 3, n, 16, generator=g, dtype=torch.float64) * s for n, s in ((24, 1.0), (40, 1.5), (40, 1.0))]
+
+    def reference(self, q, k, v):
+        z = q @ k.transpose(-2, -1) / 4.0
+        return formulas.normalize("dnas", z, torch.ones_like(z, dtype=torch.bool)) @ v
+
+    def test_forward_on_the_cpu(self):
+        import warnings
+        from probattn_tools.baselines.bench import dnas_flex
+        q, k, v = self.qkv
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the eager FlexAttention warns that it is not compiled
+            got = dnas_flex(q, k, v, self.flex)
+        torch.testing.assert_close(got, self.reference(q, k, v), rtol=0, atol=1e-12)
+        # Not softmax: the composition must differ from one plain call.
+        self.assertGreater((got - torch.softmax(q @ k.transpose(-2, -1) / 4.0, -1) @ v).abs().max().item(), 1e-3)
+
+    @unittest.skipUnless(torch.cuda.is_available(), "compiled FlexAttention's backward needs CUDA")
+    def test_forward_and_backward_on_cuda(self):
+        from probattn_tools.baselines.bench import compiled_flex, dnas_flex
+        leaves = [t.float().cuda().requires_grad_() for t in self.qkv]
+        expected = [t.detach().clone().requires_grad_() for t in self.qkv]
+        g = torch.randn_like(leaves[0])
+        got = dnas_flex(*leaves, compiled_flex())
+        (got * g).sum().backward()
+        want = self.reference(*expected)
+        (want * g.cpu()).sum().backward()
+        torch.testing.assert_close(got.double().cpu(), want, rtol=0, atol=1e-4)
+        for name, a, b in zip("qkv", leaves, expected):
+            torch.testing.assert_close(a.grad.double().cpu(), b.grad, rtol=0, atol=1e-4, msg=lambda m, n=name: f"d{n}: {m}")
+
+
 class Registry(unittest.TestCase):
     def test_the_deterministic_examples_have_a_reference(self):
         logit = torch.zeros(3, dtype=torch.float64)

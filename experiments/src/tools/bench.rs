@@ -52,8 +52,9 @@ pub struct BenchArgs {
     pub no_pytorch: bool,
     #[command(flatten)]
     pub memory: crate::common::MemoryEfficientArgs,
-    /// Skip our eager rows (for lengths the eager path cannot hold; with --memory-efficient, and
-    /// --no-pytorch for PyTorch's eager side).
+    /// Skip the eager rows (for lengths the eager path cannot hold; with --memory-efficient): ours,
+    /// and PyTorch's eager reference, whose side then measures SDPA and, on CUDA, DNAS composed
+    /// from two FlexAttention calls.
     #[arg(long)]
     pub no_eager: bool,
     /// Variants to measure, from the registry's benchmarked ones: softmax, dnas, hnas, sinkhorn-3, bam-lc, bam-wc (default: all
@@ -381,18 +382,34 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
         let sdpa = find("softmax", "pytorch-sdpa", s);
         let (soft_mem, sdpa_mem) = (mem("softmax", "probattn", s), mem("softmax", "pytorch-sdpa", s));
         if tiled_rows {
-            for &v in &measured {
-                let (tiled, eager) = (find(v, MEMORY_EFFICIENT, s), find(v, "probattn", s));
-                let (tiled_mem, eager_mem) = (mem(v, MEMORY_EFFICIENT, s), mem(v, "probattn", s));
-                t += &format!(
-                    "| {s} | {v} memory-efficient vs our eager | {} | {} (ours, eager) | | {} | {} | {} (ours, eager) | {} |\n",
-                    fmt(tiled),
-                    fmt(eager),
-                    fmt(tiled.zip(eager).map(|(a, b)| a / b)),
-                    fmt1(tiled_mem),
-                    fmt1(eager_mem),
-                    fmt(tiled_mem.zip(eager_mem).map(|(a, b)| a / b))
-                );
+            let tiled_variants = measured.iter().filter(|&&v| m.iter().any(|x| x.variant == v && x.implementation == MEMORY_EFFICIENT));
+            for &v in tiled_variants {
+                // Against our eager path (unless --no-eager), SDPA's softmax (the price of the
+                // variant), and for DNAS its FlexAttention composition where PyTorch's side
+                // measured one (CUDA).
+                let mut against = vec![("SDPA softmax", "SDPA", "softmax", "pytorch-sdpa")];
+                if eager_rows {
+                    against.insert(0, ("our eager", "ours, eager", v, "probattn"));
+                }
+                if v == "dnas" {
+                    against.push(("FlexAttention (two calls)", "Flex", "dnas", "pytorch-flex"));
+                }
+                for (label, short, rv, rimp) in against {
+                    let (tiled, other) = (find(v, MEMORY_EFFICIENT, s), find(rv, rimp, s));
+                    if other.is_none() && rimp != "probattn" {
+                        continue;
+                    }
+                    let (tiled_mem, other_mem) = (mem(v, MEMORY_EFFICIENT, s), mem(rv, rimp, s));
+                    t += &format!(
+                        "| {s} | {v} memory-efficient vs {label} | {} | {} ({short}) | | {} | {} | {} ({short}) | {} |\n",
+                        fmt(tiled),
+                        fmt(other),
+                        fmt(tiled.zip(other).map(|(a, b)| a / b)),
+                        fmt1(tiled_mem),
+                        fmt1(other_mem),
+                        fmt(tiled_mem.zip(other_mem).map(|(a, b)| a / b))
+                    );
+                }
             }
         }
         if eager_rows {
@@ -466,7 +483,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 &variants,
                 "--precision",
                 args.precision.precision.name(),
-            ],
+            ]
+            .into_iter()
+            .chain(args.no_eager.then_some("--no-eager"))
+            .collect::<Vec<_>>(),
         )
         .context("running the PyTorch side (python/probattn_tools/baselines/bench.py); --no-pytorch skips it")?;
         let theirs: Vec<Measurement> =
@@ -514,5 +534,45 @@ mod tests {
         assert!(!line.contains("\\n") && !line.contains("Torch(") && !line.contains("frame #"), "{line}");
         // A success passes through.
         assert_eq!(catch_torch_panic(|| Ok(3)).unwrap(), 3);
+    }
+
+    #[test]
+    fn the_memory_efficient_rows_compare_with_sdpa_and_flexattention_where_measured() {
+        let m = |variant: &str, implementation: &str, ms: f64, mib: u64| Measurement {
+            variant: variant.into(),
+            implementation: implementation.into(),
+            device: "cuda:0".into(),
+            batch: 1,
+            heads: HEADS,
+            embed: EMBED,
+            seq_len: 32768,
+            fwd_bwd_ms: ms,
+            fwd_bwd_ms_iqr: 0.0,
+            peak_mem_bytes: Some(mib << 20),
+            precision: Precision::F32,
+        };
+        let svgd = SvgdTiming { step_ms_without: 1.0, step_ms_with: 1.0, ratio: 1.0, hook_ms: 0.0, tokens_per_side: 1 };
+        let rows = [
+            m("dnas", MEMORY_EFFICIENT, 300.0, 64),
+            m("softmax", MEMORY_EFFICIENT, 200.0, 48),
+            m("softmax", "pytorch-sdpa", 100.0, 32),
+            m("dnas", "pytorch-flex", 400.0, 128),
+        ];
+        let table = ratio_table(&rows, &svgd);
+        let line = |start: &str| table.lines().find(|l| l.starts_with(start)).unwrap_or_else(|| panic!("no row {start} in\n{table}"));
+        assert_eq!(
+            line("| 32768 | dnas memory-efficient vs SDPA softmax |"),
+            "| 32768 | dnas memory-efficient vs SDPA softmax | 300.00 | 100.00 (SDPA) | | 3.00 | 64.0 | 32.0 (SDPA) | 2.00 |"
+        );
+        assert_eq!(
+            line("| 32768 | dnas memory-efficient vs FlexAttention (two calls) |"),
+            "| 32768 | dnas memory-efficient vs FlexAttention (two calls) | 300.00 | 400.00 (Flex) | | 0.75 | 64.0 | 128.0 (Flex) | 0.50 |"
+        );
+        // FlexAttention's row is DNAS's alone, and a PyTorch side that was not run adds no rows.
+        assert!(!table.contains("softmax memory-efficient vs FlexAttention"), "{table}");
+        let without_pytorch = ratio_table(&rows[..2], &svgd);
+        assert!(!without_pytorch.contains("SDPA softmax") && !without_pytorch.contains("FlexAttention"), "{without_pytorch}");
+        // Without eager rows (--no-eager) there is no comparison with them either.
+        assert!(!table.contains("vs our eager"), "{table}");
     }
 }

@@ -6,6 +6,12 @@ measurements shaped as bench.json's. `probattn bench` runs it; by hand:
     python -m probattn_tools.baselines.bench --device cpu --seq-lens 64,256 --repeats 3 --threads 2 \
         [--memory-lib target/release/build/probattn-*/out/libprobattn_memory.so]
 
+On CUDA, when DNAS is measured, also DNAS composed from two compiled FlexAttention calls
+(`dnas_flex`, impl "pytorch-flex"): what a PyTorch user would write for it without the S × S
+matrix. PyTorch 2.11's FlexAttention has no backward on the CPU, so the CPU has no such row.
+`--no-eager` leaves out the eager reference rows (they hold the S × S matrices), keeping SDPA and
+the FlexAttention composition, for lengths no eager attention fits.
+
 Peak memory: after the timed steps, one more step of each variant, untimed: the peak bytes it
 allocated above what was held before it. On CUDA, torch.cuda's allocator statistics; on the CPU,
 probattn's counting allocator (probattn-sys/csrc/memory.cpp, built beside the probattn binary), which
@@ -32,6 +38,8 @@ def attention_core(variant, q, k, v):
     """(B, H, S, d) -> (B, H, S, d) with the reference normalizers; BAM samples (training)."""
     if variant == "pytorch-sdpa":
         return F.scaled_dot_product_attention(q, k, v)
+    if variant == "pytorch-flex-dnas":
+        return dnas_flex(q, k, v, compiled_flex())
     z = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device).expand_as(z)
     if variant in ref.BAM_VARIANTS:
@@ -45,6 +53,32 @@ def attention_core(variant, q, k, v):
 
 
 BENCH_PRIOR, HYBRID = {}, {}
+
+
+def dnas_flex(q, k, v, flex_attention):
+    """DNAS (Ding et al. 2020) from two FlexAttention calls, no S × S matrix: the first, with the
+    keys as queries and the queries as keys, returns each key's log-sum-exp over the queries
+    (`return_lse`; its output is discarded); the second subtracts it in a `score_mod` before the
+    row softmax, softmax_j(z_ij − log Σ_i' exp z_i'j), which is DNAS. FlexAttention differentiates
+    through the returned log-sum-exp and the captured tensor, so the backward is DNAS's too.
+    `flex_attention` is the function to call: compiled on CUDA, the eager one for a check."""
+    _, column_lse = flex_attention(k, q, q, return_lse=True)
+
+    def minus_column_lse(score, b, h, q_idx, kv_idx):
+        return score - column_lse[b, h, kv_idx]
+    return flex_attention(q, k, v, score_mod=minus_column_lse)
+
+
+FLEX = {}
+# The PyTorch rows that are not the eager reference: (variant, impl) in bench.json.
+IMPLS = {"pytorch-sdpa": ("softmax", "pytorch-sdpa"), "pytorch-flex-dnas": ("dnas", "pytorch-flex")}
+
+
+def compiled_flex():
+    if "fn" not in FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+        FLEX["fn"] = torch.compile(flex_attention)
+    return FLEX["fn"]
 
 
 class CpuCounter:
@@ -118,6 +152,8 @@ def main():
     parser.add_argument("--batch", type=int, default=B, help="batch size B of the layer")
     parser.add_argument("--precision", choices=["f32", "bf16"], default="f32",
                         help="bf16: the forward pass under torch.autocast(device, torch.bfloat16), the backward after it")
+    parser.add_argument("--no-eager", action="store_true",
+                        help="leave out the eager reference rows: SDPA and, on CUDA, FlexAttention's DNAS only")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -135,7 +171,10 @@ def main():
     for s in [int(x) for x in args.seq_lens.split(",")]:
         b = args.batch
         x = torch.randn(b, s, E, device=device, requires_grad=True)
-        variants = args.variants.split(",") + ["pytorch-sdpa"]
+        asked = args.variants.split(",")
+        variants = ([] if args.no_eager else asked) + ["pytorch-sdpa"]
+        if device.type == "cuda" and "dnas" in asked:
+            variants.append("pytorch-flex-dnas")
 
         def make_step(variant):
             def step():
@@ -167,6 +206,13 @@ def main():
                     torch.cuda.empty_cache()
                     timed.append(None)
                     print(f"pytorch {variant:12s} S={s:5d}: CUDA out of memory ({str(e).splitlines()[0]})", file=sys.stderr, flush=True)
+                except Exception as e:  # FlexAttention's compiler refusing the composition: said, not fatal
+                    if variant != "pytorch-flex-dnas":
+                        raise
+                    x.grad = None
+                    timed.append(None)
+                    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                    print(f"pytorch flex dnas S={s:5d}: FlexAttention failed ({type(e).__name__}: {first})", file=sys.stderr, flush=True)
         else:
             steps = [make_step(v) for v in variants]
             timed = [(m, i, counter.peak_during(step) if counter else None)
@@ -175,13 +221,13 @@ def main():
             if t is None:
                 continue
             median, iqr, peak = t
-            out.append({"variant": "softmax" if variant == "pytorch-sdpa" else variant,
-                        "impl": "pytorch-sdpa" if variant == "pytorch-sdpa" else "pytorch",
+            name, impl = IMPLS.get(variant, (variant, "pytorch"))
+            out.append({"variant": name, "impl": impl,
                         "device": str(device), "batch": b, "heads": H, "embed": E, "seq_len": s,
                         "fwd_bwd_ms": median, "fwd_bwd_ms_iqr": iqr, "peak_mem_bytes": peak,
                         "precision": args.precision})
             peak_text = "" if peak is None else f", peak {peak / 2**20:8.1f} MiB"
-            print(f"pytorch {out[-1]['impl']:12s} {variant:12s} S={s:5d}: {median:9.1f} ms{peak_text}", file=sys.stderr, flush=True)
+            print(f"pytorch {impl:12s} {name:12s} S={s:5d}: {median:9.1f} ms{peak_text}", file=sys.stderr, flush=True)
     print(json.dumps(out))
 
 
