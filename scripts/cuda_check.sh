@@ -9,7 +9,11 @@
 #   OUT_DIR   where logs and run folders go
 #   GAT_SEEDS seeds of the GAT run over every variant (default 1)
 #   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient precision
-#             (default: all but bench-quick)
+#             nccl python (default: all but bench-quick, the long-sequence and NCCL runs first)
+#
+# The python step runs the Python package's tests (python/probattn/tests) from BIN_DIR/python-package:
+# the package as python/probattn/tests/python.rs assembles it (target/tmp/python-package, after
+# `cargo test -p probattn-py --test python`), copied into BIN_DIR.
 #
 # The test binaries hold the paths they were built at (the workspace root for python/ and the
 # `probattn` binary for the CLI tests): set BUILT_ROOT to the workspace root of the build machine
@@ -17,7 +21,7 @@
 set -u
 bin=$(realpath "$1") data=$(realpath "$2") out=$(realpath -m "$3")
 shift 3
-steps=${*:-doctor tests gat vqa translate bench pt2 memory-efficient precision}
+steps=${*:-doctor memory-efficient precision nccl tests python pt2 gat vqa translate bench}
 mkdir -p "$out"
 root=$PWD
 python=${PROBATTN_PYTHON:-$(command -v python3)}
@@ -85,6 +89,33 @@ for s in $steps; do
           --repeats 3 --precision $prec --out "$out/bench-me-long-$prec" 2>&1 | tail -20
       done
       "$p" translate --quick --precision bf16 --device cuda --out "$out/translate-quick-bf16" 2>&1 | tail -5 ;;
+    nccl)
+      # torchrun with NCCL, one rank, against one process without a process group, twice in
+      # alternation (tokens/s of training); all the GPUs in one job where there are several.
+      step nccl
+      torchrun=$(dirname "$python")/torchrun
+      short=(translate --device cuda --max-updates 300 --limit-valid 20 --limit-test 20)
+      for i in 1 2; do
+        "$p" "${short[@]}" --out "$out/nccl/single-$i" 2>&1 | tail -2
+        "$torchrun" --nproc-per-node 1 --no-python "$p" "${short[@]}" --dist-backend nccl --out "$out/nccl/ranks1-$i" 2>&1 | tail -2
+      done
+      gpus=$(nvidia-smi -L | wc -l)
+      if [ "$gpus" -gt 1 ]; then
+        "$torchrun" --nproc-per-node "$gpus" --no-python "$p" "${short[@]}" --dist-backend nccl --out "$out/nccl/ranks$gpus" 2>&1 | tail -2
+      fi
+      "$python" - "$out/nccl" <<'PY' | tee "$out/nccl/tokens.md"
+import glob, json, os, sys
+print("| run | ranks, backend | train tokens/s |\n|---|---|---|")
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*", "results.json"))):
+    r = json.load(open(f))
+    d = r.get("distributed") or {"world_size": 1, "backend": "none"}
+    print(f"| {os.path.basename(os.path.dirname(f))} | {d['world_size']}, {d['backend']} | {r['tokens_per_second_mean']:.0f} |")
+PY
+      ;;
+    python)
+      step python
+      (cd "$bin/python-package" && PYTHONPATH="$bin/python-package:$root/python" "$python" -m unittest discover -v \
+        -s "$root/python/probattn/tests" 2>&1) | tee "$out/python.log" | grep -E "^test_|Cuda|OK|FAILED|Error" | tail -40 ;;
     *) echo "unknown step $s" >&2; exit 1 ;;
   esac
 done

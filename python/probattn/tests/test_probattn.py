@@ -133,35 +133,40 @@ class Reference(unittest.TestCase):
         torch.testing.assert_close(out, probattn.attention(q, k, v, variant="softmax"), rtol=0, atol=1e-12)
 
 
+def gradcheck_every_variant(test, device, layouts_used=3):
+    """torch.autograd.gradcheck in float64 through every variant, eager and memory-efficient, on
+    `device`, under the first `layouts_used` mask layouts."""
+    b, h, sq, sk = 1, 2, 4, 5
+    on = lambda t: t.to(device)  # noqa: E731
+    for variant in registry.examples():
+        for layout, masks in layouts(b, h, sq, sk)[:layouts_used]:
+            masks = {n: on(m) if torch.is_tensor(m) else m for n, m in masks.items()}
+            for memory_efficient in (False, True):
+                with test.subTest(f"{variant} {layout} {memory_efficient} {device}"):
+                    inputs = [on(t.detach()).requires_grad_() for t in qkv(b, h, sq, sk, 3, 2, seed=7)]
+                    if variant == "hnas":
+                        inputs.append(torch.tensor([0.2, -0.4], dtype=D, device=device, requires_grad=True))
+                    bam = None
+                    if variant.startswith("bam"):
+                        bam = dict(BAM_CFG, noise=on(bam_noise(variant, (b, h, sq, sk))))
+                        if variant in ("bam-wc", "bam-lc"):
+                            bam["prior"] = {n: on(t) for n, t in prior_params(h, 3, 4).items()}
+
+                    def f(*xs):
+                        kw = {"hybrid_logit": xs[3]} if variant == "hnas" else {}
+                        out, info = probattn.attention(xs[0], xs[1], xs[2], variant=variant, memory_efficient=memory_efficient,
+                                                       tile=2 if memory_efficient else None, training=bam is not None, bam=bam,
+                                                       return_info=True, **masks, **kw)
+                        return (out, info.kl) if info.kl is not None else out
+
+                    test.assertTrue(gradcheck(f, tuple(inputs), eps=1e-6, atol=1e-8))
+
+
 class Gradcheck(unittest.TestCase):
     """torch.autograd.gradcheck in float64 through every variant, eager and memory-efficient."""
 
     def test_every_variant(self):
-        b, h, sq, sk = 1, 2, 4, 5
-        for variant in registry.examples():
-            for layout, masks in layouts(b, h, sq, sk)[:3]:
-                for memory_efficient in (False, True):
-                    with self.subTest(f"{variant} {layout} {memory_efficient}"):
-                        q, k, v = qkv(b, h, sq, sk, 3, 2, seed=7)
-                        inputs = [q, k, v]
-                        extra = {}
-                        if variant == "hnas":
-                            logit = torch.tensor([0.2, -0.4], dtype=D, requires_grad=True)
-                            inputs.append(logit)
-                        bam = None
-                        if variant.startswith("bam"):
-                            bam = dict(BAM_CFG, noise=bam_noise(variant, (b, h, sq, sk)))
-                            if variant in ("bam-wc", "bam-lc"):
-                                bam["prior"] = prior_params(h, 3, 4)
-
-                        def f(*xs):
-                            kw = {"hybrid_logit": xs[3]} if variant == "hnas" else {}
-                            out, info = probattn.attention(xs[0], xs[1], xs[2], variant=variant, memory_efficient=memory_efficient,
-                                                           tile=2 if memory_efficient else None, training=bam is not None, bam=bam,
-                                                           return_info=True, **masks, **kw, **extra)
-                            return (out, info.kl) if info.kl is not None else out
-
-                        self.assertTrue(gradcheck(f, tuple(inputs), eps=1e-6, atol=1e-8))
+        gradcheck_every_variant(self, "cpu")
 
 
 class MultiheadAttention(unittest.TestCase):
@@ -455,6 +460,56 @@ class HuggingFace(unittest.TestCase):
             for layer in m.model.layers:
                 layer.self_attn.attention_dropout = 0.1
             self.loss(m)
+
+
+@unittest.skipUnless(torch.cuda.is_available(), "no CUDA device")
+class Cuda(unittest.TestCase):
+    """The package on a GPU: gradcheck in float64 on CUDA tensors, and a tiny Llama on CUDA whose
+    probattn-softmax step equals sdpa's and whose BAM-WC training lowers the loss."""
+
+    def test_gradcheck_on_cuda(self):
+        gradcheck_every_variant(self, "cuda", layouts_used=2)
+
+    def test_a_tiny_llama_on_cuda(self):
+        try:
+            import probattn.hf
+            from transformers import LlamaConfig, LlamaForCausalLM
+        except ImportError as e:
+            self.skipTest(f"transformers is not installed: {e}")
+        probattn.hf.register()
+        ids = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(0)).cuda()
+        mask = torch.ones(2, 10, dtype=torch.long, device="cuda")
+        mask[1, :3] = 0
+
+        def model(impl, train):
+            torch.manual_seed(0)
+            config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=32)
+            m = LlamaForCausalLM(config).cuda()
+            m.set_attn_implementation(impl)
+            return m.train(train)
+
+        ours, theirs = model("probattn-softmax", False), model("sdpa", False)
+        a = ours(input_ids=ids, attention_mask=mask, labels=ids).loss
+        b = theirs(input_ids=ids, attention_mask=mask, labels=ids).loss
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        a.backward()
+        b.backward()
+        for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+        m = model("probattn-bam-wc", True)
+        probattn.hf.prepare(m, "bam-wc")
+        m.cuda()
+        opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+        losses = []
+        for _ in range(8):
+            loss = m(input_ids=ids, attention_mask=mask, labels=ids).loss
+            loss = loss + 0.01 * sum(mod.probattn_kl for mod in m.modules() if getattr(mod, "probattn_kl", None) is not None)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        self.assertLess(losses[-1], losses[0], losses)
 
 
 class CompileWithoutGraphBreaks(unittest.TestCase):
