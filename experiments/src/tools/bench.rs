@@ -352,6 +352,18 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
     seqs.dedup();
     let fmt = |x: Option<f64>| x.map_or("–".to_string(), |v| format!("{v:.2}"));
     let fmt1 = |x: Option<f64>| x.map_or("–".to_string(), |v| format!("{v:.1}"));
+    // A row setting ours against another measurement: times, their ratio, peaks, their ratio.
+    let versus = |s: i64, what: &str, other: &str, (a, b): (Option<f64>, Option<f64>), (a_mem, b_mem): (Option<f64>, Option<f64>)| {
+        format!(
+            "| {s} | {what} | {} | {} ({other}) | | {} | {} | {} ({other}) | {} |\n",
+            fmt(a),
+            fmt(b),
+            fmt(a.zip(b).map(|(x, y)| x / y)),
+            fmt1(a_mem),
+            fmt1(b_mem),
+            fmt(a_mem.zip(b_mem).map(|(x, y)| x / y))
+        )
+    };
     let mut t = String::from(
         "| S | variant | probattn ms | PyTorch ms | variant / softmax (probattn) | probattn / PyTorch | probattn peak MiB | PyTorch peak MiB | memory probattn / PyTorch |\n|---|---|---|---|---|---|---|---|---|\n",
     );
@@ -400,28 +412,12 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
                         continue;
                     }
                     let (tiled_mem, other_mem) = (mem(v, MEMORY_EFFICIENT, s), mem(rv, rimp, s));
-                    t += &format!(
-                        "| {s} | {v} memory-efficient vs {label} | {} | {} ({short}) | | {} | {} | {} ({short}) | {} |\n",
-                        fmt(tiled),
-                        fmt(other),
-                        fmt(tiled.zip(other).map(|(a, b)| a / b)),
-                        fmt1(tiled_mem),
-                        fmt1(other_mem),
-                        fmt(tiled_mem.zip(other_mem).map(|(a, b)| a / b))
-                    );
+                    t += &versus(s, &format!("{v} memory-efficient vs {label}"), short, (tiled, other), (tiled_mem, other_mem));
                 }
             }
         }
         if eager_rows {
-            t += &format!(
-                "| {s} | softmax vs SDPA | {} | {} (SDPA) | | {} | {} | {} (SDPA) | {} |\n",
-                fmt(soft),
-                fmt(sdpa),
-                fmt(soft.zip(sdpa).map(|(a, b)| a / b)),
-                fmt1(soft_mem),
-                fmt1(sdpa_mem),
-                fmt(soft_mem.zip(sdpa_mem).map(|(a, b)| a / b))
-            );
+            t += &versus(s, "softmax vs SDPA", "SDPA", (soft, sdpa), (soft_mem, sdpa_mem));
         }
     }
     t += &format!(
