@@ -32,6 +32,17 @@ struct Case {
 }
 
 impl Case {
+    fn to(&self, device: Device) -> Case {
+        let to = |t: &Option<Tensor>| t.as_ref().map(|t| t.to_device(device));
+        Case {
+            name: self.name,
+            key_padding: to(&self.key_padding),
+            query_padding: to(&self.query_padding),
+            attn_mask: to(&self.attn_mask),
+            causal: self.causal,
+        }
+    }
+
     fn masks(&self) -> Masks<'_> {
         Masks {
             key_padding: self.key_padding.as_ref(),
@@ -279,7 +290,11 @@ fn a_layer_with_tiles_equals_the_layer_without() -> Result<()> {
 /// A BAM normalizer of `kind` over `base` with settings away from the defaults (k = 5: the
 /// Weibull noise matters), its parameters in float64.
 fn bam(kind: BamKind, base: Variant) -> Result<(nn::VarStore, Bam)> {
-    let mut vs = nn::VarStore::new(Device::Cpu);
+    bam_on(kind, base, Device::Cpu)
+}
+
+fn bam_on(kind: BamKind, base: Variant, device: Device) -> Result<(nn::VarStore, Bam)> {
+    let mut vs = nn::VarStore::new(device);
     let bam =
         BamConfig { k: 5.0, sigma: 0.7, prior_alpha: 0.8, prior_beta: 1.3, prior_mu: -0.5, prior_sigma: 1.2, base, ..Default::default() };
     let normalizer = Bam::new(&vs.root(), kind, H, D, &NormalizerConfig { bam, ..Default::default() })?;
@@ -384,6 +399,117 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
     let mean = run(TiledOptions::new(4))?;
     let dnas = attend(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), &Dnas, Default::default())?.output;
     ensure!(max_diff(&mean.output, &dnas) <= 1e-12 && mean.kl.is_none(), "without sampling BAM is its base");
+    Ok(())
+}
+
+/// The eager path of one variant, given q, k and v.
+type Eager<'a> = Box<dyn Fn(&Tensor, &Tensor, &Tensor) -> probattn::Result<probattn::Attended> + 'a>;
+
+/// The machine's devices: the CPU, and CUDA where it is usable.
+fn devices() -> Vec<Device> {
+    let mut devices = vec![Device::Cpu];
+    if tch::Cuda::is_available() {
+        devices.push(Device::Cuda(0));
+    }
+    devices
+}
+
+#[test]
+fn on_every_device_the_tiles_equal_the_eager_path() -> Result<()> {
+    // The comparisons above once more on each device (CUDA where present: the tiles' ATen route,
+    // not the fused CPU kernel), in float64 within 1e-10: every deterministic variant and every BAM
+    // variant over a DNAS base given the same counter-based draws, under every mask layout, at a
+    // tile that does not divide S_q. Output, received mass, KL and the gradients of q, k, v and
+    // of the variant's parameters.
+    for device in devices() {
+        tch::manual_seed(3);
+        let opts = (Kind::Double, device);
+        let inputs = [Tensor::randn([B, H, L, D], opts), Tensor::randn([B, H, S, D], opts) * 2.0, Tensor::randn([B, H, S, D], opts)];
+        let g = Tensor::randn([B, H, L, D], opts);
+        let mut vs = nn::VarStore::new(device);
+        let hnas = Hnas::new(&vs.root(), H, 0.5)?;
+        vs.double();
+        tch::no_grad(|| hnas.logit().shallow_clone().copy_(&Tensor::from_slice(&[-1.0f64, 0.3, 2.0]).to_device(device)));
+        let logit = hnas.logit().shallow_clone();
+        let sinkhorn = Sinkhorn::new(3)?;
+        let seed = 0x5eed_0042_u64;
+        let bams = BamKind::ALL
+            .into_iter()
+            .map(|kind| {
+                let (vs, normalizer) = bam_on(kind, Variant::Dnas, device)?;
+                Ok((kind, vs, normalizer, counter_noise(kind, [B, H, L, S], seed, opts)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (mut checked, mut largest) = (0, 0.0f64);
+        for case in cases().iter().map(|c| c.to(device)) {
+            let masks = case.masks();
+            let mut variants: Vec<(String, Tiled, Eager<'_>, Vec<Tensor>)> = vec![
+                ("softmax".into(), Tiled::softmax(), Box::new(|q, k, v| attend(q, k, v, &masks, &Softmax, Default::default())), vec![]),
+                ("dnas".into(), Tiled::dnas(), Box::new(|q, k, v| attend(q, k, v, &masks, &Dnas, Default::default())), vec![]),
+                (
+                    "hnas".into(),
+                    Tiled::hnas(&logit),
+                    Box::new(|q, k, v| attend(q, k, v, &masks, &hnas, Default::default())),
+                    vec![logit.shallow_clone()],
+                ),
+                (
+                    "sinkhorn-3".into(),
+                    Tiled::sinkhorn(3),
+                    Box::new(|q, k, v| attend(q, k, v, &masks, &sinkhorn, Default::default())),
+                    vec![],
+                ),
+            ];
+            for (kind, vs, normalizer, draws) in &bams {
+                let options = AttendOptions { mode: Mode::MONTE_CARLO, noise: Some(draws), ..Default::default() };
+                let masks = &masks;
+                variants.push((
+                    kind.name().to_string(),
+                    normalizer.tiled().expect("BAM has a plan"),
+                    Box::new(move |q, k, v| attend(q, k, v, masks, normalizer, options)),
+                    vs.trainable_variables(),
+                ));
+            }
+            for (name, tiled, eager, params) in &variants {
+                if case.causal && name != "softmax" {
+                    continue;
+                }
+                let path = |tiles: bool| -> Result<Vec<Tensor>> {
+                    let leaves: Vec<Tensor> = inputs.iter().map(|t| t.detach().set_requires_grad(true)).collect();
+                    let (q, k, v) = (&leaves[0], &leaves[1], &leaves[2]);
+                    let (out, mass, kl) = if tiles {
+                        let options = TiledOptions { sample: true, seed: Some(seed), ..TiledOptions::new(5) };
+                        let t = attend_tiled(q, k, v, &masks, tiled, options)?;
+                        (t.output, t.received_mass, t.kl)
+                    } else {
+                        let a = eager(q, k, v)?;
+                        let mass = a.weights()?.sum_dim_intlist(&[-2i64][..], false, Kind::Double);
+                        (a.output, mass, a.kl)
+                    };
+                    let kl = kl.unwrap_or_else(|| Tensor::zeros([], opts));
+                    let wrt: Vec<Tensor> = leaves.iter().chain(params).map(Tensor::shallow_clone).collect();
+                    let loss = (&out * &g).sum(Kind::Double) + &kl * 0.37;
+                    let mut all = vec![out.detach(), mass.detach(), kl.detach()];
+                    all.extend(Tensor::run_backward(&[loss], &wrt, false, false));
+                    Ok(all)
+                };
+                let (ours, reference) = (path(true)?, path(false)?);
+                ensure!(ours.len() == reference.len(), "{name}, {}: gradients", case.name);
+                for (i, (a, b)) in ours.iter().zip(&reference).enumerate() {
+                    ensure!(a.device() == device, "{name} left {device:?}");
+                    let d = max_diff(a, b);
+                    let what = ["output", "received mass", "KL", "gradient of q", "gradient of k", "gradient of v"]
+                        .get(i)
+                        .copied()
+                        .unwrap_or("gradient of a parameter");
+                    ensure!(d <= 1e-10, "{device:?}, {name}, {}: {what} differs by {d}", case.name);
+                    largest = largest.max(d);
+                }
+                checked += 1;
+            }
+        }
+        ensure!(checked == (4 + 5) * 5 + 1, "{device:?}: {checked} comparisons");
+        eprintln!("{device:?}: {checked} comparisons, largest difference {largest:.1e}");
+    }
     Ok(())
 }
 
