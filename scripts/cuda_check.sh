@@ -8,6 +8,10 @@
 #   DATA_DIR  the data folder (planetoid/, multi30k/), as PROBATTN_DATA names it
 #   OUT_DIR   where logs and run folders go
 #   GAT_SEEDS seeds of the GAT run over every variant (default 1)
+#   PRECISIONS     the precision step's benchmark precisions (default "f32 bf16"; float32 is also the
+#                  memory-efficient step's long run, so "bf16" alone saves a repeat)
+#   PYTHON_TESTS   a unittest -k pattern for the python step (default: every test; "Cuda" for the
+#                  CUDA class alone)
 #   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient precision
 #             nccl python (default: all but bench-quick, the long-sequence and NCCL runs first)
 #
@@ -49,7 +53,8 @@ for s in $steps; do
       for t in bam edges interop normalizers parity precision repulsive pt2 tiled; do
         (cd "$root" && "$bin/$t" --test-threads 4 2>&1) | tee -a "$out/tests.log" | grep -A3 -E "^test |test result|panicked|Error"
       done
-      (cd "$root/experiments" && "$bin/cli" --test-threads 4 2>&1) | tee -a "$out/tests.log" | grep -A3 -E "^test |test result|panicked|Error" ;;
+      # Of the CLI's tests, the doctor's is the one with a CUDA form (the others run the CPU).
+      (cd "$root/experiments" && "$bin/cli" doctor --test-threads 4 2>&1) | tee -a "$out/tests.log" | grep -A3 -E "^test |test result|panicked|Error" ;;
     gat)
       step gat
       "$p" gat --dataset cora --attention all --seeds "${GAT_SEEDS:-1}" --device cuda --out "$out/gat-cora-all" 2>&1 | tail -20 ;;
@@ -84,7 +89,7 @@ for s in $steps; do
       # bfloat16 (docs/precision.md): the memory-efficient path against SDPA in bfloat16 up to
       # S = 32,768, float32 beside it, and a quick translation run in bfloat16.
       step precision
-      for prec in f32 bf16; do
+      for prec in ${PRECISIONS:-f32 bf16}; do
         "$p" bench --device cuda --batch 1 --memory-efficient --no-eager --variants softmax,dnas --seq-lens 4096,8192,16384,32768 \
           --repeats 3 --precision $prec --out "$out/bench-me-long-$prec" 2>&1 | tail -20
       done
@@ -115,7 +120,7 @@ PY
     python)
       step python
       (cd "$bin/python-package" && PYTHONPATH="$bin/python-package:$root/python" "$python" -m unittest discover -v \
-        -s "$root/python/probattn/tests" 2>&1) | tee "$out/python.log" | grep -E "^test_|Cuda|OK|FAILED|Error" | tail -40 ;;
+        -s "$root/python/probattn/tests" ${PYTHON_TESTS:+-k "$PYTHON_TESTS"} 2>&1) | tee "$out/python.log" | grep -E "^test_|Cuda|OK|FAILED|Error" | tail -40 ;;
     *) echo "unknown step $s" >&2; exit 1 ;;
   esac
 done
