@@ -10,6 +10,7 @@
 #   GAT_SEEDS seeds of the GAT run over every variant (default 1)
 #   PRECISIONS     the precision step's benchmark precisions (default "f32 bf16"; float32 is also the
 #                  memory-efficient step's long run, so "bf16" alone saves a repeat)
+#   TESTS          the test binaries of the tests step (default: every one with a CUDA form)
 #   PYTHON_TESTS   a unittest -k pattern for the python step (default: every test; "Cuda" for the
 #                  CUDA class alone)
 #   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient precision
@@ -50,7 +51,7 @@ for s in $steps; do
       "$p" doctor --json --device cuda > "$out/doctor.json" ;;
     tests)
       step tests
-      for t in bam edges interop normalizers parity precision repulsive pt2 tiled; do
+      for t in ${TESTS:-bam edges interop normalizers parity precision repulsive pt2 tiled}; do
         (cd "$root" && "$bin/$t" --test-threads 4 2>&1) | tee -a "$out/tests.log" | grep -A3 -E "^test |test result|panicked|Error"
       done
       # Of the CLI's tests, the doctor's is the one with a CUDA form (the others run the CPU).
@@ -100,13 +101,16 @@ for s in $steps; do
       step nccl
       torchrun=$(dirname "$python")/torchrun
       short=(translate --device cuda --max-updates 300 --limit-valid 20 --limit-test 20)
+      mkdir -p "$out/nccl"
       for i in 1 2; do
-        "$p" "${short[@]}" --out "$out/nccl/single-$i" 2>&1 | tail -2
-        "$torchrun" --nproc-per-node 1 --no-python "$p" "${short[@]}" --dist-backend nccl --out "$out/nccl/ranks1-$i" 2>&1 | tail -2
+        "$p" "${short[@]}" --out "$out/nccl/single-$i" > "$out/nccl/single-$i.log" 2>&1; tail -2 "$out/nccl/single-$i.log"
+        "$torchrun" --nproc-per-node 1 --no-python "$p" "${short[@]}" --dist-backend nccl --out "$out/nccl/ranks1-$i" \
+          > "$out/nccl/ranks1-$i.log" 2>&1; tail -2 "$out/nccl/ranks1-$i.log"
       done
       gpus=$(nvidia-smi -L | wc -l)
       if [ "$gpus" -gt 1 ]; then
-        "$torchrun" --nproc-per-node "$gpus" --no-python "$p" "${short[@]}" --dist-backend nccl --out "$out/nccl/ranks$gpus" 2>&1 | tail -2
+        "$torchrun" --nproc-per-node "$gpus" --no-python "$p" "${short[@]}" --dist-backend nccl --out "$out/nccl/ranks$gpus" \
+          > "$out/nccl/ranks$gpus.log" 2>&1; tail -2 "$out/nccl/ranks$gpus.log"
       fi
       "$python" - "$out/nccl" <<'PY' | tee "$out/nccl/tokens.md"
 import glob, json, os, sys

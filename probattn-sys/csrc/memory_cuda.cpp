@@ -3,6 +3,7 @@
 // c10's device-generic allocator interface, so no CUDA header is needed to build this: on a
 // machine without CUDA the calls fail with a message, at run time.
 
+#include <ATen/Context.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -17,6 +18,9 @@ c10::DeviceIndex checked(int64_t device) {
     throw std::runtime_error("CUDA device " + std::to_string(device) + " does not exist (" + std::to_string(count) +
                              " CUDA device(s) visible)");
   }
+  // The caching allocator is set up by CUDA's lazy initialization (the first CUDA tensor does it):
+  // before that its statistics fail with "Invalid device argument". Asking first is fine.
+  at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
   return static_cast<c10::DeviceIndex>(device);
 }
 
