@@ -26,6 +26,8 @@ struct pa_dist {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   c10::intrusive_ptr<c10d::Backend> backend;
   std::chrono::milliseconds timeout;
+  // Whether a backend takes CPU tensors (Gloo does; NCCL alone does not).
+  bool cpu = false;
 };
 
 struct pa_reducer {
@@ -52,6 +54,16 @@ void wait(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds 
   TORCH_CHECK(work->wait(timeout), "the collective did not complete");
 }
 
+// The collectives of the training loop on CPU tensors (a length, a tokenizer's bytes) need a
+// backend that takes them: said by name rather than as c10d's "No backend type associated".
+void check_devices(const pa_dist* dist, const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors) {
+    TORCH_CHECK(dist->cpu || !t.device().is_cpu(),
+                "a collective on a CPU tensor under NCCL alone: this build has no Gloo to carry CPU tensors beside NCCL "
+                "(install Debian's libgloo-dev or set PROBATTN_GLOO_INCLUDE, then rebuild), or use --dist-backend gloo");
+  }
+}
+
 #ifdef PROBATTN_GLOO
 std::shared_ptr<::gloo::transport::Device> gloo_device() {
   // As torch.distributed: GLOO_SOCKET_IFNAME names the interface, else the host name's address
@@ -63,6 +75,14 @@ std::shared_ptr<::gloo::transport::Device> gloo_device() {
     return c10d::ProcessGroupGloo::createDeviceForInterface(first);
   }
   return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
+                                                     std::chrono::milliseconds timeout) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices.push_back(gloo_device());
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo", store), rank, world_size,
+                                                     options);
 }
 #endif
 
@@ -110,11 +130,9 @@ char* pa_dist_join(const char* backend, const char* host, int32_t port, int32_t 
     std::string name(backend);
     if (name == "gloo") {
 #ifdef PROBATTN_GLOO
-      auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
-      gloo_options->devices.push_back(gloo_device());
-      auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
-          c10::make_intrusive<c10d::PrefixStore>("gloo", dist->store), rank, world_size, gloo_options);
+      auto gloo = make_gloo(dist->store, rank, world_size, timeout);
       dist->backend = gloo;
+      dist->cpu = true;
       dist->group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
       dist->group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO, gloo);
       dist->group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
@@ -132,6 +150,13 @@ char* pa_dist_join(const char* backend, const char* host, int32_t port, int32_t 
       dist->backend = nccl;
       dist->group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
       dist->group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+#ifdef PROBATTN_GLOO
+      // NCCL moves CUDA tensors only: CPU tensors go through Gloo on the same store, as
+      // torch.distributed's "cpu:gloo,cuda:nccl" backend does.
+      dist->group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO,
+                              make_gloo(dist->store, rank, world_size, timeout));
+      dist->cpu = true;
+#endif
 #else
       TORCH_CHECK(false,
                   "this build of probattn has no NCCL: its build found no complete CUDA headers (run ./download_libtorch.sh, "
@@ -148,7 +173,9 @@ char* pa_dist_join(const char* backend, const char* host, int32_t port, int32_t 
 char* pa_dist_broadcast(pa_dist* dist, const pa_tensor* const* tensors, size_t n, int32_t root) {
   return probattn::guard([&] {
     probattn::require(dist, "pa_dist_broadcast", "dist");
-    for (auto tensor : borrow(tensors, n)) {
+    auto all = borrow(tensors, n);
+    check_devices(dist, all);
+    for (auto tensor : all) {
       std::vector<at::Tensor> one{tensor};
       c10d::BroadcastOptions options;
       options.rootRank = root;
@@ -164,7 +191,9 @@ char* pa_dist_all_reduce(pa_dist* dist, const pa_tensor* const* tensors, size_t 
     c10d::AllreduceOptions options;
     options.timeout = dist->timeout;
     options.reduceOp = op == 1 ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
-    for (auto tensor : borrow(tensors, n)) {
+    auto all = borrow(tensors, n);
+    check_devices(dist, all);
+    for (auto tensor : all) {
       std::vector<at::Tensor> one{tensor};
       wait(dist->group->allreduce(one, options), dist->timeout);
     }
@@ -177,6 +206,7 @@ char* pa_dist_all_gather(pa_dist* dist, const pa_tensor* tensor, pa_tensors** ou
     probattn::require(tensor, "pa_dist_all_gather", "tensor");
     probattn::require(out, "pa_dist_all_gather", "out");
     std::vector<at::Tensor> input{*tensor};
+    check_devices(dist, input);
     std::vector<std::vector<at::Tensor>> output(1);
     for (int i = 0; i < dist->group->getSize(); ++i) output[0].push_back(at::empty_like(*tensor));
     c10d::AllgatherOptions options;
