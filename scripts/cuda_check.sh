@@ -85,15 +85,15 @@ for s in $steps; do
       # allocator's peaks.
       step memory-efficient
       "$p" bench --device cuda --batch 1 --memory-efficient --no-eager --seq-lens 4096,8192,16384,32768 --repeats 3 \
-        --out "$out/bench-me-long" 2>&1 | tail -30
-      "$p" bench --device cuda --batch 1 --memory-efficient --seq-lens 1024,4096 --out "$out/bench-me" 2>&1 | tail -30 ;;
+        --out "$out/bench-me-long" 2>&1 | tee "$out/bench-me-long.log" | tail -30
+      "$p" bench --device cuda --batch 1 --memory-efficient --seq-lens 1024,4096 --out "$out/bench-me" 2>&1 | tee "$out/bench-me.log" | tail -30 ;;
     precision)
       # bfloat16 (docs/precision.md): the memory-efficient path against SDPA in bfloat16 up to
       # S = 32,768, float32 beside it, and a quick translation run in bfloat16.
       step precision
       for prec in ${PRECISIONS:-f32 bf16}; do
         "$p" bench --device cuda --batch 1 --memory-efficient --no-eager --variants softmax,dnas --seq-lens 4096,8192,16384,32768 \
-          --repeats 3 --precision $prec --out "$out/bench-me-long-$prec" 2>&1 | tail -20
+          --repeats 3 --precision $prec --out "$out/bench-me-long-$prec" 2>&1 | tee "$out/bench-me-long-$prec.log" | tail -20
       done
       "$p" translate --quick --precision bf16 --device cuda --out "$out/translate-quick-bf16" 2>&1 | tail -5 ;;
     nccl)
