@@ -3,7 +3,8 @@
 //! (python/probattn/benchmarks/overhead.py runs it and the same call from Python, interleaved).
 //!
 //! `cargo run --release --example attend_timing -- VARIANT S [--memory-efficient] [--repeats N]
-//! [--batch B] [--heads H] [--dim D] [--seed S]`: prints one JSON line with the medians in ms.
+//! [--batch B] [--heads H] [--dim D] [--seed S] [--device cpu|cuda]`: prints one JSON line with the
+//! medians in ms (on CUDA each call is timed to its completion: synchronized before and after).
 //! Inputs are `randn (B, H, S, D)` float32 from `--seed` (default B 1, H 8, D 64, 20 repeats after
 //! two warm-up calls, one thread unless `RAYON`/`OMP` settings say otherwise: the caller sets
 //! threads with `--threads T`).
@@ -27,7 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     let usage =
-        "usage: attend_timing VARIANT S [--memory-efficient] [--repeats N] [--batch B] [--heads H] [--dim D] [--seed S] [--threads T]";
+        "usage: attend_timing VARIANT S [--memory-efficient] [--repeats N] [--batch B] [--heads H] [--dim D] [--seed S] [--threads T] [--device cpu|cuda]";
     let variant: Variant = args.first().ok_or(usage)?.parse()?;
     let s: i64 = args.get(1).ok_or(usage)?.parse()?;
     let memory_efficient = args.iter().any(|a| a == "--memory-efficient");
@@ -35,9 +36,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         (flag("--repeats", 20)?, flag("--batch", 1)?, flag("--heads", 8)?, flag("--dim", 64)?, flag("--seed", 0)?);
     tch::set_num_threads(flag("--threads", 1)? as i32);
     tch::manual_seed(seed);
-    let opts = (Kind::Float, Device::Cpu);
+    let device = match args.iter().position(|a| a == "--device").map(|i| args.get(i + 1).map(String::as_str)) {
+        None | Some(Some("cpu")) => Device::Cpu,
+        Some(Some("cuda")) if tch::Cuda::is_available() => Device::Cuda(0),
+        Some(Some("cuda")) => return Err("--device cuda: CUDA is not available".into()),
+        Some(other) => return Err(format!("--device takes cpu or cuda, not {other:?}").into()),
+    };
+    let sync = || {
+        if let Device::Cuda(i) = device {
+            tch::Cuda::synchronize(i as i64);
+        }
+    };
+    let opts = (Kind::Float, device);
     let (q, k, v) = (Tensor::randn([b, h, s, d], opts), Tensor::randn([b, h, s, d], opts), Tensor::randn([b, h, s, d], opts));
-    let vs = nn::VarStore::new(Device::Cpu);
+    let vs = nn::VarStore::new(device);
     let normalizer = variant.build(&vs.root(), h, d, &NormalizerConfig::default())?;
     let call = |q: &Tensor, k: &Tensor, v: &Tensor| {
         let options = AttendOptions { need_weights: false, tile: memory_efficient.then_some(256), ..Default::default() };
@@ -45,13 +57,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let (mut forward, mut backward) = (vec![], vec![]);
     for round in 0..repeats + 2 {
+        sync();
         let start = Instant::now();
         tch::no_grad(|| call(&q, &k, &v))?;
+        sync();
         let f = start.elapsed().as_secs_f64() * 1e3;
         let (mut qg, mut kg, mut vg) = (q.set_requires_grad(true), k.set_requires_grad(true), v.set_requires_grad(true));
+        sync();
         let start = Instant::now();
         let out = call(&qg, &kg, &vg)?.output;
         out.sum(Kind::Float).backward();
+        sync();
         let fb = start.elapsed().as_secs_f64() * 1e3;
         for t in [&mut qg, &mut kg, &mut vg] {
             t.zero_grad();

@@ -14,7 +14,12 @@
 #   PYTHON_TESTS   a unittest -k pattern for the python step (default: every test; "Cuda" for the
 #                  CUDA class alone)
 #   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient precision
-#             nccl python (default: all but bench-quick, the long-sequence and NCCL runs first)
+#             nccl python python-bench (default: all but bench-quick, the long-sequence and NCCL runs
+#             first)
+#
+# The python-bench step runs the Python package's benchmarks on CUDA (python/probattn/benchmarks:
+# bench.py against BIN_DIR/attend_timing, from `cargo build --release --example attend_timing`,
+# and mlm.py's tiny Llama and BERT against sdpa), each into its folder under OUT_DIR.
 #
 # The python step runs the Python package's tests (python/probattn/tests) from BIN_DIR/python-package:
 # the package as python/probattn/tests/python.rs assembles it (target/tmp/python-package, after
@@ -26,7 +31,7 @@
 set -u
 bin=$(realpath "$1") data=$(realpath "$2") out=$(realpath -m "$3")
 shift 3
-steps=${*:-doctor memory-efficient precision nccl tests python pt2 gat vqa translate bench}
+steps=${*:-doctor memory-efficient precision nccl tests python python-bench pt2 gat vqa translate bench}
 mkdir -p "$out"
 root=$PWD
 python=${PROBATTN_PYTHON:-$(command -v python3)}
@@ -126,6 +131,16 @@ PY
       step python
       (cd "$bin/python-package" && PYTHONPATH="$bin/python-package:$root/python" "$python" -m unittest discover -v \
         -s "$root/python/probattn/tests" ${PYTHON_TESTS:+-k "$PYTHON_TESTS"} 2>&1) | tee "$out/python.log" | grep -E "^test_|Cuda|OK|FAILED|Error" | tail -40 ;;
+    python-bench)
+      step python-bench
+      pp="$bin/python-package:$root/python"
+      PYTHONPATH=$pp "$python" "$root/python/probattn/benchmarks/bench.py" --device cuda --rust "$bin/attend_timing" \
+        --out "$out/python-bench" 2>&1 | tee "$out/python-bench.log" | tail -30
+      for model in llama bert; do
+        PYTHONPATH=$pp "$python" "$root/python/probattn/benchmarks/mlm.py" --device cuda --model $model --data "$data/multi30k" \
+          --tokenizer "$root/results/translate/multi30k-softmax-seed1/tokenizer.json" --out "$out/python-$model" 2>&1 \
+          | tee "$out/python-$model.log" | tail -12
+      done ;;
     *) echo "unknown step $s" >&2; exit 1 ;;
   esac
 done

@@ -10,7 +10,14 @@ same run:
    `--memory-seq` (default 4096): `probattn.nn.MultiheadAttention(memory_efficient=True)` against
    the pure-PyTorch module of python/probattn_tools (S x S weights). Peak bytes from probattn's
    counting CPU allocator (`--memory-lib`, libprobattn_memory.so beside the build), loaded into
-   this process as `probattn bench` does, and the median time of interleaved calls.
+   this process as `probattn bench` does, and the median time of interleaved calls; on CUDA the
+   caching allocator's peak.
+3. flex (CUDA, `--flex-seqs`): DNAS at length, B 1, H 8, d 64, forward + backward:
+   `probattn.attention(..., variant="dnas", memory_efficient=True)` against DNAS composed from two
+   compiled FlexAttention calls (the column log-sum-exp through `return_lse`, then a `score_mod`
+   that subtracts it; probattn_tools.baselines.bench.dnas_flex), time and peak memory.
+
+`--device cuda` runs all three on the GPU (the Rust side with `attend_timing --device cuda`).
 
     cargo build --release --example attend_timing
     python python/probattn/benchmarks/bench.py --rust target/release/examples/attend_timing \\
@@ -33,9 +40,14 @@ from _record import git_state, write_atomic  # this folder's, beside the script
 
 
 
-def python_timing(probattn, variant, s, memory_efficient, repeats, seed=0):
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def python_timing(probattn, variant, s, memory_efficient, repeats, device, seed=0):
     torch.manual_seed(seed)
-    q, k, v = (torch.randn(1, 8, s, 64) for _ in range(3))
+    q, k, v = (torch.randn(1, 8, s, 64, device=device) for _ in range(3))
     tile = 256 if memory_efficient else None
 
     def forward():
@@ -53,16 +65,19 @@ def python_timing(probattn, variant, s, memory_efficient, repeats, seed=0):
     for name, fn in (("forward_ms", forward), ("forward_backward_ms", forward_backward)):
         times = []
         for i in range(repeats + 2):
+            sync(device)
             start = time.perf_counter()
             fn()
+            sync(device)
             if i >= 2:
                 times.append(1e3 * (time.perf_counter() - start))
         out[name] = statistics.median(times)
     return out
 
 
-def rust_timing(binary, variant, s, memory_efficient, repeats):
-    cmd = [binary, variant, str(s), "--repeats", str(repeats), "--threads", "1"] + (["--memory-efficient"] if memory_efficient else [])
+def rust_timing(binary, variant, s, memory_efficient, repeats, device):
+    cmd = [binary, variant, str(s), "--repeats", str(repeats), "--threads", "1", "--device", device.type]
+    cmd += ["--memory-efficient"] if memory_efficient else []
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"error: {' '.join(cmd)}: {out.stderr.strip()}")
@@ -75,8 +90,8 @@ def overhead(probattn, args):
         for memory_efficient in (False, True):
             py, rs = {"forward_ms": [], "forward_backward_ms": []}, {"forward_ms": [], "forward_backward_ms": []}
             for _ in range(args.rounds):
-                r = rust_timing(args.rust, variant, args.seq, memory_efficient, args.repeats)
-                p = python_timing(probattn, variant, args.seq, memory_efficient, args.repeats)
+                r = rust_timing(args.rust, variant, args.seq, memory_efficient, args.repeats, args.device)
+                p = python_timing(probattn, variant, args.seq, memory_efficient, args.repeats, args.device)
                 for key in py:
                     py[key].append(p[key])
                     rs[key].append(r[key])
@@ -89,15 +104,15 @@ def overhead(probattn, args):
 
 
 def memory(probattn, args):
-    from probattn_tools.baselines.bench import CpuCounter, time_interleaved
+    from probattn_tools.baselines.bench import CpuCounter, cuda_peak_during, time_interleaved
     from probattn_tools.reference.mha import MultiheadAttention as Reference
 
-    counter = CpuCounter(args.memory_lib)
+    peak_during = cuda_peak_during if args.device.type == "cuda" else CpuCounter(args.memory_lib).peak_during
     torch.manual_seed(0)
-    ours = probattn.nn.MultiheadAttention(512, 8, variant="dnas", batch_first=True, memory_efficient=True)
-    ref = Reference(512, 8, variant="dnas", batch_first=True)
+    ours = probattn.nn.MultiheadAttention(512, 8, variant="dnas", batch_first=True, memory_efficient=True).to(args.device)
+    ref = Reference(512, 8, variant="dnas", batch_first=True).to(args.device)
     ref.load_state_dict(ours.state_dict())
-    x = torch.randn(1, args.memory_seq, 512, requires_grad=True)
+    x = torch.randn(1, args.memory_seq, 512, device=args.device, requires_grad=True)
 
     def step(module):
         def run():
@@ -107,8 +122,8 @@ def memory(probattn, args):
             module.zero_grad(set_to_none=True)
         return run
 
-    (t_ours, iqr_ours), (t_ref, iqr_ref) = time_interleaved([step(ours), step(ref)], args.memory_repeats, torch.device("cpu"))
-    peak_ours, peak_ref = counter.peak_during(step(ours)), counter.peak_during(step(ref))
+    (t_ours, iqr_ours), (t_ref, iqr_ref) = time_interleaved([step(ours), step(ref)], args.memory_repeats, args.device)
+    peak_ours, peak_ref = peak_during(step(ours)), peak_during(step(ref))
     row = {"variant": "dnas", "s": args.memory_seq, "embed_dim": 512, "heads": 8, "batch": 1,
            "probattn_ms": t_ours, "probattn_iqr_ms": iqr_ours, "reference_ms": t_ref, "reference_iqr_ms": iqr_ref,
            "probattn_peak_bytes": peak_ours, "reference_peak_bytes": peak_ref,
@@ -118,19 +133,67 @@ def memory(probattn, args):
     return row
 
 
+def flex(probattn, args):
+    """DNAS at each of `--flex-seqs` on CUDA, ours (memory-efficient) against FlexAttention's
+    two-call composition, forward + backward; a side that runs out of memory or that Flex's
+    compiler refuses is recorded as such, with its message."""
+    from probattn_tools.baselines.bench import compiled_flex, cuda_peak_during, dnas_flex, time_interleaved
+
+    rows = []
+    for s in args.flex_seqs:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, 8, s, 64, device=args.device, requires_grad=True) for _ in range(3))
+
+        def step(fn):
+            def run():
+                fn().sum().backward()
+                for t in (q, k, v):
+                    t.grad = None
+            return run
+
+        sides = {"probattn": step(lambda: probattn.attention(q, k, v, variant="dnas", memory_efficient=True, tile=256)),
+                 "flex": step(lambda: dnas_flex(q, k, v, compiled_flex()))}
+        row = {"variant": "dnas", "s": s, "heads": 8, "dim": 64, "batch": 1}
+        for name, fn in sides.items():
+            try:
+                (median, iqr), = time_interleaved([fn], args.memory_repeats, args.device)
+                row[name] = {"ms": median, "iqr_ms": iqr, "peak_bytes": cuda_peak_during(fn)}
+            except Exception as e:  # out of memory, or Flex's compiler refusing: said, not fatal
+                for t in (q, k, v):
+                    t.grad = None
+                torch.cuda.empty_cache()
+                row[name] = {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
+            print(f"flex dnas S={s}: {name} {row[name]}", file=sys.stderr, flush=True)
+        if "ms" in row["probattn"] and "ms" in row["flex"]:
+            row["time_ratio"] = row["probattn"]["ms"] / row["flex"]["ms"]
+            row["memory_ratio"] = row["probattn"]["peak_bytes"] / row["flex"]["peak_bytes"]
+        rows.append(row)
+    return rows
+
+
 def markdown(result):
-    lines = ["Python call against the same call from Rust (B 1, H 8, d 64, S %d, float32, one thread; median of %d calls, median over %d alternating rounds):" % (
-        result["settings"]["seq"], result["settings"]["repeats"], result["settings"]["rounds"]), "",
+    lines = ["Python call against the same call from Rust (B 1, H 8, d 64, S %d, float32, %s; median of %d calls, median over %d alternating rounds):" % (
+        result["settings"]["seq"], "CUDA" if result["settings"].get("device") == "cuda" else "one thread", result["settings"]["repeats"],
+        result["settings"]["rounds"]), "",
         "| variant | path | pass | Python ms | Rust ms | Python / Rust |", "|---|---|---|---|---|---|"]
     for r in result["overhead"]:
         lines.append(f"| {r['variant']} | {'memory-efficient' if r['memory_efficient'] else 'eager'} | {r['pass']} | {r['python_ms']:.2f} | {r['rust_ms']:.2f} | {r['ratio']:.3f} |")
     m = result.get("memory")
     if m:
-        lines += ["", f"One DNAS layer, E 512, H 8, B 1, S {m['s']}, forward + backward, one thread:", "",
+        lines += ["", f"One DNAS layer, E 512, H 8, B 1, S {m['s']}, forward + backward, {'CUDA' if result["settings"].get("device") == "cuda" else "one thread"}:", "",
                   "| module | median ms | peak MiB |", "|---|---|---|",
                   f"| probattn.nn.MultiheadAttention (memory-efficient) | {m['probattn_ms']:.0f} | {m['probattn_peak_bytes'] / 2**20:.0f} |",
                   f"| pure PyTorch (probattn_tools.reference.mha) | {m['reference_ms']:.0f} | {m['reference_peak_bytes'] / 2**20:.0f} |",
                   f"| ratio | {m['time_ratio']:.3f} | {m['memory_ratio']:.3f} |"]
+    if result.get("flex"):
+        lines += ["", "DNAS, B 1, H 8, d 64, forward + backward, CUDA: probattn.attention (memory-efficient, tile 256) against two compiled FlexAttention calls:", "",
+                  "| S | probattn ms | Flex ms | probattn / Flex | probattn peak MiB | Flex peak MiB | memory probattn / Flex |", "|---|---|---|---|---|---|---|"]
+        cell = lambda side, key, scale: f"{side[key] / scale:.1f}" if key in side else side.get("error", "")[:60]  # noqa: E731
+        for r in result["flex"]:
+            ratios = f"{r['time_ratio']:.2f} | " if "time_ratio" in r else " | "
+            mem = f"{r['memory_ratio']:.2f}" if "memory_ratio" in r else ""
+            lines.append(f"| {r['s']} | {cell(r['probattn'], 'ms', 1)} | {cell(r['flex'], 'ms', 1)} | {ratios}"
+                         f"{cell(r['probattn'], 'peak_bytes', 2**20)} | {cell(r['flex'], 'peak_bytes', 2**20)} | {mem} |")
     return "\n".join(lines) + "\n"
 
 
@@ -143,15 +206,25 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--memory-seq", type=int, default=4096)
     parser.add_argument("--memory-repeats", type=int, default=3)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--flex-seqs", default="4096,8192,16384,32768",
+                        help="CUDA: lengths of the DNAS-against-FlexAttention comparison (empty to skip)")
     parser.add_argument("--out", required=True, help="folder for bench.json and bench.md")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda: CUDA is not available to this torch")
+    settings = vars(args) | {"threads": 1, "torch": torch.__version__}
+    args.device = torch.device(args.device)
+    args.flex_seqs = [int(x) for x in args.flex_seqs.split(",") if x.strip()]
     torch.set_num_threads(1)
     import probattn
 
-    result = {"settings": vars(args) | {"threads": 1, "torch": torch.__version__}, "provenance": git_state()}
+    result = {"settings": settings, "provenance": git_state()}
     result["overhead"] = overhead(probattn, args)
-    if args.memory_lib:
+    if args.memory_lib or args.device.type == "cuda":
         result["memory"] = memory(probattn, args)
+    if args.device.type == "cuda" and args.flex_seqs:
+        result["flex"] = flex(probattn, args)
     os.makedirs(args.out, exist_ok=True)
     for name, text in (("bench.json", json.dumps(result, indent=2) + "\n"), ("bench.md", markdown(result))):
         write_atomic(os.path.join(args.out, name), text)

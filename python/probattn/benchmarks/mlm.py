@@ -11,7 +11,7 @@ DNAS runs in the encoder only: it normalizes each key over the queries, which a 
 must not do (docs/python.md). Models: BERT or Llama (2 key/value heads) with 2 layers, E 128,
 4 heads, FFN 256, attention dropout 0 (the memory-efficient forms have none),
 sentences cut to 48 BPE tokens, 15% of tokens masked (replaced by a [MASK] id added after the BPE
-vocabulary), AdamW lr 1e-3, batch 32, one thread. Writes curves.json (every step's loss and time,
+vocabulary), AdamW lr 1e-3, batch 32, one thread (or `--device cuda`). Writes curves.json (every step's loss and time,
 the code's version), curves.md and val_loss.svg.
 """
 
@@ -96,8 +96,12 @@ def main():
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda: CUDA is not available to this torch")
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     if args.impls is None:
         args.impls = ["sdpa", "probattn-softmax-me", "probattn-dnas-me"] if args.model == "bert" else ["sdpa", "probattn-softmax", "probattn-softmax-me"]
@@ -131,11 +135,14 @@ def main():
         config = BertConfig(vocab_size=vocab + 1, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                             intermediate_size=256, max_position_embeddings=64, attention_probs_dropout_prob=0.0, pad_token_id=pad)
         build = BertForMaskedLM
+    train_batches = [tuple(t.to(device) for t in b) for b in train_batches]
+    val_batches = [tuple(t.to(device) for t in b) for b in val_batches]
     models, optimizers, curves = {}, {}, {}
     for impl in args.impls:
         torch.manual_seed(args.seed)
         m = build(copy.deepcopy(config))  # a config each: set_attn_implementation writes into it
         m.set_attn_implementation(impl)
+        m.to(device)
         models[impl], optimizers[impl] = m, torch.optim.AdamW(m.parameters(), lr=1e-3)
         curves[impl] = {"train_loss": [], "seconds": [], "tokens": [], "val_steps": [], "val_loss": []}
 
@@ -161,11 +168,15 @@ def main():
         inputs, labels, attention = train_batches[step]
         for impl, m in models.items():  # in turns: drift of a shared machine hits each alike
             torch.manual_seed(args.seed * 1_000_003 + step)  # the same dropout masks for every model
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             start = time.perf_counter()
             loss = m(input_ids=inputs, labels=labels, attention_mask=attention).loss
             optimizers[impl].zero_grad()
             loss.backward()
             optimizers[impl].step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             c = curves[impl]
             c["seconds"].append(time.perf_counter() - start)
             c["tokens"].append(int(attention.sum()))
@@ -175,7 +186,7 @@ def main():
     for impl, c in curves.items():
         summary[impl] = {"final_val_loss": c["val_loss"][-1], "tokens_per_second": sum(c["tokens"]) / sum(c["seconds"])}
     base = summary[args.impls[0]]["tokens_per_second"]
-    lines = [f"Tiny {'BERT MLM' if args.model == 'bert' else 'Llama causal LM'} on Multi30k en, {args.steps} updates of {args.batch} sentences, seed {args.seed}, {args.threads} thread(s):", "",
+    lines = [f"Tiny {'BERT MLM' if args.model == 'bert' else 'Llama causal LM'} on Multi30k en, {args.steps} updates of {args.batch} sentences, seed {args.seed}, {'CUDA' if device.type == 'cuda' else f'{args.threads} thread(s)'}:", "",
              "| implementation | final validation loss | training tokens/s | / " + args.impls[0] + " |", "|---|---|---|---|"]
     for impl, s in summary.items():
         lines.append(f"| {impl} | {s['final_val_loss']:.3f} | {s['tokens_per_second']:.0f} | {s['tokens_per_second'] / base:.2f} |")
