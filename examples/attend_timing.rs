@@ -40,7 +40,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         None | Some(Some("cpu")) => Device::Cpu,
         Some(Some("cuda")) if tch::Cuda::is_available() => Device::Cuda(0),
         Some(Some("cuda")) => return Err("--device cuda: CUDA is not available".into()),
-        Some(other) => return Err(format!("--device takes cpu or cuda, not {other:?}").into()),
+        Some(other) => return Err(format!("--device takes cpu or cuda, not {}", other.unwrap_or("nothing")).into()),
     };
     let sync = || {
         if let Device::Cuda(i) = device {

@@ -172,15 +172,16 @@ def flex(probattn, args):
 
 
 def markdown(result):
+    where = "CUDA" if result["settings"].get("device") == "cuda" else "one thread"
     lines = ["Python call against the same call from Rust (B 1, H 8, d 64, S %d, float32, %s; median of %d calls, median over %d alternating rounds):" % (
-        result["settings"]["seq"], "CUDA" if result["settings"].get("device") == "cuda" else "one thread", result["settings"]["repeats"],
+        result["settings"]["seq"], where, result["settings"]["repeats"],
         result["settings"]["rounds"]), "",
         "| variant | path | pass | Python ms | Rust ms | Python / Rust |", "|---|---|---|---|---|---|"]
     for r in result["overhead"]:
         lines.append(f"| {r['variant']} | {'memory-efficient' if r['memory_efficient'] else 'eager'} | {r['pass']} | {r['python_ms']:.2f} | {r['rust_ms']:.2f} | {r['ratio']:.3f} |")
     m = result.get("memory")
     if m:
-        lines += ["", f"One DNAS layer, E 512, H 8, B 1, S {m['s']}, forward + backward, {'CUDA' if result["settings"].get("device") == "cuda" else "one thread"}:", "",
+        lines += ["", f"One DNAS layer, E 512, H 8, B 1, S {m['s']}, forward + backward, {where}:", "",
                   "| module | median ms | peak MiB |", "|---|---|---|",
                   f"| probattn.nn.MultiheadAttention (memory-efficient) | {m['probattn_ms']:.0f} | {m['probattn_peak_bytes'] / 2**20:.0f} |",
                   f"| pure PyTorch (probattn_tools.reference.mha) | {m['reference_ms']:.0f} | {m['reference_peak_bytes'] / 2**20:.0f} |",
