@@ -51,6 +51,21 @@ class TableHelpers(unittest.TestCase):
         self.assertEqual(common.paired_cell(a, b), "+1.00 ± 0.58 (above on 2 of 3 seeds)")
         self.assertEqual(common.paired_cell({1: 1.0}, {1: 2.0}), "–")
 
+    def test_translation_rows(self):
+        from probattn_tools.tables import translate
+
+        def run(precision=None, **config):
+            config = {"model": {"transformer": {}}, "kl_weight": 1, **config}
+            if precision:
+                config["precision"] = precision
+            return {"attention": "dnas", "repulsive": "none", "config": config}
+        self.assertEqual(translate.row_name(run()), "dnas")
+        self.assertEqual(translate.row_name(run("f32")), "dnas")
+        self.assertEqual(translate.row_name(run("bf16")), "dnas-bf16")
+        # A float32 run from before --precision pools with one that names it; bfloat16 does not.
+        self.assertEqual(translate.pooled_config(run()), translate.pooled_config(run("f32")))
+        self.assertNotEqual(translate.pooled_config(run()), translate.pooled_config(run("bf16")))
+
     def test_markdown(self):
         self.assertEqual(common.markdown(["a", "b"], [[1, "x"]]), "| a | b |\n|---|---|\n| 1 | x |")
 

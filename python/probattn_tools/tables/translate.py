@@ -4,7 +4,8 @@ folders given, so runs of one seed each (run one at a time, as they fit) make on
 
 Rows of the attentional LSTM (`--arch lstm`) are named `lstm-<attention>`; BAM rows whose KL
 weight, Weibull shape or anneal differ from the defaults (1, 10, none) carry them in the name
-(`bam-wc-k100-w0.1`, `-anneal2000`), so a tuned row stands beside the untuned one. Each row's
+(`bam-wc-k100-w0.1`, `-anneal2000`), so a tuned row stands beside the untuned one; runs in
+bfloat16 (`--precision bf16`) end in `-bf16`, beside their float32 row. Each row's
 difference (`--diff`) is taken against the softmax row of its own model.
 
     python -m probattn_tools.tables.translate results/translate/table [--diff] [--paper]
@@ -48,22 +49,25 @@ def attention_name(results):
 
 
 def row_name(results):
-    """attention[-repulsive[-selection]]: `softmax-svgd` repels every module's heads,
+    """attention[-repulsive[-selection]][-bf16]: `softmax-svgd` repels every module's heads,
     `softmax-svgd-cross` only the kinds / layers its `--selection` names."""
     rep = results["repulsive"]
+    bf16 = "-bf16" if results["config"].get("precision", "f32") == "bf16" else ""
     if rep == "none":
-        return attention_name(results)
+        return attention_name(results) + bf16
     selection = results["config"].get("selection") or {}
     parts = [k for k in selection.get("kinds") or []]
     parts += [f"layer{l}" for l in selection.get("layers") or []]
     parts += [p for p in selection.get("projections") or []]
-    return "-".join([results["attention"], rep] + parts)
+    return "-".join([results["attention"], rep] + parts) + bf16
 
 
 def pooled_config(results):
     """The configuration runs must share to pool: without repulsive heads, the repulsive settings
     (whose defaults changed over time) do not act and are left out."""
     config = dict(results["config"])
+    if config.get("precision") == "f32":  # runs from before --precision were float32
+        config.pop("precision")
     if results["repulsive"] == "none":
         config.pop("repulsive_config", None)
         config.pop("selection", None)
