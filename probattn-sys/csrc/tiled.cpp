@@ -78,30 +78,29 @@ struct Problem {
     return excluded.narrow(-2, start, len);
   }
   at::Tensor scores(int64_t start, int64_t len, const at::Tensor& ex) const {
-    return filled(at::matmul(qs.narrow(-2, start, len), k.transpose(-2, -1)).to(stats()), ex, kMaskValue);
+    return filled_(at::matmul(qs.narrow(-2, start, len), k.transpose(-2, -1)).to(stats()), ex, kMaskValue);
   }
   // z - s filled, s a per-row or per-key statistic.
-  static at::Tensor minus(const at::Tensor& z, const at::Tensor& s, const at::Tensor& ex) { return filled(z - s, ex, kMaskValue); }
+  static at::Tensor minus(const at::Tensor& z, const at::Tensor& s, const at::Tensor& ex) { return filled_(z - s, ex, kMaskValue); }
   // y = z - C^N.
   at::Tensor logits(const at::Tensor& z, const at::Tensor& ex) const { return sweeps == 0 ? z : minus(z, c.back(), ex); }
   // The (noisy) weights of a tile from its logits y.
   at::Tensor weights(const at::Tensor& y, int64_t start, int64_t len, const at::Tensor& ex) const {
     auto a = y;
     if (noise != kNoNoise) {
-      a = filled(noise_rows(given_noise, seed, noise, noise_scale, shape(), start, len, y.scalar_type(), y.device()).add_(y), ex,
-                 kMaskValue);
+      a = filled_(noise_rows(given_noise, seed, noise, noise_scale, shape(), start, len, y.scalar_type(), y.device()).add_(y), ex,
+                  kMaskValue);
     }
-    return filled(at::softmax(a, -1), ex, 0.0);
+    return filled_(at::softmax(a, -1), ex, 0.0);
   }
   at::Tensor r_rows(size_t t, int64_t start, int64_t len) const { return r[t].narrow(-2, start, len); }
   // A^t of a tile (t 1-based): exp(z - R^{t-1} - C^t).
   at::Tensor col_jacobian(size_t t, const at::Tensor& z, int64_t start, int64_t len, const at::Tensor& ex) const {
-    auto base = t == 1 ? z : minus(z, r_rows(t - 2, start, len), ex);
-    return masked_exp(base - c[t - 1], ex);
+    return masked_exp_(t == 1 ? z - c[t - 1] : minus(z, r_rows(t - 2, start, len), ex).sub_(c[t - 1]), ex);
   }
   // B^t of a tile (t 1-based, t < N): exp(z - C^t - R^t).
   at::Tensor row_jacobian(size_t t, const at::Tensor& z, int64_t start, int64_t len, const at::Tensor& ex) const {
-    return masked_exp(minus(z, c[t - 1], ex) - r_rows(t - 1, start, len), ex);
+    return masked_exp_(minus(z, c[t - 1], ex).sub_(r_rows(t - 1, start, len)), ex);
   }
 
   // C¹ … C^N and R¹ … R^{N-1}.
@@ -226,10 +225,11 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
     auto logits_grad = [&](int64_t start, int64_t len, const at::Tensor& ex, const at::Tensor& z, bool first_pass) {
       auto y = pb.logits(z, ex);
       auto p = pb.weights(y, start, len, ex);
-      auto dp = at::matmul(dout.narrow(-2, start, len), v.transpose(-2, -1)).to(pb.stats());
-      auto dy = p * (dp - d.narrow(-2, start, len));
       auto dy_kl = kl_grad(start, len, ex, y, first_pass);
-      if (dy_kl.defined()) dy = dy + dy_kl;
+      y = at::Tensor();  // not needed past here: one block fewer alive beside dP's
+      // dY = P ∘ (dP - D), built in dP's block.
+      auto dy = at::matmul(dout.narrow(-2, start, len), v.transpose(-2, -1)).to(pb.stats()).sub_(d.narrow(-2, start, len)).mul_(p);
+      if (dy_kl.defined()) dy.add_(dy_kl);
       return std::make_pair(p, dy);
     };
     auto finish = [&](int64_t start, int64_t len, const at::Tensor& dz) {
@@ -267,8 +267,8 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
         pb.each([&](int64_t start, int64_t len) {
           auto ex = pb.excluded_rows(start, len);
           auto z = pb.scores(start, len, ex);
-          auto dr_tile = -(pb.col_jacobian(t, z, start, len, ex) * dc[t - 1]).sum(-1, true);
-          auto dc_tile = -(pb.row_jacobian(t - 1, z, start, len, ex) * dr_tile).sum(-2, true);
+          auto dr_tile = pb.col_jacobian(t, z, start, len, ex).mul_(dc[t - 1]).sum(-1, true).neg_();
+          auto dc_tile = pb.row_jacobian(t - 1, z, start, len, ex).mul_(dr_tile).sum(-2, true).neg_();
           col = col.defined() ? col + dc_tile : dc_tile;
           rows.push_back(dr_tile);
         });
@@ -279,8 +279,9 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
         auto ex = pb.excluded_rows(start, len);
         auto z = pb.scores(start, len, ex);
         auto dz = logits_grad(start, len, ex, z, false).second;
-        for (size_t t = 1; t <= n; ++t) dz = dz + pb.col_jacobian(t, z, start, len, ex) * dc[t - 1];
-        for (size_t t = 1; t < n; ++t) dz = dz + pb.row_jacobian(t, z, start, len, ex) * dr[t - 1].narrow(-2, start, len);
+        // Each term is made and added in place: two (tile, S_k) blocks alive besides z and dZ.
+        for (size_t t = 1; t <= n; ++t) dz.add_(pb.col_jacobian(t, z, start, len, ex).mul_(dc[t - 1]));
+        for (size_t t = 1; t < n; ++t) dz.add_(pb.row_jacobian(t, z, start, len, ex).mul_(dr[t - 1].narrow(-2, start, len)));
         finish(start, len, dz);
       });
     }

@@ -32,8 +32,17 @@ inline at::Tensor filled(const at::Tensor& t, const at::Tensor& excluded, double
   return excluded.defined() ? t.masked_fill(excluded, value) : t;
 }
 
+// The same, in place: for a tensor the caller has just made and shares with nothing (one
+// (tile, S_k) block fewer alive than `filled` on a copy).
+inline at::Tensor filled_(at::Tensor t, const at::Tensor& excluded, double value) {
+  return excluded.defined() ? t.masked_fill_(excluded, value) : t;
+}
+
 // exp(t), exactly 0 on excluded entries.
-inline at::Tensor masked_exp(const at::Tensor& t, const at::Tensor& excluded) { return filled(at::exp(t), excluded, 0.0); }
+inline at::Tensor masked_exp(const at::Tensor& t, const at::Tensor& excluded) { return filled_(at::exp(t), excluded, 0.0); }
+
+// The same in place, for a fresh tensor as `filled_` takes.
+inline at::Tensor masked_exp_(at::Tensor t, const at::Tensor& excluded) { return filled_(t.exp_(), excluded, 0.0); }
 
 // BAM's draws ε for rows [start, start + len) of a (B, H, S_q, S_k) score tensor `shape`, in
 // `dtype` (csrc/noise.cpp); `ops`: with ATen's integer ops even on the CPU (the same values).
