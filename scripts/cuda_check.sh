@@ -10,6 +10,7 @@
 #   GAT_SEEDS seeds of the GAT run over every variant (default 1)
 #   PRECISIONS     the precision step's benchmark precisions (default "f32 bf16"; float32 is also the
 #                  memory-efficient step's long run, so "bf16" alone saves a repeat)
+#   ME_VARIANTS    the memory-efficient step's variants at length (default: all six, one run each)
 #   TESTS          the test binaries of the tests step (default: every one with a CUDA form)
 #   PYTHON_TESTS   a unittest -k pattern for the python step (default: every test; "Cuda" for the
 #                  CUDA class alone)
@@ -88,9 +89,13 @@ for s in $steps; do
       # At length, every variant against SDPA and DNAS against FlexAttention's composition; then
       # the tiled path against the eager one and PyTorch's where those fit, with the caching
       # allocator's peaks.
+      # One benchmark per variant: each writes its folder when it ends, so a time limit that stops
+      # the step keeps the variants measured before it.
       step memory-efficient
-      "$p" bench --device cuda --batch 1 --memory-efficient --no-eager --seq-lens 4096,8192,16384,32768 --repeats 3 \
-        --out "$out/bench-me-long" 2>&1 | tee "$out/bench-me-long.log" | tail -30
+      for v in ${ME_VARIANTS:-softmax dnas hnas sinkhorn-3 bam-wc bam-lc}; do
+        "$p" bench --device cuda --batch 1 --memory-efficient --no-eager --variants "$v" --seq-lens 4096,8192,16384,32768 \
+          --repeats 3 --out "$out/bench-me-long-$v" 2>&1 | tee "$out/bench-me-long-$v.log" | tail -12
+      done
       "$p" bench --device cuda --batch 1 --memory-efficient --seq-lens 1024,4096 --out "$out/bench-me" 2>&1 | tee "$out/bench-me.log" | tail -30 ;;
     precision)
       # bfloat16 (docs/precision.md): the memory-efficient path against SDPA in bfloat16 up to
