@@ -2,9 +2,10 @@
 //! backward, without the `(S_q, S_k)` weights (probattn-sys/csrc/tiled.cpp, a libtorch autograd function).
 //!
 //! The eager path ([`crate::attend`]) materialises the weights of every head, and autograd keeps
-//! several such tensors for the backward pass: memory grows as S². Here each pass holds one
-//! `(tile, S_k)` block of scores at a time and the backward pass recomputes them, so what a step
-//! keeps beyond its inputs and output is O(S) per head. The maths (docs/formulas.md §5, Ding et al.
+//! several such tensors for the backward pass: memory grows as S². Here each pass works on one
+//! tile's `(tile, S_k)` scores at a time (about three such blocks alive at once, counting what
+//! it derives from them; tests/tiled_memory.rs) and the backward pass recomputes them, so what a
+//! step keeps beyond its inputs and output is O(S) per head. The maths (docs/formulas.md §5, Ding et al.
 //! 2020 for DNAS):
 //!
 //! - softmax: `P = softmax_j(z_ij)`, `z = (q / sqrt(d)) kᵀ`;
