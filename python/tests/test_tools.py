@@ -66,6 +66,17 @@ class TableHelpers(unittest.TestCase):
         self.assertEqual(translate.pooled_config(run()), translate.pooled_config(run("f32")))
         self.assertNotEqual(translate.pooled_config(run()), translate.pooled_config(run("bf16")))
 
+    def test_paper_differences(self):
+        from probattn_tools.tables import translate
+        self.assertAlmostEqual(translate.paper_difference("lstm-bam-wc")[0], 1.04)
+        self.assertAlmostEqual(translate.paper_difference("lstm-bam-wc-w0.1-anneal1000")[0], 1.04)
+        self.assertAlmostEqual(translate.paper_difference("softmax-svgd")[0], 0.8)
+        self.assertAlmostEqual(translate.paper_difference("softmax-svgd-cross")[0], 0.5)
+        self.assertAlmostEqual(translate.paper_difference("softmax-svgd-bf16")[0], 0.8)
+        # The BAM paper ran no Transformer, and the DNAS paper no translation.
+        for name in ("bam-wc", "bam-wc-w0.1-anneal1000", "dnas", "hnas", "lstm-softmax"):
+            self.assertIsNone(translate.paper_difference(name), name)
+
     def test_markdown(self):
         self.assertEqual(common.markdown(["a", "b"], [[1, "x"]]), "| a | b |\n|---|---|\n| 1 | x |")
 

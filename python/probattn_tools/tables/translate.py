@@ -15,7 +15,9 @@ sacreBLEU's default, cased and detokenized), mean ± std over seeds; mean best v
 sacreBLEU; epochs; training tokens/s; the head diversity "Dist" of the encoder self-attention
 (mean over layers). `--diff` adds each row minus softmax (MA) with the standard error of the
 difference, sqrt(s1²/n1 + s2²/n2), for both BLEUs and Dist: the repulsive-attention paper's claim
-is RMA − MA = +0.8 BLEU (IWSLT14) and a larger Dist.
+is RMA − MA = +0.8 BLEU (IWSLT14) and a larger Dist. `--paper` adds the difference each paper
+reports for the row (`paper_difference`; IWSLT14 de-en, tokenized lowercased BLEU, not Multi30k):
+beside it, not comparable in size, only in sign and rough scale.
 """
 
 import json
@@ -116,6 +118,26 @@ def dist_cell(runs, fn):
     return fn(runs)
 
 
+# The papers' own differences from softmax, by row: (BLEU difference, where it comes from).
+PAPER = [
+    ("lstm-bam-wc", 33.81 - 32.77, "BAM Table 4: attentional LSTM, BAM-WC 33.81 vs soft 32.77"),
+    ("softmax-svgd-cross", 34.9 - 34.4, "RMA Table 10: encoder-decoder heads only, 34.9 vs MA 34.4"),
+    ("softmax-spos-cross", 34.9 - 34.4, "RMA Table 10, its encoder-decoder row (SVGD; no SPOS translation row), 34.9 vs MA 34.4"),
+    ("softmax-svgd", 35.2 - 34.4, "RMA Table 10: every head, 35.2 vs MA 34.4"),
+]
+
+
+def paper_difference(name):
+    """(difference, source) the papers report for a row, or None: BAM's for the LSTM's BAM-WC rows
+    (the paper ran no Transformer), RMA's for the repulsive rows; none for DNAS and HNAS, whose
+    paper has no translation experiment. Tuned and bfloat16 rows take their base row's."""
+    base = name[: -len("-bf16")] if name.endswith("-bf16") else name
+    for prefix, value, source in PAPER:
+        if base == prefix or (prefix == "lstm-bam-wc" and base.startswith(prefix + "-")):
+            return value, source
+    return None
+
+
 def reference(name):
     """The softmax row a row is compared with: its own model's."""
     return "lstm-softmax" if name.startswith("lstm-") else "softmax"
@@ -127,6 +149,7 @@ def main():
         print(__doc__)
         return
     diff = "--diff" in args
+    paper = "--paper" in args
     roots = [a for a in args if not a.startswith("--")] or ["results/translate"]
     rows = collect(roots)
     if not rows:
@@ -155,15 +178,19 @@ def main():
             if name == ref or ref not in rows:
                 continue
             runs, base = rows[name], rows[ref]
-            table.append([
+            row = [
                 f"{name} − {ref}",
                 diff_cell([r["test_bleu_tok"] for r in runs], [r["test_bleu_tok"] for r in base]),
                 diff_cell([r["test_bleu"] for r in runs], [r["test_bleu"] for r in base]),
                 dist_cell(runs + base, lambda _: diff_cell([dist(r) for r in runs], [dist(r) for r in base], 3)),
-            ])
+            ]
+            if paper:
+                reported = paper_difference(name)
+                row.append(f"{reported[0]:+.2f} ({reported[1]})" if reported else "–")
+            table.append(row)
         print()
-        print(markdown(["rows", "tok-lc BLEU difference (± s.e.)", "sacreBLEU difference (± s.e.)",
-                        "Dist difference (± s.e.)"], table))
+        header = ["rows", "tok-lc BLEU difference (± s.e.)", "sacreBLEU difference (± s.e.)", "Dist difference (± s.e.)"]
+        print(markdown(header + (["paper's difference (IWSLT14, tok-lc BLEU)"] if paper else []), table))
 
 
 if __name__ == "__main__":
