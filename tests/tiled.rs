@@ -7,6 +7,8 @@
 //! S_q; and BAM's five variants over three bases, sampled with the same counter-based draws on
 //! both paths, with their KL terms and the gradients of the contextual prior's parameters.
 
+mod common;
+
 use anyhow::{ensure, Result};
 use probattn::normalize::{Bam, BamConfig, BamKind, Dnas, Hnas, Normalizer, NormalizerConfig, Sinkhorn, Softmax};
 use probattn::tiled::{attend_tiled, counter_noise, counter_noise_rows, Tiled, TiledOptions};
@@ -405,15 +407,6 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
 /// The eager path of one variant, given q, k and v.
 type Eager<'a> = Box<dyn Fn(&Tensor, &Tensor, &Tensor) -> probattn::Result<probattn::Attended> + 'a>;
 
-/// The machine's devices: the CPU, and CUDA where it is usable.
-fn devices() -> Vec<Device> {
-    let mut devices = vec![Device::Cpu];
-    if tch::Cuda::is_available() {
-        devices.push(Device::Cuda(0));
-    }
-    devices
-}
-
 #[test]
 fn on_every_device_the_tiles_equal_the_eager_path() -> Result<()> {
     // The comparisons above once more on each device (CUDA where present: the tiles' ATen route,
@@ -421,7 +414,7 @@ fn on_every_device_the_tiles_equal_the_eager_path() -> Result<()> {
     // variant over a DNAS base given the same counter-based draws, under every mask layout, at a
     // tile that does not divide S_q. Output, received mass, KL and the gradients of q, k, v and
     // of the variant's parameters.
-    for device in devices() {
+    for device in common::devices() {
         tch::manual_seed(3);
         let opts = (Kind::Double, device);
         let inputs = [Tensor::randn([B, H, L, D], opts), Tensor::randn([B, H, S, D], opts) * 2.0, Tensor::randn([B, H, S, D], opts)];
