@@ -14,6 +14,8 @@
 #   TESTS          the test binaries of the tests step (default: every one with a CUDA form)
 #   PYTHON_TESTS   a unittest -k pattern for the python step (default: every test; "Cuda" for the
 #                  CUDA class alone)
+#   NCCL_PAIRS     the nccl step's alternations of one process and one NCCL rank (default 3; single
+#                  runs of 300 updates moved by 15-30% on the H100, so the step compares medians)
 #   TABLE_ROWS     the table steps' rows, by the table's row names (default: every row of
 #                  results/translate/table; `table_rows` below lists them with their flags)
 #   TABLE_SEEDS    the table steps' seeds (default "1 2 3")
@@ -157,13 +159,14 @@ for s in $steps; do
       done
       "$p" translate --quick --precision bf16 --device cuda --out "$out/translate-quick-bf16" 2>&1 | tail -5 ;;
     nccl)
-      # torchrun with NCCL, one rank, against one process without a process group, twice in
-      # alternation (tokens/s of training); all the GPUs in one job where there are several.
+      # torchrun with NCCL, one rank, against one process without a process group, NCCL_PAIRS times
+      # in alternation (tokens/s of training, medians compared); all the GPUs in one job where
+      # there are several.
       step nccl
       torchrun=$(dirname "$python")/torchrun
       short=(translate --device cuda --max-updates 300 --limit-valid 20 --limit-test 20)
       mkdir -p "$out/nccl"
-      for i in 1 2; do
+      for i in $(seq "${NCCL_PAIRS:-3}"); do
         "$p" "${short[@]}" --out "$out/nccl/single-$i" > "$out/nccl/single-$i.log" 2>&1; tail -2 "$out/nccl/single-$i.log"
         "$torchrun" --nproc-per-node 1 --no-python "$p" "${short[@]}" --dist-backend nccl --out "$out/nccl/ranks1-$i" \
           > "$out/nccl/ranks1-$i.log" 2>&1; tail -2 "$out/nccl/ranks1-$i.log"
@@ -174,12 +177,21 @@ for s in $steps; do
           > "$out/nccl/ranks$gpus.log" 2>&1; tail -2 "$out/nccl/ranks$gpus.log"
       fi
       "$python" - "$out/nccl" <<'PY' | tee "$out/nccl/tokens.md"
-import glob, json, os, sys
+import glob, json, os, statistics, sys
 print("| run | ranks, backend | train tokens/s |\n|---|---|---|")
+side = {}
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*", "results.json"))):
     r = json.load(open(f))
     d = r.get("distributed") or {"world_size": 1, "backend": "none"}
-    print(f"| {os.path.basename(os.path.dirname(f))} | {d['world_size']}, {d['backend']} | {r['tokens_per_second_mean']:.0f} |")
+    key = f"{d['world_size']}, {d['backend']}"
+    side.setdefault(key, []).append(r["tokens_per_second_mean"])
+    print(f"| {os.path.basename(os.path.dirname(f))} | {key} | {r['tokens_per_second_mean']:.0f} |")
+one = side.get("1, none")
+for key, values in side.items():
+    if one and key != "1, none":
+        ratio = statistics.median(values) / statistics.median(one)
+        what = "target: within 3%" if key.startswith("1,") else "the scaling"
+        print(f"\nmedian {key} / median 1 process: {ratio:.3f} (n = {len(values)} and {len(one)}; {what})")
 PY
       ;;
     python)
