@@ -16,10 +16,8 @@
 #                  CUDA class alone)
 #   NCCL_PAIRS     the nccl step's alternations of one process and one NCCL rank (default 3; single
 #                  runs of 300 updates moved by 15-30% on the H100, so the step compares medians)
-#   TABLE_ROWS     the table steps' rows, by the table's row names (default: every row of
-#                  results/translate/table; `table_rows` below lists them with their flags)
-#   TABLE_SEEDS    the table steps' seeds (default "1 2 3")
-#   TABLE_JOBS     training runs at a time on the one GPU (default 6; the CPU cores are shared out)
+#   TABLE_ROWS, TABLE_SEEDS, TABLE_JOBS   the table steps' rows, seeds and runs at a time on the one
+#                  GPU (default 6, the CPU cores shared out), as scripts/translate_table.sh reads them
 #   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient precision
 #             nccl python python-bench table table-converged (default: all but bench-quick and the
 #             table steps, the long-sequence and NCCL runs first)
@@ -36,11 +34,11 @@
 # `probattn` binary for the CLI tests): set BUILT_ROOT to the workspace root of the build machine
 # and this checkout is linked there when that path is free.
 #
-# The table step trains the Multi30k translation table's rows (results/translate/table/README.md's
-# commands, with --device cuda) at its 13-epoch budget, seed by seed, several runs at a time; the
-# table-converged step trains them until validation BLEU has not risen for 10 epochs (--patience,
-# at most 100 epochs). Each prints the table (probattn_tools.tables.translate) at its end, and a
-# run a time limit stops keeps its folder (configuration, metrics so far) for the same script here.
+# The table step trains the Multi30k translation table's rows (scripts/translate_table.sh, with
+# --device cuda) at its 13-epoch budget, seed by seed, several runs at a time; the table-converged
+# step trains them until validation BLEU has not risen for 10 epochs (--patience, at most 100
+# epochs). Each prints the table at its end, and a run a time limit stops keeps its folder
+# (configuration, metrics so far), which the same script resumes or tabulates elsewhere.
 set -u
 bin=$(realpath "$1") data=$(realpath "$2") out=$(realpath -m "$3")
 shift 3
@@ -61,44 +59,12 @@ p=$bin/probattn
 
 step() { echo "=== $1 ($(date -u +%H:%M:%S))"; }
 
-# The translation table's rows as results/translate/table/README.md ran them: NAME|FLAGS, the name
-# as probattn_tools.tables.translate names the row.
-table_rows() {
-  cat <<'ROWS'
-softmax|--attention softmax
-dnas|--attention dnas
-hnas|--attention hnas
-bam-wc|--attention bam-wc
-bam-wc-w0.1-anneal1000|--attention bam-wc --k 10 --kl-weight 0.1 --kl-anneal-updates 1000
-softmax-svgd|--attention softmax --repulsive svgd --repulsive-stepsize 0.01
-softmax-svgd-cross|--attention softmax --repulsive svgd --selection {"kinds":["cross"]}
-softmax-spos-cross|--attention softmax --repulsive spos --selection {"kinds":["cross"]}
-lstm-softmax|--arch lstm --attention softmax
-ROWS
-}
-
-# table OUT FLAGS...: every selected row and seed, TABLE_JOBS runs at a time, each into OUT/<row>-s<seed>
-# with its log beside it; then the table from the run folders.
+# table OUT FLAGS...: scripts/translate_table.sh on CUDA, TABLE_JOBS runs at a time (default 6), the
+# CPU cores shared out among them.
 table() {
-  local dir=$1; shift
-  local jobs=${TABLE_JOBS:-6} cores; cores=$(nproc)
-  local threads=$(( cores / jobs > 0 ? cores / jobs : 1 ))
-  mkdir -p "$dir"
-  for seed in ${TABLE_SEEDS:-1 2 3}; do
-    while IFS='|' read -r name flags; do
-      if [ -n "${TABLE_ROWS:-}" ] && [[ " $TABLE_ROWS " != *" $name "* ]]; then continue; fi
-      run=$dir/$name-s$seed
-      [ -f "$run/results.json" ] && continue
-      resume=""; [ -f "$run/config.json" ] && resume="--resume $run"
-      while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
-      echo "start $name seed $seed ($(date -u +%H:%M:%S))"
-      # FLAGS split into words (the selection JSON holds no spaces), without globbing its brackets.
-      ( set -f; "$p" translate --device cuda --threads "$threads" --seeds 1 --seed-start "$seed" $flags "$@" --out "$run" $resume \
-          >> "$run.log" 2>&1; echo "end $name seed $seed rc $? ($(date -u +%H:%M:%S))" ) &
-    done < <(table_rows)
-  done
-  wait
-  PYTHONPATH="$root/python" "$python" -m probattn_tools.tables.translate "$dir" --diff --paper | tee "$dir/table.md"
+  local jobs=${TABLE_JOBS:-6}
+  local threads=$(( $(nproc) / jobs > 0 ? $(nproc) / jobs : 1 ))
+  PROBATTN=$p TABLE_JOBS=$jobs bash "$(dirname "$(realpath "$0")")/translate_table.sh" "$@" --device cuda --threads "$threads"
 }
 for s in $steps; do
   case $s in
