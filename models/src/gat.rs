@@ -13,7 +13,7 @@ use probattn::normalize::{NormalizeInput, Normalizer, Support};
 use probattn::precision::{outside_autocast, statistics_kind, widen};
 use probattn::{Error, Mode, NormalizerConfig, NormalizerFactory, Result, Variant};
 use serde::{Deserialize, Serialize};
-use tch::{nn, Tensor};
+use tch::{nn, Kind, Tensor};
 
 /// The architecture (the training recipe lives with the experiment).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -124,11 +124,20 @@ impl Features {
 /// Inverted dropout: each entry kept with probability `1 − p` and scaled by `1 / (1 − p)`, the
 /// distribution of `Tensor::dropout`, with the mask drawn by `rand` (2.4x cheaper on CPU here than
 /// libtorch's `bernoulli_`, which `dropout` uses).
+///
+/// The uniforms are float32 for a bfloat16 or half `x` (float64 for a float64 one): libtorch's
+/// bfloat16 uniform keeps 8 of its 32 random bits, so at p = 0.6 it would keep 102 entries in 256
+/// (0.398, not 0.4) and draw other masks than a float32 run of the same seed. Drawn in float32, a
+/// bfloat16 run sees the float32 run's masks, as with libtorch's own dropout.
 pub fn dropout(x: &Tensor, p: f64, train: bool) -> Tensor {
     if !train || p == 0.0 {
         return x.shallow_clone();
     }
-    x * x.rand_like().ge(p).to_kind(x.kind()) * (1.0 / (1.0 - p))
+    let uniform = match x.kind() {
+        Kind::BFloat16 | Kind::Half => Tensor::rand(x.size(), (Kind::Float, x.device())),
+        _ => x.rand_like(),
+    };
+    x * uniform.ge(p).to_kind(x.kind()) * (1.0 / (1.0 - p))
 }
 
 /// One graph attention layer.
