@@ -13,6 +13,7 @@ Rows are the variants in the table's order, then any other folder found under a 
 the same dataset, with the standard error of the difference, sqrt(s1²/n1 + s2²/n2).
 """
 
+import argparse
 import json
 import os
 import statistics
@@ -41,13 +42,14 @@ def runs_of(roots, d, variant):
     return runs
 
 
-def main():
-    args = sys.argv[1:]
-    if args and args[0] in ("-h", "--help"):
-        print(__doc__)
-        return
-    diff = "--diff" in args
-    roots = [a for a in args if a != "--diff"] or ["results/gat"]
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m probattn_tools.tables.gat", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("roots", nargs="*", default=["results/gat"], metavar="DIR",
+                        help="folders of probattn gat results (default results/gat)")
+    parser.add_argument("--diff", action="store_true", help="each variant minus softmax, ± standard error")
+    args = parser.parse_args(argv)
+    diff, roots = args.diff, args.roots
     for r in roots:
         if not os.path.isdir(r):
             sys.exit(f"tables.gat: {r} is not a folder of probattn gat results")

@@ -20,6 +20,7 @@ reports for the row (`paper_difference`; IWSLT14 de-en, tokenized lowercased BLE
 beside it, not comparable in size, only in sign and rough scale.
 """
 
+import argparse
 import json
 import os
 import statistics
@@ -143,14 +144,19 @@ def reference(name):
     return "lstm-softmax" if name.startswith("lstm-") else "softmax"
 
 
-def main():
-    args = sys.argv[1:]
-    if args and args[0] in ("-h", "--help"):
-        print(__doc__)
-        return
-    diff = "--diff" in args
-    paper = "--paper" in args
-    roots = [a for a in args if not a.startswith("--")] or ["results/translate"]
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m probattn_tools.tables.translate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("roots", nargs="*", default=["results/translate"], metavar="DIR",
+                        help="folders searched for results.json (default results/translate)")
+    parser.add_argument("--diff", action="store_true", help="each row minus its model's softmax row, ± standard error")
+    parser.add_argument("--paper", action="store_true", help="beside the differences (implies --diff), the difference each paper reports for the row")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
+    diff, paper, roots = args.diff or args.paper, args.paper, args.roots
     rows = collect(roots)
     if not rows:
         sys.exit(f"tables.translate: no probattn translate results.json under {', '.join(roots)}")
