@@ -2,8 +2,10 @@
 `cargo test` through experiments/tests/cli.rs): every module imports, the table helpers compute
 what their docstrings say, and the reference formulas keep their defining properties."""
 
+import contextlib
 import importlib
 import importlib.util
+import io
 import pkgutil
 import unittest
 
@@ -65,6 +67,15 @@ class TableHelpers(unittest.TestCase):
         # A float32 run from before --precision pools with one that names it; bfloat16 does not.
         self.assertEqual(translate.pooled_config(run()), translate.pooled_config(run("f32")))
         self.assertNotEqual(translate.pooled_config(run()), translate.pooled_config(run("bf16")))
+
+    def test_translation_flags(self):
+        from probattn_tools.tables import translate
+        args = translate.parse(["a", "b", "--paper"])
+        self.assertEqual((args.roots, args.diff, args.paper), (["a", "b"], False, True))
+        self.assertEqual(translate.parse([]).roots, ["results/translate"])
+        with contextlib.redirect_stderr(io.StringIO()) as err, self.assertRaises(SystemExit):
+            translate.parse(["results", "--typo"])
+        self.assertIn("unrecognized arguments: --typo", err.getvalue())
 
     def test_paper_differences(self):
         from probattn_tools.tables import translate
