@@ -3,8 +3,8 @@
 # test suite's CUDA paths, a GAT run, the VQA and translation smoke tests, and the benchmark.
 #
 # Usage: scripts/cuda_check.sh BIN_DIR DATA_DIR OUT_DIR [STEP...]
-#   BIN_DIR   the release `probattn` and the test binaries, built where Rust is, e.g.
-#             cargo test --workspace --no-run  (then copy target/debug/deps/<test>-<hash> as <test>)
+#   BIN_DIR   the release `probattn` and the test binaries, built where Rust is: the bin/ folder
+#             of scripts/cuda_bundle.sh's archive
 #   DATA_DIR  the data folder (planetoid/, multi30k/), as PROBATTN_DATA names it
 #   OUT_DIR   where logs and run folders go
 #   GAT_SEEDS seeds of the GAT run over every variant (default 1)
@@ -32,7 +32,8 @@
 #
 # The test binaries hold the paths they were built at (the workspace root for python/ and the
 # `probattn` binary for the CLI tests): set BUILT_ROOT to the workspace root of the build machine
-# and this checkout is linked there when that path is free.
+# (scripts/cuda_bundle.sh writes it into BIN_DIR/BUILT_ROOT, read when BUILT_ROOT is unset) and
+# this checkout is linked there when that path is free.
 #
 # The table step trains the Multi30k translation table's rows (scripts/translate_table.sh, with
 # --device cuda) at its 13-epoch budget, seed by seed, several runs at a time; the table-converged
@@ -49,7 +50,7 @@ python=${PROBATTN_PYTHON:-$(command -v python3)}
 torch_lib=$("$python" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))') || exit 1
 # The subcommands' data folders default to subfolders of PROBATTN_DATA.
 export LD_LIBRARY_PATH=$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PROBATTN_PYTHON=$python PROBATTN_DATA=$data
-built_root=${BUILT_ROOT:-}
+built_root=${BUILT_ROOT:-$(cat "$bin/BUILT_ROOT" 2>/dev/null || true)}
 if [ -n "$built_root" ] && [ "$built_root" != "$root" ] && [ ! -e "$built_root" ]; then
   mkdir -p "$(dirname "$built_root")" && ln -s "$root" "$built_root"
 fi

@@ -1,0 +1,62 @@
+#!/bin/bash
+# Builds here (where Rust is) everything scripts/cuda_check.sh runs on a GPU machine that has
+# PyTorch 2.11 but no Rust toolchain and no network, and packs it into one archive:
+#   bin/probattn         the release CLI
+#   bin/attend_timing    the release example the python-bench step times against
+#   bin/<test>           the test binaries with a CUDA form, and the CLI's tests (`cli`), stripped
+#   bin/python-package   the Python package as python/probattn/tests/python.rs assembles it
+#   bin/BUILT_ROOT       this checkout's path, which the test binaries hold (cuda_check.sh links
+#                        the machine's checkout there)
+#   data/                multi30k/ and planetoid/ from the data folder, when it has them
+#
+# Usage: scripts/cuda_bundle.sh ARCHIVE.tar.xz [DATA_DIR]
+#   DATA_DIR  the data folder (default $PROBATTN_DATA, else data/)
+# On the GPU machine, from a checkout of the same commit:
+#   mkdir -p /tmp/cb && tar xJf ARCHIVE.tar.xz -C /tmp/cb
+#   scripts/cuda_steps.sh /tmp/cb/bin /tmp/cb/data /tmp/cuda ARCHIVE_DIR doctor:20 memory-efficient:300 ...
+set -euo pipefail
+[ $# -ge 1 ] || { sed -n '2,16p' "$0" >&2; exit 2; }
+archive=$(realpath -m "$1")
+data=$(realpath -m "${2:-${PROBATTN_DATA:-data}}")
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+python=${PROBATTN_PYTHON:-python3}
+tests="bam edges interop normalizers parity precision repulsive pt2 tiled"
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/bin" "$stage/data"
+
+cargo build --release -p probattn-experiments --bin probattn
+cargo build --release -p probattn --example attend_timing
+cargo build --release -p probattn-py
+cp target/release/probattn target/release/examples/attend_timing "$stage/bin/"
+
+# The test binaries, named by their targets: cargo prints where it wrote each.
+cargo test --workspace --no-run --message-format=json 2>/dev/null | "$python" -c '
+import json, sys
+wanted = set(sys.argv[1].split()) | {"cli"}
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and "test" in m["target"]["kind"] \
+            and m["target"]["name"] in wanted and m["profile"]["test"]:
+        print(m["target"]["name"], m["executable"])
+' "$tests" | while read -r name exe; do
+  strip -o "$stage/bin/$name" "$exe"
+done
+for t in $tests cli; do
+  [ -x "$stage/bin/$t" ] || { echo "error: no test binary for $t in cargo's output" >&2; exit 1; }
+done
+
+pkg=$stage/bin/python-package/probattn
+mkdir -p "$pkg"
+cp python/probattn/probattn/*.py "$pkg/"
+cp target/release/lib_native.so "$pkg/_native.abi3.so"
+echo "$root" > "$stage/bin/BUILT_ROOT"
+
+for d in multi30k planetoid; do
+  if [ -d "$data/$d" ]; then cp -r "$data/$d" "$stage/data/"; else echo "note: $data/$d not found; not packed" >&2; fi
+done
+mkdir -p "$(dirname "$archive")"
+tar cJf "$archive.part" -C "$stage" bin data
+mv "$archive.part" "$archive"
+echo "$archive: $(du -h "$archive" | cut -f1), commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (dirty tree)')"
