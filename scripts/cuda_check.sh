@@ -15,7 +15,7 @@
 #   PYTHON_TESTS   a unittest -k pattern for the python step (default: every test; "Cuda" for the
 #                  CUDA class alone)
 #   NCCL_PAIRS     the nccl step's alternations of one process and one NCCL rank (default 3; single
-#                  runs of 300 updates moved by 15-30% on the H100, so the step compares medians)
+#                  runs of 300 updates differed by 12-33% on the H100, so the step compares medians)
 #   TABLE_ROWS, TABLE_SEEDS, TABLE_JOBS   the table steps' rows, seeds and runs at a time on the one
 #                  GPU (default 6, the CPU cores shared out), as scripts/translate_table.sh reads them
 #   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient precision
