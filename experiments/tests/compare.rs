@@ -56,6 +56,15 @@ fn compare_native(native: &str, module: &str, inputs: &str, extra: &[&str]) -> R
     serde_json::from_slice(&o.stdout).with_context(|| text(&o))
 }
 
+/// `nn.Transformer` (E 16, 4 heads, 2 + 2 layers, FFN 32) loads the state dict at `path` with
+/// `strict=True`: our weights carry PyTorch's names and shapes.
+fn loads_into_nn_transformer(path: &std::path::Path) -> Result<()> {
+    let path = path.to_string_lossy();
+    let args =
+        ["load-state-dict", "transformer", "--embed-dim", "16", "--heads", "4", "--layers", "2", "--ffn", "32", "--state-dict", &path];
+    run_python("export.torchscript", &args)
+}
+
 fn worst(json: &serde_json::Value) -> Result<(f64, usize)> {
     let outputs = json["outputs"].as_array().context("no outputs")?;
     let worst = outputs.iter().map(|o| o["max_rel_diff"].as_f64().unwrap_or(f64::INFINITY)).fold(0.0, f64::max);
@@ -126,23 +135,7 @@ fn nn_transformer_agrees_and_its_weights_go_both_ways() -> Result<()> {
     Transformer::new(&vs.root(), cfg)?;
     let out = tmp.path("ours.safetensors");
     export_params(&vs, &out, |n| pytorch_name(n).unwrap_or_else(|| n.to_string()))?;
-    run_python(
-        "export.torchscript",
-        &[
-            "load-state-dict",
-            "transformer",
-            "--embed-dim",
-            "16",
-            "--heads",
-            "4",
-            "--layers",
-            "2",
-            "--ffn",
-            "32",
-            "--state-dict",
-            &out.to_string_lossy(),
-        ],
-    )?;
+    loads_into_nn_transformer(&out)?;
     Ok(())
 }
 
@@ -305,23 +298,7 @@ fn an_nn_transformer_fine_tunes_with_dnas_and_svgd_heads_and_goes_back() -> Resu
     ensure!(r.particle_sets == 18, "{} particle sets", r.particle_sets);
     ensure!(r.import.contains("64 parameter(s) matched") && !r.import.contains("missing"), "{}", r.import);
     ensure!(r.loss_after < 0.9 * r.loss_before, "the held-out loss went from {} to {}", r.loss_before, r.loss_after);
-    run_python(
-        "export.torchscript",
-        &[
-            "load-state-dict",
-            "transformer",
-            "--embed-dim",
-            "16",
-            "--heads",
-            "4",
-            "--layers",
-            "2",
-            "--ffn",
-            "32",
-            "--state-dict",
-            &out.to_string_lossy(),
-        ],
-    )?;
+    loads_into_nn_transformer(&out)?;
     // HNAS's gates have no nn.Transformer counterpart: they keep their initial value, and the
     // report says so.
     let cfg = FinetuneConfig { variant: "hnas".parse()?, repulsive: None, steps: 1, ..cfg };
