@@ -102,6 +102,7 @@ def main():
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda: CUDA is not available to this torch")
     device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # time each step to its end
     torch.set_num_threads(args.threads)
     if args.impls is None:
         args.impls = ["sdpa", "probattn-softmax-me", "probattn-dnas-me"] if args.model == "bert" else ["sdpa", "probattn-softmax", "probattn-softmax-me"]
@@ -168,15 +169,13 @@ def main():
         inputs, labels, attention = train_batches[step]
         for impl, m in models.items():  # in turns: drift of a shared machine hits each alike
             torch.manual_seed(args.seed * 1_000_003 + step)  # the same dropout masks for every model
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
             loss = m(input_ids=inputs, labels=labels, attention_mask=attention).loss
             optimizers[impl].zero_grad()
             loss.backward()
             optimizers[impl].step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync()
             c = curves[impl]
             c["seconds"].append(time.perf_counter() - start)
             c["tokens"].append(int(attention.sum()))
