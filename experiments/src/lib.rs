@@ -23,7 +23,7 @@ pub mod tools;
 
 // Each command's module at the crate root too, as before the split into tools/ and reproductions/.
 pub use reproductions::{gat, seq2seq, translate, vqa};
-pub use tools::{attend, bench, bleu, compare, doctor, export, finetune, variants, vqa_eval};
+pub use tools::{attend, bench, bleu, compare, curves, doctor, export, finetune, variants, vqa_eval};
 
 use clap::{Parser, Subcommand};
 
@@ -60,6 +60,8 @@ pub enum Command {
     VqaEval(vqa_eval::VqaEvalArgs),
     /// The attention variants: what each is, its family, properties and settings (--json for scripts).
     Variants(variants::VariantsArgs),
+    /// Training curves of several runs on one chart (a metrics.jsonl column against the epoch), as SVG.
+    Plot(curves::PlotArgs),
 }
 
 pub fn run(cli: &Cli) -> anyhow::Result<()> {
@@ -75,5 +77,6 @@ pub fn run(cli: &Cli) -> anyhow::Result<()> {
         Command::Vqa(args) => vqa::run(args),
         Command::VqaEval(args) => vqa_eval::run(args),
         Command::Variants(args) => variants::run(args),
+        Command::Plot(args) => curves::run(args),
     }
 }

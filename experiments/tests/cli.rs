@@ -278,6 +278,61 @@ fn attend_memory_efficient_writes_what_the_eager_path_does() -> Result<()> {
 }
 
 #[test]
+fn plot_draws_runs_side_by_side_and_names_bad_input() -> Result<()> {
+    let dir = TempDir::new("cli-plot")?;
+    // A translate run (one metrics.jsonl per seed) and a gat run (one file, a seed on each line).
+    let translate = dir.path("bam-wc");
+    for seed in [1, 2] {
+        std::fs::create_dir_all(translate.join(format!("seed-{seed}")))?;
+        let lines: Vec<String> =
+            (1..=3).map(|e| format!(r#"{{"seed":{seed},"epoch":{e},"kl":null,"valid_bleu":{}}}"#, 10.0 * e as f64 + seed as f64)).collect();
+        std::fs::write(translate.join(format!("seed-{seed}/metrics.jsonl")), lines.join("\n") + "\n")?;
+    }
+    let gat = dir.path("gat-dnas");
+    std::fs::create_dir_all(&gat)?;
+    std::fs::write(gat.join("metrics.jsonl"), "{\"seed\":0,\"epoch\":0,\"val_acc\":0.5}\n{\"seed\":0,\"epoch\":1,\"val_acc\":0.7}\n")?;
+    let p = |path: &Path| path.to_string_lossy().to_string();
+    let svg = dir.path("curves.svg");
+    let out = probattn(&["plot", &p(&translate), "--metric", "valid_bleu", "--out", &p(&svg)])?;
+    ensure!(out.status.success(), "{}", text(&out));
+    ensure!(text(&out).contains("2 curves of valid_bleu against epoch"), "{}", text(&out));
+    let drawn = std::fs::read_to_string(&svg)?;
+    for name in ["bam-wc seed 1", "bam-wc seed 2", "valid_bleu against epoch"] {
+        ensure!(drawn.contains(name), "the chart does not show '{name}'");
+    }
+    // The same run twice under two labels, its seeds averaged.
+    let (run, svg_path) = (p(&translate), p(&svg));
+    let args = ["plot", &run, &run, "--metric", "valid_bleu", "--mean-seeds", "--label", "BAM", "--label", "again", "--out", &svg_path];
+    let out = probattn(&args)?;
+    ensure!(out.status.success() && std::fs::read_to_string(&svg)?.contains("BAM (mean of 2 seeds)"), "{}", text(&out));
+    // Bad input: each named, and the chart left as it was.
+    let before = std::fs::read_to_string(&svg)?;
+    std::fs::write(dir.path("broken.jsonl"), "{\"seed\":1,\"epoch\":1,\"valid_bleu\":3}\nnot json\n")?;
+    for (args, expected) in [
+        (vec![p(&gat), "--metric".into(), "valid_bleu".into()], "has no values of 'valid_bleu'; its numeric columns: epoch, seed, val_acc"),
+        (vec![p(&dir.path("missing")), "--metric".into(), "val_acc".into()], "missing does not exist"),
+        (vec![p(&dir.0), "--metric".into(), "val_acc".into()], "has no metrics.jsonl"),
+        (vec![p(&svg), "--metric".into(), "val_acc".into()], "curves.svg is a file but not a metrics .jsonl"),
+        (vec![p(&dir.path("broken.jsonl")), "--metric".into(), "valid_bleu".into()], "broken.jsonl:2 is not a JSON line"),
+        (
+            vec![p(&gat), p(&translate), "--metric".into(), "val_acc".into(), "--label".into(), "one".into()],
+            "--label is given 1 times for 2 runs",
+        ),
+    ] {
+        let mut full: Vec<String> = vec!["plot".into()];
+        full.extend(args);
+        full.extend(["--out".into(), p(&svg)]);
+        let full: Vec<&str> = full.iter().map(String::as_str).collect();
+        let out = probattn(&full)?;
+        ensure!(!out.status.success() && text(&out).contains(expected), "{full:?}: expected '{expected}':\n{}", text(&out));
+    }
+    let out = probattn(&["plot", &p(&gat), "--metric", "val_acc", "--out", &p(&dir.path("curves.png"))])?;
+    ensure!(!out.status.success() && text(&out).contains("must name an .svg file"), "{}", text(&out));
+    ensure!(std::fs::read_to_string(&svg)? == before, "a refused plot changed the chart");
+    Ok(())
+}
+
+#[test]
 fn subcommands_share_flag_names() -> Result<()> {
     // The attention variant is --attention and the data folder --data-dir on every subcommand that
     // has one (each subcommand's own older name stays as an alias, or the reverse).

@@ -1,10 +1,12 @@
 //! The tools: commands that are not reproductions of a paper's experiment (checking a variant
-//! against your own code, timing, BLEU, comparing with PyTorch modules, exports, the registry).
+//! against your own code, timing, BLEU, comparing with PyTorch modules, exports, the registry, curves of
+//! several runs on one chart).
 
 pub mod attend;
 pub mod bench;
 pub mod bleu;
 pub mod compare;
+pub mod curves;
 pub mod doctor;
 pub mod export;
 pub mod finetune;
