@@ -8,41 +8,27 @@ mod binary;
 mod common;
 
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Output};
 
 use anyhow::{ensure, Context, Result};
 use binary::mutate::{each_mutation, mutations, rounds, safetensors_mutations};
 use binary::{json, probattn, text};
 use common::{python, python_module, run_python, tiny_sort_of_clevr, TempDir};
 
+/// `probattn vqa` for one epoch of one seed, a small model on one thread, with `extra` flags.
+fn one_epoch(data: &str, det: &str, out: &str, extra: &[&str]) -> Result<Output> {
+    let mut args = vec!["vqa", "--data", data, "--detectors", det, "--seeds", "1", "--max-epochs", "1", "--hidden", "16"];
+    args.extend(["--threads", "1", "--out", out]);
+    args.extend(extra);
+    probattn(&args)
+}
+
 #[test]
 fn every_fusion_writes_its_results_and_reports() -> Result<()> {
     let dir = TempDir::new("cli-vqa")?;
     let (data, det) = tiny_sort_of_clevr(&dir)?;
     let out = dir.path("run").to_string_lossy().to_string();
-    let run = probattn(&[
-        "vqa",
-        "--data",
-        &data,
-        "--detectors",
-        &det,
-        "--fusion",
-        "all",
-        "--seeds",
-        "1",
-        "--max-epochs",
-        "1",
-        "--mc-samples",
-        "3",
-        "--image-noise",
-        "0.1",
-        "--hidden",
-        "16",
-        "--threads",
-        "1",
-        "--out",
-        &out,
-    ])?;
+    let run = one_epoch(&data, &det, &out, &["--fusion", "all", "--mc-samples", "3", "--image-noise", "0.1"])?;
     ensure!(run.status.success(), "{}", text(&run));
     ensure!(text(&run).contains("features:") && Path::new(&out).join("summary.md").is_file(), "{}", text(&run));
     ensure!(Path::new(&out).join("log_mass.svg").is_file(), "no Fig. 1 histogram across fusions");
@@ -121,25 +107,7 @@ fn the_pytorch_baseline_scores_the_same_inside_probattn() -> Result<()> {
     let (data, det) = tiny_sort_of_clevr(&dir)?;
     // A first run extracts and caches the features; the baseline trains on that cache.
     let out = dir.path("run").to_string_lossy().to_string();
-    let first = probattn(&[
-        "vqa",
-        "--data",
-        &data,
-        "--detectors",
-        &det,
-        "--fusion",
-        "dnas",
-        "--seeds",
-        "1",
-        "--max-epochs",
-        "1",
-        "--hidden",
-        "16",
-        "--threads",
-        "1",
-        "--out",
-        &out,
-    ])?;
+    let first = one_epoch(&data, &det, &out, &["--fusion", "dnas"])?;
     ensure!(first.status.success(), "{}", text(&first));
     let cache = std::fs::read_dir(Path::new(&data).join("features"))?.next().context("no feature cache")??.path();
     let model = dir.path("model.pt").to_string_lossy().to_string();
@@ -280,27 +248,7 @@ fn bad_detectors_and_data_are_named() -> Result<()> {
     let out = run(&["--detectors", &det, "--relational-heads=-1"])?;
     ensure!(out.status.code() == Some(1) && text(&out).contains("--relational-heads must be 0 or more"), "{}", text(&out));
     let related = dir.path("related").to_string_lossy().to_string();
-    let out = probattn(&[
-        "vqa",
-        "--data",
-        &data,
-        "--detectors",
-        &det,
-        "--fusion",
-        "dnas",
-        "--relational-heads",
-        "2",
-        "--hidden",
-        "16",
-        "--seeds",
-        "1",
-        "--max-epochs",
-        "1",
-        "--threads",
-        "1",
-        "--out",
-        &related,
-    ])?;
+    let out = one_epoch(&data, &det, &related, &["--fusion", "dnas", "--relational-heads", "2"])?;
     ensure!(out.status.success(), "{}", text(&out));
     let r = json(&Path::new(&related).join("results.json"))?;
     ensure!(r["config"]["model"]["relational_heads"] == 2 && r["runs"][0]["test_acc"].is_number(), "{r}");
