@@ -311,7 +311,8 @@ fn plot_draws_runs_side_by_side_and_names_bad_input() -> Result<()> {
     for (args, expected) in [
         (vec![p(&gat), "--metric".into(), "valid_bleu".into()], "has no values of 'valid_bleu'; its numeric columns: epoch, seed, val_acc"),
         (vec![p(&dir.path("missing")), "--metric".into(), "val_acc".into()], "missing does not exist"),
-        (vec![p(&dir.0), "--metric".into(), "val_acc".into()], "has no metrics.jsonl"),
+        (vec![p(&dir.0), "--metric".into(), "val_acc".into()], "its folders bam-wc, gat-dnas are runs: give them"),
+        (vec![p(&translate.join("seed-1/metrics.jsonl")), "--metric".into(), "kl".into()], "has no values of 'kl'"),
         (vec![p(&svg), "--metric".into(), "val_acc".into()], "curves.svg is a file but not a metrics .jsonl"),
         (vec![p(&dir.path("broken.jsonl")), "--metric".into(), "valid_bleu".into()], "broken.jsonl:2 is not a JSON line"),
         (

@@ -60,12 +60,33 @@ fn metrics_files(run: &Path) -> Result<Vec<PathBuf>> {
         );
         return Ok(vec![run.to_path_buf()]);
     }
+    let files = folder_metrics(run)?;
+    if files.is_empty() {
+        // A `vqa --fusion all` folder, or a table's root: runs one level down.
+        let mut runs: Vec<String> = std::fs::read_dir(run)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_dir() && folder_metrics(p).is_ok_and(|f| !f.is_empty()))
+            .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .collect();
+        runs.sort();
+        let hint = if runs.is_empty() {
+            "not a run folder, or a run before its first epoch".to_string()
+        } else {
+            format!("its folders {} are runs: give them (`{}/*/`)", runs.join(", "), run.display())
+        };
+        bail!("{} has no metrics.jsonl (at its top or under seed-*/): {hint}", run.display());
+    }
+    Ok(files)
+}
+
+/// `metrics.jsonl` at a folder's top and under each `seed-*/`, sorted; none when it has neither.
+fn folder_metrics(folder: &Path) -> Result<Vec<PathBuf>> {
     let mut files = vec![];
-    if run.join("metrics.jsonl").is_file() {
-        files.push(run.join("metrics.jsonl"));
+    if folder.join("metrics.jsonl").is_file() {
+        files.push(folder.join("metrics.jsonl"));
     }
     let mut seeds = vec![];
-    for entry in std::fs::read_dir(run).with_context(|| format!("reading {}", run.display()))? {
+    for entry in std::fs::read_dir(folder).with_context(|| format!("reading {}", folder.display()))? {
         let path = entry?.path();
         let is_seed = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("seed-"));
         if is_seed && path.join("metrics.jsonl").is_file() {
@@ -74,11 +95,6 @@ fn metrics_files(run: &Path) -> Result<Vec<PathBuf>> {
     }
     seeds.sort();
     files.extend(seeds);
-    ensure!(
-        !files.is_empty(),
-        "{} has no metrics.jsonl (at its top or under seed-*/): not a run folder, or a run before its first epoch",
-        run.display()
-    );
     Ok(files)
 }
 
