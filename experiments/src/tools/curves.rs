@@ -198,7 +198,8 @@ pub fn run(args: &PlotArgs) -> Result<()> {
     let series = series(args)?;
     let title = args.title.clone().unwrap_or_else(|| format!("{} against {}", args.metric, args.x));
     line_chart(&args.out, &title, &args.x, &args.metric, &series)?;
-    println!("wrote {}: {} curves of {} against {}", args.out.display(), series.len(), args.metric, args.x);
+    let curves = if series.len() == 1 { "curve" } else { "curves" };
+    println!("wrote {}: {} {curves} of {} against {}", args.out.display(), series.len(), args.metric, args.x);
     Ok(())
 }
 
