@@ -305,6 +305,11 @@ fn plot_draws_runs_side_by_side_and_names_bad_input() -> Result<()> {
     let args = ["plot", &run, &run, "--metric", "valid_bleu", "--mean-seeds", "--label", "BAM", "--label", "again", "--out", &svg_path];
     let out = probattn(&args)?;
     ensure!(out.status.success() && std::fs::read_to_string(&svg)?.contains("BAM (mean of 2 seeds)"), "{}", text(&out));
+    // --from keeps the later points; a run with none left is named.
+    let out = probattn(&["plot", &run, "--metric", "valid_bleu", "--from", "3", "--out", &svg_path])?;
+    ensure!(out.status.success(), "{}", text(&out));
+    let out = probattn(&["plot", &run, "--metric", "valid_bleu", "--from", "4", "--out", &svg_path])?;
+    ensure!(!out.status.success() && text(&out).contains("has no point at epoch >= 4 (--from)"), "{}", text(&out));
     // Bad input: each named, and the chart left as it was.
     let before = std::fs::read_to_string(&svg)?;
     std::fs::write(dir.path("broken.jsonl"), "{\"seed\":1,\"epoch\":1,\"valid_bleu\":3}\nnot json\n")?;

@@ -35,6 +35,10 @@ pub struct PlotArgs {
     /// A run's name in the legend, once per run in the order given (default: the folder's name).
     #[arg(long = "label", value_name = "LABEL")]
     pub labels: Vec<String>,
+    /// Only the points at x >= FROM (the later epochs, say, where a grid's rows differ: the axes
+    /// then fit those).
+    #[arg(long, value_name = "FROM")]
+    pub from: Option<f64>,
     /// One curve per run, the mean over its seeds at each x that every seed reached.
     #[arg(long)]
     pub mean_seeds: bool,
@@ -171,7 +175,12 @@ pub fn series(args: &PlotArgs) -> Result<Vec<Series>> {
     let mut out = vec![];
     for (i, run) in args.runs.iter().enumerate() {
         let lines = read_lines(run)?;
-        let by_seed = curves(&lines, &args.x, &args.metric)?;
+        let mut by_seed = curves(&lines, &args.x, &args.metric)?;
+        if let Some(from) = args.from {
+            by_seed.values_mut().for_each(|points| points.retain(|p| p.0 >= from));
+            by_seed.retain(|_, points| !points.is_empty());
+            ensure!(!by_seed.is_empty(), "{} has no point at {} >= {from} (--from)", run.display(), args.x);
+        }
         if by_seed.is_empty() {
             let known = numeric_columns(&lines);
             let missing = if known.contains(&args.x) { &args.metric } else { &args.x };
