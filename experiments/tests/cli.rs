@@ -305,6 +305,13 @@ fn plot_draws_runs_side_by_side_and_names_bad_input() -> Result<()> {
     let args = ["plot", &run, &run, "--metric", "valid_bleu", "--mean-seeds", "--label", "BAM", "--label", "again", "--out", &svg_path];
     let out = probattn(&args)?;
     ensure!(out.status.success() && std::fs::read_to_string(&svg)?.contains("BAM (mean of 2 seeds)"), "{}", text(&out));
+    // Runs under one label are one group: a table's seeds, each in its own folder, average into one curve.
+    let (s1, s2) = (p(&translate.join("seed-1/metrics.jsonl")), p(&translate.join("seed-2/metrics.jsonl")));
+    let args = ["plot", &s1, &s2, "--metric", "valid_bleu", "--mean-seeds", "--label", "pooled", "--label", "pooled", "--out", &svg_path];
+    let out = probattn(&args)?;
+    ensure!(text(&out).contains("1 curve of") && std::fs::read_to_string(&svg)?.contains("pooled (mean of 2 seeds)"), "{}", text(&out));
+    let out = probattn(&args.iter().copied().filter(|a| *a != "--mean-seeds").collect::<Vec<_>>())?;
+    ensure!(std::fs::read_to_string(&svg)?.contains("pooled seed 2"), "{}", text(&out));
     // --from keeps the later points; a run with none left is named.
     let out = probattn(&["plot", &run, "--metric", "valid_bleu", "--from", "3", "--out", &svg_path])?;
     ensure!(out.status.success(), "{}", text(&out));

@@ -4,8 +4,8 @@
 //!
 //! A run folder is what `translate`, `vqa` or `gat` wrote: `metrics.jsonl` at its top (gat, vqa),
 //! or one per seed under `seed-*/` (translate). Every line carries its `seed`; the lines of each
-//! seed make one curve (or, with `--mean-seeds`, the seeds of a run are averaged at the x values
-//! they all reached). A `null` value (a column that a run does not fill, as `kl` without BAM) is
+//! seed make one curve. Runs given the same `--label` are one group, and `--mean-seeds` averages a
+//! group's seeds at the x values they all reached (a table's row, one folder a seed). A `null` value (a column that a run does not fill, as `kl` without BAM) is
 //! left out of the curve.
 
 use std::collections::BTreeMap;
@@ -39,13 +39,18 @@ pub struct PlotArgs {
     /// then fit those).
     #[arg(long, value_name = "FROM")]
     pub from: Option<f64>,
-    /// One curve per run, the mean over its seeds at each x that every seed reached.
+    /// One curve per run, the mean over its seeds at each x that every seed reached; runs given
+    /// the same --label are one group (a table's seeds, each in its own folder).
     #[arg(long)]
     pub mean_seeds: bool,
-    /// The chart's title (default: "METRIC against X").
+    /// The chart's title (default: "METRIC against X", after the curve's name when there is one
+    /// curve, which then has no legend).
     #[arg(long)]
     pub title: Option<String>,
 }
+
+/// A curve's points, (x, y), in file order.
+type Points = Vec<(f64, f64)>;
 
 /// One run's `metrics.jsonl` lines, as JSON objects with the file and line they came from.
 struct Lines {
@@ -126,8 +131,8 @@ fn numeric_columns(lines: &Lines) -> Vec<String> {
 }
 
 /// Seed → its (x, y) points, in file order; lines whose x or y is null are left out.
-fn curves(lines: &Lines, x: &str, metric: &str) -> Result<BTreeMap<i64, Vec<(f64, f64)>>> {
-    let mut by_seed: BTreeMap<i64, Vec<(f64, f64)>> = BTreeMap::new();
+fn curves(lines: &Lines, x: &str, metric: &str) -> Result<BTreeMap<i64, Points>> {
+    let mut by_seed: BTreeMap<i64, Points> = BTreeMap::new();
     for (place, row) in &lines.rows {
         let number = |name: &str| -> Result<Option<f64>> {
             match row.get(name) {
@@ -143,17 +148,15 @@ fn curves(lines: &Lines, x: &str, metric: &str) -> Result<BTreeMap<i64, Vec<(f64
     Ok(by_seed)
 }
 
-/// The mean over seeds at each x that every seed reached.
-fn mean_over_seeds(by_seed: &BTreeMap<i64, Vec<(f64, f64)>>) -> Vec<(f64, f64)> {
-    let mut first = match by_seed.values().next() {
-        Some(points) => points.clone(),
-        None => return vec![],
-    };
-    first.sort_by(|a, b| a.0.total_cmp(&b.0));
-    first
-        .iter()
-        .filter_map(|&(x, _)| {
-            let ys: Option<Vec<f64>> = by_seed.values().map(|points| points.iter().find(|p| p.0 == x).map(|p| p.1)).collect();
+/// The mean of several curves at each x that every one of them reached.
+fn mean_curve(curves: &[&[(f64, f64)]]) -> Points {
+    let Some(first) = curves.first() else { return vec![] };
+    let mut xs: Vec<f64> = first.iter().map(|p| p.0).collect();
+    xs.sort_by(f64::total_cmp);
+    xs.dedup();
+    xs.into_iter()
+        .filter_map(|x| {
+            let ys: Option<Vec<f64>> = curves.iter().map(|points| points.iter().find(|p| p.0 == x).map(|p| p.1)).collect();
             ys.map(|ys| (x, ys.iter().sum::<f64>() / ys.len() as f64))
         })
         .collect()
@@ -164,7 +167,8 @@ fn run_name(run: &Path) -> String {
     folder.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| run.display().to_string())
 }
 
-/// The curves of `args.runs`, named for the legend.
+/// The curves of `args.runs`, named for the legend: runs that share a name (their `--label`) make
+/// one group, whose seeds are drawn one by one, or averaged into one curve with `--mean-seeds`.
 pub fn series(args: &PlotArgs) -> Result<Vec<Series>> {
     ensure!(
         args.labels.is_empty() || args.labels.len() == args.runs.len(),
@@ -172,31 +176,37 @@ pub fn series(args: &PlotArgs) -> Result<Vec<Series>> {
         args.labels.len(),
         args.runs.len()
     );
-    let mut out = vec![];
+    // Legend name → its (seed, points), in the order the names first come.
+    let mut groups: Vec<(String, Vec<(i64, Points)>)> = vec![];
     for (i, run) in args.runs.iter().enumerate() {
         let lines = read_lines(run)?;
         let mut by_seed = curves(&lines, &args.x, &args.metric)?;
-        if let Some(from) = args.from {
-            by_seed.values_mut().for_each(|points| points.retain(|p| p.0 >= from));
-            by_seed.retain(|_, points| !points.is_empty());
-            ensure!(!by_seed.is_empty(), "{} has no point at {} >= {from} (--from)", run.display(), args.x);
-        }
         if by_seed.is_empty() {
             let known = numeric_columns(&lines);
             let missing = if known.contains(&args.x) { &args.metric } else { &args.x };
             bail!("{} has no values of '{missing}'; its numeric columns: {}", run.display(), known.join(", "));
         }
+        if let Some(from) = args.from {
+            by_seed.values_mut().for_each(|points| points.retain(|p| p.0 >= from));
+            by_seed.retain(|_, points| !points.is_empty());
+            ensure!(!by_seed.is_empty(), "{} has no point at {} >= {from} (--from)", run.display(), args.x);
+        }
         let name = args.labels.get(i).cloned().unwrap_or_else(|| run_name(run));
-        if args.mean_seeds && by_seed.len() > 1 {
-            let points = mean_over_seeds(&by_seed);
-            ensure!(!points.is_empty(), "{}: its seeds share no value of '{}' to average at", run.display(), args.x);
-            out.push(Series { name: format!("{name} (mean of {} seeds)", by_seed.len()), points });
+        match groups.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, curves)) => curves.extend(by_seed),
+            None => groups.push((name, by_seed.into_iter().collect())),
+        }
+    }
+    let mut out = vec![];
+    for (name, curves) in groups {
+        if curves.len() == 1 {
+            out.extend(curves.into_iter().map(|(_, points)| Series { name: name.clone(), points }));
+        } else if args.mean_seeds {
+            let points = mean_curve(&curves.iter().map(|(_, p)| p.as_slice()).collect::<Vec<_>>());
+            ensure!(!points.is_empty(), "{name}: its {} seeds share no value of '{}' to average at", curves.len(), args.x);
+            out.push(Series { name: format!("{name} (mean of {} seeds)", curves.len()), points });
         } else {
-            let several = by_seed.len() > 1;
-            for (seed, points) in by_seed {
-                let name = if several { format!("{name} seed {seed}") } else { name.clone() };
-                out.push(Series { name, points });
-            }
+            out.extend(curves.into_iter().map(|(seed, points)| Series { name: format!("{name} seed {seed}"), points }));
         }
     }
     Ok(out)
@@ -205,7 +215,11 @@ pub fn series(args: &PlotArgs) -> Result<Vec<Series>> {
 pub fn run(args: &PlotArgs) -> Result<()> {
     ensure!(args.out.extension().is_some_and(|e| e == "svg"), "--out {} must name an .svg file (the chart is SVG)", args.out.display());
     let series = series(args)?;
-    let title = args.title.clone().unwrap_or_else(|| format!("{} against {}", args.metric, args.x));
+    // A chart of one curve has no legend: its name goes into the title.
+    let title = args.title.clone().unwrap_or_else(|| match series.as_slice() {
+        [one] => format!("{}: {} against {}", one.name, args.metric, args.x),
+        _ => format!("{} against {}", args.metric, args.x),
+    });
     line_chart(&args.out, &title, &args.x, &args.metric, &series)?;
     let curves = if series.len() == 1 { "curve" } else { "curves" };
     println!("wrote {}: {} {curves} of {} against {}", args.out.display(), series.len(), args.metric, args.x);
@@ -240,7 +254,7 @@ mod tests {
         assert_eq!(c[&2], vec![(1.0, 4.0)]);
         assert_eq!(curves(&l, "epoch", "kl")?[&1], vec![(2.0, 0.5)]);
         // Only epoch 1 is reached by both seeds.
-        assert_eq!(mean_over_seeds(&c), vec![(1.0, 3.5)]);
+        assert_eq!(mean_curve(&[&c[&1], &c[&2]]), vec![(1.0, 3.5)]);
         assert!(curves(&lines(&[r#"{"epoch":1,"valid_bleu":"x"}"#]), "epoch", "valid_bleu").is_err());
         Ok(())
     }
