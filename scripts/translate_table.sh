@@ -16,7 +16,7 @@
 #
 # Runs go seed by seed, so a stop leaves whole seeds, and a run whose folder has results.json is
 # not run again. The table is probattn_tools.tables.translate over OUT (--diff --paper), also
-# written to OUT/table.md.
+# written to OUT/table.md; OUT/valid_bleu.svg draws the rows' validation curves (probattn plot).
 set -u
 [ $# -ge 1 ] || { sed -n '2,19p' "$0" >&2; exit 2; }
 out=$1
@@ -70,3 +70,13 @@ for seed in ${TABLE_SEEDS:-1 2 3}; do
 done
 wait
 PYTHONPATH="$root/python" "${PROBATTN_PYTHON:-python3}" -m probattn_tools.tables.translate "$out" --diff --paper | tee "$out/table.md"
+# The rows' validation curves, each the mean of its finished seeds.
+plot=()
+while IFS='|' read -r name _; do
+  for seed in ${TABLE_SEEDS:-1 2 3}; do
+    [ -f "$out/$name-s$seed/results.json" ] && plot+=("$out/$name-s$seed" --label "$name")
+  done
+done < <(rows)
+if [ ${#plot[@]} -gt 0 ]; then
+  "$probattn" plot "${plot[@]}" --metric valid_bleu --mean-seeds --title "validation sacreBLEU, mean over seeds" --out "$out/valid_bleu.svg"
+fi
