@@ -36,16 +36,22 @@ pub fn line_chart(path: &Path, title: &str, x_label: &str, y_label: &str, series
             .y_label_area_size(60)
             .build_cartesian_2d(x0..x1, y0..y1)
             .map_err(|e| anyhow!("plotting {title}: {e}"))?;
-        // Epochs and updates are whole numbers: their ticks read 4, not 4.0.
+        // Epochs and updates are whole numbers: their ticks read 4, not 4.0 (other axes keep
+        // plotters' own labels).
         let whole = all.iter().all(|p| p.0.fract() == 0.0);
-        let x_tick = |v: &f64| if whole && v.fract().abs() < 1e-9 { format!("{v:.0}") } else { format!("{v:.1}") };
-        chart
-            .configure_mesh()
-            .x_desc(x_label)
-            .y_desc(y_label)
-            .x_label_formatter(&x_tick)
-            .draw()
-            .map_err(|e| anyhow!("plotting {title}: {e}"))?;
+        let x_tick = |v: &f64| {
+            if v.fract().abs() < 1e-9 {
+                format!("{v:.0}")
+            } else {
+                format!("{v:.2}").trim_end_matches('0').to_string()
+            }
+        };
+        let mut mesh = chart.configure_mesh();
+        mesh.x_desc(x_label).y_desc(y_label);
+        if whole {
+            mesh.x_label_formatter(&x_tick);
+        }
+        mesh.draw().map_err(|e| anyhow!("plotting {title}: {e}"))?;
         for (i, s) in series.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
             chart
