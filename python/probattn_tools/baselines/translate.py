@@ -40,6 +40,7 @@ non-persistent buffer, rebuilt from the config.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -334,6 +335,10 @@ def main():
     parser.add_argument("--logits", nargs=2, metavar=("IN", "OUT"),
                         help="with --load-state-dict: the eval-mode logits of IN's `src` and `prev` (safetensors) "
                              "to OUT, in IN's dtype, and nothing else")
+    parser.add_argument("--profile", metavar="OUT.json",
+                        help="time the training loop's phases (forward with the loss, backward, clipping with the "
+                             "optimizer step) and profile it (torch.profiler, CPU): each operator's self time and "
+                             "calls to OUT.json")
     args = parser.parse_args()
     from tokenizers import Tokenizer
     if args.threads:
@@ -385,33 +390,52 @@ def main():
     eps = cfg["label_smoothing"]
     updates, tokens, seconds, epoch = 0, 0, 0.0, 0
     model.train()
-    while updates < args.max_updates:
-        order = list(range(len(batches)))
-        random.Random(args.seed * 1_000_003 + epoch).shuffle(order)
-        start = time.perf_counter()
-        for b in order:
-            if updates >= args.max_updates:
-                break
-            rows = batches[b]
-            s_t = pad([src[i] for i in rows])
-            prev = pad([[EOS] + tgt[i][:-1] for i in rows])
-            target = pad([tgt[i] for i in rows])
-            ntok = sum(len(tgt[i]) for i in rows)
-            with autocast():
-                loss, _ = label_smoothed(model(s_t, prev), target, eps)
-            for p in model.parameters():
-                p.grad = None
-            (loss / ntok).backward()
-            if cfg.get("max_grad_norm"):
-                torch.nn.utils.clip_grad_norm_(opt.params, cfg["max_grad_norm"])
-            opt.step(lr_at(cfg["schedule"], updates))  # fairseq: update n runs at the rate set after n - 1
-            updates += 1
-            tokens += ntok
-        elapsed = time.perf_counter() - start
-        seconds += elapsed
-        epoch += 1
-        print(f"epoch {epoch}: {updates} of {args.max_updates} updates, {tokens / seconds:.0f} tokens/s, {elapsed:.0f} s",
-              file=sys.stderr, flush=True)
+    phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # seconds of the training loop, by phase
+    profiler = contextlib.nullcontext()
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        profiler = profile(activities=[ProfilerActivity.CPU])
+    with profiler:
+        while updates < args.max_updates:
+            order = list(range(len(batches)))
+            random.Random(args.seed * 1_000_003 + epoch).shuffle(order)
+            start = time.perf_counter()
+            for b in order:
+                if updates >= args.max_updates:
+                    break
+                rows = batches[b]
+                s_t = pad([src[i] for i in rows])
+                prev = pad([[EOS] + tgt[i][:-1] for i in rows])
+                target = pad([tgt[i] for i in rows])
+                ntok = sum(len(tgt[i]) for i in rows)
+                t0 = time.perf_counter()
+                with autocast():
+                    loss, _ = label_smoothed(model(s_t, prev), target, eps)
+                for p in model.parameters():
+                    p.grad = None
+                t1 = time.perf_counter()
+                (loss / ntok).backward()
+                t2 = time.perf_counter()
+                if cfg.get("max_grad_norm"):
+                    torch.nn.utils.clip_grad_norm_(opt.params, cfg["max_grad_norm"])
+                opt.step(lr_at(cfg["schedule"], updates))  # fairseq: update n runs at the rate set after n - 1
+                t3 = time.perf_counter()
+                for phase, t in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
+                    phases[phase] += t
+                updates += 1
+                tokens += ntok
+            elapsed = time.perf_counter() - start
+            seconds += elapsed
+            epoch += 1
+            print(f"epoch {epoch}: {updates} of {args.max_updates} updates, {tokens / seconds:.0f} tokens/s, {elapsed:.0f} s",
+                  file=sys.stderr, flush=True)
+    if args.profile:
+        ops = {e.key: {"self_cpu_us": e.self_cpu_time_total, "calls": e.count} for e in profiler.key_averages()}
+        record = {"precision": precision, "threads": torch.get_num_threads(), "updates": updates, "train_tokens": tokens,
+                  "train_seconds": seconds, "phase_seconds": phases, "ops": ops}
+        with open(args.profile + ".tmp", "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(args.profile + ".tmp", args.profile)
     model.eval()
     if args.export_torchscript:
         import warnings
@@ -428,7 +452,7 @@ def main():
             ntok += sum(len(vt[i]) for i in rows)
     out = {"implementation": f"pytorch {torch.__version__}", "threads": torch.get_num_threads(), "precision": precision,
            "updates": updates,
-           "train_seconds": seconds, "train_tokens": tokens, "tokens_per_second": tokens / seconds if seconds else None,
+           "train_seconds": seconds, "train_tokens": tokens, "phase_seconds": phases, "tokens_per_second": tokens / seconds if seconds else None,
            "valid_loss": total / ntok}
     if args.decode:
         from sacrebleu.metrics import BLEU
