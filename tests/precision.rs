@@ -158,6 +158,49 @@ fn every_variant_on(device: Device) -> Result<()> {
 }
 
 #[test]
+fn softmax_without_weights_in_bfloat16_is_within_the_tolerance_by_either_route() -> Result<()> {
+    // Without weights, bfloat16 softmax takes the eager form below BF16_KERNEL_MIN_KEYS keys and
+    // libtorch's fused CPU kernel from there (the variant test above asks for weights, so it
+    // reaches neither). Both against float64, with key padding.
+    let _serial = common::serial();
+    tch::manual_seed(54);
+    let opts = (Kind::Double, Device::Cpu);
+    let round = |t: Tensor| t.to_kind(Kind::BFloat16).to_kind(Kind::Double);
+    for keys in [S, probattn::normalize::BF16_KERNEL_MIN_KEYS + 5] {
+        let inputs = [
+            round(Tensor::randn([B, H, L, D], opts)),
+            round(Tensor::randn([B, H, keys, D], opts) * 1.5),
+            round(Tensor::randn([B, H, keys, D], opts)),
+        ];
+        let g = Tensor::randn([B, H, L, D], opts);
+        let padding = Tensor::arange(keys, (Kind::Int64, Device::Cpu)).unsqueeze(0).ge(keys - 3).expand([B, keys], false);
+        let masks = Masks { key_padding: Some(&padding), ..Default::default() };
+        let outcome = |kind: Kind| -> Result<(Tensor, [Tensor; 3])> {
+            let [q, k, v] = inputs.each_ref().map(|t| t.to_kind(kind).detach().set_requires_grad(true));
+            let out =
+                attend(&q, &k, &v, &masks, &probattn::normalize::Softmax, AttendOptions { need_weights: false, ..Default::default() })?;
+            ensure!(
+                out.weights.is_none() && out.output.kind() == kind,
+                "{keys} keys: {:?} output, weights {}",
+                out.output.kind(),
+                out.weights.is_some()
+            );
+            (out.output.to_kind(Kind::Double) * &g).sum(Kind::Double).backward();
+            Ok((out.output.detach(), [q.grad(), k.grad(), v.grad()]))
+        };
+        let (want, want_grads) = outcome(Kind::Double)?;
+        let (got, got_grads) = outcome(Kind::BFloat16)?;
+        let e = relative_error(&got, &want);
+        ensure!(e <= OUTPUT_TOL, "{keys} keys: output error {e:.2e} > {OUTPUT_TOL}");
+        for (name, (a, b)) in ["q", "k", "v"].iter().zip(got_grads.iter().zip(want_grads.iter())) {
+            let e = relative_error(a, b);
+            ensure!(e <= GRAD_TOL, "{keys} keys: d{name} error {e:.2e} > {GRAD_TOL}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
 fn theorem_2_holds_in_bfloat16_within_the_tolerance() -> Result<()> {
     // Ding et al. 2020, Theorem 2: under DNAS every key receives Σ_i π_ij ≥ 1/S_k. Key 0 points
     // away from every query (its scores lie ~20 below the others'), so softmax explains it away

@@ -33,7 +33,7 @@ pub use dnas::Dnas;
 pub use hnas::Hnas;
 pub use prior::{ContextualPrior, PriorScope};
 pub use sinkhorn::Sinkhorn;
-pub use softmax::Softmax;
+pub use softmax::{Softmax, BF16_KERNEL_MIN_KEYS};
 pub use support::{EdgeList, Support};
 
 use crate::call::{AttendOptions, Attended};

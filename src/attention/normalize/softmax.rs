@@ -9,6 +9,13 @@ use crate::mask::{Masks, ScoreShape};
 use crate::precision::widen;
 use crate::Result;
 
+/// The fewest keys at which bfloat16 takes libtorch's fused CPU kernel. Below them the kernel is
+/// slower than the eager form (bfloat16 products into float32 scores): at sentence lengths 2-4×
+/// slower, forward and backward, about even at 256 keys and faster from 384
+/// (`python -m probattn_tools.baselines.sdpa_routes`, results/bench/sdpa-routes/). float32 keeps
+/// the kernel at every length: there the eager form's gain below 64 keys is a few percent of a step.
+pub const BF16_KERNEL_MIN_KEYS: i64 = 256;
+
 /// Softmax over the keys (UNAS).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Softmax;
@@ -28,20 +35,25 @@ impl Normalizer for Softmax {
         Ok(s.row_log_softmax(&s.fill(input.scores)))
     }
 
-    /// Without weights, no active dropout, on the CPU in float32 or float64: libtorch's fused
-    /// `scaled_dot_product_attention` (a blocked kernel that never forms the `(B, H, S_q, S_k)`
-    /// weights). Its semantics are ours: a boolean mask of the allowed entries, and a query with no
-    /// allowed key gets a zero output and zero gradients (checked for libtorch 2.11 on the CPU;
-    /// other devices keep the eager form until checked there). Otherwise the eager form with the
-    /// mask written into the fresh scores in place ([`Support::mask_scores_`]) instead of a
-    /// masked copy: the same weights, one `(B, H, S_q, S_k)` tensor fewer.
+    /// Without weights, no active dropout, on the CPU in float32 or float64, and in bfloat16 from
+    /// [`BF16_KERNEL_MIN_KEYS`] keys: libtorch's fused `scaled_dot_product_attention` (a blocked
+    /// kernel that never forms the `(B, H, S_q, S_k)` weights). Its semantics are ours: a boolean
+    /// mask of the allowed entries, and a query with no allowed key gets a zero output and zero
+    /// gradients (checked for libtorch 2.11 on the CPU; other devices keep the eager form until
+    /// checked there). Otherwise the eager form with the mask written into the fresh scores in
+    /// place ([`Support::mask_scores_`]) instead of a masked copy: the same weights, one
+    /// `(B, H, S_q, S_k)` tensor fewer.
     fn fused(&self, q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, opts: &AttendOptions) -> Result<Option<Attended>> {
         let shape = ScoreShape { batch: q.size()[0], heads: q.size()[1], queries: q.size()[2], keys: k.size()[2] };
         let allowed = masks.allowed(shape, q.device())?;
         let kernel = !opts.need_weights
             && !opts.dropout_active()
             && q.device() == Device::Cpu
-            && matches!(q.kind(), Kind::Float | Kind::Double | Kind::BFloat16);
+            && match q.kind() {
+                Kind::Float | Kind::Double => true,
+                Kind::BFloat16 => shape.keys >= BF16_KERNEL_MIN_KEYS,
+                _ => false,
+            };
         if kernel {
             let output = Tensor::f_scaled_dot_product_attention(q, k, v, allowed.as_ref(), 0.0, false, None::<f64>, false)?;
             return Ok(Some(Attended { output, weights: None, received_mass: None, kl: None }));
