@@ -10,8 +10,8 @@ use crate::precision::widen;
 use crate::Result;
 
 /// The fewest keys at which bfloat16 takes libtorch's fused CPU kernel. Below them the kernel is
-/// slower than the eager form (bfloat16 products into float32 scores): at sentence lengths 2-4×
-/// slower, forward and backward, about even at 256 keys and faster from 384
+/// slower than the eager form (bfloat16 products into float32 scores) on the CPU: 3-9× at 16-64
+/// keys, forward and backward, about even at 256 and faster from 384
 /// (`python -m probattn_tools.baselines.sdpa_routes`, results/bench/sdpa-routes/). float32 keeps
 /// the kernel at every length: there the eager form's gain below 64 keys is a few percent of a step.
 pub const BF16_KERNEL_MIN_KEYS: i64 = 256;
