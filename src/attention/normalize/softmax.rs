@@ -59,9 +59,17 @@ impl Normalizer for Softmax {
             return Ok(Some(Attended { output, weights: None, received_mass: None, kl: None }));
         }
         let support = Support::dense(allowed);
-        let mut scores = widen(&scaled_dot_product_scores(q, k)); // (B, H, S_q, S_k), float32 from bfloat16
+        // bfloat16 inputs attend in float32 here, as the kernel computes inside: scores rounded to
+        // bfloat16 (a score near 10 to 1/16) would move each weight by up to a few percent, and a
+        // bfloat16 `dO·vᵀ` cancels in softmax's backward. Below BF16_KERNEL_MIN_KEYS keys the two
+        // products are a small part of a step; a call for the weights pays float32 at any length.
+        let mut scores = scaled_dot_product_scores(&widen(q), &widen(k)); // (B, H, S_q, S_k)
         support.mask_scores_(&mut scores);
-        Ok(Some(mix(support.row_softmax(&scores), v, None, opts)))
+        let mut attended = mix(support.row_softmax(&scores), &widen(v), None, opts);
+        if attended.output.kind() != v.kind() {
+            attended.output = attended.output.to_kind(v.kind());
+        }
+        Ok(Some(attended))
     }
 
     fn tiled(&self) -> Option<crate::plan::Tiled<'_>> {
