@@ -10,11 +10,12 @@ use crate::precision::widen;
 use crate::Result;
 
 /// The fewest keys at which bfloat16 takes libtorch's fused CPU kernel. Below them the kernel is
-/// slower than the eager form (bfloat16 products into float32 scores) on the CPU: 3-9× at 16-64
-/// keys, forward and backward, about even at 256 and faster from 384
-/// (`python -m probattn_tools.baselines.sdpa_routes`, results/bench/sdpa-routes/). float32 keeps
-/// the kernel at every length: there the eager form's gain below 64 keys is a few percent of a step.
-pub const BF16_KERNEL_MIN_KEYS: i64 = 256;
+/// slower than the eager form (computed in float32 from the bfloat16 values) on the CPU, forward
+/// and backward: 1.4-3.9× at 16-96 keys, 1.05-1.3× at 128, while from 192 keys the kernel is
+/// faster (`python -m probattn_tools.baselines.sdpa_routes`, results/bench/sdpa-routes/). float32
+/// keeps the kernel at every length: there the eager form's gain below 64 keys is a few percent of
+/// a step.
+pub const BF16_KERNEL_MIN_KEYS: i64 = 160;
 
 /// Softmax over the keys (UNAS).
 #[derive(Debug, Clone, Copy, Default)]
