@@ -160,8 +160,8 @@ fn every_variant_on(device: Device) -> Result<()> {
 #[test]
 fn softmax_without_weights_in_bfloat16_is_within_the_tolerance_by_either_route() -> Result<()> {
     // Without weights, bfloat16 softmax takes the eager form below BF16_KERNEL_MIN_KEYS keys and
-    // libtorch's fused CPU kernel from there (the variant test above asks for weights, so it
-    // reaches neither). Both against float64, with key padding.
+    // libtorch's fused CPU kernel from there (the variant test above asks for the weights, so it
+    // never reaches the kernel). Both against float64, with key padding.
     let _serial = common::serial();
     tch::manual_seed(54);
     let opts = (Kind::Double, Device::Cpu);
