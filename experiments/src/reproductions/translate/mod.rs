@@ -326,7 +326,7 @@ fn prepare(corpus: Corpus, args: &TranslateArgs, dir: &Path, resume: bool, ranks
             data::load_tokenizer(&tok_path)?
         } else {
             let vocab = args.bpe_vocab.unwrap_or(args.preset().recipe(args.arch).bpe);
-            data::learn_bpe(&corpus.train, vocab)?
+            data::learn_bpe(&corpus.train, vocab, dir)?
         };
         json = tokenizer.to_string(true).map_err(|e| anyhow::anyhow!("serializing the tokenizer: {e}"))?.into_bytes();
         if !resume {
