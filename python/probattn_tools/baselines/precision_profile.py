@@ -60,9 +60,11 @@ def per_update_ms(record):
     return groups
 
 
-def tables(records, updates, threads):
+def tables(records):
+    """profile.md's text and the summary's figures, from the two precisions' records."""
     f32, bf16 = (per_update_ms(records[p]) for p in PRECISIONS)
     total = {p: sum(g.values()) for p, g in zip(PRECISIONS, (f32, bf16))}
+    updates, threads = records["f32"]["updates"], records["f32"]["threads"]
     lines = [f"Profiled: {updates} updates in each precision, {threads} threads; self CPU time per update.", "",
              "| operators | f32 ms | share of f32 | bf16 ms | bf16 / f32 |", "|---|---|---|---|---|"]
     for name, _ in GROUPS:
@@ -82,7 +84,7 @@ def tables(records, updates, threads):
               f"products sped up so and everything else as in float32, bfloat16 would train {bound:.2f}x faster; "
               f"the profile measures {total['f32'] / total['bf16']:.2f}x.", ""]
     return "\n".join(lines), {"per_update_ms": {"f32": f32, "bf16": bf16}, "products_only_bound": bound,
-                              "measured": total["f32"] / total["bf16"]}
+                              "measured": total["f32"] / total["bf16"], "updates": updates, "threads": threads}
 
 
 def scripts_provenance():
@@ -92,9 +94,15 @@ def scripts_provenance():
     return {"git_sha": git("rev-parse", "HEAD") or None, "git_dirty": bool(git("status", "--porcelain", "--", ".."))}
 
 
+def write(out, text, summary):
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    atomic_write_text(out / "profile.md", text)
+    print(text)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", required=True, type=Path, help="a softmax Transformer run folder of probattn translate")
+    parser.add_argument("--run", type=Path, help="a softmax Transformer run folder of probattn translate (to profile)")
     parser.add_argument("--updates", type=int, default=40, help="updates profiled in each precision (default 40)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", required=True, type=Path)
@@ -106,14 +114,15 @@ def main():
             records = {p: json.loads((args.out / f"profile-{p}.json").read_text()) for p in PRECISIONS}
         except (OSError, ValueError) as e:
             sys.exit(f"error: {args.out}: {e}")
-        text, figures = tables(records, records["f32"]["updates"], records["f32"]["threads"])
-        kept = ("updates", "threads", "run", "pytorch", "provenance", "command")
-        summary = json.loads((args.out / "summary.json").read_text()) if (args.out / "summary.json").exists() else {}
-        summary = dict(figures, **{k: v for k, v in summary.items() if k in kept})
-        atomic_write_text(args.out / "summary.json", json.dumps(summary, indent=1) + "\n")
-        atomic_write_text(args.out / "profile.md", text)
-        print(text)
+        text, summary = tables(records)
+        kept = ("run", "pytorch", "provenance", "command")
+        if (args.out / "summary.json").exists():
+            old = json.loads((args.out / "summary.json").read_text())
+            summary.update({k: v for k, v in old.items() if k in kept})
+        write(args.out, text, summary)
         return
+    if args.run is None:
+        sys.exit("error: give --run (a translate run folder to profile), or --tables-only")
     if not (args.run / "config.json").is_file() or not (args.run / "tokenizer.json").is_file():
         sys.exit(f"error: {args.run} is not a translate run folder (it needs config.json and tokenizer.json)")
     if args.updates < 1:
@@ -122,14 +131,11 @@ def main():
         sys.exit(f"error: {args.out} has a profile already; give another --out")
     args.out.mkdir(parents=True, exist_ok=True)
     records = {p: profile(args.run, p, args.updates, args.threads, args.out) for p in PRECISIONS}
-    text, summary = tables(records, args.updates, args.threads)
+    text, summary = tables(records)
     import torch
-    summary.update(updates=args.updates, threads=args.threads, run=str(args.run), pytorch=torch.__version__,
-                   provenance=scripts_provenance(),
+    summary.update(run=str(args.run), pytorch=torch.__version__, provenance=scripts_provenance(),
                    command=" ".join([os.path.basename(sys.executable), "-m", __spec__.name] + sys.argv[1:]))
-    atomic_write_text(args.out / "summary.json", json.dumps(summary, indent=1) + "\n")
-    atomic_write_text(args.out / "profile.md", text)
-    print(text)
+    write(args.out, text, summary)
 
 
 if __name__ == "__main__":
