@@ -88,6 +88,19 @@ class TableHelpers(unittest.TestCase):
         for name in ("bam-wc", "bam-wc-w0.1-anneal1000", "dnas", "hnas", "lstm-softmax"):
             self.assertIsNone(translate.paper_difference(name), name)
 
+    def test_precision_row(self):
+        from probattn_tools.tables import translate
+
+        def runs(*bleus):
+            return [{"test_bleu_tok": b} for b in bleus]
+        row = translate.precision_row("dnas-bf16", runs(38.0, 38.4), runs(37.9, 38.1, 38.5))
+        self.assertEqual(row[0], "dnas-bf16 − dnas")
+        self.assertEqual(row[3], "37.90 – 38.50 (n=3)")
+        self.assertEqual(row[4], "yes")
+        self.assertEqual(translate.precision_row("softmax-bf16", runs(38.45), runs(37.63, 37.94, 38.06))[4], "above")
+        self.assertEqual(translate.precision_row("softmax-bf16", runs(37.0), runs(37.63, 38.06))[1], "–")
+        self.assertEqual(translate.precision_row("softmax-bf16", runs(37.0), runs(37.63, 38.06))[4], "below")
+
     def test_markdown(self):
         self.assertEqual(common.markdown(["a", "b"], [[1, "x"]]), "| a | b |\n|---|---|\n| 1 | x |")
 

@@ -15,7 +15,9 @@ sacreBLEU's default, cased and detokenized), mean ± std over seeds; mean best v
 sacreBLEU; epochs; training tokens/s; the head diversity "Dist" of the encoder self-attention
 (mean over layers). `--diff` adds each row minus softmax (MA) with the standard error of the
 difference, sqrt(s1²/n1 + s2²/n2), for both BLEUs and Dist: the repulsive-attention paper's claim
-is RMA − MA = +0.8 BLEU (IWSLT14) and a larger Dist. `--paper` adds the difference each paper
+is RMA − MA = +0.8 BLEU (IWSLT14) and a larger Dist. With `--diff`, each bfloat16 row is also set
+against its own float32 row: the difference, the float32 seeds' range of test BLEU and whether the
+bfloat16 mean lies within it (issue 53's quality check). `--paper` adds the difference each paper
 reports for the row (`paper_difference`; IWSLT14 de-en, tokenized lowercased BLEU, not Multi30k):
 beside it, not comparable in size, only in sign and rough scale.
 """
@@ -144,6 +146,22 @@ def reference(name):
     return "lstm-softmax" if name.startswith("lstm-") else "softmax"
 
 
+def precision_row(name, runs, base):
+    """A bfloat16 row against its own float32 row (issue 53's quality check): the test BLEU
+    difference ± s.e., the float32 seeds' range, and whether the bfloat16 mean lies in it."""
+    bf16 = [r["test_bleu_tok"] for r in runs]
+    f32 = [r["test_bleu_tok"] for r in base]
+    mean = statistics.mean(bf16)
+    inside = "yes" if min(f32) <= mean <= max(f32) else ("above" if mean > max(f32) else "below")
+    return [
+        f"{name} − {name[: -len('-bf16')]}",
+        diff_cell(bf16, f32),
+        cell(bf16),
+        f"{min(f32):.2f} – {max(f32):.2f} (n={len(f32)})",
+        inside,
+    ]
+
+
 def parse(argv):
     parser = argparse.ArgumentParser(prog="python -m probattn_tools.tables.translate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -197,6 +215,13 @@ def main(argv=None):
         print()
         header = ["rows", "tok-lc BLEU difference (± s.e.)", "sacreBLEU difference (± s.e.)", "Dist difference (± s.e.)"]
         print(markdown(header + (["paper's difference (IWSLT14, tok-lc BLEU)"] if paper else []), table))
+        table = [precision_row(name, rows[name], rows[name[: -len("-bf16")]])
+                 for name in names if name.endswith("-bf16") and name[: -len("-bf16")] in rows]
+        if table:
+            print()
+            header = ["bfloat16 − float32", "tok-lc BLEU difference (± s.e.)", "bfloat16 tok-lc",
+                      "float32 seeds' range", "bfloat16 mean within it"]
+            print(markdown(header, table))
 
 
 if __name__ == "__main__":
