@@ -30,7 +30,9 @@ import sys
 
 from probattn_tools.tables.common import cell, diff_cell, markdown
 
-ORDER = ["softmax", "softmax-svgd", "softmax-svgd-cross", "softmax-spos-cross", "dnas", "hnas", "bam-wc"]
+# Each model's softmax row before the rows set against it; other rows follow in name order.
+ORDER = ["softmax", "softmax-svgd", "softmax-svgd-cross", "softmax-spos-cross", "dnas", "hnas", "bam-wc",
+         "bam-wc-w0.1-anneal1000", "lstm-softmax"]
 
 
 def is_lstm(results):
