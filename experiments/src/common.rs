@@ -62,6 +62,16 @@ pub struct PrecisionArgs {
     pub precision: Precision,
 }
 
+impl PrecisionArgs {
+    /// Says on stderr when the precision asked for is expected to run slower than float32 on
+    /// `device` (bfloat16 on a CPU without bfloat16 instructions); the run goes on.
+    pub fn warn_if_slower(&self, device: Device) {
+        if let Some(why) = self.precision.slower_than_f32(device) {
+            eprintln!("warning: {why}");
+        }
+    }
+}
+
 fn parse_precision(s: &str) -> std::result::Result<Precision, String> {
     s.parse().map_err(|e: probattn::Error| e.to_string())
 }

@@ -332,8 +332,8 @@ fn the_lstm_equals_an_independent_pytorch_lstm_on_the_same_weights() -> Result<(
 #[test]
 fn a_bfloat16_run_records_its_precision_and_keeps_float32_checkpoints() -> Result<()> {
     // `--precision bf16` trains (DNAS in the encoder: a doubly-normalized variant's float32
-    // statistics under autocast), records the precision, and writes float32 weights that decoding
-    // reads in either precision; an unknown precision is named.
+    // statistics under autocast), records the precision, warns where bfloat16 is emulated, and
+    // writes float32 weights that decoding reads in either precision; an unknown precision is named.
     let tmp = TempDir::new("translate-bf16")?;
     let data = tmp.path("data");
     std::fs::create_dir_all(&data)?;
@@ -342,6 +342,10 @@ fn a_bfloat16_run_records_its_precision_and_keeps_float32_checkpoints() -> Resul
     let args = [&["translate", "--data-dir", &d, "--out", &out, "--attention", "dnas", "--precision", "bf16"][..], &FLAGS].concat();
     let o = probattn(&args)?;
     ensure!(o.status.success(), "{}", text(&o));
+    // Where the CPU has no bfloat16 instructions, the run says it will be slower than float32.
+    let emulated = !probattn::precision::cpu_has_bf16_instructions();
+    let warned = String::from_utf8_lossy(&o.stderr).contains("warning: bf16 on this CPU, which has no bfloat16 instructions");
+    ensure!(warned == emulated, "bfloat16 emulated: {emulated}, warned: {warned}: {}", text(&o));
     let results: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path("out/results.json"))?)?;
     ensure!(results["config"]["precision"] == "bf16", "results.json records {}", results["config"]["precision"]);
     let ckpt = tmp.path("out/seed-1/checkpoint_best.safetensors");
@@ -359,6 +363,7 @@ fn a_bfloat16_run_records_its_precision_and_keeps_float32_checkpoints() -> Resul
         let args = ["translate", "--decode", "--checkpoint", &ckpt, "--input", &input, "--beam", "2", "--precision", precision];
         let o = probattn(&[&args[..], &["--device", "cpu", "--threads", "1"]].concat())?;
         ensure!(o.status.success() && String::from_utf8_lossy(&o.stdout).lines().count() == 10, "{precision}: {}", text(&o));
+        ensure!(precision == "bf16" || !String::from_utf8_lossy(&o.stderr).contains("warning: bf16"), "f32 warned: {}", text(&o));
     }
     let o = probattn(&["translate", "--precision", "fp8", "--data-dir", &d])?;
     ensure!(!o.status.success() && text(&o).contains("unknown precision 'fp8' (known: f32, bf16)"), "{}", text(&o));

@@ -47,6 +47,16 @@ impl Precision {
         }
     }
 
+    /// Why this precision is expected to run slower than float32 on `device`, or `None`: bfloat16
+    /// on a CPU without bfloat16 instructions ([`cpu_has_bf16_instructions`]).
+    pub fn slower_than_f32(self, device: Device) -> Option<String> {
+        (self == Self::Bf16 && device == Device::Cpu && !cpu_has_bf16_instructions()).then(|| {
+            "bf16 on this CPU, which has no bfloat16 instructions (AVX512-BF16 or AMX): libtorch emulates \
+             bfloat16 with float32 instructions here, and it runs slower than f32 (docs/precision.md)"
+                .to_string()
+        })
+    }
+
     /// Enters a region on `device`: autocast on for its device type until the guard drops (a
     /// no-op guard for [`Precision::F32`]). Regions nest; the state before is restored on drop.
     pub fn enter(self, device: Device) -> Result<Autocast> {
@@ -113,6 +123,21 @@ impl Drop for Autocast {
         // Restoring passes known-good values back; it fails only if libtorch itself is broken,
         // and a drop has no one to tell.
         let _ = self.restore();
+    }
+}
+
+/// Whether this CPU does bfloat16 arithmetic in hardware: x86-64's AVX512-BF16 instructions (which
+/// every processor with AMX has too). Without them libtorch computes bfloat16 products with float32
+/// instructions and conversions, and bfloat16 runs slower than float32 on the CPU
+/// (docs/precision.md has a measurement). Other architectures are not checked and answer `true`.
+pub fn cpu_has_bf16_instructions() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        true
     }
 }
 

@@ -119,6 +119,7 @@ const KNOWN_INPUTS: [&str; 8] = ["q", "k", "v", "key_padding_mask", "query_paddi
 
 pub fn run(args: &AttendArgs) -> Result<()> {
     let device = args.common.setup()?;
+    args.precision.warn_if_slower(device);
     let input = args.input.display().to_string();
     let tensors = read_safetensors(&args.input).context("reading --input")?;
     let get = |name: &str| -> Result<Tensor> {

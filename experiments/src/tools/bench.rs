@@ -429,6 +429,7 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
 
 pub fn run(args: &BenchArgs) -> Result<()> {
     let device = args.common.setup()?;
+    args.precision.warn_if_slower(device);
     let cuda = device != Device::Cpu;
     let seq_lens = match (&args.seq_lens, args.quick, cuda) {
         (Some(s), _, _) => s.clone(),

@@ -435,6 +435,7 @@ const LSTM_ROWS: [(&str, &str, Repulsive); 2] = [("softmax", "softmax", Repulsiv
 
 pub fn run(args: &TranslateArgs) -> Result<()> {
     let device = args.common.setup()?;
+    args.precision.warn_if_slower(device);
     if args.decode {
         return decode_file(args, device);
     }
