@@ -136,7 +136,7 @@ def paper_difference(name):
     """(difference, source) the papers report for a row, or None: BAM's for the LSTM's BAM-WC rows
     (the paper ran no Transformer), RMA's for the repulsive rows; none for DNAS and HNAS, whose
     paper has no translation experiment. Tuned and bfloat16 rows take their base row's."""
-    base = name[: -len("-bf16")] if name.endswith("-bf16") else name
+    base = float32_row(name) or name
     for prefix, value, source in PAPER:
         if base == prefix or (prefix == "lstm-bam-wc" and base.startswith(prefix + "-")):
             return value, source
@@ -148,6 +148,11 @@ def reference(name):
     return "lstm-softmax" if name.startswith("lstm-") else "softmax"
 
 
+def float32_row(name):
+    """The float32 row of a bfloat16 row (`dnas` for `dnas-bf16`); None for a float32 row."""
+    return name[: -len("-bf16")] if name.endswith("-bf16") else None
+
+
 def precision_row(name, runs, base):
     """A bfloat16 row against its own float32 row (issue 53's quality check): the test BLEU
     difference ± s.e., the float32 seeds' range, and whether the bfloat16 mean lies in it."""
@@ -156,7 +161,7 @@ def precision_row(name, runs, base):
     mean = statistics.mean(bf16)
     inside = "yes" if min(f32) <= mean <= max(f32) else ("above" if mean > max(f32) else "below")
     return [
-        f"{name} − {name[: -len('-bf16')]}",
+        f"{name} − {float32_row(name)}",
         diff_cell(bf16, f32),
         cell(bf16),
         f"{min(f32):.2f} – {max(f32):.2f} (n={len(f32)})",
@@ -217,8 +222,7 @@ def main(argv=None):
         print()
         header = ["rows", "tok-lc BLEU difference (± s.e.)", "sacreBLEU difference (± s.e.)", "Dist difference (± s.e.)"]
         print(markdown(header + (["paper's difference (IWSLT14, tok-lc BLEU)"] if paper else []), table))
-        table = [precision_row(name, rows[name], rows[name[: -len("-bf16")]])
-                 for name in names if name.endswith("-bf16") and name[: -len("-bf16")] in rows]
+        table = [precision_row(name, rows[name], rows[float32_row(name)]) for name in names if float32_row(name) in rows]
         if table:
             print()
             header = ["bfloat16 − float32", "tok-lc BLEU difference (± s.e.)", "bfloat16 tok-lc",
