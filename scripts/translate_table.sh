@@ -27,7 +27,7 @@ jobs=${TABLE_JOBS:-1}
 
 # NAME|FLAGS: the row as probattn_tools.tables.translate names it, and the flags of its runs. The
 # bam-wc-w0.1-anneal1000 and lstm-bam-wc-w0.1 rows are issue 49's BAM-WC, tuned on validation for
-# each architecture (results/translate/bam-tuning).
+# each architecture (results/translate/bam-tuning); lstm-dnas is the LSTM's causal DNAS.
 rows() {
   cat <<'ROWS'
 softmax|--attention softmax
@@ -42,6 +42,7 @@ softmax-bf16|--attention softmax --precision bf16
 dnas-bf16|--attention dnas --precision bf16
 lstm-softmax|--arch lstm --attention softmax
 lstm-bam-wc-w0.1|--arch lstm --attention bam-wc --k 10 --kl-weight 0.1
+lstm-dnas|--arch lstm --attention dnas
 ROWS
 }
 

@@ -254,7 +254,7 @@ fn the_attentional_lstm_trains_resumes_decodes_and_refuses_what_it_lacks() -> Re
     // What the LSTM has no place for: a named error, nothing written.
     let never = tmp.path("never").to_string_lossy().to_string();
     for (extra, said) in [
-        (&["--attention", "dnas"][..], "one decoder state at a time"),
+        (&["--attention", "hnas"][..], "one decoder state at a time"),
         (&["--repulsive", "svgd"][..], "one head"),
         (&["--preset", "small"][..], "--arch lstm takes deng2018, deng2018-small or tiny"),
         (&["--warmup-updates", "10"][..], "OpenNMT-py"),
@@ -275,8 +275,10 @@ fn the_attentional_lstm_trains_resumes_decodes_and_refuses_what_it_lacks() -> Re
 #[test]
 fn the_lstm_equals_an_independent_pytorch_lstm_on_the_same_weights() -> Result<()> {
     // python/probattn_tools/baselines/translate.py writes the LSTM again in PyTorch (packed bidirectional
-    // nn.LSTM, LSTMCell decoder, softmax attention by hand); our trained checkpoint, exported and
-    // cast to float64, must give the same logits on a padded batch.
+    // nn.LSTM, LSTMCell decoder, softmax and causal DNAS attention by hand); our trained checkpoint,
+    // exported and cast to float64, must give the same logits on a padded batch, and the same
+    // gradient of a random weighting of them for every parameter, with either attention (the two
+    // share their parameters, so one trained run serves both).
     let tmp = TempDir::new("translate-lstm-parity")?;
     let data = tmp.path("data");
     std::fs::create_dir_all(&data)?;
@@ -294,38 +296,66 @@ fn the_lstm_equals_an_independent_pytorch_lstm_on_the_same_weights() -> Result<(
         tch::Tensor::read_safetensors(&sd)?.into_iter().map(|(n, t)| (n, t.to_kind(tch::Kind::Double))).collect();
     let sd64 = tmp.path("sd64.safetensors");
     tch::Tensor::write_safetensors(&weights.iter().map(|(n, t)| (n.as_str(), t)).collect::<Vec<_>>(), &sd64)?;
-    // A padded batch of ids from the vocabulary (4 and up: not the special tokens).
+    // A padded batch of ids from the vocabulary (4 and up: not the special tokens), and the
+    // weighting of the logits whose gradients are compared.
     let src = tch::Tensor::from_slice(&[5i64, 9, 11, 7, 2, 8, 4, 2, 1, 1, 12, 6, 2, 1, 1]).view([3, 5]);
     let prev = tch::Tensor::from_slice(&[2i64, 7, 9, 4, 2, 5, 10, 1, 2, 13, 1, 1]).view([3, 4]);
+    let mut config = binary::json(&tmp.path("run/config.json"))?;
+    let vocab = config["model"]["vocab"].as_i64().context("model.vocab")?;
+    tch::manual_seed(5);
+    let r = tch::Tensor::randn([3, 4, vocab], (tch::Kind::Double, tch::Device::Cpu));
     let inputs = tmp.path("in.safetensors");
-    tch::Tensor::write_safetensors(&[("src", &src), ("prev", &prev)], &inputs)?;
-    let theirs = tmp.path("logits.safetensors");
-    let o = common::python_module("baselines.translate")?
-        .args([
-            "--run",
-            &run,
-            "--load-state-dict",
-            &sd64.to_string_lossy(),
-            "--logits",
-            &inputs.to_string_lossy(),
-            &theirs.to_string_lossy(),
-        ])
-        .output()?;
-    ensure!(o.status.success(), "the PyTorch LSTM did not run: {}", text(&o));
-    let theirs = tch::Tensor::read_safetensors(&theirs)?.into_iter().next().context("no logits")?.1;
-
-    let config = binary::json(&tmp.path("run/config.json"))?;
-    let cfg: probattn_models::translation::Seq2SeqConfig = serde_json::from_value(config["model"].clone())?;
-    let mut vs = tch::nn::VarStore::new(tch::Device::Cpu);
-    let model = probattn_models::translation::Seq2Seq::new(&vs.root(), cfg)?;
-    vs.double();
-    vs.load(&sd64)?;
-    let (ours, _) = model.forward_t(&src, &prev, false)?;
+    tch::Tensor::write_safetensors(&[("src", &src), ("prev", &prev), ("r", &r)], &inputs)?;
     // Padded target steps are nobody's output; compare the live ones.
     let live = prev.ne(1).unsqueeze(-1).to_kind(tch::Kind::Double);
-    let err = ((&ours - &theirs) * &live).abs().max().double_value(&[]);
-    let scale = theirs.abs().max().double_value(&[]);
-    ensure!(err <= 1e-10 * (1.0 + scale), "ours and PyTorch's LSTM logits differ by {err} (scale {scale})");
+
+    for variant in ["softmax", "dnas"] {
+        // The same run with another attention: only config.json differs.
+        let dir = tmp.path(&format!("run-{variant}"));
+        std::fs::create_dir_all(&dir)?;
+        config["model"]["lstm"]["variant"] = variant.into();
+        std::fs::write(dir.join("config.json"), serde_json::to_string(&config)?)?;
+        let theirs = tmp.path(&format!("logits-{variant}.safetensors"));
+        let o = common::python_module("baselines.translate")?
+            .args([
+                "--run",
+                &dir.to_string_lossy(),
+                "--load-state-dict",
+                &sd64.to_string_lossy(),
+                "--logits",
+                &inputs.to_string_lossy(),
+                &theirs.to_string_lossy(),
+            ])
+            .output()?;
+        ensure!(o.status.success(), "the PyTorch LSTM ({variant}) did not run: {}", text(&o));
+        let theirs: std::collections::HashMap<String, tch::Tensor> = tch::Tensor::read_safetensors(&theirs)?.into_iter().collect();
+
+        let cfg: probattn_models::translation::Seq2SeqConfig = serde_json::from_value(config["model"].clone())?;
+        let mut vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        let model = probattn_models::translation::Seq2Seq::new(&vs.root(), cfg)?;
+        vs.double();
+        vs.load(&sd64)?;
+        let (ours, _) = model.forward_t(&src, &prev, false)?;
+        let expected = theirs.get("logits").context("no logits")?;
+        let err = ((&ours - expected) * &live).abs().max().double_value(&[]);
+        let scale = expected.abs().max().double_value(&[]);
+        ensure!(err <= 1e-10 * (1.0 + scale), "{variant}: ours and PyTorch's LSTM logits differ by {err} (scale {scale})");
+
+        (&r * &ours * &live).sum(tch::Kind::Double).backward();
+        let variables = vs.variables();
+        ensure!(
+            variables.len() + 1 == theirs.len(),
+            "{variant}: {} parameters here, {} gradients there",
+            variables.len(),
+            theirs.len() - 1
+        );
+        for (name, var) in &variables {
+            let expected = theirs.get(&format!("grad.{name}")).with_context(|| format!("{variant}: no gradient of {name}"))?;
+            let err = (var.grad() - expected).abs().max().double_value(&[]);
+            let scale = expected.abs().max().double_value(&[]);
+            ensure!(err <= 1e-10 * (1.0 + scale), "{variant}: the gradients of {name} differ by {err} (scale {scale})");
+        }
+    }
     Ok(())
 }
 

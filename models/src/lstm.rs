@@ -19,11 +19,14 @@
 //! The output layer has no bias, as OpenNMT's for `general`. Initialisation is OpenNMT's: every
 //! parameter uniform in `±init_range` (0.1).
 //!
-//! DNAS, HNAS and Sinkhorn are refused: the decoder attends with one state at a time, and a key
-//! normalized over one query gives uniform weights (over all steps at once it would read the
-//! later target tokens), as the Transformer's cross-attention explains.
+//! DNAS is causal here ([`probattn::normalize::dnas_step`]): each key (source position) is
+//! normalized over the decoder steps so far, then the step over the keys. DNAS proper would
+//! normalize over every step at once, reading the later target tokens, and one step alone gives
+//! uniform weights, as the Transformer's cross-attention explains. The decoder carries each key's
+//! running logsumexp from step to step (reordered with the beams). HNAS and Sinkhorn are refused.
 
-use probattn::{attend, AttendOptions, Error, Masks, Mode, Normalizer, NormalizerConfig, Result, Variant};
+use probattn::normalize::dnas_step;
+use probattn::{attend, scaled_dot_product_scores, AttendOptions, Error, Masks, Mode, Normalizer, NormalizerConfig, Result, Variant};
 use serde::{Deserialize, Serialize};
 use tch::nn::{self, Init};
 use tch::{Kind, Tensor};
@@ -44,7 +47,7 @@ pub struct LstmConfig {
     pub dropout: f64,
     /// Every parameter starts uniform in `±init_range` (OpenNMT's `-param_init`).
     pub init_range: f64,
-    /// The attention's normalizer: softmax or a BAM variant around softmax.
+    /// The attention's normalizer: softmax, causal DNAS (`dnas`) or a BAM variant around softmax.
     pub variant: Variant,
     #[serde(default)]
     pub normalizer: NormalizerConfig,
@@ -145,12 +148,16 @@ pub struct LstmState {
     feed: Tensor,
     /// `(B, S, M)`.
     memory: Tensor,
+    /// Causal DNAS: each key's logsumexp of its scores over the steps so far, `(B, S)`; `None`
+    /// before the first step and for the other variants.
+    carry: Option<Tensor>,
 }
 
 impl LstmState {
     /// Keeps the rows `index (B',)`, in that order: beam search's reorder after each step.
     pub fn reorder(&mut self, index: &Tensor) {
-        for t in self.h.iter_mut().chain(self.c.iter_mut()).chain([&mut self.feed, &mut self.memory]) {
+        let tensors = self.h.iter_mut().chain(self.c.iter_mut()).chain([&mut self.feed, &mut self.memory]);
+        for t in tensors.chain(self.carry.as_mut()) {
             *t = t.index_select(0, index);
         }
     }
@@ -173,6 +180,9 @@ pub struct AttentionalLstm {
     attn_out: Tensor,
     generator: nn::Linear,
     normalizer: Box<dyn Normalizer>,
+    /// `variant` is `dnas`: the steps carry each key's logsumexp ([`dnas_step`]) instead of calling
+    /// the normalizer.
+    causal_dnas: bool,
 }
 
 /// Reverses each row of `x (B, S, ·)` within its length `lengths (B,)`, leaving the padding after
@@ -224,15 +234,17 @@ impl AttentionalLstm {
         let attn_out = (&a / "linear_out").var("weight", &[hd, m + hd], init);
         let generator = nn::linear(p / "generator", hd, vocab, nn::LinearConfig { ws_init: init, bs_init: Some(init), bias: true });
         let normalizer = cfg.variant.build(&(&a / "normalizer"), 1, m, &cfg.normalizer)?;
-        if !normalizer.causal_safe() {
+        let causal_dnas = cfg.variant == Variant::Dnas;
+        if !normalizer.causal_safe() && !causal_dnas {
             return Err(Error::Unsupported(format!(
                 "the attentional LSTM attends with one decoder state at a time: {} normalizes each key over the \
                  queries, which over one query gives uniform weights (and over all steps at once would read the \
-                 later target tokens); use softmax or a BAM variant around softmax",
+                 later target tokens); use softmax, dnas (each key normalized over the steps so far) or a BAM \
+                 variant around softmax",
                 normalizer.name()
             )));
         }
-        Ok(Self { cfg, vocab, pad, src_embed, tgt_embed, encoder, decoder, attn_in, attn_out, generator, normalizer })
+        Ok(Self { cfg, vocab, pad, src_embed, tgt_embed, encoder, decoder, attn_in, attn_out, generator, normalizer, causal_dnas })
     }
 
     pub fn config(&self) -> &LstmConfig {
@@ -263,6 +275,7 @@ impl AttentionalLstm {
             c: (0..self.cfg.decoder_layers).map(|_| zeros()).collect(),
             feed: Tensor::zeros([b, self.cfg.memory_dim()], opts),
             memory,
+            carry: None,
         }
     }
 
@@ -293,14 +306,26 @@ impl AttentionalLstm {
         let q = x.matmul(&self.attn_in.tr()).view([b, 1, 1, -1]); // (B, 1, 1, M)
         let kv = state.memory.unsqueeze(1); // (B, 1, S, M)
         let dead = live.map(|l| l.logical_not().view([b, 1]));
-        let masks = Masks { key_padding: Some(src_pad), query_padding: dead.as_ref(), ..Default::default() };
-        // No weights asked for: softmax takes libtorch's fused kernel, and a tile the memory-efficient path.
-        let opts = AttendOptions { mode: Mode::train(train), need_weights: false, tile: self.cfg.tile, ..Default::default() };
-        let attended = attend(&q, &kv, &kv, &masks, self.normalizer.as_ref(), opts)?;
-        let context = attended.output.view([b, -1]); // (B, M)
+        let (context, kl) = if self.causal_dnas {
+            // The scores as `attend` scales them, then one causal DNAS step over the unpadded keys.
+            let scores = scaled_dot_product_scores(&q, &kv).view([b, -1]); // (B, S)
+            let (weights, carry) = dnas_step(&scores, Some(&src_pad.logical_not()), state.carry.as_ref());
+            state.carry = Some(carry);
+            let weights = match &dead {
+                Some(d) => weights.masked_fill(d, 0.0),
+                None => weights,
+            };
+            (weights.to_kind(kv.kind()).unsqueeze(1).bmm(&state.memory).view([b, -1]), None)
+        } else {
+            let masks = Masks { key_padding: Some(src_pad), query_padding: dead.as_ref(), ..Default::default() };
+            // No weights asked for: softmax takes libtorch's fused kernel, and a tile the memory-efficient path.
+            let opts = AttendOptions { mode: Mode::train(train), need_weights: false, tile: self.cfg.tile, ..Default::default() };
+            let attended = attend(&q, &kv, &kv, &masks, self.normalizer.as_ref(), opts)?;
+            (attended.output.view([b, -1]), attended.kl) // (B, M)
+        };
         let out = Tensor::cat(&[context.shallow_clone(), x], 1).matmul(&self.attn_out.tr()).tanh().dropout(self.cfg.dropout, train);
         state.feed = context;
-        Ok((out, attended.kl))
+        Ok((out, kl))
     }
 
     /// Teacher-forced logits `(B, T, V)` of `prev_tokens (B, T)` given `src (B, S)`, and the KL of

@@ -78,8 +78,14 @@ impl Seq2SeqConfig {
                 t.cross_variant()
             ),
             (None, Some(l)) => format!(
-                "attentional LSTM: {}-layer bidirectional encoder of {} units each way, {}-layer decoder of {}, E = {}, attention {}",
-                l.encoder_layers, l.encoder_hidden, l.decoder_layers, l.decoder_hidden, l.embed_dim, l.variant
+                "attentional LSTM: {}-layer bidirectional encoder of {} units each way, {}-layer decoder of {}, E = {}, attention {}{}",
+                l.encoder_layers,
+                l.encoder_hidden,
+                l.decoder_layers,
+                l.decoder_hidden,
+                l.embed_dim,
+                l.variant,
+                if l.variant == Variant::Dnas { " (causal: each source position normalized over the steps so far)" } else { "" }
             ),
             (None, None) => "no architecture".into(),
         }

@@ -85,8 +85,9 @@ class TableHelpers(unittest.TestCase):
         self.assertAlmostEqual(translate.paper_difference("softmax-svgd-cross")[0], 0.5)
         self.assertAlmostEqual(translate.paper_difference("softmax-svgd-bf16")[0], 0.8)
         # The BAM paper ran no Transformer, and the DNAS paper no translation.
-        for name in ("bam-wc", "bam-wc-w0.1-anneal1000", "dnas", "hnas", "lstm-softmax"):
+        for name in ("bam-wc", "bam-wc-w0.1-anneal1000", "dnas", "hnas", "lstm-softmax", "lstm-dnas"):
             self.assertIsNone(translate.paper_difference(name), name)
+        self.assertEqual(translate.reference("lstm-dnas"), "lstm-softmax")
 
     def test_precision_row(self):
         from probattn_tools.tables import translate

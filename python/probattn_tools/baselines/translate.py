@@ -24,7 +24,9 @@ The attentional LSTM (`--arch lstm`, Deng et al. 2018) is written here independe
 models/src/lstm.rs: the encoder is `torch.nn.LSTM(bidirectional=True)` over packed sequences, one
 per layer (ours reverses each sentence within its length); the decoder is `torch.nn.LSTMCell`s with
 input feeding of the context; the attention is `softmax(q·m / sqrt(M))` of `q = W_a s_t` over the
-memory, padded keys excluded; the output `tanh(W_out [c; s])` and a generator. Its recipe: Adam
+memory, padded keys excluded (or, for a `dnas` run, causal DNAS: step t's score of source position
+j less the logsumexp of that position's scores over steps 1..t, then the softmax); the output
+`tanh(W_out [c; s])` and a generator. Its recipe: Adam
 (β2 0.999) without weight decay, gradient norm clipping, the constant rate of the first epoch
 (OpenNMT-py's decay acts between epochs), cross-entropy without smoothing, as the run's config says.
 
@@ -175,14 +177,17 @@ class Seq2Seq(torch.nn.Module):
 
 
 class AttentionalLstm(torch.nn.Module):
-    """The LSTM of `probattn translate --arch lstm` (softmax attention), parameters named so that
-    `probattn export`'s state dict loads through `load_probattn`."""
+    """The LSTM of `probattn translate --arch lstm` (softmax or causal DNAS attention), parameters
+    named so that `probattn export`'s state dict loads through `load_probattn`."""
 
     def __init__(self, cfg):
         super().__init__()
         c, v = cfg["model"]["lstm"], cfg["model"]["vocab"]
         e, h, m, hd = c["embed_dim"], c["encoder_hidden"], 2 * c["encoder_hidden"], c["decoder_hidden"]
         self.p, self.pad, self.m, self.hd = c["dropout"], PAD, m, hd
+        if c["variant"] not in ("softmax", "dnas"):
+            raise ValueError(f"the LSTM baseline attends with softmax or causal DNAS, not {c['variant']}")
+        self.causal_dnas = c["variant"] == "dnas"
         self.src_embed = torch.nn.Embedding(v, e, padding_idx=PAD)
         self.tgt_embed = torch.nn.Embedding(v, e, padding_idx=PAD)
         self.encoder = torch.nn.ModuleList(
@@ -198,8 +203,8 @@ class AttentionalLstm(torch.nn.Module):
             self.src_embed.weight[PAD] = 0
             self.tgt_embed.weight[PAD] = 0
 
-    def load_probattn(self, sd):
-        """Loads `probattn export`'s names (strict): encoder.layers.L.forward|backward.weight_ih, ..."""
+    def probattn_names(self):
+        """probattn's name of each parameter -> its name here."""
         ours = {"encoder.embed_tokens.weight": "src_embed.weight", "decoder.embed_tokens.weight": "tgt_embed.weight",
                 "decoder.attention.linear_in.weight": "linear_in.weight",
                 "decoder.attention.linear_out.weight": "linear_out.weight",
@@ -211,6 +216,11 @@ class AttentionalLstm(torch.nn.Module):
         for l in range(len(self.decoder)):
             for w in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
                 ours[f"decoder.layers.{l}.{w}"] = f"decoder.{l}.{w}"
+        return ours
+
+    def load_probattn(self, sd):
+        """Loads `probattn export`'s names (strict): encoder.layers.L.forward|backward.weight_ih, ..."""
+        ours = self.probattn_names()
         unknown = sorted(set(sd) - set(ours))
         if unknown:
             raise RuntimeError(f"not parameters of the LSTM baseline: {', '.join(unknown)}")
@@ -232,7 +242,7 @@ class AttentionalLstm(torch.nn.Module):
         b = src.size(0)
         hs = [memory.new_zeros(b, self.hd) for _ in self.decoder]
         cs = [memory.new_zeros(b, self.hd) for _ in self.decoder]
-        feed, outs = memory.new_zeros(b, self.m), []
+        feed, outs, past = memory.new_zeros(b, self.m), [], []
         emb = F.dropout(self.tgt_embed(prev), self.p, self.training)
         for t in range(prev.size(1)):
             x = torch.cat([emb[:, t], feed], 1)
@@ -243,6 +253,11 @@ class AttentionalLstm(torch.nn.Module):
                 x = hs[l]
             q = self.linear_in(x)
             scores = torch.einsum("bm,bsm->bs", q, memory) / math.sqrt(self.m)
+            if self.causal_dnas:
+                # Each source position over the steps so far. Padded positions' columns are
+                # never attended, so they need no masking inside the logsumexp.
+                past.append(scores)
+                scores = scores - torch.logsumexp(torch.stack(past), 0)
             weights = scores.masked_fill(src_pad, -math.inf).softmax(-1)
             feed = torch.einsum("bs,bsm->bm", weights, memory)
             outs.append(F.dropout(torch.tanh(self.linear_out(torch.cat([feed, x], 1))), self.p, self.training))
@@ -334,7 +349,9 @@ def main():
     parser.add_argument("--export-torchscript", metavar="M.pt", help="save the model scripted (after training or loading)")
     parser.add_argument("--logits", nargs=2, metavar=("IN", "OUT"),
                         help="with --load-state-dict: the eval-mode logits of IN's `src` and `prev` (safetensors) "
-                             "to OUT, in IN's dtype, and nothing else")
+                             "to OUT, in IN's dtype, and nothing else; when IN also holds `r` (the logits' "
+                             "shape), OUT also holds `grad.NAME`, the gradient of sum(r * logits) over the "
+                             "live steps (prev not padding) for each parameter, by probattn's name (the LSTM)")
     parser.add_argument("--profile", metavar="OUT.json",
                         help="time the training loop's phases (forward with the loss, backward, clipping with the "
                              "optimizer step) and profile it (torch.profiler, CPU): each operator's self time and "
@@ -346,8 +363,10 @@ def main():
     with open(os.path.join(args.run, "config.json")) as f:
         cfg = json.load(f)
     lstm = "lstm" in cfg["model"]
-    if (cfg["model"].get("lstm") or cfg["model"]["transformer"])["variant"] != "softmax" or cfg["repulsive"] != "none":
-        sys.exit("the baseline is softmax attention without repulsive heads; give it a softmax run")
+    variant = (cfg["model"].get("lstm") or cfg["model"]["transformer"])["variant"]
+    if variant not in (("softmax", "dnas") if lstm else ("softmax",)) or cfg["repulsive"] != "none":
+        sys.exit("the baseline is softmax attention (or the LSTM's causal DNAS) without repulsive heads; "
+                 f"this run has {variant} attention and repulsive {cfg['repulsive']}")
     if lstm and args.export_torchscript:
         sys.exit("--export-torchscript is the Transformer's (the LSTM decoder is a Python loop)")
     if args.logits:
@@ -360,8 +379,17 @@ def main():
         model.to(next(iter(sd.values())).dtype)
         model.load_probattn(sd) if lstm else model.load_state_dict(sd, strict=True)
         model.eval()
-        with torch.no_grad():
-            save_file({"logits": model(inputs["src"], inputs["prev"]).contiguous()}, args.logits[1])
+        logits = model(inputs["src"], inputs["prev"])
+        out = {"logits": logits.detach().contiguous()}
+        if "r" in inputs:
+            if not lstm:
+                sys.exit("--logits with `r` (gradients) is the LSTM's")
+            live = inputs["prev"].ne(PAD).unsqueeze(-1).to(logits.dtype)
+            (inputs["r"] * logits * live).sum().backward()
+            params = dict(model.named_parameters())
+            out.update({f"grad.{ours}": params[theirs].grad.contiguous()
+                        for ours, theirs in model.probattn_names().items()})
+        save_file(out, args.logits[1])
         return
     tok = Tokenizer.from_file(os.path.join(args.run, "tokenizer.json"))
     d, s, t = cfg["data_dir"], cfg["src"], cfg["tgt"]

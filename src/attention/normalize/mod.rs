@@ -29,7 +29,7 @@ use tch::{nn, Kind, Tensor};
 pub use bam::{
     lognormal_kl, lognormal_log_sample, stable_sigmoid, weibull_gamma_kl, weibull_log_sample, Bam, BamConfig, BamKind, KlSchedule,
 };
-pub use dnas::Dnas;
+pub use dnas::{dnas_step, Dnas};
 pub use hnas::Hnas;
 pub use prior::{ContextualPrior, PriorScope};
 pub use sinkhorn::Sinkhorn;

@@ -231,7 +231,8 @@ pub struct TranslateArgs {
     /// sinkhorn-N, bam-wc, bam-wf, bam-lc, bam-lf, bam-nokl. DNAS, HNAS and Sinkhorn act in the
     /// encoder only (over target positions they would leak later tokens); decoder
     /// self-attention stays softmax. The LSTM's one attention (decoder over encoder) takes
-    /// softmax and the BAM variants.
+    /// softmax, the BAM variants and dnas, made causal: each source position normalized over the
+    /// decoder steps so far (`all` with --arch lstm: softmax, dnas and bam-wc).
     #[arg(long, default_value = "softmax")]
     pub attention: String,
     /// The decoder's causal self-attention: softmax, or a BAM variant (around softmax).

@@ -430,8 +430,9 @@ const ALL_ROWS: [(&str, &str, Repulsive); 5] = [
     ("bam-wc", "bam-wc", Repulsive::None),
 ];
 
-/// The rows of `--attention all --arch lstm`: the BAM paper's Table 4 pair.
-const LSTM_ROWS: [(&str, &str, Repulsive); 2] = [("softmax", "softmax", Repulsive::None), ("bam-wc", "bam-wc", Repulsive::None)];
+/// The rows of `--attention all --arch lstm`: the BAM paper's Table 4 pair, and causal DNAS.
+const LSTM_ROWS: [(&str, &str, Repulsive); 3] =
+    [("softmax", "softmax", Repulsive::None), ("dnas", "dnas", Repulsive::None), ("bam-wc", "bam-wc", Repulsive::None)];
 
 pub fn run(args: &TranslateArgs) -> Result<()> {
     let device = args.common.setup()?;
