@@ -180,9 +180,6 @@ pub struct AttentionalLstm {
     attn_out: Tensor,
     generator: nn::Linear,
     normalizer: Box<dyn Normalizer>,
-    /// `variant` is `dnas`: the steps carry each key's logsumexp ([`dnas_step`]) instead of calling
-    /// the normalizer.
-    causal_dnas: bool,
 }
 
 /// Reverses each row of `x (B, S, ·)` within its length `lengths (B,)`, leaving the padding after
@@ -234,8 +231,7 @@ impl AttentionalLstm {
         let attn_out = (&a / "linear_out").var("weight", &[hd, m + hd], init);
         let generator = nn::linear(p / "generator", hd, vocab, nn::LinearConfig { ws_init: init, bs_init: Some(init), bias: true });
         let normalizer = cfg.variant.build(&(&a / "normalizer"), 1, m, &cfg.normalizer)?;
-        let causal_dnas = cfg.variant == Variant::Dnas;
-        if !normalizer.causal_safe() && !causal_dnas {
+        if !normalizer.causal_safe() && cfg.variant != Variant::Dnas {
             return Err(Error::Unsupported(format!(
                 "the attentional LSTM attends with one decoder state at a time: {} normalizes each key over the \
                  queries, which over one query gives uniform weights (and over all steps at once would read the \
@@ -244,11 +240,17 @@ impl AttentionalLstm {
                 normalizer.name()
             )));
         }
-        Ok(Self { cfg, vocab, pad, src_embed, tgt_embed, encoder, decoder, attn_in, attn_out, generator, normalizer, causal_dnas })
+        Ok(Self { cfg, vocab, pad, src_embed, tgt_embed, encoder, decoder, attn_in, attn_out, generator, normalizer })
     }
 
     pub fn config(&self) -> &LstmConfig {
         &self.cfg
+    }
+
+    /// `dnas`: the steps carry each key's logsumexp ([`dnas_step`]) instead of calling the
+    /// normalizer.
+    fn causal_dnas(&self) -> bool {
+        self.cfg.variant == Variant::Dnas
     }
 
     /// `src (B, S)` → the memory `(B, S, M)`; padded positions hold what the LSTMs computed past
@@ -306,7 +308,7 @@ impl AttentionalLstm {
         let q = x.matmul(&self.attn_in.tr()).view([b, 1, 1, -1]); // (B, 1, 1, M)
         let kv = state.memory.unsqueeze(1); // (B, 1, S, M)
         let dead = live.map(|l| l.logical_not().view([b, 1]));
-        let (context, kl) = if self.causal_dnas {
+        let (context, kl) = if self.causal_dnas() {
             // The scores as `attend` scales them, then one causal DNAS step over the unpadded keys.
             let scores = scaled_dot_product_scores(&q, &kv).view([b, -1]); // (B, S)
             let (weights, carry) = dnas_step(&scores, Some(&src_pad.logical_not()), state.carry.as_ref());
