@@ -132,33 +132,59 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
           at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, r_last, 0.0, false, bias, scale);
       return {dq, dk, dv, at::Tensor(), at::Tensor()};
     }
-    // One column of ones on q (zeros on the others) carries g = Σ_i dY_ij into dk.
+    // One column of ones on q (zeros on the others) carries g = Σ_i dY_ij into dk. The padded q
+    // and k serve the calls below as well: k's zero column keeps the scores q·k whatever q's is.
     auto pad = [](const at::Tensor& t) { return at::constant_pad_nd(t, {0, 1}, 0.0); };
-    auto qa = pad(q);
+    auto qa = pad(q), kz = pad(k);
     qa.select(-1, d).fill_(1.0);
     std::tie(dq, dk, dv) =
-        at::_scaled_dot_product_flash_attention_for_cpu_backward(pad(dout), qa, pad(k), pad(v), pad(out), r_last, 0.0, false, bias, scale);
+        at::_scaled_dot_product_flash_attention_for_cpu_backward(pad(dout), qa, kz, pad(v), pad(out), r_last, 0.0, false, bias, scale);
     auto g = dk.select(-1, d).to(statistics_type(q.scalar_type())) / scale;  // (B, H, S_k)
     dq = dq.narrow(-1, 0, d);
     dk = dk.narrow(-1, 0, d);
     dv = dv.narrow(-1, 0, d);
     auto keys_only = [&](const at::Tensor& t) { return ex.defined() ? t.masked_fill(ex.squeeze(-2).expand_as(t), 0.0) : t; };
-    auto with_ones = [](const at::Tensor& w, const at::Tensor& x) { return at::cat({w.unsqueeze(-1) * x, w.unsqueeze(-1)}, -1); };
+    // Every (B, H, S, ·) tensor below stays in the inputs' dtype, the per-row factors (in the
+    // statistics' dtype) cast to it first: an operation that mixes dtypes would take float32
+    // copies of its (B, H, S, ·) operands on the CPU, twice the bfloat16 ones. The terms add into
+    // the kernel's gradients in place (no second copy of dq or dk), unless the backward pass is
+    // itself recorded (create_graph), which in-place and out= operations would break.
+    const bool recorded = at::GradMode::is_enabled();
+    const auto factor = [&](const at::Tensor& w) { return w.unsqueeze(-1).to(q.scalar_type()); };
+    auto add = [&](at::Tensor& into, const at::Tensor& x, const at::Tensor& w) {
+      if (recorded) {
+        into = into + x * factor(w);
+      } else {
+        into.addcmul_(x, factor(w));
+      }
+    };
+    // [w ∘ x, w] (the kernel's values), written once.
+    auto with_ones = [&](const at::Tensor& w, const at::Tensor& x) {
+      if (recorded) return at::cat({x * factor(w), factor(w)}, -1);
+      auto sizes = x.sizes().vec();
+      const int64_t width = sizes.back();
+      sizes.back() = width + 1;
+      auto out = at::empty(sizes, x.options());
+      auto scaled = out.narrow(-1, 0, width);
+      at::mul_out(scaled, x, factor(w));
+      out.select(-1, width).copy_(w);
+      return out;
+    };
     auto dc = keys_only(-g);  // dC^N
     for (size_t t = n; t >= 1; --t) {
-      auto [a, lse] = kernel(q, k, with_ones(dc, k), key_bias(c[t - 1].unsqueeze(-2), ex), scale);
+      auto [a, lse] = kernel(qa, kz, with_ones(dc, k), key_bias(c[t - 1].unsqueeze(-2), ex), scale);
       auto a_scale = t >= 2 ? at::exp(lse - r[t - 2]) : at::exp(lse);  // exp(lse_i - R^{t-1}_i)
-      dq = dq + a.narrow(-1, 0, d) * (a_scale * scale).unsqueeze(-1);
-      dk = dk + col_q[t - 1] * (dc * scale).unsqueeze(-1);
+      add(dq, a.narrow(-1, 0, d), a_scale * scale);
+      add(dk, col_q[t - 1], dc * scale);
       if (t == 1) break;
       auto dr = -a.select(-1, d) * a_scale;  // dR^{t-1}
-      dq = dq + row_k[t - 2] * (dr * scale).unsqueeze(-1);
-      auto [b, lse_c] = kernel(k, q, with_ones(dr, q), (-r[t - 2]).unsqueeze(-2).contiguous(), scale);
+      add(dq, row_k[t - 2], dr * scale);
+      auto [b, lse_c] = kernel(kz, qa, with_ones(dr, q), (-r[t - 2]).unsqueeze(-2).contiguous(), scale);
       auto b_scale = keys_only(at::exp(lse_c - c[t - 2]));  // exp(lse_j - C^{t-1}_j), 0 on filled keys
-      dk = dk + b.narrow(-1, 0, d) * (b_scale * scale).unsqueeze(-1);
+      add(dk, b.narrow(-1, 0, d), b_scale * scale);
       dc = -b.select(-1, d) * b_scale;  // dC^{t-1}
     }
-    return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type()), at::Tensor(), at::Tensor()};
+    return {dq, dk, dv, at::Tensor(), at::Tensor()};
   }
 };
 
