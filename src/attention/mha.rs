@@ -312,9 +312,10 @@ impl MultiHeadAttention {
     pub fn forward_mode(&self, input: &MhaInput, mode: Mode) -> Result<MhaOutput> {
         let (_, sq, _) = self.check(input)?;
         let params = self.in_proj_params();
-        let q = self.project(input.query, 0, &params); // (B, H, S_q, d_h)
-        let k = self.project(input.key, 1, &params); // (B, H, S_k, d_h)
-        let v = self.project(input.value, 2, &params);
+        let (query, key, value) = cast_once(input)?;
+        let q = self.project(&query, 0, &params); // (B, H, S_q, d_h)
+        let k = self.project(&key, 1, &params); // (B, H, S_k, d_h)
+        let v = self.project(&value, 2, &params);
         self.attend_heads(&q, &k, &v, sq, input, mode)
     }
 
@@ -425,6 +426,30 @@ impl MultiHeadAttention {
 /// train)`, `nn::seq_t`); the context `(B, S, E)`. tch's trait returns no `Result`, so an input
 /// [`MultiHeadAttention::forward_t`] would reject panics here with that error's message: use the
 /// inherent method for masks, cross-attention, weights and errors as values.
+/// The query, key and value the projections read. Under autocast, a float32 tensor that several
+/// of them share (self-attention's one input, cross-attention's memory as keys and values) is cast
+/// to autocast's dtype once: autocast casts the input of every linear map anew (it caches the
+/// casts of leaf tensors only), and each map keeps its copy for its weight gradient.
+fn cast_once(input: &MhaInput) -> Result<(Tensor, Tensor, Tensor)> {
+    let (q, k, v) = (input.query, input.key, input.value);
+    let shared = std::ptr::eq(q, k) || std::ptr::eq(k, v) || std::ptr::eq(q, v);
+    let kind = if shared { crate::precision::autocast_kind(q.device())? } else { None };
+    let Some(kind) = kind else {
+        return Ok((q.shallow_clone(), k.shallow_clone(), v.shallow_clone()));
+    };
+    let lower = |t: &Tensor| if t.kind() == tch::Kind::Float { t.to_kind(kind) } else { t.shallow_clone() };
+    let query = lower(q);
+    let key = if std::ptr::eq(k, q) { query.shallow_clone() } else { lower(k) };
+    let value = if std::ptr::eq(v, k) {
+        key.shallow_clone()
+    } else if std::ptr::eq(v, q) {
+        query.shallow_clone()
+    } else {
+        lower(v)
+    };
+    Ok((query, key, value))
+}
+
 impl nn::ModuleT for MultiHeadAttention {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         match MultiHeadAttention::forward_t(self, &MhaInput::self_attention(xs), train) {
