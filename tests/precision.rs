@@ -207,6 +207,47 @@ fn softmax_without_weights_in_bfloat16_is_within_the_tolerance_by_either_route()
 }
 
 #[test]
+fn softmax_without_weights_below_the_kernels_lengths_is_float32_under_every_mask() -> Result<()> {
+    // The route of short bfloat16 softmax (its own forward and backward in float32 from the
+    // bfloat16 values) under no mask, key padding, and a pattern with an excluded query row, whose
+    // output and gradients are zeros: each within one rounding (2⁻⁸) of float64 on the same values
+    // (the output's gradient too is a bfloat16 value, as a bfloat16 output's gradient arrives).
+    let _serial = common::serial();
+    tch::manual_seed(55);
+    let opts = (Kind::Double, Device::Cpu);
+    let round = |t: Tensor| t.to_kind(Kind::BFloat16).to_kind(Kind::Double);
+    let inputs = [
+        round(Tensor::randn([B, H, L, D], opts)),
+        round(Tensor::randn([B, H, S, D], opts) * 1.5),
+        round(Tensor::randn([B, H, S, D], opts)),
+    ];
+    let g = round(Tensor::randn([B, H, L, D], opts));
+    for (mask_name, keys, pattern) in mask_cases(Device::Cpu) {
+        let masks = Masks { key_padding: keys.as_ref(), attn_mask: pattern.as_ref(), ..Default::default() };
+        let outcome = |kind: Kind| -> Result<(Tensor, [Tensor; 3])> {
+            let [q, k, v] = inputs.each_ref().map(|t| t.to_kind(kind).detach().set_requires_grad(true));
+            let out =
+                attend(&q, &k, &v, &masks, &probattn::normalize::Softmax, AttendOptions { need_weights: false, ..Default::default() })?;
+            (out.output.to_kind(Kind::Double) * &g).sum(Kind::Double).backward();
+            Ok((out.output.detach().to_kind(Kind::Double), [q.grad(), k.grad(), v.grad()]))
+        };
+        let (want, want_grads) = outcome(Kind::Double)?;
+        let (got, got_grads) = outcome(Kind::BFloat16)?;
+        let e = relative_error(&got, &want);
+        ensure!(e <= 2f64.powi(-8), "{mask_name}: output error {e:.2e} > 2^-8");
+        for (name, (a, b)) in ["q", "k", "v"].iter().zip(got_grads.iter().zip(want_grads.iter())) {
+            let e = relative_error(a, b);
+            ensure!(e <= 2f64.powi(-8), "{mask_name}: d{name} error {e:.2e} > 2^-8");
+        }
+        if pattern.is_some() {
+            let row = got.narrow(2, 4, 1).abs().max().double_value(&[]);
+            ensure!(row == 0.0, "{mask_name}: a query with no allowed key got an output of up to {row}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
 fn theorem_2_holds_in_bfloat16_within_the_tolerance() -> Result<()> {
     // Ding et al. 2020, Theorem 2: under DNAS every key receives Σ_i π_ij ≥ 1/S_k. Key 0 points
     // away from every query (its scores lie ~20 below the others'), so softmax explains it away

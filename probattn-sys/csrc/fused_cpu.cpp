@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "boundary.h"
 #include "tiled.h"
 
 namespace probattn::tiled {
@@ -185,6 +186,47 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
       dc = -b.select(-1, d) * b_scale;  // dC^{t-1}
     }
     return {dq, dk, dv, at::Tensor(), at::Tensor()};
+  }
+};
+
+// ---- softmax attention of bfloat16 (or float16) q, k, v, computed in float32
+//
+// Scores, weights and the value mix in float32 from the low-precision inputs, as libtorch's fused
+// kernel computes inside, for the lengths where that kernel is slower than this form (the caller
+// decides). Autograd over the same operations would keep float32 copies of q, k and v for the
+// backward pass; this keeps the inputs themselves and the float32 weights, and widens the inputs
+// again there. `allowed` (bool, broadcastable to the scores, true = taking part): a query with no
+// allowed key gets a zero output and zero gradients, as the eager path's.
+struct WidenedSoftmax : public torch::autograd::Function<WidenedSoftmax> {
+  static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, std::optional<at::Tensor> allowed,
+                               double scale) {
+    const NoAutocast no_autocast;
+    auto scores = at::matmul(q.to(at::kFloat), k.to(at::kFloat).transpose(-2, -1)).mul_(scale);
+    at::Tensor w;
+    if (allowed.has_value()) {
+      const auto excluded = allowed->logical_not();
+      w = at::softmax(scores.masked_fill_(excluded, -std::numeric_limits<double>::infinity()), -1).masked_fill_(excluded, 0.0);
+    } else {
+      w = at::softmax(scores, -1);
+    }
+    auto out = at::matmul(w, v.to(at::kFloat));
+    ctx->save_for_backward({q, k, v, w});
+    ctx->saved_data["scale"] = scale;
+    return {out.to(v.scalar_type())};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const NoAutocast no_autocast;
+    auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &w = saved[3];
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const auto dout = grads[0].to(at::kFloat);
+    auto dv = at::matmul(w.transpose(-2, -1), dout);
+    auto dw = at::matmul(dout, v.to(at::kFloat).transpose(-2, -1));
+    auto ds = dw.sub_((dw * w).sum(-1, /*keepdim=*/true)).mul_(w).mul_(scale);  // softmax's backward, then the scale
+    auto dq = at::matmul(ds, k.to(at::kFloat));
+    auto dk = at::matmul(ds.transpose(-2, -1), q.to(at::kFloat));
+    return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type()), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -421,3 +463,19 @@ std::vector<at::Tensor> fused_cpu_bam(const at::Tensor& q, const at::Tensor& k, 
 }
 
 }  // namespace probattn::tiled
+
+extern "C" {
+
+char* pa_widened_softmax(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* allowed, double scale,
+                         pa_tensor** out) {
+  return probattn::guard([&] {
+    for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}}) {
+      probattn::require(pointer, "pa_widened_softmax", name);
+    }
+    auto some = allowed != nullptr ? std::optional<at::Tensor>(*allowed) : std::nullopt;
+    auto result = probattn::tiled::WidenedSoftmax::apply(*q, *k, *v, some, scale);
+    *out = std::make_unique<at::Tensor>(result[0]).release();
+  });
+}
+
+}  // extern "C"

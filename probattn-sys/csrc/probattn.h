@@ -100,6 +100,13 @@ _Static_assert(sizeof(pa_tiled_spec) == 48, "pa_tiled_spec's size changed: updat
 char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* excluded, const pa_tensor* noise,
                          const pa_tensor* prior, const pa_tiled_spec* spec, pa_tensor** out, pa_tensor** received_mass,
                          pa_tensor** kl_part);
+// Softmax attention of bfloat16 or float16 q, k, v (B, H, S, d) computed in float32 (scores,
+// weights, value mix), differentiable in q, k, v, keeping the inputs rather than float32 copies of
+// them for the backward pass. `allowed`: bool, broadcastable to (B, H, S_q, S_k), true = taking
+// part (NULL: every key); a query with no allowed key gets zeros. `scale` multiplies q·kᵀ. The
+// output has v's dtype.
+char* pa_widened_softmax(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* allowed, double scale,
+                         pa_tensor** out);
 // The counter-based draws of the tiled path for a whole (B, H, S_q, S_k) = shape[0..4] score
 // tensor, in the eager path's convention (eps ~ U(0, 1) for noise 1, N(0, 1) for noise 2), with
 // the dtype and device of `like`, rows (queries) [start, start + len). `aten_ops`: computed with

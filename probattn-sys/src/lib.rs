@@ -101,6 +101,14 @@ extern "C" {
         received_mass: *mut *mut C_tensor,
         kl_part: *mut *mut C_tensor,
     ) -> *mut c_char;
+    fn pa_widened_softmax(
+        q: *const C_tensor,
+        k: *const C_tensor,
+        v: *const C_tensor,
+        allowed: *const C_tensor,
+        scale: f64,
+        out: *mut *mut C_tensor,
+    ) -> *mut c_char;
     fn pa_counter_noise(
         like: *const C_tensor,
         shape: *const i64,
@@ -355,6 +363,21 @@ pub fn tiled_attention(
         );
         check(status, Error::Torch)?;
         Ok((Tensor::from_ptr(out), Tensor::from_ptr(mass), Tensor::from_ptr(kl)))
+    }
+}
+
+/// Softmax attention of bfloat16 or float16 `q`, `k`, `v` `(B, H, S, d)` computed in float32,
+/// differentiable, keeping the inputs rather than float32 copies of them for the backward pass
+/// (csrc/fused_cpu.cpp). `allowed`: bool, broadcastable to the scores, true = taking part; a query
+/// with no allowed key gets zeros. The output has `v`'s dtype.
+pub fn widened_softmax(q: &Tensor, k: &Tensor, v: &Tensor, allowed: Option<&Tensor>, scale: f64) -> Result<Tensor> {
+    let mut out = ptr::null_mut();
+    // SAFETY: the tensor pointers borrow live values for the call; the output is a new tensor
+    // written on success only, owned by `Tensor::from_ptr` from then on.
+    unsafe {
+        let allowed = allowed.map_or(ptr::null(), |t| t.as_ptr());
+        check(pa_widened_softmax(q.as_ptr(), k.as_ptr(), v.as_ptr(), allowed, scale, &mut out), Error::Torch)?;
+        Ok(Tensor::from_ptr(out))
     }
 }
 

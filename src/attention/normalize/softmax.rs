@@ -59,6 +59,14 @@ impl Normalizer for Softmax {
             let output = Tensor::f_scaled_dot_product_attention(q, k, v, allowed.as_ref(), 0.0, false, None::<f64>, false)?;
             return Ok(Some(Attended { output, weights: None, received_mass: None, kl: None }));
         }
+        // bfloat16 below the kernel's lengths, under the same conditions: float32 from the
+        // bfloat16 values, as the kernel computes inside, keeping the bfloat16 inputs (not float32
+        // copies) for the backward pass.
+        if !opts.need_weights && !opts.dropout_active() && q.device() == Device::Cpu && q.kind() == Kind::BFloat16 {
+            let scale = 1.0 / (q.size()[3] as f64).sqrt();
+            let output = crate::cxx::widened_softmax(q, k, v, allowed.as_ref(), scale)?;
+            return Ok(Some(Attended { output, weights: None, received_mass: None, kl: None }));
+        }
         let support = Support::dense(allowed);
         // bfloat16 inputs attend in float32 here, as the kernel computes inside: scores rounded to
         // bfloat16 (a score near 10 to 1/16) would move each weight by up to a few percent, and a
