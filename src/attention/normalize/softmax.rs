@@ -41,9 +41,11 @@ impl Normalizer for Softmax {
     /// kernel that never forms the `(B, H, S_q, S_k)` weights). Its semantics are ours: a boolean
     /// mask of the allowed entries, and a query with no allowed key gets a zero output and zero
     /// gradients (checked for libtorch 2.11 on the CPU; other devices keep the eager form until
-    /// checked there). Otherwise the eager form with the mask written into the fresh scores in
-    /// place ([`Support::mask_scores_`]) instead of a masked copy: the same weights, one
-    /// `(B, H, S_q, S_k)` tensor fewer.
+    /// checked there). In bfloat16 below those keys, under the same conditions, the eager
+    /// arithmetic in float32 as one autograd function that keeps the bfloat16 inputs for its
+    /// backward pass (`pa_widened_softmax` in probattn-sys). Otherwise the eager form with the mask
+    /// written into the fresh scores in place ([`Support::mask_scores_`]) instead of a masked
+    /// copy: the same weights, one `(B, H, S_q, S_k)` tensor fewer.
     fn fused(&self, q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, opts: &AttendOptions) -> Result<Option<Attended>> {
         let shape = ScoreShape { batch: q.size()[0], heads: q.size()[1], queries: q.size()[2], keys: k.size()[2] };
         let allowed = masks.allowed(shape, q.device())?;
@@ -61,7 +63,7 @@ impl Normalizer for Softmax {
         }
         // bfloat16 below the kernel's lengths, under the same conditions: float32 from the
         // bfloat16 values, as the kernel computes inside, keeping the bfloat16 inputs (not float32
-        // copies) for the backward pass.
+        // copies, as autograd over the eager form below would) for the backward pass.
         if !opts.need_weights && !opts.dropout_active() && q.device() == Device::Cpu && q.kind() == Kind::BFloat16 {
             let scale = 1.0 / (q.size()[3] as f64).sqrt();
             let output = crate::cxx::widened_softmax(q, k, v, allowed.as_ref(), scale)?;
