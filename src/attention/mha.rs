@@ -422,10 +422,6 @@ impl MultiHeadAttention {
     }
 }
 
-/// Self-attention of `x (B, S, E)` with no mask, for composing with tch's `nn` (`x.apply_t(&mha,
-/// train)`, `nn::seq_t`); the context `(B, S, E)`. tch's trait returns no `Result`, so an input
-/// [`MultiHeadAttention::forward_t`] would reject panics here with that error's message: use the
-/// inherent method for masks, cross-attention, weights and errors as values.
 /// The query, key and value the projections read. Under autocast, a float32 tensor that several
 /// of them share (self-attention's one input, cross-attention's memory as keys and values) is cast
 /// to autocast's dtype once: autocast casts the input of every linear map anew (it caches the
@@ -450,6 +446,10 @@ fn cast_once(input: &MhaInput) -> Result<(Tensor, Tensor, Tensor)> {
     Ok((query, key, value))
 }
 
+/// Self-attention of `x (B, S, E)` with no mask, for composing with tch's `nn` (`x.apply_t(&mha,
+/// train)`, `nn::seq_t`); the context `(B, S, E)`. tch's trait returns no `Result`, so an input
+/// [`MultiHeadAttention::forward_t`] would reject panics here with that error's message: use the
+/// inherent method for masks, cross-attention, weights and errors as values.
 impl nn::ModuleT for MultiHeadAttention {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         match MultiHeadAttention::forward_t(self, &MhaInput::self_attention(xs), train) {
