@@ -37,6 +37,22 @@ fn relative_error(got: &Tensor, want: &Tensor) -> f64 {
 
 /// (name, key padding, boolean pattern) on `device`: no mask, a per-key mask (on the CPU, the
 /// fused route), and a pattern with an excluded row and column (the tile loop).
+/// `t` (float64) rounded to bfloat16 and back: a value both runs see exactly.
+fn rounded(t: Tensor) -> Tensor {
+    t.to_kind(Kind::BFloat16).to_kind(Kind::Double)
+}
+
+/// q `(B, H, L, D)`, k (scaled by 1.5) and v `(B, H, keys, D)` from the global generator, rounded
+/// to bfloat16 once: both runs see the same values.
+fn rounded_inputs(keys: i64, device: Device) -> [Tensor; 3] {
+    let opts = (Kind::Double, device);
+    [
+        rounded(Tensor::randn([B, H, L, D], opts)),
+        rounded(Tensor::randn([B, H, keys, D], opts) * 1.5),
+        rounded(Tensor::randn([B, H, keys, D], opts)),
+    ]
+}
+
 fn mask_cases(device: Device) -> Vec<(&'static str, Option<Tensor>, Option<Tensor>)> {
     let keys =
         Tensor::arange(S, (Kind::Int64, device)).unsqueeze(0).ge_tensor(&Tensor::from_slice(&[8i64, 5]).to_device(device).unsqueeze(1));
@@ -97,13 +113,7 @@ fn every_variant_on(device: Device) -> Result<()> {
     let _serial = common::serial();
     tch::manual_seed(53);
     let opts = (Kind::Double, device);
-    // Inputs rounded to bfloat16 once: both runs see the same values.
-    let round = |t: Tensor| t.to_kind(Kind::BFloat16).to_kind(Kind::Double);
-    let inputs = [
-        round(Tensor::randn([B, H, L, D], opts)),
-        round(Tensor::randn([B, H, S, D], opts) * 1.5),
-        round(Tensor::randn([B, H, S, D], opts)),
-    ];
+    let inputs = rounded_inputs(S, device);
     let g = Tensor::randn([B, H, L, D], opts);
     let mut worst = [0.0f64; 4]; // output, gradients, KL, mass
     let mut cases = 0;
@@ -165,13 +175,8 @@ fn softmax_without_weights_in_bfloat16_is_within_the_tolerance_by_either_route()
     let _serial = common::serial();
     tch::manual_seed(54);
     let opts = (Kind::Double, Device::Cpu);
-    let round = |t: Tensor| t.to_kind(Kind::BFloat16).to_kind(Kind::Double);
     for keys in [S, probattn::normalize::BF16_KERNEL_MIN_KEYS + 5] {
-        let inputs = [
-            round(Tensor::randn([B, H, L, D], opts)),
-            round(Tensor::randn([B, H, keys, D], opts) * 1.5),
-            round(Tensor::randn([B, H, keys, D], opts)),
-        ];
+        let inputs = rounded_inputs(keys, Device::Cpu);
         let g = Tensor::randn([B, H, L, D], opts);
         let padding = Tensor::arange(keys, (Kind::Int64, Device::Cpu)).unsqueeze(0).ge(keys - 3).expand([B, keys], false);
         let masks = Masks { key_padding: Some(&padding), ..Default::default() };
@@ -214,14 +219,8 @@ fn softmax_without_weights_below_the_kernels_lengths_is_float32_under_every_mask
     // (the output's gradient too is a bfloat16 value, as a bfloat16 output's gradient arrives).
     let _serial = common::serial();
     tch::manual_seed(55);
-    let opts = (Kind::Double, Device::Cpu);
-    let round = |t: Tensor| t.to_kind(Kind::BFloat16).to_kind(Kind::Double);
-    let inputs = [
-        round(Tensor::randn([B, H, L, D], opts)),
-        round(Tensor::randn([B, H, S, D], opts) * 1.5),
-        round(Tensor::randn([B, H, S, D], opts)),
-    ];
-    let g = round(Tensor::randn([B, H, L, D], opts));
+    let inputs = rounded_inputs(S, Device::Cpu);
+    let g = rounded(Tensor::randn([B, H, L, D], (Kind::Double, Device::Cpu)));
     for (mask_name, keys, pattern) in mask_cases(Device::Cpu) {
         let masks = Masks { key_padding: keys.as_ref(), attn_mask: pattern.as_ref(), ..Default::default() };
         let outcome = |kind: Kind| -> Result<(Tensor, [Tensor; 3])> {

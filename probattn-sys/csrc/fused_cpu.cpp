@@ -223,7 +223,7 @@ struct WidenedSoftmax : public torch::autograd::Function<WidenedSoftmax> {
     const auto dout = grads[0].to(at::kFloat);
     auto dv = at::matmul(w.transpose(-2, -1), dout);
     auto dw = at::matmul(dout, v.to(at::kFloat).transpose(-2, -1));
-    auto ds = dw.sub_((dw * w).sum(-1, /*keepdim=*/true)).mul_(w).mul_(scale);  // softmax's backward, then the scale
+    auto ds = (dw - (dw * w).sum(-1, /*keepdim=*/true)) * w * scale;  // softmax's backward, then the scale
     auto dq = at::matmul(ds, k.to(at::kFloat));
     auto dk = at::matmul(ds.transpose(-2, -1), q.to(at::kFloat));
     return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type()), at::Tensor(), at::Tensor()};

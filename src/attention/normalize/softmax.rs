@@ -49,25 +49,23 @@ impl Normalizer for Softmax {
     fn fused(&self, q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, opts: &AttendOptions) -> Result<Option<Attended>> {
         let shape = ScoreShape { batch: q.size()[0], heads: q.size()[1], queries: q.size()[2], keys: k.size()[2] };
         let allowed = masks.allowed(shape, q.device())?;
-        let kernel = !opts.need_weights
-            && !opts.dropout_active()
-            && q.device() == Device::Cpu
-            && match q.kind() {
-                Kind::Float | Kind::Double => true,
-                Kind::BFloat16 => shape.keys >= BF16_KERNEL_MIN_KEYS,
-                _ => false,
+        // No weights asked, no attention dropout, the CPU: libtorch's kernel, except bfloat16
+        // below its lengths, which takes float32 from the bfloat16 values (as the kernel computes
+        // inside), keeping the bfloat16 inputs, not float32 copies as autograd over the eager form
+        // below would, for the backward pass.
+        if !opts.need_weights && !opts.dropout_active() && q.device() == Device::Cpu {
+            let output = match q.kind() {
+                Kind::BFloat16 if shape.keys < BF16_KERNEL_MIN_KEYS => {
+                    Some(crate::cxx::widened_softmax(q, k, v, allowed.as_ref(), 1.0 / (q.size()[3] as f64).sqrt())?)
+                }
+                Kind::Float | Kind::Double | Kind::BFloat16 => {
+                    Some(Tensor::f_scaled_dot_product_attention(q, k, v, allowed.as_ref(), 0.0, false, None::<f64>, false)?)
+                }
+                _ => None,
             };
-        if kernel {
-            let output = Tensor::f_scaled_dot_product_attention(q, k, v, allowed.as_ref(), 0.0, false, None::<f64>, false)?;
-            return Ok(Some(Attended { output, weights: None, received_mass: None, kl: None }));
-        }
-        // bfloat16 below the kernel's lengths, under the same conditions: float32 from the
-        // bfloat16 values, as the kernel computes inside, keeping the bfloat16 inputs (not float32
-        // copies, as autograd over the eager form below would) for the backward pass.
-        if !opts.need_weights && !opts.dropout_active() && q.device() == Device::Cpu && q.kind() == Kind::BFloat16 {
-            let scale = 1.0 / (q.size()[3] as f64).sqrt();
-            let output = crate::cxx::widened_softmax(q, k, v, allowed.as_ref(), scale)?;
-            return Ok(Some(Attended { output, weights: None, received_mass: None, kl: None }));
+            if let Some(output) = output {
+                return Ok(Some(Attended { output, weights: None, received_mass: None, kl: None }));
+            }
         }
         let support = Support::dense(allowed);
         // bfloat16 inputs attend in float32 here, as the kernel computes inside: scores rounded to
