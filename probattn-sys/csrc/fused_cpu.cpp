@@ -107,7 +107,7 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
     auto [out, r_last] = kernel(q, k, v, bias, scale);
     auto mass = fused_mass(q, k, col, r_last, ex, scale);
     ctx->save_for_backward({q, k, v, out, r_last, bias});
-    ctx->saved_data["excluded"] = ex.defined() ? at::IValue(ex) : at::IValue();
+    keep_optional(ctx, "excluded", ex);
     ctx->saved_data["c"] = at::IValue(c);
     ctx->saved_data["r"] = at::IValue(r);
     ctx->saved_data["col_q"] = at::IValue(col_q);
@@ -122,7 +122,7 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &r_last = saved[4], &bias = saved[5];
     const auto c = ctx->saved_data["c"].toTensorVector(), r = ctx->saved_data["r"].toTensorVector();
     const auto col_q = ctx->saved_data["col_q"].toTensorVector(), row_k = ctx->saved_data["row_k"].toTensorVector();
-    const auto ex = ctx->saved_data["excluded"].isNone() ? at::Tensor() : ctx->saved_data["excluded"].toTensor();
+    const auto ex = kept_optional(ctx, "excluded");
     const size_t n = c.size();
     const double scale = std::sqrt(1.0 / static_cast<double>(q.size(-1)));
     const int64_t d = q.size(-1);
@@ -303,12 +303,11 @@ struct FusedCpuBam : public torch::autograd::Function<FusedCpuBam> {
       kl_part = KlClosedForm(q * scale, k, *prior, ex, kl).value(l);
     }
     ctx->save_for_backward({q, k, v, out, lse, bias});
-    auto keep = [&](const char* key, const at::Tensor& t) { ctx->saved_data[key] = t.defined() ? at::IValue(t) : at::IValue(); };
-    keep("excluded", ex);
-    keep("given", blocks.given);
-    keep("prior", prior.value_or(at::Tensor()));
-    keep("pik", pik);
-    keep("l", l);
+    keep_optional(ctx, "excluded", ex);
+    keep_optional(ctx, "given", blocks.given);
+    keep_optional(ctx, "prior", prior.value_or(at::Tensor()));
+    keep_optional(ctx, "pik", pik);
+    keep_optional(ctx, "l", l);
     ctx->saved_data["settings"] = std::vector<int64_t>{tile, noise, seed, kl};
     ctx->saved_data["noise_scale"] = noise_scale;
     ctx->mark_non_differentiable({mass});
@@ -319,11 +318,10 @@ struct FusedCpuBam : public torch::autograd::Function<FusedCpuBam> {
     const NoAutocast no_autocast;
     auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4], &bias = saved[5];
-    auto optional = [&](const char* key) { return ctx->saved_data[key].isNone() ? at::Tensor() : ctx->saved_data[key].toTensor(); };
     const auto settings = ctx->saved_data["settings"].toIntVector();
     const double scale = std::sqrt(1.0 / static_cast<double>(q.size(-1)));
     const std::vector<int64_t> shape{q.size(0), q.size(1), q.size(2), k.size(2)};
-    const Blocks blocks{q, bias, optional("given"), settings[0], settings[1], ctx->saved_data["noise_scale"].toDouble(),
+    const Blocks blocks{q, bias, kept_optional(ctx, "given"), settings[0], settings[1], ctx->saved_data["noise_scale"].toDouble(),
                         static_cast<uint64_t>(settings[2]), shape};
     const int64_t kl = settings[3];
     auto dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
@@ -338,10 +336,10 @@ struct FusedCpuBam : public torch::autograd::Function<FusedCpuBam> {
       dv.add_(dvt);
     });
     at::Tensor dprior;
-    const auto prior = optional("prior");
+    const auto prior = kept_optional(ctx, "prior");
     if (kl != kNoKl && grads[2].defined()) {
-      const KlClosedForm form(q * scale, k, prior, optional("excluded"), kl);
-      auto [dqs, dkk, da] = form.grad(optional("l"), optional("pik"), grads[2], scale);
+      const KlClosedForm form(q * scale, k, prior, kept_optional(ctx, "excluded"), kl);
+      auto [dqs, dkk, da] = form.grad(kept_optional(ctx, "l"), kept_optional(ctx, "pik"), grads[2], scale);
       dq.add_(dqs * scale);
       dk.add_(dkk);
       if (prior.requires_grad()) dprior = at::sum_to(da, prior.sizes());

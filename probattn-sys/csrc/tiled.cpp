@@ -174,11 +174,10 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
     });
     auto out = at::cat(outputs, -2);  // (B, H, S_q, d_v)
     ctx->save_for_backward({q, k, v, out});
-    auto keep = [&](const char* key, const at::Tensor& t) { ctx->saved_data[key] = t.defined() ? at::IValue(t) : at::IValue(); };
-    keep("excluded", pb.excluded);
-    keep("noise", pb.given_noise);
-    keep("prior", term.a);
-    keep("row_lse", kl != kNoKl ? at::cat(row_lse, -2) : at::Tensor());
+    keep_optional(ctx, "excluded", pb.excluded);
+    keep_optional(ctx, "noise", pb.given_noise);
+    keep_optional(ctx, "prior", term.a);
+    keep_optional(ctx, "row_lse", kl != kNoKl ? at::cat(row_lse, -2) : at::Tensor());
     ctx->saved_data["c"] = at::IValue(pb.c);
     ctx->saved_data["r"] = at::IValue(pb.r);
     ctx->saved_data["settings"] = std::vector<int64_t>{tile, sweeps, noise, seed, kl};
@@ -191,14 +190,13 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
     const NoAutocast no_autocast;
     auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3];
-    auto optional = [&](const char* key) { return ctx->saved_data[key].isNone() ? at::Tensor() : ctx->saved_data[key].toTensor(); };
     const auto settings = ctx->saved_data["settings"].toIntVector();
     const double scale = std::sqrt(1.0 / static_cast<double>(q.size(-1)));
-    Problem pb{q * scale, k, v, optional("excluded"), optional("noise"), settings[0], settings[1], settings[2],
+    Problem pb{q * scale, k, v, kept_optional(ctx, "excluded"), kept_optional(ctx, "noise"), settings[0], settings[1], settings[2],
                ctx->saved_data["noise_scale"].toDouble(), static_cast<uint64_t>(settings[3]), ctx->saved_data["c"].toTensorVector(),
                ctx->saved_data["r"].toTensorVector()};
-    const KlTerm term{settings[4], optional("prior")};
-    const auto row_lse = optional("row_lse");
+    const KlTerm term{settings[4], kept_optional(ctx, "prior")};
+    const auto row_lse = kept_optional(ctx, "row_lse");
     const size_t n = static_cast<size_t>(pb.sweeps);
     auto dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
     const bool with_kl = term.kind != kNoKl && grads[2].defined();

@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 namespace probattn::tiled {
 
@@ -26,6 +27,16 @@ inline at::ScalarType statistics_type(at::ScalarType t) { return t == at::kBFloa
 struct NoAutocast {
   c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
 };
+
+// An optional tensor kept in an autograd context's saved_data under `key` (None when undefined),
+// and read back (undefined for None): the masks, draws and priors a pass may or may not have.
+inline void keep_optional(torch::autograd::AutogradContext* ctx, const char* key, const at::Tensor& t) {
+  ctx->saved_data[key] = t.defined() ? at::IValue(t) : at::IValue();
+}
+inline at::Tensor kept_optional(torch::autograd::AutogradContext* ctx, const char* key) {
+  const auto& value = ctx->saved_data[key];
+  return value.isNone() ? at::Tensor() : value.toTensor();
+}
 
 // t with the excluded entries set to `value` (t itself without a mask).
 inline at::Tensor filled(const at::Tensor& t, const at::Tensor& excluded, double value) {
