@@ -142,10 +142,10 @@ def attention(query, key, value, *, variant="softmax", key_padding_mask=None, at
     if tile is not None and tile < 1:
         raise ValueError(f"tile must be at least 1, got {tile}")
     attn_mask, key_padding_mask = _mask("attn_mask", attn_mask), _mask("key_padding_mask", key_padding_mask)
-    if (memory_efficient and not return_info and _ops.traceable(variant) and not (training and dropout_p > 0)
-            and torch.compiler.is_compiling()):
+    if (torch.compiler.is_compiling() and not return_info and _ops.traceable(variant) and bam is None
+            and not (training and dropout_p > 0)):
         # Under torch.compile: the custom operator, which the compiler traces without a graph break.
-        return _ops.memory_efficient_attention(query, key, value, variant, tile, attn_mask, key_padding_mask, bool(is_causal))
+        return _ops.attention(query, key, value, variant, tile, attn_mask, key_padding_mask, bool(is_causal), hybrid_logit)
     output, weights, mass, kl = _native.attention(
         query, key, value, variant,
         key_padding_mask=key_padding_mask, attn_mask=attn_mask,

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from . import _native, attention, variants
+from . import _native, _registry, attention, variants
 
 __all__ = ["register", "names", "prepare"]
 
@@ -30,13 +30,8 @@ __all__ = ["register", "names", "prepare"]
 WITH_PARAMETERS = ("hnas", "bam-wc", "bam-lc")
 
 
-def _entry(variant):
-    name = "sinkhorn-N" if variant.startswith("sinkhorn-") else variant
-    return next(e for e in variants() if e["name"] == name)
-
-
 def _forward(variant, memory_efficient):
-    causal_safe = _entry(variant)["causal_safe"]
+    causal_safe = _registry.entry(variant)["causal_safe"]
     bayesian = variant.startswith("bam")
 
     def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):

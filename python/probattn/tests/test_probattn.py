@@ -284,14 +284,25 @@ class Autocast(unittest.TestCase):
                         self.assertLess(err.item(), 0.02)
 
     def test_a_compiled_call_under_autocast_equals_the_eager_one(self):
-        # The custom operator is registered for autocast, so the compiled graph casts as eager does.
+        # The custom operator is registered for autocast, so the compiled graph casts as eager does:
+        # q, k and v to bfloat16, HNAS's gate logits kept float32.
         q, k, v = (t.detach().float() for t in qkv(seed=8))
-        call = lambda q, k, v: probattn.attention(q, k, v, variant="dnas", memory_efficient=True)  # noqa: E731
-        compiled = torch.compile(call, fullgraph=True)
-        with torch.autocast("cpu", torch.bfloat16):
-            eager, traced = call(q, k, v), compiled(q, k, v)
-        self.assertEqual((eager.dtype, traced.dtype), (torch.bfloat16, torch.bfloat16))
-        self.assertTrue(torch.equal(eager, traced))
+        logit = torch.tensor([0.3, -1.2, 2.0])
+        for memory_efficient in (True, False):
+            for variant in ("dnas", "hnas"):
+                with self.subTest(f"memory_efficient={memory_efficient} {variant}"):
+                    extra = {"hybrid_logit": logit} if variant == "hnas" else {}
+
+                    def call(q, k, v):
+                        return probattn.attention(q, k, v, variant=variant, memory_efficient=memory_efficient, **extra)
+
+                    torch._dynamo.reset()
+                    backend = "inductor" if (memory_efficient, variant) == (True, "dnas") else "aot_eager"
+                    compiled = torch.compile(call, fullgraph=True, backend=backend)
+                    with torch.autocast("cpu", torch.bfloat16):
+                        eager, traced = call(q, k, v), compiled(q, k, v)
+                    self.assertEqual((eager.dtype, traced.dtype), (torch.bfloat16, torch.bfloat16))
+                    self.assertTrue(torch.equal(eager, traced))
 
 
 class Repulsive(unittest.TestCase):
@@ -513,28 +524,78 @@ class Cuda(unittest.TestCase):
 
 
 class CompileWithoutGraphBreaks(unittest.TestCase):
-    def test_the_memory_efficient_call_compiles_into_one_graph(self):
+    def test_attention_compiles_into_one_graph_on_both_paths(self):
+        # Every traceable variant on the eager and the memory-efficient path, under every mask layout
+        # its path allows, through Dynamo and AOTAutograd (the "aot_eager" backend: the custom
+        # operators, their fake forms and backward, as inductor receives them); inductor's own
+        # code generation once per path.
+        b, h, sq, sk = 2, 3, 5, 6
+        logit = torch.randn(h, dtype=D, generator=torch.Generator().manual_seed(7)).requires_grad_()
+        for memory_efficient in (False, True):
+            for variant in ("softmax", "dnas", "hnas", "sinkhorn-3"):
+                for layout, masks in layouts(b, h, sq, sk):
+                    if masks.get("is_causal") and not causal_safe(variant):
+                        continue
+                    backend = "inductor" if (variant, layout) == ("hnas", "attn_mask_4d") else "aot_eager"
+                    with self.subTest(f"memory_efficient={memory_efficient} {variant} {layout} {backend}"):
+                        q, k, v = qkv(b, h, sq, sk)
+                        inputs = (q, k, v, logit) if variant == "hnas" else (q, k, v)
+                        path = {"memory_efficient": True, "tile": 2} if memory_efficient else {}
+
+                        def f(q, k, v, *gate):
+                            extra = {"hybrid_logit": gate[0]} if gate else {}
+                            return torch.tanh(probattn.attention(q * 1.5, k, v, variant=variant, **path, **masks, **extra)).sum()
+
+                        torch._dynamo.reset()
+                        compiled = torch.compile(f, fullgraph=True, backend=backend)(*inputs)
+                        eager = f(*inputs)
+                        torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-12)
+                        for a, r in zip(torch.autograd.grad(compiled, inputs), torch.autograd.grad(eager, inputs)):
+                            torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
+                        self.assertEqual(torch._dynamo.explain(f)(*inputs).graph_break_count, 0)
+
+    def test_the_operator_passes_opcheck_and_gradcheck(self):
         from probattn import _ops
 
-        b, h, sq, sk = 2, 3, 5, 6
-        for variant in ("softmax", "dnas", "sinkhorn-3"):
-            for layout, masks in layouts(b, h, sq, sk)[:4]:
-                with self.subTest(f"{variant} {layout}"):
-                    q, k, v = qkv(b, h, sq, sk)
+        q, k, v = qkv()
+        logit = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(7)).requires_grad_()
+        for tile in (None, 2):
+            for variant, gate in (("dnas", None), ("hnas", logit)):
+                with self.subTest(f"tile={tile} {variant}"):
+                    args = (q, k, v, variant, tile, None, None, False, gate)
+                    torch.library.opcheck(_ops.attention, args)
 
-                    def f(q, k, v):
-                        return torch.tanh(probattn.attention(q * 1.5, k, v, variant=variant, memory_efficient=True, tile=2, **masks)).sum()
+                    def call(*ts):
+                        return _ops.attention(*ts[:3], variant, tile, None, None, False, ts[3] if gate is not None else None)
 
-                    torch._dynamo.reset()
-                    compiled = torch.compile(f, fullgraph=True)(q, k, v)
-                    eager = f(q, k, v)
-                    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-12)
-                    for a, r in zip(torch.autograd.grad(compiled, (q, k, v)), torch.autograd.grad(eager, (q, k, v))):
-                        torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
-                    self.assertEqual(torch._dynamo.explain(f)(q, k, v).graph_break_count, 0)
-        q, k, v = qkv(grad=True)
-        torch.library.opcheck(_ops.memory_efficient_attention, (q, k, v, "dnas", 2, None, None, False))
-        self.assertTrue(gradcheck(lambda a, b, c: _ops.memory_efficient_attention(a, b, c, "dnas", 2, None, None, False), (q, k, v)))
+                    self.assertTrue(gradcheck(call, (q, k, v) + ((gate,) if gate is not None else ())))
+
+    def test_a_call_the_operator_cannot_take_breaks_the_graph_and_still_runs(self):
+        # BAM samples, and the weights (return_info) are a second output: those calls run uncompiled.
+        q, k, v = qkv()
+
+        def f(q, k, v):
+            out, info = probattn.attention(q, k, v, variant="dnas", return_info=True)
+            return out.sum() + info.received_mass.sum()
+
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(f, backend="aot_eager")(q, k, v), f(q, k, v), rtol=0, atol=1e-12)
+        self.assertEqual(torch._dynamo.explain(f)(q, k, v).graph_break_count, 1)
+
+
+    def test_a_compiled_call_raises_the_uncompiled_calls_error(self):
+        q, k, v = (t.detach() for t in qkv())
+        for variant, extra in (("hnas", {}), ("softmax", {"hybrid_logit": torch.zeros(3, dtype=D)}), ("dnaz", {})):
+            with self.subTest(variant):
+                def f(q, k, v):
+                    return probattn.attention(q, k, v, variant=variant, **extra)
+
+                with self.assertRaises(ValueError) as uncompiled:
+                    f(q, k, v)
+                torch._dynamo.reset()
+                with self.assertRaises(ValueError) as compiled:
+                    torch.compile(f, backend="aot_eager")(q, k, v)
+                self.assertEqual(str(compiled.exception), str(uncompiled.exception))
 
 
 class Errors(unittest.TestCase):
