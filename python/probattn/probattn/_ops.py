@@ -5,6 +5,7 @@ library's attention; the backward operator recomputes it under autograd and retu
 gradients (one more forward pass than the uncompiled call, which keeps its own backward). Both have
 fake implementations, so the compiler knows their shapes without running them."""
 
+import json
 from typing import Optional
 
 import torch
@@ -32,6 +33,12 @@ def _(q, k, v, variant, tile, attn_mask, key_padding_mask, causal, hybrid_logit)
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
+def _laid_out_as(t, g):
+    """The gradient `g` in the memory layout of its input `t`, as the fake implementations state it
+    (`empty_like`): a compiled graph holds an operator to the strides its fake form gives."""
+    return torch.empty_like(t).copy_(g)
+
+
 def _differentiable(q, k, v, hybrid_logit):
     """The inputs that receive gradients: q, k, v, and the gate logits when given."""
     return (q, k, v) if hybrid_logit is None else (q, k, v, hybrid_logit)
@@ -56,7 +63,7 @@ def attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     with torch.enable_grad(), _autograd_dispatch():
         inputs = [t.detach().requires_grad_() for t in _differentiable(q, k, v, hybrid_logit)]
         out = _run(*inputs[:3], variant, tile, attn_mask, key_padding_mask, causal, inputs[3] if len(inputs) == 4 else None)
-        return [g.contiguous() for g in torch.autograd.grad(out, inputs, grad)]
+        return [_laid_out_as(t, g) for t, g in zip(inputs, torch.autograd.grad(out, inputs, grad))]
 
 
 @attention_backward.register_fake
@@ -109,3 +116,70 @@ def traceable(variant):
     sample (softmax, dnas, sinkhorn-N, hnas)."""
     e = _registry.entry(variant)
     return e is not None and not e["stochastic"]
+
+
+# `probattn.nn.MultiheadAttention` as a custom operator, for the same variants and the same
+# reason: the library's multi-head module (projections, masks, the normalizer, either path) is one
+# operator whose inputs are the module's inputs and parameters. `key` None is `query` and `value`
+# None is `key` (self-attention, and cross-attention's memory as keys and values), so the module
+# sees a shared input as the uncompiled call does and each gradient is counted once. `config` is
+# the module's configuration as JSON, with the names of `params` in order.
+def _run_module(query, key, value, params, config, key_padding_mask, attn_mask):
+    c = json.loads(config)
+    key = query if key is None else key
+    value = key if value is None else value
+    out, _, _ = _native.multi_head_attention(
+        query, key, value, c["embed_dim"], c["num_heads"], c["variant"], dict(zip(c["names"], params)), kdim=c["kdim"],
+        vdim=c["vdim"], bias=c["bias"], tile=c["tile"], key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+        causal=c["causal"], settings=c["settings"])
+    return out
+
+
+@torch.library.custom_op("probattn::multi_head_attention", mutates_args=())
+def multi_head_attention(query: torch.Tensor, key: Optional[torch.Tensor], value: Optional[torch.Tensor],
+                         params: list[torch.Tensor], config: str,
+                         key_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The module's output `(N, L, E)`, batch first."""
+    return _run_module(query, key, value, params, config, key_padding_mask, attn_mask).contiguous()
+
+
+@multi_head_attention.register_fake
+def _(query, key, value, params, config, key_padding_mask, attn_mask):
+    return query.new_empty(query.shape[:-1] + (json.loads(config)["embed_dim"],))
+
+
+@torch.library.custom_op("probattn::multi_head_attention_backward", mutates_args=())
+def multi_head_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor],
+                                  value: Optional[torch.Tensor], params: list[torch.Tensor], config: str,
+                                  key_padding_mask: Optional[torch.Tensor],
+                                  attn_mask: Optional[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients in query, in key and value where they are given, and in every parameter."""
+    with torch.enable_grad(), _autograd_dispatch():
+        q, k, v = (t.detach().requires_grad_() if t is not None else None for t in (query, key, value))
+        ps = [p.detach().requires_grad_() for p in params]
+        out = _run_module(q, k, v, ps, config, key_padding_mask, attn_mask)
+        inputs = [t for t in (q, k, v) if t is not None] + ps
+        return [_laid_out_as(t, g) for t, g in zip(inputs, torch.autograd.grad(out, inputs, grad))]
+
+
+@multi_head_attention_backward.register_fake
+def _(grad, query, key, value, params, config, key_padding_mask, attn_mask):
+    return [torch.empty_like(t) for t in [t for t in (query, key, value) if t is not None] + list(params)]
+
+
+def _setup_module_context(ctx, inputs, output):
+    query, key, value, params, config, key_padding_mask, attn_mask = inputs
+    ctx.save_for_backward(query, key, value, key_padding_mask, attn_mask, *params)
+    ctx.config = config
+
+
+def _module_backward(ctx, grad):
+    query, key, value, key_padding_mask, attn_mask, *params = ctx.saved_tensors
+    grads = multi_head_attention_backward(grad, query, key, value, params, ctx.config, key_padding_mask, attn_mask)
+    given = [t is not None for t in (query, key, value)]
+    per_input = iter(grads[:sum(given)])
+    gq, gk, gv = (next(per_input) if g else None for g in given)
+    return gq, gk, gv, grads[sum(given):], None, None, None
+
+
+multi_head_attention.register_autograd(_module_backward, setup_context=_setup_module_context)

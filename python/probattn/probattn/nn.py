@@ -2,9 +2,11 @@
 with any probattn variant, computed by the Rust library's multi-head module (projections, masks,
 dropout, the normalizer and the memory-efficient path)."""
 
+import json
+
 import torch
 
-from . import DEFAULT_TILE, _BAM_SETTINGS, _mask, _native
+from . import DEFAULT_TILE, _BAM_SETTINGS, _mask, _native, _ops
 
 __all__ = ["MultiheadAttention"]
 
@@ -84,6 +86,12 @@ class MultiheadAttention(torch.nn.Module):
                     getattr(owner, leaf).copy_(value)
                 else:
                     owner.register_parameter(leaf, torch.nn.Parameter(value))
+        # The configuration the compiled form's custom operator takes (probattn/_ops.py), without and
+        # with the causal mask, naming the parameters in the order forward passes them.
+        config = {"embed_dim": embed_dim, "num_heads": num_heads, "variant": variant, "bias": bias, "tile": self.tile,
+                  "settings": self._settings, "names": [name for name, _ in self.named_parameters()],
+                  **({"kdim": None, "vdim": None} if self._qkv_same_embed_dim else {"kdim": self.kdim, "vdim": self.vdim})}
+        self._op_config = {causal: json.dumps({**config, "causal": causal}) for causal in (False, True)}
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False, noise=None):
@@ -105,15 +113,23 @@ class MultiheadAttention(torch.nn.Module):
         if attn_mask is not None and attn_mask.dim() == 3:
             # nn.MultiheadAttention's (N * H, L, S) per-head masks, as (N, H, L, S).
             attn_mask = attn_mask.view(query.shape[0], self.num_heads, *attn_mask.shape[1:])
-        params = {name: p for name, p in self.named_parameters()}
-        output, weights, kl = _native.multi_head_attention(
-            query, key, value, self.embed_dim, self.num_heads, self.variant, params,
-            kdim=None if self._qkv_same_embed_dim else self.kdim, vdim=None if self._qkv_same_embed_dim else self.vdim,
-            bias=self._bias, dropout=float(self.dropout), tile=self.tile,
-            key_padding_mask=_mask("key_padding_mask", key_padding_mask), attn_mask=attn_mask,
-            causal=bool(is_causal), training=self.training, need_weights=bool(need_weights), noise=noise,
-            settings=self._settings, bam_base=self._base,
-        )
+        key_padding_mask = _mask("key_padding_mask", key_padding_mask)
+        if (torch.compiler.is_compiling() and not need_weights and noise is None and _ops.traceable(self.variant)
+                and not (self.training and self.dropout > 0) and not torch.is_autocast_enabled(query.device.type)):
+            # Under torch.compile: the custom operator, which the compiler traces without a graph break.
+            output = _ops.multi_head_attention(query, None if key is query else key, None if value is key else value,
+                                               list(self.parameters()), self._op_config[bool(is_causal)],
+                                               key_padding_mask, attn_mask)
+            weights, kl = None, None
+        else:
+            params = {name: p for name, p in self.named_parameters()}
+            output, weights, kl = _native.multi_head_attention(
+                query, key, value, self.embed_dim, self.num_heads, self.variant, params,
+                kdim=None if self._qkv_same_embed_dim else self.kdim, vdim=None if self._qkv_same_embed_dim else self.vdim,
+                bias=self._bias, dropout=float(self.dropout), tile=self.tile, key_padding_mask=key_padding_mask,
+                attn_mask=attn_mask, causal=bool(is_causal), training=self.training, need_weights=bool(need_weights),
+                noise=noise, settings=self._settings, bam_base=self._base,
+            )
         self.kl = kl
         if weights is not None and average_attn_weights:
             weights = weights.mean(1)

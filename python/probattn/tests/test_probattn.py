@@ -305,6 +305,23 @@ class Autocast(unittest.TestCase):
                     self.assertTrue(torch.equal(eager, traced))
 
 
+    def test_a_compiled_module_under_autocast_equals_the_uncompiled_one(self):
+        # Under autocast the module's call runs uncompiled inside the compiled code (its casts are
+        # the library's own), so the two agree bit for bit.
+        torch.manual_seed(0)
+        attn = probattn.nn.MultiheadAttention(16, 4, variant="hnas", batch_first=True)
+        x = torch.randn(2, 5, 16)
+
+        def f(x):
+            return attn(x, x, x, need_weights=False)[0]
+
+        torch._dynamo.reset()
+        with torch.autocast("cpu", torch.bfloat16):
+            eager, compiled = f(x), torch.compile(f, backend="aot_eager")(x)
+        self.assertEqual((eager.dtype, compiled.dtype), (torch.bfloat16, torch.bfloat16))
+        self.assertTrue(torch.equal(eager, compiled))
+
+
 class Repulsive(unittest.TestCase):
     """probattn.repulsive.attach against the reference formulas' SVGD/SPOS direction."""
 
@@ -361,28 +378,81 @@ class Repulsive(unittest.TestCase):
 
 
 class Compile(unittest.TestCase):
-    def test_torch_compile_equals_eager_with_one_graph_break_per_call(self):
-        # Dynamo cannot trace into the extension: it breaks the graph around each call (docs/python.md).
-        import torch._dynamo
+    @staticmethod
+    def model(variant, memory_efficient, batch_first):
+        tile = {"memory_efficient": True, "tile": 2} if memory_efficient else {}
 
         class Model(torch.nn.Module):
             def __init__(self):
                 super().__init__()
                 self.lin = torch.nn.Linear(16, 16, dtype=D)
-                self.attn = probattn.nn.MultiheadAttention(16, 4, variant="dnas", batch_first=True, dtype=D)
+                self.attn = probattn.nn.MultiheadAttention(16, 4, variant=variant, batch_first=batch_first, dtype=D, **tile)
+                self.cross = probattn.nn.MultiheadAttention(16, 4, variant=variant, batch_first=batch_first, dtype=D,
+                                                            kdim=8, vdim=6, **tile)
 
-            def forward(self, x):
+            def forward(self, x, memory, values, padding, mask):
                 h = torch.relu(self.lin(x))
-                return self.attn(h, h, h, need_weights=False)[0].sum(-1)
+                h = h + self.attn(h, h, h, need_weights=False, key_padding_mask=padding, attn_mask=mask)[0]
+                return self.cross(h, memory, values, need_weights=False)[0].sum(-1)
+
+        return Model()
+
+    def test_a_model_with_the_module_compiles_into_one_graph(self):
+        # Each traceable variant, on both paths, in self-attention with masks and in cross-attention
+        # with kdim and vdim; in float64 against the uncompiled model, the output and the gradients in
+        # the input and every parameter, through Dynamo and AOTAutograd ("aot_eager"; inductor once).
+        for variant in ("softmax", "dnas", "hnas", "sinkhorn-3"):
+            for memory_efficient in (False, True):
+                batch_first = memory_efficient
+                backend = "inductor" if (variant, memory_efficient) == ("dnas", False) else "aot_eager"
+                with self.subTest(f"{variant} memory_efficient={memory_efficient} {backend}"):
+                    torch.manual_seed(0)
+                    model = self.model(variant, memory_efficient, batch_first)
+                    g = torch.Generator().manual_seed(1)
+                    shape = (lambda n, l, e: (n, l, e)) if batch_first else (lambda n, l, e: (l, n, e))
+                    x = torch.randn(shape(2, 5, 16), generator=g, dtype=D, requires_grad=True)
+                    memory = torch.randn(shape(2, 7, 8), generator=g, dtype=D)
+                    values = torch.randn(shape(2, 7, 6), generator=g, dtype=D)
+                    padding = torch.zeros(2, 5, dtype=torch.bool)
+                    padding[1, -2:] = True
+                    mask = torch.zeros(5, 5, dtype=torch.bool)
+                    mask[0, 3] = True
+                    inputs = (x, memory, values, padding, mask)
+                    eager = model(*inputs)
+                    torch._dynamo.reset()
+                    compiled = torch.compile(model, fullgraph=True, backend=backend)(*inputs)
+                    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-12)
+                    wrt = [x] + list(model.parameters())
+                    for a, r in zip(torch.autograd.grad(compiled.sum(), wrt), torch.autograd.grad(eager.sum(), wrt)):
+                        torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
+                    self.assertEqual(torch._dynamo.explain(model)(*inputs).graph_break_count, 0)
+
+    def test_a_module_call_the_operator_cannot_take_breaks_the_graph_and_still_runs(self):
+        # Weights asked for, and a variant that samples: the call runs uncompiled, the code around it
+        # compiled (Dynamo counts two breaks for a call that returns weights).
+        for variant, need_weights in (("dnas", True), ("bam-wf", False)):
+            with self.subTest(variant):
+                torch.manual_seed(0)
+                attn = probattn.nn.MultiheadAttention(16, 4, variant=variant, batch_first=True, dtype=D).eval()
+                x = torch.randn(2, 5, 16, dtype=D)
+
+                def f(x):
+                    return attn(torch.relu(x), x, x, need_weights=need_weights)[0].sum(-1)
+
+                torch._dynamo.reset()
+                torch.testing.assert_close(torch.compile(f, backend="aot_eager")(x), f(x), rtol=0, atol=1e-12)
+                self.assertGreater(torch._dynamo.explain(f)(x).graph_break_count, 0)
+
+    def test_the_module_operator_passes_opcheck(self):
+        from probattn import _ops
 
         torch.manual_seed(0)
-        model, x = Model(), torch.randn(2, 5, 16, dtype=D)
-        eager = model(x)
-        compiled = torch.compile(model)(x)
-        torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-12)
-        grad = torch.autograd.grad(compiled.sum(), model.lin.weight)[0]
-        torch.testing.assert_close(grad, torch.autograd.grad(eager.sum(), model.lin.weight)[0], rtol=0, atol=1e-12)
-        self.assertEqual(torch._dynamo.explain(model)(x).graph_break_count, 1)
+        attn = probattn.nn.MultiheadAttention(8, 2, variant="hnas", batch_first=True, dtype=D, kdim=6, vdim=6)
+        q = torch.randn(2, 3, 8, dtype=D, requires_grad=True)
+        kv = torch.randn(2, 4, 6, dtype=D, requires_grad=True)
+        padding = torch.tensor([[False, False, False, True], [False] * 4])
+        params = [p.detach().requires_grad_() for p in attn.parameters()]
+        torch.library.opcheck(_ops.multi_head_attention, (q, kv, None, params, attn._op_config[False], padding, None))
 
 
 class HuggingFace(unittest.TestCase):
