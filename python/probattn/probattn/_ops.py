@@ -131,7 +131,7 @@ def _run_module(query, key, value, params, config, key_padding_mask, attn_mask):
     out, _, _ = _native.multi_head_attention(
         query, key, value, c["embed_dim"], c["num_heads"], c["variant"], dict(zip(c["names"], params)), kdim=c["kdim"],
         vdim=c["vdim"], bias=c["bias"], tile=c["tile"], key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-        causal=c["causal"], settings=c["settings"])
+        causal=c["causal"], settings=c["settings"], key_is_query=key is query, value_is_key=value is key)
     return out
 
 

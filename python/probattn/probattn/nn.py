@@ -102,13 +102,17 @@ class MultiheadAttention(torch.nn.Module):
         if self.tile is not None and need_weights:
             raise ValueError("the memory-efficient path forms no weights: call it with need_weights=False")
         unbatched = query.dim() == 2
-        if unbatched:
-            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask.unsqueeze(0)
-        elif not self.batch_first:
+        # An input passed as several arguments stays one tensor (one view of it) from here on: the
+        # library casts a shared input once under autocast, and the compiled form passes it once.
+        key_is_query, value_is_key = key is query, value is key
+        if unbatched or not self.batch_first:
             # Views, not copies: the Rust module projects a transposed input in its own layout.
-            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+            layout = (lambda t: t.unsqueeze(0)) if unbatched else (lambda t: t.transpose(0, 1))
+            query = layout(query)
+            key = query if key_is_query else layout(key)
+            value = key if value_is_key else layout(value)
+            if unbatched and key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
         attn_mask = _mask("attn_mask", attn_mask)
         if attn_mask is not None and attn_mask.dim() == 3:
             # nn.MultiheadAttention's (N * H, L, S) per-head masks, as (N, H, L, S).
@@ -128,7 +132,7 @@ class MultiheadAttention(torch.nn.Module):
                 kdim=None if self._qkv_same_embed_dim else self.kdim, vdim=None if self._qkv_same_embed_dim else self.vdim,
                 bias=self._bias, dropout=float(self.dropout), tile=self.tile, key_padding_mask=key_padding_mask,
                 attn_mask=attn_mask, causal=bool(is_causal), training=self.training, need_weights=bool(need_weights),
-                noise=noise, settings=self._settings, bam_base=self._base,
+                noise=noise, settings=self._settings, bam_base=self._base, key_is_query=key is query, value_is_key=value is key,
             )
         self.kl = kl
         if weights is not None and average_attn_weights:

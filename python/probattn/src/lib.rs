@@ -193,12 +193,12 @@ fn attention(
 
 /// `MultiHeadAttention::forward_mode` on batch-first `(B, S, E)` inputs, the module built on the
 /// caller's parameters (`in_proj_weight`, `in_proj_bias`, `out_proj.weight`, `out_proj.bias`,
-/// or `q_proj_weight`, ... when kdim/vdim differ; the normalizer's own). Returns
-/// `(output, per-head weights, kl)`.
+/// or `q_proj_weight`, ... when kdim/vdim differ; the normalizer's own). `key_is_query` and
+/// `value_is_key`: the caller passed one tensor as both. Returns `(output, per-head weights, kl)`.
 #[pyfunction]
 #[pyo3(signature = (query, key, value, embed_dim, num_heads, variant, params, *, kdim=None, vdim=None, bias=true, dropout=0.0,
     tile=None, key_padding_mask=None, attn_mask=None, causal=false, training=false, need_weights=false, noise=None,
-    settings=HashMap::new(), bam_base=None))]
+    settings=HashMap::new(), bam_base=None, key_is_query=false, value_is_key=false))]
 #[allow(clippy::too_many_arguments)]
 fn multi_head_attention(
     py: Python<'_>,
@@ -222,6 +222,8 @@ fn multi_head_attention(
     noise: Option<PyTensor>,
     settings: HashMap<String, f64>,
     bam_base: Option<&str>,
+    key_is_query: bool,
+    value_is_key: bool,
 ) -> PyResult<(PyTensor, Option<PyTensor>, Option<PyTensor>)> {
     let normalizer = config(&settings, bam_base)?;
     let cfg =
@@ -238,15 +240,12 @@ fn multi_head_attention(
                 return Err(PyValueError::new_err(format!("parameters {fresh:?} were not given")));
             }
             let masks = Masks { key_padding: key_padding_mask.as_deref(), query_padding: None, attn_mask: attn_mask.as_deref(), causal };
-            let input = MhaInput {
-                query: &query.0,
-                key: &key.0,
-                value: &value.0,
-                masks,
-                need_weights,
-                need_head_outputs: false,
-                noise: noise.as_deref(),
-            };
+            // One Python tensor passed as several arguments arrives as several `Tensor`s: the flags
+            // say which are one, so that the module sees a shared input as shared (under autocast
+            // it casts that input once).
+            let key = if key_is_query { &query.0 } else { &key.0 };
+            let value = if value_is_key { key } else { &value.0 };
+            let input = MhaInput { query: &query.0, key, value, masks, need_weights, need_head_outputs: false, noise: noise.as_deref() };
             let out = mha.forward_mode(&input, Mode::train(training)).map_err(to_py)?;
             Ok((out.context, out.weights, out.kl))
         })

@@ -3,6 +3,7 @@
 multi-head module) and against torch.nn.MultiheadAttention. Run by `cargo test` (tests/python.rs
 beside this file builds the extension and runs `python -m unittest discover` here)."""
 
+import math
 import os
 import subprocess
 import sys
@@ -304,6 +305,30 @@ class Autocast(unittest.TestCase):
                     self.assertEqual((eager.dtype, traced.dtype), (torch.bfloat16, torch.bfloat16))
                     self.assertTrue(torch.equal(eager, traced))
 
+
+    def test_the_module_casts_a_shared_input_once_under_autocast(self):
+        # Self-attention's one input, and cross-attention's memory as keys and values, are cast to
+        # bfloat16 once (the library keeps that one copy for every projection's weight gradient),
+        # counted in libtorch's profiler; distinct tensors, one cast each. Batch first, sequence
+        # first and unbatched. The output is the same either way.
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.manual_seed(0)
+        for batch_first, shape in ((True, (2, 5, 16)), (False, (5, 2, 16)), (True, (5, 16))):
+            attn = probattn.nn.MultiheadAttention(16, 4, variant="dnas", batch_first=batch_first)
+            x, q = torch.randn(shape), torch.randn(shape)
+            for label, args, casts in (("self", (x, x, x), 1), ("cross", (q, x, x), 2),
+                                       ("distinct", (x, x.clone(), x.clone()), 3)):
+                with self.subTest(f"batch_first={batch_first} {shape} {label}"):
+                    with torch.autocast("cpu", torch.bfloat16), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                        out = attn(*args, need_weights=False)[0]
+                    # The module casts its batch-first views: counted by size (no parameter has the input's).
+                    counted = sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
+                                  and len(e.input_shapes[0]) == 3 and math.prod(e.input_shapes[0]) == x.numel())
+                    self.assertEqual(counted, casts)
+                    with torch.autocast("cpu", torch.bfloat16):
+                        apart = attn(*(a.clone() for a in args), need_weights=False)[0]
+                    self.assertTrue(torch.equal(out, apart))
 
     def test_a_compiled_module_under_autocast_equals_the_uncompiled_one(self):
         # Under autocast the module's call runs uncompiled inside the compiled code (its casts are
