@@ -5,6 +5,7 @@ library's attention; the backward operator recomputes it under autograd and retu
 gradients (one more forward pass than the uncompiled call, which keeps its own backward). Both have
 fake implementations, so the compiler knows their shapes without running them."""
 
+import functools
 import json
 from typing import Optional
 
@@ -124,8 +125,14 @@ def traceable(variant):
 # None is `key` (self-attention, and cross-attention's memory as keys and values), so the module
 # sees a shared input as the uncompiled call does and each gradient is counted once. `config` is
 # the module's configuration as JSON, with the names of `params` in order.
+@functools.lru_cache(maxsize=None)
+def _parsed(config):
+    """A module's configuration, parsed once (the operator runs at every step of a compiled model)."""
+    return json.loads(config)
+
+
 def _run_module(query, key, value, params, config, key_padding_mask, attn_mask):
-    c = json.loads(config)
+    c = _parsed(config)
     key = query if key is None else key
     value = key if value is None else value
     out, _, _ = _native.multi_head_attention(
@@ -145,7 +152,7 @@ def multi_head_attention(query: torch.Tensor, key: Optional[torch.Tensor], value
 
 @multi_head_attention.register_fake
 def _(query, key, value, params, config, key_padding_mask, attn_mask):
-    return query.new_empty(query.shape[:-1] + (json.loads(config)["embed_dim"],))
+    return query.new_empty(query.shape[:-1] + (_parsed(config)["embed_dim"],))
 
 
 @torch.library.custom_op("probattn::multi_head_attention_backward", mutates_args=())
@@ -175,11 +182,11 @@ def _setup_module_context(ctx, inputs, output):
 
 def _module_backward(ctx, grad):
     query, key, value, key_padding_mask, attn_mask, *params = ctx.saved_tensors
-    grads = multi_head_attention_backward(grad, query, key, value, params, ctx.config, key_padding_mask, attn_mask)
-    given = [t is not None for t in (query, key, value)]
-    per_input = iter(grads[:sum(given)])
-    gq, gk, gv = (next(per_input) if g else None for g in given)
-    return gq, gk, gv, grads[sum(given):], None, None, None
+    grads = iter(multi_head_attention_backward(grad, query, key, value, params, ctx.config, key_padding_mask, attn_mask))
+    gq = next(grads)
+    gk = next(grads) if key is not None else None
+    gv = next(grads) if value is not None else None
+    return gq, gk, gv, list(grads), None, None, None
 
 
 multi_head_attention.register_autograd(_module_backward, setup_context=_setup_module_context)

@@ -121,7 +121,7 @@ class MultiheadAttention(torch.nn.Module):
         if (torch.compiler.is_compiling() and not need_weights and noise is None and _ops.traceable(self.variant)
                 and not (self.training and self.dropout > 0) and not torch.is_autocast_enabled(query.device.type)):
             # Under torch.compile: the custom operator, which the compiler traces without a graph break.
-            output = _ops.multi_head_attention(query, None if key is query else key, None if value is key else value,
+            output = _ops.multi_head_attention(query, None if key_is_query else key, None if value_is_key else value,
                                                list(self.parameters()), self._op_config[bool(is_causal)],
                                                key_padding_mask, attn_mask)
             weights, kl = None, None
@@ -132,7 +132,7 @@ class MultiheadAttention(torch.nn.Module):
                 kdim=None if self._qkv_same_embed_dim else self.kdim, vdim=None if self._qkv_same_embed_dim else self.vdim,
                 bias=self._bias, dropout=float(self.dropout), tile=self.tile, key_padding_mask=key_padding_mask,
                 attn_mask=attn_mask, causal=bool(is_causal), training=self.training, need_weights=bool(need_weights),
-                noise=noise, settings=self._settings, bam_base=self._base, key_is_query=key is query, value_is_key=value is key,
+                noise=noise, settings=self._settings, bam_base=self._base, key_is_query=key_is_query, value_is_key=value_is_key,
             )
         self.kl = kl
         if weights is not None and average_attn_weights:
