@@ -1,17 +1,20 @@
 """The Python package's own checks (`python -m unittest discover -s python/tests`, run by
 `cargo test` through experiments/tests/cli.rs): every module imports, the table helpers compute
-what their docstrings say, and the reference formulas keep their defining properties."""
+what their docstrings say, results are written atomically, and the reference formulas keep their
+defining properties."""
 
 import contextlib
 import importlib
 import importlib.util
 import io
+import os
 import pkgutil
 import unittest
 
 import torch
 
 import probattn_tools
+from probattn_tools import files
 from probattn_tools.reference import formulas, variants
 from probattn_tools.tables import common
 
@@ -104,6 +107,32 @@ class TableHelpers(unittest.TestCase):
 
     def test_markdown(self):
         self.assertEqual(common.markdown(["a", "b"], [[1, "x"]]), "| a | b |\n|---|---|\n| 1 | x |")
+
+
+class AtomicFiles(unittest.TestCase):
+    def setUp(self):
+        import tempfile
+        self.dir = tempfile.TemporaryDirectory()
+        self.path = os.path.join(self.dir.name, "results.json")
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def test_writes_and_leaves_no_partial_file(self):
+        files.atomic_write_json(self.path, {"bleu": 38.45})
+        with open(self.path) as f:
+            self.assertEqual(f.read(), '{\n "bleu": 38.45\n}\n')
+        self.assertEqual(os.listdir(self.dir.name), ["results.json"])
+
+    def test_a_failed_write_keeps_the_previous_file(self):
+        files.atomic_write_json(self.path, {"bleu": 38.45})
+        with self.assertRaises(TypeError):
+            files.atomic_write_json(self.path, {"bleu": object()})
+        with self.assertRaises(TypeError):
+            files.atomic_write_text(self.path, b"bytes, not text")
+        with open(self.path) as f:
+            self.assertEqual(f.read(), '{\n "bleu": 38.45\n}\n')
+        self.assertEqual(os.listdir(self.dir.name), ["results.json"])
 
 
 class ReferenceFormulas(unittest.TestCase):

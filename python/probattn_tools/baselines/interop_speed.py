@@ -45,6 +45,8 @@ from safetensors.torch import save_file
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # the checkout
 from probattn_tools.export.torchscript import export, median_ms
+from probattn_tools.files import atomic_write_json, atomic_write_text
+from probattn_tools.tables.common import markdown
 
 
 def mha(out):
@@ -154,17 +156,22 @@ def pt2_rows(args):
         for f in (package, st):
             os.remove(f)
         print(f"{name}: package from Rust {c['torchscript_ms']:.3f} ms, from Python {python_ms:.3f} ms", file=sys.stderr)
-    meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats, "rows": rows}
-    with open(os.path.join(args.out, "pt2_speed.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    lines = ["| model | .pt2 from Rust (ms) | .pt2 from Python (ms) | Rust / Python | probattn native (ms) | PyTorch eager (ms) | max rel diff (package vs native) |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['rust_pt2_ms']:.3f} | {r['python_pt2_ms']:.3f} | {r['rust_pt2_ms'] / r['python_pt2_ms']:.3f} | "
-                     f"{r['native_ms']:.3f} | {r['eager_ms']:.3f} | {r['max_rel_diff']:.1e} |")
-    with open(os.path.join(args.out, "pt2_speed.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_record(args, "pt2_speed", rows,
+                 ["model", ".pt2 from Rust (ms)", ".pt2 from Python (ms)", "Rust / Python", "probattn native (ms)",
+                  "PyTorch eager (ms)", "max rel diff (package vs native)"],
+                 lambda r: [r["model"], f"{r['rust_pt2_ms']:.3f}", f"{r['python_pt2_ms']:.3f}",
+                            f"{r['rust_pt2_ms'] / r['python_pt2_ms']:.3f}", f"{r['native_ms']:.3f}", f"{r['eager_ms']:.3f}",
+                            f"{r['max_rel_diff']:.1e}"])
+
+
+def write_record(args, stem, rows, header, cells):
+    """Writes OUT/STEM.json (the rows, with torch's version, threads and repeats) and OUT/STEM.md
+    (a markdown table, `cells(row)` giving a row's cells), and prints the table."""
+    atomic_write_json(os.path.join(args.out, stem + ".json"),
+                      {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats, "rows": rows})
+    table = markdown(header, [cells(r) for r in rows])
+    atomic_write_text(os.path.join(args.out, stem + ".md"), table + "\n")
+    print(table)
 
 
 def main():
@@ -198,17 +205,12 @@ def main():
         os.remove(pt)
         os.remove(st)
         print(f"{name}: native {c['native_ms']:.3f} ms, TorchScript {c['torchscript_ms']:.3f} ms, eager {eager:.3f} ms", file=sys.stderr)
-    meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats, "rows": rows}
-    with open(os.path.join(args.out, "speed.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    lines = ["| model | probattn native (ms) | TorchScript from Rust (ms) | PyTorch eager (ms) | native / TorchScript | native / eager | max rel diff |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['native_ms']:.3f} | {r['torchscript_ms']:.3f} | {r['eager_ms']:.3f} | "
-                     f"{r['native_ms'] / r['torchscript_ms']:.2f} | {r['native_ms'] / r['eager_ms']:.2f} | {r['max_rel_diff']:.1e} |")
-    with open(os.path.join(args.out, "speed.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_record(args, "speed", rows,
+                 ["model", "probattn native (ms)", "TorchScript from Rust (ms)", "PyTorch eager (ms)", "native / TorchScript",
+                  "native / eager", "max rel diff"],
+                 lambda r: [r["model"], f"{r['native_ms']:.3f}", f"{r['torchscript_ms']:.3f}", f"{r['eager_ms']:.3f}",
+                            f"{r['native_ms'] / r['torchscript_ms']:.2f}", f"{r['native_ms'] / r['eager_ms']:.2f}",
+                            f"{r['max_rel_diff']:.1e}"])
 
 
 if __name__ == "__main__":

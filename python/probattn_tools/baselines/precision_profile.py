@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from probattn_tools.tables.common import atomic_write_text
+from probattn_tools.files import atomic_write_text
 
 PRECISIONS = ("f32", "bf16")
 

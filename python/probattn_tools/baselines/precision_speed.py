@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from probattn_tools.tables.common import atomic_write_text
+from probattn_tools.files import atomic_write_text
 
 PRECISIONS = ("f32", "bf16")
 

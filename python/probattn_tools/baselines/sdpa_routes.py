@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from probattn_tools.tables.common import atomic_write_text
+from probattn_tools.files import atomic_write_text
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 

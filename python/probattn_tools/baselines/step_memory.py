@@ -17,6 +17,7 @@ import sys
 import torch
 
 from probattn_tools.baselines.bench import CpuCounter
+from probattn_tools.files import atomic_write_json
 
 
 def stack():
@@ -59,8 +60,7 @@ def main(argv=None):
         print(f"{name}: a step peaks {peaks[name] / 2**20:.1f} MiB above its start", file=sys.stderr)
     record = {"step_peak_bytes": peaks, "threads": args.threads, "torch": torch.__version__}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2)
+        atomic_write_json(args.out, record, indent=2)
     print(json.dumps(record))
 
 

@@ -55,6 +55,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from probattn_tools.files import atomic_write_json, atomic_write_text
+
 PAD, EOS = 1, 2
 
 
@@ -461,9 +463,7 @@ def main():
         ops = {e.key: {"self_cpu_us": e.self_cpu_time_total, "calls": e.count} for e in profiler.key_averages()}
         record = {"precision": precision, "threads": torch.get_num_threads(), "updates": updates, "train_tokens": tokens,
                   "train_seconds": seconds, "phase_seconds": phases, "ops": ops}
-        with open(args.profile + ".tmp", "w") as f:
-            json.dump(record, f, indent=1)
-        os.replace(args.profile + ".tmp", args.profile)
+        atomic_write_json(args.profile, record)
     model.eval()
     if args.export_torchscript:
         import warnings
@@ -493,9 +493,7 @@ def main():
         out["test_bleu_greedy"] = bleu.corpus_score(hyps, [refs]).score
         out["test_signature"] = str(bleu.get_signature())
         if args.hyp:
-            with open(args.hyp + ".tmp", "w") as f:
-                f.write("".join(h + "\n" for h in hyps))
-            os.replace(args.hyp + ".tmp", args.hyp)
+            atomic_write_text(args.hyp, "".join(h + "\n" for h in hyps))
     json.dump(out, sys.stdout, indent=1)
     print()
 

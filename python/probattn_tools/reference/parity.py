@@ -18,7 +18,6 @@ L = sum(output * grad_output) + sum(weights * grad_weights) whose gradients are 
 """
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -26,6 +25,7 @@ import sys
 import torch
 from safetensors.torch import load_file, save_file
 
+from probattn_tools.files import atomic_write_json
 from probattn_tools.reference import formulas as ref
 from probattn_tools.reference import variants
 
@@ -163,8 +163,7 @@ def cmd_cases(args):
         save_file(expected, os.path.join(args.out, name + ".ref.safetensors"))
         manifest.append({"name": name, "variant": variant, "causal": causal, "extreme": extreme,
                          "dtype": str(dtype).replace("torch.", ""), "train": train, "bam": bam})
-    with open(os.path.join(args.out, "cases.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+    atomic_write_json(os.path.join(args.out, "cases.json"), manifest)
 
 
 def bam_settings(args):
@@ -220,6 +219,7 @@ def cmd_score_cases(args):
     loss = (z_add * inputs["grad_additive"]).sum() + (z_lin * inputs["grad_self_attentive"]).sum()
     names = list(additive) + list(lin) + ["query", "key"]
     grads = torch.autograd.grad(loss, [leaves[n] for n in names])
+    os.makedirs(args.out, exist_ok=True)
     save_file({**{f"additive.{n}": t for n, t in additive.items()}, **{f"lin.{n}": t for n, t in lin.items()}},
               os.path.join(args.out, "scores.weights.safetensors"))
     save_file(inputs, os.path.join(args.out, "scores.safetensors"))
@@ -249,8 +249,7 @@ def cmd_svgd_cases(args):
         save_file({"theta": theta, "grad": grad, "xi": xi, "direction": direction},
                   os.path.join(args.out, name + ".safetensors"))
         manifest.append(dict(cfg, name=name))
-    with open(os.path.join(args.out, "cases.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+    atomic_write_json(os.path.join(args.out, "cases.json"), manifest)
 
 
 def cmd_gat_cases(args):
@@ -279,8 +278,7 @@ def cmd_gat_cases(args):
                    "output": out.detach(), "grad.x": grads[0], **{f"grad.{n_}": g for n_, g in zip(names, grads[1:])}},
                   os.path.join(args.out, name + ".safetensors"))
         manifest.append({"name": name, "nodes": n, "in": f_in, "out": f_out, "heads": heads, "concat": concat})
-    with open(os.path.join(args.out, "cases.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+    atomic_write_json(os.path.join(args.out, "cases.json"), manifest)
 
 
 def cmd_vqa_cases(args):
@@ -332,8 +330,7 @@ def cmd_vqa_cases(args):
                          "hidden": 16, "reasoning_layers": layers, "reasoning_prenorm": prenorm, "glimpses": 2, "word_dim": 6, "question_dim": 10,
                          "relational_heads": relational, "relational_dim": 3, "question_encoder": encoder,
                          "primary_skip": skip, "primary_beside": beside})
-    with open(os.path.join(args.out, "cases.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+    atomic_write_json(os.path.join(args.out, "cases.json"), manifest)
 
 
 def cmd_demo_input(args):
@@ -408,8 +405,7 @@ def cmd_mha_cases(args):
         save_file({n: t.contiguous() for n, t in result.items()}, os.path.join(args.out, name + ".ref.safetensors"))
         manifest.append({"name": name, "variant": variant, "heads": heads, "embed": embed, "kdim": kdim,
                          "vdim": vdim, "bias": bias, "causal": causal, "self_attention": self_attn})
-    with open(os.path.join(args.out, "cases.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+    atomic_write_json(os.path.join(args.out, "cases.json"), manifest)
 
 
 def main():

@@ -18,6 +18,8 @@ import os
 import random
 import re
 
+from probattn_tools.files import atomic_write_json
+
 PUNCT = [";", r"/", "[", "]", '"', "{", "}", "(", ")", "=", "+", "\\", "_", "-", ">", "<", "@", "`", ",", "?", "!"]
 COMMA_STRIP = re.compile(r"(\d)(,)(\d)")
 PERIOD_STRIP = re.compile(r"(?!<=\d)(\.)(?!\d)")
@@ -90,8 +92,7 @@ def make_cases(out, seed, n):
     os.makedirs(out, exist_ok=True)
     for name, data in (("questions.json", {"questions": questions}), ("annotations.json", {"annotations": annotations}),
                        ("results.json", results)):
-        with open(os.path.join(out, name), "w") as f:
-            json.dump(data, f)
+        atomic_write_json(os.path.join(out, name), data, indent=None)
 
 
 def main():

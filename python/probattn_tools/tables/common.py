@@ -1,8 +1,7 @@
 """What the experiments' table scripts share: mean ± std cells, differences with their standard
-error (unpaired, and paired by seed), markdown tables, and files written atomically.
-Imported by the other table scripts of this folder and the benchmarks."""
+error (unpaired, and paired by seed), markdown tables. Imported by the other table scripts of
+this folder."""
 
-import os
 import statistics
 
 
@@ -46,10 +45,3 @@ def markdown(header, rows):
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
-
-def atomic_write_text(path, text):
-    """Writes `text` to `path` through a temporary file beside it: never half-written."""
-    path = str(path)
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)

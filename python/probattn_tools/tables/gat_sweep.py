@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 
+from probattn_tools.files import atomic_write_json
 from probattn_tools.reference import variants
 
 
@@ -93,8 +94,7 @@ def full_grid(args):
                "selection": "highest mean validation accuracy", "grid": g,
                "chosen": {args.variant: {"setting": best["setting"], "val_acc_mean": best["val_acc_mean"]}},
                "tried": tried}
-    with open(os.path.join(args.out, "sweep.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    atomic_write_json(os.path.join(args.out, "sweep.json"), summary)
     print(json.dumps(summary["chosen"], indent=1))
 
 
@@ -128,8 +128,7 @@ def main():
         chosen[variant] = {"setting": best[0], "val_acc_mean": best[1]}
     summary = {"dataset": args.dataset, "seeds": list(range(args.seed_start, args.seed_start + args.seeds)),
                "selection": "highest mean validation accuracy", "chosen": chosen, "tried": tried}
-    with open(os.path.join(args.out, "sweep.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    atomic_write_json(os.path.join(args.out, "sweep.json"), summary)
     print(json.dumps(chosen, indent=1))
 
 

@@ -27,6 +27,8 @@ import glob
 import json
 import os
 
+from probattn_tools.files import atomic_write_text
+
 
 def curves(folder, clean_tps, threads):
     """[(cpu_hours, valid_bleu)] per seed folder of a run."""
@@ -76,8 +78,7 @@ def svg(path, series, x_max, y_max):
         parts.append(f'<line x1="{w - right + 10}" y1="{top + 20 * k}" x2="{w - right + 30}" y2="{top + 20 * k}" stroke="{c}" stroke-width="2"/>')
         parts.append(f'<text x="{w - right + 35}" y="{top + 20 * k + 4}">{name}</text>')
     parts.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(parts) + "\n")
+    atomic_write_text(path, "\n".join(parts) + "\n")
 
 
 def main():
@@ -111,8 +112,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     header = ["| preset | layers, width | idle train tokens/s | " + " | ".join(f"valid BLEU within {b} CPU-h" for b in args.budgets)
               + " | best valid BLEU at CPU-h | runs |", "|---" * (5 + len(args.budgets)) + "|"]
-    with open(os.path.join(args.out, "presets.md"), "w") as f:
-        f.write("\n".join(header + rows) + "\n")
+    atomic_write_text(os.path.join(args.out, "presets.md"), "\n".join(header + rows) + "\n")
     svg(os.path.join(args.out, "presets.svg"), series, x_max * 1.02, max(5.0, y_max * 1.05))
     print("\n".join(header + rows))
 
