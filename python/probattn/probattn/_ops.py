@@ -124,21 +124,33 @@ def traceable(variant):
 # operator whose inputs are the module's inputs and parameters. `key` None is `query` and `value`
 # None is `key` (self-attention, and cross-attention's memory as keys and values), so the module
 # sees a shared input as the uncompiled call does and each gradient is counted once. `config` is
-# the module's configuration as JSON, with the names of `params` in order.
+# the module's configuration as JSON, with the names of `params` in order and the autocast dtype the
+# call was traced under (None outside autocast): the operator is not cast by autocast, but runs the
+# module in that state, as the uncompiled call does.
 @functools.lru_cache(maxsize=None)
 def _parsed(config):
     """A module's configuration, parsed once (the operator runs at every step of a compiled model)."""
     return json.loads(config)
 
 
+def _module_autocast(c, query):
+    """The autocast state the module's call was traced in (`c["autocast"]`: a dtype's name, or None
+    for none), set again wherever the operator runs: its backward recomputes the forward pass as it
+    ran, whatever the state when the backward pass runs."""
+    return torch.autocast(query.device.type, dtype=getattr(torch, c["autocast"] or "bfloat16"),
+                          enabled=c["autocast"] is not None)
+
+
 def _run_module(query, key, value, params, config, key_padding_mask, attn_mask):
     c = _parsed(config)
     key = query if key is None else key
     value = key if value is None else value
-    out, _, _ = _native.multi_head_attention(
-        query, key, value, c["embed_dim"], c["num_heads"], c["variant"], dict(zip(c["names"], params)), kdim=c["kdim"],
-        vdim=c["vdim"], bias=c["bias"], tile=c["tile"], key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-        causal=c["causal"], settings=c["settings"], key_is_query=key is query, value_is_key=value is key)
+    with _module_autocast(c, query):
+        out, _, _ = _native.multi_head_attention(
+            query, key, value, c["embed_dim"], c["num_heads"], c["variant"], dict(zip(c["names"], params)),
+            kdim=c["kdim"], vdim=c["vdim"], bias=c["bias"], tile=c["tile"], key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask, causal=c["causal"], settings=c["settings"], key_is_query=key is query,
+            value_is_key=value is key)
     return out
 
 
@@ -152,7 +164,11 @@ def multi_head_attention(query: torch.Tensor, key: Optional[torch.Tensor], value
 
 @multi_head_attention.register_fake
 def _(query, key, value, params, config, key_padding_mask, attn_mask):
-    return query.new_empty(query.shape[:-1] + (_parsed(config)["embed_dim"],))
+    c = _parsed(config)
+    # Under autocast the output projection returns the autocast dtype, but for float64, which
+    # autocast leaves alone.
+    dtype = query.dtype if c["autocast"] is None or query.dtype == torch.float64 else getattr(torch, c["autocast"])
+    return query.new_empty(query.shape[:-1] + (c["embed_dim"],), dtype=dtype)
 
 
 @torch.library.custom_op("probattn::multi_head_attention_backward", mutates_args=())

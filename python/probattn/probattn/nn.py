@@ -11,6 +11,17 @@ from . import DEFAULT_TILE, _BAM_SETTINGS, _mask, _native, _ops
 __all__ = ["MultiheadAttention"]
 
 
+_AUTOCAST_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _autocast_dtype(device_type):
+    """The name of the autocast dtype on `device_type` (None where autocast is off; "other" for a
+    dtype the module's operator does not take, which then runs uncompiled)."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return _AUTOCAST_NAMES.get(torch.get_autocast_dtype(device_type), "other")
+
+
 class _Holder(torch.nn.Module):
     """An empty module holding parameters under a dotted name (`prior.f1.weight`)."""
 
@@ -91,7 +102,8 @@ class MultiheadAttention(torch.nn.Module):
         config = {"embed_dim": embed_dim, "num_heads": num_heads, "variant": variant, "bias": bias, "tile": self.tile,
                   "settings": self._settings, "names": [name for name, _ in self.named_parameters()],
                   **({"kdim": None, "vdim": None} if self._qkv_same_embed_dim else {"kdim": self.kdim, "vdim": self.vdim})}
-        self._op_config = {causal: json.dumps({**config, "causal": causal}) for causal in (False, True)}
+        self._op_config = {(causal, autocast): json.dumps({**config, "causal": causal, "autocast": autocast})
+                           for causal in (False, True) for autocast in (None, "bfloat16", "float16")}
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False, noise=None):
@@ -118,11 +130,13 @@ class MultiheadAttention(torch.nn.Module):
             # nn.MultiheadAttention's (N * H, L, S) per-head masks, as (N, H, L, S).
             attn_mask = attn_mask.view(query.shape[0], self.num_heads, *attn_mask.shape[1:])
         key_padding_mask = _mask("key_padding_mask", key_padding_mask)
-        if (torch.compiler.is_compiling() and not need_weights and noise is None and _ops.traceable(self.variant)
-                and not (self.training and self.dropout > 0) and not torch.is_autocast_enabled(query.device.type)):
+        compiled = (torch.compiler.is_compiling() and not need_weights and noise is None and _ops.traceable(self.variant)
+                    and not (self.training and self.dropout > 0))
+        autocast = _autocast_dtype(query.device.type) if compiled else None
+        if compiled and autocast != "other":
             # Under torch.compile: the custom operator, which the compiler traces without a graph break.
             output = _ops.multi_head_attention(query, None if key_is_query else key, None if value_is_key else value,
-                                               list(self.parameters()), self._op_config[bool(is_causal)],
+                                               list(self.parameters()), self._op_config[(bool(is_causal), autocast)],
                                                key_padding_mask, attn_mask)
             weights, kl = None, None
         else:

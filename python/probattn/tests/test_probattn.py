@@ -331,20 +331,52 @@ class Autocast(unittest.TestCase):
                     self.assertTrue(torch.equal(out, apart))
 
     def test_a_compiled_module_under_autocast_equals_the_uncompiled_one(self):
-        # Under autocast the module's call runs uncompiled inside the compiled code (its casts are
-        # the library's own), so the two agree bit for bit.
+        # The module's operator runs the module under the autocast state it was traced in (and its
+        # backward recomputes in it, though the backward pass runs outside the region), so a model
+        # compiled into one graph under autocast equals the uncompiled one: bit for bit in the output
+        # (bfloat16 from float32 inputs; float64, which autocast leaves alone, stays float64) and in
+        # the gradients of both modules' parameters, which the operator computes. The gradients
+        # before the modules (the input's, the linear layer's) sum the attention's and the
+        # residual's bfloat16 gradients in another order: within 2^-6 of their largest entry there
+        # (1e-12 in float64). Self-attention with masks and cross-attention with kdim and vdim,
+        # both paths; inductor once.
+        cases = [(variant, memory_efficient, torch.float32) for variant in ("softmax", "dnas", "hnas", "sinkhorn-3")
+                 for memory_efficient in (False, True)] + [("dnas", True, D)]
+        for variant, memory_efficient, dtype in cases:
+            backend = "inductor" if (variant, memory_efficient) == ("dnas", False) else "aot_eager"
+            with self.subTest(f"{variant} memory_efficient={memory_efficient} {dtype} {backend}"):
+                torch.manual_seed(0)
+                model = Compile.model(variant, memory_efficient, batch_first=True, dtype=dtype)
+                inputs = Compile.inputs(batch_first=True, dtype=dtype)
+                torch._dynamo.reset()
+                compiled = torch.compile(model, fullgraph=True, backend=backend)
+                with torch.autocast("cpu", torch.bfloat16):
+                    eager, traced = model(*inputs), compiled(*inputs)
+                    self.assertEqual(torch._dynamo.explain(model)(*inputs).graph_break_count, 0)
+                self.assertEqual((eager.dtype, traced.dtype), (torch.bfloat16 if dtype == torch.float32 else dtype,) * 2)
+                self.assertTrue(torch.equal(eager, traced))
+                names = ["x"] + [name for name, _ in model.named_parameters()]
+                wrt = [inputs[0]] + list(model.parameters())
+                g = torch.randn(eager.shape, dtype=eager.dtype)
+                for name, a, r in zip(names, torch.autograd.grad(traced, wrt, g), torch.autograd.grad(eager, wrt, g)):
+                    self.assertEqual(a.dtype, dtype)
+                    if name.startswith(("attn.", "cross.")):
+                        self.assertTrue(torch.equal(a, r), name)
+                    else:
+                        atol = 1e-12 if dtype == D else 2 ** -6 * r.abs().max().item()
+                        torch.testing.assert_close(a, r, rtol=0, atol=atol, msg=name)
+
+    def test_the_module_operator_passes_opcheck_under_autocast(self):
+        from probattn import _ops
+
         torch.manual_seed(0)
-        attn = probattn.nn.MultiheadAttention(16, 4, variant="hnas", batch_first=True)
-        x = torch.randn(2, 5, 16)
-
-        def f(x):
-            return attn(x, x, x, need_weights=False)[0]
-
-        torch._dynamo.reset()
-        with torch.autocast("cpu", torch.bfloat16):
-            eager, compiled = f(x), torch.compile(f, backend="aot_eager")(x)
-        self.assertEqual((eager.dtype, compiled.dtype), (torch.bfloat16, torch.bfloat16))
-        self.assertTrue(torch.equal(eager, compiled))
+        attn = probattn.nn.MultiheadAttention(8, 2, variant="dnas", batch_first=True, kdim=6, vdim=6)
+        q = torch.randn(2, 3, 8, requires_grad=True)
+        kv = torch.randn(2, 4, 6, requires_grad=True)
+        params = [p.detach().requires_grad_() for p in attn.parameters()]
+        config = attn._op_config[(False, "bfloat16")]
+        self.assertEqual(_ops.multi_head_attention(q, kv, None, params, config, None, None).dtype, torch.bfloat16)
+        torch.library.opcheck(_ops.multi_head_attention, (q, kv, None, params, config, None, None))
 
 
 class Repulsive(unittest.TestCase):
@@ -404,15 +436,16 @@ class Repulsive(unittest.TestCase):
 
 class Compile(unittest.TestCase):
     @staticmethod
-    def model(variant, memory_efficient, batch_first):
+    def model(variant, memory_efficient, batch_first, dtype=D):
         tile = {"memory_efficient": True, "tile": 2} if memory_efficient else {}
 
         class Model(torch.nn.Module):
             def __init__(self):
                 super().__init__()
-                self.lin = torch.nn.Linear(16, 16, dtype=D)
-                self.attn = probattn.nn.MultiheadAttention(16, 4, variant=variant, batch_first=batch_first, dtype=D, **tile)
-                self.cross = probattn.nn.MultiheadAttention(16, 4, variant=variant, batch_first=batch_first, dtype=D,
+                self.lin = torch.nn.Linear(16, 16, dtype=dtype)
+                self.attn = probattn.nn.MultiheadAttention(16, 4, variant=variant, batch_first=batch_first, dtype=dtype,
+                                                           **tile)
+                self.cross = probattn.nn.MultiheadAttention(16, 4, variant=variant, batch_first=batch_first, dtype=dtype,
                                                             kdim=8, vdim=6, **tile)
 
             def forward(self, x, memory, values, padding, mask):
@@ -421,6 +454,21 @@ class Compile(unittest.TestCase):
                 return self.cross(h, memory, values, need_weights=False)[0].sum(-1)
 
         return Model()
+
+    @staticmethod
+    def inputs(batch_first, dtype=D):
+        """The model's inputs: x (a gradient's input), the memory's keys and values, a key padding
+        mask with two padded keys in the second sequence, and an attention mask excluding one pair."""
+        g = torch.Generator().manual_seed(1)
+        shape = (lambda n, l, e: (n, l, e)) if batch_first else (lambda n, l, e: (l, n, e))
+        x = torch.randn(shape(2, 5, 16), generator=g, dtype=dtype, requires_grad=True)
+        memory = torch.randn(shape(2, 7, 8), generator=g, dtype=dtype)
+        values = torch.randn(shape(2, 7, 6), generator=g, dtype=dtype)
+        padding = torch.zeros(2, 5, dtype=torch.bool)
+        padding[1, -2:] = True
+        mask = torch.zeros(5, 5, dtype=torch.bool)
+        mask[0, 3] = True
+        return x, memory, values, padding, mask
 
     def test_a_model_with_the_module_compiles_into_one_graph(self):
         # Each traceable variant, on both paths, in self-attention with masks and in cross-attention
@@ -433,16 +481,8 @@ class Compile(unittest.TestCase):
                 with self.subTest(f"{variant} memory_efficient={memory_efficient} {backend}"):
                     torch.manual_seed(0)
                     model = self.model(variant, memory_efficient, batch_first)
-                    g = torch.Generator().manual_seed(1)
-                    shape = (lambda n, l, e: (n, l, e)) if batch_first else (lambda n, l, e: (l, n, e))
-                    x = torch.randn(shape(2, 5, 16), generator=g, dtype=D, requires_grad=True)
-                    memory = torch.randn(shape(2, 7, 8), generator=g, dtype=D)
-                    values = torch.randn(shape(2, 7, 6), generator=g, dtype=D)
-                    padding = torch.zeros(2, 5, dtype=torch.bool)
-                    padding[1, -2:] = True
-                    mask = torch.zeros(5, 5, dtype=torch.bool)
-                    mask[0, 3] = True
-                    inputs = (x, memory, values, padding, mask)
+                    inputs = self.inputs(batch_first)
+                    x = inputs[0]
                     eager = model(*inputs)
                     torch._dynamo.reset()
                     compiled = torch.compile(model, fullgraph=True, backend=backend)(*inputs)
@@ -477,7 +517,7 @@ class Compile(unittest.TestCase):
         kv = torch.randn(2, 4, 6, dtype=D, requires_grad=True)
         padding = torch.tensor([[False, False, False, True], [False] * 4])
         params = [p.detach().requires_grad_() for p in attn.parameters()]
-        torch.library.opcheck(_ops.multi_head_attention, (q, kv, None, params, attn._op_config[False], padding, None))
+        torch.library.opcheck(_ops.multi_head_attention, (q, kv, None, params, attn._op_config[(False, None)], padding, None))
 
 
 class HuggingFace(unittest.TestCase):
