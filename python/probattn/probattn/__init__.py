@@ -114,7 +114,8 @@ def attention(query, key, value, *, variant="softmax", key_padding_mask=None, at
         keeps nothing `(S_q, S_k)` for the backward pass; every variant has one.
     training: BAM samples (and dropout_p applies on the eager path); otherwise BAM returns its mean.
     seed: the key of the memory-efficient path's BAM draws (None: libtorch's generator, which
-        `torch.manual_seed` sets).
+        `torch.manual_seed` sets). Under `torch.compile` a seeded (or given) draw compiles without
+        a graph break; a draw from the generator breaks the graph at the call.
     hybrid_logit: HNAS's `(H,)` gate logits, u = sigmoid(logit) (required for hnas).
     bam: BAM's settings, a dict: k, sigma, prior_alpha, prior_beta, prior_mu, prior_sigma,
         prior_hidden, base (the variant under the noise, default softmax), prior (the contextual
@@ -142,10 +143,24 @@ def attention(query, key, value, *, variant="softmax", key_padding_mask=None, at
     if tile is not None and tile < 1:
         raise ValueError(f"tile must be at least 1, got {tile}")
     attn_mask, key_padding_mask = _mask("attn_mask", attn_mask), _mask("key_padding_mask", key_padding_mask)
-    if (torch.compiler.is_compiling() and not return_info and _ops.traceable(variant) and bam is None
-            and not (training and dropout_p > 0)):
-        # Under torch.compile: the custom operator, which the compiler traces without a graph break.
-        return _ops.attention(query, key, value, variant, tile, attn_mask, key_padding_mask, bool(is_causal), hybrid_logit)
+    if torch.compiler.is_compiling() and not (training and dropout_p > 0):
+        # Under torch.compile: a custom operator, which the compiler traces without a graph break.
+        if not return_info and _ops.traceable(variant) and bam is None:
+            return _ops.attention(query, key, value, variant, tile, attn_mask, key_padding_mask, bool(is_causal),
+                                  hybrid_logit)
+        # BAM where its draws can be replayed (none in evaluation, a given one, or the memory-efficient
+        # path's seeded ones); return_info on the memory-efficient path, which forms no weights.
+        replayable = not training or noise is not None or (tile is not None and seed is not None)
+        if _ops.replayable_bam(variant) and replayable and (tile is not None or not return_info):
+            autocast = _ops.autocast_name(query.device.type)
+            if autocast != "other":
+                config = _ops.bam_config(variant, tuple(sorted(settings.items())), base, bool(training), tuple(params),
+                                         autocast)
+                output, mass, kl = _ops.bam_attention(query, key, value, config, tile, attn_mask, key_padding_mask,
+                                                      bool(is_causal), list(params.values()), noise, seed)
+                if not return_info:
+                    return output
+                return output, AttentionInfo(received_mass=mass, kl=kl if kl.dim() == 0 else None, weights=None)
     output, weights, mass, kl = _native.attention(
         query, key, value, variant,
         key_padding_mask=key_padding_mask, attn_mask=attn_mask,

@@ -1,9 +1,10 @@
-"""`probattn.attention` as `torch.library` custom operators, so that `torch.compile` traces a call
-without a graph break: the variants without sampling, on the eager path and the memory-efficient
-one (softmax, dnas, sinkhorn-N, and hnas with its gate logits). The forward operator is the
-library's attention; the backward operator recomputes it under autograd and returns the library's
-gradients (one more forward pass than the uncompiled call, which keeps its own backward). Both have
-fake implementations, so the compiler knows their shapes without running them."""
+"""`probattn.attention` and `probattn.nn.MultiheadAttention` as `torch.library` custom operators,
+so that `torch.compile` traces a call without a graph break: the variants without sampling, on the
+eager path and the memory-efficient one (softmax, dnas, sinkhorn-N, and hnas with its gate logits),
+and BAM where its draws can be replayed. Each forward operator is the library's computation; its
+backward operator recomputes it under autograd and returns the library's gradients (one more
+forward pass than the uncompiled call, which keeps its own backward). All have fake
+implementations, so the compiler knows their shapes without running them."""
 
 import functools
 import json
@@ -119,6 +120,38 @@ def traceable(variant):
     return e is not None and not e["stochastic"]
 
 
+# The module's operator and BAM's are not cast by autocast: their configuration names the autocast
+# dtype the call was traced in, and they run the library in that state, as the uncompiled call runs.
+_AUTOCAST_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def autocast_name(device_type):
+    """The name of the autocast dtype on `device_type`: None where autocast is off, "other" for a
+    dtype the operators that take it do not (the call then runs uncompiled)."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return _AUTOCAST_NAMES.get(torch.get_autocast_dtype(device_type), "other")
+
+
+def _traced_autocast(c, t):
+    """The autocast state a call was traced in (`c["autocast"]`: a dtype's name, or None for none),
+    set again wherever its operator runs: the backward operator recomputes the forward pass as it
+    ran, whatever the state when the backward pass runs (usually after the region has closed)."""
+    return torch.autocast(t.device.type, dtype=getattr(torch, c["autocast"] or "bfloat16"),
+                          enabled=c["autocast"] is not None)
+
+
+def _autocast_dtype(c, t):
+    """The dtype attention computes in for input `t`: the traced autocast dtype, but for float64,
+    which autocast leaves alone."""
+    return t.dtype if c["autocast"] is None or t.dtype == torch.float64 else getattr(torch, c["autocast"])
+
+
+def _statistics_dtype(dtype):
+    """The dtype of the statistics (received mass, KL) for attention computed in `dtype`."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
 # `probattn.nn.MultiheadAttention` as a custom operator, for the same variants and the same
 # reason: the library's multi-head module (projections, masks, the normalizer, either path) is one
 # operator whose inputs are the module's inputs and parameters. `key` None is `query` and `value`
@@ -129,23 +162,15 @@ def traceable(variant):
 # module in that state, as the uncompiled call does.
 @functools.lru_cache(maxsize=None)
 def _parsed(config):
-    """A module's configuration, parsed once (the operator runs at every step of a compiled model)."""
+    """An operator's configuration, parsed once (the operator runs at every step of a compiled model)."""
     return json.loads(config)
-
-
-def _module_autocast(c, query):
-    """The autocast state the module's call was traced in (`c["autocast"]`: a dtype's name, or None
-    for none), set again wherever the operator runs: its backward recomputes the forward pass as it
-    ran, whatever the state when the backward pass runs."""
-    return torch.autocast(query.device.type, dtype=getattr(torch, c["autocast"] or "bfloat16"),
-                          enabled=c["autocast"] is not None)
 
 
 def _run_module(query, key, value, params, config, key_padding_mask, attn_mask):
     c = _parsed(config)
     key = query if key is None else key
     value = key if value is None else value
-    with _module_autocast(c, query):
+    with _traced_autocast(c, query):
         out, _, _ = _native.multi_head_attention(
             query, key, value, c["embed_dim"], c["num_heads"], c["variant"], dict(zip(c["names"], params)),
             kdim=c["kdim"], vdim=c["vdim"], bias=c["bias"], tile=c["tile"], key_padding_mask=key_padding_mask,
@@ -165,10 +190,8 @@ def multi_head_attention(query: torch.Tensor, key: Optional[torch.Tensor], value
 @multi_head_attention.register_fake
 def _(query, key, value, params, config, key_padding_mask, attn_mask):
     c = _parsed(config)
-    # Under autocast the output projection returns the autocast dtype, but for float64, which
-    # autocast leaves alone.
-    dtype = query.dtype if c["autocast"] is None or query.dtype == torch.float64 else getattr(torch, c["autocast"])
-    return query.new_empty(query.shape[:-1] + (c["embed_dim"],), dtype=dtype)
+    # Under autocast the output projection returns the autocast dtype.
+    return query.new_empty(query.shape[:-1] + (c["embed_dim"],), dtype=_autocast_dtype(c, query))
 
 
 @torch.library.custom_op("probattn::multi_head_attention_backward", mutates_args=())
@@ -206,3 +229,101 @@ def _module_backward(ctx, grad):
 
 
 multi_head_attention.register_autograd(_module_backward, setup_context=_setup_module_context)
+
+
+# BAM as a custom operator, where its draws can be replayed by the recomputing backward: in
+# evaluation (no draws: BAM's mean), with a given draw (`noise`), and on the memory-efficient path
+# with a `seed` (its tiles draw from the seed). It returns the received mass (the memory-efficient
+# path's; empty on the eager path) and the KL term (empty where there is none) beside the output,
+# so a compiled training step has its loss's KL. `config` is JSON: the variant, its settings and
+# base, training, the names of `params` (the contextual prior's, HNAS's gate logits under an hnas
+# base) and the autocast dtype the call was traced in, which the operator sets again.
+@torch.compiler.assume_constant_result
+def replayable_bam(variant):
+    """Whether `variant` is a BAM variant (a stochastic registry entry), which `bam_attention` takes."""
+    e = _registry.entry(variant)
+    return e is not None and e["stochastic"]
+
+
+@torch.compiler.assume_constant_result
+def bam_config(variant, settings, base, training, names, autocast):
+    """The configuration `bam_attention` takes; `settings` as (name, value) pairs."""
+    e = _registry.entry(variant)
+    return json.dumps({"variant": variant, "settings": dict(settings), "base": base, "training": training,
+                       "names": list(names), "autocast": autocast, "kl": training and e["kl"]})
+
+
+def _run_bam(q, k, v, config, tile, attn_mask, key_padding_mask, causal, params, noise, seed):
+    c = _parsed(config)
+    with _traced_autocast(c, q):
+        out, _, mass, kl = _native.attention(
+            q, k, v, c["variant"], key_padding_mask=key_padding_mask, attn_mask=attn_mask, causal=causal, tile=tile,
+            training=c["training"], dropout=0.0, seed=seed, noise=noise, need_weights=False,
+            params=dict(zip(c["names"], params)), settings=c["settings"], bam_base=c["base"])
+    return out, mass, kl
+
+
+def _bam_layout(q, v, config, tile):
+    """The (shape, dtype) of the output, the received mass and the KL term, as the fake
+    implementation states them: the mass is empty on the eager path, the KL where there is none."""
+    c = _parsed(config)
+    dtype = _autocast_dtype(c, q)
+    stats = _statistics_dtype(dtype)
+    mass = (q.shape[0], q.shape[1], v.shape[-2]) if tile is not None else (0,)
+    return (q.shape[:-1] + (v.shape[-1],), dtype), (mass, stats), (() if c["kl"] else (0,), stats)
+
+
+@torch.library.custom_op("probattn::bam_attention", mutates_args=())
+def bam_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: str, tile: Optional[int],
+                  attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor], causal: bool,
+                  params: list[torch.Tensor], noise: Optional[torch.Tensor],
+                  seed: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output `(B, H, S_q, d_v)`, received mass `(B, H, S_k)` or empty, KL `()` or empty)."""
+    out, mass, kl = _run_bam(q, k, v, config, tile, attn_mask, key_padding_mask, causal, params, noise, seed)
+    _, (_, stats), _ = _bam_layout(q, v, config, tile)
+    mass = mass if mass is not None else q.new_empty(0, dtype=stats)  # two tensors: outputs may not alias
+    kl = kl if kl is not None else q.new_empty(0, dtype=stats)
+    return out.contiguous(), mass, kl
+
+
+@bam_attention.register_fake
+def _(q, k, v, config, tile, attn_mask, key_padding_mask, causal, params, noise, seed):
+    return tuple(q.new_empty(shape, dtype=dtype) for shape, dtype in _bam_layout(q, v, config, tile))
+
+
+@torch.library.custom_op("probattn::bam_attention_backward", mutates_args=())
+def bam_attention_backward(grad: torch.Tensor, grad_kl: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, config: str, tile: Optional[int], attn_mask: Optional[torch.Tensor],
+                           key_padding_mask: Optional[torch.Tensor], causal: bool, params: list[torch.Tensor],
+                           noise: Optional[torch.Tensor], seed: Optional[int]) -> list[torch.Tensor]:
+    """The gradients in q, k, v and every parameter, of the output and the KL term, from the same
+    draws."""
+    with torch.enable_grad(), _autograd_dispatch():
+        inputs = [t.detach().requires_grad_() for t in (q, k, v, *params)]
+        out, _, kl = _run_bam(*inputs[:3], config, tile, attn_mask, key_padding_mask, causal, inputs[3:], noise, seed)
+        outputs, grads = ([out, kl], [grad, grad_kl]) if kl is not None else ([out], [grad])
+        found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+        return [_laid_out_as(t, g if g is not None else torch.zeros_like(t)) for t, g in zip(inputs, found)]
+
+
+@bam_attention_backward.register_fake
+def _(grad, grad_kl, q, k, v, config, tile, attn_mask, key_padding_mask, causal, params, noise, seed):
+    return [torch.empty_like(t) for t in (q, k, v, *params)]
+
+
+def _setup_bam_context(ctx, inputs, output):
+    q, k, v, config, tile, attn_mask, key_padding_mask, causal, params, noise, seed = inputs
+    ctx.save_for_backward(q, k, v, attn_mask, key_padding_mask, noise, *params)
+    ctx.options = (config, tile, causal, seed)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _bam_backward(ctx, grad, _grad_mass, grad_kl):
+    q, k, v, attn_mask, key_padding_mask, noise, *params = ctx.saved_tensors
+    config, tile, causal, seed = ctx.options
+    grads = bam_attention_backward(grad, grad_kl, q, k, v, config, tile, attn_mask, key_padding_mask, causal, params,
+                                   noise, seed)
+    return *grads[:3], None, None, None, None, None, grads[3:], None, None
+
+
+bam_attention.register_autograd(_bam_backward, setup_context=_setup_bam_context)

@@ -11,17 +11,6 @@ from . import DEFAULT_TILE, _BAM_SETTINGS, _mask, _native, _ops
 __all__ = ["MultiheadAttention"]
 
 
-_AUTOCAST_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def _autocast_dtype(device_type):
-    """The name of the autocast dtype on `device_type` (None where autocast is off; "other" for a
-    dtype the module's operator does not take, which then runs uncompiled)."""
-    if not torch.is_autocast_enabled(device_type):
-        return None
-    return _AUTOCAST_NAMES.get(torch.get_autocast_dtype(device_type), "other")
-
-
 class _Holder(torch.nn.Module):
     """An empty module holding parameters under a dotted name (`prior.f1.weight`)."""
 
@@ -132,7 +121,7 @@ class MultiheadAttention(torch.nn.Module):
         key_padding_mask = _mask("key_padding_mask", key_padding_mask)
         compiled = (torch.compiler.is_compiling() and not need_weights and noise is None and _ops.traceable(self.variant)
                     and not (self.training and self.dropout > 0))
-        autocast = _autocast_dtype(query.device.type) if compiled else None
+        autocast = _ops.autocast_name(query.device.type) if compiled else None
         if compiled and autocast != "other":
             # Under torch.compile: the custom operator, which the compiler traces without a graph break.
             output = _ops.multi_head_attention(query, None if key_is_query else key, None if value_is_key else value,

@@ -705,17 +705,126 @@ class CompileWithoutGraphBreaks(unittest.TestCase):
 
                     self.assertTrue(gradcheck(call, (q, k, v) + ((gate,) if gate is not None else ())))
 
-    def test_a_call_the_operator_cannot_take_breaks_the_graph_and_still_runs(self):
-        # BAM samples, and the weights (return_info) are a second output: those calls run uncompiled.
-        q, k, v = qkv()
+    @staticmethod
+    def bam_case(variant, how, memory_efficient, dtype=D):
+        """A BAM call's inputs and a function of them returning (output, received mass, KL):
+        `how` is "seed" (training, draws from a seed), "noise" (training, a given draw) or
+        "evaluation"; key padding; the contextual prior's parameters for bam-wc and bam-lc."""
+        b, h, sq, sk, d = 2, 3, 5, 6, 4
+        q, k, v = (t.detach().to(dtype).requires_grad_() for t in qkv(b, h, sq, sk, d))
+        prior = {n: t.to(dtype).requires_grad_() for n, t in prior_params(h, d, 4).items()}
+        bam = dict(BAM_CFG, prior=prior) if variant in ("bam-wc", "bam-lc") else dict(BAM_CFG)
+        options = {"training": how != "evaluation", "key_padding_mask": layouts(b, h, sq, sk)[1][1]["key_padding_mask"],
+                   "memory_efficient": memory_efficient, "return_info": memory_efficient}
+        if memory_efficient:
+            options["tile"] = 2
+        if how == "noise":
+            bam["noise"] = bam_noise(variant, (b, h, sq, sk)).to(dtype)
+        if how == "seed":
+            options["seed"] = 11
 
-        def f(q, k, v):
-            out, info = probattn.attention(q, k, v, variant="dnas", return_info=True)
-            return out.sum() + info.received_mass.sum()
+        def f(q, k, v, *prior_values):
+            result = probattn.attention(q, k, v, variant=variant, bam=bam, **options)
+            return (result[0], result[1].received_mass, result[1].kl) if memory_efficient else (result, None, None)
+
+        return f, (q, k, v, *(prior.values() if "prior" in bam else ()))
+
+    def test_bam_compiles_into_one_graph_where_its_draws_replay(self):
+        # BAM's draws replay in evaluation (none: its mean), with a given draw, and from a seed on the
+        # memory-efficient path: its operator recomputes the same draws for the backward pass, so
+        # the compiled call equals the uncompiled one in the output, the received mass and the KL
+        # term (return_info, on the memory-efficient path) and in the gradients of q, k, v and the
+        # contextual prior's parameters, to 1e-12 in float64, with no graph break. Inductor once.
+        cases = [("seed", True), ("noise", True), ("noise", False), ("evaluation", True), ("evaluation", False)]
+        for variant in BAM:
+            for how, memory_efficient in cases:
+                backend = "inductor" if (variant, how) == ("bam-wc", "seed") else "aot_eager"
+                with self.subTest(f"{variant} {how} memory_efficient={memory_efficient} {backend}"):
+                    f, inputs = self.bam_case(variant, how, memory_efficient)
+                    torch._dynamo.reset()
+                    compiled, eager = torch.compile(f, fullgraph=True, backend=backend)(*inputs), f(*inputs)
+                    for a, r in zip(compiled, eager):
+                        self.assertEqual(a is None, r is None)
+                        if r is not None:
+                            torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
+                    self.assertEqual(eager[2] is not None, memory_efficient and how != "evaluation" and variant != "bam-nokl")
+                    if memory_efficient:
+                        self.assertFalse(compiled[1].requires_grad)
+
+                    def loss(out, mass, kl):
+                        return torch.tanh(out).sum() + (kl if kl is not None else 0)
+
+                    # Without the KL the prior is unused: no gradient uncompiled, zeros compiled.
+                    grads = [torch.autograd.grad(loss(*result), inputs, allow_unused=True) for result in (compiled, eager)]
+                    for t, a, r in zip(inputs, *grads):
+                        zero = torch.zeros_like(t)
+                        torch.testing.assert_close(a if a is not None else zero, r if r is not None else zero, rtol=0, atol=1e-12)
+                    self.assertEqual(torch._dynamo.explain(f)(*inputs).graph_break_count, 0)
+
+    def test_bam_compiled_under_autocast_equals_the_uncompiled_call(self):
+        # The operator runs the call in the autocast state it was traced in: float32 inputs give a
+        # bfloat16 output and float32 mass and KL, bit for bit as uncompiled, gradients too.
+        f, inputs = self.bam_case("bam-wc", "seed", True, dtype=torch.float32)
+        torch._dynamo.reset()
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+        with torch.autocast("cpu", torch.bfloat16):
+            traced, eager = compiled(*inputs), f(*inputs)
+        self.assertEqual([t.dtype for t in traced], [torch.bfloat16, torch.float32, torch.float32])
+        for a, r in zip(traced, eager):
+            self.assertTrue(torch.equal(a, r))
+        g = torch.randn(eager[0].shape, dtype=eager[0].dtype)
+        for a, r in zip(torch.autograd.grad([traced[0], traced[2]], inputs, [g, torch.tensor(0.7)]),
+                        torch.autograd.grad([eager[0], eager[2]], inputs, [g, torch.tensor(0.7)])):
+            self.assertTrue(torch.equal(a, r))
+
+    def test_the_bam_operator_passes_opcheck_and_gradcheck(self):
+        from probattn import _ops
+
+        q, k, v = qkv()
+        prior = [t.requires_grad_() for t in prior_params(3, 4, 4).values()]
+        names = tuple("prior." + n for n in ("f1.weight", "f1.bias", "f2.weight", "f2.bias"))
+        settings = tuple(sorted(BAM_CFG.items()))
+        for variant, tile, noise, seed in (("bam-wc", 2, None, 11), ("bam-lc", None, bam_noise("bam-lc", (2, 3, 5, 6)), None)):
+            with self.subTest(f"{variant} tile={tile}"):
+                config = _ops.bam_config(variant, settings, None, True, names, None)
+                torch.library.opcheck(_ops.bam_attention, (q, k, v, config, tile, None, None, False, prior, noise, seed))
+
+                def call(q, k, v, *prior):
+                    out, _, kl = _ops.bam_attention(q, k, v, config, tile, None, None, False, list(prior), noise, seed)
+                    return out, kl
+
+                self.assertTrue(gradcheck(call, (q, k, v, *prior)))
+        # Traced under autocast, in float32: a bfloat16 output, float32 mass and KL, as the fake form says.
+        config = _ops.bam_config("bam-wc", settings, None, True, names, "bfloat16")
+        args = [t.detach().float().requires_grad_() for t in (q, k, v, *prior)]
+        out, mass, kl = _ops.bam_attention(*args[:3], config, 2, None, None, False, args[3:], None, 11)
+        self.assertEqual((out.dtype, mass.dtype, kl.dtype), (torch.bfloat16, torch.float32, torch.float32))
+        torch.library.opcheck(_ops.bam_attention, (*args[:3], config, 2, None, None, False, args[3:], None, 11))
+
+    def test_a_call_the_operator_cannot_take_breaks_the_graph_and_still_runs(self):
+        # The weights (return_info on the eager path) are a second output, and BAM's draws from
+        # libtorch's generator (training without a seed or a given draw) cannot be replayed: those
+        # calls run uncompiled.
+        q, k, v = qkv()
+        noise = bam_noise("bam-wf", (2, 3, 5, 6))
+        for variant, options in (("dnas", {}), ("bam-wf", {"training": True, "bam": {"noise": noise}})):
+            with self.subTest(variant):
+                def f(q, k, v):
+                    out, info = probattn.attention(q, k, v, variant=variant, return_info=True, **options)
+                    return out.sum() + info.received_mass.sum() + (info.kl if info.kl is not None else 0)
+
+                torch._dynamo.reset()
+                torch.testing.assert_close(torch.compile(f, backend="aot_eager")(q, k, v), f(q, k, v), rtol=0, atol=1e-12)
+                self.assertEqual(torch._dynamo.explain(f)(q, k, v).graph_break_count, 1)
+
+        def sampled(q, k, v):
+            return probattn.attention(q, k, v, variant="bam-wf", training=True, memory_efficient=True).sum()
 
         torch._dynamo.reset()
-        torch.testing.assert_close(torch.compile(f, backend="aot_eager")(q, k, v), f(q, k, v), rtol=0, atol=1e-12)
-        self.assertEqual(torch._dynamo.explain(f)(q, k, v).graph_break_count, 1)
+        self.assertTrue(torch.compile(sampled, backend="aot_eager")(q, k, v).isfinite())
+        torch._dynamo.reset()
+        with self.assertRaises(torch._dynamo.exc.Unsupported):
+            torch.compile(sampled, fullgraph=True, backend="aot_eager")(q, k, v)
 
 
     def test_a_compiled_call_raises_the_uncompiled_calls_error(self):
