@@ -174,8 +174,8 @@ def _run_module(query, key, value, params, config, key_padding_mask, attn_mask):
         out, _, _ = _native.multi_head_attention(
             query, key, value, c["embed_dim"], c["num_heads"], c["variant"], dict(zip(c["names"], params)),
             kdim=c["kdim"], vdim=c["vdim"], bias=c["bias"], tile=c["tile"], key_padding_mask=key_padding_mask,
-            attn_mask=attn_mask, causal=c["causal"], settings=c["settings"], key_is_query=key is query,
-            value_is_key=value is key)
+            attn_mask=attn_mask, causal=c["causal"], settings=c["settings"], bam_base=c["bam_base"],
+            key_is_query=key is query, value_is_key=value is key)
     return out
 
 
@@ -205,7 +205,9 @@ def multi_head_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: 
         ps = [p.detach().requires_grad_() for p in params]
         out = _run_module(q, k, v, ps, config, key_padding_mask, attn_mask)
         inputs = [t for t in (q, k, v) if t is not None] + ps
-        return [_laid_out_as(t, g) for t, g in zip(inputs, torch.autograd.grad(out, inputs, grad))]
+        # A parameter the call leaves unused (BAM's prior in evaluation) gets zeros.
+        found = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+        return [_laid_out_as(t, g if g is not None else torch.zeros_like(t)) for t, g in zip(inputs, found)]
 
 
 @multi_head_attention_backward.register_fake

@@ -89,7 +89,7 @@ class MultiheadAttention(torch.nn.Module):
         # The configuration the compiled form's custom operator takes (probattn/_ops.py), without and
         # with the causal mask, naming the parameters in the order forward passes them.
         config = {"embed_dim": embed_dim, "num_heads": num_heads, "variant": variant, "bias": bias, "tile": self.tile,
-                  "settings": self._settings, "names": [name for name, _ in self.named_parameters()],
+                  "settings": self._settings, "bam_base": self._base, "names": [name for name, _ in self.named_parameters()],
                   **({"kdim": None, "vdim": None} if self._qkv_same_embed_dim else {"kdim": self.kdim, "vdim": self.vdim})}
         self._op_config = {(causal, autocast): json.dumps({**config, "causal": causal, "autocast": autocast})
                            for causal in (False, True) for autocast in (None, "bfloat16", "float16")}
@@ -119,7 +119,9 @@ class MultiheadAttention(torch.nn.Module):
             # nn.MultiheadAttention's (N * H, L, S) per-head masks, as (N, H, L, S).
             attn_mask = attn_mask.view(query.shape[0], self.num_heads, *attn_mask.shape[1:])
         key_padding_mask = _mask("key_padding_mask", key_padding_mask)
-        compiled = (torch.compiler.is_compiling() and not need_weights and noise is None and _ops.traceable(self.variant)
+        # BAM in evaluation draws nothing (its mean), so the operator takes it too.
+        takes = _ops.traceable(self.variant) or (_ops.replayable_bam(self.variant) and not self.training)
+        compiled = (torch.compiler.is_compiling() and not need_weights and noise is None and takes
                     and not (self.training and self.dropout > 0))
         autocast = _ops.autocast_name(query.device.type) if compiled else None
         if compiled and autocast != "other":

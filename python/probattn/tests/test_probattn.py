@@ -436,8 +436,8 @@ class Repulsive(unittest.TestCase):
 
 class Compile(unittest.TestCase):
     @staticmethod
-    def model(variant, memory_efficient, batch_first, dtype=D):
-        tile = {"memory_efficient": True, "tile": 2} if memory_efficient else {}
+    def model(variant, memory_efficient, batch_first, dtype=D, **options):
+        tile = {"memory_efficient": True, "tile": 2, **options} if memory_efficient else options
 
         class Model(torch.nn.Module):
             def __init__(self):
@@ -492,17 +492,42 @@ class Compile(unittest.TestCase):
                         torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
                     self.assertEqual(torch._dynamo.explain(model)(*inputs).graph_break_count, 0)
 
+    def test_bam_in_evaluation_compiles_into_one_graph(self):
+        # A BAM module in evaluation draws nothing (its mean: the base variant, here softmax and
+        # DNAS): the module's operator takes it. Output and gradients (zeros where the uncompiled
+        # call has none: the prior's parameters, unused without draws) to 1e-12 in float64, with
+        # no graph break.
+        for variant, base in (("bam-wc", "softmax"), ("bam-lf", "dnas")):
+            for memory_efficient in (False, True):
+                with self.subTest(f"{variant} base {base} memory_efficient={memory_efficient}"):
+                    torch.manual_seed(0)
+                    model = self.model(variant, memory_efficient, batch_first=True, bam={"base": base}).eval()
+                    inputs = self.inputs(batch_first=True)
+                    eager = model(*inputs)
+                    torch._dynamo.reset()
+                    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(*inputs)
+                    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-12)
+                    wrt = [inputs[0]] + list(model.parameters())
+                    grads = [torch.autograd.grad(r.sum(), wrt, allow_unused=True) for r in (compiled, eager)]
+                    for t, a, r in zip(wrt, *grads):
+                        zero = torch.zeros_like(t)
+                        torch.testing.assert_close(a if a is not None else zero, r if r is not None else zero, rtol=0, atol=1e-12)
+                    self.assertEqual(torch._dynamo.explain(model)(*inputs).graph_break_count, 0)
+
     def test_a_module_call_the_operator_cannot_take_breaks_the_graph_and_still_runs(self):
-        # Weights asked for, and a variant that samples: the call runs uncompiled, the code around it
-        # compiled (Dynamo counts two breaks for a call that returns weights).
-        for variant, need_weights in (("dnas", True), ("bam-wf", False)):
+        # Weights asked for, and BAM sampling in training (here a given draw, so that the two calls
+        # agree): the call runs uncompiled, the code around it compiled (Dynamo counts two breaks
+        # for a call that returns weights).
+        noise = bam_noise("bam-wf", (2, 4, 5, 5))
+        for variant, need_weights, options in (("dnas", True, {}), ("bam-wf", False, {"noise": noise})):
             with self.subTest(variant):
                 torch.manual_seed(0)
-                attn = probattn.nn.MultiheadAttention(16, 4, variant=variant, batch_first=True, dtype=D).eval()
+                attn = probattn.nn.MultiheadAttention(16, 4, variant=variant, batch_first=True, dtype=D)
+                attn.train(variant.startswith("bam"))
                 x = torch.randn(2, 5, 16, dtype=D)
 
                 def f(x):
-                    return attn(torch.relu(x), x, x, need_weights=need_weights)[0].sum(-1)
+                    return attn(torch.relu(x), x, x, need_weights=need_weights, **options)[0].sum(-1)
 
                 torch._dynamo.reset()
                 torch.testing.assert_close(torch.compile(f, backend="aot_eager")(x), f(x), rtol=0, atol=1e-12)
