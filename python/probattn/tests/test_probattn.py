@@ -635,8 +635,9 @@ class HuggingFace(unittest.TestCase):
 
 @unittest.skipUnless(torch.cuda.is_available(), "no CUDA device")
 class Cuda(unittest.TestCase):
-    """The package on a GPU: gradcheck in float64 on CUDA tensors, and a tiny Llama on CUDA whose
-    probattn-softmax step equals sdpa's and whose BAM-WC training lowers the loss."""
+    """The package on a GPU: gradcheck in float64 on CUDA tensors, a tiny Llama on CUDA whose
+    probattn-softmax step equals sdpa's and whose BAM-WC training lowers the loss, and the compiled
+    forms' operators on CUDA."""
 
     def test_gradcheck_on_cuda(self):
         gradcheck_every_variant(self, "cuda", layouts_used=2)
@@ -681,6 +682,27 @@ class Cuda(unittest.TestCase):
             opt.step()
             losses.append(loss.item())
         self.assertLess(losses[-1], losses[0], losses)
+
+
+    def test_compiled_bam_and_module_under_autocast_on_cuda(self):
+        # The operators on CUDA tensors: BAM's seeded draws replayed by its backward (float64, to
+        # 1e-12), and a model of the module compiled under CUDA autocast, bit for bit in the output.
+        f, inputs = CompileWithoutGraphBreaks.bam_case("bam-wc", "seed", True, device="cuda")
+        torch._dynamo.reset()
+        compiled, eager = torch.compile(f, fullgraph=True, backend="aot_eager")(*inputs), f(*inputs)
+        for a, r in zip(compiled, eager):
+            torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
+        for a, r in zip(torch.autograd.grad(compiled[0].sum() + compiled[2], inputs),
+                        torch.autograd.grad(eager[0].sum() + eager[2], inputs)):
+            torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
+        torch.manual_seed(0)
+        model = Compile.model("dnas", True, batch_first=True, dtype=torch.float32).cuda()
+        inputs = [t.cuda() for t in Compile.inputs(batch_first=True, dtype=torch.float32)]
+        torch._dynamo.reset()
+        with torch.autocast("cuda", torch.bfloat16):
+            eager, traced = model(*inputs), torch.compile(model, fullgraph=True, backend="aot_eager")(*inputs)
+        self.assertEqual(traced.dtype, torch.bfloat16)
+        self.assertTrue(torch.equal(eager, traced))
 
 
 class CompileWithoutGraphBreaks(unittest.TestCase):
@@ -731,20 +753,22 @@ class CompileWithoutGraphBreaks(unittest.TestCase):
                     self.assertTrue(gradcheck(call, (q, k, v) + ((gate,) if gate is not None else ())))
 
     @staticmethod
-    def bam_case(variant, how, memory_efficient, dtype=D):
+    def bam_case(variant, how, memory_efficient, dtype=D, device="cpu"):
         """A BAM call's inputs and a function of them returning (output, received mass, KL):
         `how` is "seed" (training, draws from a seed), "noise" (training, a given draw) or
         "evaluation"; key padding; the contextual prior's parameters for bam-wc and bam-lc."""
         b, h, sq, sk, d = 2, 3, 5, 6, 4
-        q, k, v = (t.detach().to(dtype).requires_grad_() for t in qkv(b, h, sq, sk, d))
-        prior = {n: t.to(dtype).requires_grad_() for n, t in prior_params(h, d, 4).items()}
+        to = {"dtype": dtype, "device": device}
+        q, k, v = (t.detach().to(**to).requires_grad_() for t in qkv(b, h, sq, sk, d))
+        prior = {n: t.to(**to).requires_grad_() for n, t in prior_params(h, d, 4).items()}
         bam = dict(BAM_CFG, prior=prior) if variant in ("bam-wc", "bam-lc") else dict(BAM_CFG)
-        options = {"training": how != "evaluation", "key_padding_mask": layouts(b, h, sq, sk)[1][1]["key_padding_mask"],
-                   "memory_efficient": memory_efficient, "return_info": memory_efficient}
+        padding = layouts(b, h, sq, sk)[1][1]["key_padding_mask"].to(device)
+        options = {"training": how != "evaluation", "key_padding_mask": padding, "memory_efficient": memory_efficient,
+                   "return_info": memory_efficient}
         if memory_efficient:
             options["tile"] = 2
         if how == "noise":
-            bam["noise"] = bam_noise(variant, (b, h, sq, sk)).to(dtype)
+            bam["noise"] = bam_noise(variant, (b, h, sq, sk)).to(**to)
         if how == "seed":
             options["seed"] = 11
 
