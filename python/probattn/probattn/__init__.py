@@ -149,15 +149,17 @@ def attention(query, key, value, *, variant="softmax", key_padding_mask=None, at
             return _ops.attention(query, key, value, variant, tile, attn_mask, key_padding_mask, bool(is_causal),
                                   hybrid_logit)
         # BAM where its draws can be replayed (none in evaluation, a given one, or the memory-efficient
-        # path's seeded ones); return_info on the memory-efficient path, which forms no weights.
+        # path's seeded ones), and return_info on the memory-efficient path, which forms no weights:
+        # the operator that returns the received mass and the KL term too.
         replayable = not training or noise is not None or (tile is not None and seed is not None)
-        if _ops.replayable_bam(variant) and replayable and (tile is not None or not return_info):
+        takes = (_ops.replayable_bam(variant) and replayable) or (_ops.traceable(variant) and bam is None)
+        if takes and (tile is not None or not return_info):
             autocast = _ops.autocast_name(query.device.type)
             if autocast != "other":
-                config = _ops.bam_config(variant, tuple(sorted(settings.items())), base, bool(training), tuple(params),
-                                         autocast)
-                output, mass, kl = _ops.bam_attention(query, key, value, config, tile, attn_mask, key_padding_mask,
-                                                      bool(is_causal), list(params.values()), noise, seed)
+                config = _ops.info_config(variant, tuple(sorted(settings.items())), base, bool(training), tuple(params),
+                                          autocast)
+                output, mass, kl = _ops.attention_with_info(query, key, value, config, tile, attn_mask, key_padding_mask,
+                                                            bool(is_causal), list(params.values()), noise, seed)
                 if not return_info:
                     return output
                 return output, AttentionInfo(received_mass=mass, kl=kl if kl.dim() == 0 else None, weights=None)

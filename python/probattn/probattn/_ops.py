@@ -233,29 +233,30 @@ def _module_backward(ctx, grad):
 multi_head_attention.register_autograd(_module_backward, setup_context=_setup_module_context)
 
 
-# BAM as a custom operator, where its draws can be replayed by the recomputing backward: in
-# evaluation (no draws: BAM's mean), with a given draw (`noise`), and on the memory-efficient path
-# with a `seed` (its tiles draw from the seed). It returns the received mass (the memory-efficient
-# path's; empty on the eager path) and the KL term (empty where there is none) beside the output,
-# so a compiled training step has its loss's KL. `config` is JSON: the variant, its settings and
-# base, training, the names of `params` (the contextual prior's, HNAS's gate logits under an hnas
-# base) and the autocast dtype the call was traced in, which the operator sets again.
+# Attention with its statistics, as a custom operator: the received mass (the memory-efficient
+# path's; empty on the eager path) and the KL term (empty where there is none) beside the output.
+# It takes `return_info` calls on the memory-efficient path, and BAM where its draws can be
+# replayed by the recomputing backward: in evaluation (no draws: BAM's mean), with a given draw
+# (`noise`), and on the memory-efficient path with a `seed` (its tiles draw from the seed); a
+# compiled BAM training step has its loss's KL. `config` is JSON: the variant, its settings and
+# base, training, the names of `params` (the contextual prior's, HNAS's gate logits) and the
+# autocast dtype the call was traced in, which the operator sets again.
 @torch.compiler.assume_constant_result
 def replayable_bam(variant):
-    """Whether `variant` is a BAM variant (a stochastic registry entry), which `bam_attention` takes."""
+    """Whether `variant` is a BAM variant (a stochastic registry entry)."""
     e = _registry.entry(variant)
     return e is not None and e["stochastic"]
 
 
 @torch.compiler.assume_constant_result
-def bam_config(variant, settings, base, training, names, autocast):
-    """The configuration `bam_attention` takes; `settings` as (name, value) pairs."""
+def info_config(variant, settings, base, training, names, autocast):
+    """The configuration `attention_with_info` takes; `settings` as (name, value) pairs."""
     e = _registry.entry(variant)
     return json.dumps({"variant": variant, "settings": dict(settings), "base": base, "training": training,
                        "names": list(names), "autocast": autocast, "kl": training and e["kl"]})
 
 
-def _run_bam(q, k, v, config, tile, attn_mask, key_padding_mask, causal, params, noise, seed):
+def _run_with_info(q, k, v, config, tile, attn_mask, key_padding_mask, causal, params, noise, seed):
     c = _parsed(config)
     with _traced_autocast(c, q):
         out, _, mass, kl = _native.attention(
@@ -265,7 +266,7 @@ def _run_bam(q, k, v, config, tile, attn_mask, key_padding_mask, causal, params,
     return out, mass, kl
 
 
-def _bam_layout(q, v, config, tile):
+def _info_layout(q, v, config, tile):
     """The (shape, dtype) of the output, the received mass and the KL term, as the fake
     implementation states them: the mass is empty on the eager path, the KL where there is none."""
     c = _parsed(config)
@@ -275,57 +276,58 @@ def _bam_layout(q, v, config, tile):
     return (q.shape[:-1] + (v.shape[-1],), dtype), (mass, stats), (() if c["kl"] else (0,), stats)
 
 
-@torch.library.custom_op("probattn::bam_attention", mutates_args=())
-def bam_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: str, tile: Optional[int],
-                  attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor], causal: bool,
-                  params: list[torch.Tensor], noise: Optional[torch.Tensor],
-                  seed: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("probattn::attention_with_info", mutates_args=())
+def attention_with_info(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: str, tile: Optional[int],
+                        attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor], causal: bool,
+                        params: list[torch.Tensor], noise: Optional[torch.Tensor],
+                        seed: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(output `(B, H, S_q, d_v)`, received mass `(B, H, S_k)` or empty, KL `()` or empty)."""
-    out, mass, kl = _run_bam(q, k, v, config, tile, attn_mask, key_padding_mask, causal, params, noise, seed)
-    _, (_, stats), _ = _bam_layout(q, v, config, tile)
+    out, mass, kl = _run_with_info(q, k, v, config, tile, attn_mask, key_padding_mask, causal, params, noise, seed)
+    _, (_, stats), _ = _info_layout(q, v, config, tile)
     mass = mass if mass is not None else q.new_empty(0, dtype=stats)  # two tensors: outputs may not alias
     kl = kl if kl is not None else q.new_empty(0, dtype=stats)
     return out.contiguous(), mass, kl
 
 
-@bam_attention.register_fake
+@attention_with_info.register_fake
 def _(q, k, v, config, tile, attn_mask, key_padding_mask, causal, params, noise, seed):
-    return tuple(q.new_empty(shape, dtype=dtype) for shape, dtype in _bam_layout(q, v, config, tile))
+    return tuple(q.new_empty(shape, dtype=dtype) for shape, dtype in _info_layout(q, v, config, tile))
 
 
-@torch.library.custom_op("probattn::bam_attention_backward", mutates_args=())
-def bam_attention_backward(grad: torch.Tensor, grad_kl: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor, config: str, tile: Optional[int], attn_mask: Optional[torch.Tensor],
-                           key_padding_mask: Optional[torch.Tensor], causal: bool, params: list[torch.Tensor],
-                           noise: Optional[torch.Tensor], seed: Optional[int]) -> list[torch.Tensor]:
+@torch.library.custom_op("probattn::attention_with_info_backward", mutates_args=())
+def attention_with_info_backward(grad: torch.Tensor, grad_kl: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                 v: torch.Tensor, config: str, tile: Optional[int], attn_mask: Optional[torch.Tensor],
+                                 key_padding_mask: Optional[torch.Tensor], causal: bool, params: list[torch.Tensor],
+                                 noise: Optional[torch.Tensor], seed: Optional[int]) -> list[torch.Tensor]:
     """The gradients in q, k, v and every parameter, of the output and the KL term, from the same
     draws."""
     with torch.enable_grad(), _autograd_dispatch():
         inputs = [t.detach().requires_grad_() for t in (q, k, v, *params)]
-        out, _, kl = _run_bam(*inputs[:3], config, tile, attn_mask, key_padding_mask, causal, inputs[3:], noise, seed)
+        out, _, kl = _run_with_info(*inputs[:3], config, tile, attn_mask, key_padding_mask, causal, inputs[3:], noise,
+                                    seed)
         outputs, grads = ([out, kl], [grad, grad_kl]) if kl is not None else ([out], [grad])
         found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
         return [_laid_out_as(t, g if g is not None else torch.zeros_like(t)) for t, g in zip(inputs, found)]
 
 
-@bam_attention_backward.register_fake
+@attention_with_info_backward.register_fake
 def _(grad, grad_kl, q, k, v, config, tile, attn_mask, key_padding_mask, causal, params, noise, seed):
     return [torch.empty_like(t) for t in (q, k, v, *params)]
 
 
-def _setup_bam_context(ctx, inputs, output):
+def _setup_info_context(ctx, inputs, output):
     q, k, v, config, tile, attn_mask, key_padding_mask, causal, params, noise, seed = inputs
     ctx.save_for_backward(q, k, v, attn_mask, key_padding_mask, noise, *params)
     ctx.options = (config, tile, causal, seed)
     ctx.mark_non_differentiable(output[1])
 
 
-def _bam_backward(ctx, grad, _grad_mass, grad_kl):
+def _info_backward(ctx, grad, _grad_mass, grad_kl):
     q, k, v, attn_mask, key_padding_mask, noise, *params = ctx.saved_tensors
     config, tile, causal, seed = ctx.options
-    grads = bam_attention_backward(grad, grad_kl, q, k, v, config, tile, attn_mask, key_padding_mask, causal, params,
-                                   noise, seed)
+    grads = attention_with_info_backward(grad, grad_kl, q, k, v, config, tile, attn_mask, key_padding_mask, causal,
+                                         params, noise, seed)
     return *grads[:3], None, None, None, None, None, grads[3:], None, None
 
 
-bam_attention.register_autograd(_bam_backward, setup_context=_setup_bam_context)
+attention_with_info.register_autograd(_info_backward, setup_context=_setup_info_context)

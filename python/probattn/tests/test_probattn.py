@@ -810,6 +810,33 @@ class CompileWithoutGraphBreaks(unittest.TestCase):
                         torch.testing.assert_close(a if a is not None else zero, r if r is not None else zero, rtol=0, atol=1e-12)
                     self.assertEqual(torch._dynamo.explain(f)(*inputs).graph_break_count, 0)
 
+    def test_return_info_on_the_memory_efficient_path_compiles_into_one_graph(self):
+        # The received mass (which the DNAS paper reads to see which keys are explained away) under
+        # the compiler: the memory-efficient path forms no weights, so the statistics' operator
+        # takes the call. Output, mass and gradients to 1e-12 in float64, with no graph break.
+        b, h, sq, sk = 2, 3, 5, 6
+        logit = torch.randn(h, dtype=D, generator=torch.Generator().manual_seed(7)).requires_grad_()
+        kp = layouts(b, h, sq, sk)[1][1]["key_padding_mask"]
+        for variant in ("softmax", "dnas", "hnas", "sinkhorn-3"):
+            with self.subTest(variant):
+                q, k, v = qkv(b, h, sq, sk)
+                inputs = (q, k, v, logit) if variant == "hnas" else (q, k, v)
+
+                def f(q, k, v, *gate):
+                    extra = {"hybrid_logit": gate[0]} if gate else {}
+                    out, info = probattn.attention(q, k, v, variant=variant, memory_efficient=True, tile=2,
+                                                   key_padding_mask=kp, return_info=True, **extra)
+                    return out, info.received_mass, info.kl, info.weights
+
+                torch._dynamo.reset()
+                compiled, eager = torch.compile(f, fullgraph=True, backend="aot_eager")(*inputs), f(*inputs)
+                self.assertEqual((compiled[2], compiled[3]), (None, None))
+                for a, r in zip(compiled[:2], eager[:2]):
+                    torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
+                for a, r in zip(torch.autograd.grad(compiled[0].sum(), inputs), torch.autograd.grad(eager[0].sum(), inputs)):
+                    torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
+                self.assertEqual(torch._dynamo.explain(f)(*inputs).graph_break_count, 0)
+
     def test_bam_compiled_under_autocast_equals_the_uncompiled_call(self):
         # The operator runs the call in the autocast state it was traced in: float32 inputs give a
         # bfloat16 output and float32 mass and KL, bit for bit as uncompiled, gradients too.
@@ -835,20 +862,20 @@ class CompileWithoutGraphBreaks(unittest.TestCase):
         settings = tuple(sorted(BAM_CFG.items()))
         for variant, tile, noise, seed in (("bam-wc", 2, None, 11), ("bam-lc", None, bam_noise("bam-lc", (2, 3, 5, 6)), None)):
             with self.subTest(f"{variant} tile={tile}"):
-                config = _ops.bam_config(variant, settings, None, True, names, None)
-                torch.library.opcheck(_ops.bam_attention, (q, k, v, config, tile, None, None, False, prior, noise, seed))
+                config = _ops.info_config(variant, settings, None, True, names, None)
+                torch.library.opcheck(_ops.attention_with_info, (q, k, v, config, tile, None, None, False, prior, noise, seed))
 
                 def call(q, k, v, *prior):
-                    out, _, kl = _ops.bam_attention(q, k, v, config, tile, None, None, False, list(prior), noise, seed)
+                    out, _, kl = _ops.attention_with_info(q, k, v, config, tile, None, None, False, list(prior), noise, seed)
                     return out, kl
 
                 self.assertTrue(gradcheck(call, (q, k, v, *prior)))
         # Traced under autocast, in float32: a bfloat16 output, float32 mass and KL, as the fake form says.
-        config = _ops.bam_config("bam-wc", settings, None, True, names, "bfloat16")
+        config = _ops.info_config("bam-wc", settings, None, True, names, "bfloat16")
         args = [t.detach().float().requires_grad_() for t in (q, k, v, *prior)]
-        out, mass, kl = _ops.bam_attention(*args[:3], config, 2, None, None, False, args[3:], None, 11)
+        out, mass, kl = _ops.attention_with_info(*args[:3], config, 2, None, None, False, args[3:], None, 11)
         self.assertEqual((out.dtype, mass.dtype, kl.dtype), (torch.bfloat16, torch.float32, torch.float32))
-        torch.library.opcheck(_ops.bam_attention, (*args[:3], config, 2, None, None, False, args[3:], None, 11))
+        torch.library.opcheck(_ops.attention_with_info, (*args[:3], config, 2, None, None, False, args[3:], None, 11))
 
     def test_a_call_the_operator_cannot_take_breaks_the_graph_and_still_runs(self):
         # The weights (return_info on the eager path) are a second output, and BAM's draws from
