@@ -154,6 +154,9 @@ pub struct MhaInput<'a> {
     pub need_head_outputs: bool,
     /// A fixed noise draw for stochastic normalizers, `(B, H, S_q, S_k)`.
     pub noise: Option<&'a Tensor>,
+    /// The key of the memory-efficient path's draws for stochastic normalizers (None: libtorch's
+    /// generator), as [`AttendOptions::seed`] takes it.
+    pub seed: Option<u64>,
 }
 
 impl<'a> MhaInput<'a> {
@@ -168,7 +171,7 @@ impl<'a> MhaInput<'a> {
     }
 
     pub fn new(query: &'a Tensor, key: &'a Tensor, value: &'a Tensor) -> Self {
-        Self { query, key, value, masks: Masks::default(), need_weights: false, need_head_outputs: false, noise: None }
+        Self { query, key, value, masks: Masks::default(), need_weights: false, need_head_outputs: false, noise: None, seed: None }
     }
 
     pub fn with_masks(mut self, masks: Masks<'a>) -> Self {
@@ -391,7 +394,7 @@ impl MultiHeadAttention {
             noise: input.noise,
             need_weights: input.need_weights,
             tile: self.cfg.tile,
-            seed: None,
+            seed: input.seed,
         };
         let attended = attend(q, k, v, &input.masks, self.normalizer.as_ref(), opts)?;
         let output = attended.output; // (B, H, S_q, d_h)

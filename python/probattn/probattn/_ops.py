@@ -159,75 +159,92 @@ def _statistics_dtype(dtype):
 # sees a shared input as the uncompiled call does and each gradient is counted once. `config` is
 # the module's configuration as JSON, with the names of `params` in order and the autocast dtype the
 # call was traced under (None outside autocast): the operator is not cast by autocast, but runs the
-# module in that state, as the uncompiled call does.
+# module in that state, as the uncompiled call does. BAM takes it where its draws replay (in
+# evaluation, with a given `noise`, or from a `seed` on the memory-efficient path), and its KL term
+# is the operator's second output.
 @functools.lru_cache(maxsize=None)
 def _parsed(config):
     """An operator's configuration, parsed once (the operator runs at every step of a compiled model)."""
     return json.loads(config)
 
 
-def _run_module(query, key, value, params, config, key_padding_mask, attn_mask):
+def _run_module(query, key, value, params, config, key_padding_mask, attn_mask, training, noise, seed):
     c = _parsed(config)
     key = query if key is None else key
     value = key if value is None else value
     with _traced_autocast(c, query):
-        out, _, _ = _native.multi_head_attention(
+        out, _, kl = _native.multi_head_attention(
             query, key, value, c["embed_dim"], c["num_heads"], c["variant"], dict(zip(c["names"], params)),
             kdim=c["kdim"], vdim=c["vdim"], bias=c["bias"], tile=c["tile"], key_padding_mask=key_padding_mask,
-            attn_mask=attn_mask, causal=c["causal"], settings=c["settings"], bam_base=c["bam_base"],
-            key_is_query=key is query, value_is_key=value is key)
-    return out
+            attn_mask=attn_mask, causal=c["causal"], training=training, noise=noise, seed=seed, settings=c["settings"],
+            bam_base=c["bam_base"], key_is_query=key is query, value_is_key=value is key)
+    return out, kl
+
+
+def _module_layout(query, config, training):
+    """The (shape, dtype) of the module's output and of its KL term (empty where there is none)."""
+    c = _parsed(config)
+    dtype = _autocast_dtype(c, query)  # under autocast the output projection returns the autocast dtype
+    kl = () if training and _registry.entry(c["variant"])["kl"] else (0,)
+    return (query.shape[:-1] + (c["embed_dim"],), dtype), (kl, _statistics_dtype(dtype))
 
 
 @torch.library.custom_op("probattn::multi_head_attention", mutates_args=())
 def multi_head_attention(query: torch.Tensor, key: Optional[torch.Tensor], value: Optional[torch.Tensor],
-                         params: list[torch.Tensor], config: str,
-                         key_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """The module's output `(N, L, E)`, batch first."""
-    return _run_module(query, key, value, params, config, key_padding_mask, attn_mask).contiguous()
+                         params: list[torch.Tensor], config: str, key_padding_mask: Optional[torch.Tensor],
+                         attn_mask: Optional[torch.Tensor], training: bool, noise: Optional[torch.Tensor],
+                         seed: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module's output `(N, L, E)`, batch first, and BAM's KL term (`()`, or empty where there
+    is none)."""
+    out, kl = _run_module(query, key, value, params, config, key_padding_mask, attn_mask, training, noise, seed)
+    _, (_, stats) = _module_layout(query, config, training)
+    return out.contiguous(), kl if kl is not None else query.new_empty(0, dtype=stats)
 
 
 @multi_head_attention.register_fake
-def _(query, key, value, params, config, key_padding_mask, attn_mask):
-    c = _parsed(config)
-    # Under autocast the output projection returns the autocast dtype.
-    return query.new_empty(query.shape[:-1] + (c["embed_dim"],), dtype=_autocast_dtype(c, query))
+def _(query, key, value, params, config, key_padding_mask, attn_mask, training, noise, seed):
+    return tuple(query.new_empty(shape, dtype=dtype) for shape, dtype in _module_layout(query, config, training))
 
 
 @torch.library.custom_op("probattn::multi_head_attention_backward", mutates_args=())
-def multi_head_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor],
-                                  value: Optional[torch.Tensor], params: list[torch.Tensor], config: str,
-                                  key_padding_mask: Optional[torch.Tensor],
-                                  attn_mask: Optional[torch.Tensor]) -> list[torch.Tensor]:
-    """The gradients in query, in key and value where they are given, and in every parameter."""
+def multi_head_attention_backward(grad: torch.Tensor, grad_kl: torch.Tensor, query: torch.Tensor,
+                                  key: Optional[torch.Tensor], value: Optional[torch.Tensor], params: list[torch.Tensor],
+                                  config: str, key_padding_mask: Optional[torch.Tensor],
+                                  attn_mask: Optional[torch.Tensor], training: bool, noise: Optional[torch.Tensor],
+                                  seed: Optional[int]) -> list[torch.Tensor]:
+    """The gradients, of the output and the KL term (from the same draws), in query, in key and
+    value where they are given, and in every parameter."""
     with torch.enable_grad(), _autograd_dispatch():
         q, k, v = (t.detach().requires_grad_() if t is not None else None for t in (query, key, value))
         ps = [p.detach().requires_grad_() for p in params]
-        out = _run_module(q, k, v, ps, config, key_padding_mask, attn_mask)
+        out, kl = _run_module(q, k, v, ps, config, key_padding_mask, attn_mask, training, noise, seed)
         inputs = [t for t in (q, k, v) if t is not None] + ps
+        outputs, grads = ([out, kl], [grad, grad_kl]) if kl is not None else ([out], [grad])
         # A parameter the call leaves unused (BAM's prior in evaluation) gets zeros.
-        found = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+        found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
         return [_laid_out_as(t, g if g is not None else torch.zeros_like(t)) for t, g in zip(inputs, found)]
 
 
 @multi_head_attention_backward.register_fake
-def _(grad, query, key, value, params, config, key_padding_mask, attn_mask):
+def _(grad, grad_kl, query, key, value, params, config, key_padding_mask, attn_mask, training, noise, seed):
     return [torch.empty_like(t) for t in [t for t in (query, key, value) if t is not None] + list(params)]
 
 
 def _setup_module_context(ctx, inputs, output):
-    query, key, value, params, config, key_padding_mask, attn_mask = inputs
-    ctx.save_for_backward(query, key, value, key_padding_mask, attn_mask, *params)
-    ctx.config = config
+    query, key, value, params, config, key_padding_mask, attn_mask, training, noise, seed = inputs
+    ctx.save_for_backward(query, key, value, key_padding_mask, attn_mask, noise, *params)
+    ctx.options = (config, training, seed)
 
 
-def _module_backward(ctx, grad):
-    query, key, value, key_padding_mask, attn_mask, *params = ctx.saved_tensors
-    grads = iter(multi_head_attention_backward(grad, query, key, value, params, ctx.config, key_padding_mask, attn_mask))
+def _module_backward(ctx, grad, grad_kl):
+    query, key, value, key_padding_mask, attn_mask, noise, *params = ctx.saved_tensors
+    config, training, seed = ctx.options
+    grads = iter(multi_head_attention_backward(grad, grad_kl, query, key, value, params, config, key_padding_mask,
+                                               attn_mask, training, noise, seed))
     gq = next(grads)
     gk = next(grads) if key is not None else None
     gv = next(grads) if value is not None else None
-    return gq, gk, gv, list(grads), None, None, None
+    return gq, gk, gv, list(grads), None, None, None, None, None, None
 
 
 multi_head_attention.register_autograd(_module_backward, setup_context=_setup_module_context)

@@ -95,11 +95,13 @@ class MultiheadAttention(torch.nn.Module):
                            for causal in (False, True) for autocast in (None, "bfloat16", "float16")}
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
-                average_attn_weights=True, is_causal=False, noise=None):
+                average_attn_weights=True, is_causal=False, noise=None, seed=None):
         """nn.MultiheadAttention's forward: `(L, N, E)` inputs (`(N, L, E)` with batch_first, or
         unbatched `(L, E)`), returns `(output, weights)`; weights are averaged over heads
         (`(N, L, S)`) unless `average_attn_weights=False` (`(N, H, L, S)`), None without
-        need_weights. `noise`: a fixed BAM draw `(N, H, L, S)`."""
+        need_weights. `noise`: a fixed BAM draw `(N, H, L, S)`. `seed`: the key of the
+        memory-efficient path's BAM draws in training (None: libtorch's generator); under
+        `torch.compile` a seeded or given draw compiles without a graph break."""
         if self.tile is not None and need_weights:
             raise ValueError("the memory-efficient path forms no weights: call it with need_weights=False")
         unbatched = query.dim() == 2
@@ -119,17 +121,18 @@ class MultiheadAttention(torch.nn.Module):
             # nn.MultiheadAttention's (N * H, L, S) per-head masks, as (N, H, L, S).
             attn_mask = attn_mask.view(query.shape[0], self.num_heads, *attn_mask.shape[1:])
         key_padding_mask = _mask("key_padding_mask", key_padding_mask)
-        # BAM in evaluation draws nothing (its mean), so the operator takes it too.
-        takes = _ops.traceable(self.variant) or (_ops.replayable_bam(self.variant) and not self.training)
-        compiled = (torch.compiler.is_compiling() and not need_weights and noise is None and takes
+        # BAM where its draws replay: none in evaluation (its mean), a given one, or seeded ones.
+        replays = not self.training or noise is not None or (self.tile is not None and seed is not None)
+        takes = _ops.traceable(self.variant) or (_ops.replayable_bam(self.variant) and replays)
+        compiled = (torch.compiler.is_compiling() and not need_weights and takes
                     and not (self.training and self.dropout > 0))
         autocast = _ops.autocast_name(query.device.type) if compiled else None
         if compiled and autocast != "other":
             # Under torch.compile: the custom operator, which the compiler traces without a graph break.
-            output = _ops.multi_head_attention(query, None if key_is_query else key, None if value_is_key else value,
-                                               list(self.parameters()), self._op_config[(bool(is_causal), autocast)],
-                                               key_padding_mask, attn_mask)
-            weights, kl = None, None
+            output, kl = _ops.multi_head_attention(
+                query, None if key_is_query else key, None if value_is_key else value, list(self.parameters()),
+                self._op_config[(bool(is_causal), autocast)], key_padding_mask, attn_mask, self.training, noise, seed)
+            weights, kl = None, kl if kl.dim() == 0 else None
         else:
             params = {name: p for name, p in self.named_parameters()}
             output, weights, kl = _native.multi_head_attention(
@@ -137,7 +140,8 @@ class MultiheadAttention(torch.nn.Module):
                 kdim=None if self._qkv_same_embed_dim else self.kdim, vdim=None if self._qkv_same_embed_dim else self.vdim,
                 bias=self._bias, dropout=float(self.dropout), tile=self.tile, key_padding_mask=key_padding_mask,
                 attn_mask=attn_mask, causal=bool(is_causal), training=self.training, need_weights=bool(need_weights),
-                noise=noise, settings=self._settings, bam_base=self._base, key_is_query=key_is_query, value_is_key=value_is_key,
+                noise=noise, seed=seed, settings=self._settings, bam_base=self._base, key_is_query=key_is_query,
+                value_is_key=value_is_key,
             )
         self.kl = kl
         if weights is not None and average_attn_weights:

@@ -198,7 +198,7 @@ fn attention(
 #[pyfunction]
 #[pyo3(signature = (query, key, value, embed_dim, num_heads, variant, params, *, kdim=None, vdim=None, bias=true, dropout=0.0,
     tile=None, key_padding_mask=None, attn_mask=None, causal=false, training=false, need_weights=false, noise=None,
-    settings=HashMap::new(), bam_base=None, key_is_query=false, value_is_key=false))]
+    seed=None, settings=HashMap::new(), bam_base=None, key_is_query=false, value_is_key=false))]
 #[allow(clippy::too_many_arguments)]
 fn multi_head_attention(
     py: Python<'_>,
@@ -220,6 +220,7 @@ fn multi_head_attention(
     training: bool,
     need_weights: bool,
     noise: Option<PyTensor>,
+    seed: Option<u64>,
     settings: HashMap<String, f64>,
     bam_base: Option<&str>,
     key_is_query: bool,
@@ -245,7 +246,8 @@ fn multi_head_attention(
             // it casts that input once).
             let key = if key_is_query { &query.0 } else { &key.0 };
             let value = if value_is_key { key } else { &value.0 };
-            let input = MhaInput { query: &query.0, key, value, masks, need_weights, need_head_outputs: false, noise: noise.as_deref() };
+            let input =
+                MhaInput { query: &query.0, key, value, masks, need_weights, need_head_outputs: false, noise: noise.as_deref(), seed };
             let out = mha.forward_mode(&input, Mode::train(training)).map_err(to_py)?;
             Ok((out.context, out.weights, out.kl))
         })

@@ -375,8 +375,9 @@ class Autocast(unittest.TestCase):
         kv = torch.randn(2, 4, 6, requires_grad=True)
         params = [p.detach().requires_grad_() for p in attn.parameters()]
         config = attn._op_config[(False, "bfloat16")]
-        self.assertEqual(_ops.multi_head_attention(q, kv, None, params, config, None, None).dtype, torch.bfloat16)
-        torch.library.opcheck(_ops.multi_head_attention, (q, kv, None, params, config, None, None))
+        self.assertEqual(_ops.multi_head_attention(q, kv, None, params, config, None, None, False, None, None)[0].dtype,
+                         torch.bfloat16)
+        torch.library.opcheck(_ops.multi_head_attention, (q, kv, None, params, config, None, None, False, None, None))
 
 
 class Repulsive(unittest.TestCase):
@@ -514,24 +515,68 @@ class Compile(unittest.TestCase):
                         torch.testing.assert_close(a if a is not None else zero, r if r is not None else zero, rtol=0, atol=1e-12)
                     self.assertEqual(torch._dynamo.explain(model)(*inputs).graph_break_count, 0)
 
-    def test_a_module_call_the_operator_cannot_take_breaks_the_graph_and_still_runs(self):
-        # Weights asked for, and BAM sampling in training (here a given draw, so that the two calls
-        # agree): the call runs uncompiled, the code around it compiled (Dynamo counts two breaks
-        # for a call that returns weights).
-        noise = bam_noise("bam-wf", (2, 4, 5, 5))
-        for variant, need_weights, options in (("dnas", True, {}), ("bam-wf", False, {"noise": noise})):
-            with self.subTest(variant):
+    def test_bam_in_training_compiles_into_one_graph_with_a_seed_or_a_draw(self):
+        # A BAM module in training, its draws from a seed (memory-efficient path) or given: the
+        # module's operator returns the KL term beside the output and its backward recomputes from
+        # the same draws. A loss of the output and the KL, compiled with fullgraph, equals the
+        # uncompiled one, the KL and the gradients in the input and every parameter (the contextual
+        # prior's included) to 1e-12 in float64, with no graph break.
+        x = torch.randn(2, 5, 16, dtype=D, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        padding = self.inputs(batch_first=True)[3]
+        for variant, memory_efficient, options in (("bam-wc", True, {"seed": 5}), ("bam-lf", False, {"noise": True}),
+                                                   ("bam-wf", True, {"noise": True}), ("bam-lc", True, {"seed": 6})):
+            with self.subTest(f"{variant} memory_efficient={memory_efficient} {sorted(options)}"):
                 torch.manual_seed(0)
-                attn = probattn.nn.MultiheadAttention(16, 4, variant=variant, batch_first=True, dtype=D)
-                attn.train(variant.startswith("bam"))
-                x = torch.randn(2, 5, 16, dtype=D)
+                tile = {"memory_efficient": True, "tile": 2} if memory_efficient else {}
+                attn = probattn.nn.MultiheadAttention(16, 4, variant=variant, batch_first=True, dtype=D, **tile).train()
+                if options.get("noise"):
+                    options = {"noise": bam_noise(variant, (2, 4, 5, 5))}
 
                 def f(x):
-                    return attn(torch.relu(x), x, x, need_weights=need_weights, **options)[0].sum(-1)
+                    out = attn(torch.relu(x), x, x, need_weights=False, key_padding_mask=padding, **options)[0]
+                    return torch.tanh(out).sum() + 0.1 * attn.kl, attn.kl
 
                 torch._dynamo.reset()
-                torch.testing.assert_close(torch.compile(f, backend="aot_eager")(x), f(x), rtol=0, atol=1e-12)
-                self.assertGreater(torch._dynamo.explain(f)(x).graph_break_count, 0)
+                (compiled, kl_compiled), (eager, kl_eager) = torch.compile(f, fullgraph=True, backend="aot_eager")(x), f(x)
+                torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-12)
+                torch.testing.assert_close(kl_compiled, kl_eager, rtol=0, atol=1e-12)
+                wrt = [x] + list(attn.parameters())
+                for a, r in zip(torch.autograd.grad(compiled, wrt), torch.autograd.grad(eager, wrt)):
+                    torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
+                self.assertEqual(torch._dynamo.explain(f)(x).graph_break_count, 0)
+
+    def test_a_seed_makes_the_modules_draws_repeat(self):
+        torch.manual_seed(0)
+        attn = probattn.nn.MultiheadAttention(16, 4, variant="bam-wf", batch_first=True, memory_efficient=True, tile=2)
+        x = torch.randn(2, 5, 16)
+        first, again, other = (attn(x, x, x, need_weights=False, seed=s)[0] for s in (3, 3, 4))
+        self.assertTrue(torch.equal(first, again))
+        self.assertFalse(torch.equal(first, other))
+
+    def test_a_module_call_the_operator_cannot_take_breaks_the_graph_and_still_runs(self):
+        # Weights asked for: the call runs uncompiled, the code around it compiled (Dynamo counts two
+        # breaks for a call that returns weights). BAM drawing from libtorch's generator (training
+        # without a seed or a draw) cannot be replayed: it runs, and fullgraph refuses it.
+        torch.manual_seed(0)
+        attn = probattn.nn.MultiheadAttention(16, 4, variant="dnas", batch_first=True, dtype=D).eval()
+        x = torch.randn(2, 5, 16, dtype=D)
+
+        def f(x):
+            return attn(torch.relu(x), x, x, need_weights=True)[0].sum(-1)
+
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(f, backend="aot_eager")(x), f(x), rtol=0, atol=1e-12)
+        self.assertGreater(torch._dynamo.explain(f)(x).graph_break_count, 0)
+        sampling = probattn.nn.MultiheadAttention(16, 4, variant="bam-wf", batch_first=True, dtype=D).train()
+
+        def g(x):
+            return sampling(x, x, x, need_weights=False)[0].sum()
+
+        torch._dynamo.reset()
+        self.assertTrue(torch.compile(g, backend="aot_eager")(x).isfinite())
+        torch._dynamo.reset()
+        with self.assertRaises(torch._dynamo.exc.Unsupported):
+            torch.compile(g, fullgraph=True, backend="aot_eager")(x)
 
     def test_the_module_operator_passes_opcheck(self):
         from probattn import _ops
@@ -542,7 +587,15 @@ class Compile(unittest.TestCase):
         kv = torch.randn(2, 4, 6, dtype=D, requires_grad=True)
         padding = torch.tensor([[False, False, False, True], [False] * 4])
         params = [p.detach().requires_grad_() for p in attn.parameters()]
-        torch.library.opcheck(_ops.multi_head_attention, (q, kv, None, params, attn._op_config[(False, None)], padding, None))
+        torch.library.opcheck(_ops.multi_head_attention,
+                              (q, kv, None, params, attn._op_config[(False, None)], padding, None, False, None, None))
+        # BAM in training with seeded draws: the KL is the second output, with its own gradient.
+        torch.manual_seed(0)
+        bam = probattn.nn.MultiheadAttention(8, 2, variant="bam-wc", batch_first=True, dtype=D, memory_efficient=True, tile=2)
+        params = [p.detach().requires_grad_() for p in bam.parameters()]
+        args = (q, None, None, params, bam._op_config[(False, None)], None, None, True, None, 7)
+        self.assertEqual(_ops.multi_head_attention(*args)[1].shape, ())
+        torch.library.opcheck(_ops.multi_head_attention, args)
 
 
 class HuggingFace(unittest.TestCase):
