@@ -142,6 +142,9 @@ def attention(query, key, value, *, variant="softmax", key_padding_mask=None, at
     tile = (DEFAULT_TILE if tile is None else int(tile)) if memory_efficient else None
     if tile is not None and tile < 1:
         raise ValueError(f"tile must be at least 1, got {tile}")
+    if seed is not None and tile is None:
+        raise ValueError("seed keys the memory-efficient path's BAM draws; the eager path draws from libtorch's "
+                         "generator (torch.manual_seed) or takes bam={'noise': ...}: pass memory_efficient=True with it")
     attn_mask, key_padding_mask = _mask("attn_mask", attn_mask), _mask("key_padding_mask", key_padding_mask)
     if torch.compiler.is_compiling() and not (training and dropout_p > 0):
         # Under torch.compile: a custom operator, which the compiler traces without a graph break.

@@ -87,7 +87,8 @@ class MultiheadAttention(torch.nn.Module):
                 else:
                     owner.register_parameter(leaf, torch.nn.Parameter(value))
         # The configuration the compiled form's custom operator takes (probattn/_ops.py), without and
-        # with the causal mask, naming the parameters in the order forward passes them.
+        # with the causal mask, outside autocast and under each autocast dtype it takes, naming the
+        # parameters in the order forward passes them.
         config = {"embed_dim": embed_dim, "num_heads": num_heads, "variant": variant, "bias": bias, "tile": self.tile,
                   "settings": self._settings, "bam_base": self._base, "names": [name for name, _ in self.named_parameters()],
                   **({"kdim": None, "vdim": None} if self._qkv_same_embed_dim else {"kdim": self.kdim, "vdim": self.vdim})}
@@ -104,6 +105,9 @@ class MultiheadAttention(torch.nn.Module):
         `torch.compile` a seeded or given draw compiles without a graph break."""
         if self.tile is not None and need_weights:
             raise ValueError("the memory-efficient path forms no weights: call it with need_weights=False")
+        if seed is not None and self.tile is None:
+            raise ValueError("seed keys the memory-efficient path's BAM draws; the eager module draws from libtorch's "
+                             "generator (torch.manual_seed) or takes noise=: construct it with memory_efficient=True")
         unbatched = query.dim() == 2
         # An input passed as several arguments stays one tensor (one view of it) from here on: the
         # library casts a shared input once under autocast, and the compiled form passes it once.

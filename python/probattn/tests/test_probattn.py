@@ -987,6 +987,11 @@ class Errors(unittest.TestCase):
             (ValueError, "unknown bam settings", lambda: probattn.attention(q, k, v, variant="bam-wf", bam={"kk": 1})),
             (ValueError, "key_padding_mask", lambda: probattn.attention(q, k, v, key_padding_mask=torch.zeros(2, 3, dtype=torch.bool))),
             (ValueError, "memory_efficient=True", lambda: probattn.attention(q, k, v, tile=4)),
+            (ValueError, "seed keys the memory-efficient path's BAM draws",
+             lambda: probattn.attention(q, k, v, variant="bam-wf", training=True, seed=3)),
+            (ValueError, "construct it with memory_efficient=True",
+             lambda: probattn.nn.MultiheadAttention(4, 2, variant="bam-wf", batch_first=True, dtype=D)(
+                 q[0], q[0], q[0], need_weights=False, seed=3)),
         ]
         for kind, message, call in cases:
             with self.subTest(message):
