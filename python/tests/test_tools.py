@@ -70,6 +70,9 @@ class TableHelpers(unittest.TestCase):
         # A float32 run from before --precision pools with one that names it; bfloat16 does not.
         self.assertEqual(translate.pooled_config(run()), translate.pooled_config(run("f32")))
         self.assertNotEqual(translate.pooled_config(run()), translate.pooled_config(run("bf16")))
+        # Where the data lay is no part of the configuration; anything else is.
+        self.assertEqual(translate.pooled_config(run(data_dir="a")), translate.pooled_config(run(data_dir="b")))
+        self.assertNotEqual(translate.pooled_config(run(bpe_vocab=8000)), translate.pooled_config(run(bpe_vocab=10000)))
 
     def test_translation_flags(self):
         from probattn_tools.tables import translate
@@ -91,6 +94,12 @@ class TableHelpers(unittest.TestCase):
         for name in ("bam-wc", "bam-wc-w0.1-anneal1000", "dnas", "hnas", "lstm-softmax", "lstm-dnas"):
             self.assertIsNone(translate.paper_difference(name), name)
         self.assertEqual(translate.reference("lstm-dnas"), "lstm-softmax")
+
+    def test_row_order(self):
+        from probattn_tools.tables import translate
+        names = ["softmax-bf16", "lstm-dnas", "dnas-bf16", "dnas", "softmax", "lstm-softmax", "lstm-bam-wc-w0.1"]
+        self.assertEqual(translate.ordered(names), ["softmax", "dnas", "lstm-softmax", "lstm-bam-wc-w0.1", "lstm-dnas",
+                                                    "dnas-bf16", "softmax-bf16"])
 
     def test_precision_row(self):
         from probattn_tools.tables import translate

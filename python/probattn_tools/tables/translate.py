@@ -30,9 +30,16 @@ import sys
 
 from probattn_tools.tables.common import cell, diff_cell, markdown
 
-# Each model's softmax row before the rows set against it; other rows follow in name order.
+# Each model's softmax row before the rows set against it; other rows follow in name order, the
+# bfloat16 rows last.
 ORDER = ["softmax", "softmax-svgd", "softmax-svgd-cross", "softmax-spos-cross", "dnas", "hnas", "bam-wc",
          "bam-wc-w0.1-anneal1000", "lstm-softmax"]
+
+
+def ordered(names):
+    """The table's rows in order: ORDER's, the other float32 rows by name, then the bfloat16 rows."""
+    return [n for n in ORDER if n in names] + sorted((n for n in names if n not in ORDER),
+                                                     key=lambda n: (float32_row(n) is not None, n))
 
 
 def is_lstm(results):
@@ -71,8 +78,11 @@ def row_name(results):
 
 def pooled_config(results):
     """The configuration runs must share to pool: without repulsive heads, the repulsive settings
-    (whose defaults changed over time) do not act and are left out."""
+    (whose defaults changed over time) do not act and are left out; so is `data_dir`, where the
+    data lay on the machine that ran (which data is `dataset`, and the same data gives the same
+    learned tokenizer, compared by hand: results/translate/table/README.md)."""
     config = dict(results["config"])
+    config.pop("data_dir", None)
     if config.get("precision") == "f32":  # runs from before --precision were float32
         config.pop("precision")
     if results["repulsive"] == "none":
@@ -185,7 +195,7 @@ def main(argv=None):
     rows = collect(roots)
     if not rows:
         sys.exit(f"tables.translate: no probattn translate results.json under {', '.join(roots)}")
-    names = [n for n in ORDER if n in rows] + sorted(n for n in rows if n not in ORDER)
+    names = ordered(rows)
     table = []
     for name in names:
         runs = rows[name]
@@ -206,8 +216,8 @@ def main(argv=None):
         table = []
         for name in names:
             ref = reference(name)
-            if name == ref or ref not in rows:
-                continue
+            if name == ref or ref not in rows or float32_row(name):
+                continue  # a bfloat16 row is set against its float32 row, in the table after this one
             runs, base = rows[name], rows[ref]
             row = [
                 f"{name} − {ref}",
