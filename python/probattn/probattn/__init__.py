@@ -154,8 +154,8 @@ def attention(query, key, value, *, variant="softmax", key_padding_mask=None, at
         # BAM where its draws can be replayed (none in evaluation, a given one, or the memory-efficient
         # path's seeded ones), and return_info on the memory-efficient path, which forms no weights:
         # the operator that returns the received mass and the KL term too.
-        replayable = not training or noise is not None or (tile is not None and seed is not None)
-        takes = (_ops.replayable_bam(variant) and replayable) or (_ops.traceable(variant) and bam is None)
+        takes = ((_ops.replayable_bam(variant) and _ops.draws_replay(training, noise, seed))
+                 or (_ops.traceable(variant) and bam is None))
         if takes and (tile is not None or not return_info):
             autocast = _ops.autocast_name(query.device.type)
             if autocast != "other":

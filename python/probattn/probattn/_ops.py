@@ -41,6 +41,15 @@ def _laid_out_as(t, g):
     return torch.empty_like(t).copy_(g)
 
 
+def _gradients(inputs, out, grad, kl=None, grad_kl=None):
+    """What every backward operator returns: the gradients of the recomputed output (and of BAM's
+    KL term, where there is one) in each input, laid out as the input; zeros for an input the call
+    leaves unused (BAM's prior in evaluation)."""
+    outputs, grads = ([out, kl], [grad, grad_kl]) if kl is not None else ([out], [grad])
+    found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+    return [_laid_out_as(t, g if g is not None else torch.zeros_like(t)) for t, g in zip(inputs, found)]
+
+
 def _differentiable(q, k, v, hybrid_logit):
     """The inputs that receive gradients: q, k, v, and the gate logits when given."""
     return (q, k, v) if hybrid_logit is None else (q, k, v, hybrid_logit)
@@ -65,7 +74,7 @@ def attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     with torch.enable_grad(), _autograd_dispatch():
         inputs = [t.detach().requires_grad_() for t in _differentiable(q, k, v, hybrid_logit)]
         out = _run(*inputs[:3], variant, tile, attn_mask, key_padding_mask, causal, inputs[3] if len(inputs) == 4 else None)
-        return [_laid_out_as(t, g) for t, g in zip(inputs, torch.autograd.grad(out, inputs, grad))]
+        return _gradients(inputs, out, grad)
 
 
 @attention_backward.register_fake
@@ -218,11 +227,7 @@ def multi_head_attention_backward(grad: torch.Tensor, grad_kl: torch.Tensor, que
         q, k, v = (t.detach().requires_grad_() if t is not None else None for t in (query, key, value))
         ps = [p.detach().requires_grad_() for p in params]
         out, kl = _run_module(q, k, v, ps, config, key_padding_mask, attn_mask, training, noise, seed)
-        inputs = [t for t in (q, k, v) if t is not None] + ps
-        outputs, grads = ([out, kl], [grad, grad_kl]) if kl is not None else ([out], [grad])
-        # A parameter the call leaves unused (BAM's prior in evaluation) gets zeros.
-        found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
-        return [_laid_out_as(t, g if g is not None else torch.zeros_like(t)) for t, g in zip(inputs, found)]
+        return _gradients([t for t in (q, k, v) if t is not None] + ps, out, grad, kl, grad_kl)
 
 
 @multi_head_attention_backward.register_fake
@@ -258,6 +263,13 @@ multi_head_attention.register_autograd(_module_backward, setup_context=_setup_mo
 # compiled BAM training step has its loss's KL. `config` is JSON: the variant, its settings and
 # base, training, the names of `params` (the contextual prior's, HNAS's gate logits) and the
 # autocast dtype the call was traced in, which the operator sets again.
+def draws_replay(training, noise, seed):
+    """Whether a recomputing backward can replay a call's BAM draws: there are none in evaluation
+    (BAM's mean), or they are given (`noise`), or they come from a seed (which only the
+    memory-efficient path takes)."""
+    return not training or noise is not None or seed is not None
+
+
 @torch.compiler.assume_constant_result
 def replayable_bam(variant):
     """Whether `variant` is a BAM variant (a stochastic registry entry)."""
@@ -322,9 +334,7 @@ def attention_with_info_backward(grad: torch.Tensor, grad_kl: torch.Tensor, q: t
         inputs = [t.detach().requires_grad_() for t in (q, k, v, *params)]
         out, _, kl = _run_with_info(*inputs[:3], config, tile, attn_mask, key_padding_mask, causal, inputs[3:], noise,
                                     seed)
-        outputs, grads = ([out, kl], [grad, grad_kl]) if kl is not None else ([out], [grad])
-        found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
-        return [_laid_out_as(t, g if g is not None else torch.zeros_like(t)) for t, g in zip(inputs, found)]
+        return _gradients(inputs, out, grad, kl, grad_kl)
 
 
 @attention_with_info_backward.register_fake

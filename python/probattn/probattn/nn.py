@@ -125,9 +125,9 @@ class MultiheadAttention(torch.nn.Module):
             # nn.MultiheadAttention's (N * H, L, S) per-head masks, as (N, H, L, S).
             attn_mask = attn_mask.view(query.shape[0], self.num_heads, *attn_mask.shape[1:])
         key_padding_mask = _mask("key_padding_mask", key_padding_mask)
-        # BAM where its draws replay: none in evaluation (its mean), a given one, or seeded ones.
-        replays = not self.training or noise is not None or (self.tile is not None and seed is not None)
-        takes = _ops.traceable(self.variant) or (_ops.replayable_bam(self.variant) and replays)
+        # BAM too, where its draws replay.
+        takes = _ops.traceable(self.variant) or (_ops.replayable_bam(self.variant)
+                                                 and _ops.draws_replay(self.training, noise, seed))
         compiled = (torch.compiler.is_compiling() and not need_weights and takes
                     and not (self.training and self.dropout > 0))
         autocast = _ops.autocast_name(query.device.type) if compiled else None
