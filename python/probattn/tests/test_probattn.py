@@ -739,7 +739,9 @@ class Cuda(unittest.TestCase):
 
     def test_compiled_bam_and_module_under_autocast_on_cuda(self):
         # The operators on CUDA tensors: BAM's seeded draws replayed by its backward (float64, to
-        # 1e-12), and a model of the module compiled under CUDA autocast, bit for bit in the output.
+        # 1e-12), and a model of the module compiled under CUDA autocast, bit for bit in the output
+        # and in the module's. CUDA autocast sums in float32 (its float32 list has `sum`, the CPU's
+        # has not), so the model's output is float32 there; the module's output is bfloat16.
         f, inputs = CompileWithoutGraphBreaks.bam_case("bam-wc", "seed", True, device="cuda")
         torch._dynamo.reset()
         compiled, eager = torch.compile(f, fullgraph=True, backend="aot_eager")(*inputs), f(*inputs)
@@ -754,8 +756,13 @@ class Cuda(unittest.TestCase):
         torch._dynamo.reset()
         with torch.autocast("cuda", torch.bfloat16):
             eager, traced = model(*inputs), torch.compile(model, fullgraph=True, backend="aot_eager")(*inputs)
-        self.assertEqual(traced.dtype, torch.bfloat16)
+            h = torch.relu(model.lin(inputs[0]))
+            attended = [f(h, inputs[1], inputs[2], need_weights=False)[0]
+                        for f in (model.cross, torch.compile(model.cross, fullgraph=True, backend="aot_eager"))]
+        self.assertEqual((eager.dtype, traced.dtype), (torch.float32, torch.float32))
         self.assertTrue(torch.equal(eager, traced))
+        self.assertEqual([a.dtype for a in attended], [torch.bfloat16, torch.bfloat16])
+        self.assertTrue(torch.equal(*attended))
 
 
 class CompileWithoutGraphBreaks(unittest.TestCase):
