@@ -42,9 +42,10 @@ use crate::{Error, Result};
 /// # Ok::<(), probattn::Error>(())
 /// ```
 ///
-/// Precision: bfloat16 and float16 inputs are multiplied in their dtype while the weights and
-/// every statistic (log-sum-exps, BAM's noise and KL, the received mass) are float32; the
-/// output has the values' dtype. Under autocast ([`crate::precision`]) attention is a
+/// Precision: from bfloat16 and float16 inputs the eager path forms its scores in float32, as
+/// libtorch's fused kernels do; the weights and every statistic (log-sum-exps, BAM's noise and
+/// KL, the received mass) are float32, and the weights mix the values in the values' dtype, the
+/// output's. Under autocast ([`crate::precision`]) attention is a
 /// lower-precision operation, as `scaled_dot_product_attention` is under `torch.autocast`:
 /// float32 inputs run in the autocast dtype.
 pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, normalizer: &dyn Normalizer, opts: AttendOptions) -> Result<Attended> {
@@ -94,12 +95,15 @@ fn attend_as_given(
             return Ok(attended);
         }
         let support = Support::dense(masks.allowed(shape, q.device())?);
-        // (B, H, S_q, S_k), float32 from bfloat16 or float16 inputs.
-        let scores = widen(&try_scores(q, k).map_err(|e| Error::from_torch(e, &what, hint))?);
+        // (B, H, S_q, S_k) in float32, formed from bfloat16 or float16 inputs in float32 as the
+        // tiles and libtorch's fused kernels form them: scores rounded to bfloat16 would be off by
+        // up to 2⁻⁹ of their size (0.03 at 16), and every weight by as much, relatively.
+        let keys = widen(k);
+        let scores = try_scores(&widen(q), &keys).map_err(|e| Error::from_torch(e, &what, hint))?;
         let normalized = normalizer.normalize(&NormalizeInput {
             scores: &scores,
             support: &support,
-            keys: Some(&widen(k)),
+            keys: Some(&keys),
             noise: opts.noise,
             sample: opts.mode.sample,
         })?;
