@@ -96,7 +96,7 @@ fn attend_as_given(
         }
         let support = Support::dense(masks.allowed(shape, q.device())?);
         // (B, H, S_q, S_k) in float32, formed from bfloat16 or float16 inputs in float32 as the
-        // tiles and libtorch's fused kernels form them: scores rounded to bfloat16 would be off by
+        // CPU's tiles and libtorch's fused kernels form them: scores rounded to bfloat16 would be off by
         // up to 2⁻⁹ of their size (0.03 at 16), and every weight by as much, relatively.
         let keys = widen(k);
         let scores = try_scores(&widen(q), &keys).map_err(|e| Error::from_torch(e, &what, hint))?;
