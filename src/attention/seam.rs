@@ -45,9 +45,9 @@ use crate::{Error, Result};
 /// Precision: from bfloat16 and float16 inputs the eager path forms its scores in float32, as
 /// libtorch's fused kernels do; the weights and every statistic (log-sum-exps, BAM's noise and
 /// KL, the received mass) are float32, and the weights mix the values in the values' dtype, the
-/// output's. Under autocast ([`crate::precision`]) attention is a
-/// lower-precision operation, as `scaled_dot_product_attention` is under `torch.autocast`:
-/// float32 inputs run in the autocast dtype.
+/// output's. Under autocast ([`crate::precision`]) attention is a lower-precision operation, as
+/// `scaled_dot_product_attention` is under `torch.autocast`: float32 inputs run in the autocast
+/// dtype.
 pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, normalizer: &dyn Normalizer, opts: AttendOptions) -> Result<Attended> {
     match autocast_kind(q.device())? {
         None => attend_as_given(q, k, v, masks, normalizer, opts),
