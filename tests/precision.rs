@@ -62,6 +62,25 @@ fn mask_cases(device: Device) -> Vec<(&'static str, Option<Tensor>, Option<Tenso
     vec![("none", None, None), ("key padding", Some(keys), None), ("pattern", None, Some(pattern))]
 }
 
+/// The normalizer of a registry example (BAM with k 5) for scores of `shape` (B, H, S_q, S_k) over
+/// `d` key features, its parameters, and for BAM fixed counter-based draws of that shape.
+fn normalizer_of(
+    example: &str,
+    shape: [i64; 4],
+    d: i64,
+    device: Device,
+) -> Result<(nn::VarStore, Box<dyn probattn::Normalizer>, Option<Tensor>)> {
+    let (_, variant) = probattn::normalize::registry::lookup(example).expect("every example parses");
+    let vs = nn::VarStore::new(device);
+    let cfg = NormalizerConfig { bam: BamConfig { k: 5.0, ..Default::default() }, ..Default::default() };
+    let normalizer = variant.build(&vs.root(), shape[1], d, &cfg)?;
+    let noise = match variant {
+        Variant::Bam(kind) => Some(counter_noise(kind, shape, 11, (Kind::Double, device))?),
+        _ => None,
+    };
+    Ok((vs, normalizer, noise))
+}
+
 struct Outcome {
     output: Tensor,
     kl: Option<Tensor>,
@@ -118,14 +137,7 @@ fn every_variant_on(device: Device) -> Result<()> {
     let mut worst = [0.0f64; 4]; // output, gradients, KL, mass
     let mut cases = 0;
     for spec in VARIANTS {
-        let (_, variant) = probattn::normalize::registry::lookup(spec.example).expect("every example parses");
-        let mut vs = nn::VarStore::new(device);
-        let cfg = NormalizerConfig { bam: BamConfig { k: 5.0, ..Default::default() }, ..Default::default() };
-        let normalizer = variant.build(&vs.root(), H, D, &cfg)?;
-        let noise = match variant {
-            Variant::Bam(kind) => Some(counter_noise(kind, [B, H, L, S], 11, opts)?),
-            _ => None,
-        };
+        let (mut vs, normalizer, noise) = normalizer_of(spec.example, [B, H, L, S], D, device)?;
         for (mask_name, keys, pattern) in mask_cases(device) {
             let masks = Masks { key_padding: keys.as_ref(), attn_mask: pattern.as_ref(), ..Default::default() };
             let tiles: &[Option<i64>] = if spec.memory_efficient.is_some() { &[None, Some(4)] } else { &[None] };
@@ -198,14 +210,7 @@ fn every_variant_forms_its_scores_in_float32_from_bfloat16_inputs() -> Result<()
         let pattern = Tensor::rand([b, h, l, s], opts).lt(0.25);
         let mut worst = [0.0f64; 2];
         for spec in VARIANTS {
-            let (_, variant) = probattn::normalize::registry::lookup(spec.example).expect("every example parses");
-            let mut vs = nn::VarStore::new(device);
-            let cfg = NormalizerConfig { bam: BamConfig { k: 5.0, ..Default::default() }, ..Default::default() };
-            let normalizer = variant.build(&vs.root(), h, d, &cfg)?;
-            let noise = match variant {
-                Variant::Bam(kind) => Some(counter_noise(kind, [b, h, l, s], 11, opts)?),
-                _ => None,
-            };
+            let (mut vs, normalizer, noise) = normalizer_of(spec.example, [b, h, l, s], d, device)?;
             let tiled = spec.memory_efficient.is_some() && device == Device::Cpu;
             let paths: &[(&str, Option<i64>)] = if tiled { &[("eager", None), ("tile loop", Some(8))] } else { &[("eager", None)] };
             for &(path, tile) in paths {

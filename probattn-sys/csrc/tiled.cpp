@@ -63,6 +63,11 @@ struct Problem {
   uint64_t seed;
   std::vector<at::Tensor> c;  // c[t] = C^{t+1}, (B, H, 1, S_k)
   std::vector<at::Tensor> r;  // r[t] = R^{t+1}, (B, H, S_q, 1), t < sweeps - 1
+  // The keys as the scores multiply them, widened once per call: on the CPU bfloat16 inputs are
+  // multiplied in float32, as the fused route and the eager path multiply them (scores rounded to
+  // bfloat16 are off by up to 2^-9 of their size, and every weight by as much, relatively); on
+  // CUDA the product is bfloat16's, rounded (the tensor cores' speed is what bfloat16 buys there).
+  at::Tensor score_keys = qs.is_cpu() ? k.to(stats()) : k;
 
   int64_t queries() const { return qs.size(-2); }
   at::ScalarType stats() const { return statistics_type(qs.scalar_type()); }
@@ -77,16 +82,10 @@ struct Problem {
     if (!excluded.defined() || excluded.size(-2) == 1) return excluded;
     return excluded.narrow(-2, start, len);
   }
-  // A tile's scores in the statistics' dtype. On the CPU, bfloat16 inputs are multiplied in float32,
-  // as the fused route and the eager path multiply them (scores rounded to bfloat16 are off by up
-  // to 2^-9 of their size, and every weight by as much, relatively); on CUDA the product is
-  // bfloat16's, rounded (the tensor cores' speed is what bfloat16 buys there).
+  // A tile's scores in the statistics' dtype, its rows in score_keys' dtype.
   at::Tensor scores(int64_t start, int64_t len, const at::Tensor& ex) const {
-    auto rows = qs.narrow(-2, start, len);
-    if (rows.is_cpu() && rows.scalar_type() != stats()) {
-      return filled_(at::matmul(rows.to(stats()), k.to(stats()).transpose(-2, -1)), ex, kMaskValue);
-    }
-    return filled_(at::matmul(rows, k.transpose(-2, -1)).to(stats()), ex, kMaskValue);
+    const auto rows = qs.narrow(-2, start, len).to(score_keys.scalar_type());
+    return filled_(at::matmul(rows, score_keys.transpose(-2, -1)).to(stats()), ex, kMaskValue);
   }
   // z - s filled, s a per-row or per-key statistic.
   static at::Tensor minus(const at::Tensor& z, const at::Tensor& s, const at::Tensor& ex) { return filled_(z - s, ex, kMaskValue); }
