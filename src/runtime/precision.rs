@@ -2,10 +2,9 @@
 //! libtorch's autocast on for the device, so matrix products (linear layers, `matmul`, attention's
 //! value mix) run in bfloat16 while the weights, the optimizer state and everything outside the
 //! region stay float32. probattn's attention forms its scores in float32 from bfloat16 inputs, as
-//! libtorch's fused kernels do (but for the tile loop on CUDA), and keeps its statistics wider than
-//! its inputs in every precision ([`statistics_kind`]): softmax's and DNAS/Sinkhorn's log-sum-exps,
-//! BAM's noise transform and KL, the received mass. Losses are the caller's to take in float32
-//! (the models do, as fairseq does).
+//! libtorch's fused kernels do, and keeps its statistics wider than its inputs in every precision
+//! ([`statistics_kind`]): softmax's and DNAS/Sinkhorn's log-sum-exps, BAM's noise transform and KL,
+//! the received mass. Losses are the caller's to take in float32 (the models do, as fairseq does).
 //!
 //! ```
 //! use probattn::precision::Precision;
