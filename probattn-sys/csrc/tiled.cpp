@@ -39,7 +39,6 @@
 #include <tuple>
 
 #include <ATen/ATen.h>
-#include <ATen/ExpandUtils.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "boundary.h"
@@ -64,12 +63,13 @@ struct Problem {
   uint64_t seed;
   std::vector<at::Tensor> c;  // c[t] = C^{t+1}, (B, H, 1, S_k)
   std::vector<at::Tensor> r;  // r[t] = R^{t+1}, (B, H, S_q, 1), t < sweeps - 1
-  // The keys as the scores multiply them. Scores come out in the statistics' dtype unrounded, as
-  // the fused route and the eager path form them (scores rounded to bfloat16 are off by up to 2^-9
-  // of their size, and every weight by as much, relatively): on the CPU bfloat16 keys are widened
-  // once per call and multiplied in float32; on CUDA they stay bfloat16 for the tensor cores,
-  // whose float32 sums bmm's out_dtype returns without rounding them (see product).
-  at::Tensor score_keys = qs.is_cpu() ? k.to(stats()) : k;
+  // The keys as the scores multiply them, arranged once per call. Scores come out in the
+  // statistics' dtype unrounded, as the fused route and the eager path form them (scores rounded to
+  // bfloat16 are off by up to 2^-9 of their size, and every weight by as much, relatively): on the
+  // CPU bfloat16 keys are widened and multiplied in float32; on CUDA they stay bfloat16 for the
+  // tensor cores, whose float32 sums bmm's out_dtype returns unrounded (see product), and are made
+  // contiguous so that their B·H matrices are one view.
+  at::Tensor score_keys = qs.is_cpu() ? k.to(stats()) : k.scalar_type() == stats() ? k : k.contiguous();
 
   int64_t queries() const { return qs.size(-2); }
   at::ScalarType stats() const { return statistics_type(qs.scalar_type()); }
@@ -86,21 +86,14 @@ struct Problem {
   }
   // A tile's scores in the statistics' dtype, its rows in score_keys' dtype.
   at::Tensor scores(int64_t start, int64_t len, const at::Tensor& ex) const {
-    const auto rows = qs.narrow(-2, start, len).to(score_keys.scalar_type());
-    return filled_(product(rows, score_keys.transpose(-2, -1)), ex, kMaskValue);
+    return filled_(product(qs.narrow(-2, start, len).to(score_keys.scalar_type())), ex, kMaskValue);
   }
-  // a · b in the statistics' dtype. Operands narrower than it (bfloat16 on CUDA) go through bmm
-  // with out_dtype, over the batch dimensions flattened (views for q and k's layouts).
-  at::Tensor product(const at::Tensor& a, const at::Tensor& b) const {
-    if (a.scalar_type() == stats()) return at::matmul(a, b);
-    auto lead = at::infer_size(a.sizes().slice(0, a.dim() - 2), b.sizes().slice(0, b.dim() - 2));
-    auto batched = [&](const at::Tensor& t) {
-      auto shape = lead;
-      shape.insert(shape.end(), {t.size(-2), t.size(-1)});
-      return t.expand(shape).reshape({-1, t.size(-2), t.size(-1)});
-    };
-    lead.insert(lead.end(), {a.size(-2), b.size(-1)});
-    return at::bmm(batched(a), batched(b), stats()).view(lead);
+  // rows · score_keysᵀ in the statistics' dtype. Narrower operands (bfloat16 on CUDA) go through
+  // bmm with out_dtype over the B·H matrices (q and k agree on B and H; both flatten to views).
+  at::Tensor product(const at::Tensor& rows) const {
+    const auto keys_t = score_keys.transpose(-2, -1);
+    if (rows.scalar_type() == stats()) return at::matmul(rows, keys_t);
+    return at::bmm(rows.flatten(0, 1), keys_t.flatten(0, 1), stats()).unflatten(0, {rows.size(0), rows.size(1)});
   }
   // z - s filled, s a per-row or per-key statistic.
   static at::Tensor minus(const at::Tensor& z, const at::Tensor& s, const at::Tensor& ex) { return filled_(z - s, ex, kMaskValue); }
