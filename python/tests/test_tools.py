@@ -144,6 +144,16 @@ class AtomicFiles(unittest.TestCase):
         self.assertEqual(os.listdir(self.dir.name), ["results.json"])
 
 
+class CpuDescription(unittest.TestCase):
+    def test_names_the_processor_and_its_bfloat16_instructions(self):
+        from probattn_tools.baselines.cpu_kernels import cpu_description
+        amx = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu avx512f avx512_bf16 amx_tile amx_bf16\n"
+        self.assertEqual(cpu_description(amx), "Intel(R) Xeon(R) Processor; bfloat16 instructions: avx512_bf16 amx_bf16")
+        old = "model name\t: Intel(R) Xeon(R) Gold 6248 CPU @ 2.50GHz\nflags\t\t: fpu avx512f avx512_vnni\n"
+        self.assertEqual(cpu_description(old), "Intel(R) Xeon(R) Gold 6248 CPU @ 2.50GHz; bfloat16 instructions: none")
+        self.assertIsNone(cpu_description("processor\t: 0\n"))
+
+
 class ReferenceFormulas(unittest.TestCase):
     def setUp(self):
         g = torch.Generator().manual_seed(0)
