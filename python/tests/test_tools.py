@@ -105,14 +105,17 @@ class TableHelpers(unittest.TestCase):
         from probattn_tools.tables import translate
 
         def runs(*bleus):
-            return [{"test_bleu_tok": b} for b in bleus]
+            return [{"test_bleu_tok": b, "seed": s} for s, b in enumerate(bleus, start=1)]
         row = translate.precision_row("dnas-bf16", runs(38.0, 38.4), runs(37.9, 38.1, 38.5))
         self.assertEqual(row[0], "dnas-bf16 − dnas")
-        self.assertEqual(row[3], "37.90 – 38.50 (n=3)")
-        self.assertEqual(row[4], "yes")
-        self.assertEqual(translate.precision_row("softmax-bf16", runs(38.45), runs(37.63, 37.94, 38.06))[4], "above")
+        # paired over seeds 1 and 2 only: +0.1 and +0.3, mean +0.2, s.e. stdev/sqrt(2) = 0.1
+        self.assertEqual(row[2], "+0.20 ± 0.10 (above on 2 of 2 seeds)")
+        self.assertEqual(row[4], "37.90 – 38.50 (n=3)")
+        self.assertEqual(row[5], "yes")
+        self.assertEqual(translate.precision_row("softmax-bf16", runs(38.45), runs(37.63, 37.94, 38.06))[5], "above")
         self.assertEqual(translate.precision_row("softmax-bf16", runs(37.0), runs(37.63, 38.06))[1], "–")
-        self.assertEqual(translate.precision_row("softmax-bf16", runs(37.0), runs(37.63, 38.06))[4], "below")
+        self.assertEqual(translate.precision_row("softmax-bf16", runs(37.0), runs(37.63, 38.06))[2], "–")
+        self.assertEqual(translate.precision_row("softmax-bf16", runs(37.0), runs(37.63, 38.06))[5], "below")
 
     def test_markdown(self):
         self.assertEqual(common.markdown(["a", "b"], [[1, "x"]]), "| a | b |\n|---|---|\n| 1 | x |")

@@ -16,8 +16,8 @@ sacreBLEU; epochs; training tokens/s; the head diversity "Dist" of the encoder s
 (mean over layers). `--diff` adds each row minus softmax (MA) with the standard error of the
 difference, sqrt(s1²/n1 + s2²/n2), for both BLEUs and Dist: the repulsive-attention paper's claim
 is RMA − MA = +0.8 BLEU (IWSLT14) and a larger Dist. With `--diff`, each bfloat16 row is also set
-against its own float32 row: the difference, the float32 seeds' range of test BLEU and whether the
-bfloat16 mean lies within it (issue 53's quality check). `--paper` adds the difference each paper
+against its own float32 row: the difference (unpaired, and paired by seed), the float32 seeds'
+range of test BLEU and whether the bfloat16 mean lies within it (issue 53's quality check). `--paper` adds the difference each paper
 reports for the row (`paper_difference`; IWSLT14 de-en, tokenized lowercased BLEU, not Multi30k):
 beside it, not comparable in size, only in sign and rough scale.
 """
@@ -28,7 +28,7 @@ import os
 import statistics
 import sys
 
-from probattn_tools.tables.common import cell, diff_cell, markdown
+from probattn_tools.tables.common import cell, diff_cell, markdown, paired_cell
 
 # Each model's softmax row before the rows set against it; other rows follow in name order, the
 # bfloat16 rows last.
@@ -165,14 +165,19 @@ def float32_row(name):
 
 def precision_row(name, runs, base):
     """A bfloat16 row against its own float32 row (issue 53's quality check): the test BLEU
-    difference ± s.e., the float32 seeds' range, and whether the bfloat16 mean lies in it."""
+    difference ± s.e., the same paired by seed, the float32 seeds' range, and whether the bfloat16
+    mean lies in it."""
     bf16 = [r["test_bleu_tok"] for r in runs]
     f32 = [r["test_bleu_tok"] for r in base]
     mean = statistics.mean(bf16)
     inside = "yes" if min(f32) <= mean <= max(f32) else ("above" if mean > max(f32) else "below")
+    def by_seed(rows):
+        return {r["seed"]: r["test_bleu_tok"] for r in rows}
+
     return [
         f"{name} − {float32_row(name)}",
         diff_cell(bf16, f32),
+        paired_cell(by_seed(runs), by_seed(base)),
         cell(bf16),
         f"{min(f32):.2f} – {max(f32):.2f} (n={len(f32)})",
         inside,
@@ -235,7 +240,7 @@ def main(argv=None):
         table = [precision_row(name, rows[name], rows[float32_row(name)]) for name in names if float32_row(name) in rows]
         if table:
             print()
-            header = ["bfloat16 − float32", "tok-lc BLEU difference (± s.e.)", "bfloat16 tok-lc",
+            header = ["bfloat16 − float32", "tok-lc BLEU difference (± s.e.)", "paired by seed (± s.e.)", "bfloat16 tok-lc",
                       "float32 seeds' range", "bfloat16 mean within it"]
             print(markdown(header, table))
 
