@@ -41,28 +41,13 @@ impl Provenance {
             tch_version: report.tch_version,
             libtorch_version: report.libtorch_version,
             device: probattn::device::device_name(device),
-            cpu: std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|info| cpu_description(&info)),
+            cpu: report.cpu,
             threads: tch::get_num_threads(),
             allocator: if probattn::allocator::freed_memory_retained() { "retain" } else { "system" }.into(),
             command: portable_command(std::env::args()),
             unix_time: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         }
     }
-}
-
-/// "<model name>; bfloat16 instructions: <flags>" from the text of `/proc/cpuinfo` (x86-64's
-/// `avx512_bf16` and `amx_bf16`, "none" when it has neither).
-fn cpu_description(cpuinfo: &str) -> Option<String> {
-    let field = |name: &str| {
-        cpuinfo.lines().find_map(|line| {
-            let (key, value) = line.split_once(':')?;
-            (key.trim() == name).then(|| value.trim().to_string())
-        })
-    };
-    let model = field("model name")?;
-    let flags = field("flags").unwrap_or_default();
-    let bf16: Vec<&str> = flags.split_whitespace().filter(|f| matches!(*f, "avx512_bf16" | "amx_bf16")).collect();
-    Some(format!("{model}; bfloat16 instructions: {}", if bf16.is_empty() { "none".to_string() } else { bf16.join(" ") }))
 }
 
 /// The diff of a dirty build against its commit (experiments/build.rs); empty for a clean build.
@@ -219,15 +204,6 @@ mod tests {
         let args = ["/somewhere/bin/probattn-abc", "gat", "--out", &inside, "--data-dir", "/data/planetoid", "relative/dir"];
         let command = portable_command(args.iter().map(|s| s.to_string()));
         assert_eq!(command, ["probattn-abc", "gat", "--out", "results/x", "--data-dir", "/data/planetoid", "relative/dir"]);
-    }
-
-    #[test]
-    fn the_processor_is_recorded_with_its_bfloat16_instructions() {
-        let info = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu avx512f avx512_bf16 amx_tile amx_bf16\n";
-        assert_eq!(cpu_description(info).unwrap(), "Intel(R) Xeon(R) Processor; bfloat16 instructions: avx512_bf16 amx_bf16");
-        let old = "model name\t: Intel(R) Xeon(R) Gold 6248 CPU @ 2.50GHz\nflags\t\t: fpu avx512f avx512_vnni\n";
-        assert_eq!(cpu_description(old).unwrap(), "Intel(R) Xeon(R) Gold 6248 CPU @ 2.50GHz; bfloat16 instructions: none");
-        assert_eq!(cpu_description("processor\t: 0\n"), None, "no model name, nothing to record");
     }
 
     #[test]

@@ -17,7 +17,7 @@ fn doctor_reports_versions_and_cuda() -> Result<()> {
     let out = probattn(&["doctor"])?;
     let said = text(&out);
     ensure!(out.status.success(), "{said}");
-    for expected in ["tch       0.24.0", "libtorch  2.11.0", "threads", "CUDA", "cuDNN"] {
+    for expected in ["tch       0.24.0", "libtorch  2.11.0", "cpu       ", "threads", "CUDA", "cuDNN"] {
         ensure!(said.contains(expected), "doctor did not say '{expected}':\n{said}");
     }
     let json: serde_json::Value = serde_json::from_slice(&probattn(&["doctor", "--json", "--threads", "1"])?.stdout)?;

@@ -1,4 +1,5 @@
-//! `probattn doctor`: what this binary links and sees (tch, libtorch, threads, CUDA, cuDNN).
+//! `probattn doctor`: what this binary links and sees (tch, libtorch, the processor, threads, CUDA,
+//! cuDNN).
 
 use std::path::PathBuf;
 
@@ -32,6 +33,9 @@ pub struct Report {
     pub libtorch_dir: Option<PathBuf>,
     /// Whether `libtorch_cuda.so` is loaded into this process.
     pub libtorch_cuda_loaded: bool,
+    /// The processor as the OS names it, and the bfloat16 instructions it has, which decide
+    /// bfloat16's speed on the CPU (`docs/precision.md`); `None` where `/proc/cpuinfo` is absent.
+    pub cpu: Option<String>,
     pub threads: i32,
     pub cuda_available: bool,
     pub cuda_device_count: i64,
@@ -54,6 +58,7 @@ impl Report {
             libtorch_version: libtorch_dir.as_deref().and_then(libtorch_version),
             libtorch_dir,
             libtorch_cuda_loaded: libs.iter().any(|p| file_name_starts(p, "libtorch_cuda.")),
+            cpu: std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|info| cpu_description(&info)),
             threads: tch::get_num_threads(),
             cuda_available,
             cuda_device_count: if cuda_available { Cuda::device_count() } else { 0 },
@@ -73,6 +78,7 @@ impl Report {
             (None, Some(d)) => println!("libtorch  version unknown ({})", d.display()),
             _ => println!("libtorch  not found among the loaded libraries"),
         }
+        println!("cpu       {}", self.cpu.as_deref().unwrap_or("unknown (no model name in /proc/cpuinfo)"));
         println!("threads   {} (intra-op)", self.threads);
         println!(
             "CUDA      {}, {} device(s); libtorch_cuda loaded: {}",
@@ -126,6 +132,21 @@ pub fn run(args: &DoctorArgs) -> Result<()> {
     Ok(())
 }
 
+/// "<model name>; bfloat16 instructions: <flags>" from the text of `/proc/cpuinfo` (x86-64's
+/// `avx512_bf16` and `amx_bf16`, "none" when it has neither).
+fn cpu_description(cpuinfo: &str) -> Option<String> {
+    let field = |name: &str| {
+        cpuinfo.lines().find_map(|line| {
+            let (key, value) = line.split_once(':')?;
+            (key.trim() == name).then(|| value.trim().to_string())
+        })
+    };
+    let model = field("model name")?;
+    let flags = field("flags").unwrap_or_default();
+    let bf16: Vec<&str> = flags.split_whitespace().filter(|f| matches!(*f, "avx512_bf16" | "amx_bf16")).collect();
+    Some(format!("{model}; bfloat16 instructions: {}", if bf16.is_empty() { "none".to_string() } else { bf16.join(" ") }))
+}
+
 fn file_name_starts(p: &std::path::Path, prefix: &str) -> bool {
     p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(prefix))
 }
@@ -149,4 +170,18 @@ fn libtorch_version(lib_dir: &std::path::Path) -> Option<String> {
         return Some(line.split(['\'', '"']).nth(1)?.to_string());
     }
     std::fs::read_to_string(root.join("build-version")).ok().map(|v| v.trim().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_processor_is_named_with_its_bfloat16_instructions() {
+        let info = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu avx512f avx512_bf16 amx_tile amx_bf16\n";
+        assert_eq!(cpu_description(info).unwrap(), "Intel(R) Xeon(R) Processor; bfloat16 instructions: avx512_bf16 amx_bf16");
+        let old = "model name\t: Intel(R) Xeon(R) Gold 6248 CPU @ 2.50GHz\nflags\t\t: fpu avx512f avx512_vnni\n";
+        assert_eq!(cpu_description(old).unwrap(), "Intel(R) Xeon(R) Gold 6248 CPU @ 2.50GHz; bfloat16 instructions: none");
+        assert_eq!(cpu_description("processor\t: 0\n"), None, "no model name, nothing to record");
+    }
 }
