@@ -20,7 +20,8 @@ pub struct Provenance {
     pub libtorch_version: Option<String>,
     pub device: String,
     /// The processor as the OS names it, and the bfloat16 instructions it has, which decide
-    /// bfloat16's speed on the CPU (`docs/precision.md`); `None` where `/proc/cpuinfo` is absent.
+    /// bfloat16's speed on the CPU (`docs/precision.md`); `None` where `/proc/cpuinfo` names no
+    /// model (absent, or an architecture whose cpuinfo has no `model name` line).
     pub cpu: Option<String>,
     pub threads: i32,
     /// `retain` when freed memory is kept for reuse (`--allocator`), else `system`.

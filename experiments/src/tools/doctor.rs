@@ -34,7 +34,8 @@ pub struct Report {
     /// Whether `libtorch_cuda.so` is loaded into this process.
     pub libtorch_cuda_loaded: bool,
     /// The processor as the OS names it, and the bfloat16 instructions it has, which decide
-    /// bfloat16's speed on the CPU (`docs/precision.md`); `None` where `/proc/cpuinfo` is absent.
+    /// bfloat16's speed on the CPU (`docs/precision.md`); `None` where `/proc/cpuinfo` names no
+    /// model (absent, or an architecture whose cpuinfo has no `model name` line).
     pub cpu: Option<String>,
     pub threads: i32,
     pub cuda_available: bool,

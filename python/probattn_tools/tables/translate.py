@@ -17,9 +17,10 @@ sacreBLEU; epochs; training tokens/s; the head diversity "Dist" of the encoder s
 difference, sqrt(s1²/n1 + s2²/n2), for both BLEUs and Dist: the repulsive-attention paper's claim
 is RMA − MA = +0.8 BLEU (IWSLT14) and a larger Dist. With `--diff`, each bfloat16 row is also set
 against its own float32 row: the difference (unpaired, and paired by seed), the float32 seeds'
-range of test BLEU and whether the bfloat16 mean lies within it (issue 53's quality check). `--paper` adds the difference each paper
-reports for the row (`paper_difference`; IWSLT14 de-en, tokenized lowercased BLEU, not Multi30k):
-beside it, not comparable in size, only in sign and rough scale.
+range of test BLEU and whether the bfloat16 mean lies within it (issue 53's quality check).
+`--paper` adds the difference each paper reports for the row (`paper_difference`; IWSLT14 de-en,
+tokenized lowercased BLEU, not Multi30k): beside it, not comparable in size, only in sign and
+rough scale.
 """
 
 import argparse
