@@ -11,15 +11,15 @@ a bfloat16 product runs faster than a float32 one; without them libtorch emulate
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from probattn_tools.baselines.bench import time_interleaved
 from probattn_tools.files import atomic_write_text
 
+CPU = torch.device("cpu")
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -44,15 +44,10 @@ def this_cpu():
         return None
 
 
-def median_seconds(step, repeats, warmups=2):
-    for _ in range(warmups):
-        step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def median_seconds(step, repeats):
+    """Median seconds of `repeats` calls of `step` after two warm-up calls (bench's timing)."""
+    (median_ms, _), = time_interleaved([step], repeats, CPU)
+    return median_ms / 1e3
 
 
 def matmul(n, dtype, repeats):
