@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 
 import torch
 from _record import git_state, write_atomic  # this folder's, beside the script
@@ -159,6 +160,7 @@ def flex(probattn, args):
                 (median, iqr), = time_interleaved([fn], args.memory_repeats, args.device)
                 row[name] = {"ms": median, "iqr_ms": iqr, "peak_bytes": cuda_peak_during(fn)}
             except Exception as e:  # out of memory, or Flex's compiler refusing: said, not fatal
+                traceback.print_exc(file=sys.stderr)  # the log gets the whole traceback, the record one line
                 for t in (q, k, v):
                     t.grad = None
                 torch.cuda.empty_cache()
