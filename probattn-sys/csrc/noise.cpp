@@ -19,44 +19,23 @@ constexpr int64_t kLow32 = 0xffffffffLL;
 // ---- counter-based draws: integer hashing in ATen ops, every value kept below 2^49, so int64
 // never overflows on any device.
 
-// x · c mod 2^32 for 0 <= x < 2^32, in two 16-bit halves of c.
-at::Tensor mul32(const at::Tensor& x, uint32_t c) {
-  auto low = x * static_cast<int64_t>(c & 0xffffu);
-  auto high = at::bitwise_left_shift(at::bitwise_and(x * static_cast<int64_t>(c >> 16), 0xffff), 16);
-  return at::bitwise_and(low + high, kLow32);
+// x ← x · c mod 2^32 for 0 <= x < 2^32, in two 16-bit halves of c. These steps work in place:
+// each sweeps the whole block, and writing into its operand keeps fewer blocks alive at once.
+void mul32_(at::Tensor& x, uint32_t c) {
+  auto high = x * static_cast<int64_t>(c >> 16);
+  high.bitwise_and_(0xffff).bitwise_left_shift_(16);
+  x.mul_(static_cast<int64_t>(c & 0xffffu)).add_(high).bitwise_and_(kLow32);
 }
 
-// A bijection of 32-bit values with good avalanche (C. Wellons' two-round integer hash).
-at::Tensor hash32(at::Tensor x) {
-  x = at::bitwise_xor(x, at::bitwise_right_shift(x, 16));
-  x = mul32(x, 0x21f0aaadu);
-  x = at::bitwise_xor(x, at::bitwise_right_shift(x, 15));
-  x = mul32(x, 0xd35a2d97u);
-  return at::bitwise_xor(x, at::bitwise_right_shift(x, 15));
-}
+void xorshift_(at::Tensor& x, int64_t shift) { x.bitwise_xor_(at::bitwise_right_shift(x, shift)); }
 
-// Uniform draws in (0, 1), float64, for entries (b, h, i, j) with i in [start, start + len) of a
-// (B, H, S_q, S_k) score tensor: 32 random bits ((m + 1/2) / 2^32), or 23 for float32 noise:
-// (2m + 1) / 2^24 has 24 significant bits, so it casts to float32 exactly and its largest value,
-// 1 - 2^-24, stays below 1 (with 24 bits the largest, 1 - 2^-25, rounded to 1.0 in float32, and
-// the Weibull transform log(-log(1 - ε)) became infinite). The bits of entry e (its position in
-// the score tensor) are hash(hash(low(e) ^ hash(high(e) ^ seed_hi)) ^ seed_lo).
-//
-// `counter_uniform_ops` computes them with ATen's integer ops (any device); `counter_uniform_cpu`
-// with a plain loop over the same 32-bit arithmetic (unsigned, so wrapping is defined), about 30
-// times faster on the CPU, where the op-by-op form allocated and swept one int64 tensor per step.
-at::Tensor counter_uniform_ops(uint64_t seed, at::IntArrayRef shape, int64_t start, int64_t len, bool float32, at::Device device) {
-  const int64_t b = shape[0], h = shape[1], sq = shape[2], sk = shape[3];
-  auto opts = at::TensorOptions().dtype(at::kLong).device(device);
-  auto heads = at::arange(b * h, opts).view({b, h, 1, 1});
-  auto rows = at::arange(start, start + len, opts).view({1, 1, len, 1});
-  auto cols = at::arange(sk, opts).view({1, 1, 1, sk});
-  auto index = (heads * sq + rows) * sk + cols;  // the entry's position, < 2^63
-  auto low = at::bitwise_and(index, kLow32), high = at::bitwise_right_shift(index, 32);
-  const auto s0 = static_cast<int64_t>(seed & 0xffffffffULL), s1 = static_cast<int64_t>(seed >> 32);
-  auto bits = hash32(at::bitwise_xor(hash32(at::bitwise_xor(low, hash32(at::bitwise_xor(high, s1)))), s0));
-  if (float32) return (at::bitwise_right_shift(bits, 9).to(at::kDouble) + 0.5) * std::ldexp(1.0, -23);
-  return (bits.to(at::kDouble) + 0.5) * std::ldexp(1.0, -32);
+// A bijection of 32-bit values with good avalanche (C. Wellons' two-round integer hash), in place.
+void hash32_(at::Tensor& x) {
+  xorshift_(x, 16);
+  mul32_(x, 0x21f0aaadu);
+  xorshift_(x, 15);
+  mul32_(x, 0xd35a2d97u);
+  xorshift_(x, 15);
 }
 
 inline uint32_t hash32_scalar(uint32_t x) {
@@ -66,6 +45,48 @@ inline uint32_t hash32_scalar(uint32_t x) {
   x *= 0xd35a2d97u;
   x ^= x >> 15;
   return x;
+}
+
+// Uniform draws in (0, 1) for entries (b, h, i, j) with i in [start, start + len) of a
+// (B, H, S_q, S_k) score tensor: 32 random bits ((m + 1/2) / 2^32, float64), or 23 for float32
+// noise: (2m + 1) / 2^24 has 24 significant bits, so float32 holds it exactly and its largest
+// value, 1 - 2^-24, stays below 1 (with 24 bits the largest, 1 - 2^-25, rounded to 1.0 in float32,
+// and the Weibull transform log(-log(1 - ε)) became infinite). The bits of entry e (its position in
+// the score tensor) are hash(hash(low(e) ^ hash(high(e) ^ seed_hi)) ^ seed_lo).
+//
+// `counter_uniform_ops` computes them with ATen's integer ops (any device), in float64, or in
+// float32 when `float32_out` (float32 draws only: the same values); `counter_uniform_cpu` with a
+// plain loop over the same 32-bit arithmetic (unsigned, so wrapping is defined), about 30 times
+// faster on the CPU, where the op-by-op form allocated and swept one int64 tensor per step. When
+// every position of the score tensor is below 2^32, high(e) is 0 throughout and its hash one
+// number, computed once.
+at::Tensor counter_uniform_ops(uint64_t seed, at::IntArrayRef shape, int64_t start, int64_t len, bool float32, at::Device device,
+                               bool float32_out = false) {
+  const int64_t b = shape[0], h = shape[1], sq = shape[2], sk = shape[3];
+  auto opts = at::TensorOptions().dtype(at::kLong).device(device);
+  auto heads = at::arange(b * h, opts).view({b, h, 1, 1});
+  auto rows = at::arange(start, start + len, opts).view({1, 1, len, 1});
+  auto cols = at::arange(sk, opts).view({1, 1, 1, sk});
+  auto bits = (heads * sq + rows) * sk + cols;  // the entry's position, < 2^63
+  const auto s0 = static_cast<uint32_t>(seed & 0xffffffffULL), s1 = static_cast<uint32_t>(seed >> 32);
+  // The number of entries in double, which cannot overflow and is exact wherever it is near 2^32.
+  const double entries = static_cast<double>(b) * static_cast<double>(h) * static_cast<double>(sq) * static_cast<double>(sk);
+  if (entries <= 4294967296.0) {
+    bits.bitwise_xor_(static_cast<int64_t>(hash32_scalar(s1)));
+  } else {
+    auto high = at::bitwise_right_shift(bits, 32);
+    high.bitwise_xor_(static_cast<int64_t>(s1));
+    hash32_(high);
+    bits.bitwise_and_(kLow32).bitwise_xor_(high);
+  }
+  hash32_(bits);
+  bits.bitwise_xor_(static_cast<int64_t>(s0));
+  hash32_(bits);
+  if (float32) {
+    bits.bitwise_right_shift_(9);
+    return bits.to(float32_out ? at::kFloat : at::kDouble).add_(0.5).mul_(std::ldexp(1.0, -23));
+  }
+  return bits.to(at::kDouble).add_(0.5).mul_(std::ldexp(1.0, -32));
 }
 
 template <typename T>
@@ -101,24 +122,22 @@ at::Tensor counter_uniform_cpu(uint64_t seed, at::IntArrayRef shape, int64_t sta
   return out;
 }
 
+// `float32_out`: float32 draws in float32 rather than float64 (the same values).
 at::Tensor counter_uniform(uint64_t seed, at::IntArrayRef shape, int64_t start, int64_t len, at::ScalarType dtype, at::Device device,
-                           bool ops = false) {
+                           bool ops = false, bool float32_out = false) {
   const bool float32 = dtype == at::kFloat;
-  if (device.is_cpu() && !ops) return counter_uniform_cpu(seed, shape, start, len, float32, at::kDouble);
-  return counter_uniform_ops(seed, shape, start, len, float32, device);
+  if (device.is_cpu() && !ops) return counter_uniform_cpu(seed, shape, start, len, float32, float32_out ? at::kFloat : at::kDouble);
+  return counter_uniform_ops(seed, shape, start, len, float32, device, float32_out);
 }
 
 }  // namespace
 
 // The eager path's noise convention: ε ~ U(0, 1) for Weibull, ε ~ N(0, 1) for Lognormal (the
-// inverse normal CDF of the uniform, in float64), in `dtype`. Uniform float32 draws on the CPU are
-// written as float32 directly (one pass, no float64 block).
+// inverse normal CDF of the uniform, in float64), in `dtype`. Uniform float32 draws are formed in
+// float32 directly (no float64 block).
 at::Tensor counter_noise(uint64_t seed, int64_t noise, at::IntArrayRef shape, int64_t start, int64_t len, at::ScalarType dtype,
                          at::Device device, bool ops) {
-  if (noise == kWeibull && device.is_cpu() && !ops) {
-    return counter_uniform_cpu(seed, shape, start, len, dtype == at::kFloat, dtype).to(dtype);
-  }
-  auto u = counter_uniform(seed, shape, start, len, dtype, device, ops);
+  auto u = counter_uniform(seed, shape, start, len, dtype, device, ops, noise == kWeibull);
   if (noise == kLognormal) u = at::erfinv(u * 2.0 - 1.0) * std::sqrt(2.0);
   return u.to(dtype);
 }
