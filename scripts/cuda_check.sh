@@ -14,8 +14,12 @@
 #   TESTS          the test binaries of the tests step (default: every one with a CUDA form)
 #   PYTHON_TESTS   a unittest -k pattern for the python step (default: every test; "Cuda" for the
 #                  CUDA class alone)
-#   NCCL_PAIRS     the nccl step's alternations of one process and one NCCL rank (default 3; single
-#                  runs of 300 updates differed by 12-33% on the H100, so the step compares medians)
+#   NCCL_PAIRS     the nccl step's pairs of one process and one NCCL rank (default 4). Runs of 300
+#                  updates drifted by 12-33% on the H100, mostly faster run after run, so the step
+#                  runs one warm-up first (not counted) and alternates the order from pair to pair
+#                  (single first, then NCCL first, ...); probattn_tools.tables.nccl reports each
+#                  pair's ratio and their geometric mean, from which an even number of pairs cancels
+#                  a steady drift
 #   TABLE_ROWS, TABLE_SEEDS, TABLE_JOBS   the table steps' rows, seeds and runs at a time on the one
 #                  GPU (default 6, the CPU cores shared out), as scripts/translate_table.sh reads them
 #   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient precision
@@ -126,41 +130,28 @@ for s in $steps; do
       done
       "$p" translate --quick --precision bf16 --device cuda --out "$out/translate-quick-bf16" 2>&1 | tail -5 ;;
     nccl)
-      # torchrun with NCCL, one rank, against one process without a process group, NCCL_PAIRS times
-      # in alternation (tokens/s of training, medians compared); all the GPUs in one job where
-      # there are several.
+      # torchrun with NCCL, one rank, against one process without a process group, NCCL_PAIRS pairs
+      # after a warm-up run, the order alternating from pair to pair (tokens/s of training, each
+      # pair's ratio); all the GPUs in one job where there are several.
       step nccl
       torchrun=$(dirname "$python")/torchrun
       short=(translate --device cuda --max-updates 300 --limit-valid 20 --limit-test 20)
       mkdir -p "$out/nccl"
-      for i in $(seq "${NCCL_PAIRS:-3}"); do
-        "$p" "${short[@]}" --out "$out/nccl/single-$i" > "$out/nccl/single-$i.log" 2>&1; tail -2 "$out/nccl/single-$i.log"
-        "$torchrun" --nproc-per-node 1 --no-python "$p" "${short[@]}" --dist-backend nccl --out "$out/nccl/ranks1-$i" \
-          > "$out/nccl/ranks1-$i.log" 2>&1; tail -2 "$out/nccl/ranks1-$i.log"
+      run_single() { "$p" "${short[@]}" --out "$out/nccl/$1" > "$out/nccl/$1.log" 2>&1; tail -2 "$out/nccl/$1.log"; }
+      run_nccl() {
+        "$torchrun" --nproc-per-node 1 --no-python "$p" "${short[@]}" --dist-backend nccl --out "$out/nccl/$1" \
+          > "$out/nccl/$1.log" 2>&1; tail -2 "$out/nccl/$1.log"
+      }
+      run_single warmup
+      for i in $(seq "${NCCL_PAIRS:-4}"); do
+        if [ $((i % 2)) -eq 1 ]; then run_single "single-$i"; run_nccl "ranks1-$i"; else run_nccl "ranks1-$i"; run_single "single-$i"; fi
       done
       gpus=$(nvidia-smi -L | wc -l)
       if [ "$gpus" -gt 1 ]; then
         "$torchrun" --nproc-per-node "$gpus" --no-python "$p" "${short[@]}" --dist-backend nccl --out "$out/nccl/ranks$gpus" \
           > "$out/nccl/ranks$gpus.log" 2>&1; tail -2 "$out/nccl/ranks$gpus.log"
       fi
-      "$python" - "$out/nccl" <<'PY' | tee "$out/nccl/tokens.md"
-import glob, json, os, statistics, sys
-print("| run | ranks, backend | train tokens/s |\n|---|---|---|")
-side = {}
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "*", "results.json"))):
-    r = json.load(open(f))
-    d = r.get("distributed") or {"world_size": 1, "backend": "none"}
-    key = f"{d['world_size']}, {d['backend']}"
-    side.setdefault(key, []).append(r["tokens_per_second_mean"])
-    print(f"| {os.path.basename(os.path.dirname(f))} | {key} | {r['tokens_per_second_mean']:.0f} |")
-one = side.get("1, none")
-for key, values in side.items():
-    if one and key != "1, none":
-        ratio = statistics.median(values) / statistics.median(one)
-        what = "target: within 3%" if key.startswith("1,") else "the scaling"
-        print(f"\nmedian {key} / median 1 process: {ratio:.3f} (n = {len(values)} and {len(one)}; {what})")
-PY
-      ;;
+      PYTHONPATH="$root/python" "$python" -m probattn_tools.tables.nccl "$out/nccl" | tee "$out/nccl/tokens.md" ;;
     python)
       step python
       (cd "$bin/python-package" && PYTHONPATH="$bin/python-package:$root/python" "$python" -m unittest discover -v \

@@ -147,6 +147,37 @@ class AtomicFiles(unittest.TestCase):
         self.assertEqual(os.listdir(self.dir.name), ["results.json"])
 
 
+class NcclPairs(unittest.TestCase):
+    def write(self, root, name, tokens, started, backend=None):
+        os.makedirs(os.path.join(root, name))
+        results = {"tokens_per_second_mean": tokens, "provenance": {"unix_time": started}}
+        if backend:
+            results["distributed"] = {"world_size": 1, "backend": backend}
+        files.atomic_write_json(os.path.join(root, name, "results.json"), results)
+
+    def test_alternating_orders_cancel_a_steady_drift(self):
+        import tempfile
+        from probattn_tools.tables import nccl
+        with tempfile.TemporaryDirectory() as root:
+            # Every run 5% faster than the one before, NCCL costing nothing: a warm-up, then pairs
+            # single first, NCCL first, single first, NCCL first.
+            order = ["warmup", "single-1", "ranks1-1", "ranks1-2", "single-2", "single-3", "ranks1-3", "ranks1-4", "single-4"]
+            for t, name in enumerate(order):
+                self.write(root, name, 100 * 1.05 ** t, 1000 + t, "nccl" if name.startswith("ranks") else None)
+            found = nccl.pairs(nccl.load(root))
+            self.assertEqual([p[1] for p in found], ["single first", "NCCL first"] * 2)
+            self.assertAlmostEqual(found[0][4], 1.05)
+            self.assertAlmostEqual(found[1][4], 1 / 1.05)
+            self.assertAlmostEqual(nccl.geometric_mean([p[4] for p in found]), 1.0)
+            text = nccl.table(root)
+            self.assertIn("geometric mean of the pairs' ratios: 1.000 (4 pairs, 2 single first and 2 NCCL first", text)
+            self.assertNotIn("unbalanced", text)
+            # The order is the start time's, not the name's; a pair without its NCCL run is left out.
+            os.remove(os.path.join(root, "ranks1-4", "results.json"))
+            self.assertIn("(3 pairs, 2 single first and 1 NCCL first", nccl.table(root))
+            self.assertIn("unbalanced", nccl.table(root))
+
+
 class CpuDescription(unittest.TestCase):
     def test_names_the_processor_and_its_bfloat16_instructions(self):
         from probattn_tools.baselines.cpu_kernels import cpu_description
