@@ -148,9 +148,9 @@ class AtomicFiles(unittest.TestCase):
 
 
 class NcclPairs(unittest.TestCase):
-    def write(self, root, name, tokens, started, backend=None):
+    def write(self, root, name, tokens, recorded, backend=None):
         os.makedirs(os.path.join(root, name))
-        results = {"tokens_per_second_mean": tokens, "provenance": {"unix_time": started}}
+        results = {"tokens_per_second_mean": tokens, "provenance": {"unix_time": recorded}}
         if backend:
             results["distributed"] = {"world_size": 1, "backend": backend}
         files.atomic_write_json(os.path.join(root, name, "results.json"), results)
@@ -172,7 +172,7 @@ class NcclPairs(unittest.TestCase):
             text = nccl.table(root)
             self.assertIn("geometric mean of the pairs' ratios: 1.000 (4 pairs, 2 single first and 2 NCCL first", text)
             self.assertNotIn("unbalanced", text)
-            # The order is the start time's, not the name's; a pair without its NCCL run is left out.
+            # Orders come from the recorded times, not the names; a pair without its NCCL run is left out.
             os.remove(os.path.join(root, "ranks1-4", "results.json"))
             self.assertIn("(3 pairs, 2 single first and 1 NCCL first", nccl.table(root))
             self.assertIn("unbalanced", nccl.table(root))

@@ -1,5 +1,5 @@
 """One NCCL rank against one process without a process group, from the run folders of
-`scripts/cuda_check.sh nccl`: each run's training tokens/s in the order the runs started, and each
+`scripts/cuda_check.sh nccl`: each run's training tokens/s in the order the runs ran, and each
 pair's ratio (NCCL / single) with their geometric mean.
 
     python -m probattn_tools.tables.nccl results/cuda/2026-11-28/nccl
@@ -9,8 +9,8 @@ each ran faster than the one before, by 22% from first to last, whatever their b
 ratio compares two neighbouring runs, and so carries only the drift between those two. Where the
 order alternates from pair to pair (the step runs single first in odd pairs, NCCL first in even
 ones), that share enters with opposite signs and a steady drift cancels from the geometric mean of
-an even number of pairs. The table says how many pairs ran in each order, from the runs' start
-times (`provenance.unix_time`). Other runs (the step's `warmup`, `ranks<N>` on several GPUs) are
+an even number of pairs. The table says how many pairs ran in each order, from the times the
+runs recorded their results (`provenance.unix_time`; the step runs them one after another). Other runs (the step's `warmup`, `ranks<N>` on several GPUs) are
 listed but not paired.
 """
 
@@ -24,8 +24,8 @@ from probattn_tools.tables.common import markdown
 
 
 def load(folder):
-    """Every run below `folder`, in the order they started: dicts of name, ranks, backend, tokens/s
-    and start time."""
+    """Every run below `folder`, in the order they ran: dicts of name, ranks, backend, tokens/s and
+    the time the run recorded its results."""
     runs = []
     for path in sorted(Path(folder).glob("*/results.json")):
         results = json.loads(path.read_text())
@@ -35,14 +35,14 @@ def load(folder):
             "ranks": dist["world_size"],
             "backend": dist["backend"],
             "tokens_per_second": results["tokens_per_second_mean"],
-            "started": results.get("provenance", {}).get("unix_time", 0),
+            "recorded": results.get("provenance", {}).get("unix_time", 0),
         })
-    return sorted(runs, key=lambda r: (r["started"], r["name"]))
+    return sorted(runs, key=lambda r: (r["recorded"], r["name"]))
 
 
 def pairs(runs):
     """(index, order, single tokens/s, NCCL tokens/s, ratio) for each i with both `single-i` and
-    `ranks1-i`; order is which of the two started first."""
+    `ranks1-i`; order is which of the two ran first."""
     by_name = {r["name"]: r for r in runs}
     out = []
     for name in by_name:
@@ -52,7 +52,7 @@ def pairs(runs):
         single, nccl = by_name[name], by_name.get(f"ranks1-{index}")
         if nccl is None:
             continue
-        order = "single first" if single["started"] <= nccl["started"] else "NCCL first"
+        order = "single first" if single["recorded"] <= nccl["recorded"] else "NCCL first"
         out.append((index, order, single["tokens_per_second"], nccl["tokens_per_second"],
                     nccl["tokens_per_second"] / single["tokens_per_second"]))
     return sorted(out, key=lambda p: int(p[0]) if p[0].isdigit() else p[0])
