@@ -249,13 +249,29 @@ class FlexDnas(unittest.TestCase):
         # Not softmax: the composition must differ from one plain call.
         self.assertGreater((got - torch.softmax(q @ k.transpose(-2, -1) / 4.0, -1) @ v).abs().max().item(), 1e-3)
 
+    @unittest.skipIf(torch.cuda.is_available(), "needs a CUDA warm-up that fails: a machine without CUDA")
+    def test_a_failed_warm_up_is_recorded_and_not_fatal(self):
+        from probattn_tools.baselines import bench
+        saved = dict(bench.FLEX)
+        bench.FLEX.clear()
+        try:
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                fn = bench.compiled_flex("cuda")
+            self.assertTrue(callable(fn))
+            self.assertIn("RuntimeError", bench.FLEX["warmup_error"])
+            self.assertIn("FlexAttention's warm-up call failed", err.getvalue())
+            self.assertIs(bench.compiled_flex("cuda"), fn)  # once per process
+        finally:
+            bench.FLEX.clear()
+            bench.FLEX.update(saved)
+
     @unittest.skipUnless(torch.cuda.is_available(), "compiled FlexAttention's backward needs CUDA")
     def test_forward_and_backward_on_cuda(self):
         from probattn_tools.baselines.bench import compiled_flex, dnas_flex
         leaves = [t.float().cuda().requires_grad_() for t in self.qkv]
         expected = [t.detach().clone().requires_grad_() for t in self.qkv]
         g = torch.randn_like(leaves[0])
-        got = dnas_flex(*leaves, compiled_flex())
+        got = dnas_flex(*leaves, compiled_flex(leaves[0].device))
         (got * g).sum().backward()
         want = self.reference(*expected)
         (want * g.cpu()).sum().backward()

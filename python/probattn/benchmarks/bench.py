@@ -153,7 +153,7 @@ def flex(probattn, args):
             return run
 
         sides = {"probattn": step(lambda: probattn.attention(q, k, v, variant="dnas", memory_efficient=True, tile=256)),
-                 "flex": step(lambda: dnas_flex(q, k, v, compiled_flex()))}
+                 "flex": step(lambda: dnas_flex(q, k, v, compiled_flex(q.device)))}
         row = {"variant": "dnas", "s": s, "heads": 8, "dim": 64, "batch": 1}
         for name, fn in sides.items():
             try:
@@ -197,6 +197,8 @@ def markdown(result):
             mem = f"{r['memory_ratio']:.2f}" if "memory_ratio" in r else ""
             lines.append(f"| {r['s']} | {cell(r['probattn'], 'ms', 1)} | {cell(r['flex'], 'ms', 1)} | {ratios}"
                          f"{cell(r['probattn'], 'peak_bytes', 2**20)} | {cell(r['flex'], 'peak_bytes', 2**20)} | {mem} |")
+        if result.get("flex_warmup_error"):
+            lines += ["", f"FlexAttention's warm-up call (S = 128) failed before these: {result['flex_warmup_error']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -228,6 +230,9 @@ def main():
         result["memory"] = memory(probattn, args)
     if args.device.type == "cuda" and args.flex_seqs:
         result["flex"] = flex(probattn, args)
+        from probattn_tools.baselines.bench import FLEX
+        if "warmup_error" in FLEX:
+            result["flex_warmup_error"] = FLEX["warmup_error"]
     os.makedirs(args.out, exist_ok=True)
     for name, text in (("bench.json", json.dumps(result, indent=2) + "\n"), ("bench.md", markdown(result))):
         write_atomic(os.path.join(args.out, name), text)

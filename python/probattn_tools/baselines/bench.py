@@ -39,7 +39,7 @@ def attention_core(variant, q, k, v):
     if variant == "pytorch-sdpa":
         return F.scaled_dot_product_attention(q, k, v)
     if variant == "pytorch-flex-dnas":
-        return dnas_flex(q, k, v, compiled_flex())
+        return dnas_flex(q, k, v, compiled_flex(q.device))
     z = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device).expand_as(z)
     if variant in ref.BAM_VARIANTS:
@@ -74,10 +74,26 @@ FLEX = {}
 IMPLS = {"pytorch-sdpa": ("softmax", "pytorch-sdpa"), "pytorch-flex-dnas": ("dnas", "pytorch-flex")}
 
 
-def compiled_flex():
+def compiled_flex(device=None):
+    """`torch.compile(flex_attention)`, once per process. On CUDA its first use is a warm-up: DNAS
+    forward and backward at S = 128, twice. In three CUDA runs the first compiled composition of a
+    process failed at whatever length came first (S = 1,024 or 4,096, `AttributeError: 'NoneType'
+    object has no attribute '__closure__'`) and every later length ran (results/cuda/2026-11-28/);
+    the warm-up takes that first call out of the measured lengths. Its failure, if any, is written
+    to stderr with the traceback and kept in FLEX["warmup_error"], and the measurements go on."""
     if "fn" not in FLEX:
         from torch.nn.attention.flex_attention import flex_attention
         FLEX["fn"] = torch.compile(flex_attention)
+        if device is not None and torch.device(device).type == "cuda":
+            try:
+                q, k, v = (torch.randn(1, 8, 128, 64, device=device, requires_grad=True) for _ in range(3))
+                for _ in range(2):
+                    dnas_flex(q, k, v, FLEX["fn"]).sum().backward()
+            except Exception as e:  # said with its traceback, not fatal: the measured calls follow
+                import traceback
+                traceback.print_exc(file=sys.stderr)
+                FLEX["warmup_error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+                print(f"FlexAttention's warm-up call failed ({FLEX['warmup_error']}); measuring after it", file=sys.stderr, flush=True)
     return FLEX["fn"]
 
 
