@@ -76,9 +76,10 @@ IMPLS = {"pytorch-sdpa": ("softmax", "pytorch-sdpa"), "pytorch-flex-dnas": ("dna
 
 def compiled_flex(device=None):
     """`torch.compile(flex_attention)`, once per process. On CUDA its first use is a warm-up: DNAS
-    forward and backward at S = 128, twice. In three CUDA runs the first compiled composition of a
-    process failed at whatever length came first (S = 1,024 or 4,096, `AttributeError: 'NoneType'
-    object has no attribute '__closure__'`) and every later length ran (results/cuda/2026-11-28/);
+    forward and backward at S = 128, twice. In four CUDA processes the first compiled composition
+    failed at whatever length came first (S = 1,024 or 4,096; the one message kept: `AttributeError:
+    'NoneType' object has no attribute '__closure__'`) and every later length ran
+    (results/cuda/2026-11-28/);
     the warm-up takes that first call out of the measured lengths. Its failure, if any, is written
     to stderr with the traceback and kept in FLEX["warmup_error"], and the measurements go on."""
     if "fn" not in FLEX:
