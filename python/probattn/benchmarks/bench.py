@@ -138,7 +138,7 @@ def flex(probattn, args):
     """DNAS at each of `--flex-seqs` on CUDA, ours (memory-efficient) against FlexAttention's
     two-call composition, forward + backward; a side that runs out of memory or that Flex's
     compiler refuses is recorded as such, with its message."""
-    from probattn_tools.baselines.bench import compiled_flex, cuda_peak_during, dnas_flex, time_interleaved
+    from probattn_tools.baselines.bench import compiled_flex, cuda_peak_during, dnas_flex, error_line, time_interleaved
 
     rows = []
     for s in args.flex_seqs:
@@ -164,7 +164,7 @@ def flex(probattn, args):
                 for t in (q, k, v):
                     t.grad = None
                 torch.cuda.empty_cache()
-                row[name] = {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
+                row[name] = {"error": error_line(e)}
             print(f"flex dnas S={s}: {name} {row[name]}", file=sys.stderr, flush=True)
         if "ms" in row["probattn"] and "ms" in row["flex"]:
             row["time_ratio"] = row["probattn"]["ms"] / row["flex"]["ms"]

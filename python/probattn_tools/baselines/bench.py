@@ -25,6 +25,7 @@ import json
 import math
 import sys
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -74,14 +75,19 @@ FLEX = {}
 IMPLS = {"pytorch-sdpa": ("softmax", "pytorch-sdpa"), "pytorch-flex-dnas": ("dnas", "pytorch-flex")}
 
 
+def error_line(e):
+    """An exception as one line for a record: its type and its message's first line."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
 def compiled_flex(device=None):
     """`torch.compile(flex_attention)`, once per process. On CUDA its first use is a warm-up: DNAS
     forward and backward at S = 128, twice. In four CUDA processes the first compiled composition
     failed at whatever length came first (S = 1,024 or 4,096; the one message kept: `AttributeError:
     'NoneType' object has no attribute '__closure__'`) and every later length ran
-    (results/cuda/2026-11-28/);
-    the warm-up takes that first call out of the measured lengths. Its failure, if any, is written
-    to stderr with the traceback and kept in FLEX["warmup_error"], and the measurements go on."""
+    (results/cuda/2026-11-28/); the warm-up takes that first call out of the measured lengths. Its
+    failure, if any, is written to stderr with the traceback and kept in FLEX["warmup_error"], and
+    the measurements go on."""
     if "fn" not in FLEX:
         from torch.nn.attention.flex_attention import flex_attention
         FLEX["fn"] = torch.compile(flex_attention)
@@ -91,9 +97,8 @@ def compiled_flex(device=None):
                 for _ in range(2):
                     dnas_flex(q, k, v, FLEX["fn"]).sum().backward()
             except Exception as e:  # said with its traceback, not fatal: the measured calls follow
-                import traceback
                 traceback.print_exc(file=sys.stderr)
-                FLEX["warmup_error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+                FLEX["warmup_error"] = error_line(e)
                 print(f"FlexAttention's warm-up call failed ({FLEX['warmup_error']}); measuring after it", file=sys.stderr, flush=True)
     return FLEX["fn"]
 

@@ -172,13 +172,10 @@ def precision_row(name, runs, base):
     f32 = [r["test_bleu_tok"] for r in base]
     mean = statistics.mean(bf16)
     inside = "yes" if min(f32) <= mean <= max(f32) else ("above" if mean > max(f32) else "below")
-    def by_seed(rows):
-        return {r["seed"]: r["test_bleu_tok"] for r in rows}
-
     return [
         f"{name} − {float32_row(name)}",
         diff_cell(bf16, f32),
-        paired_cell(by_seed(runs), by_seed(base)),
+        paired_cell({r["seed"]: r["test_bleu_tok"] for r in runs}, {r["seed"]: r["test_bleu_tok"] for r in base}),
         cell(bf16),
         f"{min(f32):.2f} – {max(f32):.2f} (n={len(f32)})",
         inside,
