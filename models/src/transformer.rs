@@ -49,9 +49,11 @@ pub fn pytorch_name(ours: &str) -> Option<String> {
 pub fn config_of_pytorch(params: &[(String, Tensor)], heads: i64, variant: Variant) -> Result<TransformerConfig> {
     let count = |side: &str| (0..).take_while(|i| params.iter().any(|(n, _)| n.starts_with(&format!("{side}.layers.{i}.")))).count();
     let (encoder_layers, decoder_layers) = (count("encoder"), count("decoder"));
-    let Some((ffn_dim, embed_dim)) =
-        params.iter().find(|(n, _)| n == "encoder.layers.0.linear1.weight").map(|(_, t)| (t.size()[0], t.size()[1]))
-    else {
+    let linear1 = params.iter().find(|(n, _)| n == "encoder.layers.0.linear1.weight").map(|(_, t)| t.size());
+    if let Some(size) = linear1.as_ref().filter(|s| s.len() != 2) {
+        return Err(probattn::Error::Shape(format!("encoder.layers.0.linear1.weight has shape {size:?}, expected (ffn, d_model)")));
+    }
+    let Some((ffn_dim, embed_dim)) = linear1.map(|s| (s[0], s[1])) else {
         let some: Vec<&str> = params.iter().take(6).map(|(n, _)| n.as_str()).collect();
         return Err(probattn::Error::Config(format!(
             "no encoder.layers.0.linear1.weight among the parameters ({} ...): not an nn.Transformer",

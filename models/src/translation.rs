@@ -226,6 +226,11 @@ impl Seq2Seq {
     /// Teacher-forced logits `(B, T, V)` of `prev_tokens (B, T)` (the target shifted right, starting
     /// with the begin token) given `src (B, S)`; and the KL term of stochastic attention.
     pub fn forward_t(&self, src: &Tensor, prev_tokens: &Tensor, train: bool) -> Result<(Tensor, Option<Tensor>)> {
+        self.check_tokens("src", src)?;
+        self.check_tokens("prev_tokens", prev_tokens)?;
+        if src.size()[0] != prev_tokens.size()[0] {
+            return Err(Error::Shape(format!("src {:?} and prev_tokens {:?} differ in batch size", src.size(), prev_tokens.size())));
+        }
         let t = match &self.body {
             Body::Transformer(t) => t,
             Body::Lstm(l) => return l.forward_t(src, prev_tokens, train),
@@ -242,6 +247,7 @@ impl Seq2Seq {
     /// `(B, H, S, d_h)` on `src (B, S)`, in eval mode; empty for the LSTM, whose encoder has no
     /// attention.
     pub fn encoder_attention(&self, src: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+        self.check_tokens("src", src)?;
         let Body::Transformer(t) = &self.body else { return Ok(vec![]) };
         let src_pad = src.eq(self.cfg.pad);
         let x = self.embed(t, &t.src_embed, src, 0, false)?;
@@ -250,6 +256,7 @@ impl Seq2Seq {
 
     /// Encodes `src (B, S)` in eval mode and returns the decoding state and the source padding.
     pub fn start(&self, src: &Tensor) -> Result<(DecodingState, Tensor)> {
+        self.check_tokens("src", src)?;
         let t = match &self.body {
             Body::Transformer(t) => t,
             Body::Lstm(l) => return l.start(src).map(|(state, pad)| (DecodingState::Lstm(state), pad)),
@@ -260,8 +267,25 @@ impl Seq2Seq {
         Ok((DecodingState::Transformer(t.stack.start_decoding(&memory)), src_pad))
     }
 
+    /// Token ids as the model takes them: int64 `(B, S)`, each in `0..vocab`. Indexing the
+    /// embedding past its end would be libtorch's panic on the CPU and a device assert on CUDA.
+    fn check_tokens(&self, name: &str, tokens: &Tensor) -> Result<()> {
+        if tokens.kind() != Kind::Int64 || tokens.dim() != 2 {
+            return Err(Error::Shape(format!("{name} is {:?}{:?}; token ids are int64 (B, S)", tokens.kind(), tokens.size())));
+        }
+        if tokens.numel() > 0 {
+            let (lo, hi) = (i64::try_from(tokens.min())?, i64::try_from(tokens.max())?);
+            if lo < 0 || hi >= self.cfg.vocab {
+                return Err(Error::Shape(format!("{name} holds ids {lo}..={hi}, outside the vocabulary of {}", self.cfg.vocab)));
+            }
+        }
+        Ok(())
+    }
+
     /// Log-probabilities `(B, V)` of the next token after `token (B,)` at position `step`
-    /// (0 for the begin token), extending `state`.
+    /// (0 for the begin token), extending `state`. `token` comes from the decoder's own choices
+    /// (ids below the vocabulary by construction) and is not checked, to keep each step free of a
+    /// device synchronisation.
     pub fn step(&self, token: &Tensor, step: i64, state: &mut DecodingState, src_pad: &Tensor) -> Result<Tensor> {
         match (&self.body, state) {
             (Body::Transformer(t), DecodingState::Transformer(state)) => {

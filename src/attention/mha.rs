@@ -12,7 +12,7 @@
 use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
 
-use crate::attention::attend;
+use crate::attention::seam::attend_any_layout;
 use crate::call::{AttendOptions, Mode};
 use crate::mask::Masks;
 use crate::normalize::{Normalizer, NormalizerConfig, Variant};
@@ -385,7 +385,7 @@ impl MultiHeadAttention {
     }
 
     /// The normalizer, the value mixing and the output projection, from per-head `q`, `k`, `v`:
-    /// one call to [`attend`], which picks the memory-efficient, fused or general path.
+    /// one call to [`crate::attend`], which picks the memory-efficient, fused or general path.
     fn attend_heads(&self, q: &Tensor, k: &Tensor, v: &Tensor, sq: i64, input: &MhaInput, mode: Mode) -> Result<MhaOutput> {
         let (b, e) = (q.size()[0], self.cfg.embed_dim);
         let opts = AttendOptions {
@@ -396,11 +396,11 @@ impl MultiHeadAttention {
             tile: self.cfg.tile,
             seed: input.seed,
         };
-        let attended = attend(q, k, v, &input.masks, self.normalizer.as_ref(), opts)?;
+        let attended = attend_any_layout(q, k, v, &input.masks, self.normalizer.as_ref(), opts)?;
         let output = attended.output; // (B, H, S_q, d_h)
         let merged = output.transpose(1, 2).contiguous().view([b, sq, e]); // (B, S_q, E)
         let context = merged.linear(&self.out_proj_weight, self.out_proj_bias.as_ref());
-        let head_outputs = input.need_head_outputs.then_some(output);
+        let head_outputs = input.need_head_outputs.then(|| output.contiguous());
         Ok(MhaOutput { context, weights: attended.weights, kl: attended.kl, head_outputs })
     }
 

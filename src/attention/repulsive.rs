@@ -189,8 +189,21 @@ impl ParticleSet {
             return Err(Error::Config(format!("{} has no gradient: run backward() before the hook", self.name)));
         }
         let rows = count * self.particles * self.rows;
-        let view = |t: &Tensor| t.narrow(0, self.offset, rows).view([count, self.particles, -1]);
-        Ok((view(&self.param), view(&grad)))
+        // A view, not a copy: the hook writes the gradient through it. A parameter (or gradient)
+        // laid out so that its rows cannot be seen as particles is named, not a panic.
+        let view = |what: &str, t: &Tensor| {
+            t.narrow(0, self.offset, rows).f_view([count, self.particles, -1]).map_err(|e| {
+                Error::Shape(format!(
+                    "{}'s {what} {:?} (strides {:?}) cannot be viewed as {count} × {} particles without a copy: {}",
+                    self.name,
+                    t.size(),
+                    t.stride(),
+                    self.particles,
+                    crate::libtorch_message(&e.to_string())
+                ))
+            })
+        };
+        Ok((view("parameter", &self.param)?, view("gradient", &grad)?))
     }
 }
 

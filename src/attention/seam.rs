@@ -48,7 +48,30 @@ use crate::{Error, Result};
 /// output's. Under autocast ([`crate::precision`]) attention is a lower-precision operation, as
 /// `scaled_dot_product_attention` is under `torch.autocast`: float32 inputs run in the autocast
 /// dtype.
+///
+/// Layout: every tensor returned is contiguous (`output`, `weights`, `received_mass`), whichever
+/// path ran; a fused kernel's heads-second output is copied once into the documented layout.
 pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, normalizer: &dyn Normalizer, opts: AttendOptions) -> Result<Attended> {
+    let out = attend_any_layout(q, k, v, masks, normalizer, opts)?;
+    Ok(Attended {
+        output: out.output.contiguous(),
+        weights: out.weights.map(|w| w.contiguous()),
+        received_mass: out.received_mass.map(|m| m.contiguous()),
+        kl: out.kl,
+    })
+}
+
+/// [`attend`] with the output in whatever layout its path produced (a fused kernel's may be
+/// heads-second in memory): for the layers, which merge the heads at once and would otherwise
+/// copy twice.
+pub(crate) fn attend_any_layout(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    masks: &Masks,
+    normalizer: &dyn Normalizer,
+    opts: AttendOptions,
+) -> Result<Attended> {
     match autocast_kind(q.device())? {
         None => attend_as_given(q, k, v, masks, normalizer, opts),
         Some(lower) => {

@@ -110,8 +110,10 @@ pub struct TiledAttended {
 /// Attends `q (B, H, S_q, d)` to `k (B, H, S_k, d)` / `v (B, H, S_k, d_v)` under `masks` with the
 /// weights never materialised, `opts.tile` queries at a time; equal to [`crate::attend`] with the
 /// same normalizer (to float rounding, and for BAM given the same draws), gradients included.
+/// The output and the received mass are contiguous, as [`crate::attend`]'s are.
 pub fn attend_tiled(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, plan: &Tiled, opts: TiledOptions) -> Result<TiledAttended> {
-    attend_tiled_shaped(check_qkv(q, k, v)?, q, k, v, masks, plan, opts)
+    let out = attend_tiled_shaped(check_qkv(q, k, v)?, q, k, v, masks, plan, opts)?;
+    Ok(TiledAttended { output: out.output.contiguous(), received_mass: out.received_mass.contiguous(), kl: out.kl })
 }
 
 /// [`attend_tiled`] on `q`, `k`, `v` that [`crate::attend`] has validated already (`shape` is

@@ -1,7 +1,7 @@
 //! `probattn attend`: one attention call from a safetensors file, so anyone can check a variant
 //! against their own PyTorch code (python/probattn_tools/reference/parity.py compare does it for ours).
 //!
-//! Input (`--input`): `q`, `k`, `v` as `(B, H, S, d)` in float32 or float64; optional
+//! Input (`--input`): `q`, `k`, `v` as `(B, H, S, d)` in float32, float64 or bfloat16; optional
 //! `key_padding_mask (B, S_k)`, `query_padding_mask (B, S_q)`, `attn_mask` (broadcastable to
 //! `(B, H, S_q, S_k)`), bool or uint8 with `true` = excluded, and `hybrid_logit (H,)` for HNAS.
 //! BAM variants also read `noise (B, H, S_q, S_k)` (ε ~ U(0,1) for Weibull, N(0,1) for Lognormal,
@@ -10,7 +10,8 @@
 //! `prior.f2.bias (H,)` (drawn from `--seed` when absent).
 //! Output (`--output`): `output (B, H, S_q, d_v)`, `weights (B, H, S_q, S_k)` and
 //! `received_mass (B, H, S_k)`, plus the scalar `kl` when a BAM variant with a prior samples; all in
-//! the input's dtype. Scores are `q·kᵀ / sqrt(d)`.
+//! the input's dtype, but for bfloat16 inputs, whose weights, received mass and KL are float32
+//! (the library's statistics). Scores are `q·kᵀ / sqrt(d)`.
 //!
 //! `--memory-efficient [--tile N]` runs the tiled path instead (`probattn::tiled`, every variant),
 //! on the same inputs: it writes `output`, `received_mass` and BAM's `kl`, and no weights (they are
@@ -130,8 +131,8 @@ pub fn run(args: &AttendArgs) -> Result<()> {
     let kind = q.kind();
     for (name, t) in [("q", &q), ("k", &k), ("v", &v)] {
         ensure!(
-            matches!(t.kind(), Kind::Float | Kind::Double),
-            "{input}: {name} has dtype {:?}; attend takes float32 or float64",
+            matches!(t.kind(), Kind::Float | Kind::Double | Kind::BFloat16),
+            "{input}: {name} has dtype {:?}; attend takes float32, float64 or bfloat16",
             t.kind()
         );
         ensure!(t.kind() == kind, "{input}: q is {kind:?} but {name} is {:?}; use one dtype", t.kind());
@@ -189,32 +190,36 @@ pub fn run(args: &AttendArgs) -> Result<()> {
         let out = tch::no_grad(|| precision.run(device, || attend(&q, &k, &v, &masks, normalizer.as_ref(), opts)))?
             .with_context(|| format!("attending with {} (memory-efficient, tile {}) on {input}", args.variant, args.memory.tile))?;
         let received_mass = out.received_mass.as_ref().context("the memory-efficient path returns the received mass")?;
+        let shape = probattn::ScoreShape { batch: q.size()[0], heads, queries: q.size()[2], keys: k.size()[2] };
+        let counted = masks.allowed(shape, device)?.map(|a| a.expand(shape.dims(), false).any_dim(-2, false));
+        // The line is formed before the file is written: a failure leaves no file behind.
+        let line = summary(&normalizer.name(), device, &out.output, None, received_mass, counted.as_ref(), out.kl.as_ref(), &args.output)?;
         let mut written = vec![("output", &out.output), ("received_mass", received_mass)];
         if let Some(kl) = &out.kl {
             written.push(("kl", kl));
         }
         write_safetensors_atomic(&args.output, &written).context("writing --output")?;
-        let shape = probattn::ScoreShape { batch: q.size()[0], heads, queries: q.size()[2], keys: k.size()[2] };
-        let counted = masks.allowed(shape, device)?.map(|a| a.expand(shape.dims(), false).any_dim(-2, false));
-        return summary(&normalizer.name(), device, &out.output, None, received_mass, counted.as_ref(), out.kl.as_ref(), &args.output);
+        println!("{line}");
+        return Ok(());
     }
     let opts = AttendOptions { mode: Mode { dropout: false, sample: args.bam.train }, noise: noise.as_ref(), ..Default::default() };
     let out = tch::no_grad(|| precision.run(device, || attend(&q, &k, &v, &masks, normalizer.as_ref(), opts)))?
         .with_context(|| format!("attending with {} on {input}", args.variant))?;
     let weights = out.weights()?;
     let mass = received_mass(weights);
+    let counted = masks_key_counted(weights, &masks, device)?;
+    let line = summary(&normalizer.name(), device, &out.output, Some(weights), &mass, counted.as_ref(), out.kl.as_ref(), &args.output)?;
     let mut written = vec![("output", &out.output), ("weights", weights), ("received_mass", &mass)];
     if let Some(kl) = &out.kl {
         written.push(("kl", kl));
     }
     write_safetensors_atomic(&args.output, &written).context("writing --output")?;
-
-    let counted = masks_key_counted(weights, &masks, device)?;
-    summary(&normalizer.name(), device, &out.output, Some(weights), &mass, counted.as_ref(), out.kl.as_ref(), &args.output)
+    println!("{line}");
+    Ok(())
 }
 
-/// The one line `attend` prints: shapes, the explained-away share of keys and the least received
-/// mass (over keys some query may attend), the KL term.
+/// The one line `attend` prints once its file is written: shapes, the explained-away share of keys
+/// and the least received mass (over keys some query may attend), the KL term.
 #[allow(clippy::too_many_arguments)]
 fn summary(
     name: &str,
@@ -225,11 +230,12 @@ fn summary(
     counted: Option<&Tensor>,
     kl: Option<&Tensor>,
     path: &std::path::Path,
-) -> Result<()> {
+) -> Result<String> {
     let away = explained_away_fraction(mass, counted, EXPLAINED_AWAY_EPS)?;
     let least = match counted {
         Some(c) => mass.masked_select(c),
-        None => mass.view([-1]),
+        // reshape, not view: a mass read from elsewhere need not be contiguous.
+        None => mass.f_reshape([-1]).context("flattening the received mass")?,
     };
     let least = if least.numel() > 0 { f64::try_from(least.min())? } else { f64::NAN };
     let kl = match kl {
@@ -237,15 +243,14 @@ fn summary(
         None => String::new(),
     };
     let weights = weights.map_or("none (memory-efficient)".to_string(), |w| format!("{:?}", w.size()));
-    println!(
+    Ok(format!(
         "{name} on {}: output {:?}, weights {weights}; keys explained away (received < {EXPLAINED_AWAY_EPS:e}): {:.1}%, \
          least received mass {least:.3e}{kl}; wrote {}",
         probattn::device::device_name(device),
         output.size(),
         100.0 * away,
         path.display()
-    );
-    Ok(())
+    ))
 }
 
 /// Copies the file's `prior.*` tensors into the contextual prior network, by name and shape.

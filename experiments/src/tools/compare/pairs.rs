@@ -44,6 +44,14 @@ pub(super) fn read_inputs(
     Ok(Some(tensors.into_iter().map(|(n, t)| (n, t.to_device(device))).collect()))
 }
 
+/// The shape of the module's parameter `name`, which must be a matrix (a module whose parameter of
+/// that name has another rank is named, not indexed past its end); `None` when it has none.
+fn matrix_shape(args: &CompareArgs, params: &[(String, Tensor)], name: &str) -> Result<Option<Vec<i64>>> {
+    let Some((_, t)) = params.iter().find(|(n, _)| n == name) else { return Ok(None) };
+    ensure!(t.dim() == 2, "{}: parameter {name} has shape {:?}, expected a matrix", args.module_path().display(), t.size());
+    Ok(Some(t.size()))
+}
+
 /// Random `(len, N, E)` (or batch-first) inputs from `--seed`.
 pub(super) fn random_input(args: &CompareArgs, len: i64, embed_dim: i64, device: Device) -> Tensor {
     let shape = if args.batch_first == BatchFirst::True { [args.batch, len, embed_dim] } else { [len, args.batch, embed_dim] };
@@ -90,9 +98,9 @@ impl Pair for MhaPair {
 }
 
 pub(super) fn mha_pair(args: &CompareArgs, params: &[(String, Tensor)], vs: &nn::VarStore, device: Device) -> Result<MhaPair> {
-    let shape_of = |name: &str| params.iter().find(|(n, _)| n == name).map(|(_, t)| t.size());
+    let shape_of = |name: &str| matrix_shape(args, params, name);
     let (embed_dim, kdim, vdim) =
-        match (shape_of("in_proj_weight"), shape_of("q_proj_weight"), shape_of("k_proj_weight"), shape_of("v_proj_weight")) {
+        match (shape_of("in_proj_weight")?, shape_of("q_proj_weight")?, shape_of("k_proj_weight")?, shape_of("v_proj_weight")?) {
             (Some(w), _, _, _) => (w[1], None, None),
             (None, Some(q), Some(k), Some(v)) => (q[0], Some(k[1]), Some(v[1])),
             _ => bail!(
@@ -263,12 +271,12 @@ pub(super) fn translation_pair(
     vs: &nn::VarStore,
     device: Device,
 ) -> Result<TranslationPair> {
-    let Some(embed) = params.iter().find(|(n, _)| n == "embed").map(|(_, t)| t.size()) else {
+    let Some(embed) = matrix_shape(args, params, "embed")? else {
         bail!("{}: no 'embed' parameter: not python/probattn_tools/baselines/translate.py's model", args.module_path().display());
     };
     let (vocab, embed_dim) = (embed[0], embed[1]);
     let count = |side: &str| (0..).take_while(|i| params.iter().any(|(n, _)| n.starts_with(&format!("{side}.{i}.")))).count();
-    let ffn_dim = params.iter().find(|(n, _)| n == "encoder.0.fc1.weight").map(|(_, t)| t.size()[0]).context("no encoder.0.fc1.weight")?;
+    let ffn_dim = matrix_shape(args, params, "encoder.0.fc1.weight")?.context("no encoder.0.fc1.weight")?[0];
     let heads = args.heads.context("--native translation needs --heads (the head count is not stored in the weights)")?;
     ensure!(heads >= 1 && embed_dim % heads == 0, "--heads {heads} does not divide the model's embed_dim {embed_dim}");
     let transformer = TransformerConfig {
@@ -320,6 +328,7 @@ pub(super) fn translation_pair(
         }
     };
     for (name, x) in [("src", &src), ("prev", &prev)] {
+        ensure!(x.numel() > 0, "--inputs: {name} has shape {:?}: no token ids", x.size());
         let (lo, hi) = (x.min().int64_value(&[]), x.max().int64_value(&[]));
         ensure!(lo >= 0 && hi < vocab, "--inputs: {name} holds ids {lo}..={hi}, outside the vocabulary of {vocab}");
     }

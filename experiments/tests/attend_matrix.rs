@@ -1,0 +1,296 @@
+//! `probattn attend` over its input matrix, as users call it: every variant × every dtype
+//! (float32, float64, bfloat16 inputs, and float32 under `--precision bf16`) × every mask layout
+//! (none, key padding, query and key padding, an attention mask, causal) × every path a user can
+//! ask for (eager, memory-efficient) × odd sizes (S = 1, S not a multiple of the tile, S_q ≠ S_k).
+//!
+//! Each run must exit 0 with the library's eager result (output, received mass, KL), computed here
+//! in-process from the same file, or, where the library refuses the call, exit 1 with a named
+//! error; never a panic (status 101, or the binary's "internal error" line), never a signal.
+//!
+//! `cargo test` runs every variant, dtype, mask and path, with the sizes taken in turn (one per
+//! combination); `PROBATTN_MATRIX=full` runs every size of every combination.
+
+mod binary;
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+use std::collections::HashMap;
+use std::process::Command;
+
+use anyhow::{bail, ensure, Context, Result};
+use common::TempDir;
+use probattn::io::{read_safetensors, write_safetensors_atomic};
+use probattn::normalize::BamConfig;
+use probattn::precision::Precision;
+use probattn::{attend, AttendOptions, Masks, Mode, NormalizerConfig, Variant};
+use tch::{nn, Device, Kind, Tensor};
+
+/// The variants, as `attend` flags: every built-in normalizer, BAM sampling (`--train`) and at its
+/// mean, over softmax and DNAS bases.
+const VARIANTS: [&[&str]; 11] = [
+    &["softmax"],
+    &["dnas"],
+    &["hnas"],
+    &["sinkhorn-3"],
+    &["bam-wc", "--train"],
+    &["bam-wf", "--train", "--base", "dnas"],
+    &["bam-lc", "--train"],
+    &["bam-lf", "--train", "--base", "sinkhorn-2"],
+    &["bam-nokl", "--train"],
+    &["bam-wc"],
+    &["bam-lc", "--base", "dnas"],
+];
+
+/// Input dtypes, and `--precision bf16` over float32 inputs.
+const DTYPES: [(&str, Kind, Precision); 4] = [
+    ("f32", Kind::Float, Precision::F32),
+    ("f64", Kind::Double, Precision::F32),
+    ("bf16", Kind::BFloat16, Precision::F32),
+    ("f32-autocast-bf16", Kind::Float, Precision::Bf16),
+];
+
+const MASKS: [&str; 5] = ["none", "key-padding", "query-key-padding", "attn-mask", "causal"];
+
+/// `(S_q, S_k, d_v)` with `d = 4`: S = 1, S not a multiple of the tile (3), S_q ≠ S_k both ways;
+/// `d_v = d` (where the CPU's fused kernel serves the memory-efficient path) and `d_v ≠ d` (the
+/// tiles).
+const SIZES: [(i64, i64, i64); 6] = [(1, 1, 4), (7, 7, 4), (5, 9, 4), (8, 2, 4), (7, 7, 3), (5, 9, 3)];
+
+/// The paths a user can ask for: eager, and memory-efficient (tiles of 3 queries; the fused CPU
+/// route where the mask allows it).
+const PATHS: [&str; 2] = ["eager", "memory-efficient"];
+
+const TILE: i64 = 3;
+const HIDDEN: i64 = 4;
+
+#[test]
+fn attend_exits_cleanly_with_the_eager_result_over_the_input_matrix() -> Result<()> {
+    let full = std::env::var("PROBATTN_MATRIX").is_ok_and(|v| v == "full");
+    let dir = TempDir::new("attend-matrix")?;
+    let mut runs = vec![];
+    let mut turn = 0;
+    for (d, &(dtype, kind, _)) in DTYPES.iter().enumerate() {
+        for (m, &mask) in MASKS.iter().enumerate() {
+            for (s, &(sq, sk, dv)) in SIZES.iter().enumerate() {
+                let input = dir.path(&format!("{dtype}-{mask}-{sq}x{sk}x{dv}.safetensors"));
+                write_input(&input, kind, mask, [sq, sk, dv], (d * 100 + m * 10 + s) as i64)?;
+            }
+            for variant in VARIANTS {
+                for path in PATHS {
+                    let sizes: Vec<usize> = if full { (0..SIZES.len()).collect() } else { vec![turn % SIZES.len()] };
+                    turn += 1;
+                    runs.extend(sizes.into_iter().map(|s| Run { variant, dtype: d, mask, size: s, path }));
+                }
+            }
+        }
+    }
+    // Two processes at a time (our machines have two cores); each run's libtorch uses one thread.
+    let failures: Vec<String> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..2)
+            .map(|w| {
+                let (runs, dir) = (&runs, &dir);
+                scope.spawn(move || {
+                    runs.iter()
+                        .skip(w)
+                        .step_by(2)
+                        .filter_map(|run| run.check(dir).err().map(|e| format!("{run}: {e:#}")))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().unwrap_or_else(|_| vec!["a worker panicked".into()])).collect()
+    });
+    ensure!(failures.is_empty(), "{} of {} runs failed:\n{}", failures.len(), runs.len(), failures.join("\n"));
+    Ok(())
+}
+
+/// One `probattn attend` call of the matrix.
+struct Run {
+    variant: &'static [&'static str],
+    dtype: usize,
+    mask: &'static str,
+    size: usize,
+    path: &'static str,
+}
+
+impl std::fmt::Display for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (sq, sk, dv) = SIZES[self.size];
+        write!(f, "{} {} {} S_q {sq} S_k {sk} d_v {dv} {}", self.variant.join(" "), DTYPES[self.dtype].0, self.mask, self.path)
+    }
+}
+
+impl Run {
+    fn input(&self, dir: &TempDir) -> std::path::PathBuf {
+        let (sq, sk, dv) = SIZES[self.size];
+        dir.path(&format!("{}-{}-{sq}x{sk}x{dv}.safetensors", DTYPES[self.dtype].0, self.mask))
+    }
+
+    /// Runs the binary and holds it to the library's eager result on the same file.
+    fn check(&self, dir: &TempDir) -> Result<()> {
+        let input = self.input(dir);
+        let output = dir.path(&format!("out-{}.safetensors", self.to_string().replace(' ', "_")));
+        let precision = DTYPES[self.dtype].2;
+        let mut args: Vec<String> = ["attend", "--variant"].iter().chain(self.variant).map(|a| a.to_string()).collect();
+        args.extend(["--seed", "5", "--device", "cpu", "--threads", "1", "--precision", precision.name()].map(String::from));
+        args.extend(["--input".into(), input.display().to_string(), "--output".into(), output.display().to_string()]);
+        if self.mask == "causal" {
+            args.push("--causal".into());
+        }
+        if self.path == "memory-efficient" {
+            args.extend(["--memory-efficient", "--tile", &TILE.to_string()].map(String::from));
+        }
+        let run = Command::new(env!("CARGO_BIN_EXE_probattn")).args(&args).env_remove("RUST_BACKTRACE").output()?;
+        let said = binary::text(&run);
+        let Some(code) = run.status.code() else { bail!("killed by a signal ({:?}):\n{said}", run.status) };
+        ensure!(
+            !said.contains("panicked") && !said.contains("internal error") && !said.contains("RUST_BACKTRACE"),
+            "a panic reached the user (status {code}):\n{said}"
+        );
+        let expected = eager(&read_safetensors(&input)?, self);
+        match (code, expected) {
+            (0, Ok(expected)) => {
+                let got = read_safetensors(&output).context("reading the output")?;
+                compare(&got, &expected, self)
+            }
+            (1, Err(refused)) => {
+                ensure!(said.contains("error: "), "status 1 without a named error:\n{said}");
+                ensure!(!output.exists(), "a refused call left {}", output.display());
+                // The binary refuses for the library's reason.
+                let reason = refused.to_string();
+                let head = reason.split(':').next().unwrap_or(&reason);
+                ensure!(said.contains(head), "refused with\n{said}\nwhere the library says: {reason}");
+                Ok(())
+            }
+            (0, Err(e)) => bail!("exit 0 where the library refuses: {e:#}"),
+            (_, Ok(_)) => bail!("status {code} where the library's eager path succeeds:\n{said}"),
+            (_, Err(e)) => bail!("status {code} (a named error is status 1) where the library refuses ({e:#}):\n{said}"),
+        }
+    }
+}
+
+/// The tensors of one input file: `q`, `k`, `v` in `kind`, the masks of `mask`, HNAS's logits, a
+/// noise draw and a contextual prior, from `seed`.
+fn write_input(path: &std::path::Path, kind: Kind, mask: &str, [sq, sk, dv]: [i64; 3], seed: i64) -> Result<()> {
+    tch::manual_seed(seed);
+    let (b, h, d) = (2, 2, 4);
+    let randn = |shape: &[i64]| Tensor::randn(shape, (Kind::Double, Device::Cpu));
+    let mut tensors: Vec<(&str, Tensor)> = vec![
+        ("q", (randn(&[b, h, sq, d]) * 2.0).to_kind(kind)),
+        ("k", randn(&[b, h, sk, d]).to_kind(kind)),
+        ("v", randn(&[b, h, sk, dv]).to_kind(kind)),
+        ("hybrid_logit", randn(&[h]).to_kind(Kind::Float)),
+        // ε in (0, 1): a uniform draw for the Weibull variants, a valid (if narrow) normal one.
+        ("noise", Tensor::rand([b, h, sq, sk], (Kind::Double, Device::Cpu)).clamp(1e-6, 1.0 - 1e-6).to_kind(to_stats(kind))),
+        ("prior.f1.weight", randn(&[h, HIDDEN, d]).to_kind(Kind::Float)),
+        ("prior.f1.bias", randn(&[h, HIDDEN]).to_kind(Kind::Float)),
+        ("prior.f2.weight", randn(&[h, HIDDEN]).to_kind(Kind::Float)),
+        ("prior.f2.bias", randn(&[h]).to_kind(Kind::Float)),
+    ];
+    // Padding ends each sequence of the second batch entry: a third of it, at least one (so a
+    // single key or query is padded entirely).
+    let padding = |len: i64| {
+        let pad = Tensor::zeros([b, len], (Kind::Bool, Device::Cpu));
+        let _ = pad.get(1).narrow(0, len - (len + 2) / 3, (len + 2) / 3).fill_(1);
+        pad
+    };
+    match mask {
+        "key-padding" => tensors.push(("key_padding_mask", padding(sk))),
+        "query-key-padding" => {
+            tensors.push(("key_padding_mask", padding(sk)));
+            tensors.push(("query_padding_mask", padding(sq)));
+        }
+        // (B, 1, S_q, S_k), uint8: a random pattern, broadcast over the heads.
+        "attn-mask" => tensors.push(("attn_mask", Tensor::rand([b, 1, sq, sk], (Kind::Float, Device::Cpu)).lt(0.3).to_kind(Kind::Uint8))),
+        _ => {}
+    }
+    let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
+    Ok(write_safetensors_atomic(path, &named)?)
+}
+
+/// The dtype of the noise (and the library's statistics) for inputs of `kind`.
+fn to_stats(kind: Kind) -> Kind {
+    if kind == Kind::Double {
+        Kind::Double
+    } else {
+        Kind::Float
+    }
+}
+
+/// The library's eager result on the file's tensors, built as `attend` documents: the normalizer
+/// with the file's HNAS logits and prior, the file's noise when sampling, the masks.
+fn eager(file: &HashMap<String, Tensor>, run: &Run) -> probattn::Result<HashMap<String, Tensor>> {
+    let variant: Variant = run.variant[0].parse()?;
+    let flag = |name: &str| run.variant.iter().position(|a| *a == name);
+    let train = flag("--train").is_some();
+    let mut cfg = NormalizerConfig { bam: BamConfig { prior_hidden: HIDDEN, ..BamConfig::default() }, ..NormalizerConfig::default() };
+    if let Some(i) = flag("--base") {
+        cfg.bam.base = run.variant[i + 1].parse()?;
+    }
+    let (q, k, v) = (&file["q"], &file["k"], &file["v"]);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let normalizer = variant.build(&vs.root(), q.size()[1], q.size()[3], &cfg)?;
+    for (name, var) in vs.variables() {
+        let given = file[&name].to_kind(if q.kind() == Kind::Double { Kind::Double } else { var.kind() });
+        let mut var = var;
+        tch::no_grad(|| var.set_data(&given));
+    }
+    let causal = run.mask == "causal";
+    let masks = Masks {
+        key_padding: file.get("key_padding_mask"),
+        query_padding: file.get("query_padding_mask"),
+        attn_mask: file.get("attn_mask"),
+        causal,
+    };
+    let opts = AttendOptions {
+        mode: Mode { dropout: false, sample: train },
+        noise: if train { file.get("noise") } else { None },
+        ..Default::default()
+    };
+    let precision = DTYPES[run.dtype].2;
+    let out = tch::no_grad(|| precision.run(Device::Cpu, || attend(q, k, v, &masks, normalizer.as_ref(), opts)))??;
+    if run.path == "memory-efficient" && variant.is_stochastic() && train && cfg.bam.base == Variant::Hnas {
+        return Err(probattn::Error::Unsupported("sampling over a hnas base has no tiled path".into()));
+    }
+    let weights = out.weights()?;
+    let mut expected = HashMap::from([
+        ("output".to_string(), out.output.shallow_clone()),
+        ("received_mass".to_string(), probattn::diagnostics::received_mass(weights)),
+    ]);
+    if let Some(kl) = &out.kl {
+        expected.insert("kl".into(), kl.shallow_clone());
+    }
+    Ok(expected)
+}
+
+/// The binary's tensors against the eager ones: the same names, shapes and (to the path's and
+/// dtype's rounding) values.
+fn compare(got: &HashMap<String, Tensor>, expected: &HashMap<String, Tensor>, run: &Run) -> Result<()> {
+    let (_, kind, precision) = DTYPES[run.dtype];
+    let low = kind == Kind::BFloat16 || precision == Precision::Bf16;
+    let tolerance = match (kind, low, run.path) {
+        (Kind::Double, _, "eager") => 1e-12,
+        (Kind::Double, _, _) => 1e-10,
+        (_, false, _) => 2e-5,
+        // bfloat16's 8 bits: the tiles and the eager path round in other places.
+        (_, true, "eager") => 1e-6,
+        (_, true, _) => 4e-2,
+    };
+    let mut names: Vec<&String> = expected.keys().collect();
+    names.sort();
+    for name in names {
+        let want = &expected[name];
+        let have = got.get(name).with_context(|| format!("no '{name}' in the output (it has {:?})", got.keys().collect::<Vec<_>>()))?;
+        ensure!(have.size() == want.size(), "{name} has shape {:?}, expected {:?}", have.size(), want.size());
+        ensure!(have.is_contiguous(), "{name} was written non-contiguous");
+        let (have, want) = (have.to_kind(Kind::Double), want.to_kind(Kind::Double));
+        ensure!(bool::try_from(have.isnan().eq_tensor(&want.isnan()).all())?, "{name}: NaN where the eager path has none, or the reverse");
+        let diff = (&have - &want).nan_to_num(0.0, None, None).abs();
+        let worst = if diff.numel() == 0 { 0.0 } else { f64::try_from(diff.max())? };
+        // The KL is a sum over the entries: relative to its size.
+        let scale = if name == "kl" { f64::try_from(want.abs().max())?.max(1.0) } else { 1.0 };
+        ensure!(worst <= tolerance * scale, "{name} differs from the eager path's by {worst:e} (tolerance {tolerance:e})");
+    }
+    ensure!(got.contains_key("weights") == (run.path == "eager"), "weights written: {}", got.contains_key("weights"));
+    Ok(())
+}
