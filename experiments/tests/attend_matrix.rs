@@ -294,3 +294,38 @@ fn compare(got: &HashMap<String, Tensor>, expected: &HashMap<String, Tensor>, ru
     ensure!(got.contains_key("weights") == (run.path == "eager"), "weights written: {}", got.contains_key("weights"));
     Ok(())
 }
+
+#[test]
+fn bench_measures_odd_lengths_on_every_path_and_precision() -> Result<()> {
+    // `bench --quick` at S = 1 and 7 (not a multiple of the tile), eager and memory-efficient, in
+    // float32 and bfloat16: status 0, no panic, a finite time for every variant at both lengths.
+    let dir = TempDir::new("bench-matrix")?;
+    for precision in ["f32", "bf16"] {
+        for path in PATHS {
+            let out = dir.path(&format!("{precision}-{path}"));
+            let mut args = vec!["bench", "--quick", "--seq-lens", "1,7", "--repeats", "1", "--no-pytorch", "--batch", "2"];
+            args.extend(["--threads", "1", "--device", "cpu", "--precision", precision, "--out", out.to_str().context("path")?]);
+            if path == "memory-efficient" {
+                args.extend(["--memory-efficient", "--tile", "3"]);
+            }
+            let run = Command::new(env!("CARGO_BIN_EXE_probattn")).args(&args).env_remove("RUST_BACKTRACE").output()?;
+            let said = binary::text(&run);
+            ensure!(run.status.code() == Some(0), "bench {precision} {path}: status {:?}:\n{said}", run.status);
+            ensure!(!said.contains("panicked") && !said.contains("internal error"), "bench {precision} {path}:\n{said}");
+            let json = binary::json(&out.join("bench.json"))?;
+            let rows = json["measurements"].as_array().context("measurements")?;
+            let implementation = if path == "eager" { "probattn" } else { "probattn-memory-efficient" };
+            for variant in probattn::normalize::registry::benchmarked() {
+                for seq_len in [1, 7] {
+                    let row = rows.iter().find(|r| r["variant"] == variant && r["seq_len"] == seq_len && r["impl"] == implementation);
+                    let ms = row.and_then(|r| r["fwd_bwd_ms"].as_f64());
+                    ensure!(
+                        ms.is_some_and(|ms| ms.is_finite() && ms > 0.0),
+                        "bench {precision} {path}: no {implementation} time for {variant} at S = {seq_len}"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
