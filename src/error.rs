@@ -57,6 +57,7 @@ impl From<probattn_sys::Error> for Error {
             probattn_sys::Error::File { path, message } => Error::File { path, message },
             probattn_sys::Error::Torch(m) => Error::Tch(tch::TchError::Torch(m)),
             probattn_sys::Error::Device(m) => Error::Device(m),
+            probattn_sys::Error::NotServed(m) => Error::Unsupported(m),
         }
     }
 }

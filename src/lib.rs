@@ -24,13 +24,14 @@ mod error;
 pub mod runtime;
 
 // The modules of both parts at the crate root, where they have always been.
+pub use attention::{backend, diagnostics, mask, mc, mha, normalize, param, repulsive, scores, tiled};
 pub(crate) use attention::{call, plan};
-pub use attention::{diagnostics, mask, mc, mha, normalize, param, repulsive, scores, tiled};
 // The C++ layer, under the name the library has always used for it.
 pub(crate) use probattn_sys as cxx;
 pub use runtime::{allocator, device, distributed, interop, io, memory, precision};
 
-pub use attention::{attend, scaled_dot_product_scores, AttendOptions, Attended, Mode};
+pub use attention::{attend, attend_with_choice, scaled_dot_product_scores, AttendOptions, Attended, Mode};
+pub use backend::Backend;
 pub use device::DeviceSpec;
 pub use error::{catch_out_of_memory, is_allocation_failure, libtorch_message, panic_message, Error, Result};
 pub use mask::{Masks, ScoreShape};

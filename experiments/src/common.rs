@@ -3,7 +3,7 @@
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use probattn::precision::Precision;
-use probattn::DeviceSpec;
+use probattn::{Backend, DeviceSpec};
 use tch::Device;
 
 /// The data folder the user sets: `$PROBATTN_DATA`, else `data/` (where the download scripts put
@@ -27,6 +27,16 @@ pub struct CommonArgs {
     /// same setting.
     #[arg(long, value_enum, default_value_t = Allocator::Retain)]
     pub allocator: Allocator,
+    /// How attention runs, in every layer of the command: auto (the library's choice: the
+    /// memory-efficient plan with --memory-efficient, softmax's fused kernel when no weights are
+    /// asked for on the CPU, else eager), eager (the weights formed), tiles (each variant's plan
+    /// tile by tile; --tile queries a tile) or fused (one kernel that never forms the weights:
+    /// softmax's on the CPU, libtorch's fused CPU kernel under the plans of dnas, hnas and
+    /// sinkhorn-N). A forced backend that cannot serve a call (weights asked for, a mask the fused
+    /// kernel does not take) stops the command with an error that says why. Recorded in
+    /// results.json and bench.json with the routes that served the calls.
+    #[arg(long, default_value = "auto", value_parser = parse_backend)]
+    pub attention_backend: Backend,
 }
 
 /// `--memory-efficient [--tile N]`: one definition for attend, bench, translate and vqa.
@@ -72,6 +82,10 @@ impl PrecisionArgs {
     }
 }
 
+fn parse_backend(s: &str) -> std::result::Result<Backend, String> {
+    s.parse().map_err(|e: probattn::Error| e.to_string())
+}
+
 fn parse_precision(s: &str) -> std::result::Result<Precision, String> {
     s.parse().map_err(|e: probattn::Error| e.to_string())
 }
@@ -90,6 +104,7 @@ fn parse_device(s: &str) -> std::result::Result<DeviceSpec, String> {
 impl CommonArgs {
     /// Applies the allocator setting and the thread count, and resolves the device.
     pub fn setup(&self) -> Result<Device> {
+        probattn::backend::set_default(self.attention_backend);
         if self.allocator == Allocator::Retain {
             probattn::allocator::retain_freed_memory();
         }

@@ -28,6 +28,11 @@ pub struct Provenance {
     pub allocator: String,
     pub command: Vec<String>,
     pub unix_time: u64,
+    /// The attention backend the command asked for (`--attention-backend`; `auto` unless forced).
+    pub attention_backend: String,
+    /// The attention calls each route served up to the record (`{"eager": 120, "kernel": 40}`;
+    /// `probattn::backend`).
+    pub attention_routes: serde_json::Value,
 }
 
 impl Provenance {
@@ -47,6 +52,8 @@ impl Provenance {
             allocator: if probattn::allocator::freed_memory_retained() { "retain" } else { "system" }.into(),
             command: portable_command(std::env::args()),
             unix_time: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+            attention_backend: probattn::backend::default().to_string(),
+            attention_routes: probattn::backend::routes_taken_json(),
         }
     }
 }

@@ -1,7 +1,8 @@
 //! `probattn attend` over its input matrix, as users call it: every variant × every dtype
 //! (float32, float64, bfloat16 inputs, and float32 under `--precision bf16`) × every mask layout
 //! (none, key padding, query and key padding, an attention mask, causal) × every path a user can
-//! ask for (eager, memory-efficient) × odd sizes (S = 1, S not a multiple of the tile, S_q ≠ S_k).
+//! ask for (eager; memory-efficient, whose route the library picks; `--attention-backend tiles`
+//! and `fused`, forced) × odd sizes (S = 1, S not a multiple of the tile, S_q ≠ S_k).
 //!
 //! Each run must exit 0 with the library's eager result (output, received mass, KL), computed here
 //! in-process from the same file, or, where the library refuses the call, exit 1 with a named
@@ -22,7 +23,7 @@ use common::TempDir;
 use probattn::io::{read_safetensors, write_safetensors_atomic};
 use probattn::normalize::BamConfig;
 use probattn::precision::Precision;
-use probattn::{attend, AttendOptions, Masks, Mode, NormalizerConfig, Variant};
+use probattn::{attend, AttendOptions, Backend, Masks, Mode, NormalizerConfig, Variant};
 use tch::{nn, Device, Kind, Tensor};
 
 /// The variants, as `attend` flags: every built-in normalizer, BAM sampling (`--train`) and at its
@@ -56,9 +57,10 @@ const MASKS: [&str; 5] = ["none", "key-padding", "query-key-padding", "attn-mask
 /// tiles).
 const SIZES: [(i64, i64, i64); 6] = [(1, 1, 4), (7, 7, 4), (5, 9, 4), (8, 2, 4), (7, 7, 3), (5, 9, 3)];
 
-/// The paths a user can ask for: eager, and memory-efficient (tiles of 3 queries; the fused CPU
-/// route where the mask allows it).
-const PATHS: [&str; 2] = ["eager", "memory-efficient"];
+/// The paths a user can ask for: eager (the default with weights), memory-efficient (tiles of 3
+/// queries, the fused CPU route where the mask allows it), and the forced `tiles` and `fused`
+/// backends.
+const PATHS: [&str; 4] = ["eager", "memory-efficient", "tiles", "fused"];
 
 const TILE: i64 = 3;
 const HIDDEN: i64 = 4;
@@ -137,8 +139,10 @@ impl Run {
         if self.mask == "causal" {
             args.push("--causal".into());
         }
-        if self.path == "memory-efficient" {
-            args.extend(["--memory-efficient", "--tile", &TILE.to_string()].map(String::from));
+        match self.path {
+            "memory-efficient" => args.extend(["--memory-efficient", "--tile", &TILE.to_string()].map(String::from)),
+            "tiles" | "fused" => args.extend(["--attention-backend", self.path, "--tile", &TILE.to_string()].map(String::from)),
+            _ => {}
         }
         let run = Command::new(env!("CARGO_BIN_EXE_probattn")).args(&args).env_remove("RUST_BACKTRACE").output()?;
         let said = binary::text(&run);
@@ -151,7 +155,7 @@ impl Run {
         match (code, expected) {
             (0, Ok(expected)) => {
                 let got = read_safetensors(&output).context("reading the output")?;
-                compare(&got, &expected, self)
+                compare(&got, &expected, self, said.contains("(route kernel)"))
             }
             (1, Err(refused)) => {
                 ensure!(said.contains("error: "), "status 1 without a named error:\n{said}");
@@ -218,7 +222,8 @@ fn to_stats(kind: Kind) -> Kind {
 }
 
 /// The library's eager result on the file's tensors, built as `attend` documents: the normalizer
-/// with the file's HNAS logits and prior, the file's noise when sampling, the masks.
+/// with the file's HNAS logits and prior, the file's noise when sampling, the masks; an error
+/// where the library refuses the run's path.
 fn eager(file: &HashMap<String, Tensor>, run: &Run) -> probattn::Result<HashMap<String, Tensor>> {
     let variant: Variant = run.variant[0].parse()?;
     let flag = |name: &str| run.variant.iter().position(|a| *a == name);
@@ -248,10 +253,17 @@ fn eager(file: &HashMap<String, Tensor>, run: &Run) -> probattn::Result<HashMap<
         ..Default::default()
     };
     let precision = DTYPES[run.dtype].2;
-    let out = tch::no_grad(|| precision.run(Device::Cpu, || attend(q, k, v, &masks, normalizer.as_ref(), opts)))??;
-    if run.path == "memory-efficient" && variant.is_stochastic() && train && cfg.bam.base == Variant::Hnas {
-        return Err(probattn::Error::Unsupported("sampling over a hnas base has no tiled path".into()));
+    // Whether the library serves the run's path: its own call, without weights, decides.
+    let backend = match run.path {
+        "tiles" => Backend::Tiles,
+        "fused" => Backend::Fused,
+        _ => Backend::Auto,
+    };
+    if run.path != "eager" {
+        let path = AttendOptions { need_weights: false, tile: Some(TILE), backend, ..opts };
+        tch::no_grad(|| precision.run(Device::Cpu, || attend(q, k, v, &masks, normalizer.as_ref(), path)))??;
     }
+    let out = tch::no_grad(|| precision.run(Device::Cpu, || attend(q, k, v, &masks, normalizer.as_ref(), opts)))??;
     let weights = out.weights()?;
     let mut expected = HashMap::from([
         ("output".to_string(), out.output.shallow_clone()),
@@ -265,7 +277,8 @@ fn eager(file: &HashMap<String, Tensor>, run: &Run) -> probattn::Result<HashMap<
 
 /// The binary's tensors against the eager ones: the same names, shapes and (to the path's and
 /// dtype's rounding) values.
-fn compare(got: &HashMap<String, Tensor>, expected: &HashMap<String, Tensor>, run: &Run) -> Result<()> {
+/// `kernel`: the run's route was a normalizer's kernel, which forms no received mass.
+fn compare(got: &HashMap<String, Tensor>, expected: &HashMap<String, Tensor>, run: &Run, kernel: bool) -> Result<()> {
     let (_, kind, precision) = DTYPES[run.dtype];
     let low = kind == Kind::BFloat16 || precision == Precision::Bf16;
     let tolerance = match (kind, low, run.path) {
@@ -279,6 +292,10 @@ fn compare(got: &HashMap<String, Tensor>, expected: &HashMap<String, Tensor>, ru
     let mut names: Vec<&String> = expected.keys().collect();
     names.sort();
     for name in names {
+        if kernel && name == "received_mass" {
+            ensure!(!got.contains_key(name), "the kernel route wrote a received mass");
+            continue;
+        }
         let want = &expected[name];
         let have = got.get(name).with_context(|| format!("no '{name}' in the output (it has {:?})", got.keys().collect::<Vec<_>>()))?;
         ensure!(have.size() == want.size(), "{name} has shape {:?}, expected {:?}", have.size(), want.size());
@@ -301,7 +318,7 @@ fn bench_measures_odd_lengths_on_every_path_and_precision() -> Result<()> {
     // float32 and bfloat16: status 0, no panic, a finite time for every variant at both lengths.
     let dir = TempDir::new("bench-matrix")?;
     for precision in ["f32", "bf16"] {
-        for path in PATHS {
+        for path in ["eager", "memory-efficient"] {
             let out = dir.path(&format!("{precision}-{path}"));
             let mut args = vec!["bench", "--quick", "--seq-lens", "1,7", "--repeats", "1", "--no-pytorch", "--batch", "2"];
             args.extend(["--threads", "1", "--device", "cpu", "--precision", precision, "--out", out.to_str().context("path")?]);
@@ -323,6 +340,9 @@ fn bench_measures_odd_lengths_on_every_path_and_precision() -> Result<()> {
                         ms.is_some_and(|ms| ms.is_finite() && ms > 0.0),
                         "bench {precision} {path}: no {implementation} time for {variant} at S = {seq_len}"
                     );
+                    let route = row.and_then(|r| r["route"].as_str()).unwrap_or_default();
+                    let expected: &[&str] = if path == "eager" { &["eager", "kernel"] } else { &["tiles", "fused-cpu"] };
+                    ensure!(expected.contains(&route), "bench {precision} {path}: {variant} at S = {seq_len} ran on route '{route}'");
                 }
             }
         }

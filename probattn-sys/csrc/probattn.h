@@ -79,7 +79,7 @@ typedef struct pa_tiled_spec {
   uint64_t seed;       // the counter-based draws' key, when no noise tensor is given
   int32_t kl;          // the KL's score-dependent part: 0 none, 1 sum a_j log pi_ij, 2 sum (log pi_ij - a_j)^2
   int32_t fused_cpu;   // 1: softmax and DNAS without noise, and noise over a softmax base, take libtorch's fused CPU kernel
-                       // where it applies (CPU, no mask or a per-key one); 0: always the tiles
+                       // where it applies (CPU, no mask or a per-key one); 0: always the tiles; 2: the fused kernel or an error
 } pa_tiled_spec;
 // The layout src/runtime/cxx.rs mirrors (`TiledSpec`, which asserts the same at compile time).
 #ifdef __cplusplus
@@ -96,10 +96,13 @@ _Static_assert(sizeof(pa_tiled_spec) == 48, "pa_tiled_spec's size changed: updat
 // `spec->tile` queries, differentiable in q, k, v and `prior`. `noise`: eps broadcastable to
 // (B, H, S_q, S_k) (NULL: counter-based draws keyed by spec->seed); `prior`: a_j broadcastable to
 // (B, H, 1, S_k) (NULL unless spec->kl). Outputs: the attention output (B, H, S_q, d_v), the weight
-// each key received (B, H, S_k), and the KL's part per (b, h) (zeros without a KL term).
+// each key received (B, H, S_k), the KL's part per (b, h) (zeros without a KL term), and, when
+// `route_taken` is not NULL, the route that ran: 0 the tiles, 1 the fused CPU kernel, 2 its BAM form
+// (csrc/tiled.h's tiled_route, the one place that decides). With spec->fused_cpu 2 (required) and
+// the tiles' route, nothing runs and out, received_mass and kl_part are left as they were.
 char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* excluded, const pa_tensor* noise,
                          const pa_tensor* prior, const pa_tiled_spec* spec, pa_tensor** out, pa_tensor** received_mass,
-                         pa_tensor** kl_part);
+                         pa_tensor** kl_part, int32_t* route_taken);
 // Softmax attention of bfloat16 or float16 q, k, v (B, H, S, d) computed in float32 (scores,
 // weights, value mix), differentiable in q, k, v, keeping the inputs rather than float32 copies of
 // them for the backward pass. `allowed`: bool, broadcastable to (B, H, S_q, S_k), true = taking

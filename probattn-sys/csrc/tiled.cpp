@@ -307,11 +307,19 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
 
 }  // namespace
 
+int32_t probattn::tiled::tiled_route(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& excluded,
+                                     int32_t fused_cpu, int64_t sweeps, int32_t noise, int32_t kl) {
+  if (fused_cpu == kFusedNever) return kRouteTiles;
+  if (fused_cpu_applies(q, v, excluded, noise, kl)) return kRouteFused;
+  if (fused_cpu_bam_applies(q, k, v, excluded, sweeps, noise, kl)) return kRouteFusedBam;
+  return kRouteTiles;
+}
+
 extern "C" {
 
 char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* excluded, const pa_tensor* noise,
                          const pa_tensor* prior, const pa_tiled_spec* spec, pa_tensor** out, pa_tensor** received_mass,
-                         pa_tensor** kl_part) {
+                         pa_tensor** kl_part, int32_t* route_taken) {
   return probattn::guard([&] {
     for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {spec, "spec"}, {out, "out"},
                                  {received_mass, "received_mass"}, {kl_part, "kl_part"}}) {
@@ -326,9 +334,13 @@ char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor
     auto some = [](const pa_tensor* t) { return t != nullptr ? std::optional<at::Tensor>(*t) : std::nullopt; };
     const auto ex = excluded != nullptr ? *excluded : at::Tensor();
     std::vector<at::Tensor> result;
-    if (spec->fused_cpu != 0 && fused_cpu_applies(*q, *v, ex, spec->noise, spec->kl)) {
+    const int32_t route = tiled_route(*q, *k, *v, ex, spec->fused_cpu, spec->sweeps, spec->noise, spec->kl);
+    if (route_taken != nullptr) *route_taken = route;
+    // The fused kernel was required and does not apply: nothing runs, no output is written.
+    if (route == kRouteTiles && spec->fused_cpu == kFusedRequired) return;
+    if (route == kRouteFused) {
       result = fused_cpu_attention(*q, *k, *v, some(excluded), spec->sweeps);
-    } else if (spec->fused_cpu != 0 && fused_cpu_bam_applies(*q, *k, *v, ex, spec->sweeps, spec->noise, spec->kl)) {
+    } else if (route == kRouteFusedBam) {
       result = fused_cpu_bam(*q, *k, *v, some(excluded), some(noise), some(prior), spec->tile, spec->noise, spec->noise_scale,
                              static_cast<int64_t>(spec->seed), spec->kl);
     } else {

@@ -65,6 +65,19 @@ at::Tensor counter_noise(uint64_t seed, int64_t noise, at::IntArrayRef shape, in
 at::Tensor noise_rows(const at::Tensor& given, uint64_t seed, int64_t noise, double scale, at::IntArrayRef shape, int64_t start,
                       int64_t len, at::ScalarType dtype, at::Device device);
 
+// pa_tiled_spec's fused_cpu: never the fused route, where it applies, or required (an error where
+// it does not apply).
+constexpr int32_t kFusedNever = 0;
+constexpr int32_t kFusedWhereApplies = 1;
+constexpr int32_t kFusedRequired = 2;
+// The routes of pa_tiled_attention (pa_tiled_route).
+constexpr int32_t kRouteTiles = 0;
+constexpr int32_t kRouteFused = 1;
+constexpr int32_t kRouteFusedBam = 2;
+// The one decision of which route serves a call (pa_tiled_spec's fields): the tiles unless
+// `fused_cpu` allows the fused CPU kernel and one of its two forms applies to these inputs and mask.
+int32_t tiled_route(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& excluded, int32_t fused_cpu,
+                    int64_t sweeps, int32_t noise, int32_t kl);
 // The fused CPU routes (csrc/fused_cpu.cpp): whether one applies, and the call, which returns
 // (output, received mass, KL part) as the tile loop does.
 bool fused_cpu_applies(const at::Tensor& q, const at::Tensor& v, const at::Tensor& excluded, int64_t noise, int64_t kl);

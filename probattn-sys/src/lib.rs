@@ -29,12 +29,14 @@ pub enum Error {
     Torch(String),
     /// A device query failed.
     Device(String),
+    /// A route that was required does not serve the call (why).
+    NotServed(String),
 }
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Config(m) | Self::Torch(m) | Self::Device(m) => f.write_str(m),
+            Self::Config(m) | Self::Torch(m) | Self::Device(m) | Self::NotServed(m) => f.write_str(m),
             Self::File { path, message } => write!(f, "{}: {message}", path.display()),
         }
     }
@@ -100,6 +102,7 @@ extern "C" {
         out: *mut *mut C_tensor,
         received_mass: *mut *mut C_tensor,
         kl_part: *mut *mut C_tensor,
+        route_taken: *mut i32,
     ) -> *mut c_char;
     fn pa_widened_softmax(
         q: *const C_tensor,
@@ -312,7 +315,7 @@ pub struct TiledSpec {
     /// The KL's score-dependent part: 0 none, 1 `Σ a_j log π_ij`, 2 `Σ (log π_ij − a_j)²`.
     pub kl: i32,
     /// 1: softmax and DNAS without noise take libtorch's fused CPU kernel where it applies; 0:
-    /// always the tiles (`probattn::tiled::TiledOptions::fused_cpu`).
+    /// always the tiles; 2: the fused kernel or an error ([`TiledSpec::FUSED_WHERE_APPLIES`], ...).
     pub fused_cpu: i32,
 }
 
@@ -331,10 +334,37 @@ impl TiledSpec {
     pub const LOGNORMAL: i32 = 2;
     pub const KL_WEIBULL: i32 = 1;
     pub const KL_LOGNORMAL: i32 = 2;
+    pub const FUSED_NEVER: i32 = 0;
+    pub const FUSED_WHERE_APPLIES: i32 = 1;
+    pub const FUSED_REQUIRED: i32 = 2;
 }
 
-/// The tiled attention of csrc/tiled.cpp: `(output (B, H, S_q, d_v), received mass (B, H, S_k),
-/// KL part (B, H))`, differentiable in q, k, v and `prior`.
+/// The route [`tiled_attention`] took.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TiledRoute {
+    /// The tile loop.
+    Tiles,
+    /// libtorch's fused CPU kernel (softmax, DNAS, Sinkhorn-N).
+    FusedCpu,
+    /// The fused CPU kernel's BAM form (sampling over a softmax base).
+    FusedCpuBam,
+}
+
+/// What [`tiled_attention`] returns.
+#[derive(Debug)]
+pub struct TiledOutput {
+    /// `(B, H, S_q, d_v)`, differentiable in q, k, v and `prior`.
+    pub output: Tensor,
+    /// `(B, H, S_k)`: the weight each key received.
+    pub received_mass: Tensor,
+    /// `(B, H)`: the KL's score-dependent part (zeros without a KL term).
+    pub kl_part: Tensor,
+    /// The route that ran (csrc/tiled.h's `tiled_route`, the one place that decides).
+    pub route: TiledRoute,
+}
+
+/// The tiled attention of csrc/tiled.cpp, through the fused CPU kernel where `spec.fused_cpu`
+/// allows it and it applies.
 pub fn tiled_attention(
     q: &Tensor,
     k: &Tensor,
@@ -343,8 +373,8 @@ pub fn tiled_attention(
     noise: Option<&Tensor>,
     prior: Option<&Tensor>,
     spec: &TiledSpec,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let (mut out, mut mass, mut kl) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+) -> Result<TiledOutput> {
+    let (mut out, mut mass, mut kl, mut route) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut(), -1);
     let optional = |t: Option<&Tensor>| t.map_or(ptr::null(), |t| t.as_ptr());
     // SAFETY: the tensor pointers and `spec` borrow live values for the call; the three outputs
     // are new tensors written on success only, owned by `Tensor::from_ptr` from then on.
@@ -360,9 +390,23 @@ pub fn tiled_attention(
             &mut out,
             &mut mass,
             &mut kl,
+            &mut route,
         );
         check(status, Error::Torch)?;
-        Ok((Tensor::from_ptr(out), Tensor::from_ptr(mass), Tensor::from_ptr(kl)))
+        if out.is_null() && spec.fused_cpu == TiledSpec::FUSED_REQUIRED {
+            return Err(Error::NotServed(
+                "the fused CPU kernel does not serve this call: it takes softmax, DNAS and Sinkhorn-N without sampling, and BAM \
+                 sampling over a softmax base in float32 or float64, on the CPU, with d_v = d and no mask or a key padding mask \
+                 that leaves every batch entry a key"
+                    .into(),
+            ));
+        }
+        let route = match route {
+            1 => TiledRoute::FusedCpu,
+            2 => TiledRoute::FusedCpuBam,
+            _ => TiledRoute::Tiles,
+        };
+        Ok(TiledOutput { output: Tensor::from_ptr(out), received_mass: Tensor::from_ptr(mass), kl_part: Tensor::from_ptr(kl), route })
     }
 }
 

@@ -58,11 +58,15 @@ pub struct AttendOptions<'a> {
     /// (default): one draw from libtorch's generator, so `tch::manual_seed` fixes the noise. The
     /// eager path samples from libtorch's generator and ignores it.
     pub seed: Option<u64>,
+    /// How the call runs ([`crate::backend`]): `Auto` (default) takes the process default
+    /// ([`crate::backend::set_default`]), itself `auto` unless set; a forced backend that cannot
+    /// serve the call is an error.
+    pub backend: crate::backend::Backend,
 }
 
 impl Default for AttendOptions<'_> {
     fn default() -> Self {
-        Self { mode: Mode::EVAL, dropout: 0.0, noise: None, need_weights: true, tile: None, seed: None }
+        Self { mode: Mode::EVAL, dropout: 0.0, noise: None, need_weights: true, tile: None, seed: None, backend: Default::default() }
     }
 }
 

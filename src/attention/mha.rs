@@ -395,8 +395,9 @@ impl MultiHeadAttention {
             need_weights: input.need_weights,
             tile: self.cfg.tile,
             seed: input.seed,
+            backend: Default::default(),
         };
-        let attended = attend_any_layout(q, k, v, &input.masks, self.normalizer.as_ref(), opts)?;
+        let (attended, _) = attend_any_layout(q, k, v, &input.masks, self.normalizer.as_ref(), opts)?;
         let output = attended.output; // (B, H, S_q, d_h)
         let merged = output.transpose(1, 2).contiguous().view([b, sq, e]); // (B, S_q, E)
         let context = merged.linear(&self.out_proj_weight, self.out_proj_bias.as_ref());

@@ -3,6 +3,7 @@
 //! repulsive heads, scores, diagnostics and Monte Carlo prediction. Each module is also at the
 //! crate root (`probattn::mha`, `probattn::tiled`, ...).
 
+pub mod backend;
 pub(crate) mod call;
 pub mod diagnostics;
 pub mod mask;
@@ -17,4 +18,4 @@ pub mod seam;
 pub mod tiled;
 
 // `probattn::attention::{attend, AttendOptions, ...}`, as when this was one file.
-pub use seam::{attend, scaled_dot_product_scores, AttendOptions, Attended, Mode};
+pub use seam::{attend, attend_with_choice, scaled_dot_product_scores, AttendOptions, Attended, Mode};

@@ -7,13 +7,15 @@
 
 use tch::{Kind, Tensor};
 
+use crate::backend::{self, Backend, Choice, Route, DEFAULT_TILE};
 use crate::call::{check_qkv, mix, try_scores};
 pub use crate::call::{scaled_dot_product_scores, AttendOptions, Attended, Mode};
+use crate::cxx::TiledSpec;
 use crate::mask::Masks;
 use crate::mask::ScoreShape;
 use crate::normalize::{NormalizeInput, Normalizer, Support};
 use crate::precision::{autocast_kind, widen, with_autocast_off};
-use crate::tiled::{attend_tiled_shaped, TiledOptions};
+use crate::tiled::{attend_tiled_shaped, TiledOptions, TiledRoute};
 use crate::{Error, Result};
 
 /// Attends `q` to `k`/`v` under `masks` with `normalizer`, after checking every shape.
@@ -52,18 +54,32 @@ use crate::{Error, Result};
 /// Layout: every tensor returned is contiguous (`output`, `weights`, `received_mass`), whichever
 /// path ran; a fused kernel's heads-second output is copied once into the documented layout.
 pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, normalizer: &dyn Normalizer, opts: AttendOptions) -> Result<Attended> {
-    let out = attend_any_layout(q, k, v, masks, normalizer, opts)?;
-    Ok(Attended {
+    attend_with_choice(q, k, v, masks, normalizer, opts).map(|(out, _)| out)
+}
+
+/// [`attend`], and the route that served the call with the reason it was taken
+/// ([`crate::backend`]).
+pub fn attend_with_choice(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    masks: &Masks,
+    normalizer: &dyn Normalizer,
+    opts: AttendOptions,
+) -> Result<(Attended, Choice)> {
+    let (out, choice) = attend_any_layout(q, k, v, masks, normalizer, opts)?;
+    let out = Attended {
         output: out.output.contiguous(),
         weights: out.weights.map(|w| w.contiguous()),
         received_mass: out.received_mass.map(|m| m.contiguous()),
         kl: out.kl,
-    })
+    };
+    Ok((out, choice))
 }
 
-/// [`attend`] with the output in whatever layout its path produced (a fused kernel's may be
-/// heads-second in memory): for the layers, which merge the heads at once and would otherwise
-/// copy twice.
+/// [`attend_with_choice`] with the output in whatever layout its route produced (a fused kernel's
+/// may be heads-second in memory): for the layers, which merge the heads at once and would
+/// otherwise copy twice.
 pub(crate) fn attend_any_layout(
     q: &Tensor,
     k: &Tensor,
@@ -71,26 +87,27 @@ pub(crate) fn attend_any_layout(
     masks: &Masks,
     normalizer: &dyn Normalizer,
     opts: AttendOptions,
-) -> Result<Attended> {
+) -> Result<(Attended, Choice)> {
     match autocast_kind(q.device())? {
-        None => attend_as_given(q, k, v, masks, normalizer, opts),
+        None => dispatch(q, k, v, masks, normalizer, opts),
         Some(lower) => {
             let cast = |t: &Tensor| if t.kind() == Kind::Float { t.to_kind(lower) } else { t.shallow_clone() };
             let (q, k, v) = (cast(q), cast(k), cast(v));
-            with_autocast_off(q.device(), || attend_as_given(&q, &k, &v, masks, normalizer, opts))
+            with_autocast_off(q.device(), || dispatch(&q, &k, &v, masks, normalizer, opts))
         }
     }
 }
 
-/// [`attend`] in the dtypes given, autocast off.
-fn attend_as_given(
+/// The one place that decides how a call runs (the rules: [`crate::backend`]), after checking
+/// what every route needs; runs it and counts it.
+fn dispatch(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     masks: &Masks,
     normalizer: &dyn Normalizer,
     opts: AttendOptions,
-) -> Result<Attended> {
+) -> Result<(Attended, Choice)> {
     let shape = check_qkv(q, k, v)?;
     if masks.causal && !normalizer.causal_safe() {
         return Err(Error::causal_leak(&normalizer.name()));
@@ -103,9 +120,71 @@ fn attend_as_given(
             return Err(Error::Shape(format!("noise has shape {:?}, expected the weights' shape {:?}", noise.size(), shape.dims())));
         }
     }
-    if let Some(tile) = opts.tile.filter(|_| !opts.need_weights) {
-        return attend_memory_efficient(shape, q, k, v, masks, normalizer, tile, &opts);
-    }
+    let requested = match opts.backend {
+        Backend::Auto => backend::default(),
+        forced => forced,
+    };
+    let name = normalizer.name();
+    let chose = |route: Route, why: String| Choice { requested, route, why };
+    let no_weights = || {
+        Error::Unsupported(format!(
+            "{name}: the {requested} attention backend forms no weights, and they were asked for: ask for none, or use the eager backend"
+        ))
+    };
+    let (out, choice) = match requested {
+        Backend::Auto => match opts.tile.filter(|_| !opts.need_weights) {
+            Some(tile) => {
+                let (out, route) = memory_efficient(shape, q, k, v, masks, normalizer, tile, TiledSpec::FUSED_WHERE_APPLIES, &opts)?;
+                (out, chose(route, "a tile is set and no weights are asked for: the memory-efficient plan".into()))
+            }
+            None => match normalizer.kernel(q, k, v, masks, &opts)? {
+                Some(out) => (out, chose(Route::Kernel, format!("{name}'s kernel serves this device, dtype and call without weights"))),
+                None => {
+                    let why = if opts.need_weights { "the weights are asked for" } else { "no kernel or tile serves this call" };
+                    (eager(shape, q, k, v, masks, normalizer, &opts)?, chose(Route::Eager, why.into()))
+                }
+            },
+        },
+        Backend::Eager => (eager(shape, q, k, v, masks, normalizer, &opts)?, chose(Route::Eager, "forced".into())),
+        Backend::Tiles if opts.need_weights => return Err(no_weights()),
+        Backend::Tiles => {
+            let tile = opts.tile.unwrap_or(DEFAULT_TILE);
+            let (out, route) = memory_efficient(shape, q, k, v, masks, normalizer, tile, TiledSpec::FUSED_NEVER, &opts)?;
+            (out, chose(route, format!("forced, {tile} queries a tile")))
+        }
+        Backend::Fused if opts.need_weights => return Err(no_weights()),
+        Backend::Fused => match normalizer.kernel(q, k, v, masks, &opts)? {
+            Some(out) => (out, chose(Route::Kernel, format!("forced: {name}'s kernel"))),
+            None if q.device() != tch::Device::Cpu => {
+                return Err(Error::Unsupported(format!(
+                "{name}: no fused route serves {:?} on {:?}: {name} has no kernel there, and the fused kernels under a plan run on the CPU",
+                q.kind(),
+                q.device()
+            )))
+            }
+            None => {
+                let tile = opts.tile.unwrap_or(DEFAULT_TILE);
+                let (out, route) = memory_efficient(shape, q, k, v, masks, normalizer, tile, TiledSpec::FUSED_REQUIRED, &opts)?;
+                (out, chose(route, "forced: the fused CPU kernel under the plan".into()))
+            }
+        },
+    };
+    backend::record(choice.route);
+    Ok((out, choice))
+}
+
+/// The eager route: the normalizer's own eager form where it has one ([`Normalizer::fused`]),
+/// else scores, [`Normalizer::normalize`], dropout and the mix.
+#[allow(clippy::too_many_arguments)]
+fn eager(
+    shape: ScoreShape,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    masks: &Masks,
+    normalizer: &dyn Normalizer,
+    opts: &AttendOptions,
+) -> Result<Attended> {
     // The eager path holds several (B, H, S_q, S_k) tensors: one that cannot be allocated is an
     // error that says so (and which path needs O(S) memory), not a panic inside tch.
     let [b, h, sq, sk] = shape.dims();
@@ -114,7 +193,7 @@ fn attend_as_given(
         "the memory-efficient path holds no (S_q, S_k) tensor (AttendOptions::tile with need_weights false; --memory-efficient on the command line)",
     );
     crate::catch_out_of_memory(&what, hint, || {
-        if let Some(attended) = normalizer.fused(q, k, v, masks, &opts)? {
+        if let Some(attended) = normalizer.fused(q, k, v, masks, opts)? {
             return Ok(attended);
         }
         let support = Support::dense(masks.allowed(shape, q.device())?);
@@ -130,14 +209,14 @@ fn attend_as_given(
             noise: opts.noise,
             sample: opts.mode.sample,
         })?;
-        Ok(mix(normalized.weights, v, normalized.kl, &opts))
+        Ok(mix(normalized.weights, v, normalized.kl, opts))
     })
 }
 
-/// The normalizer's tiled form ([`crate::tiled`]); what it cannot do is refused by name rather
-/// than run eagerly, where a long input would not fit.
+/// The normalizer's plan ([`crate::tiled`]), through the fused CPU kernel as `fused` allows; what
+/// it cannot do is refused by name rather than run eagerly, where a long input would not fit.
 #[allow(clippy::too_many_arguments)]
-fn attend_memory_efficient(
+fn memory_efficient(
     shape: ScoreShape,
     q: &Tensor,
     k: &Tensor,
@@ -145,18 +224,20 @@ fn attend_memory_efficient(
     masks: &Masks,
     normalizer: &dyn Normalizer,
     tile: i64,
+    fused: i32,
     opts: &AttendOptions,
-) -> Result<Attended> {
+) -> Result<(Attended, Route)> {
     let name = normalizer.name();
-    let tiled =
-        normalizer.tiled().ok_or_else(|| Error::Unsupported(format!("{name} has no memory-efficient path: drop the tile setting")))?;
+    let tiled = normalizer.tiled().ok_or_else(|| {
+        Error::Unsupported(format!("{name} has no memory-efficient path: drop the tile setting, or use the eager attention backend"))
+    })?;
     if opts.dropout_active() {
         return Err(Error::Unsupported(format!(
             "the memory-efficient path has no attention dropout (the weights are never formed): set the attention dropout to 0, got {}",
             opts.dropout
         )));
     }
-    let out = attend_tiled_shaped(
+    let (out, route) = attend_tiled_shaped(
         shape,
         q,
         k,
@@ -164,6 +245,12 @@ fn attend_memory_efficient(
         masks,
         &tiled,
         TiledOptions { sample: opts.mode.sample, noise: opts.noise, seed: opts.seed, ..TiledOptions::new(tile) },
-    )?;
-    Ok(Attended { output: out.output, weights: None, received_mass: Some(out.received_mass), kl: out.kl })
+        fused,
+    )
+    .map_err(|e| match e {
+        Error::Unsupported(why) if fused == TiledSpec::FUSED_REQUIRED => Error::Unsupported(format!("{name}: {why}")),
+        e => e,
+    })?;
+    let route = if route == TiledRoute::Tiles { Route::Tiles } else { Route::FusedCpu };
+    Ok((Attended { output: out.output, weights: None, received_mass: Some(out.received_mass), kl: out.kl }, route))
 }

@@ -54,6 +54,7 @@
 use tch::{Device, Kind, Tensor};
 
 use crate::call::check_qkv;
+pub(crate) use crate::cxx::TiledRoute;
 use crate::cxx::{self, TiledSpec};
 use crate::mask::{Masks, ScoreShape};
 use crate::normalize::BamKind;
@@ -112,12 +113,16 @@ pub struct TiledAttended {
 /// same normalizer (to float rounding, and for BAM given the same draws), gradients included.
 /// The output and the received mass are contiguous, as [`crate::attend`]'s are.
 pub fn attend_tiled(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, plan: &Tiled, opts: TiledOptions) -> Result<TiledAttended> {
-    let out = attend_tiled_shaped(check_qkv(q, k, v)?, q, k, v, masks, plan, opts)?;
+    let fused = if opts.fused_cpu { TiledSpec::FUSED_WHERE_APPLIES } else { TiledSpec::FUSED_NEVER };
+    let (out, _) = attend_tiled_shaped(check_qkv(q, k, v)?, q, k, v, masks, plan, opts, fused)?;
     Ok(TiledAttended { output: out.output.contiguous(), received_mass: out.received_mass.contiguous(), kl: out.kl })
 }
 
 /// [`attend_tiled`] on `q`, `k`, `v` that [`crate::attend`] has validated already (`shape` is
-/// what its check returned): one validation per call.
+/// what its check returned): one validation per call. `fused` is `TiledSpec::fused_cpu` (never,
+/// where it applies, or required: an error where it does not), which `opts.fused_cpu` does not
+/// override; the route that ran comes back beside the result.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn attend_tiled_shaped(
     shape: ScoreShape,
     q: &Tensor,
@@ -126,7 +131,8 @@ pub(crate) fn attend_tiled_shaped(
     masks: &Masks,
     plan: &Tiled,
     opts: TiledOptions,
-) -> Result<TiledAttended> {
+    fused: i32,
+) -> Result<(TiledAttended, TiledRoute)> {
     if opts.tile < 1 {
         return Err(Error::Config(format!("the tile size must be at least 1, got {}", opts.tile)));
     }
@@ -137,7 +143,7 @@ pub(crate) fn attend_tiled_shaped(
     let stats = statistics_kind(q.kind());
     let allowed = masks.allowed(shape, q.device())?;
     let excluded = allowed.as_ref().map(|a| a.logical_not());
-    let spec = TiledSpec { tile: opts.tile, sweeps: 0, noise: 0, noise_scale: 0.0, seed: 0, kl: 0, fused_cpu: i32::from(opts.fused_cpu) };
+    let spec = TiledSpec { tile: opts.tile, sweeps: 0, noise: 0, noise_scale: 0.0, seed: 0, kl: 0, fused_cpu: fused };
     let name = plan.name.as_str();
     if plan.sweeps > 0 && masks.causal {
         return Err(Error::causal_leak(name));
@@ -147,10 +153,9 @@ pub(crate) fn attend_tiled_shaped(
     }
     // The scale multiplies the scores, so the queries (the kernels scale them by 1/sqrt(d)).
     let q = &if plan.score_scale == 1.0 { q.shallow_clone() } else { q * plan.score_scale };
-    let plain = |sweeps: u32| -> Result<TiledAttended> {
-        let (output, received_mass, _) =
-            cxx::tiled_attention(q, k, v, excluded.as_ref(), None, None, &TiledSpec { sweeps: i64::from(sweeps), ..spec })?;
-        Ok(TiledAttended { output, received_mass, kl: None })
+    let plain = |sweeps: u32| -> Result<(TiledAttended, TiledRoute)> {
+        let out = cxx::tiled_attention(q, k, v, excluded.as_ref(), None, None, &TiledSpec { sweeps: i64::from(sweeps), ..spec })?;
+        Ok((TiledAttended { output: out.output, received_mass: out.received_mass, kl: None }, out.route))
     };
     let sampling = plan.sampling.as_ref().filter(|_| opts.sample);
     match (plan.hybrid_logit, sampling) {
@@ -161,13 +166,14 @@ pub(crate) fn attend_tiled_shaped(
                 return Err(Error::Shape(format!("HNAS logits have shape {:?}, expected ({heads},)", logit.size())));
             }
             let u = logit.to_kind(stats).sigmoid();
-            let (d, s) = (plain(plan.sweeps)?, plain(0)?);
+            let ((d, route), (s, _)) = (plain(plan.sweeps)?, plain(0)?);
             let (u4, u3) = (u.view([1, -1, 1, 1]), u.view([1, -1, 1]).detach());
-            Ok(TiledAttended {
+            let mixed = TiledAttended {
                 output: Tensor::to_kind(&(&u4 * d.output + (1.0 - &u4) * s.output), v.kind()),
                 received_mass: &u3 * d.received_mass + (1.0 - &u3) * s.received_mass,
                 kl: None,
-            })
+            };
+            Ok((mixed, route))
         }
         (Some(_), Some(_)) => Err(Error::Unsupported(format!(
             "{name}: sampling over a hnas base has no tiled path (its log-weights are not logits minus per-row and \
@@ -189,11 +195,11 @@ pub(crate) fn attend_tiled_shaped(
             };
             let spec = TiledSpec { sweeps: i64::from(plan.sweeps), noise: noise_kind, noise_scale, seed, kl: kl_kind, ..spec };
             let a = prior.as_ref().map(|(_, a)| a);
-            let (output, received_mass, part) = cxx::tiled_attention(q, k, v, excluded.as_ref(), noise.as_ref(), a, &spec)?;
+            let out = cxx::tiled_attention(q, k, v, excluded.as_ref(), noise.as_ref(), a, &spec)?;
             let kl = prior
                 .as_ref()
-                .map(|(form, a)| tiled_kl(*form, &part, a, &MaskCounts::new(allowed.as_ref(), shape, opts.tile, stats, q.device())));
-            Ok(TiledAttended { output, received_mass, kl })
+                .map(|(form, a)| tiled_kl(*form, &out.kl_part, a, &MaskCounts::new(allowed.as_ref(), shape, opts.tile, stats, q.device())));
+            Ok((TiledAttended { output: out.output, received_mass: out.received_mass, kl }, out.route))
         }
     }
 }

@@ -26,7 +26,7 @@ use clap::Args;
 use probattn::diagnostics::{explained_away_fraction, received_mass, EXPLAINED_AWAY_EPS};
 use probattn::io::{read_safetensors, write_safetensors_atomic};
 use probattn::normalize::BamConfig;
-use probattn::{attend, check_finite, AttendOptions, Masks, Mode, NormalizerConfig, Variant};
+use probattn::{attend_with_choice, check_finite, AttendOptions, Backend, Masks, Mode, NormalizerConfig, Variant};
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::common::CommonArgs;
@@ -175,7 +175,11 @@ pub fn run(args: &AttendArgs) -> Result<()> {
         }
     }
 
-    if args.memory.memory_efficient {
+    // The routes that form no weights: --memory-efficient (unless eager is forced), or a forced
+    // tiles or fused backend.
+    let backend = args.common.attention_backend;
+    let weightless = (args.memory.memory_efficient && backend != Backend::Eager) || matches!(backend, Backend::Tiles | Backend::Fused);
+    if weightless {
         // Through probattn::attend, as every caller: BAM samples from the input's noise when it
         // has one, else from the counter-based draws keyed by --seed
         // (`probattn::tiled::counter_noise` reproduces them).
@@ -187,14 +191,19 @@ pub fn run(args: &AttendArgs) -> Result<()> {
             seed: Some(args.bam.seed),
             ..Default::default()
         };
-        let out = tch::no_grad(|| precision.run(device, || attend(&q, &k, &v, &masks, normalizer.as_ref(), opts)))?
-            .with_context(|| format!("attending with {} (memory-efficient, tile {}) on {input}", args.variant, args.memory.tile))?;
-        let received_mass = out.received_mass.as_ref().context("the memory-efficient path returns the received mass")?;
+        let (out, choice) =
+            tch::no_grad(|| precision.run(device, || attend_with_choice(&q, &k, &v, &masks, normalizer.as_ref(), opts)))?
+                .with_context(|| format!("attending with {} ({backend} backend, tile {}) on {input}", args.variant, args.memory.tile))?;
         let shape = probattn::ScoreShape { batch: q.size()[0], heads, queries: q.size()[2], keys: k.size()[2] };
         let counted = masks.allowed(shape, device)?.map(|a| a.expand(shape.dims(), false).any_dim(-2, false));
-        // The line is formed before the file is written: a failure leaves no file behind.
-        let line = summary(&normalizer.name(), device, &out.output, None, received_mass, counted.as_ref(), out.kl.as_ref(), &args.output)?;
-        let mut written = vec![("output", &out.output), ("received_mass", received_mass)];
+        // The line is formed before the file is written: a failure leaves no file behind. A
+        // kernel route (softmax's fused attention) returns no received mass.
+        let mass = out.received_mass.as_ref();
+        let line = summary(&normalizer.name(), &choice, device, &out.output, None, mass, counted.as_ref(), out.kl.as_ref(), &args.output)?;
+        let mut written = vec![("output", &out.output)];
+        if let Some(mass) = mass {
+            written.push(("received_mass", mass));
+        }
         if let Some(kl) = &out.kl {
             written.push(("kl", kl));
         }
@@ -203,12 +212,22 @@ pub fn run(args: &AttendArgs) -> Result<()> {
         return Ok(());
     }
     let opts = AttendOptions { mode: Mode { dropout: false, sample: args.bam.train }, noise: noise.as_ref(), ..Default::default() };
-    let out = tch::no_grad(|| precision.run(device, || attend(&q, &k, &v, &masks, normalizer.as_ref(), opts)))?
-        .with_context(|| format!("attending with {} on {input}", args.variant))?;
+    let (out, choice) = tch::no_grad(|| precision.run(device, || attend_with_choice(&q, &k, &v, &masks, normalizer.as_ref(), opts)))?
+        .with_context(|| format!("attending with {} ({backend} backend) on {input}", args.variant))?;
     let weights = out.weights()?;
     let mass = received_mass(weights);
     let counted = masks_key_counted(weights, &masks, device)?;
-    let line = summary(&normalizer.name(), device, &out.output, Some(weights), &mass, counted.as_ref(), out.kl.as_ref(), &args.output)?;
+    let line = summary(
+        &normalizer.name(),
+        &choice,
+        device,
+        &out.output,
+        Some(weights),
+        Some(&mass),
+        counted.as_ref(),
+        out.kl.as_ref(),
+        &args.output,
+    )?;
     let mut written = vec![("output", &out.output), ("weights", weights), ("received_mass", &mass)];
     if let Some(kl) = &out.kl {
         written.push(("kl", kl));
@@ -223,32 +242,38 @@ pub fn run(args: &AttendArgs) -> Result<()> {
 #[allow(clippy::too_many_arguments)]
 fn summary(
     name: &str,
+    choice: &probattn::backend::Choice,
     device: Device,
     output: &Tensor,
     weights: Option<&Tensor>,
-    mass: &Tensor,
+    mass: Option<&Tensor>,
     counted: Option<&Tensor>,
     kl: Option<&Tensor>,
     path: &std::path::Path,
 ) -> Result<String> {
-    let away = explained_away_fraction(mass, counted, EXPLAINED_AWAY_EPS)?;
-    let least = match counted {
-        Some(c) => mass.masked_select(c),
-        // reshape, not view: a mass read from elsewhere need not be contiguous.
-        None => mass.f_reshape([-1]).context("flattening the received mass")?,
+    let explained = match mass {
+        Some(mass) => {
+            let away = explained_away_fraction(mass, counted, EXPLAINED_AWAY_EPS)?;
+            let least = match counted {
+                Some(c) => mass.masked_select(c),
+                // reshape, not view: a mass read from elsewhere need not be contiguous.
+                None => mass.f_reshape([-1]).context("flattening the received mass")?,
+            };
+            let least = if least.numel() > 0 { f64::try_from(least.min())? } else { f64::NAN };
+            format!("keys explained away (received < {EXPLAINED_AWAY_EPS:e}): {:.1}%, least received mass {least:.3e}", 100.0 * away)
+        }
+        None => format!("received mass not formed by the {} route", choice.route),
     };
-    let least = if least.numel() > 0 { f64::try_from(least.min())? } else { f64::NAN };
     let kl = match kl {
         Some(kl) => format!("; KL {:.6e}", f64::try_from(kl)?),
         None => String::new(),
     };
     let weights = weights.map_or("none (memory-efficient)".to_string(), |w| format!("{:?}", w.size()));
     Ok(format!(
-        "{name} on {}: output {:?}, weights {weights}; keys explained away (received < {EXPLAINED_AWAY_EPS:e}): {:.1}%, \
-         least received mass {least:.3e}{kl}; wrote {}",
+        "{name} on {} (route {}): output {:?}, weights {weights}; {explained}{kl}; wrote {}",
         probattn::device::device_name(device),
+        choice.route,
         output.size(),
-        100.0 * away,
         path.display()
     ))
 }

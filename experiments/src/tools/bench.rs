@@ -93,6 +93,11 @@ pub struct Measurement {
     /// written before it: float32).
     #[serde(default)]
     pub precision: Precision,
+    /// The route that served this configuration's attention calls (`eager`, `kernel`, `tiles`,
+    /// `fused-cpu`; `probattn::backend`), several joined by `+`; absent for PyTorch's rows and
+    /// from records written before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub route: Option<String>,
 }
 
 /// The SVGD hook's cost (bench.json's `svgd`).
@@ -267,13 +272,15 @@ fn measure_length(device: Device, s: i64, repeats: usize, rows: &[Row], precisio
         })
         .collect();
     let timings = time_interleaved(device, repeats, &mut steps)?;
-    let mut peaks = vec![];
+    let (mut peaks, mut routes) = (vec![], vec![]);
     for step in &mut steps {
+        probattn::backend::reset_routes_taken();
         let (result, peak) = memory::peak_during(device, step)?;
         result?;
         peaks.push(peak);
+        routes.push(probattn::backend::routes_taken().iter().map(|(r, _)| r.name()).collect::<Vec<_>>().join("+"));
     }
-    for ((row, (median, iqr)), peak) in rows.iter().zip(timings).zip(peaks) {
+    for (((row, (median, iqr)), peak), route) in rows.iter().zip(timings).zip(peaks).zip(routes) {
         eprintln!("{:26} {:12} S={s:5}: {median:9.1} ms, peak {:8.1} MiB", row.implementation, row.variant, peak as f64 / MIB);
         out.push(Measurement {
             variant: row.variant.into(),
@@ -287,6 +294,7 @@ fn measure_length(device: Device, s: i64, repeats: usize, rows: &[Row], precisio
             fwd_bwd_ms_iqr: iqr,
             peak_mem_bytes: Some(peak.max(0) as u64),
             precision,
+            route: Some(route),
         });
     }
     Ok(out)
@@ -564,6 +572,7 @@ mod tests {
             fwd_bwd_ms_iqr: 0.0,
             peak_mem_bytes: Some(mib << 20),
             precision: Precision::F32,
+            route: None,
         };
         let svgd = SvgdTiming { step_ms_without: 1.0, step_ms_with: 1.0, ratio: 1.0, hook_ms: 0.0, tokens_per_side: 1, step_peak_bytes: 0 };
         let rows = [

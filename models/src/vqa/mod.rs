@@ -296,8 +296,11 @@ impl MultiViewFusion {
         let q = query.forward(primary).unsqueeze(1); // (B, 1, N_P, d)
         let (mut sum, mut weights, mut received_mass, mut kl) = (primary.shallow_clone(), vec![], vec![], None::<Tensor>);
         // With a tile, the memory-efficient path: no weights, the mass each box receives instead.
-        let opts =
-            AttendOptions { mode, dropout: self.dropout, noise: None, need_weights: self.tile.is_none(), tile: self.tile, seed: None };
+        let opts = AttendOptions {
+            need_weights: self.tile.is_none(),
+            tile: self.tile,
+            ..AttendOptions { mode, dropout: self.dropout, ..Default::default() }
+        };
         for ((x, key), normalizer) in views[1..].iter().zip(&self.keys).zip(&self.normalizers) {
             let k = key.forward(x).unsqueeze(1); // (B, 1, N_s, d)
             let v = x.unsqueeze(1); // (B, 1, N_s, D)

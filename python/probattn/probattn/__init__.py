@@ -12,6 +12,7 @@ memory-efficient tiles); this package converts arguments and holds parameters. S
 docs/python.md.
 """
 
+import contextlib
 import json
 from typing import NamedTuple, Optional
 
@@ -29,7 +30,11 @@ if torch.__version__.split("+")[0] != REQUIRED_TORCH:
 
 from . import _native, _ops  # noqa: E402  (after the version check, on purpose)
 
-__all__ = ["attention", "AttentionInfo", "variants", "DEFAULT_TILE", "REQUIRED_TORCH"]
+__all__ = ["attention", "attention_backend", "attention_routes", "AttentionInfo", "variants", "DEFAULT_TILE",
+           "REQUIRED_TORCH"]
+
+BACKENDS = ("auto", "eager", "tiles", "fused")
+"""The attention backends `attention_backend` takes (docs/library.md, 'One backend choice')."""
 
 DEFAULT_TILE = 256
 """Queries per tile on the memory-efficient path, as `probattn --memory-efficient` uses."""
@@ -50,6 +55,35 @@ class AttentionInfo(NamedTuple):
     received_mass: torch.Tensor
     kl: Optional[torch.Tensor]
     weights: Optional[torch.Tensor]
+
+
+@contextlib.contextmanager
+def attention_backend(backend: str):
+    """Runs every probattn attention call inside the block on `backend`, as
+    `torch.nn.attention.sdpa_kernel` does for SDPA: "auto" (the library's choice), "eager" (the
+    weights formed), "tiles" (the variant's plan tile by tile, `DEFAULT_TILE` queries a tile unless
+    the call sets one) or "fused" (one kernel that never forms the weights: softmax's on the CPU,
+    the fused CPU kernel under the plans of dnas, hnas and sinkhorn-N). A call the backend cannot
+    serve (weights asked for from tiles or fused, a mask the fused kernel does not take) raises
+    ValueError saying why; nothing falls back silently. The setting is the process's, restored on
+    leaving the block.
+
+        with probattn.attention_backend("tiles"):
+            out = probattn.attention(q, k, v, variant="dnas")
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r} (known: {', '.join(BACKENDS)})")
+    previous = _native.set_attention_backend(backend)
+    try:
+        yield
+    finally:
+        _native.set_attention_backend(previous)
+
+
+def attention_routes(reset: bool = False):
+    """How many attention calls each route served ("eager", "kernel", "tiles", "fused-cpu") since
+    the last reset, as a dict; `reset=True` starts the counts again after reading them."""
+    return _native.attention_routes(reset)
 
 
 def variants():
@@ -174,7 +208,7 @@ def attention(query, key, value, *, variant="softmax", key_padding_mask=None, at
     )
     if not return_info:
         return output
-    if mass is None:
+    if mass is None and weights is not None:
         mass = weights.detach().sum(-2)
     return output, AttentionInfo(received_mass=mass, kl=kl, weights=weights)
 

@@ -182,6 +182,7 @@ fn attention(
                 need_weights,
                 tile,
                 seed,
+                backend: Default::default(),
             };
             let out = attend(&query, &key, &value, &masks, normalizer.as_ref(), opts).map_err(to_py)?;
             Ok((out.output, out.weights, out.received_mass, out.kl))
@@ -335,6 +336,26 @@ fn repulsive_step(
     })
 }
 
+/// Sets the process's attention backend (`probattn::backend::set_default`: auto, eager, tiles or
+/// fused) and returns the one it replaces, for `probattn.attention_backend`'s context manager.
+#[pyfunction]
+fn set_attention_backend(name: &str) -> PyResult<String> {
+    let backend: probattn::Backend = name.parse().map_err(to_py)?;
+    Ok(probattn::backend::set_default(backend).to_string())
+}
+
+/// The attention calls each route served since the last reset, `{"eager": 3, "tiles": 1}`;
+/// `reset` starts the counts again after reading them.
+#[pyfunction]
+#[pyo3(signature = (reset=false))]
+fn attention_routes(reset: bool) -> HashMap<String, u64> {
+    let taken = probattn::backend::routes_taken().into_iter().map(|(r, n)| (r.name().to_string(), n)).collect();
+    if reset {
+        probattn::backend::reset_routes_taken();
+    }
+    taken
+}
+
 /// The variant registry as `probattn variants --json` prints it.
 #[pyfunction]
 fn registry_json() -> PyResult<String> {
@@ -348,5 +369,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(initial_parameters, m)?)?;
     m.add_function(wrap_pyfunction!(registry_json, m)?)?;
     m.add_function(wrap_pyfunction!(repulsive_step, m)?)?;
+    m.add_function(wrap_pyfunction!(set_attention_backend, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_routes, m)?)?;
     Ok(())
 }

@@ -978,6 +978,34 @@ class CompileWithoutGraphBreaks(unittest.TestCase):
                 self.assertEqual(str(compiled.exception), str(uncompiled.exception))
 
 
+class Backends(unittest.TestCase):
+    def test_each_backend_gives_the_eager_result_or_says_why_not(self):
+        q, k, v = qkv(dv=4)
+        reference = probattn.attention(q, k, v, variant="dnas")
+        probattn.attention_routes(reset=True)
+        for backend, route in (("eager", "eager"), ("tiles", "tiles"), ("fused", "fused-cpu")):
+            with self.subTest(backend):
+                with probattn.attention_backend(backend):
+                    out = probattn.attention(q, k, v, variant="dnas")
+                torch.testing.assert_close(out, reference, rtol=0, atol=1e-12)
+                self.assertEqual(probattn.attention_routes(reset=True), {route: 1})
+        # The fused CPU kernel takes no attention mask: a named error, not a quiet change of route.
+        am = torch.zeros(5, 6, dtype=torch.bool)
+        am[1, 0] = True
+        with probattn.attention_backend("fused"):
+            with self.assertRaisesRegex(ValueError, "dnas: the fused CPU kernel does not serve this call"):
+                probattn.attention(q, k, v, variant="dnas", attn_mask=am)
+            with self.assertRaisesRegex(ValueError, "forms no weights, and they were asked for"):
+                probattn.attention(q, k, v, variant="dnas", return_info=True)
+        # Left on leaving the block, even by an exception.
+        self.assertEqual(probattn.attention_routes(reset=True), {})
+        probattn.attention(q, k, v, variant="dnas")
+        self.assertEqual(probattn.attention_routes(reset=True), {"eager": 1})
+        with self.assertRaisesRegex(ValueError, "unknown attention backend 'flash'"):
+            with probattn.attention_backend("flash"):
+                pass
+
+
 class Errors(unittest.TestCase):
     def test_bad_inputs_raise_with_the_library_message(self):
         q, k, v = qkv(grad=False)

@@ -94,11 +94,20 @@ pub trait Normalizer: fmt::Debug + Send {
         None
     }
 
-    /// A whole attention call in one kernel, scores to output, where this normalizer has one
-    /// that applies to `opts`: [`crate::attend`] takes it before its general path. Softmax takes
-    /// libtorch's fused attention when no weights are asked for. The result must equal the general
-    /// path's (values, weights when asked for, KL and gradients). `None` (the default): the
-    /// general path.
+    /// A whole attention call in one kernel that forms no `(S_q, S_k)` weights, where this
+    /// normalizer has one that applies to `q`'s device and dtype and to `opts` (no weights asked
+    /// for): the backend choice ([`crate::backend`]) takes it as the `kernel` route. Softmax takes
+    /// libtorch's fused attention on the CPU. The result must equal the eager path's (values, KL
+    /// and gradients). `None` (the default): no such kernel here.
+    fn kernel(&self, q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, opts: &AttendOptions) -> Result<Option<Attended>> {
+        let _ = (q, k, v, masks, opts);
+        Ok(None)
+    }
+
+    /// The normalizer's own eager form of a whole call, scores to output (softmax masks its fresh
+    /// scores in place), taken by the eager route before the general one. The result must equal
+    /// the general path's (values, weights when asked for, KL and gradients). `None` (the
+    /// default): the general path.
     fn fused(&self, q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, opts: &AttendOptions) -> Result<Option<Attended>> {
         let _ = (q, k, v, masks, opts);
         Ok(None)

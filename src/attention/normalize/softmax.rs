@@ -43,31 +43,34 @@ impl Normalizer for Softmax {
     /// gradients (checked for libtorch 2.11 on the CPU; other devices keep the eager form until
     /// checked there). In bfloat16 below those keys, under the same conditions, the eager
     /// arithmetic in float32 as one autograd function that keeps the bfloat16 inputs for its
-    /// backward pass (`pa_widened_softmax` in probattn-sys). Otherwise the eager form with the mask
-    /// written into the fresh scores in place ([`Support::mask_scores_`]) instead of a masked
-    /// copy: the same weights, one `(B, H, S_q, S_k)` tensor fewer.
-    fn fused(&self, q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, opts: &AttendOptions) -> Result<Option<Attended>> {
+    /// backward pass (`pa_widened_softmax` in probattn-sys).
+    fn kernel(&self, q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, opts: &AttendOptions) -> Result<Option<Attended>> {
+        if opts.need_weights || opts.dropout_active() || q.device() != Device::Cpu {
+            return Ok(None);
+        }
         let shape = ScoreShape { batch: q.size()[0], heads: q.size()[1], queries: q.size()[2], keys: k.size()[2] };
         let allowed = masks.allowed(shape, q.device())?;
-        // No weights asked, no attention dropout, the CPU: libtorch's kernel, except bfloat16
-        // below its lengths, which takes float32 from the bfloat16 values (as the kernel computes
-        // inside), keeping the bfloat16 inputs, not float32 copies as autograd over the eager form
-        // below would, for the backward pass.
-        if !opts.need_weights && !opts.dropout_active() && q.device() == Device::Cpu {
-            let output = match q.kind() {
-                Kind::BFloat16 if shape.keys < BF16_KERNEL_MIN_KEYS => {
-                    Some(crate::cxx::widened_softmax(q, k, v, allowed.as_ref(), 1.0 / (q.size()[3] as f64).sqrt())?)
-                }
-                Kind::Float | Kind::Double | Kind::BFloat16 => {
-                    Some(Tensor::f_scaled_dot_product_attention(q, k, v, allowed.as_ref(), 0.0, false, None::<f64>, false)?)
-                }
-                _ => None,
-            };
-            if let Some(output) = output {
-                return Ok(Some(Attended { output, weights: None, received_mass: None, kl: None }));
+        // bfloat16 below the kernel's lengths takes float32 from the bfloat16 values (as the
+        // kernel computes inside), keeping the bfloat16 inputs, not float32 copies as autograd over
+        // the eager form would, for the backward pass.
+        let output = match q.kind() {
+            Kind::BFloat16 if shape.keys < BF16_KERNEL_MIN_KEYS => {
+                crate::cxx::widened_softmax(q, k, v, allowed.as_ref(), 1.0 / (q.size()[3] as f64).sqrt())?
             }
-        }
-        let support = Support::dense(allowed);
+            Kind::Float | Kind::Double | Kind::BFloat16 => {
+                Tensor::f_scaled_dot_product_attention(q, k, v, allowed.as_ref(), 0.0, false, None::<f64>, false)?
+            }
+            _ => return Ok(None),
+        };
+        Ok(Some(Attended { output, weights: None, received_mass: None, kl: None }))
+    }
+
+    /// The eager form with the mask written into the fresh scores in place
+    /// ([`Support::mask_scores_`]) instead of a masked copy: the same weights, one
+    /// `(B, H, S_q, S_k)` tensor fewer.
+    fn fused(&self, q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, opts: &AttendOptions) -> Result<Option<Attended>> {
+        let shape = ScoreShape { batch: q.size()[0], heads: q.size()[1], queries: q.size()[2], keys: k.size()[2] };
+        let support = Support::dense(masks.allowed(shape, q.device())?);
         // bfloat16 inputs attend in float32 here, as the kernel computes inside: scores rounded to
         // bfloat16 (a score near 10 to 1/16) would move each weight by up to a few percent, and a
         // bfloat16 `dO·vᵀ` cancels in softmax's backward. Below BF16_KERNEL_MIN_KEYS keys the two
