@@ -105,9 +105,10 @@ pub struct TransformerConfig {
     /// normalizes each query over the keys alone (see [`Self::cross_variant`]); decoder
     /// self-attention is causal and always softmax.
     pub variant: Variant,
-    /// The normalizer of the decoder's causal self-attention: softmax (default) or a BAM variant
-    /// around softmax; doubly normalized variants are refused (a key normalized over the queries
-    /// would let later tokens change earlier weights).
+    /// The normalizer of the decoder's causal self-attention: any variant that normalizes each
+    /// query over the keys alone (its normalizer is causal-safe: softmax, the default; BAM around
+    /// softmax; a row-wise variant registered outside the library); doubly normalized variants are
+    /// refused (a key normalized over the queries would let later tokens change earlier weights).
     #[serde(default)]
     pub decoder_self_variant: Variant,
     #[serde(default)]
@@ -149,11 +150,15 @@ impl TransformerConfig {
     /// of position t would depend on the target tokens after t (a leak of the answer), and an
     /// incremental decoder, which has one query per step, would normalize over that one query
     /// alone (uniform weights). So they act in the encoder self-attention only.
+    ///
+    /// Asked of the variant's normalizer ([`row_wise`]), so a variant registered outside the
+    /// library answers for itself; one that cannot be built here gets softmax, and the encoder,
+    /// which builds the same variant, names the error.
     pub fn cross_variant(&self) -> Variant {
-        match self.variant {
-            Variant::Softmax => Variant::Softmax,
-            Variant::Bam(_) if self.normalizer.bam.base == Variant::Softmax => self.variant,
-            _ => Variant::Softmax,
+        if row_wise(self.variant, &self.normalizer, self.heads, self.embed_dim / self.heads.max(1)).unwrap_or(false) {
+            self.variant
+        } else {
+            Variant::Softmax
         }
     }
 
@@ -250,17 +255,21 @@ pub struct TransformerOutput {
     pub kl: Option<Tensor>,
 }
 
+/// Whether `variant` (with `cfg`) normalizes each query over the keys alone, as its built
+/// normalizer says ([`probattn::Normalizer::causal_safe`]): what a causal self-attention and an
+/// incremental cross-attention need. Built on a scratch store, so nothing joins the model's.
+pub fn row_wise(variant: Variant, cfg: &NormalizerConfig, heads: i64, head_dim: i64) -> Result<bool> {
+    let scratch = nn::VarStore::new(tch::Device::Cpu);
+    Ok(variant.build(&scratch.root(), heads, head_dim, cfg)?.causal_safe())
+}
+
 impl Transformer {
     pub fn new(p: &nn::Path, cfg: TransformerConfig) -> Result<Self> {
         let e = cfg.embed_dim;
-        let row_wise = match cfg.decoder_self_variant {
-            Variant::Softmax => true,
-            Variant::Bam(_) => cfg.normalizer.bam.base == Variant::Softmax,
-            _ => false,
-        };
-        if !row_wise {
+        if !row_wise(cfg.decoder_self_variant, &cfg.normalizer, cfg.heads, e / cfg.heads.max(1))? {
             return Err(probattn::Error::Config(format!(
-                "the decoder's causal self-attention takes softmax or a BAM variant around softmax, not {}",
+                "the decoder's causal self-attention takes a variant that normalizes each query over the keys alone \
+                 (softmax, a BAM variant around softmax), not {}",
                 cfg.decoder_self_variant
             )));
         }

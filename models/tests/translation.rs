@@ -171,6 +171,88 @@ fn cross_attention_stays_row_wise() {
     assert_eq!(cfg("softmax").cross_variant(), Variant::Softmax);
 }
 
+/// A row-wise variant registered outside the library (softmax at a temperature, as `warm-N`),
+/// which no model names: its properties alone let it into the decoder's causal self-attention and
+/// the cross-attention, and a model with it trains; the same with a doubly normalized variant is
+/// refused by the decoder and kept out of the cross-attention.
+mod registered {
+    use probattn::normalize::registry::{Family, VariantSpec};
+    use probattn::normalize::{NormalizeInput, Normalized, Normalizer, Softmax};
+    use probattn::Variant;
+
+    #[derive(Debug)]
+    struct Warm(u32);
+
+    impl Normalizer for Warm {
+        fn name(&self) -> String {
+            format!("warm-{}", self.0)
+        }
+        fn normalize(&self, input: &NormalizeInput) -> probattn::Result<Normalized> {
+            let scaled = input.scores / f64::from(self.0);
+            Softmax.normalize(&NormalizeInput { scores: &scaled, ..*input })
+        }
+    }
+
+    pub static WARM: VariantSpec = VariantSpec {
+        name: "warm-N",
+        aliases: &[],
+        example: "warm-2",
+        family: Family::RowWise,
+        summary: "softmax of the scores divided by N",
+        source: "a test",
+        causal_safe: true,
+        stochastic: false,
+        kl: false,
+        memory_efficient: None,
+        benchmarked: false,
+        settings: &[],
+        parse: |s| s.strip_prefix("warm-")?.parse().ok().map(|n| Variant::Registered { spec: &WARM, n }),
+        build: |_, _, _, _, n| Ok(Box::new(Warm(n))),
+    };
+}
+
+#[test]
+fn a_registered_row_wise_variant_trains_in_the_decoder_and_the_cross_attention() -> Result<()> {
+    let _serial = seeded(8);
+    let warm = Variant::Registered { spec: &registered::WARM, n: 2 };
+    let config = |variant: Variant| TransformerConfig {
+        encoder_layers: 1,
+        decoder_layers: 1,
+        embed_dim: 16,
+        heads: 4,
+        ffn_dim: 32,
+        variant,
+        decoder_self_variant: variant,
+        ..TransformerConfig::iwslt()
+    };
+    assert_eq!(config(warm).cross_variant(), warm);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let cfg =
+        Seq2SeqConfig { transformer: Some(config(warm)), lstm: None, vocab: 30, pad: PAD, share_all_embeddings: true, max_positions: 64 };
+    let m = Seq2Seq::new(&vs.root(), cfg)?;
+    let mut opt = nn::OptimizerConfig::build(nn::Adam::default(), &vs, 1e-2)?;
+    let (src, prev) = (sources(), Tensor::from_slice(&[EOS, 7, 9, EOS, 4, 20, EOS, 5, 6]).view([3, 3]));
+    let target = Tensor::from_slice(&[7i64, 9, 4, 4, 20, 5, 5, 6, 11]).view([3, 3]);
+    let loss = |m: &Seq2Seq| -> Result<Tensor> {
+        let (logits, _) = m.forward_t(&src, &prev, true)?;
+        Ok(logits.view([-1, 30]).cross_entropy_for_logits(&target.view([-1])))
+    };
+    let before = f64::try_from(loss(&m)?)?;
+    for _ in 0..20 {
+        opt.backward_step(&loss(&m)?);
+    }
+    let after = f64::try_from(loss(&m)?)?;
+    assert!(after < before, "twenty steps did not lower the loss: {before} -> {after}");
+    // A doubly normalized variant: refused by the decoder, kept out of the cross-attention.
+    let dnas = Variant::Dnas;
+    assert_eq!(config(dnas).cross_variant(), Variant::Softmax);
+    let cfg =
+        Seq2SeqConfig { transformer: Some(config(dnas)), lstm: None, vocab: 30, pad: PAD, share_all_embeddings: true, max_positions: 64 };
+    let refused = Seq2Seq::new(&nn::VarStore::new(Device::Cpu).root(), cfg).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(refused.contains("normalizes each query over the keys alone") && refused.contains("dnas"), "{refused}");
+    Ok(())
+}
+
 /// A training step's loss in bfloat16 (an autocast region over the forward pass) against float32,
 /// on the same float32 weights: within `LOSS_TOL` of the float32 loss, and the gradients, which
 /// stay float32 like the weights, within `GRAD_TOL` in norm (‖Δg‖ / ‖g‖ over every parameter).
