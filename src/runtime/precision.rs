@@ -48,12 +48,26 @@ impl Precision {
     }
 
     /// Why this precision is expected to run slower than float32 on `device`, or `None`: bfloat16
-    /// on a CPU without bfloat16 instructions ([`cpu_has_bf16_instructions`]).
+    /// on a CPU without bfloat16 instructions ([`cpu_has_bf16_instructions`]), or on one where a
+    /// short matrix-product probe ([`cpu_bf16_matmul_speedup`], about a tenth of a second) finds
+    /// bfloat16 no faster than float32: the instructions alone do not decide it (docs/precision.md).
     pub fn slower_than_f32(self, device: Device) -> Option<String> {
-        (self == Self::Bf16 && device == Device::Cpu && !cpu_has_bf16_instructions()).then(|| {
-            "bf16 on this CPU, which has no bfloat16 instructions (AVX512-BF16 or AMX): libtorch emulates \
-             bfloat16 with float32 instructions here, and it runs slower than f32 (docs/precision.md)"
-                .to_string()
+        if self != Self::Bf16 || device != Device::Cpu {
+            return None;
+        }
+        if !cpu_has_bf16_instructions() {
+            return Some(
+                "bf16 on this CPU, which has no bfloat16 instructions (AVX512-BF16 or AMX): libtorch emulates \
+                 bfloat16 with float32 instructions here, and it runs slower than f32 (docs/precision.md)"
+                    .to_string(),
+            );
+        }
+        let speedup = cpu_bf16_matmul_speedup().ok()?;
+        (speedup < 1.0).then(|| {
+            format!(
+                "bf16 on this CPU: a matrix-product probe runs bfloat16 at {speedup:.2}× float32's speed, so training in \
+                 bf16 is likely slower than in f32 here (docs/precision.md)"
+            )
         })
     }
 
@@ -139,6 +153,27 @@ pub fn cpu_has_bf16_instructions() -> bool {
     {
         true
     }
+}
+
+/// bfloat16's matrix-product speed over float32's on this CPU, at the current thread count:
+/// `(256 × 512) · (512 × 512)` products, the best of five rounds of eight in each dtype, after a
+/// warm-up (about a tenth of a second in all). Above 1, bfloat16 is the faster.
+pub fn cpu_bf16_matmul_speedup() -> Result<f64> {
+    let time = |kind: Kind| -> Result<f64> {
+        let (a, b) = (Tensor::f_randn([256, 512], (kind, Device::Cpu))?, Tensor::f_randn([512, 512], (kind, Device::Cpu))?);
+        let _ = a.f_matmul(&b)?;
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let start = std::time::Instant::now();
+            for _ in 0..8 {
+                let _ = a.f_matmul(&b)?;
+            }
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    };
+    let (f32_time, bf16_time) = (time(Kind::Float)?, time(Kind::BFloat16)?);
+    Ok(f32_time / bf16_time.max(f64::MIN_POSITIVE))
 }
 
 /// The dtype attention keeps its statistics in for inputs of `kind`: float32 for bfloat16 and

@@ -45,6 +45,11 @@ pub struct Report {
     pub device: String,
     /// The c10d backends this build has, for `torchrun` (docs/distributed.md).
     pub distributed_backends: Vec<probattn::distributed::Backend>,
+    /// bfloat16's matrix-product speed over float32's on this CPU (`probattn::precision::
+    /// cpu_bf16_matmul_speedup`; above 1, bfloat16 is faster): what `--precision bf16` gains here.
+    /// Measured by `doctor` only; `None` in other records.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_bf16_matmul_speedup: Option<f64>,
 }
 
 impl Report {
@@ -67,6 +72,7 @@ impl Report {
             cudnn_version: cudnn_available.then(tch::utils::version_cudnn),
             device: probattn::device::device_name(device),
             distributed_backends: probattn::distributed::Backend::available(),
+            cpu_bf16_matmul_speedup: None,
         }
     }
 
@@ -81,6 +87,10 @@ impl Report {
         }
         println!("cpu       {}", self.cpu.as_deref().unwrap_or("unknown (no model name in /proc/cpuinfo)"));
         println!("threads   {} (intra-op)", self.threads);
+        if let Some(speedup) = self.cpu_bf16_matmul_speedup {
+            let verdict = if speedup < 1.0 { "bf16 is the slower choice on this CPU" } else { "bf16 is the faster choice for products" };
+            println!("bf16      matrix products at {speedup:.2}× float32's speed ({verdict}; docs/precision.md)");
+        }
         println!(
             "CUDA      {}, {} device(s); libtorch_cuda loaded: {}",
             yes(self.cuda_available),
@@ -118,7 +128,8 @@ pub fn run(args: &DoctorArgs) -> Result<()> {
         probattn::device::set_threads(n.into())?;
     }
     let device = args.common.device.resolve();
-    let report = Report::gather(*device.as_ref().unwrap_or(&tch::Device::Cpu));
+    let mut report = Report::gather(*device.as_ref().unwrap_or(&tch::Device::Cpu));
+    report.cpu_bf16_matmul_speedup = probattn::precision::cpu_bf16_matmul_speedup().ok();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
