@@ -1,9 +1,10 @@
 //! probattn: the probabilistic views of attention on libtorch.
 //!
-//! The crate in two parts: [`attention`] (masks, `attend`, the normalizers and their registry,
-//! the memory-efficient tiles, multi-head attention, repulsive heads) and [`runtime`] (devices,
-//! memory, the allocator, distributed training, PyTorch interop, files, the C++ boundary). Every
-//! module of both is also at the crate root. docs/architecture.md has the map.
+//! The crate in two parts, two folders of its source: `attention` (masks, `attend`, the backend
+//! choice, the normalizers and their registry, the memory-efficient tiles, multi-head attention,
+//! repulsive heads) and `runtime` (devices, memory, the allocator, distributed training, PyTorch
+//! interop, files, the C++ boundary). Every public module has one path, at the crate root
+//! ([`mha`], [`device`], ...). docs/architecture.md has the map.
 //!
 //! One seam serves every variant: scores go in, a [`normalize::Normalizer`] turns them into
 //! weights over the allowed entries ([`Masks`], [`normalize::Support`]), and the weights mix the
@@ -19,11 +20,12 @@
 // call into the C++ layer.
 #![warn(clippy::undocumented_unsafe_blocks)]
 
-pub mod attention;
+// The two parts are folders of the source, not paths of the API: each public module has one
+// path, at the crate root (`probattn::mha`, `probattn::device`, ...).
+mod attention;
 mod error;
-pub mod runtime;
+mod runtime;
 
-// The modules of both parts at the crate root, where they have always been.
 pub use attention::{backend, diagnostics, mask, mc, mha, normalize, param, repulsive, scores, tiled};
 pub(crate) use attention::{call, plan};
 // The C++ layer, under the name the library has always used for it.

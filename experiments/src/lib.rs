@@ -1,7 +1,8 @@
 //! The `probattn` command line: each subcommand's arguments and logic live in a module, the
-//! reproductions of the papers' experiments under `reproductions/` and the other commands under
-//! `tools/`, with what they share at the top (`common`, `harness`, `report`, `plot`,
-//! `provenance`, `ranks`); the binary (`src/main.rs`) only parses and dispatches.
+//! reproductions of the papers' experiments under `reproductions/`, the metrics with their
+//! commands under `metrics/` and the other commands under `tools/`, with what they share at the
+//! top (`seq2seq`, `common`, `harness`, `report`, `plot`, `provenance`, `ranks`); the binary
+//! (`src/main.rs`) only parses and dispatches.
 
 // `x = x + y` stays: on tch tensors `x += y` is an in-place `add_`, which would overwrite a value
 // autograd saved for the backward pass.
@@ -12,18 +13,24 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+// Top-down: the commands (`tools`, `reproductions`) on what they share (`seq2seq`, translation's
+// data and decoding; `metrics`), on the helpers of every command (`common`, `harness`, `plot`,
+// `provenance`, `ranks`, `report`). `tools`, `reproductions` and `metrics` are folders of the
+// source: each command's module has one path, at the crate root.
 pub mod common;
 pub mod harness;
+mod metrics;
 pub mod plot;
 pub mod provenance;
 pub mod ranks;
 pub mod report;
-pub mod reproductions;
-pub mod tools;
+mod reproductions;
+pub mod seq2seq;
+mod tools;
 
-// Each command's module at the crate root too, as before the split into tools/ and reproductions/.
-pub use reproductions::{gat, seq2seq, translate, vqa};
-pub use tools::{attend, bench, bleu, compare, curves, doctor, export, finetune, variants, vqa_eval};
+pub use metrics::{bleu, vqa_eval};
+pub use reproductions::{gat, translate, vqa};
+pub use tools::{attend, bench, compare, curves, doctor, export, finetune, variants};
 
 use clap::{Parser, Subcommand};
 

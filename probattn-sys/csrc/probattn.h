@@ -7,7 +7,7 @@
 // A NULL where a function needs a pointer is an error naming the argument, not a crash.
 // Tensors are tch's `C_tensor`, i.e. `at::Tensor*`: inputs are borrowed, every `at::Tensor*`
 // handed out is new and owned by the caller (tch's `Tensor::from_ptr` takes it).
-// The only caller is src/runtime/cxx.rs: every `unsafe` block that crosses into this layer is there.
+// The only caller is probattn-sys/src/lib.rs: every `unsafe` block that crosses into this layer is there.
 #pragma once
 
 #include <stddef.h>
@@ -81,15 +81,15 @@ typedef struct pa_tiled_spec {
   int32_t fused_cpu;   // 1: softmax and DNAS without noise, and noise over a softmax base, take libtorch's fused CPU kernel
                        // where it applies (CPU, no mask or a per-key one); 0: always the tiles; 2: the fused kernel or an error
 } pa_tiled_spec;
-// The layout src/runtime/cxx.rs mirrors (`TiledSpec`, which asserts the same at compile time).
+// The layout probattn-sys/src/lib.rs mirrors (`TiledSpec`, which asserts the same at compile time).
 #ifdef __cplusplus
-static_assert(sizeof(pa_tiled_spec) == 48, "pa_tiled_spec's size changed: update TiledSpec in src/runtime/cxx.rs");
+static_assert(sizeof(pa_tiled_spec) == 48, "pa_tiled_spec's size changed: update TiledSpec in probattn-sys/src/lib.rs");
 static_assert(offsetof(pa_tiled_spec, tile) == 0 && offsetof(pa_tiled_spec, sweeps) == 8 && offsetof(pa_tiled_spec, noise) == 16 &&
                   offsetof(pa_tiled_spec, noise_scale) == 24 && offsetof(pa_tiled_spec, seed) == 32 &&
                   offsetof(pa_tiled_spec, kl) == 40 && offsetof(pa_tiled_spec, fused_cpu) == 44,
-              "pa_tiled_spec's fields moved: update TiledSpec in src/runtime/cxx.rs");
+              "pa_tiled_spec's fields moved: update TiledSpec in probattn-sys/src/lib.rs");
 #else
-_Static_assert(sizeof(pa_tiled_spec) == 48, "pa_tiled_spec's size changed: update TiledSpec in src/runtime/cxx.rs");
+_Static_assert(sizeof(pa_tiled_spec) == 48, "pa_tiled_spec's size changed: update TiledSpec in probattn-sys/src/lib.rs");
 #endif
 // Attention of heads-first q (B, H, S_q, d), k (B, H, S_k, d), v (B, H, S_k, d_v) under `excluded`
 // (bool, broadcastable to (B, H, S_q, S_k), true = excluded; NULL: none), tiled over blocks of

@@ -1,7 +1,7 @@
 //! The attention part of the library: the masks, one attention call (`seam`: `attend`), the normalizers
 //! and their registry, the memory-efficient tiles and their plans, multi-head attention, the
-//! repulsive heads, scores, diagnostics and Monte Carlo prediction. Each module is also at the
-//! crate root (`probattn::mha`, `probattn::tiled`, ...).
+//! repulsive heads, scores, diagnostics and Monte Carlo prediction. A folder of the source: each
+//! public module's path is at the crate root (`probattn::mha`, `probattn::tiled`, ...).
 
 pub mod backend;
 pub(crate) mod call;
@@ -14,8 +14,8 @@ pub mod param;
 pub(crate) mod plan;
 pub mod repulsive;
 pub mod scores;
-pub mod seam;
+pub(crate) mod seam;
 pub mod tiled;
 
-// `probattn::attention::{attend, AttendOptions, ...}`, as when this was one file.
+// `probattn::{attend, AttendOptions, ...}` through the crate root.
 pub use seam::{attend, attend_with_choice, scaled_dot_product_scores, AttendOptions, Attended, Mode};

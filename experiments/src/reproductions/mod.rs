@@ -1,7 +1,7 @@
 //! The reproductions of the papers' experiments: GAT node classification, Transformer and LSTM
-//! translation (with `seq2seq`, their data and decoding), multi-view VQA fusion.
+//! translation, multi-view VQA fusion. What they share with the tools (translation's data and
+//! decoding, the metrics) sits below both: `crate::seq2seq`, `crate::metrics`.
 
 pub mod gat;
-pub mod seq2seq;
 pub mod translate;
 pub mod vqa;
