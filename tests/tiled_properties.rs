@@ -26,9 +26,12 @@
 //! `PROBATTN_PROPERTY_SEED` (default 0); a failure names the case's seed, which reruns it alone
 //! with `PROBATTN_PROPERTY_SEED=<seed> PROBATTN_PROPERTY_CASES=1`.
 
+mod common;
+
 use std::collections::BTreeMap;
 
 use anyhow::{bail, ensure, Context, Result};
+use common::{env_u64, max_abs, max_diff};
 use probattn::normalize::{Bam, BamConfig, BamKind, Dnas, Hnas, Normalizer, NormalizerConfig, Sinkhorn, Softmax};
 use probattn::tiled::{attend_tiled, counter_noise, Tiled, TiledOptions};
 use probattn::{attend, AttendOptions, Masks, Mode, ScoreShape, Variant};
@@ -383,18 +386,6 @@ fn run(case: &Case, built: &Built, seed: u64, tiled: Option<TiledOptions>, kind:
     Ok(Outcome { output: output.detach(), mass: mass.detach(), kl: kl.detach(), grads, weights })
 }
 
-fn max_abs(t: &Tensor) -> f64 {
-    if t.numel() == 0 {
-        0.0
-    } else {
-        t.abs().max().to_kind(Kind::Double).double_value(&[])
-    }
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-    max_abs(&(a.to_kind(Kind::Double) - b.to_kind(Kind::Double)))
-}
-
 /// Per output, the largest difference seen as a fraction of what its case allows, and in absolute terms.
 #[derive(Default)]
 struct Largest(BTreeMap<String, (f64, f64)>);
@@ -528,13 +519,6 @@ fn check_case(case: &Case, largest: &mut Largest) -> Result<()> {
         }
     }
     Ok(())
-}
-
-fn env_u64(name: &str, default: u64) -> Result<u64> {
-    match std::env::var(name) {
-        Ok(s) => s.parse().with_context(|| format!("{name}={s} is not a whole number")),
-        Err(_) => Ok(default),
-    }
 }
 
 #[test]

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// The project's Python (with torch 2.11, numpy, safetensors), as download_libtorch.sh set it up.
 pub fn python() -> Result<PathBuf> {
@@ -150,4 +150,26 @@ pub fn tiny_sort_of_clevr(dir: &TempDir) -> Result<(String, String)> {
     )?;
     run_python("data.vqa_detectors", &["--data", &data, "--out", &det, "--epochs", "1", "--threads", "1"])?;
     Ok((data, det))
+}
+
+/// The largest magnitude in `t` (0 for an empty tensor).
+pub fn max_abs(t: &Tensor) -> f64 {
+    if t.numel() == 0 {
+        0.0
+    } else {
+        t.abs().max().to_kind(Kind::Double).double_value(&[])
+    }
+}
+
+/// The largest difference between `a` and `b`, in float64.
+pub fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    max_abs(&(a.to_kind(Kind::Double) - b.to_kind(Kind::Double)))
+}
+
+/// A whole number from the environment variable `name`, else `default`.
+pub fn env_u64(name: &str, default: u64) -> Result<u64> {
+    match std::env::var(name) {
+        Ok(s) => s.parse().with_context(|| format!("{name}={s} is not a whole number")),
+        Err(_) => Ok(default),
+    }
 }

@@ -6,8 +6,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{ensure, Context, Result};
+use probattn_models::translation::{baseline_name, Seq2Seq};
 use serde::{Deserialize, Serialize};
-use tch::{nn, Kind, Tensor};
+use tch::{nn, Device, Kind, Tensor};
 
 use super::optim::Adam;
 use super::{EpochMetrics, TranslateConfig};
@@ -96,6 +97,25 @@ pub(super) fn average_last(vs: &mut nn::VarStore, dir: &Path, last_epoch: usize,
     }
     eprintln!("test with the average of epochs {first}..={last_epoch}");
     Ok(())
+}
+
+/// `probattn export`: the model weights of a translate checkpoint as a safetensors state dict under
+/// the PyTorch baseline's names ([`baseline_name`]), which python/probattn_tools/baselines/translate.py loads with
+/// `load_state_dict(strict=True)`. Returns the number of tensors written.
+pub fn export_checkpoint(ckpt: &Path, out: &Path) -> Result<usize> {
+    let (tensors, state) = read_checkpoint(ckpt)?;
+    let lstm = state.config.model.lstm.is_some();
+    ensure!(
+        lstm || state.config.model.share_all_embeddings,
+        "{}: the PyTorch baseline shares one embedding matrix; this model does not",
+        ckpt.display()
+    );
+    let vs = nn::VarStore::new(Device::Cpu);
+    Seq2Seq::new(&vs.root(), state.config.model.clone())?;
+    load_params(&vs, &tensors, ckpt)?;
+    // The LSTM baseline maps our names itself (a PyTorch module cannot be called `forward`).
+    probattn::interop::export_params(&vs, out, |n| if lstm { n.to_string() } else { baseline_name(n).unwrap_or_else(|| n.to_string()) })?;
+    Ok(vs.variables().len())
 }
 
 #[cfg(test)]

@@ -24,6 +24,7 @@ pub mod optim;
 mod train;
 
 pub use args::{Arch, Dataset, Preset, Repulsive, TranslateArgs};
+pub use checkpoint::export_checkpoint;
 use checkpoint::{load_params, read_checkpoint};
 pub use loss::label_smoothed_loss;
 use train::train_seed;
@@ -36,7 +37,7 @@ use probattn::normalize::BamConfig;
 use probattn::precision::Precision;
 use probattn::repulsive::{Method, RepulsiveConfig, Selection};
 use probattn::{NormalizerConfig, Variant};
-use probattn_models::translation::{baseline_name, Seq2Seq, Seq2SeqConfig};
+use probattn_models::translation::{Seq2Seq, Seq2SeqConfig};
 use serde::{Deserialize, Serialize};
 use tch::{nn, Device};
 use tokenizers::Tokenizer;
@@ -338,25 +339,6 @@ fn prepare(corpus: Corpus, args: &TranslateArgs, dir: &Path, resume: bool, ranks
     let valid = Encoded::new(&tokenizer, &corpus.valid)?;
     let test = Encoded::new(&tokenizer, &corpus.test)?;
     Ok(Prepared { corpus, tokenizer, train, valid, test })
-}
-
-/// `probattn export`: the model weights of a translate checkpoint as a safetensors state dict under
-/// the PyTorch baseline's names ([`baseline_name`]), which python/probattn_tools/baselines/translate.py loads with
-/// `load_state_dict(strict=True)`. Returns the number of tensors written.
-pub fn export_checkpoint(ckpt: &Path, out: &Path) -> Result<usize> {
-    let (tensors, state) = read_checkpoint(ckpt)?;
-    let lstm = state.config.model.lstm.is_some();
-    ensure!(
-        lstm || state.config.model.share_all_embeddings,
-        "{}: the PyTorch baseline shares one embedding matrix; this model does not",
-        ckpt.display()
-    );
-    let vs = nn::VarStore::new(Device::Cpu);
-    Seq2Seq::new(&vs.root(), state.config.model.clone())?;
-    load_params(&vs, &tensors, ckpt)?;
-    // The LSTM baseline maps our names itself (a PyTorch module cannot be called `forward`).
-    probattn::interop::export_params(&vs, out, |n| if lstm { n.to_string() } else { baseline_name(n).unwrap_or_else(|| n.to_string()) })?;
-    Ok(vs.variables().len())
 }
 
 /// `--decode`: translate a file with a trained checkpoint.
