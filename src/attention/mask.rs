@@ -54,6 +54,8 @@ impl Masks<'_> {
                 None => t,
             })
         };
+        // The views below only insert size-1 dimensions into a mask whose shape was just checked:
+        // possible in any layout, so they cannot fail whatever strides the caller's mask has.
         if let Some(m) = self.key_padding {
             let m = as_excluded("key_padding_mask", m, &[b, sk])?;
             and(m.logical_not().to_device(device).view([b, 1, 1, sk]));

@@ -378,7 +378,8 @@ impl MultiHeadAttention {
         self.split_heads(&projected)
     }
 
-    /// `(B, S, E)` → `(B, H, S, d_h)`.
+    /// `(B, S, E)` → `(B, H, S, d_h)`. `x` is a projection's output (`project`), never a
+    /// caller's tensor, and `view` splits only its last dimension, which any layout allows.
     fn split_heads(&self, x: &Tensor) -> Tensor {
         let size = x.size();
         x.view([size[0], size[1], self.cfg.num_heads, self.cfg.head_dim()]).transpose(1, 2)

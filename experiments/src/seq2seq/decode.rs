@@ -173,25 +173,14 @@ fn beam_search(model: &Seq2Seq, batch: &[&[i64]], cfg: &DecodeConfig, device: De
     let mut input = Tensor::full([(b * k) as i64], EOS, (Kind::Int64, device));
     let vocab = model.config().vocab;
     for step in 0..=longest {
-        let mut lprobs = model.step(&input, step as i64, &mut state, &src_pad)?.to_kind(Kind::Double); // (B·k, V)
+        let lprobs = model.step(&input, step as i64, &mut state, &src_pad)?.to_kind(Kind::Double); // (B·k, V)
         let _ = lprobs.narrow(1, 0, 2).fill_(f64::NEG_INFINITY); // never <s> or <pad>
-
-        // At a sentence's maximum length only </s> may follow.
-        let forced: Vec<i64> = (0..b * k).filter(|&r| step >= limits[r / k]).map(|r| r as i64).collect();
-        if !forced.is_empty() {
-            let rows = Tensor::from_slice(&forced).to_device(device);
-            let eos = lprobs.index_select(0, &rows).select(1, EOS);
-            lprobs = lprobs.index_fill(0, &rows, f64::NEG_INFINITY);
-            let _ = lprobs.index_put_(&[Some(&rows), Some(&Tensor::full([forced.len() as i64], EOS, (Kind::Int64, device)))], &eos, false);
-        }
+        let lprobs = force_eos_at_limits(lprobs, step, &limits, k, device);
         let cand = lprobs + Tensor::from_slice(&scores).to_device(device).unsqueeze(1); // (B·k, V)
         let (top, idx) = cand.view([b as i64, -1]).topk((2 * k) as i64, -1, true, true); // (B, 2k)
         let top: Vec<f64> = Vec::try_from(top.view([-1]).to_device(Device::Cpu))?;
         let idx: Vec<i64> = Vec::try_from(idx.view([-1]).to_device(Device::Cpu))?;
-        let mut next_rows = Vec::with_capacity(b * k);
-        let mut next_tokens = Vec::with_capacity(b * k);
-        let mut next_scores = Vec::with_capacity(b * k);
-        let mut next_hyps = Vec::with_capacity(b * k);
+        let mut next = NextBeams::default();
         for s in 0..b {
             let mut kept = 0;
             for c in 0..2 * k {
@@ -212,10 +201,7 @@ fn beam_search(model: &Seq2Seq, batch: &[&[i64]], cfg: &DecodeConfig, device: De
                 if kept < k {
                     let mut h = tokens[row].clone();
                     h.push(token);
-                    next_rows.push(row as i64);
-                    next_tokens.push(token);
-                    next_scores.push(score);
-                    next_hyps.push(h);
+                    next.push(row as i64, token, score, h);
                     kept += 1;
                 }
             }
@@ -223,23 +209,19 @@ fn beam_search(model: &Seq2Seq, batch: &[&[i64]], cfg: &DecodeConfig, device: De
                 done[s] = true;
             }
             // Pad a done (or exhausted) sentence's beam with dead rows that keep the shapes.
-            while next_rows.len() < (s + 1) * k {
-                next_rows.push((s * k) as i64);
-                next_tokens.push(EOS);
-                next_scores.push(f64::NEG_INFINITY);
-                next_hyps.push(vec![]);
+            while next.rows.len() < (s + 1) * k {
+                next.push((s * k) as i64, EOS, f64::NEG_INFINITY, vec![]);
             }
-            if !done[s] && next_scores[s * k..(s + 1) * k].iter().all(|x| !x.is_finite()) {
+            if !done[s] && next.scores[s * k..(s + 1) * k].iter().all(|x| !x.is_finite()) {
                 done[s] = true;
             }
         }
         if done.iter().all(|&d| d) {
             break;
         }
-        state.reorder(&Tensor::from_slice(&next_rows).to_device(device));
-        tokens = next_hyps;
-        scores = next_scores;
-        input = Tensor::from_slice(&next_tokens).to_device(device);
+        state.reorder(&Tensor::from_slice(&next.rows).to_device(device));
+        input = Tensor::from_slice(&next.tokens).to_device(device);
+        (tokens, scores) = (next.hyps, next.scores);
     }
     Ok(finished
         .into_iter()
@@ -250,4 +232,36 @@ fn beam_search(model: &Seq2Seq, batch: &[&[i64]], cfg: &DecodeConfig, device: De
             best.map(|h| h.tokens).unwrap_or_else(|| tokens[s * k].clone())
         })
         .collect())
+}
+
+/// The beams of the next step: the rows of the current ones they continue, their new tokens,
+/// summed log-probabilities and hypotheses.
+#[derive(Default)]
+struct NextBeams {
+    rows: Vec<i64>,
+    tokens: Vec<i64>,
+    scores: Vec<f64>,
+    hyps: Vec<Vec<i64>>,
+}
+
+impl NextBeams {
+    fn push(&mut self, row: i64, token: i64, score: f64, hyp: Vec<i64>) {
+        self.rows.push(row);
+        self.tokens.push(token);
+        self.scores.push(score);
+        self.hyps.push(hyp);
+    }
+}
+
+/// At a sentence's maximum length only </s> may follow: the rows (`k` per sentence) of sentences
+/// at their limit `limits[s]` by `step` keep </s>'s log-probability and nothing else.
+fn force_eos_at_limits(mut lprobs: Tensor, step: usize, limits: &[usize], k: usize, device: Device) -> Tensor {
+    let forced: Vec<i64> = (0..limits.len() * k).filter(|&r| step >= limits[r / k]).map(|r| r as i64).collect();
+    if !forced.is_empty() {
+        let rows = Tensor::from_slice(&forced).to_device(device);
+        let eos = lprobs.index_select(0, &rows).select(1, EOS);
+        lprobs = lprobs.index_fill(0, &rows, f64::NEG_INFINITY);
+        let _ = lprobs.index_put_(&[Some(&rows), Some(&Tensor::full([forced.len() as i64], EOS, (Kind::Int64, device)))], &eos, false);
+    }
+    lprobs
 }

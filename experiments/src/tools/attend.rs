@@ -16,7 +16,9 @@
 //! `--memory-efficient [--tile N]` runs the tiled path instead (`probattn::tiled`, every variant),
 //! on the same inputs: it writes `output`, `received_mass` and BAM's `kl`, and no weights (they are
 //! never formed). BAM with `--train` samples from the input's `noise` when it has one, else from
-//! the tiled path's counter-based draws keyed by `--seed`.
+//! the tiled path's counter-based draws keyed by `--seed`. `--attention-backend tiles|fused` writes
+//! what `--memory-efficient` writes (softmax's fused kernel forms no received mass), `eager` what the
+//! default path writes; the summary line names the route that ran (`probattn::backend`).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -176,59 +178,56 @@ pub fn run(args: &AttendArgs) -> Result<()> {
     }
 
     // The routes that form no weights: --memory-efficient (unless eager is forced), or a forced
-    // tiles or fused backend.
+    // tiles or fused backend. Through probattn::attend, as every caller: BAM samples from the
+    // input's noise when it has one, else (on the memory-efficient routes) from the counter-based
+    // draws keyed by --seed (`probattn::tiled::counter_noise` reproduces them).
     let backend = args.common.attention_backend;
     let weightless = (args.memory.memory_efficient && backend != Backend::Eager) || matches!(backend, Backend::Tiles | Backend::Fused);
-    if weightless {
-        // Through probattn::attend, as every caller: BAM samples from the input's noise when it
-        // has one, else from the counter-based draws keyed by --seed
-        // (`probattn::tiled::counter_noise` reproduces them).
-        let opts = AttendOptions {
-            mode: Mode { dropout: false, sample: args.bam.train },
-            noise: noise.as_ref(),
-            need_weights: false,
-            tile: Some(args.memory.tile),
-            seed: Some(args.bam.seed),
-            ..Default::default()
-        };
-        let (out, choice) =
-            tch::no_grad(|| precision.run(device, || attend_with_choice(&q, &k, &v, &masks, normalizer.as_ref(), opts)))?
-                .with_context(|| format!("attending with {} ({backend} backend, tile {}) on {input}", args.variant, args.memory.tile))?;
-        let shape = probattn::ScoreShape { batch: q.size()[0], heads, queries: q.size()[2], keys: k.size()[2] };
-        let counted = masks.allowed(shape, device)?.map(|a| a.expand(shape.dims(), false).any_dim(-2, false));
-        // The line is formed before the file is written: a failure leaves no file behind. A
-        // kernel route (softmax's fused attention) returns no received mass.
-        let mass = out.received_mass.as_ref();
-        let line = summary(&normalizer.name(), &choice, device, &out.output, None, mass, counted.as_ref(), out.kl.as_ref(), &args.output)?;
-        let mut written = vec![("output", &out.output)];
-        if let Some(mass) = mass {
-            written.push(("received_mass", mass));
-        }
-        if let Some(kl) = &out.kl {
-            written.push(("kl", kl));
-        }
-        write_safetensors_atomic(&args.output, &written).context("writing --output")?;
-        println!("{line}");
-        return Ok(());
-    }
-    let opts = AttendOptions { mode: Mode { dropout: false, sample: args.bam.train }, noise: noise.as_ref(), ..Default::default() };
+    let opts = AttendOptions {
+        mode: Mode { dropout: false, sample: args.bam.train },
+        noise: noise.as_ref(),
+        need_weights: !weightless,
+        tile: weightless.then_some(args.memory.tile),
+        seed: weightless.then_some(args.bam.seed),
+        ..Default::default()
+    };
     let (out, choice) = tch::no_grad(|| precision.run(device, || attend_with_choice(&q, &k, &v, &masks, normalizer.as_ref(), opts)))?
         .with_context(|| format!("attending with {} ({backend} backend) on {input}", args.variant))?;
-    let weights = out.weights()?;
-    let mass = received_mass(weights);
-    let counted = masks_key_counted(weights, &masks, device)?;
-    let line = summary(
-        &normalizer.name(),
-        &choice,
-        device,
-        &out.output,
-        Some(weights),
-        Some(&mass),
-        counted.as_ref(),
-        out.kl.as_ref(),
-        &args.output,
-    )?;
-    let mut written = vec![("output", &out.output), ("weights", weights), ("received_mass", &mass)];
+    write_outputs(args, device, &masks, &normalizer.name(), &choice, &out)
+}
+
+/// Writes what one call returned (the received mass from the weights where it has them; a kernel
+/// route, softmax's fused attention, forms neither) and prints the summary line, formed first: a
+/// failure leaves no file behind.
+fn write_outputs(
+    args: &AttendArgs,
+    device: Device,
+    masks: &Masks,
+    name: &str,
+    choice: &probattn::backend::Choice,
+    out: &probattn::Attended,
+) -> Result<()> {
+    let mass = match &out.weights {
+        Some(weights) => Some(received_mass(weights)),
+        None => out.received_mass.as_ref().map(Tensor::shallow_clone),
+    };
+    // The keys the explained-away statistic counts: those some query may attend, (B, H, S_k).
+    let counted = match (&mass, &out.output.size()[..]) {
+        (Some(mass), &[batch, heads, queries, _]) => {
+            let shape = probattn::ScoreShape { batch, heads, queries, keys: mass.size()[2] };
+            masks.allowed(shape, device)?.map(|a| a.expand(shape.dims(), false).any_dim(-2, false))
+        }
+        _ => None,
+    };
+    let line =
+        summary(name, choice, device, &out.output, out.weights.as_ref(), mass.as_ref(), counted.as_ref(), out.kl.as_ref(), &args.output)?;
+    let mut written = vec![("output", &out.output)];
+    if let Some(weights) = &out.weights {
+        written.push(("weights", weights));
+    }
+    if let Some(mass) = &mass {
+        written.push(("received_mass", mass));
+    }
     if let Some(kl) = &out.kl {
         written.push(("kl", kl));
     }
@@ -325,11 +324,4 @@ fn load_hybrid_logit(vs: &nn::VarStore, tensors: &HashMap<String, Tensor>, heads
     check_finite("hybrid_logit", logit).with_context(|| input.to_string())?;
     tch::no_grad(|| gate.shallow_clone().f_copy_(logit))?;
     Ok(())
-}
-
-/// The keys counted by the explained-away statistic: those some query may attend, `(B, H, S_k)`.
-fn masks_key_counted(weights: &Tensor, masks: &Masks, device: Device) -> Result<Option<Tensor>> {
-    let s = weights.size();
-    let shape = probattn::ScoreShape { batch: s[0], heads: s[1], queries: s[2], keys: s[3] };
-    Ok(masks.allowed(shape, device)?.map(|a| a.expand(shape.dims(), false).any_dim(-2, false)))
 }

@@ -23,6 +23,7 @@ mod loss;
 pub mod optim;
 mod train;
 
+use args::Recipe;
 pub use args::{Arch, Dataset, Preset, Repulsive, TranslateArgs};
 pub use checkpoint::export_checkpoint;
 use checkpoint::{load_params, read_checkpoint};
@@ -189,57 +190,8 @@ impl TranslateConfig {
             );
         }
         let recipe = preset.recipe(arch);
-        let normalizer = NormalizerConfig {
-            bam: BamConfig { k: args.k.unwrap_or(10.0), sigma: args.sigma, ..BamConfig::default() },
-            ..Default::default()
-        };
-        let tile = args.memory.tile();
-        let model = match arch {
-            Arch::Transformer => {
-                let mut transformer = preset.transformer();
-                transformer.variant = variant;
-                transformer.decoder_self_variant = args.decoder_self_attention.parse().context("--decoder-self-attention")?;
-                transformer.normalizer = normalizer;
-                transformer.tile = tile;
-                Seq2SeqConfig {
-                    transformer: Some(transformer),
-                    lstm: None,
-                    vocab,
-                    pad: PAD,
-                    share_all_embeddings: true,
-                    max_positions: 1024,
-                }
-            }
-            Arch::Lstm => {
-                ensure!(
-                    repulsive == Repulsive::None,
-                    "--repulsive moves the heads of multi-head attention; the LSTM's attention has one head"
-                );
-                ensure!(
-                    args.decoder_self_attention == "softmax",
-                    "--decoder-self-attention is the Transformer's; the LSTM decoder has no self-attention"
-                );
-                let lstm = probattn_models::lstm::LstmConfig { variant, normalizer, tile, ..preset.lstm() };
-                // Built once here, on the CPU, so that a variant the LSTM refuses is refused before
-                // the run folder exists.
-                probattn_models::lstm::AttentionalLstm::new(&nn::VarStore::new(Device::Cpu).root(), lstm.clone(), vocab.max(PAD + 1), PAD)?;
-                Seq2SeqConfig { transformer: None, lstm: Some(lstm), vocab, pad: PAD, share_all_embeddings: false, max_positions: 1024 }
-            }
-        };
-        let schedule = match recipe.warmup {
-            Some(warmup) => Schedule::InverseSqrt(InverseSqrt {
-                lr: args.lr.unwrap_or(recipe.lr),
-                warmup_updates: args.warmup_updates.unwrap_or(warmup),
-                warmup_init_lr: args.warmup_init_lr,
-            }),
-            None => {
-                ensure!(
-                    args.warmup_updates.is_none(),
-                    "--warmup-updates belongs to the inverse-sqrt schedule; the LSTM presets decay the rate as OpenNMT-py does"
-                );
-                Schedule::PlateauDecay(PlateauDecay { lr: args.lr.unwrap_or(recipe.lr), decay: 0.5, start_decay_at: recipe.start_decay_at })
-            }
-        };
+        let model = model_config(args, vocab, variant, repulsive)?;
+        let schedule = schedule(args, &recipe)?;
         let label_smoothing = args.label_smoothing.unwrap_or(recipe.label_smoothing);
         let max_tokens = args.max_tokens.unwrap_or(if args.quick { 2000 } else { recipe.max_tokens });
         let max_grad_norm = args.max_grad_norm.unwrap_or(recipe.max_grad_norm);
@@ -284,6 +236,54 @@ impl TranslateConfig {
             limit_test: args.limit_test,
         })
     }
+}
+
+/// The model of a run: its architecture's preset with the variant, the normalizer's settings and
+/// the tile; a variant the LSTM refuses is refused here, before the run folder exists.
+fn model_config(args: &TranslateArgs, vocab: i64, variant: Variant, repulsive: Repulsive) -> Result<Seq2SeqConfig> {
+    let normalizer =
+        NormalizerConfig { bam: BamConfig { k: args.k.unwrap_or(10.0), sigma: args.sigma, ..BamConfig::default() }, ..Default::default() };
+    let (preset, tile) = (args.preset(), args.memory.tile());
+    Ok(match args.arch {
+        Arch::Transformer => {
+            let mut transformer = preset.transformer();
+            transformer.variant = variant;
+            transformer.decoder_self_variant = args.decoder_self_attention.parse().context("--decoder-self-attention")?;
+            transformer.normalizer = normalizer;
+            transformer.tile = tile;
+            Seq2SeqConfig { transformer: Some(transformer), lstm: None, vocab, pad: PAD, share_all_embeddings: true, max_positions: 1024 }
+        }
+        Arch::Lstm => {
+            ensure!(repulsive == Repulsive::None, "--repulsive moves the heads of multi-head attention; the LSTM's attention has one head");
+            ensure!(
+                args.decoder_self_attention == "softmax",
+                "--decoder-self-attention is the Transformer's; the LSTM decoder has no self-attention"
+            );
+            let lstm = probattn_models::lstm::LstmConfig { variant, normalizer, tile, ..preset.lstm() };
+            // Built once here, on the CPU, so that a variant the LSTM refuses is refused before
+            // the run folder exists.
+            probattn_models::lstm::AttentionalLstm::new(&nn::VarStore::new(Device::Cpu).root(), lstm.clone(), vocab.max(PAD + 1), PAD)?;
+            Seq2SeqConfig { transformer: None, lstm: Some(lstm), vocab, pad: PAD, share_all_embeddings: false, max_positions: 1024 }
+        }
+    })
+}
+
+/// The learning-rate schedule of a run: the preset's recipe, overridden by the flags.
+fn schedule(args: &TranslateArgs, recipe: &Recipe) -> Result<Schedule> {
+    Ok(match recipe.warmup {
+        Some(warmup) => Schedule::InverseSqrt(InverseSqrt {
+            lr: args.lr.unwrap_or(recipe.lr),
+            warmup_updates: args.warmup_updates.unwrap_or(warmup),
+            warmup_init_lr: args.warmup_init_lr,
+        }),
+        None => {
+            ensure!(
+                args.warmup_updates.is_none(),
+                "--warmup-updates belongs to the inverse-sqrt schedule; the LSTM presets decay the rate as OpenNMT-py does"
+            );
+            Schedule::PlateauDecay(PlateauDecay { lr: args.lr.unwrap_or(recipe.lr), decay: 0.5, start_decay_at: recipe.start_decay_at })
+        }
+    })
 }
 
 /// The data of a run, BPE-encoded.
@@ -402,6 +402,32 @@ fn decode_file(args: &TranslateArgs, device: Device) -> Result<()> {
     Ok(())
 }
 
+/// The run's folder, and whether the run resumes there: `--resume`'s, the restarted job's `--out`
+/// (torchrun's agent restarting the workers with --max-restarts), or a new one that rank 0 makes
+/// and names (`name`) and shares with the other ranks, which never write there.
+fn run_folder(args: &TranslateArgs, ranks: &Ranks, name: &str) -> Result<(std::path::PathBuf, bool)> {
+    let restart = match (&args.resume, &args.out) {
+        (None, Some(out)) if ranks.restarted() && out.join("tokenizer.json").is_file() => Some(out.clone()),
+        (None, None) if ranks.restarted() => anyhow::bail!("a restarted job resumes from --out: give the run an --out folder"),
+        _ => None,
+    };
+    let resume_dir = args.resume.clone().or(restart);
+    let resume = resume_dir.is_some();
+    let dir = match &resume_dir {
+        Some(d) => {
+            ensure!(
+                !ranks.is_main() || d.join("tokenizer.json").is_file(),
+                "--resume {}: no tokenizer.json there, so no run to resume",
+                d.display()
+            );
+            d.clone()
+        }
+        None if ranks.is_main() => run_dir(args.out.as_deref(), "translate", name)?,
+        None => std::path::PathBuf::new(),
+    };
+    Ok((std::path::PathBuf::from(ranks.share(&dir.to_string_lossy().into_owned())?), resume))
+}
+
 /// The rows of `--attention all`: the repulsive-attention paper's MA and RMA, and the other
 /// families on the same recipe.
 const ALL_ROWS: [(&str, &str, Repulsive); 5] = [
@@ -445,28 +471,7 @@ pub fn run(args: &TranslateArgs) -> Result<()> {
         TranslateConfig::from_args(args, 0, *variant, *repulsive)?;
     }
     let corpus = load_corpus(&data_dir, args)?;
-    // torchrun's agent restarting the workers (--max-restarts) resumes the run in --out.
-    let restart = match (&args.resume, &args.out) {
-        (None, Some(out)) if ranks.restarted() && out.join("tokenizer.json").is_file() => Some(out.clone()),
-        (None, None) if ranks.restarted() => anyhow::bail!("a restarted job resumes from --out: give the run an --out folder"),
-        _ => None,
-    };
-    let resume_dir = args.resume.clone().or(restart);
-    let resume = resume_dir.is_some();
-    let dir = match &resume_dir {
-        Some(d) => {
-            ensure!(
-                !ranks.is_main() || d.join("tokenizer.json").is_file(),
-                "--resume {}: no tokenizer.json there, so no run to resume",
-                d.display()
-            );
-            d.clone()
-        }
-        // Only rank 0 makes (and names) the folder; the others never write there.
-        None if ranks.is_main() => run_dir(args.out.as_deref(), "translate", &name(&args.attention, args.repulsive))?,
-        None => std::path::PathBuf::new(),
-    };
-    let dir = std::path::PathBuf::from(ranks.share(&dir.to_string_lossy().into_owned())?);
+    let (dir, resume) = run_folder(args, &ranks, &name(&args.attention, args.repulsive))?;
     let p = prepare(corpus, args, &dir, resume, &ranks)?;
     let vocab = p.tokenizer.get_vocab_size(true) as i64;
     let mut table = vec![];

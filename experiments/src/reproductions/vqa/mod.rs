@@ -264,18 +264,7 @@ fn run_fusion(
             run.uncertainty = Some(uncertainty::report(&model, p, &settings, device)?);
         }
         traces.push((seed, trace));
-        println!(
-            "{} {:8} seed {seed:3}: test acc {:.4} (relational {}, non-relational {}), val acc {:.4} (epoch {} of {}), {:.1} s/epoch",
-            meta.dataset,
-            cfg.model.fusion_name(),
-            run.test_acc,
-            run.test_acc_relational.map_or("-".into(), |a| format!("{a:.4}")),
-            run.test_acc_nonrelational.map_or("-".into(), |a| format!("{a:.4}")),
-            run.val_acc,
-            run.best_epoch,
-            run.epochs,
-            run.epoch_seconds
-        );
+        print_run(&meta.dataset, &cfg.model.fusion_name(), seed, &run);
         runs.push(run);
     }
     if !ranks.is_main() {
@@ -423,19 +412,7 @@ pub fn run(args: &VqaArgs) -> Result<()> {
         ranks.barrier()?;
     }
     let noisy_image = add_noise(args, &data, &mut views, &detectors, device)?;
-    let split = |s: &str| data.splits[s].len();
-    println!(
-        "{}: {} images, {} answers, train/val/test questions {}/{}/{}; views {}; device {}, {} threads",
-        data.meta.dataset,
-        data.image_count,
-        data.meta.answers.len(),
-        split("train"),
-        split("val"),
-        split("test"),
-        detectors.iter().zip(views.shapes()).map(|(d, s)| format!("{} [{}, {}]", d.name, s.0, s.1)).collect::<Vec<_>>().join(", "),
-        probattn::device::device_name(device),
-        tch::get_num_threads()
-    );
+    print_data(&data, &views, &detectors, device);
     let prepared = Prepared { data, views, noisy_image };
     if let Some(path) = &args.eval_torchscript {
         anyhow::ensure!(ranks.world_size() == 1, "--eval-torchscript runs in one process, not under torchrun");
@@ -464,23 +441,54 @@ pub fn run(args: &VqaArgs) -> Result<()> {
     println!("\n{} ({} seed(s) from {}):\n{table}", args.dataset.name(), args.seeds, args.seed_start);
     probattn::io::write_bytes_atomic(&dir.join("summary.md"), table.as_bytes())?;
     if all.len() > 1 {
-        let series: Vec<Series> = all
-            .iter()
-            .filter_map(|r| {
-                let reports: Vec<&ExplainedAway> = r.runs.iter().filter_map(|x| x.explained_away.as_ref()).collect();
-                (!reports.is_empty()).then(|| Series { name: r.fusion.clone(), points: log_mass_points(&reports) })
-            })
-            .collect();
-        line_chart(
-            &dir.join("log_mass.svg"),
-            "log Σ_i π_ij per secondary box on the test images (Fig. 1)",
-            "log received mass",
-            "share of boxes",
-            &series,
-        )?;
+        log_mass_chart(&all, &dir.join("log_mass.svg"))?;
     }
     println!("results in {}", dir.display());
     Ok(())
+}
+
+/// One line per trained seed: its test and validation accuracy, and its time.
+fn print_run(dataset: &str, fusion: &str, seed: u64, run: &RunResult) {
+    println!(
+        "{dataset} {fusion:8} seed {seed:3}: test acc {:.4} (relational {}, non-relational {}), val acc {:.4} (epoch {} of {}), {:.1} s/epoch",
+        run.test_acc,
+        run.test_acc_relational.map_or("-".into(), |a| format!("{a:.4}")),
+        run.test_acc_nonrelational.map_or("-".into(), |a| format!("{a:.4}")),
+        run.val_acc,
+        run.best_epoch,
+        run.epochs,
+        run.epoch_seconds
+    );
+}
+
+/// One line on the data: images, answers, questions per split, the views and the device.
+fn print_data(data: &VqaData, views: &Views, detectors: &[DetectorSpec], device: Device) {
+    let split = |s: &str| data.splits[s].len();
+    println!(
+        "{}: {} images, {} answers, train/val/test questions {}/{}/{}; views {}; device {}, {} threads",
+        data.meta.dataset,
+        data.image_count,
+        data.meta.answers.len(),
+        split("train"),
+        split("val"),
+        split("test"),
+        detectors.iter().zip(views.shapes()).map(|(d, s)| format!("{} [{}, {}]", d.name, s.0, s.1)).collect::<Vec<_>>().join(", "),
+        probattn::device::device_name(device),
+        tch::get_num_threads()
+    );
+}
+
+/// The fusions' received mass per secondary box on the test images, one curve each, as the BAM
+/// paper's Fig. 1 draws it.
+fn log_mass_chart(all: &[VqaResults], path: &Path) -> Result<()> {
+    let series: Vec<Series> = all
+        .iter()
+        .filter_map(|r| {
+            let reports: Vec<&ExplainedAway> = r.runs.iter().filter_map(|x| x.explained_away.as_ref()).collect();
+            (!reports.is_empty()).then(|| Series { name: r.fusion.clone(), points: log_mass_points(&reports) })
+        })
+        .collect();
+    line_chart(path, "log Σ_i π_ij per secondary box on the test images (Fig. 1)", "log received mass", "share of boxes", &series)
 }
 
 /// Refuses flags that cannot work together, or values out of range, by name.

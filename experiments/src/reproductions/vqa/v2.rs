@@ -119,6 +119,57 @@ pub struct V2Options<'a> {
     pub feature_memory_gb: f64,
 }
 
+/// How a split's questions become tensors: the training split's vocabularies, the answer types
+/// and each image's row in the image table.
+struct Encoding<'a> {
+    word_ids: &'a HashMap<String, i64>,
+    answer_ids: &'a HashMap<&'a str, i64>,
+    /// The number of candidate answers.
+    answers: usize,
+    types: &'a [String],
+    row_of: &'a HashMap<u64, i64>,
+}
+
+impl Encoding<'_> {
+    /// Token ids `(N, MAX_WORDS)`, the best-scoring answer and the soft targets of each question
+    /// (`tokens` and `target` are fresh, contiguous by construction, so `view` cannot fail).
+    fn questions(&self, items: &[Item]) -> Result<Questions> {
+        let n = items.len() as i64;
+        let mut tokens = vec![PAD; items.len() * MAX_WORDS];
+        let mut target = vec![0f32; items.len() * self.answers];
+        let (mut best, mut kind, mut image, mut qid) = (vec![], vec![], vec![], vec![]);
+        for (q, item) in items.iter().enumerate() {
+            for (j, w) in item.words.iter().enumerate() {
+                tokens[q * MAX_WORDS + j] = self.word_ids.get(w).copied().unwrap_or(UNK);
+            }
+            let mut top = (0.0f64, 0i64);
+            let distinct: BTreeSet<String> = item.humans.iter().map(|h| normalize_answer(h)).collect();
+            for a in distinct {
+                if let Some(&id) = self.answer_ids.get(a.as_str()) {
+                    let score = question_accuracy(&a, &item.humans);
+                    target[q * self.answers + id as usize] = score as f32;
+                    if score > top.0 {
+                        top = (score, id);
+                    }
+                }
+            }
+            best.push(top.1);
+            kind.push(self.types.iter().position(|t| *t == item.answer_type).unwrap_or(0) as i64);
+            image.push(self.row_of[&item.image_id]);
+            qid.push(item.question_id as i64);
+        }
+        ensure!(n > 0, "a VQA-v2 split has no questions");
+        Ok(Questions {
+            image: Tensor::from_slice(&image),
+            tokens: Tensor::from_slice(&tokens).view([n, MAX_WORDS as i64]),
+            answer: Tensor::from_slice(&best),
+            kind: Tensor::from_slice(&kind),
+            target: Some(Tensor::from_slice(&target).view([n, self.answers as i64])),
+            question_id: Some(Tensor::from_slice(&qid)),
+        })
+    }
+}
+
 /// Reads VQA-v2 from `dir` and the feature folders: the data (splits train / val / test as the
 /// module documentation says) and the views.
 pub fn load(dir: &Path, opts: &V2Options, device: Device) -> Result<(VqaData, Views)> {
@@ -166,44 +217,10 @@ pub fn load(dir: &Path, opts: &V2Options, device: Device) -> Result<(VqaData, Vi
     let image_ids: Vec<u64> = train.iter().chain(&val).chain(&test).map(|i| i.image_id).collect::<BTreeSet<_>>().into_iter().collect();
     let row_of: HashMap<u64, i64> = image_ids.iter().enumerate().map(|(r, &id)| (id, r as i64)).collect();
 
-    let tensors = |items: &[Item]| -> Result<Questions> {
-        let n = items.len() as i64;
-        let mut tokens = vec![PAD; items.len() * MAX_WORDS];
-        let mut target = vec![0f32; items.len() * answers.len()];
-        let (mut best, mut kind, mut image, mut qid) = (vec![], vec![], vec![], vec![]);
-        for (q, item) in items.iter().enumerate() {
-            for (j, w) in item.words.iter().enumerate() {
-                tokens[q * MAX_WORDS + j] = word_ids.get(w).copied().unwrap_or(UNK);
-            }
-            let mut top = (0.0f64, 0i64);
-            let distinct: BTreeSet<String> = item.humans.iter().map(|h| normalize_answer(h)).collect();
-            for a in distinct {
-                if let Some(&id) = answer_ids.get(a.as_str()) {
-                    let score = question_accuracy(&a, &item.humans);
-                    target[q * answers.len() + id as usize] = score as f32;
-                    if score > top.0 {
-                        top = (score, id);
-                    }
-                }
-            }
-            best.push(top.1);
-            kind.push(types.iter().position(|t| *t == item.answer_type).unwrap_or(0) as i64);
-            image.push(row_of[&item.image_id]);
-            qid.push(item.question_id as i64);
-        }
-        ensure!(n > 0, "a VQA-v2 split has no questions");
-        Ok(Questions {
-            image: Tensor::from_slice(&image),
-            tokens: Tensor::from_slice(&tokens).view([n, MAX_WORDS as i64]),
-            answer: Tensor::from_slice(&best),
-            kind: Tensor::from_slice(&kind),
-            target: Some(Tensor::from_slice(&target).view([n, answers.len() as i64])),
-            question_id: Some(Tensor::from_slice(&qid)),
-        })
-    };
+    let encoding = Encoding { word_ids: &word_ids, answer_ids: &answer_ids, answers: answers.len(), types: &types, row_of: &row_of };
     let splits: HashMap<String, Questions> = [("train", &train), ("val", &val), ("test", &test)]
         .into_iter()
-        .map(|(s, items)| Ok((s.to_string(), tensors(items)?)))
+        .map(|(s, items)| Ok((s.to_string(), encoding.questions(items)?)))
         .collect::<Result<_>>()?;
 
     let views = read_features(opts, &image_ids, device)?;

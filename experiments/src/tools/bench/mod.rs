@@ -387,7 +387,12 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
             t += &versus(s, "softmax vs SDPA", "SDPA", (soft, sdpa), (soft_mem, sdpa_mem));
         }
     }
-    t += &format!(
+    t + &svgd_line(svgd)
+}
+
+/// The SVGD hook's line under the table.
+fn svgd_line(svgd: &SvgdTiming) -> String {
+    format!(
         "\nSVGD hook: one Adam step of the 6+6-layer E=512 stack ({} tokens per side) {:.1} ms without, {:.1} ms with (ratio {:.3}; the hook alone {:.1} ms); a step without the hook peaks {:.1} MiB above its start.\n",
         svgd.tokens_per_side,
         svgd.step_ms_without,
@@ -395,8 +400,48 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
         svgd.ratio,
         svgd.hook_ms,
         svgd.step_peak_bytes as f64 / MIB
-    );
-    t
+    )
+}
+
+/// PyTorch's side (python/probattn_tools/baselines/bench.py) in its own process, on the same
+/// lengths, repeats, threads, batch, variants and precision.
+fn measure_pytorch(args: &BenchArgs, device: Device, seq_lens: &[i64], repeats: usize) -> Result<Vec<Measurement>> {
+    let lens = seq_lens.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+    let dev = match device {
+        Device::Cuda(n) => format!("cuda:{n}"),
+        _ => "cpu".into(),
+    };
+    let threads = tch::get_num_threads().to_string();
+    let lib = memory::python_counter_library();
+    let variants = args.variants.as_ref().map_or_else(|| variants().join(","), |v| v.join(","));
+    let json = run_python(
+        "baselines.bench",
+        &[
+            "--device",
+            &dev,
+            "--seq-lens",
+            &lens,
+            "--repeats",
+            &repeats.to_string(),
+            "--threads",
+            &threads,
+            "--memory-lib",
+            &lib.to_string_lossy(),
+            "--batch",
+            &args.batch.to_string(),
+            "--variants",
+            &variants,
+            "--precision",
+            args.precision.precision.name(),
+        ]
+        .into_iter()
+        .chain(args.no_eager.then_some("--no-eager"))
+        .collect::<Vec<_>>(),
+    )
+    .context("running the PyTorch side (python/probattn_tools/baselines/bench.py); --no-pytorch skips it")?;
+    let theirs: Vec<Measurement> =
+        serde_json::from_str(json.trim()).context("reading python/probattn_tools/baselines/bench.py's output")?;
+    Ok(theirs)
 }
 
 pub fn run(args: &BenchArgs) -> Result<()> {
@@ -425,42 +470,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     // still held by this process's caching allocator and run out of it early.
     let mut measurements = vec![];
     if !args.no_pytorch {
-        let lens = seq_lens.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
-        let dev = match device {
-            Device::Cuda(n) => format!("cuda:{n}"),
-            _ => "cpu".into(),
-        };
-        let threads = tch::get_num_threads().to_string();
-        let lib = memory::python_counter_library();
-        let variants = args.variants.as_ref().map_or_else(|| variants().join(","), |v| v.join(","));
-        let json = run_python(
-            "baselines.bench",
-            &[
-                "--device",
-                &dev,
-                "--seq-lens",
-                &lens,
-                "--repeats",
-                &repeats.to_string(),
-                "--threads",
-                &threads,
-                "--memory-lib",
-                &lib.to_string_lossy(),
-                "--batch",
-                &args.batch.to_string(),
-                "--variants",
-                &variants,
-                "--precision",
-                args.precision.precision.name(),
-            ]
-            .into_iter()
-            .chain(args.no_eager.then_some("--no-eager"))
-            .collect::<Vec<_>>(),
-        )
-        .context("running the PyTorch side (python/probattn_tools/baselines/bench.py); --no-pytorch skips it")?;
-        let theirs: Vec<Measurement> =
-            serde_json::from_str(json.trim()).context("reading python/probattn_tools/baselines/bench.py's output")?;
-        measurements.extend(theirs);
+        measurements.extend(measure_pytorch(args, device, &seq_lens, repeats)?);
     }
     anyhow::ensure!(!args.no_eager || args.memory.memory_efficient, "--no-eager leaves nothing to measure without --memory-efficient");
     let (ours, skipped) = measure_ours(device, &seq_lens, repeats, &rows(args), args.precision.precision)?;

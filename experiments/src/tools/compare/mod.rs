@@ -26,7 +26,7 @@ use probattn_models::translation::baseline_name;
 use serde::Serialize;
 use tch::{nn, Device, IValue, Kind, Tensor};
 
-use pairs::{compare_greedy, gat_pair, mha_pair, transformer_pair, translation_pair};
+use pairs::{compare_greedy, gat_pair, mha_pair, transformer_pair, translation_pair, TranslationPair};
 
 mod args;
 mod pairs;
@@ -257,6 +257,40 @@ fn paired_median_ms(
     Ok((median(ta), median(tb)))
 }
 
+/// A pair, and the translation pair itself when it is one.
+type BuiltPair = (Box<dyn Pair>, Option<std::rc::Rc<TranslationPair>>);
+
+/// The native model paired with the module, by `--native`; a translation pair is also returned
+/// as itself, for `--greedy-file`.
+fn build_pair(args: &CompareArgs, saved: &[(String, Tensor)], vs: &nn::VarStore, device: Device) -> Result<BuiltPair> {
+    Ok(match args.native {
+        NativeModel::Mha => (Box::new(mha_pair(args, saved, vs, device)?), None),
+        NativeModel::Transformer => (Box::new(transformer_pair(args, saved, vs, device)?), None),
+        NativeModel::Gat => (Box::new(gat_pair(args, saved, vs, device)?), None),
+        NativeModel::Translation => {
+            let p = std::rc::Rc::new(translation_pair(args, saved, vs, device)?);
+            (Box::new(p.clone()), Some(p))
+        }
+    })
+}
+
+/// Named tensors, as a module's parameters come.
+type Params = Vec<(String, Tensor)>;
+
+/// The module's weights (as cast) loaded into the native model: the weights, and the names that
+/// were not imported (with `--allow-partial`, which says so).
+fn import_weights(args: &CompareArgs, ts: &Reference, vs: &nn::VarStore) -> Result<(Params, Vec<String>)> {
+    let params = ts.named_parameters()?;
+    let report = import_params(vs, &params, renamer(args.native, vs), args.allow_partial)
+        .context("loading the module's weights into the native model")?;
+    if !report.is_complete() {
+        eprintln!("--allow-partial: imported what fits:\n{}", report.summary());
+    }
+    let not_imported: Vec<String> =
+        report.missing.iter().chain(&report.unexpected).chain(report.wrong_shape.iter().map(|w| &w.0)).cloned().collect();
+    Ok((params, not_imported))
+}
+
 fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
     let is_pt2 = args.pt2.is_some();
     ensure!(
@@ -270,17 +304,7 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
     if args.inputs.is_none() {
         tch::manual_seed(args.seed);
     }
-    let mut translation = None;
-    let pair: Box<dyn Pair> = match args.native {
-        NativeModel::Mha => Box::new(mha_pair(args, &saved, &vs, device)?),
-        NativeModel::Transformer => Box::new(transformer_pair(args, &saved, &vs, device)?),
-        NativeModel::Gat => Box::new(gat_pair(args, &saved, &vs, device)?),
-        NativeModel::Translation => {
-            let p = std::rc::Rc::new(translation_pair(args, &saved, &vs, device)?);
-            translation = Some(p.clone());
-            Box::new(p)
-        }
-    };
+    let (pair, translation) = build_pair(args, &saved, &vs, device)?;
     let saved_kind = saved.first().map_or(Kind::Float, |(_, t)| t.kind());
     let kind = match args.dtype {
         DType::Inputs => pair.inputs().first().map_or(saved_kind, |(_, t)| t.kind()),
@@ -291,14 +315,7 @@ fn compare(args: &CompareArgs, device: Device) -> Result<Comparison> {
     if kind == Kind::Double {
         vs.double();
     }
-    let params = ts.named_parameters()?;
-    let report = import_params(&vs, &params, renamer(args.native, &vs), args.allow_partial)
-        .context("loading the module's weights into the native model")?;
-    if !report.is_complete() {
-        eprintln!("--allow-partial: imported what fits:\n{}", report.summary());
-    }
-    let not_imported: Vec<String> =
-        report.missing.iter().chain(&report.unexpected).chain(report.wrong_shape.iter().map(|w| &w.0)).cloned().collect();
+    let (params, not_imported) = import_weights(args, &ts, &vs)?;
     let xs: Vec<Tensor> = pair.inputs().into_iter().map(|(_, t)| t.to_kind(kind)).collect();
     let recast = |e: anyhow::Error| {
         if saved_kind == kind {
