@@ -140,7 +140,7 @@ fn every_variant_on(device: Device) -> Result<()> {
         let (mut vs, normalizer, noise) = normalizer_of(spec.example, [B, H, L, S], D, device)?;
         for (mask_name, keys, pattern) in mask_cases(device) {
             let masks = Masks { key_padding: keys.as_ref(), attn_mask: pattern.as_ref(), ..Default::default() };
-            let tiles: &[Option<i64>] = if spec.memory_efficient.is_some() { &[None, Some(4)] } else { &[None] };
+            let tiles: &[Option<i64>] = if normalizer.tiled().is_some() { &[None, Some(4)] } else { &[None] };
             for &tile in tiles {
                 let path = if tile.is_some() { "memory-efficient" } else { "eager" };
                 let what = format!("{} ({mask_name}, {path}, {device:?})", spec.example);
@@ -211,7 +211,7 @@ fn every_variant_forms_its_scores_in_float32_from_bfloat16_inputs() -> Result<()
         for spec in VARIANTS {
             let (mut vs, normalizer, noise) = normalizer_of(spec.example, [b, h, l, s], d, device)?;
             let paths: &[(&str, Option<i64>)] =
-                if spec.memory_efficient.is_some() { &[("eager", None), ("tile loop", Some(8))] } else { &[("eager", None)] };
+                if normalizer.tiled().is_some() { &[("eager", None), ("tile loop", Some(8))] } else { &[("eager", None)] };
             for &(path, tile) in paths {
                 let masks = Masks { attn_mask: tile.map(|_| &pattern), ..Default::default() };
                 let what = format!("{} ({path}, {device:?})", spec.example);

@@ -171,13 +171,15 @@ fn cross_attention_stays_row_wise() {
     assert_eq!(cfg("softmax").cross_variant(), Variant::Softmax);
 }
 
-/// A row-wise variant registered outside the library (softmax at a temperature, as `warm-N`),
-/// which no model names: its properties alone let it into the decoder's causal self-attention and
-/// the cross-attention, and a model with it trains; the same with a doubly normalized variant is
-/// refused by the decoder and kept out of the cross-attention.
+/// A row-wise variant registered outside the library and defined by its plan alone (softmax at a
+/// temperature, as `warm-N`: no sweeps, a score scale of `1/N`), which no model names: its
+/// properties alone let it into the decoder's causal self-attention and the cross-attention, and
+/// a model with it trains; the same with a doubly normalized variant is refused by the decoder
+/// and kept out of the cross-attention.
 mod registered {
-    use probattn::normalize::registry::{Family, VariantSpec};
-    use probattn::normalize::{NormalizeInput, Normalized, Normalizer, Softmax};
+    use probattn::normalize::registry::VariantSpec;
+    use probattn::normalize::Normalizer;
+    use probattn::tiled::Tiled;
     use probattn::Variant;
 
     #[derive(Debug)]
@@ -187,9 +189,8 @@ mod registered {
         fn name(&self) -> String {
             format!("warm-{}", self.0)
         }
-        fn normalize(&self, input: &NormalizeInput) -> probattn::Result<Normalized> {
-            let scaled = input.scores / f64::from(self.0);
-            Softmax.normalize(&NormalizeInput { scores: &scaled, ..*input })
+        fn tiled(&self) -> Option<Tiled<'_>> {
+            Some(Tiled { score_scale: 1.0 / f64::from(self.0), ..Tiled::sweeps(self.name(), 0) })
         }
     }
 
@@ -197,13 +198,8 @@ mod registered {
         name: "warm-N",
         aliases: &[],
         example: "warm-2",
-        family: Family::RowWise,
         summary: "softmax of the scores divided by N",
         source: "a test",
-        causal_safe: true,
-        stochastic: false,
-        kl: false,
-        memory_efficient: None,
         benchmarked: false,
         settings: &[],
         parse: |s| s.strip_prefix("warm-")?.parse().ok().map(|n| Variant::Registered { spec: &WARM, n }),

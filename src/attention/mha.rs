@@ -216,11 +216,13 @@ impl MultiHeadAttention {
     /// projections, masks, dropout and fused or memory-efficient paths as the built-in ones.
     ///
     /// ```
-    /// use probattn::normalize::{NormalizeInput, Normalized, Normalizer};
+    /// use probattn::normalize::Normalizer;
+    /// use probattn::tiled::Tiled;
     /// use probattn::{MhaConfig, MhaInput, MultiHeadAttention};
     /// use tch::{nn, Device, Kind, Tensor};
     ///
-    /// /// Softmax at temperature `t`: `π_ij ∝ exp(z_ij / t)`.
+    /// /// Softmax at temperature `t`, `π_ij ∝ exp(z_ij / t)`: no sweeps, a score scale of `1/t`.
+    /// /// The plan is the whole definition: eager, memory-efficient and causal-safe follow from it.
     /// #[derive(Debug)]
     /// struct Tempered(f64);
     ///
@@ -228,9 +230,8 @@ impl MultiHeadAttention {
     ///     fn name(&self) -> String {
     ///         format!("tempered-{}", self.0)
     ///     }
-    ///     fn normalize(&self, input: &NormalizeInput) -> probattn::Result<Normalized> {
-    ///         let s = input.support;
-    ///         Ok(Normalized { weights: s.row_softmax(&s.fill(&(input.scores / self.0))), kl: None })
+    ///     fn tiled(&self) -> Option<Tiled<'_>> {
+    ///         Some(Tiled { score_scale: 1.0 / self.0, ..Tiled::sweeps(self.name(), 0) })
     ///     }
     /// }
     ///

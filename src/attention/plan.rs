@@ -10,9 +10,24 @@
 
 use std::fmt;
 
+use serde::Serialize;
 use tch::Tensor;
 
 use crate::Result;
+
+/// How a variant normalizes, as the papers group them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Family {
+    /// Each query over its keys (softmax).
+    RowWise,
+    /// Each key over the queries too (DNAS, Sinkhorn).
+    DoublyNormalized,
+    /// A learned mix of the two (HNAS).
+    Hybrid,
+    /// Stochastic weights around a deterministic base (BAM).
+    Bayesian,
+}
 
 /// The noise a stochastic plan adds to its logits: `scale · log(−log(1 − ε))`, `ε ~ U(0, 1)`
 /// (Weibull, scale `1/k`), or `scale · ε`, `ε ~ N(0, 1)` (Lognormal, scale `σ`).
@@ -88,6 +103,53 @@ impl<'a> Tiled<'a> {
     /// HNAS with its `(H,)` gate logits.
     pub fn hnas(logit: &'a Tensor) -> Self {
         Self { hybrid_logit: Some(logit), ..Self::sweeps("hnas", 1) }
+    }
+
+    /// Whether the weights of query `i` ignore later queries, so the plan may run under a causal
+    /// mask: only without column sweeps (a column sweep normalizes each key over every query).
+    pub fn causal_safe(&self) -> bool {
+        self.sweeps == 0
+    }
+
+    /// How the plan normalizes, as the papers group the variants.
+    pub fn family(&self) -> Family {
+        match (self.sampling.is_some(), self.hybrid_logit.is_some(), self.sweeps) {
+            (true, _, _) => Family::Bayesian,
+            (false, true, _) => Family::Hybrid,
+            (false, false, 0) => Family::RowWise,
+            (false, false, _) => Family::DoublyNormalized,
+        }
+    }
+
+    /// Whether sampling adds a KL term to the loss.
+    pub fn has_kl(&self) -> bool {
+        self.sampling.as_ref().is_some_and(|s| s.kl.is_some())
+    }
+
+    /// The memory-efficient route the plan takes, in words (`probattn variants`).
+    pub fn describe(&self) -> String {
+        let mut route = match self.sweeps {
+            0 => "one row pass of online log-sum-exps".to_string(),
+            1 => "two passes: column log-sum-exps, then rows".to_string(),
+            n => format!("{n} column passes, then rows"),
+        };
+        if self.hybrid_logit.is_some() {
+            route.push_str(", mixed per head with softmax's row pass");
+        }
+        if let Some(sampling) = &self.sampling {
+            let noise = match sampling.noise {
+                NoiseKind::Weibull => "Weibull",
+                NoiseKind::Lognormal => "Lognormal",
+            };
+            route.push_str(&format!(", sampled with counter-based {noise} draws"));
+            if sampling.kl.is_some() {
+                route.push_str("; the KL in closed form per tile");
+            }
+        }
+        if self.sampling.is_none() || self.sweeps == 0 {
+            route.push_str("; on the CPU, a fused kernel where the masks and lengths allow");
+        }
+        route
     }
 }
 

@@ -145,7 +145,7 @@ pub(crate) fn attend_tiled_shaped(
     let excluded = allowed.as_ref().map(|a| a.logical_not());
     let spec = TiledSpec { tile: opts.tile, sweeps: 0, noise: 0, noise_scale: 0.0, seed: 0, kl: 0, fused_cpu: fused };
     let name = plan.name.as_str();
-    if plan.sweeps > 0 && masks.causal {
+    if masks.causal && !plan.causal_safe() {
         return Err(Error::causal_leak(name));
     }
     if !(plan.score_scale.is_finite() && plan.score_scale > 0.0) {

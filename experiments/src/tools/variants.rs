@@ -30,21 +30,21 @@ pub fn run(args: &VariantsArgs) -> Result<()> {
         return Ok(());
     }
     let yes = |b: bool| if b { "yes" } else { "no" };
-    let rows: Vec<Vec<String>> = VARIANTS
-        .iter()
-        .map(|s| {
-            vec![
-                s.name.to_string(),
-                serde_json::to_value(s.family).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(),
-                s.summary.to_string(),
-                yes(s.causal_safe).into(),
-                yes(s.stochastic).into(),
-                yes(s.kl).into(),
-                yes(s.memory_efficient.is_some()).into(),
-                s.settings.iter().map(|x| format!("{} = {}", x.name, x.default)).collect::<Vec<_>>().join(", "),
-            ]
-        })
-        .collect();
+    let mut rows: Vec<Vec<String>> = vec![];
+    for s in VARIANTS {
+        let p = s.properties()?;
+        let family = p.family.and_then(|f| serde_json::to_value(f).ok()).and_then(|v| v.as_str().map(String::from));
+        rows.push(vec![
+            s.name.to_string(),
+            family.unwrap_or_else(|| "other".into()),
+            s.summary.to_string(),
+            yes(p.causal_safe).into(),
+            yes(p.stochastic).into(),
+            yes(p.kl).into(),
+            yes(p.memory_efficient.is_some()).into(),
+            s.settings.iter().map(|x| format!("{} = {}", x.name, x.default)).collect::<Vec<_>>().join(", "),
+        ]);
+    }
     let header = ["variant", "family", "what it does", "causal", "samples", "KL", "memory-efficient", "settings (defaults)"];
     println!("{}", crate::report::markdown_table(&header, &rows));
     Ok(())

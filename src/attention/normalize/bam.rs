@@ -332,6 +332,11 @@ impl Normalizer for Bam {
         self.base.causal_safe()
     }
 
+    /// Always, whatever the base: BAM over HNAS samples too, though it has no plan.
+    fn stochastic(&self) -> bool {
+        true
+    }
+
     fn gate(&self) -> Option<Tensor> {
         self.base.gate()
     }

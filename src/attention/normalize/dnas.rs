@@ -11,46 +11,16 @@
 
 use tch::Tensor;
 
-use super::{mask_value, NormalizeInput, Normalized, Normalizer, Support};
+use super::{mask_value, Normalizer};
 use crate::precision::widen;
-use crate::Result;
 
 /// Doubly-normalized attention (one column sweep, then one row sweep).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Dnas;
 
-/// `log ξ`: filled log-scores normalized per key over the queries, `(B, H, S_q, S_k)`, filled.
-fn per_key(z_filled: &Tensor, support: &Support) -> Tensor {
-    support.col_log_softmax(z_filled)
-}
-
-/// DNAS weights of filled log-scores `(B, H, S_q, S_k)`, zero on excluded entries.
-pub(super) fn dnas_weights(z_filled: &Tensor, support: &Support) -> Tensor {
-    support.row_softmax(&per_key(z_filled, support))
-}
-
-/// DNAS log-weights of filled log-scores, excluded entries filled.
-pub(super) fn dnas_log_weights(z_filled: &Tensor, support: &Support) -> Tensor {
-    support.row_log_softmax(&per_key(z_filled, support))
-}
-
 impl Normalizer for Dnas {
     fn name(&self) -> String {
         "dnas".into()
-    }
-
-    fn normalize(&self, input: &NormalizeInput) -> Result<Normalized> {
-        let s = input.support;
-        Ok(Normalized { weights: dnas_weights(&s.fill(input.scores), s), kl: None })
-    }
-
-    fn log_weights(&self, input: &NormalizeInput) -> Result<Tensor> {
-        let s = input.support;
-        Ok(dnas_log_weights(&s.fill(input.scores), s))
-    }
-
-    fn causal_safe(&self) -> bool {
-        false
     }
 
     fn tiled(&self) -> Option<crate::plan::Tiled<'_>> {

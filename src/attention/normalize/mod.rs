@@ -13,6 +13,7 @@
 mod bam;
 mod dnas;
 mod hnas;
+mod interpret;
 mod noise;
 mod prior;
 pub mod registry;
@@ -71,27 +72,44 @@ pub trait Normalizer: fmt::Debug + Send {
     /// The variant's name as the CLI spells it (`softmax`, `dnas`, `sinkhorn-3`, ...).
     fn name(&self) -> String;
 
-    /// Normalizes `input.scores` over `input.support`.
-    fn normalize(&self, input: &NormalizeInput) -> Result<Normalized>;
+    /// Normalizes `input.scores` over `input.support`. By default, the eager interpreter of the
+    /// deterministic plan ([`Self::tiled`]): a variant defined by its plan needs nothing else.
+    /// Normalizers outside the plans (or that sample, as BAM) write their own.
+    fn normalize(&self, input: &NormalizeInput) -> Result<Normalized> {
+        match self.tiled() {
+            Some(plan) => Ok(Normalized { weights: interpret::weights(&plan, input)?, kl: None }),
+            None => Err(Error::Unsupported(format!("{} has neither a plan nor a normalize of its own", self.name()))),
+        }
+    }
 
     /// The log-weights `log π`, `(B, H, S_q, S_k)`, computed in the log domain so they stay finite
-    /// where `π` underflows; excluded entries hold [`mask_value`]. Deterministic normalizers
-    /// provide them; stochastic ones (BAM) sample around them.
+    /// where `π` underflows; excluded entries hold [`mask_value`]. Deterministic plans provide
+    /// them (by default, the eager interpreter's); stochastic normalizers (BAM) sample around them.
     fn log_weights(&self, input: &NormalizeInput) -> Result<Tensor> {
-        let _ = input;
-        Err(Error::Unsupported(format!("{} has no closed-form log-weights", self.name())))
+        match self.tiled() {
+            Some(plan) => interpret::log_weights(&plan, input),
+            None => Err(Error::Unsupported(format!("{} has no closed-form log-weights", self.name()))),
+        }
     }
 
     /// Whether the weights of query `i` depend on queries `i' > i` only through masked entries,
     /// so the normalizer may be used under a causal mask. False for every variant that
-    /// normalizes a key over the queries (DNAS, HNAS, Sinkhorn): that leaks the future.
+    /// normalizes a key over the queries (DNAS, HNAS, Sinkhorn): that leaks the future. By
+    /// default, the plan's ([`crate::plan::Tiled::causal_safe`]); true without a plan.
     fn causal_safe(&self) -> bool {
-        true
+        self.tiled().map_or(true, |plan| plan.causal_safe())
     }
 
-    /// The current mixing weight `u` of each head, `(H,)`, for normalizers that mix (HNAS).
+    /// Whether it samples in training (and Monte Carlo prediction). By default, whether its plan
+    /// samples; a stochastic normalizer without a plan says so itself.
+    fn stochastic(&self) -> bool {
+        self.tiled().is_some_and(|plan| plan.sampling.is_some())
+    }
+
+    /// The current mixing weight `u` of each head, `(H,)`, for normalizers that mix (HNAS). By
+    /// default, the sigmoid of the plan's gate logits.
     fn gate(&self) -> Option<Tensor> {
-        None
+        self.tiled()?.hybrid_logit.map(Tensor::sigmoid)
     }
 
     /// A whole attention call in one kernel that forms no `(S_q, S_k)` weights, where this
@@ -182,9 +200,10 @@ impl Variant {
         move |p, heads, key_dim| self.build(p, heads, key_dim, cfg)
     }
 
-    /// Whether the variant samples in training mode.
+    /// Whether the variant samples in training mode (its registry entry's
+    /// [`registry::Properties`]; false for an entry whose example cannot be built).
     pub fn is_stochastic(self) -> bool {
-        self.spec().stochastic
+        self.spec().properties().is_ok_and(|p| p.stochastic)
     }
 }
 

@@ -2,35 +2,26 @@
 //! parser, the command line's value lists, `bench`, `gat`, `probattn variants --json` and the
 //! Python scripts all read, so that no list of names is kept anywhere else.
 //!
-//! Each entry names the variant as the command line spells it, says which family it belongs to
-//! and where it comes from, and states the properties the callers branch on: whether it may run
-//! under a causal mask, whether it samples and has a KL term, and which memory-efficient route
-//! it has. The settings a variant reads (BAM's `k`, HNAS's initial `u`, ...) are listed with
-//! their defaults, which [`NormalizerConfig::default`] supplies.
+//! Each entry holds what a variant's normalizer cannot say of itself: its name as the command line
+//! spells it, aliases, where it comes from, the settings it reads (BAM's `k`, HNAS's initial `u`,
+//! ...) with their defaults, which [`NormalizerConfig::default`] supplies, and how to build it.
+//! The properties callers branch on (family, causal, sampling, KL, memory-efficient route) are
+//! the built normalizer's and its plan's ([`VariantSpec::properties`]), never written twice.
 
-use serde::Serialize;
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use serde::{Serialize, Serializer};
 use tch::nn;
 
 use super::{Bam, BamKind, Dnas, Hnas, Normalizer, NormalizerConfig, Sinkhorn, Softmax, Variant};
+pub use crate::plan::Family;
+use crate::plan::NoiseKind;
 use crate::Result;
 
 /// Builds a variant's normalizer from the layer's parameter path, its heads, its key features,
 /// the settings and the variant's parameter (`N` of `sinkhorn-N`; 0 for the others).
 pub type BuildFn = fn(&nn::Path, i64, i64, &NormalizerConfig, u32) -> Result<Box<dyn Normalizer>>;
-
-/// How a variant normalizes, as the papers group them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Family {
-    /// Each query over its keys (softmax).
-    RowWise,
-    /// Each key over the queries too (DNAS, Sinkhorn).
-    DoublyNormalized,
-    /// A learned mix of the two (HNAS).
-    Hybrid,
-    /// Stochastic weights around a deterministic base (BAM).
-    Bayesian,
-}
 
 /// A setting a variant reads, with its default.
 #[derive(Clone, Copy, Debug, Serialize)]
@@ -42,7 +33,7 @@ pub struct Setting {
 }
 
 /// One variant of the registry.
-#[derive(Clone, Copy, Debug, Serialize)]
+#[derive(Clone, Copy, Debug)]
 pub struct VariantSpec {
     /// The name as the command line spells it; `N` stands for a positive integer.
     pub name: &'static str,
@@ -50,27 +41,119 @@ pub struct VariantSpec {
     pub aliases: &'static [&'static str],
     /// The instance examples, benches and sweeps take (`sinkhorn-3` for `sinkhorn-N`).
     pub example: &'static str,
-    pub family: Family,
     pub summary: &'static str,
     /// The paper and section it comes from.
     pub source: &'static str,
+    /// In `probattn bench`'s default set.
+    pub benchmarked: bool,
+    pub settings: &'static [Setting],
+    /// Parses a name of this entry.
+    pub parse: fn(&str) -> Option<Variant>,
+    /// Builds its normalizer ([`Variant::build`] calls it).
+    pub build: BuildFn,
+}
+
+/// What a variant is, read from its example instance built with the default settings: the
+/// normalizer's answers and its plan's ([`crate::plan::Tiled`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Properties {
+    /// `None` for a variant outside the plans (it has no memory-efficient form to read it from).
+    pub family: Option<Family>,
     /// May run under a causal mask (its weights of query `i` ignore later queries).
     pub causal_safe: bool,
     /// Samples in training (and Monte Carlo prediction); its eval weights are the base's.
     pub stochastic: bool,
     /// Returns a KL term for the loss.
     pub kl: bool,
+    /// The noise its plan samples (`weibull` or `lognormal`); `None` for deterministic plans.
+    pub noise: Option<&'static str>,
+    /// The learnable tensors it creates under its layer's path (HNAS's `hybrid_logit`, BAM's
+    /// contextual prior `prior.*`), sorted: what a caller outside the library must pass it.
+    pub parameters: Vec<String>,
     /// The memory-efficient route (`probattn::tiled`), in words; `None`: eager only.
-    pub memory_efficient: Option<&'static str>,
-    /// In `probattn bench`'s default set.
-    pub benchmarked: bool,
-    pub settings: &'static [Setting],
-    /// Parses a name of this entry.
-    #[serde(skip)]
-    pub parse: fn(&str) -> Option<Variant>,
-    /// Builds its normalizer ([`Variant::build`] calls it).
-    #[serde(skip)]
-    pub build: BuildFn,
+    pub memory_efficient: Option<String>,
+}
+
+impl Properties {
+    /// The properties of a normalizer built under `store`'s root.
+    pub fn of(normalizer: &dyn Normalizer, store: &nn::VarStore) -> Self {
+        let plan = normalizer.tiled();
+        let mut parameters: Vec<String> = store.variables().into_keys().collect();
+        parameters.sort();
+        Self {
+            family: plan.as_ref().map(|p| p.family()),
+            causal_safe: normalizer.causal_safe(),
+            stochastic: normalizer.stochastic(),
+            kl: plan.as_ref().is_some_and(|p| p.has_kl()),
+            noise: plan.as_ref().and_then(|p| p.sampling.as_ref()).map(|s| match s.noise {
+                NoiseKind::Weibull => "weibull",
+                NoiseKind::Lognormal => "lognormal",
+            }),
+            parameters,
+            memory_efficient: plan.as_ref().map(|p| p.describe()),
+        }
+    }
+}
+
+impl VariantSpec {
+    /// Its properties, from its example built once with the default settings (two heads, four
+    /// key features, on the CPU) and kept for the process.
+    pub fn properties(&self) -> Result<Properties> {
+        static KNOWN: OnceLock<Mutex<HashMap<&'static str, Properties>>> = OnceLock::new();
+        let known = KNOWN.get_or_init(Default::default);
+        if let Some(p) = known.lock().unwrap_or_else(|e| e.into_inner()).get(self.name) {
+            return Ok(p.clone());
+        }
+        let variant = (self.parse)(self.example).ok_or_else(|| {
+            crate::Error::Config(format!("the registry entry {} does not parse its own example {}", self.name, self.example))
+        })?;
+        let scratch = nn::VarStore::new(tch::Device::Cpu);
+        let normalizer = (self.build)(&scratch.root(), 2, 4, &NormalizerConfig::default(), variant.param())?;
+        let properties = Properties::of(&*normalizer, &scratch);
+        known.lock().unwrap_or_else(|e| e.into_inner()).insert(self.name, properties.clone());
+        Ok(properties)
+    }
+}
+
+/// The entry as `probattn variants --json` writes it: its own fields with its properties.
+impl Serialize for VariantSpec {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Entry<'a> {
+            name: &'a str,
+            aliases: &'a [&'a str],
+            example: &'a str,
+            family: Option<Family>,
+            summary: &'a str,
+            source: &'a str,
+            causal_safe: bool,
+            stochastic: bool,
+            kl: bool,
+            noise: Option<&'a str>,
+            parameters: Vec<String>,
+            memory_efficient: Option<String>,
+            benchmarked: bool,
+            settings: &'a [Setting],
+        }
+        let p = self.properties().map_err(serde::ser::Error::custom)?;
+        Entry {
+            name: self.name,
+            aliases: self.aliases,
+            example: self.example,
+            family: p.family,
+            summary: self.summary,
+            source: self.source,
+            causal_safe: p.causal_safe,
+            stochastic: p.stochastic,
+            kl: p.kl,
+            noise: p.noise,
+            parameters: p.parameters,
+            memory_efficient: p.memory_efficient,
+            benchmarked: self.benchmarked,
+            settings: self.settings,
+        }
+        .serialize(serializer)
+    }
 }
 
 /// Entries are one per name.
@@ -113,22 +196,16 @@ const BAM_SETTINGS_LC: &[Setting] = &[
 
 const FAN: &str = "Fan, Zhang, Chen, Zhou 2020, Bayesian Attention Modules, Sec. 3";
 const DING: &str = "Ding, Xu, Zhang, Gu 2020, Attention that does not Explain Away";
-const BAM_ROUTE: &str = "the base's route, sampled with counter-based draws; the KL in closed form per tile";
 
-/// One BAM entry: `$kind` with its name, summary, KL, bench flag and settings.
+/// One BAM entry: `$kind` with its name, summary, bench flag and settings.
 macro_rules! bam_spec {
-    ($kind:expr, $name:literal, $summary:literal, $kl:literal, $benchmarked:literal, $settings:expr) => {
+    ($kind:expr, $name:literal, $summary:literal, $benchmarked:literal, $settings:expr) => {
         VariantSpec {
             name: $name,
             aliases: &[],
             example: $name,
-            family: Family::Bayesian,
             summary: $summary,
             source: FAN,
-            causal_safe: true,
-            stochastic: true,
-            kl: $kl,
-            memory_efficient: Some(BAM_ROUTE),
             benchmarked: $benchmarked,
             settings: $settings,
             parse: |s| (s == $name).then_some(Variant::Bam($kind)),
@@ -141,13 +218,8 @@ static SOFTMAX: VariantSpec = VariantSpec {
     name: "softmax",
     aliases: &["unas"],
     example: "softmax",
-    family: Family::RowWise,
     summary: "each query's weights are a softmax over its keys (UNAS)",
     source: "Vaswani et al. 2017; Ding et al. 2020's UNAS",
-    causal_safe: true,
-    stochastic: false,
-    kl: false,
-    memory_efficient: Some("libtorch's fused kernel, or the tiles (the fused CPU route when masks allow)"),
     benchmarked: true,
     settings: &[],
     parse: |s| matches!(s, "softmax" | "unas").then_some(Variant::Softmax),
@@ -157,13 +229,8 @@ static DNAS: VariantSpec = VariantSpec {
     name: "dnas",
     aliases: &[],
     example: "dnas",
-    family: Family::DoublyNormalized,
     summary: "each key normalized over the queries, then each query over the keys",
     source: DING,
-    causal_safe: false,
-    stochastic: false,
-    kl: false,
-    memory_efficient: Some("two passes: column log-sum-exps, then rows (the fused CPU route when masks allow)"),
     benchmarked: true,
     settings: &[],
     parse: |s| (s == "dnas").then_some(Variant::Dnas),
@@ -173,13 +240,8 @@ static HNAS: VariantSpec = VariantSpec {
     name: "hnas",
     aliases: &[],
     example: "hnas",
-    family: Family::Hybrid,
     summary: "u·DNAS + (1 − u)·softmax with a learned u per head",
     source: DING,
-    causal_safe: false,
-    stochastic: false,
-    kl: false,
-    memory_efficient: Some("the DNAS and softmax passes, mixed per head"),
     benchmarked: true,
     settings: &[Setting { name: "hybrid_init_u", default: "0.5", meaning: "initial mixing weight u of every head" }],
     parse: |s| (s == "hnas").then_some(Variant::Hnas),
@@ -189,37 +251,29 @@ static SINKHORN: VariantSpec = VariantSpec {
     name: "sinkhorn-N",
     aliases: &[],
     example: "sinkhorn-3",
-    family: Family::DoublyNormalized,
     summary: "N alternating column and row normalizations (N = 1 is DNAS)",
     source: "Sinkhorn 1964; Ding et al. 2020 (DNAS is one sweep)",
-    causal_safe: false,
-    stochastic: false,
-    kl: false,
-    memory_efficient: Some("N column passes, then rows"),
     benchmarked: true,
     settings: &[],
     parse: |s| s.strip_prefix("sinkhorn-")?.parse().ok().filter(|n| *n >= 1).map(Variant::Sinkhorn),
     build: |_, _, _, _, n| Ok(Box::new(Sinkhorn::new(n)?)),
 };
 static BAM_NOKL: VariantSpec =
-    bam_spec!(BamKind::NoKl, "bam-nokl", "Weibull sampling around the base weights, no KL term", false, false, BAM_SETTINGS_WEIBULL);
+    bam_spec!(BamKind::NoKl, "bam-nokl", "Weibull sampling around the base weights, no KL term", false, BAM_SETTINGS_WEIBULL);
 static BAM_LF: VariantSpec =
-    bam_spec!(BamKind::LognormalFixed, "bam-lf", "Lognormal weights with a fixed Lognormal prior", true, false, BAM_SETTINGS_LF);
+    bam_spec!(BamKind::LognormalFixed, "bam-lf", "Lognormal weights with a fixed Lognormal prior", false, BAM_SETTINGS_LF);
 static BAM_LC: VariantSpec = bam_spec!(
     BamKind::LognormalContextual,
     "bam-lc",
     "Lognormal weights with a contextual prior computed from the keys",
     true,
-    true,
     BAM_SETTINGS_LC
 );
-static BAM_WF: VariantSpec =
-    bam_spec!(BamKind::WeibullFixed, "bam-wf", "Weibull weights with a fixed Gamma prior", true, false, BAM_SETTINGS_WF);
+static BAM_WF: VariantSpec = bam_spec!(BamKind::WeibullFixed, "bam-wf", "Weibull weights with a fixed Gamma prior", false, BAM_SETTINGS_WF);
 static BAM_WC: VariantSpec = bam_spec!(
     BamKind::WeibullContextual,
     "bam-wc",
     "Weibull weights with a contextual Gamma prior computed from the keys",
-    true,
     true,
     BAM_SETTINGS_WC
 );
@@ -292,13 +346,8 @@ mod tests {
         name: "tempered-N",
         aliases: &[],
         example: "tempered-2",
-        family: Family::RowWise,
         summary: "softmax of the scores divided by N",
         source: "a test",
-        causal_safe: true,
-        stochastic: false,
-        kl: false,
-        memory_efficient: None,
         benchmarked: false,
         settings: &[],
         parse: |s| s.strip_prefix("tempered-")?.parse().ok().map(|n| Variant::Registered { spec: &TEMPERED, n }),
@@ -326,23 +375,43 @@ mod tests {
             assert_eq!(found.name, spec.name);
             assert_eq!(v.to_string(), spec.example, "Display gives the name back");
             assert_eq!(spec_of(v).name, spec.name);
-            assert_eq!(spec.stochastic, v.is_stochastic(), "{}", spec.name);
             for alias in spec.aliases {
                 assert_eq!(lookup(alias).map(|(_, v)| v), Some(v));
             }
         }
-        // The table's properties are the built normalizers' (default settings: BAM over softmax).
-        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        // The derived properties, against the papers' description of each variant (default
+        // settings: BAM over softmax).
+        let expect = |name: &str| -> (Family, bool, bool) {
+            match name {
+                "softmax" => (Family::RowWise, true, false),
+                "dnas" | "sinkhorn-N" => (Family::DoublyNormalized, false, false),
+                "hnas" => (Family::Hybrid, false, false),
+                _ => (Family::Bayesian, true, true),
+            }
+        };
         for spec in VARIANTS {
+            let p = spec.properties().unwrap();
+            let (family, causal_safe, stochastic) = expect(spec.name);
+            assert_eq!((p.family, p.causal_safe, p.stochastic), (Some(family), causal_safe, stochastic), "{}", spec.name);
+            assert!(p.memory_efficient.is_some(), "{}", spec.name);
             let v: Variant = spec.example.parse().unwrap();
-            let n = v.build(&vs.root(), 2, 4, &super::super::NormalizerConfig::default()).unwrap();
-            assert_eq!(n.name(), spec.example);
-            assert_eq!(n.causal_safe(), spec.causal_safe, "{}", spec.name);
-            assert_eq!(n.tiled().is_some(), spec.memory_efficient.is_some(), "{}", spec.name);
+            assert_eq!(v.is_stochastic(), stochastic, "{}", spec.name);
+            let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+            assert_eq!(v.build(&vs.root(), 2, 4, &super::super::NormalizerConfig::default()).unwrap().name(), spec.example);
         }
         for kind in BamKind::ALL {
-            assert_eq!(spec_of(Variant::Bam(kind)).kl, kind.has_kl(), "{}", kind.name());
+            assert_eq!(spec_of(Variant::Bam(kind)).properties().unwrap().kl, kind.has_kl(), "{}", kind.name());
         }
+        // A variant without a plan: no family, no memory-efficient form, causal by default.
+        let p = TEMPERED.properties().unwrap();
+        assert_eq!((p.family, p.causal_safe, p.stochastic, p.kl, p.memory_efficient), (None, true, false, false, None));
+        // What the Python package reads instead of lists of names.
+        let of = |name: &str| lookup(name).unwrap().0.properties().unwrap();
+        assert_eq!(of("hnas").parameters, ["hybrid_logit"]);
+        assert!(of("bam-wc").parameters.iter().all(|p| p.starts_with("prior.")) && !of("bam-wc").parameters.is_empty());
+        assert!(of("bam-wf").parameters.is_empty() && of("softmax").parameters.is_empty());
+        let noise = ["bam-nokl", "bam-wf", "bam-lc", "dnas"].map(|n| of(n).noise);
+        assert_eq!(noise, [Some("weibull"), Some("weibull"), Some("lognormal"), None]);
         for bad in ["sinkhorn-0", "sinkhorn-", "bam-xx", "Softmax", ""] {
             assert!(lookup(bad).is_none(), "{bad} parsed");
         }

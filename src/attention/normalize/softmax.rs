@@ -3,7 +3,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::{NormalizeInput, Normalized, Normalizer, Support};
+use super::{Normalizer, Support};
 use crate::call::{mix, scaled_dot_product_scores, AttendOptions, Attended};
 use crate::mask::{Masks, ScoreShape};
 use crate::precision::widen;
@@ -24,16 +24,6 @@ pub struct Softmax;
 impl Normalizer for Softmax {
     fn name(&self) -> String {
         "softmax".into()
-    }
-
-    fn normalize(&self, input: &NormalizeInput) -> Result<Normalized> {
-        let s = input.support;
-        Ok(Normalized { weights: s.row_softmax(&s.fill(input.scores)), kl: None })
-    }
-
-    fn log_weights(&self, input: &NormalizeInput) -> Result<Tensor> {
-        let s = input.support;
-        Ok(s.row_log_softmax(&s.fill(input.scores)))
     }
 
     /// Without weights, no active dropout, on the CPU in float32 or float64, and in bfloat16 from
