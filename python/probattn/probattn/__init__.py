@@ -131,8 +131,8 @@ def attention(query, key, value, *, variant="softmax", key_padding_mask=None, at
               bam=None, return_info=False):
     """Attention of heads-first `query (B, H, S_q, d)` over `key (B, H, S_k, d)` and
     `value (B, H, S_k, d_v)`, as `F.scaled_dot_product_attention` takes them, with any variant of
-    the registry (`variants()`): softmax, dnas, hnas, sinkhorn-N, bam-nokl, bam-lf, bam-lc,
-    bam-wf, bam-wc. Scores are `q k^T / sqrt(d)`.
+    the registry (`variants()` lists them, with the parameters each reads). Scores are
+    `q k^T / sqrt(d)`.
 
     Masks are boolean with True = excluded (nn.MultiheadAttention's convention; note that SDPA's
     boolean masks mean the opposite): `key_padding_mask (B, S_k)`, `attn_mask` broadcastable to

@@ -26,13 +26,16 @@ from . import _native, _registry, attention, variants
 
 __all__ = ["register", "names", "prepare"]
 
-# Variants with learnable parameters of their own, which `prepare` puts on the attention modules.
-WITH_PARAMETERS = ("hnas", "bam-wc", "bam-lc")
+
+def _parameters(variant):
+    """The learnable tensors `variant` reads (the registry's `parameters`: HNAS's `hybrid_logit`,
+    the contextual prior's `prior.*`), which `prepare` puts on the attention modules."""
+    return _registry.entry(variant)["parameters"]
 
 
 def _forward(variant, memory_efficient):
-    causal_safe = _registry.entry(variant)["causal_safe"]
-    bayesian = variant.startswith("bam")
+    entry = _registry.entry(variant)
+    causal_safe, stochastic, parameters = entry["causal_safe"], entry["stochastic"], entry["parameters"]
 
     def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
         if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
@@ -65,19 +68,19 @@ def _forward(variant, memory_efficient):
         if scaling is not None and not math.isclose(scaling, d ** -0.5, rel_tol=1e-12):
             query = query * (scaling * math.sqrt(d))  # probattn's scores are q k^T / sqrt(d)
         extra = {}
-        if variant in WITH_PARAMETERS:
+        if parameters:
             held = getattr(module, "probattn", None)
             if held is None:
                 raise ValueError(f"probattn-{variant} reads learnable parameters: call probattn.hf.prepare(model, "
                                  f"'{variant}') before building the optimizer")
-            if variant == "hnas":
+            if "hybrid_logit" in parameters:
                 extra["hybrid_logit"] = held["hybrid_logit"]
-            else:
+            if any(n.startswith("prior.") for n in parameters):
                 extra["bam"] = {"prior": {n.removeprefix("prior_").replace("_", ".", 1): p for n, p in held.items() if n.startswith("prior_")}}
         out = attention(query, key, value, variant=variant, attn_mask=excluded, is_causal=causal, **extra,
                         memory_efficient=memory_efficient, training=module.training,
-                        dropout_p=dropout if module.training else 0.0, return_info=bayesian)
-        if bayesian:
+                        dropout_p=dropout if module.training else 0.0, return_info=stochastic)
+        if stochastic:
             # Only BAM asks for the info (its KL): without it the eager path need not form weights.
             out, info = out
             module.probattn_kl = info.kl
@@ -90,7 +93,7 @@ def names(sinkhorn=(3,)):
     """The implementation names `register(sinkhorn)` adds, with the variant each runs."""
     out = {}
     for entry in variants():
-        chosen = [f"sinkhorn-{n}" for n in sinkhorn] if entry["name"] == "sinkhorn-N" else [entry["name"]]
+        chosen = [f"{entry['name'][:-1]}{n}" for n in sinkhorn] if entry["name"].endswith("-N") else [entry["name"]]
         for variant in chosen:
             out[f"probattn-{variant}"] = (variant, False)
             out[f"probattn-{variant}-me"] = (variant, True)
@@ -103,8 +106,11 @@ def prepare(model, variant, hybrid_init_u=0.5):
     named `probattn` on the module, initialised as the Rust library initialises them (libtorch's
     generator, which `torch.manual_seed` sets). Call it before building the optimizer. Returns the
     names of the modules prepared."""
-    if variant not in WITH_PARAMETERS:
-        raise ValueError(f"{variant} has no parameters of its own (those that do: {', '.join(WITH_PARAMETERS)})")
+    if _registry.entry(variant) is None:
+        raise ValueError(f"unknown variant {variant!r} (known: {', '.join(e['name'] for e in variants())})")
+    if not _parameters(variant):
+        with_parameters = [e["name"] for e in variants() if e["parameters"]]
+        raise ValueError(f"{variant} has no parameters of its own (those that do: {', '.join(with_parameters)})")
     heads = model.config.num_attention_heads
     head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // heads
     prepared = []

@@ -18,7 +18,7 @@ from probattn_tools.reference import variants as registry
 from probattn_tools.reference.mha import MultiheadAttention as ReferenceMha
 
 D = torch.float64
-DETERMINISTIC = [v for v in registry.examples() if not v.startswith("bam")]
+DETERMINISTIC = [e["example"] for e in registry.registry() if not e["stochastic"]]
 BAM = registry.examples(family="bayesian")
 BAM_CFG = {"k": 10.0, "sigma": 0.5, "prior_alpha": 1.5, "prior_beta": 2.0, "prior_mu": -0.3, "prior_sigma": 1.2, "prior_hidden": 4}
 
@@ -59,7 +59,7 @@ def prior_params(h, d, hidden, seed=3):
 
 def bam_noise(variant, shape, seed=5):
     g = torch.Generator().manual_seed(seed)
-    if variant in ("bam-nokl", "bam-wf", "bam-wc"):
+    if registry.noise(variant) == "weibull":
         return torch.rand(shape, generator=g, dtype=D).clamp(1e-6, 1 - 1e-6)
     return torch.randn(shape, generator=g, dtype=D)
 
@@ -88,7 +88,7 @@ class Reference(unittest.TestCase):
                     with self.subTest(what):
                         q, k, v = qkv()
                         logit = torch.tensor([0.3, -1.0, 2.0], dtype=D, requires_grad=True)
-                        extra = {"hybrid_logit": logit} if variant == "hnas" else {}
+                        extra = {"hybrid_logit": logit} if "hybrid_logit" in registry.entry(variant)["parameters"] else {}
                         tile = {"tile": 2} if memory_efficient else {}
                         ours, info = probattn.attention(q, k, v, variant=variant, memory_efficient=memory_efficient,
                                                         return_info=True, **masks, **extra, **tile)
@@ -649,7 +649,7 @@ class HuggingFace(unittest.TestCase):
             for kind in kinds:
                 with self.subTest(f"{kind} {name}"):
                     m = self.model(kind, name)
-                    if variant in probattn.hf.WITH_PARAMETERS:
+                    if registry.entry(variant)["parameters"]:
                         self.assertEqual(len(probattn.hf.prepare(m, variant)), 2)
                     opt = torch.optim.Adam(m.parameters(), lr=3e-3)
                     losses = []

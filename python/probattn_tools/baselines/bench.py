@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from probattn_tools.reference import formulas as ref
+from probattn_tools.reference import variants as registry
 
 B, H, E = 8, 8, 512
 
@@ -44,7 +45,7 @@ def attention_core(variant, q, k, v):
     z = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device).expand_as(z)
     if variant in ref.BAM_VARIANTS:
-        noise = torch.rand_like(z) if variant in ("bam-wc", "bam-wf", "bam-nokl") else torch.randn_like(z)
+        noise = torch.rand_like(z) if registry.noise(variant) == "weibull" else torch.randn_like(z)
         prior = BENCH_PRIOR.get(q.device)
         cfg = {"k": 1000.0, "sigma": 1.0, "prior_alpha": 1.0, "prior_beta": 1.0, "prior_mu": 0.0, "prior_sigma": 1.0, "base": "softmax"}
         w, kl = ref.bam_weights(variant, z, allowed, k, noise, True, cfg, prior)
@@ -169,7 +170,8 @@ def main():
     parser.add_argument("--seq-lens", required=True)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--variants", default="softmax,dnas,hnas,sinkhorn-3,bam-wc,bam-lc")
+    parser.add_argument("--variants", default=",".join(registry.benchmarked()),
+                        help="comma-separated variants (default: the registry's benchmarked set)")
     parser.add_argument("--memory-lib", help="probattn's libprobattn_memory.so, to count CPU memory as probattn does")
     parser.add_argument("--batch", type=int, default=B, help="batch size B of the layer")
     parser.add_argument("--precision", choices=["f32", "bf16"], default="f32",

@@ -57,6 +57,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from probattn_tools.export import torchscript as ets  # the same modules and inputs
+from probattn_tools.reference import variants as registry
 
 
 class _Seq2Seq(torch.nn.Transformer):
@@ -169,7 +170,7 @@ def main():
     sub = parser.add_subparsers(dest="model", required=True)
     sub.add_parser("mha", help="torch.nn.MultiheadAttention")
     p = sub.add_parser("probattn-mha", help="python/probattn_tools/reference/mha.py.MultiheadAttention")
-    p.add_argument("--variant", default="dnas", help="softmax, dnas, hnas, sinkhorn-N, bam-nokl|lf|lc|wf|wc")
+    p.add_argument("--variant", default="dnas", help=f"one of the registry's: {registry.names()}")
     p = sub.add_parser("transformer", help="torch.nn.Transformer as a seq2seq model")
     p.add_argument("--layers", type=int, default=2, help="encoder and decoder layers")
     p.add_argument("--ffn", type=int, default=32, help="dim_feedforward")

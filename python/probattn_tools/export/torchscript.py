@@ -70,6 +70,8 @@ import warnings
 import torch
 from safetensors.torch import save_file
 
+from probattn_tools.reference import variants as registry
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
@@ -246,7 +248,7 @@ def check_bam():
             ts = torch.jit.script(m)
         x, y = torch.randn(b, l, e, dtype=torch.float64), torch.randn(b, s, e, dtype=torch.float64)
         pad = torch.tensor([[False] * s, [False, False, True, True, True]])
-        weibull = variant in ("bam-nokl", "bam-wf", "bam-wc")
+        weibull = registry.noise(variant) == "weibull"
         noise = torch.rand(b, h, l, s, dtype=torch.float64) if weibull else torch.randn(b, h, l, s, dtype=torch.float64)
         g = torch.randn(b, l, e, dtype=torch.float64)
         names = [n for n, _ in ts.named_parameters()]
@@ -300,7 +302,7 @@ def main():
     sub = parser.add_subparsers(dest="model", required=True)
     sub.add_parser("mha", help="torch.nn.MultiheadAttention")
     p = sub.add_parser("probattn-mha", help="python/probattn_tools/reference/mha.py.MultiheadAttention")
-    p.add_argument("--variant", default="dnas", help="softmax, dnas, hnas, sinkhorn-N, bam-nokl|lf|lc|wf|wc")
+    p.add_argument("--variant", default="dnas", help=f"one of the registry's: {registry.names()}")
     p = sub.add_parser("gat", help="python/probattn_tools/baselines/gat.py's Gat (scripted)")
     p.add_argument("--features", type=int, default=20)
     p.add_argument("--classes", type=int, default=5)

@@ -1,6 +1,6 @@
 """probattn's attention variants for PyTorch users: a drop-in for `torch.nn.MultiheadAttention`
-with `variant="softmax" | "dnas" | "hnas" | "sinkhorn-N" | "bam-nokl" | "bam-lf" | "bam-lc" |
-"bam-wf" | "bam-wc"`, scriptable with `torch.jit.script`, so a model trained in PyTorch with DNAS,
+with a `variant` of the library's registry (`probattn variants`; `sinkhorn-N` for any N), scriptable
+with `torch.jit.script`, so a model trained in PyTorch with DNAS,
 HNAS or BAM exports as TorchScript and runs in probattn (`probattn compare --native mha --variant
 dnas` checks such an export against the native module).
 
@@ -39,11 +39,14 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from probattn_tools.reference import variants
 from probattn_tools.reference.formulas import dnas_weights, hnas_weights, masked_logsumexp, sinkhorn_weights, softmax_weights
 
 __all__ = ["MultiheadAttention"]
 
-BAM = ("bam-nokl", "bam-lf", "bam-lc", "bam-wf", "bam-wc")
+# The BAM variants, and what each samples and reads, as the library's registry states them.
+_REGISTRY = {e["example"]: e for e in variants.registry()}
+BAM = tuple(name for name, e in _REGISTRY.items() if e["family"] == "bayesian")
 
 
 class _Weights(nn.Module):
@@ -72,7 +75,7 @@ class ContextualPrior(nn.Module):
 
 class MultiheadAttention(nn.Module):
     __constants__ = ["embed_dim", "num_heads", "head_dim", "batch_first", "variant", "sinkhorn_iterations", "dropout", "bam_k",
-                     "bam_sigma", "prior_alpha", "prior_beta", "prior_mu", "prior_sigma", "bam_base", "lgamma_1p_inv"]
+                     "bam_sigma", "prior_alpha", "prior_beta", "prior_mu", "prior_sigma", "bam_base", "lgamma_1p_inv", "weibull", "bayesian"]
     kl: Optional[Tensor]
 
     def __init__(self, embed_dim: int, num_heads: int, variant: str = "softmax", dropout: float = 0.0, bias: bool = True,
@@ -88,8 +91,8 @@ class MultiheadAttention(nn.Module):
             if self.sinkhorn_iterations < 1:
                 raise ValueError(f"{variant}: Sinkhorn needs at least one iteration")
             variant = "sinkhorn"
-        elif variant not in ("softmax", "dnas", "hnas") + BAM:
-            raise ValueError(f"unknown variant {variant!r} (softmax, dnas, hnas, sinkhorn-N, {', '.join(BAM)})")
+        elif variant not in _REGISTRY:
+            raise ValueError(f"unknown variant {variant!r} ({', '.join(e['name'] for e in variants.registry())})")
         if variant in BAM:
             for name, value in (("bam_k", bam_k), ("bam_sigma", bam_sigma), ("prior_alpha", prior_alpha), ("prior_beta", prior_beta),
                                 ("prior_sigma", prior_sigma)):
@@ -116,7 +119,10 @@ class MultiheadAttention(nn.Module):
             self.hybrid_logit = nn.Parameter(torch.full((num_heads,), logit, **factory))
         else:
             self.register_parameter("hybrid_logit", None)
-        self.prior = ContextualPrior(num_heads, self.head_dim, prior_hidden, factory) if variant in ("bam-lc", "bam-wc") else None
+        contextual = any(n.startswith("prior.") for n in _REGISTRY[variant]["parameters"]) if variant in _REGISTRY else False
+        self.prior = ContextualPrior(num_heads, self.head_dim, prior_hidden, factory) if contextual else None
+        self.weibull = variant in _REGISTRY and _REGISTRY[variant]["noise"] == "weibull"
+        self.bayesian = variant in BAM
         # nn.MultiheadAttention's initialisation.
         nn.init.xavier_uniform_(self.in_proj_weight)
         if self.in_proj_bias is not None:
@@ -158,7 +164,7 @@ class MultiheadAttention(nn.Module):
 
         z = q @ k.transpose(-2, -1) / math.sqrt(d)
         self.kl = None
-        if self.variant.startswith("bam"):
+        if self.bayesian:
             w = self._bam(z, allowed, k, noise)
         elif self.variant == "softmax":
             w = softmax_weights(z, allowed)
@@ -187,7 +193,7 @@ class MultiheadAttention(nn.Module):
         else:
             log_xi = z - masked_logsumexp(z, allowed, -2)
             log_pi = log_xi - masked_logsumexp(log_xi, allowed, -1)
-        weibull = self.variant in ("bam-nokl", "bam-wf", "bam-wc")
+        weibull = self.weibull
         if noise is None:
             noise = torch.rand_like(z).clamp_min(1.1754943508222875e-38) if weibull else torch.randn_like(z)
         elif noise.shape != z.shape:
