@@ -7,7 +7,9 @@
 set -euo pipefail
 
 TORCH_VERSION="2.11.0"
-PY_PACKAGES=("torch==${TORCH_VERSION}" "numpy" "safetensors" "sacrebleu==2.6.0" "tokenizers==0.23.3" "transformers==5.24.0")
+# numpy below 2.4: Triton 3.6's interpreter, which runs the Triton kernels' tests on the CPU, fails
+# on loop bounds given at run time with numpy 2.4.
+PY_PACKAGES=("torch==${TORCH_VERSION}" "numpy<2.4" "safetensors" "sacrebleu==2.6.0" "tokenizers==0.23.3" "transformers==5.24.0")
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CACHE_VENV="${XDG_CACHE_HOME:-$HOME/.cache}/probattn/torch-${TORCH_VERSION}-venv"
 
@@ -47,11 +49,13 @@ while [ $# -gt 0 ]; do
 done
 
 # Prints nothing and fails unless $1 is a Python with torch $TORCH_VERSION, numpy, safetensors and sacrebleu.
+# With a second argument "own" (the set-up's virtualenv), numpy must also be below 2.4.
 check_python() {
-  "$1" - "$TORCH_VERSION" <<'PY' 2>/dev/null
+  "$1" - "$TORCH_VERSION" "${2:-}" <<'PY' 2>/dev/null
 import sys
 import numpy, safetensors, sacrebleu, torch, transformers
 assert torch.__version__.split("+")[0] == sys.argv[1], torch.__version__
+assert sys.argv[2] != "own" or tuple(map(int, numpy.__version__.split(".")[:2])) < (2, 4), numpy.__version__
 PY
 }
 
@@ -62,17 +66,21 @@ install them with: $reuse_python -m pip install ${PY_PACKAGES[*]}"
   python="$(command -v "$reuse_python")"
 else
   python="$venv/bin/python"
-  if [ -x "$python" ] && check_python "$python"; then
+  if [ -x "$python" ] && check_python "$python" own; then
     echo "PyTorch ${TORCH_VERSION} already installed in $venv"
   else
     base="${PYTHON:-python3}"
     command -v "$base" >/dev/null || die "no '$base' to create the virtualenv with (set PYTHON)"
-    echo "Installing PyTorch ${TORCH_VERSION} into $venv (about 4.7 GB with its CUDA libraries)..."
+    if [ -x "$python" ]; then
+      echo "Bringing the packages in $venv to: ${PY_PACKAGES[*]}"
+    else
+      echo "Installing PyTorch ${TORCH_VERSION} into $venv (about 4.7 GB with its CUDA libraries)..."
+    fi
     mkdir -p "$(dirname "$venv")"
     [ -x "$python" ] || "$base" -m venv "$venv"
     "$python" -m pip install --quiet --upgrade pip
     "$python" -m pip install --quiet "${PY_PACKAGES[@]}"
-    check_python "$python" || die "the install in $venv did not give a working torch ${TORCH_VERSION}"
+    check_python "$python" own || die "the install in $venv did not give a working torch ${TORCH_VERSION} with numpy < 2.4"
   fi
 fi
 

@@ -13,4 +13,5 @@ project's virtualenv, or with `PYTHONPATH=python`:
 - `tables`: scripts that read run folders and print the README tables (and the GAT sweep).
 - `export`: TorchScript and `.pt2` exports for `probattn compare` and the interop tests.
 - `diagnostics`: one-off probes behind the VQA READMEs' analyses.
+- `kernels`: the Triton kernels of the deterministic plans and their check against the formulas.
 """

@@ -1,0 +1,172 @@
+"""Times the Triton kernels of the plans on a GPU against what a PyTorch user would otherwise run,
+in one process: SDPA (flash) softmax, compiled FlexAttention softmax, compiled FlexAttention DNAS
+from two calls, and our softmax and DNAS kernels. Forward + backward, bfloat16 by default.
+
+    python -m probattn_tools.kernels.bench --out results/cuda/DATE/kernels
+    python -m probattn_tools.kernels.bench --shapes 8x1024,1x4096 --head-dim 64 --repeats 20
+
+For each shape (B × S, H heads, head dimension d) it prints and writes (`bench.json`, with the
+commit and whether the tree was dirty) the median and IQR of each implementation's time, its
+TFLOP/s (attention's 4·B·H·S²·d forward and 10·B·H·S²·d backward flops: two and five products of
+2·B·H·S²·d each; DNAS's extra column pass and correction products are not counted, so its TFLOP/s
+compares with softmax's as a time does), its peak memory, and its time relative to SDPA's. Each implementation's output is first compared with SDPA's (softmax) or with DNAS from the
+formulas (at S ≤ 4,096), and a mismatch is recorded instead of a time. FlexAttention's DNAS uses a
+separate value tensor for its column call, `dynamic=False` and a raised recompile limit (with `q`
+reused as that value, Dynamo recompiled past its limit and fell back to an unfused path).
+"""
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def provenance():
+    here = Path(__file__).resolve().parent
+    git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    return {"git_sha": git("rev-parse", "HEAD") or None, "git_dirty": bool(git("status", "--porcelain", "--", "../.."))}
+
+
+def time_fns(torch, fns, repeats):
+    """Median and IQR (ms) of each function after two warm-up rounds, the functions taking turns."""
+    times = [[] for _ in fns]
+    for rnd in range(repeats + 2):
+        for fn, t in zip(fns, times):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            if rnd >= 2:
+                t.append(1e3 * (time.perf_counter() - start))
+    return [(statistics.median(t), statistics.quantiles(t, n=4)[2] - statistics.quantiles(t, n=4)[0]) for t in times]
+
+
+def peak_mib(torch, fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def implementations(torch, args):
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from probattn_tools.kernels import plans
+
+    torch._dynamo.config.recompile_limit = 64
+    flex = torch.compile(flex_attention, dynamic=False)
+    config = plans.Config(args.block_m, args.block_n, args.num_warps, args.num_stages)
+
+    def flex_dnas(q, k, v):
+        ones = torch.zeros_like(q)  # the column call's value: its output is discarded
+        _, column_lse = flex(k, q, ones, return_lse=True)
+
+        def minus_column_lse(score, b, h, q_idx, kv_idx):
+            return score - column_lse[b, h, kv_idx]
+        return flex(q, k, v, score_mod=minus_column_lse)
+
+    return {
+        "sdpa": ("softmax", lambda q, k, v: F.scaled_dot_product_attention(q, k, v)),
+        "flex-softmax": ("softmax", lambda q, k, v: flex(q, k, v)),
+        "flex-dnas": ("dnas", flex_dnas),
+        "probattn-softmax": ("softmax", lambda q, k, v: plans.attention(q, k, v, sweeps=0, config=config)),
+        "probattn-dnas": ("dnas", lambda q, k, v: plans.attention(q, k, v, sweeps=1, config=config)),
+    }
+
+
+def check(torch, name, plan, fn, q, k, v):
+    """Max error of fn's output against SDPA (softmax) or the formulas' DNAS in float32."""
+    import torch.nn.functional as F
+
+    from probattn_tools.reference import formulas
+
+    with torch.no_grad():
+        out = fn(q, k, v).float()
+        if plan == "softmax":
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        else:
+            b, h, s, d = q.shape
+            z = q.float() @ k.float().transpose(-2, -1) / math.sqrt(d)
+            allowed = torch.ones(1, 1, s, s, dtype=torch.bool, device=q.device)
+            ref = formulas.dnas_weights(z, allowed) @ v.float()
+    return (out - ref).abs().max().item()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="8x1024,1x4096,1x16384,1x32768", help="B x S, comma-separated")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--block-m", type=int, default=64)
+    parser.add_argument("--block-n", type=int, default=64)
+    parser.add_argument("--num-warps", type=int, default=4)
+    parser.add_argument("--num-stages", type=int, default=2)
+    parser.add_argument("--impls", default="sdpa,flex-softmax,flex-dnas,probattn-softmax,probattn-dnas")
+    parser.add_argument("--out", help="folder for bench.json (default: print only)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("kernels.bench: needs a CUDA GPU (the CPU check is `python -m probattn_tools.kernels.check`)")
+    dtype = getattr(torch, args.dtype)
+    impls = implementations(torch, args)
+    chosen = args.impls.split(",")
+    unknown = [n for n in chosen if n not in impls]
+    if unknown:
+        sys.exit(f"kernels.bench: unknown implementation(s) {unknown} (known: {', '.join(impls)})")
+    rows = []
+    for shape in args.shapes.split(","):
+        b, s = (int(x) for x in shape.lower().split("x"))
+        h, d = args.heads, args.head_dim
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=gen).requires_grad_(True) for _ in range(3))
+        grad = torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=gen)
+        flops = 14 * b * h * s * s * d  # forward two products, backward five, each 2·B·H·S²·d flops
+        steps, names = [], []
+        for name in chosen:
+            plan, fn = impls[name]
+            row = {"shape": f"{b}x{s}", "B": b, "S": s, "H": h, "d": d, "dtype": args.dtype, "impl": name, "plan": plan}
+            try:
+                if s <= 4096:
+                    row["max_error"] = check(torch, name, plan, fn, q, k, v)
+                step = lambda fn=fn: torch.autograd.backward(fn(q, k, v), grad)  # noqa: E731
+                step()
+                row["peak_mib"] = peak_mib(torch, step)
+                steps.append(step)
+                names.append(len(rows))
+            except Exception as e:  # recorded, and the other implementations go on
+                row["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+            rows.append(row)
+        for i, (med, iqr) in zip(names, time_fns(torch, steps, args.repeats)):
+            rows[i].update(ms=med, iqr_ms=iqr, tflops=flops / (med * 1e-3) / 1e12)
+        sdpa = next((r["ms"] for r in rows if r["shape"] == f"{b}x{s}" and r["impl"] == "sdpa" and "ms" in r), None)
+        for r in rows:
+            if r["shape"] == f"{b}x{s}":
+                if sdpa and "ms" in r:
+                    r["vs_sdpa"] = r["ms"] / sdpa
+                cells = (f"{r['ms']:8.2f} ms ± {r['iqr_ms']:.2f}, {r['tflops']:6.1f} TFLOP/s, {r['peak_mib']:8.1f} MiB, "
+                         f"{r.get('vs_sdpa', float('nan')):.2f}× SDPA" if "ms" in r else r.get("error", ""))
+                print(f"{r['shape']:>8} {r['impl']:18} {cells}  err {r.get('max_error', float('nan')):.1e}", flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        record = {"provenance": provenance(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "settings": vars(args), "rows": rows}
+        tmp = out / "bench.json.tmp"
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        tmp.replace(out / "bench.json")
+        print(f"wrote {out / 'bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
