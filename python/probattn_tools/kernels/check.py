@@ -1,7 +1,7 @@
 """Checks the Triton kernels of the plans (`probattn_tools.kernels.plans`) against the reference
 formulas (`probattn_tools.reference.formulas`, written from the papers): the output, the gradients
 in q, k and v and the received mass, over plans (softmax, DNAS, another score scale), masks (key
-padding, query padding, causal), grouped key/value heads, lengths that are not multiples of the
+padding, query padding, causal), HNAS's mix and its gate's gradient, grouped key/value heads, lengths that are not multiples of the
 blocks, head dimensions that are not powers of two, and dtypes.
 
     python -m probattn_tools.kernels.check                  # on the CPU, under Triton's interpreter
@@ -30,7 +30,7 @@ def cases(quick):
     """(name, sweeps, score_scale, (B, H, H_kv, S_q, S_k, d, d_v), masks, causal)."""
     shapes = {"gqa": (2, 4, 2, 13, 11, 8, 5), "rect": (1, 2, 2, 7, 19, 16, 16), "one": (1, 1, 1, 1, 1, 4, 4)}
     out = []
-    for sweeps, plan in ((0, "softmax"), (1, "dnas")):
+    for sweeps, plan in ((0, "softmax"), (1, "dnas"), (1, "hnas")):
         out.append((f"{plan} gqa unmasked", sweeps, 1.0, shapes["gqa"], (), False))
         out.append((f"{plan} gqa key+query padding, scale 0.5", sweeps, 0.5, shapes["gqa"], ("key", "query"), False))
         if not quick:
@@ -42,7 +42,7 @@ def cases(quick):
     return out
 
 
-def reference(torch, formulas, q, k, v, sweeps, scale, kp, qp, causal):
+def reference(torch, formulas, q, k, v, plan, scale, kp, qp, causal, logit=None):
     """Output and received mass from the formulas, in float64, keys and values repeated per group."""
     group = q.shape[1] // k.shape[1]
     kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -50,7 +50,7 @@ def reference(torch, formulas, q, k, v, sweeps, scale, kp, qp, causal):
     allowed = formulas.allowed_mask(b, h, s_q, k.shape[2], key_padding_mask=kp, query_padding_mask=qp, causal=causal,
                                     device=q.device)
     z = q @ kk.transpose(-2, -1) * (scale / math.sqrt(d))
-    w = formulas.normalize("dnas" if sweeps else "softmax", z, allowed)
+    w = formulas.normalize(plan, z, allowed, hybrid_logit=logit)
     return w @ vv, w.sum(-2)
 
 
@@ -69,18 +69,29 @@ def run_case(torch, plans, formulas, case, dtype, device, config):
         qp[0, s_q * 3 // 4:] = True
         qp = qp.to(device)
     cot = make(b, h, s_q, dv)
-    ins = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    out = plans.attention(*ins, sweeps=sweeps, score_scale=scale, key_padding_mask=kp, query_padding_mask=qp,
-                          causal=causal, config=config)
+    plan = name.split()[0]
+    stats = torch.float64 if dtype == torch.float64 else torch.float32
+    logit = torch.randn(h, generator=gen, dtype=torch.float64).to(stats).to(device) if plan == "hnas" else None
+    ins = [t.detach().requires_grad_(True) for t in (q, k, v)] + ([logit.detach().requires_grad_(True)] if plan == "hnas" else [])
+    if plan == "hnas":
+        out = plans.hybrid_attention(*ins, score_scale=scale, key_padding_mask=kp, query_padding_mask=qp, config=config)
+    else:
+        out = plans.attention(*ins, sweeps=sweeps, score_scale=scale, key_padding_mask=kp, query_padding_mask=qp,
+                              causal=causal, config=config)
     grads = torch.autograd.grad(out, ins, cot)
-    _, c, r = plans.forward(q, k, v, sweeps, scale, kp, qp, causal, config)
-    mass = plans.received_mass(q, k, v, c, r, sweeps, scale, kp, qp, causal, config)
     ref_ins = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
-    ref_out, ref_mass = reference(torch, formulas, *ref_ins, sweeps, scale, kp, qp, causal)
-    ref_grads = torch.autograd.grad(ref_out, ref_ins, cot.double())
+    ref_logit = logit.detach().double().requires_grad_(True) if plan == "hnas" else None
+    ref_out, ref_mass = reference(torch, formulas, *ref_ins, plan, scale, kp, qp, causal, ref_logit)
+    ref_grads = torch.autograd.grad(ref_out, ref_ins + ([ref_logit] if plan == "hnas" else []), cot.double())
+    compared = [("output", out, ref_out), ("dq", grads[0], ref_grads[0]), ("dk", grads[1], ref_grads[1]),
+                ("dv", grads[2], ref_grads[2])]
+    if plan == "hnas":
+        compared.append(("dlogit", grads[3], ref_grads[3]))
+    else:
+        _, c, r = plans.forward(q, k, v, sweeps, scale, kp, qp, causal, config)
+        compared.append(("mass", plans.received_mass(q, k, v, c, r, sweeps, scale, kp, qp, causal, config), ref_mass))
     errors = {}
-    for what, ours, theirs in [("output", out, ref_out), ("dq", grads[0], ref_grads[0]), ("dk", grads[1], ref_grads[1]),
-                               ("dv", grads[2], ref_grads[2]), ("mass", mass, ref_mass)]:
+    for what, ours, theirs in compared:
         theirs = theirs.detach()
         err = (ours.double() - theirs).abs().max().item()
         errors[what] = err / max(1.0, theirs.abs().max().item())

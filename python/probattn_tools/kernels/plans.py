@@ -6,7 +6,9 @@ A plan's weights are `p_ij = exp(z_ij − c_j − r_i)` over the allowed entries
 `z_ij = s · q_i·k_j`, `s = score_scale / sqrt(d)` (docs/formulas.md; PAPER-NOTES §5):
 - `sweeps = 0` (softmax): `c = 0`, `r_i = LSE_j z_ij`;
 - `sweeps = 1` (DNAS): `c_j = LSE_i z_ij` over the queries (the column pass), then
-  `r_i = LSE_j (z_ij − c_j)` (the row pass).
+  `r_i = LSE_j (z_ij − c_j)` (the row pass);
+- hybrid (HNAS): `u·p_DNAS + (1 − u)·p_softmax` per head, `u = sigmoid(logit)`, both row passes'
+  accumulators kept in one pass over the tiles (`hybrid_attention`).
 
 The kernels:
 - `_column_pass`: per key, `c_j` over the queries (no value product);
@@ -90,14 +92,17 @@ def _column_pass(Q, K, C, QPAD, KPAD,
 
 
 @triton.jit
-def _row_pass(Q, K, V, C, O, R, QPAD, KPAD,
+def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD,
               stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
               stride_ob, stride_oh, stride_os, stride_cb, stride_ch, stride_rb, stride_rh, stride_qpad, stride_kpad,
               H, GROUP, S_Q, S_K, D, DV, SCALE,
-              SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, CAUSAL: tl.constexpr,
-              ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              BLOCK_DV: tl.constexpr):
-    """O_i = Σ_j p_ij v_j and r_i = LSE_j (z_ij − c_j), one query block per program."""
+              SWEEPS: tl.constexpr, HYBRID: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr,
+              CAUSAL: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """O_i = Σ_j p_ij v_j and r_i = LSE_j (z_ij − c_j), one query block per program. HYBRID (HNAS)
+    keeps softmax's accumulators beside the plan's over the same tiles, one load of each key and
+    value block for both, and writes softmax's output and row statistic to O2 and R2 (laid out as
+    O and R)."""
     scale = tl.load(SCALE).to(ACC)
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -111,6 +116,9 @@ def _row_pass(Q, K, V, C, O, R, QPAD, KPAD,
     m = tl.full([BLOCK_M], FLOOR, dtype=ACC)
     l = tl.zeros([BLOCK_M], dtype=ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
+    m2 = tl.full([BLOCK_M], FLOOR, dtype=ACC)
+    l2 = tl.zeros([BLOCK_M], dtype=ACC)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
     end_n = S_K
     if CAUSAL:
         end_n = tl.minimum(S_K, start_m + BLOCK_M)  # blocks wholly above the diagonal are skipped
@@ -118,23 +126,42 @@ def _row_pass(Q, K, V, C, O, R, QPAD, KPAD,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
                     mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D), other=0.0)
-        z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale
+        v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
+                    mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
+        ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL)
+        z0 = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale
+        z = z0
         if SWEEPS > 0:
             c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-            z = z - c[None, :]
-        ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL)
+            z = z0 - c[None, :]
         z = tl.where(ok, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, 1))
         p = tl.exp(z - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
-                    mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC, input_precision=DOT)
         m = m_new
+        if HYBRID:
+            z0 = tl.where(ok, z0, float("-inf"))
+            m2_new = tl.maximum(m2, tl.max(z0, 1))
+            p2 = tl.exp(z0 - m2_new[:, None])
+            alpha2 = tl.exp(m2 - m2_new)
+            l2 = l2 * alpha2 + tl.sum(p2, 1)
+            acc2 = acc2 * alpha2[:, None] + tl.dot(p2.to(v.dtype), v, out_dtype=ACC, input_precision=DOT)
+            m2 = m2_new
+    _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb, stride_rh)
+    if HYBRID:
+        _finish_row(O2, R2, acc2, m2, l2, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb,
+                    stride_rh)
+
+
+@triton.jit
+def _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb, stride_rh):
+    """Writes a row pass's output acc / l and its row statistic m + log l (0 for an empty row,
+    whose statistic is never read)."""
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
-    r = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), 0.0)  # an empty row's r is never read
+    r = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), 0.0)
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_dv[None, :],
              out.to(O.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < DV))
     tl.store(R + b * stride_rb + h * stride_rh + offs_m, r, mask=offs_m < S_Q)
@@ -310,9 +337,12 @@ def _dot_precision(dtype):
 
 
 def forward(q, k, v, sweeps=1, score_scale=1.0, key_padding_mask=None, query_padding_mask=None, causal=False,
-            config=None):
-    """(output, c, r): the plan's output (B, H, S_q, d_v) and its statistics, without a graph."""
+            config=None, hybrid=False):
+    """(output, c, r): the plan's output (B, H, S_q, d_v) and its statistics, without a graph.
+    With `hybrid` (HNAS), (output, c, r, softmax's output, softmax's r) from the same row pass."""
     _check(q, k, v, sweeps, causal)
+    if hybrid and not sweeps:
+        raise ValueError("a hybrid plan mixes a plan with sweeps and softmax: sweeps must be 1")
     config = config or Config()
     (b, h, s_q, d), (_, h_kv, s_k, _), dv = q.shape, k.shape, v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -329,11 +359,13 @@ def forward(q, k, v, sweeps=1, score_scale=1.0, key_padding_mask=None, query_pad
             h, h // h_kv, s_q, s_k, d, scale, HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, **common)
     out = torch.empty(b, h, s_q, dv, dtype=q.dtype, device=q.device)
     r = torch.empty(b, h, s_q, dtype=stats, device=q.device)
+    out2, r2 = (torch.empty_like(out), torch.empty_like(r)) if hybrid else (out, r)
     _row_pass[(triton.cdiv(s_q, config.block_m), b * h)](
-        q, k, v, c, out, r, qpad, kpad, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        q, k, v, c, out, r, out2, r2, qpad, kpad, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         *c.stride()[:2], *r.stride()[:2], sqp, skp, h, h // h_kv, s_q, s_k, d, dv, scale,
-        SWEEPS=sweeps, HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, CAUSAL=causal, BLOCK_DV=triton.next_power_of_2(dv), **common)
-    return out, c, r
+        SWEEPS=sweeps, HYBRID=hybrid, HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, CAUSAL=causal,
+        BLOCK_DV=triton.next_power_of_2(dv), **common)
+    return (out, c, r, out2, r2) if hybrid else (out, c, r)
 
 
 def _key_launch(q, k, v, c, r, do, delta, grads, sweeps, score_scale, pads, causal, config):
@@ -413,3 +445,38 @@ def attention(q, k, v, sweeps=1, score_scale=1.0, key_padding_mask=None, query_p
     """The plan's attention output (B, H, S_q, d_v), differentiable in q, k and v. `k` and `v` may
     have fewer heads than `q` (a divisor of them: grouped-query attention)."""
     return _PlanAttention.apply(q, k, v, sweeps, score_scale, key_padding_mask, query_padding_mask, causal, config)
+
+
+class _HybridAttention(torch.autograd.Function):
+    """HNAS: `u·O_plan + (1 − u)·O_softmax` per head, `u = sigmoid(logit)`, both outputs from one
+    row pass; the backward runs each branch's passes with its share of dO, and the gate's
+    gradient is `Σ dO·(O_plan − O_softmax) · u(1 − u)` per head."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, logit, score_scale, key_padding_mask, query_padding_mask, config):
+        out_d, c, r_d, out_s, r_s = forward(q, k, v, 1, score_scale, key_padding_mask, query_padding_mask, False, config,
+                                            hybrid=True)
+        u = torch.sigmoid(logit.to(_STATS[q.dtype]))[None, :, None, None]
+        ctx.save_for_backward(q, k, v, out_d, c, r_d, out_s, r_s, u)
+        ctx.settings = (score_scale, key_padding_mask, query_padding_mask, config)
+        return (u * out_d.to(u.dtype) + (1 - u) * out_s.to(u.dtype)).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out_d, c, r_d, out_s, r_s, u = ctx.saved_tensors
+        score_scale, kp, qp, config = ctx.settings
+        g = grad_out.to(u.dtype)
+        dq_d, dk_d, dv_d = backward(q, k, v, out_d, c, r_d, (u * g).to(q.dtype), 1, score_scale, kp, qp, False, config)
+        dq_s, dk_s, dv_s = backward(q, k, v, out_s, torch.zeros_like(c), r_s, ((1 - u) * g).to(q.dtype), 0, score_scale,
+                                    kp, qp, False, config)
+        du = (g * (out_d.to(u.dtype) - out_s.to(u.dtype))).sum((0, 2, 3))
+        dlogit = du * (u * (1 - u)).flatten()
+        return dq_d + dq_s, dk_d + dk_s, dv_d + dv_s, dlogit, None, None, None, None
+
+
+def hybrid_attention(q, k, v, logit, score_scale=1.0, key_padding_mask=None, query_padding_mask=None, config=None):
+    """HNAS's output (B, H, S_q, d_v) with gate logits `logit (H,)`, differentiable in q, k, v and
+    the logits."""
+    if logit.dim() != 1 or logit.shape[0] != q.shape[1]:
+        raise ValueError(f"logit must have one gate per query head, shape ({q.shape[1]},), got {tuple(logit.shape)}")
+    return _HybridAttention.apply(q, k, v, logit, score_scale, key_padding_mask, query_padding_mask, config)
