@@ -1,8 +1,9 @@
 """Checks the Triton kernels of the plans (`probattn_tools.kernels.plans`) against the reference
 formulas (`probattn_tools.reference.formulas`, written from the papers): the output, the gradients
-in q, k and v and the received mass, over plans (softmax, DNAS, another score scale), masks (key
-padding, query padding, causal), HNAS's mix and its gate's gradient, grouped key/value heads, lengths that are not multiples of the
-blocks, head dimensions that are not powers of two, and dtypes.
+in q, k and v (and HNAS's gate logits) and the received mass, over plans (softmax, DNAS, HNAS,
+Sinkhorn-3, another score scale), masks (key padding, query padding, causal), grouped key/value
+heads, lengths that are not multiples of the blocks, head dimensions that are not powers of two,
+and dtypes.
 
     python -m probattn_tools.kernels.check                  # on the CPU, under Triton's interpreter
     python -m probattn_tools.kernels.check --device cuda    # on a GPU, compiled
@@ -26,18 +27,21 @@ import zlib
 TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3}
 
 
-def cases(quick):
-    """(name, sweeps, score_scale, (B, H, H_kv, S_q, S_k, d, d_v), masks, causal)."""
+def cases(quick, lower):
+    """(name, sweeps, score_scale, (B, H, H_kv, S_q, S_k, d, d_v), masks, causal). `lower`: the
+    cases of a lower precision (the padded one per plan, and the causal one); `quick`: no
+    rectangular or one-entry cases."""
     shapes = {"gqa": (2, 4, 2, 13, 11, 8, 5), "rect": (1, 2, 2, 7, 19, 16, 16), "one": (1, 1, 1, 1, 1, 4, 4)}
     out = []
-    for sweeps, plan in ((0, "softmax"), (1, "dnas"), (1, "hnas")):
-        out.append((f"{plan} gqa unmasked", sweeps, 1.0, shapes["gqa"], (), False))
+    for sweeps, plan in ((0, "softmax"), (1, "dnas"), (1, "hnas"), (3, "sinkhorn-3")):
+        if not lower:
+            out.append((f"{plan} gqa unmasked", sweeps, 1.0, shapes["gqa"], (), False))
         out.append((f"{plan} gqa key+query padding, scale 0.5", sweeps, 0.5, shapes["gqa"], ("key", "query"), False))
-        if not quick:
+        if not quick and not lower:
             out.append((f"{plan} rect key padding", sweeps, 1.0, shapes["rect"], ("key",), False))
             out.append((f"{plan} one entry", sweeps, 1.0, shapes["one"], (), False))
     out.append(("softmax gqa causal, key padding", 0, 2.0, shapes["gqa"], ("key",), True))
-    if not quick:
+    if not quick and not lower:
         out.append(("softmax rect causal", 0, 1.0, shapes["rect"], (), True))
     return out
 
@@ -88,8 +92,13 @@ def run_case(torch, plans, formulas, case, dtype, device, config):
     if plan == "hnas":
         compared.append(("dlogit", grads[3], ref_grads[3]))
     else:
-        _, c, r = plans.forward(q, k, v, sweeps, scale, kp, qp, causal, config)
-        compared.append(("mass", plans.received_mass(q, k, v, c, r, sweeps, scale, kp, qp, causal, config), ref_mass))
+        if sweeps > 1:
+            _, cs, rs = plans.sinkhorn_forward(q, k, v, sweeps, scale, kp, qp, config)
+            c, r = cs[-1], rs[-1]
+        else:
+            _, c, r = plans.forward(q, k, v, sweeps, scale, kp, qp, causal, config)
+        mass = plans.received_mass(q, k, v, c, r, min(sweeps, 1), scale, kp, qp, causal, config)
+        compared.append(("mass", mass, ref_mass))
     errors = {}
     for what, ours, theirs in compared:
         theirs = theirs.detach()
@@ -107,7 +116,7 @@ def bad_input_messages(torch, plans, device):
         ("heads", lambda: plans.attention(torch.randn(1, 3, 4, 8, device=device), x, x), "multiple of the key/value heads"),
         ("dtype", lambda: plans.attention(x, x.double(), x), "must share"),
         ("causal dnas", lambda: plans.attention(x, x, x, sweeps=1, causal=True), "causal"),
-        ("sweeps", lambda: plans.attention(x, x, x, sweeps=3), "0 or 1 sweeps"),
+        ("sweeps", lambda: plans.attention(x, x, x, sweeps=-1), "sweeps must be"),
         ("padding", lambda: plans.attention(x, x, x, key_padding_mask=torch.zeros(1, 5, dtype=torch.bool, device=device)),
          "key_padding_mask"),
     ]:
@@ -157,7 +166,7 @@ def main(argv=None):
             # 1e10 on a 16 × 16 product), though it loads, converts and stores them right.
             print("skip bfloat16: Triton's interpreter gets tl.dot wrong in bfloat16; run it on a GPU (--device cuda)")
             continue
-        for case in cases(args.quick or dtype_name != "float64"):
+        for case in cases(args.quick, dtype_name != "float64"):
             start = time.time()
             errors = run_case(torch, plans, formulas, case, dtype, args.device, config)
             worst = max(errors.values())

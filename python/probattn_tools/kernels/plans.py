@@ -8,7 +8,8 @@ A plan's weights are `p_ij = exp(z_ij − c_j − r_i)` over the allowed entries
 - `sweeps = 1` (DNAS): `c_j = LSE_i z_ij` over the queries (the column pass), then
   `r_i = LSE_j (z_ij − c_j)` (the row pass);
 - hybrid (HNAS): `u·p_DNAS + (1 − u)·p_softmax` per head, `u = sigmoid(logit)`, both row passes'
-  accumulators kept in one pass over the tiles (`hybrid_attention`).
+  accumulators kept in one pass over the tiles (`hybrid_attention`);
+- `sweeps = N ≥ 2` (Sinkhorn-N): a column and a row potential per sweep (below, `_sink_reduce`).
 
 The kernels:
 - `_column_pass`: per key, `c_j` over the queries (no value product);
@@ -323,8 +324,8 @@ def _check(q, k, v, sweeps, causal):
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not fit together")
     if hk < 1 or h % hk:
         raise ValueError(f"the query heads ({h}) must be a multiple of the key/value heads ({hk})")
-    if sweeps not in (0, 1):
-        raise ValueError(f"these kernels serve plans of 0 or 1 sweeps, got {sweeps}")
+    if not isinstance(sweeps, int) or sweeps < 0:
+        raise ValueError(f"sweeps must be a whole number of column/row sweeps, 0 or more, got {sweeps!r}")
     if causal and sweeps:
         raise ValueError("a causal mask with a column sweep would let later queries change earlier ones' weights")
 
@@ -341,6 +342,8 @@ def forward(q, k, v, sweeps=1, score_scale=1.0, key_padding_mask=None, query_pad
     """(output, c, r): the plan's output (B, H, S_q, d_v) and its statistics, without a graph.
     With `hybrid` (HNAS), (output, c, r, softmax's output, softmax's r) from the same row pass."""
     _check(q, k, v, sweeps, causal)
+    if sweeps > 1:
+        raise ValueError(f"forward serves plans of 0 or 1 sweeps; {sweeps} sweeps take sinkhorn_forward")
     if hybrid and not sweeps:
         raise ValueError("a hybrid plan mixes a plan with sweeps and softmax: sweeps must be 1")
     config = config or Config()
@@ -442,8 +445,12 @@ class _PlanAttention(torch.autograd.Function):
 
 def attention(q, k, v, sweeps=1, score_scale=1.0, key_padding_mask=None, query_padding_mask=None, causal=False,
               config=None):
-    """The plan's attention output (B, H, S_q, d_v), differentiable in q, k and v. `k` and `v` may
-    have fewer heads than `q` (a divisor of them: grouped-query attention)."""
+    """The plan's attention output (B, H, S_q, d_v), differentiable in q, k and v: 0 sweeps is
+    softmax, 1 DNAS, N Sinkhorn-N. `k` and `v` may have fewer heads than `q` (a divisor of them:
+    grouped-query attention)."""
+    _check(q, k, v, sweeps, causal)
+    if sweeps > 1:
+        return _SinkhornAttention.apply(q, k, v, sweeps, score_scale, key_padding_mask, query_padding_mask, config)
     return _PlanAttention.apply(q, k, v, sweeps, score_scale, key_padding_mask, query_padding_mask, causal, config)
 
 
@@ -480,3 +487,323 @@ def hybrid_attention(q, k, v, logit, score_scale=1.0, key_padding_mask=None, que
     if logit.dim() != 1 or logit.shape[0] != q.shape[1]:
         raise ValueError(f"logit must have one gate per query head, shape ({q.shape[1]},), got {tuple(logit.shape)}")
     return _HybridAttention.apply(q, k, v, logit, score_scale, key_padding_mask, query_padding_mask, config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sinkhorn-N (N ≥ 2): potentials per sweep t = 1..N, C^t_j = LSE_i (z_ij − R^{t−1}_i) (R^0 = 0)
+# and R^t_i = LSE_j (z_ij − C^t_j); the weights are exp(z − C^N − R^N). The backward carries
+# each potential's gradient back through the sweeps, Ḡc^N = −g (g_j = Σ_i dS¹_ij) and, for
+# t = N−1 .. 1, Ḡr^t_i = −Σ_j Ḡc^{t+1}_j κ^{t+1}_ij and Ḡc^t_j = −Σ_i Ḡr^t_i ρ^t_ij, with
+# κ^t = exp(z − R^{t−1} − C^t) and ρ^t = exp(z − C^t − R^t); then
+# dz = dS¹ + Σ_t Ḡc^t κ^t + Σ_{t<N} Ḡr^t ρ^t, formed tile by tile in the final key and query passes.
+# Potentials and their gradients are (N, B, H, S) float tensors: O(N·S) memory.
+
+
+@triton.jit
+def _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh,
+          stride_ks, scale, ACC: tl.constexpr, DOT: tl.constexpr):
+    """z = s·q kᵀ for one (query block, key block) tile, and the q and k blocks."""
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), other=0.0)
+    k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
+                mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D), other=0.0)
+    return tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale, q, k
+
+
+@triton.jit
+def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD,
+                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_cb, stride_ch, stride_rb,
+                 stride_rh, stride_qpad, stride_kpad, H, GROUP, S_Q, S_K, D, SCALE,
+                 COLUMNS: tl.constexpr, LSE: tl.constexpr, HAS_RPOT: tl.constexpr, HAS_QPAD: tl.constexpr,
+                 HAS_KPAD: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One reduction of x_ij = z_ij − RPOT_i − CPOT_j over the allowed entries, per key (COLUMNS,
+    over the queries) or per query (over the keys): with LSE, the log-sum-exp of x (a potential;
+    the potential being formed is left out of x); else −Σ COEF_other · exp(x) (a potential's
+    gradient). RPOT and CPOT are laid out as (B, H, S) statistics; RPOT absent: 0."""
+    scale = tl.load(SCALE).to(ACC)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    kvh = h // GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    if COLUMNS:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.full([BLOCK_N], FLOOR, dtype=ACC)
+        total = tl.zeros([BLOCK_N], dtype=ACC)
+        cpot = tl.zeros([BLOCK_N], dtype=ACC)
+        if not LSE:
+            cpot = tl.load(CPOT + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+        for start_m in range(0, S_Q, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
+                            stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False)
+            if HAS_RPOT:
+                z = z - tl.load(RPOT + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)[:, None]
+            if LSE:
+                z = tl.where(ok, z, float("-inf"))
+                m_new = tl.maximum(m, tl.max(z, 0))
+                total = total * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[None, :]), 0)
+                m = m_new
+            else:
+                coef = tl.load(COEF + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                e = tl.where(ok, tl.exp(tl.where(ok, z - cpot[None, :], 0.0)), 0.0)
+                total -= tl.sum(e * coef[:, None], 0)
+        if LSE:
+            total = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), FLOOR)
+        tl.store(OUT + b * stride_cb + h * stride_ch + offs_n, total, mask=offs_n < S_K)
+    else:
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m = tl.full([BLOCK_M], FLOOR, dtype=ACC)
+        total = tl.zeros([BLOCK_M], dtype=ACC)
+        rpot = tl.zeros([BLOCK_M], dtype=ACC)
+        if HAS_RPOT:
+            rpot = tl.load(RPOT + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+        for start_n in range(0, S_K, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
+                            stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False)
+            z = z - tl.load(CPOT + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)[None, :]
+            if LSE:
+                z = tl.where(ok, z, float("-inf"))
+                m_new = tl.maximum(m, tl.max(z, 1))
+                total = total * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), 1)
+                m = m_new
+            else:
+                coef = tl.load(COEF + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+                e = tl.where(ok, tl.exp(tl.where(ok, z - rpot[:, None], 0.0)), 0.0)
+                total -= tl.sum(e * coef[None, :], 1)
+        if LSE:
+            total = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), 0.0)
+        tl.store(OUT + b * stride_rb + h * stride_rh + offs_m, total, mask=offs_m < S_Q)
+
+
+@triton.jit
+def _sink_dz(z, ok, dsz, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb, stride_ch, stride_tr,
+             stride_rb, stride_rh, N: tl.constexpr):
+    """dz = dS¹ + Σ_t Ḡc^t κ^t + Σ_{t<N} Ḡr^t ρ^t on one tile (z without potentials)."""
+    r_prev = tl.zeros([z.shape[0]], dtype=z.dtype)
+    for t in tl.static_range(N):
+        c = tl.load(CS + t * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+        gc = tl.load(GC + t * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+        x = z - r_prev[:, None] - c[None, :]
+        dsz += tl.where(ok, tl.exp(tl.where(ok, x, 0.0)), 0.0) * gc[None, :]
+        if t < N - 1:
+            r = tl.load(RS + t * stride_tr + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+            gr = tl.load(GR + t * stride_tr + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+            y = z - c[None, :] - r[:, None]
+            dsz += tl.where(ok, tl.exp(tl.where(ok, y, 0.0)), 0.0) * gr[:, None]
+            r_prev = r
+    return dsz
+
+
+@triton.jit
+def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPAD,
+                stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                stride_dob, stride_doh, stride_dos, stride_t, stride_cb, stride_ch, stride_tr, stride_rb, stride_rh,
+                stride_qpad, stride_kpad, H, GROUP, S_Q, S_K, D, DV, SCALE,
+                N: tl.constexpr, STAGE: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr,
+                ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Sinkhorn-N's gradient passes. STAGE 0: g_j = Σ_i dS¹_ij, one key block of one (batch, query
+    head) per program. STAGE 1: dK and dV with the whole dz, one key block of one (batch,
+    key/value head), over its group's query heads. STAGE 2: dQ, one query block of one (batch,
+    query head). p = exp(z − C^N − R^N); dq, dk and dv are laid out as q, k and v."""
+    scale = tl.load(SCALE).to(ACC)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    last_c = (N - 1) * stride_t
+    last_r = (N - 1) * stride_tr
+    if STAGE < 2:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        bk = tl.program_id(1)
+        if STAGE == 0:
+            b, kvh = bk // H, (bk % H) // GROUP
+            first, heads = bk % H, 1
+        else:
+            b, kvh = bk // (H // GROUP), bk % (H // GROUP)
+            first, heads = kvh * GROUP, GROUP
+        v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
+                    mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
+        for i in range(0, heads):
+            h = first + i
+            c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+            g = tl.zeros([BLOCK_N], dtype=ACC)
+            for start_m in range(0, S_Q, BLOCK_M):
+                offs_m = start_m + tl.arange(0, BLOCK_M)
+                z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
+                                stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
+                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
+                              False)
+                r = tl.load(RS + last_r + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                p = tl.where(ok, tl.exp(tl.where(ok, z - c[None, :] - r[:, None], 0.0)), 0.0)
+                do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_dv[None, :],
+                             mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < DV), other=0.0)
+                delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                ds = p * (tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT) - delta[:, None])
+                if STAGE == 0:
+                    g += tl.sum(ds, 0)
+                else:
+                    dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb,
+                                  stride_ch, stride_tr, stride_rb, stride_rh, N)
+                    dk += tl.dot(tl.trans(dz).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
+                    dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
+            if STAGE == 0:
+                tl.store(G + b * stride_cb + h * stride_ch + offs_n, g, mask=offs_n < S_K)
+        if STAGE == 1:
+            tl.store(DK + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
+                     (dk * scale).to(DK.dtype.element_ty), mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D))
+            tl.store(DV_OUT + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
+                     dv.to(DV_OUT.dtype.element_ty), mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV))
+    else:
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        bh = tl.program_id(1)
+        b, h = bh // H, bh % H
+        kvh = h // GROUP
+        r = tl.load(RS + last_r + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+        do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_dv[None, :],
+                     mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < DV), other=0.0)
+        delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+        for start_n in range(0, S_K, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
+                            stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False)
+            c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+            v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
+                        mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
+            p = tl.where(ok, tl.exp(tl.where(ok, z - c[None, :] - r[:, None], 0.0)), 0.0)
+            ds = p * (tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT) - delta[:, None])
+            dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb, stride_ch,
+                          stride_tr, stride_rb, stride_rh, N)
+            dq += tl.dot(dz.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
+        tl.store(DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                 (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D))
+
+
+def _sink_reduce_launch(q, k, rpot, cpot, coef, out, columns, lse, pads, config):
+    (b, h, s_q, d), (_, h_kv, s_k, _) = q.shape, k.shape
+    (qpad, sqp, has_qpad), (kpad, skp, has_kpad) = pads
+    stats = _STATS[q.dtype]
+    scale = torch.tensor([1.0], dtype=stats, device=q.device) * config.scale
+    # Every statistic is a contiguous (B, H, S_k) or (B, H, S_q) tensor (or a slice of one
+    # (N, B, H, S) along its first dimension).
+    for t in (rpot, cpot, coef, out):
+        assert t is None or t.is_contiguous()
+    grid = (triton.cdiv(s_k, config.block_n) if columns else triton.cdiv(s_q, config.block_m), b * h)
+    dummy = out
+    _sink_reduce[grid](
+        q, k, rpot if rpot is not None else dummy, cpot if cpot is not None else dummy, coef if coef is not None else dummy,
+        out, qpad, kpad, *q.stride()[:3], *k.stride()[:3], h * s_k, s_k, h * s_q, s_q, sqp, skp,
+        h, h // h_kv, s_q, s_k, d, scale, COLUMNS=columns, LSE=lse, HAS_RPOT=rpot is not None, HAS_QPAD=has_qpad,
+        HAS_KPAD=has_kpad, ACC=_ACC[q.dtype], DOT=_dot_precision(q.dtype), BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_D=triton.next_power_of_2(d), num_warps=config.num_warps,
+        num_stages=config.num_stages)
+
+
+def sinkhorn_forward(q, k, v, sweeps, score_scale=1.0, key_padding_mask=None, query_padding_mask=None, config=None):
+    """(output, CS, RS): Sinkhorn-N's output and its potentials, (N, B, H, S_k) and (N, B, H, S_q)."""
+    _check(q, k, v, 1, False)
+    if sweeps < 2:
+        raise ValueError(f"sinkhorn_forward takes 2 sweeps or more (1 is DNAS), got {sweeps}")
+    config = _Scaled(config or Config(), score_scale / math.sqrt(q.shape[-1]))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    (b, h, s_q, _), s_k = q.shape, k.shape[2]
+    stats = _STATS[q.dtype]
+    pads = (_pad_arg(query_padding_mask, b, s_q, "query_padding_mask", q.device),
+            _pad_arg(key_padding_mask, b, s_k, "key_padding_mask", q.device))
+    cs = torch.zeros(sweeps, b, h, s_k, dtype=stats, device=q.device)
+    rs = torch.zeros(sweeps, b, h, s_q, dtype=stats, device=q.device)
+    for t in range(sweeps):
+        _sink_reduce_launch(q, k, rs[t - 1] if t else None, None, None, cs[t], True, True, pads, config)
+        if t < sweeps - 1:
+            _sink_reduce_launch(q, k, None, cs[t], None, rs[t], False, True, pads, config)
+    # The last row pass is DNAS's with C^N as its column statistic.
+    out, _, r = _row_with_c(q, k, v, cs[-1], score_scale, key_padding_mask, query_padding_mask, config.inner)
+    rs[-1] = r
+    return out, cs, rs
+
+
+class _Scaled:
+    """A Config with the score scale s = score_scale / sqrt(d) the Sinkhorn launches read."""
+
+    def __init__(self, inner, scale):
+        self.inner, self.scale = inner, scale
+        self.block_m, self.block_n, self.num_warps, self.num_stages = inner.block_m, inner.block_n, inner.num_warps, inner.num_stages
+
+
+def _row_with_c(q, k, v, c, score_scale, key_padding_mask, query_padding_mask, config):
+    """The row pass of a plan with sweeps, given its column statistic c (B, H, S_k)."""
+    (b, h, s_q, d), (_, h_kv, s_k, _), dv = q.shape, k.shape, v.shape[-1]
+    stats = _STATS[q.dtype]
+    scale = torch.tensor([score_scale / math.sqrt(d)], dtype=stats, device=q.device)
+    qpad, sqp, has_qpad = _pad_arg(query_padding_mask, b, s_q, "query_padding_mask", q.device)
+    kpad, skp, has_kpad = _pad_arg(key_padding_mask, b, s_k, "key_padding_mask", q.device)
+    c = c.contiguous()
+    out = torch.empty(b, h, s_q, dv, dtype=q.dtype, device=q.device)
+    r = torch.empty(b, h, s_q, dtype=stats, device=q.device)
+    _row_pass[(triton.cdiv(s_q, config.block_m), b * h)](
+        q, k, v, c, out, r, out, r, qpad, kpad, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        *c.stride()[:2], *r.stride()[:2], sqp, skp, h, h // h_kv, s_q, s_k, d, dv, scale,
+        SWEEPS=1, HYBRID=False, HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, CAUSAL=False, ACC=_ACC[q.dtype],
+        DOT=_dot_precision(q.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_DV=triton.next_power_of_2(dv), num_warps=config.num_warps, num_stages=config.num_stages)
+    return out, c, r
+
+
+def sinkhorn_backward(q, k, v, out, cs, rs, grad_out, score_scale=1.0, key_padding_mask=None, query_padding_mask=None,
+                      config=None):
+    """(dq, dk, dv) of Sinkhorn-N by recomputation: g, the potentials' gradients sweep by sweep
+    backwards, then dK, dV and dQ with the whole dz."""
+    n = cs.shape[0]
+    base = config or Config()
+    config = _Scaled(base, score_scale / math.sqrt(q.shape[-1]))
+    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
+    (b, h, s_q, d), (_, h_kv, s_k, _), dv = q.shape, k.shape, v.shape[-1]
+    stats = _STATS[q.dtype]
+    delta = (do.to(stats) * out.to(stats)).sum(-1).contiguous()
+    pads = (_pad_arg(query_padding_mask, b, s_q, "query_padding_mask", q.device),
+            _pad_arg(key_padding_mask, b, s_k, "key_padding_mask", q.device))
+    (qpad, sqp, has_qpad), (kpad, skp, has_kpad) = pads
+    gc = torch.zeros_like(cs)
+    gr = torch.zeros_like(rs)
+    g = torch.zeros(b, h, s_k, dtype=stats, device=q.device)
+    dq, dk, dv_out = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    scale = torch.tensor([config.scale], dtype=stats, device=q.device)
+
+    def grads(stage, grid):
+        _sink_grads[grid](
+            q, k, v, cs, rs, gc, gr, do, delta, dq, dk, dv_out, g, qpad, kpad,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], cs.stride(0), *cs.stride()[1:3],
+            rs.stride(0), *rs.stride()[1:3], sqp, skp, h, h // h_kv, s_q, s_k, d, dv, scale,
+            N=n, STAGE=stage, HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, ACC=_ACC[q.dtype], DOT=_dot_precision(q.dtype),
+            BLOCK_M=base.block_m, BLOCK_N=base.block_n, BLOCK_D=triton.next_power_of_2(d),
+            BLOCK_DV=triton.next_power_of_2(dv), num_warps=base.num_warps, num_stages=base.num_stages)
+
+    grads(0, (triton.cdiv(s_k, base.block_n), b * h))
+    gc[-1] = -g
+    for t in range(n - 2, -1, -1):
+        _sink_reduce_launch(q, k, rs[t], cs[t + 1], gc[t + 1], gr[t], False, False, pads, config)
+        _sink_reduce_launch(q, k, rs[t], cs[t], gr[t], gc[t], True, False, pads, config)
+    grads(1, (triton.cdiv(s_k, base.block_n), b * h_kv))
+    grads(2, (triton.cdiv(s_q, base.block_m), b * h))
+    return dq, dk, dv_out
+
+
+class _SinkhornAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sweeps, score_scale, key_padding_mask, query_padding_mask, config):
+        out, cs, rs = sinkhorn_forward(q, k, v, sweeps, score_scale, key_padding_mask, query_padding_mask, config)
+        ctx.save_for_backward(q, k, v, out, cs, rs)
+        ctx.settings = (score_scale, key_padding_mask, query_padding_mask, config)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, cs, rs = ctx.saved_tensors
+        dq, dk, dv = sinkhorn_backward(q, k, v, out, cs, rs, grad_out, *ctx.settings)
+        return dq, dk, dv, None, None, None, None, None
