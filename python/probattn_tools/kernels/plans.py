@@ -304,6 +304,11 @@ class Config:
         self.block_m, self.block_n, self.num_warps, self.num_stages = block_m, block_n, num_warps, num_stages
 
 
+def _block_dim(n):
+    """A head dimension's block: the next power of two, at least 16 (tl.dot's smallest)."""
+    return max(16, triton.next_power_of_2(n))
+
+
 def _pad_arg(mask, batch, length, name, device):
     """A (B, S) boolean padding mask (True = excluded) as uint8, or a dummy and False."""
     if mask is None:
@@ -355,7 +360,7 @@ def forward(q, k, v, sweeps=1, score_scale=1.0, key_padding_mask=None, query_pad
     kpad, skp, has_kpad = _pad_arg(key_padding_mask, b, s_k, "key_padding_mask", q.device)
     c = torch.zeros(b, h, s_k, dtype=stats, device=q.device)
     common = dict(ACC=_ACC[q.dtype], DOT=_dot_precision(q.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                  BLOCK_D=triton.next_power_of_2(d), num_warps=config.num_warps, num_stages=config.num_stages)
+                  BLOCK_D=_block_dim(d), num_warps=config.num_warps, num_stages=config.num_stages)
     if sweeps:
         _column_pass[(triton.cdiv(s_k, config.block_n), b * h)](
             q, k, c, qpad, kpad, *q.stride()[:3], *k.stride()[:3], *c.stride()[:2], sqp, skp,
@@ -367,7 +372,7 @@ def forward(q, k, v, sweeps=1, score_scale=1.0, key_padding_mask=None, query_pad
         q, k, v, c, out, r, out2, r2, qpad, kpad, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         *c.stride()[:2], *r.stride()[:2], sqp, skp, h, h // h_kv, s_q, s_k, d, dv, scale,
         SWEEPS=sweeps, HYBRID=hybrid, HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, CAUSAL=causal,
-        BLOCK_DV=triton.next_power_of_2(dv), **common)
+        BLOCK_DV=_block_dim(dv), **common)
     return (out, c, r, out2, r2) if hybrid else (out, c, r)
 
 
@@ -387,7 +392,7 @@ def _key_launch(q, k, v, c, r, do, delta, grads, sweeps, score_scale, pads, caus
         *dk.stride()[:3], *dv_out.stride()[:3], sqp, skp, h_kv, h // h_kv, s_q, s_k, d, dv, scale,
         SWEEPS=sweeps, HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, CAUSAL=causal, GRADS=grads, ACC=_ACC[q.dtype],
         DOT=_dot_precision(q.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
+        BLOCK_D=_block_dim(d), BLOCK_DV=_block_dim(dv),
         num_warps=config.num_warps, num_stages=config.num_stages)
     return dk, dv_out, g, mass
 
@@ -423,7 +428,7 @@ def backward(q, k, v, out, c, r, grad_out, sweeps=1, score_scale=1.0, key_paddin
         *dq.stride()[:3], sqp, skp, h, h // h_kv, s_q, s_k, d, dv, scale,
         SWEEPS=sweeps, HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, CAUSAL=causal, ACC=_ACC[q.dtype],
         DOT=_dot_precision(q.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
+        BLOCK_D=_block_dim(d), BLOCK_DV=_block_dim(dv),
         num_warps=config.num_warps, num_stages=config.num_stages)
     return dq, dk, dv_out
 
@@ -701,7 +706,7 @@ def _sink_reduce_launch(q, k, rpot, cpot, coef, out, columns, lse, pads, config)
         out, qpad, kpad, *q.stride()[:3], *k.stride()[:3], h * s_k, s_k, h * s_q, s_q, sqp, skp,
         h, h // h_kv, s_q, s_k, d, scale, COLUMNS=columns, LSE=lse, HAS_RPOT=rpot is not None, HAS_QPAD=has_qpad,
         HAS_KPAD=has_kpad, ACC=_ACC[q.dtype], DOT=_dot_precision(q.dtype), BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, BLOCK_D=triton.next_power_of_2(d), num_warps=config.num_warps,
+        BLOCK_N=config.block_n, BLOCK_D=_block_dim(d), num_warps=config.num_warps,
         num_stages=config.num_stages)
 
 
@@ -750,8 +755,8 @@ def _row_with_c(q, k, v, c, score_scale, key_padding_mask, query_padding_mask, c
         q, k, v, c, out, r, out, r, qpad, kpad, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         *c.stride()[:2], *r.stride()[:2], sqp, skp, h, h // h_kv, s_q, s_k, d, dv, scale,
         SWEEPS=1, HYBRID=False, HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, CAUSAL=False, ACC=_ACC[q.dtype],
-        DOT=_dot_precision(q.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_DV=triton.next_power_of_2(dv), num_warps=config.num_warps, num_stages=config.num_stages)
+        DOT=_dot_precision(q.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=_block_dim(d),
+        BLOCK_DV=_block_dim(dv), num_warps=config.num_warps, num_stages=config.num_stages)
     return out, c, r
 
 
@@ -781,8 +786,8 @@ def sinkhorn_backward(q, k, v, out, cs, rs, grad_out, score_scale=1.0, key_paddi
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], cs.stride(0), *cs.stride()[1:3],
             rs.stride(0), *rs.stride()[1:3], sqp, skp, h, h // h_kv, s_q, s_k, d, dv, scale,
             N=n, STAGE=stage, HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, ACC=_ACC[q.dtype], DOT=_dot_precision(q.dtype),
-            BLOCK_M=base.block_m, BLOCK_N=base.block_n, BLOCK_D=triton.next_power_of_2(d),
-            BLOCK_DV=triton.next_power_of_2(dv), num_warps=base.num_warps, num_stages=base.num_stages)
+            BLOCK_M=base.block_m, BLOCK_N=base.block_n, BLOCK_D=_block_dim(d),
+            BLOCK_DV=_block_dim(dv), num_warps=base.num_warps, num_stages=base.num_stages)
 
     grads(0, (triton.cdiv(s_k, base.block_n), b * h))
     gc[-1] = -g
