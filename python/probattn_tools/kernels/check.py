@@ -1,7 +1,8 @@
 """Checks the Triton kernels of the plans (`probattn_tools.kernels.plans`) against the reference
 formulas (`probattn_tools.reference.formulas`, written from the papers): the output, the gradients
 in q, k and v (and HNAS's gate logits) and the received mass, over plans (softmax, DNAS, HNAS,
-Sinkhorn-3, another score scale), masks (key padding, query padding, causal), grouped key/value
+Sinkhorn-3, another score scale), masks (key padding, query padding, boolean patterns per head or
+broadcast, a row that sees nothing, causal), grouped key/value
 heads, lengths that are not multiples of the blocks, head dimensions that are not powers of two,
 and dtypes.
 
@@ -30,14 +31,17 @@ TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-
 def cases(quick, lower):
     """(name, sweeps, score_scale, (B, H, H_kv, S_q, S_k, d, d_v), masks, causal). `lower`: the
     cases of a lower precision (the padded one per plan, and the causal one); `quick`: no
-    rectangular or one-entry cases."""
+    rectangular, one-entry or pattern cases beyond the first plan's."""
     shapes = {"gqa": (2, 4, 2, 13, 11, 8, 5), "rect": (1, 2, 2, 7, 19, 16, 16), "one": (1, 1, 1, 1, 1, 4, 4)}
     out = []
     for sweeps, plan in ((0, "softmax"), (1, "dnas"), (1, "hnas"), (3, "sinkhorn-3")):
         if not lower:
             out.append((f"{plan} gqa unmasked", sweeps, 1.0, shapes["gqa"], (), False))
         out.append((f"{plan} gqa key+query padding, scale 0.5", sweeps, 0.5, shapes["gqa"], ("key", "query"), False))
+        if not lower and (not quick or plan == "dnas"):
+            out.append((f"{plan} gqa pattern per head, key padding", sweeps, 1.0, shapes["gqa"], ("pattern", "key"), False))
         if not quick and not lower:
+            out.append((f"{plan} rect pattern broadcast over batch", sweeps, 1.0, shapes["rect"], ("pattern-2d",), False))
             out.append((f"{plan} rect key padding", sweeps, 1.0, shapes["rect"], ("key",), False))
             out.append((f"{plan} one entry", sweeps, 1.0, shapes["one"], (), False))
     out.append(("softmax gqa causal, key padding", 0, 2.0, shapes["gqa"], ("key",), True))
@@ -46,59 +50,60 @@ def cases(quick, lower):
     return out
 
 
-def reference(torch, formulas, q, k, v, plan, scale, kp, qp, causal, logit=None):
+def reference(torch, formulas, q, k, v, plan, scale, masks, logit=None):
     """Output and received mass from the formulas, in float64, keys and values repeated per group."""
     group = q.shape[1] // k.shape[1]
     kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     b, h, s_q, d = q.shape
-    allowed = formulas.allowed_mask(b, h, s_q, k.shape[2], key_padding_mask=kp, query_padding_mask=qp, causal=causal,
-                                    device=q.device)
+    excluded = None if masks.allowed_mask is None else ~masks.allowed_mask.expand(b, h, s_q, k.shape[2])
+    allowed = formulas.allowed_mask(b, h, s_q, k.shape[2], key_padding_mask=masks.key_padding_mask,
+                                    query_padding_mask=masks.query_padding_mask, attn_mask=excluded,
+                                    causal=masks.causal, device=q.device)
     z = q @ kk.transpose(-2, -1) * (scale / math.sqrt(d))
     w = formulas.normalize(plan, z, allowed, hybrid_logit=logit)
     return w @ vv, w.sum(-2)
 
 
 def run_case(torch, plans, formulas, case, dtype, device, config):
-    name, sweeps, scale, (b, h, h_kv, s_q, s_k, d, dv), masks, causal = case
+    name, sweeps, scale, (b, h, h_kv, s_q, s_k, d, dv), masks_asked, causal = case
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     make = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
     q, k, v = make(b, h, s_q, d), make(b, h_kv, s_k, d), make(b, h_kv, s_k, dv)
-    kp = qp = None
-    if "key" in masks:
+    masks = plans.Masks(causal=causal)
+    if "key" in masks_asked:
         kp = torch.zeros(b, s_k, dtype=torch.bool)
         kp[-1, s_k * 2 // 3:] = True
-        kp = kp.to(device)
-    if "query" in masks:
+        masks.key_padding_mask = kp.to(device)
+    if "query" in masks_asked:
         qp = torch.zeros(b, s_q, dtype=torch.bool)
         qp[0, s_q * 3 // 4:] = True
-        qp = qp.to(device)
+        masks.query_padding_mask = qp.to(device)
+    if "pattern" in masks_asked:  # one pattern per (batch, head); row 0 of head 1 sees nothing
+        pattern = torch.rand(b, h, s_q, s_k, generator=gen) < 0.6
+        pattern[:, 1, 0] = False
+        masks.allowed_mask = pattern.to(device)
+    if "pattern-2d" in masks_asked:  # (S_q, S_k), broadcast over batch and heads
+        masks.allowed_mask = (torch.rand(s_q, s_k, generator=gen) < 0.5).to(device)
     cot = make(b, h, s_q, dv)
     plan = name.split()[0]
     stats = torch.float64 if dtype == torch.float64 else torch.float32
     logit = torch.randn(h, generator=gen, dtype=torch.float64).to(stats).to(device) if plan == "hnas" else None
     ins = [t.detach().requires_grad_(True) for t in (q, k, v)] + ([logit.detach().requires_grad_(True)] if plan == "hnas" else [])
     if plan == "hnas":
-        out = plans.hybrid_attention(*ins, score_scale=scale, key_padding_mask=kp, query_padding_mask=qp, config=config)
+        out = plans.hybrid_attention(*ins, score_scale=scale, masks=masks, config=config)
     else:
-        out = plans.attention(*ins, sweeps=sweeps, score_scale=scale, key_padding_mask=kp, query_padding_mask=qp,
-                              causal=causal, config=config)
+        out = plans.attention(*ins, sweeps=sweeps, score_scale=scale, masks=masks, config=config)
     grads = torch.autograd.grad(out, ins, cot)
     ref_ins = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
     ref_logit = logit.detach().double().requires_grad_(True) if plan == "hnas" else None
-    ref_out, ref_mass = reference(torch, formulas, *ref_ins, plan, scale, kp, qp, causal, ref_logit)
+    ref_out, ref_mass = reference(torch, formulas, *ref_ins, plan, scale, masks, ref_logit)
     ref_grads = torch.autograd.grad(ref_out, ref_ins + ([ref_logit] if plan == "hnas" else []), cot.double())
     compared = [("output", out, ref_out), ("dq", grads[0], ref_grads[0]), ("dk", grads[1], ref_grads[1]),
                 ("dv", grads[2], ref_grads[2])]
     if plan == "hnas":
         compared.append(("dlogit", grads[3], ref_grads[3]))
     else:
-        if sweeps > 1:
-            _, cs, rs = plans.sinkhorn_forward(q, k, v, sweeps, scale, kp, qp, config)
-            c, r = cs[-1], rs[-1]
-        else:
-            _, c, r = plans.forward(q, k, v, sweeps, scale, kp, qp, causal, config)
-        mass = plans.received_mass(q, k, v, c, r, min(sweeps, 1), scale, kp, qp, causal, config)
-        compared.append(("mass", mass, ref_mass))
+        compared.append(("mass", plans.received_mass(q, k, v, sweeps, scale, masks, config), ref_mass))
     errors = {}
     for what, ours, theirs in compared:
         theirs = theirs.detach()
@@ -115,10 +120,15 @@ def bad_input_messages(torch, plans, device):
         ("rank", lambda: plans.attention(x[0], x, x), "(B, H, S, d)"),
         ("heads", lambda: plans.attention(torch.randn(1, 3, 4, 8, device=device), x, x), "multiple of the key/value heads"),
         ("dtype", lambda: plans.attention(x, x.double(), x), "must share"),
-        ("causal dnas", lambda: plans.attention(x, x, x, sweeps=1, causal=True), "causal"),
+        ("causal dnas", lambda: plans.attention(x, x, x, sweeps=1, masks=plans.Masks(causal=True)), "causal"),
         ("sweeps", lambda: plans.attention(x, x, x, sweeps=-1), "sweeps must be"),
-        ("padding", lambda: plans.attention(x, x, x, key_padding_mask=torch.zeros(1, 5, dtype=torch.bool, device=device)),
+        ("padding", lambda: plans.attention(x, x, x, masks=plans.Masks(key_padding_mask=torch.zeros(1, 5, dtype=torch.bool,
+                                                                                                   device=device))),
          "key_padding_mask"),
+        ("pattern dtype", lambda: plans.attention(x, x, x, masks=plans.Masks(allowed_mask=torch.zeros(4, 4, device=device))),
+         "allowed_mask must be a boolean"),
+        ("pattern shape", lambda: plans.attention(x, x, x, masks=plans.Masks(
+            allowed_mask=torch.ones(3, 4, dtype=torch.bool, device=device))), "does not broadcast"),
     ]:
         try:
             call()

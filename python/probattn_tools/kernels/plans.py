@@ -21,8 +21,10 @@ The kernels:
 Here `dS¹ = p ∘ (dO vᵀ − D)`, `D_i = Σ_d dO_id O_id`: FlashAttention-2's recomputed backward;
 the column correction is the gradient through `c_j` (one extra term in each backward pass).
 
-Masks: key padding `(B, S_k)` and query padding `(B, S_q)` (True = excluded), causal (top-left,
-`j ≤ i`, as SDPA's `is_causal`; refused for plans with sweeps: a column sweep reads every query).
+Masks (`Masks`): key padding `(B, S_k)` and query padding `(B, S_q)` (True = excluded), a boolean
+pattern broadcastable to `(B, H, S_q, S_k)` (True = takes part, as SDPA's `attn_mask`; read
+through stride-0 views, never expanded in memory), and causal (top-left, `j ≤ i`, as SDPA's
+`is_causal`; refused for plans with sweeps: a column sweep reads every query).
 Grouped key/value heads (GQA) by index: query head `h` reads key/value head `h // (H / H_kv)`, and
 the key pass sums the group's gradients in one program, without atomics or copies. Inputs in
 bfloat16 or float16 take float32 products and statistics; float32 takes float32; float64 takes
@@ -32,6 +34,7 @@ and zero gradients; a key no allowed query sees receives nothing.
 `TRITON_INTERPRET=1` runs these kernels on the CPU (the tests do: python/tests/test_kernels.py).
 """
 
+import copy
 import math
 
 import torch
@@ -45,9 +48,16 @@ FLOOR = -1.0e30
 
 @triton.jit
 def _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
-             HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, CAUSAL: tl.constexpr):
-    """(BLOCK_M, BLOCK_N): which (query, key) pairs of the tile take part."""
+             HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, CAUSAL: tl.constexpr,
+             h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK: tl.constexpr):
+    """(BLOCK_M, BLOCK_N): which (query, key) pairs of the tile take part. MASK: a boolean
+    pattern broadcast to (B, H, S_q, S_k) through its strides (0 on broadcast dimensions),
+    nonzero where the pair takes part."""
     ok = (offs_m[:, None] < S_Q) & (offs_n[None, :] < S_K)
+    if HAS_MASK:
+        pattern = tl.load(MASK + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
+                          mask=ok, other=0)
+        ok = ok & (pattern != 0)
     if HAS_QPAD:
         qpad = tl.load(QPAD + b * stride_qpad + offs_m, mask=offs_m < S_Q, other=1)
         ok = ok & (qpad[:, None] == 0)
@@ -60,11 +70,11 @@ def _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
 
 
 @triton.jit
-def _column_pass(Q, K, C, QPAD, KPAD,
+def _column_pass(Q, K, C, QPAD, KPAD, MASK,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
-                 stride_cb, stride_ch, stride_qpad, stride_kpad,
+                 stride_cb, stride_ch, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn,
                  H, GROUP, S_Q, S_K, D, SCALE,
-                 HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+                 HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """c_j = LSE_i z_ij over the allowed queries, one key block per program (axis 0), one
     (batch, query head) per axis 1. A key with no allowed query gets FLOOR (never read)."""
@@ -83,7 +93,8 @@ def _column_pass(Q, K, C, QPAD, KPAD,
         q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
                     mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), other=0.0)
         z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale  # (BLOCK_M, BLOCK_N)
-        ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False)
+        ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
+                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
         z = tl.where(ok, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, 0))
         l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[None, :]), 0)
@@ -93,11 +104,11 @@ def _column_pass(Q, K, C, QPAD, KPAD,
 
 
 @triton.jit
-def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD,
+def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK,
               stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-              stride_ob, stride_oh, stride_os, stride_cb, stride_ch, stride_rb, stride_rh, stride_qpad, stride_kpad,
+              stride_ob, stride_oh, stride_os, stride_cb, stride_ch, stride_rb, stride_rh, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn,
               H, GROUP, S_Q, S_K, D, DV, SCALE,
-              SWEEPS: tl.constexpr, HYBRID: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr,
+              SWEEPS: tl.constexpr, HYBRID: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
               CAUSAL: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """O_i = Σ_j p_ij v_j and r_i = LSE_j (z_ij − c_j), one query block per program. HYBRID (HNAS)
@@ -129,7 +140,8 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD,
                     mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D), other=0.0)
         v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
                     mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
-        ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL)
+        ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
+                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
         z0 = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale
         z = z0
         if SWEEPS > 0:
@@ -169,12 +181,12 @@ def _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stri
 
 
 @triton.jit
-def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD,
+def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK,
               stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
               stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
-              stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_qpad, stride_kpad,
+              stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn,
               H_KV, GROUP, S_Q, S_K, D, DV, SCALE,
-              SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, CAUSAL: tl.constexpr,
+              SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
               GRADS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One key block of one (batch, key/value head) per program, over its group's query heads
@@ -211,7 +223,8 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD,
                         mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), other=0.0)
             r = tl.load(R + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
             z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale - c[None, :]
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
+                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
             p = tl.where(ok, tl.exp(tl.where(ok, z - r[:, None], 0.0)), 0.0)  # (BLOCK_M, BLOCK_N)
             mass += tl.sum(p, 0)
             if GRADS:
@@ -240,12 +253,12 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD,
 
 
 @triton.jit
-def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD,
+def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
-                stride_dqb, stride_dqh, stride_dqs, stride_qpad, stride_kpad,
+                stride_dqb, stride_dqh, stride_dqs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn,
                 H, GROUP, S_Q, S_K, D, DV, SCALE,
-                SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, CAUSAL: tl.constexpr,
+                SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr):
     """dQ_i = s Σ_j dz_ij k_j, dz_ij = dS¹_ij − exp(z_ij − c_j) g_j, one query block per program."""
@@ -277,7 +290,8 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD,
         if SWEEPS > 0:
             c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
             z = z - c[None, :]
-        ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL)
+        ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
+                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
         p = tl.where(ok, tl.exp(tl.where(ok, z - r[:, None], 0.0)), 0.0)
         dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT)
         ds = p * (dp - delta[:, None])
@@ -287,211 +301,6 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD,
         dq += tl.dot(ds.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D))
-
-
-# ---------------------------------------------------------------------------------------------
-# The launches, and an autograd function over them.
-
-_ACC = {torch.float64: tl.float64, torch.float32: tl.float32, torch.bfloat16: tl.float32, torch.float16: tl.float32}
-# The statistics' dtype (c, r, g, D, the received mass).
-_STATS = {torch.float64: torch.float64, torch.float32: torch.float32, torch.bfloat16: torch.float32, torch.float16: torch.float32}
-
-
-class Config:
-    """Block shapes and launch settings (the tuning knobs; the tests use small blocks)."""
-
-    def __init__(self, block_m=64, block_n=64, num_warps=4, num_stages=2):
-        self.block_m, self.block_n, self.num_warps, self.num_stages = block_m, block_n, num_warps, num_stages
-
-
-def _block_dim(n):
-    """A head dimension's block: the next power of two, at least 16 (tl.dot's smallest)."""
-    return max(16, triton.next_power_of_2(n))
-
-
-def _pad_arg(mask, batch, length, name, device):
-    """A (B, S) boolean padding mask (True = excluded) as uint8, or a dummy and False."""
-    if mask is None:
-        return torch.zeros(1, dtype=torch.uint8, device=device), 0, False
-    if mask.dtype != torch.bool or tuple(mask.shape) != (batch, length):
-        raise ValueError(f"{name} must be a boolean tensor of shape ({batch}, {length}), got {mask.dtype} {tuple(mask.shape)}")
-    mask = mask.to(torch.uint8).contiguous()
-    return mask, mask.stride(0), True
-
-
-def _check(q, k, v, sweeps, causal):
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k and v must be (B, H, S, d), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.dtype not in _ACC or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k and v must share one of {sorted(str(t) for t in _ACC)}, got {q.dtype}, {k.dtype}, {v.dtype}")
-    (b, h, _, d), (bk, hk, sk, dk), (bv, hv, sv, _) = q.shape, k.shape, v.shape
-    if (bk, dk) != (b, d) or (bv, hv, sv) != (bk, hk, sk):
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not fit together")
-    if hk < 1 or h % hk:
-        raise ValueError(f"the query heads ({h}) must be a multiple of the key/value heads ({hk})")
-    if not isinstance(sweeps, int) or sweeps < 0:
-        raise ValueError(f"sweeps must be a whole number of column/row sweeps, 0 or more, got {sweeps!r}")
-    if causal and sweeps:
-        raise ValueError("a causal mask with a column sweep would let later queries change earlier ones' weights")
-
-
-def _dot_precision(dtype):
-    # float32 products in TF32 only where libtorch allows it, as its own kernels do.
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32" if dtype == torch.float32 else "ieee"
-
-
-def forward(q, k, v, sweeps=1, score_scale=1.0, key_padding_mask=None, query_padding_mask=None, causal=False,
-            config=None, hybrid=False):
-    """(output, c, r): the plan's output (B, H, S_q, d_v) and its statistics, without a graph.
-    With `hybrid` (HNAS), (output, c, r, softmax's output, softmax's r) from the same row pass."""
-    _check(q, k, v, sweeps, causal)
-    if sweeps > 1:
-        raise ValueError(f"forward serves plans of 0 or 1 sweeps; {sweeps} sweeps take sinkhorn_forward")
-    if hybrid and not sweeps:
-        raise ValueError("a hybrid plan mixes a plan with sweeps and softmax: sweeps must be 1")
-    config = config or Config()
-    (b, h, s_q, d), (_, h_kv, s_k, _), dv = q.shape, k.shape, v.shape[-1]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    stats = _STATS[q.dtype]
-    scale = torch.tensor([score_scale / math.sqrt(d)], dtype=stats, device=q.device)
-    qpad, sqp, has_qpad = _pad_arg(query_padding_mask, b, s_q, "query_padding_mask", q.device)
-    kpad, skp, has_kpad = _pad_arg(key_padding_mask, b, s_k, "key_padding_mask", q.device)
-    c = torch.zeros(b, h, s_k, dtype=stats, device=q.device)
-    common = dict(ACC=_ACC[q.dtype], DOT=_dot_precision(q.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                  BLOCK_D=_block_dim(d), num_warps=config.num_warps, num_stages=config.num_stages)
-    if sweeps:
-        _column_pass[(triton.cdiv(s_k, config.block_n), b * h)](
-            q, k, c, qpad, kpad, *q.stride()[:3], *k.stride()[:3], *c.stride()[:2], sqp, skp,
-            h, h // h_kv, s_q, s_k, d, scale, HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, **common)
-    out = torch.empty(b, h, s_q, dv, dtype=q.dtype, device=q.device)
-    r = torch.empty(b, h, s_q, dtype=stats, device=q.device)
-    out2, r2 = (torch.empty_like(out), torch.empty_like(r)) if hybrid else (out, r)
-    _row_pass[(triton.cdiv(s_q, config.block_m), b * h)](
-        q, k, v, c, out, r, out2, r2, qpad, kpad, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        *c.stride()[:2], *r.stride()[:2], sqp, skp, h, h // h_kv, s_q, s_k, d, dv, scale,
-        SWEEPS=sweeps, HYBRID=hybrid, HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, CAUSAL=causal,
-        BLOCK_DV=_block_dim(dv), **common)
-    return (out, c, r, out2, r2) if hybrid else (out, c, r)
-
-
-def _key_launch(q, k, v, c, r, do, delta, grads, sweeps, score_scale, pads, causal, config):
-    (b, h, s_q, d), (_, h_kv, s_k, _), dv = q.shape, k.shape, v.shape[-1]
-    stats = _STATS[q.dtype]
-    scale = torch.tensor([score_scale / math.sqrt(d)], dtype=stats, device=q.device)
-    (qpad, sqp, has_qpad), (kpad, skp, has_kpad) = pads
-    dk, dv_out = torch.empty_like(k), torch.empty_like(v)
-    g = torch.zeros(b, h, s_k, dtype=stats, device=q.device)
-    mass = torch.zeros(b, h, s_k, dtype=stats, device=q.device)
-    do = do if do is not None else torch.zeros(1, 1, 1, 1, dtype=q.dtype, device=q.device)
-    delta = delta if delta is not None else r
-    _key_pass[(triton.cdiv(s_k, config.block_n), b * h_kv)](
-        q, k, v, c, r, do, delta, dk, dv_out, g, mass, qpad, kpad,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *c.stride()[:2], *r.stride()[:2],
-        *dk.stride()[:3], *dv_out.stride()[:3], sqp, skp, h_kv, h // h_kv, s_q, s_k, d, dv, scale,
-        SWEEPS=sweeps, HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, CAUSAL=causal, GRADS=grads, ACC=_ACC[q.dtype],
-        DOT=_dot_precision(q.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_D=_block_dim(d), BLOCK_DV=_block_dim(dv),
-        num_warps=config.num_warps, num_stages=config.num_stages)
-    return dk, dv_out, g, mass
-
-
-def received_mass(q, k, v, c, r, sweeps=1, score_scale=1.0, key_padding_mask=None, query_padding_mask=None,
-                  causal=False, config=None):
-    """Σ_i p_ij per query head, (B, H, S_k), from a forward's statistics (one key pass)."""
-    config = config or Config()
-    (b, _, s_q, _), s_k = q.shape, k.shape[2]
-    pads = (_pad_arg(query_padding_mask, b, s_q, "query_padding_mask", q.device),
-            _pad_arg(key_padding_mask, b, s_k, "key_padding_mask", q.device))
-    return _key_launch(q.contiguous(), k.contiguous(), v.contiguous(), c, r, None, None, False, sweeps, score_scale,
-                       pads, causal, config)[3]
-
-
-def backward(q, k, v, out, c, r, grad_out, sweeps=1, score_scale=1.0, key_padding_mask=None, query_padding_mask=None,
-             causal=False, config=None):
-    """(dq, dk, dv) by recomputation: the key pass, then the query pass."""
-    config = config or Config()
-    (b, h, s_q, d), (_, h_kv, s_k, _), dv = q.shape, k.shape, v.shape[-1]
-    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
-    stats = _STATS[q.dtype]
-    delta = (do.to(stats) * out.to(stats)).sum(-1).contiguous()  # D_i = Σ_d dO_id O_id, (B, H, S_q)
-    pads = (_pad_arg(query_padding_mask, b, s_q, "query_padding_mask", q.device),
-            _pad_arg(key_padding_mask, b, s_k, "key_padding_mask", q.device))
-    dk, dv_out, g, _ = _key_launch(q, k, v, c, r, do, delta, True, sweeps, score_scale, pads, causal, config)
-    (qpad, sqp, has_qpad), (kpad, skp, has_kpad) = pads
-    dq = torch.empty_like(q)
-    scale = torch.tensor([score_scale / math.sqrt(d)], dtype=stats, device=q.device)
-    _query_pass[(triton.cdiv(s_q, config.block_m), b * h)](
-        q, k, v, c, r, do, delta, g, dq, qpad, kpad,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *c.stride()[:2], *r.stride()[:2],
-        *dq.stride()[:3], sqp, skp, h, h // h_kv, s_q, s_k, d, dv, scale,
-        SWEEPS=sweeps, HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, CAUSAL=causal, ACC=_ACC[q.dtype],
-        DOT=_dot_precision(q.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_D=_block_dim(d), BLOCK_DV=_block_dim(dv),
-        num_warps=config.num_warps, num_stages=config.num_stages)
-    return dq, dk, dv_out
-
-
-class _PlanAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sweeps, score_scale, key_padding_mask, query_padding_mask, causal, config):
-        out, c, r = forward(q, k, v, sweeps, score_scale, key_padding_mask, query_padding_mask, causal, config)
-        ctx.save_for_backward(q, k, v, out, c, r)
-        ctx.settings = (sweeps, score_scale, key_padding_mask, query_padding_mask, causal, config)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, c, r = ctx.saved_tensors
-        dq, dk, dv = backward(q, k, v, out, c, r, grad_out, *ctx.settings)
-        return dq, dk, dv, None, None, None, None, None, None
-
-
-def attention(q, k, v, sweeps=1, score_scale=1.0, key_padding_mask=None, query_padding_mask=None, causal=False,
-              config=None):
-    """The plan's attention output (B, H, S_q, d_v), differentiable in q, k and v: 0 sweeps is
-    softmax, 1 DNAS, N Sinkhorn-N. `k` and `v` may have fewer heads than `q` (a divisor of them:
-    grouped-query attention)."""
-    _check(q, k, v, sweeps, causal)
-    if sweeps > 1:
-        return _SinkhornAttention.apply(q, k, v, sweeps, score_scale, key_padding_mask, query_padding_mask, config)
-    return _PlanAttention.apply(q, k, v, sweeps, score_scale, key_padding_mask, query_padding_mask, causal, config)
-
-
-class _HybridAttention(torch.autograd.Function):
-    """HNAS: `u·O_plan + (1 − u)·O_softmax` per head, `u = sigmoid(logit)`, both outputs from one
-    row pass; the backward runs each branch's passes with its share of dO, and the gate's
-    gradient is `Σ dO·(O_plan − O_softmax) · u(1 − u)` per head."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, logit, score_scale, key_padding_mask, query_padding_mask, config):
-        out_d, c, r_d, out_s, r_s = forward(q, k, v, 1, score_scale, key_padding_mask, query_padding_mask, False, config,
-                                            hybrid=True)
-        u = torch.sigmoid(logit.to(_STATS[q.dtype]))[None, :, None, None]
-        ctx.save_for_backward(q, k, v, out_d, c, r_d, out_s, r_s, u)
-        ctx.settings = (score_scale, key_padding_mask, query_padding_mask, config)
-        return (u * out_d.to(u.dtype) + (1 - u) * out_s.to(u.dtype)).to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out_d, c, r_d, out_s, r_s, u = ctx.saved_tensors
-        score_scale, kp, qp, config = ctx.settings
-        g = grad_out.to(u.dtype)
-        dq_d, dk_d, dv_d = backward(q, k, v, out_d, c, r_d, (u * g).to(q.dtype), 1, score_scale, kp, qp, False, config)
-        dq_s, dk_s, dv_s = backward(q, k, v, out_s, torch.zeros_like(c), r_s, ((1 - u) * g).to(q.dtype), 0, score_scale,
-                                    kp, qp, False, config)
-        du = (g * (out_d.to(u.dtype) - out_s.to(u.dtype))).sum((0, 2, 3))
-        dlogit = du * (u * (1 - u)).flatten()
-        return dq_d + dq_s, dk_d + dk_s, dv_d + dv_s, dlogit, None, None, None, None
-
-
-def hybrid_attention(q, k, v, logit, score_scale=1.0, key_padding_mask=None, query_padding_mask=None, config=None):
-    """HNAS's output (B, H, S_q, d_v) with gate logits `logit (H,)`, differentiable in q, k, v and
-    the logits."""
-    if logit.dim() != 1 or logit.shape[0] != q.shape[1]:
-        raise ValueError(f"logit must have one gate per query head, shape ({q.shape[1]},), got {tuple(logit.shape)}")
-    return _HybridAttention.apply(q, k, v, logit, score_scale, key_padding_mask, query_padding_mask, config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,11 +325,11 @@ def _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, strid
 
 
 @triton.jit
-def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD,
+def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_cb, stride_ch, stride_rb,
-                 stride_rh, stride_qpad, stride_kpad, H, GROUP, S_Q, S_K, D, SCALE,
+                 stride_rh, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, H, GROUP, S_Q, S_K, D, SCALE,
                  COLUMNS: tl.constexpr, LSE: tl.constexpr, HAS_RPOT: tl.constexpr, HAS_QPAD: tl.constexpr,
-                 HAS_KPAD: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One reduction of x_ij = z_ij − RPOT_i − CPOT_j over the allowed entries, per key (COLUMNS,
     over the queries) or per query (over the keys): with LSE, the log-sum-exp of x (a potential;
@@ -542,7 +351,8 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD,
             offs_m = start_m + tl.arange(0, BLOCK_M)
             z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
                             stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
+                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
             if HAS_RPOT:
                 z = z - tl.load(RPOT + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)[:, None]
             if LSE:
@@ -568,7 +378,8 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD,
             offs_n = start_n + tl.arange(0, BLOCK_N)
             z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
                             stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
+                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
             z = z - tl.load(CPOT + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)[None, :]
             if LSE:
                 z = tl.where(ok, z, float("-inf"))
@@ -604,11 +415,11 @@ def _sink_dz(z, ok, dsz, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_
 
 
 @triton.jit
-def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPAD,
+def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPAD, MASK,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_t, stride_cb, stride_ch, stride_tr, stride_rb, stride_rh,
-                stride_qpad, stride_kpad, H, GROUP, S_Q, S_K, D, DV, SCALE,
-                N: tl.constexpr, STAGE: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr,
+                stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, H, GROUP, S_Q, S_K, D, DV, SCALE,
+                N: tl.constexpr, STAGE: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
                 ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Sinkhorn-N's gradient passes. STAGE 0: g_j = Σ_i dS¹_ij, one key block of one (batch, query
@@ -642,7 +453,8 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
                 z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
                                 stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
                 ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              False)
+                              False,
+                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                 r = tl.load(RS + last_r + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
                 p = tl.where(ok, tl.exp(tl.where(ok, z - c[None, :] - r[:, None], 0.0)), 0.0)
                 do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_dv[None, :],
@@ -677,7 +489,8 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
             offs_n = start_n + tl.arange(0, BLOCK_N)
             z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
                             stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
+                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
             c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
             v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
                         mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
@@ -690,125 +503,263 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
                  (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D))
 
 
-def _sink_reduce_launch(q, k, rpot, cpot, coef, out, columns, lse, pads, config):
-    (b, h, s_q, d), (_, h_kv, s_k, _) = q.shape, k.shape
-    (qpad, sqp, has_qpad), (kpad, skp, has_kpad) = pads
-    stats = _STATS[q.dtype]
-    scale = torch.tensor([1.0], dtype=stats, device=q.device) * config.scale
-    # Every statistic is a contiguous (B, H, S_k) or (B, H, S_q) tensor (or a slice of one
-    # (N, B, H, S) along its first dimension).
-    for t in (rpot, cpot, coef, out):
-        assert t is None or t.is_contiguous()
-    grid = (triton.cdiv(s_k, config.block_n) if columns else triton.cdiv(s_q, config.block_m), b * h)
-    dummy = out
-    _sink_reduce[grid](
-        q, k, rpot if rpot is not None else dummy, cpot if cpot is not None else dummy, coef if coef is not None else dummy,
-        out, qpad, kpad, *q.stride()[:3], *k.stride()[:3], h * s_k, s_k, h * s_q, s_q, sqp, skp,
-        h, h // h_kv, s_q, s_k, d, scale, COLUMNS=columns, LSE=lse, HAS_RPOT=rpot is not None, HAS_QPAD=has_qpad,
-        HAS_KPAD=has_kpad, ACC=_ACC[q.dtype], DOT=_dot_precision(q.dtype), BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, BLOCK_D=_block_dim(d), num_warps=config.num_warps,
-        num_stages=config.num_stages)
+# ---------------------------------------------------------------------------------------------
+# The launches, and autograd functions over them.
+
+_ACC = {torch.float64: tl.float64, torch.float32: tl.float32, torch.bfloat16: tl.float32, torch.float16: tl.float32}
+# The statistics' dtype (potentials, row statistics, g, D, the received mass).
+_STATS = {torch.float64: torch.float64, torch.float32: torch.float32, torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 
-def sinkhorn_forward(q, k, v, sweeps, score_scale=1.0, key_padding_mask=None, query_padding_mask=None, config=None):
-    """(output, CS, RS): Sinkhorn-N's output and its potentials, (N, B, H, S_k) and (N, B, H, S_q)."""
-    _check(q, k, v, 1, False)
-    if sweeps < 2:
-        raise ValueError(f"sinkhorn_forward takes 2 sweeps or more (1 is DNAS), got {sweeps}")
-    config = _Scaled(config or Config(), score_scale / math.sqrt(q.shape[-1]))
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    (b, h, s_q, _), s_k = q.shape, k.shape[2]
-    stats = _STATS[q.dtype]
-    pads = (_pad_arg(query_padding_mask, b, s_q, "query_padding_mask", q.device),
-            _pad_arg(key_padding_mask, b, s_k, "key_padding_mask", q.device))
-    cs = torch.zeros(sweeps, b, h, s_k, dtype=stats, device=q.device)
-    rs = torch.zeros(sweeps, b, h, s_q, dtype=stats, device=q.device)
+class Config:
+    """Block shapes and launch settings (the tuning knobs; the tests use small blocks)."""
+
+    def __init__(self, block_m=64, block_n=64, num_warps=4, num_stages=2):
+        self.block_m, self.block_n, self.num_warps, self.num_stages = block_m, block_n, num_warps, num_stages
+
+
+def _block_dim(n):
+    """A head dimension's block: the next power of two, at least 16 (tl.dot's smallest)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def _dot_precision(dtype):
+    # float32 products in TF32 only where libtorch allows it, as its own kernels do.
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32" if dtype == torch.float32 else "ieee"
+
+
+def _check(q, k, v, sweeps, causal):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k and v must be (B, H, S, d), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in _ACC or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share one of {sorted(str(t) for t in _ACC)}, got {q.dtype}, {k.dtype}, {v.dtype}")
+    (b, h, _, d), (bk, hk, sk, dk), (bv, hv, sv, _) = q.shape, k.shape, v.shape
+    if (bk, dk) != (b, d) or (bv, hv, sv) != (bk, hk, sk):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not fit together")
+    if hk < 1 or h % hk:
+        raise ValueError(f"the query heads ({h}) must be a multiple of the key/value heads ({hk})")
+    if not isinstance(sweeps, int) or sweeps < 0:
+        raise ValueError(f"sweeps must be a whole number of column/row sweeps, 0 or more, got {sweeps!r}")
+    if causal and sweeps:
+        raise ValueError("a causal mask with a column sweep would let later queries change earlier ones' weights")
+
+
+class Masks:
+    """Where attention is allowed: `key_padding_mask (B, S_k)` and `query_padding_mask (B, S_q)`
+    (boolean, True = excluded, as nn.MultiheadAttention's), `allowed_mask` (boolean, True = takes
+    part, as SDPA's attn_mask; broadcastable to (B, H, S_q, S_k), read through stride-0 views) and
+    `causal` (top-left, j ≤ i)."""
+
+    def __init__(self, key_padding_mask=None, query_padding_mask=None, allowed_mask=None, causal=False):
+        self.key_padding_mask, self.query_padding_mask = key_padding_mask, query_padding_mask
+        self.allowed_mask, self.causal = allowed_mask, causal
+
+
+def _padding(mask, batch, length, name, device):
+    if mask is None:
+        return torch.zeros(1, dtype=torch.uint8, device=device), 0, False
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (batch, length):
+        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"{name} must be a boolean tensor of shape ({batch}, {length}), got {got}")
+    mask = mask.to(device=device, dtype=torch.uint8).contiguous()
+    return mask, mask.stride(0), True
+
+
+def _pattern(mask, shape, device):
+    if mask is None:
+        return torch.zeros(1, dtype=torch.uint8, device=device), (0, 0, 0, 0), False
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() > 4:
+        got = f"{mask.dtype} of rank {mask.dim()}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"allowed_mask must be a boolean tensor broadcastable to {tuple(shape)}, got {got}")
+    try:
+        wide = mask.to(device=device, dtype=torch.uint8)
+        wide = wide.reshape((1,) * (4 - wide.dim()) + tuple(wide.shape)).expand(*shape)
+    except RuntimeError:
+        raise ValueError(f"allowed_mask of shape {tuple(mask.shape)} does not broadcast to {tuple(shape)}") from None
+    return wide, wide.stride(), True
+
+
+class _Call:
+    """One attention call: its inputs made contiguous, its masks as kernel arguments, and the
+    arguments every kernel shares, passed by name (each kernel takes the ones it declares)."""
+
+    def __init__(self, q, k, v, sweeps, score_scale, masks, config):
+        _check(q, k, v, sweeps, masks.causal)
+        self.q, self.k, self.v = q.contiguous(), k.contiguous(), v.contiguous()
+        self.config = config or Config()
+        (b, h, s_q, d), (_, h_kv, s_k, _), dv = q.shape, k.shape, v.shape[-1]
+        self.shape = (b, h, h_kv, s_q, s_k, d, dv)
+        self.stats = _STATS[q.dtype]
+        dev = q.device
+        qpad, sqp, has_qpad = _padding(masks.query_padding_mask, b, s_q, "query_padding_mask", dev)
+        kpad, skp, has_kpad = _padding(masks.key_padding_mask, b, s_k, "key_padding_mask", dev)
+        pattern, (smb, smh, smm, smn), has_mask = _pattern(masks.allowed_mask, (b, h, s_q, s_k), dev)
+        qs, ks, vs = self.q.stride(), self.k.stride(), self.v.stride()
+        self.args = dict(
+            Q=self.q, K=self.k, V=self.v, QPAD=qpad, KPAD=kpad, MASK=pattern,
+            stride_qb=qs[0], stride_qh=qs[1], stride_qs=qs[2], stride_kb=ks[0], stride_kh=ks[1], stride_ks=ks[2],
+            stride_vb=vs[0], stride_vh=vs[1], stride_vs=vs[2],
+            # outputs, gradients and statistics are contiguous, shaped as what they belong to
+            stride_ob=h * s_q * dv, stride_oh=s_q * dv, stride_os=dv, stride_dob=h * s_q * dv, stride_doh=s_q * dv,
+            stride_dos=dv, stride_dqb=qs[0], stride_dqh=qs[1], stride_dqs=qs[2], stride_dkb=ks[0], stride_dkh=ks[1],
+            stride_dks=ks[2], stride_dvb=vs[0], stride_dvh=vs[1], stride_dvs=vs[2],
+            stride_cb=h * s_k, stride_ch=s_k, stride_rb=h * s_q, stride_rh=s_q,
+            stride_t=b * h * s_k, stride_tr=b * h * s_q,
+            stride_qpad=sqp, stride_kpad=skp, stride_mb=smb, stride_mh=smh, stride_mm=smm, stride_mn=smn,
+            H=h, H_KV=h_kv, GROUP=h // h_kv, S_Q=s_q, S_K=s_k, D=d, DV=dv,
+            SCALE=torch.tensor([score_scale / math.sqrt(d)], dtype=self.stats, device=dev),
+            SWEEPS=min(sweeps, 1), HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, HAS_MASK=has_mask, CAUSAL=masks.causal,
+            ACC=_ACC[q.dtype], DOT=_dot_precision(q.dtype), BLOCK_M=self.config.block_m, BLOCK_N=self.config.block_n,
+            BLOCK_D=_block_dim(d), BLOCK_DV=_block_dim(dv))
+
+    def stat(self, keys, *lead):
+        """Zeros for a per-key (B, H, S_k) or per-query (B, H, S_q) statistic, after `lead` dimensions."""
+        b, h, _, s_q, s_k, _, _ = self.shape
+        return torch.zeros(*lead, b, h, s_k if keys else s_q, dtype=self.stats, device=self.q.device)
+
+    def grid(self, keys, heads):
+        b, h, h_kv, s_q, s_k, _, _ = self.shape
+        blocks = triton.cdiv(s_k, self.config.block_n) if keys else triton.cdiv(s_q, self.config.block_m)
+        return (blocks, b * (h if heads == "query" else h_kv))
+
+    def launch(self, kernel, grid, **extra):
+        args = {**self.args, **extra}
+        missing = [n for n in kernel.arg_names if n not in args]
+        assert not missing, f"{kernel.arg_names}: no value for {missing}"
+        kernel[grid](**{n: args[n] for n in kernel.arg_names}, num_warps=self.config.num_warps,
+                     num_stages=self.config.num_stages)
+
+
+def _forward(call, sweeps, hybrid=False):
+    """Statistics and outputs of a call: (out, c, r) for 0 or 1 sweeps, with (out_softmax,
+    r_softmax) after them when hybrid; (out, CS, RS) potentials per sweep for N ≥ 2."""
+    _, _, _, s_q, _, _, dv = call.shape
+    b, h = call.shape[0], call.shape[1]
+    out = torch.empty(b, h, s_q, dv, dtype=call.q.dtype, device=call.q.device)
+    if sweeps <= 1:
+        c, r = call.stat(True), call.stat(False)
+        if sweeps:
+            call.launch(_column_pass, call.grid(True, "query"), C=c)
+        out2, r2 = (torch.empty_like(out), call.stat(False)) if hybrid else (out, r)
+        call.launch(_row_pass, call.grid(False, "query"), C=c, O=out, R=r, O2=out2, R2=r2, HYBRID=hybrid)
+        return (out, c, r, out2, r2) if hybrid else (out, c, r)
+    cs, rs = call.stat(True, sweeps), call.stat(False, sweeps)
     for t in range(sweeps):
-        _sink_reduce_launch(q, k, rs[t - 1] if t else None, None, None, cs[t], True, True, pads, config)
+        call.launch(_sink_reduce, call.grid(True, "query"), RPOT=rs[t - 1] if t else rs[0], CPOT=cs[t], COEF=cs[t],
+                    OUT=cs[t], COLUMNS=True, LSE=True, HAS_RPOT=t > 0)
         if t < sweeps - 1:
-            _sink_reduce_launch(q, k, None, cs[t], None, rs[t], False, True, pads, config)
-    # The last row pass is DNAS's with C^N as its column statistic.
-    out, _, r = _row_with_c(q, k, v, cs[-1], score_scale, key_padding_mask, query_padding_mask, config.inner)
-    rs[-1] = r
+            call.launch(_sink_reduce, call.grid(False, "query"), RPOT=rs[t], CPOT=cs[t], COEF=rs[t], OUT=rs[t],
+                        COLUMNS=False, LSE=True, HAS_RPOT=False)
+    # The last row pass is DNAS's with the last column potential as its statistic.
+    call.launch(_row_pass, call.grid(False, "query"), C=cs[-1], O=out, R=rs[-1], O2=out, R2=rs[-1], HYBRID=False,
+                SWEEPS=1)
     return out, cs, rs
 
 
-class _Scaled:
-    """A Config with the score scale s = score_scale / sqrt(d) the Sinkhorn launches read."""
-
-    def __init__(self, inner, scale):
-        self.inner, self.scale = inner, scale
-        self.block_m, self.block_n, self.num_warps, self.num_stages = inner.block_m, inner.block_n, inner.num_warps, inner.num_stages
-
-
-def _row_with_c(q, k, v, c, score_scale, key_padding_mask, query_padding_mask, config):
-    """The row pass of a plan with sweeps, given its column statistic c (B, H, S_k)."""
-    (b, h, s_q, d), (_, h_kv, s_k, _), dv = q.shape, k.shape, v.shape[-1]
-    stats = _STATS[q.dtype]
-    scale = torch.tensor([score_scale / math.sqrt(d)], dtype=stats, device=q.device)
-    qpad, sqp, has_qpad = _pad_arg(query_padding_mask, b, s_q, "query_padding_mask", q.device)
-    kpad, skp, has_kpad = _pad_arg(key_padding_mask, b, s_k, "key_padding_mask", q.device)
-    c = c.contiguous()
-    out = torch.empty(b, h, s_q, dv, dtype=q.dtype, device=q.device)
-    r = torch.empty(b, h, s_q, dtype=stats, device=q.device)
-    _row_pass[(triton.cdiv(s_q, config.block_m), b * h)](
-        q, k, v, c, out, r, out, r, qpad, kpad, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        *c.stride()[:2], *r.stride()[:2], sqp, skp, h, h // h_kv, s_q, s_k, d, dv, scale,
-        SWEEPS=1, HYBRID=False, HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, CAUSAL=False, ACC=_ACC[q.dtype],
-        DOT=_dot_precision(q.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=_block_dim(d),
-        BLOCK_DV=_block_dim(dv), num_warps=config.num_warps, num_stages=config.num_stages)
-    return out, c, r
+def _received_mass(call, c, r):
+    """Σ_i p_ij per query head, (B, H, S_k), from a forward's last column and row statistics."""
+    mass, dummy = call.stat(True), call.q
+    call.launch(_key_pass, call.grid(True, "kv"), C=c, R=r, DO=dummy, DELTA=r, DK=call.k, DV_OUT=call.v, G=mass,
+                MASS=mass, GRADS=False)
+    return mass
 
 
-def sinkhorn_backward(q, k, v, out, cs, rs, grad_out, score_scale=1.0, key_padding_mask=None, query_padding_mask=None,
-                      config=None):
-    """(dq, dk, dv) of Sinkhorn-N by recomputation: g, the potentials' gradients sweep by sweep
-    backwards, then dK, dV and dQ with the whole dz."""
-    n = cs.shape[0]
-    base = config or Config()
-    config = _Scaled(base, score_scale / math.sqrt(q.shape[-1]))
-    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
-    (b, h, s_q, d), (_, h_kv, s_k, _), dv = q.shape, k.shape, v.shape[-1]
-    stats = _STATS[q.dtype]
-    delta = (do.to(stats) * out.to(stats)).sum(-1).contiguous()
-    pads = (_pad_arg(query_padding_mask, b, s_q, "query_padding_mask", q.device),
-            _pad_arg(key_padding_mask, b, s_k, "key_padding_mask", q.device))
-    (qpad, sqp, has_qpad), (kpad, skp, has_kpad) = pads
-    gc = torch.zeros_like(cs)
-    gr = torch.zeros_like(rs)
-    g = torch.zeros(b, h, s_k, dtype=stats, device=q.device)
-    dq, dk, dv_out = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    scale = torch.tensor([config.scale], dtype=stats, device=q.device)
-
-    def grads(stage, grid):
-        _sink_grads[grid](
-            q, k, v, cs, rs, gc, gr, do, delta, dq, dk, dv_out, g, qpad, kpad,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], cs.stride(0), *cs.stride()[1:3],
-            rs.stride(0), *rs.stride()[1:3], sqp, skp, h, h // h_kv, s_q, s_k, d, dv, scale,
-            N=n, STAGE=stage, HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, ACC=_ACC[q.dtype], DOT=_dot_precision(q.dtype),
-            BLOCK_M=base.block_m, BLOCK_N=base.block_n, BLOCK_D=_block_dim(d),
-            BLOCK_DV=_block_dim(dv), num_warps=base.num_warps, num_stages=base.num_stages)
-
-    grads(0, (triton.cdiv(s_k, base.block_n), b * h))
+def _backward(call, sweeps, out, stats, grad_out):
+    """(dq, dk, dv) by recomputation, for the statistics `_forward` returned."""
+    do = grad_out.contiguous()
+    delta = (do.to(call.stats) * out.to(call.stats)).sum(-1).contiguous()  # D_i = Σ_d dO_id O_id
+    dq, dk, dv = torch.empty_like(call.q), torch.empty_like(call.k), torch.empty_like(call.v)
+    if sweeps <= 1:
+        c, r = stats
+        g = call.stat(True)
+        call.launch(_key_pass, call.grid(True, "kv"), C=c, R=r, DO=do, DELTA=delta, DK=dk, DV_OUT=dv, G=g, MASS=g,
+                    GRADS=True)
+        call.launch(_query_pass, call.grid(False, "query"), C=c, R=r, DO=do, DELTA=delta, G=g, DQ=dq)
+        return dq, dk, dv
+    cs, rs = stats
+    gc, gr, g = torch.zeros_like(cs), torch.zeros_like(rs), call.stat(True)
+    common = dict(CS=cs, RS=rs, GC=gc, GR=gr, DO=do, DELTA=delta, DQ=dq, DK=dk, DV_OUT=dv, G=g, N=sweeps)
+    call.launch(_sink_grads, call.grid(True, "query"), STAGE=0, **common)
     gc[-1] = -g
-    for t in range(n - 2, -1, -1):
-        _sink_reduce_launch(q, k, rs[t], cs[t + 1], gc[t + 1], gr[t], False, False, pads, config)
-        _sink_reduce_launch(q, k, rs[t], cs[t], gr[t], gc[t], True, False, pads, config)
-    grads(1, (triton.cdiv(s_k, base.block_n), b * h_kv))
-    grads(2, (triton.cdiv(s_q, base.block_m), b * h))
-    return dq, dk, dv_out
+    for t in range(sweeps - 2, -1, -1):
+        call.launch(_sink_reduce, call.grid(False, "query"), RPOT=rs[t], CPOT=cs[t + 1], COEF=gc[t + 1], OUT=gr[t],
+                    COLUMNS=False, LSE=False, HAS_RPOT=True)
+        call.launch(_sink_reduce, call.grid(True, "query"), RPOT=rs[t], CPOT=cs[t], COEF=gr[t], OUT=gc[t],
+                    COLUMNS=True, LSE=False, HAS_RPOT=True)
+    call.launch(_sink_grads, call.grid(True, "kv"), STAGE=1, **common)
+    call.launch(_sink_grads, call.grid(False, "query"), STAGE=2, **common)
+    return dq, dk, dv
 
 
-class _SinkhornAttention(torch.autograd.Function):
+def forward(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None):
+    """The plan's output (B, H, S_q, d_v) and its statistics, without a graph: (out, c, r) for 0 or
+    1 sweeps, (out, CS, RS) with a potential per sweep for more."""
+    return _forward(_Call(q, k, v, sweeps, score_scale, masks or Masks(), config), sweeps)
+
+
+def received_mass(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None):
+    """Σ_i p_ij per query head, (B, H, S_k): a forward's statistics, then one key pass."""
+    call = _Call(q, k, v, sweeps, score_scale, masks or Masks(), config)
+    _, c, r = _forward(call, sweeps)
+    return _received_mass(call, c[-1] if sweeps > 1 else c, r[-1] if sweeps > 1 else r)
+
+
+class _PlanAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sweeps, score_scale, key_padding_mask, query_padding_mask, config):
-        out, cs, rs = sinkhorn_forward(q, k, v, sweeps, score_scale, key_padding_mask, query_padding_mask, config)
-        ctx.save_for_backward(q, k, v, out, cs, rs)
-        ctx.settings = (score_scale, key_padding_mask, query_padding_mask, config)
+    def forward(ctx, q, k, v, sweeps, score_scale, masks, config):
+        call = _Call(q, k, v, sweeps, score_scale, masks, config)
+        out, *stats = _forward(call, sweeps)
+        ctx.save_for_backward(out, *stats)
+        ctx.call, ctx.sweeps = call, sweeps
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, cs, rs = ctx.saved_tensors
-        dq, dk, dv = sinkhorn_backward(q, k, v, out, cs, rs, grad_out, *ctx.settings)
-        return dq, dk, dv, None, None, None, None, None
+        out, *stats = ctx.saved_tensors
+        return (*_backward(ctx.call, ctx.sweeps, out, stats, grad_out), None, None, None, None)
+
+
+def attention(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None):
+    """The plan's attention output (B, H, S_q, d_v), differentiable in q, k and v: 0 sweeps is
+    softmax, 1 DNAS, N Sinkhorn-N; scores are `score_scale · q·kᵀ / sqrt(d)`. `k` and `v` may have
+    fewer heads than `q` (a divisor of them: grouped-query attention, read by index)."""
+    return _PlanAttention.apply(q, k, v, sweeps, score_scale, masks or Masks(), config)
+
+
+class _HybridAttention(torch.autograd.Function):
+    """HNAS: `u·O_plan + (1 − u)·O_softmax` per head, `u = sigmoid(logit)`, both outputs from one
+    row pass; the backward runs each branch's passes with its share of dO, and the gate's
+    gradient is `Σ dO·(O_plan − O_softmax) · u(1 − u)` per head."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, logit, score_scale, masks, config):
+        call = _Call(q, k, v, 1, score_scale, masks, config)
+        out_d, c, r_d, out_s, r_s = _forward(call, 1, hybrid=True)
+        u = torch.sigmoid(logit.to(call.stats))[None, :, None, None]
+        ctx.save_for_backward(out_d, c, r_d, out_s, r_s, u)
+        ctx.call = call
+        return (u * out_d.to(u.dtype) + (1 - u) * out_s.to(u.dtype)).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out_d, c, r_d, out_s, r_s, u = ctx.saved_tensors
+        call, dtype = ctx.call, out_d.dtype
+        g = grad_out.to(u.dtype)
+        dq_d, dk_d, dv_d = _backward(call, 1, out_d, (c, r_d), (u * g).to(dtype))
+        softmax = copy.copy(call)
+        softmax.args = {**call.args, "SWEEPS": 0}
+        dq_s, dk_s, dv_s = _backward(softmax, 0, out_s, (torch.zeros_like(c), r_s), ((1 - u) * g).to(dtype))
+        dlogit = (g * (out_d.to(u.dtype) - out_s.to(u.dtype))).sum((0, 2, 3)) * (u * (1 - u)).flatten()
+        return dq_d + dq_s, dk_d + dk_s, dv_d + dv_s, dlogit, None, None, None
+
+
+def hybrid_attention(q, k, v, logit, score_scale=1.0, masks=None, config=None):
+    """HNAS's output (B, H, S_q, d_v) with gate logits `logit (H,)`, differentiable in q, k, v and
+    the logits."""
+    if logit.dim() != 1 or logit.shape[0] != q.shape[1]:
+        raise ValueError(f"logit must have one gate per query head, shape ({q.shape[1]},), got {tuple(logit.shape)}")
+    if masks is not None and masks.causal:
+        raise ValueError("HNAS mixes in DNAS, whose column sweep is not causal")
+    return _HybridAttention.apply(q, k, v, logit, score_scale, masks or Masks(), config)
