@@ -1044,6 +1044,31 @@ class Registry(unittest.TestCase):
     def test_the_registry_is_the_binarys(self):
         self.assertEqual(probattn.variants(), registry.registry())
 
+    def test_the_package_keeps_no_variant_names_of_its_own(self):
+        """The package's code reads what a variant is from the registry: apart from docstrings and
+        default argument values ("softmax"), no string constant is a variant's name, alias or
+        `name-` prefix, so a variant added to the registry needs no edit here."""
+        import ast
+        import pathlib
+
+        names = set()
+        for e in registry.registry():
+            names.update([e["name"], e["example"], *e["aliases"]] + ([e["name"][:-1]] if e["name"].endswith("-N") else []))
+        found = []
+        for path in sorted(pathlib.Path(probattn.__file__).parent.glob("*.py")):
+            tree = ast.parse(path.read_text())
+            allowed = set()
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node, clean=False):
+                    allowed.add(id(node.body[0].value))
+                if isinstance(node, ast.FunctionDef):
+                    allowed.update(id(d) for d in node.args.defaults + node.args.kw_defaults if d is not None)
+            found += [f"{path.name}:{node.lineno} {node.value!r}" for node in ast.walk(tree)
+                      if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in allowed
+                      and node.value in names]
+        self.assertGreaterEqual(len(names), 10)
+        self.assertEqual(found, [])
+
 
 if __name__ == "__main__":
     unittest.main()
