@@ -1,11 +1,15 @@
-"""The Triton kernels of the plans against the reference formulas, under Triton's interpreter on
-the CPU: `python -m probattn_tools.kernels.check --quick` in a process of its own (the interpreter
-is chosen when Triton is imported, which other tests of this folder do first)."""
+"""The Triton kernels of the plans: against the reference formulas under Triton's interpreter on
+the CPU (`python -m probattn_tools.kernels.check --quick`), and compiled ahead of time for sm_80
+and sm_90 (`python -m probattn_tools.kernels.aot --smoke`), each in a process of its own (the
+interpreter is chosen when Triton is imported, which other tests of this folder do first)."""
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import unittest
+from pathlib import Path
 
 
 class TritonKernels(unittest.TestCase):
@@ -17,6 +21,21 @@ class TritonKernels(unittest.TestCase):
         self.assertEqual(done.returncode, 0, out)
         self.assertIn("all 20 cases within tolerance; bad input named", out)
         self.assertNotIn("FAIL", out)
+
+    def test_every_kernel_compiles_ahead_of_time_for_sm80_and_sm90(self):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        with tempfile.TemporaryDirectory() as out:
+            done = subprocess.run([sys.executable, "-m", "probattn_tools.kernels.aot", "--out", out, "--smoke",
+                                   "--dtypes", "bfloat16", "--head-dims", "64"], capture_output=True, text=True, env=env,
+                                  timeout=900)
+            self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+            entries = json.loads((Path(out) / "manifest.json").read_text())["entries"]
+            self.assertEqual(sorted({(e["kernel"], e["arch"]) for e in entries}),
+                             sorted((k, a) for k in ("_column_pass", "_row_pass", "_key_pass", "_query_pass",
+                                                     "_sink_reduce", "_sink_grads") for a in ("sm_80", "sm_90")))
+            for e in entries:
+                self.assertGreater((Path(out) / e["file"]).stat().st_size, 10_000, e["file"])
+                self.assertTrue(e["params"] and all(p["type"] in ("i32", "*bf16", "*fp32", "*u8") for p in e["params"]), e)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ import triton.language as tl
 
 # A finite floor for the running maxima: a fully masked block then leaves them finite, and
 # exp(-inf − floor) is exactly 0 where exp(-inf − -inf) would be NaN.
-FLOOR = -1.0e30
+FLOOR = tl.constexpr(-1.0e30)
 
 
 @triton.jit

@@ -1,0 +1,137 @@
+"""Compiles the Triton kernels of the plans ahead of time for NVIDIA GPUs, on a machine without
+one: each kernel specialized for a dtype, a head dimension and its flags, to a cubin per
+architecture, with a manifest of what each cubin is and how to launch it.
+
+    python -m probattn_tools.kernels.aot --out DIR                  # sm_80 and sm_90, the default set
+    python -m probattn_tools.kernels.aot --out DIR --arch 90 --dtypes bfloat16 --head-dims 64
+
+`DIR/manifest.json` lists, per cubin: the kernel, the architecture, the dtype, the constexpr
+values it was specialized for, the run-time parameters in launch order (pointers and 32-bit
+integers; Triton 3.6 appends two scratch pointers after them), `num_warps` (a block of
+32 × num_warps threads), and the dynamic shared memory it needs (above 48 KiB a launcher must
+raise the function's limit first, as Triton's own launcher does).
+
+This is the first half of "built here, run there" (docs/kernels.md): nothing loads these cubins
+yet. The test suite compiles every kernel once for sm_80 and sm_90 (`--smoke`), which catches what
+Triton's interpreter lets through and a GPU compile refuses.
+"""
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+INPUTS = {"Q", "K", "V", "O", "O2", "DO", "DQ", "DK", "DV_OUT"}
+STATISTICS = {"C", "R", "R2", "G", "MASS", "DELTA", "CS", "RS", "GC", "GR", "RPOT", "CPOT", "COEF", "OUT", "SCALE"}
+MASKS = {"QPAD", "KPAD", "MASK"}
+TRITON_TYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
+def specializations(plans, smoke):
+    """(kernel name, constexpr values without ACC/DOT/BLOCK_D/BLOCK_DV) to compile. `smoke`: one
+    per kernel with every feature on (what the test suite compiles)."""
+    flags = dict(HAS_QPAD=True, HAS_KPAD=True, HAS_MASK=True)
+    if smoke:
+        return [("_column_pass", flags), ("_row_pass", dict(flags, SWEEPS=1, HYBRID=True, CAUSAL=False)),
+                ("_key_pass", dict(flags, SWEEPS=1, CAUSAL=False, GRADS=True)),
+                ("_query_pass", dict(flags, SWEEPS=1, CAUSAL=False)),
+                ("_sink_reduce", dict(flags, COLUMNS=True, LSE=False, HAS_RPOT=True)),
+                ("_sink_grads", dict(flags, N=3, STAGE=1))]
+    out = []
+    for qpad, kpad, mask in itertools.product((False, True), repeat=3):
+        f = dict(HAS_QPAD=qpad, HAS_KPAD=kpad, HAS_MASK=mask)
+        out.append(("_column_pass", f))
+        for sweeps, hybrid, causal in ((0, False, False), (0, False, True), (1, False, False), (1, True, False)):
+            out.append(("_row_pass", dict(f, SWEEPS=sweeps, HYBRID=hybrid, CAUSAL=causal)))
+        for sweeps, causal in ((0, False), (0, True), (1, False)):
+            for grads in (False, True):
+                out.append(("_key_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal, GRADS=grads)))
+            out.append(("_query_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal)))
+    return out
+
+
+def compile_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m, block_n, num_warps, num_stages):
+    """One cubin and its manifest entry."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = getattr(plans, name)
+    tl = triton.language
+    acc = tl.float64 if dtype == "float64" else tl.float32
+    values = dict(constexprs, ACC=acc, DOT="ieee" if dtype in ("float32", "float64") else "tf32",
+                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=plans._block_dim(head_dim), BLOCK_DV=plans._block_dim(head_dim))
+    signature, params = {}, []
+    stats = "fp64" if dtype == "float64" else "fp32"
+    for p in kernel.params:
+        n = p.name
+        if p.is_constexpr:
+            signature[n] = "constexpr"
+            values.setdefault(n, None)
+            if values[n] is None:
+                raise ValueError(f"{name}: no value for its constexpr {n}")
+        elif n in INPUTS:
+            signature[n] = f"*{TRITON_TYPE[dtype]}"
+        elif n in STATISTICS:
+            signature[n] = f"*{stats}"
+        elif n in MASKS:
+            signature[n] = "*u8"
+        else:
+            signature[n] = "i32"
+        if not p.is_constexpr:
+            params.append({"name": n, "type": signature[n]})
+    given = {n: v for n, v in values.items() if n in signature and signature[n] == "constexpr"}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(kernel.arg_names.index(n),): v for n, v in given.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps,
+                                                                                   "num_stages": num_stages})
+    shown = {n: (str(v) if not isinstance(v, (bool, int, float, str)) else v) for n, v in given.items()}
+    entry = {"kernel": name, "arch": f"sm_{arch}", "dtype": dtype, "head_dim": head_dim, "constexprs": shown,
+             "params": params, "num_warps": num_warps, "shared_bytes": compiled.metadata.shared,
+             "symbol": compiled.metadata.name}
+    return compiled.asm["cubin"], entry
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder for the cubins and manifest.json")
+    parser.add_argument("--arch", default="80,90", help="compute capabilities, comma-separated (80: A100, 90: H100/H200)")
+    parser.add_argument("--dtypes", default="bfloat16,float16", help="comma-separated")
+    parser.add_argument("--head-dims", default="64,128", help="comma-separated")
+    parser.add_argument("--block-m", type=int, default=64)
+    parser.add_argument("--block-n", type=int, default=64)
+    parser.add_argument("--num-warps", type=int, default=4)
+    parser.add_argument("--num-stages", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="one specialization per kernel, every feature on")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("kernels.aot: unset TRITON_INTERPRET: the interpreter compiles nothing")
+    import triton
+
+    from probattn_tools.kernels import plans
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    entries, start = [], time.time()
+    for arch, dtype, head_dim in itertools.product([int(a) for a in args.arch.split(",")], args.dtypes.split(","),
+                                                   [int(d) for d in args.head_dims.split(",")]):
+        if dtype not in TRITON_TYPE:
+            sys.exit(f"kernels.aot: unknown dtype {dtype!r} (known: {', '.join(TRITON_TYPE)})")
+        for name, constexprs in specializations(plans, args.smoke):
+            cubin, entry = compile_one(triton, plans, name, constexprs, dtype, head_dim, arch, args.block_m,
+                                       args.block_n, args.num_warps, args.num_stages)
+            entry["file"] = f"{name.strip('_')}-{len(entries):04d}-sm{arch}.cubin"
+            (out / entry["file"]).write_bytes(cubin)
+            entries.append(entry)
+            print(f"sm_{arch} {dtype:8} d {head_dim:3} {name:13} {entry['shared_bytes']:6} B shared  "
+                  f"{len(cubin):7} B  {entry['constexprs']}", flush=True)
+    tmp = out / "manifest.json.tmp"
+    tmp.write_text(json.dumps({"triton": triton.__version__, "entries": entries}, indent=1) + "\n")
+    tmp.replace(out / "manifest.json")
+    print(f"{len(entries)} cubins in {time.time() - start:.0f} s; manifest in {out / 'manifest.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
