@@ -1,5 +1,6 @@
 // The boundary's own functions: strings and lists handed to Rust, and TorchScript buffers.
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/jit/api/module.h>
 #include <torch/csrc/jit/serialization/import.h>
 
@@ -69,6 +70,24 @@ char* pa_silence_warning(const char* prefix) {
       silenced_prefixes().emplace_back(prefix);
     }
     install_on_this_thread();
+  });
+}
+
+char* pa_cpu_rng_state(pa_tensor** out) {
+  return probattn::guard([&] {
+    probattn::require(out, "pa_cpu_rng_state", "out");
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    *out = new at::Tensor(generator.get_state());
+  });
+}
+
+char* pa_set_cpu_rng_state(const pa_tensor* state) {
+  return probattn::guard([&] {
+    probattn::require(state, "pa_set_cpu_rng_state", "state");
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(*state);
   });
 }
 

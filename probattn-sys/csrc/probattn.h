@@ -32,6 +32,11 @@ void pa_string_free(char* s);
 // filters all of them.
 char* pa_silence_warning(const char* prefix);
 
+// The CPU's default generator (what torch.manual_seed seeds): its state as a new uint8 tensor
+// (torch.get_rng_state), and setting a state back (torch.set_rng_state).
+char* pa_cpu_rng_state(pa_tensor** out);
+char* pa_set_cpu_rng_state(const pa_tensor* state);
+
 // ---- lists of named tensors
 size_t pa_tensors_len(const pa_tensors* list);
 const char* pa_tensors_name(const pa_tensors* list, size_t i);  // borrowed, "" when unnamed

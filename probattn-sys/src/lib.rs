@@ -84,6 +84,8 @@ struct PaReducer {
 extern "C" {
     fn pa_string_free(s: *mut c_char);
     fn pa_silence_warning(prefix: *const c_char) -> *mut c_char;
+    fn pa_cpu_rng_state(out: *mut *mut C_tensor) -> *mut c_char;
+    fn pa_set_cpu_rng_state(state: *const C_tensor) -> *mut c_char;
     fn pa_tensors_len(list: *const PaTensors) -> usize;
     fn pa_tensors_name(list: *const PaTensors, i: usize) -> *const c_char;
     fn pa_tensors_get(list: *const PaTensors, i: usize) -> *mut C_tensor;
@@ -167,6 +169,23 @@ pub fn silence_warning(prefix: &str) -> Result<()> {
     let prefix = CString::new(prefix).map_err(|_| Error::Config(format!("{prefix:?}: a warning prefix with a NUL byte")))?;
     // SAFETY: a valid NUL-terminated string, borrowed for the call (the C++ side copies it).
     check(unsafe { pa_silence_warning(prefix.as_ptr()) }, |m| Error::Config(format!("silencing a libtorch warning: {m}")))
+}
+
+/// The CPU's default generator's state (what `tch::manual_seed` seeds), as `torch.get_rng_state`
+/// returns it.
+pub fn cpu_rng_state() -> Result<Tensor> {
+    let mut out = ptr::null_mut();
+    // SAFETY: `out` is written on success only, with a new tensor that `Tensor::from_ptr` owns.
+    unsafe {
+        check(pa_cpu_rng_state(&mut out), Error::Torch)?;
+        Ok(Tensor::from_ptr(out))
+    }
+}
+
+/// Sets the CPU's default generator back to a state from [`cpu_rng_state`].
+pub fn set_cpu_rng_state(state: &Tensor) -> Result<()> {
+    // SAFETY: the tensor is borrowed for the call; the C++ side copies the state.
+    check(unsafe { pa_set_cpu_rng_state(state.as_ptr()) }, Error::Torch)
 }
 
 fn c_path(path: &Path) -> Result<CString> {

@@ -97,7 +97,9 @@ impl Properties {
 
 impl VariantSpec {
     /// Its properties, from its example built once with the default settings (two heads, four
-    /// key features, on the CPU) and kept for the process.
+    /// key features, on the CPU) and kept for the process. The build draws the example's
+    /// parameters from libtorch's CPU generator and then sets the generator back, so asking
+    /// moves no seeded stream (a model built after it initialises as it would have).
     pub fn properties(&self) -> Result<Properties> {
         static KNOWN: OnceLock<Mutex<HashMap<&'static str, Properties>>> = OnceLock::new();
         let known = KNOWN.get_or_init(Default::default);
@@ -107,9 +109,11 @@ impl VariantSpec {
         let variant = (self.parse)(self.example).ok_or_else(|| {
             crate::Error::Config(format!("the registry entry {} does not parse its own example {}", self.name, self.example))
         })?;
+        let generator = crate::cxx::cpu_rng_state()?;
         let scratch = nn::VarStore::new(tch::Device::Cpu);
-        let normalizer = (self.build)(&scratch.root(), 2, 4, &NormalizerConfig::default(), variant.param())?;
-        let properties = Properties::of(&*normalizer, &scratch);
+        let built = (self.build)(&scratch.root(), 2, 4, &NormalizerConfig::default(), variant.param());
+        crate::cxx::set_cpu_rng_state(&generator)?;
+        let properties = Properties::of(&*built?, &scratch);
         known.lock().unwrap_or_else(|e| e.into_inner()).insert(self.name, properties.clone());
         Ok(properties)
     }
