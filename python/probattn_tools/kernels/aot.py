@@ -26,7 +26,7 @@ from pathlib import Path
 
 INPUTS = {"Q", "K", "V", "O", "O2", "DO", "DQ", "DK", "DV_OUT"}
 STATISTICS = {"C", "R", "R2", "G", "MASS", "DELTA", "CS", "RS", "GC", "GR", "RPOT", "CPOT", "COEF", "OUT", "SCALE"}
-MASKS = {"QPAD", "KPAD", "MASK"}
+MASKS = {"QPAD", "KPAD", "MASK", "BLOCKS"}
 TRITON_TYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 

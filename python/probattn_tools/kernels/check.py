@@ -40,6 +40,7 @@ def cases(quick, lower):
         out.append((f"{plan} gqa key+query padding, scale 0.5", sweeps, 0.5, shapes["gqa"], ("key", "query"), False))
         if not lower and (not quick or plan == "dnas"):
             out.append((f"{plan} gqa pattern per head, key padding", sweeps, 1.0, shapes["gqa"], ("pattern", "key"), False))
+            out.append((f"{plan} gqa pattern with dead tiles", sweeps, 1.0, shapes["gqa"], ("dead-tiles",), False))
         if not quick and not lower:
             out.append((f"{plan} rect pattern broadcast over batch", sweeps, 1.0, shapes["rect"], ("pattern-2d",), False))
             out.append((f"{plan} rect key padding", sweeps, 1.0, shapes["rect"], ("key",), False))
@@ -82,6 +83,9 @@ def run_case(torch, plans, formulas, case, dtype, device, config):
         pattern = torch.rand(b, h, s_q, s_k, generator=gen) < 0.6
         pattern[:, 1, 0] = False
         masks.allowed_mask = pattern.to(device)
+    if "dead-tiles" in masks_asked:  # queries 0-7 see no key from 8 on: with 8 × 8 blocks, whole tiles skipped
+        i, j = torch.arange(s_q)[:, None], torch.arange(s_k)[None, :]
+        masks.allowed_mask = (~((i < 8) & (j >= 8))).to(device)
     if "pattern-2d" in masks_asked:  # (S_q, S_k), broadcast over batch and heads
         masks.allowed_mask = (torch.rand(s_q, s_k, generator=gen) < 0.5).to(device)
     cot = make(b, h, s_q, dv)
@@ -145,6 +149,7 @@ def main(argv=None):
     parser.add_argument("--dtypes", default="float64,float32,bfloat16,float16", help="comma-separated")
     parser.add_argument("--quick", action="store_true", help="fewer cases (what the test suite runs)")
     parser.add_argument("--block", type=int, default=None, help="block size (default: 8 on the CPU, 64 on a GPU)")
+    parser.add_argument("--cases", default="", help="run only the cases whose name contains this text")
     parser.add_argument("--json", help="write the errors per case to this file")
     args = parser.parse_args(argv)
     if args.device == "cpu":
@@ -176,7 +181,7 @@ def main(argv=None):
             # 1e10 on a 16 × 16 product), though it loads, converts and stores them right.
             print("skip bfloat16: Triton's interpreter gets tl.dot wrong in bfloat16; run it on a GPU (--device cuda)")
             continue
-        for case in cases(args.quick, dtype_name != "float64"):
+        for case in [c for c in cases(args.quick, dtype_name != "float64") if args.cases in c[0]]:
             start = time.time()
             errors = run_case(torch, plans, formulas, case, dtype, args.device, config)
             worst = max(errors.values())

@@ -70,9 +70,20 @@ def _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
 
 
 @triton.jit
-def _column_pass(Q, K, C, QPAD, KPAD, MASK,
+def _live(BLOCKS, b, h, mb, nb, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK: tl.constexpr):
+    """Whether tile (mb, nb) of (batch b, head h) holds an allowed entry of the pattern: the block
+    map (`_Call`) lets every pass skip the tiles a pattern wholly excludes, as FlexAttention's block
+    masks do. Always true without a pattern."""
+    if HAS_MASK:
+        return tl.load(BLOCKS + b * stride_bb + h * stride_bh + mb * stride_bm + nb * stride_bn) != 0
+    else:
+        return True
+
+
+@triton.jit
+def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
-                 stride_cb, stride_ch, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn,
+                 stride_cb, stride_ch, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn,
                  H, GROUP, S_Q, S_K, D, SCALE,
                  HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -80,6 +91,7 @@ def _column_pass(Q, K, C, QPAD, KPAD, MASK,
     (batch, query head) per axis 1. A key with no allowed query gets FLOOR (never read)."""
     scale = tl.load(SCALE).to(ACC)
     start_n = tl.program_id(0) * BLOCK_N
+    start_n0 = start_n
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -89,24 +101,25 @@ def _column_pass(Q, K, C, QPAD, KPAD, MASK,
     m = tl.full([BLOCK_N], FLOOR, dtype=ACC)
     l = tl.zeros([BLOCK_N], dtype=ACC)
     for start_m in range(0, S_Q, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                    mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), other=0.0)
-        z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale  # (BLOCK_M, BLOCK_N)
-        ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
-                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-        z = tl.where(ok, z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, 0))
-        l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[None, :]), 0)
-        m = m_new
+        if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                        mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), other=0.0)
+            z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale  # (BLOCK_M, BLOCK_N)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
+                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+            z = tl.where(ok, z, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, 0))
+            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[None, :]), 0)
+            m = m_new
     c = tl.where(l > 0, m + tl.log(tl.where(l > 0, l, 1.0)), FLOOR)
     tl.store(C + b * stride_cb + h * stride_ch + offs_n, c, mask=offs_n < S_K)
 
 
 @triton.jit
-def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK,
+def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS,
               stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-              stride_ob, stride_oh, stride_os, stride_cb, stride_ch, stride_rb, stride_rh, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn,
+              stride_ob, stride_oh, stride_os, stride_cb, stride_ch, stride_rb, stride_rh, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn,
               H, GROUP, S_Q, S_K, D, DV, SCALE,
               SWEEPS: tl.constexpr, HYBRID: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
               CAUSAL: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -117,6 +130,7 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK,
     O and R)."""
     scale = tl.load(SCALE).to(ACC)
     start_m = tl.program_id(0) * BLOCK_M
+    start_m0 = start_m
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     kvh = h // GROUP
@@ -135,33 +149,34 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK,
     if CAUSAL:
         end_n = tl.minimum(S_K, start_m + BLOCK_M)  # blocks wholly above the diagonal are skipped
     for start_n in range(0, end_n, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-                    mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
-                    mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
-        ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
-                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-        z0 = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale
-        z = z0
-        if SWEEPS > 0:
-            c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-            z = z0 - c[None, :]
-        z = tl.where(ok, z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, 1))
-        p = tl.exp(z - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC, input_precision=DOT)
-        m = m_new
-        if HYBRID:
-            z0 = tl.where(ok, z0, float("-inf"))
-            m2_new = tl.maximum(m2, tl.max(z0, 1))
-            p2 = tl.exp(z0 - m2_new[:, None])
-            alpha2 = tl.exp(m2 - m2_new)
-            l2 = l2 * alpha2 + tl.sum(p2, 1)
-            acc2 = acc2 * alpha2[:, None] + tl.dot(p2.to(v.dtype), v, out_dtype=ACC, input_precision=DOT)
-            m2 = m2_new
+        if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
+                        mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
+                        mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
+                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+            z0 = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale
+            z = z0
+            if SWEEPS > 0:
+                c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+                z = z0 - c[None, :]
+            z = tl.where(ok, z, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, 1))
+            p = tl.exp(z - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC, input_precision=DOT)
+            m = m_new
+            if HYBRID:
+                z0 = tl.where(ok, z0, float("-inf"))
+                m2_new = tl.maximum(m2, tl.max(z0, 1))
+                p2 = tl.exp(z0 - m2_new[:, None])
+                alpha2 = tl.exp(m2 - m2_new)
+                l2 = l2 * alpha2 + tl.sum(p2, 1)
+                acc2 = acc2 * alpha2[:, None] + tl.dot(p2.to(v.dtype), v, out_dtype=ACC, input_precision=DOT)
+                m2 = m2_new
     _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb, stride_rh)
     if HYBRID:
         _finish_row(O2, R2, acc2, m2, l2, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb,
@@ -181,10 +196,10 @@ def _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stri
 
 
 @triton.jit
-def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK,
+def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, BLOCKS,
               stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
               stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
-              stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn,
+              stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn,
               H_KV, GROUP, S_Q, S_K, D, DV, SCALE,
               SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
               GRADS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -194,6 +209,7 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK,
     pass) and, with GRADS off, only the received mass Σ_i p_ij per query head."""
     scale = tl.load(SCALE).to(ACC)
     start_n = tl.program_id(0) * BLOCK_N
+    start_n0 = start_n
     bk = tl.program_id(1)
     b, kvh = bk // H_KV, bk % H_KV
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -218,27 +234,28 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK,
         dk_main = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
         dk_corr = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
         for start_m in range(start_m0, S_Q, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                        mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), other=0.0)
-            r = tl.load(R + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-            z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale - c[None, :]
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
-                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-            p = tl.where(ok, tl.exp(tl.where(ok, z - r[:, None], 0.0)), 0.0)  # (BLOCK_M, BLOCK_N)
-            mass += tl.sum(p, 0)
-            if GRADS:
-                do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_dv[None, :],
-                             mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < DV), other=0.0)
-                delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
-                dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT)
-                ds = p * (dp - delta[:, None])
-                dk_main += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
-                if SWEEPS > 0:
-                    g += tl.sum(ds, 0)
-                    pc = tl.where(ok, tl.exp(tl.where(ok, z, 0.0)), 0.0)  # exp(z_ij − c_j): the column weights
-                    dk_corr += tl.dot(tl.trans(pc).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
+            if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
+                offs_m = start_m + tl.arange(0, BLOCK_M)
+                q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                            mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), other=0.0)
+                r = tl.load(R + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale - c[None, :]
+                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
+                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                p = tl.where(ok, tl.exp(tl.where(ok, z - r[:, None], 0.0)), 0.0)  # (BLOCK_M, BLOCK_N)
+                mass += tl.sum(p, 0)
+                if GRADS:
+                    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_dv[None, :],
+                                 mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < DV), other=0.0)
+                    delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                    dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
+                    dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT)
+                    ds = p * (dp - delta[:, None])
+                    dk_main += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
+                    if SWEEPS > 0:
+                        g += tl.sum(ds, 0)
+                        pc = tl.where(ok, tl.exp(tl.where(ok, z, 0.0)), 0.0)  # exp(z_ij − c_j): the column weights
+                        dk_corr += tl.dot(tl.trans(pc).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
         if GRADS:
             dk += dk_main - g[:, None] * dk_corr
             if SWEEPS > 0:
@@ -253,10 +270,10 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK,
 
 
 @triton.jit
-def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK,
+def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
-                stride_dqb, stride_dqh, stride_dqs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn,
+                stride_dqb, stride_dqh, stride_dqs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn,
                 H, GROUP, S_Q, S_K, D, DV, SCALE,
                 SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -264,6 +281,7 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK,
     """dQ_i = s Σ_j dz_ij k_j, dz_ij = dS¹_ij − exp(z_ij − c_j) g_j, one query block per program."""
     scale = tl.load(SCALE).to(ACC)
     start_m = tl.program_id(0) * BLOCK_M
+    start_m0 = start_m
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     kvh = h // GROUP
@@ -281,24 +299,25 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK,
     if CAUSAL:
         end_n = tl.minimum(S_K, start_m + BLOCK_M)
     for start_n in range(0, end_n, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-                    mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
-                    mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
-        z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale
-        if SWEEPS > 0:
-            c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-            z = z - c[None, :]
-        ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
-                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-        p = tl.where(ok, tl.exp(tl.where(ok, z - r[:, None], 0.0)), 0.0)
-        dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT)
-        ds = p * (dp - delta[:, None])
-        if SWEEPS > 0:
-            g = tl.load(G + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-            ds -= tl.where(ok, tl.exp(tl.where(ok, z, 0.0)), 0.0) * g[None, :]
-        dq += tl.dot(ds.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
+        if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
+                        mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
+                        mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
+            z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale
+            if SWEEPS > 0:
+                c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+                z = z - c[None, :]
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
+                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+            p = tl.where(ok, tl.exp(tl.where(ok, z - r[:, None], 0.0)), 0.0)
+            dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT)
+            ds = p * (dp - delta[:, None])
+            if SWEEPS > 0:
+                g = tl.load(G + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+                ds -= tl.where(ok, tl.exp(tl.where(ok, z, 0.0)), 0.0) * g[None, :]
+            dq += tl.dot(ds.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D))
 
@@ -325,9 +344,9 @@ def _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, strid
 
 
 @triton.jit
-def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK,
+def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_cb, stride_ch, stride_rb,
-                 stride_rh, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, H, GROUP, S_Q, S_K, D, SCALE,
+                 stride_rh, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, H, GROUP, S_Q, S_K, D, SCALE,
                  COLUMNS: tl.constexpr, LSE: tl.constexpr, HAS_RPOT: tl.constexpr, HAS_QPAD: tl.constexpr,
                  HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -341,55 +360,59 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK,
     kvh = h // GROUP
     offs_d = tl.arange(0, BLOCK_D)
     if COLUMNS:
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        start_n0 = tl.program_id(0) * BLOCK_N
+        offs_n = start_n0 + tl.arange(0, BLOCK_N)
         m = tl.full([BLOCK_N], FLOOR, dtype=ACC)
         total = tl.zeros([BLOCK_N], dtype=ACC)
         cpot = tl.zeros([BLOCK_N], dtype=ACC)
         if not LSE:
             cpot = tl.load(CPOT + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
         for start_m in range(0, S_Q, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                            stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
-                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-            if HAS_RPOT:
-                z = z - tl.load(RPOT + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)[:, None]
-            if LSE:
-                z = tl.where(ok, z, float("-inf"))
-                m_new = tl.maximum(m, tl.max(z, 0))
-                total = total * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[None, :]), 0)
-                m = m_new
-            else:
-                coef = tl.load(COEF + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                e = tl.where(ok, tl.exp(tl.where(ok, z - cpot[None, :], 0.0)), 0.0)
-                total -= tl.sum(e * coef[:, None], 0)
+            if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
+                offs_m = start_m + tl.arange(0, BLOCK_M)
+                z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
+                                stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
+                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
+                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                if HAS_RPOT:
+                    z = z - tl.load(RPOT + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)[:, None]
+                if LSE:
+                    z = tl.where(ok, z, float("-inf"))
+                    m_new = tl.maximum(m, tl.max(z, 0))
+                    total = total * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[None, :]), 0)
+                    m = m_new
+                else:
+                    coef = tl.load(COEF + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                    e = tl.where(ok, tl.exp(tl.where(ok, z - cpot[None, :], 0.0)), 0.0)
+                    total -= tl.sum(e * coef[:, None], 0)
         if LSE:
             total = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), FLOOR)
         tl.store(OUT + b * stride_cb + h * stride_ch + offs_n, total, mask=offs_n < S_K)
     else:
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        start_m0 = tl.program_id(0) * BLOCK_M
+        offs_m = start_m0 + tl.arange(0, BLOCK_M)
         m = tl.full([BLOCK_M], FLOOR, dtype=ACC)
         total = tl.zeros([BLOCK_M], dtype=ACC)
         rpot = tl.zeros([BLOCK_M], dtype=ACC)
         if HAS_RPOT:
             rpot = tl.load(RPOT + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
         for start_n in range(0, S_K, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                            stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
-                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-            z = z - tl.load(CPOT + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)[None, :]
-            if LSE:
-                z = tl.where(ok, z, float("-inf"))
-                m_new = tl.maximum(m, tl.max(z, 1))
-                total = total * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), 1)
-                m = m_new
-            else:
-                coef = tl.load(COEF + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-                e = tl.where(ok, tl.exp(tl.where(ok, z - rpot[:, None], 0.0)), 0.0)
-                total -= tl.sum(e * coef[None, :], 1)
+            if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
+                                stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
+                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
+                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                z = z - tl.load(CPOT + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)[None, :]
+                if LSE:
+                    z = tl.where(ok, z, float("-inf"))
+                    m_new = tl.maximum(m, tl.max(z, 1))
+                    total = total * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), 1)
+                    m = m_new
+                else:
+                    coef = tl.load(COEF + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+                    e = tl.where(ok, tl.exp(tl.where(ok, z - rpot[:, None], 0.0)), 0.0)
+                    total -= tl.sum(e * coef[None, :], 1)
         if LSE:
             total = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), 0.0)
         tl.store(OUT + b * stride_rb + h * stride_rh + offs_m, total, mask=offs_m < S_Q)
@@ -415,10 +438,10 @@ def _sink_dz(z, ok, dsz, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_
 
 
 @triton.jit
-def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPAD, MASK,
+def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPAD, MASK, BLOCKS,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_t, stride_cb, stride_ch, stride_tr, stride_rb, stride_rh,
-                stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, H, GROUP, S_Q, S_K, D, DV, SCALE,
+                stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, H, GROUP, S_Q, S_K, D, DV, SCALE,
                 N: tl.constexpr, STAGE: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
                 ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -432,7 +455,8 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
     last_c = (N - 1) * stride_t
     last_r = (N - 1) * stride_tr
     if STAGE < 2:
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        start_n0 = tl.program_id(0) * BLOCK_N
+        offs_n = start_n0 + tl.arange(0, BLOCK_N)
         bk = tl.program_id(1)
         if STAGE == 0:
             b, kvh = bk // H, (bk % H) // GROUP
@@ -449,25 +473,26 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
             c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
             g = tl.zeros([BLOCK_N], dtype=ACC)
             for start_m in range(0, S_Q, BLOCK_M):
-                offs_m = start_m + tl.arange(0, BLOCK_M)
-                z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                                stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
-                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              False,
-                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-                r = tl.load(RS + last_r + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                p = tl.where(ok, tl.exp(tl.where(ok, z - c[None, :] - r[:, None], 0.0)), 0.0)
-                do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_dv[None, :],
-                             mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < DV), other=0.0)
-                delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                ds = p * (tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT) - delta[:, None])
-                if STAGE == 0:
-                    g += tl.sum(ds, 0)
-                else:
-                    dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb,
-                                  stride_ch, stride_tr, stride_rb, stride_rh, N)
-                    dk += tl.dot(tl.trans(dz).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
-                    dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
+                if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
+                    offs_m = start_m + tl.arange(0, BLOCK_M)
+                    z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
+                                    stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
+                    ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
+                                  False,
+                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                    r = tl.load(RS + last_r + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                    p = tl.where(ok, tl.exp(tl.where(ok, z - c[None, :] - r[:, None], 0.0)), 0.0)
+                    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_dv[None, :],
+                                 mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < DV), other=0.0)
+                    delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                    ds = p * (tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT) - delta[:, None])
+                    if STAGE == 0:
+                        g += tl.sum(ds, 0)
+                    else:
+                        dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb,
+                                      stride_ch, stride_tr, stride_rb, stride_rh, N)
+                        dk += tl.dot(tl.trans(dz).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
+                        dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
             if STAGE == 0:
                 tl.store(G + b * stride_cb + h * stride_ch + offs_n, g, mask=offs_n < S_K)
         if STAGE == 1:
@@ -476,7 +501,8 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
             tl.store(DV_OUT + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
                      dv.to(DV_OUT.dtype.element_ty), mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV))
     else:
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        start_m0 = tl.program_id(0) * BLOCK_M
+        offs_m = start_m0 + tl.arange(0, BLOCK_M)
         bh = tl.program_id(1)
         b, h = bh // H, bh % H
         kvh = h // GROUP
@@ -486,19 +512,20 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
         delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
         for start_n in range(0, S_K, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                            stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
-                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-            c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-            v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
-                        mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
-            p = tl.where(ok, tl.exp(tl.where(ok, z - c[None, :] - r[:, None], 0.0)), 0.0)
-            ds = p * (tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT) - delta[:, None])
-            dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb, stride_ch,
-                          stride_tr, stride_rb, stride_rh, N)
-            dq += tl.dot(dz.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
+            if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
+                                stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
+                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
+                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+                v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
+                            mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
+                p = tl.where(ok, tl.exp(tl.where(ok, z - c[None, :] - r[:, None], 0.0)), 0.0)
+                ds = p * (tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT) - delta[:, None])
+                dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb, stride_ch,
+                              stride_tr, stride_rb, stride_rh, N)
+                dq += tl.dot(dz.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
         tl.store(DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
                  (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D))
 
@@ -567,18 +594,29 @@ def _padding(mask, batch, length, name, device):
     return mask, mask.stride(0), True
 
 
-def _pattern(mask, shape, device):
+def _pattern(mask, shape, block_m, block_n, device):
+    """The pattern as uint8 broadcast to `shape` (B, H, S_q, S_k) through stride-0 views, and its
+    block map: (B, H, ⌈S_q / block_m⌉, ⌈S_k / block_n⌉), nonzero where a tile holds an allowed
+    entry (formed on the pattern's own dimensions, then broadcast the same way)."""
+    none = torch.zeros(1, dtype=torch.uint8, device=device)
     if mask is None:
-        return torch.zeros(1, dtype=torch.uint8, device=device), (0, 0, 0, 0), False
+        return none, (0, 0, 0, 0), none, (0, 0, 0, 0), False
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() > 4:
         got = f"{mask.dtype} of rank {mask.dim()}" if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"allowed_mask must be a boolean tensor broadcastable to {tuple(shape)}, got {got}")
+    own = mask.to(device=device, dtype=torch.uint8)
+    own = own.reshape((1,) * (4 - own.dim()) + tuple(own.shape))
     try:
-        wide = mask.to(device=device, dtype=torch.uint8)
-        wide = wide.reshape((1,) * (4 - wide.dim()) + tuple(wide.shape)).expand(*shape)
+        wide = own.expand(*shape)
     except RuntimeError:
         raise ValueError(f"allowed_mask of shape {tuple(mask.shape)} does not broadcast to {tuple(shape)}") from None
-    return wide, wide.stride(), True
+    s_q, s_k = shape[2], shape[3]
+    n_m, n_n = triton.cdiv(s_q, block_m), triton.cdiv(s_k, block_n)
+    tiles = own.expand(*own.shape[:2], s_q, s_k)
+    tiles = torch.nn.functional.pad(tiles, (0, n_n * block_n - s_k, 0, n_m * block_m - s_q))
+    blocks = tiles.reshape(*own.shape[:2], n_m, block_m, n_n, block_n).amax(dim=(3, 5))
+    blocks = blocks.expand(shape[0], shape[1], n_m, n_n)
+    return wide, wide.stride(), blocks, blocks.stride(), True
 
 
 class _Call:
@@ -595,10 +633,11 @@ class _Call:
         dev = q.device
         qpad, sqp, has_qpad = _padding(masks.query_padding_mask, b, s_q, "query_padding_mask", dev)
         kpad, skp, has_kpad = _padding(masks.key_padding_mask, b, s_k, "key_padding_mask", dev)
-        pattern, (smb, smh, smm, smn), has_mask = _pattern(masks.allowed_mask, (b, h, s_q, s_k), dev)
+        pattern, (smb, smh, smm, smn), blocks, (sbb, sbh, sbm, sbn), has_mask = _pattern(
+            masks.allowed_mask, (b, h, s_q, s_k), self.config.block_m, self.config.block_n, dev)
         qs, ks, vs = self.q.stride(), self.k.stride(), self.v.stride()
         self.args = dict(
-            Q=self.q, K=self.k, V=self.v, QPAD=qpad, KPAD=kpad, MASK=pattern,
+            Q=self.q, K=self.k, V=self.v, QPAD=qpad, KPAD=kpad, MASK=pattern, BLOCKS=blocks,
             stride_qb=qs[0], stride_qh=qs[1], stride_qs=qs[2], stride_kb=ks[0], stride_kh=ks[1], stride_ks=ks[2],
             stride_vb=vs[0], stride_vh=vs[1], stride_vs=vs[2],
             # outputs, gradients and statistics are contiguous, shaped as what they belong to
@@ -608,6 +647,7 @@ class _Call:
             stride_cb=h * s_k, stride_ch=s_k, stride_rb=h * s_q, stride_rh=s_q,
             stride_t=b * h * s_k, stride_tr=b * h * s_q,
             stride_qpad=sqp, stride_kpad=skp, stride_mb=smb, stride_mh=smh, stride_mm=smm, stride_mn=smn,
+            stride_bb=sbb, stride_bh=sbh, stride_bm=sbm, stride_bn=sbn,
             H=h, H_KV=h_kv, GROUP=h // h_kv, S_Q=s_q, S_K=s_k, D=d, DV=dv,
             SCALE=torch.tensor([score_scale / math.sqrt(d)], dtype=self.stats, device=dev),
             SWEEPS=min(sweeps, 1), HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, HAS_MASK=has_mask, CAUSAL=masks.causal,
