@@ -332,7 +332,7 @@ impl Normalizer for Bam {
         self.base.causal_safe()
     }
 
-    /// Always, whatever the base: BAM over HNAS samples too, though it has no plan.
+    /// Always, whatever the base: a base without a plan leaves BAM without one, and it samples all the same.
     fn stochastic(&self) -> bool {
         true
     }
