@@ -19,7 +19,7 @@ class TritonKernels(unittest.TestCase):
                                "--dtypes", "float64,float32,float16"], capture_output=True, text=True, env=env, timeout=900)
         out = done.stdout + done.stderr
         self.assertEqual(done.returncode, 0, out)
-        self.assertIn("all 21 cases within tolerance; bad input named", out)
+        self.assertIn("all 22 cases within tolerance; bad input named", out)
         self.assertNotIn("FAIL", out)
 
     def test_every_kernel_compiles_ahead_of_time_for_sm80_and_sm90(self):

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 INPUTS = {"Q", "K", "V", "O", "O2", "DO", "DQ", "DK", "DV_OUT"}
-STATISTICS = {"C", "R", "R2", "G", "MASS", "DELTA", "CS", "RS", "GC", "GR", "RPOT", "CPOT", "COEF", "OUT", "SCALE"}
+STATISTICS = {"C", "R", "R2", "G", "MASS", "DELTA", "CS", "RS", "GC", "GR", "RPOT", "CPOT", "COEF", "OUT", "SCALE", "BIAS"}
 MASKS = {"QPAD", "KPAD", "MASK", "BLOCKS"}
 TRITON_TYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
@@ -33,7 +33,7 @@ TRITON_TYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float6
 def specializations(plans, smoke):
     """(kernel name, constexpr values without ACC/DOT/BLOCK_D/BLOCK_DV) to compile. `smoke`: one
     per kernel with every feature on (what the test suite compiles)."""
-    flags = dict(HAS_QPAD=True, HAS_KPAD=True, HAS_MASK=True)
+    flags = dict(HAS_QPAD=True, HAS_KPAD=True, HAS_MASK=True, HAS_BIAS=True)
     if smoke:
         return [("_column_pass", flags), ("_row_pass", dict(flags, SWEEPS=1, HYBRID=True, CAUSAL=False)),
                 ("_key_pass", dict(flags, SWEEPS=1, CAUSAL=False, GRADS=True)),
@@ -42,7 +42,7 @@ def specializations(plans, smoke):
                 ("_sink_grads", dict(flags, N=3, STAGE=1))]
     out = []
     for qpad, kpad, mask in itertools.product((False, True), repeat=3):
-        f = dict(HAS_QPAD=qpad, HAS_KPAD=kpad, HAS_MASK=mask)
+        f = dict(HAS_QPAD=qpad, HAS_KPAD=kpad, HAS_MASK=mask, HAS_BIAS=False)
         out.append(("_column_pass", f))
         for sweeps, hybrid, causal in ((0, False, False), (0, False, True), (1, False, False), (1, True, False)):
             out.append(("_row_pass", dict(f, SWEEPS=sweeps, HYBRID=hybrid, CAUSAL=causal)))

@@ -41,6 +41,7 @@ def cases(quick, lower):
         if not lower and (not quick or plan == "dnas"):
             out.append((f"{plan} gqa pattern per head, key padding", sweeps, 1.0, shapes["gqa"], ("pattern", "key"), False))
             out.append((f"{plan} gqa pattern with dead tiles", sweeps, 1.0, shapes["gqa"], ("dead-tiles",), False))
+            out.append((f"{plan} gqa additive mask, -inf entries", sweeps, 1.0, shapes["gqa"], ("additive", "key"), False))
         if not quick and not lower:
             out.append((f"{plan} rect pattern broadcast over batch", sweeps, 1.0, shapes["rect"], ("pattern-2d",), False))
             out.append((f"{plan} rect key padding", sweeps, 1.0, shapes["rect"], ("key",), False))
@@ -57,10 +58,15 @@ def reference(torch, formulas, q, k, v, plan, scale, masks, logit=None):
     kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     b, h, s_q, d = q.shape
     excluded = None if masks.allowed_mask is None else ~masks.allowed_mask.expand(b, h, s_q, k.shape[2])
+    if masks.additive is not None:  # -inf entries are excluded pairs; the rest adds to the scores
+        dead = torch.isinf(masks.additive).expand(b, h, s_q, k.shape[2])
+        excluded = dead if excluded is None else excluded | dead
     allowed = formulas.allowed_mask(b, h, s_q, k.shape[2], key_padding_mask=masks.key_padding_mask,
                                     query_padding_mask=masks.query_padding_mask, attn_mask=excluded,
                                     causal=masks.causal, device=q.device)
     z = q @ kk.transpose(-2, -1) * (scale / math.sqrt(d))
+    if masks.additive is not None:
+        z = z + torch.where(torch.isinf(masks.additive), 0.0, masks.additive.double())
     w = formulas.normalize(plan, z, allowed, hybrid_logit=logit)
     return w @ vv, w.sum(-2)
 
@@ -86,6 +92,12 @@ def run_case(torch, plans, formulas, case, dtype, device, config):
     if "dead-tiles" in masks_asked:  # queries 0-7 see no key from 8 on: with 8 × 8 blocks, whole tiles skipped
         i, j = torch.arange(s_q)[:, None], torch.arange(s_k)[None, :]
         masks.allowed_mask = (~((i < 8) & (j >= 8))).to(device)
+    if "additive" in masks_asked:  # an ALiBi-like bias per head, -inf on a band: (1, H, S_q, S_k)
+        i, j = torch.arange(s_q)[:, None], torch.arange(s_k)[None, :]
+        slopes = torch.tensor([0.5 ** (t + 1) for t in range(h)], dtype=torch.float64)[:, None, None]
+        bias = -slopes * (i - j).abs()
+        bias = bias.masked_fill((j - i > 6) | ((i == 2) & (j < 10)), float("-inf"))[None]
+        masks.additive = bias.to(device)
     if "pattern-2d" in masks_asked:  # (S_q, S_k), broadcast over batch and heads
         masks.allowed_mask = (torch.rand(s_q, s_k, generator=gen) < 0.5).to(device)
     cot = make(b, h, s_q, dv)
@@ -133,6 +145,12 @@ def bad_input_messages(torch, plans, device):
          "allowed_mask must be a boolean"),
         ("pattern shape", lambda: plans.attention(x, x, x, masks=plans.Masks(
             allowed_mask=torch.ones(3, 4, dtype=torch.bool, device=device))), "does not broadcast"),
+        ("additive dtype", lambda: plans.attention(x, x, x, masks=plans.Masks(
+            additive=torch.ones(4, 4, dtype=torch.bool, device=device))), "additive must be a floating-point"),
+        ("additive NaN", lambda: plans.attention(x, x, x, masks=plans.Masks(
+            additive=torch.full((4, 4), float("nan"), device=device))), "NaN"),
+        ("additive grad", lambda: plans.attention(x, x, x, masks=plans.Masks(
+            additive=torch.zeros(4, 4, device=device, requires_grad=True))), "no gradient"),
     ]:
         try:
             call()

@@ -23,8 +23,10 @@ the column correction is the gradient through `c_j` (one extra term in each back
 
 Masks (`Masks`): key padding `(B, S_k)` and query padding `(B, S_q)` (True = excluded), a boolean
 pattern broadcastable to `(B, H, S_q, S_k)` (True = takes part, as SDPA's `attn_mask`; read
-through stride-0 views, never expanded in memory), and causal (top-left, `j ≤ i`, as SDPA's
-`is_causal`; refused for plans with sweeps: a column sweep reads every query).
+through stride-0 views, never expanded in memory, its wholly excluded tiles skipped), an additive
+float mask added to the scores before any normalization (as SDPA's float `attn_mask`; -inf
+excludes a pair), and causal (top-left, `j ≤ i`, as SDPA's `is_causal`; refused for plans with
+sweeps: a column sweep reads every query).
 Grouped key/value heads (GQA) by index: query head `h` reads key/value head `h // (H / H_kv)`, and
 the key pass sums the group's gradients in one program, without atomics or copies. Inputs in
 bfloat16 or float16 take float32 products and statistics; float32 takes float32; float64 takes
@@ -70,6 +72,18 @@ def _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
 
 
 @triton.jit
+def _biased(z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
+            HAS_BIAS: tl.constexpr):
+    """z plus the additive float mask's tile (broadcast through its strides), when there is one;
+    its -inf entries exclude their pairs."""
+    if HAS_BIAS:
+        bias = tl.load(BIAS + b * stride_ab + h * stride_ah + offs_m[:, None] * stride_am + offs_n[None, :] * stride_an,
+                       mask=(offs_m[:, None] < S_Q) & (offs_n[None, :] < S_K), other=0.0)
+        z = z + bias.to(z.dtype)
+    return z
+
+
+@triton.jit
 def _live(BLOCKS, b, h, mb, nb, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK: tl.constexpr):
     """Whether tile (mb, nb) of (batch b, head h) holds an allowed entry of the pattern: the block
     map (`_Call`) lets every pass skip the tiles a pattern wholly excludes, as FlexAttention's block
@@ -81,11 +95,11 @@ def _live(BLOCKS, b, h, mb, nb, stride_bb, stride_bh, stride_bm, stride_bn, HAS_
 
 
 @triton.jit
-def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS,
+def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
-                 stride_cb, stride_ch, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn,
+                 stride_cb, stride_ch, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
                  H, GROUP, S_Q, S_K, D, SCALE,
-                 HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+                 HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """c_j = LSE_i z_ij over the allowed queries, one key block per program (axis 0), one
     (batch, query head) per axis 1. A key with no allowed query gets FLOOR (never read)."""
@@ -106,6 +120,7 @@ def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS,
             q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
                         mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), other=0.0)
             z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale  # (BLOCK_M, BLOCK_N)
+            z = _biased(z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS)
             ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
             z = tl.where(ok, z, float("-inf"))
@@ -117,11 +132,11 @@ def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS,
 
 
 @triton.jit
-def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS,
+def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS,
               stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-              stride_ob, stride_oh, stride_os, stride_cb, stride_ch, stride_rb, stride_rh, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn,
+              stride_ob, stride_oh, stride_os, stride_cb, stride_ch, stride_rb, stride_rh, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
               H, GROUP, S_Q, S_K, D, DV, SCALE,
-              SWEEPS: tl.constexpr, HYBRID: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
+              SWEEPS: tl.constexpr, HYBRID: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
               CAUSAL: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """O_i = Σ_j p_ij v_j and r_i = LSE_j (z_ij − c_j), one query block per program. HYBRID (HNAS)
@@ -157,7 +172,7 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS,
                         mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
             ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-            z0 = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale
+            z0 = _biased(tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS)
             z = z0
             if SWEEPS > 0:
                 c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
@@ -196,12 +211,12 @@ def _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stri
 
 
 @triton.jit
-def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, BLOCKS,
+def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, BLOCKS, BIAS,
               stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
               stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
-              stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn,
+              stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
               H_KV, GROUP, S_Q, S_K, D, DV, SCALE,
-              SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+              SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
               GRADS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One key block of one (batch, key/value head) per program, over its group's query heads
@@ -240,6 +255,7 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
                             mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), other=0.0)
                 r = tl.load(R + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
                 z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale - c[None, :]
+                z = _biased(z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS)
                 ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                 p = tl.where(ok, tl.exp(tl.where(ok, z - r[:, None], 0.0)), 0.0)  # (BLOCK_M, BLOCK_N)
@@ -270,12 +286,12 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
 
 
 @triton.jit
-def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS,
+def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
-                stride_dqb, stride_dqh, stride_dqs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn,
+                stride_dqb, stride_dqh, stride_dqs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
                 H, GROUP, S_Q, S_K, D, DV, SCALE,
-                SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                 ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr):
     """dQ_i = s Σ_j dz_ij k_j, dz_ij = dS¹_ij − exp(z_ij − c_j) g_j, one query block per program."""
@@ -305,7 +321,7 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS,
                         mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D), other=0.0)
             v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
                         mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
-            z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale
+            z = _biased(tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS)
             if SWEEPS > 0:
                 c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
                 z = z - c[None, :]
@@ -334,21 +350,24 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS,
 
 @triton.jit
 def _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh,
-          stride_ks, scale, ACC: tl.constexpr, DOT: tl.constexpr):
-    """z = s·q kᵀ for one (query block, key block) tile, and the q and k blocks."""
+          stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
+          DOT: tl.constexpr):
+    """z = s·q kᵀ (plus the additive mask) for one (query block, key block) tile, and the q and k
+    blocks."""
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
                 mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), other=0.0)
     k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
                 mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D), other=0.0)
-    return tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale, q, k
+    z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale
+    return _biased(z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS), q, k
 
 
 @triton.jit
-def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS,
+def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_cb, stride_ch, stride_rb,
-                 stride_rh, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, H, GROUP, S_Q, S_K, D, SCALE,
+                 stride_rh, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an, H, GROUP, S_Q, S_K, D, SCALE,
                  COLUMNS: tl.constexpr, LSE: tl.constexpr, HAS_RPOT: tl.constexpr, HAS_QPAD: tl.constexpr,
-                 HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One reduction of x_ij = z_ij − RPOT_i − CPOT_j over the allowed entries, per key (COLUMNS,
     over the queries) or per query (over the keys): with LSE, the log-sum-exp of x (a potential;
@@ -371,7 +390,8 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS,
             if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
                 offs_m = start_m + tl.arange(0, BLOCK_M)
                 z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                                stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
+                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS,
+                                ACC, DOT)
                 ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                 if HAS_RPOT:
@@ -400,7 +420,8 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS,
             if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                                stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
+                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS,
+                                ACC, DOT)
                 ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                 z = z - tl.load(CPOT + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)[None, :]
@@ -438,11 +459,11 @@ def _sink_dz(z, ok, dsz, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_
 
 
 @triton.jit
-def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPAD, MASK, BLOCKS,
+def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_t, stride_cb, stride_ch, stride_tr, stride_rb, stride_rh,
-                stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, H, GROUP, S_Q, S_K, D, DV, SCALE,
-                N: tl.constexpr, STAGE: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
+                stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an, H, GROUP, S_Q, S_K, D, DV, SCALE,
+                N: tl.constexpr, STAGE: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
                 ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Sinkhorn-N's gradient passes. STAGE 0: g_j = Σ_i dS¹_ij, one key block of one (batch, query
@@ -476,7 +497,8 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
                 if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
                     offs_m = start_m + tl.arange(0, BLOCK_M)
                     z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                                    stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
+                                    stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS,
+                                ACC, DOT)
                     ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
                                   False,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
@@ -515,7 +537,8 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
             if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                                stride_kb, stride_kh, stride_ks, scale, ACC, DOT)
+                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS,
+                                ACC, DOT)
                 ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                 c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
@@ -576,12 +599,14 @@ def _check(q, k, v, sweeps, causal):
 class Masks:
     """Where attention is allowed: `key_padding_mask (B, S_k)` and `query_padding_mask (B, S_q)`
     (boolean, True = excluded, as nn.MultiheadAttention's), `allowed_mask` (boolean, True = takes
-    part, as SDPA's attn_mask; broadcastable to (B, H, S_q, S_k), read through stride-0 views) and
+    part, as SDPA's attn_mask; broadcastable to (B, H, S_q, S_k), read through stride-0 views),
+    `additive` (a float mask added to the scores before any normalization, as SDPA's float
+    attn_mask: ALiBi, relative biases; -inf excludes a pair; no gradient flows into it) and
     `causal` (top-left, j ≤ i)."""
 
-    def __init__(self, key_padding_mask=None, query_padding_mask=None, allowed_mask=None, causal=False):
+    def __init__(self, key_padding_mask=None, query_padding_mask=None, allowed_mask=None, causal=False, additive=None):
         self.key_padding_mask, self.query_padding_mask = key_padding_mask, query_padding_mask
-        self.allowed_mask, self.causal = allowed_mask, causal
+        self.allowed_mask, self.causal, self.additive = allowed_mask, causal, additive
 
 
 def _padding(mask, batch, length, name, device):
@@ -619,6 +644,26 @@ def _pattern(mask, shape, block_m, block_n, device):
     return wide, wide.stride(), blocks, blocks.stride(), True
 
 
+def _additive(mask, shape, dtype, device):
+    """The additive mask in the statistics' dtype, broadcast to `shape` through stride-0 views."""
+    if mask is None:
+        return torch.zeros(1, dtype=dtype, device=device), (0, 0, 0, 0), False
+    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or mask.dim() > 4:
+        got = f"{mask.dtype} of rank {mask.dim()}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"additive must be a floating-point tensor broadcastable to {tuple(shape)}, got {got}")
+    if mask.requires_grad:
+        raise ValueError("additive: the kernels compute no gradient for the additive mask; pass it detached")
+    if bool(torch.isnan(mask).any()) or bool((mask == float("inf")).any()):
+        raise ValueError("additive holds NaN or +inf; only finite values and -inf (excluded) are taken")
+    own = mask.to(device=device, dtype=dtype)
+    own = own.reshape((1,) * (4 - own.dim()) + tuple(own.shape))
+    try:
+        wide = own.expand(*shape)
+    except RuntimeError:
+        raise ValueError(f"additive of shape {tuple(mask.shape)} does not broadcast to {tuple(shape)}") from None
+    return wide, wide.stride(), True
+
+
 class _Call:
     """One attention call: its inputs made contiguous, its masks as kernel arguments, and the
     arguments every kernel shares, passed by name (each kernel takes the ones it declares)."""
@@ -635,9 +680,10 @@ class _Call:
         kpad, skp, has_kpad = _padding(masks.key_padding_mask, b, s_k, "key_padding_mask", dev)
         pattern, (smb, smh, smm, smn), blocks, (sbb, sbh, sbm, sbn), has_mask = _pattern(
             masks.allowed_mask, (b, h, s_q, s_k), self.config.block_m, self.config.block_n, dev)
+        bias, (sab, sah, sam, san), has_bias = _additive(masks.additive, (b, h, s_q, s_k), self.stats, dev)
         qs, ks, vs = self.q.stride(), self.k.stride(), self.v.stride()
         self.args = dict(
-            Q=self.q, K=self.k, V=self.v, QPAD=qpad, KPAD=kpad, MASK=pattern, BLOCKS=blocks,
+            Q=self.q, K=self.k, V=self.v, QPAD=qpad, KPAD=kpad, MASK=pattern, BLOCKS=blocks, BIAS=bias,
             stride_qb=qs[0], stride_qh=qs[1], stride_qs=qs[2], stride_kb=ks[0], stride_kh=ks[1], stride_ks=ks[2],
             stride_vb=vs[0], stride_vh=vs[1], stride_vs=vs[2],
             # outputs, gradients and statistics are contiguous, shaped as what they belong to
@@ -647,7 +693,8 @@ class _Call:
             stride_cb=h * s_k, stride_ch=s_k, stride_rb=h * s_q, stride_rh=s_q,
             stride_t=b * h * s_k, stride_tr=b * h * s_q,
             stride_qpad=sqp, stride_kpad=skp, stride_mb=smb, stride_mh=smh, stride_mm=smm, stride_mn=smn,
-            stride_bb=sbb, stride_bh=sbh, stride_bm=sbm, stride_bn=sbn,
+            stride_bb=sbb, stride_bh=sbh, stride_bm=sbm, stride_bn=sbn, stride_ab=sab, stride_ah=sah, stride_am=sam,
+            stride_an=san, HAS_BIAS=has_bias,
             H=h, H_KV=h_kv, GROUP=h // h_kv, S_Q=s_q, S_K=s_k, D=d, DV=dv,
             SCALE=torch.tensor([score_scale / math.sqrt(d)], dtype=self.stats, device=dev),
             SWEEPS=min(sweeps, 1), HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, HAS_MASK=has_mask, CAUSAL=masks.causal,
