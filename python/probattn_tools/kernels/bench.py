@@ -18,40 +18,8 @@ reused as that value, Dynamo recompiled past its limit and fell back to an unfus
 import argparse
 import json
 import math
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
-
-
-def provenance():
-    here = Path(__file__).resolve().parent
-    git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    return {"git_sha": git("rev-parse", "HEAD") or None, "git_dirty": bool(git("status", "--porcelain", "--", "../.."))}
-
-
-def time_fns(torch, fns, repeats):
-    """Median and IQR (ms) of each function after two warm-up rounds, the functions taking turns."""
-    times = [[] for _ in fns]
-    for rnd in range(repeats + 2):
-        for fn, t in zip(fns, times):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            if rnd >= 2:
-                t.append(1e3 * (time.perf_counter() - start))
-    return [(statistics.median(t), statistics.quantiles(t, n=4)[2] - statistics.quantiles(t, n=4)[0]) for t in times]
-
-
-def peak_mib(torch, fn):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
 def implementations(torch, args):
@@ -115,6 +83,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     import torch
 
+    from probattn_tools.baselines.bench import cuda_peak_during, time_interleaved
+    from probattn_tools.baselines.precision_profile import scripts_provenance
+
     if not torch.cuda.is_available():
         sys.exit("kernels.bench: needs a CUDA GPU (the CPU check is `python -m probattn_tools.kernels.check`)")
     dtype = getattr(torch, args.dtype)
@@ -140,13 +111,13 @@ def main(argv=None):
                     row["max_error"] = check(torch, name, plan, fn, q, k, v)
                 step = lambda fn=fn: torch.autograd.backward(fn(q, k, v), grad)  # noqa: E731
                 step()
-                row["peak_mib"] = peak_mib(torch, step)
+                row["peak_mib"] = cuda_peak_during(step) / 2**20
                 steps.append(step)
                 names.append(len(rows))
             except Exception as e:  # recorded, and the other implementations go on
                 row["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
             rows.append(row)
-        for i, (med, iqr) in zip(names, time_fns(torch, steps, args.repeats)):
+        for i, (med, iqr) in zip(names, time_interleaved(steps, args.repeats, torch.device("cuda"))):
             rows[i].update(ms=med, iqr_ms=iqr, tflops=flops / (med * 1e-3) / 1e12)
         sdpa = next((r["ms"] for r in rows if r["shape"] == f"{b}x{s}" and r["impl"] == "sdpa" and "ms" in r), None)
         for r in rows:
@@ -159,7 +130,7 @@ def main(argv=None):
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        record = {"provenance": provenance(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        record = {"provenance": scripts_provenance(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                   "settings": vars(args), "rows": rows}
         tmp = out / "bench.json.tmp"
         tmp.write_text(json.dumps(record, indent=1) + "\n")

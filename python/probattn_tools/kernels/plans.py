@@ -57,7 +57,8 @@ def _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
     nonzero where the pair takes part."""
     ok = (offs_m[:, None] < S_Q) & (offs_n[None, :] < S_K)
     if HAS_MASK:
-        pattern = tl.load(MASK + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
+        at = MASK + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
+        pattern = tl.load(at,
                           mask=ok, other=0)
         ok = ok & (pattern != 0)
     if HAS_QPAD:
@@ -72,6 +73,14 @@ def _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
 
 
 @triton.jit
+def _block(P, b, h, offs, cols, n, width, stride_b, stride_h, stride_s):
+    """Rows `offs` (< n) and columns `cols` (< width) of head h of batch b of a (B, H, S, width)
+    tensor laid out by its strides; zeros outside."""
+    return tl.load(P + b * stride_b + h * stride_h + offs[:, None] * stride_s + cols[None, :],
+                   mask=(offs[:, None] < n) & (cols[None, :] < width), other=0.0)
+
+
+@triton.jit
 def _biased(z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
             HAS_BIAS: tl.constexpr):
     """z plus the additive float mask's tile (broadcast through its strides), when there is one;
@@ -81,6 +90,14 @@ def _biased(z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, strid
                        mask=(offs_m[:, None] < S_Q) & (offs_n[None, :] < S_K), other=0.0)
         z = z + bias.to(z.dtype)
     return z
+
+
+@triton.jit
+def _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
+            HAS_BIAS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
+    """z = s·q kᵀ for one tile, plus the additive mask's tile when there is one."""
+    z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale
+    return _biased(z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS)
 
 
 @triton.jit
@@ -97,9 +114,11 @@ def _live(BLOCKS, b, h, mb, nb, stride_bb, stride_bh, stride_bm, stride_bn, HAS_
 @triton.jit
 def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
-                 stride_cb, stride_ch, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                 stride_cb, stride_ch, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb,
+                 stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
                  H, GROUP, S_Q, S_K, D, SCALE,
-                 HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+                 HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ACC: tl.constexpr, DOT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """c_j = LSE_i z_ij over the allowed queries, one key block per program (axis 0), one
     (batch, query head) per axis 1. A key with no allowed query gets FLOOR (never read)."""
@@ -110,17 +129,16 @@ def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
     b, h = bh // H, bh % H
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = tl.load(K + b * stride_kb + (h // GROUP) * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-                mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D), other=0.0)
+    k = _block(K, b, h // GROUP, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
     m = tl.full([BLOCK_N], FLOOR, dtype=ACC)
     l = tl.zeros([BLOCK_N], dtype=ACC)
     for start_m in range(0, S_Q, BLOCK_M):
-        if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
+        if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+                 HAS_MASK):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                        mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), other=0.0)
-            z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale  # (BLOCK_M, BLOCK_N)
-            z = _biased(z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS)
+            q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
+            z = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
+                        HAS_BIAS, ACC, DOT)  # (BLOCK_M, BLOCK_N)
             ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
             z = tl.where(ok, z, float("-inf"))
@@ -134,9 +152,12 @@ def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
 @triton.jit
 def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS,
               stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-              stride_ob, stride_oh, stride_os, stride_cb, stride_ch, stride_rb, stride_rh, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+              stride_ob, stride_oh, stride_os, stride_cb, stride_ch, stride_rb, stride_rh, stride_qpad, stride_kpad,
+              stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab,
+              stride_ah, stride_am, stride_an,
               H, GROUP, S_Q, S_K, D, DV, SCALE,
-              SWEEPS: tl.constexpr, HYBRID: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+              SWEEPS: tl.constexpr, HYBRID: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr,
+              HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
               CAUSAL: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """O_i = Σ_j p_ij v_j and r_i = LSE_j (z_ij − c_j), one query block per program. HYBRID (HNAS)
@@ -152,8 +173,7 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), other=0.0)
+    q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
     m = tl.full([BLOCK_M], FLOOR, dtype=ACC)
     l = tl.zeros([BLOCK_M], dtype=ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
@@ -164,15 +184,15 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS,
     if CAUSAL:
         end_n = tl.minimum(S_K, start_m + BLOCK_M)  # blocks wholly above the diagonal are skipped
     for start_n in range(0, end_n, BLOCK_N):
-        if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
+        if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+                 HAS_MASK):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-                        mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
-                        mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
+            k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
+            v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
             ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-            z0 = _biased(tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS)
+            z0 = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
+                         HAS_BIAS, ACC, DOT)
             z = z0
             if SWEEPS > 0:
                 c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
@@ -214,9 +234,12 @@ def _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stri
 def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, BLOCKS, BIAS,
               stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
               stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
-              stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+              stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_qpad, stride_kpad,
+              stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab,
+              stride_ah, stride_am, stride_an,
               H_KV, GROUP, S_Q, S_K, D, DV, SCALE,
-              SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
+              SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
+              HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
               GRADS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One key block of one (batch, key/value head) per program, over its group's query heads
@@ -230,10 +253,8 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-                mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D), other=0.0)
-    v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
-                mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
+    k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
+    v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
     start_m0 = 0
@@ -249,20 +270,20 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
         dk_main = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
         dk_corr = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
         for start_m in range(start_m0, S_Q, BLOCK_M):
-            if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
+            if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+                     HAS_MASK):
                 offs_m = start_m + tl.arange(0, BLOCK_M)
-                q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                            mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), other=0.0)
+                q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
                 r = tl.load(R + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale - c[None, :]
-                z = _biased(z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS)
-                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
+                z = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am,
+                            stride_an, HAS_BIAS, ACC, DOT) - c[None, :]
+                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
+                              CAUSAL,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                 p = tl.where(ok, tl.exp(tl.where(ok, z - r[:, None], 0.0)), 0.0)  # (BLOCK_M, BLOCK_N)
                 mass += tl.sum(p, 0)
                 if GRADS:
-                    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_dv[None, :],
-                                 mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < DV), other=0.0)
+                    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
                     delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
                     dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
                     dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT)
@@ -289,10 +310,13 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
 def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
-                stride_dqb, stride_dqh, stride_dqs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                stride_dqb, stride_dqh, stride_dqs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm,
+                stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
                 H, GROUP, S_Q, S_K, D, DV, SCALE,
-                SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
-                ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
+                HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
+                ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr):
     """dQ_i = s Σ_j dz_ij k_j, dz_ij = dS¹_ij − exp(z_ij − c_j) g_j, one query block per program."""
     scale = tl.load(SCALE).to(ACC)
@@ -304,10 +328,8 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_dv[None, :],
-                 mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < DV), other=0.0)
+    q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
+    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
     r = tl.load(R + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
     delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
@@ -315,13 +337,13 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
     if CAUSAL:
         end_n = tl.minimum(S_K, start_m + BLOCK_M)
     for start_n in range(0, end_n, BLOCK_N):
-        if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
+        if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+                 HAS_MASK):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-                        mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
-                        mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
-            z = _biased(tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS)
+            k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
+            v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
+            z = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
+                        HAS_BIAS, ACC, DOT)
             if SWEEPS > 0:
                 c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
                 z = z - c[None, :]
@@ -354,20 +376,20 @@ def _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, strid
           DOT: tl.constexpr):
     """z = s·q kᵀ (plus the additive mask) for one (query block, key block) tile, and the q and k
     blocks."""
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), other=0.0)
-    k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-                mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D), other=0.0)
-    z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale
-    return _biased(z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS), q, k
+    q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
+    k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
+    return _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
+                   HAS_BIAS, ACC, DOT), q, k
 
 
 @triton.jit
 def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_cb, stride_ch, stride_rb,
-                 stride_rh, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an, H, GROUP, S_Q, S_K, D, SCALE,
+                 stride_rh, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh,
+                 stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an, H, GROUP, S_Q, S_K, D, SCALE,
                  COLUMNS: tl.constexpr, LSE: tl.constexpr, HAS_RPOT: tl.constexpr, HAS_QPAD: tl.constexpr,
-                 HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
+                 DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One reduction of x_ij = z_ij − RPOT_i − CPOT_j over the allowed entries, per key (COLUMNS,
     over the queries) or per query (over the keys): with LSE, the log-sum-exp of x (a potential;
@@ -387,15 +409,19 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
         if not LSE:
             cpot = tl.load(CPOT + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
         for start_m in range(0, S_Q, BLOCK_M):
-            if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
+            if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+                     HAS_MASK):
                 offs_m = start_m + tl.arange(0, BLOCK_M)
                 z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS,
+                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
+                                stride_an, HAS_BIAS,
                                 ACC, DOT)
-                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
+                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
+                              False,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                 if HAS_RPOT:
-                    z = z - tl.load(RPOT + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)[:, None]
+                    z = z - tl.load(RPOT + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)[:,
+                    None]
                 if LSE:
                     z = tl.where(ok, z, float("-inf"))
                     m_new = tl.maximum(m, tl.max(z, 0))
@@ -417,12 +443,15 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
         if HAS_RPOT:
             rpot = tl.load(RPOT + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
         for start_n in range(0, S_K, BLOCK_N):
-            if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
+            if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+                     HAS_MASK):
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS,
+                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
+                                stride_an, HAS_BIAS,
                                 ACC, DOT)
-                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
+                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
+                              False,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                 z = z - tl.load(CPOT + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)[None, :]
                 if LSE:
@@ -462,8 +491,10 @@ def _sink_dz(z, ok, dsz, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_
 def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_t, stride_cb, stride_ch, stride_tr, stride_rb, stride_rh,
-                stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an, H, GROUP, S_Q, S_K, D, DV, SCALE,
-                N: tl.constexpr, STAGE: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm,
+                stride_bn, stride_ab, stride_ah, stride_am, stride_an, H, GROUP, S_Q, S_K, D, DV, SCALE,
+                N: tl.constexpr, STAGE: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr,
+                HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
                 ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Sinkhorn-N's gradient passes. STAGE 0: g_j = Σ_i dS¹_ij, one key block of one (batch, query
@@ -485,8 +516,7 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
         else:
             b, kvh = bk // (H // GROUP), bk % (H // GROUP)
             first, heads = kvh * GROUP, GROUP
-        v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
-                    mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
+        v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
         for i in range(0, heads):
@@ -494,18 +524,20 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
             c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
             g = tl.zeros([BLOCK_N], dtype=ACC)
             for start_m in range(0, S_Q, BLOCK_M):
-                if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
+                if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm,
+                         stride_bn, HAS_MASK):
                     offs_m = start_m + tl.arange(0, BLOCK_M)
-                    z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                                    stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS,
+                    z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh,
+                                    stride_qs,
+                                    stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
+                                    stride_an, HAS_BIAS,
                                 ACC, DOT)
                     ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
                                   False,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                     r = tl.load(RS + last_r + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
                     p = tl.where(ok, tl.exp(tl.where(ok, z - c[None, :] - r[:, None], 0.0)), 0.0)
-                    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_dv[None, :],
-                                 mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < DV), other=0.0)
+                    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
                     delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
                     ds = p * (tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT) - delta[:, None])
                     if STAGE == 0:
@@ -529,21 +561,22 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
         b, h = bh // H, bh % H
         kvh = h // GROUP
         r = tl.load(RS + last_r + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-        do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_dv[None, :],
-                     mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < DV), other=0.0)
+        do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
         delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
         for start_n in range(0, S_K, BLOCK_N):
-            if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK):
+            if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+                     HAS_MASK):
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS,
+                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
+                                stride_an, HAS_BIAS,
                                 ACC, DOT)
-                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
+                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
+                              False,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                 c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-                v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
-                            mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV), other=0.0)
+                v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
                 p = tl.where(ok, tl.exp(tl.where(ok, z - c[None, :] - r[:, None], 0.0)), 0.0)
                 ds = p * (tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT) - delta[:, None])
                 dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb, stride_ch,
@@ -558,7 +591,8 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
 
 _ACC = {torch.float64: tl.float64, torch.float32: tl.float32, torch.bfloat16: tl.float32, torch.float16: tl.float32}
 # The statistics' dtype (potentials, row statistics, g, D, the received mass).
-_STATS = {torch.float64: torch.float64, torch.float32: torch.float32, torch.bfloat16: torch.float32, torch.float16: torch.float32}
+_STATS = {torch.float64: torch.float64, torch.float32: torch.float32, torch.bfloat16: torch.float32,
+torch.float16: torch.float32}
 
 
 class Config:
@@ -584,7 +618,8 @@ def _check(q, k, v, sweeps, causal):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k and v must be (B, H, S, d), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.dtype not in _ACC or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k and v must share one of {sorted(str(t) for t in _ACC)}, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(f"q, k and v must share one of {sorted(str(t) for t in _ACC)}, "
+                         f"got {q.dtype}, {k.dtype}, {v.dtype}")
     (b, h, _, d), (bk, hk, sk, dk), (bv, hv, sv, _) = q.shape, k.shape, v.shape
     if (bk, dk) != (b, d) or (bv, hv, sv) != (bk, hk, sk):
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not fit together")
@@ -653,7 +688,7 @@ def _additive(mask, shape, dtype, device):
         raise ValueError(f"additive must be a floating-point tensor broadcastable to {tuple(shape)}, got {got}")
     if mask.requires_grad:
         raise ValueError("additive: the kernels compute no gradient for the additive mask; pass it detached")
-    if bool(torch.isnan(mask).any()) or bool((mask == float("inf")).any()):
+    if bool((torch.isnan(mask) | (mask == float("inf"))).any()):  # one synchronisation, not two
         raise ValueError("additive holds NaN or +inf; only finite values and -inf (excluded) are taken")
     own = mask.to(device=device, dtype=dtype)
     own = own.reshape((1,) * (4 - own.dim()) + tuple(own.shape))

@@ -55,22 +55,23 @@ fn gate_logits(plan: &Tiled, logit: &Tensor, input: &NormalizeInput) -> Result<T
     Ok(s.per_head(&logit.to_kind(scores.kind())))
 }
 
-fn deterministic<'p>(plan: &'p Tiled, what: &str) -> Result<&'p Tiled<'p>> {
-    match plan.sampling {
-        None => Ok(plan),
-        Some(_) => Err(Error::Unsupported(format!(
+/// What both forms start from: the plan's filled, scaled scores and, for a hybrid plan, its gate
+/// logits shaped against them; a sampling plan is refused (`what` names the form asked for).
+fn prepared(plan: &Tiled, input: &NormalizeInput, what: &str) -> Result<(Tensor, Option<Tensor>)> {
+    if plan.sampling.is_some() {
+        return Err(Error::Unsupported(format!(
             "{}: a sampling plan has no eager {what} of its own; its normalizer forms them (as BAM's does)",
             plan.name
-        ))),
+        )));
     }
+    let gate = plan.hybrid_logit.map(|l| gate_logits(plan, l, input)).transpose()?;
+    Ok((filled_scores(plan, input), gate))
 }
 
 /// The plan's weights, zero on excluded entries.
 pub(crate) fn weights(plan: &Tiled, input: &NormalizeInput) -> Result<Tensor> {
-    let plan = deterministic(plan, "weights")?;
+    let (z, gate) = prepared(plan, input, "weights")?;
     let s = input.support;
-    let gate = plan.hybrid_logit.map(|l| gate_logits(plan, l, input)).transpose()?;
-    let z = filled_scores(plan, input);
     let w = s.row_softmax(&before_last_row(&z, plan.sweeps, s));
     Ok(match gate {
         // u·π_plan + (1 − u)·π_softmax as one fused lerp (one pass instead of three).
@@ -81,10 +82,8 @@ pub(crate) fn weights(plan: &Tiled, input: &NormalizeInput) -> Result<Tensor> {
 
 /// The plan's log-weights, excluded entries filled.
 pub(crate) fn log_weights(plan: &Tiled, input: &NormalizeInput) -> Result<Tensor> {
-    let plan = deterministic(plan, "log-weights")?;
+    let (z, gate) = prepared(plan, input, "log-weights")?;
     let s = input.support;
-    let gate = plan.hybrid_logit.map(|l| gate_logits(plan, l, input)).transpose()?;
-    let z = filled_scores(plan, input);
     let log_w = s.row_log_softmax(&before_last_row(&z, plan.sweeps, s));
     Ok(match gate {
         Some(logit) => {
