@@ -142,7 +142,7 @@ fn masked_rows_and_columns_give_zeros_and_no_nan_at_extreme_scores() -> Result<(
                 let _ = kp.get(1).fill_(1); // the second sequence has no keys at all
                 let qp = Tensor::zeros([b, sq], (Kind::Bool, device));
                 let _ = qp.get(0).narrow(0, sq - 1, 1).fill_(1);
-                let masks = Masks { key_padding: Some(&kp), query_padding: Some(&qp), attn_mask: Some(&am), causal: false };
+                let masks = Masks { key_padding: Some(&kp), query_padding: Some(&qp), attn_mask: Some(&am), causal: false, bias: None };
                 let out = attend(&q, &k, &v, &masks, n.as_ref(), AttendOptions { mode: Mode::TRAIN, ..Default::default() })?;
                 let mut loss = out.output.sum(kind) + out.weights()?.square().sum(kind);
                 if let Some(kl) = &out.kl {
@@ -202,7 +202,7 @@ fn bad_shapes_and_masks_are_named_in_the_error() -> Result<()> {
         (run(&t(&[2, 3, 4]), &k, &v, &none), "q has shape [2, 3, 4]"),
         (run(&q, &t(&[2, 2, 5, 3]), &v, &none), "head size"),
         (run(&q, &k, &t(&[2, 2, 4, 6]), &none), "number of keys"),
-        (run(&q, &k, &t(&[1, 2, 5, 6]), &none), "batch and heads"),
+        (run(&q, &k, &t(&[1, 2, 5, 6]), &none), "must agree on batch (dim 0)"),
         (
             run(&q, &k, &v, &Masks { key_padding: Some(&Tensor::zeros([2, 3], (Kind::Bool, Device::Cpu))), ..none }),
             "key_padding_mask has shape [2, 3], expected [2, 5]",

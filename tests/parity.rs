@@ -58,6 +58,7 @@ fn attend_case(device: Device, dir: &TempDir, case: &serde_json::Value, worst: &
         query_padding: qp.as_ref(),
         attn_mask: am.as_ref(),
         causal: case["causal"].as_bool().unwrap_or(false),
+        bias: None,
     };
     let heads = q.size()[1];
     let mut vs = nn::VarStore::new(device);
@@ -175,8 +176,13 @@ fn mha_case(device: Device, dir: &TempDir, case: &serde_json::Value, worst: &mut
     let value = if self_attention { query.shallow_clone() } else { input["value"].to_device(device) };
     let get = |n: &str| input.get(n).map(|t| t.to_device(device));
     let (kp, qp) = (get("key_padding_mask"), get("query_padding_mask"));
-    let masks =
-        Masks { key_padding: kp.as_ref(), query_padding: qp.as_ref(), attn_mask: None, causal: case["causal"].as_bool().unwrap_or(false) };
+    let masks = Masks {
+        key_padding: kp.as_ref(),
+        query_padding: qp.as_ref(),
+        attn_mask: None,
+        causal: case["causal"].as_bool().unwrap_or(false),
+        bias: None,
+    };
     let out = mha.forward_t(&MhaInput::new(&query, &key, &value).with_masks(masks), false)?;
     (&out.context * get("grad_context").context("grad_context")?).sum(Kind::Double).backward();
 

@@ -256,6 +256,7 @@ impl Case {
             query_padding: self.query_padding.as_ref(),
             attn_mask: self.attn_mask.as_ref(),
             causal: self.layout == Layout::Causal,
+            bias: None,
         }
     }
 

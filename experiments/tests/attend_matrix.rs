@@ -246,6 +246,7 @@ fn eager(file: &HashMap<String, Tensor>, run: &Run) -> probattn::Result<HashMap<
         query_padding: file.get("query_padding_mask"),
         attn_mask: file.get("attn_mask"),
         causal,
+        bias: None,
     };
     let opts = AttendOptions {
         mode: Mode { dropout: false, sample: train },

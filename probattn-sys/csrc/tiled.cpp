@@ -5,8 +5,12 @@
 // backward is q, k, v, the output and O(S) statistics per head. On the CPU, where the mask allows
 // it, libtorch's fused flash-attention kernel does the work of the tile loop (csrc/fused_cpu.cpp).
 //
-// Scores z = (q · sqrt(1/d)) kᵀ, excluded entries filled with -1e30 as the eager path does; every
-// exponential of a filled entry is set to exactly 0 (a fully excluded row or column is all zeros).
+// Scores z = (q · sqrt(1/d)) kᵀ + b, b an optional additive mask (its -inf entries arrive excluded
+// too), excluded entries filled with -1e30 as the eager path does; every exponential of a filled
+// entry is set to exactly 0 (a fully excluded row or column is all zeros). Keys and values may have
+// fewer heads than the queries (grouped-query attention): query head h reads key/value head
+// h / g, g = H / H_kv, through products that take the g query heads of a group as one matrix
+// (grouped_product); the key/value heads are never repeated.
 //
 // N column/row sweeps (N = 0 softmax, 1 DNAS, N Sinkhorn-N) leave log-weights z_ij - C_j - R_i:
 // the eager path's alternating log-softmaxes telescope into one per-key and one per-query sum.
@@ -22,7 +26,8 @@
 //   dC^N = -Σ_i dY_ij,  dR^{t-1}_i = -Σ_j A^t_ij dC^t_j,  dC^{t-1}_j = -Σ_i B^{t-1}_ij dR^{t-1}_i,
 //   dZ = dY + Σ_t A^t ∘ dC^t + Σ_{t<N} B^t ∘ dR^t,
 // one pass for dV and Σ_i dY, N - 1 passes down the chain, one for dZ; then dq = sqrt(1/d) dZ k,
-// dk = dZᵀ (q · sqrt(1/d)), dv = Pᵀ dO. For DNAS this is dZ = dY - Pc ∘ g of docs/formulas.md §5.
+// dk = dZᵀ (q · sqrt(1/d)), dv = Pᵀ dO, db = dZ summed to b's shape. For DNAS this is
+// dZ = dY - Pc ∘ g of docs/formulas.md §5.
 //
 // BAM: the sampled weights are row-softmax(log π + n) = row-softmax(y + n): the per-row constant
 // cancels. n = (1/k) log(-log(1 - ε)), ε ~ U(0, 1) (Weibull) or σ ε, ε ~ N(0, 1) (Lognormal), from
@@ -52,6 +57,25 @@ using torch::autograd::variable_list;
 
 // ---- tiles
 
+// rows (B, H, t, x) times m (B, H_kv, x, y), (B, H, t, y), where H = g · H_kv and head h of `rows`
+// meets head h / g of `m`: the g heads of a group are one (g · t, x) matrix (a copy of the tile's
+// rows when g > 1), `m` is read as it is. With H = H_kv, at::matmul(rows, m) itself.
+at::Tensor grouped_product(const at::Tensor& rows, const at::Tensor& m) {
+  const int64_t heads = rows.size(1), kv_heads = m.size(1);
+  if (heads == kv_heads) return at::matmul(rows, m);
+  const int64_t b = rows.size(0), t = rows.size(2);
+  auto product = at::matmul(rows.reshape({b, kv_heads, heads / kv_heads * t, rows.size(3)}), m);
+  return product.view({b, heads, t, product.size(-1)});
+}
+
+// Σ over the g query heads of each group of aᵀ b: a (B, H, t, x), b (B, H, t, y), (B, H_kv, x, y).
+at::Tensor grouped_transposed_product(const at::Tensor& a, const at::Tensor& b, int64_t kv_heads) {
+  const int64_t heads = a.size(1);
+  if (heads == kv_heads) return at::matmul(a.transpose(-2, -1), b);
+  const int64_t n = a.size(0), rows = heads / kv_heads * a.size(2);
+  return at::matmul(a.reshape({n, kv_heads, rows, a.size(3)}).transpose(-2, -1), b.reshape({n, kv_heads, rows, b.size(3)}));
+}
+
 // What the forward and backward passes of one call share: the inputs, the settings and the
 // statistics, and how a tile's scores, log-weights and weights are formed from them.
 struct Problem {
@@ -63,6 +87,7 @@ struct Problem {
   uint64_t seed;
   std::vector<at::Tensor> c;  // c[t] = C^{t+1}, (B, H, 1, S_k)
   std::vector<at::Tensor> r;  // r[t] = R^{t+1}, (B, H, S_q, 1), t < sweeps - 1
+  at::Tensor bias;            // the additive mask in the statistics' dtype, rank 4; undefined: none
   // The keys as the scores multiply them, arranged once per call. Scores come out in the
   // statistics' dtype unrounded, as the fused route and the eager path form them (scores rounded to
   // bfloat16 are off by up to 2^-9 of their size, and every weight by as much, relatively): on the
@@ -80,20 +105,26 @@ struct Problem {
     for (int64_t start = 0; start < queries(); start += tile) f(start, std::min(tile, queries() - start));
   }
 
-  at::Tensor excluded_rows(int64_t start, int64_t len) const {
-    if (!excluded.defined() || excluded.size(-2) == 1) return excluded;
-    return excluded.narrow(-2, start, len);
+  // Rows [start, start + len) of a mask broadcastable to (B, H, S_q, S_k) (itself when it has one row).
+  static at::Tensor rows_of(const at::Tensor& t, int64_t start, int64_t len) {
+    if (!t.defined() || t.size(-2) == 1) return t;
+    return t.narrow(-2, start, len);
   }
+  at::Tensor excluded_rows(int64_t start, int64_t len) const { return rows_of(excluded, start, len); }
   // A tile's scores in the statistics' dtype, its rows in score_keys' dtype.
   at::Tensor scores(int64_t start, int64_t len, const at::Tensor& ex) const {
-    return filled_(product(qs.narrow(-2, start, len).to(score_keys.scalar_type())), ex, kMaskValue);
+    auto z = product(qs.narrow(-2, start, len).to(score_keys.scalar_type()));
+    if (bias.defined()) z.add_(rows_of(bias, start, len));
+    return filled_(z, ex, kMaskValue);
   }
-  // rows · score_keysᵀ in the statistics' dtype. Narrower operands (bfloat16 on CUDA) go through
-  // bmm with out_dtype over the B·H matrices (q and k agree on B and H; both flatten to views).
+  // rows · score_keysᵀ in the statistics' dtype, grouped where the keys have fewer heads. Narrower
+  // operands (bfloat16 on CUDA) go through bmm with out_dtype over the B·H_kv matrices.
   at::Tensor product(const at::Tensor& rows) const {
     const auto keys_t = score_keys.transpose(-2, -1);
-    if (rows.scalar_type() == stats()) return at::matmul(rows, keys_t);
-    return at::bmm(rows.flatten(0, 1), keys_t.flatten(0, 1), stats()).unflatten(0, {rows.size(0), rows.size(1)});
+    if (rows.scalar_type() == stats()) return grouped_product(rows, keys_t);
+    const int64_t b = rows.size(0), heads = rows.size(1), t = rows.size(2), kv_heads = keys_t.size(1);
+    const auto grouped = rows.reshape({b, kv_heads, heads / kv_heads * t, rows.size(3)});
+    return at::bmm(grouped.flatten(0, 1), keys_t.flatten(0, 1), stats()).view({b, heads, t, keys_t.size(-1)});
   }
   // z - s filled, s a per-row or per-key statistic.
   static at::Tensor minus(const at::Tensor& z, const at::Tensor& s, const at::Tensor& ex) { return filled_(z - s, ex, kMaskValue); }
@@ -164,11 +195,11 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
   // Optional tensors are optionals, not possibly-undefined tensors: apply() treats tensor
   // arguments as variables of the graph, which an undefined one cannot be.
   static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, std::optional<at::Tensor> excluded,
-                               std::optional<at::Tensor> noise_given, std::optional<at::Tensor> prior, int64_t tile, int64_t sweeps,
-                               int64_t noise, double noise_scale, int64_t seed, int64_t kl) {
+                               std::optional<at::Tensor> bias, std::optional<at::Tensor> noise_given, std::optional<at::Tensor> prior,
+                               int64_t tile, int64_t sweeps, int64_t noise, double noise_scale, int64_t seed, int64_t kl) {
     const NoAutocast no_autocast;
     Problem pb{q * std::sqrt(1.0 / static_cast<double>(q.size(-1))), k, v, excluded.value_or(at::Tensor()), at::Tensor(), tile,
-               sweeps, noise, noise_scale, static_cast<uint64_t>(seed), {}, {}};
+               sweeps, noise, noise_scale, static_cast<uint64_t>(seed), {}, {}, bias.value_or(at::Tensor())};
     if (noise != kNoNoise && noise_given.has_value()) pb.given_noise = noise_given->expand(pb.shape());
     const KlTerm term{kl, prior.value_or(at::Tensor())};
     pb.sweep();
@@ -180,7 +211,7 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
       auto ex = pb.excluded_rows(start, len);
       auto y = pb.logits(pb.scores(start, len, ex), ex);
       auto p = pb.weights(y, start, len, ex);
-      outputs.push_back(at::matmul(p.to(v.scalar_type()), v));
+      outputs.push_back(grouped_product(p.to(v.scalar_type()), v));
       mass += p.sum(-2);
       if (kl != kNoKl) {
         row_lse.push_back(at::logsumexp(y, {-1}, true));
@@ -190,6 +221,7 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
     auto out = at::cat(outputs, -2);  // (B, H, S_q, d_v)
     ctx->save_for_backward({q, k, v, out});
     keep_optional(ctx, "excluded", pb.excluded);
+    keep_optional(ctx, "bias", pb.bias);
     keep_optional(ctx, "noise", pb.given_noise);
     keep_optional(ctx, "prior", term.a);
     keep_optional(ctx, "row_lse", kl != kNoKl ? at::cat(row_lse, -2) : at::Tensor());
@@ -209,7 +241,7 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
     const double scale = std::sqrt(1.0 / static_cast<double>(q.size(-1)));
     Problem pb{q * scale, k, v, kept_optional(ctx, "excluded"), kept_optional(ctx, "noise"), settings[0], settings[1], settings[2],
                ctx->saved_data["noise_scale"].toDouble(), static_cast<uint64_t>(settings[3]), ctx->saved_data["c"].toTensorVector(),
-               ctx->saved_data["r"].toTensorVector()};
+               ctx->saved_data["r"].toTensorVector(), kept_optional(ctx, "bias")};
     const KlTerm term{settings[4], kept_optional(ctx, "prior")};
     const auto row_lse = kept_optional(ctx, "row_lse");
     const size_t n = static_cast<size_t>(pb.sweeps);
@@ -220,7 +252,12 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
     const auto stats = q.options().dtype(pb.stats());
     const auto lower = [&](const at::Tensor& t) { return t.to(q.scalar_type()); };
     auto d = (dout.to(pb.stats()) * out.to(pb.stats())).sum(-1, true);  // (B, H, S_q, 1)
-    auto dv = at::zeros(v.sizes(), stats), dk = at::zeros(k.sizes(), stats);
+    // dV per query head (B, H, S_k, d_v), summed over each group at the end: Σ_i dY_ij below reads
+    // it head by head.
+    const int64_t kv_heads = k.size(1), groups = q.size(1) / kv_heads;
+    auto dv = at::zeros({q.size(0), q.size(1), v.size(2), v.size(3)}, stats), dk = at::zeros(k.sizes(), stats);
+    const bool with_bias_grad = pb.bias.defined() && pb.bias.requires_grad();
+    at::Tensor dbias = with_bias_grad ? at::zeros(pb.bias.sizes(), stats) : at::Tensor();
     at::Tensor da = with_kl ? at::zeros({q.size(0), q.size(1), 1, k.size(2)}, stats) : at::Tensor();
     std::vector<at::Tensor> dq;
 
@@ -241,13 +278,17 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
       auto dy_kl = kl_grad(start, len, ex, y, first_pass);
       y = at::Tensor();  // not needed past here: one block fewer alive beside dP's
       // dY = P ∘ (dP - D), built in dP's block.
-      auto dy = at::matmul(dout.narrow(-2, start, len), v.transpose(-2, -1)).to(pb.stats()).sub_(d.narrow(-2, start, len)).mul_(p);
+      auto dy = grouped_product(dout.narrow(-2, start, len), v.transpose(-2, -1)).to(pb.stats()).sub_(d.narrow(-2, start, len)).mul_(p);
       if (dy_kl.defined()) dy.add_(dy_kl);
       return std::make_pair(p, dy);
     };
     auto finish = [&](int64_t start, int64_t len, const at::Tensor& dz) {
-      dq.push_back(at::matmul(lower(dz), k) * scale);
-      dk.add_(at::matmul(lower(dz).transpose(-2, -1), pb.qs.narrow(-2, start, len)));
+      dq.push_back(grouped_product(lower(dz), k) * scale);
+      dk.add_(grouped_transposed_product(lower(dz), pb.qs.narrow(-2, start, len), kv_heads));
+      if (with_bias_grad) {
+        auto rows = Problem::rows_of(dbias, start, len);
+        rows.add_(at::sum_to(dz, rows.sizes()));
+      }
     };
 
     // First pass: dV, and for softmax dZ itself. With sweeps it gathers g = Σ_i dY_ij instead,
@@ -270,7 +311,11 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
       if (dy_kl.defined()) col = col - dy_kl.sum(-2, true);
       pd = pd.defined() ? pd + col : col;
     });
-    if (n > 0) g = (v * dv).sum(-1).unsqueeze(-2) - pd;
+    if (n > 0) {
+      const auto vd = groups == 1 ? (v * dv).sum(-1)
+                                  : (v.unsqueeze(2) * dv.view({q.size(0), kv_heads, groups, v.size(2), v.size(3)})).sum(-1).flatten(1, 2);
+      g = vd.unsqueeze(-2) - pd;
+    }
     if (n > 0) {
       std::vector<at::Tensor> dc(n), dr(n > 1 ? n - 1 : 0);
       dc[n - 1] = -g;
@@ -300,16 +345,18 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
     }
     at::Tensor dprior;
     if (with_kl && term.a.defined() && term.a.requires_grad()) dprior = at::sum_to(da, term.a.sizes());
-    return {at::cat(dq, -2), dk.to(k.scalar_type()), dv.to(v.scalar_type()), at::Tensor(), at::Tensor(), dprior, at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    if (groups > 1) dv = dv.view({q.size(0), kv_heads, groups, v.size(2), v.size(3)}).sum(2);
+    return {at::cat(dq, -2), dk.to(k.scalar_type()), dv.to(v.scalar_type()), at::Tensor(), dbias, at::Tensor(), dprior, at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
 int32_t probattn::tiled::tiled_route(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& excluded,
-                                     int32_t fused_cpu, int64_t sweeps, int32_t noise, int32_t kl) {
-  if (fused_cpu == kFusedNever) return kRouteTiles;
+                                     const at::Tensor& bias, int32_t fused_cpu, int64_t sweeps, int32_t noise, int32_t kl) {
+  // The fused CPU kernel takes neither an additive mask nor grouped key/value heads.
+  if (fused_cpu == kFusedNever || bias.defined() || k.size(1) != q.size(1)) return kRouteTiles;
   if (fused_cpu_applies(q, v, excluded, noise, kl)) return kRouteFused;
   if (fused_cpu_bam_applies(q, k, v, excluded, sweeps, noise, kl)) return kRouteFusedBam;
   return kRouteTiles;
@@ -317,9 +364,9 @@ int32_t probattn::tiled::tiled_route(const at::Tensor& q, const at::Tensor& k, c
 
 extern "C" {
 
-char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* excluded, const pa_tensor* noise,
-                         const pa_tensor* prior, const pa_tiled_spec* spec, pa_tensor** out, pa_tensor** received_mass,
-                         pa_tensor** kl_part, int32_t* route_taken) {
+char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* excluded, const pa_tensor* bias,
+                         const pa_tensor* noise, const pa_tensor* prior, const pa_tiled_spec* spec, pa_tensor** out,
+                         pa_tensor** received_mass, pa_tensor** kl_part, int32_t* route_taken) {
   return probattn::guard([&] {
     for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {spec, "spec"}, {out, "out"},
                                  {received_mass, "received_mass"}, {kl_part, "kl_part"}}) {
@@ -334,7 +381,8 @@ char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor
     auto some = [](const pa_tensor* t) { return t != nullptr ? std::optional<at::Tensor>(*t) : std::nullopt; };
     const auto ex = excluded != nullptr ? *excluded : at::Tensor();
     std::vector<at::Tensor> result;
-    const int32_t route = tiled_route(*q, *k, *v, ex, spec->fused_cpu, spec->sweeps, spec->noise, spec->kl);
+    const int32_t route = tiled_route(*q, *k, *v, ex, bias != nullptr ? *bias : at::Tensor(), spec->fused_cpu, spec->sweeps, spec->noise,
+                                      spec->kl);
     if (route_taken != nullptr) *route_taken = route;
     // The fused kernel was required and does not apply: nothing runs, no output is written.
     if (route == kRouteTiles && spec->fused_cpu == kFusedRequired) return;
@@ -344,8 +392,8 @@ char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor
       result = fused_cpu_bam(*q, *k, *v, some(excluded), some(noise), some(prior), spec->tile, spec->noise, spec->noise_scale,
                              static_cast<int64_t>(spec->seed), spec->kl);
     } else {
-      result = TiledAttention::apply(*q, *k, *v, some(excluded), some(noise), some(prior), spec->tile, spec->sweeps, spec->noise,
-                                     spec->noise_scale, static_cast<int64_t>(spec->seed), spec->kl);
+      result = TiledAttention::apply(*q, *k, *v, some(excluded), some(bias), some(noise), some(prior), spec->tile, spec->sweeps,
+                                     spec->noise, spec->noise_scale, static_cast<int64_t>(spec->seed), spec->kl);
     }
     // All three handles exist before any is handed out: an allocation that fails leaks none.
     auto o = std::make_unique<at::Tensor>(result[0]);

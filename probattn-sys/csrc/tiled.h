@@ -76,8 +76,8 @@ constexpr int32_t kRouteFused = 1;
 constexpr int32_t kRouteFusedBam = 2;
 // The one decision of which route serves a call (pa_tiled_spec's fields): the tiles unless
 // `fused_cpu` allows the fused CPU kernel and one of its two forms applies to these inputs and mask.
-int32_t tiled_route(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& excluded, int32_t fused_cpu,
-                    int64_t sweeps, int32_t noise, int32_t kl);
+int32_t tiled_route(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& excluded, const at::Tensor& bias,
+                    int32_t fused_cpu, int64_t sweeps, int32_t noise, int32_t kl);
 // The fused CPU routes (csrc/fused_cpu.cpp): whether one applies, and the call, which returns
 // (output, received mass, KL part) as the tile loop does.
 bool fused_cpu_applies(const at::Tensor& q, const at::Tensor& v, const at::Tensor& excluded, int64_t noise, int64_t kl);

@@ -16,6 +16,7 @@ extern "C" {
         k: *const C_tensor,
         v: *const C_tensor,
         excluded: *const C_tensor,
+        bias: *const C_tensor,
         noise: *const C_tensor,
         prior: *const C_tensor,
         spec: *const TiledSpec,
@@ -110,12 +111,14 @@ pub struct TiledOutput {
 }
 
 /// The tiled attention of csrc/tiled.cpp, through the fused CPU kernel where `spec.fused_cpu`
-/// allows it and it applies.
+/// allows it and it applies. (Its arguments are those of `pa_tiled_attention`, one for one.)
+#[allow(clippy::too_many_arguments)]
 pub fn tiled_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     excluded: Option<&Tensor>,
+    bias: Option<&Tensor>,
     noise: Option<&Tensor>,
     prior: Option<&Tensor>,
     spec: &TiledSpec,
@@ -130,6 +133,7 @@ pub fn tiled_attention(
             k.as_ptr(),
             v.as_ptr(),
             optional(excluded),
+            optional(bias),
             optional(noise),
             optional(prior),
             spec,

@@ -62,11 +62,29 @@ pub struct AttendOptions<'a> {
     /// ([`crate::backend::set_default`]), itself `auto` unless set; a forced backend that cannot
     /// serve the call is an error.
     pub backend: crate::backend::Backend,
+    /// The factor of the scores, `z = scale · q·kᵀ` (default `None`: `1/sqrt(d)`), as
+    /// `scaled_dot_product_attention`'s `scale`. It must be finite.
+    pub scale: Option<f64>,
+    /// Grouped-query attention, as `scaled_dot_product_attention`'s `enable_gqa`: `k` and `v` may
+    /// have fewer heads than `q`, a divisor of them, query head `h` reading key/value head
+    /// `h / (H / H_kv)`. The key/value heads are read by index, never copied. Off (default):
+    /// equal heads are required.
+    pub enable_gqa: bool,
 }
 
 impl Default for AttendOptions<'_> {
     fn default() -> Self {
-        Self { mode: Mode::EVAL, dropout: 0.0, noise: None, need_weights: true, tile: None, seed: None, backend: Default::default() }
+        Self {
+            mode: Mode::EVAL,
+            dropout: 0.0,
+            noise: None,
+            need_weights: true,
+            tile: None,
+            seed: None,
+            backend: Default::default(),
+            scale: None,
+            enable_gqa: false,
+        }
     }
 }
 
@@ -110,16 +128,37 @@ impl Attended {
 /// scores agree with it bit for bit at any `d`): `S_q × d` multiplications instead of a full pass
 /// over the `S_q × S_k` scores, forward and backward.
 pub fn scaled_dot_product_scores(q: &Tensor, k: &Tensor) -> Tensor {
-    match try_scores(q, k) {
+    match try_scores(q, k, None) {
         Ok(scores) => scores,
         Err(e) => panic!("{e}"), // as tch's own operators do
     }
 }
 
-/// [`scaled_dot_product_scores`], with libtorch's error (a failed allocation) returned.
-pub(crate) fn try_scores(q: &Tensor, k: &Tensor) -> std::result::Result<Tensor, tch::TchError> {
-    let d = *q.size().last().unwrap_or(&1) as f64;
-    (q * (1.0 / d).sqrt()).f_matmul(&k.transpose(-2, -1))
+/// The factor of a call's scores: `scale`, else `sqrt(1 / d)` (d = `q`'s last size).
+pub(crate) fn score_scale(q: &Tensor, scale: Option<f64>) -> f64 {
+    scale.unwrap_or_else(|| (1.0 / *q.size().last().unwrap_or(&1) as f64).sqrt())
+}
+
+/// [`scaled_dot_product_scores`] at the factor `scale` (`None`: `sqrt(1 / d)`), `k` with as many
+/// heads as `q` or a divisor of them ([`grouped_matmul`]), with libtorch's error (a failed
+/// allocation) returned.
+pub(crate) fn try_scores(q: &Tensor, k: &Tensor, scale: Option<f64>) -> std::result::Result<Tensor, tch::TchError> {
+    grouped_matmul(&(q * score_scale(q, scale)), &k.transpose(-2, -1))
+}
+
+/// `a (B, H, t, x)` times `b (B, H_kv, x, y)`, `(B, H, t, y)`, where `H = g · H_kv` and head `h`
+/// of `a` meets head `h / g` of `b` (grouped-query attention, as `scaled_dot_product_attention`'s
+/// `enable_gqa`): the `g` heads of a group are one product, and `b` is read as it is, never
+/// repeated. With `H = H_kv`, `a.matmul(b)`.
+pub(crate) fn grouped_matmul(a: &Tensor, b: &Tensor) -> std::result::Result<Tensor, tch::TchError> {
+    let (heads, kv_heads) = (a.size()[1], b.size()[1]);
+    if heads == kv_heads {
+        return a.f_matmul(b);
+    }
+    let size = a.size();
+    let (batch, t, x) = (size[0], size[2], size[3]);
+    let product = a.f_reshape([batch, kv_heads, heads / kv_heads * t, x])?.f_matmul(b)?;
+    product.f_view([batch, heads, t, *product.size().last().unwrap_or(&1)])
 }
 
 /// The weights `(B, H, S_q, S_k)` mix the values `(B, H, S_k, d_v)`, after dropout when it is
@@ -128,12 +167,16 @@ pub(crate) fn mix(weights: Tensor, v: &Tensor, kl: Option<Tensor>, opts: &Attend
     let mixing = if opts.dropout_active() { weights.dropout(opts.dropout, true) } else { weights.shallow_clone() };
     // Float32 weights of bfloat16 or float16 values mix in the values' dtype.
     let mixing = if mixing.kind() == v.kind() { mixing } else { mixing.to_kind(v.kind()) };
-    let output = mixing.matmul(v); // (B, H, S_q, d_v)
+    let output = match grouped_matmul(&mixing, v) {
+        Ok(output) => output, // (B, H, S_q, d_v)
+        Err(e) => panic!("{e}"),
+    };
     Attended { output, weights: opts.need_weights.then_some(weights), received_mass: None, kl }
 }
 
-/// Checks the ranks, sizes, dtypes and devices of heads-first `q`, `k`, `v`.
-pub(crate) fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<ScoreShape> {
+/// Checks the ranks, sizes, dtypes and devices of heads-first `q`, `k`, `v`; with `enable_gqa`,
+/// `k` and `v` may have fewer heads than `q`, a divisor of them.
+pub(crate) fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor, enable_gqa: bool) -> Result<ScoreShape> {
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         if t.dim() != 4 {
             return Err(Error::Shape(format!("{name} has shape {:?}; expected rank 4 (B, H, S, d)", t.size())));
@@ -143,8 +186,22 @@ pub(crate) fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<ScoreShape
         }
     }
     let (qs, ks, vs) = (q.size(), k.size(), v.size());
-    if qs[0] != ks[0] || qs[0] != vs[0] || qs[1] != ks[1] || qs[1] != vs[1] {
-        return Err(Error::Shape(format!("q {qs:?}, k {ks:?} and v {vs:?} must agree on batch and heads (dims 0 and 1)")));
+    if qs[0] != ks[0] || qs[0] != vs[0] || ks[1] != vs[1] {
+        return Err(Error::Shape(format!("q {qs:?}, k {ks:?} and v {vs:?} must agree on batch (dim 0), and k and v on heads (dim 1)")));
+    }
+    if qs[1] != ks[1] {
+        if !enable_gqa {
+            return Err(Error::Shape(format!(
+                "q {qs:?} has {} heads and k {ks:?} {}: equal heads are required unless grouped-query attention is enabled (enable_gqa)",
+                qs[1], ks[1]
+            )));
+        }
+        if ks[1] == 0 || qs[1] % ks[1] != 0 {
+            return Err(Error::Shape(format!(
+                "grouped-query attention needs the key/value heads to divide the query heads: q {qs:?} has {}, k {ks:?} {}",
+                qs[1], ks[1]
+            )));
+        }
     }
     if qs[3] != ks[3] {
         return Err(Error::Shape(format!("q {qs:?} and k {ks:?} must have the same head size (dim 3)")));
@@ -159,4 +216,12 @@ pub(crate) fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<ScoreShape
         return Err(Error::Shape("q, k and v must be on one device".into()));
     }
     Ok(ScoreShape { batch: qs[0], heads: qs[1], queries: qs[2], keys: ks[2] })
+}
+
+/// Checks `scale` (finite where given; any sign, as `scaled_dot_product_attention` takes it).
+pub(crate) fn check_scale(scale: Option<f64>) -> Result<()> {
+    match scale {
+        Some(s) if !s.is_finite() => Err(Error::Config(format!("the score scale must be finite, got {s}"))),
+        _ => Ok(()),
+    }
 }

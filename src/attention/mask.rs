@@ -1,8 +1,10 @@
 //! Masks: which (query, key) pairs may attend.
 //!
-//! Every mask follows PyTorch's `nn.MultiheadAttention` convention: `true` (or a non-zero `uint8`)
-//! marks an *excluded* entry. The masks combine into one boolean `allowed` tensor broadcastable
-//! to the scores' `(B, H, S_q, S_k)`; see [`crate::normalize::Support`] for how normalizers use it.
+//! Every boolean mask follows PyTorch's `nn.MultiheadAttention` convention: `true` (or a non-zero
+//! `uint8`) marks an *excluded* entry. An additive float mask ([`Masks::bias`]) is added to the
+//! scores before any normalization, its `-inf` entries excluded. The masks combine into one
+//! boolean `allowed` tensor broadcastable to the scores' `(B, H, S_q, S_k)`; see
+//! [`crate::normalize::Support`] for how normalizers use it.
 
 use tch::{Device, Kind, Tensor};
 
@@ -23,7 +25,7 @@ impl ScoreShape {
     }
 }
 
-/// The masks of one attention call. All optional; `true` = excluded.
+/// The masks of one attention call. All optional; in the boolean ones `true` = excluded.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Masks<'a> {
     /// `(B, S_k)`: padded keys, excluded for every query.
@@ -35,12 +37,33 @@ pub struct Masks<'a> {
     /// Query `i` may attend key `j` only when `j <= i` (top-left aligned when `S_q != S_k`, as
     /// in PyTorch's `scaled_dot_product_attention(is_causal=True)`).
     pub causal: bool,
+    /// A floating-point tensor broadcastable to `(B, H, S_q, S_k)`, added to the scores `z`
+    /// before the normalizer sees them (an additive mask, as a float `attn_mask` of
+    /// `scaled_dot_product_attention`: ALiBi, relative position biases, padding as `-inf`); its
+    /// `-inf` entries are excluded as a boolean mask's are, and it receives gradients. NaN and
+    /// `+inf` are refused.
+    pub bias: Option<&'a Tensor>,
 }
 
 impl Masks<'_> {
     /// True when nothing is masked.
     pub fn is_empty(&self) -> bool {
-        self.key_padding.is_none() && self.query_padding.is_none() && self.attn_mask.is_none() && !self.causal
+        self.key_padding.is_none() && self.query_padding.is_none() && self.attn_mask.is_none() && !self.causal && self.bias.is_none()
+    }
+
+    /// The additive mask checked (floating, broadcastable to `shape`, neither NaN nor `+inf`) and
+    /// in `kind` on `device`, of rank 4, its `-inf` entries 0: what the paths add to their scores.
+    /// Those entries are excluded by [`Self::allowed`] instead, so no infinity reaches a score (a
+    /// row of them would make NaN in a softmax's gradient). `None` without one.
+    pub(crate) fn bias_as(&self, shape: ScoreShape, kind: Kind, device: Device) -> Result<Option<Tensor>> {
+        let Some(b) = self.bias else { return Ok(None) };
+        check_bias(b, shape)?;
+        let b = b.to_device(device).to_kind(kind);
+        let mut b = b.masked_fill(&b.isneginf(), 0.0);
+        while b.dim() < 4 {
+            b = b.unsqueeze(0);
+        }
+        Ok(Some(b))
     }
 
     /// Checks every mask against `shape` and combines them into one boolean tensor on `device`,
@@ -72,6 +95,14 @@ impl Masks<'_> {
         if self.causal {
             and(Tensor::ones([sq, sk], (Kind::Bool, device)).tril(0));
         }
+        if let Some(b) = self.bias {
+            check_bias(b, shape)?;
+            // The -inf entries; a bias without any adds no mask (and no (S_q, S_k) boolean).
+            let excluded = b.isneginf();
+            if excluded.any().int64_value(&[]) != 0 {
+                and(excluded.logical_not().to_device(device));
+            }
+        }
         // Always rank 4 (an attn_mask may be (S_k,) or (S_q, S_k)): every consumer reads the query
         // and key dimensions as dims -2 and -1 of a 4-D tensor.
         Ok(allowed.map(|mut a| {
@@ -81,6 +112,24 @@ impl Masks<'_> {
             a
         }))
     }
+}
+
+/// Checks an additive mask: floating, broadcastable to the scores, no NaN and no `+inf`.
+fn check_bias(b: &Tensor, shape: ScoreShape) -> Result<()> {
+    if !matches!(b.kind(), Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16) {
+        return Err(Error::Shape(format!(
+            "the additive mask (bias) has dtype {:?}; it must be floating-point (a boolean mask goes in attn_mask)",
+            b.kind()
+        )));
+    }
+    check_broadcastable("the additive mask (bias)", b, &shape.dims())?;
+    if b.isnan().any().int64_value(&[]) != 0 {
+        return Err(Error::NonFinite("the additive mask (bias) holds NaN".into()));
+    }
+    if b.isposinf().any().int64_value(&[]) != 0 {
+        return Err(Error::NonFinite("the additive mask (bias) holds +inf (only -inf, which excludes an entry, is allowed)".into()));
+    }
+    Ok(())
 }
 
 /// Checks a mask's dtype and shape and returns it as a boolean tensor (`true` = excluded).

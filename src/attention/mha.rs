@@ -397,7 +397,7 @@ impl MultiHeadAttention {
             need_weights: input.need_weights,
             tile: self.cfg.tile,
             seed: input.seed,
-            backend: Default::default(),
+            ..Default::default()
         };
         let (attended, _) = attend_any_layout(q, k, v, &input.masks, self.normalizer.as_ref(), opts)?;
         let output = attended.output; // (B, H, S_q, d_h)

@@ -8,14 +8,14 @@
 use tch::{Kind, Tensor};
 
 use crate::backend::{self, Backend, Choice, Route, DEFAULT_TILE};
-use crate::call::{check_qkv, mix, try_scores};
+use crate::call::{check_qkv, check_scale, mix, try_scores};
 pub use crate::call::{scaled_dot_product_scores, AttendOptions, Attended, Mode};
 use crate::cxx::TiledSpec;
 use crate::mask::Masks;
 use crate::mask::ScoreShape;
 use crate::normalize::{NormalizeInput, Normalizer, Support};
 use crate::precision::{autocast_kind, widen, with_autocast_off};
-use crate::tiled::{attend_tiled_shaped, TiledOptions, TiledRoute};
+use crate::tiled::{attend_tiled_shaped, per_query_head, TiledOptions, TiledRoute};
 use crate::{Error, Result};
 
 /// Attends `q` to `k`/`v` under `masks` with `normalizer`, after checking every shape.
@@ -108,7 +108,8 @@ fn dispatch(
     normalizer: &dyn Normalizer,
     opts: AttendOptions,
 ) -> Result<(Attended, Choice)> {
-    let shape = check_qkv(q, k, v)?;
+    let shape = check_qkv(q, k, v, opts.enable_gqa)?;
+    check_scale(opts.scale)?;
     if masks.causal && !normalizer.causal_safe() {
         return Err(Error::causal_leak(&normalizer.name()));
     }
@@ -201,11 +202,14 @@ fn eager(
         // CPU's tiles and libtorch's fused kernels form them: scores rounded to bfloat16 would be off by
         // up to 2⁻⁹ of their size (0.03 at 16), and every weight by as much, relatively.
         let keys = widen(k);
-        let scores = try_scores(&widen(q), &keys).map_err(|e| Error::from_torch(e, &what, hint))?;
+        let mut scores = try_scores(&widen(q), &keys, opts.scale).map_err(|e| Error::from_torch(e, &what, hint))?;
+        if let Some(bias) = masks.bias_as(shape, scores.kind(), q.device())? {
+            scores += bias;
+        }
         let normalized = normalizer.normalize(&NormalizeInput {
             scores: &scores,
             support: &support,
-            keys: Some(&keys),
+            keys: Some(&per_query_head(&keys, shape.heads)),
             noise: opts.noise,
             sample: opts.mode.sample,
         })?;
@@ -244,7 +248,14 @@ fn memory_efficient(
         v,
         masks,
         &tiled,
-        TiledOptions { sample: opts.mode.sample, noise: opts.noise, seed: opts.seed, ..TiledOptions::new(tile) },
+        TiledOptions {
+            sample: opts.mode.sample,
+            noise: opts.noise,
+            seed: opts.seed,
+            scale: opts.scale,
+            enable_gqa: opts.enable_gqa,
+            ..TiledOptions::new(tile)
+        },
         fused,
     )
     .map_err(|e| match e {

@@ -31,6 +31,11 @@
 //! prior values), so a normalizer defined outside the crate whose weights are of these forms has
 //! a memory-efficient path too.
 //!
+//! Keys and values may have fewer heads than the queries ([`TiledOptions::enable_gqa`]); an
+//! additive mask ([`Masks::bias`]) is added to each tile's scores and receives its gradient from
+//! the tiles' `dZ`; a score scale ([`TiledOptions::scale`]) is folded into the queries. Inputs in
+//! float32, float64, bfloat16 or float16 (the last two with float32 statistics).
+//!
 //! It returns no weights; it returns instead the mass each key receives (`Σ_i P_ij`), what the
 //! explained-away diagnostics read. Masks are the eager path's (`Masks`), with the same results;
 //! a causal mask is a `(S_q, S_k)` boolean tensor (one byte per entry, where the eager path keeps
@@ -88,12 +93,18 @@ pub struct TiledOptions<'a> {
     /// kernel under the same masks, `tile` queries at a time with their noise as the kernel's
     /// mask, and its KL term in closed form. `false` always runs the tiles. Default `true`.
     pub fused_cpu: bool,
+    /// The factor of the scores (`None`: `1/sqrt(d)`), as [`crate::AttendOptions::scale`]; it
+    /// multiplies the plan's own score scale. It is folded into the queries, as the plan's is: in
+    /// bfloat16 and float16 the scaled queries are rounded to their dtype.
+    pub scale: Option<f64>,
+    /// Keys and values with fewer heads than the queries, as [`crate::AttendOptions::enable_gqa`].
+    pub enable_gqa: bool,
 }
 
 impl TiledOptions<'_> {
     /// `tile` queries at a time, not sampling, the fused CPU kernel where it applies.
     pub fn new(tile: i64) -> Self {
-        Self { tile, sample: false, noise: None, seed: None, fused_cpu: true }
+        Self { tile, sample: false, noise: None, seed: None, fused_cpu: true, scale: None, enable_gqa: false }
     }
 }
 
@@ -114,7 +125,8 @@ pub struct TiledAttended {
 /// The output and the received mass are contiguous, as [`crate::attend`]'s are.
 pub fn attend_tiled(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, plan: &Tiled, opts: TiledOptions) -> Result<TiledAttended> {
     let fused = if opts.fused_cpu { TiledSpec::FUSED_WHERE_APPLIES } else { TiledSpec::FUSED_NEVER };
-    let (out, _) = attend_tiled_shaped(check_qkv(q, k, v)?, q, k, v, masks, plan, opts, fused)?;
+    crate::call::check_scale(opts.scale)?;
+    let (out, _) = attend_tiled_shaped(check_qkv(q, k, v, opts.enable_gqa)?, q, k, v, masks, plan, opts, fused)?;
     Ok(TiledAttended { output: out.output.contiguous(), received_mass: out.received_mass.contiguous(), kl: out.kl })
 }
 
@@ -136,13 +148,11 @@ pub(crate) fn attend_tiled_shaped(
     if opts.tile < 1 {
         return Err(Error::Config(format!("the tile size must be at least 1, got {}", opts.tile)));
     }
-    if !matches!(q.kind(), Kind::Float | Kind::Double | Kind::BFloat16) {
-        return Err(Error::Unsupported(format!("the tiled path runs in float32 and float64, or bfloat16, not {:?}", q.kind())));
-    }
-    // bfloat16 inputs keep their statistics, the received mass and the KL in float32.
+    // bfloat16 and float16 inputs keep their statistics, the received mass and the KL in float32.
     let stats = statistics_kind(q.kind());
     let allowed = masks.allowed(shape, q.device())?;
     let excluded = allowed.as_ref().map(|a| a.logical_not());
+    let bias = masks.bias_as(shape, stats, q.device())?;
     let spec = TiledSpec { tile: opts.tile, sweeps: 0, noise: 0, noise_scale: 0.0, seed: 0, kl: 0, fused_cpu: fused };
     let name = plan.name.as_str();
     if masks.causal && !plan.causal_safe() {
@@ -151,10 +161,12 @@ pub(crate) fn attend_tiled_shaped(
     if !(plan.score_scale.is_finite() && plan.score_scale > 0.0) {
         return Err(Error::Config(format!("{name}: the plan's score scale must be positive and finite, got {}", plan.score_scale)));
     }
-    // The scale multiplies the scores, so the queries (the kernels scale them by 1/sqrt(d)).
-    let q = &if plan.score_scale == 1.0 { q.shallow_clone() } else { q * plan.score_scale };
+    // The scales multiply the scores, so the queries (the kernels scale them by 1/sqrt(d)).
+    let factor = plan.score_scale * opts.scale.map_or(1.0, |s| s * (shape_dim(q) as f64).sqrt());
+    let q = &if factor == 1.0 { q.shallow_clone() } else { q * factor };
     let plain = |sweeps: u32| -> Result<(TiledAttended, TiledRoute)> {
-        let out = cxx::tiled_attention(q, k, v, excluded.as_ref(), None, None, &TiledSpec { sweeps: i64::from(sweeps), ..spec })?;
+        let spec = TiledSpec { sweeps: i64::from(sweeps), ..spec };
+        let out = cxx::tiled_attention(q, k, v, excluded.as_ref(), bias.as_ref(), None, None, &spec)?;
         Ok((TiledAttended { output: out.output, received_mass: out.received_mass, kl: None }, out.route))
     };
     let sampling = plan.sampling.as_ref().filter(|_| opts.sample);
@@ -186,7 +198,7 @@ pub(crate) fn attend_tiled_shaped(
                 NoiseKind::Lognormal => (TiledSpec::LOGNORMAL, sampling.scale),
             };
             let seed = opts.seed.unwrap_or_else(libtorch_seed);
-            let keys = widen(k);
+            let keys = per_query_head(&widen(k), shape.heads);
             let prior = sampling.kl.as_ref().map(|kl| (kl.prior)(&keys, allowed.as_ref()).map(|a| (kl.form, a))).transpose()?;
             let kl_kind = match prior.as_ref().map(|(form, _)| *form) {
                 None => 0,
@@ -195,12 +207,30 @@ pub(crate) fn attend_tiled_shaped(
             };
             let spec = TiledSpec { sweeps: i64::from(plan.sweeps), noise: noise_kind, noise_scale, seed, kl: kl_kind, ..spec };
             let a = prior.as_ref().map(|(_, a)| a);
-            let out = cxx::tiled_attention(q, k, v, excluded.as_ref(), noise.as_ref(), a, &spec)?;
+            let out = cxx::tiled_attention(q, k, v, excluded.as_ref(), bias.as_ref(), noise.as_ref(), a, &spec)?;
             let kl = prior
                 .as_ref()
                 .map(|(form, a)| tiled_kl(*form, &out.kl_part, a, &MaskCounts::new(allowed.as_ref(), shape, opts.tile, stats, q.device())));
             Ok((TiledAttended { output: out.output, received_mass: out.received_mass, kl }, out.route))
         }
+    }
+}
+
+/// The head size `d` of heads-first `q`.
+fn shape_dim(q: &Tensor) -> i64 {
+    *q.size().last().unwrap_or(&1)
+}
+
+/// The keys `(B, H_kv, S_k, d)` with one head per query head, `(B, heads, S_k, d)`, for what reads
+/// keys head by head beside the attention itself (BAM's contextual prior, whose networks are the
+/// query heads'): the keys themselves when the heads agree, else each key/value head repeated for
+/// its group, a copy of `k`'s size times the group.
+pub(crate) fn per_query_head(keys: &Tensor, heads: i64) -> Tensor {
+    let kv_heads = keys.size()[1];
+    if kv_heads == heads {
+        keys.shallow_clone()
+    } else {
+        keys.repeat_interleave_self_int(heads / kv_heads, Some(1), None)
     }
 }
 

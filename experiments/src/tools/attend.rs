@@ -1,9 +1,12 @@
 //! `probattn attend`: one attention call from a safetensors file, so anyone can check a variant
 //! against their own PyTorch code (python/probattn_tools/reference/parity.py compare does it for ours).
 //!
-//! Input (`--input`): `q`, `k`, `v` as `(B, H, S, d)` in float32, float64 or bfloat16; optional
+//! Input (`--input`): `q`, `k`, `v` as `(B, H, S, d)` in float32, float64, bfloat16 or float16
+//! (`k` and `v` with fewer heads, a divisor of q's, under `--enable-gqa`); optional
 //! `key_padding_mask (B, S_k)`, `query_padding_mask (B, S_q)`, `attn_mask` (broadcastable to
-//! `(B, H, S_q, S_k)`), bool or uint8 with `true` = excluded, and `hybrid_logit (H,)` for HNAS.
+//! `(B, H, S_q, S_k)`), bool or uint8 with `true` = excluded, `attn_bias` (floating, broadcastable
+//! to the scores, added to them before normalization; `-inf` excludes), and `hybrid_logit (H,)` for
+//! HNAS.
 //! BAM variants also read `noise (B, H, S_q, S_k)` (ε ~ U(0,1) for Weibull, N(0,1) for Lognormal,
 //! used instead of drawing when `--train` is set) and the contextual prior's parameters
 //! `prior.f1.weight (H, hidden, d)`, `prior.f1.bias (H, hidden)`, `prior.f2.weight (H, hidden)`,
@@ -11,7 +14,7 @@
 //! Output (`--output`): `output (B, H, S_q, d_v)`, `weights (B, H, S_q, S_k)` and
 //! `received_mass (B, H, S_k)`, plus the scalar `kl` when a BAM variant with a prior samples; all in
 //! the input's dtype, but for bfloat16 inputs, whose weights, received mass and KL are float32
-//! (the library's statistics). Scores are `q·kᵀ / sqrt(d)`.
+//! (the library's statistics). Scores are `q·kᵀ / sqrt(d)`, or `--scale` times `q·kᵀ`.
 //!
 //! `--memory-efficient [--tile N]` runs the tiled path instead (`probattn::tiled`, every variant),
 //! on the same inputs: it writes `output`, `received_mass` and BAM's `kl`, and no weights (they are
@@ -49,6 +52,13 @@ pub struct AttendArgs {
     /// Add a causal mask (query i sees keys j <= i); refused for the doubly-normalized variants.
     #[arg(long)]
     pub causal: bool,
+    /// The factor of the scores q·kᵀ (default 1/sqrt(d)), as scaled_dot_product_attention's scale.
+    #[arg(long, allow_hyphen_values = true)]
+    pub scale: Option<f64>,
+    /// Grouped-query attention: k and v may have fewer heads than q (a divisor of them), query head
+    /// h reading key/value head h / (H / H_kv).
+    #[arg(long)]
+    pub enable_gqa: bool,
     #[command(flatten)]
     pub memory: crate::common::MemoryEfficientArgs,
     /// HNAS: the initial mixing weight u when the input has no hybrid_logit.
@@ -118,7 +128,8 @@ impl BamArgs {
     }
 }
 
-const KNOWN_INPUTS: [&str; 8] = ["q", "k", "v", "key_padding_mask", "query_padding_mask", "attn_mask", "hybrid_logit", "noise"];
+const KNOWN_INPUTS: [&str; 9] =
+    ["q", "k", "v", "key_padding_mask", "query_padding_mask", "attn_mask", "attn_bias", "hybrid_logit", "noise"];
 
 pub fn run(args: &AttendArgs) -> Result<()> {
     let device = args.common.setup()?;
@@ -133,8 +144,8 @@ pub fn run(args: &AttendArgs) -> Result<()> {
     let kind = q.kind();
     for (name, t) in [("q", &q), ("k", &k), ("v", &v)] {
         ensure!(
-            matches!(t.kind(), Kind::Float | Kind::Double | Kind::BFloat16),
-            "{input}: {name} has dtype {:?}; attend takes float32, float64 or bfloat16",
+            matches!(t.kind(), Kind::Float | Kind::Double | Kind::BFloat16 | Kind::Half),
+            "{input}: {name} has dtype {:?}; attend takes float32, float64, bfloat16 or float16",
             t.kind()
         );
         ensure!(t.kind() == kind, "{input}: q is {kind:?} but {name} is {:?}; use one dtype", t.kind());
@@ -151,7 +162,9 @@ pub fn run(args: &AttendArgs) -> Result<()> {
     }
     let optional = |name: &str| tensors.get(name).map(|t| t.to_device(device));
     let (kp, qp, am) = (optional("key_padding_mask"), optional("query_padding_mask"), optional("attn_mask"));
-    let masks = Masks { key_padding: kp.as_ref(), query_padding: qp.as_ref(), attn_mask: am.as_ref(), causal: args.causal };
+    let bias = optional("attn_bias");
+    let masks =
+        Masks { key_padding: kp.as_ref(), query_padding: qp.as_ref(), attn_mask: am.as_ref(), causal: args.causal, bias: bias.as_ref() };
 
     ensure!(q.dim() == 4, "{input}: q has shape {:?}; expected rank 4 (B, H, S, d)", q.size());
     let (heads, key_dim) = (q.size()[1], q.size()[3]);
@@ -189,6 +202,8 @@ pub fn run(args: &AttendArgs) -> Result<()> {
         need_weights: !weightless,
         tile: weightless.then_some(args.memory.tile),
         seed: weightless.then_some(args.bam.seed),
+        scale: args.scale,
+        enable_gqa: args.enable_gqa,
         ..Default::default()
     };
     let (out, choice) = tch::no_grad(|| precision.run(device, || attend_with_choice(&q, &k, &v, &masks, normalizer.as_ref(), opts)))?

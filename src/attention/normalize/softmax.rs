@@ -4,7 +4,7 @@
 use tch::{Device, Kind, Tensor};
 
 use super::{Normalizer, Support};
-use crate::call::{mix, scaled_dot_product_scores, AttendOptions, Attended};
+use crate::call::{mix, score_scale, try_scores, AttendOptions, Attended};
 use crate::mask::{Masks, ScoreShape};
 use crate::precision::widen;
 use crate::Result;
@@ -40,15 +40,31 @@ impl Normalizer for Softmax {
         }
         let shape = ScoreShape { batch: q.size()[0], heads: q.size()[1], queries: q.size()[2], keys: k.size()[2] };
         let allowed = masks.allowed(shape, q.device())?;
+        let grouped = k.size()[1] != shape.heads;
+        // An additive mask goes in as SDPA's float mask, its excluded entries -inf (the kernel's
+        // float masks must be in q's dtype).
+        let mask = match masks.bias_as(shape, q.kind(), q.device())? {
+            Some(bias) => Some(match &allowed {
+                Some(a) => bias.masked_fill(&a.logical_not(), f64::NEG_INFINITY),
+                None => bias,
+            }),
+            None => allowed,
+        };
+        let scale = score_scale(q, opts.scale);
         // bfloat16 below the kernel's lengths takes float32 from the bfloat16 values (as the
         // kernel computes inside), keeping the bfloat16 inputs, not float32 copies as autograd over
-        // the eager form would, for the backward pass.
+        // the eager form would, for the backward pass: under a boolean mask, with equal heads.
         let output = match q.kind() {
             Kind::BFloat16 if shape.keys < BF16_KERNEL_MIN_KEYS => {
-                crate::cxx::widened_softmax(q, k, v, allowed.as_ref(), 1.0 / (q.size()[3] as f64).sqrt())?
+                if grouped || masks.bias.is_some() {
+                    return Ok(None);
+                }
+                crate::cxx::widened_softmax(q, k, v, mask.as_ref(), scale)?
             }
             Kind::Float | Kind::Double | Kind::BFloat16 => {
-                Tensor::f_scaled_dot_product_attention(q, k, v, allowed.as_ref(), 0.0, false, None::<f64>, false)?
+                // The default scale goes in as None: the kernel's own 1/sqrt(d), bit for bit as before.
+                let given = opts.scale.map(|_| scale);
+                Tensor::f_scaled_dot_product_attention(q, k, v, mask.as_ref(), 0.0, false, given, grouped)?
             }
             _ => return Ok(None),
         };
@@ -65,7 +81,10 @@ impl Normalizer for Softmax {
         // bfloat16 (a score near 10 to 1/16) would move each weight by up to a few percent, and a
         // bfloat16 `dO·vᵀ` cancels in softmax's backward. Below BF16_KERNEL_MIN_KEYS keys the two
         // products are a small part of a step; a call for the weights pays float32 at any length.
-        let mut scores = scaled_dot_product_scores(&widen(q), &widen(k)); // (B, H, S_q, S_k)
+        let mut scores = try_scores(&widen(q), &widen(k), opts.scale)?; // (B, H, S_q, S_k)
+        if let Some(bias) = masks.bias_as(shape, scores.kind(), q.device())? {
+            scores += bias;
+        }
         support.mask_scores_(&mut scores);
         let mut attended = mix(support.row_softmax(&scores), &widen(v), None, opts);
         if attended.output.kind() != v.kind() {
