@@ -30,8 +30,8 @@ if torch.__version__.split("+")[0] != REQUIRED_TORCH:
 
 from . import _native, _ops  # noqa: E402  (after the version check, on purpose)
 
-__all__ = ["attention", "attention_backend", "attention_routes", "AttentionInfo", "variants", "DEFAULT_TILE",
-           "REQUIRED_TORCH"]
+__all__ = ["attention", "attention_with_info", "scaled_dot_product_attention", "functional", "attention_backend",
+           "attention_routes", "AttentionInfo", "variants", "DEFAULT_TILE", "REQUIRED_TORCH"]
 
 DEFAULT_TILE = 256
 """Queries per tile on the memory-efficient path, as `probattn --memory-efficient` uses."""
@@ -40,12 +40,12 @@ _BAM_SETTINGS = ("k", "sigma", "prior_alpha", "prior_beta", "prior_mu", "prior_s
 
 
 class AttentionInfo(NamedTuple):
-    """What `attention(..., return_info=True)` returns beside the output.
+    """What `attention_with_info` returns beside the output.
 
-    received_mass: `(B, H, S_k)`, the weight each key receives, sum_i pi_ij (not differentiable).
+    received_mass: `(..., H, S)`, the weight each key receives, sum_i pi_ij (not differentiable).
     kl: BAM's KL term (a scalar tensor, differentiable) when the variant has one and samples
         (`training=True`), else None.
-    weights: `(B, H, S_q, S_k)` on the eager path, None on the memory-efficient one (it never
+    weights: `(..., H, L, S)` on the eager path, None on the memory-efficient one (it never
         forms them).
     """
 
@@ -95,6 +95,8 @@ def _tensor(name, t):
 
 
 def _mask(name, m):
+    """A boolean mask in nn.MultiheadAttention's convention (True = excluded), checked: what
+    `probattn.nn.MultiheadAttention` takes as PyTorch's module takes it."""
     if m is None:
         return None
     _tensor(name, m)
@@ -126,35 +128,13 @@ def _bam_arguments(bam):
     return settings, bam.get("base"), params, noise
 
 
-def attention(query, key, value, *, variant="softmax", key_padding_mask=None, attn_mask=None, is_causal=False,
-              memory_efficient=False, tile=None, training=False, dropout_p=0.0, seed=None, hybrid_logit=None,
-              bam=None, return_info=False):
-    """Attention of heads-first `query (B, H, S_q, d)` over `key (B, H, S_k, d)` and
-    `value (B, H, S_k, d_v)`, as `F.scaled_dot_product_attention` takes them, with any variant of
-    the registry (`variants()` lists them, with the parameters each reads). Scores are
-    `q k^T / sqrt(d)`.
-
-    Masks are boolean with True = excluded (nn.MultiheadAttention's convention; note that SDPA's
-    boolean masks mean the opposite): `key_padding_mask (B, S_k)`, `attn_mask` broadcastable to
-    `(B, H, S_q, S_k)`; `is_causal` adds the causal mask (refused for variants that would leak
-    the future through their column normalization).
-
-    memory_efficient: the tiled path (`tile` queries at a time, default `DEFAULT_TILE`), which
-        keeps nothing `(S_q, S_k)` for the backward pass; every variant has one.
-    training: BAM samples (and dropout_p applies on the eager path); otherwise BAM returns its mean.
-    seed: the key of the memory-efficient path's BAM draws (None: libtorch's generator, which
-        `torch.manual_seed` sets). Under `torch.compile` a seeded (or given) draw compiles without
-        a graph break; a draw from the generator breaks the graph at the call.
-    hybrid_logit: HNAS's `(H,)` gate logits, u = sigmoid(logit) (required for hnas).
-    bam: BAM's settings, a dict: k, sigma, prior_alpha, prior_beta, prior_mu, prior_sigma,
-        prior_hidden, base (the variant under the noise, default softmax), prior (the contextual
-        prior network's parameters, `{'f1.weight': (H, hidden, d), 'f1.bias': (H, hidden),
-        'f2.weight': (H, hidden), 'f2.bias': (H,)}` or a module with those; required for bam-wc
-        and bam-lc), noise (a fixed draw `(B, H, S_q, S_k)`: U(0,1) for Weibull, N(0,1) for
-        Lognormal).
-
-    Returns the output `(B, H, S_q, d_v)`, or `(output, AttentionInfo)` with `return_info`.
-    """
+def _attention(query, key, value, *, variant="softmax", attn_mask=None, bias=None, is_causal=False, scale=None,
+               enable_gqa=False, memory_efficient=False, tile=None, training=False, dropout_p=0.0, seed=None,
+               hybrid_logit=None, bam=None, return_info=False):
+    """The library's attention on heads-first 4-D tensors, its masks in its own convention
+    (`attn_mask`: boolean, True = excluded; `bias`: added to the scores), for
+    `probattn.functional`, which converts PyTorch's arguments into these. Returns
+    `(output, AttentionInfo or None)`."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         _tensor(name, t)
         if not t.is_floating_point():
@@ -174,39 +154,45 @@ def attention(query, key, value, *, variant="softmax", key_padding_mask=None, at
     if seed is not None and tile is None:
         raise ValueError("seed keys the memory-efficient path's BAM draws; the eager path draws from libtorch's "
                          "generator (torch.manual_seed) or takes bam={'noise': ...}: pass memory_efficient=True with it")
-    attn_mask, key_padding_mask = _mask("attn_mask", attn_mask), _mask("key_padding_mask", key_padding_mask)
-    if torch.compiler.is_compiling() and not (training and dropout_p > 0):
+    if torch.compiler.is_compiling() and dropout_p == 0:
         # Under torch.compile: a custom operator, which the compiler traces without a graph break.
         if not return_info and _ops.traceable(variant) and bam is None:
-            return _ops.attention(query, key, value, variant, tile, attn_mask, key_padding_mask, bool(is_causal),
-                                  hybrid_logit)
+            out = _ops.attention(query, key, value, variant, tile, attn_mask, None, bool(is_causal), hybrid_logit,
+                                 bias, scale, bool(enable_gqa))
+            return out, None
         # BAM where its draws can be replayed (none in evaluation, a given one, or the memory-efficient
         # path's seeded ones), and return_info on the memory-efficient path, which forms no weights:
         # the operator that returns the received mass and the KL term too.
         takes = ((_ops.replayable_bam(variant) and _ops.draws_replay(training, noise, seed))
                  or (_ops.traceable(variant) and bam is None))
-        if takes and (tile is not None or not return_info):
+        if takes and bias is None and (tile is not None or not return_info):
             autocast = _ops.autocast_name(query.device.type)
             if autocast != "other":
                 config = _ops.info_config(variant, tuple(sorted(settings.items())), base, bool(training), tuple(params),
-                                          autocast)
-                output, mass, kl = _ops.attention_with_info(query, key, value, config, tile, attn_mask, key_padding_mask,
+                                          autocast, scale, bool(enable_gqa))
+                output, mass, kl = _ops.attention_with_info(query, key, value, config, tile, attn_mask, None,
                                                             bool(is_causal), list(params.values()), noise, seed)
-                if not return_info:
-                    return output
-                return output, AttentionInfo(received_mass=mass, kl=kl if kl.dim() == 0 else None, weights=None)
+                info = AttentionInfo(received_mass=mass, kl=kl if kl.dim() == 0 else None, weights=None)
+                return output, info if return_info else None
     output, weights, mass, kl = _native.attention(
-        query, key, value, variant,
-        key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-        causal=bool(is_causal), tile=tile, training=bool(training), dropout=float(dropout_p), seed=seed, noise=noise,
-        need_weights=bool(return_info) and not memory_efficient, params=params, settings=settings, bam_base=base,
+        query, key, value, variant, attn_mask=attn_mask, bias=bias, causal=bool(is_causal), scale=scale,
+        enable_gqa=bool(enable_gqa), tile=tile, training=bool(training), dropout=float(dropout_p), seed=seed,
+        noise=noise, need_weights=bool(return_info) and not memory_efficient, params=params, settings=settings,
+        bam_base=base,
     )
     if not return_info:
-        return output
+        return output, None
     if mass is None and weights is not None:
         mass = weights.detach().sum(-2)
     return output, AttentionInfo(received_mass=mass, kl=kl, weights=weights)
 
+
+from . import functional  # noqa: E402  (after _attention, which it calls)
+from .functional import attention_with_info, scaled_dot_product_attention  # noqa: E402
+
+attention = scaled_dot_product_attention
+"""`probattn.attention` is `probattn.functional.scaled_dot_product_attention`: PyTorch's arguments
+and semantics, with `variant=`."""
 
 from . import nn  # noqa: E402,F401  (probattn.nn.MultiheadAttention)
 from . import repulsive  # noqa: E402,F401  (probattn.repulsive.attach)

@@ -15,23 +15,27 @@ import torch
 from . import _native, _registry
 
 
-def _run(q, k, v, variant, tile, attn_mask, key_padding_mask, causal, hybrid_logit):
+def _run(q, k, v, variant, tile, attn_mask, key_padding_mask, causal, hybrid_logit, bias, scale, enable_gqa):
     params = {} if hybrid_logit is None else {"hybrid_logit": hybrid_logit}
     out, _, _, _ = _native.attention(q, k, v, variant, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                                     causal=causal, tile=tile, params=params)
+                                     bias=bias, causal=causal, scale=scale, enable_gqa=enable_gqa, tile=tile,
+                                     params=params)
     return out
 
 
 @torch.library.custom_op("probattn::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: str, tile: Optional[int],
               attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor], causal: bool,
-              hybrid_logit: Optional[torch.Tensor]) -> torch.Tensor:
-    """The attention output `(B, H, S_q, d_v)`; `tile` None is the eager path."""
-    return _run(q, k, v, variant, tile, attn_mask, key_padding_mask, causal, hybrid_logit).contiguous()
+              hybrid_logit: Optional[torch.Tensor], bias: Optional[torch.Tensor], scale: Optional[float],
+              enable_gqa: bool) -> torch.Tensor:
+    """The attention output `(B, H, S_q, d_v)`; `tile` None is the eager path. `attn_mask` and
+    `key_padding_mask` in the library's convention (True = excluded), `bias` added to the scores."""
+    return _run(q, k, v, variant, tile, attn_mask, key_padding_mask, causal, hybrid_logit, bias, scale,
+                enable_gqa).contiguous()
 
 
 @attention.register_fake
-def _(q, k, v, variant, tile, attn_mask, key_padding_mask, causal, hybrid_logit):
+def _(q, k, v, variant, tile, attn_mask, key_padding_mask, causal, hybrid_logit, bias, scale, enable_gqa):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
@@ -50,9 +54,10 @@ def _gradients(inputs, out, grad, kl=None, grad_kl=None):
     return [_laid_out_as(t, g if g is not None else torch.zeros_like(t)) for t, g in zip(inputs, found)]
 
 
-def _differentiable(q, k, v, hybrid_logit):
-    """The inputs that receive gradients: q, k, v, and the gate logits when given."""
-    return (q, k, v) if hybrid_logit is None else (q, k, v, hybrid_logit)
+def _differentiable(q, k, v, hybrid_logit, bias):
+    """The inputs that receive gradients: q, k, v, and the gate logits and the additive mask when
+    given."""
+    return tuple(t for t in (q, k, v, hybrid_logit, bias) if t is not None)
 
 
 def _autograd_dispatch():
@@ -69,30 +74,38 @@ def _autograd_dispatch():
 @torch.library.custom_op("probattn::attention_backward", mutates_args=())
 def attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: str,
                        tile: Optional[int], attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
-                       causal: bool, hybrid_logit: Optional[torch.Tensor]) -> list[torch.Tensor]:
-    """The gradients in q, k, v, and in hybrid_logit when it is given."""
+                       causal: bool, hybrid_logit: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                       scale: Optional[float], enable_gqa: bool) -> list[torch.Tensor]:
+    """The gradients in q, k, v, and in hybrid_logit and bias when they are given."""
     with torch.enable_grad(), _autograd_dispatch():
-        inputs = [t.detach().requires_grad_() for t in _differentiable(q, k, v, hybrid_logit)]
-        out = _run(*inputs[:3], variant, tile, attn_mask, key_padding_mask, causal, inputs[3] if len(inputs) == 4 else None)
+        inputs = [t.detach().requires_grad_() for t in _differentiable(q, k, v, hybrid_logit, bias)]
+        given = iter(inputs[3:])
+        logit = next(given) if hybrid_logit is not None else None
+        added = next(given) if bias is not None else None
+        out = _run(*inputs[:3], variant, tile, attn_mask, key_padding_mask, causal, logit, added, scale, enable_gqa)
         return _gradients(inputs, out, grad)
 
 
 @attention_backward.register_fake
-def _(grad, q, k, v, variant, tile, attn_mask, key_padding_mask, causal, hybrid_logit):
-    return [torch.empty_like(t) for t in _differentiable(q, k, v, hybrid_logit)]
+def _(grad, q, k, v, variant, tile, attn_mask, key_padding_mask, causal, hybrid_logit, bias, scale, enable_gqa):
+    return [torch.empty_like(t) for t in _differentiable(q, k, v, hybrid_logit, bias)]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, variant, tile, attn_mask, key_padding_mask, causal, hybrid_logit = inputs
-    ctx.save_for_backward(q, k, v, attn_mask, key_padding_mask, hybrid_logit)
-    ctx.options = (variant, tile, causal)
+    q, k, v, variant, tile, attn_mask, key_padding_mask, causal, hybrid_logit, bias, scale, enable_gqa = inputs
+    ctx.save_for_backward(q, k, v, attn_mask, key_padding_mask, hybrid_logit, bias)
+    ctx.options = (variant, tile, causal, scale, enable_gqa)
 
 
 def _backward(ctx, grad):
-    q, k, v, attn_mask, key_padding_mask, hybrid_logit = ctx.saved_tensors
-    variant, tile, causal = ctx.options
-    grads = attention_backward(grad, q, k, v, variant, tile, attn_mask, key_padding_mask, causal, hybrid_logit)
-    return *grads[:3], None, None, None, None, None, grads[3] if hybrid_logit is not None else None
+    q, k, v, attn_mask, key_padding_mask, hybrid_logit, bias = ctx.saved_tensors
+    variant, tile, causal, scale, enable_gqa = ctx.options
+    grads = attention_backward(grad, q, k, v, variant, tile, attn_mask, key_padding_mask, causal, hybrid_logit, bias,
+                               scale, enable_gqa)
+    rest = iter(grads[3:])
+    d_logit = next(rest) if hybrid_logit is not None else None
+    d_bias = next(rest) if bias is not None else None
+    return *grads[:3], None, None, None, None, None, d_logit, d_bias, None, None
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
@@ -278,11 +291,12 @@ def replayable_bam(variant):
 
 
 @torch.compiler.assume_constant_result
-def info_config(variant, settings, base, training, names, autocast):
+def info_config(variant, settings, base, training, names, autocast, scale=None, enable_gqa=False):
     """The configuration `attention_with_info` takes; `settings` as (name, value) pairs."""
     e = _registry.entry(variant)
     return json.dumps({"variant": variant, "settings": dict(settings), "base": base, "training": training,
-                       "names": list(names), "autocast": autocast, "kl": training and e["kl"]})
+                       "names": list(names), "autocast": autocast, "kl": training and e["kl"], "scale": scale,
+                       "enable_gqa": enable_gqa})
 
 
 def _run_with_info(q, k, v, config, tile, attn_mask, key_padding_mask, causal, params, noise, seed):
@@ -290,6 +304,7 @@ def _run_with_info(q, k, v, config, tile, attn_mask, key_padding_mask, causal, p
     with _traced_autocast(c, q):
         out, _, mass, kl = _native.attention(
             q, k, v, c["variant"], key_padding_mask=key_padding_mask, attn_mask=attn_mask, causal=causal, tile=tile,
+            scale=c.get("scale"), enable_gqa=c.get("enable_gqa", False),
             training=c["training"], dropout=0.0, seed=seed, noise=noise, need_weights=False,
             params=dict(zip(c["names"], params)), settings=c["settings"], bam_base=c["base"])
     return out, mass, kl

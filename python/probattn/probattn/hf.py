@@ -1,86 +1,126 @@
-"""probattn's variants as Hugging Face transformers attention implementations.
+"""probattn as a Hugging Face transformers attention implementation, the transformers way: one
+implementation, "probattn", whose variant and settings are the model config's.
 
     import probattn.hf
     probattn.hf.register()
-    model = AutoModelForMaskedLM.from_config(config, attn_implementation="probattn-dnas")
+    config.probattn = {"variant": "dnas"}                      # or set it on model.config later
+    model = AutoModelForMaskedLM.from_config(config, attn_implementation="probattn")
 
-`register()` adds, for every variant of `probattn.variants()` (sinkhorn-N for N in `sinkhorn`),
-an implementation named `probattn-<variant>` and its memory-efficient form
-`probattn-<variant>-me`, to transformers' `AttentionInterface`, with `sdpa`'s mask builder in
-`AttentionMaskInterface`. Variants with learnable parameters of their own (hnas's gates, bam-wc's
-and bam-lc's prior network) read them from the attention modules: `prepare(model, variant)` puts
-them there, before the optimizer is built.
+`config.probattn` is a dict (absent: softmax, eager):
+    variant: a name of `probattn.variants()` (softmax, dnas, hnas, sinkhorn-N, bam-*).
+    memory_efficient: the tiled path, which keeps nothing (L, S) for the backward pass (no
+        attention dropout there: set the model's to 0).
+    tile: queries per tile on that path (default `probattn.DEFAULT_TILE`).
+    bam: BAM's settings (k, sigma, prior_alpha, prior_beta, prior_mu, prior_sigma, prior_hidden,
+        base), as `probattn.attention` takes them.
+Every attention call reads the config of its module, so a change of `model.config.probattn`
+applies from the next step. `register()` also adds `probattn-<variant>` and
+`probattn-<variant>-me` (memory-efficient), aliases that fix the variant whatever the config says.
 
-A causal model (Llama, GPT) may only use causal-safe variants: DNAS, HNAS and Sinkhorn normalize
-each key over the queries, which under a causal mask lets a query's weights depend on later
-queries. Such a call raises `ValueError` instead of training a model that sees the future.
-BAM samples in training mode and leaves its KL on the attention module as `probattn_kl` (None for
-bam-nokl and in eval mode); add it to the loss yourself.
+The call is SDPA's (`probattn.functional.scaled_dot_product_attention`): grouped-query models
+(Llama, Mistral, Qwen) pass their keys and values as they are (`enable_gqa`), the model's scaling
+is the score scale, masks go in as transformers builds them for SDPA (boolean, or additive), and
+an additive position bias (T5-style) is added to the mask. Softcapping is refused.
+
+Variants with learnable parameters of their own (hnas's gates, bam-wc's and bam-lc's prior
+network) read them from the attention modules: `prepare(model)` puts them there, before the
+optimizer is built. A causal model (Llama, GPT) may only use causal-safe variants: DNAS, HNAS and
+Sinkhorn normalize each key over the queries, which under a causal mask lets a query's weights
+depend on later queries; such a call raises `ValueError`. BAM samples in training mode and leaves
+its KL on the attention module as `probattn_kl` (None for bam-nokl and in eval mode); add it to the
+loss yourself.
 """
-
-import math
 
 import torch
 
-from . import _native, _registry, attention, variants
+from . import _native, _registry, attention_with_info, scaled_dot_product_attention, variants
 
-__all__ = ["register", "names", "prepare"]
+__all__ = ["register", "names", "prepare", "settings_of"]
 
-
-def _parameters(variant):
-    """The learnable tensors `variant` reads (the registry's `parameters`: HNAS's `hybrid_logit`,
-    the contextual prior's `prior.*`), which `prepare` puts on the attention modules."""
-    return _registry.entry(variant)["parameters"]
+_KEYS = ("variant", "memory_efficient", "tile", "bam")
 
 
-def _forward(variant, memory_efficient):
-    entry = _registry.entry(variant)
-    causal_safe, stochastic, parameters = entry["causal_safe"], entry["stochastic"], entry["parameters"]
+def settings_of(config, default_variant="softmax"):
+    """The probattn settings of a transformers config (`config.probattn`), checked: a dict with
+    `variant` (default `default_variant`), `memory_efficient`, `tile`, `bam`."""
+    given = getattr(config, "probattn", None) or {}
+    if not isinstance(given, dict):
+        raise TypeError(f"config.probattn must be a dict (variant, memory_efficient, tile, bam), got {type(given).__name__}")
+    unknown = sorted(set(given) - set(_KEYS))
+    if unknown:
+        raise ValueError(f"config.probattn: unknown settings {unknown} (known: {list(_KEYS)})")
+    variant = given.get("variant", default_variant)
+    if _registry.entry(variant) is None:
+        raise ValueError(f"config.probattn: unknown variant {variant!r} (known: {', '.join(e['name'] for e in variants())})")
+    return dict(given, variant=variant)
 
-    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-        if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
-            raise ValueError(f"probattn-{variant}: position biases and softcapping are not supported")
-        groups = getattr(module, "num_key_value_groups", 1)
-        if groups > 1:
-            key = key.repeat_interleave(groups, dim=1)
-            value = value.repeat_interleave(groups, dim=1)
+
+def _mask_with_bias(attention_mask, position_bias, is_causal, query, key):
+    """SDPA's float mask from a position bias, the model's mask (boolean or additive) and the
+    causal pattern, as transformers' SDPA path combines them."""
+    bias = position_bias.to(query.dtype) if position_bias.is_floating_point() else position_bias.float()
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            bias = bias.masked_fill(~attention_mask, float("-inf"))
+        else:
+            bias = bias + attention_mask
+    if is_causal:
+        L, S = query.shape[-2], key.shape[-2]
+        causal = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
+        bias = bias.masked_fill(~causal, float("-inf"))
+    return bias
+
+
+def _forward(fixed=None):
+    """The attention function transformers calls; `fixed`: an alias's (variant, memory_efficient),
+    else the module config's settings."""
+
+    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                position_bias=None, **kwargs):
+        if kwargs.get("softcap") is not None:
+            raise ValueError("probattn: softcapping is not supported")
+        settings = settings_of(getattr(module, "config", None))
+        if fixed is not None:
+            settings = dict(settings, variant=fixed[0], memory_efficient=fixed[1])
+        variant, memory_efficient = settings["variant"], bool(settings.get("memory_efficient", False))
+        entry = _registry.entry(variant)
+        name = f"probattn ({variant}{', memory-efficient' if memory_efficient else ''})"
         module_causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
-        if module_causal and not causal_safe and query.shape[2] > 1:
+        if module_causal and not entry["causal_safe"] and query.shape[2] > 1:
             raise ValueError(
-                f"probattn-{variant} on a causal model: {variant} normalizes each key over the queries, so under a causal "
+                f"{name} on a causal model: {variant} normalizes each key over the queries, so under a causal "
                 f"mask a query's weights would depend on later queries (use softmax or a bam variant over softmax)")
         causal = bool(module_causal) and attention_mask is None and query.shape[2] > 1
-        if causal and key.shape[2] > query.shape[2]:
-            key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
-        excluded = None
-        if attention_mask is not None:
-            if attention_mask.dtype == torch.bool:
-                excluded = ~attention_mask
-            else:
-                lowest = torch.finfo(attention_mask.dtype).min
-                if not torch.all((attention_mask == 0) | (attention_mask <= lowest / 2)):
-                    raise ValueError(f"probattn-{variant}: additive masks other than 0 / -inf are not supported")
-                excluded = attention_mask <= lowest / 2
+        if position_bias is not None:
+            attention_mask = _mask_with_bias(attention_mask, position_bias, causal, query, key)
+            causal = False
         if memory_efficient and module.training and dropout > 0:
-            raise ValueError(f"probattn-{variant}-me: the memory-efficient path has no attention dropout; set the model's "
+            raise ValueError(f"{name}: the memory-efficient path has no attention dropout; set the model's "
                              f"attention dropout to 0 (BERT: attention_probs_dropout_prob, Llama: attention_dropout)")
-        d = query.shape[-1]
-        if scaling is not None and not math.isclose(scaling, d ** -0.5, rel_tol=1e-12):
-            query = query * (scaling * math.sqrt(d))  # probattn's scores are q k^T / sqrt(d)
         extra = {}
+        if settings.get("bam"):
+            extra["bam"] = dict(settings["bam"])
+        parameters = entry["parameters"]
         if parameters:
             held = getattr(module, "probattn", None)
             if held is None:
-                raise ValueError(f"probattn-{variant} reads learnable parameters: call probattn.hf.prepare(model, "
-                                 f"'{variant}') before building the optimizer")
+                raise ValueError(f"{name} reads learnable parameters: call probattn.hf.prepare(model, '{variant}') "
+                                 f"before building the optimizer")
             if "hybrid_logit" in parameters:
                 extra["hybrid_logit"] = held["hybrid_logit"]
             if any(n.startswith("prior.") for n in parameters):
-                extra["bam"] = {"prior": {n.removeprefix("prior_").replace("_", ".", 1): p for n, p in held.items() if n.startswith("prior_")}}
-        out = attention(query, key, value, variant=variant, attn_mask=excluded, is_causal=causal, **extra,
-                        memory_efficient=memory_efficient, training=module.training,
-                        dropout_p=dropout if module.training else 0.0, return_info=stochastic)
-        if stochastic:
+                prior = {n.removeprefix("prior_").replace("_", ".", 1): p for n, p in held.items() if n.startswith("prior_")}
+                extra["bam"] = dict(extra.get("bam", {}), prior=prior)
+        if memory_efficient:
+            extra["memory_efficient"] = True
+            if settings.get("tile") is not None:
+                extra["tile"] = settings["tile"]
+        groups = getattr(module, "num_key_value_groups", 1)
+        call = attention_with_info if entry["stochastic"] else scaled_dot_product_attention
+        out = call(query, key, value, attn_mask=attention_mask, dropout_p=dropout if module.training else 0.0,
+                   is_causal=causal, scale=scaling, enable_gqa=groups > 1, variant=variant, training=module.training,
+                   **extra)
+        if entry["stochastic"]:
             # Only BAM asks for the info (its KL): without it the eager path need not form weights.
             out, info = out
             module.probattn_kl = info.kl
@@ -90,8 +130,9 @@ def _forward(variant, memory_efficient):
 
 
 def names(sinkhorn=(3,)):
-    """The implementation names `register(sinkhorn)` adds, with the variant each runs."""
-    out = {}
+    """The implementation names `register(sinkhorn)` adds: "probattn" (None: the config decides),
+    and the aliases with the (variant, memory_efficient) each fixes."""
+    out = {"probattn": None}
     for entry in variants():
         chosen = [f"{entry['name'][:-1]}{n}" for n in sinkhorn] if entry["name"].endswith("-N") else [entry["name"]]
         for variant in chosen:
@@ -100,15 +141,18 @@ def names(sinkhorn=(3,)):
     return out
 
 
-def prepare(model, variant, hybrid_init_u=0.5):
+def prepare(model, variant=None, hybrid_init_u=0.5):
     """Gives every attention module of a transformers `model` the parameters `variant` reads (hnas:
     `hybrid_logit (H,)`; bam-wc, bam-lc: the contextual prior's network), as a `ParameterDict`
     named `probattn` on the module, initialised as the Rust library initialises them (libtorch's
-    generator, which `torch.manual_seed` sets). Call it before building the optimizer. Returns the
-    names of the modules prepared."""
+    generator, which `torch.manual_seed` sets). `variant` None: the model config's
+    (`config.probattn["variant"]`). Call it before building the optimizer. Returns the names of the
+    modules prepared."""
+    if variant is None:
+        variant = settings_of(model.config)["variant"]
     if _registry.entry(variant) is None:
         raise ValueError(f"unknown variant {variant!r} (known: {', '.join(e['name'] for e in variants())})")
-    if not _parameters(variant):
+    if not _registry.entry(variant)["parameters"]:
         with_parameters = [e["name"] for e in variants() if e["parameters"]]
         raise ValueError(f"{variant} has no parameters of its own (those that do: {', '.join(with_parameters)})")
     heads = model.config.num_attention_heads
@@ -129,12 +173,13 @@ def prepare(model, variant, hybrid_init_u=0.5):
 
 
 def register(sinkhorn=(3,)):
-    """Registers every name of `names(sinkhorn)` with transformers; returns the names."""
+    """Registers "probattn" and every alias of `names(sinkhorn)` with transformers, with SDPA's
+    mask builder; returns the names."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     registered = names(sinkhorn)
-    for name, (variant, memory_efficient) in registered.items():
-        AttentionInterface.register(name, _forward(variant, memory_efficient))
+    for name, fixed in registered.items():
+        AttentionInterface.register(name, _forward(fixed))
         AttentionMaskInterface.register(name, sdpa_mask)
     return sorted(registered)

@@ -134,11 +134,16 @@ fn names_of(variant: Variant, cfg: &NormalizerConfig) -> PyResult<Vec<String>> {
 /// `(output, weights, received_mass, kl)` as Python receives them.
 type Attended = (PyTensor, Option<PyTensor>, Option<PyTensor>, Option<PyTensor>);
 
-/// One attention call: `probattn::attend` on heads-first `(B, H, S, d)` tensors. Returns
-/// `(output, weights, received_mass, kl)`, the last three `None` where the path has none.
+/// One attention call: `probattn::attend` on heads-first `(B, H, S, d)` tensors (`key` and `value`
+/// with fewer heads under `enable_gqa`). Masks in the library's convention (`key_padding_mask`,
+/// `attn_mask`: true = excluded; `bias`: added to the scores, `-inf` excluding); `scale` the
+/// scores' factor (None: 1/sqrt(d)); `training`: BAM samples; `dropout`: applied to the weights
+/// when above 0. Returns `(output, weights, received_mass, kl)`, the last three `None` where the
+/// path has none.
 #[pyfunction]
-#[pyo3(signature = (query, key, value, variant, *, key_padding_mask=None, attn_mask=None, causal=false, tile=None,
-    training=false, dropout=0.0, seed=None, noise=None, need_weights=false, params=HashMap::new(), settings=HashMap::new(), bam_base=None))]
+#[pyo3(signature = (query, key, value, variant, *, key_padding_mask=None, attn_mask=None, bias=None, causal=false, scale=None,
+    enable_gqa=false, tile=None, training=false, dropout=0.0, seed=None, noise=None, need_weights=false, params=HashMap::new(),
+    settings=HashMap::new(), bam_base=None))]
 #[allow(clippy::too_many_arguments)]
 fn attention(
     py: Python<'_>,
@@ -148,7 +153,10 @@ fn attention(
     variant: &str,
     key_padding_mask: Option<PyTensor>,
     attn_mask: Option<PyTensor>,
+    bias: Option<PyTensor>,
     causal: bool,
+    scale: Option<f64>,
+    enable_gqa: bool,
     tile: Option<i64>,
     training: bool,
     dropout: f64,
@@ -174,14 +182,22 @@ fn attention(
     let result = py.allow_threads(move || {
         guarded(|| {
             let normalizer = variant.build(&vs.root(), heads, key_dim, &cfg).map_err(to_py)?;
-            let masks = Masks { key_padding: key_padding_mask.as_deref(), query_padding: None, attn_mask: attn_mask.as_deref(), causal };
+            let masks = Masks {
+                key_padding: key_padding_mask.as_deref(),
+                query_padding: None,
+                attn_mask: attn_mask.as_deref(),
+                causal,
+                bias: bias.as_deref(),
+            };
             let opts = AttendOptions {
-                mode: Mode { dropout: training && dropout > 0.0, sample: training },
+                mode: Mode { dropout: dropout > 0.0, sample: training },
                 dropout,
                 noise: noise.as_deref(),
                 need_weights,
                 tile,
                 seed,
+                scale,
+                enable_gqa,
                 backend: Default::default(),
             };
             let out = attend(&query, &key, &value, &masks, normalizer.as_ref(), opts).map_err(to_py)?;
@@ -241,7 +257,13 @@ fn multi_head_attention(
                 fresh.sort();
                 return Err(PyValueError::new_err(format!("parameters {fresh:?} were not given")));
             }
-            let masks = Masks { key_padding: key_padding_mask.as_deref(), query_padding: None, attn_mask: attn_mask.as_deref(), causal };
+            let masks = Masks {
+                key_padding: key_padding_mask.as_deref(),
+                query_padding: None,
+                attn_mask: attn_mask.as_deref(),
+                causal,
+                bias: None,
+            };
             // One Python tensor passed as several arguments arrives as several `Tensor`s: the flags
             // say which are one, so that the module sees a shared input as shared (under autocast
             // it casts that input once).
