@@ -267,3 +267,54 @@ fn bad_options_are_named() -> Result<()> {
     assert!(m.contains("must be floating-point"), "{m}");
     Ok(())
 }
+
+/// BAM-WC and BAM-LC sampling under grouped heads: the contextual prior's networks read each
+/// query head's keys, so the grouped call equals the call with `k` and `v` repeated per group
+/// (output, KL and the gradients in q, k, v and the prior), on the eager path and the tiles, given
+/// one draw.
+#[test]
+fn grouped_heads_under_bam_equal_repeated_heads() -> Result<()> {
+    use probattn::normalize::{Bam, BamConfig, BamKind, NormalizerConfig};
+    tch::manual_seed(11);
+    let x = inputs(2, &[6, 7]);
+    let repeat = |t: &Tensor| t.detach().repeat_interleave_self_int(2, Some(1), None).set_requires_grad(true);
+    let (k4, v4) = (repeat(&x.k), repeat(&x.v));
+    let masks = Masks { key_padding: Some(&x.pad), ..Default::default() };
+    for kind in [BamKind::WeibullContextual, BamKind::LognormalContextual] {
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let bam = BamConfig { k: 5.0, sigma: 0.7, ..Default::default() };
+        let normalizer = Bam::new(&vs.root(), kind, 4, 5, &NormalizerConfig { bam, ..Default::default() })?;
+        vs.double();
+        let prior = vs.trainable_variables();
+        let noise = if kind.is_weibull() { Tensor::rand([2, 4, 6, 7], F64) } else { Tensor::randn([2, 4, 6, 7], F64) };
+        for tile in [None, Some(4)] {
+            let run = |k: &Tensor, v: &Tensor| -> Result<Vec<Tensor>> {
+                let opts = AttendOptions {
+                    mode: probattn::Mode::TRAIN,
+                    noise: Some(&noise),
+                    need_weights: false,
+                    tile,
+                    enable_gqa: true,
+                    ..Default::default()
+                };
+                let out = attend(&x.q, k, v, &masks, &normalizer, opts)?;
+                let kl = out.kl.expect("a contextual BAM samples a KL");
+                let loss = (&out.output * &x.ct).sum(Kind::Double) + &kl * 0.37;
+                let mut wrt: Vec<&Tensor> = vec![&x.q, k, v];
+                wrt.extend(prior.iter());
+                let mut all = vec![out.output.detach(), kl.detach()];
+                all.extend(Tensor::run_backward(&[loss], &wrt, false, false));
+                Ok(all)
+            };
+            let (grouped, repeated) = (run(&x.k, &x.v)?, run(&k4, &v4)?);
+            let what = format!("{kind:?}, tile {tile:?}");
+            for (i, (a, b)) in grouped.iter().zip(&repeated).enumerate() {
+                // The repeated call's dk and dv are per query head: summed over each group.
+                let b = if i == 3 || i == 4 { b.view([2, 2, 2, 7, -1]).sum_dim_intlist(2, false, Kind::Double) } else { b.shallow_clone() };
+                let d = max_diff(a, &b);
+                assert!(d < 1e-10, "{what}: entry {i} differs by {d:e}");
+            }
+        }
+    }
+    Ok(())
+}

@@ -57,23 +57,25 @@ using torch::autograd::variable_list;
 
 // ---- tiles
 
-// rows (B, H, t, x) times m (B, H_kv, x, y), (B, H, t, y), where H = g · H_kv and head h of `rows`
-// meets head h / g of `m`: the g heads of a group are one (g · t, x) matrix (a copy of the tile's
-// rows when g > 1), `m` is read as it is. With H = H_kv, at::matmul(rows, m) itself.
+// t (B, H, len, x) as (B, H_kv, g · len, x), H = g · H_kv: the g query heads of each group as one
+// matrix (a copy of t when it is a narrowed tile and g > 1).
+at::Tensor as_groups(const at::Tensor& t, int64_t kv_heads) {
+  return t.reshape({t.size(0), kv_heads, t.size(1) / kv_heads * t.size(2), t.size(3)});
+}
+
+// rows (B, H, t, x) times m (B, H_kv, x, y), (B, H, t, y), where head h of `rows` meets head h / g
+// of `m`: the g heads of a group are one product, `m` is read as it is. With H = H_kv,
+// at::matmul(rows, m) itself.
 at::Tensor grouped_product(const at::Tensor& rows, const at::Tensor& m) {
-  const int64_t heads = rows.size(1), kv_heads = m.size(1);
-  if (heads == kv_heads) return at::matmul(rows, m);
-  const int64_t b = rows.size(0), t = rows.size(2);
-  auto product = at::matmul(rows.reshape({b, kv_heads, heads / kv_heads * t, rows.size(3)}), m);
-  return product.view({b, heads, t, product.size(-1)});
+  if (rows.size(1) == m.size(1)) return at::matmul(rows, m);
+  auto product = at::matmul(as_groups(rows, m.size(1)), m);
+  return product.view({rows.size(0), rows.size(1), rows.size(2), product.size(-1)});
 }
 
 // Σ over the g query heads of each group of aᵀ b: a (B, H, t, x), b (B, H, t, y), (B, H_kv, x, y).
 at::Tensor grouped_transposed_product(const at::Tensor& a, const at::Tensor& b, int64_t kv_heads) {
-  const int64_t heads = a.size(1);
-  if (heads == kv_heads) return at::matmul(a.transpose(-2, -1), b);
-  const int64_t n = a.size(0), rows = heads / kv_heads * a.size(2);
-  return at::matmul(a.reshape({n, kv_heads, rows, a.size(3)}).transpose(-2, -1), b.reshape({n, kv_heads, rows, b.size(3)}));
+  if (a.size(1) == kv_heads) return at::matmul(a.transpose(-2, -1), b);
+  return at::matmul(as_groups(a, kv_heads).transpose(-2, -1), as_groups(b, kv_heads));
 }
 
 // What the forward and backward passes of one call share: the inputs, the settings and the
@@ -122,9 +124,8 @@ struct Problem {
   at::Tensor product(const at::Tensor& rows) const {
     const auto keys_t = score_keys.transpose(-2, -1);
     if (rows.scalar_type() == stats()) return grouped_product(rows, keys_t);
-    const int64_t b = rows.size(0), heads = rows.size(1), t = rows.size(2), kv_heads = keys_t.size(1);
-    const auto grouped = rows.reshape({b, kv_heads, heads / kv_heads * t, rows.size(3)});
-    return at::bmm(grouped.flatten(0, 1), keys_t.flatten(0, 1), stats()).view({b, heads, t, keys_t.size(-1)});
+    const auto grouped = as_groups(rows, keys_t.size(1));
+    return at::bmm(grouped.flatten(0, 1), keys_t.flatten(0, 1), stats()).view({rows.size(0), rows.size(1), rows.size(2), keys_t.size(-1)});
   }
   // z - s filled, s a per-row or per-key statistic.
   static at::Tensor minus(const at::Tensor& z, const at::Tensor& s, const at::Tensor& ex) { return filled_(z - s, ex, kMaskValue); }

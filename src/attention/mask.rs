@@ -51,10 +51,11 @@ impl Masks<'_> {
         self.key_padding.is_none() && self.query_padding.is_none() && self.attn_mask.is_none() && !self.causal && self.bias.is_none()
     }
 
-    /// The additive mask checked (floating, broadcastable to `shape`, neither NaN nor `+inf`) and
-    /// in `kind` on `device`, of rank 4, its `-inf` entries 0: what the paths add to their scores.
-    /// Those entries are excluded by [`Self::allowed`] instead, so no infinity reaches a score (a
-    /// row of them would make NaN in a softmax's gradient). `None` without one.
+    /// The additive mask in `kind` on `device`, of rank 4, its `-inf` entries 0: what the paths add
+    /// to their scores. Those entries are excluded by [`Self::allowed`] instead, so no infinity
+    /// reaches a score (a row of them would make NaN in a softmax's gradient). Its dtype and shape
+    /// are checked here; its values (no NaN, no `+inf`) by [`Self::allowed`], which every route
+    /// calls first. `None` without one.
     pub(crate) fn bias_as(&self, shape: ScoreShape, kind: Kind, device: Device) -> Result<Option<Tensor>> {
         let Some(b) = self.bias else { return Ok(None) };
         check_bias(b, shape)?;
@@ -97,6 +98,7 @@ impl Masks<'_> {
         }
         if let Some(b) = self.bias {
             check_bias(b, shape)?;
+            check_bias_values(b)?;
             // The -inf entries; a bias without any adds no mask (and no (S_q, S_k) boolean).
             let excluded = b.isneginf();
             if excluded.any().int64_value(&[]) != 0 {
@@ -114,7 +116,7 @@ impl Masks<'_> {
     }
 }
 
-/// Checks an additive mask: floating, broadcastable to the scores, no NaN and no `+inf`.
+/// Checks an additive mask's dtype and shape: floating, broadcastable to the scores.
 fn check_bias(b: &Tensor, shape: ScoreShape) -> Result<()> {
     if !matches!(b.kind(), Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16) {
         return Err(Error::Shape(format!(
@@ -122,14 +124,19 @@ fn check_bias(b: &Tensor, shape: ScoreShape) -> Result<()> {
             b.kind()
         )));
     }
-    check_broadcastable("the additive mask (bias)", b, &shape.dims())?;
+    check_broadcastable("the additive mask (bias)", b, &shape.dims())
+}
+
+/// Checks an additive mask's values: finite or `-inf` (one reduction when they are), else an error
+/// naming NaN or `+inf`.
+fn check_bias_values(b: &Tensor) -> Result<()> {
+    if b.isfinite().logical_or(&b.isneginf()).all().int64_value(&[]) != 0 {
+        return Ok(());
+    }
     if b.isnan().any().int64_value(&[]) != 0 {
         return Err(Error::NonFinite("the additive mask (bias) holds NaN".into()));
     }
-    if b.isposinf().any().int64_value(&[]) != 0 {
-        return Err(Error::NonFinite("the additive mask (bias) holds +inf (only -inf, which excludes an entry, is allowed)".into()));
-    }
-    Ok(())
+    Err(Error::NonFinite("the additive mask (bias) holds +inf (only -inf, which excludes an entry, is allowed)".into()))
 }
 
 /// Checks a mask's dtype and shape and returns it as a boolean tensor (`true` = excluded).

@@ -15,7 +15,7 @@ use crate::mask::Masks;
 use crate::mask::ScoreShape;
 use crate::normalize::{NormalizeInput, Normalizer, Support};
 use crate::precision::{autocast_kind, widen, with_autocast_off};
-use crate::tiled::{attend_tiled_shaped, per_query_head, TiledOptions, TiledRoute};
+use crate::tiled::{attend_tiled_shaped, TiledOptions, TiledRoute};
 use crate::{Error, Result};
 
 /// Attends `q` to `k`/`v` under `masks` with `normalizer`, after checking every shape.
@@ -209,7 +209,7 @@ fn eager(
         let normalized = normalizer.normalize(&NormalizeInput {
             scores: &scores,
             support: &support,
-            keys: Some(&per_query_head(&keys, shape.heads)),
+            keys: Some(&keys),
             noise: opts.noise,
             sample: opts.mode.sample,
         })?;

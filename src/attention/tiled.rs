@@ -162,7 +162,7 @@ pub(crate) fn attend_tiled_shaped(
         return Err(Error::Config(format!("{name}: the plan's score scale must be positive and finite, got {}", plan.score_scale)));
     }
     // The scales multiply the scores, so the queries (the kernels scale them by 1/sqrt(d)).
-    let factor = plan.score_scale * opts.scale.map_or(1.0, |s| s * (shape_dim(q) as f64).sqrt());
+    let factor = plan.score_scale * opts.scale.map_or(1.0, |s| s * (q.size()[3] as f64).sqrt());
     let q = &if factor == 1.0 { q.shallow_clone() } else { q * factor };
     let plain = |sweeps: u32| -> Result<(TiledAttended, TiledRoute)> {
         let spec = TiledSpec { sweeps: i64::from(sweeps), ..spec };
@@ -198,7 +198,7 @@ pub(crate) fn attend_tiled_shaped(
                 NoiseKind::Lognormal => (TiledSpec::LOGNORMAL, sampling.scale),
             };
             let seed = opts.seed.unwrap_or_else(libtorch_seed);
-            let keys = per_query_head(&widen(k), shape.heads);
+            let keys = widen(k);
             let prior = sampling.kl.as_ref().map(|kl| (kl.prior)(&keys, allowed.as_ref()).map(|a| (kl.form, a))).transpose()?;
             let kl_kind = match prior.as_ref().map(|(form, _)| *form) {
                 None => 0,
@@ -213,24 +213,6 @@ pub(crate) fn attend_tiled_shaped(
                 .map(|(form, a)| tiled_kl(*form, &out.kl_part, a, &MaskCounts::new(allowed.as_ref(), shape, opts.tile, stats, q.device())));
             Ok((TiledAttended { output: out.output, received_mass: out.received_mass, kl }, out.route))
         }
-    }
-}
-
-/// The head size `d` of heads-first `q`.
-fn shape_dim(q: &Tensor) -> i64 {
-    *q.size().last().unwrap_or(&1)
-}
-
-/// The keys `(B, H_kv, S_k, d)` with one head per query head, `(B, heads, S_k, d)`, for what reads
-/// keys head by head beside the attention itself (BAM's contextual prior, whose networks are the
-/// query heads'): the keys themselves when the heads agree, else each key/value head repeated for
-/// its group, a copy of `k`'s size times the group.
-pub(crate) fn per_query_head(keys: &Tensor, heads: i64) -> Tensor {
-    let kv_heads = keys.size()[1];
-    if kv_heads == heads {
-        keys.shallow_clone()
-    } else {
-        keys.repeat_interleave_self_int(heads / kv_heads, Some(1), None)
     }
 }
 

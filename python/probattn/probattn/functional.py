@@ -56,7 +56,7 @@ def _mask(attn_mask, query, target):
     except RuntimeError:
         raise ValueError(f"attn_mask has shape {tuple(attn_mask.shape)}, which does not broadcast to the scores' "
                          f"{tuple(target)}") from None
-    if attn_mask.dim() > 4:  # several leading dimensions: flattened with the batch
+    if attn_mask.dim() > 3 and len(target) != 4:  # batch dimensions other than one: flattened as the inputs'
         attn_mask = attn_mask.expand(target).reshape((-1,) + tuple(target[-3:]))
     if attn_mask.dtype == torch.bool:
         return ~attn_mask, None

@@ -641,6 +641,23 @@ class HuggingFace(unittest.TestCase):
     def loss(self, m):
         return m(input_ids=self.ids, attention_mask=self.mask, labels=self.ids).loss
 
+    def train(self, m, with_kl):
+        """Eight Adam steps; `with_kl`: each of the two attention modules leaves BAM's KL, added to
+        the loss. Returns the losses."""
+        opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+        losses = []
+        for _ in range(8):
+            loss = self.loss(m)
+            if with_kl:
+                kl = [mod.probattn_kl for mod in m.modules() if getattr(mod, "probattn_kl", None) is not None]
+                self.assertEqual(len(kl), 2)
+                loss = loss + 0.01 * sum(kl)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
     def test_softmax_equals_sdpa(self):
         # The tiny Llama has 2 key/value heads for 4 query heads: they reach the library grouped.
         for kind in ("llama", "bert"):
@@ -678,17 +695,7 @@ class HuggingFace(unittest.TestCase):
         m = self.model("llama", "probattn")
         m.config.probattn = {"variant": "bam-wc", "bam": {"k": 20.0}}
         self.assertEqual(len(probattn.hf.prepare(m)), 2)
-        opt = torch.optim.Adam(m.parameters(), lr=3e-3)
-        losses = []
-        for _ in range(8):
-            kl_free = self.loss(m)
-            kl = [mod.probattn_kl for mod in m.modules() if getattr(mod, "probattn_kl", None) is not None]
-            self.assertEqual(len(kl), 2)
-            loss = kl_free + 0.01 * sum(kl)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses = self.train(m, with_kl=True)
         self.assertLess(losses[-1], losses[0], losses)
 
     def test_a_position_bias_is_an_additive_mask(self):
@@ -723,18 +730,7 @@ class HuggingFace(unittest.TestCase):
                     m = self.model(kind, name)
                     if registry.entry(variant)["parameters"]:
                         self.assertEqual(len(probattn.hf.prepare(m, variant)), 2)
-                    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
-                    losses = []
-                    for _ in range(8):
-                        loss = self.loss(m)
-                        kl = [mod.probattn_kl for mod in m.modules() if getattr(mod, "probattn_kl", None) is not None]
-                        if variant in ("bam-wf", "bam-lf", "bam-wc", "bam-lc"):
-                            self.assertEqual(len(kl), 2)
-                            loss = loss + 0.01 * sum(kl)
-                        opt.zero_grad()
-                        loss.backward()
-                        opt.step()
-                        losses.append(loss.item())
+                    losses = self.train(m, with_kl=variant in ("bam-wf", "bam-lf", "bam-wc", "bam-lc"))
                     self.assertLess(losses[-1], losses[0], losses)
                     for n, p in m.named_parameters():
                         if ".probattn." in n:

@@ -53,6 +53,7 @@ def cases():
     yield "3-D inputs", ((H, L, E), (H, S, E), (H, S, Ev)), {}, None
     yield "2-D inputs", ((L, E), (S, E), (S, Ev)), {}, None
     yield "5-D inputs", ((3, B, H, L, E), (3, B, H, S, E), (3, B, H, S, Ev)), {}, lambda: bool_mask((3, 1, 1, L, S))
+    yield "5-D inputs, a 4-D mask", ((3, B, H, L, E), (3, B, H, S, E), (3, B, H, S, Ev)), {}, lambda: float_mask((B, 1, L, S))
     yield "broadcast key/value batch", four[:1] + ((1, H, S, E), (1, H, S, Ev)), {}, None
     yield "one key/value head, broadcast", four[:1] + ((B, 1, S, E), (B, 1, S, Ev)), {}, None
     yield "bool (L, S)", four, {}, lambda: bool_mask((L, S))

@@ -112,6 +112,31 @@ def _live(BLOCKS, b, h, mb, nb, stride_bb, stride_bh, stride_bm, stride_bn, HAS_
 
 
 @triton.jit
+def _lse_fold(m, l, z, AXIS: tl.constexpr):
+    """One block of an online log-sum-exp along AXIS: the running maximum m and the sum l of
+    exp(x − m), updated with the block z (−inf where excluded)."""
+    m_new = tl.maximum(m, tl.max(z, AXIS))
+    return m_new, l * tl.exp(m - m_new) + tl.sum(tl.exp(z - tl.expand_dims(m_new, AXIS)), AXIS)
+
+
+@triton.jit
+def _lse_value(m, l, EMPTY: tl.constexpr):
+    """The log-sum-exp an online fold reached; EMPTY where nothing was allowed (l = 0)."""
+    return tl.where(l > 0, m + tl.log(tl.where(l > 0, l, 1.0)), EMPTY)
+
+
+@triton.jit
+def _accumulate(m, l, acc, z, v, ACC: tl.constexpr, DOT: tl.constexpr):
+    """One key block of the row pass's online softmax: the running maximum, sum and value
+    accumulator, updated with the logits z (−inf where excluded) and the value block v."""
+    m_new = tl.maximum(m, tl.max(z, 1))
+    p = tl.exp(z - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC, input_precision=DOT)
+    return m_new, l * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                  stride_cb, stride_ch, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb,
@@ -124,7 +149,6 @@ def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
     (batch, query head) per axis 1. A key with no allowed query gets FLOOR (never read)."""
     scale = tl.load(SCALE).to(ACC)
     start_n = tl.program_id(0) * BLOCK_N
-    start_n0 = start_n
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -133,7 +157,7 @@ def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
     m = tl.full([BLOCK_N], FLOOR, dtype=ACC)
     l = tl.zeros([BLOCK_N], dtype=ACC)
     for start_m in range(0, S_Q, BLOCK_M):
-        if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+        if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
                  HAS_MASK):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
@@ -141,11 +165,8 @@ def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
                         HAS_BIAS, ACC, DOT)  # (BLOCK_M, BLOCK_N)
             ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-            z = tl.where(ok, z, float("-inf"))
-            m_new = tl.maximum(m, tl.max(z, 0))
-            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[None, :]), 0)
-            m = m_new
-    c = tl.where(l > 0, m + tl.log(tl.where(l > 0, l, 1.0)), FLOOR)
+            m, l = _lse_fold(m, l, tl.where(ok, z, float("-inf")), 0)
+    c = _lse_value(m, l, FLOOR)
     tl.store(C + b * stride_cb + h * stride_ch + offs_n, c, mask=offs_n < S_K)
 
 
@@ -197,21 +218,9 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS,
             if SWEEPS > 0:
                 c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
                 z = z0 - c[None, :]
-            z = tl.where(ok, z, float("-inf"))
-            m_new = tl.maximum(m, tl.max(z, 1))
-            p = tl.exp(z - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC, input_precision=DOT)
-            m = m_new
+            m, l, acc = _accumulate(m, l, acc, tl.where(ok, z, float("-inf")), v, ACC, DOT)
             if HYBRID:
-                z0 = tl.where(ok, z0, float("-inf"))
-                m2_new = tl.maximum(m2, tl.max(z0, 1))
-                p2 = tl.exp(z0 - m2_new[:, None])
-                alpha2 = tl.exp(m2 - m2_new)
-                l2 = l2 * alpha2 + tl.sum(p2, 1)
-                acc2 = acc2 * alpha2[:, None] + tl.dot(p2.to(v.dtype), v, out_dtype=ACC, input_precision=DOT)
-                m2 = m2_new
+                m2, l2, acc2 = _accumulate(m2, l2, acc2, tl.where(ok, z0, float("-inf")), v, ACC, DOT)
     _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb, stride_rh)
     if HYBRID:
         _finish_row(O2, R2, acc2, m2, l2, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb,
@@ -278,8 +287,7 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
                 z = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am,
                             stride_an, HAS_BIAS, ACC, DOT) - c[None, :]
                 ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              CAUSAL,
-                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                              CAUSAL, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                 p = tl.where(ok, tl.exp(tl.where(ok, z - r[:, None], 0.0)), 0.0)  # (BLOCK_M, BLOCK_N)
                 mass += tl.sum(p, 0)
                 if GRADS:
@@ -414,25 +422,20 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 offs_m = start_m + tl.arange(0, BLOCK_M)
                 z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
                                 stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
-                                stride_an, HAS_BIAS,
-                                ACC, DOT)
+                                stride_an, HAS_BIAS, ACC, DOT)
                 ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              False,
-                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                              False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                 if HAS_RPOT:
                     z = z - tl.load(RPOT + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)[:,
                     None]
                 if LSE:
-                    z = tl.where(ok, z, float("-inf"))
-                    m_new = tl.maximum(m, tl.max(z, 0))
-                    total = total * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[None, :]), 0)
-                    m = m_new
+                    m, total = _lse_fold(m, total, tl.where(ok, z, float("-inf")), 0)
                 else:
                     coef = tl.load(COEF + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
                     e = tl.where(ok, tl.exp(tl.where(ok, z - cpot[None, :], 0.0)), 0.0)
                     total -= tl.sum(e * coef[:, None], 0)
         if LSE:
-            total = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), FLOOR)
+            total = _lse_value(m, total, FLOOR)
         tl.store(OUT + b * stride_cb + h * stride_ch + offs_n, total, mask=offs_n < S_K)
     else:
         start_m0 = tl.program_id(0) * BLOCK_M
@@ -448,23 +451,18 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
                                 stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
-                                stride_an, HAS_BIAS,
-                                ACC, DOT)
+                                stride_an, HAS_BIAS, ACC, DOT)
                 ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              False,
-                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                              False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                 z = z - tl.load(CPOT + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)[None, :]
                 if LSE:
-                    z = tl.where(ok, z, float("-inf"))
-                    m_new = tl.maximum(m, tl.max(z, 1))
-                    total = total * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), 1)
-                    m = m_new
+                    m, total = _lse_fold(m, total, tl.where(ok, z, float("-inf")), 1)
                 else:
                     coef = tl.load(COEF + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
                     e = tl.where(ok, tl.exp(tl.where(ok, z - rpot[:, None], 0.0)), 0.0)
                     total -= tl.sum(e * coef[None, :], 1)
         if LSE:
-            total = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), 0.0)
+            total = _lse_value(m, total, 0.0)
         tl.store(OUT + b * stride_rb + h * stride_rh + offs_m, total, mask=offs_m < S_Q)
 
 
@@ -530,11 +528,9 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
                     z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh,
                                     stride_qs,
                                     stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
-                                    stride_an, HAS_BIAS,
-                                ACC, DOT)
+                                    stride_an, HAS_BIAS, ACC, DOT)
                     ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                                  False,
-                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                                  False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                     r = tl.load(RS + last_r + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
                     p = tl.where(ok, tl.exp(tl.where(ok, z - c[None, :] - r[:, None], 0.0)), 0.0)
                     do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
@@ -570,11 +566,9 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
                                 stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
-                                stride_an, HAS_BIAS,
-                                ACC, DOT)
+                                stride_an, HAS_BIAS, ACC, DOT)
                 ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              False,
-                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                              False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                 c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
                 v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
                 p = tl.where(ok, tl.exp(tl.where(ok, z - c[None, :] - r[:, None], 0.0)), 0.0)

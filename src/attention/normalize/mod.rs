@@ -49,7 +49,8 @@ pub struct NormalizeInput<'a> {
     /// Where attention is allowed.
     pub support: &'a Support,
     /// `(B, H, S_k, d_k)` key vectors (`(1, H, N, d_k)` with an edge support), for normalizers with
-    /// a contextual prior (BAM).
+    /// a contextual prior (BAM); under grouped-query attention `(B, H_kv, S_k, d_k)`, `H_kv` a
+    /// divisor of the scores' heads.
     pub keys: Option<&'a Tensor>,
     /// `(B, H, S_q, S_k)` a fixed noise draw, used instead of sampling by stochastic normalizers.
     pub noise: Option<&'a Tensor>,

@@ -103,13 +103,22 @@ impl ContextualPrior {
 
     /// `log ψ` broadcastable to the scores (`(B, H, 1, S_k)` dense, `(H, E)` over edges: one value
     /// per edge, which varies with the query node under the neighbourhood scope), from keys
-    /// `(B, H, S_k, d_k)` (`(1, H, N, d_k)` over edges); keys no query may attend get 0.
+    /// `(B, H, S_k, d_k)` (`(1, H, N, d_k)` over edges); keys no query may attend get 0. Grouped
+    /// keys `(B, H_kv, S_k, d_k)`, `H_kv` a divisor of `H` (grouped-query attention), are repeated
+    /// here for the query heads whose networks read them: a copy of the keys, made only for the prior.
     pub fn log_psi(&self, keys: &Tensor, support: &Support) -> Result<Tensor> {
         let (heads, hidden, key_dim) = (self.heads, self.hidden, self.key_dim);
         let size = keys.size();
-        if size.len() != 4 || size[1] != heads || size[3] != key_dim {
+        if size.len() != 4 || size[1] == 0 || heads % size[1] != 0 || size[3] != key_dim {
             return Err(Error::Shape(format!("the contextual prior takes keys (B, {heads}, S_k, {key_dim}), got {size:?}")));
         }
+        let grouped;
+        let keys = if size[1] == heads {
+            keys
+        } else {
+            grouped = keys.repeat_interleave_self_int(heads / size[1], Some(1), None);
+            &grouped
+        };
         let kind = keys.kind();
         let w1 = self.f1_weight.to_kind(kind).transpose(1, 2).unsqueeze(0); // (1, H, d_k, hidden)
         let b1 = self.f1_bias.to_kind(kind).view([1, heads, 1, hidden]);
