@@ -16,6 +16,10 @@ same run:
    `probattn.attention(..., variant="dnas", memory_efficient=True)` against DNAS composed from two
    compiled FlexAttention calls (the column log-sum-exp through `return_lse`, then a `score_mod`
    that subtracts it; probattn_tools.baselines.bench.dnas_flex), time and peak memory.
+4. sdpa (`--sdpa-seqs`): softmax through `probattn.functional.scaled_dot_product_attention`
+   against `torch.nn.functional.scaled_dot_product_attention` itself, B 1, H 8, d 64, float32,
+   without a mask and causal, forward alone and forward + backward, calls taking turns
+   (`--sdpa-repeats` each); the ratio of medians.
 
 `--device cuda` runs all three on the GPU (the Rust side with `attend_timing --device cuda`).
 
@@ -173,13 +177,47 @@ def flex(probattn, args):
     return rows
 
 
+def sdpa(probattn, args):
+    """Softmax through the functional API against PyTorch's SDPA, the same inputs and arguments."""
+    import torch.nn.functional as F
+    from probattn_tools.baselines.bench import time_interleaved
+
+    rows = []
+    for s in args.sdpa_seqs:
+        for causal in (False, True):
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(1, 8, s, 64, device=args.device, requires_grad=True) for _ in range(3))
+
+            def calls(fn):
+                def forward():
+                    with torch.no_grad():
+                        fn(q, k, v, is_causal=causal)
+
+                def forward_backward():
+                    fn(q, k, v, is_causal=causal).sum().backward()
+                    for t in (q, k, v):
+                        t.grad = None
+                return forward, forward_backward
+
+            ours, theirs = calls(probattn.functional.scaled_dot_product_attention), calls(F.scaled_dot_product_attention)
+            for i, name in enumerate(("forward", "forward_backward")):
+                (a, a_iqr), (b, b_iqr) = time_interleaved([ours[i], theirs[i]], args.sdpa_repeats, args.device)
+                rows.append({"s": s, "causal": causal, "pass": name, "probattn_ms": a, "probattn_iqr_ms": a_iqr,
+                             "sdpa_ms": b, "sdpa_iqr_ms": b_iqr, "ratio": a / b})
+                print(f"sdpa S={s:5} causal={causal!s:5} {name:17} probattn {a:7.3f} ms  torch {b:7.3f} ms  "
+                      f"ratio {a / b:.3f}", file=sys.stderr)
+    return rows
+
+
 def markdown(result):
     where = "CUDA" if result["settings"].get("device") == "cuda" else "one thread"
-    lines = ["Python call against the same call from Rust (B 1, H 8, d 64, S %d, float32, %s; median of %d calls, median over %d alternating rounds):" % (
-        result["settings"]["seq"], where, result["settings"]["repeats"],
-        result["settings"]["rounds"]), "",
-        "| variant | path | pass | Python ms | Rust ms | Python / Rust |", "|---|---|---|---|---|---|"]
-    for r in result["overhead"]:
+    lines = []
+    if result.get("overhead"):
+        lines += ["Python call against the same call from Rust (B 1, H 8, d 64, S %d, float32, %s; median of %d calls, median over %d alternating rounds):" % (
+            result["settings"]["seq"], where, result["settings"]["repeats"],
+            result["settings"]["rounds"]), "",
+            "| variant | path | pass | Python ms | Rust ms | Python / Rust |", "|---|---|---|---|---|---|"]
+    for r in result.get("overhead", []):
         lines.append(f"| {r['variant']} | {'memory-efficient' if r['memory_efficient'] else 'eager'} | {r['pass']} | {r['python_ms']:.2f} | {r['rust_ms']:.2f} | {r['ratio']:.3f} |")
     m = result.get("memory")
     if m:
@@ -199,12 +237,19 @@ def markdown(result):
                          f"{cell(r['probattn'], 'peak_bytes', 2**20)} | {cell(r['flex'], 'peak_bytes', 2**20)} | {mem} |")
         if result.get("flex_warmup_error"):
             lines += ["", f"FlexAttention's warm-up call (S = 128) failed before these: {result['flex_warmup_error']}"]
-    return "\n".join(lines) + "\n"
+    if result.get("sdpa"):
+        lines += ["", f"Softmax, B 1, H 8, d 64, float32, {where}: probattn.functional.scaled_dot_product_attention against "
+                  f"torch's (median of {result['settings']['sdpa_repeats']} interleaved calls each):", "",
+                  "| S | mask | pass | probattn ms | torch ms | probattn / torch |", "|---|---|---|---|---|---|"]
+        for r in result["sdpa"]:
+            lines.append(f"| {r['s']} | {'causal' if r['causal'] else 'none'} | {r['pass']} | {r['probattn_ms']:.3f} | "
+                         f"{r['sdpa_ms']:.3f} | {r['ratio']:.3f} |")
+    return "\n".join(lines).lstrip("\n") + "\n"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rust", required=True, help="the attend_timing example, release build")
+    parser.add_argument("--rust", help="the attend_timing example, release build (skip the overhead benchmark without it)")
     parser.add_argument("--memory-lib", help="libprobattn_memory.so (skip the memory benchmark without it)")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=10)
@@ -214,6 +259,10 @@ def main():
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--flex-seqs", default="4096,8192,16384,32768",
                         help="CUDA: lengths of the DNAS-against-FlexAttention comparison (empty to skip)")
+    parser.add_argument("--sdpa-seqs", default="16,64,128,256,512",
+                        help="lengths of the softmax-against-PyTorch's-SDPA comparison (empty to skip)")
+    parser.add_argument("--sdpa-repeats", type=int, default=50)
+    parser.add_argument("--skip-memory", action="store_true", help="skip the memory benchmark")
     parser.add_argument("--out", required=True, help="folder for bench.json and bench.md")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -221,18 +270,22 @@ def main():
     settings = vars(args) | {"threads": 1, "torch": torch.__version__}
     args.device = torch.device(args.device)
     args.flex_seqs = [int(x) for x in args.flex_seqs.split(",") if x.strip()]
+    args.sdpa_seqs = [int(x) for x in args.sdpa_seqs.split(",") if x.strip()]
     torch.set_num_threads(1)
     import probattn
 
     result = {"settings": settings, "provenance": git_state()}
-    result["overhead"] = overhead(probattn, args)
-    if args.memory_lib or args.device.type == "cuda":
+    if args.rust:
+        result["overhead"] = overhead(probattn, args)
+    if (args.memory_lib or args.device.type == "cuda") and not args.skip_memory:
         result["memory"] = memory(probattn, args)
     if args.device.type == "cuda" and args.flex_seqs:
         result["flex"] = flex(probattn, args)
         from probattn_tools.baselines.bench import FLEX
         if "warmup_error" in FLEX:
             result["flex_warmup_error"] = FLEX["warmup_error"]
+    if args.sdpa_seqs:
+        result["sdpa"] = sdpa(probattn, args)
     os.makedirs(args.out, exist_ok=True)
     for name, text in (("bench.json", json.dumps(result, indent=2) + "\n"), ("bench.md", markdown(result))):
         write_atomic(os.path.join(args.out, name), text)

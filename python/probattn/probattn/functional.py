@@ -30,6 +30,21 @@ from . import AttentionInfo, _attention
 __all__ = ["scaled_dot_product_attention", "attention_with_info"]
 
 
+def _broadcast(*shapes):
+    """The broadcast of `shapes` (tuples) by PyTorch's rule, or None where they do not broadcast:
+    `torch.broadcast_shapes`' answer at a tenth of its cost, which a call pays on every step."""
+    out = []
+    for i in range(1, max(map(len, shapes)) + 1):
+        size = 1
+        for shape in shapes:
+            if len(shape) >= i and shape[-i] != 1:
+                if size != 1 and size != shape[-i]:
+                    return None
+                size = shape[-i]
+        out.append(size)
+    return tuple(reversed(out))
+
+
 def _as_heads_first(name, t):
     """`t` as `(lead, heads, length, dim)`: the leading dimensions, the heads (1 for a 2-D tensor)."""
     if not isinstance(t, torch.Tensor):
@@ -51,11 +66,9 @@ def _mask(attn_mask, query, target):
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
         raise TypeError(f"attn_mask must be boolean (True = takes part) or floating-point (added to the scores), "
                         f"got dtype {attn_mask.dtype}")
-    try:
-        torch.broadcast_shapes(attn_mask.shape, target)
-    except RuntimeError:
+    if _broadcast(tuple(attn_mask.shape), target) != target:
         raise ValueError(f"attn_mask has shape {tuple(attn_mask.shape)}, which does not broadcast to the scores' "
-                         f"{tuple(target)}") from None
+                         f"{tuple(target)}")
     if attn_mask.dim() > 3 and len(target) != 4:  # batch dimensions other than one: flattened as the inputs'
         attn_mask = attn_mask.expand(target).reshape((-1,) + tuple(target[-3:]))
     if attn_mask.dtype == torch.bool:
@@ -65,19 +78,32 @@ def _mask(attn_mask, query, target):
     return None, attn_mask
 
 
-def _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variant, training, memory_efficient,
-          tile, seed, hybrid_logit, bam, info):
+def _plain(query, key, value, enable_gqa):
+    """Whether the inputs are already the library's call: 4-D `(B, H, L, E)` tensors with one batch
+    size, matching sizes and equal heads (or, under `enable_gqa`, key/value heads dividing the
+    query's). The common case skips the general path's reshaping; any other falls to it, which
+    also names what is wrong."""
+    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
+        return False
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return False
+    (b, h, _, e), (bk, hk, s, ek), (bv, hv, sv, _) = query.shape, key.shape, value.shape
+    return b == bk == bv and hk == hv and s == sv and e == ek and (h == hk or (enable_gqa and hk > 0 and h % hk == 0))
+
+
+def _flattened(query, key, value, enable_gqa):
+    """The inputs as the library's 4-D call `(B, H, L, E)`, the leading dimensions broadcast and
+    flattened into B: `(q, k, v, lead, heads, kv_heads)`."""
     (lq, hq, q), (lk, hk, k), (lv, hv, v) = (_as_heads_first(n, t) for n, t in
                                              (("query", query), ("key", key), ("value", value)))
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} must have the same embedding size E")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same length S")
-    try:
-        lead = torch.broadcast_shapes(lq, lk, lv)
-    except RuntimeError:
+    lead = _broadcast(lq, lk, lv)
+    if lead is None:
         raise ValueError(f"the batch dimensions of query {tuple(query.shape)}, key {tuple(key.shape)} and value "
-                         f"{tuple(value.shape)} do not broadcast") from None
+                         f"{tuple(value.shape)} do not broadcast")
     if enable_gqa:
         if hk != hv:
             raise ValueError(f"key and value must have the same number of heads, got {hk} and {hv}")
@@ -85,18 +111,27 @@ def _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             raise ValueError(f"enable_gqa: the key/value heads ({hk}) must divide the query heads ({hq})")
         heads, kv_heads = hq, hk
     else:
-        try:
-            heads = kv_heads = torch.broadcast_shapes((hq,), (hk,), (hv,))[0]
-        except RuntimeError:
+        heads = _broadcast((hq,), (hk,), (hv,))
+        if heads is None:
             raise ValueError(f"query has {hq} heads, key {hk} and value {hv}: they must be equal (or 1), or pass "
-                             f"enable_gqa=True for grouped-query attention") from None
+                             f"enable_gqa=True for grouped-query attention")
+        heads = kv_heads = heads[0]
     L, S, E, Ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     batch = math.prod(lead)
 
     def four(t, h, length, width):  # (B, h, length, width): a view unless batch dimensions broadcast
         return t.expand(lead + (h, length, width)).reshape(batch, h, length, width)
 
-    q4, k4, v4 = four(q, heads, L, E), four(k, kv_heads, S, E), four(v, kv_heads, S, Ev)
+    return four(q, heads, L, E), four(k, kv_heads, S, E), four(v, kv_heads, S, Ev), lead, heads, kv_heads
+
+
+def _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variant, training, memory_efficient,
+          tile, seed, hybrid_logit, bam, info):
+    if _plain(query, key, value, enable_gqa):
+        q4, k4, v4, lead, heads, kv_heads = query, key, value, (query.shape[0],), query.shape[1], key.shape[1]
+    else:
+        q4, k4, v4, lead, heads, kv_heads = _flattened(query, key, value, enable_gqa)
+    L, S, Ev = q4.shape[2], k4.shape[2], v4.shape[3]
     if is_causal and attn_mask is not None:
         raise ValueError("attn_mask and is_causal are both set: PyTorch documents this as an error (pass the causal "
                          "mask inside attn_mask instead)")
@@ -114,7 +149,8 @@ def _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                return_info=info)
     # PyTorch's layout: the broadcast batch dimensions and the heads, none for 2-D inputs.
     head_shape = lead + (heads,) if query.dim() > 2 else ()
-    output = output.reshape(head_shape + (L, Ev))
+    if output.dim() != len(head_shape) + 2:
+        output = output.reshape(head_shape + (L, Ev))
     if not info:
         return output
     mass = extra.received_mass.reshape(head_shape + (S,)) if extra.received_mass is not None else None

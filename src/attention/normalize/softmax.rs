@@ -39,32 +39,30 @@ impl Normalizer for Softmax {
             return Ok(None);
         }
         let shape = ScoreShape { batch: q.size()[0], heads: q.size()[1], queries: q.size()[2], keys: k.size()[2] };
-        let allowed = masks.allowed(shape, q.device())?;
         let grouped = k.size()[1] != shape.heads;
-        // An additive mask goes in as SDPA's float mask, its excluded entries -inf (the kernel's
-        // float masks must be in q's dtype).
-        let mask = match masks.bias_as(shape, q.kind(), q.device())? {
-            Some(bias) => Some(match &allowed {
-                Some(a) => bias.masked_fill(&a.logical_not(), f64::NEG_INFINITY),
-                None => bias,
-            }),
-            None => allowed,
-        };
         let scale = score_scale(q, opts.scale);
-        // bfloat16 below the kernel's lengths takes float32 from the bfloat16 values (as the
-        // kernel computes inside), keeping the bfloat16 inputs, not float32 copies as autograd over
-        // the eager form would, for the backward pass: under a boolean mask, with equal heads.
         let output = match q.kind() {
+            // bfloat16 below the kernel's lengths takes float32 from the bfloat16 values (as the
+            // kernel computes inside), keeping the bfloat16 inputs, not float32 copies as autograd
+            // over the eager form would, for the backward pass: under a boolean mask, with equal heads.
             Kind::BFloat16 if shape.keys < BF16_KERNEL_MIN_KEYS => {
                 if grouped || masks.bias.is_some() {
                     return Ok(None);
                 }
-                crate::cxx::widened_softmax(q, k, v, mask.as_ref(), scale)?
+                crate::cxx::widened_softmax(q, k, v, masks.allowed(shape, q.device())?.as_ref(), scale)?
             }
             Kind::Float | Kind::Double | Kind::BFloat16 => {
                 // The default scale goes in as None: the kernel's own 1/sqrt(d), bit for bit as before.
                 let given = opts.scale.map(|_| scale);
-                Tensor::f_scaled_dot_product_attention(q, k, v, mask.as_ref(), 0.0, false, given, grouped)?
+                // A causal mask alone is the kernel's is_causal (top-left aligned, as ours), which
+                // skips the blocks above the diagonal instead of reading an (S_q, S_k) mask.
+                let causal_only = masks.causal
+                    && masks.key_padding.is_none()
+                    && masks.query_padding.is_none()
+                    && masks.attn_mask.is_none()
+                    && masks.bias.is_none();
+                let mask = if causal_only { None } else { kernel_mask(masks, shape, q)? };
+                Tensor::f_scaled_dot_product_attention(q, k, v, mask.as_ref(), 0.0, causal_only, given, grouped)?
             }
             _ => return Ok(None),
         };
@@ -96,4 +94,17 @@ impl Normalizer for Softmax {
     fn tiled(&self) -> Option<crate::plan::Tiled<'_>> {
         Some(crate::plan::Tiled::softmax())
     }
+}
+
+/// The masks as SDPA's kernel takes them: the boolean allowed entries, or, with an additive mask,
+/// that mask in q's dtype (the kernel's float masks must be) with the excluded entries -inf.
+fn kernel_mask(masks: &Masks, shape: ScoreShape, q: &Tensor) -> Result<Option<Tensor>> {
+    let allowed = masks.allowed(shape, q.device())?;
+    Ok(match masks.bias_as(shape, q.kind(), q.device())? {
+        Some(bias) => Some(match &allowed {
+            Some(a) => bias.masked_fill(&a.logical_not(), f64::NEG_INFINITY),
+            None => bias,
+        }),
+        None => allowed,
+    })
 }
