@@ -3,6 +3,7 @@
 multi-head module) and against torch.nn.MultiheadAttention. Run by `cargo test` (tests/python.rs
 beside this file builds the extension and runs `python -m unittest discover` here)."""
 
+import importlib.util
 import math
 import os
 import subprocess
@@ -615,6 +616,7 @@ class Compile(unittest.TestCase):
         torch.library.opcheck(_ops.multi_head_attention, args)
 
 
+@unittest.skipUnless(importlib.util.find_spec("transformers"), "transformers is not installed")
 class HuggingFace(unittest.TestCase):
     """Every registered implementation in tiny Llama and BERT models built from configs (no download)."""
 
