@@ -25,8 +25,12 @@ import time
 from pathlib import Path
 
 INPUTS = {"Q", "K", "V", "O", "O2", "DO", "DQ", "DK", "DV_OUT"}
-STATISTICS = {"C", "R", "R2", "G", "MASS", "DELTA", "CS", "RS", "GC", "GR", "RPOT", "CPOT", "COEF", "OUT", "SCALE", "BIAS"}
+STATISTICS = {"C", "R", "R2", "G", "MASS", "DELTA", "CS", "RS", "GC", "GR", "RPOT", "CPOT", "COEF", "OUT", "SCALE", "BIAS",
+              "PRIOR", "RB", "KS", "TROW", "DKL", "DA", "RD", "RS", "LOGU", "RHO_D", "RHO_S", "GU"}
 MASKS = {"QPAD", "KPAD", "MASK", "BLOCKS"}
+WORDS = {"SEED"}  # int64 tensors
+# Constexprs with a value that leaves their feature off, where a specialization does not name them.
+OFF = dict(NOISE=0, KL=0, WIDE=False, DRAW64=False, MIX=False, ROWS=False)
 TRITON_TYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
@@ -34,12 +38,16 @@ def specializations(plans, smoke):
     """(kernel name, constexpr values without ACC/DOT/BLOCK_D/BLOCK_DV) to compile. `smoke`: one
     per kernel with every feature on (what the test suite compiles)."""
     flags = dict(HAS_QPAD=True, HAS_KPAD=True, HAS_MASK=True, HAS_BIAS=True)
+    # Lognormal draws (erfinv in float64) and its KL over HNAS (MIX): the widest code.
+    bam = dict(NOISE=2, KL=2, WIDE=True)
     if smoke:
         return [("_column_pass", flags), ("_row_pass", dict(flags, SWEEPS=1, HYBRID=True, CAUSAL=False)),
-                ("_key_pass", dict(flags, SWEEPS=1, CAUSAL=False, GRADS=True)),
-                ("_query_pass", dict(flags, SWEEPS=1, CAUSAL=False)),
+                ("_row_pass", dict(flags, **bam, SWEEPS=1, HYBRID=False, CAUSAL=False, MIX=True)),
+                ("_key_pass", dict(flags, **bam, SWEEPS=1, CAUSAL=False, GRADS=True, MIX=True)),
+                ("_query_pass", dict(flags, **bam, SWEEPS=1, CAUSAL=False, MIX=True, ROWS=True)),
+                ("_query_pass", dict(flags, **bam, SWEEPS=1, CAUSAL=False, MIX=True, ROWS=False)),
                 ("_sink_reduce", dict(flags, COLUMNS=True, LSE=False, HAS_RPOT=True)),
-                ("_sink_grads", dict(flags, N=3, STAGE=1))]
+                ("_sink_grads", dict(flags, **bam, N=3, STAGE=0))]
     out = []
     for qpad, kpad, mask in itertools.product((False, True), repeat=3):
         f = dict(HAS_QPAD=qpad, HAS_KPAD=kpad, HAS_MASK=mask, HAS_BIAS=False)
@@ -50,6 +58,12 @@ def specializations(plans, smoke):
             for grads in (False, True):
                 out.append(("_key_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal, GRADS=grads)))
             out.append(("_query_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal)))
+    # BAM over softmax and DNAS with key padding: Weibull with its KL (BAM-WC), Lognormal with its
+    # KL (BAM-LC), positions below 2^32.
+    f = dict(HAS_QPAD=False, HAS_KPAD=True, HAS_MASK=False, HAS_BIAS=False)
+    for sweeps, noise in itertools.product((0, 1), (1, 2)):
+        bam = dict(f, NOISE=noise, KL=noise, WIDE=False, SWEEPS=sweeps, CAUSAL=False)
+        out += [("_row_pass", dict(bam, HYBRID=False)), ("_key_pass", dict(bam, GRADS=True)), ("_query_pass", bam)]
     return out
 
 
@@ -61,7 +75,7 @@ def compile_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m,
     kernel = getattr(plans, name)
     tl = triton.language
     acc = tl.float64 if dtype == "float64" else tl.float32
-    values = dict(constexprs, ACC=acc, DOT="ieee" if dtype in ("float32", "float64") else "tf32",
+    values = dict(OFF, **constexprs, ACC=acc, DOT="ieee" if dtype in ("float32", "float64") else "tf32",
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=plans._block_dim(head_dim), BLOCK_DV=plans._block_dim(head_dim))
     signature, params = {}, []
     stats = "fp64" if dtype == "float64" else "fp32"
@@ -78,6 +92,8 @@ def compile_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m,
             signature[n] = f"*{stats}"
         elif n in MASKS:
             signature[n] = "*u8"
+        elif n in WORDS:
+            signature[n] = "*i64"
         else:
             signature[n] = "i32"
         if not p.is_constexpr:

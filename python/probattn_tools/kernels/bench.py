@@ -1,6 +1,7 @@
 """Times the Triton kernels of the plans on a GPU against what a PyTorch user would otherwise run,
 in one process: SDPA (flash) softmax, compiled FlexAttention softmax, compiled FlexAttention DNAS
-from two calls, and our softmax and DNAS kernels. Forward + backward, bfloat16 by default.
+from two calls, and our softmax, DNAS and BAM (Weibull and Lognormal over softmax, with their KL
+terms) kernels. Forward + backward, bfloat16 by default.
 
     python -m probattn_tools.kernels.bench --out results/cuda/DATE/kernels
     python -m probattn_tools.kernels.bench --shapes 8x1024,1x4096 --head-dim 64 --repeats 20
@@ -40,30 +41,52 @@ def implementations(torch, args):
             return score - column_lse[b, h, kv_idx]
         return flex(q, k, v, score_mod=minus_column_lse)
 
+    def bam(noise, scale):
+        # BAM over softmax with its KL term (BAM-WC: Weibull, k = 10; BAM-LC: Lognormal, σ = 1), the
+        # prior's per-key values a given tensor (its network runs outside the kernels, O(S·d)); the
+        # step's output is the attention output plus the KL part's gradient path.
+        sampling = plans.Sampling(noise, scale, seed=1234, kl=noise)
+
+        def run(q, k, v):
+            a = torch.full((1, q.shape[1], 1, k.shape[2]), 1.0 / k.shape[2], device=q.device, requires_grad=True)
+            out, part = plans.bam_attention(q, k, v, sampling, sweeps=0, prior=a, config=config)
+            return out + part.sum().to(out.dtype) * 0  # one output: T's backward still runs
+        return run
+
     return {
         "sdpa": ("softmax", lambda q, k, v: F.scaled_dot_product_attention(q, k, v)),
         "flex-softmax": ("softmax", lambda q, k, v: flex(q, k, v)),
         "flex-dnas": ("dnas", flex_dnas),
         "probattn-softmax": ("softmax", lambda q, k, v: plans.attention(q, k, v, sweeps=0, config=config)),
         "probattn-dnas": ("dnas", lambda q, k, v: plans.attention(q, k, v, sweeps=1, config=config)),
+        "probattn-bam-wc": ("bam-weibull", bam("weibull", 0.1)),
+        "probattn-bam-lc": ("bam-lognormal", bam("lognormal", 1.0)),
     }
 
 
 def check(torch, name, plan, fn, q, k, v):
-    """Max error of fn's output against SDPA (softmax) or the formulas' DNAS in float32."""
+    """Max error of fn's output against SDPA (softmax), the formulas' DNAS, or softmax over the
+    scores plus BAM's noise term from the same draws, in float32."""
     import torch.nn.functional as F
 
+    from probattn_tools.kernels import plans
     from probattn_tools.reference import formulas
 
     with torch.no_grad():
         out = fn(q, k, v).float()
+        b, h, s, d = q.shape
         if plan == "softmax":
             ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-        else:
-            b, h, s, d = q.shape
+        elif plan == "dnas":
             z = q.float() @ k.float().transpose(-2, -1) / math.sqrt(d)
             allowed = torch.ones(1, 1, s, s, dtype=torch.bool, device=q.device)
             ref = formulas.dnas_weights(z, allowed) @ v.float()
+        else:
+            noise = plan.split("-")[1]
+            eps = plans.counter_noise((b, h, s, s), 1234, noise, torch.float32, device=q.device)
+            n = torch.log(-torch.log1p(-eps)) * 0.1 if noise == "weibull" else eps
+            z = q.float() @ k.float().transpose(-2, -1) / math.sqrt(d)
+            ref = torch.softmax(z + n, -1) @ v.float()
     return (out - ref).abs().max().item()
 
 
@@ -78,7 +101,8 @@ def main(argv=None):
     parser.add_argument("--block-n", type=int, default=64)
     parser.add_argument("--num-warps", type=int, default=4)
     parser.add_argument("--num-stages", type=int, default=2)
-    parser.add_argument("--impls", default="sdpa,flex-softmax,flex-dnas,probattn-softmax,probattn-dnas")
+    parser.add_argument("--impls", default="sdpa,flex-softmax,flex-dnas,probattn-softmax,probattn-dnas,probattn-bam-wc,"
+                        "probattn-bam-lc")
     parser.add_argument("--out", help="folder for bench.json (default: print only)")
     args = parser.parse_args(argv)
     import torch

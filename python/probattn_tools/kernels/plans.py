@@ -33,6 +33,13 @@ bfloat16 or float16 take float32 products and statistics; float32 takes float32;
 float64 (the interpreter's and the tests' precision). A row with no allowed key gets a zero output
 and zero gradients; a key no allowed query sees receives nothing.
 
+BAM's sampling over these plans (`bam_attention`, `Sampling`) draws its noise inside the kernels
+and reduces its KL term there (docs/kernels.md).
+
+The kernels live beside this file: `tiles` (what every kernel shares), `passes` (the column, row,
+key and query passes), `sinkhorn` (Sinkhorn-N's passes) and `bam` (BAM's draws and KL term); this
+module launches them and wraps them in autograd functions.
+
 `TRITON_INTERPRET=1` runs these kernels on the CPU (the tests do: python/tests/test_kernels.py).
 """
 
@@ -43,542 +50,9 @@ import torch
 import triton
 import triton.language as tl
 
-# A finite floor for the running maxima: a fully masked block then leaves them finite, and
-# exp(-inf − floor) is exactly 0 where exp(-inf − -inf) would be NaN.
-FLOOR = tl.constexpr(-1.0e30)
-
-
-@triton.jit
-def _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
-             HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, CAUSAL: tl.constexpr,
-             h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK: tl.constexpr):
-    """(BLOCK_M, BLOCK_N): which (query, key) pairs of the tile take part. MASK: a boolean
-    pattern broadcast to (B, H, S_q, S_k) through its strides (0 on broadcast dimensions),
-    nonzero where the pair takes part."""
-    ok = (offs_m[:, None] < S_Q) & (offs_n[None, :] < S_K)
-    if HAS_MASK:
-        at = MASK + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
-        pattern = tl.load(at,
-                          mask=ok, other=0)
-        ok = ok & (pattern != 0)
-    if HAS_QPAD:
-        qpad = tl.load(QPAD + b * stride_qpad + offs_m, mask=offs_m < S_Q, other=1)
-        ok = ok & (qpad[:, None] == 0)
-    if HAS_KPAD:
-        kpad = tl.load(KPAD + b * stride_kpad + offs_n, mask=offs_n < S_K, other=1)
-        ok = ok & (kpad[None, :] == 0)
-    if CAUSAL:
-        ok = ok & (offs_n[None, :] <= offs_m[:, None])
-    return ok
-
-
-@triton.jit
-def _block(P, b, h, offs, cols, n, width, stride_b, stride_h, stride_s):
-    """Rows `offs` (< n) and columns `cols` (< width) of head h of batch b of a (B, H, S, width)
-    tensor laid out by its strides; zeros outside."""
-    return tl.load(P + b * stride_b + h * stride_h + offs[:, None] * stride_s + cols[None, :],
-                   mask=(offs[:, None] < n) & (cols[None, :] < width), other=0.0)
-
-
-@triton.jit
-def _biased(z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
-            HAS_BIAS: tl.constexpr):
-    """z plus the additive float mask's tile (broadcast through its strides), when there is one;
-    its -inf entries exclude their pairs."""
-    if HAS_BIAS:
-        bias = tl.load(BIAS + b * stride_ab + h * stride_ah + offs_m[:, None] * stride_am + offs_n[None, :] * stride_an,
-                       mask=(offs_m[:, None] < S_Q) & (offs_n[None, :] < S_K), other=0.0)
-        z = z + bias.to(z.dtype)
-    return z
-
-
-@triton.jit
-def _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
-            HAS_BIAS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
-    """z = s·q kᵀ for one tile, plus the additive mask's tile when there is one."""
-    z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale
-    return _biased(z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS)
-
-
-@triton.jit
-def _live(BLOCKS, b, h, mb, nb, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK: tl.constexpr):
-    """Whether tile (mb, nb) of (batch b, head h) holds an allowed entry of the pattern: the block
-    map (`_Call`) lets every pass skip the tiles a pattern wholly excludes, as FlexAttention's block
-    masks do. Always true without a pattern."""
-    if HAS_MASK:
-        return tl.load(BLOCKS + b * stride_bb + h * stride_bh + mb * stride_bm + nb * stride_bn) != 0
-    else:
-        return True
-
-
-@triton.jit
-def _lse_fold(m, l, z, AXIS: tl.constexpr):
-    """One block of an online log-sum-exp along AXIS: the running maximum m and the sum l of
-    exp(x − m), updated with the block z (−inf where excluded)."""
-    m_new = tl.maximum(m, tl.max(z, AXIS))
-    return m_new, l * tl.exp(m - m_new) + tl.sum(tl.exp(z - tl.expand_dims(m_new, AXIS)), AXIS)
-
-
-@triton.jit
-def _lse_value(m, l, EMPTY: tl.constexpr):
-    """The log-sum-exp an online fold reached; EMPTY where nothing was allowed (l = 0)."""
-    return tl.where(l > 0, m + tl.log(tl.where(l > 0, l, 1.0)), EMPTY)
-
-
-@triton.jit
-def _accumulate(m, l, acc, z, v, ACC: tl.constexpr, DOT: tl.constexpr):
-    """One key block of the row pass's online softmax: the running maximum, sum and value
-    accumulator, updated with the logits z (−inf where excluded) and the value block v."""
-    m_new = tl.maximum(m, tl.max(z, 1))
-    p = tl.exp(z - m_new[:, None])
-    alpha = tl.exp(m - m_new)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC, input_precision=DOT)
-    return m_new, l * alpha + tl.sum(p, 1), acc
-
-
-@triton.jit
-def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
-                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
-                 stride_cb, stride_ch, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb,
-                 stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
-                 H, GROUP, S_Q, S_K, D, SCALE,
-                 HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 ACC: tl.constexpr, DOT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """c_j = LSE_i z_ij over the allowed queries, one key block per program (axis 0), one
-    (batch, query head) per axis 1. A key with no allowed query gets FLOOR (never read)."""
-    scale = tl.load(SCALE).to(ACC)
-    start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    k = _block(K, b, h // GROUP, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
-    m = tl.full([BLOCK_N], FLOOR, dtype=ACC)
-    l = tl.zeros([BLOCK_N], dtype=ACC)
-    for start_m in range(0, S_Q, BLOCK_M):
-        if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
-                 HAS_MASK):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
-            z = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
-                        HAS_BIAS, ACC, DOT)  # (BLOCK_M, BLOCK_N)
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
-                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-            m, l = _lse_fold(m, l, tl.where(ok, z, float("-inf")), 0)
-    c = _lse_value(m, l, FLOOR)
-    tl.store(C + b * stride_cb + h * stride_ch + offs_n, c, mask=offs_n < S_K)
-
-
-@triton.jit
-def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS,
-              stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-              stride_ob, stride_oh, stride_os, stride_cb, stride_ch, stride_rb, stride_rh, stride_qpad, stride_kpad,
-              stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab,
-              stride_ah, stride_am, stride_an,
-              H, GROUP, S_Q, S_K, D, DV, SCALE,
-              SWEEPS: tl.constexpr, HYBRID: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr,
-              HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-              CAUSAL: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """O_i = Σ_j p_ij v_j and r_i = LSE_j (z_ij − c_j), one query block per program. HYBRID (HNAS)
-    keeps softmax's accumulators beside the plan's over the same tiles, one load of each key and
-    value block for both, and writes softmax's output and row statistic to O2 and R2 (laid out as
-    O and R)."""
-    scale = tl.load(SCALE).to(ACC)
-    start_m = tl.program_id(0) * BLOCK_M
-    start_m0 = start_m
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    kvh = h // GROUP
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
-    m = tl.full([BLOCK_M], FLOOR, dtype=ACC)
-    l = tl.zeros([BLOCK_M], dtype=ACC)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
-    m2 = tl.full([BLOCK_M], FLOOR, dtype=ACC)
-    l2 = tl.zeros([BLOCK_M], dtype=ACC)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
-    end_n = S_K
-    if CAUSAL:
-        end_n = tl.minimum(S_K, start_m + BLOCK_M)  # blocks wholly above the diagonal are skipped
-    for start_n in range(0, end_n, BLOCK_N):
-        if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
-                 HAS_MASK):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
-            v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
-                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-            z0 = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
-                         HAS_BIAS, ACC, DOT)
-            z = z0
-            if SWEEPS > 0:
-                c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-                z = z0 - c[None, :]
-            m, l, acc = _accumulate(m, l, acc, tl.where(ok, z, float("-inf")), v, ACC, DOT)
-            if HYBRID:
-                m2, l2, acc2 = _accumulate(m2, l2, acc2, tl.where(ok, z0, float("-inf")), v, ACC, DOT)
-    _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb, stride_rh)
-    if HYBRID:
-        _finish_row(O2, R2, acc2, m2, l2, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb,
-                    stride_rh)
-
-
-@triton.jit
-def _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb, stride_rh):
-    """Writes a row pass's output acc / l and its row statistic m + log l (0 for an empty row,
-    whose statistic is never read)."""
-    has = l > 0
-    out = acc / tl.where(has, l, 1.0)[:, None]
-    r = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), 0.0)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_dv[None, :],
-             out.to(O.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < DV))
-    tl.store(R + b * stride_rb + h * stride_rh + offs_m, r, mask=offs_m < S_Q)
-
-
-@triton.jit
-def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, BLOCKS, BIAS,
-              stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-              stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
-              stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_qpad, stride_kpad,
-              stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab,
-              stride_ah, stride_am, stride_an,
-              H_KV, GROUP, S_Q, S_K, D, DV, SCALE,
-              SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
-              HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
-              GRADS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """One key block of one (batch, key/value head) per program, over its group's query heads
-    and every query block: dV, dK (with DNAS's correction), g_j per query head (for the query
-    pass) and, with GRADS off, only the received mass Σ_i p_ij per query head."""
-    scale = tl.load(SCALE).to(ACC)
-    start_n = tl.program_id(0) * BLOCK_N
-    start_n0 = start_n
-    bk = tl.program_id(1)
-    b, kvh = bk // H_KV, bk % H_KV
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
-    v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
-    start_m0 = 0
-    if CAUSAL:
-        start_m0 = (start_n // BLOCK_M) * BLOCK_M  # query blocks wholly above the diagonal see none of these keys
-    for i in range(0, GROUP):
-        h = kvh * GROUP + i
-        c = tl.zeros([BLOCK_N], dtype=ACC)
-        if SWEEPS > 0:
-            c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-        g = tl.zeros([BLOCK_N], dtype=ACC)
-        mass = tl.zeros([BLOCK_N], dtype=ACC)
-        dk_main = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-        dk_corr = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-        for start_m in range(start_m0, S_Q, BLOCK_M):
-            if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
-                     HAS_MASK):
-                offs_m = start_m + tl.arange(0, BLOCK_M)
-                q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
-                r = tl.load(R + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                z = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am,
-                            stride_an, HAS_BIAS, ACC, DOT) - c[None, :]
-                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              CAUSAL, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-                p = tl.where(ok, tl.exp(tl.where(ok, z - r[:, None], 0.0)), 0.0)  # (BLOCK_M, BLOCK_N)
-                mass += tl.sum(p, 0)
-                if GRADS:
-                    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
-                    delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                    dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
-                    dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT)
-                    ds = p * (dp - delta[:, None])
-                    dk_main += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
-                    if SWEEPS > 0:
-                        g += tl.sum(ds, 0)
-                        pc = tl.where(ok, tl.exp(tl.where(ok, z, 0.0)), 0.0)  # exp(z_ij − c_j): the column weights
-                        dk_corr += tl.dot(tl.trans(pc).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
-        if GRADS:
-            dk += dk_main - g[:, None] * dk_corr
-            if SWEEPS > 0:
-                tl.store(G + b * stride_cb + h * stride_ch + offs_n, g, mask=offs_n < S_K)
-        else:
-            tl.store(MASS + b * stride_cb + h * stride_ch + offs_n, mass, mask=offs_n < S_K)
-    if GRADS:
-        tl.store(DK + b * stride_dkb + kvh * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
-                 (dk * scale).to(DK.dtype.element_ty), mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D))
-        tl.store(DV_OUT + b * stride_dvb + kvh * stride_dvh + offs_n[:, None] * stride_dvs + offs_dv[None, :],
-                 dv.to(DV_OUT.dtype.element_ty), mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV))
-
-
-@triton.jit
-def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
-                stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
-                stride_dqb, stride_dqh, stride_dqs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm,
-                stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
-                H, GROUP, S_Q, S_K, D, DV, SCALE,
-                SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
-                HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
-                ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr,
-                BLOCK_DV: tl.constexpr):
-    """dQ_i = s Σ_j dz_ij k_j, dz_ij = dS¹_ij − exp(z_ij − c_j) g_j, one query block per program."""
-    scale = tl.load(SCALE).to(ACC)
-    start_m = tl.program_id(0) * BLOCK_M
-    start_m0 = start_m
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    kvh = h // GROUP
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
-    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
-    r = tl.load(R + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-    delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
-    end_n = S_K
-    if CAUSAL:
-        end_n = tl.minimum(S_K, start_m + BLOCK_M)
-    for start_n in range(0, end_n, BLOCK_N):
-        if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
-                 HAS_MASK):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
-            v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
-            z = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
-                        HAS_BIAS, ACC, DOT)
-            if SWEEPS > 0:
-                c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-                z = z - c[None, :]
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
-                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-            p = tl.where(ok, tl.exp(tl.where(ok, z - r[:, None], 0.0)), 0.0)
-            dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT)
-            ds = p * (dp - delta[:, None])
-            if SWEEPS > 0:
-                g = tl.load(G + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-                ds -= tl.where(ok, tl.exp(tl.where(ok, z, 0.0)), 0.0) * g[None, :]
-            dq += tl.dot(ds.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D))
-
-
-# ---------------------------------------------------------------------------------------------
-# Sinkhorn-N (N ≥ 2): potentials per sweep t = 1..N, C^t_j = LSE_i (z_ij − R^{t−1}_i) (R^0 = 0)
-# and R^t_i = LSE_j (z_ij − C^t_j); the weights are exp(z − C^N − R^N). The backward carries
-# each potential's gradient back through the sweeps, Ḡc^N = −g (g_j = Σ_i dS¹_ij) and, for
-# t = N−1 .. 1, Ḡr^t_i = −Σ_j Ḡc^{t+1}_j κ^{t+1}_ij and Ḡc^t_j = −Σ_i Ḡr^t_i ρ^t_ij, with
-# κ^t = exp(z − R^{t−1} − C^t) and ρ^t = exp(z − C^t − R^t); then
-# dz = dS¹ + Σ_t Ḡc^t κ^t + Σ_{t<N} Ḡr^t ρ^t, formed tile by tile in the final key and query passes.
-# Potentials and their gradients are (N, B, H, S) float tensors: O(N·S) memory.
-
-
-@triton.jit
-def _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh,
-          stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
-          DOT: tl.constexpr):
-    """z = s·q kᵀ (plus the additive mask) for one (query block, key block) tile, and the q and k
-    blocks."""
-    q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
-    k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
-    return _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
-                   HAS_BIAS, ACC, DOT), q, k
-
-
-@triton.jit
-def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
-                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_cb, stride_ch, stride_rb,
-                 stride_rh, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh,
-                 stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an, H, GROUP, S_Q, S_K, D, SCALE,
-                 COLUMNS: tl.constexpr, LSE: tl.constexpr, HAS_RPOT: tl.constexpr, HAS_QPAD: tl.constexpr,
-                 HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
-                 DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One reduction of x_ij = z_ij − RPOT_i − CPOT_j over the allowed entries, per key (COLUMNS,
-    over the queries) or per query (over the keys): with LSE, the log-sum-exp of x (a potential;
-    the potential being formed is left out of x); else −Σ COEF_other · exp(x) (a potential's
-    gradient). RPOT and CPOT are laid out as (B, H, S) statistics; RPOT absent: 0."""
-    scale = tl.load(SCALE).to(ACC)
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    kvh = h // GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    if COLUMNS:
-        start_n0 = tl.program_id(0) * BLOCK_N
-        offs_n = start_n0 + tl.arange(0, BLOCK_N)
-        m = tl.full([BLOCK_N], FLOOR, dtype=ACC)
-        total = tl.zeros([BLOCK_N], dtype=ACC)
-        cpot = tl.zeros([BLOCK_N], dtype=ACC)
-        if not LSE:
-            cpot = tl.load(CPOT + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-        for start_m in range(0, S_Q, BLOCK_M):
-            if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
-                     HAS_MASK):
-                offs_m = start_m + tl.arange(0, BLOCK_M)
-                z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
-                                stride_an, HAS_BIAS, ACC, DOT)
-                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-                if HAS_RPOT:
-                    z = z - tl.load(RPOT + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)[:,
-                    None]
-                if LSE:
-                    m, total = _lse_fold(m, total, tl.where(ok, z, float("-inf")), 0)
-                else:
-                    coef = tl.load(COEF + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                    e = tl.where(ok, tl.exp(tl.where(ok, z - cpot[None, :], 0.0)), 0.0)
-                    total -= tl.sum(e * coef[:, None], 0)
-        if LSE:
-            total = _lse_value(m, total, FLOOR)
-        tl.store(OUT + b * stride_cb + h * stride_ch + offs_n, total, mask=offs_n < S_K)
-    else:
-        start_m0 = tl.program_id(0) * BLOCK_M
-        offs_m = start_m0 + tl.arange(0, BLOCK_M)
-        m = tl.full([BLOCK_M], FLOOR, dtype=ACC)
-        total = tl.zeros([BLOCK_M], dtype=ACC)
-        rpot = tl.zeros([BLOCK_M], dtype=ACC)
-        if HAS_RPOT:
-            rpot = tl.load(RPOT + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-        for start_n in range(0, S_K, BLOCK_N):
-            if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
-                     HAS_MASK):
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
-                                stride_an, HAS_BIAS, ACC, DOT)
-                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-                z = z - tl.load(CPOT + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)[None, :]
-                if LSE:
-                    m, total = _lse_fold(m, total, tl.where(ok, z, float("-inf")), 1)
-                else:
-                    coef = tl.load(COEF + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-                    e = tl.where(ok, tl.exp(tl.where(ok, z - rpot[:, None], 0.0)), 0.0)
-                    total -= tl.sum(e * coef[None, :], 1)
-        if LSE:
-            total = _lse_value(m, total, 0.0)
-        tl.store(OUT + b * stride_rb + h * stride_rh + offs_m, total, mask=offs_m < S_Q)
-
-
-@triton.jit
-def _sink_dz(z, ok, dsz, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb, stride_ch, stride_tr,
-             stride_rb, stride_rh, N: tl.constexpr):
-    """dz = dS¹ + Σ_t Ḡc^t κ^t + Σ_{t<N} Ḡr^t ρ^t on one tile (z without potentials)."""
-    r_prev = tl.zeros([z.shape[0]], dtype=z.dtype)
-    for t in tl.static_range(N):
-        c = tl.load(CS + t * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-        gc = tl.load(GC + t * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-        x = z - r_prev[:, None] - c[None, :]
-        dsz += tl.where(ok, tl.exp(tl.where(ok, x, 0.0)), 0.0) * gc[None, :]
-        if t < N - 1:
-            r = tl.load(RS + t * stride_tr + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-            gr = tl.load(GR + t * stride_tr + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-            y = z - c[None, :] - r[:, None]
-            dsz += tl.where(ok, tl.exp(tl.where(ok, y, 0.0)), 0.0) * gr[:, None]
-            r_prev = r
-    return dsz
-
-
-@triton.jit
-def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPAD, MASK, BLOCKS, BIAS,
-                stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                stride_dob, stride_doh, stride_dos, stride_t, stride_cb, stride_ch, stride_tr, stride_rb, stride_rh,
-                stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm,
-                stride_bn, stride_ab, stride_ah, stride_am, stride_an, H, GROUP, S_Q, S_K, D, DV, SCALE,
-                N: tl.constexpr, STAGE: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr,
-                HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Sinkhorn-N's gradient passes. STAGE 0: g_j = Σ_i dS¹_ij, one key block of one (batch, query
-    head) per program. STAGE 1: dK and dV with the whole dz, one key block of one (batch,
-    key/value head), over its group's query heads. STAGE 2: dQ, one query block of one (batch,
-    query head). p = exp(z − C^N − R^N); dq, dk and dv are laid out as q, k and v."""
-    scale = tl.load(SCALE).to(ACC)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    last_c = (N - 1) * stride_t
-    last_r = (N - 1) * stride_tr
-    if STAGE < 2:
-        start_n0 = tl.program_id(0) * BLOCK_N
-        offs_n = start_n0 + tl.arange(0, BLOCK_N)
-        bk = tl.program_id(1)
-        if STAGE == 0:
-            b, kvh = bk // H, (bk % H) // GROUP
-            first, heads = bk % H, 1
-        else:
-            b, kvh = bk // (H // GROUP), bk % (H // GROUP)
-            first, heads = kvh * GROUP, GROUP
-        v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
-        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
-        for i in range(0, heads):
-            h = first + i
-            c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-            g = tl.zeros([BLOCK_N], dtype=ACC)
-            for start_m in range(0, S_Q, BLOCK_M):
-                if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm,
-                         stride_bn, HAS_MASK):
-                    offs_m = start_m + tl.arange(0, BLOCK_M)
-                    z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh,
-                                    stride_qs,
-                                    stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
-                                    stride_an, HAS_BIAS, ACC, DOT)
-                    ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                                  False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-                    r = tl.load(RS + last_r + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                    p = tl.where(ok, tl.exp(tl.where(ok, z - c[None, :] - r[:, None], 0.0)), 0.0)
-                    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
-                    delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                    ds = p * (tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT) - delta[:, None])
-                    if STAGE == 0:
-                        g += tl.sum(ds, 0)
-                    else:
-                        dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb,
-                                      stride_ch, stride_tr, stride_rb, stride_rh, N)
-                        dk += tl.dot(tl.trans(dz).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
-                        dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
-            if STAGE == 0:
-                tl.store(G + b * stride_cb + h * stride_ch + offs_n, g, mask=offs_n < S_K)
-        if STAGE == 1:
-            tl.store(DK + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-                     (dk * scale).to(DK.dtype.element_ty), mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D))
-            tl.store(DV_OUT + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
-                     dv.to(DV_OUT.dtype.element_ty), mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV))
-    else:
-        start_m0 = tl.program_id(0) * BLOCK_M
-        offs_m = start_m0 + tl.arange(0, BLOCK_M)
-        bh = tl.program_id(1)
-        b, h = bh // H, bh % H
-        kvh = h // GROUP
-        r = tl.load(RS + last_r + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-        do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
-        delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
-        for start_n in range(0, S_K, BLOCK_N):
-            if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
-                     HAS_MASK):
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
-                                stride_an, HAS_BIAS, ACC, DOT)
-                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-                c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-                v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
-                p = tl.where(ok, tl.exp(tl.where(ok, z - c[None, :] - r[:, None], 0.0)), 0.0)
-                ds = p * (tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT) - delta[:, None])
-                dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb, stride_ch,
-                              stride_tr, stride_rb, stride_rh, N)
-                dq += tl.dot(dz.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
-        tl.store(DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                 (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D))
-
+from probattn_tools.kernels.bam import Sampling, _prior_values, _seed_words, counter_noise  # noqa: F401
+from probattn_tools.kernels.passes import _column_pass, _key_pass, _query_pass, _row_pass
+from probattn_tools.kernels.sinkhorn import _sink_grads, _sink_reduce
 
 # ---------------------------------------------------------------------------------------------
 # The launches, and autograd functions over them.
@@ -697,7 +171,7 @@ class _Call:
     """One attention call: its inputs made contiguous, its masks as kernel arguments, and the
     arguments every kernel shares, passed by name (each kernel takes the ones it declares)."""
 
-    def __init__(self, q, k, v, sweeps, score_scale, masks, config):
+    def __init__(self, q, k, v, sweeps, score_scale, masks, config, sampling=None, prior=None, mix_logit=None):
         _check(q, k, v, sweeps, masks.causal)
         self.q, self.k, self.v = q.contiguous(), k.contiguous(), v.contiguous()
         self.config = config or Config()
@@ -711,8 +185,21 @@ class _Call:
             masks.allowed_mask, (b, h, s_q, s_k), self.config.block_m, self.config.block_n, dev)
         bias, (sab, sah, sam, san), has_bias = _additive(masks.additive, (b, h, s_q, s_k), self.stats, dev)
         qs, ks, vs = self.q.stride(), self.k.stride(), self.v.stride()
+        self.sampling = sampling
+        self.kl = sampling is not None and sampling.kl is not None
+        if self.kl and prior is None:
+            raise ValueError("a KL term needs the prior's per-key values (prior=)")
+        dummy = torch.zeros(1, dtype=self.stats, device=dev)
+        a, (spb, sph, spn) = _prior_values(prior, (b, h, s_q, s_k), self.stats, dev) if self.kl else (dummy, (0, 0, 0))
+        seed = _seed_words(sampling.seed if sampling else 0, dev)
+        self.mix = mix_logit is not None
         self.args = dict(
             Q=self.q, K=self.k, V=self.v, QPAD=qpad, KPAD=kpad, MASK=pattern, BLOCKS=blocks, BIAS=bias,
+            SEED=seed, PRIOR=a, RB=dummy, KS=dummy, TROW=dummy, DKL=dummy, DA=dummy, MIX=False, ROWS=False,
+            RD=dummy, RS=dummy, LOGU=dummy, RHO_D=dummy, RHO_S=dummy, GU=dummy,
+            stride_pb=spb, stride_ph=sph, stride_pn=spn,
+            NOISE=Sampling.NOISES[sampling.noise] if sampling else 0, KL=Sampling.NOISES[sampling.kl] if self.kl else 0,
+            WIDE=b * h * s_q * s_k > 2 ** 32, DRAW64=self.stats == torch.float64,
             stride_qb=qs[0], stride_qh=qs[1], stride_qs=qs[2], stride_kb=ks[0], stride_kh=ks[1], stride_ks=ks[2],
             stride_vb=vs[0], stride_vh=vs[1], stride_vs=vs[2],
             # outputs, gradients and statistics are contiguous, shaped as what they belong to
@@ -725,10 +212,16 @@ class _Call:
             stride_bb=sbb, stride_bh=sbh, stride_bm=sbm, stride_bn=sbn, stride_ab=sab, stride_ah=sah, stride_am=sam,
             stride_an=san, HAS_BIAS=has_bias,
             H=h, H_KV=h_kv, GROUP=h // h_kv, S_Q=s_q, S_K=s_k, D=d, DV=dv,
-            SCALE=torch.tensor([score_scale / math.sqrt(d)], dtype=self.stats, device=dev),
+            SCALE=torch.tensor([score_scale / math.sqrt(d), sampling.scale if sampling else 0.0], dtype=self.stats,
+                               device=dev),
             SWEEPS=min(sweeps, 1), HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, HAS_MASK=has_mask, CAUSAL=masks.causal,
             ACC=_ACC[q.dtype], DOT=_dot_precision(q.dtype), BLOCK_M=self.config.block_m, BLOCK_N=self.config.block_n,
             BLOCK_D=_block_dim(d), BLOCK_DV=_block_dim(dv))
+
+        if self.mix:  # log u and log(1 − u) per head
+            logit = mix_logit.detach().to(device=dev, dtype=self.stats)
+            self.args["LOGU"] = torch.stack([torch.nn.functional.logsigmoid(logit),
+                                             torch.nn.functional.logsigmoid(-logit)], -1).contiguous()
 
     def stat(self, keys, *lead):
         """Zeros for a per-key (B, H, S_k) or per-query (B, H, S_q) statistic, after `lead` dimensions."""
@@ -750,16 +243,27 @@ class _Call:
 
 def _forward(call, sweeps, hybrid=False):
     """Statistics and outputs of a call: (out, c, r) for 0 or 1 sweeps, with (out_softmax,
-    r_softmax) after them when hybrid; (out, CS, RS) potentials per sweep for N ≥ 2."""
+    r_softmax) after them when hybrid; (out, CS, RS) potentials per sweep for N ≥ 2. With a KL
+    term, the row pass's (RB, KS, TROW) are left in `call.kl_rows`."""
     _, _, _, s_q, _, _, dv = call.shape
     b, h = call.shape[0], call.shape[1]
     out = torch.empty(b, h, s_q, dv, dtype=call.q.dtype, device=call.q.device)
+    kl_rows = (call.stat(False), call.stat(False), call.stat(False)) if call.kl else ()
+    call.kl_rows = kl_rows
+    kl_args = dict(zip(("RB", "KS", "TROW"), kl_rows))
     if sweeps <= 1:
         c, r = call.stat(True), call.stat(False)
         if sweeps:
             call.launch(_column_pass, call.grid(True, "query"), C=c)
+        if call.mix:  # BAM over HNAS: DNAS's and softmax's row statistics first, then the mixture's row pass
+            rd, rs = call.stat(False), call.stat(False)
+            for cpot, rows in ((c, rd), (torch.zeros_like(c), rs)):
+                call.launch(_sink_reduce, call.grid(False, "query"), RPOT=r, CPOT=cpot, COEF=cpot, OUT=rows,
+                            COLUMNS=False, LSE=True, HAS_RPOT=False)
+            call.mix_rows = (rd, rs)
+            kl_args.update(RD=rd, RS=rs, MIX=True)
         out2, r2 = (torch.empty_like(out), call.stat(False)) if hybrid else (out, r)
-        call.launch(_row_pass, call.grid(False, "query"), C=c, O=out, R=r, O2=out2, R2=r2, HYBRID=hybrid)
+        call.launch(_row_pass, call.grid(False, "query"), C=c, O=out, R=r, O2=out2, R2=r2, HYBRID=hybrid, **kl_args)
         return (out, c, r, out2, r2) if hybrid else (out, c, r)
     cs, rs = call.stat(True, sweeps), call.stat(False, sweeps)
     for t in range(sweeps):
@@ -770,33 +274,43 @@ def _forward(call, sweeps, hybrid=False):
                         COLUMNS=False, LSE=True, HAS_RPOT=False)
     # The last row pass is DNAS's with the last column potential as its statistic.
     call.launch(_row_pass, call.grid(False, "query"), C=cs[-1], O=out, R=rs[-1], O2=out, R2=rs[-1], HYBRID=False,
-                SWEEPS=1)
+                SWEEPS=1, **kl_args)
     return out, cs, rs
 
 
 def _received_mass(call, c, r):
     """Σ_i p_ij per query head, (B, H, S_k), from a forward's last column and row statistics."""
     mass, dummy = call.stat(True), call.q
+    mix = dict(RD=call.mix_rows[0], RS=call.mix_rows[1], MIX=True) if call.mix else {}
     call.launch(_key_pass, call.grid(True, "kv"), C=c, R=r, DO=dummy, DELTA=r, DK=call.k, DV_OUT=call.v, G=mass,
-                MASS=mass, GRADS=False)
+                MASS=mass, GRADS=False, KL=0, **mix)
     return mass
 
 
-def _backward(call, sweeps, out, stats, grad_out):
-    """(dq, dk, dv) by recomputation, for the statistics `_forward` returned."""
+def _backward(call, sweeps, out, stats, grad_out, kl=None, mix=None):
+    """(dq, dk, dv) by recomputation, for the statistics `_forward` returned. `kl`: (RB, KS, dkl,
+    da) of a KL term, dkl (B, H) the gradient in its part T; the prior's gradient is written to
+    da (B, H, S_k). None: no KL term's gradient. `mix` (BAM over HNAS): (RD, RS, gu), the
+    forward's row statistics and a (B, H, S_q) tensor for the gate's gradient per row."""
     do = grad_out.contiguous()
     delta = (do.to(call.stats) * out.to(call.stats)).sum(-1).contiguous()  # D_i = Σ_d dO_id O_id
     dq, dk, dv = torch.empty_like(call.q), torch.empty_like(call.k), torch.empty_like(call.v)
+    kl_args = dict(KL=0) if kl is None else dict(zip(("RB", "KS", "DKL", "DA"), kl))
     if sweeps <= 1:
         c, r = stats
         g = call.stat(True)
+        if mix is not None:
+            rho_d, rho_s = call.stat(False), call.stat(False)
+            kl_args.update(RD=mix[0], RS=mix[1], RHO_D=rho_d, RHO_S=rho_s, MIX=True)
+            call.launch(_query_pass, call.grid(False, "query"), C=c, R=r, DO=do, DELTA=delta, G=g, DQ=dq, GU=mix[2],
+                        ROWS=True, **kl_args)
         call.launch(_key_pass, call.grid(True, "kv"), C=c, R=r, DO=do, DELTA=delta, DK=dk, DV_OUT=dv, G=g, MASS=g,
-                    GRADS=True)
-        call.launch(_query_pass, call.grid(False, "query"), C=c, R=r, DO=do, DELTA=delta, G=g, DQ=dq)
+                    GRADS=True, **kl_args)
+        call.launch(_query_pass, call.grid(False, "query"), C=c, R=r, DO=do, DELTA=delta, G=g, DQ=dq, **kl_args)
         return dq, dk, dv
     cs, rs = stats
     gc, gr, g = torch.zeros_like(cs), torch.zeros_like(rs), call.stat(True)
-    common = dict(CS=cs, RS=rs, GC=gc, GR=gr, DO=do, DELTA=delta, DQ=dq, DK=dk, DV_OUT=dv, G=g, N=sweeps)
+    common = dict(CS=cs, RS=rs, GC=gc, GR=gr, DO=do, DELTA=delta, DQ=dq, DK=dk, DV_OUT=dv, G=g, N=sweeps, **kl_args)
     call.launch(_sink_grads, call.grid(True, "query"), STAGE=0, **common)
     gc[-1] = -g
     for t in range(sweeps - 2, -1, -1):
@@ -815,9 +329,15 @@ def forward(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None):
     return _forward(_Call(q, k, v, sweeps, score_scale, masks or Masks(), config), sweeps)
 
 
-def received_mass(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None):
-    """Σ_i p_ij per query head, (B, H, S_k): a forward's statistics, then one key pass."""
-    call = _Call(q, k, v, sweeps, score_scale, masks or Masks(), config)
+def received_mass(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None, sampling=None, hybrid_logit=None):
+    """Σ_i p_ij per query head, (B, H, S_k): a forward's statistics, then one key pass. With
+    `sampling`, the sampled weights' (the same draws as `bam_attention` with that sampling, over
+    HNAS with `hybrid_logit`)."""
+    if sampling is not None:
+        sampling = Sampling(sampling.noise, sampling.scale, sampling.seed)  # the weights only: no KL
+    if hybrid_logit is not None and sampling is None:
+        raise ValueError("received_mass takes hybrid_logit with sampling only (HNAS alone: hybrid_attention)")
+    call = _Call(q, k, v, sweeps, score_scale, masks or Masks(), config, sampling, mix_logit=hybrid_logit)
     _, c, r = _forward(call, sweeps)
     return _received_mass(call, c[-1] if sweeps > 1 else c, r[-1] if sweeps > 1 else r)
 
@@ -879,3 +399,61 @@ def hybrid_attention(q, k, v, logit, score_scale=1.0, masks=None, config=None):
     if masks is not None and masks.causal:
         raise ValueError("HNAS mixes in DNAS, whose column sweep is not causal")
     return _HybridAttention.apply(q, k, v, logit, score_scale, masks or Masks(), config)
+
+
+class _BamAttention(torch.autograd.Function):
+    """BAM over a plan: the sampled output and the KL part T (B, H); the backward draws the same
+    noise again tile by tile and stores nothing of size S_q × S_k."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, prior, logit, sweeps, score_scale, sampling, masks, config):
+        call = _Call(q, k, v, sweeps, score_scale, masks, config, sampling, prior, logit)
+        out, c, r = _forward(call, sweeps)
+        part = call.kl_rows[2].sum(-1) if call.kl else torch.zeros(q.shape[:2], dtype=call.stats, device=q.device)
+        rows = [*call.kl_rows[:2], *(call.mix_rows if call.mix else ())]
+        ctx.save_for_backward(out, c, r, *rows)
+        ctx.call, ctx.sweeps, ctx.prior_shape = call, sweeps, None if prior is None else prior.shape
+        if logit is not None:
+            ctx.u = torch.sigmoid(logit.detach().to(call.stats))
+        if not call.kl:
+            ctx.mark_non_differentiable(part)
+        return out, part
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_part):
+        call, sweeps = ctx.call, ctx.sweeps
+        out, c, r, *rows = ctx.saved_tensors
+        kl_rows, mix_rows = (rows[:2], rows[2:]) if call.kl else ((), rows)
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        b, h, _, s_q, s_k, _, _ = call.shape
+        kl, dprior, mix, dlogit = None, None, None, None
+        if call.kl and grad_part is not None:
+            kl = (*kl_rows, grad_part.to(call.stats).contiguous(), torch.zeros(b, h, s_k, dtype=call.stats, device=out.device))
+        if call.mix:
+            mix = (*mix_rows, torch.zeros(b, h, s_q, dtype=call.stats, device=out.device))
+        dq, dk, dv = _backward(call, sweeps, out, (c, r), grad_out, kl, mix)
+        if kl is not None and ctx.needs_input_grad[3]:
+            dprior = kl[3].unsqueeze(2).sum_to_size(ctx.prior_shape)
+        if mix is not None:
+            dlogit = mix[2].sum((0, 2)) * ctx.u * (1 - ctx.u)
+        return dq, dk, dv, dprior, dlogit, None, None, None, None, None
+
+
+def bam_attention(q, k, v, sampling, sweeps=1, score_scale=1.0, prior=None, masks=None, config=None,
+                  hybrid_logit=None):
+    """BAM's sampled attention over the plan with `sweeps` (0 softmax, 1 DNAS, N Sinkhorn-N), or
+    over HNAS with its gate logits `hybrid_logit (H,)` (sweeps 1): (output (B, H, S_q, d_v),
+    T (B, H)), T the KL term's score-dependent part (`Sampling`; zeros without a KL term),
+    differentiable in q, k, v, the prior's values `prior` (broadcastable to (B, H, 1, S_k)) and
+    the gate logits. The noise is drawn in the kernels from `sampling.seed`: the same ε as the
+    tiles' and the CPU loop's for that seed (`counter_noise`)."""
+    if not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling must be a plans.Sampling, got {type(sampling).__name__}")
+    if hybrid_logit is not None:
+        if sweeps != 1:
+            raise ValueError(f"HNAS mixes DNAS (one sweep) with softmax: sweeps must be 1, got {sweeps}")
+        if hybrid_logit.dim() != 1 or hybrid_logit.shape[0] != q.shape[1]:
+            raise ValueError(f"hybrid_logit must have one gate per query head, shape ({q.shape[1]},), "
+                             f"got {tuple(hybrid_logit.shape)}")
+    return _BamAttention.apply(q, k, v, prior, hybrid_logit, sweeps, score_scale, sampling, masks or Masks(), config)

@@ -1,0 +1,239 @@
+"""BAM's sampling in the kernels of the plans (Fan et al. 2020; docs/kernels.md): the
+counter-based draws of probattn-sys/csrc/noise.cpp, bit for bit, the noise term, the KL term's
+gradient per tile, HNAS's log-weights as a base, and what a call says about them (`Sampling`,
+`counter_noise`)."""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+# ---------------------------------------------------------------------------------------------
+# BAM's draws: the counter-based generator of probattn-sys/csrc/noise.cpp, bit for bit. Entry
+# (b, h, i, j) of a (B, H, S_q, S_k) score tensor has the position e = ((b·H + h)·S_q + i)·S_k + j
+# and the 32 bits hash(hash(low(e) ^ hash(high(e) ^ seed_hi)) ^ seed_lo); float64 draws are
+# (bits + 1/2) / 2^32, float32 draws (bits >> 9 + 1/2) / 2^23 (exact in float32, below 1). Where
+# every position is below 2^32 (WIDE off), high(e) is 0 and its hash one number per program.
+
+
+@triton.jit
+def _hash32(x):
+    """C. Wellons' two-round integer hash of uint32 values (noise.cpp's hash32)."""
+    x = x ^ (x >> 16)
+    x = x * 0x21F0AAAD
+    x = x ^ (x >> 15)
+    x = x * 0xD35A2D97
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _uniform(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, WIDE: tl.constexpr, DRAW64: tl.constexpr):
+    """ε ~ U(0, 1) of the tile (offs_m × offs_n) of (batch b, query head h): float64 from 32 bits
+    (DRAW64) or float32 from 23. SEED holds the seed's low and high 32-bit words (int64)."""
+    seed_lo = tl.load(SEED).to(tl.uint32)
+    seed_hi = tl.load(SEED + 1).to(tl.uint32)
+    e = ((b * H + h).to(tl.int64) * S_Q + offs_m[:, None].to(tl.int64)) * S_K + offs_n[None, :].to(tl.int64)
+    low = (e & 0xFFFFFFFF).to(tl.uint32)
+    if WIDE:
+        high = _hash32((e >> 32).to(tl.uint32) ^ seed_hi)
+    else:
+        high = _hash32(seed_hi)
+    bits = _hash32(_hash32(low ^ high) ^ seed_lo)
+    if DRAW64:
+        return (bits.to(tl.float64) + 0.5) * 2.3283064365386963e-10  # 2^-32
+    else:
+        return ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
+
+
+@triton.jit
+def _erfinv(y):
+    """The inverse error function of float64 values in (−1, 1), operation for operation as ATen's
+    calc_erfinv (ATen/native/Math.h), which the CPU's `at::erfinv` maps over its inputs: a rational
+    first guess, then two Newton steps."""
+    central = tl.abs(y) <= 0.7
+    z = y * y
+    num = ((-0.140543331 * z + 0.914624893) * z + -1.645349621) * z + 0.886226899
+    dem = (((0.012229801 * z + -0.329097515) * z + 1.442710462) * z + -2.118377725) * z + 1.0
+    inner = y * num / dem
+    w = tl.sqrt(-tl.log((1.0 - tl.abs(y)) / 2.0))
+    num = ((1.641345311 * w + 3.429567803) * w + -1.624906493) * w + -1.970840454
+    dem = (1.6370678 * w + 3.5438892) * w + 1.0
+    outer = tl.where(y < 0, -tl.abs(num), tl.abs(num)) / dem  # copysign(num, y) / dem
+    x = tl.where(central, inner, outer)
+    x = x - (tl.erf(x) - y) / (1.1283791670955126 * tl.exp(-x * x))  # 2/sqrt(pi)
+    return x - (tl.erf(x) - y) / (1.1283791670955126 * tl.exp(-x * x))
+
+
+@triton.jit
+def _epsilon(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE: tl.constexpr, WIDE: tl.constexpr,
+             DRAW64: tl.constexpr):
+    """The eager path's ε of a tile: uniform (NOISE 1, Weibull) in the draws' dtype, or standard
+    normal (NOISE 2, Lognormal) in float64, sqrt(2)·erfinv(2u − 1) as noise.cpp forms it."""
+    u = _uniform(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, WIDE, DRAW64)
+    if NOISE == 2:
+        return _erfinv(u.to(tl.float64) * 2.0 - 1.0) * 1.4142135623730951
+    else:
+        return u
+
+
+@triton.jit
+def _noise(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE: tl.constexpr, WIDE: tl.constexpr,
+           DRAW64: tl.constexpr, ACC: tl.constexpr):
+    """BAM's noise term of a tile in ACC: (1/k)·log(−log(1 − ε)) for Weibull (1 − ε is exact: ε
+    lies on the 2^-24 or 2^-33 grid), σ·ε for Lognormal; `noise_scale` is 1/k or σ."""
+    eps = _epsilon(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE, WIDE, DRAW64)
+    if NOISE == 1:
+        eps = tl.log(-tl.log(1.0 - tl.maximum(eps, 1.1754943508222875e-38)))  # FLT_MIN, as noise.cpp's clamp
+    return eps.to(ACC) * noise_scale
+
+
+@triton.jit
+def _draws(OUT, SEED, H, S_Q, S_K, ROW0, ROWS, NOISE: tl.constexpr, WIDE: tl.constexpr, DRAW64: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """ε of rows [ROW0, ROW0 + ROWS) of a (B, H, S_q, S_k) score tensor, laid out (B, H, ROWS,
+    S_k) in OUT's dtype: what noise.cpp's `counter_noise` returns for those rows."""
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    local = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = ROW0 + local
+    for start_n in range(0, S_K, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        eps = _epsilon(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE, WIDE, DRAW64)
+        at = OUT + (bh.to(tl.int64) * ROWS + local[:, None]) * S_K + offs_n[None, :]
+        tl.store(at, eps.to(OUT.dtype.element_ty), mask=(local[:, None] < ROWS) & (offs_n[None, :] < S_K))
+
+
+@triton.jit
+def _weights(y, ok, r, SEED, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE: tl.constexpr,
+             WIDE: tl.constexpr, DRAW64: tl.constexpr, ACC: tl.constexpr):
+    """A tile's weights recomputed from its logits y and its row statistic r: exp(y + n − r), n
+    BAM's noise term (none without NOISE), exactly 0 where excluded."""
+    x = y
+    if NOISE > 0:
+        x = y + _noise(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, WIDE, DRAW64, ACC)
+    return tl.where(ok, tl.exp(tl.where(ok, x - r[:, None], 0.0)), 0.0)
+
+
+@triton.jit
+def _prior(PRIOR, b, h, offs_n, S_K, stride_pb, stride_ph, stride_pn):
+    """The prior's per-key values a_j of (batch b, query head h), through their strides."""
+    return tl.load(PRIOR + b * stride_pb + h * stride_ph + offs_n * stride_pn, mask=offs_n < S_K, other=0.0)
+
+
+@triton.jit
+def _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL, stride_pb, stride_ph, stride_pn,
+             stride_rb, stride_rh, KL: tl.constexpr, ACC: tl.constexpr):
+    """The KL part's gradient on one tile: in the logits y, dkl·(∂T/∂log π − π·Σ_j ∂T/∂log π)
+    (π = exp(y − RB_i) the base's weights, KS_i = Σ_j ∂T/∂log π_ij from the row pass), and in
+    the prior's values, dkl·Σ_i ∂T/∂a_j over the tile's queries. T is Σ a_j log π_ij (KL 1,
+    Weibull) or Σ (log π_ij − a_j)² (KL 2, Lognormal), over the allowed entries."""
+    ok = ok & (y > float("-inf"))  # an additive mask's -inf entries are excluded pairs
+    dkl = tl.load(DKL + b * H + h).to(ACC)
+    rb = tl.load(RB + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+    ks = tl.load(KS + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+    a = _prior(PRIOR, b, h, offs_n, S_K, stride_pb, stride_ph, stride_pn).to(ACC)
+    log_pi = y - rb[:, None]
+    pi = tl.where(ok, tl.exp(tl.where(ok, log_pi, 0.0)), 0.0)
+    if KL == 1:
+        dy = tl.where(ok, a[None, :] - pi * ks[:, None], 0.0)
+        da = tl.sum(tl.where(ok, log_pi, 0.0), 0)
+    else:
+        diff = tl.where(ok, log_pi - a[None, :], 0.0)
+        dy = tl.where(ok, 2.0 * diff - pi * ks[:, None], 0.0)
+        da = -2.0 * tl.sum(diff, 0)
+    return dy * dkl, da * dkl
+
+
+@triton.jit
+def _mix_shares(zd, zs, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb, stride_rh):
+    """HNAS's weights as logits, for BAM over an HNAS base: log π = log(u·π_D + (1 − u)·π_S),
+    π_D = exp(zd − RD_i) DNAS's weights (zd = z − c) and π_S = exp(zs − RS_i) softmax's, −inf where
+    excluded; with the shares w_D = u·π_D/π and w_S = (1 − u)·π_S/π and the two weights. LOGU holds
+    log u and log(1 − u) per head."""
+    rd = tl.load(RD + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+    rs = tl.load(RS + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+    log_d = tl.where(ok, zd - rd[:, None], 0.0)
+    log_s = tl.where(ok, zs - rs[:, None], 0.0)
+    part_d = tl.load(LOGU + 2 * h) + log_d
+    part_s = tl.load(LOGU + 2 * h + 1) + log_s
+    top = tl.maximum(part_d, part_s)
+    y = top + tl.log(tl.exp(part_d - top) + tl.exp(part_s - top))
+    w_d = tl.where(ok, tl.exp(part_d - y), 0.0)
+    w_s = tl.where(ok, tl.exp(part_s - y), 0.0)
+    return tl.where(ok, y, float("-inf")), w_d, w_s, tl.where(ok, tl.exp(log_d), 0.0), tl.where(ok, tl.exp(log_s), 0.0)
+
+
+class Sampling:
+    """BAM's sampling on a plan (Fan et al. 2020; docs/formulas.md §2): the weights are
+    row-softmax(y + n), y the base plan's logits, n = scale·log(−log(1 − ε)) with ε ~ U(0, 1)
+    (`noise="weibull"`, scale 1/k) or n = scale·ε with ε ~ N(0, 1) (`"lognormal"`, scale σ),
+    ε drawn by the counter-based generator keyed by `seed` (0 ≤ seed < 2^64) and the entry's
+    position, the same ε as the tiles and the CPU's loop draw for that seed. `kl`: the KL term's
+    score-dependent part T over the allowed entries, `"weibull"` (Σ a_j log π_ij, a_j the Gamma
+    prior's shape α_j) or `"lognormal"` (Σ (log π_ij − a_j)², a_j = μ_p,j + σ²/2), None for none;
+    π = exp(y − LSE_j y) are the base's weights. The rest of the KL (per-key and per-row terms,
+    the averaging) is the caller's, as for the tiles (src/attention/tiled.rs)."""
+
+    NOISES = {"weibull": 1, "lognormal": 2}
+
+    def __init__(self, noise, scale, seed, kl=None):
+        if noise not in self.NOISES:
+            raise ValueError(f"noise must be one of {sorted(self.NOISES)}, got {noise!r}")
+        if kl is not None and kl not in self.NOISES:
+            raise ValueError(f"kl must be None or one of {sorted(self.NOISES)}, got {kl!r}")
+        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"the noise scale (1/k or sigma) must be positive and finite, got {scale!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 64:
+            raise ValueError(f"seed must be an integer in [0, 2^64), got {seed!r}")
+        self.noise, self.scale, self.seed, self.kl = noise, float(scale), seed, kl
+
+
+def _seed_words(seed, device):
+    """The seed's low and high 32-bit words, as the kernels read them."""
+    return torch.tensor([seed & 0xFFFFFFFF, seed >> 32], dtype=torch.int64, device=device)
+
+
+def _prior_values(prior, shape, dtype, device):
+    """The prior's per-key values broadcast to (B, H, S_k) through stride-0 views, and their strides."""
+    b, h, _, s_k = shape
+    if not isinstance(prior, torch.Tensor) or not prior.is_floating_point() or prior.dim() > 4:
+        got = f"{prior.dtype} of rank {prior.dim()}" if isinstance(prior, torch.Tensor) else type(prior).__name__
+        raise ValueError(f"prior must be a floating-point tensor broadcastable to ({b}, {h}, 1, {s_k}), got {got}")
+    own = prior.detach().to(device=device, dtype=dtype)
+    own = own.reshape((1,) * (4 - own.dim()) + tuple(own.shape))
+    if own.shape[2] != 1:
+        raise ValueError(f"prior has shape {tuple(prior.shape)}: one value per key, (B, H, 1, S_k), not per query")
+    try:
+        wide = own.expand(b, h, 1, s_k)[:, :, 0]
+    except RuntimeError:
+        raise ValueError(f"prior of shape {tuple(prior.shape)} does not broadcast to ({b}, {h}, 1, {s_k})") from None
+    if not bool(torch.isfinite(wide).all()):
+        raise ValueError("prior holds a NaN or an infinite value")
+    return wide, wide.stride()
+
+
+def counter_noise(shape, seed, noise, precision, rows=None, device="cpu", wide=None, block=(16, 64)):
+    """The counter-based draws ε of rows `rows` (a range; all by default) of a (B, H, S_q, S_k)
+    score tensor `shape`, drawn by the kernels' own generator, (B, H, len(rows), S_k) in
+    `precision` (torch.float32: 23-bit draws; torch.float64: 32-bit): uniform for `noise`
+    "weibull", standard normal for "lognormal", as noise.cpp's `counter_noise` returns them.
+    `wide`: take the position's high word into the hash everywhere (True) or nowhere (False);
+    by default where some position reaches 2^32, as the attention kernels do (the two agree
+    wherever every position is below 2^32)."""
+    b, h, s_q, s_k = shape
+    rows = range(s_q) if rows is None else rows
+    if noise not in Sampling.NOISES:
+        raise ValueError(f"noise must be one of {sorted(Sampling.NOISES)}, got {noise!r}")
+    if precision not in (torch.float32, torch.float64):
+        raise ValueError(f"precision must be torch.float32 or torch.float64, got {precision}")
+    if rows.step != 1 or rows.start < 0 or rows.stop > s_q:
+        raise ValueError(f"rows must be a contiguous range inside [0, {s_q}), got {rows}")
+    out = torch.empty(b, h, len(rows), s_k, dtype=precision, device=device)
+    if len(rows) and s_k:
+        wide = b * h * s_q * s_k > 2 ** 32 if wide is None else wide
+        _draws[(triton.cdiv(len(rows), block[0]), b * h)](
+            out, _seed_words(seed, device), h, s_q, s_k, rows.start, len(rows), NOISE=Sampling.NOISES[noise],
+            WIDE=wide, DRAW64=precision == torch.float64, BLOCK_M=block[0], BLOCK_N=block[1])
+    return out

@@ -1,0 +1,349 @@
+"""The passes of the plans with 0 or 1 sweeps (softmax, DNAS, HNAS, and BAM over them): the column
+pass, the row pass, and the recomputed backward's key and query passes
+(`probattn_tools.kernels.plans` describes them; `launch` arguments are passed by name)."""
+
+import triton
+import triton.language as tl
+
+from probattn_tools.kernels.bam import _kl_tile, _mix_shares, _noise, _prior, _weights
+from probattn_tools.kernels.tiles import (FLOOR, _accumulate, _allowed, _block, _finish_row, _live, _lse_fold,
+                                          _lse_value, _scores)
+
+
+@triton.jit
+def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
+                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+                 stride_cb, stride_ch, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb,
+                 stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                 H, GROUP, S_Q, S_K, D, SCALE,
+                 HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ACC: tl.constexpr, DOT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """c_j = LSE_i z_ij over the allowed queries, one key block per program (axis 0), one
+    (batch, query head) per axis 1. A key with no allowed query gets FLOOR (never read)."""
+    scale = tl.load(SCALE).to(ACC)
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _block(K, b, h // GROUP, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
+    m = tl.full([BLOCK_N], FLOOR, dtype=ACC)
+    l = tl.zeros([BLOCK_N], dtype=ACC)
+    for start_m in range(0, S_Q, BLOCK_M):
+        if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+                 HAS_MASK):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
+            z = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
+                        HAS_BIAS, ACC, DOT)  # (BLOCK_M, BLOCK_N)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
+                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+            m, l = _lse_fold(m, l, tl.where(ok, z, float("-inf")), 0)
+    c = _lse_value(m, l, FLOOR)
+    tl.store(C + b * stride_cb + h * stride_ch + offs_n, c, mask=offs_n < S_K)
+
+
+@triton.jit
+def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, SEED, PRIOR, RB, KS, TROW, RD, RS, LOGU,
+              stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+              stride_ob, stride_oh, stride_os, stride_cb, stride_ch, stride_rb, stride_rh, stride_qpad, stride_kpad,
+              stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab,
+              stride_ah, stride_am, stride_an, stride_pb, stride_ph, stride_pn,
+              H, GROUP, S_Q, S_K, D, DV, SCALE,
+              SWEEPS: tl.constexpr, HYBRID: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr,
+              HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, NOISE: tl.constexpr, KL: tl.constexpr,
+              WIDE: tl.constexpr, DRAW64: tl.constexpr, MIX: tl.constexpr,
+              CAUSAL: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """O_i = Σ_j p_ij v_j and r_i = LSE_j (z_ij − c_j), one query block per program. HYBRID (HNAS)
+    keeps softmax's accumulators beside the plan's over the same tiles, one load of each key and
+    value block for both, and writes softmax's output and row statistic to O2 and R2 (laid out as
+    O and R).
+
+    BAM (NOISE 1 Weibull, 2 Lognormal): the weights are row-softmax(y + n), y = z − c the base's
+    logits and n the noise term drawn in the tile, and r_i is their log-sum-exp. With a KL term
+    (KL 1 or 2) the same pass keeps the base's row log-sum-exp RB_i = LSE_j y_ij (π = exp(y − RB))
+    and writes, per row, the KL part TROW_i (T = Σ_i TROW_i, `_kl_tile`) and KS_i = Σ_j ∂T/∂log
+    π_ij: for Weibull Σ_j a_j y_ij − RB_i Σ_j a_j; for Lognormal Σ_j (y_ij − a_j − RB_i)² from
+    sums of y − a − m_i, m_i the running maximum of y, re-centred as m_i grows (so that the sums
+    do not cancel). MIX (BAM over HNAS): the base's logits are HNAS's log-weights (`_mix_shares`,
+    from DNAS's and softmax's row statistics RD and RS of an earlier pass)."""
+    scale = tl.load(SCALE).to(ACC)
+    noise_scale = tl.load(SCALE + 1).to(ACC)
+    start_m = tl.program_id(0) * BLOCK_M
+    start_m0 = start_m
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    kvh = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
+    m = tl.full([BLOCK_M], FLOOR, dtype=ACC)
+    l = tl.zeros([BLOCK_M], dtype=ACC)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
+    m2 = tl.full([BLOCK_M], FLOOR, dtype=ACC)
+    l2 = tl.zeros([BLOCK_M], dtype=ACC)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
+    mb = tl.full([BLOCK_M], FLOOR, dtype=ACC)  # the base's running maximum and sum (KL)
+    lb = tl.zeros([BLOCK_M], dtype=ACC)
+    t0 = tl.zeros([BLOCK_M], dtype=ACC)  # Weibull: Σ a_j; Lognormal: the allowed keys
+    t1 = tl.zeros([BLOCK_M], dtype=ACC)  # Weibull: Σ a_j y_ij; Lognormal: Σ (y − a − m)
+    t2 = tl.zeros([BLOCK_M], dtype=ACC)  # Lognormal: Σ (y − a − m)²
+    end_n = S_K
+    if CAUSAL:
+        end_n = tl.minimum(S_K, start_m + BLOCK_M)  # blocks wholly above the diagonal are skipped
+    for start_n in range(0, end_n, BLOCK_N):
+        if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+                 HAS_MASK):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
+            v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
+                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+            z0 = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
+                         HAS_BIAS, ACC, DOT)
+            z = z0
+            if SWEEPS > 0:
+                c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+                z = z0 - c[None, :]
+            if MIX:
+                ok = ok & (z0 > float("-inf"))
+                z, _, _, _, _ = _mix_shares(z, z0, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb, stride_rh)
+            y = tl.where(ok, z, float("-inf"))
+            x = y
+            if NOISE > 0:
+                n = _noise(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, WIDE, DRAW64, ACC)
+                x = tl.where(ok, z + n, float("-inf"))
+            m, l, acc = _accumulate(m, l, acc, x, v, ACC, DOT)
+            if HYBRID:
+                m2, l2, acc2 = _accumulate(m2, l2, acc2, tl.where(ok, z0, float("-inf")), v, ACC, DOT)
+            if KL > 0:
+                ok = ok & (z > float("-inf"))  # an additive mask's -inf entries are excluded pairs
+                a = _prior(PRIOR, b, h, offs_n, S_K, stride_pb, stride_ph, stride_pn).to(ACC)
+                m_old = mb
+                mb, lb = _lse_fold(mb, lb, y, 1)
+                if KL == 1:
+                    t0 += tl.sum(tl.where(ok, a[None, :], 0.0), 1)
+                    t1 += tl.sum(a[None, :] * tl.where(ok, z, 0.0), 1)
+                else:
+                    shift = tl.where(t0 > 0, mb - m_old, 0.0)
+                    t2 = t2 - 2.0 * shift * t1 + t0 * shift * shift
+                    t1 = t1 - t0 * shift
+                    w = tl.where(ok, z - a[None, :] - mb[:, None], 0.0)
+                    t0 += tl.sum(ok.to(ACC), 1)
+                    t1 += tl.sum(w, 1)
+                    t2 += tl.sum(w * w, 1)
+    _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb, stride_rh)
+    if KL > 0:
+        rb = _lse_value(mb, lb, 0.0)
+        if KL == 1:
+            trow = t1 - rb * t0
+            ks = t0
+        else:
+            d = tl.where(t0 > 0, rb - mb, 0.0)
+            trow = t2 - 2.0 * d * t1 + t0 * d * d
+            ks = 2.0 * (t1 - t0 * d)
+        at = b * stride_rb + h * stride_rh + offs_m
+        tl.store(RB + at, rb, mask=offs_m < S_Q)
+        tl.store(KS + at, ks, mask=offs_m < S_Q)
+        tl.store(TROW + at, trow, mask=offs_m < S_Q)
+    if HYBRID:
+        _finish_row(O2, R2, acc2, m2, l2, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb,
+                    stride_rh)
+
+
+@triton.jit
+def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, BLOCKS, BIAS, SEED, PRIOR, RB, KS, DKL,
+              DA, RD, RS, LOGU, RHO_D, RHO_S, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+              stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
+              stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_qpad, stride_kpad,
+              stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab,
+              stride_ah, stride_am, stride_an, stride_pb, stride_ph, stride_pn,
+              H, H_KV, GROUP, S_Q, S_K, D, DV, SCALE,
+              SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
+              HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, NOISE: tl.constexpr, KL: tl.constexpr,
+              WIDE: tl.constexpr, DRAW64: tl.constexpr, MIX: tl.constexpr,
+              GRADS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One key block of one (batch, key/value head) per program, over its group's query heads
+    and every query block: dV, dK (with DNAS's correction), g_j per query head (for the query
+    pass) and, with GRADS off, only the received mass Σ_i p_ij per query head. BAM's noise is
+    drawn again in each tile; with a KL term its part joins dS¹ and the prior's gradient DA
+    (per query head, laid out as C) is summed over the queries. MIX (BAM over HNAS): dS¹ is the
+    gradient in HNAS's log-weights, split between the branches by their shares (`_mix_shares`)
+    with the per-row sums RHO_D and RHO_S of `_query_pass`'s ROWS stage; DNAS's branch takes the
+    column correction."""
+    scale = tl.load(SCALE).to(ACC)
+    noise_scale = tl.load(SCALE + 1).to(ACC)
+    start_n = tl.program_id(0) * BLOCK_N
+    start_n0 = start_n
+    bk = tl.program_id(1)
+    b, kvh = bk // H_KV, bk % H_KV
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
+    v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
+    start_m0 = 0
+    if CAUSAL:
+        start_m0 = (start_n // BLOCK_M) * BLOCK_M  # query blocks wholly above the diagonal see none of these keys
+    for i in range(0, GROUP):
+        h = kvh * GROUP + i
+        c = tl.zeros([BLOCK_N], dtype=ACC)
+        if SWEEPS > 0:
+            c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+        g = tl.zeros([BLOCK_N], dtype=ACC)
+        mass = tl.zeros([BLOCK_N], dtype=ACC)
+        da = tl.zeros([BLOCK_N], dtype=ACC)
+        dk_main = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+        dk_corr = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+        for start_m in range(start_m0, S_Q, BLOCK_M):
+            if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+                     HAS_MASK):
+                offs_m = start_m + tl.arange(0, BLOCK_M)
+                q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
+                r = tl.load(R + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                zr = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am,
+                             stride_an, HAS_BIAS, ACC, DOT)
+                z = zr - c[None, :]
+                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
+                              CAUSAL, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                y = z
+                if MIX:
+                    ok = ok & (zr > float("-inf"))
+                    y, w_d, w_s, pi_d, pi_s = _mix_shares(z, zr, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb,
+                                                          stride_rh)
+                p = _weights(y, ok, r, SEED, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, WIDE, DRAW64,
+                             ACC)  # (BLOCK_M, BLOCK_N)
+                mass += tl.sum(p, 0)
+                if GRADS:
+                    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
+                    delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                    dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
+                    dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT)
+                    ds = p * (dp - delta[:, None])
+                    if KL > 0:
+                        dy_kl, da_tile = _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL,
+                                                  stride_pb, stride_ph, stride_pn, stride_rb, stride_rh, KL, ACC)
+                        ds += dy_kl
+                        da += da_tile
+                    dy_d = ds  # the gradient in DNAS's logits z − c
+                    if MIX:
+                        rho_d = tl.load(RHO_D + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                        rho_s = tl.load(RHO_S + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                        dy_d = w_d * ds - pi_d * rho_d[:, None]
+                        ds = dy_d + w_s * ds - pi_s * rho_s[:, None]
+                    dk_main += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
+                    if SWEEPS > 0:
+                        g += tl.sum(dy_d, 0)
+                        pc = tl.where(ok, tl.exp(tl.where(ok, z, 0.0)), 0.0)  # exp(z_ij − c_j): the column weights
+                        dk_corr += tl.dot(tl.trans(pc).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
+        if GRADS:
+            dk += dk_main - g[:, None] * dk_corr
+            if SWEEPS > 0:
+                tl.store(G + b * stride_cb + h * stride_ch + offs_n, g, mask=offs_n < S_K)
+            if KL > 0:
+                tl.store(DA + b * stride_cb + h * stride_ch + offs_n, da, mask=offs_n < S_K)
+        else:
+            tl.store(MASS + b * stride_cb + h * stride_ch + offs_n, mass, mask=offs_n < S_K)
+    if GRADS:
+        tl.store(DK + b * stride_dkb + kvh * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
+                 (dk * scale).to(DK.dtype.element_ty), mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D))
+        tl.store(DV_OUT + b * stride_dvb + kvh * stride_dvh + offs_n[:, None] * stride_dvs + offs_dv[None, :],
+                 dv.to(DV_OUT.dtype.element_ty), mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS, SEED, PRIOR, RB, KS, DKL, RD, RS, LOGU,
+                RHO_D, RHO_S, GU,
+                stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
+                stride_dqb, stride_dqh, stride_dqs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm,
+                stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                stride_pb, stride_ph, stride_pn,
+                H, GROUP, S_Q, S_K, D, DV, SCALE,
+                SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
+                HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, NOISE: tl.constexpr, KL: tl.constexpr,
+                WIDE: tl.constexpr, DRAW64: tl.constexpr, MIX: tl.constexpr, ROWS: tl.constexpr,
+                ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr,
+                BLOCK_DV: tl.constexpr):
+    """dQ_i = s Σ_j dz_ij k_j, dz_ij = dS¹_ij − exp(z_ij − c_j) g_j, one query block per program
+    (with BAM's noise in the weights and the KL part in dS¹, as in `_key_pass`). MIX (BAM over
+    HNAS) with ROWS: instead of dQ, the per-row sums the branches' gradients need, RHO_D_i =
+    Σ_j w_D dS¹ and RHO_S_i = Σ_j w_S dS¹, and GU_i = Σ_j dS¹·(π_D − π_S)/π for the gate."""
+    scale = tl.load(SCALE).to(ACC)
+    noise_scale = tl.load(SCALE + 1).to(ACC)
+    start_m = tl.program_id(0) * BLOCK_M
+    start_m0 = start_m
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    kvh = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
+    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
+    r = tl.load(R + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+    delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    rho_d = tl.zeros([BLOCK_M], dtype=ACC)
+    rho_s = tl.zeros([BLOCK_M], dtype=ACC)
+    gu = tl.zeros([BLOCK_M], dtype=ACC)
+    if MIX:
+        inv_u = tl.exp(-tl.load(LOGU + 2 * h))
+        inv_1mu = tl.exp(-tl.load(LOGU + 2 * h + 1))
+        if not ROWS:
+            rho_d = tl.load(RHO_D + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+            rho_s = tl.load(RHO_S + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+    end_n = S_K
+    if CAUSAL:
+        end_n = tl.minimum(S_K, start_m + BLOCK_M)
+    for start_n in range(0, end_n, BLOCK_N):
+        if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+                 HAS_MASK):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
+            v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
+            zr = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
+                         HAS_BIAS, ACC, DOT)
+            z = zr
+            if SWEEPS > 0:
+                c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+                z = zr - c[None, :]
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
+                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+            y = z
+            if MIX:
+                ok = ok & (zr > float("-inf"))
+                y, w_d, w_s, pi_d, pi_s = _mix_shares(z, zr, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb, stride_rh)
+            p = _weights(y, ok, r, SEED, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, WIDE, DRAW64, ACC)
+            dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT)
+            ds = p * (dp - delta[:, None])
+            if KL > 0:
+                dy_kl, _ = _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL, stride_pb, stride_ph,
+                                    stride_pn, stride_rb, stride_rh, KL, ACC)
+                ds += dy_kl
+            if ROWS:
+                rho_d += tl.sum(w_d * ds, 1)
+                rho_s += tl.sum(w_s * ds, 1)
+                gu += tl.sum(ds * (w_d * inv_u - w_s * inv_1mu), 1)
+            else:
+                if MIX:
+                    ds = w_d * ds - pi_d * rho_d[:, None] + w_s * ds - pi_s * rho_s[:, None]
+                if SWEEPS > 0:
+                    g = tl.load(G + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+                    ds -= tl.where(ok, tl.exp(tl.where(ok, z, 0.0)), 0.0) * g[None, :]
+                dq += tl.dot(ds.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
+    if ROWS:
+        at = b * stride_rb + h * stride_rh + offs_m
+        tl.store(RHO_D + at, rho_d, mask=offs_m < S_Q)
+        tl.store(RHO_S + at, rho_s, mask=offs_m < S_Q)
+        tl.store(GU + at, gu, mask=offs_m < S_Q)
+    else:
+        tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
+                 (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D))

@@ -1,0 +1,227 @@
+"""Sinkhorn-N's passes (N ≥ 2), and BAM over Sinkhorn-N in its gradient passes."""
+
+import triton
+import triton.language as tl
+
+from probattn_tools.kernels.bam import _kl_tile, _weights
+from probattn_tools.kernels.tiles import FLOOR, _allowed, _block, _live, _lse_fold, _lse_value, _tile
+
+# ---------------------------------------------------------------------------------------------
+# Sinkhorn-N (N ≥ 2): potentials per sweep t = 1..N, C^t_j = LSE_i (z_ij − R^{t−1}_i) (R^0 = 0)
+# and R^t_i = LSE_j (z_ij − C^t_j); the weights are exp(z − C^N − R^N). The backward carries
+# each potential's gradient back through the sweeps, Ḡc^N = −g (g_j = Σ_i dS¹_ij) and, for
+# t = N−1 .. 1, Ḡr^t_i = −Σ_j Ḡc^{t+1}_j κ^{t+1}_ij and Ḡc^t_j = −Σ_i Ḡr^t_i ρ^t_ij, with
+# κ^t = exp(z − R^{t−1} − C^t) and ρ^t = exp(z − C^t − R^t); then
+# dz = dS¹ + Σ_t Ḡc^t κ^t + Σ_{t<N} Ḡr^t ρ^t, formed tile by tile in the final key and query passes.
+# Potentials and their gradients are (N, B, H, S) float tensors: O(N·S) memory.
+
+
+@triton.jit
+def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
+                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_cb, stride_ch, stride_rb,
+                 stride_rh, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh,
+                 stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an, H, GROUP, S_Q, S_K, D, SCALE,
+                 COLUMNS: tl.constexpr, LSE: tl.constexpr, HAS_RPOT: tl.constexpr, HAS_QPAD: tl.constexpr,
+                 HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
+                 DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One reduction of x_ij = z_ij − RPOT_i − CPOT_j over the allowed entries, per key (COLUMNS,
+    over the queries) or per query (over the keys): with LSE, the log-sum-exp of x (a potential;
+    the potential being formed is left out of x); else −Σ COEF_other · exp(x) (a potential's
+    gradient). RPOT and CPOT are laid out as (B, H, S) statistics; RPOT absent: 0."""
+    scale = tl.load(SCALE).to(ACC)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    kvh = h // GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    if COLUMNS:
+        start_n0 = tl.program_id(0) * BLOCK_N
+        offs_n = start_n0 + tl.arange(0, BLOCK_N)
+        m = tl.full([BLOCK_N], FLOOR, dtype=ACC)
+        total = tl.zeros([BLOCK_N], dtype=ACC)
+        cpot = tl.zeros([BLOCK_N], dtype=ACC)
+        if not LSE:
+            cpot = tl.load(CPOT + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+        for start_m in range(0, S_Q, BLOCK_M):
+            if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+                     HAS_MASK):
+                offs_m = start_m + tl.arange(0, BLOCK_M)
+                z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
+                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
+                                stride_an, HAS_BIAS, ACC, DOT)
+                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
+                              False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                if HAS_RPOT:
+                    z = z - tl.load(RPOT + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)[:,
+                    None]
+                if LSE:
+                    m, total = _lse_fold(m, total, tl.where(ok, z, float("-inf")), 0)
+                else:
+                    coef = tl.load(COEF + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                    e = tl.where(ok, tl.exp(tl.where(ok, z - cpot[None, :], 0.0)), 0.0)
+                    total -= tl.sum(e * coef[:, None], 0)
+        if LSE:
+            total = _lse_value(m, total, FLOOR)
+        tl.store(OUT + b * stride_cb + h * stride_ch + offs_n, total, mask=offs_n < S_K)
+    else:
+        start_m0 = tl.program_id(0) * BLOCK_M
+        offs_m = start_m0 + tl.arange(0, BLOCK_M)
+        m = tl.full([BLOCK_M], FLOOR, dtype=ACC)
+        total = tl.zeros([BLOCK_M], dtype=ACC)
+        rpot = tl.zeros([BLOCK_M], dtype=ACC)
+        if HAS_RPOT:
+            rpot = tl.load(RPOT + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+        for start_n in range(0, S_K, BLOCK_N):
+            if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+                     HAS_MASK):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
+                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
+                                stride_an, HAS_BIAS, ACC, DOT)
+                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
+                              False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                z = z - tl.load(CPOT + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)[None, :]
+                if LSE:
+                    m, total = _lse_fold(m, total, tl.where(ok, z, float("-inf")), 1)
+                else:
+                    coef = tl.load(COEF + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+                    e = tl.where(ok, tl.exp(tl.where(ok, z - rpot[:, None], 0.0)), 0.0)
+                    total -= tl.sum(e * coef[None, :], 1)
+        if LSE:
+            total = _lse_value(m, total, 0.0)
+        tl.store(OUT + b * stride_rb + h * stride_rh + offs_m, total, mask=offs_m < S_Q)
+
+
+@triton.jit
+def _sink_dz(z, ok, dsz, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb, stride_ch, stride_tr,
+             stride_rb, stride_rh, N: tl.constexpr):
+    """dz = dS¹ + Σ_t Ḡc^t κ^t + Σ_{t<N} Ḡr^t ρ^t on one tile (z without potentials)."""
+    r_prev = tl.zeros([z.shape[0]], dtype=z.dtype)
+    for t in tl.static_range(N):
+        c = tl.load(CS + t * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+        gc = tl.load(GC + t * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+        x = z - r_prev[:, None] - c[None, :]
+        dsz += tl.where(ok, tl.exp(tl.where(ok, x, 0.0)), 0.0) * gc[None, :]
+        if t < N - 1:
+            r = tl.load(RS + t * stride_tr + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+            gr = tl.load(GR + t * stride_tr + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+            y = z - c[None, :] - r[:, None]
+            dsz += tl.where(ok, tl.exp(tl.where(ok, y, 0.0)), 0.0) * gr[:, None]
+            r_prev = r
+    return dsz
+
+
+@triton.jit
+def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPAD, MASK, BLOCKS, BIAS, SEED, PRIOR,
+                RB, KS, DKL, DA,
+                stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                stride_dob, stride_doh, stride_dos, stride_t, stride_cb, stride_ch, stride_tr, stride_rb, stride_rh,
+                stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm,
+                stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_pb, stride_ph, stride_pn,
+                H, GROUP, S_Q, S_K, D, DV, SCALE,
+                N: tl.constexpr, STAGE: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr,
+                HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, NOISE: tl.constexpr, KL: tl.constexpr,
+                WIDE: tl.constexpr, DRAW64: tl.constexpr,
+                ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Sinkhorn-N's gradient passes. STAGE 0: g_j = Σ_i dS¹_ij, one key block of one (batch, query
+    head) per program. STAGE 1: dK and dV with the whole dz, one key block of one (batch,
+    key/value head), over its group's query heads. STAGE 2: dQ, one query block of one (batch,
+    query head). p = exp(z − C^N − R^N + n), n BAM's noise term (none without NOISE); dq, dk and
+    dv are laid out as q, k and v. With a KL term its part joins dS¹ in every stage, and STAGE 0
+    also writes the prior's gradient DA."""
+    scale = tl.load(SCALE).to(ACC)
+    noise_scale = tl.load(SCALE + 1).to(ACC)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    last_c = (N - 1) * stride_t
+    last_r = (N - 1) * stride_tr
+    if STAGE < 2:
+        start_n0 = tl.program_id(0) * BLOCK_N
+        offs_n = start_n0 + tl.arange(0, BLOCK_N)
+        bk = tl.program_id(1)
+        if STAGE == 0:
+            b, kvh = bk // H, (bk % H) // GROUP
+            first, heads = bk % H, 1
+        else:
+            b, kvh = bk // (H // GROUP), bk % (H // GROUP)
+            first, heads = kvh * GROUP, GROUP
+        v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
+        for i in range(0, heads):
+            h = first + i
+            c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+            g = tl.zeros([BLOCK_N], dtype=ACC)
+            da = tl.zeros([BLOCK_N], dtype=ACC)
+            for start_m in range(0, S_Q, BLOCK_M):
+                if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm,
+                         stride_bn, HAS_MASK):
+                    offs_m = start_m + tl.arange(0, BLOCK_M)
+                    z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh,
+                                    stride_qs,
+                                    stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
+                                    stride_an, HAS_BIAS, ACC, DOT)
+                    ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
+                                  False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                    r = tl.load(RS + last_r + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                    p = _weights(z - c[None, :], ok, r, SEED, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE,
+                                 WIDE, DRAW64, ACC)
+                    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
+                    delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                    ds = p * (tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT) - delta[:, None])
+                    if KL > 0:
+                        dy_kl, da_tile = _kl_tile(z - c[None, :], ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB,
+                                                  KS, DKL, stride_pb, stride_ph, stride_pn, stride_rb, stride_rh, KL,
+                                                  ACC)
+                        ds += dy_kl
+                        da += da_tile
+                    if STAGE == 0:
+                        g += tl.sum(ds, 0)
+                    else:
+                        dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb,
+                                      stride_ch, stride_tr, stride_rb, stride_rh, N)
+                        dk += tl.dot(tl.trans(dz).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
+                        dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
+            if STAGE == 0:
+                tl.store(G + b * stride_cb + h * stride_ch + offs_n, g, mask=offs_n < S_K)
+                if KL > 0:
+                    tl.store(DA + b * stride_cb + h * stride_ch + offs_n, da, mask=offs_n < S_K)
+        if STAGE == 1:
+            tl.store(DK + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
+                     (dk * scale).to(DK.dtype.element_ty), mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D))
+            tl.store(DV_OUT + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
+                     dv.to(DV_OUT.dtype.element_ty), mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV))
+    else:
+        start_m0 = tl.program_id(0) * BLOCK_M
+        offs_m = start_m0 + tl.arange(0, BLOCK_M)
+        bh = tl.program_id(1)
+        b, h = bh // H, bh % H
+        kvh = h // GROUP
+        r = tl.load(RS + last_r + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+        do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
+        delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+        for start_n in range(0, S_K, BLOCK_N):
+            if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+                     HAS_MASK):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
+                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
+                                stride_an, HAS_BIAS, ACC, DOT)
+                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
+                              False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+                v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
+                p = _weights(z - c[None, :], ok, r, SEED, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, WIDE,
+                             DRAW64, ACC)
+                ds = p * (tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT) - delta[:, None])
+                if KL > 0:
+                    dy_kl, _ = _kl_tile(z - c[None, :], ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL,
+                                        stride_pb, stride_ph, stride_pn, stride_rb, stride_rh, KL, ACC)
+                    ds += dy_kl
+                dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb, stride_ch,
+                              stride_tr, stride_rb, stride_rh, N)
+                dq += tl.dot(dz.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
+        tl.store(DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                 (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D))

@@ -1,0 +1,123 @@
+"""What every kernel of the plans shares: which pairs of a tile take part, loading blocks, the
+scores with the additive mask, the block map, and online log-sum-exps (`probattn_tools.kernels.plans`
+describes the kernels)."""
+
+import triton
+import triton.language as tl
+
+
+# A finite floor for the running maxima: a fully masked block then leaves them finite, and
+# exp(-inf − floor) is exactly 0 where exp(-inf − -inf) would be NaN.
+FLOOR = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
+             HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, CAUSAL: tl.constexpr,
+             h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK: tl.constexpr):
+    """(BLOCK_M, BLOCK_N): which (query, key) pairs of the tile take part. MASK: a boolean
+    pattern broadcast to (B, H, S_q, S_k) through its strides (0 on broadcast dimensions),
+    nonzero where the pair takes part."""
+    ok = (offs_m[:, None] < S_Q) & (offs_n[None, :] < S_K)
+    if HAS_MASK:
+        at = MASK + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
+        pattern = tl.load(at,
+                          mask=ok, other=0)
+        ok = ok & (pattern != 0)
+    if HAS_QPAD:
+        qpad = tl.load(QPAD + b * stride_qpad + offs_m, mask=offs_m < S_Q, other=1)
+        ok = ok & (qpad[:, None] == 0)
+    if HAS_KPAD:
+        kpad = tl.load(KPAD + b * stride_kpad + offs_n, mask=offs_n < S_K, other=1)
+        ok = ok & (kpad[None, :] == 0)
+    if CAUSAL:
+        ok = ok & (offs_n[None, :] <= offs_m[:, None])
+    return ok
+
+
+@triton.jit
+def _block(P, b, h, offs, cols, n, width, stride_b, stride_h, stride_s):
+    """Rows `offs` (< n) and columns `cols` (< width) of head h of batch b of a (B, H, S, width)
+    tensor laid out by its strides; zeros outside."""
+    return tl.load(P + b * stride_b + h * stride_h + offs[:, None] * stride_s + cols[None, :],
+                   mask=(offs[:, None] < n) & (cols[None, :] < width), other=0.0)
+
+
+@triton.jit
+def _biased(z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
+            HAS_BIAS: tl.constexpr):
+    """z plus the additive float mask's tile (broadcast through its strides), when there is one;
+    its -inf entries exclude their pairs."""
+    if HAS_BIAS:
+        bias = tl.load(BIAS + b * stride_ab + h * stride_ah + offs_m[:, None] * stride_am + offs_n[None, :] * stride_an,
+                       mask=(offs_m[:, None] < S_Q) & (offs_n[None, :] < S_K), other=0.0)
+        z = z + bias.to(z.dtype)
+    return z
+
+
+@triton.jit
+def _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
+            HAS_BIAS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
+    """z = s·q kᵀ for one tile, plus the additive mask's tile when there is one."""
+    z = tl.dot(q, tl.trans(k), out_dtype=ACC, input_precision=DOT) * scale
+    return _biased(z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS)
+
+
+@triton.jit
+def _live(BLOCKS, b, h, mb, nb, stride_bb, stride_bh, stride_bm, stride_bn, HAS_MASK: tl.constexpr):
+    """Whether tile (mb, nb) of (batch b, head h) holds an allowed entry of the pattern: the block
+    map (`_Call`) lets every pass skip the tiles a pattern wholly excludes, as FlexAttention's block
+    masks do. Always true without a pattern."""
+    if HAS_MASK:
+        return tl.load(BLOCKS + b * stride_bb + h * stride_bh + mb * stride_bm + nb * stride_bn) != 0
+    else:
+        return True
+
+
+@triton.jit
+def _lse_fold(m, l, z, AXIS: tl.constexpr):
+    """One block of an online log-sum-exp along AXIS: the running maximum m and the sum l of
+    exp(x − m), updated with the block z (−inf where excluded)."""
+    m_new = tl.maximum(m, tl.max(z, AXIS))
+    return m_new, l * tl.exp(m - m_new) + tl.sum(tl.exp(z - tl.expand_dims(m_new, AXIS)), AXIS)
+
+
+@triton.jit
+def _lse_value(m, l, EMPTY: tl.constexpr):
+    """The log-sum-exp an online fold reached; EMPTY where nothing was allowed (l = 0)."""
+    return tl.where(l > 0, m + tl.log(tl.where(l > 0, l, 1.0)), EMPTY)
+
+
+@triton.jit
+def _accumulate(m, l, acc, z, v, ACC: tl.constexpr, DOT: tl.constexpr):
+    """One key block of the row pass's online softmax: the running maximum, sum and value
+    accumulator, updated with the logits z (−inf where excluded) and the value block v."""
+    m_new = tl.maximum(m, tl.max(z, 1))
+    p = tl.exp(z - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC, input_precision=DOT)
+    return m_new, l * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb, stride_rh):
+    """Writes a row pass's output acc / l and its row statistic m + log l (0 for an empty row,
+    whose statistic is never read)."""
+    has = l > 0
+    out = acc / tl.where(has, l, 1.0)[:, None]
+    r = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), 0.0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_dv[None, :],
+             out.to(O.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < DV))
+    tl.store(R + b * stride_rb + h * stride_rh + offs_m, r, mask=offs_m < S_Q)
+
+
+@triton.jit
+def _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh,
+          stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
+          DOT: tl.constexpr):
+    """z = s·q kᵀ (plus the additive mask) for one (query block, key block) tile, and the q and k
+    blocks."""
+    q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
+    k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
+    return _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
+                   HAS_BIAS, ACC, DOT), q, k

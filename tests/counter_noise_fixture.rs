@@ -1,0 +1,92 @@
+//! The counter-based draws of BAM's memory-efficient path, recorded: a few slices of the CPU
+//! loop's output (`probattn-sys/csrc/noise.cpp`) for both noise kinds and both draw precisions,
+//! on both sides of the counter's 2^32 shortcut, kept in
+//! `python/probattn_tools/kernels/counter_noise.json`. The Triton kernels draw BAM's noise from
+//! the same hash; `python -m probattn_tools.kernels.check` compares their draws with this record
+//! bit for bit, on the CPU under Triton's interpreter and on a GPU, where no Rust runs. This test
+//! keeps the record true: it recomputes every value and requires the same bits.
+//!
+//! `PROBATTN_WRITE_FIXTURE=1 cargo test -p probattn --test counter_noise_fixture` rewrites the
+//! record (after a deliberate change of the draws).
+
+use std::path::PathBuf;
+
+use anyhow::{bail, ensure, Context, Result};
+use probattn::normalize::BamKind;
+use probattn::tiled::counter_noise_rows;
+use serde_json::{json, Value};
+use tch::{Device, Kind};
+
+fn record() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/probattn_tools/kernels/counter_noise.json")
+}
+
+/// (noise, precision, shape, seed, rows, columns kept). The small shapes hold fewer than 2^32
+/// entries (the shortcut: one hash of the seed's high word); the large ones more, and their
+/// slices lie past position 2^32, where the position's high word enters the hash.
+fn slices() -> Vec<(&'static str, Kind, [i64; 4], u64, std::ops::Range<i64>, Vec<i64>)> {
+    let mut out = Vec::new();
+    let small = [2, 3, 5, 7];
+    let large = [1, 2, 1 << 21, 1 << 12];
+    let some: Vec<i64> = (0..1 << 12).step_by(331).chain([(1 << 12) - 1]).collect();
+    for noise in ["weibull", "lognormal"] {
+        for kind in [Kind::Float, Kind::Double] {
+            out.push((noise, kind, small, 7, 0..5, (0..7).collect()));
+            out.push((noise, kind, small, 0x9e37_79b9_7f4a_7c15, 1..4, (0..7).collect()));
+            out.push((noise, kind, large, 0x0123_4567_89ab_cdef, (1 << 21) - 2..1 << 21, some.clone()));
+        }
+    }
+    out
+}
+
+fn draws() -> Result<Value> {
+    let mut cases = Vec::new();
+    for (noise, kind, shape, seed, rows, columns) in slices() {
+        let bam = if noise == "weibull" { BamKind::WeibullFixed } else { BamKind::LognormalFixed };
+        let block = counter_noise_rows(bam, shape, seed, (kind, Device::Cpu), rows.clone(), false)?;
+        let picked = block.index_select(3, &tch::Tensor::from_slice(&columns)).to_kind(Kind::Double).flatten(0, -1);
+        let values: Vec<f64> = Vec::<f64>::try_from(&picked)?;
+        cases.push(json!({
+            "noise": noise,
+            "precision": if kind == Kind::Float { "float32" } else { "float64" },
+            "shape": shape,
+            "seed": seed,
+            "rows": [rows.start, rows.end],
+            "columns": columns,
+            "bits": values.iter().map(|v| format!("{:016x}", v.to_bits())).collect::<Vec<_>>(),
+        }));
+    }
+    Ok(json!({
+        "what": "BAM's counter-based draws ε (uniform for Weibull, normal for Lognormal), as the CPU loop of \
+                 probattn-sys/csrc/noise.cpp returns them, each value's float64 bits in hex, laid out \
+                 (B, H, rows, columns)",
+        "regenerate": "PROBATTN_WRITE_FIXTURE=1 cargo test -p probattn --test counter_noise_fixture",
+        "cases": cases,
+    }))
+}
+
+#[test]
+fn the_recorded_draws_are_the_cpu_loops() -> Result<()> {
+    let now = draws()?;
+    let path = record();
+    if std::env::var_os("PROBATTN_WRITE_FIXTURE").is_some() {
+        std::fs::write(&path, serde_json::to_string_pretty(&now)? + "\n")?;
+        return Ok(());
+    }
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let kept: Value = serde_json::from_str(&text)?;
+    let (kept, now) = (&kept["cases"], &now["cases"]);
+    ensure!(kept.as_array().map(Vec::len) == now.as_array().map(Vec::len), "the record has another number of slices");
+    for (i, (a, b)) in kept.as_array().into_iter().flatten().zip(now.as_array().into_iter().flatten()).enumerate() {
+        if a != b {
+            let differing = a["bits"].as_array().zip(b["bits"].as_array()).map(|(x, y)| x.iter().zip(y).filter(|(p, q)| p != q).count());
+            bail!(
+                "slice {i} ({} {} seed {}): the CPU loop no longer draws the recorded values ({differing:?} differ)",
+                b["noise"],
+                b["precision"],
+                b["seed"]
+            );
+        }
+    }
+    Ok(())
+}
