@@ -4,7 +4,7 @@
 //! HNAS's gate logits, for softmax, DNAS, HNAS and Sinkhorn-N, under every mask layout (none, key
 //! padding with a fully padded sequence, query padding, a boolean (B, H, S_q, S_k) pattern with
 //! fully excluded rows and columns, causal for softmax), at tile sizes that do and do not divide
-//! S_q; and BAM's five variants over three bases, sampled with the same counter-based draws on
+//! S_q; and BAM's five variants over four bases, sampled with the same counter-based draws on
 //! both paths, with their KL terms and the gradients of the contextual prior's parameters.
 
 mod common;
@@ -273,14 +273,13 @@ fn a_layer_with_tiles_equals_the_layer_without() -> Result<()> {
             ensure!(max_diff(a, b) <= 1e-10, "{variant:?}: gradient of {name} differs by {}", max_diff(a, b));
         }
     }
-    // What has no tiled form, or cannot be tiled, is refused by name.
+    // BAM sampling over an HNAS base tiles too; what cannot be tiled is refused by name.
     let vs = nn::VarStore::new(Device::Cpu);
     let mut cfg = MhaConfig::new(16, 4).with_variant(Variant::Bam(BamKind::WeibullContextual)).with_tile(4);
     cfg.normalizer.bam.base = Variant::Hnas;
     let mha = MultiHeadAttention::new(&vs.root(), cfg)?;
     let x = x.to_kind(Kind::Float);
-    let m = mha.forward_t(&MhaInput::self_attention(&x), true).err().map(|e| e.to_string()).unwrap_or_default();
-    ensure!(m.contains("bam-wc: sampling over a hnas base has no tiled path"), "{m}");
+    ensure!(mha.forward_t(&MhaInput::self_attention(&x), true).is_ok(), "BAM sampling over HNAS on the tiles");
     ensure!(mha.forward_t(&MhaInput::self_attention(&x), false).is_ok(), "BAM over HNAS without sampling is HNAS, which tiles");
     let mut cfg = MhaConfig::new(16, 4).with_tile(4);
     cfg.dropout = 0.1;
@@ -318,10 +317,11 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
     let (mut checked, mut largest) = (0, 0.0f64);
     for kind in BamKind::ALL {
         let draws = counter_noise(kind, [B, H, L, S], seed, opts)?;
-        for base in [Variant::Softmax, Variant::Dnas, Variant::Sinkhorn(2)] {
+        for base in [Variant::Softmax, Variant::Dnas, Variant::Sinkhorn(2), Variant::Hnas] {
             let (vs, normalizer) = bam(kind, base)?;
             let params: Vec<Tensor> = vs.trainable_variables();
-            ensure!(params.len() == if kind.is_contextual() { 4 } else { 0 }, "{} parameters", params.len());
+            let expected = if kind.is_contextual() { 4 } else { 0 } + usize::from(base == Variant::Hnas); // HNAS's gate logits
+            ensure!(params.len() == expected, "{} parameters", params.len());
             for case in cases() {
                 let masks = case.masks();
                 if case.causal && base != Variant::Softmax {
@@ -383,7 +383,7 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
             }
         }
     }
-    ensure!(checked == 5 * (3 * 5 + 1) * 4, "{checked} comparisons");
+    ensure!(checked == 5 * (4 * 5 + 1) * 4, "{checked} comparisons");
     eprintln!("{checked} BAM comparisons, largest difference {largest:.1e}");
     // Sampling over a softmax base takes the fused CPU kernel exactly where the mask allows it.
     let (_, normalizer) = bam(BamKind::WeibullContextual, Variant::Softmax)?;

@@ -42,8 +42,7 @@ pub struct CommonArgs {
 /// `--memory-efficient [--tile N]`: one definition for attend, bench, translate and vqa.
 #[derive(Args, Debug, Clone, Copy)]
 pub struct MemoryEfficientArgs {
-    /// The memory-efficient path (probattn::tiled, every variant but BAM sampling over an hnas
-    /// base): the (S_q, S_k) weights are never formed, so nothing that size is kept for the
+    /// The memory-efficient path (probattn::tiled, every variant): the (S_q, S_k) weights are never formed, so nothing that size is kept for the
     /// backward pass, and the mass each key receives is returned instead. attend writes it;
     /// bench times these rows beside the eager ones; translate takes it in every attention
     /// module, vqa in the fusion. Needs attention dropout 0 (vqa sets it).

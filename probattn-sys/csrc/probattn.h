@@ -103,14 +103,16 @@ _Static_assert(sizeof(pa_tiled_spec) == 48, "pa_tiled_spec's size changed: updat
 // added to them; NULL: none), tiled over blocks of `spec->tile` queries, differentiable in q, k, v,
 // `bias` and `prior`. `noise`: eps broadcastable to
 // (B, H, S_q, S_k) (NULL: counter-based draws keyed by spec->seed); `prior`: a_j broadcastable to
-// (B, H, 1, S_k) (NULL unless spec->kl). Outputs: the attention output (B, H, S_q, d_v), the weight
+// (B, H, 1, S_k) (NULL unless spec->kl); `hybrid_logit`: HNAS's gate logits (H,) with spec->sweeps 1,
+// the base's weights then being u·DNAS's + (1 - u)·softmax's, u = sigmoid(logit), differentiable in
+// them (NULL: no mix; the tiles only). Outputs: the attention output (B, H, S_q, d_v), the weight
 // each key received (B, H, S_k), the KL's part per (b, h) (zeros without a KL term), and, when
 // `route_taken` is not NULL, the route that ran: 0 the tiles, 1 the fused CPU kernel, 2 its BAM form
 // (csrc/tiled.h's tiled_route, the one place that decides). With spec->fused_cpu 2 (required) and
 // the tiles' route, nothing runs and out, received_mass and kl_part are left as they were.
 char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* excluded, const pa_tensor* bias,
-                         const pa_tensor* noise, const pa_tensor* prior, const pa_tiled_spec* spec, pa_tensor** out,
-                         pa_tensor** received_mass, pa_tensor** kl_part, int32_t* route_taken);
+                         const pa_tensor* noise, const pa_tensor* prior, const pa_tensor* hybrid_logit, const pa_tiled_spec* spec,
+                         pa_tensor** out, pa_tensor** received_mass, pa_tensor** kl_part, int32_t* route_taken);
 // Softmax attention of bfloat16 or float16 q, k, v (B, H, S, d) computed in float32 (scores,
 // weights, value mix), differentiable in q, k, v, keeping the inputs rather than float32 copies of
 // them for the backward pass. `allowed`: bool, broadcastable to (B, H, S_q, S_k), true = taking

@@ -38,6 +38,15 @@
 //   Lognormal: T = Σ_ij (log π_ij - a_j)²    (a_j = μ_p,j + σ²/2)
 // returned as the third output, differentiable in the scores and in a; the Rust side adds the
 // per-key and per-row terms (src/attention/tiled.rs). Its gradient in y: dT/dlog π - π ∘ Σ_j dT/dlog π.
+//
+// BAM over HNAS (a gate logit per head, u = sigmoid(logit), one sweep): the base's log-weights are
+// y = log(u π_D + (1 - u) π_S), π_D = exp(z - C¹ - R_D) DNAS's weights and π_S = exp(z - R_S)
+// softmax's, whose row statistics R_D and R_S take one more pass before the output pass. With
+// e = dY (as above) and the shares w_D = u π_D / π, w_S = (1 - u) π_S / π, each branch's gradient in
+// its own logits is w_D ∘ e - π_D ∘ Σ_j w_D e (DNAS, whose column correction takes g = Σ_i of it)
+// and w_S ∘ e - π_S ∘ Σ_j w_S e (softmax); the gate's is Σ e ∘ (π_D - π_S) / π · u (1 - u). A tile
+// holds whole rows, so the per-row sums are formed where they are used: one pass for dV, g and the
+// gate, one for dZ.
 
 #include <cmath>
 #include <optional>
@@ -90,6 +99,8 @@ struct Problem {
   std::vector<at::Tensor> c;  // c[t] = C^{t+1}, (B, H, 1, S_k)
   std::vector<at::Tensor> r;  // r[t] = R^{t+1}, (B, H, S_q, 1), t < sweeps - 1
   at::Tensor bias;            // the additive mask in the statistics' dtype, rank 4; undefined: none
+  at::Tensor log_u{}, log_1mu{};  // BAM over HNAS: log u and log(1 - u), (1, H, 1, 1); undefined: no mix
+  at::Tensor rd{}, rs{};          // and DNAS's and softmax's row log-sum-exps, (B, H, S_q, 1)
   // The keys as the scores multiply them, arranged once per call. Scores come out in the
   // statistics' dtype unrounded, as the fused route and the eager path form them (scores rounded to
   // bfloat16 are off by up to 2^-9 of their size, and every weight by as much, relatively): on the
@@ -129,8 +140,19 @@ struct Problem {
   }
   // z - s filled, s a per-row or per-key statistic.
   static at::Tensor minus(const at::Tensor& z, const at::Tensor& s, const at::Tensor& ex) { return filled_(z - s, ex, kMaskValue); }
-  // y = z - C^N.
-  at::Tensor logits(const at::Tensor& z, const at::Tensor& ex) const { return sweeps == 0 ? z : minus(z, c.back(), ex); }
+  bool mix() const { return log_u.defined(); }
+  // A tile's log π_D and log π_S (BAM over HNAS).
+  std::pair<at::Tensor, at::Tensor> branch_logs(const at::Tensor& z, int64_t start, int64_t len, const at::Tensor& ex) const {
+    return {minus(minus(z, c[0], ex), rd.narrow(-2, start, len), ex), minus(z, rs.narrow(-2, start, len), ex)};
+  }
+  // The base's logits: y = z - C^N, or HNAS's log-weights when mixing.
+  at::Tensor logits(const at::Tensor& z, int64_t start, int64_t len, const at::Tensor& ex) const {
+    if (mix()) {
+      auto [log_d, log_s] = branch_logs(z, start, len, ex);
+      return filled_(at::logaddexp(log_d + log_u, log_s + log_1mu), ex, kMaskValue);
+    }
+    return sweeps == 0 ? z : minus(z, c.back(), ex);
+  }
   // The (noisy) weights of a tile from its logits y.
   at::Tensor weights(const at::Tensor& y, int64_t start, int64_t len, const at::Tensor& ex) const {
     auto a = y;
@@ -170,6 +192,19 @@ struct Problem {
       c.push_back(col);
     }
   }
+
+  // R_D and R_S, after `sweep` (BAM over HNAS).
+  void mix_rows() {
+    std::vector<at::Tensor> d, s;
+    each([&](int64_t start, int64_t len) {
+      auto ex = excluded_rows(start, len);
+      auto z = scores(start, len, ex);
+      d.push_back(at::logsumexp(minus(z, c[0], ex), {-1}, true));
+      s.push_back(at::logsumexp(z, {-1}, true));
+    });
+    rd = at::cat(d, -2);
+    rs = at::cat(s, -2);
+  }
 };
 
 // The KL's part T of a tile and its derivative in log π, over the allowed entries.
@@ -192,25 +227,36 @@ struct KlTerm {
   }
 };
 
+// BAM over HNAS: the gate's log u and log(1 - u) from its logits (H,) (undefined: no mix).
+void set_mix(Problem& pb, const at::Tensor& logit) {
+  if (!logit.defined()) return;
+  const auto l = logit.detach().to(pb.stats()).view({1, -1, 1, 1});
+  pb.log_u = at::log_sigmoid(l);
+  pb.log_1mu = at::log_sigmoid(-l);
+}
+
 struct TiledAttention : public torch::autograd::Function<TiledAttention> {
   // Optional tensors are optionals, not possibly-undefined tensors: apply() treats tensor
   // arguments as variables of the graph, which an undefined one cannot be.
   static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, std::optional<at::Tensor> excluded,
                                std::optional<at::Tensor> bias, std::optional<at::Tensor> noise_given, std::optional<at::Tensor> prior,
-                               int64_t tile, int64_t sweeps, int64_t noise, double noise_scale, int64_t seed, int64_t kl) {
+                               std::optional<at::Tensor> hybrid_logit, int64_t tile, int64_t sweeps, int64_t noise, double noise_scale,
+                               int64_t seed, int64_t kl) {
     const NoAutocast no_autocast;
     Problem pb{q * std::sqrt(1.0 / static_cast<double>(q.size(-1))), k, v, excluded.value_or(at::Tensor()), at::Tensor(), tile,
                sweeps, noise, noise_scale, static_cast<uint64_t>(seed), {}, {}, bias.value_or(at::Tensor())};
     if (noise != kNoNoise && noise_given.has_value()) pb.given_noise = noise_given->expand(pb.shape());
     const KlTerm term{kl, prior.value_or(at::Tensor())};
+    set_mix(pb, hybrid_logit.value_or(at::Tensor()));
     pb.sweep();
+    if (pb.mix()) pb.mix_rows();
     std::vector<at::Tensor> outputs, row_lse;
     const auto stats = q.options().dtype(pb.stats());
     at::Tensor mass = at::zeros({q.size(0), q.size(1), k.size(2)}, stats);  // Σ_i P_ij
     at::Tensor kl_part = at::zeros({q.size(0), q.size(1)}, stats);
     pb.each([&](int64_t start, int64_t len) {
       auto ex = pb.excluded_rows(start, len);
-      auto y = pb.logits(pb.scores(start, len, ex), ex);
+      auto y = pb.logits(pb.scores(start, len, ex), start, len, ex);
       auto p = pb.weights(y, start, len, ex);
       outputs.push_back(grouped_product(p.to(v.scalar_type()), v));
       mass += p.sum(-2);
@@ -226,6 +272,9 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
     keep_optional(ctx, "noise", pb.given_noise);
     keep_optional(ctx, "prior", term.a);
     keep_optional(ctx, "row_lse", kl != kNoKl ? at::cat(row_lse, -2) : at::Tensor());
+    keep_optional(ctx, "hybrid_logit", hybrid_logit.value_or(at::Tensor()));
+    keep_optional(ctx, "rd", pb.rd);
+    keep_optional(ctx, "rs", pb.rs);
     ctx->saved_data["c"] = at::IValue(pb.c);
     ctx->saved_data["r"] = at::IValue(pb.r);
     ctx->saved_data["settings"] = std::vector<int64_t>{tile, sweeps, noise, seed, kl};
@@ -244,6 +293,10 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
                ctx->saved_data["noise_scale"].toDouble(), static_cast<uint64_t>(settings[3]), ctx->saved_data["c"].toTensorVector(),
                ctx->saved_data["r"].toTensorVector(), kept_optional(ctx, "bias")};
     const KlTerm term{settings[4], kept_optional(ctx, "prior")};
+    const auto hybrid_logit = kept_optional(ctx, "hybrid_logit");
+    set_mix(pb, hybrid_logit);
+    pb.rd = kept_optional(ctx, "rd");
+    pb.rs = kept_optional(ctx, "rs");
     const auto row_lse = kept_optional(ctx, "row_lse");
     const size_t n = static_cast<size_t>(pb.sweeps);
     auto dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
@@ -274,7 +327,7 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
     };
     // dY of a tile (the gradient in y = z - C^N), with the weights P.
     auto logits_grad = [&](int64_t start, int64_t len, const at::Tensor& ex, const at::Tensor& z, bool first_pass) {
-      auto y = pb.logits(z, ex);
+      auto y = pb.logits(z, start, len, ex);
       auto p = pb.weights(y, start, len, ex);
       auto dy_kl = kl_grad(start, len, ex, y, first_pass);
       y = at::Tensor();  // not needed past here: one block fewer alive beside dP's
@@ -292,10 +345,45 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
       }
     };
 
+    at::Tensor g, dlogit;
+    if (pb.mix()) {  // BAM over HNAS: one pass for dV, g and the gate, one for dZ
+      // Each branch's gradient in its own logits (DNAS's first), from a tile's z and dY.
+      auto branches = [&](int64_t start, int64_t len, const at::Tensor& ex, const at::Tensor& z, const at::Tensor& e) {
+        auto [log_d, log_s] = pb.branch_logs(z, start, len, ex);
+        auto y = pb.logits(z, start, len, ex);
+        auto w_d = masked_exp(log_d + pb.log_u - y, ex), w_s = masked_exp(log_s + pb.log_1mu - y, ex);
+        auto pi_d = masked_exp(log_d, ex), pi_s = masked_exp(log_s, ex);
+        auto dy_d = w_d * e - pi_d * (w_d * e).sum(-1, true);
+        auto dz_s = w_s * e - pi_s * (w_s * e).sum(-1, true);
+        auto gate = (e * (w_d * at::exp(-pb.log_u) - w_s * at::exp(-pb.log_1mu))).sum({0, 2, 3});  // Σ e (π_D - π_S) / π
+        return std::make_tuple(dy_d, dz_s, gate);
+      };
+      at::Tensor gate = at::zeros({q.size(1)}, stats);
+      g = at::zeros({q.size(0), q.size(1), 1, k.size(2)}, stats);
+      pb.each([&](int64_t start, int64_t len) {
+        auto ex = pb.excluded_rows(start, len);
+        auto z = pb.scores(start, len, ex);
+        auto [p, e] = logits_grad(start, len, ex, z, true);
+        dv.add_(at::matmul(lower(p).transpose(-2, -1), dout.narrow(-2, start, len)));
+        auto [dy_d, dz_s, gate_tile] = branches(start, len, ex, z, e);
+        g.add_(dy_d.sum(-2, true));
+        gate.add_(gate_tile);
+      });
+      pb.each([&](int64_t start, int64_t len) {
+        auto ex = pb.excluded_rows(start, len);
+        auto z = pb.scores(start, len, ex);
+        auto e = logits_grad(start, len, ex, z, false).second;
+        auto [dy_d, dz_s, gate_tile] = branches(start, len, ex, z, e);
+        finish(start, len, dy_d.add_(dz_s).sub_(pb.col_jacobian(1, z, start, len, ex).mul_(g)));
+      });
+      const auto u = pb.log_u.exp().flatten();
+      dlogit = (gate * u * (1.0 - u)).to(hybrid_logit.scalar_type());
+    }
+
     // First pass: dV, and for softmax dZ itself. With sweeps it gathers g = Σ_i dY_ij instead,
     // without dP: Σ_i P_ij (dP_ij - D_i) = v_j · dV_j - Σ_i P_ij D_i, so one matrix product fewer.
-    at::Tensor g, pd;  // pd = Σ_i P_ij D_i, (B, H, 1, S_k)
-    pb.each([&](int64_t start, int64_t len) {
+    at::Tensor pd;  // pd = Σ_i P_ij D_i, (B, H, 1, S_k)
+    if (!pb.mix()) pb.each([&](int64_t start, int64_t len) {
       auto ex = pb.excluded_rows(start, len);
       auto z = pb.scores(start, len, ex);
       if (n == 0) {
@@ -304,7 +392,7 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
         finish(start, len, dy);
         return;
       }
-      auto y = pb.logits(z, ex);
+      auto y = pb.logits(z, start, len, ex);
       auto p = pb.weights(y, start, len, ex);
       dv.add_(at::matmul(lower(p).transpose(-2, -1), dout.narrow(-2, start, len)));
       auto col = at::matmul(d.narrow(-2, start, len).transpose(-2, -1), p);
@@ -312,12 +400,12 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
       if (dy_kl.defined()) col = col - dy_kl.sum(-2, true);
       pd = pd.defined() ? pd + col : col;
     });
-    if (n > 0) {
+    if (n > 0 && !pb.mix()) {
       const auto vd = groups == 1 ? (v * dv).sum(-1)
                                   : (v.unsqueeze(2) * dv.view({q.size(0), kv_heads, groups, v.size(2), v.size(3)})).sum(-1).flatten(1, 2);
       g = vd.unsqueeze(-2) - pd;
     }
-    if (n > 0) {
+    if (n > 0 && !pb.mix()) {
       std::vector<at::Tensor> dc(n), dr(n > 1 ? n - 1 : 0);
       dc[n - 1] = -g;
       for (size_t t = n; t >= 2; --t) {  // down the chain of statistics
@@ -347,8 +435,8 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
     at::Tensor dprior;
     if (with_kl && term.a.defined() && term.a.requires_grad()) dprior = at::sum_to(da, term.a.sizes());
     if (groups > 1) dv = dv.view({q.size(0), kv_heads, groups, v.size(2), v.size(3)}).sum(2);
-    return {at::cat(dq, -2), dk.to(k.scalar_type()), dv.to(v.scalar_type()), at::Tensor(), dbias, at::Tensor(), dprior, at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {at::cat(dq, -2), dk.to(k.scalar_type()), dv.to(v.scalar_type()), at::Tensor(), dbias, at::Tensor(), dprior, dlogit,
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -366,8 +454,8 @@ int32_t probattn::tiled::tiled_route(const at::Tensor& q, const at::Tensor& k, c
 extern "C" {
 
 char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* excluded, const pa_tensor* bias,
-                         const pa_tensor* noise, const pa_tensor* prior, const pa_tiled_spec* spec, pa_tensor** out,
-                         pa_tensor** received_mass, pa_tensor** kl_part, int32_t* route_taken) {
+                         const pa_tensor* noise, const pa_tensor* prior, const pa_tensor* hybrid_logit, const pa_tiled_spec* spec,
+                         pa_tensor** out, pa_tensor** received_mass, pa_tensor** kl_part, int32_t* route_taken) {
   return probattn::guard([&] {
     for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {spec, "spec"}, {out, "out"},
                                  {received_mass, "received_mass"}, {kl_part, "kl_part"}}) {
@@ -378,12 +466,17 @@ char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor
     TORCH_CHECK(spec->noise >= kNoNoise && spec->noise <= kLognormal, "unknown noise kind ", spec->noise);
     TORCH_CHECK(spec->kl >= kNoKl && spec->kl <= kLognormalSquares, "unknown KL kind ", spec->kl);
     TORCH_CHECK(spec->kl == kNoKl || prior != nullptr, "a KL term needs the prior's per-key values");
+    TORCH_CHECK(hybrid_logit == nullptr || spec->sweeps == 1, "HNAS's mix takes one sweep (DNAS and softmax), got ", spec->sweeps);
+    TORCH_CHECK(hybrid_logit == nullptr || (hybrid_logit->dim() == 1 && hybrid_logit->size(0) == q->size(1)),
+                "HNAS's gate logits must be one per query head, (", q->size(1), ",)");
     const NoAutocast no_autocast;
     auto some = [](const pa_tensor* t) { return t != nullptr ? std::optional<at::Tensor>(*t) : std::nullopt; };
     const auto ex = excluded != nullptr ? *excluded : at::Tensor();
     std::vector<at::Tensor> result;
-    const int32_t route = tiled_route(*q, *k, *v, ex, bias != nullptr ? *bias : at::Tensor(), spec->fused_cpu, spec->sweeps, spec->noise,
-                                      spec->kl);
+    // HNAS's mix runs on the tiles only.
+    const int32_t route = hybrid_logit != nullptr ? kRouteTiles
+                                                  : tiled_route(*q, *k, *v, ex, bias != nullptr ? *bias : at::Tensor(), spec->fused_cpu,
+                                                                spec->sweeps, spec->noise, spec->kl);
     if (route_taken != nullptr) *route_taken = route;
     // The fused kernel was required and does not apply: nothing runs, no output is written.
     if (route == kRouteTiles && spec->fused_cpu == kFusedRequired) return;
@@ -393,8 +486,8 @@ char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor
       result = fused_cpu_bam(*q, *k, *v, some(excluded), some(noise), some(prior), spec->tile, spec->noise, spec->noise_scale,
                              static_cast<int64_t>(spec->seed), spec->kl);
     } else {
-      result = TiledAttention::apply(*q, *k, *v, some(excluded), some(bias), some(noise), some(prior), spec->tile, spec->sweeps,
-                                     spec->noise, spec->noise_scale, static_cast<int64_t>(spec->seed), spec->kl);
+      result = TiledAttention::apply(*q, *k, *v, some(excluded), some(bias), some(noise), some(prior), some(hybrid_logit), spec->tile,
+                                     spec->sweeps, spec->noise, spec->noise_scale, static_cast<int64_t>(spec->seed), spec->kl);
     }
     // All three handles exist before any is handed out: an allocation that fails leaks none.
     auto o = std::make_unique<at::Tensor>(result[0]);

@@ -19,6 +19,7 @@ extern "C" {
         bias: *const C_tensor,
         noise: *const C_tensor,
         prior: *const C_tensor,
+        hybrid_logit: *const C_tensor,
         spec: *const TiledSpec,
         out: *mut *mut C_tensor,
         received_mass: *mut *mut C_tensor,
@@ -111,7 +112,9 @@ pub struct TiledOutput {
 }
 
 /// The tiled attention of csrc/tiled.cpp, through the fused CPU kernel where `spec.fused_cpu`
-/// allows it and it applies. (Its arguments are those of `pa_tiled_attention`, one for one.)
+/// allows it and it applies. (Its arguments are those of `pa_tiled_attention`, one for one;
+/// `hybrid_logit`: HNAS's gate logits, mixing DNAS's and softmax's weights as the base of BAM's
+/// sampling, on the tiles only.)
 #[allow(clippy::too_many_arguments)]
 pub fn tiled_attention(
     q: &Tensor,
@@ -121,6 +124,7 @@ pub fn tiled_attention(
     bias: Option<&Tensor>,
     noise: Option<&Tensor>,
     prior: Option<&Tensor>,
+    hybrid_logit: Option<&Tensor>,
     spec: &TiledSpec,
 ) -> Result<TiledOutput> {
     let (mut out, mut mass, mut kl, mut route) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut(), -1);
@@ -136,6 +140,7 @@ pub fn tiled_attention(
             optional(bias),
             optional(noise),
             optional(prior),
+            optional(hybrid_logit),
             spec,
             &mut out,
             &mut mass,

@@ -47,8 +47,7 @@ pub struct MhaConfig {
     pub normalizer: NormalizerConfig,
     /// `Some(t)`: memory-efficient attention ([`crate::tiled`]), `t` queries at a time, whenever
     /// no weights are asked for: nothing `(S_q, S_k)` is kept for the backward pass. Every variant
-    /// has a tiled form (BAM sampling over an HNAS base excepted); attention dropout in training
-    /// is refused by name. BAM's noise comes from a counter-based generator (a given draw is
+    /// has a tiled form; attention dropout in training is refused by name. BAM's noise comes from a counter-based generator (a given draw is
     /// honoured). `None` (default): the eager path.
     #[serde(default)]
     pub tile: Option<i64>,

@@ -17,14 +17,16 @@
 //! - HNAS: `u · O_DNAS + (1 − u) · O_softmax` per head, which is the output of the mixed weights
 //!   `u · P_DNAS + (1 − u) · P_softmax` (the output is linear in the weights), so `u`'s gradient
 //!   flows through the mix;
-//! - BAM (Fan et al. 2020) over a softmax, DNAS or Sinkhorn base: the sampled weights are
+//! - BAM (Fan et al. 2020) over a softmax, DNAS, Sinkhorn or HNAS base: the sampled weights are
 //!   `softmax_j(log π_ij + n_ij)`, the base's logits plus a noise term, `(1/k) log(−log(1 − ε))`
 //!   (Weibull) or `σ ε` (Lognormal). The draws `ε` come from a counter-based generator keyed by
 //!   `(seed, b, h, i, j)` and are regenerated tile by tile, so the backward pass sees the forward
 //!   pass's draws ([`counter_noise`] gives the same draws for a whole score tensor, for checks);
 //!   a given `ε` is honoured instead. The KL term is assembled from per-key and per-row sums, the
 //!   only score-dependent part (`Σ α_j log π_ij`, or `Σ (log π_ij − μ_j)²`) accumulated tile by
-//!   tile with its gradient. Without sampling, BAM is its base.
+//!   tile with its gradient. Without sampling, BAM is its base. Over HNAS the base's log-weights
+//!   are `log(u π_DNAS + (1 − u) π_softmax)`, formed per tile once one more pass has both
+//!   branches' row statistics (csrc/tiled.cpp).
 //!
 //! The tiles know no variant: they run a plan ([`Tiled`], from [`crate::Normalizer::tiled`]), the
 //! data above (a score scale, the sweeps, a mix with softmax, noise and a KL form with per-key
@@ -39,9 +41,7 @@
 //! It returns no weights; it returns instead the mass each key receives (`Σ_i P_ij`), what the
 //! explained-away diagnostics read. Masks are the eager path's (`Masks`), with the same results;
 //! a causal mask is a `(S_q, S_k)` boolean tensor (one byte per entry, where the eager path keeps
-//! several floats per entry). Not tiled: BAM sampling over an HNAS base (its log-weights are not
-//! logits minus per-row and per-key statistics), and attention dropout (the weights are never
-//! formed).
+//! several floats per entry). Not tiled: attention dropout (the weights are never formed).
 //!
 //! ```
 //! use probattn::tiled::{attend_tiled, Tiled, TiledOptions};
@@ -166,7 +166,7 @@ pub(crate) fn attend_tiled_shaped(
     let q = &if factor == 1.0 { q.shallow_clone() } else { q * factor };
     let plain = |sweeps: u32| -> Result<(TiledAttended, TiledRoute)> {
         let spec = TiledSpec { sweeps: i64::from(sweeps), ..spec };
-        let out = cxx::tiled_attention(q, k, v, excluded.as_ref(), bias.as_ref(), None, None, &spec)?;
+        let out = cxx::tiled_attention(q, k, v, excluded.as_ref(), bias.as_ref(), None, None, None, &spec)?;
         Ok((TiledAttended { output: out.output, received_mass: out.received_mass, kl: None }, out.route))
     };
     let sampling = plan.sampling.as_ref().filter(|_| opts.sample);
@@ -187,11 +187,11 @@ pub(crate) fn attend_tiled_shaped(
             };
             Ok((mixed, route))
         }
-        (Some(_), Some(_)) => Err(Error::Unsupported(format!(
-            "{name}: sampling over a hnas base has no tiled path (its log-weights are not logits minus per-row and \
-             per-key statistics); use a softmax, dnas or sinkhorn-N base"
-        ))),
-        (None, Some(sampling)) => {
+        (logit, Some(sampling)) => {
+            let heads = shape.dims()[1];
+            if let Some(logit) = logit.filter(|l| l.size() != [heads]) {
+                return Err(Error::Shape(format!("HNAS logits have shape {:?}, expected ({heads},)", logit.size())));
+            }
             let noise = opts.noise.map(|n| check_noise(n, shape)).transpose()?;
             let (noise_kind, noise_scale) = match sampling.noise {
                 NoiseKind::Weibull => (TiledSpec::WEIBULL, sampling.scale),
@@ -207,7 +207,7 @@ pub(crate) fn attend_tiled_shaped(
             };
             let spec = TiledSpec { sweeps: i64::from(plan.sweeps), noise: noise_kind, noise_scale, seed, kl: kl_kind, ..spec };
             let a = prior.as_ref().map(|(_, a)| a);
-            let out = cxx::tiled_attention(q, k, v, excluded.as_ref(), bias.as_ref(), noise.as_ref(), a, &spec)?;
+            let out = cxx::tiled_attention(q, k, v, excluded.as_ref(), bias.as_ref(), noise.as_ref(), a, logit, &spec)?;
             let kl = prior
                 .as_ref()
                 .map(|(form, a)| tiled_kl(*form, &out.kl_part, a, &MaskCounts::new(allowed.as_ref(), shape, opts.tile, stats, q.device())));
