@@ -101,7 +101,7 @@ static WARM_SINKHORN: VariantSpec = VariantSpec {
     build: |_, _, _, _, n| Ok(Box::new(super::WarmSinkhorn::new(n)?)),
 };
 ''', before=True)
-edit("src/attention/normalize/registry.rs", "&SINKHORN, ", "&WARM_SINKHORN, ")
+edit("src/attention/normalize/registry.rs", "];\n\n/// The registry entry that parses `name`.", ", &WARM_SINKHORN", before=True)
 edit("python/probattn_tools/reference/formulas.py", '''    if variant.startswith("sinkhorn-"):
         return sinkhorn_weights(z, allowed, int(variant.split("-", 1)[1]))
 ''', '''    if variant.startswith("warm-sinkhorn-"):  # Sinkhorn-N at temperature 2

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import unittest
+from unittest import mock
 
 import torch
 from torch.autograd import gradcheck
@@ -216,8 +217,21 @@ class MultiheadAttention(unittest.TestCase):
                 for name, p, q in zip(names, ga, gb):
                     torch.testing.assert_close(p, q, rtol=0, atol=1e-12, msg=lambda m: f"{name}: {m}")
 
+    def test_the_pure_pytorch_module_refuses_a_registry_variant_it_does_not_write(self):
+        from probattn_tools.reference import mha
+
+        entry = dict(mha._REGISTRY["dnas"], name="warm-dnas", example="warm-dnas")
+        with mock.patch.dict(mha._REGISTRY, {"warm-dnas": entry}):
+            with self.assertRaisesRegex(ValueError, "warm-dnas: not written in this pure-PyTorch module"):
+                ReferenceMha(12, 3, variant="warm-dnas")
+
     def test_every_deterministic_variant_equals_the_pure_pytorch_module(self):
         for variant in DETERMINISTIC:
+            try:
+                ReferenceMha(12, 3, variant=variant)
+            except ValueError as e:  # a variant added to the library after the module's branches
+                self.assertIn(f"{variant}: not written", str(e))
+                continue
             for batch_first in (False, True):
                 with self.subTest(f"{variant} batch_first={batch_first}"):
                     torch.manual_seed(1)

@@ -47,6 +47,10 @@ __all__ = ["MultiheadAttention"]
 # The BAM variants, and what each samples and reads, as the library's registry states them.
 _REGISTRY = {e["example"]: e for e in variants.registry()}
 BAM = tuple(name for name, e in _REGISTRY.items() if e["family"] == "bayesian")
+# The deterministic variants this module writes out itself (its forward's branches; sinkhorn-N is
+# parsed apart). Another entry of the registry is refused by name rather than computed as something
+# else: a variant added to the library needs its branch here before it can be scripted or exported.
+_WRITTEN = ("softmax", "dnas", "hnas")
 
 
 class _Weights(nn.Module):
@@ -93,6 +97,9 @@ class MultiheadAttention(nn.Module):
             variant = "sinkhorn"
         elif variant not in _REGISTRY:
             raise ValueError(f"unknown variant {variant!r} ({', '.join(e['name'] for e in variants.registry())})")
+        elif variant not in _WRITTEN and variant not in BAM:
+            raise ValueError(f"{variant}: not written in this pure-PyTorch module (it has {', '.join(_WRITTEN)}, sinkhorn-N and "
+                             f"{', '.join(BAM)}); add its branch to python/probattn_tools/reference/mha.py")
         if variant in BAM:
             for name, value in (("bam_k", bam_k), ("bam_sigma", bam_sigma), ("prior_alpha", prior_alpha), ("prior_beta", prior_beta),
                                 ("prior_sigma", prior_sigma)):
