@@ -160,8 +160,10 @@ run "$probattn" translate --quick --attention warm-sinkhorn-2 --max-updates 8 --
 import json, sys
 r = json.load(open(sys.argv[1]))
 assert r["attention"] == "warm-sinkhorn-2", r["attention"]
-speed, bleu = r["tokens_per_second_mean"], r["test_bleu_mean"]
-print("  translate: attention warm-sinkhorn-2, %.0f tokens/s, test BLEU %.2f (8 updates: a smoke run)" % (speed, bleu))
+run = r["runs"][0]
+assert run["updates"] == 8, run["updates"]
+print("  translate: attention warm-sinkhorn-2, %d updates, %.0f tokens/s, test BLEU %.2f (a smoke run)"
+      % (run["updates"], run["tokens_per_second"], run["test_bleu"]))
 ' "$(find "$scratch/translate" -name results.json | head -1)" 2>&1 | tee -a "$log"
 
 step "from Python: the functional API, eager and memory-efficient, against the formula"

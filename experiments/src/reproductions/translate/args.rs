@@ -329,9 +329,9 @@ pub struct TranslateArgs {
     /// Average the weights of the last N epochs' checkpoints for the test (0: the best checkpoint).
     #[arg(long, default_value_t = 0)]
     pub average_last: usize,
-    /// 300 updates of the tiny preset (2,000-token batches) on the first 3,000 training pairs,
-    /// validation on 100 pairs, then decode and score the whole test set: a smoke test of every
-    /// step (a few minutes on 2 cores), not a result.
+    /// 300 updates of the tiny preset (2,000-token batches; --max-updates and --max-epochs still
+    /// apply) on the first 3,000 training pairs, validation on 100 pairs, then decode and score the
+    /// whole test set: a smoke test of every step (a few minutes on 2 cores), not a result.
     #[arg(long)]
     pub quick: bool,
     /// Use only the first N training pairs.

@@ -225,8 +225,9 @@ impl TranslateConfig {
             label_smoothing,
             max_tokens,
             bpe_vocab: args.bpe_vocab.unwrap_or(recipe.bpe),
-            max_epochs: if args.quick { 100 } else { args.max_epochs },
-            max_updates: if args.quick { 300 } else { args.max_updates },
+            max_epochs: args.max_epochs,
+            // --quick's 300 updates unless --max-updates says otherwise (it used to override it).
+            max_updates: if args.quick && args.max_updates == 0 { 300 } else { args.max_updates },
             patience: args.patience,
             decode: DecodeConfig { beam: args.beam, lenpen: args.lenpen, max_len_a: args.max_len_a, max_len_b: args.max_len_b },
             average_last: args.average_last,
