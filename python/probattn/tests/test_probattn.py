@@ -1139,7 +1139,8 @@ class Errors(unittest.TestCase):
         code = "import torch; torch.__version__ = '2.99.0'; import probattn"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
         self.assertNotEqual(out.returncode, 0)
-        self.assertIn("ImportError: probattn was built against torch 2.11.0, but this interpreter has torch 2.99.0", out.stderr)
+        self.assertIn(f"ImportError: probattn was built against torch {probattn.REQUIRED_TORCH}, but this interpreter has torch "
+                      "2.99.0", out.stderr)
 
 
 class Registry(unittest.TestCase):
