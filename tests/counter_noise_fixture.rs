@@ -21,19 +21,29 @@ fn record() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/probattn_tools/kernels/counter_noise.json")
 }
 
-/// (noise, precision, shape, seed, rows, columns kept). The small shapes hold fewer than 2^32
-/// entries (the shortcut: one hash of the seed's high word); the large ones more, and their
-/// slices lie past position 2^32, where the position's high word enters the hash.
-fn slices() -> Vec<(&'static str, Kind, [i64; 4], u64, std::ops::Range<i64>, Vec<i64>)> {
+/// One recorded slice: rows `rows` and columns `columns` of the draws for a score tensor `shape`.
+struct Slice {
+    noise: &'static str,
+    kind: Kind,
+    shape: [i64; 4],
+    seed: u64,
+    rows: std::ops::Range<i64>,
+    columns: Vec<i64>,
+}
+
+/// The small shapes hold fewer than 2^32 entries (the shortcut: one hash of the seed's high word);
+/// the large ones more, and their slices lie past position 2^32, where the position's high word
+/// enters the hash.
+fn slices() -> Vec<Slice> {
     let mut out = Vec::new();
     let small = [2, 3, 5, 7];
     let large = [1, 2, 1 << 21, 1 << 12];
     let some: Vec<i64> = (0..1 << 12).step_by(331).chain([(1 << 12) - 1]).collect();
     for noise in ["weibull", "lognormal"] {
         for kind in [Kind::Float, Kind::Double] {
-            out.push((noise, kind, small, 7, 0..5, (0..7).collect()));
-            out.push((noise, kind, small, 0x9e37_79b9_7f4a_7c15, 1..4, (0..7).collect()));
-            out.push((noise, kind, large, 0x0123_4567_89ab_cdef, (1 << 21) - 2..1 << 21, some.clone()));
+            out.push(Slice { noise, kind, shape: small, seed: 7, rows: 0..5, columns: (0..7).collect() });
+            out.push(Slice { noise, kind, shape: small, seed: 0x9e37_79b9_7f4a_7c15, rows: 1..4, columns: (0..7).collect() });
+            out.push(Slice { noise, kind, shape: large, seed: 0x0123_4567_89ab_cdef, rows: (1 << 21) - 2..1 << 21, columns: some.clone() });
         }
     }
     out
@@ -41,7 +51,7 @@ fn slices() -> Vec<(&'static str, Kind, [i64; 4], u64, std::ops::Range<i64>, Vec
 
 fn draws() -> Result<Value> {
     let mut cases = Vec::new();
-    for (noise, kind, shape, seed, rows, columns) in slices() {
+    for Slice { noise, kind, shape, seed, rows, columns } in slices() {
         let bam = if noise == "weibull" { BamKind::WeibullFixed } else { BamKind::LognormalFixed };
         let block = counter_noise_rows(bam, shape, seed, (kind, Device::Cpu), rows.clone(), false)?;
         let picked = block.index_select(3, &tch::Tensor::from_slice(&columns)).to_kind(Kind::Double).flatten(0, -1);
