@@ -145,11 +145,15 @@ struct Problem {
   std::pair<at::Tensor, at::Tensor> branch_logs(const at::Tensor& z, int64_t start, int64_t len, const at::Tensor& ex) const {
     return {minus(minus(z, c[0], ex), rd.narrow(-2, start, len), ex), minus(z, rs.narrow(-2, start, len), ex)};
   }
+  // HNAS's log-weights log(u π_D + (1 - u) π_S) from the branches' log-weights.
+  at::Tensor mixed(const at::Tensor& log_d, const at::Tensor& log_s, const at::Tensor& ex) const {
+    return filled_(at::logaddexp(log_d + log_u, log_s + log_1mu), ex, kMaskValue);
+  }
   // The base's logits: y = z - C^N, or HNAS's log-weights when mixing.
   at::Tensor logits(const at::Tensor& z, int64_t start, int64_t len, const at::Tensor& ex) const {
     if (mix()) {
       auto [log_d, log_s] = branch_logs(z, start, len, ex);
-      return filled_(at::logaddexp(log_d + log_u, log_s + log_1mu), ex, kMaskValue);
+      return mixed(log_d, log_s, ex);
     }
     return sweeps == 0 ? z : minus(z, c.back(), ex);
   }
@@ -350,7 +354,7 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
       // Each branch's gradient in its own logits (DNAS's first), from a tile's z and dY.
       auto branches = [&](int64_t start, int64_t len, const at::Tensor& ex, const at::Tensor& z, const at::Tensor& e) {
         auto [log_d, log_s] = pb.branch_logs(z, start, len, ex);
-        auto y = pb.logits(z, start, len, ex);
+        auto y = pb.mixed(log_d, log_s, ex);
         auto w_d = masked_exp(log_d + pb.log_u - y, ex), w_s = masked_exp(log_s + pb.log_1mu - y, ex);
         auto pi_d = masked_exp(log_d, ex), pi_s = masked_exp(log_s, ex);
         auto dy_d = w_d * e - pi_d * (w_d * e).sum(-1, true);

@@ -170,13 +170,13 @@ pub(crate) fn attend_tiled_shaped(
         Ok((TiledAttended { output: out.output, received_mass: out.received_mass, kl: None }, out.route))
     };
     let sampling = plan.sampling.as_ref().filter(|_| opts.sample);
+    let heads = shape.dims()[1];
+    if let Some(logit) = plan.hybrid_logit.filter(|l| l.size() != [heads]) {
+        return Err(Error::Shape(format!("HNAS logits have shape {:?}, expected ({heads},)", logit.size())));
+    }
     match (plan.hybrid_logit, sampling) {
         (None, None) => plain(plan.sweeps),
         (Some(logit), None) => {
-            let heads = shape.dims()[1];
-            if logit.size() != [heads] {
-                return Err(Error::Shape(format!("HNAS logits have shape {:?}, expected ({heads},)", logit.size())));
-            }
             let u = logit.to_kind(stats).sigmoid();
             let ((d, route), (s, _)) = (plain(plan.sweeps)?, plain(0)?);
             let (u4, u3) = (u.view([1, -1, 1, 1]), u.view([1, -1, 1]).detach());
@@ -188,10 +188,6 @@ pub(crate) fn attend_tiled_shaped(
             Ok((mixed, route))
         }
         (logit, Some(sampling)) => {
-            let heads = shape.dims()[1];
-            if let Some(logit) = logit.filter(|l| l.size() != [heads]) {
-                return Err(Error::Shape(format!("HNAS logits have shape {:?}, expected ({heads},)", logit.size())));
-            }
             let noise = opts.noise.map(|n| check_noise(n, shape)).transpose()?;
             let (noise_kind, noise_scale) = match sampling.noise {
                 NoiseKind::Weibull => (TiledSpec::WEIBULL, sampling.scale),

@@ -147,6 +147,14 @@ def _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL, strid
 
 
 @triton.jit
+def _mix_split(e, w_d, w_s, pi_d, pi_s, rho_d, rho_s):
+    """BAM over HNAS: the gradient e in HNAS's log-weights split into each branch's gradient in its
+    own logits, w·e − π·ρ (ρ the branch's per-row sum Σ_j w·e): (DNAS's, the two summed)."""
+    dy_d = w_d * e - pi_d * rho_d[:, None]
+    return dy_d, dy_d + w_s * e - pi_s * rho_s[:, None]
+
+
+@triton.jit
 def _mix_shares(zd, zs, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb, stride_rh):
     """HNAS's weights as logits, for BAM over an HNAS base: log π = log(u·π_D + (1 − u)·π_S),
     π_D = exp(zd − RD_i) DNAS's weights (zd = z − c) and π_S = exp(zs − RS_i) softmax's, −inf where

@@ -143,12 +143,13 @@ def run_case(torch, plans, formulas, case, dtype, device, config):
         compared.append(("dlogit", grads[3], ref_grads[3]))
     else:
         compared.append(("mass", plans.received_mass(q, k, v, sweeps, scale, masks, config), ref_mass))
-    errors = {}
-    for what, ours, theirs in compared:
-        theirs = theirs.detach()
-        err = (ours.double() - theirs).abs().max().item()
-        errors[what] = err / max(1.0, theirs.abs().max().item())
-    return errors
+    return relative_errors(compared)
+
+
+def relative_errors(compared):
+    """Per (name, ours, reference): the largest difference over max(1, the reference's largest entry)."""
+    return {what: (ours.double() - theirs.detach()).abs().max().item() / max(1.0, theirs.detach().abs().max().item())
+            for what, ours, theirs in compared}
 
 
 def run_bam_case(torch, plans, formulas, name, sweeps, scale, inputs, masks, bam, gen, config):
@@ -203,8 +204,7 @@ def run_bam_case(torch, plans, formulas, name, sweeps, scale, inputs, masks, bam
         compared += [("T", part, ref_part), ("dprior", grads[3], ref_grads[3])]
     if logit is not None:
         compared.append(("dlogit", grads[-1], ref_grads[-1]))
-    return {what: (ours.double() - theirs.detach()).abs().max().item() / max(1.0, theirs.detach().abs().max().item())
-            for what, ours, theirs in compared}
+    return relative_errors(compared)
 
 
 def reference_scores(torch, formulas, q, kk, scale, masks):

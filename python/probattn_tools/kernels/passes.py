@@ -5,7 +5,7 @@ pass, the row pass, and the recomputed backward's key and query passes
 import triton
 import triton.language as tl
 
-from probattn_tools.kernels.bam import _kl_tile, _mix_shares, _noise, _prior, _weights
+from probattn_tools.kernels.bam import _kl_tile, _mix_shares, _mix_split, _noise, _prior, _weights
 from probattn_tools.kernels.tiles import (FLOOR, _accumulate, _allowed, _block, _finish_row, _live, _lse_fold,
                                           _lse_value, _scores)
 
@@ -235,8 +235,7 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
                     if MIX:
                         rho_d = tl.load(RHO_D + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
                         rho_s = tl.load(RHO_S + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                        dy_d = w_d * ds - pi_d * rho_d[:, None]
-                        ds = dy_d + w_s * ds - pi_s * rho_s[:, None]
+                        dy_d, ds = _mix_split(ds, w_d, w_s, pi_d, pi_s, rho_d, rho_s)
                     dk_main += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
                     if SWEEPS > 0:
                         g += tl.sum(dy_d, 0)
@@ -334,7 +333,7 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 gu += tl.sum(ds * (w_d * inv_u - w_s * inv_1mu), 1)
             else:
                 if MIX:
-                    ds = w_d * ds - pi_d * rho_d[:, None] + w_s * ds - pi_s * rho_s[:, None]
+                    _, ds = _mix_split(ds, w_d, w_s, pi_d, pi_s, rho_d, rho_s)
                 if SWEEPS > 0:
                     g = tl.load(G + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
                     ds -= tl.where(ok, tl.exp(tl.where(ok, z, 0.0)), 0.0) * g[None, :]
