@@ -1,6 +1,8 @@
 //! Time of one `probattn::attend` call from Rust, forward alone and forward + backward, on
-//! heads-first inputs: the Rust side of the Python package's overhead benchmark
-//! (python/probattn/benchmarks/overhead.py runs it and the same call from Python, interleaved).
+//! heads-first inputs, in a process of its own. (The Python package's overhead benchmark,
+//! python/probattn/benchmarks/bench.py, times the same call inside the Python process instead,
+//! through `probattn._native.rust_timing`: across two processes the machine's drift outweighs
+//! the difference measured.)
 //!
 //! `cargo run --release --example attend_timing -- VARIANT S [--memory-efficient] [--repeats N]
 //! [--batch B] [--heads H] [--dim D] [--seed S] [--device cpu|cuda]`: prints one JSON line with the

@@ -2,7 +2,6 @@
 # Builds here (where Rust is) everything scripts/cuda_check.sh runs on a GPU machine that has
 # PyTorch 2.11 but no Rust toolchain and no network, and packs it into one archive:
 #   bin/probattn         the release CLI
-#   bin/attend_timing    the release example the python-bench step times against
 #   bin/<test>           the test binaries with a CUDA form, and the CLI's tests (`cli`), stripped
 #   bin/python-package   the Python package as python/probattn/tests/python.rs assembles it
 #   bin/BUILT_ROOT       this checkout's path, which the test binaries hold (cuda_check.sh links
@@ -15,7 +14,7 @@
 #   mkdir -p /tmp/cb && tar xJf ARCHIVE.tar.xz -C /tmp/cb
 #   scripts/cuda_steps.sh /tmp/cb/bin /tmp/cb/data /tmp/cuda ARCHIVE_DIR doctor:20 memory-efficient:300 ...
 set -euo pipefail
-[ $# -ge 1 ] || { sed -n '2,16p' "$0" >&2; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,15p' "$0" >&2; exit 2; }
 archive=$(realpath -m "$1")
 data=$(realpath -m "${2:-${PROBATTN_DATA:-data}}")
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,9 +26,8 @@ trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/data"
 
 cargo build --release -p probattn-experiments --bin probattn
-cargo build --release -p probattn --example attend_timing
 cargo build --release -p probattn-py
-cp target/release/probattn target/release/examples/attend_timing "$stage/bin/"
+cp target/release/probattn "$stage/bin/"
 
 # The test binaries, named by their targets: cargo prints where it wrote each.
 cargo test --workspace --no-run --message-format=json 2>/dev/null | "$python" -c '

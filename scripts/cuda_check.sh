@@ -27,8 +27,8 @@
 #             table steps, the long-sequence and NCCL runs first)
 #
 # The python-bench step runs the Python package's benchmarks on CUDA (python/probattn/benchmarks:
-# bench.py against BIN_DIR/attend_timing, from `cargo build --release --example attend_timing`,
-# and mlm.py's tiny Llama and BERT against sdpa), each into its folder under OUT_DIR.
+# bench.py, whose Rust side runs inside the package's extension, and mlm.py's tiny Llama and BERT
+# against sdpa), each into its folder under OUT_DIR.
 #
 # The python step runs the Python package's tests (python/probattn/tests) from BIN_DIR/python-package:
 # the package as python/probattn/tests/python.rs assembles it (target/tmp/python-package, after
@@ -161,7 +161,7 @@ for s in $steps; do
       pp="$bin/python-package:$root/python"
       # A call takes 0.2-4 ms on a GPU at S = 1,024, where 10 calls a round (the CPU's default)
       # left the Python / Rust ratios between 0.74 and 1.21: 100 calls a round, 5 rounds.
-      PYTHONPATH=$pp "$python" "$root/python/probattn/benchmarks/bench.py" --device cuda --rust "$bin/attend_timing" \
+      PYTHONPATH=$pp "$python" "$root/python/probattn/benchmarks/bench.py" --device cuda --overhead \
         --repeats 100 --rounds 5 --out "$out/python-bench" 2>&1 | tee "$out/python-bench.log" | tail -30
       for model in llama bert; do
         PYTHONPATH=$pp "$python" "$root/python/probattn/benchmarks/mlm.py" --device cuda --model $model --data "$data/multi30k" \

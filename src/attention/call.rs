@@ -177,15 +177,18 @@ pub(crate) fn mix(weights: Tensor, v: &Tensor, kl: Option<Tensor>, opts: &Attend
 /// Checks the ranks, sizes, dtypes and devices of heads-first `q`, `k`, `v`; with `enable_gqa`,
 /// `k` and `v` may have fewer heads than `q`, a divisor of them.
 pub(crate) fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor, enable_gqa: bool) -> Result<ScoreShape> {
-    for (name, t) in [("q", q), ("k", k), ("v", v)] {
-        if t.dim() != 4 {
-            return Err(Error::Shape(format!("{name} has shape {:?}; expected rank 4 (B, H, S, d)", t.size())));
+    // Each size, dtype and device is read once: this runs at every call, and each read crosses
+    // into libtorch.
+    let (qs, ks, vs) = (q.size(), k.size(), v.size());
+    let kinds = [q.kind(), k.kind(), v.kind()];
+    for ((name, size), kind) in [("q", &qs), ("k", &ks), ("v", &vs)].into_iter().zip(kinds) {
+        if size.len() != 4 {
+            return Err(Error::Shape(format!("{name} has shape {size:?}; expected rank 4 (B, H, S, d)")));
         }
-        if !matches!(t.kind(), Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16) {
-            return Err(Error::Shape(format!("{name} has dtype {:?}; expected a floating dtype", t.kind())));
+        if !matches!(kind, Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16) {
+            return Err(Error::Shape(format!("{name} has dtype {kind:?}; expected a floating dtype")));
         }
     }
-    let (qs, ks, vs) = (q.size(), k.size(), v.size());
     if qs[0] != ks[0] || qs[0] != vs[0] || ks[1] != vs[1] {
         return Err(Error::Shape(format!("q {qs:?}, k {ks:?} and v {vs:?} must agree on batch (dim 0), and k and v on heads (dim 1)")));
     }
@@ -209,10 +212,11 @@ pub(crate) fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor, enable_gqa: bool) ->
     if ks[2] != vs[2] {
         return Err(Error::Shape(format!("k {ks:?} and v {vs:?} must have the same number of keys (dim 2)")));
     }
-    if q.kind() != k.kind() || q.kind() != v.kind() {
-        return Err(Error::Shape(format!("q, k and v must share one dtype, got {:?}, {:?}, {:?}", q.kind(), k.kind(), v.kind())));
+    if kinds[1] != kinds[0] || kinds[2] != kinds[0] {
+        return Err(Error::Shape(format!("q, k and v must share one dtype, got {:?}, {:?}, {:?}", kinds[0], kinds[1], kinds[2])));
     }
-    if q.device() != k.device() || q.device() != v.device() {
+    let device = q.device();
+    if k.device() != device || v.device() != device {
         return Err(Error::Shape("q, k and v must be on one device".into()));
     }
     Ok(ScoreShape { batch: qs[0], heads: qs[1], queries: qs[2], keys: ks[2] })

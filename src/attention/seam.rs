@@ -125,11 +125,13 @@ fn dispatch(
         Backend::Auto => backend::default(),
         forced => forced,
     };
-    let name = normalizer.name();
+    // The name only where a message says it: a call that succeeds allocates nothing for it.
+    let name = || normalizer.name();
     let chose = |route: Route, why: String| Choice { requested, route, why };
     let no_weights = || {
         Error::Unsupported(format!(
-            "{name}: the {requested} attention backend forms no weights, and they were asked for: ask for none, or use the eager backend"
+            "{}: the {requested} attention backend forms no weights, and they were asked for: ask for none, or use the eager backend",
+            name()
         ))
     };
     let (out, choice) = match requested {
@@ -139,7 +141,9 @@ fn dispatch(
                 (out, chose(route, "a tile is set and no weights are asked for: the memory-efficient plan".into()))
             }
             None => match normalizer.kernel(q, k, v, masks, &opts)? {
-                Some(out) => (out, chose(Route::Kernel, format!("{name}'s kernel serves this device, dtype and call without weights"))),
+                Some(out) => {
+                    (out, chose(Route::Kernel, "the normalizer's kernel serves this device, dtype and call without weights".into()))
+                }
                 None => {
                     let why = if opts.need_weights { "the weights are asked for" } else { "no kernel or tile serves this call" };
                     (eager(shape, q, k, v, masks, normalizer, &opts)?, chose(Route::Eager, why.into()))
@@ -155,13 +159,14 @@ fn dispatch(
         }
         Backend::Fused if opts.need_weights => return Err(no_weights()),
         Backend::Fused => match normalizer.kernel(q, k, v, masks, &opts)? {
-            Some(out) => (out, chose(Route::Kernel, format!("forced: {name}'s kernel"))),
+            Some(out) => (out, chose(Route::Kernel, format!("forced: {}'s kernel", name()))),
             None if q.device() != tch::Device::Cpu => {
+                let name = name();
                 return Err(Error::Unsupported(format!(
                 "{name}: no fused route serves {:?} on {:?}: {name} has no kernel there, and the fused kernels under a plan run on the CPU",
                 q.kind(),
                 q.device()
-            )))
+            )));
             }
             None => {
                 let tile = opts.tile.unwrap_or(DEFAULT_TILE);

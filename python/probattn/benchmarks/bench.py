@@ -1,11 +1,12 @@
 """Benchmarks of the probattn Python package (results/python/), each against its comparison in the
 same run:
 
-1. overhead: `probattn.attention` called from Python against the same `probattn::attend` call
-   from Rust (examples/attend_timing.rs, release build), B 1, H 8, d 64, S 1024, float32, one
-   thread; forward alone and forward + backward, eager and memory-efficient. The two sides take
-   turns, `--rounds` times, each round the median of `--repeats` calls; the ratio is of the
-   medians over rounds.
+1. overhead (`--overhead`): `probattn.attention` called from Python against the same
+   `probattn::attend` call from Rust (`probattn._native.rust_timing`, which runs it in this
+   process and thread), B 1, H 8, d 64, S `--seq`, float32, one thread; forward alone and forward
+   + backward, eager and memory-efficient; and PyTorch's SDPA called the same two ways, the floor.
+   The two sides take turns, `--rounds` rounds of `--repeats` calls; the ratio is of the medians
+   over all calls.
 2. memory: one multi-head attention layer (E 512, H 8, B 1) with DNAS, forward + backward, at
    `--memory-seq` (default 4096): `probattn.nn.MultiheadAttention(memory_efficient=True)` against
    the pure-PyTorch module of python/probattn_tools (S x S weights). Peak bytes from probattn's
@@ -21,10 +22,9 @@ same run:
    without a mask and causal, forward alone and forward + backward, calls taking turns
    (`--sdpa-repeats` each); the ratio of medians.
 
-`--device cuda` runs all three on the GPU (the Rust side with `attend_timing --device cuda`).
+`--device cuda` runs them on the GPU.
 
-    cargo build --release --example attend_timing
-    python python/probattn/benchmarks/bench.py --rust target/release/examples/attend_timing \\
+    python python/probattn/benchmarks/bench.py --overhead \\
         --memory-lib target/release/build/probattn-sys-*/out/libprobattn_memory.so --out results/python
 
 with `probattn` importable (installed, or on PYTHONPATH) and python/ on PYTHONPATH for the
@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -50,61 +49,68 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def python_timing(probattn, variant, s, memory_efficient, repeats, device, seed=0):
+def python_timing(call, s, repeats, device, seed=0):
+    """The milliseconds of `call(q, k, v)` on `randn (1, 8, s, 64)` float32 inputs, forward alone
+    (under no_grad) and forward + backward (`.sum().backward()`), each `repeats` times after two
+    warm-up calls, as `_native.rust_timing` times the same call from Rust: the gradients are
+    zeroed in place between calls, outside the timed region."""
     torch.manual_seed(seed)
     q, k, v = (torch.randn(1, 8, s, 64, device=device) for _ in range(3))
-    tile = 256 if memory_efficient else None
-
-    def forward():
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    forward, both = [], []
+    for i in range(repeats + 2):
+        sync(device)
+        start = time.perf_counter()
         with torch.no_grad():
-            probattn.attention(q, k, v, variant=variant, memory_efficient=memory_efficient, tile=tile)
-
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-
-    def forward_backward():
-        probattn.attention(qg, kg, vg, variant=variant, memory_efficient=memory_efficient, tile=tile).sum().backward()
+            call(q, k, v)
+        sync(device)
+        f = 1e3 * (time.perf_counter() - start)
+        start = time.perf_counter()
+        call(qg, kg, vg).sum().backward()
+        sync(device)
+        fb = 1e3 * (time.perf_counter() - start)
         for t in (qg, kg, vg):
-            t.grad = None
-
-    out = {}
-    for name, fn in (("forward_ms", forward), ("forward_backward_ms", forward_backward)):
-        times = []
-        for i in range(repeats + 2):
-            sync(device)
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            if i >= 2:
-                times.append(1e3 * (time.perf_counter() - start))
-        out[name] = statistics.median(times)
-    return out
-
-
-def rust_timing(binary, variant, s, memory_efficient, repeats, device):
-    cmd = [binary, variant, str(s), "--repeats", str(repeats), "--threads", "1", "--device", device.type]
-    cmd += ["--memory-efficient"] if memory_efficient else []
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(f"error: {' '.join(cmd)}: {out.stderr.strip()}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+            t.grad.zero_()
+        if i >= 2:
+            forward.append(f)
+            both.append(fb)
+    return forward, both
 
 
 def overhead(probattn, args):
+    """Each call from Python against the same call from Rust, in this process and thread
+    (`_native.rust_timing`), and PyTorch's own `scaled_dot_product_attention` timed the same two
+    ways (`sdpa`: Python's `F.scaled_dot_product_attention` against tch's call of it), the cost any
+    library pays for being called from Python. Every case and side takes its turn in each of
+    `--rounds` rounds of `--repeats` calls (the machine's speed drifts over seconds; turns keep
+    that drift out of the ratios), and each ratio is of the medians over all calls."""
+    import torch.nn.functional as F
+
+    def ours(variant, memory_efficient):
+        tile = 256 if memory_efficient else None
+        return lambda q, k, v: probattn.attention(q, k, v, variant=variant, memory_efficient=memory_efficient, tile=tile)
+
+    cases = [(variant, me) for variant in ("softmax", "dnas") for me in (False, True)] + [("sdpa", False)]
+    calls = {case: (F.scaled_dot_product_attention if case[0] == "sdpa" else ours(*case)) for case in cases}
+    times = {case: (([], []), ([], [])) for case in cases}  # (python, rust), each (forward, forward_backward)
+    for _ in range(args.rounds):
+        for case in cases:
+            variant, memory_efficient = case
+            p = python_timing(calls[case], args.seq, args.repeats, args.device)
+            r = probattn._native.rust_timing("softmax" if variant == "sdpa" else variant, args.seq,
+                                             memory_efficient=memory_efficient, repeats=args.repeats,
+                                             device=args.device.type, baseline=variant == "sdpa")
+            for side, measured in zip(times[case], (p, r)):
+                for i in range(2):
+                    side[i].extend(measured[i])
     rows = []
-    for variant in ("softmax", "dnas"):
-        for memory_efficient in (False, True):
-            py, rs = {"forward_ms": [], "forward_backward_ms": []}, {"forward_ms": [], "forward_backward_ms": []}
-            for _ in range(args.rounds):
-                r = rust_timing(args.rust, variant, args.seq, memory_efficient, args.repeats, args.device)
-                p = python_timing(probattn, variant, args.seq, memory_efficient, args.repeats, args.device)
-                for key in py:
-                    py[key].append(p[key])
-                    rs[key].append(r[key])
-            for key in py:
-                a, b = statistics.median(py[key]), statistics.median(rs[key])
-                rows.append({"variant": variant, "memory_efficient": memory_efficient, "pass": key.replace("_ms", ""),
-                             "python_ms": a, "rust_ms": b, "ratio": a / b, "python_rounds": py[key], "rust_rounds": rs[key]})
-                print(f"overhead {variant:8} {'memory-efficient' if memory_efficient else 'eager':16} {key:20} python {a:8.2f} ms  rust {b:8.2f} ms  ratio {a / b:.3f}", file=sys.stderr)
+    for (variant, memory_efficient), (py, rs) in times.items():
+        for i, key in enumerate(("forward", "forward_backward")):
+            a, b = statistics.median(py[i]), statistics.median(rs[i])
+            rows.append({"variant": variant, "memory_efficient": memory_efficient, "pass": key, "python_ms": a,
+                         "rust_ms": b, "ratio": a / b, "python_calls": py[i], "rust_calls": rs[i]})
+            print(f"overhead {variant:8} {'memory-efficient' if memory_efficient else 'eager':16} {key:17} "
+                  f"python {a:8.4f} ms  rust {b:8.4f} ms  ratio {a / b:.3f}", file=sys.stderr)
     return rows
 
 
@@ -213,12 +219,12 @@ def markdown(result):
     where = "CUDA" if result["settings"].get("device") == "cuda" else "one thread"
     lines = []
     if result.get("overhead"):
-        lines += ["Python call against the same call from Rust (B 1, H 8, d 64, S %d, float32, %s; median of %d calls, median over %d alternating rounds):" % (
-            result["settings"]["seq"], where, result["settings"]["repeats"],
-            result["settings"]["rounds"]), "",
-            "| variant | path | pass | Python ms | Rust ms | Python / Rust |", "|---|---|---|---|---|---|"]
+        lines += ["Python call against the same call from Rust in one process (B 1, H 8, d 64, S %d, float32, %s; medians over %d rounds of %d calls, every case and side in turn; `sdpa`: PyTorch's own function timed the same two ways):" % (
+            result["settings"]["seq"], where, result["settings"]["rounds"],
+            result["settings"]["repeats"]), "",
+            "| variant | path | pass | Python ms | Rust ms | Python / Rust | Python − Rust µs |", "|---|---|---|---|---|---|---|"]
     for r in result.get("overhead", []):
-        lines.append(f"| {r['variant']} | {'memory-efficient' if r['memory_efficient'] else 'eager'} | {r['pass']} | {r['python_ms']:.2f} | {r['rust_ms']:.2f} | {r['ratio']:.3f} |")
+        lines.append(f"| {r['variant']} | {'memory-efficient' if r['memory_efficient'] else 'eager'} | {r['pass']} | {r['python_ms']:.4f} | {r['rust_ms']:.4f} | {r['ratio']:.3f} | {1e3 * (r['python_ms'] - r['rust_ms']):.1f} |")
     m = result.get("memory")
     if m:
         lines += ["", f"One DNAS layer, E 512, H 8, B 1, S {m['s']}, forward + backward, {where}:", "",
@@ -249,7 +255,7 @@ def markdown(result):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rust", help="the attend_timing example, release build (skip the overhead benchmark without it)")
+    parser.add_argument("--overhead", action="store_true", help="run the Python-against-Rust overhead benchmark")
     parser.add_argument("--memory-lib", help="libprobattn_memory.so (skip the memory benchmark without it)")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=10)
@@ -275,7 +281,7 @@ def main():
     import probattn
 
     result = {"settings": settings, "provenance": git_state()}
-    if args.rust:
+    if args.overhead:
         result["overhead"] = overhead(probattn, args)
     if (args.memory_lib or args.device.type == "cuda") and not args.skip_memory:
         result["memory"] = memory(probattn, args)

@@ -28,7 +28,7 @@ if torch.__version__.split("+")[0] != REQUIRED_TORCH:
         f"install torch=={REQUIRED_TORCH}, or build probattn against your torch (docs/python.md, 'Which torch')"
     )
 
-from . import _native, _ops  # noqa: E402  (after the version check, on purpose)
+from . import _native, _ops, _registry  # noqa: E402  (after the version check, on purpose)
 
 __all__ = ["attention", "attention_with_info", "scaled_dot_product_attention", "functional", "attention_backend",
            "attention_routes", "AttentionInfo", "variants", "DEFAULT_TILE", "REQUIRED_TORCH"]
@@ -106,59 +106,53 @@ def _mask(name, m):
 
 
 def _bam_arguments(bam):
-    """(settings, base, params, noise) from the `bam=` dict."""
-    if bam is None:
-        return {}, None, {}, None
+    """(settings, base, params, noise) from the `bam=` dict: the settings as sorted `(name, value)`
+    pairs (`_registry.spec`'s key), the prior's parameters by name (None for none)."""
     if not isinstance(bam, dict):
         raise TypeError(f"bam must be a dict of settings, got {type(bam).__name__}")
     known = set(_BAM_SETTINGS) | {"base", "prior", "noise"}
     unknown = sorted(set(bam) - known)
     if unknown:
         raise ValueError(f"unknown bam settings {unknown} (known: {sorted(known)})")
-    settings = {name: float(bam[name]) for name in _BAM_SETTINGS if name in bam}
-    params = {}
+    settings = tuple((name, float(bam[name])) for name in _BAM_SETTINGS if name in bam)
+    params = None
     prior = bam.get("prior")
     if prior is not None:
         items = prior.named_parameters() if isinstance(prior, torch.nn.Module) else prior.items()
-        for name, t in items:
-            params["prior." + name] = _tensor(f"bam['prior']['{name}']", t)
+        params = {"prior." + name: _tensor(f"bam['prior']['{name}']", t) for name, t in items}
     noise = bam.get("noise")
     if noise is not None:
         _tensor("bam['noise']", noise)
-    return settings, bam.get("base"), params, noise
+    return tuple(sorted(settings)), bam.get("base"), params, noise
 
 
-def _attention(query, key, value, *, variant="softmax", attn_mask=None, bias=None, is_causal=False, scale=None,
-               enable_gqa=False, memory_efficient=False, tile=None, training=False, dropout_p=0.0, seed=None,
-               hybrid_logit=None, bam=None, return_info=False):
+def _attention(query, key, value, variant, attn_mask, bias, is_causal, scale, enable_gqa, memory_efficient, tile,
+               training, dropout_p, seed, hybrid_logit, bam, return_info):
     """The library's attention on heads-first 4-D tensors, its masks in its own convention
     (`attn_mask`: boolean, True = excluded; `bias`: added to the scores), for
-    `probattn.functional`, which converts PyTorch's arguments into these. Returns
-    `(output, AttentionInfo or None)`."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        _tensor(name, t)
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
-    if not isinstance(variant, str):
+    `probattn.functional`, which converts PyTorch's arguments into these (the flags as bools,
+    `scale` and `dropout_p` as floats) and passes them in this order (a call pays no keyword
+    matching). Returns `(output, AttentionInfo or None)`. The extension checks the tensors
+    (floating, one dtype, 4-D) and names what is wrong."""
+    if type(variant) is not str:
         raise TypeError(f"variant must be a name (str), got {type(variant).__name__}")
-    settings, base, params, noise = _bam_arguments(bam)
+    settings, base, params, noise = ((), None, None, None) if bam is None else _bam_arguments(bam)
     if hybrid_logit is not None:
-        params["hybrid_logit"] = _tensor("hybrid_logit", hybrid_logit)
-    if tile is not None and not memory_efficient:
+        params = dict(params or {}, hybrid_logit=_tensor("hybrid_logit", hybrid_logit))
+    if memory_efficient:
+        tile = DEFAULT_TILE if tile is None else int(tile)
+        if tile < 1:
+            raise ValueError(f"tile must be at least 1, got {tile}")
+    elif tile is not None:
         raise ValueError("tile applies to the memory-efficient path: pass memory_efficient=True with it")
-    tile = (DEFAULT_TILE if tile is None else int(tile)) if memory_efficient else None
-    if tile is not None and tile < 1:
-        raise ValueError(f"tile must be at least 1, got {tile}")
     if seed is not None and tile is None:
         raise ValueError("seed keys the memory-efficient path's BAM draws; the eager path draws from libtorch's "
                          "generator (torch.manual_seed) or takes bam={'noise': ...}: pass memory_efficient=True with it")
-    if torch.compiler.is_compiling() and dropout_p == 0:
+    if dropout_p == 0 and torch.compiler.is_compiling():
         # Under torch.compile: a custom operator, which the compiler traces without a graph break.
         if not return_info and _ops.traceable(variant) and bam is None:
-            out = _ops.attention(query, key, value, variant, tile, attn_mask, None, bool(is_causal), hybrid_logit,
-                                 bias, scale, bool(enable_gqa))
+            out = _ops.attention(query, key, value, variant, tile, attn_mask, None, is_causal, hybrid_logit,
+                                 bias, scale, enable_gqa)
             return out, None
         # BAM where its draws can be replayed (none in evaluation, a given one, or the memory-efficient
         # path's seeded ones), and return_info on the memory-efficient path, which forms no weights:
@@ -168,18 +162,15 @@ def _attention(query, key, value, *, variant="softmax", attn_mask=None, bias=Non
         if takes and bias is None and (tile is not None or not return_info):
             autocast = _ops.autocast_name(query.device.type)
             if autocast != "other":
-                config = _ops.info_config(variant, tuple(sorted(settings.items())), base, bool(training), tuple(params),
-                                          autocast, scale, bool(enable_gqa))
+                params = params or {}
+                config = _ops.info_config(variant, settings, base, training, tuple(params), autocast, scale, enable_gqa)
                 output, mass, kl = _ops.attention_with_info(query, key, value, config, tile, attn_mask, None,
-                                                            bool(is_causal), list(params.values()), noise, seed)
+                                                            is_causal, list(params.values()), noise, seed)
                 info = AttentionInfo(received_mass=mass, kl=kl if kl.dim() == 0 else None, weights=None)
                 return output, info if return_info else None
     output, weights, mass, kl = _native.attention(
-        query, key, value, variant, attn_mask=attn_mask, bias=bias, causal=bool(is_causal), scale=scale,
-        enable_gqa=bool(enable_gqa), tile=tile, training=bool(training), dropout=float(dropout_p), seed=seed,
-        noise=noise, need_weights=bool(return_info) and not memory_efficient, params=params, settings=settings,
-        bam_base=base,
-    )
+        _registry.spec(variant, settings, base), query, key, value, None, attn_mask, bias, is_causal, scale,
+        enable_gqa, tile, training, dropout_p, seed, noise, return_info and not memory_efficient, params)
     if not return_info:
         return output, None
     if mass is None and weights is not None:

@@ -16,10 +16,9 @@ from . import _native, _registry
 
 
 def _run(q, k, v, variant, tile, attn_mask, key_padding_mask, causal, hybrid_logit, bias, scale, enable_gqa):
-    params = {} if hybrid_logit is None else {"hybrid_logit": hybrid_logit}
-    out, _, _, _ = _native.attention(q, k, v, variant, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                                     bias=bias, causal=causal, scale=scale, enable_gqa=enable_gqa, tile=tile,
-                                     params=params)
+    params = None if hybrid_logit is None else {"hybrid_logit": hybrid_logit}
+    out, _, _, _ = _native.attention(_registry.spec(variant, (), None), q, k, v, key_padding_mask, attn_mask, bias,
+                                     causal, scale, enable_gqa, tile, False, 0.0, None, None, False, params)
     return out
 
 
@@ -302,11 +301,10 @@ def info_config(variant, settings, base, training, names, autocast, scale=None, 
 def _run_with_info(q, k, v, config, tile, attn_mask, key_padding_mask, causal, params, noise, seed):
     c = _parsed(config)
     with _traced_autocast(c, q):
+        spec = _registry.spec(c["variant"], tuple(sorted(c["settings"].items())), c["base"])
         out, _, mass, kl = _native.attention(
-            q, k, v, c["variant"], key_padding_mask=key_padding_mask, attn_mask=attn_mask, causal=causal, tile=tile,
-            scale=c.get("scale"), enable_gqa=c.get("enable_gqa", False),
-            training=c["training"], dropout=0.0, seed=seed, noise=noise, need_weights=False,
-            params=dict(zip(c["names"], params)), settings=c["settings"], bam_base=c["base"])
+            spec, q, k, v, key_padding_mask, attn_mask, None, causal, c.get("scale"), c.get("enable_gqa", False), tile,
+            c["training"], 0.0, seed, noise, False, dict(zip(c["names"], params)))
     return out, mass, kl
 
 

@@ -1,6 +1,8 @@
 """The variant registry as the extension states it (`probattn variants`), read once at import:
-the package resolves variant names here and lists none itself."""
+the package resolves variant names here and lists none itself. A call resolves its variant once:
+`spec` keeps the extension's resolved form of each variant and settings it has seen."""
 
+import functools
 import json
 
 from . import _native
@@ -10,7 +12,12 @@ ENTRIES = json.loads(_native.registry_json())
 
 def entry(variant):
     """The registry entry of a variant name: its name, an alias, or a numbered form of a `-N`
-    entry (sinkhorn-3 of sinkhorn-N); None for a name the registry does not know."""
+    entry (sinkhorn-3 of sinkhorn-N); None for a name the registry does not know (or not a name)."""
+    return _entry(variant) if isinstance(variant, str) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _entry(variant):
     for e in ENTRIES:
         if variant == e["name"] or variant in e["aliases"]:
             return e
@@ -19,3 +26,13 @@ def entry(variant):
             if variant.startswith(prefix) and variant[len(prefix):].isdigit():
                 return e
     return None
+
+
+@functools.lru_cache(maxsize=256)
+def spec(variant, settings=(), base=None):
+    """The extension's `Spec` of `variant` with `settings` (sorted `(name, value)` pairs) and BAM's
+    `base`: the name parsed, the settings read and the parameter names listed once, for every call
+    that passes them. An unknown name or setting raises ValueError (and is not remembered)."""
+    if not isinstance(variant, str):
+        raise TypeError(f"variant must be a name (str), got {type(variant).__name__}")
+    return _native.Spec(variant, dict(settings), base)

@@ -25,9 +25,12 @@ import math
 
 import torch
 
-from . import AttentionInfo, _attention
+from . import AttentionInfo, _attention, _native, _registry
 
 __all__ = ["scaled_dot_product_attention", "attention_with_info"]
+
+# The specs of the variants called without settings, by name: a dict lookup per call.
+_SPECS = {}
 
 
 def _broadcast(*shapes):
@@ -82,13 +85,16 @@ def _plain(query, key, value, enable_gqa):
     """Whether the inputs are already the library's call: 4-D `(B, H, L, E)` tensors with one batch
     size, matching sizes and equal heads (or, under `enable_gqa`, key/value heads dividing the
     query's). The common case skips the general path's reshaping; any other falls to it, which
-    also names what is wrong."""
-    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
+    also names what is wrong. (Sizes are read once each: this runs at every call.)"""
+    try:
+        qs, ks, vs = query.shape, key.shape, value.shape
+    except AttributeError:
         return False
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
         return False
-    (b, h, _, e), (bk, hk, s, ek), (bv, hv, sv, _) = query.shape, key.shape, value.shape
-    return b == bk == bv and hk == hv and s == sv and e == ek and (h == hk or (enable_gqa and hk > 0 and h % hk == 0))
+    return (qs[0] == ks[0] == vs[0] and ks[1] == vs[1] and ks[2] == vs[2] and qs[3] == ks[3]
+            and (qs[1] == ks[1] or (enable_gqa and ks[1] > 0 and qs[1] % ks[1] == 0))
+            and isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor))
 
 
 def _flattened(query, key, value, enable_gqa):
@@ -128,27 +134,35 @@ def _flattened(query, key, value, enable_gqa):
 def _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variant, training, memory_efficient,
           tile, seed, hybrid_logit, bam, info):
     if _plain(query, key, value, enable_gqa):
-        q4, k4, v4, lead, heads, kv_heads = query, key, value, (query.shape[0],), query.shape[1], key.shape[1]
+        q4, k4, v4 = query, key, value
+        shape = query.shape
+        lead, heads, kv_heads, L = (shape[0],), shape[1], key.shape[1], shape[2]
+        flattened = False
     else:
         q4, k4, v4, lead, heads, kv_heads = _flattened(query, key, value, enable_gqa)
-    L, S, Ev = q4.shape[2], k4.shape[2], v4.shape[3]
-    if is_causal and attn_mask is not None:
-        raise ValueError("attn_mask and is_causal are both set: PyTorch documents this as an error (pass the causal "
-                         "mask inside attn_mask instead)")
-    excluded, bias = _mask(attn_mask, query, lead + (heads, L, S))
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        L = q4.shape[2]
+        flattened = True
+    if attn_mask is None:
+        excluded = bias = None
+    else:
+        if is_causal:
+            raise ValueError("attn_mask and is_causal are both set: PyTorch documents this as an error (pass the causal "
+                             "mask inside attn_mask instead)")
+        excluded, bias = _mask(attn_mask, query, lead + (heads, L, k4.shape[2]))
+    if dropout_p != 0.0 and (not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     if scale is not None:
         if not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise ValueError(f"scale must be a finite number or None, got {scale!r}")
         scale = float(scale)
-    output, extra = _attention(q4, k4, v4, variant=variant, attn_mask=excluded, bias=bias, is_causal=bool(is_causal),
-                               scale=scale, enable_gqa=bool(enable_gqa) and heads != kv_heads,
-                               memory_efficient=memory_efficient, tile=tile, training=training,
-                               dropout_p=float(dropout_p), seed=seed, hybrid_logit=hybrid_logit, bam=bam,
-                               return_info=info)
+    output, extra = _attention(q4, k4, v4, variant, excluded, bias, bool(is_causal), scale,
+                               heads != kv_heads and bool(enable_gqa), memory_efficient, tile, bool(training),
+                               float(dropout_p), seed, hybrid_logit, bam, info)
+    if not flattened and not info:
+        return output
     # PyTorch's layout: the broadcast batch dimensions and the heads, none for 2-D inputs.
     head_shape = lead + (heads,) if query.dim() > 2 else ()
+    S, Ev = k4.shape[2], v4.shape[3]
     if output.dim() != len(head_shape) + 2:
         output = output.reshape(head_shape + (L, Ev))
     if not info:
@@ -177,6 +191,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Returns the output `(..., H_q, L, E_v)`.
     """
+    if not (memory_efficient or bam is not None or hybrid_logit is not None or tile is not None or seed is not None
+            or torch.compiler.is_compiling()):
+        # The common call, whole in the extension; None where it is not that call.
+        spec = _SPECS.get(variant) if type(variant) is str else None
+        if spec is None and type(variant) is str and len(_SPECS) < 256:
+            spec = _SPECS[variant] = _registry.spec(variant, (), None)
+        if spec is not None:
+            output = _native.sdpa(spec, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, training)
+            if output is not None:
+                return output
     return _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variant, training,
                  memory_efficient, tile, seed, hybrid_logit, bam, info=False)
 

@@ -4,18 +4,22 @@
 //! normalizer or module on the caller's parameters, and turns errors into Python exceptions.
 //! The public Python API (`python/probattn/probattn/`) wraps these functions.
 //!
-//! Parameters owned by Python (`nn.Parameter`s: HNAS's gate logits, BAM's contextual prior, the
-//! projections of multi-head attention) are put under a fresh `VarStore`'s root by name before the
-//! normalizer or module is built, which then uses those very tensors ([`probattn::param`]), so
-//! their gradients arrive in Python.
+//! A variant is resolved once into a [`Spec`] (its name parsed, its settings read, the names of its
+//! parameters), which each call passes back; a normalizer that reads no parameters is built once
+//! per shape and reused. Parameters owned by Python (`nn.Parameter`s: HNAS's gate logits, BAM's
+//! contextual prior, the projections of multi-head attention) are put under a `VarStore`'s root
+//! by name before the normalizer or module is built, which then uses those very tensors
+//! ([`probattn::param`]), so their gradients arrive in Python.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Mutex, OnceLock};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use probattn::normalize::BamConfig;
-use probattn::{attend, AttendOptions, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, NormalizerConfig, Variant};
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use probattn::{attend, AttendOptions, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Normalizer, NormalizerConfig, Variant};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3_tch::PyTensor;
 use tch::{nn, Tensor};
@@ -98,11 +102,11 @@ fn store_with(device: tch::Device, params: &HashMap<String, PyTensor>) -> nn::Va
 
 /// Refuses what of `given` the module would not read (a misspelt name would otherwise be
 /// ignored) and names what it would read but was not given.
-fn check_names(given: &HashMap<String, PyTensor>, built: &[String]) -> PyResult<()> {
+fn check_names(given: &HashMap<String, PyTensor>, built: &[String]) -> Result<(), String> {
     let mut missing: Vec<&String> = built.iter().filter(|n| !given.contains_key(*n)).collect();
     if !missing.is_empty() {
         missing.sort();
-        return Err(PyValueError::new_err(format!("parameters {missing:?} were not given")));
+        return Err(format!("parameters {missing:?} were not given"));
     }
     let mut extra: Vec<&String> = given.keys().filter(|n| !built.contains(n)).collect();
     if extra.is_empty() {
@@ -111,46 +115,147 @@ fn check_names(given: &HashMap<String, PyTensor>, built: &[String]) -> PyResult<
     extra.sort();
     let mut known = built.to_vec();
     known.sort();
-    Err(PyValueError::new_err(format!("parameters {extra:?} are not read by this configuration (it reads {known:?})")))
+    Err(format!("parameters {extra:?} are not read by this configuration (it reads {known:?})"))
 }
 
-/// The names of the parameters the normalizer of `variant` reads. They depend on the variant and
-/// its BAM base only, so each pair is built once per process (one head of one feature) and
-/// remembered: a call does not build a normalizer twice, nor draw its initial values.
+/// The names of the parameters the normalizer of `variant` reads (sorted), from one head of one
+/// feature built under a scratch `VarStore`: they depend on the variant and its BAM base only.
 fn names_of(variant: Variant, cfg: &NormalizerConfig) -> PyResult<Vec<String>> {
-    static KNOWN: OnceLock<Mutex<HashMap<String, Vec<String>>>> = OnceLock::new();
-    let key = format!("{variant}/{}", cfg.bam.base);
-    let known = KNOWN.get_or_init(Default::default);
-    if let Some(names) = known.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-        return Ok(names.clone());
-    }
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let _ = tch::no_grad(|| variant.build(&vs.root(), 1, 1, cfg)).map_err(to_py)?;
-    let names: Vec<String> = vs.variables().into_keys().collect();
-    known.lock().unwrap_or_else(|e| e.into_inner()).insert(key, names.clone());
+    let mut names: Vec<String> = vs.variables().into_keys().collect();
+    names.sort();
     Ok(names)
+}
+
+/// A variant resolved once: its name parsed, its settings read and the names of the parameters
+/// its normalizer reads, for every call that names it (`probattn._registry.spec` keeps one per
+/// variant and settings). A normalizer that reads no parameters is built once per (shape, device)
+/// and thread and reused by each call; one that reads the caller's tensors (HNAS's gate logits,
+/// BAM's contextual prior) is built on them at each call, which costs about 0.1 µs.
+#[pyclass(frozen, module = "probattn._native")]
+struct Spec {
+    /// This spec's key in the threads' caches of built normalizers.
+    id: u64,
+    variant: Variant,
+    cfg: NormalizerConfig,
+    names: Vec<String>,
+}
+
+#[pymethods]
+impl Spec {
+    #[new]
+    #[pyo3(signature = (variant, settings=HashMap::new(), bam_base=None))]
+    fn new(variant: &str, settings: HashMap<String, f64>, bam_base: Option<&str>) -> PyResult<Self> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let variant = self::variant(variant)?;
+        let cfg = config(&settings, bam_base)?;
+        let names = guarded(|| names_of(variant, &cfg))?;
+        Ok(Self { id: NEXT.fetch_add(1, Ordering::Relaxed), variant, cfg, names })
+    }
+
+    /// The variant's name as the library spells it (`unas` resolves to `softmax`).
+    #[getter]
+    fn variant(&self) -> String {
+        self.variant.to_string()
+    }
+
+    /// The names of the parameters a call must pass (`hybrid_logit`, `prior.f1.weight`, ...).
+    #[getter]
+    fn names(&self) -> Vec<String> {
+        self.names.clone()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Spec({}, parameters {:?})", self.variant, self.names)
+    }
+}
+
+/// The most normalizers one thread keeps built; past it the cache starts again (a process that
+/// makes ever new specs or shapes does not grow without bound).
+const BUILT_MAX: usize = 256;
+
+type BuiltKey = (u64, i64, i64, tch::Device);
+
+thread_local! {
+    static BUILT: RefCell<HashMap<BuiltKey, Rc<dyn Normalizer>>> = RefCell::new(HashMap::new());
+}
+
+/// The normalizer of `spec` for `heads` heads of `key_dim` features on `device`: the thread's
+/// built one when the variant reads no parameters, else one built on `params` (checked by name).
+fn normalizer_for(
+    spec: &Spec,
+    heads: i64,
+    key_dim: i64,
+    device: tch::Device,
+    params: &HashMap<String, PyTensor>,
+) -> PyResult<Rc<dyn Normalizer>> {
+    if !spec.names.is_empty() || !params.is_empty() {
+        check_names(params, &spec.names).map_err(|what| {
+            PyValueError::new_err(format!(
+                "{}: {what} (learnable parameters are passed as hybrid_logit= and bam={{'prior': ...}}, or owned by probattn.nn.MultiheadAttention)",
+                spec.variant
+            ))
+        })?;
+        let vs = store_with(device, params);
+        return Ok(Rc::from(spec.variant.build(&vs.root(), heads, key_dim, &spec.cfg).map_err(to_py)?));
+    }
+    let key = (spec.id, heads, key_dim, device);
+    if let Some(built) = BUILT.with_borrow(|b| b.get(&key).cloned()) {
+        return Ok(built);
+    }
+    let vs = nn::VarStore::new(device);
+    let built: Rc<dyn Normalizer> = Rc::from(spec.variant.build(&vs.root(), heads, key_dim, &spec.cfg).map_err(to_py)?);
+    BUILT.with_borrow_mut(|b| {
+        if b.len() >= BUILT_MAX {
+            b.clear();
+        }
+        b.insert(key, built.clone());
+    });
+    Ok(built)
+}
+
+/// The floating dtypes attention takes, as Python names them in errors.
+fn check_inputs(query: &Tensor, key: &Tensor, value: &Tensor) -> PyResult<()> {
+    for (name, t) in [("query", query), ("key", key), ("value", value)] {
+        if !t.is_floating_point() {
+            return Err(PyTypeError::new_err(format!("{name} must be a floating-point tensor, got dtype {:?}", t.kind())));
+        }
+        if t.dim() != 4 {
+            return Err(PyValueError::new_err(format!("{name} has shape {:?}; expected (B, H, S, d), heads first", t.size())));
+        }
+    }
+    if key.kind() != query.kind() || value.kind() != query.kind() {
+        return Err(PyTypeError::new_err(format!(
+            "query, key and value must share one dtype, got {:?}, {:?}, {:?}",
+            query.kind(),
+            key.kind(),
+            value.kind()
+        )));
+    }
+    Ok(())
 }
 
 /// `(output, weights, received_mass, kl)` as Python receives them.
 type Attended = (PyTensor, Option<PyTensor>, Option<PyTensor>, Option<PyTensor>);
 
 /// One attention call: `probattn::attend` on heads-first `(B, H, S, d)` tensors (`key` and `value`
-/// with fewer heads under `enable_gqa`). Masks in the library's convention (`key_padding_mask`,
-/// `attn_mask`: true = excluded; `bias`: added to the scores, `-inf` excluding); `scale` the
-/// scores' factor (None: 1/sqrt(d)); `training`: BAM samples; `dropout`: applied to the weights
-/// when above 0. Returns `(output, weights, received_mass, kl)`, the last three `None` where the
-/// path has none.
+/// with fewer heads under `enable_gqa`) for the variant `spec` resolved. Masks in the library's
+/// convention (`key_padding_mask`, `attn_mask`: true = excluded; `bias`: added to the scores,
+/// `-inf` excluding); `scale` the scores' factor (None: 1/sqrt(d)); `training`: BAM samples;
+/// `dropout`: applied to the weights when above 0; `params`: the tensors the variant reads, by
+/// name (None for none). Every argument is positional: a call pays no keyword parsing. Returns
+/// `(output, weights, received_mass, kl)`, the last three `None` where the path has none.
 #[pyfunction]
-#[pyo3(signature = (query, key, value, variant, *, key_padding_mask=None, attn_mask=None, bias=None, causal=false, scale=None,
-    enable_gqa=false, tile=None, training=false, dropout=0.0, seed=None, noise=None, need_weights=false, params=HashMap::new(),
-    settings=HashMap::new(), bam_base=None))]
 #[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (spec, query, key, value, key_padding_mask, attn_mask, bias, causal, scale, enable_gqa, tile, training, dropout,
+    seed, noise, need_weights, params))]
 fn attention(
     py: Python<'_>,
+    spec: Py<Spec>,
     query: PyTensor,
     key: PyTensor,
     value: PyTensor,
-    variant: &str,
     key_padding_mask: Option<PyTensor>,
     attn_mask: Option<PyTensor>,
     bias: Option<PyTensor>,
@@ -163,25 +268,15 @@ fn attention(
     seed: Option<u64>,
     noise: Option<PyTensor>,
     need_weights: bool,
-    params: HashMap<String, PyTensor>,
-    settings: HashMap<String, f64>,
-    bam_base: Option<&str>,
+    params: Option<HashMap<String, PyTensor>>,
 ) -> PyResult<Attended> {
-    let variant = self::variant(variant)?;
-    let cfg = config(&settings, bam_base)?;
-    if query.dim() != 4 {
-        return Err(PyValueError::new_err(format!("query has shape {:?}; expected (B, H, S_q, d), heads first", query.size())));
-    }
-    let (heads, key_dim) = (query.size()[1], query.size()[3]);
-    let built = names_of(variant, &cfg)?;
-    check_names(&params, &built).map_err(|e| {
-        PyValueError::new_err(format!("{variant}: {} (learnable parameters are passed as hybrid_logit= and bam={{'prior': ...}}, or owned by probattn.nn.MultiheadAttention)", e.value(py)))
-    })?;
-    let vs = store_with(query.device(), &params);
     // Owned tensors move into the closure: the computation runs without the GIL.
     let result = py.allow_threads(move || {
         guarded(|| {
-            let normalizer = variant.build(&vs.root(), heads, key_dim, &cfg).map_err(to_py)?;
+            check_inputs(&query, &key, &value)?;
+            let spec = spec.get();
+            let (heads, key_dim) = (query.size()[1], query.size()[3]);
+            let normalizer = normalizer_for(spec, heads, key_dim, query.device(), &params.unwrap_or_default())?;
             let masks = Masks {
                 key_padding: key_padding_mask.as_deref(),
                 query_padding: None,
@@ -206,6 +301,165 @@ fn attention(
     })?;
     let (output, weights, mass, kl) = result;
     Ok((PyTensor(output), weights.map(PyTensor), mass.map(PyTensor), kl.map(PyTensor)))
+}
+
+/// `probattn.functional.scaled_dot_product_attention`'s common call, whole: 4-D heads-first
+/// `query`, `key`, `value` of one batch size (key/value heads equal to the query's, or dividing
+/// them under `enable_gqa`), `attn_mask` None, boolean (True = takes part) or floating (added to
+/// the scores) and broadcasting to the scores, PyTorch's `dropout_p`, `is_causal`, `scale`. Returns
+/// the output, or None for any other call (broadcast batch dimensions, other ranks, a mask that
+/// does not fit, an argument of the wrong type): the Python function's general path takes those
+/// and names what is wrong. One call from Python, no keyword matching: the fixed cost of
+/// attention from Python is this function's.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn sdpa(
+    py: Python<'_>,
+    spec: Py<Spec>,
+    query: &Bound<'_, PyAny>,
+    key: &Bound<'_, PyAny>,
+    value: &Bound<'_, PyAny>,
+    attn_mask: &Bound<'_, PyAny>,
+    dropout_p: &Bound<'_, PyAny>,
+    is_causal: &Bound<'_, PyAny>,
+    scale: &Bound<'_, PyAny>,
+    enable_gqa: &Bound<'_, PyAny>,
+    training: &Bound<'_, PyAny>,
+) -> PyResult<Option<PyTensor>> {
+    let (Ok(q), Ok(k), Ok(v)) = (query.extract::<PyTensor>(), key.extract::<PyTensor>(), value.extract::<PyTensor>()) else {
+        return Ok(None);
+    };
+    let mask = if attn_mask.is_none() {
+        None
+    } else {
+        match attn_mask.extract::<PyTensor>() {
+            Ok(m) => Some(m),
+            Err(_) => return Ok(None),
+        }
+    };
+    let Ok(dropout) = dropout_p.extract::<f64>() else { return Ok(None) };
+    let scale = if scale.is_none() {
+        None
+    } else {
+        match scale.extract::<f64>() {
+            Ok(s) if s.is_finite() => Some(s),
+            _ => return Ok(None),
+        }
+    };
+    let (causal, enable_gqa, training) = (is_causal.is_truthy()?, enable_gqa.is_truthy()?, training.is_truthy()?);
+    if !(0.0..1.0).contains(&dropout) || (causal && mask.is_some()) {
+        return Ok(None);
+    }
+    let out = py.allow_threads(move || {
+        guarded(|| {
+            let (excluded, bias) = match &mask {
+                None => (None, None),
+                Some(m) if m.kind() == tch::Kind::Bool => (Some(m.logical_not()), None),
+                Some(m) if m.is_floating_point() && m.device() == q.device() => (None, Some(m.0.shallow_clone())),
+                Some(_) => return Ok(None),
+            };
+            let (qs, ks) = (q.size(), k.size());
+            if qs.len() != 4 || ks.len() != 4 {
+                return Ok(None);
+            }
+            let (heads, key_dim, kv_heads) = (qs[1], qs[3], ks[1]);
+            let normalizer = normalizer_for(spec.get(), heads, key_dim, q.device(), &HashMap::new())?;
+            let masks = Masks { attn_mask: excluded.as_ref(), bias: bias.as_ref(), causal, ..Default::default() };
+            let opts = AttendOptions {
+                mode: Mode { dropout: dropout > 0.0, sample: training },
+                dropout,
+                need_weights: false,
+                scale,
+                enable_gqa: enable_gqa && kv_heads != heads,
+                ..Default::default()
+            };
+            match attend(&q, &k, &v, &masks, normalizer.as_ref(), opts) {
+                Ok(out) => Ok(Some(out.output)),
+                // Shapes, ranks or dtypes that are not this call's (broadcast batches, a mask that
+                // does not broadcast): attend refuses them before computing anything, and the
+                // general path reshapes them or names what is wrong in PyTorch's terms.
+                Err(probattn::Error::Shape(_)) => Ok(None),
+                Err(e) => Err(to_py(e)),
+            }
+        })
+    })?;
+    Ok(out.map(PyTensor))
+}
+
+/// The Rust side of the package's overhead benchmark (`python/probattn/benchmarks/bench.py`), run
+/// in the caller's process and thread so that both sides share one libtorch, one allocator and
+/// one CPU state: `probattn::attend` called from Rust on `randn (batch, heads, seq, dim)` float32
+/// inputs (from `seed`) with the normalizer built once, forward alone (under no_grad) and forward
+/// + backward (`output.sum().backward()`), each `repeats` times after two warm-up calls. With
+/// `baseline`, libtorch's own `scaled_dot_product_attention` instead of `attend`: the floor any
+/// caller from Rust pays. Returns the milliseconds of each call, `(forward, forward_backward)`;
+/// on CUDA each call is timed to its completion.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (variant, seq, *, memory_efficient=false, repeats=20, batch=1, heads=8, dim=64, seed=0, device="cpu", baseline=false))]
+fn rust_timing(
+    py: Python<'_>,
+    variant: &str,
+    seq: i64,
+    memory_efficient: bool,
+    repeats: usize,
+    batch: i64,
+    heads: i64,
+    dim: i64,
+    seed: i64,
+    device: &str,
+    baseline: bool,
+) -> PyResult<(Vec<f64>, Vec<f64>)> {
+    let variant = self::variant(variant)?;
+    let device = match device {
+        "cpu" => tch::Device::Cpu,
+        "cuda" if tch::Cuda::is_available() => tch::Device::Cuda(0),
+        other => return Err(PyValueError::new_err(format!("device must be cpu or cuda (with CUDA available), got '{other}'"))),
+    };
+    py.allow_threads(move || {
+        guarded(|| {
+            let sync = || {
+                if let tch::Device::Cuda(i) = device {
+                    tch::Cuda::synchronize(i as i64);
+                }
+            };
+            tch::manual_seed(seed);
+            let options = (tch::Kind::Float, device);
+            let [q, k, v] = [0; 3].map(|_| Tensor::randn([batch, heads, seq, dim], options));
+            let vs = nn::VarStore::new(device);
+            let normalizer = variant.build(&vs.root(), heads, dim, &NormalizerConfig::default()).map_err(to_py)?;
+            let call = |q: &Tensor, k: &Tensor, v: &Tensor| -> PyResult<Tensor> {
+                if baseline {
+                    return Ok(Tensor::scaled_dot_product_attention(q, k, v, None::<&Tensor>, 0.0, false, None, false));
+                }
+                let opts = AttendOptions { need_weights: false, tile: memory_efficient.then_some(256), ..Default::default() };
+                Ok(attend(q, k, v, &Masks::default(), normalizer.as_ref(), opts).map_err(to_py)?.output)
+            };
+            let (mut forward, mut both) = (Vec::with_capacity(repeats), Vec::with_capacity(repeats));
+            let grads = [q.detach().set_requires_grad(true), k.detach().set_requires_grad(true), v.detach().set_requires_grad(true)];
+            for round in 0..repeats + 2 {
+                sync();
+                let start = std::time::Instant::now();
+                let _ = tch::no_grad(|| call(&q, &k, &v))?;
+                sync();
+                let f = start.elapsed().as_secs_f64() * 1e3;
+                let start = std::time::Instant::now();
+                call(&grads[0], &grads[1], &grads[2])?.sum(tch::Kind::Float).backward();
+                sync();
+                let fb = start.elapsed().as_secs_f64() * 1e3;
+                for mut t in grads.iter().map(Tensor::grad) {
+                    if t.defined() {
+                        let _ = t.zero_();
+                    }
+                }
+                if round >= 2 {
+                    forward.push(f);
+                    both.push(fb);
+                }
+            }
+            Ok((forward, both))
+        })
+    })
 }
 
 /// `MultiHeadAttention::forward_mode` on batch-first `(B, S, E)` inputs, the module built on the
@@ -386,7 +640,10 @@ fn registry_json() -> PyResult<String> {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Spec>()?;
     m.add_function(wrap_pyfunction!(attention, m)?)?;
+    m.add_function(wrap_pyfunction!(sdpa, m)?)?;
+    m.add_function(wrap_pyfunction!(rust_timing, m)?)?;
     m.add_function(wrap_pyfunction!(multi_head_attention, m)?)?;
     m.add_function(wrap_pyfunction!(initial_parameters, m)?)?;
     m.add_function(wrap_pyfunction!(registry_json, m)?)?;

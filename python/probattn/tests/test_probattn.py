@@ -1097,6 +1097,50 @@ class Backends(unittest.TestCase):
                 pass
 
 
+class LeanCalls(unittest.TestCase):
+    def test_a_variant_is_resolved_once_and_every_path_agrees(self):
+        from probattn import _native, _registry, functional
+        q, k, v = qkv(dv=4)
+        functional._SPECS.clear()
+        _registry.spec.cache_clear()
+        for _ in range(3):
+            probattn.attention(q, k, v, variant="dnas")
+            probattn.attention(q, k, v, variant="dnas", memory_efficient=True)
+        self.assertIn("dnas", functional._SPECS)
+        self.assertEqual(_registry.spec.cache_info().misses, 1)  # both paths share the one spec
+        # The common call is the extension's whole; others are the general path's, with the same numbers.
+        spec = functional._SPECS["dnas"]
+        whole = _native.sdpa(spec, q, k, v, None, 0.0, False, None, False, False)
+        self.assertIsNotNone(whole)
+        torch.testing.assert_close(whole, probattn.attention(q, k, v, variant="dnas", memory_efficient=True),
+                                   rtol=0, atol=1e-12)
+        self.assertIsNone(_native.sdpa(spec, q[:1], k, v, None, 0.0, False, None, False, False))  # batches broadcast
+        self.assertIsNone(_native.sdpa(spec, q, k, v, torch.ones(4, 6, dtype=torch.bool), 0.0, False, None, False,
+                                       False))  # a mask that does not broadcast: the general path names it
+        self.assertIsNone(_native.sdpa(spec, q, "k", v, None, 0.0, False, None, False, False))
+        broadcast = probattn.attention(q[:1], k, v, variant="dnas")
+        torch.testing.assert_close(broadcast, probattn.attention(q[:1].expand_as(q), k, v, variant="dnas"),
+                                   rtol=0, atol=1e-12)
+
+    def test_a_built_normalizer_is_reused_only_where_it_reads_no_parameters(self):
+        # HNAS reads the caller's gate logits at every call: a changed logit changes the output.
+        q, k, v = qkv(dv=4)
+        logit = torch.zeros(3, dtype=D)
+        a = probattn.attention(q, k, v, variant="hnas", hybrid_logit=logit)
+        b = probattn.attention(q, k, v, variant="hnas", hybrid_logit=logit + 2.0)
+        self.assertGreater((a - b).abs().max().item(), 1e-3)
+        torch.testing.assert_close(a, 0.5 * (probattn.attention(q, k, v, variant="dnas") + probattn.attention(q, k, v)),
+                                   rtol=0, atol=1e-12)
+
+    def test_the_rust_timing_runs_the_call_it_names(self):
+        from probattn import _native
+        forward, both = _native.rust_timing("dnas", 8, repeats=3, heads=2, dim=4)
+        self.assertEqual((len(forward), len(both)), (3, 3))
+        self.assertTrue(all(t > 0 for t in forward + both))
+        with self.assertRaisesRegex(ValueError, "unknown attention variant 'dnaz'"):
+            _native.rust_timing("dnaz", 8)
+
+
 class Errors(unittest.TestCase):
     def test_bad_inputs_raise_with_the_library_message(self):
         q, k, v = qkv(grad=False)

@@ -4,7 +4,7 @@
 use tch::{Device, Kind, Tensor};
 
 use super::{Normalizer, Support};
-use crate::call::{mix, score_scale, try_scores, AttendOptions, Attended};
+use crate::call::{mix, try_scores, AttendOptions, Attended};
 use crate::mask::{Masks, ScoreShape};
 use crate::precision::widen;
 use crate::Result;
@@ -38,9 +38,10 @@ impl Normalizer for Softmax {
         if opts.need_weights || opts.dropout_active() || q.device() != Device::Cpu {
             return Ok(None);
         }
-        let shape = ScoreShape { batch: q.size()[0], heads: q.size()[1], queries: q.size()[2], keys: k.size()[2] };
-        let grouped = k.size()[1] != shape.heads;
-        let scale = score_scale(q, opts.scale);
+        let (qs, ks) = (q.size(), k.size());
+        let shape = ScoreShape { batch: qs[0], heads: qs[1], queries: qs[2], keys: ks[2] };
+        let grouped = ks[1] != shape.heads;
+        let scale = opts.scale.unwrap_or_else(|| (1.0 / qs[3] as f64).sqrt());
         let output = match q.kind() {
             // bfloat16 below the kernel's lengths takes float32 from the bfloat16 values (as the
             // kernel computes inside), keeping the bfloat16 inputs, not float32 copies as autograd
