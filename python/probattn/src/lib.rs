@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use probattn::normalize::BamConfig;
 use probattn::{attend, AttendOptions, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Normalizer, NormalizerConfig, Variant};
@@ -119,12 +120,21 @@ fn check_names(given: &HashMap<String, PyTensor>, built: &[String]) -> Result<()
 }
 
 /// The names of the parameters the normalizer of `variant` reads (sorted), from one head of one
-/// feature built under a scratch `VarStore`: they depend on the variant and its BAM base only.
+/// feature built under a scratch `VarStore`. They depend on the variant and its BAM base only, so
+/// each pair is built once per process and remembered: building draws the initial values of a
+/// contextual prior from libtorch's generator, which a new spec (new settings) must not draw again.
 fn names_of(variant: Variant, cfg: &NormalizerConfig) -> PyResult<Vec<String>> {
+    static KNOWN: OnceLock<Mutex<HashMap<String, Vec<String>>>> = OnceLock::new();
+    let key = format!("{variant}/{}", cfg.bam.base);
+    let known = KNOWN.get_or_init(Default::default);
+    if let Some(names) = known.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return Ok(names.clone());
+    }
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let _ = tch::no_grad(|| variant.build(&vs.root(), 1, 1, cfg)).map_err(to_py)?;
     let mut names: Vec<String> = vs.variables().into_keys().collect();
     names.sort();
+    known.lock().unwrap_or_else(|e| e.into_inner()).insert(key, names.clone());
     Ok(names)
 }
 
