@@ -4,7 +4,7 @@
 //! normalizer or module on the caller's parameters, and turns errors into Python exceptions.
 //! The public Python API (`python/probattn/probattn/`) wraps these functions.
 //!
-//! A variant is resolved once into a [`Spec`] (its name parsed, its settings read, the names of its
+//! A variant is resolved once into a `Spec` (its name parsed, its settings read, the names of its
 //! parameters), which each call passes back; a normalizer that reads no parameters is built once
 //! per shape and reused. Parameters owned by Python (`nn.Parameter`s: HNAS's gate logits, BAM's
 //! contextual prior, the projections of multi-head attention) are put under a `VarStore`'s root
