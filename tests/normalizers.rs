@@ -381,3 +381,50 @@ fn a_user_normalizer_goes_into_the_layers_and_softmax_fused_forms_equal_the_gene
     assert!(via_trait.equal(&mha.forward_t(&MhaInput::self_attention(&x), false)?.context));
     Ok(())
 }
+
+/// Softmax without weights takes SDPA's kernel (`Route::Kernel`) wherever it serves the call, and
+/// equals the eager form there, output and gradients in float64: on every device without a mask,
+/// with the causal mask alone (S_q below and above S_k), with a scale and with grouped key/value
+/// heads. A mask that can leave a query without keys (key padding) keeps the kernel on the CPU,
+/// whose zero rows are checked, and the eager form on CUDA, where they are not yet.
+#[test]
+fn softmax_takes_sdpas_kernel_wherever_it_gives_the_eager_result() -> Result<()> {
+    use probattn::attend_with_choice;
+    use probattn::backend::{Backend, Route};
+    let _serial = common::serial();
+    tch::manual_seed(31);
+    let mut compared = 0;
+    for device in devices() {
+        for (sq, sk, kv_heads, causal, scale) in
+            [(5, 7, 4, false, None), (5, 7, 4, true, None), (7, 5, 4, true, Some(0.3)), (5, 7, 2, false, Some(0.7)), (6, 6, 1, true, None)]
+        {
+            let x = |s: i64, h: i64| randn(&[2, h, s, 8], Kind::Double, device).set_requires_grad(true);
+            let (q, k, v) = (x(sq, 4), x(sk, kv_heads), x(sk, kv_heads));
+            let padding =
+                Tensor::from_slice(&[0u8, 0, 0, 1, 1, 1, 1][..sk as usize]).ne(0).to_device(device).view([1, sk]).expand([2, sk], false);
+            for padded in [false, true] {
+                let masks = Masks { causal, key_padding: padded.then_some(&padding), ..Default::default() };
+                let what = format!("{device:?} S_q {sq} S_k {sk} kv heads {kv_heads} causal {causal} scale {scale:?} padded {padded}");
+                let run = |backend| -> Result<(Tensor, Vec<Tensor>, Route)> {
+                    let opts = AttendOptions { need_weights: false, scale, enable_gqa: kv_heads != 4, backend, ..Default::default() };
+                    let (out, choice) = attend_with_choice(&q, &k, &v, &masks, &probattn::normalize::Softmax, opts)?;
+                    let grads = Tensor::run_backward(&[(&out.output * &out.output.cos()).sum(Kind::Double)], &[&q, &k, &v], false, false);
+                    Ok((out.output, grads, choice.route))
+                };
+                let (out, grads, route) = run(Backend::Auto)?;
+                let (eager, eager_grads, _) = run(Backend::Eager)?;
+                let expected = if padded && device.is_cuda() { Route::Eager } else { Route::Kernel };
+                assert_eq!(route, expected, "{what}");
+                let d = f64::try_from((&out - &eager).abs().max())?;
+                assert!(d < 1e-12, "{what}: the output differs from the eager form's by {d:e}");
+                for (i, (a, b)) in grads.iter().zip(&eager_grads).enumerate() {
+                    let d = f64::try_from((a - b).abs().max())?;
+                    assert!(d < 1e-12, "{what}: gradient {i} differs from the eager form's by {d:e}");
+                }
+                compared += 1;
+            }
+        }
+    }
+    assert_eq!(compared, 10 * devices().len());
+    Ok(())
+}

@@ -6,8 +6,8 @@
 //!
 //! - `auto`: the memory-efficient plan when a tile is set and no weights are asked for (the fused
 //!   CPU kernel where it applies, else the tiles); otherwise the normalizer's kernel where it has
-//!   one that applies (softmax without weights on the CPU: libtorch's fused attention); otherwise
-//!   eager.
+//!   one that applies (softmax without weights: libtorch's fused attention, on the CPU under any
+//!   mask, on CUDA without a mask or with the causal mask alone); otherwise eager.
 //! - `eager`: scores, the normalizer and the mix, the weights formed (returned when asked for).
 //! - `tiles`: the normalizer's plan tile by tile ([`crate::tiled`]), never the fused kernel; the
 //!   tile is the call's, else [`DEFAULT_TILE`].

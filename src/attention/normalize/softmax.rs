@@ -30,18 +30,39 @@ impl Normalizer for Softmax {
     /// [`BF16_KERNEL_MIN_KEYS`] keys: libtorch's fused `scaled_dot_product_attention` (a blocked
     /// kernel that never forms the `(B, H, S_q, S_k)` weights). Its semantics are ours: a boolean
     /// mask of the allowed entries, and a query with no allowed key gets a zero output and zero
-    /// gradients (checked for libtorch 2.11 on the CPU; other devices keep the eager form until
-    /// checked there). In bfloat16 below those keys, under the same conditions, the eager
-    /// arithmetic in float32 as one autograd function that keeps the bfloat16 inputs for its
-    /// backward pass (`pa_widened_softmax` in probattn-sys).
+    /// gradients (checked for libtorch 2.11 on the CPU). In bfloat16 below those keys, under the
+    /// same conditions, the eager arithmetic in float32 as one autograd function that keeps the
+    /// bfloat16 inputs for its backward pass (`pa_widened_softmax` in probattn-sys).
+    ///
+    /// On CUDA, in any floating dtype, SDPA's kernels (FlashAttention's, the memory-efficient one,
+    /// or the math fallback, as libtorch picks) serve the calls in which no query can be left
+    /// without a key: no mask, or the causal mask alone (top-left aligned, query `i` keeps key 0),
+    /// and at least one key. A mask that can empty a row keeps the eager form there: what SDPA's
+    /// CUDA kernels return for such a row is not checked yet (ours is zero).
     fn kernel(&self, q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, opts: &AttendOptions) -> Result<Option<Attended>> {
-        if opts.need_weights || opts.dropout_active() || q.device() != Device::Cpu {
+        let device = q.device();
+        if opts.need_weights || opts.dropout_active() || !(device == Device::Cpu || device.is_cuda()) {
             return Ok(None);
         }
         let (qs, ks) = (q.size(), k.size());
         let shape = ScoreShape { batch: qs[0], heads: qs[1], queries: qs[2], keys: ks[2] };
         let grouped = ks[1] != shape.heads;
         let scale = opts.scale.unwrap_or_else(|| (1.0 / qs[3] as f64).sqrt());
+        // A causal mask alone is the kernel's is_causal (top-left aligned, as ours), which skips
+        // the blocks above the diagonal instead of reading an (S_q, S_k) mask.
+        let causal_only = masks.causal
+            && masks.key_padding.is_none()
+            && masks.query_padding.is_none()
+            && masks.attn_mask.is_none()
+            && masks.bias.is_none();
+        if device.is_cuda() {
+            if !(masks.is_empty() || causal_only) || shape.keys == 0 {
+                return Ok(None);
+            }
+            let given = opts.scale.map(|_| scale);
+            let output = Tensor::f_scaled_dot_product_attention(q, k, v, None::<&Tensor>, 0.0, causal_only, given, grouped)?;
+            return Ok(Some(Attended { output, weights: None, received_mass: None, kl: None }));
+        }
         let output = match q.kind() {
             // bfloat16 below the kernel's lengths takes float32 from the bfloat16 values (as the
             // kernel computes inside), keeping the bfloat16 inputs, not float32 copies as autograd
@@ -55,13 +76,6 @@ impl Normalizer for Softmax {
             Kind::Float | Kind::Double | Kind::BFloat16 => {
                 // The default scale goes in as None: the kernel's own 1/sqrt(d), bit for bit as before.
                 let given = opts.scale.map(|_| scale);
-                // A causal mask alone is the kernel's is_causal (top-left aligned, as ours), which
-                // skips the blocks above the diagonal instead of reading an (S_q, S_k) mask.
-                let causal_only = masks.causal
-                    && masks.key_padding.is_none()
-                    && masks.query_padding.is_none()
-                    && masks.attn_mask.is_none()
-                    && masks.bias.is_none();
                 let mask = if causal_only { None } else { kernel_mask(masks, shape, q)? };
                 Tensor::f_scaled_dot_product_attention(q, k, v, mask.as_ref(), 0.0, causal_only, given, grouped)?
             }
