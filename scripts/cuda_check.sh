@@ -23,8 +23,8 @@
 #   TABLE_ROWS, TABLE_SEEDS, TABLE_JOBS   the table steps' rows, seeds and runs at a time on the one
 #                  GPU (default 6, the CPU cores shared out), as scripts/translate_table.sh reads them
 #   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient precision
-#             nccl python python-bench table table-converged (default: all but bench-quick and the
-#             table steps, the long-sequence and NCCL runs first)
+#             nccl python python-bench sdpa-empty-rows table table-converged (default: all but
+#             bench-quick and the table steps, the long-sequence and NCCL runs first)
 #
 # The python-bench step runs the Python package's benchmarks on CUDA (python/probattn/benchmarks:
 # bench.py, whose Rust side runs inside the package's extension, and mlm.py's tiny Llama and BERT
@@ -47,7 +47,7 @@
 set -u
 bin=$(realpath "$1") data=$(realpath "$2") out=$(realpath -m "$3")
 shift 3
-steps=${*:-doctor memory-efficient precision nccl tests python python-bench pt2 gat vqa translate bench}
+steps=${*:-doctor sdpa-empty-rows memory-efficient precision nccl tests python python-bench pt2 gat vqa translate bench}
 mkdir -p "$out"
 root=$PWD
 python=${PROBATTN_PYTHON:-$(command -v python3)}
@@ -156,6 +156,12 @@ for s in $steps; do
       step python
       (cd "$bin/python-package" && PYTHONPATH="$bin/python-package:$root/python" "$python" -m unittest discover -v \
         -s "$root/python/probattn/tests" ${PYTHON_TESTS:+-k "$PYTHON_TESTS"} 2>&1) | tee "$out/python.log" | grep -E "^test_|Cuda|OK|FAILED|Error" | tail -40 ;;
+    sdpa-empty-rows)
+      # What SDPA's CUDA kernels give a query no key may attend: softmax takes them under masks
+      # that can empty a row only where they give zeros, as the CPU's kernel does.
+      step sdpa-empty-rows
+      PYTHONPATH="$root/python" "$python" -m probattn_tools.baselines.sdpa_empty_rows --device cuda --out "$out/sdpa-empty-rows" \
+        2>&1 | tee "$out/sdpa-empty-rows.log" | tail -40 ;;
     python-bench)
       step python-bench
       pp="$bin/python-package:$root/python"

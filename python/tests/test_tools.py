@@ -280,6 +280,24 @@ class FlexDnas(unittest.TestCase):
             torch.testing.assert_close(a.grad.double().cpu(), b.grad, rtol=0, atol=1e-4, msg=lambda m, n=name: f"d{n}: {m}")
 
 
+class SdpaEmptyRows(unittest.TestCase):
+    def test_the_cpu_kernels_give_an_empty_row_zeros(self):
+        # The CPU's SDPA backends (math and its flash kernel) give the row no key may attend a
+        # zero output and zero gradients under each mask, as probattn's softmax does; the others
+        # are recorded with their refusal.
+        from probattn_tools.baselines import sdpa_empty_rows
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            rows = sdpa_empty_rows.check(torch.device("cpu"), ["float64"])
+        ran = [r for r in rows if "refused" not in r]
+        self.assertEqual({r["backend"] for r in ran}, {"math", "flash"})
+        self.assertEqual(len(ran), 6)
+        for r in ran:
+            self.assertEqual((r["empty_output"], r["empty_dq"], r["any_grad_nan"]), ("zero", "zero", False), r)
+            self.assertLess(r["other_rows_max_diff"], 1e-12, r)
+        self.assertTrue(all(r["refused"] for r in rows if "refused" in r))
+
+
 class Registry(unittest.TestCase):
     def test_the_deterministic_examples_have_a_reference(self):
         logit = torch.zeros(3, dtype=torch.float64)
