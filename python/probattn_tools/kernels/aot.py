@@ -28,7 +28,7 @@ INPUTS = {"Q", "K", "V", "O", "O2", "DO", "DQ", "DK", "DV_OUT"}
 STATISTICS = {"C", "R", "R2", "G", "MASS", "DELTA", "CS", "RS", "GC", "GR", "RPOT", "CPOT", "COEF", "OUT", "SCALE", "BIAS",
               "PRIOR", "RB", "KS", "TROW", "DKL", "DA", "RD", "RS", "LOGU", "RHO_D", "RHO_S", "GU"}
 MASKS = {"QPAD", "KPAD", "MASK", "BLOCKS"}
-WORDS = {"SEED"}  # int64 tensors
+WORDS = {"DRAWS"}  # int64 tensors: the seed's words (draws given as a tensor are not compiled here)
 # Constexprs with a value that leaves their feature off, where a specialization does not name them.
 OFF = dict(NOISE=0, KL=0, WIDE=False, DRAW64=False, MIX=False, ROWS=False)
 TRITON_TYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}

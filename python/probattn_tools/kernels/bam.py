@@ -29,11 +29,11 @@ def _hash32(x):
 
 
 @triton.jit
-def _uniform(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, WIDE: tl.constexpr, DRAW64: tl.constexpr):
+def _uniform(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, WIDE: tl.constexpr, DRAW64: tl.constexpr):
     """ε ~ U(0, 1) of the tile (offs_m × offs_n) of (batch b, query head h): float64 from 32 bits
-    (DRAW64) or float32 from 23. SEED holds the seed's low and high 32-bit words (int64)."""
-    seed_lo = tl.load(SEED).to(tl.uint32)
-    seed_hi = tl.load(SEED + 1).to(tl.uint32)
+    (DRAW64) or float32 from 23. DRAWS holds the seed's low and high 32-bit words (int64)."""
+    seed_lo = tl.load(DRAWS).to(tl.uint32)
+    seed_hi = tl.load(DRAWS + 1).to(tl.uint32)
     e = ((b * H + h).to(tl.int64) * S_Q + offs_m[:, None].to(tl.int64)) * S_K + offs_n[None, :].to(tl.int64)
     low = (e & 0xFFFFFFFF).to(tl.uint32)
     if WIDE:
@@ -67,11 +67,17 @@ def _erfinv(y):
 
 
 @triton.jit
-def _epsilon(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE: tl.constexpr, WIDE: tl.constexpr,
+def _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE: tl.constexpr, WIDE: tl.constexpr,
              DRAW64: tl.constexpr):
     """The eager path's ε of a tile: uniform (NOISE 1, Weibull) in the draws' dtype, or standard
-    normal (NOISE 2, Lognormal) in float64, sqrt(2)·erfinv(2u − 1) as noise.cpp forms it."""
-    u = _uniform(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, WIDE, DRAW64)
+    normal (NOISE 2, Lognormal) in float64, sqrt(2)·erfinv(2u − 1) as noise.cpp forms it, from the
+    seed's words in DRAWS. NOISE 3 (Weibull) and 4 (Lognormal): the caller's ε, read from DRAWS, a
+    contiguous (B, H, S_q, S_k) tensor in the statistics' dtype."""
+    if NOISE >= 3:
+        rows = (b * H + h).to(tl.int64) * S_Q + offs_m[:, None].to(tl.int64)
+        inside = (offs_m[:, None] < S_Q) & (offs_n[None, :] < S_K)
+        return tl.load(DRAWS + rows * S_K + offs_n[None, :], mask=inside, other=0.5)
+    u = _uniform(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, WIDE, DRAW64)
     if NOISE == 2:
         return _erfinv(u.to(tl.float64) * 2.0 - 1.0) * 1.4142135623730951
     else:
@@ -79,18 +85,24 @@ def _epsilon(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE: tl.constexpr, WIDE:
 
 
 @triton.jit
-def _noise(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE: tl.constexpr, WIDE: tl.constexpr,
+def _noise(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE: tl.constexpr, WIDE: tl.constexpr,
            DRAW64: tl.constexpr, ACC: tl.constexpr):
-    """BAM's noise term of a tile in ACC: (1/k)·log(−log(1 − ε)) for Weibull (1 − ε is exact: ε
-    lies on the 2^-24 or 2^-33 grid), σ·ε for Lognormal; `noise_scale` is 1/k or σ."""
-    eps = _epsilon(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE, WIDE, DRAW64)
+    """BAM's noise term of a tile in ACC: (1/k)·log(−log(1 − ε)) for Weibull (1 − ε is exact for
+    drawn ε, which lies on the 2^-24 or 2^-33 grid; a given ε takes log1p(−ε) by Goldberg's
+    identity, as the eager path's log1p), σ·ε for Lognormal; `noise_scale` is 1/k or σ."""
+    eps = _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE, WIDE, DRAW64)
     if NOISE == 1:
         eps = tl.log(-tl.log(1.0 - tl.maximum(eps, 1.1754943508222875e-38)))  # FLT_MIN, as noise.cpp's clamp
+    elif NOISE == 3:
+        eps = tl.maximum(eps, 1.1754943508222875e-38)  # as the eager path's clamp
+        w = 1.0 - eps
+        # log1p(−ε) = log(w)·(−ε)/(w − 1), exact to a few ulp, and −ε where w rounds to 1.
+        eps = tl.log(-tl.where(w == 1.0, -eps, tl.log(w) * (-eps) / (w - 1.0)))
     return eps.to(ACC) * noise_scale
 
 
 @triton.jit
-def _draws(OUT, SEED, H, S_Q, S_K, ROW0, ROWS, NOISE: tl.constexpr, WIDE: tl.constexpr, DRAW64: tl.constexpr,
+def _draws(OUT, DRAWS, H, S_Q, S_K, ROW0, ROWS, NOISE: tl.constexpr, WIDE: tl.constexpr, DRAW64: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """ε of rows [ROW0, ROW0 + ROWS) of a (B, H, S_q, S_k) score tensor, laid out (B, H, ROWS,
     S_k) in OUT's dtype: what noise.cpp's `counter_noise` returns for those rows."""
@@ -100,19 +112,19 @@ def _draws(OUT, SEED, H, S_Q, S_K, ROW0, ROWS, NOISE: tl.constexpr, WIDE: tl.con
     offs_m = ROW0 + local
     for start_n in range(0, S_K, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        eps = _epsilon(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE, WIDE, DRAW64)
+        eps = _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE, WIDE, DRAW64)
         at = OUT + (bh.to(tl.int64) * ROWS + local[:, None]) * S_K + offs_n[None, :]
         tl.store(at, eps.to(OUT.dtype.element_ty), mask=(local[:, None] < ROWS) & (offs_n[None, :] < S_K))
 
 
 @triton.jit
-def _weights(y, ok, r, SEED, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE: tl.constexpr,
+def _weights(y, ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE: tl.constexpr,
              WIDE: tl.constexpr, DRAW64: tl.constexpr, ACC: tl.constexpr):
     """A tile's weights recomputed from its logits y and its row statistic r: exp(y + n − r), n
     BAM's noise term (none without NOISE), exactly 0 where excluded."""
     x = y
     if NOISE > 0:
-        x = y + _noise(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, WIDE, DRAW64, ACC)
+        x = y + _noise(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, WIDE, DRAW64, ACC)
     return tl.where(ok, tl.exp(tl.where(ok, x - r[:, None], 0.0)), 0.0)
 
 
@@ -178,7 +190,8 @@ class Sampling:
     row-softmax(y + n), y the base plan's logits, n = scale·log(−log(1 − ε)) with ε ~ U(0, 1)
     (`noise="weibull"`, scale 1/k) or n = scale·ε with ε ~ N(0, 1) (`"lognormal"`, scale σ),
     ε drawn by the counter-based generator keyed by `seed` (0 ≤ seed < 2^64) and the entry's
-    position, the same ε as the tiles and the CPU's loop draw for that seed. `kl`: the KL term's
+    position, the same ε as the tiles and the CPU's loop draw for that seed; or ε given as
+    `draws`, a (B, H, S_q, S_k) tensor, as the library's `noise=` takes it. `kl`: the KL term's
     score-dependent part T over the allowed entries, `"weibull"` (Σ a_j log π_ij, a_j the Gamma
     prior's shape α_j) or `"lognormal"` (Σ (log π_ij − a_j)², a_j = μ_p,j + σ²/2), None for none;
     π = exp(y − LSE_j y) are the base's weights. The rest of the KL (per-key and per-row terms,
@@ -186,16 +199,38 @@ class Sampling:
 
     NOISES = {"weibull": 1, "lognormal": 2}
 
-    def __init__(self, noise, scale, seed, kl=None):
+    def __init__(self, noise, scale, seed=None, kl=None, draws=None):
+        if (seed is None) == (draws is None):
+            raise ValueError("sampling takes a seed or the draws (a tensor of ε), one of the two")
+        if draws is not None and (not isinstance(draws, torch.Tensor) or not draws.is_floating_point()
+                                  or draws.dim() != 4):
+            got = f"{draws.dtype} of rank {draws.dim()}" if isinstance(draws, torch.Tensor) else type(draws).__name__
+            raise ValueError(f"draws must be a floating-point (B, H, S_q, S_k) tensor of ε, got {got}")
         if noise not in self.NOISES:
             raise ValueError(f"noise must be one of {sorted(self.NOISES)}, got {noise!r}")
         if kl is not None and kl not in self.NOISES:
             raise ValueError(f"kl must be None or one of {sorted(self.NOISES)}, got {kl!r}")
         if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"the noise scale (1/k or sigma) must be positive and finite, got {scale!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 64:
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 64):
             raise ValueError(f"seed must be an integer in [0, 2^64), got {seed!r}")
-        self.noise, self.scale, self.seed, self.kl = noise, float(scale), seed, kl
+        self.noise, self.scale, self.seed, self.kl, self.draws = noise, float(scale), seed, kl, draws
+
+    def code(self):
+        """The kernels' NOISE: 1 Weibull and 2 Lognormal from the seed, 3 and 4 given."""
+        return self.NOISES[self.noise] + (2 if self.draws is not None else 0)
+
+    def source(self, shape, dtype, device):
+        """What the kernels read the draws from: the seed's two words, or the given ε checked
+        against the scores' `shape`, contiguous in the statistics' `dtype`."""
+        if self.draws is None:
+            return _seed_words(self.seed, device)
+        if tuple(self.draws.shape) != tuple(shape):
+            raise ValueError(f"draws have shape {tuple(self.draws.shape)}, expected the scores' {tuple(shape)}")
+        eps = self.draws.detach().to(device=device, dtype=dtype).contiguous()
+        if not bool(torch.isfinite(eps).all()):
+            raise ValueError("draws hold a NaN or an infinite value")
+        return eps
 
 
 def _seed_words(seed, device):

@@ -35,7 +35,7 @@ def cases(quick, lower):
     """(name, sweeps, score_scale, (B, H, H_kv, S_q, S_k, d, d_v), masks, causal, bam). `lower`: the
     cases of a lower precision (the padded one per plan, and the causal one); `quick`: no
     rectangular, one-entry or pattern cases beyond the first plan's. `bam`: None, or BAM's
-    sampling over the plan as (noise, noise scale, KL form or None, seed)."""
+    sampling over the plan as (noise, noise scale, KL form or None, seed; None: ε given as a tensor)."""
     shapes = {"gqa": (2, 4, 2, 13, 11, 8, 5), "rect": (1, 2, 2, 7, 19, 16, 16), "one": (1, 1, 1, 1, 1, 4, 4)}
     out = []
     for sweeps, plan in ((0, "softmax"), (1, "dnas"), (1, "hnas"), (3, "sinkhorn-3")):
@@ -67,12 +67,16 @@ def cases(quick, lower):
            ("sinkhorn-3", 3, ("lognormal", 0.7, "lognormal", seed + 5), ("key", "query")),
            ("hnas", 1, ("weibull", 0.5, "weibull", seed + 6), ("key", "query")),
            ("hnas", 1, ("lognormal", 0.7, "lognormal", seed + 7), ("additive", "key"))]
-    for plan, sweeps, sampling, masks in bam[:2] if quick else bam:
+    # ε given as a tensor (the library's noise=) instead of a seed.
+    given = [("dnas", 1, ("weibull", 0.5, "weibull", None), ("key", "query")),
+             ("softmax", 0, ("lognormal", 0.7, None, None), ("key",))]
+    for plan, sweeps, sampling, masks in bam[:2] + given[:1] if quick else bam + given:
         if lower and masks[0] in ("pattern", "additive"):
             continue
         kl = f"KL {sampling[2]}" if sampling[2] else "no KL"
-        out.append((f"bam-{sampling[0]} over {plan}, {kl}, {'+'.join(masks)}", sweeps, 1.0, shapes["gqa"], masks, False,
-                    sampling))
+        drawn = "" if sampling[3] is not None else ", given draws"
+        out.append((f"bam-{sampling[0]} over {plan}, {kl}, {'+'.join(masks)}{drawn}", sweeps, 1.0, shapes["gqa"],
+                    masks, False, sampling))
     return out
 
 
@@ -156,12 +160,18 @@ def run_bam_case(torch, plans, formulas, name, sweeps, scale, inputs, masks, bam
     """BAM over a plan against `formulas.bam_weights` given the same draws: the output, the KL
     part T (`plans.Sampling`), the received mass, and the gradients of Σ out·G + Σ T·W in q, k, v
     and the prior's values. The draws come from the kernels' own generator (`plans.counter_noise`,
-    checked bit for bit against the CPU loop's record by `check_draws`)."""
+    checked bit for bit against the CPU loop's record by `check_draws`), or, without a seed, are
+    given to the kernels as a tensor."""
     q, k, v = inputs
     noise, noise_scale, kl, seed = bam
     b, h, s_q, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
     s_k, device, stats = k.shape[2], q.device, torch.float64 if q.dtype == torch.float64 else torch.float32
-    sampling = plans.Sampling(noise, noise_scale, seed, kl)
+    if seed is None:
+        draw = torch.rand if noise == "weibull" else torch.randn
+        given = draw(b, h, s_q, s_k, generator=gen, dtype=torch.float64).to(stats).to(device)
+        sampling = plans.Sampling(noise, noise_scale, kl=kl, draws=given)
+    else:
+        sampling = plans.Sampling(noise, noise_scale, seed, kl)
     # Weibull: a Gamma shape α_j > 0 per (head, key), broadcast over the batch; Lognormal: μ_p,j + σ²/2.
     a = torch.rand(1, h, 1, s_k, generator=gen, dtype=torch.float64) + 0.1 if kl == "weibull" else \
         torch.randn(b, h, 1, s_k, generator=gen, dtype=torch.float64) - math.log(s_k)
@@ -178,7 +188,8 @@ def run_bam_case(torch, plans, formulas, name, sweeps, scale, inputs, masks, bam
     grads = torch.autograd.grad(loss, ins)
     mass = plans.received_mass(q, k, v, sweeps, scale, masks, config, sampling=sampling, hybrid_logit=logit)
 
-    eps = plans.counter_noise((b, h, s_q, s_k), seed, noise, stats, device=device).double()
+    eps = given.double() if seed is None else plans.counter_noise((b, h, s_q, s_k), seed, noise, stats,
+                                                                  device=device).double()
     ref_ins = [t.detach().double().requires_grad_(True) for t in (q, k, v, a)]
     rq, rk, rv, ra = ref_ins
     rlogit = logit.detach().double().requires_grad_(True) if logit is not None else None
@@ -280,6 +291,12 @@ def bad_input_messages(torch, plans, device):
         ("additive grad", lambda: plans.attention(x, x, x, masks=plans.Masks(
             additive=torch.zeros(4, 4, device=device, requires_grad=True))), "no gradient"),
         ("seed", lambda: plans.Sampling("weibull", 0.1, 2 ** 64), "seed must be"),
+        ("seed and draws", lambda: plans.Sampling("weibull", 0.1, 1, draws=x), "one of the two"),
+        ("draws shape", lambda: plans.bam_attention(x, x, x, plans.Sampling("weibull", 0.1, draws=x[:, :, :1])),
+         "draws have shape"),
+        ("draws NaN", lambda: plans.bam_attention(x, x, x, plans.Sampling("weibull", 0.1, draws=torch.full(
+            (x.shape[0], x.shape[1], x.shape[2], x.shape[2]), math.nan, dtype=x.dtype, device=device))),
+         "draws hold a NaN"),
         ("noise kind", lambda: plans.Sampling("gumbel", 0.1, 1), "noise must be"),
         ("noise scale", lambda: plans.Sampling("lognormal", float("nan"), 1), "noise scale"),
         ("no prior", lambda: plans.bam_attention(x, x, x, plans.Sampling("weibull", 0.1, 1, "weibull")), "prior"),

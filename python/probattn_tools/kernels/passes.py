@@ -45,7 +45,7 @@ def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
 
 
 @triton.jit
-def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, SEED, PRIOR, RB, KS, TROW, RD, RS, LOGU,
+def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, PRIOR, RB, KS, TROW, RD, RS, LOGU,
               stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
               stride_ob, stride_oh, stride_os, stride_cb, stride_ch, stride_rb, stride_rh, stride_qpad, stride_kpad,
               stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab,
@@ -114,7 +114,7 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, SEED, PR
             y = tl.where(ok, z, float("-inf"))
             x = y
             if NOISE > 0:
-                n = _noise(SEED, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, WIDE, DRAW64, ACC)
+                n = _noise(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, WIDE, DRAW64, ACC)
                 x = tl.where(ok, z + n, float("-inf"))
             m, l, acc = _accumulate(m, l, acc, x, v, ACC, DOT)
             if HYBRID:
@@ -155,7 +155,7 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, SEED, PR
 
 
 @triton.jit
-def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, BLOCKS, BIAS, SEED, PRIOR, RB, KS, DKL,
+def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, PRIOR, RB, KS, DKL,
               DA, RD, RS, LOGU, RHO_D, RHO_S, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
               stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
               stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_qpad, stride_kpad,
@@ -217,7 +217,7 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
                     ok = ok & (zr > float("-inf"))
                     y, w_d, w_s, pi_d, pi_s = _mix_shares(z, zr, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb,
                                                           stride_rh)
-                p = _weights(y, ok, r, SEED, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, WIDE, DRAW64,
+                p = _weights(y, ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, WIDE, DRAW64,
                              ACC)  # (BLOCK_M, BLOCK_N)
                 mass += tl.sum(p, 0)
                 if GRADS:
@@ -257,7 +257,7 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
 
 
 @triton.jit
-def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS, SEED, PRIOR, RB, KS, DKL, RD, RS, LOGU,
+def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, PRIOR, RB, KS, DKL, RD, RS, LOGU,
                 RHO_D, RHO_S, GU,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
@@ -320,7 +320,7 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
             if MIX:
                 ok = ok & (zr > float("-inf"))
                 y, w_d, w_s, pi_d, pi_s = _mix_shares(z, zr, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb, stride_rh)
-            p = _weights(y, ok, r, SEED, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, WIDE, DRAW64, ACC)
+            p = _weights(y, ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, WIDE, DRAW64, ACC)
             dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT)
             ds = p * (dp - delta[:, None])
             if KL > 0:

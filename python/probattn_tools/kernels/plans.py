@@ -191,14 +191,14 @@ class _Call:
             raise ValueError("a KL term needs the prior's per-key values (prior=)")
         dummy = torch.zeros(1, dtype=self.stats, device=dev)
         a, (spb, sph, spn) = _prior_values(prior, (b, h, s_q, s_k), self.stats, dev) if self.kl else (dummy, (0, 0, 0))
-        seed = _seed_words(sampling.seed if sampling else 0, dev)
+        draws = sampling.source((b, h, s_q, s_k), self.stats, dev) if sampling else _seed_words(0, dev)
         self.mix = mix_logit is not None
         self.args = dict(
             Q=self.q, K=self.k, V=self.v, QPAD=qpad, KPAD=kpad, MASK=pattern, BLOCKS=blocks, BIAS=bias,
-            SEED=seed, PRIOR=a, RB=dummy, KS=dummy, TROW=dummy, DKL=dummy, DA=dummy, MIX=False, ROWS=False,
+            DRAWS=draws, PRIOR=a, RB=dummy, KS=dummy, TROW=dummy, DKL=dummy, DA=dummy, MIX=False, ROWS=False,
             RD=dummy, RS=dummy, LOGU=dummy, RHO_D=dummy, RHO_S=dummy, GU=dummy,
             stride_pb=spb, stride_ph=sph, stride_pn=spn,
-            NOISE=Sampling.NOISES[sampling.noise] if sampling else 0, KL=Sampling.NOISES[sampling.kl] if self.kl else 0,
+            NOISE=sampling.code() if sampling else 0, KL=Sampling.NOISES[sampling.kl] if self.kl else 0,
             WIDE=b * h * s_q * s_k > 2 ** 32, DRAW64=self.stats == torch.float64,
             stride_qb=qs[0], stride_qh=qs[1], stride_qs=qs[2], stride_kb=ks[0], stride_kh=ks[1], stride_ks=ks[2],
             stride_vb=vs[0], stride_vh=vs[1], stride_vs=vs[2],
@@ -334,7 +334,7 @@ def received_mass(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None, s
     `sampling`, the sampled weights' (the same draws as `bam_attention` with that sampling, over
     HNAS with `hybrid_logit`)."""
     if sampling is not None:
-        sampling = Sampling(sampling.noise, sampling.scale, sampling.seed)  # the weights only: no KL
+        sampling = Sampling(sampling.noise, sampling.scale, sampling.seed, draws=sampling.draws)  # no KL: the weights only
     if hybrid_logit is not None and sampling is None:
         raise ValueError("received_mass takes hybrid_logit with sampling only (HNAS alone: hybrid_attention)")
     call = _Call(q, k, v, sweeps, score_scale, masks or Masks(), config, sampling, mix_logit=hybrid_logit)
@@ -446,8 +446,8 @@ def bam_attention(q, k, v, sampling, sweeps=1, score_scale=1.0, prior=None, mask
     over HNAS with its gate logits `hybrid_logit (H,)` (sweeps 1): (output (B, H, S_q, d_v),
     T (B, H)), T the KL term's score-dependent part (`Sampling`; zeros without a KL term),
     differentiable in q, k, v, the prior's values `prior` (broadcastable to (B, H, 1, S_k)) and
-    the gate logits. The noise is drawn in the kernels from `sampling.seed`: the same ε as the
-    tiles' and the CPU loop's for that seed (`counter_noise`)."""
+    the gate logits. The noise is drawn in the kernels from `sampling.seed`, the same ε as the
+    tiles' and the CPU loop's for that seed (`counter_noise`), or read from `sampling.draws`."""
     if not isinstance(sampling, Sampling):
         raise ValueError(f"sampling must be a plans.Sampling, got {type(sampling).__name__}")
     if hybrid_logit is not None:

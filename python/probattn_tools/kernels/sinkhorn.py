@@ -112,7 +112,7 @@ def _sink_dz(z, ok, dsz, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_
 
 
 @triton.jit
-def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPAD, MASK, BLOCKS, BIAS, SEED, PRIOR,
+def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, PRIOR,
                 RB, KS, DKL, DA,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_t, stride_cb, stride_ch, stride_tr, stride_rb, stride_rh,
@@ -165,7 +165,7 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
                     ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
                                   False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                     r = tl.load(RS + last_r + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                    p = _weights(z - c[None, :], ok, r, SEED, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE,
+                    p = _weights(z - c[None, :], ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE,
                                  WIDE, DRAW64, ACC)
                     do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
                     delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
@@ -213,7 +213,7 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
                               False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                 c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
                 v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
-                p = _weights(z - c[None, :], ok, r, SEED, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, WIDE,
+                p = _weights(z - c[None, :], ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, WIDE,
                              DRAW64, ACC)
                 ds = p * (tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT) - delta[:, None])
                 if KL > 0:
