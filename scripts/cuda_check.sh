@@ -22,9 +22,11 @@
 #                  a steady drift
 #   TABLE_ROWS, TABLE_SEEDS, TABLE_JOBS   the table steps' rows, seeds and runs at a time on the one
 #                  GPU (default 6, the CPU cores shared out), as scripts/translate_table.sh reads them
+#   KERNELS_CHECK, KERNELS_BENCH   the kernels step's check flags (default: every case in every
+#                  dtype) and benchmark flags (default "--shapes 8x1024,1x4096,1x16384")
 #   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient precision
-#             nccl python python-bench sdpa-empty-rows table table-converged (default: all but
-#             bench-quick and the table steps, the long-sequence and NCCL runs first)
+#             nccl python python-bench sdpa-empty-rows kernels table table-converged (default: all
+#             but bench-quick, kernels and the table steps, the long-sequence and NCCL runs first)
 #
 # The python-bench step runs the Python package's benchmarks on CUDA (python/probattn/benchmarks:
 # bench.py, whose Rust side runs inside the package's extension, and mlm.py's tiny Llama and BERT
@@ -162,6 +164,13 @@ for s in $steps; do
       step sdpa-empty-rows
       PYTHONPATH="$root/python" "$python" -m probattn_tools.baselines.sdpa_empty_rows --device cuda --out "$out/sdpa-empty-rows" \
         2>&1 | tee "$out/sdpa-empty-rows.log" | tail -40 ;;
+    kernels)
+      # The Triton kernels of the plans, JIT-compiled on this GPU: their check against the formulas
+      # in every dtype, then their benchmark against SDPA and compiled FlexAttention.
+      step kernels
+      # shellcheck disable=SC2086  # KERNELS_BENCH are words
+      CHECK_FLAGS="${KERNELS_CHECK:-}" PYTHON="$python" bash "$(dirname "$(realpath "$0")")/kernels_gpu.sh" "$out/kernels" \
+        ${KERNELS_BENCH:---shapes 8x1024,1x4096,1x16384} 2>&1 | tail -60 ;;
     python-bench)
       step python-bench
       pp="$bin/python-package:$root/python"

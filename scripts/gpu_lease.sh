@@ -1,0 +1,27 @@
+#!/bin/bash
+# The checks that only a GPU can run and that wait for one, ordered and time-boxed to fit one
+# command of a short device lease (at most 600 s): run from the repository root of a checkout of the
+# bundle's commit, on the GPU machine.
+#
+# Usage: scripts/gpu_lease.sh BUNDLE OUT
+#   BUNDLE  scripts/cuda_bundle.sh's archive (built here, carried there)
+#   OUT     where each step's folder goes packed (ARCHIVE_DIR of cuda_steps.sh), with log.txt
+#
+# The steps, each under its own limit (a step that overruns costs only itself):
+#   doctor            20 s   the GPU, the driver and libtorch as the library sees them
+#   sdpa-empty-rows   60 s   what SDPA's CUDA backends give a query no key may attend
+#   tests            120 s   the normalizers and tiled binaries: softmax on SDPA's CUDA kernels
+#                            against the eager form, the tiles against the eager path on CUDA
+#   kernels          380 s   the Triton kernels' check in bfloat16, float16 and float32, then their
+#                            benchmark against SDPA and FlexAttention at 8 x 1,024 and 1 x 4,096
+set -euo pipefail
+[ $# -eq 2 ] || { sed -n '2,17p' "$0" >&2; exit 2; }
+bundle=$(realpath "$1") out=$(realpath -m "$2")
+here=$(dirname "$(realpath "$0")")
+work=$(mktemp -d)
+tar xJf "$bundle" -C "$work"
+export TESTS="normalizers tiled"
+export KERNELS_CHECK="--dtypes bfloat16,float16,float32"
+export KERNELS_BENCH="--shapes 8x1024,1x4096 --repeats 10"
+bash "$here/cuda_steps.sh" "$work/bin" "$work/data" "$work/out" "$out" \
+  doctor:20 sdpa-empty-rows:60 tests:120 kernels:380
