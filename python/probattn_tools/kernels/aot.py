@@ -120,9 +120,14 @@ def main(argv=None):
     parser.add_argument("--num-warps", type=int, default=4)
     parser.add_argument("--num-stages", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="one specialization per kernel, every feature on")
+    parser.add_argument("--line-info", action="store_true",
+                        help="keep source line information in the cubins (for ncu and compute-sanitizer; about 3x "
+                             "their size)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("kernels.aot: unset TRITON_INTERPRET: the interpreter compiles nothing")
+    # Read by Triton when it compiles; set before its import.
+    os.environ["TRITON_DISABLE_LINE_INFO"] = "0" if args.line_info else "1"
     import triton
 
     from probattn_tools.kernels import plans
@@ -143,7 +148,8 @@ def main(argv=None):
             print(f"sm_{arch} {dtype:8} d {head_dim:3} {name:13} {entry['shared_bytes']:6} B shared  "
                   f"{len(cubin):7} B  {entry['constexprs']}", flush=True)
     tmp = out / "manifest.json.tmp"
-    tmp.write_text(json.dumps({"triton": triton.__version__, "entries": entries}, indent=1) + "\n")
+    tmp.write_text(json.dumps({"triton": triton.__version__, "line_info": args.line_info, "entries": entries},
+                              indent=1) + "\n")
     tmp.replace(out / "manifest.json")
     print(f"{len(entries)} cubins in {time.time() - start:.0f} s; manifest in {out / 'manifest.json'}")
     return 0
