@@ -15,12 +15,29 @@ from pathlib import Path
 class TritonKernels(unittest.TestCase):
     def test_every_quick_case_is_within_tolerance_and_bad_input_is_named(self):
         env = dict(os.environ, TRITON_INTERPRET="1")
-        done = subprocess.run([sys.executable, "-m", "probattn_tools.kernels.check", "--quick",
-                               "--dtypes", "float64,float32,float16"], capture_output=True, text=True, env=env, timeout=900)
-        out = done.stdout + done.stderr
-        self.assertEqual(done.returncode, 0, out)
-        self.assertIn("all 29 cases within tolerance; draws as recorded; bad input named", out)
-        self.assertNotIn("FAIL", out)
+        with tempfile.TemporaryDirectory() as tmp:
+            record = Path(tmp) / "launched.json"
+            done = subprocess.run([sys.executable, "-m", "probattn_tools.kernels.check", "--quick", "--record",
+                                   str(record), "--dtypes", "float64,float32,float16"], capture_output=True, text=True,
+                                  env=env, timeout=900)
+            out = done.stdout + done.stderr
+            self.assertEqual(done.returncode, 0, out)
+            self.assertIn("all 29 cases within tolerance; draws as recorded; bad input named", out)
+            self.assertNotIn("FAIL", out)
+            # The launches recorded are what `kernels.aot --set` would compile, key for key: every
+            # constexpr of each kernel named, none the ahead-of-time build sets itself.
+            self.assertIn("specializations (in", out)
+            launched = json.loads(record.read_text())["launched"]
+            kernels = {e["kernel"] for e in launched}
+            self.assertEqual(kernels, {"_column_pass", "_row_pass", "_key_pass", "_query_pass", "_sink_reduce",
+                                       "_sink_grads"})
+            self.assertTrue(any(e["kernel"] == "_row_pass" and e["constexprs"]["NOISE"] == 3 for e in launched))
+            check = ("import json, sys; from probattn_tools.kernels import aot, plans; "
+                     "bad = [e for e in json.load(open(sys.argv[1]))['launched'] if aot.key(plans, e['kernel'], "
+                     "e['constexprs']) != (e['kernel'], tuple(sorted(e['constexprs'].items())))]; print(bad)")
+            keyed = subprocess.run([sys.executable, "-c", check, str(record)], capture_output=True, text=True, env=env,
+                                   timeout=300)
+            self.assertEqual((keyed.returncode, keyed.stdout.strip()), (0, "[]"), keyed.stderr)
 
     def test_every_kernel_compiles_ahead_of_time_for_sm80_and_sm90(self):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -67,6 +67,24 @@ def specializations(plans, smoke):
     return out
 
 
+def key(plans, name, constexprs):
+    """The key `plans.specialization` gives a launch of `name` with `constexprs` (the features a
+    specialization leaves unnamed are off, as `compile_one` compiles them)."""
+    import inspect
+
+    import triton.language as tl
+
+    fn = getattr(plans, name).fn
+    names = [n for n, p in inspect.signature(fn).parameters.items() if p.annotation is tl.constexpr]
+    values = dict(OFF, **constexprs)
+    return name, tuple(sorted((n, values[n]) for n in names if n not in plans._DERIVED))
+
+
+def recorded(path):
+    """The specializations of a `kernels.check --record` file, as (kernel name, constexprs)."""
+    return [(e["kernel"], e["constexprs"]) for e in json.loads(Path(path).read_text())["launched"]]
+
+
 def compile_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m, block_n, num_warps, num_stages):
     """One cubin and its manifest entry."""
     from triton.backends.compiler import GPUTarget
@@ -76,6 +94,7 @@ def compile_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m,
     tl = triton.language
     acc = tl.float64 if dtype == "float64" else tl.float32
     values = dict(OFF, **constexprs, ACC=acc, DOT="ieee" if dtype in ("float32", "float64") else "tf32",
+                  DRAW64=dtype == "float64",
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=plans._block_dim(head_dim), BLOCK_DV=plans._block_dim(head_dim))
     signature, params = {}, []
     stats = "fp64" if dtype == "float64" else "fp32"
@@ -120,6 +139,8 @@ def main(argv=None):
     parser.add_argument("--num-warps", type=int, default=4)
     parser.add_argument("--num-stages", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="one specialization per kernel, every feature on")
+    parser.add_argument("--set", help="compile the specializations of this `kernels.check --record` file instead of "
+                                      "the default set")
     parser.add_argument("--line-info", action="store_true",
                         help="keep source line information in the cubins (for ncu and compute-sanitizer; about 3x "
                              "their size)")
@@ -139,7 +160,7 @@ def main(argv=None):
                                                    [int(d) for d in args.head_dims.split(",")]):
         if dtype not in TRITON_TYPE:
             sys.exit(f"kernels.aot: unknown dtype {dtype!r} (known: {', '.join(TRITON_TYPE)})")
-        for name, constexprs in specializations(plans, args.smoke):
+        for name, constexprs in recorded(args.set) if args.set else specializations(plans, args.smoke):
             cubin, entry = compile_one(triton, plans, name, constexprs, dtype, head_dim, arch, args.block_m,
                                        args.block_n, args.num_warps, args.num_stages)
             entry["file"] = f"{name.strip('_')}-{len(entries):04d}-sm{arch}.cubin"

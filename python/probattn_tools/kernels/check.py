@@ -314,6 +314,23 @@ def bad_input_messages(torch, plans, device):
     return problems
 
 
+def record_launches(plans, seen, path):
+    """Writes the launched specializations to `path` and prints how many of them the default
+    ahead-of-time set (`kernels.aot`) holds, naming the kernels of those it lacks."""
+    from collections import Counter
+
+    from probattn_tools.kernels import aot
+
+    default = {aot.key(plans, name, constexprs) for name, constexprs in aot.specializations(plans, False)}
+    launched = sorted(seen, key=repr)
+    lacking = [k for k in launched if k not in default]
+    Path(path).write_text(json.dumps({"launched": [{"kernel": name, "constexprs": dict(values)}
+                                                   for name, values in launched]}, indent=1) + "\n")
+    print(f"launched {len(launched)} specializations (in {path}); the default ahead-of-time set holds "
+          f"{len(launched) - len(lacking)} of them; it lacks: " +
+          (", ".join(f"{n} x{c}" for n, c in sorted(Counter(name for name, _ in lacking).items())) or "none"))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu (Triton's interpreter) or cuda")
@@ -322,6 +339,9 @@ def main(argv=None):
     parser.add_argument("--block", type=int, default=None, help="block size (default: 8 on the CPU, 64 on a GPU)")
     parser.add_argument("--cases", default="", help="run only the cases whose name contains this text")
     parser.add_argument("--json", help="write the errors per case to this file")
+    parser.add_argument("--record", help="write the kernel specializations the cases launched to this file (what "
+                                         "`kernels.aot --set` compiles), and say which the default ahead-of-time "
+                                         "set lacks")
     args = parser.parse_args(argv)
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
@@ -343,6 +363,8 @@ def main(argv=None):
     block = args.block or (8 if args.device == "cpu" else 64)
     config = plans.Config(block_m=block, block_n=block, num_warps=1 if args.device == "cpu" else 4)
     failures, results = [], []
+    recording = plans.launched()
+    seen = recording.__enter__()
     for dtype_name in args.dtypes.split(","):
         if dtype_name not in TOLERANCE:
             sys.exit(f"kernels.check: unknown dtype {dtype_name!r} (known: {', '.join(TOLERANCE)})")
@@ -362,6 +384,9 @@ def main(argv=None):
             print(f"{'ok  ' if ok else 'FAIL'} {dtype_name:8} {case[0]:42} {line} ({time.time() - start:.1f} s)", flush=True)
             if not ok:
                 failures.append(f"{dtype_name} {case[0]}: {line}")
+    recording.__exit__(None, None, None)
+    if args.record:
+        record_launches(plans, seen, args.record)
     draws, problems = check_draws(torch, plans, args.device)
     for line in draws:
         print(f"draws {line}")

@@ -44,6 +44,7 @@ module launches them and wraps them in autograd functions.
 """
 
 import copy
+import inspect
 import math
 
 import torch
@@ -237,8 +238,40 @@ class _Call:
         args = {**self.args, **extra}
         missing = [n for n in kernel.arg_names if n not in args]
         assert not missing, f"{kernel.arg_names}: no value for {missing}"
+        if LAUNCHED is not None:
+            LAUNCHED.add(specialization(kernel, args))
         kernel[grid](**{n: args[n] for n in kernel.arg_names}, num_warps=self.config.num_warps,
                      num_stages=self.config.num_stages)
+
+
+# The specializations launched while a caller collects them (`launched()`), else None.
+LAUNCHED = None
+# Constexprs that follow from the dtype, the head dimensions and the configuration, which an
+# ahead-of-time build sets from its own arguments: not part of a specialization's key.
+_DERIVED = {"ACC", "DOT", "DRAW64", "BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV"}
+
+
+def specialization(kernel, args):
+    """A launch's key, as `kernels.aot` names what it compiles: the kernel's name and its
+    constexpr values but those that follow from the dtype, head dimensions and blocks."""
+    fn = kernel.fn  # the Python function, compiled (JITFunction) or interpreted alike
+    names = [n for n, p in inspect.signature(fn).parameters.items() if p.annotation is tl.constexpr]
+    return fn.__name__, tuple(sorted((n, args[n]) for n in names if n not in _DERIVED))
+
+
+class launched:
+    """Collects the specializations launched inside the block (`with plans.launched() as seen:`):
+    a set of `specialization` keys."""
+
+    def __enter__(self):
+        global LAUNCHED
+        self.previous, LAUNCHED = LAUNCHED, set()
+        return LAUNCHED
+
+    def __exit__(self, *exc):
+        global LAUNCHED
+        LAUNCHED = self.previous
+        return False
 
 
 def _forward(call, sweeps, hybrid=False):
