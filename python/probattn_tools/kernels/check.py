@@ -10,6 +10,7 @@ given the same draws.
 
     python -m probattn_tools.kernels.check                  # on the CPU, under Triton's interpreter
     python -m probattn_tools.kernels.check --device cuda    # on a GPU, compiled
+    python -m probattn_tools.kernels.check --record FILE    # also the specializations launched (aot --set)
 
 The reference runs in float64 on the inputs as the kernel sees them (rounded to its dtype); each
 dtype is held to its tolerance: float64 1e-10, float32 2e-5 (TF32 off), bfloat16 3e-2 and float16
