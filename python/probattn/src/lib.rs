@@ -225,7 +225,8 @@ fn normalizer_for(
     Ok(built)
 }
 
-/// The floating dtypes attention takes, as Python names them in errors.
+/// Checks that query, key and value are floating-point, 4-D and of one dtype, naming them as the
+/// Python API does (TypeError for a dtype, ValueError for a shape), before the library sees them.
 fn check_inputs(query: &Tensor, key: &Tensor, value: &Tensor) -> PyResult<()> {
     for (name, t) in [("query", query), ("key", key), ("value", value)] {
         if !t.is_floating_point() {

@@ -70,14 +70,7 @@ def specializations(plans, smoke):
 def key(plans, name, constexprs):
     """The key `plans.specialization` gives a launch of `name` with `constexprs` (the features a
     specialization leaves unnamed are off, as `compile_one` compiles them)."""
-    import inspect
-
-    import triton.language as tl
-
-    fn = getattr(plans, name).fn
-    names = [n for n, p in inspect.signature(fn).parameters.items() if p.annotation is tl.constexpr]
-    values = dict(OFF, **constexprs)
-    return name, tuple(sorted((n, values[n]) for n in names if n not in plans._DERIVED))
+    return plans.specialization(getattr(plans, name), dict(OFF, **constexprs))
 
 
 def recorded(path):

@@ -29,12 +29,19 @@ def _hash32(x):
 
 
 @triton.jit
+def _position(b, h, offs_m, offs_n, H, S_Q, S_K):
+    """The int64 position of each entry of the tile in a contiguous (B, H, S_q, S_k) score tensor:
+    the counter the draws hash, and where a given ε lies."""
+    return ((b * H + h).to(tl.int64) * S_Q + offs_m[:, None].to(tl.int64)) * S_K + offs_n[None, :].to(tl.int64)
+
+
+@triton.jit
 def _uniform(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, WIDE: tl.constexpr, DRAW64: tl.constexpr):
     """ε ~ U(0, 1) of the tile (offs_m × offs_n) of (batch b, query head h): float64 from 32 bits
     (DRAW64) or float32 from 23. DRAWS holds the seed's low and high 32-bit words (int64)."""
     seed_lo = tl.load(DRAWS).to(tl.uint32)
     seed_hi = tl.load(DRAWS + 1).to(tl.uint32)
-    e = ((b * H + h).to(tl.int64) * S_Q + offs_m[:, None].to(tl.int64)) * S_K + offs_n[None, :].to(tl.int64)
+    e = _position(b, h, offs_m, offs_n, H, S_Q, S_K)
     low = (e & 0xFFFFFFFF).to(tl.uint32)
     if WIDE:
         high = _hash32((e >> 32).to(tl.uint32) ^ seed_hi)
@@ -74,9 +81,8 @@ def _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE: tl.constexpr, WIDE
     seed's words in DRAWS. NOISE 3 (Weibull) and 4 (Lognormal): the caller's ε, read from DRAWS, a
     contiguous (B, H, S_q, S_k) tensor in the statistics' dtype."""
     if NOISE >= 3:
-        rows = (b * H + h).to(tl.int64) * S_Q + offs_m[:, None].to(tl.int64)
         inside = (offs_m[:, None] < S_Q) & (offs_n[None, :] < S_K)
-        return tl.load(DRAWS + rows * S_K + offs_n[None, :], mask=inside, other=0.5)
+        return tl.load(DRAWS + _position(b, h, offs_m, offs_n, H, S_Q, S_K), mask=inside, other=0.5)
     u = _uniform(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, WIDE, DRAW64)
     if NOISE == 2:
         return _erfinv(u.to(tl.float64) * 2.0 - 1.0) * 1.4142135623730951
@@ -91,13 +97,14 @@ def _noise(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE: tl.cons
     drawn ε, which lies on the 2^-24 or 2^-33 grid; a given ε takes log1p(−ε) by Goldberg's
     identity, as the eager path's log1p), σ·ε for Lognormal; `noise_scale` is 1/k or σ."""
     eps = _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE, WIDE, DRAW64)
-    if NOISE == 1:
-        eps = tl.log(-tl.log(1.0 - tl.maximum(eps, 1.1754943508222875e-38)))  # FLT_MIN, as noise.cpp's clamp
-    elif NOISE == 3:
-        eps = tl.maximum(eps, 1.1754943508222875e-38)  # as the eager path's clamp
+    if NOISE == 1 or NOISE == 3:
+        eps = tl.maximum(eps, 1.1754943508222875e-38)  # FLT_MIN, as noise.cpp's and the eager path's clamp
         w = 1.0 - eps
-        # log1p(−ε) = log(w)·(−ε)/(w − 1), exact to a few ulp, and −ε where w rounds to 1.
-        eps = tl.log(-tl.where(w == 1.0, -eps, tl.log(w) * (-eps) / (w - 1.0)))
+        if NOISE == 1:
+            eps = tl.log(-tl.log(w))
+        else:
+            # log1p(−ε) = log(w)·(−ε)/(w − 1), exact to a few ulp, and −ε where w rounds to 1.
+            eps = tl.log(-tl.where(w == 1.0, -eps, tl.log(w) * (-eps) / (w - 1.0)))
     return eps.to(ACC) * noise_scale
 
 

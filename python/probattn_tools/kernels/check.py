@@ -315,6 +315,31 @@ def bad_input_messages(torch, plans, device):
     return problems
 
 
+def run_cases(torch, plans, formulas, args, config):
+    """Every case of `args`' dtypes against its tolerance, a line each: (failures, results)."""
+    failures, results = [], []
+    for dtype_name in args.dtypes.split(","):
+        if dtype_name not in TOLERANCE:
+            sys.exit(f"kernels.check: unknown dtype {dtype_name!r} (known: {', '.join(TOLERANCE)})")
+        dtype = getattr(torch, dtype_name)
+        if args.device == "cpu" and dtype_name == "bfloat16":
+            # Triton 3.6's interpreter multiplies bfloat16 matrices wrongly in tl.dot (errors of
+            # 1e10 on a 16 × 16 product), though it loads, converts and stores them right.
+            print("skip bfloat16: Triton's interpreter gets tl.dot wrong in bfloat16; run it on a GPU (--device cuda)")
+            continue
+        for case in [c for c in cases(args.quick, dtype_name != "float64") if args.cases in c[0]]:
+            start = time.time()
+            errors = run_case(torch, plans, formulas, case, dtype, args.device, config)
+            worst = max(errors.values())
+            ok = worst <= TOLERANCE[dtype_name]
+            results.append({"case": case[0], "dtype": dtype_name, "errors": errors, "ok": ok})
+            line = ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
+            print(f"{'ok  ' if ok else 'FAIL'} {dtype_name:8} {case[0]:42} {line} ({time.time() - start:.1f} s)", flush=True)
+            if not ok:
+                failures.append(f"{dtype_name} {case[0]}: {line}")
+    return failures, results
+
+
 def record_launches(plans, seen, path):
     """Writes the launched specializations to `path` and prints how many of them the default
     ahead-of-time set (`kernels.aot`) holds, naming the kernels of those it lacks."""
@@ -363,29 +388,8 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = False
     block = args.block or (8 if args.device == "cpu" else 64)
     config = plans.Config(block_m=block, block_n=block, num_warps=1 if args.device == "cpu" else 4)
-    failures, results = [], []
-    recording = plans.launched()
-    seen = recording.__enter__()
-    for dtype_name in args.dtypes.split(","):
-        if dtype_name not in TOLERANCE:
-            sys.exit(f"kernels.check: unknown dtype {dtype_name!r} (known: {', '.join(TOLERANCE)})")
-        dtype = getattr(torch, dtype_name)
-        if args.device == "cpu" and dtype_name == "bfloat16":
-            # Triton 3.6's interpreter multiplies bfloat16 matrices wrongly in tl.dot (errors of
-            # 1e10 on a 16 × 16 product), though it loads, converts and stores them right.
-            print("skip bfloat16: Triton's interpreter gets tl.dot wrong in bfloat16; run it on a GPU (--device cuda)")
-            continue
-        for case in [c for c in cases(args.quick, dtype_name != "float64") if args.cases in c[0]]:
-            start = time.time()
-            errors = run_case(torch, plans, formulas, case, dtype, args.device, config)
-            worst = max(errors.values())
-            ok = worst <= TOLERANCE[dtype_name]
-            results.append({"case": case[0], "dtype": dtype_name, "errors": errors, "ok": ok})
-            line = ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
-            print(f"{'ok  ' if ok else 'FAIL'} {dtype_name:8} {case[0]:42} {line} ({time.time() - start:.1f} s)", flush=True)
-            if not ok:
-                failures.append(f"{dtype_name} {case[0]}: {line}")
-    recording.__exit__(None, None, None)
+    with plans.launched() as seen:
+        failures, results = run_cases(torch, plans, formulas, args, config)
     if args.record:
         record_launches(plans, seen, args.record)
     draws, problems = check_draws(torch, plans, args.device)

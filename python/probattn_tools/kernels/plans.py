@@ -43,6 +43,7 @@ module launches them and wraps them in autograd functions.
 `TRITON_INTERPRET=1` runs these kernels on the CPU (the tests do: python/tests/test_kernels.py).
 """
 
+import contextlib
 import copy
 import inspect
 import math
@@ -259,19 +260,16 @@ def specialization(kernel, args):
     return fn.__name__, tuple(sorted((n, args[n]) for n in names if n not in _DERIVED))
 
 
-class launched:
+@contextlib.contextmanager
+def launched():
     """Collects the specializations launched inside the block (`with plans.launched() as seen:`):
     a set of `specialization` keys."""
-
-    def __enter__(self):
-        global LAUNCHED
-        self.previous, LAUNCHED = LAUNCHED, set()
-        return LAUNCHED
-
-    def __exit__(self, *exc):
-        global LAUNCHED
-        LAUNCHED = self.previous
-        return False
+    global LAUNCHED
+    previous, LAUNCHED = LAUNCHED, set()
+    try:
+        yield LAUNCHED
+    finally:
+        LAUNCHED = previous
 
 
 def _forward(call, sweeps, hybrid=False):
