@@ -17,6 +17,7 @@ fn build_cxx_layer() {
         "csrc/memory.cpp",
         "csrc/memory_cuda.cpp",
         "csrc/tiled.cpp",
+        "csrc/fused_cuda.cpp",
         "csrc/fused_cpu.cpp",
         "csrc/noise.cpp",
         "csrc/distributed.cpp",
@@ -57,6 +58,8 @@ fn build_cxx_layer() {
     for name in ["torch_cpu", "c10"] {
         println!("cargo:rustc-link-lib=dylib={name}");
     }
+    // dlopen, for the CUDA driver library (csrc/fused_cuda.cpp opens it at run time).
+    println!("cargo:rustc-link-lib=dylib=dl");
 
     // The CPU memory counter also as a shared library, for the Python side of `probattn bench`.
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));

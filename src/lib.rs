@@ -26,7 +26,7 @@ mod attention;
 mod error;
 mod runtime;
 
-pub use attention::{backend, diagnostics, mask, mc, mha, normalize, param, repulsive, scores, tiled};
+pub use attention::{backend, diagnostics, fused_cuda, mask, mc, mha, normalize, param, repulsive, scores, tiled};
 pub(crate) use attention::{call, plan};
 // The C++ layer, under the name the library has always used for it.
 pub(crate) use probattn_sys as cxx;

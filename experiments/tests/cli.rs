@@ -35,6 +35,17 @@ fn doctor_reports_versions_and_cuda() -> Result<()> {
     let json: serde_json::Value = serde_json::from_slice(&probattn(&["doctor", "--json", "--threads", "1"])?.stdout)?;
     ensure!(json["threads"] == 1, "{json}");
     ensure!(json["libtorch_cuda_loaded"] == true, "libtorch_cuda.so is not linked: the build.rs --no-as-needed link is missing\n{json}");
+    // The embedded kernels by architecture, as the build compiled them (or why it embedded none),
+    // and whether this GPU has a match.
+    let fused = &json["fused_cuda"];
+    match fused["missing"].as_str() {
+        None => {
+            ensure!(fused["embedded"]["sm_80"].as_u64() > Some(0) && fused["embedded"]["sm_90"].as_u64() > Some(0), "{fused}");
+            ensure!(said.contains("fused     sm_80 (") && said.contains("sm_90 ("), "{said}");
+        }
+        Some(why) => ensure!(said.contains(&format!("fused     no kernels embedded: {why}")), "{said}"),
+    }
+    ensure!(fused["gpu_matches"].as_bool().is_some() && (fused["gpu_matches"] == true || fused["why_not"].is_string()), "{fused}");
     let required = probattn(&["doctor", "--require-cuda"])?;
     if tch::Cuda::is_available() {
         ensure!(required.status.success(), "{}", text(&required));

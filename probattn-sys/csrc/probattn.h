@@ -127,6 +127,33 @@ char* pa_widened_softmax(const pa_tensor* q, const pa_tensor* k, const pa_tensor
 char* pa_counter_noise(const pa_tensor* like, const int64_t* shape, int32_t noise, uint64_t seed, int64_t start, int64_t len,
                        int32_t aten_ops, pa_tensor** out);
 
+// ---- the fused CUDA route (fused_cuda.cpp): the embedded Triton kernels through the CUDA driver API
+// Registers one embedded cubin (probattn-kernels' manifest entry): its kernel's name, compute
+// capability (90 for sm_90), dtype ("bfloat16", "float16"), head dimension, the constexprs it was
+// specialized on ("SWEEPS=1,CAUSAL=0,..."), its parameters in launch order ("Q:*bf16,S_Q:i32,..."),
+// warps, dynamic shared memory, blocks and symbol. `cubin` must outlive the process's launches
+// (the embedded bytes do).
+char* pa_fused_register(const char* kernel, int32_t arch, const char* dtype, int64_t head_dim, const char* key, const char* params,
+                        uint32_t num_warps, uint32_t shared_bytes, int64_t block_m, int64_t block_n, const char* symbol,
+                        const uint8_t* cubin, size_t cubin_len);
+// Whether the driver can launch on CUDA device `device_index`: its compute capability in `arch`
+// (e.g. 90), or, when the driver library is missing or sees no GPU, *arch 0 and the reason in
+// `why` (a new string; NULL when usable).
+char* pa_fused_cuda_status(int64_t device_index, int32_t* arch, char** why);
+// Attention of bfloat16 or float16 q (B, H, S_q, d), k (B, H_kv, S_k, d), v (B, H_kv, S_k, d_v) on
+// one CUDA device by the embedded kernels: scores `scale`·q·kᵀ, `sweeps` 0 (softmax) or 1 (DNAS),
+// `key_padding` (bool (B, S_k), true = excluded; NULL: none), `causal` (softmax only, top-left).
+// Differentiable in q, k and v; the output has q's dtype.
+char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding, double scale,
+                              int64_t sweeps, int32_t causal, pa_tensor** out);
+// What pa_fused_cuda_attention would launch, forward then backward (with a gradient of ones), for a
+// GPU of compute capability `arch`, on tensors of any device, without the driver: a JSON array of
+// {kernel, key (its constexprs), grid, ints (every integer argument), tensors (each real tensor
+// argument's [shape, dtype])} in launch order (a new string). The tests compare it with plans.py's
+// own launches of the same call.
+char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding, double scale,
+                            int64_t sweeps, int32_t causal, int32_t arch, char** json);
+
 // ---- memory statistics
 // CPU: a counting allocator for libtorch's CPU tensors (installed once, on the first call; tensors
 // allocated before it are not counted). Bytes held by live tensors, and the most since the last reset.

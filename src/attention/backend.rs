@@ -5,14 +5,16 @@
 //! and plan, the masks, the lengths and what the caller asked to get back, and says why.
 //!
 //! - `auto`: the memory-efficient plan when a tile is set and no weights are asked for (the fused
-//!   CPU kernel where it applies, else the tiles); otherwise the normalizer's kernel where it has
+//!   CPU kernel where it applies, else the tiles; the fused CUDA route there once
+//!   [`crate::fused_cuda::AUTO_TAKES_IT`]); otherwise the normalizer's kernel where it has
 //!   one that applies (softmax without weights: libtorch's fused attention, on the CPU under any
 //!   mask, on CUDA without a mask or with the causal mask alone); otherwise eager.
 //! - `eager`: scores, the normalizer and the mix, the weights formed (returned when asked for).
 //! - `tiles`: the normalizer's plan tile by tile ([`crate::tiled`]), never the fused kernel; the
 //!   tile is the call's, else [`DEFAULT_TILE`].
-//! - `fused`: one kernel that never forms the weights: the normalizer's kernel, else the fused
-//!   CPU kernel under its plan.
+//! - `fused`: one kernel that never forms the weights: the normalizer's kernel, else, under its
+//!   plan, the fused CPU kernel on the CPU and the embedded Triton kernels on CUDA
+//!   ([`crate::fused_cuda`]).
 //!
 //! A forced backend that cannot serve a call is a named error ([`crate::Error::Unsupported`]),
 //! never a silent change of route; so is asking for the weights from `tiles` or `fused`.
@@ -108,10 +110,12 @@ pub enum Route {
     Tiles,
     /// libtorch's fused CPU kernel under the plan (probattn-sys/csrc/fused_cpu.cpp).
     FusedCpu,
+    /// The embedded Triton kernels under the plan ([`crate::fused_cuda`]).
+    FusedCuda,
 }
 
 impl Route {
-    pub const ALL: [Route; 4] = [Route::Eager, Route::Kernel, Route::Tiles, Route::FusedCpu];
+    pub const ALL: [Route; 5] = [Route::Eager, Route::Kernel, Route::Tiles, Route::FusedCpu, Route::FusedCuda];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -119,6 +123,7 @@ impl Route {
             Self::Kernel => "kernel",
             Self::Tiles => "tiles",
             Self::FusedCpu => "fused-cpu",
+            Self::FusedCuda => "fused-cuda",
         }
     }
 }
@@ -159,7 +164,7 @@ pub fn set_default(backend: Backend) -> Backend {
     Backend::from_index(DEFAULT.swap(index, Ordering::Relaxed))
 }
 
-static TAKEN: [AtomicU64; 4] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+static TAKEN: [AtomicU64; 5] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
 
 /// Counts one call served by `route`.
 pub(crate) fn record(route: Route) {

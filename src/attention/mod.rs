@@ -6,6 +6,7 @@
 pub mod backend;
 pub(crate) mod call;
 pub mod diagnostics;
+pub mod fused_cuda;
 pub mod mask;
 pub mod mc;
 pub mod mha;

@@ -11,6 +11,7 @@ use crate::backend::{self, Backend, Choice, Route, DEFAULT_TILE};
 use crate::call::{check_qkv, check_scale, mix, try_scores};
 pub use crate::call::{scaled_dot_product_scores, AttendOptions, Attended, Mode};
 use crate::cxx::TiledSpec;
+use crate::fused_cuda;
 use crate::mask::Masks;
 use crate::mask::ScoreShape;
 use crate::normalize::{NormalizeInput, Normalizer, Support};
@@ -136,6 +137,10 @@ fn dispatch(
     };
     let (out, choice) = match requested {
         Backend::Auto => match opts.tile.filter(|_| !opts.need_weights) {
+            Some(_) if fused_cuda::AUTO_TAKES_IT && fused_cuda_serves(shape, q, v, masks, normalizer, &opts).is_ok() => (
+                fused_cuda_route(q, k, v, masks, normalizer, &opts)?,
+                chose(Route::FusedCuda, "a tile is set and no weights are asked for: the plan's fused CUDA kernels".into()),
+            ),
             Some(tile) => {
                 let (out, route) = memory_efficient(shape, q, k, v, masks, normalizer, tile, TiledSpec::FUSED_WHERE_APPLIES, &opts)?;
                 (out, chose(route, "a tile is set and no weights are asked for: the memory-efficient plan".into()))
@@ -160,14 +165,20 @@ fn dispatch(
         Backend::Fused if opts.need_weights => return Err(no_weights()),
         Backend::Fused => match normalizer.kernel(q, k, v, masks, &opts)? {
             Some(out) => (out, chose(Route::Kernel, format!("forced: {}'s kernel", name()))),
-            None if q.device() != tch::Device::Cpu => {
-                let name = name();
-                return Err(Error::Unsupported(format!(
-                "{name}: no fused route serves {:?} on {:?}: {name} has no kernel there, and the fused kernels under a plan run on the CPU",
-                q.kind(),
-                q.device()
-            )));
-            }
+            None if q.device() != tch::Device::Cpu => match fused_cuda_serves(shape, q, v, masks, normalizer, &opts) {
+                Ok(()) => (
+                    fused_cuda_route(q, k, v, masks, normalizer, &opts)?,
+                    chose(Route::FusedCuda, "forced: the plan's fused CUDA kernels".into()),
+                ),
+                Err(why) => {
+                    let name = name();
+                    return Err(Error::Unsupported(format!(
+                        "{name}: no fused route serves {:?} on {:?}: {name} has no kernel there, and the fused CUDA kernels do not serve it: {why}",
+                        q.kind(),
+                        q.device()
+                    )));
+                }
+            },
             None => {
                 let tile = opts.tile.unwrap_or(DEFAULT_TILE);
                 let (out, route) = memory_efficient(shape, q, k, v, masks, normalizer, tile, TiledSpec::FUSED_REQUIRED, &opts)?;
@@ -177,6 +188,33 @@ fn dispatch(
     };
     backend::record(choice.route);
     Ok((out, choice))
+}
+
+/// Whether the fused CUDA route serves this call, or why not.
+fn fused_cuda_serves(
+    shape: ScoreShape,
+    q: &Tensor,
+    v: &Tensor,
+    masks: &Masks,
+    normalizer: &dyn Normalizer,
+    opts: &AttendOptions,
+) -> std::result::Result<(), String> {
+    let plan = normalizer.tiled().ok_or_else(|| format!("{} has no plan", normalizer.name()))?;
+    fused_cuda::unserved(shape, q, v, masks, &plan, opts).map_or(Ok(()), Err)
+}
+
+/// The fused CUDA route, for a call [`fused_cuda_serves`] accepted.
+fn fused_cuda_route(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    masks: &Masks,
+    normalizer: &dyn Normalizer,
+    opts: &AttendOptions,
+) -> Result<Attended> {
+    let plan = normalizer.tiled().ok_or_else(|| Error::Unsupported(format!("{} has no plan", normalizer.name())))?;
+    let output = fused_cuda::attend(q, k, v, masks, &plan, opts)?;
+    Ok(Attended { output, weights: None, received_mass: None, kl: None })
 }
 
 /// The eager route: the normalizer's own eager form where it has one ([`Normalizer::fused`]),

@@ -50,6 +50,8 @@ pub struct Report {
     /// Measured by `doctor` only; `None` in other records.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu_bf16_matmul_speedup: Option<f64>,
+    /// The fused CUDA route's embedded kernels by architecture, and whether this GPU has a match.
+    pub fused_cuda: probattn::fused_cuda::Availability,
 }
 
 impl Report {
@@ -73,6 +75,7 @@ impl Report {
             device: probattn::device::device_name(device),
             distributed_backends: probattn::distributed::Backend::available(),
             cpu_bf16_matmul_speedup: None,
+            fused_cuda: probattn::fused_cuda::availability(cuda_available),
         }
     }
 
@@ -100,6 +103,20 @@ impl Report {
         match self.cudnn_version {
             Some(v) => println!("cuDNN     yes (version {v})"),
             None => println!("cuDNN     no"),
+        }
+        let fused = &self.fused_cuda;
+        let embedded: Vec<String> = fused.embedded.iter().map(|(arch, n)| format!("{arch} ({n} kernels)")).collect();
+        match &fused.missing {
+            Some(why) => println!("fused     no kernels embedded: {why}"),
+            None => println!("fused     {} (Triton {}; docs/kernels.md)", embedded.join(", "), fused.triton),
+        }
+        match (fused.gpu, &fused.why_not) {
+            (Some(arch), None) => println!(
+                "          this GPU (sm_{arch}) has a match: the fused CUDA route runs here ({})",
+                if fused.auto { "auto takes it" } else { "when forced: --attention-backend fused" }
+            ),
+            (_, Some(why)) => println!("          not usable here: {why}"),
+            (None, None) => {}
         }
         println!("device    {} (from --device)", self.device);
         let backends: Vec<&str> = self.distributed_backends.iter().map(|b| b.name()).collect();

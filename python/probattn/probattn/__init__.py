@@ -76,7 +76,7 @@ def attention_backend(backend: str):
 
 
 def attention_routes(reset: bool = False):
-    """How many attention calls each route served ("eager", "kernel", "tiles", "fused-cpu") since
+    """How many attention calls each route served ("eager", "kernel", "tiles", "fused-cpu", "fused-cuda") since
     the last reset, as a dict; `reset=True` starts the counts again after reading them."""
     return _native.attention_routes(reset)
 

@@ -4,6 +4,7 @@ architecture, with a manifest of what each cubin is and how to launch it.
 
     python -m probattn_tools.kernels.aot --out DIR                  # sm_80 and sm_90, the default set
     python -m probattn_tools.kernels.aot --out DIR --arch 90 --dtypes bfloat16 --head-dims 64
+    python -m probattn_tools.kernels.aot --out DIR --route --jobs 2   # what the library embeds
 
 `DIR/manifest.json` lists, per cubin: the kernel, the architecture, the dtype, the constexpr
 values it was specialized for, the run-time parameters in launch order (pointers and 32-bit
@@ -11,9 +12,11 @@ integers; Triton 3.6 appends two scratch pointers after them), `num_warps` (a bl
 32 × num_warps threads), and the dynamic shared memory it needs (above 48 KiB a launcher must
 raise the function's limit first, as Triton's own launcher does).
 
-This is the first half of "built here, run there" (docs/kernels.md): nothing loads these cubins
-yet. The test suite compiles every kernel once for sm_80 and sm_90 (`--smoke`), which catches what
-Triton's interpreter lets through and a GPU compile refuses.
+`--route` compiles the set the library's fused CUDA route launches (`route_specializations`);
+the build of the `probattn-kernels` crate runs it and embeds the cubins, and the C++ layer
+(probattn-sys/csrc/fused_cuda.cpp) launches them. The test suite also compiles every kernel once
+for sm_80 and sm_90 (`--smoke`), which catches what Triton's interpreter lets through and a GPU
+compile refuses.
 """
 
 import argparse
@@ -67,6 +70,21 @@ def specializations(plans, smoke):
     return out
 
 
+def route_specializations():
+    """What the library's fused CUDA route launches (probattn-sys/csrc/fused_cuda.cpp): softmax
+    (plain and causal) and DNAS, forward and backward, without and with key padding; HNAS is the
+    two mixed. A test keeps this list and `plans.attention`'s launches for those calls the same."""
+    out = []
+    for kpad in (False, True):
+        f = dict(HAS_QPAD=False, HAS_KPAD=kpad, HAS_MASK=False, HAS_BIAS=False)
+        out.append(("_column_pass", f))
+        for sweeps, causal in ((0, False), (0, True), (1, False)):
+            out.append(("_row_pass", dict(f, SWEEPS=sweeps, HYBRID=False, CAUSAL=causal)))
+            out.append(("_key_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal, GRADS=True)))
+            out.append(("_query_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal)))
+    return out
+
+
 def key(plans, name, constexprs):
     """The key `plans.specialization` gives a launch of `name` with `constexprs` (the features a
     specialization leaves unnamed are off, as `compile_one` compiles them)."""
@@ -115,10 +133,24 @@ def compile_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m,
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps,
                                                                                    "num_stages": num_stages})
     shown = {n: (str(v) if not isinstance(v, (bool, int, float, str)) else v) for n, v in given.items()}
+    meta = compiled.metadata
     entry = {"kernel": name, "arch": f"sm_{arch}", "dtype": dtype, "head_dim": head_dim, "constexprs": shown,
-             "params": params, "num_warps": num_warps, "shared_bytes": compiled.metadata.shared,
-             "symbol": compiled.metadata.name}
+             # the constexprs a launch chooses (those the dtype, head dimension and blocks fix left out)
+             "key": dict(plans.specialization(kernel, values)[1]),
+             "params": params, "num_warps": num_warps, "num_stages": num_stages, "block_m": block_m,
+             "block_n": block_n, "shared_bytes": meta.shared, "symbol": meta.name,
+             "global_scratch_bytes": getattr(meta, "global_scratch_size", 0),
+             "profile_scratch_bytes": getattr(meta, "profile_scratch_size", 0)}
     return compiled.asm["cubin"], entry
+
+
+def _compile_job(job):
+    """One `compile_one` in a worker process (imports its own Triton)."""
+    import triton
+
+    from probattn_tools.kernels import plans
+
+    return compile_one(triton, plans, *job)
 
 
 def main(argv=None):
@@ -134,6 +166,9 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="one specialization per kernel, every feature on")
     parser.add_argument("--set", help="compile the specializations of this `kernels.check --record` file instead of "
                                       "the default set")
+    parser.add_argument("--route", action="store_true",
+                        help="compile the set the library's fused CUDA route launches instead of the default set")
+    parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     parser.add_argument("--line-info", action="store_true",
                         help="keep source line information in the cubins (for ncu and compute-sanitizer; about 3x "
                              "their size)")
@@ -146,21 +181,35 @@ def main(argv=None):
 
     from probattn_tools.kernels import plans
 
+    if sum(map(bool, (args.set, args.route, args.smoke))) > 1:
+        sys.exit("kernels.aot: --set, --route and --smoke each name a set; give one")
+    if args.jobs < 1:
+        sys.exit(f"kernels.aot: --jobs must be at least 1, got {args.jobs}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    entries, start = [], time.time()
+    chosen = (recorded(args.set) if args.set else route_specializations() if args.route
+              else specializations(plans, args.smoke))
+    jobs = []
     for arch, dtype, head_dim in itertools.product([int(a) for a in args.arch.split(",")], args.dtypes.split(","),
                                                    [int(d) for d in args.head_dims.split(",")]):
         if dtype not in TRITON_TYPE:
             sys.exit(f"kernels.aot: unknown dtype {dtype!r} (known: {', '.join(TRITON_TYPE)})")
-        for name, constexprs in recorded(args.set) if args.set else specializations(plans, args.smoke):
-            cubin, entry = compile_one(triton, plans, name, constexprs, dtype, head_dim, arch, args.block_m,
-                                       args.block_n, args.num_warps, args.num_stages)
-            entry["file"] = f"{name.strip('_')}-{len(entries):04d}-sm{arch}.cubin"
-            (out / entry["file"]).write_bytes(cubin)
-            entries.append(entry)
-            print(f"sm_{arch} {dtype:8} d {head_dim:3} {name:13} {entry['shared_bytes']:6} B shared  "
-                  f"{len(cubin):7} B  {entry['constexprs']}", flush=True)
+        jobs += [(name, constexprs, dtype, head_dim, arch, args.block_m, args.block_n, args.num_warps,
+                  args.num_stages) for name, constexprs in chosen]
+    entries, start = [], time.time()
+    if args.jobs == 1:
+        done = (compile_one(triton, plans, *job) for job in jobs)
+    else:
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(args.jobs)
+        done = pool.map(_compile_job, jobs)
+    for (name, *_, arch, _bm, _bn, _w, _s), (cubin, entry) in zip(jobs, done):
+        entry["file"] = f"{name.strip('_')}-{len(entries):04d}-sm{arch}.cubin"
+        (out / entry["file"]).write_bytes(cubin)
+        entries.append(entry)
+        print(f"[{len(entries)}/{len(jobs)}] sm_{arch} {entry['dtype']:8} d {entry['head_dim']:3} {name:13} "
+              f"{entry['shared_bytes']:6} B shared  {len(cubin):7} B  {entry['key']}", flush=True)
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps({"triton": triton.__version__, "line_info": args.line_info, "entries": entries},
                               indent=1) + "\n")

@@ -241,12 +241,16 @@ class _Call:
         assert not missing, f"{kernel.arg_names}: no value for {missing}"
         if LAUNCHED is not None:
             LAUNCHED.add(specialization(kernel, args))
+        if LAUNCHES is not None:
+            LAUNCHES.append(_launch_record(kernel, grid, args))
         kernel[grid](**{n: args[n] for n in kernel.arg_names}, num_warps=self.config.num_warps,
                      num_stages=self.config.num_stages)
 
 
 # The specializations launched while a caller collects them (`launched()`), else None.
 LAUNCHED = None
+# Each launch in order, in full, while a caller records them (`launches()`), else None.
+LAUNCHES = None
 # Constexprs that follow from the dtype, the head dimensions and the configuration, which an
 # ahead-of-time build sets from its own arguments: not part of a specialization's key.
 _DERIVED = {"ACC", "DOT", "DRAW64", "BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV"}
@@ -270,6 +274,32 @@ def launched():
         yield LAUNCHED
     finally:
         LAUNCHED = previous
+
+
+def _launch_record(kernel, grid, args):
+    """One launch as the fused CUDA route's dry run describes its own (probattn-sys/csrc/fused_cuda.cpp):
+    the kernel, its specialization, the grid, every integer argument and every tensor's shape and
+    dtype, by parameter name."""
+    fn = kernel.fn
+    params = [(n, p.annotation is tl.constexpr) for n, p in inspect.signature(fn).parameters.items()]
+    ints = {n: int(args[n]) for n, const in params if not const and not isinstance(args[n], torch.Tensor)}
+    tensors = {n: [list(args[n].shape), str(args[n].dtype).replace("torch.", "")] for n, const in params
+               if not const and isinstance(args[n], torch.Tensor)}
+    return {"kernel": fn.__name__, "key": {n: int(v) for n, v in specialization(kernel, args)[1]}, "grid": list(grid),
+            "ints": ints,
+            "tensors": tensors}
+
+
+@contextlib.contextmanager
+def launches():
+    """Records every launch inside the block in order (`with plans.launches() as seen:`), as
+    `_launch_record` describes it."""
+    global LAUNCHES
+    previous, LAUNCHES = LAUNCHES, []
+    try:
+        yield LAUNCHES
+    finally:
+        LAUNCHES = previous
 
 
 def _forward(call, sweeps, hybrid=False):

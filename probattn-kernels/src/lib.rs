@@ -1,0 +1,155 @@
+//! probattn's fused GPU kernels, compiled ahead of time and embedded: the Triton kernels of the
+//! deterministic plans (python/probattn_tools/kernels/, docs/kernels.md) as cubins for sm_80 and
+//! sm_90, in bfloat16 and float16, for head dimensions 64 and 128, each with what launching it
+//! takes (its parameters in order, its warps, its shared memory). The set is the one the fused
+//! CUDA route launches (`kernels.aot --route`); probattn-sys/csrc/fused_cuda.cpp launches them
+//! through the CUDA driver API.
+//!
+//! The build compiles them with the set-up's Triton (build.rs says how, and where it keeps them).
+//! Nothing here needs a GPU: a build without Triton embeds none and [`missing`] says why.
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+
+use serde::Deserialize;
+
+mod embedded {
+    include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
+}
+
+/// One parameter of a kernel, in launch order: a pointer (`*bf16`, `*fp16`, `*fp32`, `*u8`,
+/// `*i64`) or a 32-bit integer (`i32`).
+#[derive(Clone, Debug, Deserialize)]
+pub struct Param {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub ty: String,
+}
+
+/// One embedded cubin: a kernel specialized for an architecture, a dtype, a head dimension and
+/// its constexprs.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Kernel {
+    /// The Triton function's name (`_row_pass`, ...).
+    pub kernel: String,
+    /// `sm_80`, `sm_90`.
+    pub arch: String,
+    /// `bfloat16`, `float16`.
+    pub dtype: String,
+    pub head_dim: i64,
+    /// The constexprs a launch chooses (masks, sweeps, causal, ...), booleans as 0 and 1.
+    #[serde(deserialize_with = "as_integers")]
+    pub key: BTreeMap<String, i64>,
+    pub params: Vec<Param>,
+    /// A block of 32 × `num_warps` threads.
+    pub num_warps: u32,
+    pub block_m: i64,
+    pub block_n: i64,
+    /// Dynamic shared memory per block.
+    pub shared_bytes: u32,
+    /// The function's name in the cubin.
+    pub symbol: String,
+    #[serde(default)]
+    pub global_scratch_bytes: u64,
+    #[serde(default)]
+    pub profile_scratch_bytes: u64,
+    pub file: String,
+    #[serde(skip)]
+    pub cubin: &'static [u8],
+}
+
+impl Kernel {
+    /// The compute capability as a number: `sm_90` → 90.
+    pub fn arch_number(&self) -> u32 {
+        self.arch.trim_start_matches("sm_").parse().unwrap_or(0)
+    }
+}
+
+fn as_integers<'de, D: serde::Deserializer<'de>>(d: D) -> Result<BTreeMap<String, i64>, D::Error> {
+    let raw = BTreeMap::<String, serde_json::Value>::deserialize(d)?;
+    raw.into_iter()
+        .map(|(k, v)| match v {
+            serde_json::Value::Bool(b) => Ok((k, i64::from(b))),
+            serde_json::Value::Number(n) if n.is_i64() => Ok((k, n.as_i64().unwrap_or_default())),
+            other => Err(serde::de::Error::custom(format!("constexpr {k} is {other}, not a boolean or an integer"))),
+        })
+        .collect()
+}
+
+#[derive(Deserialize)]
+struct Manifest {
+    triton: String,
+    entries: Vec<Kernel>,
+}
+
+fn manifest() -> &'static Manifest {
+    static MANIFEST: OnceLock<Manifest> = OnceLock::new();
+    MANIFEST.get_or_init(|| {
+        // The build wrote and checked this JSON; it cannot differ at run time.
+        let mut manifest: Manifest = serde_json::from_str(embedded::MANIFEST).expect("the embedded manifest is the build's");
+        for entry in &mut manifest.entries {
+            entry.cubin = embedded::CUBINS.iter().find(|(file, _)| *file == entry.file).map_or(&[], |(_, bytes)| *bytes);
+        }
+        manifest
+    })
+}
+
+/// Every embedded kernel.
+pub fn kernels() -> &'static [Kernel] {
+    &manifest().entries
+}
+
+/// The Triton version that compiled them (empty without kernels).
+pub fn triton_version() -> &'static str {
+    &manifest().triton
+}
+
+/// Why the build embedded no kernel (`None` when it embedded them).
+pub fn missing() -> Option<&'static str> {
+    embedded::MISSING
+}
+
+/// The architectures with embedded kernels, `sm_80`, `sm_90`, each with its count.
+pub fn architectures() -> Vec<(String, usize)> {
+    let mut counts = BTreeMap::new();
+    for k in kernels() {
+        *counts.entry(k.arch.clone()).or_insert(0) += 1;
+    }
+    counts.into_iter().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_entry_has_its_cubin_and_every_arch_the_whole_set() {
+        if let Some(why) = missing() {
+            eprintln!("no kernels embedded: {why}");
+            return;
+        }
+        let all = kernels();
+        assert!(!all.is_empty());
+        for k in all {
+            // ELF, as every cubin is.
+            assert!(k.cubin.len() > 1000 && k.cubin.starts_with(b"\x7fELF"), "{}: {} bytes", k.file, k.cubin.len());
+            assert!(k.params.iter().all(|p| p.ty == "i32" || p.ty.starts_with('*')), "{}", k.file);
+            assert_eq!((k.global_scratch_bytes, k.profile_scratch_bytes), (0, 0), "{}", k.file);
+        }
+        // The same specializations for each (arch, dtype, head dim).
+        let mut sets: BTreeMap<(String, String, i64), Vec<String>> = BTreeMap::new();
+        for k in all {
+            sets.entry((k.arch.clone(), k.dtype.clone(), k.head_dim)).or_default().push(format!("{}{:?}", k.kernel, k.key));
+        }
+        assert_eq!(sets.len(), 8, "{:?}", sets.keys());
+        let mut shapes = sets.values().map(|s| {
+            let mut s = s.clone();
+            s.sort();
+            s
+        });
+        let first = shapes.next().unwrap_or_default();
+        assert_eq!(first.len(), 20);
+        assert!(shapes.all(|s| s == first));
+        assert_eq!(architectures().iter().map(|(a, _)| a.as_str()).collect::<Vec<_>>(), ["sm_80", "sm_90"]);
+    }
+}

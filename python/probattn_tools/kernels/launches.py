@@ -1,0 +1,53 @@
+"""The launches `plans.attention` makes for one call, forward then backward, as JSON: what the
+library's fused CUDA route (probattn-sys/csrc/fused_cuda.cpp) must launch for the same call, which
+its dry run describes in the same form. tests/fused_cuda.rs compares the two, launch by launch
+(kernel, specialization, grid, every integer argument, every tensor's shape and dtype). The kernels
+run under Triton's interpreter, on the CPU, in float16.
+
+    python -m probattn_tools.kernels.launches --shape 2,4,2,70,90,48,48 --sweeps 1 --key-padding --scale 0.3
+"""
+
+import argparse
+import json
+import os
+import sys
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", required=True, help="B,H,H_KV,S_Q,S_K,D,DV")
+    parser.add_argument("--sweeps", type=int, default=0, help="0 softmax, 1 DNAS")
+    parser.add_argument("--scale", type=float, required=True, help="the factor of q·kᵀ")
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--key-padding", action="store_true", help="pad the last key of the first batch")
+    args = parser.parse_args(argv)
+    try:
+        b, h, h_kv, s_q, s_k, d, dv = (int(x) for x in args.shape.split(","))
+    except ValueError:
+        sys.exit(f"launches: --shape takes seven integers B,H,H_KV,S_Q,S_K,D,DV, got {args.shape!r}")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    from probattn_tools.kernels import plans
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, s_q, d, generator=gen, dtype=torch.float16, requires_grad=True)
+    k = torch.randn(b, h_kv, s_k, d, generator=gen, dtype=torch.float16, requires_grad=True)
+    v = torch.randn(b, h_kv, s_k, dv, generator=gen, dtype=torch.float16, requires_grad=True)
+    pad = None
+    if args.key_padding:
+        pad = torch.zeros(b, s_k, dtype=torch.bool)
+        pad[0, -1] = True
+    masks = plans.Masks(key_padding_mask=pad, causal=args.causal)
+    # The embedded cubins' blocks (kernels.aot's defaults).
+    config = plans.Config(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    with plans.launches() as seen:
+        out = plans.attention(q, k, v, sweeps=args.sweeps, score_scale=args.scale * d ** 0.5, masks=masks,
+                              config=config)
+        out.backward(torch.ones_like(out))
+    print(json.dumps(seen))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

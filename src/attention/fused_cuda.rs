@@ -1,0 +1,154 @@
+//! The fused CUDA route: a plan run by the Triton kernels of python/probattn_tools/kernels/
+//! (docs/kernels.md), compiled ahead of time for sm_80 and sm_90 and embedded by the
+//! `probattn-kernels` crate, launched on libtorch's current stream through the CUDA driver API
+//! (probattn-sys/csrc/fused_cuda.cpp). One (query block × key block) tile stays on chip with
+//! online log-sum-exps; only O(S) statistics reach global memory, forward and backward.
+//!
+//! What it serves ([`unserved`] says why not, for the backend record): bfloat16 and float16 on a
+//! GPU the embedded cubins fit, plans of 0 and 1 sweeps (softmax, DNAS) and HNAS's mix of the two,
+//! any score scale, no mask, key padding, or causal (softmax), grouped key/value heads, head
+//! dimensions up to 128, no attention dropout, no sampling. It returns no weights and no received
+//! mass. Anything else runs on the tiles.
+
+use tch::{Device, Kind, Tensor};
+
+use crate::call::AttendOptions;
+use crate::cxx;
+use crate::mask::{Masks, ScoreShape};
+use crate::plan::Tiled;
+use crate::precision::statistics_kind;
+use crate::{Error, Result};
+
+/// Whether `auto` takes this route where it serves a memory-efficient call (`false`: only when
+/// forced, `--attention-backend fused`). It stays `false` until the CUDA tests
+/// (`tests/fused_cuda.rs`) have passed on a GPU and their run is recorded under `results/cuda/`.
+pub const AUTO_TAKES_IT: bool = false;
+
+/// The widest head dimension the embedded kernels hold.
+const WIDEST_HEAD_DIM: i64 = 128;
+
+/// Why the route does not serve this call (`None`: it does).
+pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: &Tiled, opts: &AttendOptions) -> Option<String> {
+    let Device::Cuda(index) = q.device() else {
+        return Some("it runs on CUDA devices".into());
+    };
+    if !matches!(q.kind(), Kind::BFloat16 | Kind::Half) {
+        return Some(format!("it takes bfloat16 and float16, not {:?}", q.kind()));
+    }
+    if plan.sweeps > 1 {
+        return Some(format!("{} takes {} sweeps; Sinkhorn-N's kernels are not embedded", plan.name, plan.sweeps));
+    }
+    if plan.sampling.is_some() && opts.mode.sample {
+        return Some(format!("{} samples; BAM's kernels are not embedded", plan.name));
+    }
+    if opts.dropout_active() {
+        return Some("attention dropout forms the weights".into());
+    }
+    if let Some(what) = [
+        (masks.query_padding.is_some(), "a query padding mask"),
+        (masks.attn_mask.is_some(), "a boolean attention mask"),
+        (masks.bias.is_some(), "an additive mask"),
+    ]
+    .iter()
+    .find_map(|(has, what)| has.then_some(*what))
+    {
+        return Some(format!("{what} is not in the embedded set (no mask, key padding, causal)"));
+    }
+    let widest = q.size()[3].max(v.size()[3]);
+    if widest > WIDEST_HEAD_DIM {
+        return Some(format!("head dimension {widest} is wider than the embedded kernels' {WIDEST_HEAD_DIM}"));
+    }
+    let [b, h, sq, sk] = shape.dims();
+    if [b * h * sq * widest, b * v.size()[1] * sk * widest].iter().any(|&n| n > i64::from(i32::MAX)) {
+        return Some("the kernels index with 32-bit integers and the tensors are larger".into());
+    }
+    if let Some(why) = cxx::kernels::missing() {
+        return Some(format!("this build embeds no kernel ({why})"));
+    }
+    match cxx::fused_cuda_status(index as i64) {
+        Err(e) => Some(e.to_string()),
+        Ok(Err(why)) => Some(why),
+        Ok(Ok(arch)) if !fits(arch) => Some(format!("no embedded kernel runs on sm_{arch} (embedded: {})", embedded_archs())),
+        Ok(Ok(_)) => None,
+    }
+}
+
+/// Whether an embedded cubin runs on compute capability `arch`: one of the same major version,
+/// not newer.
+pub fn fits(arch: u32) -> bool {
+    cxx::kernels::kernels().iter().any(|k| k.arch_number() / 10 == arch / 10 && k.arch_number() <= arch)
+}
+
+/// The embedded architectures, `sm_80, sm_90`.
+pub fn embedded_archs() -> String {
+    let archs: Vec<String> = cxx::kernels::architectures().into_iter().map(|(a, _)| a).collect();
+    if archs.is_empty() {
+        "none".into()
+    } else {
+        archs.join(", ")
+    }
+}
+
+/// Runs a call [`unserved`] accepted: the output `(B, H, S_q, d_v)`, differentiable in q, k, v
+/// (and HNAS's gate logits).
+pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, plan: &Tiled, opts: &AttendOptions) -> Result<Tensor> {
+    let d = q.size()[3] as f64;
+    let scale = plan.score_scale * opts.scale.unwrap_or(1.0 / d.sqrt());
+    let run =
+        |sweeps: u32| cxx::fused_cuda_attention(q, k, v, masks.key_padding, scale, i64::from(sweeps), masks.causal).map_err(Error::from);
+    match plan.hybrid_logit {
+        None => run(plan.sweeps),
+        Some(logit) => {
+            let heads = q.size()[1];
+            if logit.size() != [heads] {
+                return Err(Error::Shape(format!("HNAS logits have shape {:?}, expected ({heads},)", logit.size())));
+            }
+            // u·O_plan + (1 − u)·O_softmax per head, as the tiles mix them (the output is linear in
+            // the weights).
+            let u = logit.to_kind(statistics_kind(q.kind())).sigmoid().view([1, -1, 1, 1]);
+            let (mixed, plain) = (run(plan.sweeps)?, run(0)?);
+            let out: Tensor = &u * mixed + (1.0 - &u) * plain;
+            Ok(out.to_kind(v.kind()))
+        }
+    }
+}
+
+/// What this build embeds and whether the first CUDA device can run it (`probattn doctor`).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Availability {
+    /// Kernels per architecture, `{"sm_80": 80, "sm_90": 80}`.
+    pub embedded: std::collections::BTreeMap<String, usize>,
+    /// The Triton version that compiled them.
+    pub triton: String,
+    /// Why the build embedded none.
+    pub missing: Option<String>,
+    /// The first CUDA device's compute capability (90 for sm_90), when the driver reports one.
+    pub gpu: Option<u32>,
+    /// Whether an embedded kernel runs on that device.
+    pub gpu_matches: bool,
+    /// Why the route cannot run here, when it cannot.
+    pub why_not: Option<String>,
+    /// [`AUTO_TAKES_IT`].
+    pub auto: bool,
+}
+
+/// [`Availability`] of this build on this machine; `cuda`: whether libtorch sees a CUDA device
+/// (the driver is not asked otherwise).
+pub fn availability(cuda: bool) -> Availability {
+    let embedded = cxx::kernels::architectures().into_iter().collect();
+    let missing = cxx::kernels::missing().map(String::from);
+    let (gpu, why_not) = if !cuda {
+        (None, Some("libtorch sees no CUDA device".to_string()))
+    } else {
+        match cxx::fused_cuda_status(0) {
+            Ok(Ok(arch)) => (Some(arch), None),
+            Ok(Err(why)) => (None, Some(why)),
+            Err(e) => (None, Some(e.to_string())),
+        }
+    };
+    let gpu_matches = gpu.is_some_and(fits);
+    let why_not = why_not
+        .or_else(|| missing.as_ref().map(|m| format!("this build embeds no kernel ({m})")))
+        .or_else(|| (!gpu_matches).then(|| format!("no embedded kernel runs on sm_{} (embedded: {})", gpu.unwrap_or(0), embedded_archs())));
+    Availability { embedded, triton: cxx::kernels::triton_version().to_string(), missing, gpu, gpu_matches, why_not, auto: AUTO_TAKES_IT }
+}

@@ -1,0 +1,203 @@
+//! The fused CUDA route (src/attention/fused_cuda.rs, probattn-sys/csrc/fused_cuda.cpp): what it
+//! launches, checked on any machine against the Python orchestration that the kernel check holds
+//! to the formulas under Triton's interpreter; and, where a GPU is present, its results against
+//! the float64 tiles, forward and gradients, and the backend's choice of it.
+
+mod common;
+
+use anyhow::{ensure, Context, Result};
+use probattn::backend::{Backend, Route};
+use probattn::normalize::Dnas;
+use probattn::tiled::{attend_tiled, Tiled, TiledOptions};
+use probattn::{attend_with_choice, AttendOptions, Masks};
+use serde_json::Value;
+use tch::{Device, Kind, Tensor};
+
+/// (B, H, H_KV, S_Q, S_K, D, DV), sweeps, causal, key padding.
+type Case = ([i64; 7], i64, bool, bool);
+
+const CASES: [Case; 7] = [
+    ([1, 2, 2, 30, 50, 32, 32], 0, false, true),
+    ([1, 2, 2, 64, 64, 64, 64], 0, false, false),
+    ([2, 4, 2, 70, 90, 48, 48], 1, false, true),
+    ([1, 2, 1, 100, 77, 64, 64], 0, true, true),
+    ([2, 2, 2, 65, 130, 128, 128], 1, false, false),
+    ([1, 4, 4, 33, 33, 100, 100], 0, true, false),
+    ([1, 1, 1, 1, 5, 16, 16], 1, false, true),
+];
+
+fn inputs(shape: [i64; 7], kind: Kind, device: Device) -> (Tensor, Tensor, Tensor, Tensor) {
+    let [b, h, h_kv, s_q, s_k, d, dv] = shape;
+    let opts = (Kind::Float, Device::Cpu);
+    let q = Tensor::randn([b, h, s_q, d], opts).to_kind(kind).to_device(device);
+    let k = Tensor::randn([b, h_kv, s_k, d], opts).to_kind(kind).to_device(device);
+    let v = Tensor::randn([b, h_kv, s_k, dv], opts).to_kind(kind).to_device(device);
+    // The last key of the first batch padded, as launches.py pads it.
+    let pad = Tensor::zeros([b, s_k], (Kind::Bool, Device::Cpu));
+    let _ = pad.get(0).get(s_k - 1).fill_(1);
+    (q, k, v, pad.to_device(device))
+}
+
+fn python_launches(case: &Case, scale: f64) -> Result<Value> {
+    let (shape, sweeps, causal, padded) = *case;
+    let mut command = common::python_module("kernels.launches")?;
+    command.arg("--shape").arg(shape.map(|n| n.to_string()).join(",")).arg("--sweeps").arg(sweeps.to_string());
+    command.arg("--scale").arg(scale.to_string());
+    if causal {
+        command.arg("--causal");
+    }
+    if padded {
+        command.arg("--key-padding");
+    }
+    let out = command.output().context("running probattn_tools.kernels.launches")?;
+    ensure!(out.status.success(), "kernels.launches failed: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// Tensor arguments the Python side passes as one- or two-element stand-ins for a feature the call
+/// does not use; the dry run leaves them out of its record.
+fn unused_stand_in(entry: &Value) -> bool {
+    entry[0].as_array().is_some_and(|shape| shape.len() == 1 && shape[0].as_i64().is_some_and(|n| n <= 2))
+}
+
+#[test]
+fn the_route_launches_what_the_checked_python_orchestration_launches() -> Result<()> {
+    if let Some(why) = probattn_sys::kernels::missing() {
+        eprintln!("skipped: this build embeds no kernel ({why})");
+        return Ok(());
+    }
+    for case in &CASES {
+        let (shape, sweeps, causal, padded) = *case;
+        let (q, k, v, pad) = inputs(shape, Kind::Half, Device::Cpu);
+        let scale = 0.3;
+        let ours: Value =
+            serde_json::from_str(&probattn_sys::fused_cuda_dry_run(&q, &k, &v, padded.then_some(&pad), scale, sweeps, causal, 90)?)?;
+        let theirs = python_launches(case, scale)?;
+        let (ours, theirs) = (ours.as_array().context("an array")?, theirs.as_array().context("an array")?);
+        let kernels = |l: &[Value]| l.iter().map(|x| x["kernel"].as_str().unwrap_or("").to_string()).collect::<Vec<_>>();
+        assert_eq!(kernels(ours), kernels(theirs), "{case:?}: the kernels launched, in order");
+        for (i, (o, t)) in ours.iter().zip(theirs).enumerate() {
+            let at = format!("{case:?}, launch {i} ({})", o["kernel"]);
+            assert_eq!(o["key"], t["key"], "{at}: the specialization");
+            assert_eq!(o["grid"], t["grid"], "{at}: the grid");
+            assert_eq!(o["ints"], t["ints"], "{at}: the integer arguments");
+            let (ot, tt) = (o["tensors"].as_object().context("tensors")?, t["tensors"].as_object().context("tensors")?);
+            for (name, entry) in tt {
+                match ot.get(name) {
+                    Some(ours) => assert_eq!(ours, entry, "{at}: tensor {name}"),
+                    None => assert!(unused_stand_in(entry), "{at}: tensor {name} {entry} is not passed"),
+                }
+            }
+            assert!(ot.keys().all(|n| tt.contains_key(n)), "{at}: {:?} against {:?}", ot.keys(), tt.keys());
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn without_a_driver_the_status_says_why_and_the_route_is_refused_by_name() -> Result<()> {
+    match probattn_sys::fused_cuda_status(0)? {
+        Ok(arch) => assert!(arch >= 50, "a compute capability, got {arch}"),
+        Err(why) => assert!(why.contains("libcuda.so.1") || why.contains("cuInit"), "{why}"),
+    }
+    // The launcher refuses CPU tensors by name, after every embedded kernel registered.
+    let (q, k, v, _) = inputs([1, 1, 1, 4, 4, 16, 16], Kind::BFloat16, Device::Cpu);
+    let err = probattn_sys::fused_cuda_attention(&q, &k, &v, None, 0.25, 1, false).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("CUDA"), "{err}");
+    // The backend's reason for a CPU call.
+    let plan = Tiled::dnas();
+    let shape = probattn::ScoreShape { batch: 1, heads: 1, queries: 4, keys: 4 };
+    let why = probattn::fused_cuda::unserved(shape, &q, &v, &Masks::default(), &plan, &AttendOptions::default());
+    assert_eq!(why.as_deref(), Some("it runs on CUDA devices"));
+    Ok(())
+}
+
+/// The GPU's compute capability when the route can run here.
+fn gpu() -> Option<u32> {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return None;
+    }
+    match probattn_sys::fused_cuda_status(0) {
+        Ok(Ok(arch)) if probattn::fused_cuda::fits(arch) => Some(arch),
+        other => {
+            eprintln!("skipped: the fused CUDA route cannot run here: {other:?}");
+            None
+        }
+    }
+}
+
+#[test]
+fn on_a_gpu_the_route_matches_the_float64_tiles_forward_and_backward() -> Result<()> {
+    let Some(arch) = gpu() else { return Ok(()) };
+    let _serial = common::serial();
+    tch::manual_seed(7);
+    let cuda = Device::Cuda(0);
+    let logit = Tensor::from_slice(&[0.7f32, -1.2, 0.1, 2.0]).to_device(cuda);
+    for kind in [Kind::BFloat16, Kind::Half] {
+        // bfloat16 keeps 8 bits of mantissa, float16 11: the inputs' rounding bounds the agreement.
+        let tolerance = if kind == Kind::BFloat16 { 3e-2 } else { 4e-3 };
+        for case in &CASES {
+            let (shape, sweeps, causal, padded) = *case;
+            let hybrid = sweeps == 1 && shape[1] == 4;
+            let (q, k, v, pad) = inputs(shape, kind, cuda);
+            let g = Tensor::randn([shape[0], shape[1], shape[3], shape[6]], (Kind::Float, cuda));
+            let masks = Masks { key_padding: padded.then_some(&pad), causal, ..Default::default() };
+            let head_logit = logit.narrow(0, 0, shape[1]);
+            let plan = match (sweeps, hybrid) {
+                (_, true) => Tiled::hnas(&head_logit),
+                (0, _) => Tiled::softmax(),
+                _ => Tiled::dnas(),
+            };
+            let opts = AttendOptions { scale: Some(0.3), enable_gqa: true, ..Default::default() };
+            let (q, k, v) = (q.set_requires_grad(true), k.set_requires_grad(true), v.set_requires_grad(true));
+            let out = probattn::fused_cuda::attend(&q, &k, &v, &masks, &plan, &opts)?;
+            assert_eq!(out.kind(), kind);
+            let grads = Tensor::run_backward(&[(&out.to_kind(Kind::Float) * &g).sum(Kind::Float)], &[&q, &k, &v], false, false);
+
+            // The reference: the tiles in float64 on the CPU, on the same rounded inputs.
+            let wide = |t: &Tensor| t.detach().to_device(Device::Cpu).to_kind(Kind::Double).set_requires_grad(true);
+            let (q64, k64, v64) = (wide(&q), wide(&k), wide(&v));
+            let pad64 = pad.to_device(Device::Cpu);
+            let masks64 = Masks { key_padding: padded.then_some(&pad64), causal, ..Default::default() };
+            let logit64 = head_logit.to_device(Device::Cpu).to_kind(Kind::Double);
+            let plan64 = match (sweeps, hybrid) {
+                (_, true) => Tiled::hnas(&logit64),
+                (0, _) => Tiled::softmax(),
+                _ => Tiled::dnas(),
+            };
+            let tiled_opts = TiledOptions { scale: Some(0.3), enable_gqa: true, fused_cpu: false, ..TiledOptions::new(16) };
+            let reference = attend_tiled(&q64, &k64, &v64, &masks64, &plan64, tiled_opts)?.output;
+            let g64 = g.to_device(Device::Cpu).to_kind(Kind::Double);
+            let grads64 = Tensor::run_backward(&[(&reference * &g64).sum(Kind::Double)], &[&q64, &k64, &v64], false, false);
+            let at = format!("sm_{arch}, {kind:?}, {case:?}, hybrid {hybrid}");
+            let error = common::scaled_error(&out, &reference)?;
+            assert!(error < tolerance, "{at}: output off by {error:e}");
+            for (name, (ours, theirs)) in ["dq", "dk", "dv"].iter().zip(grads.iter().zip(&grads64)) {
+                let error = common::scaled_error(ours, theirs)?;
+                assert!(error < tolerance * 4.0, "{at}: {name} off by {error:e}");
+            }
+            eprintln!("{at}: within {tolerance:e}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn on_a_gpu_the_fused_backend_takes_the_route_and_says_why_where_it_cannot() -> Result<()> {
+    if gpu().is_none() {
+        return Ok(());
+    }
+    let _serial = common::serial();
+    let cuda = Device::Cuda(0);
+    let (q, k, v, pad) = inputs([2, 2, 2, 40, 40, 64, 64], Kind::BFloat16, cuda);
+    let masks = Masks { key_padding: Some(&pad), ..Default::default() };
+    let forced = AttendOptions { need_weights: false, backend: Backend::Fused, ..Default::default() };
+    let (_, choice) = attend_with_choice(&q, &k, &v, &masks, &Dnas, forced)?;
+    assert_eq!(choice.route, Route::FusedCuda, "{choice:?}");
+    // float32 is not served: forced, a named error with the reason.
+    let (q32, k32, v32) = (q.to_kind(Kind::Float), k.to_kind(Kind::Float), v.to_kind(Kind::Float));
+    let err = attend_with_choice(&q32, &k32, &v32, &masks, &Dnas, forced).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("bfloat16 and float16"), "{err}");
+    Ok(())
+}
