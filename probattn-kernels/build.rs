@@ -126,18 +126,42 @@ fn prune(cache: &Path) {
     }
 }
 
-/// `kernels.rs` embedding the manifest and every cubin it names.
+/// `kernels.rs` embedding the manifest and every cubin it names, as one zstd stream (the cubins
+/// of one kernel differ little across its specializations: 64 MB become a few), with each cubin's
+/// place in the decompressed bytes. The stream is written into the set's folder once.
 fn embed(dir: &Path) -> String {
     let manifest_path = dir.join("manifest.json");
     let manifest = std::fs::read_to_string(&manifest_path).expect("reading the kernels' manifest");
     let value: serde_json::Value = serde_json::from_str(&manifest).expect("the kernels' manifest is JSON");
+    let mut places = Vec::new();
+    let mut all = Vec::new();
+    for entry in value["entries"].as_array().expect("the manifest lists its entries") {
+        let file = entry["file"].as_str().expect("each entry names its file");
+        let bytes = std::fs::read(dir.join(file)).unwrap_or_else(|e| panic!("reading {file}: {e}"));
+        places.push((file.to_string(), all.len(), bytes.len()));
+        all.extend_from_slice(&bytes);
+    }
+    let packed = dir.join("cubins.zst");
+    if !packed.is_file() {
+        // A window over all of them: a kernel's cubins for the other dtypes and head dimensions
+        // lie megabytes apart.
+        let mut encoder = zstd::stream::Encoder::new(Vec::new(), 19).expect("a zstd encoder");
+        encoder.window_log(27).expect("zstd's window");
+        encoder.long_distance_matching(true).expect("zstd's long-distance matching");
+        std::io::Write::write_all(&mut encoder, &all).expect("compressing the cubins");
+        let compressed = encoder.finish().expect("compressing the cubins");
+        let partial = dir.join(format!(".cubins.zst.{}", std::process::id()));
+        std::fs::write(&partial, compressed).expect("writing the compressed cubins");
+        std::fs::rename(&partial, &packed).expect("moving the compressed cubins into place");
+    }
     let mut code = String::new();
     writeln!(code, "pub(crate) static MISSING: Option<&str> = None;").unwrap();
     writeln!(code, "pub(crate) static MANIFEST: &str = include_str!({:?});", manifest_path.display().to_string()).unwrap();
-    writeln!(code, "pub(crate) static CUBINS: &[(&str, &[u8])] = &[").unwrap();
-    for entry in value["entries"].as_array().expect("the manifest lists its entries") {
-        let file = entry["file"].as_str().expect("each entry names its file");
-        writeln!(code, "    ({file:?}, include_bytes!({:?})),", dir.join(file).display().to_string()).unwrap();
+    writeln!(code, "pub(crate) static PACKED: &[u8] = include_bytes!({:?});", packed.display().to_string()).unwrap();
+    writeln!(code, "pub(crate) const UNPACKED_LEN: usize = {};", all.len()).unwrap();
+    writeln!(code, "pub(crate) static PLACES: &[(&str, usize, usize)] = &[").unwrap();
+    for (file, offset, len) in places {
+        writeln!(code, "    ({file:?}, {offset}, {len}),").unwrap();
     }
     writeln!(code, "];").unwrap();
     code
@@ -146,6 +170,6 @@ fn embed(dir: &Path) -> String {
 /// `kernels.rs` without kernels, and why.
 fn none(why: &str) -> String {
     format!(
-        "pub(crate) static MISSING: Option<&str> = Some({why:?});\npub(crate) static MANIFEST: &str = \"{{\\\"triton\\\": \\\"\\\", \\\"entries\\\": []}}\";\npub(crate) static CUBINS: &[(&str, &[u8])] = &[];\n"
+        "pub(crate) static MISSING: Option<&str> = Some({why:?});\npub(crate) static MANIFEST: &str = \"{{\\\"triton\\\": \\\"\\\", \\\"entries\\\": []}}\";\npub(crate) static PACKED: &[u8] = &[];\npub(crate) const UNPACKED_LEN: usize = 0;\npub(crate) static PLACES: &[(&str, usize, usize)] = &[];\n"
     )
 }

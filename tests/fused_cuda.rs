@@ -7,24 +7,35 @@ mod common;
 
 use anyhow::{ensure, Context, Result};
 use probattn::backend::{Backend, Route};
+use probattn::normalize::BamKind;
 use probattn::normalize::Dnas;
-use probattn::tiled::{attend_tiled, Tiled, TiledOptions};
-use probattn::{attend_with_choice, AttendOptions, Masks};
+use probattn::tiled::{attend_tiled, counter_noise, Kl, KlForm, NoiseKind, PriorFn, Sampling, Tiled, TiledOptions};
+use probattn::{attend_with_choice, AttendOptions, Masks, Mode};
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
-/// (B, H, H_KV, S_Q, S_K, D, DV), sweeps, causal, key padding.
-type Case = ([i64; 7], i64, bool, bool);
+/// (B, H, H_KV, S_Q, S_K, D, DV), sweeps, causal, key padding, BAM's noise (0 none, 1 Weibull,
+/// 2 Lognormal; with its KL term).
+type Case = ([i64; 7], i64, bool, bool, i32);
 
-const CASES: [Case; 7] = [
-    ([1, 2, 2, 30, 50, 32, 32], 0, false, true),
-    ([1, 2, 2, 64, 64, 64, 64], 0, false, false),
-    ([2, 4, 2, 70, 90, 48, 48], 1, false, true),
-    ([1, 2, 1, 100, 77, 64, 64], 0, true, true),
-    ([2, 2, 2, 65, 130, 128, 128], 1, false, false),
-    ([1, 4, 4, 33, 33, 100, 100], 0, true, false),
-    ([1, 1, 1, 1, 5, 16, 16], 1, false, true),
+const CASES: [Case; 11] = [
+    ([1, 2, 2, 30, 50, 32, 32], 0, false, true, 0),
+    ([1, 2, 2, 64, 64, 64, 64], 0, false, false, 0),
+    ([2, 4, 2, 70, 90, 48, 48], 1, false, true, 0),
+    ([1, 2, 1, 100, 77, 64, 64], 0, true, true, 0),
+    ([2, 2, 2, 65, 130, 128, 128], 1, false, false, 0),
+    ([1, 4, 4, 33, 33, 100, 100], 0, true, false, 0),
+    ([1, 1, 1, 1, 5, 16, 16], 1, false, true, 0),
+    ([1, 2, 2, 40, 40, 64, 64], 0, false, false, 1),
+    ([2, 4, 2, 70, 90, 48, 48], 1, false, true, 1),
+    ([1, 2, 1, 65, 33, 128, 128], 0, false, true, 2),
+    ([2, 2, 2, 50, 70, 64, 64], 1, false, false, 2),
 ];
+
+const NOISE_NAMES: [&str; 3] = ["", "weibull", "lognormal"];
+/// The draws' key: its high word nonzero, as the kernel check's seeds.
+const SEED: u64 = (5 << 32) + 11;
+const NOISE_SCALE: f64 = 0.4;
 
 fn inputs(shape: [i64; 7], kind: Kind, device: Device) -> (Tensor, Tensor, Tensor, Tensor) {
     let [b, h, h_kv, s_q, s_k, d, dv] = shape;
@@ -39,7 +50,7 @@ fn inputs(shape: [i64; 7], kind: Kind, device: Device) -> (Tensor, Tensor, Tenso
 }
 
 fn python_launches(case: &Case, scale: f64) -> Result<Value> {
-    let (shape, sweeps, causal, padded) = *case;
+    let (shape, sweeps, causal, padded, noise) = *case;
     let mut command = common::python_module("kernels.launches")?;
     command.arg("--shape").arg(shape.map(|n| n.to_string()).join(",")).arg("--sweeps").arg(sweeps.to_string());
     command.arg("--scale").arg(scale.to_string());
@@ -48,6 +59,10 @@ fn python_launches(case: &Case, scale: f64) -> Result<Value> {
     }
     if padded {
         command.arg("--key-padding");
+    }
+    if noise > 0 {
+        command.arg("--noise").arg(NOISE_NAMES[noise as usize]).arg("--seed").arg(SEED.to_string());
+        command.arg("--noise-scale").arg(NOISE_SCALE.to_string());
     }
     let out = command.output().context("running probattn_tools.kernels.launches")?;
     ensure!(out.status.success(), "kernels.launches failed: {}", String::from_utf8_lossy(&out.stderr));
@@ -67,11 +82,22 @@ fn the_route_launches_what_the_checked_python_orchestration_launches() -> Result
         return Ok(());
     }
     for case in &CASES {
-        let (shape, sweeps, causal, padded) = *case;
+        let (shape, sweeps, causal, padded, noise) = *case;
         let (q, k, v, pad) = inputs(shape, Kind::Half, Device::Cpu);
-        let scale = 0.3;
-        let ours: Value =
-            serde_json::from_str(&probattn_sys::fused_cuda_dry_run(&q, &k, &v, padded.then_some(&pad), scale, sweeps, causal, 90)?)?;
+        let prior = Tensor::rand([shape[0], shape[1], 1, shape[4]], (Kind::Float, Device::Cpu));
+        let spec = probattn_sys::FusedSpec {
+            scale: 0.3,
+            sweeps,
+            key_padding: padded.then_some(&pad),
+            causal,
+            noise,
+            kl: noise,
+            noise_scale: NOISE_SCALE,
+            seed: SEED,
+            prior: (noise > 0).then_some(&prior),
+        };
+        let ours: Value = serde_json::from_str(&probattn_sys::fused_cuda_dry_run(&q, &k, &v, &spec, 90)?)?;
+        let scale = spec.scale;
         let theirs = python_launches(case, scale)?;
         let (ours, theirs) = (ours.as_array().context("an array")?, theirs.as_array().context("an array")?);
         let kernels = |l: &[Value]| l.iter().map(|x| x["kernel"].as_str().unwrap_or("").to_string()).collect::<Vec<_>>();
@@ -102,7 +128,8 @@ fn without_a_driver_the_status_says_why_and_the_route_is_refused_by_name() -> Re
     }
     // The launcher refuses CPU tensors by name, after every embedded kernel registered.
     let (q, k, v, _) = inputs([1, 1, 1, 4, 4, 16, 16], Kind::BFloat16, Device::Cpu);
-    let err = probattn_sys::fused_cuda_attention(&q, &k, &v, None, 0.25, 1, false).err().map(|e| e.to_string()).unwrap_or_default();
+    let spec = probattn_sys::FusedSpec { scale: 0.25, sweeps: 1, ..Default::default() };
+    let err = probattn_sys::fused_cuda_attention(&q, &k, &v, &spec).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(err.contains("CUDA"), "{err}");
     // The backend's reason for a CPU call.
     let plan = Tiled::dnas();
@@ -127,52 +154,94 @@ fn gpu() -> Option<u32> {
     }
 }
 
+/// A plan for a case: softmax, DNAS, HNAS (DNAS's cases with 4 heads), or BAM over softmax or DNAS
+/// with its KL term against the fixed per-key values `prior`.
+fn plan_for<'a>(case: &Case, logit: &'a Tensor, prior: &'a Tensor) -> Tiled<'a> {
+    let (shape, sweeps, _, _, noise) = *case;
+    let mut plan = match (sweeps, shape[1] == 4 && noise == 0) {
+        (1, true) => Tiled::hnas(logit),
+        (0, _) => Tiled::softmax(),
+        _ => Tiled::dnas(),
+    };
+    if noise > 0 {
+        let (kind, form) = if noise == 1 {
+            (NoiseKind::Weibull, KlForm::WeibullGamma { k: 1.0 / NOISE_SCALE, beta: 1.5 })
+        } else {
+            (NoiseKind::Lognormal, KlForm::Lognormal { sigma: NOISE_SCALE, sigma_p: 1.3 })
+        };
+        let prior: PriorFn<'a> = Box::new(move |keys: &Tensor, _| Ok(prior.to_device(keys.device()).to_kind(keys.kind())));
+        plan.sampling = Some(Sampling { noise: kind, scale: NOISE_SCALE, kl: Some(Kl { form, prior }) });
+    }
+    plan
+}
+
 #[test]
 fn on_a_gpu_the_route_matches_the_float64_tiles_forward_and_backward() -> Result<()> {
     let Some(arch) = gpu() else { return Ok(()) };
     let _serial = common::serial();
     tch::manual_seed(7);
     let cuda = Device::Cuda(0);
-    let logit = Tensor::from_slice(&[0.7f32, -1.2, 0.1, 2.0]).to_device(cuda);
+    let logit = Tensor::from_slice(&[0.7f64, -1.2, 0.1, 2.0]);
     for kind in [Kind::BFloat16, Kind::Half] {
         // bfloat16 keeps 8 bits of mantissa, float16 11: the inputs' rounding bounds the agreement.
         let tolerance = if kind == Kind::BFloat16 { 3e-2 } else { 4e-3 };
         for case in &CASES {
-            let (shape, sweeps, causal, padded) = *case;
-            let hybrid = sweeps == 1 && shape[1] == 4;
+            let (shape, _, causal, padded, noise) = *case;
             let (q, k, v, pad) = inputs(shape, kind, cuda);
             let g = Tensor::randn([shape[0], shape[1], shape[3], shape[6]], (Kind::Float, cuda));
-            let masks = Masks { key_padding: padded.then_some(&pad), causal, ..Default::default() };
+            let prior = Tensor::rand([shape[0], shape[1], 1, shape[4]], (Kind::Double, Device::Cpu)) + 0.5;
             let head_logit = logit.narrow(0, 0, shape[1]);
-            let plan = match (sweeps, hybrid) {
-                (_, true) => Tiled::hnas(&head_logit),
-                (0, _) => Tiled::softmax(),
-                _ => Tiled::dnas(),
-            };
-            let opts = AttendOptions { scale: Some(0.3), enable_gqa: true, ..Default::default() };
+            let masks = Masks { key_padding: padded.then_some(&pad), causal, ..Default::default() };
+            let (gpu_logit, gpu_prior) = (head_logit.to_device(cuda), prior.to_device(cuda));
+            let plan = plan_for(case, &gpu_logit, &gpu_prior);
+            let opts =
+                AttendOptions { scale: Some(0.3), enable_gqa: true, seed: Some(SEED), mode: Mode::train(true), ..Default::default() };
             let (q, k, v) = (q.set_requires_grad(true), k.set_requires_grad(true), v.set_requires_grad(true));
-            let out = probattn::fused_cuda::attend(&q, &k, &v, &masks, &plan, &opts)?;
+            let score_shape = probattn::ScoreShape { batch: shape[0], heads: shape[1], queries: shape[3], keys: shape[4] };
+            let (out, kl) = probattn::fused_cuda::attend(score_shape, &q, &k, &v, &masks, &plan, &opts)?;
             assert_eq!(out.kind(), kind);
-            let grads = Tensor::run_backward(&[(&out.to_kind(Kind::Float) * &g).sum(Kind::Float)], &[&q, &k, &v], false, false);
+            let mut loss = (&out.to_kind(Kind::Float) * &g).sum(Kind::Float);
+            if let Some(kl) = &kl {
+                loss += kl.to_kind(Kind::Float);
+            }
+            let grads = Tensor::run_backward(&[loss], &[&q, &k, &v], false, false);
 
-            // The reference: the tiles in float64 on the CPU, on the same rounded inputs.
+            // The reference: the tiles in float64 on the CPU, on the same rounded inputs, given
+            // the ε the kernels draw in float32 for this seed.
             let wide = |t: &Tensor| t.detach().to_device(Device::Cpu).to_kind(Kind::Double).set_requires_grad(true);
             let (q64, k64, v64) = (wide(&q), wide(&k), wide(&v));
             let pad64 = pad.to_device(Device::Cpu);
             let masks64 = Masks { key_padding: padded.then_some(&pad64), causal, ..Default::default() };
-            let logit64 = head_logit.to_device(Device::Cpu).to_kind(Kind::Double);
-            let plan64 = match (sweeps, hybrid) {
-                (_, true) => Tiled::hnas(&logit64),
-                (0, _) => Tiled::softmax(),
-                _ => Tiled::dnas(),
+            let plan64 = plan_for(case, &head_logit, &prior);
+            let bam = if noise == 1 { BamKind::WeibullContextual } else { BamKind::LognormalContextual };
+            let eps = if noise > 0 {
+                Some(counter_noise(bam, score_shape.dims(), SEED, (Kind::Float, Device::Cpu))?.to_kind(Kind::Double))
+            } else {
+                None
             };
-            let tiled_opts = TiledOptions { scale: Some(0.3), enable_gqa: true, fused_cpu: false, ..TiledOptions::new(16) };
-            let reference = attend_tiled(&q64, &k64, &v64, &masks64, &plan64, tiled_opts)?.output;
+            let tiled_opts = TiledOptions {
+                scale: Some(0.3),
+                enable_gqa: true,
+                fused_cpu: false,
+                sample: noise > 0,
+                noise: eps.as_ref(),
+                ..TiledOptions::new(16)
+            };
+            let reference = attend_tiled(&q64, &k64, &v64, &masks64, &plan64, tiled_opts)?;
             let g64 = g.to_device(Device::Cpu).to_kind(Kind::Double);
-            let grads64 = Tensor::run_backward(&[(&reference * &g64).sum(Kind::Double)], &[&q64, &k64, &v64], false, false);
-            let at = format!("sm_{arch}, {kind:?}, {case:?}, hybrid {hybrid}");
-            let error = common::scaled_error(&out, &reference)?;
+            let mut loss64 = (&reference.output * &g64).sum(Kind::Double);
+            if let Some(kl) = &reference.kl {
+                loss64 += kl;
+            }
+            let grads64 = Tensor::run_backward(&[loss64], &[&q64, &k64, &v64], false, false);
+            let at = format!("sm_{arch}, {kind:?}, {case:?}");
+            let error = common::scaled_error(&out, &reference.output)?;
             assert!(error < tolerance, "{at}: output off by {error:e}");
+            assert_eq!(kl.is_some(), noise > 0, "{at}: a KL term exactly when sampling");
+            if let (Some(ours), Some(theirs)) = (&kl, &reference.kl) {
+                let error = common::scaled_error(ours, theirs)?;
+                assert!(error < tolerance, "{at}: KL off by {error:e}");
+            }
             for (name, (ours, theirs)) in ["dq", "dk", "dv"].iter().zip(grads.iter().zip(&grads64)) {
                 let error = common::scaled_error(ours, theirs)?;
                 assert!(error < tolerance * 4.0, "{at}: {name} off by {error:e}");

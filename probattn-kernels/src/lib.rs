@@ -5,8 +5,10 @@
 //! CUDA route launches (`kernels.aot --route`); probattn-sys/csrc/fused_cuda.cpp launches them
 //! through the CUDA driver API.
 //!
-//! The build compiles them with the set-up's Triton (build.rs says how, and where it keeps them).
-//! Nothing here needs a GPU: a build without Triton embeds none and [`missing`] says why.
+//! The build compiles them with the set-up's Triton (build.rs says how, and where it keeps them) and
+//! packs them into one zstd stream (64 MB of cubins take 5 in each binary); [`Kernel::cubin`]
+//! unpacks them on first use. Nothing here needs a GPU: a build without Triton embeds none and
+//! [`missing`] says why.
 
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
@@ -54,11 +56,22 @@ pub struct Kernel {
     #[serde(default)]
     pub profile_scratch_bytes: u64,
     pub file: String,
+    /// Where its bytes lie in the unpacked cubins: (offset, length).
     #[serde(skip)]
-    pub cubin: &'static [u8],
+    place: (usize, usize),
 }
 
 impl Kernel {
+    /// The cubin (all of them are unpacked on the first call: 64 MB, a fraction of a second).
+    pub fn cubin(&self) -> &'static [u8] {
+        static UNPACKED: OnceLock<Vec<u8>> = OnceLock::new();
+        let all = UNPACKED.get_or_init(|| {
+            // The build packed these bytes and checked the length; they cannot differ at run time.
+            zstd::bulk::decompress(embedded::PACKED, embedded::UNPACKED_LEN).expect("the embedded cubins unpack")
+        });
+        all.get(self.place.0..self.place.0 + self.place.1).unwrap_or(&[])
+    }
+
     /// The compute capability as a number: `sm_90` → 90.
     pub fn arch_number(&self) -> u32 {
         self.arch.trim_start_matches("sm_").parse().unwrap_or(0)
@@ -88,7 +101,7 @@ fn manifest() -> &'static Manifest {
         // The build wrote and checked this JSON; it cannot differ at run time.
         let mut manifest: Manifest = serde_json::from_str(embedded::MANIFEST).expect("the embedded manifest is the build's");
         for entry in &mut manifest.entries {
-            entry.cubin = embedded::CUBINS.iter().find(|(file, _)| *file == entry.file).map_or(&[], |(_, bytes)| *bytes);
+            entry.place = embedded::PLACES.iter().find(|(file, _, _)| *file == entry.file).map_or((0, 0), |(_, at, len)| (*at, *len));
         }
         manifest
     })
@@ -132,7 +145,8 @@ mod tests {
         assert!(!all.is_empty());
         for k in all {
             // ELF, as every cubin is.
-            assert!(k.cubin.len() > 1000 && k.cubin.starts_with(b"\x7fELF"), "{}: {} bytes", k.file, k.cubin.len());
+            let cubin = k.cubin();
+            assert!(cubin.len() > 1000 && cubin.starts_with(b"\x7fELF"), "{}: {} bytes", k.file, cubin.len());
             assert!(k.params.iter().all(|p| p.ty == "i32" || p.ty.starts_with('*')), "{}", k.file);
             assert_eq!((k.global_scratch_bytes, k.profile_scratch_bytes), (0, 0), "{}", k.file);
         }
@@ -148,7 +162,7 @@ mod tests {
             s
         });
         let first = shapes.next().unwrap_or_default();
-        assert_eq!(first.len(), 20);
+        assert_eq!(first.len(), 44);
         assert!(shapes.all(|s| s == first));
         assert_eq!(architectures().iter().map(|(a, _)| a.as_str()).collect::<Vec<_>>(), ["sm_80", "sm_90"]);
     }

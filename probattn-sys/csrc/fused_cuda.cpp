@@ -273,9 +273,20 @@ at::ScalarType declared_type(const std::string& type) {
 const std::set<std::string> kUnused = {"QPAD", "KPAD", "MASK", "BLOCKS", "BIAS", "DRAWS", "PRIOR", "RB", "KS", "TROW",
                                        "DKL",  "DA",   "RD",   "RS",     "LOGU", "RHO_D", "RHO_S", "GU"};
 
+// BAM's sampling over the plan: the noise drawn in the kernels from the counter-based hash keyed by
+// `seed` (the same ε as the tiles' and the CPU loop's), and the KL term's score-dependent part
+// reduced there, against the prior's per-key values.
+struct Sampling {
+  int64_t noise = 0;  // 1 Weibull, 2 Lognormal
+  int64_t kl = 0;     // 1 Σ a_j log π_ij, 2 Σ (log π_ij − a_j)²; the embedded set has kl = noise
+  double scale = 0.0;  // 1/k or σ
+  uint64_t seed = 0;
+};
+
 struct Call {
   at::Tensor q, k, v, kpad, scale;  // kpad: uint8 (B, S_k), undefined without key padding
-  int64_t sweeps = 0;
+  at::Tensor seed_words, prior;      // BAM: the seed's two 32-bit words (int64), a_j as (B, H, S_k) float32
+  int64_t sweeps = 0, noise = 0, kl = 0;
   bool causal = false;
   int arch = 0;
   int64_t head_dim = 0;  // of the cubins: the smallest embedded one that holds d and d_v
@@ -293,7 +304,7 @@ struct Call {
 
   std::map<std::string, int64_t> constexprs() const {
     return {{"HAS_QPAD", 0}, {"HAS_KPAD", kpad.defined() ? 1 : 0}, {"HAS_MASK", 0}, {"HAS_BIAS", 0}, {"SWEEPS", std::min<int64_t>(sweeps, 1)},
-            {"CAUSAL", causal ? 1 : 0}, {"NOISE", 0}, {"KL", 0}, {"WIDE", 0}, {"MIX", 0}, {"ROWS", 0}};
+            {"CAUSAL", causal ? 1 : 0}, {"NOISE", noise}, {"KL", kl}, {"WIDE", 0}, {"MIX", 0}, {"ROWS", 0}};
   }
 
   // Launches `name` over a grid of (blocks of `keys ? S_k : S_q`, B × heads) programs, its
@@ -374,9 +385,10 @@ struct Call {
   at::Tensor stat(bool keys) const { return at::zeros({b(), h(), keys ? s_k() : s_q()}, stats()); }
 };
 
+// `sampling`: BAM's, or none; `prior`: a_j broadcastable to (B, H, 1, S_k) with a KL term.
 // `dry_arch`: 0 for a call that launches; else a dry run's compute capability (any device, no driver).
 Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kpad, double scale, int64_t sweeps,
-               bool causal, int dry_arch = 0) {
+               bool causal, const Sampling& sampling, const at::Tensor& prior, int dry_arch = 0) {
   TORCH_CHECK((q.is_cuda() || dry_arch > 0) && k.device() == q.device() && v.device() == q.device(),
               "the fused CUDA route runs on one CUDA device, got ", q.device(), ", ", k.device(), ", ", v.device());
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "the fused CUDA route takes (B, H, S, d) tensors");
@@ -422,7 +434,26 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
                 q.size(0), ", ", k.size(2), "), got ", kpad.sizes());
     c.kpad = kpad.to(q.device(), at::kByte).contiguous();
   }
-  c.scale = at::tensor({scale, 0.0}, at::TensorOptions().dtype(at::kFloat)).to(q.device());
+  c.scale = at::tensor({scale, sampling.scale}, at::TensorOptions().dtype(at::kFloat)).to(q.device());
+  c.noise = sampling.noise;
+  c.kl = sampling.kl;
+  TORCH_CHECK(c.noise >= 0 && c.noise <= 2 && (c.kl == 0 || c.kl == c.noise), "the fused CUDA route draws Weibull (1) or Lognormal (2) "
+              "noise with its own KL form, got noise ", c.noise, " and KL ", c.kl);
+  TORCH_CHECK(c.noise == 0 || !causal, "the fused CUDA route has no causal BAM kernels");
+  // Entry positions past 2^32 take the hash's wide form (WIDE), which the embedded set leaves out.
+  TORCH_CHECK(c.noise == 0 || q.size(0) * q.size(1) * q.size(2) * k.size(2) <= (int64_t{1} << 32),
+              "the fused CUDA route draws BAM's noise for at most 2^32 score entries");
+  c.seed_words = at::tensor({static_cast<int64_t>(sampling.seed & 0xFFFFFFFFu), static_cast<int64_t>(sampling.seed >> 32)},
+                            at::TensorOptions().dtype(at::kLong))
+                     .to(q.device());
+  if (c.kl != 0) {
+    TORCH_CHECK(prior.defined() && prior.is_floating_point() && prior.dim() <= 4, "a KL term needs the prior's per-key values, "
+                "a floating-point tensor broadcastable to (B, H, 1, S_k)");
+    auto own = prior.detach().to(q.device(), at::kFloat);
+    while (own.dim() < 4) own = own.unsqueeze(0);
+    TORCH_CHECK(own.size(2) == 1, "the prior has shape ", prior.sizes(), ": one value per key, (B, H, 1, S_k), not per query");
+    c.prior = own.expand({q.size(0), q.size(1), 1, k.size(2)}).squeeze(2).contiguous();
+  }
   const auto qs = c.q.strides(), ks = c.k.strides(), vs = c.v.strides();
   const int64_t b = c.b(), h = c.h(), s_q = c.s_q(), s_k = c.s_k(), dv = v.size(3);
   c.ints = {{"stride_qb", qs[0]}, {"stride_qh", qs[1]}, {"stride_qs", qs[2]}, {"stride_kb", ks[0]}, {"stride_kh", ks[1]},
@@ -435,7 +466,7 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
             {"stride_t", b * h * s_k}, {"stride_tr", b * h * s_q}, {"stride_qpad", 0}, {"stride_kpad", kpad.defined() ? s_k : 0},
             {"stride_mb", 0}, {"stride_mh", 0}, {"stride_mm", 0}, {"stride_mn", 0}, {"stride_bb", 0}, {"stride_bh", 0},
             {"stride_bm", 0}, {"stride_bn", 0}, {"stride_ab", 0}, {"stride_ah", 0}, {"stride_am", 0}, {"stride_an", 0},
-            {"stride_pb", 0}, {"stride_ph", 0}, {"stride_pn", 0}, {"H", h}, {"H_KV", c.h_kv()}, {"GROUP", h / c.h_kv()},
+            {"stride_pb", c.kl != 0 ? h * s_k : 0}, {"stride_ph", c.kl != 0 ? s_k : 0}, {"stride_pn", c.kl != 0 ? 1 : 0}, {"H", h}, {"H_KV", c.h_kv()}, {"GROUP", h / c.h_kv()},
             {"S_Q", s_q}, {"S_K", s_k}, {"D", q.size(3)}, {"DV", dv}};
   // Every offset a kernel forms is a 32-bit product of these.
   for (const auto& t : {c.q, c.k, c.v}) {
@@ -453,53 +484,85 @@ std::map<std::string, at::Tensor> with_masks(const Call& c, std::map<std::string
   tensors["V"] = c.v;
   tensors["SCALE"] = c.scale;
   if (c.kpad.defined()) tensors["KPAD"] = c.kpad;
+  if (c.noise != 0) tensors["DRAWS"] = c.seed_words;
+  if (c.kl != 0) tensors["PRIOR"] = c.prior;
   return tensors;
 }
 
-// (out, c, r): the output and the column and row statistics (c zero for softmax).
+// (out, c, r, rb, ks, trow): the output, the column and row statistics (c zero for softmax), and
+// with a KL term the row pass's per-row statistics of it (RB, KS, TROW; undefined without).
 std::vector<at::Tensor> fused_forward(const Call& call) {
   auto out = at::empty({call.b(), call.h(), call.s_q(), call.v.size(3)}, call.q.options());
   auto c = call.stat(true), r = call.stat(false);
   if (call.sweeps > 0) call.launch("_column_pass", true, call.h(), {}, with_masks(call, {{"C", c}}));
-  call.launch("_row_pass", false, call.h(), {{"HYBRID", 0}},
-              with_masks(call, {{"C", c}, {"O", out}, {"R", r}, {"O2", out}, {"R2", r}}));
-  return {out, c, r};
+  std::map<std::string, at::Tensor> row = {{"C", c}, {"O", out}, {"R", r}, {"O2", out}, {"R2", r}};
+  at::Tensor rb, ks, trow;
+  if (call.kl != 0) {
+    rb = call.stat(false), ks = call.stat(false), trow = call.stat(false);
+    row.insert({{"RB", rb}, {"KS", ks}, {"TROW", trow}});
+  }
+  call.launch("_row_pass", false, call.h(), {{"HYBRID", 0}}, with_masks(call, row));
+  return {out, c, r, rb, ks, trow};
 }
 
-// (dq, dk, dv) by recomputation.
-std::vector<at::Tensor> fused_backward(const Call& call, const at::Tensor& out, const at::Tensor& c, const at::Tensor& r,
-                                       const at::Tensor& grad_out) {
-  const auto grad = grad_out.to(call.q.scalar_type()).contiguous();
+// (dq, dk, dv, da) by recomputation; `forward` is fused_forward's result, `grad_part` the
+// gradient in the KL part (B, H) (undefined: none; the passes then take zeros, which add nothing).
+// da (B, H, S_k) is the gradient in the prior's values, with a KL term.
+std::vector<at::Tensor> fused_backward(const Call& call, const std::vector<at::Tensor>& forward, const at::Tensor& grad_out,
+                                       const at::Tensor& grad_part) {
+  const auto &out = forward[0], &c = forward[1], &r = forward[2];
+  const auto grad = grad_out.defined() ? grad_out.to(call.q.scalar_type()).contiguous() : at::zeros_like(out);
   const auto delta = (grad.to(at::kFloat) * out.to(at::kFloat)).sum(-1).contiguous();  // D_i = Σ_d dO_id O_id
   auto dq = at::empty_like(call.q), dk = at::empty_like(call.k), dv = at::empty_like(call.v);
   auto g = call.stat(true);
-  call.launch("_key_pass", true, call.h_kv(), {{"GRADS", 1}},
-              with_masks(call, {{"C", c}, {"R", r}, {"DO", grad}, {"DELTA", delta}, {"DK", dk}, {"DV_OUT", dv}, {"G", g}, {"MASS", g}}));
-  call.launch("_query_pass", false, call.h(), {},
-              with_masks(call, {{"C", c}, {"R", r}, {"DO", grad}, {"DELTA", delta}, {"G", g}, {"DQ", dq}}));
-  return {dq, dk, dv};
+  std::map<std::string, at::Tensor> key = {{"C", c}, {"R", r}, {"DO", grad}, {"DELTA", delta}, {"DK", dk}, {"DV_OUT", dv}, {"G", g}, {"MASS", g}};
+  std::map<std::string, at::Tensor> query = {{"C", c}, {"R", r}, {"DO", grad}, {"DELTA", delta}, {"G", g}, {"DQ", dq}};
+  at::Tensor da;
+  if (call.kl != 0) {
+    const auto dkl = grad_part.defined() ? grad_part.to(at::kFloat).contiguous() : at::zeros({call.b(), call.h()}, call.stats());
+    da = at::zeros({call.b(), call.h(), call.s_k()}, call.stats());
+    for (auto* pass : {&key, &query}) pass->insert({{"RB", forward[3]}, {"KS", forward[4]}, {"DKL", dkl}, {"DA", da}});
+  }
+  call.launch("_key_pass", true, call.h_kv(), {{"GRADS", 1}}, with_masks(call, key));
+  call.launch("_query_pass", false, call.h(), {}, with_masks(call, query));
+  return {dq, dk, dv, da};
 }
 
 struct FusedAttention : torch::autograd::Function<FusedAttention> {
+  // (output, the KL part T (B, H): zeros without a KL term), differentiable in q, k, v and the prior.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               std::optional<at::Tensor> kpad, double scale, int64_t sweeps, bool causal) {
-    const auto call = make_call(q, k, v, kpad.value_or(at::Tensor()), scale, sweeps, causal);
+                               std::optional<at::Tensor> kpad, std::optional<at::Tensor> prior, double scale, int64_t sweeps, bool causal,
+                               int64_t noise, int64_t kl, double noise_scale, int64_t seed) {
+    const Sampling sampling{noise, kl, noise_scale, static_cast<uint64_t>(seed)};
+    const auto call = make_call(q, k, v, kpad.value_or(at::Tensor()), scale, sweeps, causal, sampling, prior.value_or(at::Tensor()));
     auto result = fused_forward(call);
-    ctx->save_for_backward({call.q, call.k, call.v, result[0], result[1], result[2]});
+    const auto part = kl != 0 ? result[5].sum(-1) : at::zeros({call.b(), call.h()}, call.stats());
+    ctx->save_for_backward({call.q, call.k, call.v, result[0], result[1], result[2], result[3], result[4]});
     probattn::tiled::keep_optional(ctx, "kpad", call.kpad);
+    probattn::tiled::keep_optional(ctx, "prior", prior.value_or(at::Tensor()));
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["sweeps"] = sweeps;
     ctx->saved_data["causal"] = causal;
-    return {result[0]};
+    ctx->saved_data["noise"] = noise;
+    ctx->saved_data["kl"] = kl;
+    ctx->saved_data["noise_scale"] = noise_scale;
+    ctx->saved_data["seed"] = seed;
+    if (kl == 0) ctx->mark_non_differentiable({part});
+    return {result[0], part};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     const auto saved = ctx->get_saved_variables();
-    const auto call = make_call(saved[0], saved[1], saved[2], probattn::tiled::kept_optional(ctx, "kpad"),
-                                ctx->saved_data["scale"].toDouble(), ctx->saved_data["sweeps"].toInt(), ctx->saved_data["causal"].toBool());
-    auto d = fused_backward(call, saved[3], saved[4], saved[5], grads[0]);
-    return {d[0], d[1], d[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto prior = probattn::tiled::kept_optional(ctx, "prior");
+    const Sampling sampling{ctx->saved_data["noise"].toInt(), ctx->saved_data["kl"].toInt(), ctx->saved_data["noise_scale"].toDouble(),
+                            static_cast<uint64_t>(ctx->saved_data["seed"].toInt())};
+    const auto call = make_call(saved[0], saved[1], saved[2], probattn::tiled::kept_optional(ctx, "kpad"), ctx->saved_data["scale"].toDouble(),
+                                ctx->saved_data["sweeps"].toInt(), ctx->saved_data["causal"].toBool(), sampling, prior);
+    const std::vector<at::Tensor> forward = {saved[3], saved[4], saved[5], saved[6], saved[7]};
+    auto d = fused_backward(call, forward, grads[0], sampling.kl != 0 ? grads[1] : at::Tensor());
+    at::Tensor dprior;
+    if (prior.defined() && d[3].defined()) dprior = d[3].unsqueeze(2).sum_to_size(prior.sizes()).to(prior.scalar_type());
+    return {d[0], d[1], d[2], at::Tensor(), dprior, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -551,8 +614,9 @@ char* pa_fused_cuda_status(int64_t device_index, int32_t* arch, char** why) {
   });
 }
 
-char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding, double scale,
-                            int64_t sweeps, int32_t causal, int32_t arch, char** json) {
+char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding, const pa_tensor* prior,
+                            double scale, int64_t sweeps, int32_t causal, int32_t noise, int32_t kl, double noise_scale, uint64_t seed,
+                            int32_t arch, char** json) {
   return probattn::guard([&] {
     for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {json, "json"}}) {
       probattn::require(pointer, "pa_fused_cuda_dry_run", name);
@@ -560,27 +624,35 @@ char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_ten
     TORCH_CHECK(arch > 0, "pa_fused_cuda_dry_run: a compute capability, such as 90, got ", arch);
     const probattn::tiled::NoAutocast no_autocast;
     const at::NoGradGuard no_grad;
-    auto call = make_call(*q, *k, *v, key_padding != nullptr ? *key_padding : at::Tensor(), scale, sweeps, causal != 0, arch);
+    const Sampling sampling{noise, kl, noise_scale, seed};
+    auto call = make_call(*q, *k, *v, key_padding != nullptr ? *key_padding : at::Tensor(), scale, sweeps, causal != 0, sampling,
+                          prior != nullptr ? *prior : at::Tensor(), arch);
     std::vector<std::string> launches;
     call.dry = &launches;
     const auto forward = fused_forward(call);
-    fused_backward(call, forward[0], forward[1], forward[2], at::ones_like(forward[0]));
+    fused_backward(call, forward, at::ones_like(forward[0]), kl != 0 ? at::ones({call.b(), call.h()}, call.stats()) : at::Tensor());
     std::string text = "[";
     for (size_t i = 0; i < launches.size(); ++i) text += (i > 0 ? ",\n " : "") + launches[i];
     *json = probattn::copy_string(text + "]");
   });
 }
 
-char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding, double scale,
-                              int64_t sweeps, int32_t causal, pa_tensor** out) {
+char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding, const pa_tensor* prior,
+                              double scale, int64_t sweeps, int32_t causal, int32_t noise, int32_t kl, double noise_scale, uint64_t seed,
+                              pa_tensor** out, pa_tensor** kl_part) {
   return probattn::guard([&] {
-    for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}}) {
+    for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {kl_part, "kl_part"}}) {
       probattn::require(pointer, "pa_fused_cuda_attention", name);
     }
     const probattn::tiled::NoAutocast no_autocast;
-    auto kpad = key_padding != nullptr ? std::optional<at::Tensor>(*key_padding) : std::nullopt;
-    auto result = FusedAttention::apply(*q, *k, *v, kpad, scale, sweeps, causal != 0);
-    *out = std::make_unique<at::Tensor>(result[0]).release();
+    auto some = [](const pa_tensor* t) { return t != nullptr ? std::optional<at::Tensor>(*t) : std::nullopt; };
+    auto result = FusedAttention::apply(*q, *k, *v, some(key_padding), some(prior), scale, sweeps, causal != 0, int64_t{noise}, int64_t{kl},
+                                        noise_scale, static_cast<int64_t>(seed));
+    // Both handles exist before either is handed out: an allocation that fails leaks none.
+    auto o = std::make_unique<at::Tensor>(result[0]);
+    auto p = std::make_unique<at::Tensor>(result[1]);
+    *out = o.release();
+    *kl_part = p.release();
   });
 }
 

@@ -33,9 +33,14 @@ extern "C" {
         k: *const C_tensor,
         v: *const C_tensor,
         key_padding: *const C_tensor,
+        prior: *const C_tensor,
         scale: f64,
         sweeps: i64,
         causal: i32,
+        noise: i32,
+        kl: i32,
+        noise_scale: f64,
+        seed: u64,
         arch: i32,
         json: *mut *mut c_char,
     ) -> *mut c_char;
@@ -44,10 +49,16 @@ extern "C" {
         k: *const C_tensor,
         v: *const C_tensor,
         key_padding: *const C_tensor,
+        prior: *const C_tensor,
         scale: f64,
         sweeps: i64,
         causal: i32,
+        noise: i32,
+        kl: i32,
+        noise_scale: f64,
+        seed: u64,
         out: *mut *mut C_tensor,
+        kl_part: *mut *mut C_tensor,
     ) -> *mut c_char;
 }
 
@@ -66,7 +77,8 @@ fn registered() -> Result<()> {
             let [Ok(kernel), Ok(dtype), Ok(key), Ok(params), Ok(symbol)] = strings else {
                 return Err(format!("{}: a manifest entry with a NUL byte", k.file));
             };
-            // SAFETY: every pointer is to a live C string or to the embedded cubin, which is
+            let cubin = k.cubin();
+            // SAFETY: every pointer is to a live C string or to the unpacked cubin, which is
             // 'static (the launcher keeps that pointer, and only that one).
             let status = unsafe {
                 pa_fused_register(
@@ -81,8 +93,8 @@ fn registered() -> Result<()> {
                     k.block_m,
                     k.block_n,
                     symbol.as_ptr(),
-                    k.cubin.as_ptr(),
-                    k.cubin.len(),
+                    cubin.as_ptr(),
+                    cubin.len(),
                 )
             };
             check(status, Error::Torch).map_err(|e| e.to_string())?;
@@ -106,37 +118,59 @@ pub fn fused_cuda_status(index: i64) -> Result<std::result::Result<u32, String>>
     })
 }
 
+/// What a fused call computes besides its inputs: the plan's sweeps and mask, and BAM's sampling.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FusedSpec<'a> {
+    /// The factor of `q·kᵀ`.
+    pub scale: f64,
+    /// 0 softmax, 1 DNAS.
+    pub sweeps: i64,
+    /// `(B, S_k)` bool, true = excluded.
+    pub key_padding: Option<&'a Tensor>,
+    /// Top-left causal (softmax only).
+    pub causal: bool,
+    /// BAM's noise: 0 none, 1 Weibull, 2 Lognormal ([`crate::TiledSpec::WEIBULL`], ...).
+    pub noise: i32,
+    /// BAM's KL form: 0 none, else equal to `noise`.
+    pub kl: i32,
+    /// `1/k` or `σ`.
+    pub noise_scale: f64,
+    /// The key of the counter-based draws.
+    pub seed: u64,
+    /// The prior's per-key values `a_j`, broadcastable to `(B, H, 1, S_k)`, with a KL term.
+    pub prior: Option<&'a Tensor>,
+}
+
 /// Attention of bfloat16 or float16 `q (B, H, S_q, d)`, `k (B, H_kv, S_k, d)`, `v (B, H_kv, S_k,
-/// d_v)` on one CUDA device by the embedded kernels: scores `scale · q·kᵀ`, `sweeps` 0 (softmax)
-/// or 1 (DNAS), `key_padding` (bool `(B, S_k)`, true = excluded), `causal` (softmax only).
-/// Differentiable in q, k and v. What the route serves is the caller's to decide
-/// (src/attention/fused_cuda.rs); anything else is an error that names it.
-pub fn fused_cuda_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    key_padding: Option<&Tensor>,
-    scale: f64,
-    sweeps: i64,
-    causal: bool,
-) -> Result<Tensor> {
+/// d_v)` on one CUDA device by the embedded kernels, as `spec` says: the output and the KL
+/// term's score-dependent part `(B, H)` (zeros without one), differentiable in q, k, v and the
+/// prior. What the route serves is the caller's to decide (src/attention/fused_cuda.rs); anything
+/// else is an error that names it.
+pub fn fused_cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec) -> Result<(Tensor, Tensor)> {
     registered()?;
-    let mut out = ptr::null_mut();
-    // SAFETY: the tensor pointers borrow live tensors for the call; `out` is a new tensor written
-    // on success only, owned by `Tensor::from_ptr` from then on.
+    let (mut out, mut part) = (ptr::null_mut(), ptr::null_mut());
+    let optional = |t: Option<&Tensor>| t.map_or(ptr::null(), |t| t.as_ptr());
+    // SAFETY: the tensor pointers borrow live tensors for the call; `out` and `part` are new
+    // tensors written on success only, owned by `Tensor::from_ptr` from then on.
     unsafe {
         let status = pa_fused_cuda_attention(
             q.as_ptr(),
             k.as_ptr(),
             v.as_ptr(),
-            key_padding.map_or(ptr::null(), |t| t.as_ptr()),
-            scale,
-            sweeps,
-            i32::from(causal),
+            optional(spec.key_padding),
+            optional(spec.prior),
+            spec.scale,
+            spec.sweeps,
+            i32::from(spec.causal),
+            spec.noise,
+            spec.kl,
+            spec.noise_scale,
+            spec.seed,
             &mut out,
+            &mut part,
         );
         check(status, Error::Torch)?;
-        Ok(Tensor::from_ptr(out))
+        Ok((Tensor::from_ptr(out), Tensor::from_ptr(part)))
     }
 }
 
@@ -145,19 +179,10 @@ pub fn fused_cuda_attention(
 /// `{kernel, key, grid, ints, tensors}` per launch, in order. The tests compare it with the Python
 /// orchestration's own launches (`plans.launches()`).
 #[doc(hidden)]
-#[allow(clippy::too_many_arguments)]
-pub fn fused_cuda_dry_run(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    key_padding: Option<&Tensor>,
-    scale: f64,
-    sweeps: i64,
-    causal: bool,
-    arch: u32,
-) -> Result<String> {
+pub fn fused_cuda_dry_run(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec, arch: u32) -> Result<String> {
     registered()?;
     let mut json = ptr::null_mut();
+    let optional = |t: Option<&Tensor>| t.map_or(ptr::null(), |t| t.as_ptr());
     // SAFETY: the tensor pointers borrow live tensors for the call; `json` is a new string written
     // on success only, taken once.
     let status = unsafe {
@@ -165,10 +190,15 @@ pub fn fused_cuda_dry_run(
             q.as_ptr(),
             k.as_ptr(),
             v.as_ptr(),
-            key_padding.map_or(ptr::null(), |t| t.as_ptr()),
-            scale,
-            sweeps,
-            i32::from(causal),
+            optional(spec.key_padding),
+            optional(spec.prior),
+            spec.scale,
+            spec.sweeps,
+            i32::from(spec.causal),
+            spec.noise,
+            spec.kl,
+            spec.noise_scale,
+            spec.seed,
             arch as i32,
             &mut json,
         )

@@ -7,16 +7,19 @@
 //! What it serves ([`unserved`] says why not, for the backend record): bfloat16 and float16 on a
 //! GPU the embedded cubins fit, plans of 0 and 1 sweeps (softmax, DNAS) and HNAS's mix of the two,
 //! any score scale, no mask, key padding, or causal (softmax), grouped key/value heads, head
-//! dimensions up to 128, no attention dropout, no sampling. It returns no weights and no received
-//! mass. Anything else runs on the tiles.
+//! dimensions up to 128, no attention dropout; and BAM's sampling with its KL term over softmax and
+//! DNAS, its noise drawn in the kernels from the same counter-based hash as the tiles' (the same ε
+//! for the same seed), for up to 2^32 score entries, without the causal mask. It returns no
+//! weights and no received mass. Anything else runs on the tiles.
 
 use tch::{Device, Kind, Tensor};
 
 use crate::call::AttendOptions;
 use crate::cxx;
 use crate::mask::{Masks, ScoreShape};
-use crate::plan::Tiled;
-use crate::precision::statistics_kind;
+use crate::plan::{KlForm, NoiseKind, Tiled};
+use crate::precision::{statistics_kind, widen};
+use crate::tiled::{libtorch_seed, tiled_kl, MaskCounts};
 use crate::{Error, Result};
 
 /// Whether `auto` takes this route where it serves a memory-efficient call (`false`: only when
@@ -38,8 +41,24 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
     if plan.sweeps > 1 {
         return Some(format!("{} takes {} sweeps; Sinkhorn-N's kernels are not embedded", plan.name, plan.sweeps));
     }
-    if plan.sampling.is_some() && opts.mode.sample {
-        return Some(format!("{} samples; BAM's kernels are not embedded", plan.name));
+    if let Some(sampling) = plan.sampling.as_ref().filter(|_| opts.mode.sample) {
+        let [b, h, sq, sk] = shape.dims();
+        let why = if sampling.kl.is_none() {
+            Some("BAM without a KL term is not in the embedded set")
+        } else if plan.hybrid_logit.is_some() {
+            Some("BAM over HNAS is not in the embedded set")
+        } else if masks.causal {
+            Some("causal BAM is not in the embedded set")
+        } else if opts.noise.is_some() {
+            Some("given draws are not in the embedded set (the kernels draw from a seed)")
+        } else if b * h * sq * sk > 1 << 32 {
+            Some("BAM past 2^32 score entries (the hash's wide form) is not in the embedded set")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Some(format!("{}: {why}", plan.name));
+        }
     }
     if opts.dropout_active() {
         return Some("attention dropout forms the weights".into());
@@ -89,15 +108,50 @@ pub fn embedded_archs() -> String {
     }
 }
 
-/// Runs a call [`unserved`] accepted: the output `(B, H, S_q, d_v)`, differentiable in q, k, v
-/// (and HNAS's gate logits).
-pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, plan: &Tiled, opts: &AttendOptions) -> Result<Tensor> {
+/// Runs a call [`unserved`] accepted: the output `(B, H, S_q, d_v)` and, when sampling with a KL
+/// term, BAM's KL (a scalar, as the tiles' and the eager path's), differentiable in q, k, v (and
+/// HNAS's gate logits, and the prior's network).
+pub fn attend(
+    shape: ScoreShape,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    masks: &Masks,
+    plan: &Tiled,
+    opts: &AttendOptions,
+) -> Result<(Tensor, Option<Tensor>)> {
     let d = q.size()[3] as f64;
-    let scale = plan.score_scale * opts.scale.unwrap_or(1.0 / d.sqrt());
-    let run =
-        |sweeps: u32| cxx::fused_cuda_attention(q, k, v, masks.key_padding, scale, i64::from(sweeps), masks.causal).map_err(Error::from);
+    let spec = cxx::FusedSpec {
+        scale: plan.score_scale * opts.scale.unwrap_or(1.0 / d.sqrt()),
+        sweeps: i64::from(plan.sweeps),
+        key_padding: masks.key_padding,
+        causal: masks.causal,
+        ..Default::default()
+    };
+    let run = |spec: &cxx::FusedSpec| cxx::fused_cuda_attention(q, k, v, spec).map_err(Error::from);
+    if let Some(sampling) = plan.sampling.as_ref().filter(|_| opts.mode.sample) {
+        let Some(kl) = sampling.kl.as_ref() else {
+            return Err(Error::Unsupported(format!("{}: BAM without a KL term is not in the embedded set", plan.name)));
+        };
+        let stats = statistics_kind(q.kind());
+        let allowed = masks.allowed(shape, q.device())?;
+        let prior = (kl.prior)(&widen(k), allowed.as_ref())?;
+        let noise = match sampling.noise {
+            NoiseKind::Weibull => cxx::TiledSpec::WEIBULL,
+            NoiseKind::Lognormal => cxx::TiledSpec::LOGNORMAL,
+        };
+        let form = match kl.form {
+            KlForm::WeibullGamma { .. } => cxx::TiledSpec::KL_WEIBULL,
+            KlForm::Lognormal { .. } => cxx::TiledSpec::KL_LOGNORMAL,
+        };
+        let seed = opts.seed.unwrap_or_else(libtorch_seed);
+        let spec = cxx::FusedSpec { noise, kl: form, noise_scale: sampling.scale, seed, prior: Some(&prior), ..spec };
+        let (output, part) = run(&spec)?;
+        let counts = MaskCounts::new(allowed.as_ref(), shape, crate::backend::DEFAULT_TILE, stats, q.device());
+        return Ok((output, Some(tiled_kl(kl.form, &part, &prior, &counts))));
+    }
     match plan.hybrid_logit {
-        None => run(plan.sweeps),
+        None => Ok((run(&spec)?.0, None)),
         Some(logit) => {
             let heads = q.size()[1];
             if logit.size() != [heads] {
@@ -106,9 +160,9 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, plan: &Tiled, o
             // u·O_plan + (1 − u)·O_softmax per head, as the tiles mix them (the output is linear in
             // the weights).
             let u = logit.to_kind(statistics_kind(q.kind())).sigmoid().view([1, -1, 1, 1]);
-            let (mixed, plain) = (run(plan.sweeps)?, run(0)?);
+            let (mixed, plain) = (run(&spec)?.0, run(&cxx::FusedSpec { sweeps: 0, ..spec })?.0);
             let out: Tensor = &u * mixed + (1.0 - &u) * plain;
-            Ok(out.to_kind(v.kind()))
+            Ok((out.to_kind(v.kind()), None))
         }
     }
 }

@@ -138,7 +138,7 @@ fn dispatch(
     let (out, choice) = match requested {
         Backend::Auto => match opts.tile.filter(|_| !opts.need_weights) {
             Some(_) if fused_cuda::AUTO_TAKES_IT && fused_cuda_serves(shape, q, v, masks, normalizer, &opts).is_ok() => (
-                fused_cuda_route(q, k, v, masks, normalizer, &opts)?,
+                fused_cuda_route(shape, q, k, v, masks, normalizer, &opts)?,
                 chose(Route::FusedCuda, "a tile is set and no weights are asked for: the plan's fused CUDA kernels".into()),
             ),
             Some(tile) => {
@@ -167,7 +167,7 @@ fn dispatch(
             Some(out) => (out, chose(Route::Kernel, format!("forced: {}'s kernel", name()))),
             None if q.device() != tch::Device::Cpu => match fused_cuda_serves(shape, q, v, masks, normalizer, &opts) {
                 Ok(()) => (
-                    fused_cuda_route(q, k, v, masks, normalizer, &opts)?,
+                    fused_cuda_route(shape, q, k, v, masks, normalizer, &opts)?,
                     chose(Route::FusedCuda, "forced: the plan's fused CUDA kernels".into()),
                 ),
                 Err(why) => {
@@ -205,6 +205,7 @@ fn fused_cuda_serves(
 
 /// The fused CUDA route, for a call [`fused_cuda_serves`] accepted.
 fn fused_cuda_route(
+    shape: ScoreShape,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -213,8 +214,8 @@ fn fused_cuda_route(
     opts: &AttendOptions,
 ) -> Result<Attended> {
     let plan = normalizer.tiled().ok_or_else(|| Error::Unsupported(format!("{} has no plan", normalizer.name())))?;
-    let output = fused_cuda::attend(q, k, v, masks, &plan, opts)?;
-    Ok(Attended { output, weights: None, received_mass: None, kl: None })
+    let (output, kl) = fused_cuda::attend(shape, q, k, v, masks, &plan, opts)?;
+    Ok(Attended { output, weights: None, received_mass: None, kl })
 }
 
 /// The eager route: the normalizer's own eager form where it has one ([`Normalizer::fused`]),

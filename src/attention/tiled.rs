@@ -215,7 +215,7 @@ pub(crate) fn attend_tiled_shaped(
 /// The KL term (as BAM's eager one: averaged over the allowed entries of each head, then over
 /// heads) from the tiles' score-dependent part `part (B, H)`, the prior's per-key values `a`,
 /// and the mask's counts.
-fn tiled_kl(form: KlForm, part: &Tensor, a: &Tensor, counts: &MaskCounts) -> Tensor {
+pub(crate) fn tiled_kl(form: KlForm, part: &Tensor, a: &Tensor, counts: &MaskCounts) -> Tensor {
     let kind = part.kind();
     let per_head = |t: &Tensor| t.sum_dim_intlist(&[0i64][..], false, kind); // (B, H) -> (H,)
     let total = match form {
@@ -250,7 +250,7 @@ fn check_noise(noise: &Tensor, shape: ScoreShape) -> Result<Tensor> {
 }
 
 /// One draw from libtorch's generator, the key of the counter-based noise.
-fn libtorch_seed() -> u64 {
+pub(crate) fn libtorch_seed() -> u64 {
     Tensor::randint(i64::MAX, [1], (Kind::Int64, Device::Cpu)).int64_value(&[0]) as u64
 }
 
@@ -284,7 +284,7 @@ pub fn counter_noise_rows(
 /// Counts of allowed entries, per key and per head, taken tile by tile so that a broadcast mask is
 /// never expanded to `(B, H, S_q, S_k)` floats.
 #[derive(Debug)]
-struct MaskCounts {
+pub(crate) struct MaskCounts {
     /// `(B, H, 1, S_k)`: the allowed queries of each key.
     pub per_key: Tensor,
     /// `(H,)`: queries with at least one allowed key, over the batch.
@@ -294,7 +294,7 @@ struct MaskCounts {
 }
 
 impl MaskCounts {
-    fn new(allowed: Option<&Tensor>, shape: ScoreShape, tile: i64, kind: Kind, device: Device) -> Self {
+    pub(crate) fn new(allowed: Option<&Tensor>, shape: ScoreShape, tile: i64, kind: Kind, device: Device) -> Self {
         let [b, h, sq, sk] = shape.dims();
         let Some(allowed) = allowed else {
             return Self {

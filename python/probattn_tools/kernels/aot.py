@@ -72,8 +72,11 @@ def specializations(plans, smoke):
 
 def route_specializations():
     """What the library's fused CUDA route launches (probattn-sys/csrc/fused_cuda.cpp): softmax
-    (plain and causal) and DNAS, forward and backward, without and with key padding; HNAS is the
-    two mixed. A test keeps this list and `plans.attention`'s launches for those calls the same."""
+    (plain and causal) and DNAS, forward and backward, without and with key padding (HNAS is the
+    two mixed); and BAM's sampling over softmax and DNAS with its KL term, Weibull and Lognormal,
+    below 2^32 score entries, without and with key padding. A test keeps this list and the
+    launches of `plans.attention` and `plans.bam_attention` for those calls the same
+    (tests/fused_cuda.rs)."""
     out = []
     for kpad in (False, True):
         f = dict(HAS_QPAD=False, HAS_KPAD=kpad, HAS_MASK=False, HAS_BIAS=False)
@@ -82,6 +85,9 @@ def route_specializations():
             out.append(("_row_pass", dict(f, SWEEPS=sweeps, HYBRID=False, CAUSAL=causal)))
             out.append(("_key_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal, GRADS=True)))
             out.append(("_query_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal)))
+        for sweeps, noise in itertools.product((0, 1), (1, 2)):
+            bam = dict(f, NOISE=noise, KL=noise, WIDE=False, SWEEPS=sweeps, CAUSAL=False)
+            out += [("_row_pass", dict(bam, HYBRID=False)), ("_key_pass", dict(bam, GRADS=True)), ("_query_pass", bam)]
     return out
 
 

@@ -5,6 +5,10 @@ its dry run describes in the same form. tests/fused_cuda.rs compares the two, la
 run under Triton's interpreter, on the CPU, in float16.
 
     python -m probattn_tools.kernels.launches --shape 2,4,2,70,90,48,48 --sweeps 1 --key-padding --scale 0.3
+    python -m probattn_tools.kernels.launches --shape 1,2,2,40,40,64,64 --sweeps 0 --scale 0.125 --noise weibull --seed 7
+
+With `--noise`, BAM's sampling over the plan with its KL term of the same kind, against a prior of
+shape (B, H, 1, S_k); the backward then starts from the output and the KL part alike.
 """
 
 import argparse
@@ -20,6 +24,9 @@ def main(argv=None):
     parser.add_argument("--scale", type=float, required=True, help="the factor of q·kᵀ")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--key-padding", action="store_true", help="pad the last key of the first batch")
+    parser.add_argument("--noise", choices=("weibull", "lognormal"), help="BAM's sampling, with its KL term")
+    parser.add_argument("--noise-scale", type=float, default=0.5, help="1/k or sigma")
+    parser.add_argument("--seed", type=int, default=0, help="the draws' key")
     args = parser.parse_args(argv)
     try:
         b, h, h_kv, s_q, s_k, d, dv = (int(x) for x in args.shape.split(","))
@@ -42,9 +49,16 @@ def main(argv=None):
     # The embedded cubins' blocks (kernels.aot's defaults).
     config = plans.Config(block_m=64, block_n=64, num_warps=4, num_stages=2)
     with plans.launches() as seen:
-        out = plans.attention(q, k, v, sweeps=args.sweeps, score_scale=args.scale * d ** 0.5, masks=masks,
-                              config=config)
-        out.backward(torch.ones_like(out))
+        if args.noise:
+            prior = torch.rand(b, h, 1, s_k, generator=gen, dtype=torch.float32, requires_grad=True)
+            sampling = plans.Sampling(args.noise, args.noise_scale, args.seed, kl=args.noise)
+            out, part = plans.bam_attention(q, k, v, sampling, sweeps=args.sweeps, score_scale=args.scale * d ** 0.5,
+                                            prior=prior, masks=masks, config=config)
+            torch.autograd.backward([out, part], [torch.ones_like(out), torch.ones_like(part)])
+        else:
+            out = plans.attention(q, k, v, sweeps=args.sweeps, score_scale=args.scale * d ** 0.5, masks=masks,
+                                  config=config)
+            out.backward(torch.ones_like(out))
     print(json.dumps(seen))
     return 0
 
