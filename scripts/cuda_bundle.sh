@@ -55,6 +55,8 @@ for d in multi30k planetoid; do
   if [ -d "$data/$d" ]; then cp -r "$data/$d" "$stage/data/"; else echo "note: $data/$d not found; not packed" >&2; fi
 done
 mkdir -p "$(dirname "$archive")"
-tar cJf "$archive.part" -C "$stage" bin data
+# One xz stream with a window over the whole archive: every binary embeds the same packed GPU
+# kernels (probattn-kernels), which a window this wide stores once.
+tar cf - -C "$stage" bin data | xz -T1 --lzma2=preset=6,dict=512MiB > "$archive.part"
 mv "$archive.part" "$archive"
 echo "$archive: $(du -h "$archive" | cut -f1), commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (dirty tree)')"

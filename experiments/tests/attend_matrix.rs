@@ -315,16 +315,20 @@ fn compare(got: &HashMap<String, Tensor>, expected: &HashMap<String, Tensor>, ru
 
 #[test]
 fn bench_measures_odd_lengths_on_every_path_and_precision() -> Result<()> {
-    // `bench --quick` at S = 1 and 7 (not a multiple of the tile), eager and memory-efficient, in
-    // float32 and bfloat16: status 0, no panic, a finite time for every variant at both lengths.
+    // `bench --quick` at S = 1 and 7 (not a multiple of the tile), eager, memory-efficient and on
+    // the fused backend, in float32 and bfloat16: status 0, no panic, a finite time for every
+    // variant at both lengths (on the fused backend: or the reason it is not served).
     let dir = TempDir::new("bench-matrix")?;
     for precision in ["f32", "bf16"] {
-        for path in ["eager", "memory-efficient"] {
+        for path in ["eager", "memory-efficient", "fused"] {
             let out = dir.path(&format!("{precision}-{path}"));
             let mut args = vec!["bench", "--quick", "--seq-lens", "1,7", "--repeats", "1", "--no-pytorch", "--batch", "2"];
             args.extend(["--threads", "1", "--device", "cpu", "--precision", precision, "--out", out.to_str().context("path")?]);
             if path == "memory-efficient" {
                 args.extend(["--memory-efficient", "--tile", "3"]);
+            }
+            if path == "fused" {
+                args.extend(["--fused", "--no-eager"]);
             }
             let run = Command::new(env!("CARGO_BIN_EXE_probattn")).args(&args).env_remove("RUST_BACKTRACE").output()?;
             let said = binary::text(&run);
@@ -332,8 +336,18 @@ fn bench_measures_odd_lengths_on_every_path_and_precision() -> Result<()> {
             ensure!(!said.contains("panicked") && !said.contains("internal error"), "bench {precision} {path}:\n{said}");
             let json = binary::json(&out.join("bench.json"))?;
             let rows = json["measurements"].as_array().context("measurements")?;
-            let implementation = if path == "eager" { "probattn" } else { "probattn-memory-efficient" };
+            let implementation = match path {
+                "eager" => "probattn",
+                "fused" => "probattn-fused",
+                _ => "probattn-memory-efficient",
+            };
             for variant in probattn::normalize::registry::benchmarked() {
+                let unserved = json["unserved"].as_array().context("unserved")?.iter().find(|u| u["variant"] == variant);
+                if let Some(u) = unserved {
+                    ensure!(path == "fused" && u["reason"].as_str().is_some_and(|r| !r.is_empty()), "bench {precision} {path}: {u}");
+                    ensure!(said.contains(&format!("Not served: probattn-fused {variant} (")), "{said}");
+                    continue;
+                }
                 for seq_len in [1, 7] {
                     let row = rows.iter().find(|r| r["variant"] == variant && r["seq_len"] == seq_len && r["impl"] == implementation);
                     let ms = row.and_then(|r| r["fwd_bwd_ms"].as_f64());
@@ -342,7 +356,11 @@ fn bench_measures_odd_lengths_on_every_path_and_precision() -> Result<()> {
                         "bench {precision} {path}: no {implementation} time for {variant} at S = {seq_len}"
                     );
                     let route = row.and_then(|r| r["route"].as_str()).unwrap_or_default();
-                    let expected: &[&str] = if path == "eager" { &["eager", "kernel"] } else { &["tiles", "fused-cpu"] };
+                    let expected: &[&str] = match path {
+                        "eager" => &["eager", "kernel"],
+                        "fused" => &["kernel", "fused-cpu"],
+                        _ => &["tiles", "fused-cpu"],
+                    };
                     ensure!(expected.contains(&route), "bench {precision} {path}: {variant} at S = {seq_len} ran on route '{route}'");
                 }
             }

@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use probattn::backend::Backend;
 use probattn::repulsive::{RepulsiveConfig, RepulsiveHook, Selection};
 use probattn::{memory, MhaConfig, MhaInput, MultiHeadAttention, Variant};
 use probattn_models::transformer::{Transformer, TransformerConfig};
@@ -34,6 +35,7 @@ fn variants() -> Vec<&'static str> {
     probattn::normalize::registry::benchmarked()
 }
 const MEMORY_EFFICIENT: &str = "probattn-memory-efficient";
+const FUSED: &str = "probattn-fused";
 const HEADS: i64 = 8;
 const EMBED: i64 = 512;
 
@@ -55,6 +57,12 @@ pub struct BenchArgs {
     pub no_pytorch: bool,
     #[command(flatten)]
     pub memory: crate::common::MemoryEfficientArgs,
+    /// Also measure each variant with the fused backend forced (`probattn-fused` rows, as
+    /// `--attention-backend fused`): on CUDA the plan's embedded Triton kernels (softmax: SDPA's),
+    /// on the CPU libtorch's fused kernel under the plan. A variant it does not serve is left out,
+    /// with the reason, in bench.json's `unserved` and under the table.
+    #[arg(long)]
+    pub fused: bool,
     /// Skip the eager rows (for lengths the eager path cannot hold; with --memory-efficient): ours,
     /// and PyTorch's eager reference, whose side then measures SDPA and, on CUDA, DNAS composed
     /// from two FlexAttention calls.
@@ -97,7 +105,7 @@ pub struct Measurement {
     #[serde(default)]
     pub precision: Precision,
     /// The route that served this configuration's attention calls (`eager`, `kernel`, `tiles`,
-    /// `fused-cpu`; `probattn::backend`), several joined by `+`; absent for PyTorch's rows and
+    /// `fused-cpu`, `fused-cuda`; `probattn::backend`), several joined by `+`; absent for PyTorch's rows and
     /// from records written before it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub route: Option<String>,
@@ -120,6 +128,7 @@ pub struct SvgdTiming {
 struct Bench {
     measurements: Vec<Measurement>,
     skipped: Vec<Skipped>,
+    unserved: Vec<Unserved>,
     svgd: SvgdTiming,
     provenance: Provenance,
 }
@@ -130,6 +139,35 @@ struct Bench {
 pub struct Skipped {
     pub seq_len: i64,
     pub reason: String,
+}
+
+/// A row left out because its forced backend does not serve it (bench.json's `unserved`).
+#[derive(Clone, Debug, Serialize)]
+pub struct Unserved {
+    pub variant: String,
+    #[serde(rename = "impl")]
+    pub implementation: String,
+    pub reason: String,
+}
+
+/// The rows whose backend serves them, tried once at `s`; the others with the reason.
+fn served(device: Device, s: i64, rows: Vec<Row>, precision: Precision) -> (Vec<Row>, Vec<Unserved>) {
+    let (mut kept, mut left) = (vec![], vec![]);
+    for row in rows {
+        if row.backend == Backend::Auto {
+            kept.push(row);
+            continue;
+        }
+        match catch_torch_panic(|| measure_length(device, s, 1, std::slice::from_ref(&row), precision)) {
+            Ok(_) => kept.push(row),
+            Err(e) => {
+                let reason = first_line(&e);
+                eprintln!("{} {}: not served ({reason}); left out", row.implementation, row.variant);
+                left.push(Unserved { variant: row.variant.into(), implementation: row.implementation.into(), reason });
+            }
+        }
+    }
+    (kept, left)
 }
 
 /// probattn's timings over `seq_lens`, stopping at the first length where a step fails (returned
@@ -157,17 +195,33 @@ fn measure_ours(
 }
 
 /// One configuration of our side: a variant, the implementation's name, its tile (None: eager),
-/// and the batch size.
+/// the batch size and the backend its forward passes are forced to (`Auto`: none forced).
 #[derive(Clone, Debug)]
 struct Row {
     variant: &'static str,
     implementation: &'static str,
     tile: Option<i64>,
     batch: i64,
+    backend: Backend,
 }
 
-/// The rows `args` asks for: every variant eagerly, and memory-efficiently with
-/// --memory-efficient.
+/// Sets the process's attention backend until dropped, then restores the one before.
+struct BackendScope(Backend);
+
+impl BackendScope {
+    fn enter(backend: Backend) -> Self {
+        Self(probattn::backend::set_default(backend))
+    }
+}
+
+impl Drop for BackendScope {
+    fn drop(&mut self) {
+        probattn::backend::set_default(self.0);
+    }
+}
+
+/// The rows `args` asks for: every variant eagerly, memory-efficiently with --memory-efficient,
+/// and on the fused backend with --fused.
 fn rows(args: &BenchArgs) -> Vec<Row> {
     let chosen = |v: &&str| args.variants.as_ref().map_or(true, |list| list.iter().any(|c| c == v));
     let eager = variants().into_iter().filter(chosen).filter(|_| !args.no_eager).map(|variant| Row {
@@ -175,14 +229,23 @@ fn rows(args: &BenchArgs) -> Vec<Row> {
         implementation: "probattn",
         tile: None,
         batch: args.batch,
+        backend: Backend::Auto,
+    });
+    let fused = variants().into_iter().filter(chosen).filter(|_| args.fused).map(|variant| Row {
+        variant,
+        implementation: FUSED,
+        tile: None,
+        batch: args.batch,
+        backend: Backend::Fused,
     });
     let tiled = variants().into_iter().filter(chosen).filter(|_| args.memory.memory_efficient).map(|variant| Row {
         variant,
         implementation: MEMORY_EFFICIENT,
         tile: Some(args.memory.tile),
         batch: args.batch,
+        backend: Backend::Auto,
     });
-    eager.chain(tiled).collect()
+    eager.chain(tiled).chain(fused).collect()
 }
 
 /// Every row at one sequence length.
@@ -203,11 +266,14 @@ fn measure_length(device: Device, s: i64, repeats: usize, rows: &[Row], precisio
     }
     let mut steps: Vec<Box<dyn FnMut() -> Result<()> + '_>> = layers
         .iter()
-        .map(|(_, mha)| {
+        .zip(rows)
+        .map(|((_, mha), row)| {
             let x = &x;
             Box::new(move || {
                 let region = precision.enter(device)?;
+                let scope = BackendScope::enter(row.backend);
                 let o = mha.forward_t(&MhaInput::self_attention(x), true)?;
+                drop(scope);
                 region.exit()?;
                 let mut loss = o.context.sum(Kind::Float);
                 if let Some(kl) = o.kl {
@@ -334,7 +400,6 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
     let mut t = String::from(
         "| S | variant | probattn ms | PyTorch ms | variant / softmax (probattn) | probattn / PyTorch | probattn peak MiB | PyTorch peak MiB | memory probattn / PyTorch |\n|---|---|---|---|---|---|---|---|---|\n",
     );
-    let tiled_rows = m.iter().any(|x| x.implementation == MEMORY_EFFICIENT);
     // The variants measured at all (--variants may leave some out), in the usual order.
     let measured: Vec<&str> = variants().into_iter().filter(|v| m.iter().any(|x| x.variant == *v)).collect();
     let eager_rows = m.iter().any(|x| x.implementation == "probattn" || x.implementation == "pytorch");
@@ -360,9 +425,9 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
         }
         let sdpa = find("softmax", "pytorch-sdpa", s);
         let (soft_mem, sdpa_mem) = (mem("softmax", "probattn", s), mem("softmax", "pytorch-sdpa", s));
-        if tiled_rows {
-            let tiled_variants = measured.iter().filter(|&&v| m.iter().any(|x| x.variant == v && x.implementation == MEMORY_EFFICIENT));
-            for &v in tiled_variants {
+        for (imp, named) in [(MEMORY_EFFICIENT, "memory-efficient"), (FUSED, "fused")] {
+            let own_variants = measured.iter().filter(|&&v| m.iter().any(|x| x.variant == v && x.implementation == imp));
+            for &v in own_variants {
                 // Against our eager path (unless --no-eager), SDPA's softmax (the price of the
                 // variant), and for DNAS its FlexAttention composition where PyTorch's side
                 // measured one (CUDA).
@@ -374,12 +439,12 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
                     against.push(("FlexAttention (two calls)", "Flex", "dnas", "pytorch-flex"));
                 }
                 for (label, short, rv, rimp) in against {
-                    let (tiled, other) = (find(v, MEMORY_EFFICIENT, s), find(rv, rimp, s));
+                    let (ours, other) = (find(v, imp, s), find(rv, rimp, s));
                     if other.is_none() && rimp != "probattn" {
                         continue;
                     }
-                    let (tiled_mem, other_mem) = (mem(v, MEMORY_EFFICIENT, s), mem(rv, rimp, s));
-                    t += &versus(s, &format!("{v} memory-efficient vs {label}"), short, (tiled, other), (tiled_mem, other_mem));
+                    let (our_mem, other_mem) = (mem(v, imp, s), mem(rv, rimp, s));
+                    t += &versus(s, &format!("{v} {named} vs {label}"), short, (ours, other), (our_mem, other_mem));
                 }
             }
         }
@@ -472,12 +537,19 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if !args.no_pytorch {
         measurements.extend(measure_pytorch(args, device, &seq_lens, repeats)?);
     }
-    anyhow::ensure!(!args.no_eager || args.memory.memory_efficient, "--no-eager leaves nothing to measure without --memory-efficient");
-    let (ours, skipped) = measure_ours(device, &seq_lens, repeats, &rows(args), args.precision.precision)?;
+    anyhow::ensure!(
+        !args.no_eager || args.memory.memory_efficient || args.fused,
+        "--no-eager leaves nothing to measure without --memory-efficient or --fused"
+    );
+    let (rows, unserved) = served(device, seq_lens[0], rows(args), args.precision.precision);
+    let (ours, skipped) = measure_ours(device, &seq_lens, repeats, &rows, args.precision.precision)?;
     anyhow::ensure!(!ours.is_empty(), "no sequence length could be measured: {}", skipped[0].reason);
     measurements.extend(ours);
     let svgd = measure_svgd(device, if args.quick { 256 } else { 1024 }, if args.quick { 3 } else { repeats }, args.precision.precision)?;
     let mut table = ratio_table(&measurements, &svgd);
+    for u in &unserved {
+        table += &format!("\nNot served: {} {} ({}).\n", u.implementation, u.variant, u.reason);
+    }
     if table.contains("| – |") {
         table += "\nA – is a configuration that side did not run (python/probattn_tools/baselines/bench.py reports on stderr which ran out of memory).\n";
     }
@@ -487,7 +559,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     // The folder is made once there is something to write: a run that fails leaves none behind.
     let dir = run_dir(args.out.as_deref(), "bench", &probattn::device::device_name(device).replace(':', ""))?;
-    write_results(&dir.join("bench.json"), &Bench { measurements, skipped, svgd, provenance: Provenance::gather(device) })?;
+    write_results(&dir.join("bench.json"), &Bench { measurements, skipped, unserved, svgd, provenance: Provenance::gather(device) })?;
     if args.precision.precision != Precision::F32 {
         table += &format!(
             "\nPrecision: {} (forward passes in an autocast region on both sides; docs/precision.md).\n",
