@@ -303,8 +303,9 @@ struct Call {
   at::TensorOptions stats() const { return q.options().dtype(at::kFloat); }
 
   std::map<std::string, int64_t> constexprs() const {
-    return {{"HAS_QPAD", 0}, {"HAS_KPAD", kpad.defined() ? 1 : 0}, {"HAS_MASK", 0}, {"HAS_BIAS", 0}, {"SWEEPS", std::min<int64_t>(sweeps, 1)},
-            {"CAUSAL", causal ? 1 : 0}, {"NOISE", noise}, {"KL", kl}, {"WIDE", 0}, {"MIX", 0}, {"ROWS", 0}};
+    return {{"HAS_QPAD", 0}, {"HAS_KPAD", kpad.defined() ? 1 : 0}, {"HAS_MASK", 0}, {"HAS_BIAS", 0},
+            {"SWEEPS", std::min<int64_t>(sweeps, 1)}, {"CAUSAL", causal ? 1 : 0}, {"NOISE", noise}, {"KL", kl},
+            {"WIDE", 0}, {"MIX", 0}, {"ROWS", 0}};
   }
 
   // Launches `name` over a grid of (blocks of `keys ? S_k : S_q`, B × heads) programs, its
@@ -466,8 +467,8 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
             {"stride_t", b * h * s_k}, {"stride_tr", b * h * s_q}, {"stride_qpad", 0}, {"stride_kpad", kpad.defined() ? s_k : 0},
             {"stride_mb", 0}, {"stride_mh", 0}, {"stride_mm", 0}, {"stride_mn", 0}, {"stride_bb", 0}, {"stride_bh", 0},
             {"stride_bm", 0}, {"stride_bn", 0}, {"stride_ab", 0}, {"stride_ah", 0}, {"stride_am", 0}, {"stride_an", 0},
-            {"stride_pb", c.kl != 0 ? h * s_k : 0}, {"stride_ph", c.kl != 0 ? s_k : 0}, {"stride_pn", c.kl != 0 ? 1 : 0}, {"H", h}, {"H_KV", c.h_kv()}, {"GROUP", h / c.h_kv()},
-            {"S_Q", s_q}, {"S_K", s_k}, {"D", q.size(3)}, {"DV", dv}};
+            {"stride_pb", c.kl != 0 ? h * s_k : 0}, {"stride_ph", c.kl != 0 ? s_k : 0}, {"stride_pn", c.kl != 0 ? 1 : 0},
+            {"H", h}, {"H_KV", c.h_kv()}, {"GROUP", h / c.h_kv()}, {"S_Q", s_q}, {"S_K", s_k}, {"D", q.size(3)}, {"DV", dv}};
   // Every offset a kernel forms is a 32-bit product of these.
   for (const auto& t : {c.q, c.k, c.v}) {
     TORCH_CHECK(t.numel() <= INT32_MAX, "the fused CUDA route indexes with 32-bit integers: a tensor of ", t.numel(),
@@ -515,7 +516,8 @@ std::vector<at::Tensor> fused_backward(const Call& call, const std::vector<at::T
   const auto delta = (grad.to(at::kFloat) * out.to(at::kFloat)).sum(-1).contiguous();  // D_i = Σ_d dO_id O_id
   auto dq = at::empty_like(call.q), dk = at::empty_like(call.k), dv = at::empty_like(call.v);
   auto g = call.stat(true);
-  std::map<std::string, at::Tensor> key = {{"C", c}, {"R", r}, {"DO", grad}, {"DELTA", delta}, {"DK", dk}, {"DV_OUT", dv}, {"G", g}, {"MASS", g}};
+  std::map<std::string, at::Tensor> key = {{"C", c},   {"R", r},       {"DO", grad}, {"DELTA", delta},
+                                           {"DK", dk}, {"DV_OUT", dv}, {"G", g},     {"MASS", g}};
   std::map<std::string, at::Tensor> query = {{"C", c}, {"R", r}, {"DO", grad}, {"DELTA", delta}, {"G", g}, {"DQ", dq}};
   at::Tensor da;
   if (call.kl != 0) {
@@ -556,13 +558,19 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     const auto prior = probattn::tiled::kept_optional(ctx, "prior");
     const Sampling sampling{ctx->saved_data["noise"].toInt(), ctx->saved_data["kl"].toInt(), ctx->saved_data["noise_scale"].toDouble(),
                             static_cast<uint64_t>(ctx->saved_data["seed"].toInt())};
-    const auto call = make_call(saved[0], saved[1], saved[2], probattn::tiled::kept_optional(ctx, "kpad"), ctx->saved_data["scale"].toDouble(),
-                                ctx->saved_data["sweeps"].toInt(), ctx->saved_data["causal"].toBool(), sampling, prior);
+    const auto call = make_call(saved[0], saved[1], saved[2], probattn::tiled::kept_optional(ctx, "kpad"),
+                                ctx->saved_data["scale"].toDouble(), ctx->saved_data["sweeps"].toInt(),
+                                ctx->saved_data["causal"].toBool(), sampling, prior);
     const std::vector<at::Tensor> forward = {saved[3], saved[4], saved[5], saved[6], saved[7]};
     auto d = fused_backward(call, forward, grads[0], sampling.kl != 0 ? grads[1] : at::Tensor());
     at::Tensor dprior;
     if (prior.defined() && d[3].defined()) dprior = d[3].unsqueeze(2).sum_to_size(prior.sizes()).to(prior.scalar_type());
-    return {d[0], d[1], d[2], at::Tensor(), dprior, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    variable_list out(12);  // one per input of forward: q, k, v, kpad, prior, then the settings
+    out[0] = d[0];
+    out[1] = d[1];
+    out[2] = d[2];
+    out[4] = dprior;
+    return out;
   }
 };
 
@@ -614,9 +622,9 @@ char* pa_fused_cuda_status(int64_t device_index, int32_t* arch, char** why) {
   });
 }
 
-char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding, const pa_tensor* prior,
-                            double scale, int64_t sweeps, int32_t causal, int32_t noise, int32_t kl, double noise_scale, uint64_t seed,
-                            int32_t arch, char** json) {
+char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding,
+                            const pa_tensor* prior, double scale, int64_t sweeps, int32_t causal, int32_t noise, int32_t kl,
+                            double noise_scale, uint64_t seed, int32_t arch, char** json) {
   return probattn::guard([&] {
     for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {json, "json"}}) {
       probattn::require(pointer, "pa_fused_cuda_dry_run", name);
@@ -637,9 +645,9 @@ char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_ten
   });
 }
 
-char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding, const pa_tensor* prior,
-                              double scale, int64_t sweeps, int32_t causal, int32_t noise, int32_t kl, double noise_scale, uint64_t seed,
-                              pa_tensor** out, pa_tensor** kl_part) {
+char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding,
+                              const pa_tensor* prior, double scale, int64_t sweeps, int32_t causal, int32_t noise, int32_t kl,
+                              double noise_scale, uint64_t seed, pa_tensor** out, pa_tensor** kl_part) {
   return probattn::guard([&] {
     for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {kl_part, "kl_part"}}) {
       probattn::require(pointer, "pa_fused_cuda_attention", name);

@@ -148,17 +148,17 @@ char* pa_fused_cuda_status(int64_t device_index, int32_t* arch, char** why);
 // to `noise`; 0: none) the KL term's score-dependent part against `prior` (a_j, broadcastable to
 // (B, H, 1, S_k)). Outputs: the attention output (q's dtype) and the KL part (B, H) (zeros without
 // a KL term); differentiable in q, k, v and `prior`.
-char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding, const pa_tensor* prior,
-                              double scale, int64_t sweeps, int32_t causal, int32_t noise, int32_t kl, double noise_scale, uint64_t seed,
-                              pa_tensor** out, pa_tensor** kl_part);
+char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding,
+                              const pa_tensor* prior, double scale, int64_t sweeps, int32_t causal, int32_t noise, int32_t kl,
+                              double noise_scale, uint64_t seed, pa_tensor** out, pa_tensor** kl_part);
 // What pa_fused_cuda_attention would launch, forward then backward (with gradients of ones), for a
 // GPU of compute capability `arch`, on tensors of any device, without the driver: a JSON array of
 // {kernel, key (its constexprs), grid, ints (every integer argument), tensors (each real tensor
 // argument's [shape, dtype])} in launch order (a new string). The tests compare it with plans.py's
 // own launches of the same call.
-char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding, const pa_tensor* prior,
-                            double scale, int64_t sweeps, int32_t causal, int32_t noise, int32_t kl, double noise_scale, uint64_t seed,
-                            int32_t arch, char** json);
+char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding,
+                            const pa_tensor* prior, double scale, int64_t sweeps, int32_t causal, int32_t noise, int32_t kl,
+                            double noise_scale, uint64_t seed, int32_t arch, char** json);
 
 // ---- memory statistics
 // CPU: a counting allocator for libtorch's CPU tensors (installed once, on the first call; tensors
