@@ -20,7 +20,7 @@ data=$(realpath -m "${2:-${PROBATTN_DATA:-data}}")
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python=${PROBATTN_PYTHON:-python3}
-tests="bam edges fused_cuda interop normalizers parity precision repulsive pt2 tiled"
+tests="bam edges external_variant fused_cuda interop normalizers parity precision repulsive pt2 tiled"
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/data"

@@ -82,7 +82,7 @@ for s in $steps; do
       "$p" doctor --json --device cuda > "$out/doctor.json" ;;
     tests)
       step tests
-      for t in ${TESTS:-bam edges fused_cuda interop normalizers parity precision repulsive pt2 tiled}; do
+      for t in ${TESTS:-bam edges external_variant fused_cuda interop normalizers parity precision repulsive pt2 tiled}; do
         (cd "$root" && "$bin/$t" --test-threads 4 2>&1) | tee -a "$out/tests.log" | grep -A3 -E "^test |test result|panicked|Error"
       done
       # Of the CLI's tests, the doctor's is the one with a CUDA form (the others run the CPU).

@@ -10,10 +10,11 @@
 # The steps, each under its own limit (a step that overruns costs only itself):
 #   doctor            20 s   the GPU, the driver and libtorch as the library sees them
 #   sdpa-empty-rows   60 s   what SDPA's CUDA backends give a query no key may attend
-#   tests            150 s   the fused_cuda, normalizers and tiled binaries: the embedded Triton kernels
-#                            through the driver API against the float64 tiles (forward, gradients)
-#                            and the backend's choice of them; softmax on SDPA's CUDA kernels
-#                            against the eager form; the tiles against the eager path on CUDA
+#   tests            150 s   the external_variant, fused_cuda, normalizers and tiled binaries: the
+#                            embedded Triton kernels through the driver API against the float64
+#                            tiles and formulas (forward, gradients) and the backend's choice of
+#                            them; softmax on SDPA's CUDA kernels against the eager form; the tiles
+#                            against the eager path on CUDA
 #   kernels          350 s   the Triton kernels' check in bfloat16, float16 and float32, then their
 #                            benchmark against SDPA and FlexAttention at 8 x 1,024 and 1 x 4,096
 set -euo pipefail
@@ -22,7 +23,7 @@ bundle=$(realpath "$1") out=$(realpath -m "$2")
 here=$(dirname "$(realpath "$0")")
 work=$(mktemp -d)
 tar xJf "$bundle" -C "$work"
-export TESTS="fused_cuda normalizers tiled"
+export TESTS="external_variant fused_cuda normalizers tiled"
 export KERNELS_CHECK="--dtypes bfloat16,float16,float32"
 export KERNELS_BENCH="--shapes 8x1024,1x4096 --repeats 10"
 bash "$here/cuda_steps.sh" "$work/bin" "$work/data" "$work/out" "$out" \

@@ -2,7 +2,8 @@
 //! at a temperature `T` (`DNAS(z / T)`), whose normalizer says nothing but its name and its plan
 //! (one column sweep, a score scale of `1/T`). The library's eager interpreter of the plan, the
 //! tiles and the fused CPU kernel must each give what the formula gives, written here from the
-//! paper with libtorch's own reductions, outputs and gradients, in float64, under key padding; its
+//! paper with libtorch's own reductions, outputs and gradients, in float64, under key padding (and,
+//! on a GPU, the embedded Triton kernels in bfloat16); its
 //! registry entry must report what the plan implies; and a causal mask must be refused by name.
 
 use probattn::backend::{Backend, Route};
@@ -104,6 +105,29 @@ fn a_variant_defined_by_its_plan_alone_runs_on_every_route_and_matches_its_formu
                     assert!(err < 1e-10, "T {t}, d_v {dv}, {what}: {name} differs from the formula by {err}");
                 }
             }
+        }
+    }
+    // On a GPU the embedded Triton kernels run it too, forced, in bfloat16: its plan is all they read.
+    if tch::Cuda::is_available() && probattn::fused_cuda::availability(true).gpu_matches {
+        let cuda = Device::Cuda(0);
+        let pad = pad.to_device(cuda);
+        let masks = Masks { key_padding: Some(&pad), ..Default::default() };
+        let v = Tensor::randn([2, 3, 11, 4], opts);
+        let ct = Tensor::randn([2, 3, 9, 4], opts);
+        let low = |t: &Tensor| t.to_kind(Kind::BFloat16).to_device(cuda);
+        let (bq, bk, bv) = (low(&q), low(&k), low(&v));
+        let wide = |t: &Tensor| t.to_device(Device::Cpu).to_kind(Kind::Double);
+        let (want, _) =
+            run([&wide(&bq), &wide(&bk), &wide(&bv)], &ct, |q, k, v| Ok((formula(q, k, v, &pad.to_device(Device::Cpu), 2.0), None)))?;
+        let forced = AttendOptions { backend: Backend::Fused, need_weights: false, ..Default::default() };
+        let (got, taken) = run([&bq, &bk, &bv], &ct.to_kind(Kind::BFloat16).to_device(cuda), |q, k, v| {
+            let (a, choice) = attend_with_choice(q, k, v, &masks, &TemperedDnas { t: 2.0 }, forced)?;
+            Ok((a.output, Some(choice.route)))
+        })?;
+        assert_eq!(taken, Some(Route::FusedCuda));
+        for (name, i) in [("output", 0), ("dq", 1), ("dk", 2), ("dv", 3)] {
+            let err = (&wide(&got[i]) - &want[i]).abs().max().double_value(&[]);
+            assert!(err < 5e-2, "fused CUDA, bfloat16: {name} differs from the formula by {err}");
         }
     }
     // The temperature matters, so the comparison would see it ignored.

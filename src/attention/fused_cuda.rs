@@ -120,6 +120,9 @@ pub fn attend(
     plan: &Tiled,
     opts: &AttendOptions,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    // Every mask checked against the call's shape and dtype as on the other routes (the key
+    // padding's is the one this route reads).
+    let allowed = masks.allowed(shape, q.device())?;
     let d = q.size()[3] as f64;
     let spec = cxx::FusedSpec {
         scale: plan.score_scale * opts.scale.unwrap_or(1.0 / d.sqrt()),
@@ -134,7 +137,6 @@ pub fn attend(
             return Err(Error::Unsupported(format!("{}: BAM without a KL term is not in the embedded set", plan.name)));
         };
         let stats = statistics_kind(q.kind());
-        let allowed = masks.allowed(shape, q.device())?;
         let prior = (kl.prior)(&widen(k), allowed.as_ref())?;
         let noise = match sampling.noise {
             NoiseKind::Weibull => cxx::TiledSpec::WEIBULL,
