@@ -17,9 +17,9 @@ use tch::{Device, Kind, Tensor};
 use crate::call::AttendOptions;
 use crate::cxx;
 use crate::mask::{Masks, ScoreShape};
-use crate::plan::{KlForm, NoiseKind, Tiled};
+use crate::plan::Tiled;
 use crate::precision::{statistics_kind, widen};
-use crate::tiled::{libtorch_seed, tiled_kl, MaskCounts};
+use crate::tiled::{check_hybrid_logit, libtorch_seed, tiled_kl, MaskCounts};
 use crate::{Error, Result};
 
 /// Whether `auto` takes this route where it serves a memory-efficient call (`false`: only when
@@ -84,12 +84,24 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
     if let Some(why) = cxx::kernels::missing() {
         return Some(format!("this build embeds no kernel ({why})"));
     }
-    match cxx::fused_cuda_status(index as i64) {
-        Err(e) => Some(e.to_string()),
-        Ok(Err(why)) => Some(why),
-        Ok(Ok(arch)) if !fits(arch) => Some(format!("no embedded kernel runs on sm_{arch} (embedded: {})", embedded_archs())),
-        Ok(Ok(_)) => None,
+    match device_status(index as i64) {
+        Err(why) => Some(why),
+        Ok(arch) if !fits(arch) => Some(format!("no embedded kernel runs on sm_{arch} (embedded: {})", embedded_archs())),
+        Ok(_) => None,
     }
+}
+
+/// The driver's answer for CUDA device `index` (its compute capability, or why it cannot launch),
+/// asked once per device and process: every call's route choice reads it.
+fn device_status(index: i64) -> std::result::Result<u32, String> {
+    static SEEN: std::sync::Mutex<Vec<(i64, std::result::Result<u32, String>)>> = std::sync::Mutex::new(Vec::new());
+    let mut seen = SEEN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some((_, status)) = seen.iter().find(|(i, _)| *i == index) {
+        return status.clone();
+    }
+    let status = cxx::fused_cuda_status(index).map_err(|e| e.to_string()).and_then(|s| s);
+    seen.push((index, status.clone()));
+    status
 }
 
 /// Whether an embedded cubin runs on compute capability `arch`: one of the same major version,
@@ -123,6 +135,7 @@ pub fn attend(
     // Every mask checked against the call's shape and dtype as on the other routes (the key
     // padding's is the one this route reads).
     let allowed = masks.allowed(shape, q.device())?;
+    check_hybrid_logit(plan, shape)?;
     let d = q.size()[3] as f64;
     let spec = cxx::FusedSpec {
         scale: plan.score_scale * opts.scale.unwrap_or(1.0 / d.sqrt()),
@@ -138,15 +151,8 @@ pub fn attend(
         };
         let stats = statistics_kind(q.kind());
         let prior = (kl.prior)(&widen(k), allowed.as_ref())?;
-        let noise = match sampling.noise {
-            NoiseKind::Weibull => cxx::TiledSpec::WEIBULL,
-            NoiseKind::Lognormal => cxx::TiledSpec::LOGNORMAL,
-        };
-        let form = match kl.form {
-            KlForm::WeibullGamma { .. } => cxx::TiledSpec::KL_WEIBULL,
-            KlForm::Lognormal { .. } => cxx::TiledSpec::KL_LOGNORMAL,
-        };
         let seed = opts.seed.unwrap_or_else(libtorch_seed);
+        let (noise, form) = (sampling.noise.code(), kl.form.code());
         let spec = cxx::FusedSpec { noise, kl: form, noise_scale: sampling.scale, seed, prior: Some(&prior), ..spec };
         let (output, part) = run(&spec)?;
         let counts = MaskCounts::new(allowed.as_ref(), shape, crate::backend::DEFAULT_TILE, stats, q.device());
@@ -155,10 +161,6 @@ pub fn attend(
     match plan.hybrid_logit {
         None => Ok((run(&spec)?.0, None)),
         Some(logit) => {
-            let heads = q.size()[1];
-            if logit.size() != [heads] {
-                return Err(Error::Shape(format!("HNAS logits have shape {:?}, expected ({heads},)", logit.size())));
-            }
             // u·O_plan + (1 − u)·O_softmax per head, as the tiles mix them (the output is linear in
             // the weights).
             let u = logit.to_kind(statistics_kind(q.kind())).sigmoid().view([1, -1, 1, 1]);
@@ -196,10 +198,9 @@ pub fn availability(cuda: bool) -> Availability {
     let (gpu, why_not) = if !cuda {
         (None, Some("libtorch sees no CUDA device".to_string()))
     } else {
-        match cxx::fused_cuda_status(0) {
-            Ok(Ok(arch)) => (Some(arch), None),
-            Ok(Err(why)) => (None, Some(why)),
-            Err(e) => (None, Some(e.to_string())),
+        match device_status(0) {
+            Ok(arch) => (Some(arch), None),
+            Err(why) => (None, Some(why)),
         }
     };
     let gpu_matches = gpu.is_some_and(fits);

@@ -37,6 +37,16 @@ pub enum NoiseKind {
     Lognormal,
 }
 
+impl NoiseKind {
+    /// The C++ layer's code for it (`TiledSpec::WEIBULL`, `TiledSpec::LOGNORMAL`).
+    pub(crate) fn code(self) -> i32 {
+        match self {
+            Self::Weibull => crate::cxx::TiledSpec::WEIBULL,
+            Self::Lognormal => crate::cxx::TiledSpec::LOGNORMAL,
+        }
+    }
+}
+
 /// The closed form of a stochastic plan's KL term per entry (docs/formulas.md §2, §5).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum KlForm {
@@ -44,6 +54,16 @@ pub enum KlForm {
     WeibullGamma { k: f64, beta: f64 },
     /// `KL(LogN(log π_ij − σ²/2, σ) ‖ LogN(μ_p,j, σ_p))`; the per-key values are `μ_p,j + σ²/2`.
     Lognormal { sigma: f64, sigma_p: f64 },
+}
+
+impl KlForm {
+    /// The C++ layer's code for it (`TiledSpec::KL_WEIBULL`, `TiledSpec::KL_LOGNORMAL`).
+    pub(crate) fn code(&self) -> i32 {
+        match self {
+            Self::WeibullGamma { .. } => crate::cxx::TiledSpec::KL_WEIBULL,
+            Self::Lognormal { .. } => crate::cxx::TiledSpec::KL_LOGNORMAL,
+        }
+    }
 }
 
 /// The prior's per-key values from the keys `(B, H, S_k, d_k)` and the allowed entries (boolean,

@@ -170,10 +170,7 @@ pub(crate) fn attend_tiled_shaped(
         Ok((TiledAttended { output: out.output, received_mass: out.received_mass, kl: None }, out.route))
     };
     let sampling = plan.sampling.as_ref().filter(|_| opts.sample);
-    let heads = shape.dims()[1];
-    if let Some(logit) = plan.hybrid_logit.filter(|l| l.size() != [heads]) {
-        return Err(Error::Shape(format!("HNAS logits have shape {:?}, expected ({heads},)", logit.size())));
-    }
+    check_hybrid_logit(plan, shape)?;
     match (plan.hybrid_logit, sampling) {
         (None, None) => plain(plan.sweeps),
         (Some(logit), None) => {
@@ -189,18 +186,11 @@ pub(crate) fn attend_tiled_shaped(
         }
         (logit, Some(sampling)) => {
             let noise = opts.noise.map(|n| check_noise(n, shape)).transpose()?;
-            let (noise_kind, noise_scale) = match sampling.noise {
-                NoiseKind::Weibull => (TiledSpec::WEIBULL, sampling.scale),
-                NoiseKind::Lognormal => (TiledSpec::LOGNORMAL, sampling.scale),
-            };
+            let (noise_kind, noise_scale) = (sampling.noise.code(), sampling.scale);
             let seed = opts.seed.unwrap_or_else(libtorch_seed);
             let keys = widen(k);
             let prior = sampling.kl.as_ref().map(|kl| (kl.prior)(&keys, allowed.as_ref()).map(|a| (kl.form, a))).transpose()?;
-            let kl_kind = match prior.as_ref().map(|(form, _)| *form) {
-                None => 0,
-                Some(KlForm::WeibullGamma { .. }) => TiledSpec::KL_WEIBULL,
-                Some(KlForm::Lognormal { .. }) => TiledSpec::KL_LOGNORMAL,
-            };
+            let kl_kind = prior.as_ref().map_or(0, |(form, _)| form.code());
             let spec = TiledSpec { sweeps: i64::from(plan.sweeps), noise: noise_kind, noise_scale, seed, kl: kl_kind, ..spec };
             let a = prior.as_ref().map(|(_, a)| a);
             let out = cxx::tiled_attention(q, k, v, excluded.as_ref(), bias.as_ref(), noise.as_ref(), a, logit, &spec)?;
@@ -209,6 +199,15 @@ pub(crate) fn attend_tiled_shaped(
                 .map(|(form, a)| tiled_kl(*form, &out.kl_part, a, &MaskCounts::new(allowed.as_ref(), shape, opts.tile, stats, q.device())));
             Ok((TiledAttended { output: out.output, received_mass: out.received_mass, kl }, out.route))
         }
+    }
+}
+
+/// HNAS's gate logits, when the plan mixes, must be one per query head.
+pub(crate) fn check_hybrid_logit(plan: &Tiled, shape: ScoreShape) -> Result<()> {
+    let heads = shape.dims()[1];
+    match plan.hybrid_logit.filter(|l| l.size() != [heads]) {
+        Some(logit) => Err(Error::Shape(format!("HNAS logits have shape {:?}, expected ({heads},)", logit.size()))),
+        None => Ok(()),
     }
 }
 
