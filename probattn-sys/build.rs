@@ -18,12 +18,14 @@ fn build_cxx_layer() {
         "csrc/memory_cuda.cpp",
         "csrc/tiled.cpp",
         "csrc/fused_cuda.cpp",
+        "csrc/fused_launch.cpp",
         "csrc/fused_cpu.cpp",
         "csrc/noise.cpp",
         "csrc/distributed.cpp",
         "csrc/boundary.h",
         "csrc/guard.h",
         "csrc/tiled.h",
+        "csrc/fused_launch.h",
         "csrc/probattn.h",
     ];
     for file in files {
@@ -58,7 +60,7 @@ fn build_cxx_layer() {
     for name in ["torch_cpu", "c10"] {
         println!("cargo:rustc-link-lib=dylib={name}");
     }
-    // dlopen, for the CUDA driver library (csrc/fused_cuda.cpp opens it at run time).
+    // dlopen, for the CUDA driver library (csrc/fused_launch.cpp opens it at run time).
     println!("cargo:rustc-link-lib=dylib=dl");
 
     // The CPU memory counter also as a shared library, for the Python side of `probattn bench`.

@@ -24,9 +24,18 @@
 #                  GPU (default 6, the CPU cores shared out), as scripts/translate_table.sh reads them
 #   KERNELS_CHECK, KERNELS_BENCH   the kernels step's check flags (default: every case in every
 #                  dtype) and benchmark flags (default "--shapes 8x1024,1x4096,1x16384")
+#   KERNELS_SWEEP  the sweep step's flags (python -m probattn_tools.kernels.sweep; default: its own)
+#   SANITIZER_CASES  the fused_cuda cases the sanitizer step runs (FUSED_CUDA_CASES; default
+#                  "1,2,7,9,17": softmax, DNAS with GQA and padding, HNAS, Sinkhorn-3, causal BAM-WC)
 #   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient precision
-#             nccl python python-bench sdpa-empty-rows kernels table table-converged (default: all
-#             but bench-quick, kernels and the table steps, the long-sequence and NCCL runs first)
+#             nccl python python-bench sdpa-empty-rows kernels sweep sanitizer table table-converged
+#             (default: all but bench-quick, kernels, sweep, sanitizer and the table steps, the
+#             long-sequence and NCCL runs first)
+#
+# The sweep step times the kernels' launch settings (python -m probattn_tools.kernels.sweep) and
+# writes the winners to OUT_DIR/sweep/table.json, which `--merge` takes into the tuning table the
+# ahead-of-time build reads. The sanitizer step runs the fused CUDA route's GPU comparison under
+# compute-sanitizer's memcheck, then racecheck (the embedded cubins, launched through the driver).
 #
 # The python-bench step runs the Python package's benchmarks on CUDA (python/probattn/benchmarks:
 # bench.py, whose Rust side runs inside the package's extension, and mlm.py's tiny Llama and BERT
@@ -171,6 +180,23 @@ for s in $steps; do
       # shellcheck disable=SC2086  # KERNELS_BENCH are words
       CHECK_FLAGS="${KERNELS_CHECK:-}" PYTHON="$python" bash "$(dirname "$(realpath "$0")")/kernels_gpu.sh" "$out/kernels" \
         ${KERNELS_BENCH:---shapes 8x1024,1x4096,1x16384} 2>&1 | tail -60 ;;
+    sweep)
+      step sweep
+      # shellcheck disable=SC2086  # KERNELS_SWEEP are words
+      PYTHONPATH="$root/python" "$python" -m probattn_tools.kernels.sweep --out "$out/sweep" ${KERNELS_SWEEP:-} 2>&1 \
+        | tee "$out/sweep.log" | tail -20 ;;
+    sanitizer)
+      step sanitizer
+      sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+      [ -n "$sanitizer" ] || { echo "no compute-sanitizer on this machine" | tee "$out/sanitizer.log"; continue; }
+      # Without the caching allocator every tensor is its own allocation, so memcheck sees an
+      # access past a tensor's end instead of into the pool's next block.
+      for tool in memcheck racecheck; do
+        (cd "$root" && PYTORCH_NO_CUDA_MEMORY_CACHING=1 FUSED_CUDA_CASES=${SANITIZER_CASES:-1,2,7,9,17} "$sanitizer" --tool "$tool" --error-exitcode 3 \
+          "$bin/fused_cuda" on_a_gpu_the_route_matches --test-threads 1 --nocapture 2>&1) | tee "$out/sanitizer-$tool.log" \
+          | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result|panicked|within" | tail -20
+        echo "$tool rc ${PIPESTATUS[0]}" | tee -a "$out/sanitizer.log"
+      done ;;
     python-bench)
       step python-bench
       pp="$bin/python-package:$root/python"

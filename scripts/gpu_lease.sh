@@ -1,13 +1,15 @@
 #!/bin/bash
-# The checks that only a GPU can run and that wait for one, ordered and time-boxed to fit one
-# command of a short device lease (at most 600 s): run from the repository root of a checkout of the
-# bundle's commit, on the GPU machine.
+# The checks that only a GPU can run and that wait for one, ordered and time-boxed to fit a short
+# device lease in two commands of at most 600 s each: run from the repository root of a checkout
+# of the bundle's commit, on the GPU machine.
 #
-# Usage: scripts/gpu_lease.sh BUNDLE OUT
+# Usage: scripts/gpu_lease.sh BUNDLE OUT [PART]
 #   BUNDLE  scripts/cuda_bundle.sh's archive (built here, carried there)
 #   OUT     where each step's folder goes packed (ARCHIVE_DIR of cuda_steps.sh), with log.txt
+#   PART    route (the default) or kernels
 #
 # The steps, each under its own limit (a step that overruns costs only itself):
+#   route:
 #   doctor            20 s   the GPU, the driver and libtorch as the library sees them
 #   sdpa-empty-rows   60 s   what SDPA's CUDA backends give a query no key may attend
 #   tests            150 s   the external_variant, fused_cuda, normalizers and tiled binaries: the
@@ -15,16 +17,26 @@
 #                            tiles and formulas (forward, gradients) and the backend's choice of
 #                            them; softmax on SDPA's CUDA kernels against the eager form; the tiles
 #                            against the eager path on CUDA
-#   kernels          350 s   the Triton kernels' check in bfloat16, float16 and float32, then their
-#                            benchmark against SDPA and FlexAttention at 8 x 1,024 and 1 x 4,096
+#   sanitizer        180 s   compute-sanitizer's memcheck and racecheck on five of the fused route's
+#                            GPU comparisons (softmax, DNAS, HNAS, Sinkhorn-3, causal BAM-WC)
+#   kernels:
+#   sweep            240 s   the kernels' launch settings timed in bfloat16 at head dimensions 64 and
+#                            128 (softmax and DNAS, 1 x 4,096): the tuning table's entries
+#   kernels          300 s   the Triton kernels' check in bfloat16 and float16 (their quick cases),
+#                            then their benchmark against SDPA and FlexAttention at 8 x 1,024 and
+#                            1 x 4,096
 set -euo pipefail
-[ $# -eq 2 ] || { sed -n '2,19p' "$0" >&2; exit 2; }
-bundle=$(realpath "$1") out=$(realpath -m "$2")
+[ $# -eq 2 ] || [ $# -eq 3 ] || { sed -n '2,25p' "$0" >&2; exit 2; }
+bundle=$(realpath "$1") out=$(realpath -m "$2") part=${3:-route}
 here=$(dirname "$(realpath "$0")")
 work=$(mktemp -d)
 tar xJf "$bundle" -C "$work"
 export TESTS="external_variant fused_cuda normalizers tiled"
-export KERNELS_CHECK="--dtypes bfloat16,float16,float32"
+export KERNELS_CHECK="--quick --dtypes bfloat16,float16"
 export KERNELS_BENCH="--shapes 8x1024,1x4096 --repeats 10"
-bash "$here/cuda_steps.sh" "$work/bin" "$work/data" "$work/out" "$out" \
-  doctor:20 sdpa-empty-rows:60 tests:150 kernels:350
+case $part in
+  route) steps=(doctor:20 sdpa-empty-rows:60 tests:150 sanitizer:180) ;;
+  kernels) steps=(sweep:240 kernels:300) ;;
+  *) echo "gpu_lease.sh: PART is route or kernels, got $part" >&2; exit 2 ;;
+esac
+bash "$here/cuda_steps.sh" "$work/bin" "$work/data" "$work/out" "$out" "${steps[@]}"

@@ -5,7 +5,7 @@
 # compiled FlexAttention. Writes check.json, check.log, bench.json and bench.log into OUT.
 #
 #   scripts/kernels_gpu.sh OUT [bench flags...]     # e.g. --shapes 8x1024,1x4096 --repeats 20
-#   CHECK_FLAGS   flags of the check (e.g. "--quick" for its 29 cases, "--dtypes bfloat16,float16")
+#   CHECK_FLAGS   flags of the check (e.g. "--quick" for its 32 cases, "--dtypes bfloat16,float16")
 set -euo pipefail
 out="${1:?usage: scripts/kernels_gpu.sh OUT [bench flags...]}"
 shift

@@ -45,7 +45,11 @@ pub struct Kernel {
     pub params: Vec<Param>,
     /// A block of 32 × `num_warps` threads.
     pub num_warps: u32,
+    /// Software pipeline stages (compiled in; the launch does not set them).
+    pub num_stages: u32,
+    /// Queries per block (the programs over queries are ⌈S_q / block_m⌉ per batch and head).
     pub block_m: i64,
+    /// Keys per block.
     pub block_n: i64,
     /// Dynamic shared memory per block.
     pub shared_bytes: u32,
@@ -162,8 +166,32 @@ mod tests {
             s
         });
         let first = shapes.next().unwrap_or_default();
-        assert_eq!(first.len(), 44);
+        assert_eq!(first.len(), 79);
         assert!(shapes.all(|s| s == first));
         assert_eq!(architectures().iter().map(|(a, _)| a.as_str()).collect::<Vec<_>>(), ["sm_80", "sm_90"]);
+    }
+
+    #[test]
+    fn every_cubin_has_its_tuning_table_entry_or_the_default_launch_setting() {
+        if let Some(why) = missing() {
+            eprintln!("no kernels embedded: {why}");
+            return;
+        }
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../python/probattn_tools/kernels/tuning.json");
+        let table: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).expect("the tuning table")).expect("JSON");
+        for k in kernels() {
+            // float16 takes bfloat16's entry where it has none of its own.
+            let own = &table["configs"][&k.arch][&k.dtype][k.head_dim.to_string()];
+            let entry =
+                if own.is_null() && k.dtype == "float16" { &table["configs"][&k.arch]["bfloat16"][k.head_dim.to_string()] } else { own };
+            let want = if entry.is_null() {
+                (64, 64, 4, 2)
+            } else {
+                let field = |name: &str| entry[name].as_i64().unwrap_or_else(|| panic!("{path}: {name} of {entry}"));
+                (field("block_m"), field("block_n"), field("num_warps"), field("num_stages"))
+            };
+            let have = (k.block_m, k.block_n, i64::from(k.num_warps), i64::from(k.num_stages));
+            assert_eq!(have, want, "{} ({} {} d {})", k.file, k.arch, k.dtype, k.head_dim);
+        }
     }
 }

@@ -1,37 +1,40 @@
 // The fused CUDA route: the plans' Triton kernels (python/probattn_tools/kernels/, docs/kernels.md),
-// compiled ahead of time to cubins and embedded by the probattn-kernels crate, launched here
-// through the CUDA driver API on libtorch's current stream, as one torch::autograd::Function.
+// compiled ahead of time to cubins and embedded by the probattn-kernels crate, launched through the
+// CUDA driver API on libtorch's current stream (csrc/fused_launch.cpp), as one
+// torch::autograd::Function.
 //
-// The driver library (libcuda.so.1) is opened on first use, never linked: a machine without a GPU
-// builds and runs as before, and a call here says what is missing. The Rust side registers the
-// embedded cubins once (pa_fused_register), then calls pa_fused_cuda_attention; which calls come
-// here is decided on the Rust side (src/attention/fused_cuda.rs), which falls back to the tiles
-// with the reason where this route does not serve a call.
+// The Rust side registers the embedded cubins once (pa_fused_register), then calls
+// pa_fused_cuda_attention; which calls come here is decided on the Rust side
+// (src/attention/fused_cuda.rs), which falls back to the tiles with the reason where this route
+// does not serve a call.
 //
-// What is launched mirrors plans.py's orchestration for 0 and 1 sweeps (softmax, DNAS), with and
-// without key padding, causal for softmax: forward, the column pass (DNAS) then the row pass;
-// backward, the key pass (dK, dV, g) then the query pass (dQ), by recomputation. Kernel parameters
-// are filled by name from the manifest's list, in its order, and checked against their declared
-// types, so a kernel whose signature changes fails here by name instead of reading the wrong bytes.
-
-#include <dlfcn.h>
+// What is launched mirrors plans.py's orchestration, unpadded or padded (key and query padding
+// read together, zeros for the one a call does not give):
+// - 0 and 1 sweeps (softmax, causal or not; DNAS): forward, the column pass (DNAS) then the row
+//   pass; backward, the key pass (dK, dV, g) then the query pass (dQ), by recomputation;
+// - HNAS (`hybrid`): DNAS's row pass keeps softmax's accumulator beside its own, and returns both
+//   outputs for the caller to mix; the backward runs each branch's passes with its gradient;
+// - Sinkhorn-N (N ≥ 2 sweeps): N column and N − 1 row potential reductions, DNAS's row pass with
+//   the last column potential; backward, the potentials' gradients reduced sweep by sweep back
+//   to the first, between three gradient stages;
+// - BAM's sampling over softmax (causal or not), DNAS, HNAS and Sinkhorn-N, with its KL term or
+//   (Weibull) without: the noise joins the base's row pass and its gradient passes; over HNAS the
+//   row pass mixes the two bases' weights itself (`hybrid` with noise), after one reduction each
+//   for their row statistics, and the gate's gradient is reduced per row.
 
 #include <cmath>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <c10/core/DeviceGuard.h>
-#include <c10/core/Stream.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "boundary.h"
+#include "fused_launch.h"
+#include "probattn.h"
 #include "tiled.h"
 
 namespace {
@@ -39,259 +42,32 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// ---- the CUDA driver, opened at run time (the few entry points and constants used, from cuda.h)
-
-using CUresult = int;
-using CUdevice = int;
-using CUdeviceptr = unsigned long long;
-using CUcontext = struct CUctx_st*;
-using CUmodule = struct CUmod_st*;
-using CUfunction = struct CUfunc_st*;
-using CUstream = struct CUstream_st*;
-constexpr int kComputeMajor = 75;           // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
-constexpr int kComputeMinor = 76;           // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
-constexpr int kSharedOptin = 97;            // CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
-constexpr int kMaxDynamicShared = 8;        // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-constexpr unsigned kDefaultShared = 49152;  // what a launch may use without raising the limit
-
-struct Driver {
-  CUresult (*init)(unsigned) = nullptr;
-  CUresult (*ctx_get_current)(CUcontext*) = nullptr;
-  CUresult (*ctx_set_current)(CUcontext) = nullptr;
-  CUresult (*ctx_get_device)(CUdevice*) = nullptr;
-  CUresult (*device_get)(CUdevice*, int) = nullptr;
-  CUresult (*primary_ctx_retain)(CUcontext*, CUdevice) = nullptr;
-  CUresult (*device_get_attribute)(int*, int, CUdevice) = nullptr;
-  CUresult (*module_load_data)(CUmodule*, const void*) = nullptr;
-  CUresult (*module_get_function)(CUfunction*, CUmodule, const char*) = nullptr;
-  CUresult (*func_set_attribute)(CUfunction, int, int) = nullptr;
-  CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void**,
-                            void**) = nullptr;
-  CUresult (*get_error_name)(CUresult, const char**) = nullptr;
-  std::string missing;  // why the driver cannot be used ("" when it can)
-
-  // Throws `what` failed with the driver's name for `status`, unless it succeeded.
-  void check(CUresult status, const std::string& what) const {
-    if (status == 0) return;
-    const char* name = nullptr;
-    if (get_error_name == nullptr || get_error_name(status, &name) != 0 || name == nullptr) name = "unknown error";
-    TORCH_CHECK(false, "the fused CUDA route: ", what, " failed: ", name, " (CUresult ", status, ")");
-  }
-};
-
-template <typename F>
-bool bind(void* lib, const char* symbol, F& f, std::string& missing) {
-  f = reinterpret_cast<F>(dlsym(lib, symbol));
-  if (f == nullptr && missing.empty()) missing = std::string("libcuda.so.1 has no ") + symbol;
-  return f != nullptr;
-}
-
-const Driver& driver() {
-  static const Driver d = [] {
-    Driver d;
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (lib == nullptr) {
-      const char* why = dlerror();
-      d.missing = std::string("the CUDA driver library libcuda.so.1 cannot be opened (") + (why != nullptr ? why : "no reason given") +
-                  "): no NVIDIA driver on this machine";
-      return d;
-    }
-    bind(lib, "cuInit", d.init, d.missing);
-    bind(lib, "cuCtxGetCurrent", d.ctx_get_current, d.missing);
-    bind(lib, "cuCtxSetCurrent", d.ctx_set_current, d.missing);
-    bind(lib, "cuCtxGetDevice", d.ctx_get_device, d.missing);
-    bind(lib, "cuDeviceGet", d.device_get, d.missing);
-    bind(lib, "cuDevicePrimaryCtxRetain", d.primary_ctx_retain, d.missing);
-    bind(lib, "cuDeviceGetAttribute", d.device_get_attribute, d.missing);
-    bind(lib, "cuModuleLoadData", d.module_load_data, d.missing);
-    bind(lib, "cuModuleGetFunction", d.module_get_function, d.missing);
-    bind(lib, "cuFuncSetAttribute", d.func_set_attribute, d.missing);
-    bind(lib, "cuLaunchKernel", d.launch_kernel, d.missing);
-    bind(lib, "cuGetErrorName", d.get_error_name, d.missing);
-    if (d.missing.empty()) {
-      const CUresult status = d.init(0);
-      if (status != 0) d.missing = "cuInit failed (CUresult " + std::to_string(status) + "): the driver sees no usable GPU";
-    }
-    return d;
-  }();
-  return d;
-}
-
-const Driver& working_driver() {
-  const auto& d = driver();
-  TORCH_CHECK(d.missing.empty(), "the fused CUDA route: ", d.missing);
-  return d;
-}
-
-// The driver's device for libtorch's CUDA device `index`, its primary context made current on this
-// thread (libtorch's runtime uses the same context).
-CUdevice current_context(const Driver& d, int index) {
-  CUdevice device = 0;
-  d.check(d.device_get(&device, index), "cuDeviceGet");
-  CUcontext ctx = nullptr;
-  d.check(d.ctx_get_current(&ctx), "cuCtxGetCurrent");
-  CUdevice on = -1;
-  if (ctx != nullptr) d.check(d.ctx_get_device(&on), "cuCtxGetDevice");
-  if (ctx == nullptr || on != device) {
-    d.check(d.primary_ctx_retain(&ctx, device), "cuDevicePrimaryCtxRetain");
-    d.check(d.ctx_set_current(ctx), "cuCtxSetCurrent");
-  }
-  return device;
-}
-
-int compute_capability(const Driver& d, CUdevice device) {
-  int major = 0, minor = 0;
-  d.check(d.device_get_attribute(&major, kComputeMajor, device), "cuDeviceGetAttribute(compute capability)");
-  d.check(d.device_get_attribute(&minor, kComputeMinor, device), "cuDeviceGetAttribute(compute capability)");
-  return major * 10 + minor;
-}
-
-// ---- the embedded kernels
-
-struct Entry {
-  std::string kernel;
-  int arch = 0;
-  at::ScalarType dtype = at::kBFloat16;
-  int64_t head_dim = 0;
-  std::map<std::string, int64_t> key;
-  std::vector<std::pair<std::string, std::string>> params;  // (name, type), launch order
-  unsigned num_warps = 4, shared = 0;
-  int64_t block_m = 64, block_n = 64;
-  std::string symbol;
-  const void* image = nullptr;
-};
-
-struct Registry {
-  std::mutex lock;
-  std::vector<Entry> entries;
-  std::map<std::pair<size_t, CUcontext>, CUfunction> loaded;  // (entry, context) → function
-};
-
-Registry& registry() {
-  static Registry r;
-  return r;
-}
-
-at::ScalarType dtype_named(const std::string& name) {
-  if (name == "bfloat16") return at::kBFloat16;
-  if (name == "float16") return at::kHalf;
-  TORCH_CHECK(false, "the fused CUDA route: an embedded kernel's dtype is ", name, ", not bfloat16 or float16");
-}
-
-// "A=1,B=0" → {A: 1, B: 0}; "x:*bf16,y:i32" → [(x, *bf16), (y, i32)].
-std::vector<std::pair<std::string, std::string>> pairs(const std::string& text, char sep) {
-  std::vector<std::pair<std::string, std::string>> out;
-  size_t start = 0;
-  while (start < text.size()) {
-    size_t end = text.find(',', start);
-    if (end == std::string::npos) end = text.size();
-    const auto item = text.substr(start, end - start);
-    const auto at = item.find(sep);
-    TORCH_CHECK(at != std::string::npos, "the fused CUDA route: '", item, "' has no '", sep, "'");
-    out.emplace_back(item.substr(0, at), item.substr(at + 1));
-    start = end + 1;
-  }
-  return out;
-}
-
-// The kernel `name` of this architecture, dtype and head dimension whose constexprs are the
-// launch's: every constexpr the entry was specialized on has the launch's value.
-const Entry& find(const std::string& name, int arch, at::ScalarType dtype, int64_t head_dim,
-                  const std::map<std::string, int64_t>& constexprs, size_t* index) {
-  auto& r = registry();
-  for (size_t i = 0; i < r.entries.size(); ++i) {
-    const auto& e = r.entries[i];
-    if (e.kernel != name || e.arch != arch || e.dtype != dtype || e.head_dim != head_dim) continue;
-    bool same = true;
-    for (const auto& [n, value] : e.key) {
-      const auto it = constexprs.find(n);
-      TORCH_CHECK(it != constexprs.end(), "the fused CUDA route: ", name, " was compiled with the constexpr ", n,
-                  ", which this launch does not set");
-      same = same && it->second == value;
-    }
-    if (same) {
-      *index = i;
-      return e;
-    }
-  }
-  std::string asked;
-  for (const auto& [n, value] : constexprs) asked += n + "=" + std::to_string(value) + " ";
-  TORCH_CHECK(false, "the fused CUDA route: no embedded ", name, " for sm_", arch, ", ", c10::toString(dtype), ", head dimension ",
-              head_dim, " and ", asked);
-}
-
-// The function of entry `index` in the current context, its module loaded on first use.
-CUfunction function_of(const Driver& d, size_t index, CUdevice device) {
-  auto& r = registry();
-  CUcontext ctx = nullptr;
-  d.check(d.ctx_get_current(&ctx), "cuCtxGetCurrent");
-  const auto key = std::make_pair(index, ctx);
-  if (const auto it = r.loaded.find(key); it != r.loaded.end()) return it->second;
-  const auto& e = r.entries[index];
-  CUmodule module = nullptr;
-  d.check(d.module_load_data(&module, e.image), "loading the cubin of " + e.kernel + " (sm_" + std::to_string(e.arch) + ")");
-  CUfunction f = nullptr;
-  d.check(d.module_get_function(&f, module, e.symbol.c_str()), "finding " + e.symbol + " in its cubin");
-  if (e.shared > kDefaultShared) {
-    int optin = 0;
-    d.check(d.device_get_attribute(&optin, kSharedOptin, device), "cuDeviceGetAttribute(shared memory)");
-    TORCH_CHECK(e.shared <= static_cast<unsigned>(optin), "the fused CUDA route: ", e.kernel, " needs ", e.shared,
-                " bytes of shared memory per block, this GPU allows ", optin);
-    d.check(d.func_set_attribute(f, kMaxDynamicShared, static_cast<int>(e.shared)), "raising " + e.kernel + "'s shared memory");
-  }
-  r.loaded.emplace(key, f);
-  return f;
-}
-
-// ---- one call
-
-// As Python names it (the dry run's record is compared with plans.py's).
-std::string dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16: return "bfloat16";
-    case at::kHalf: return "float16";
-    case at::kFloat: return "float32";
-    case at::kDouble: return "float64";
-    case at::kByte: return "uint8";
-    case at::kLong: return "int64";
-    default: return c10::toString(t);
-  }
-}
-
-at::ScalarType declared_type(const std::string& type) {
-  if (type == "*bf16") return at::kBFloat16;
-  if (type == "*fp16") return at::kHalf;
-  if (type == "*fp32") return at::kFloat;
-  if (type == "*fp64") return at::kDouble;
-  if (type == "*u8") return at::kByte;
-  if (type == "*i64") return at::kLong;
-  TORCH_CHECK(false, "the fused CUDA route: an embedded kernel takes a parameter of type ", type, ", which the launcher does not know");
-}
-
-// Pointer parameters a kernel of this route declares for features it does not use (masks,
-// BAM's draws and KL term, HNAS's mixture): a one-element tensor of the declared type.
-const std::set<std::string> kUnused = {"QPAD", "KPAD", "MASK", "BLOCKS", "BIAS", "DRAWS", "PRIOR", "RB", "KS", "TROW",
-                                       "DKL",  "DA",   "RD",   "RS",     "LOGU", "RHO_D", "RHO_S", "GU"};
-
-// BAM's sampling over the plan: the noise drawn in the kernels from the counter-based hash keyed by
-// `seed` (the same ε as the tiles' and the CPU loop's), and the KL term's score-dependent part
-// reduced there, against the prior's per-key values.
-struct Sampling {
+// The call's settings (pa_fused_spec, csrc/probattn.h), with the seed as the hash keys it.
+struct Spec {
+  double scale = 1.0;
+  int64_t sweeps = 0;
+  bool hybrid = false, causal = false;
   int64_t noise = 0;  // 1 Weibull, 2 Lognormal
-  int64_t kl = 0;     // 1 Σ a_j log π_ij, 2 Σ (log π_ij − a_j)²; the embedded set has kl = noise
-  double scale = 0.0;  // 1/k or σ
+  int64_t kl = 0;     // 1 Σ a_j log π_ij, 2 Σ (log π_ij − a_j)²; the embedded set has kl = noise or 0
+  double noise_scale = 0.0;  // 1/k or σ
   uint64_t seed = 0;
+
+  static Spec of(const pa_fused_spec& s) {
+    return {s.scale, s.sweeps, s.hybrid != 0, s.causal != 0, s.noise, s.kl, s.noise_scale, s.seed};
+  }
 };
 
 struct Call {
-  at::Tensor q, k, v, kpad, scale;  // kpad: uint8 (B, S_k), undefined without key padding
+  // kpad, qpad: uint8 (B, S_k) and (B, S_q), both or neither (the padded kernels read both; a call
+  // with one passes zeros for the other)
+  at::Tensor q, k, v, kpad, qpad, scale;
   at::Tensor seed_words, prior;      // BAM: the seed's two 32-bit words (int64), a_j as (B, H, S_k) float32
-  int64_t sweeps = 0, noise = 0, kl = 0;
-  bool causal = false;
+  at::Tensor logu;                   // BAM over HNAS: (log u, log(1 − u)) per head, (H, 2) float32
+  Spec spec;
   int arch = 0;
   int64_t head_dim = 0;  // of the cubins: the smallest embedded one that holds d and d_v
   std::map<std::string, int64_t> ints;
-  mutable std::map<at::ScalarType, at::Tensor> unused;  // one per declared type, for kUnused's parameters
+  mutable std::map<at::ScalarType, at::Tensor> unused;  // for pointer parameters of features the call does not use
   // A dry run (pa_fused_cuda_dry_run): each launch described here as JSON instead of run.
   mutable std::vector<std::string>* dry = nullptr;
 
@@ -301,95 +77,51 @@ struct Call {
   int64_t s_q() const { return q.size(2); }
   int64_t s_k() const { return k.size(2); }
   at::TensorOptions stats() const { return q.options().dtype(at::kFloat); }
-
-  std::map<std::string, int64_t> constexprs() const {
-    return {{"HAS_QPAD", 0}, {"HAS_KPAD", kpad.defined() ? 1 : 0}, {"HAS_MASK", 0}, {"HAS_BIAS", 0},
-            {"SWEEPS", std::min<int64_t>(sweeps, 1)}, {"CAUSAL", causal ? 1 : 0}, {"NOISE", noise}, {"KL", kl},
-            {"WIDE", 0}, {"MIX", 0}, {"ROWS", 0}};
-  }
+  // BAM over HNAS: the row pass mixes DNAS's and softmax's weights under the noise.
+  bool mix() const { return spec.hybrid && spec.noise != 0; }
 
   // Launches `name` over a grid of (blocks of `keys ? S_k : S_q`, B × heads) programs, its
-  // constexprs the call's and `extra`, its pointers `tensors` (by name), its integers the call's.
+  // constexprs the call's and `extra`, its pointers `tensors` (by name, with the inputs, the
+  // masks and BAM's seed and prior added), its integers the call's.
   void launch(const std::string& name, bool keys, int64_t heads, const std::map<std::string, int64_t>& extra,
-              const std::map<std::string, at::Tensor>& tensors) const {
-    auto constexprs = this->constexprs();
-    for (const auto& [n, value] : extra) constexprs[n] = value;
-    std::lock_guard<std::mutex> hold(registry().lock);
-    size_t index = 0;
-    const auto& e = find(name, arch, q.scalar_type(), head_dim, constexprs, &index);
-    std::string ints_json, tensors_json;
-
-    std::vector<CUdeviceptr> pointers;
-    std::vector<int32_t> integers;
-    pointers.reserve(e.params.size() + 2);
-    integers.reserve(e.params.size());
-    std::vector<void*> args;
-    for (const auto& [pname, type] : e.params) {
-      if (type == "i32") {
-        const auto it = ints.find(pname);
-        TORCH_CHECK(it != ints.end(), "the fused CUDA route: ", name, " takes the integer ", pname, ", which the launcher does not set");
-        TORCH_CHECK(it->second >= INT32_MIN && it->second <= INT32_MAX, "the fused CUDA route: ", pname, " = ", it->second,
-                    " does not fit the kernels' 32-bit integers");
-        integers.push_back(static_cast<int32_t>(it->second));
-        args.push_back(&integers.back());
-        ints_json += (ints_json.empty() ? "\"" : ", \"") + pname + "\": " + std::to_string(it->second);
-        continue;
-      }
-      const auto want = declared_type(type);
-      at::Tensor t;
-      if (const auto it = tensors.find(pname); it != tensors.end()) {
-        t = it->second;
-        std::string shape;
-        for (const auto n : t.sizes()) shape += (shape.empty() ? "" : ", ") + std::to_string(n);
-        tensors_json += (tensors_json.empty() ? "\"" : ", \"") + pname + "\": [[" + shape + "], \"" + dtype_name(t.scalar_type()) + "\"]";
-      } else {
-        TORCH_CHECK(kUnused.count(pname) > 0, "the fused CUDA route: ", name, " takes the tensor ", pname,
-                    ", which the launcher does not pass");
-        auto& slot = unused[want];
-        if (!slot.defined()) slot = at::zeros({2}, q.options().dtype(want));
-        t = slot;
-      }
-      TORCH_CHECK(t.scalar_type() == want && t.device() == q.device() && t.is_contiguous(), "the fused CUDA route: ", name, "'s ", pname,
-                  " must be a contiguous ", c10::toString(want), " tensor on ", q.device(), ", got ", c10::toString(t.scalar_type()),
-                  " on ", t.device());
-      pointers.push_back(dry != nullptr ? 0 : reinterpret_cast<CUdeviceptr>(t.data_ptr()));
-      args.push_back(&pointers.back());
-    }
-    // Triton 3.6 appends two scratch pointers (global and profile); the embedded kernels need neither.
-    pointers.push_back(0);
-    args.push_back(&pointers.back());
-    pointers.push_back(0);
-    args.push_back(&pointers.back());
-
-    const int64_t block = keys ? e.block_n : e.block_m;
-    const int64_t blocks = ((keys ? s_k() : s_q()) + block - 1) / block;
-    const int64_t programs = b() * heads;
-    TORCH_CHECK(blocks <= INT32_MAX && programs <= 65535, "the fused CUDA route: a grid of ", blocks, " × ", programs,
-                " programs exceeds CUDA's limits (B × heads ≤ 65535)");
-    if (dry != nullptr) {
-      std::string key;
-      for (const auto& [n, value] : e.key) key += (key.empty() ? "\"" : ", \"") + n + "\": " + std::to_string(value);
-      dry->push_back("{\"kernel\": \"" + name + "\", \"key\": {" + key + "}, \"grid\": [" + std::to_string(blocks) + ", " +
-                     std::to_string(programs) + "], \"ints\": {" + ints_json + "}, \"tensors\": {" + tensors_json + "}}");
-      return;
-    }
-    const auto& d = working_driver();
-    const c10::DeviceGuard device_guard(q.device());
-    const CUdevice device = current_context(d, q.device().index());
-    const CUfunction f = function_of(d, index, device);
-    const auto stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(q.device());
-    d.check(d.launch_kernel(f, static_cast<unsigned>(blocks), static_cast<unsigned>(programs), 1, 32 * e.num_warps, 1, 1, e.shared,
-                            static_cast<CUstream>(stream.native_handle()), args.data(), nullptr),
-            "launching " + name);
+              std::map<std::string, at::Tensor> tensors) const {
+    probattn::fused::Launch l;
+    l.name = name;
+    l.arch = arch;
+    l.dtype = q.scalar_type();
+    l.head_dim = head_dim;
+    l.constexprs = {{"HAS_QPAD", qpad.defined() ? 1 : 0}, {"HAS_KPAD", kpad.defined() ? 1 : 0}, {"HAS_MASK", 0}, {"HAS_BIAS", 0},
+                    {"SWEEPS", std::min<int64_t>(spec.sweeps, 1)}, {"CAUSAL", spec.causal ? 1 : 0}, {"NOISE", spec.noise},
+                    {"KL", spec.kl}, {"WIDE", 0}, {"MIX", mix() ? 1 : 0}, {"ROWS", 0}};
+    for (const auto& [n, value] : extra) l.constexprs[n] = value;
+    tensors["Q"] = q;
+    tensors["K"] = k;
+    tensors["V"] = v;
+    tensors["SCALE"] = scale;
+    if (kpad.defined()) tensors["KPAD"] = kpad;
+    if (qpad.defined()) tensors["QPAD"] = qpad;
+    if (spec.noise != 0) tensors["DRAWS"] = seed_words;
+    if (spec.kl != 0) tensors["PRIOR"] = prior;
+    if (mix()) tensors["LOGU"] = logu;
+    l.tensors = std::move(tensors);
+    l.ints = &ints;
+    l.keys = keys;
+    l.length = keys ? s_k() : s_q();
+    l.programs = b() * heads;
+    probattn::fused::launch(l, q.device(), unused, dry);
   }
 
-  at::Tensor stat(bool keys) const { return at::zeros({b(), h(), keys ? s_k() : s_q()}, stats()); }
+  // Zeros for per-key (B, H, S_k) or per-query (B, H, S_q) statistics, after `lead` dimensions.
+  at::Tensor stat(bool keys, std::vector<int64_t> lead = {}) const {
+    lead.insert(lead.end(), {b(), h(), keys ? s_k() : s_q()});
+    return at::zeros(lead, stats());
+  }
 };
 
-// `sampling`: BAM's, or none; `prior`: a_j broadcastable to (B, H, 1, S_k) with a KL term.
-// `dry_arch`: 0 for a call that launches; else a dry run's compute capability (any device, no driver).
-Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kpad, double scale, int64_t sweeps,
-               bool causal, const Sampling& sampling, const at::Tensor& prior, int dry_arch = 0) {
+// `prior`: a_j broadcastable to (B, H, 1, S_k) with a KL term. `dry_arch`: 0 for a call that
+// launches; else a dry run's compute capability (any device, no driver).
+Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kpad, const at::Tensor& qpad,
+               const Spec& spec, const at::Tensor& prior, const at::Tensor& logit, int dry_arch = 0) {
   TORCH_CHECK((q.is_cuda() || dry_arch > 0) && k.device() == q.device() && v.device() == q.device(),
               "the fused CUDA route runs on one CUDA device, got ", q.device(), ", ", k.device(), ", ", v.device());
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "the fused CUDA route takes (B, H, S, d) tensors");
@@ -397,8 +129,13 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
                   v.scalar_type() == q.scalar_type(),
               "the fused CUDA route takes bfloat16 or float16 q, k and v of one dtype, got ", c10::toString(q.scalar_type()), ", ",
               c10::toString(k.scalar_type()), ", ", c10::toString(v.scalar_type()));
-  TORCH_CHECK(sweeps == 0 || sweeps == 1, "the fused CUDA route runs 0 or 1 sweeps (softmax, DNAS), got ", sweeps);
-  TORCH_CHECK(!(causal && sweeps > 0), "a causal mask with a column sweep would let later queries change earlier ones' weights");
+  TORCH_CHECK(spec.sweeps >= 0, "the fused CUDA route: sweeps must be 0 or more, got ", spec.sweeps);
+  TORCH_CHECK(!(spec.causal && spec.sweeps > 0), "a causal mask with a column sweep would let later queries change earlier ones' weights");
+  TORCH_CHECK(!spec.hybrid || spec.sweeps == 1, "the fused CUDA route mixes HNAS from DNAS (one sweep) and softmax; got ", spec.sweeps,
+              " sweeps");
+  TORCH_CHECK(!spec.hybrid || spec.noise == 0 || (logit.defined() && logit.dim() == 1 && logit.size(0) == q.size(1)),
+              "BAM over HNAS on the fused CUDA route needs the gate logits, one per query head (", q.size(1), ")");
+  TORCH_CHECK(spec.noise == 0 || !(spec.hybrid && spec.kl == 0), "the fused CUDA route samples BAM over HNAS with its KL term only");
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(3) == q.size(3) && v.size(1) == k.size(1) &&
                   v.size(2) == k.size(2) && k.size(1) >= 1 && q.size(1) % k.size(1) == 0,
               "the fused CUDA route: q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(), " do not fit together");
@@ -406,48 +143,41 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   c.q = q.contiguous();
   c.k = k.contiguous();
   c.v = v.contiguous();
-  c.sweeps = sweeps;
-  c.causal = causal;
-  int device_arch = dry_arch;
-  if (dry_arch == 0) {
-    const auto& d = working_driver();
-    const c10::DeviceGuard device_guard(q.device());
-    device_arch = compute_capability(d, current_context(d, q.device().index()));
-  }
-  // A cubin runs on its own architecture and on later minor versions of the same major one (sm_80's
-  // on sm_86 and sm_89): the newest such, then the smallest head dimension that holds d and d_v.
+  c.spec = spec;
+  const int device_arch = dry_arch > 0 ? dry_arch : probattn::fused::device_capability(q.device().index());
   const int64_t widest = std::max(q.size(3), v.size(3));
-  {
-    std::lock_guard<std::mutex> hold(registry().lock);
-    for (const auto& e : registry().entries) {
-      if (e.arch / 10 == device_arch / 10 && e.arch <= device_arch && e.arch > c.arch) c.arch = e.arch;
-    }
-    for (const auto& e : registry().entries) {
-      if (e.arch == c.arch && e.dtype == q.scalar_type() && e.head_dim >= widest && (c.head_dim == 0 || e.head_dim < c.head_dim)) {
-        c.head_dim = e.head_dim;
-      }
-    }
-  }
+  std::tie(c.arch, c.head_dim) = probattn::fused::choose(device_arch, q.scalar_type(), widest);
   TORCH_CHECK(c.head_dim > 0, "the fused CUDA route has no embedded kernel for this GPU (sm_", device_arch, "), ",
               c10::toString(q.scalar_type()), " and head dimension ", widest);
-  if (kpad.defined()) {
-    TORCH_CHECK(kpad.dim() == 2 && kpad.size(0) == q.size(0) && kpad.size(1) == k.size(2), "the key padding mask must be (B, S_k) = (",
-                q.size(0), ", ", k.size(2), "), got ", kpad.sizes());
-    c.kpad = kpad.to(q.device(), at::kByte).contiguous();
+  if (kpad.defined() || qpad.defined()) {
+    const auto padding = [&](const at::Tensor& mask, int64_t length, const char* name) {
+      if (!mask.defined()) return at::zeros({q.size(0), length}, q.options().dtype(at::kByte));
+      TORCH_CHECK(mask.dim() == 2 && mask.size(0) == q.size(0) && mask.size(1) == length, "the ", name, " padding mask must be (B, S) = (",
+                  q.size(0), ", ", length, "), got ", mask.sizes());
+      return mask.to(q.device(), at::kByte).contiguous();
+    };
+    c.kpad = padding(kpad, k.size(2), "key");
+    c.qpad = padding(qpad, q.size(2), "query");
   }
-  c.scale = at::tensor({scale, sampling.scale}, at::TensorOptions().dtype(at::kFloat)).to(q.device());
-  c.noise = sampling.noise;
-  c.kl = sampling.kl;
-  TORCH_CHECK(c.noise >= 0 && c.noise <= 2 && (c.kl == 0 || c.kl == c.noise), "the fused CUDA route draws Weibull (1) or Lognormal (2) "
-              "noise with its own KL form, got noise ", c.noise, " and KL ", c.kl);
-  TORCH_CHECK(c.noise == 0 || !causal, "the fused CUDA route has no causal BAM kernels");
+  c.scale = at::tensor({spec.scale, spec.noise_scale}, at::TensorOptions().dtype(at::kFloat)).to(q.device());
+  TORCH_CHECK(spec.noise >= 0 && spec.noise <= 2 && (spec.kl == 0 || spec.kl == spec.noise), "the fused CUDA route draws Weibull (1) "
+              "or Lognormal (2) noise with its own KL form, got noise ", spec.noise, " and KL ", spec.kl);
   // Entry positions past 2^32 take the hash's wide form (WIDE), which the embedded set leaves out.
-  TORCH_CHECK(c.noise == 0 || q.size(0) * q.size(1) * q.size(2) * k.size(2) <= (int64_t{1} << 32),
+  TORCH_CHECK(spec.noise == 0 || q.size(0) * q.size(1) * q.size(2) * k.size(2) <= (int64_t{1} << 32),
               "the fused CUDA route draws BAM's noise for at most 2^32 score entries");
-  c.seed_words = at::tensor({static_cast<int64_t>(sampling.seed & 0xFFFFFFFFu), static_cast<int64_t>(sampling.seed >> 32)},
+  // The padded kernels are the only ones BAM has: no padding is a padding of nothing.
+  if (spec.noise != 0 && !c.kpad.defined()) {
+    c.kpad = at::zeros({q.size(0), k.size(2)}, q.options().dtype(at::kByte));
+    c.qpad = at::zeros({q.size(0), q.size(2)}, q.options().dtype(at::kByte));
+  }
+  if (c.mix()) {
+    const auto l = logit.detach().to(q.device(), at::kFloat);
+    c.logu = at::stack({at::log_sigmoid(l), at::log_sigmoid(-l)}, -1).contiguous();
+  }
+  c.seed_words = at::tensor({static_cast<int64_t>(spec.seed & 0xFFFFFFFFu), static_cast<int64_t>(spec.seed >> 32)},
                             at::TensorOptions().dtype(at::kLong))
                      .to(q.device());
-  if (c.kl != 0) {
+  if (spec.kl != 0) {
     TORCH_CHECK(prior.defined() && prior.is_floating_point() && prior.dim() <= 4, "a KL term needs the prior's per-key values, "
                 "a floating-point tensor broadcastable to (B, H, 1, S_k)");
     auto own = prior.detach().to(q.device(), at::kFloat);
@@ -457,6 +187,7 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   }
   const auto qs = c.q.strides(), ks = c.k.strides(), vs = c.v.strides();
   const int64_t b = c.b(), h = c.h(), s_q = c.s_q(), s_k = c.s_k(), dv = v.size(3);
+  const bool kl = spec.kl != 0;
   c.ints = {{"stride_qb", qs[0]}, {"stride_qh", qs[1]}, {"stride_qs", qs[2]}, {"stride_kb", ks[0]}, {"stride_kh", ks[1]},
             {"stride_ks", ks[2]}, {"stride_vb", vs[0]}, {"stride_vh", vs[1]}, {"stride_vs", vs[2]},
             // outputs, gradients and statistics are contiguous, shaped as what they belong to
@@ -464,115 +195,221 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
             {"stride_doh", s_q * dv}, {"stride_dos", dv}, {"stride_dqb", qs[0]}, {"stride_dqh", qs[1]}, {"stride_dqs", qs[2]},
             {"stride_dkb", ks[0]}, {"stride_dkh", ks[1]}, {"stride_dks", ks[2]}, {"stride_dvb", vs[0]}, {"stride_dvh", vs[1]},
             {"stride_dvs", vs[2]}, {"stride_cb", h * s_k}, {"stride_ch", s_k}, {"stride_rb", h * s_q}, {"stride_rh", s_q},
-            {"stride_t", b * h * s_k}, {"stride_tr", b * h * s_q}, {"stride_qpad", 0}, {"stride_kpad", kpad.defined() ? s_k : 0},
+            {"stride_t", b * h * s_k}, {"stride_tr", b * h * s_q}, {"stride_qpad", c.qpad.defined() ? s_q : 0},
+            {"stride_kpad", c.kpad.defined() ? s_k : 0},
             {"stride_mb", 0}, {"stride_mh", 0}, {"stride_mm", 0}, {"stride_mn", 0}, {"stride_bb", 0}, {"stride_bh", 0},
             {"stride_bm", 0}, {"stride_bn", 0}, {"stride_ab", 0}, {"stride_ah", 0}, {"stride_am", 0}, {"stride_an", 0},
-            {"stride_pb", c.kl != 0 ? h * s_k : 0}, {"stride_ph", c.kl != 0 ? s_k : 0}, {"stride_pn", c.kl != 0 ? 1 : 0},
+            {"stride_pb", kl ? h * s_k : 0}, {"stride_ph", kl ? s_k : 0}, {"stride_pn", kl ? 1 : 0},
             {"H", h}, {"H_KV", c.h_kv()}, {"GROUP", h / c.h_kv()}, {"S_Q", s_q}, {"S_K", s_k}, {"D", q.size(3)}, {"DV", dv}};
-  // Every offset a kernel forms is a 32-bit product of these.
+  // Every offset a kernel forms is a 32-bit product of these (Sinkhorn-N's potentials: N of them).
   for (const auto& t : {c.q, c.k, c.v}) {
     TORCH_CHECK(t.numel() <= INT32_MAX, "the fused CUDA route indexes with 32-bit integers: a tensor of ", t.numel(),
                 " elements is too large");
   }
-  TORCH_CHECK(b * h * s_q * dv <= INT32_MAX, "the fused CUDA route indexes with 32-bit integers: the output is too large");
+  TORCH_CHECK(b * h * s_q * dv <= INT32_MAX && std::max<int64_t>(spec.sweeps, 1) * b * h * std::max(s_q, s_k) <= INT32_MAX,
+              "the fused CUDA route indexes with 32-bit integers: the output or the statistics are too large");
   return c;
 }
 
-// The masks a pass reads, by name.
-std::map<std::string, at::Tensor> with_masks(const Call& c, std::map<std::string, at::Tensor> tensors) {
-  tensors["Q"] = c.q;
-  tensors["K"] = c.k;
-  tensors["V"] = c.v;
-  tensors["SCALE"] = c.scale;
-  if (c.kpad.defined()) tensors["KPAD"] = c.kpad;
-  if (c.noise != 0) tensors["DRAWS"] = c.seed_words;
-  if (c.kl != 0) tensors["PRIOR"] = c.prior;
-  return tensors;
+// What a forward leaves for its backward. 0 and 1 sweeps: c (B, H, S_k; zeros for softmax) and r
+// (B, H, S_q); HNAS adds softmax's output and row statistic (out2, r2), BAM over HNAS the two
+// bases' row statistics (rd, rs); a KL term its per-row statistics (rb, ks, and the part's rows
+// trow). Sinkhorn-N: c and r hold a potential per sweep, (N, B, H, S).
+struct Forward {
+  at::Tensor out, c, r, out2, r2, rd, rs, rb, ks, trow;
+};
+
+// A row pass's tensors for the KL term's per-row statistics, made in `f`.
+void with_kl_rows(const Call& call, Forward& f, std::map<std::string, at::Tensor>& row) {
+  if (call.spec.kl == 0) return;
+  f.rb = call.stat(false), f.ks = call.stat(false), f.trow = call.stat(false);
+  row.insert({{"RB", f.rb}, {"KS", f.ks}, {"TROW", f.trow}});
 }
 
-// (out, c, r, rb, ks, trow): the output, the column and row statistics (c zero for softmax), and
-// with a KL term the row pass's per-row statistics of it (RB, KS, TROW; undefined without).
-std::vector<at::Tensor> fused_forward(const Call& call) {
+Forward sinkhorn_forward(const Call& call, at::Tensor out) {
+  const int64_t n = call.spec.sweeps;
+  auto cs = call.stat(true, {n}), rs = call.stat(false, {n});
+  for (int64_t t = 0; t < n; ++t) {
+    call.launch("_sink_reduce", true, call.h(), {{"COLUMNS", 1}, {"LSE", 1}, {"HAS_RPOT", t > 0 ? 1 : 0}},
+                {{"RPOT", rs[t > 0 ? t - 1 : 0]}, {"CPOT", cs[t]}, {"COEF", cs[t]}, {"OUT", cs[t]}});
+    if (t < n - 1) {
+      call.launch("_sink_reduce", false, call.h(), {{"COLUMNS", 0}, {"LSE", 1}, {"HAS_RPOT", 0}},
+                  {{"RPOT", rs[t]}, {"CPOT", cs[t]}, {"COEF", rs[t]}, {"OUT", rs[t]}});
+    }
+  }
+  Forward f;
+  f.out = out, f.c = cs, f.r = rs;
+  // The last row pass is DNAS's with the last column potential as its statistic.
+  std::map<std::string, at::Tensor> row = {{"C", cs[n - 1]}, {"O", out}, {"R", rs[n - 1]}, {"O2", out}, {"R2", rs[n - 1]}};
+  with_kl_rows(call, f, row);
+  call.launch("_row_pass", false, call.h(), {{"HYBRID", 0}, {"SWEEPS", 1}}, row);
+  return f;
+}
+
+Forward fused_forward(const Call& call) {
   auto out = at::empty({call.b(), call.h(), call.s_q(), call.v.size(3)}, call.q.options());
-  auto c = call.stat(true), r = call.stat(false);
-  if (call.sweeps > 0) call.launch("_column_pass", true, call.h(), {}, with_masks(call, {{"C", c}}));
-  std::map<std::string, at::Tensor> row = {{"C", c}, {"O", out}, {"R", r}, {"O2", out}, {"R2", r}};
-  at::Tensor rb, ks, trow;
-  if (call.kl != 0) {
-    rb = call.stat(false), ks = call.stat(false), trow = call.stat(false);
-    row.insert({{"RB", rb}, {"KS", ks}, {"TROW", trow}});
+  if (call.spec.sweeps > 1) return sinkhorn_forward(call, out);
+  Forward f;
+  f.out = out, f.c = call.stat(true), f.r = call.stat(false);
+  if (call.spec.sweeps > 0) call.launch("_column_pass", true, call.h(), {}, {{"C", f.c}});
+  const bool two = call.spec.hybrid && !call.mix();  // HNAS's two accumulators
+  f.out2 = two ? at::empty_like(out) : out;
+  f.r2 = two ? call.stat(false) : f.r;
+  std::map<std::string, at::Tensor> row = {{"C", f.c}, {"O", out}, {"R", f.r}, {"O2", f.out2}, {"R2", f.r2}};
+  if (call.mix()) {
+    // DNAS's and softmax's row statistics first, for the mixture's row pass.
+    f.rd = call.stat(false), f.rs = call.stat(false);
+    const auto none = at::zeros_like(f.c);
+    for (const auto& [columns, rows] : {std::pair{f.c, f.rd}, std::pair{none, f.rs}}) {
+      call.launch("_sink_reduce", false, call.h(), {{"COLUMNS", 0}, {"LSE", 1}, {"HAS_RPOT", 0}},
+                  {{"RPOT", f.r}, {"CPOT", columns}, {"COEF", columns}, {"OUT", rows}});
+    }
+    row.insert({{"RD", f.rd}, {"RS", f.rs}});
   }
-  call.launch("_row_pass", false, call.h(), {{"HYBRID", 0}}, with_masks(call, row));
-  return {out, c, r, rb, ks, trow};
+  with_kl_rows(call, f, row);
+  call.launch("_row_pass", false, call.h(), {{"HYBRID", two ? 1 : 0}}, row);
+  if (!two) f.out2 = f.r2 = at::Tensor();
+  return f;
 }
 
-// (dq, dk, dv, da) by recomputation; `forward` is fused_forward's result, `grad_part` the
-// gradient in the KL part (B, H) (undefined: none; the passes then take zeros, which add nothing).
-// da (B, H, S_k) is the gradient in the prior's values, with a KL term.
-std::vector<at::Tensor> fused_backward(const Call& call, const std::vector<at::Tensor>& forward, const at::Tensor& grad_out,
-                                       const at::Tensor& grad_part) {
-  const auto &out = forward[0], &c = forward[1], &r = forward[2];
+// D_i = Σ_d dO_id O_id, and dO in the inputs' dtype (zeros where no gradient came).
+std::pair<at::Tensor, at::Tensor> d_rows(const Call& call, const at::Tensor& out, const at::Tensor& grad_out) {
   const auto grad = grad_out.defined() ? grad_out.to(call.q.scalar_type()).contiguous() : at::zeros_like(out);
-  const auto delta = (grad.to(at::kFloat) * out.to(at::kFloat)).sum(-1).contiguous();  // D_i = Σ_d dO_id O_id
-  auto dq = at::empty_like(call.q), dk = at::empty_like(call.k), dv = at::empty_like(call.v);
+  return {grad, (grad.to(at::kFloat) * out.to(at::kFloat)).sum(-1).contiguous()};
+}
+
+// The gradients a backward returns: in q, k, v, the prior's values (B, H, S_k) with a KL term,
+// and, for BAM over HNAS, the gate's per-row gradient (B, H, S_q).
+struct Grads {
+  at::Tensor dq, dk, dv, da, gu;
+};
+
+// The KL term's tensors for a gradient pass: its per-row statistics from the forward, the
+// gradient in its part (`grad_part`; undefined: none, and the passes take zeros, which add
+// nothing), and the prior's gradient, made in `d`.
+std::map<std::string, at::Tensor> kl_grads(const Call& call, const Forward& f, const at::Tensor& grad_part, Grads& d) {
+  if (call.spec.kl == 0) return {};
+  const auto dkl = grad_part.defined() ? grad_part.to(at::kFloat).contiguous() : at::zeros({call.b(), call.h()}, call.stats());
+  d.da = at::zeros({call.b(), call.h(), call.s_k()}, call.stats());
+  return {{"RB", f.rb}, {"KS", f.ks}, {"DKL", dkl}, {"DA", d.da}};
+}
+
+// The plan with `sweeps` 0 or 1 for statistics (c, r), by recomputation.
+Grads plan_backward(const Call& call, int64_t sweeps, const at::Tensor& out, const at::Tensor& c, const at::Tensor& r, const Forward& f,
+                    const at::Tensor& grad_out, const at::Tensor& grad_part) {
+  const auto [grad, delta] = d_rows(call, out, grad_out);
+  Grads d;
+  d.dq = at::empty_like(call.q), d.dk = at::empty_like(call.k), d.dv = at::empty_like(call.v);
   auto g = call.stat(true);
-  std::map<std::string, at::Tensor> key = {{"C", c},   {"R", r},       {"DO", grad}, {"DELTA", delta},
-                                           {"DK", dk}, {"DV_OUT", dv}, {"G", g},     {"MASS", g}};
-  std::map<std::string, at::Tensor> query = {{"C", c}, {"R", r}, {"DO", grad}, {"DELTA", delta}, {"G", g}, {"DQ", dq}};
-  at::Tensor da;
-  if (call.kl != 0) {
-    const auto dkl = grad_part.defined() ? grad_part.to(at::kFloat).contiguous() : at::zeros({call.b(), call.h()}, call.stats());
-    da = at::zeros({call.b(), call.h(), call.s_k()}, call.stats());
-    for (auto* pass : {&key, &query}) pass->insert({{"RB", forward[3]}, {"KS", forward[4]}, {"DKL", dkl}, {"DA", da}});
+  std::map<std::string, at::Tensor> key = {{"C", c},     {"R", r},         {"DO", grad}, {"DELTA", delta},
+                                           {"DK", d.dk}, {"DV_OUT", d.dv}, {"G", g},     {"MASS", g}};
+  std::map<std::string, at::Tensor> query = {{"C", c}, {"R", r}, {"DO", grad}, {"DELTA", delta}, {"G", g}, {"DQ", d.dq}};
+  for (const auto& [name, t] : kl_grads(call, f, grad_part, d)) key[name] = query[name] = t;
+  if (call.mix()) {
+    const auto rho_d = call.stat(false), rho_s = call.stat(false);
+    for (auto* pass : {&key, &query}) pass->insert({{"RD", f.rd}, {"RS", f.rs}, {"RHO_D", rho_d}, {"RHO_S", rho_s}});
+    // The gate's gradient per row and the rows' terms of the mixture, before the key pass.
+    d.gu = call.stat(false);
+    auto rows = query;
+    rows["GU"] = d.gu;
+    call.launch("_query_pass", false, call.h(), {{"SWEEPS", sweeps}, {"ROWS", 1}}, rows);
   }
-  call.launch("_key_pass", true, call.h_kv(), {{"GRADS", 1}}, with_masks(call, key));
-  call.launch("_query_pass", false, call.h(), {}, with_masks(call, query));
-  return {dq, dk, dv, da};
+  call.launch("_key_pass", true, call.h_kv(), {{"GRADS", 1}, {"SWEEPS", sweeps}}, key);
+  call.launch("_query_pass", false, call.h(), {{"SWEEPS", sweeps}}, query);
+  return d;
+}
+
+// Sinkhorn-N: g from dS¹, the potentials' gradients reduced from the last sweep back to the
+// first, then dK, dV and dQ with the whole dz.
+Grads sinkhorn_backward(const Call& call, const Forward& f, const at::Tensor& grad_out, const at::Tensor& grad_part) {
+  const int64_t n = call.spec.sweeps;
+  const auto [grad, delta] = d_rows(call, f.out, grad_out);
+  Grads d;
+  d.dq = at::empty_like(call.q), d.dk = at::empty_like(call.k), d.dv = at::empty_like(call.v);
+  auto gc = at::zeros_like(f.c), gr = at::zeros_like(f.r), g = call.stat(true);
+  std::map<std::string, at::Tensor> common = {{"CS", f.c},       {"RS", f.r},  {"GC", gc},   {"GR", gr},       {"DO", grad},
+                                              {"DELTA", delta}, {"DQ", d.dq}, {"DK", d.dk}, {"DV_OUT", d.dv}, {"G", g}};
+  for (const auto& [name, t] : kl_grads(call, f, grad_part, d)) common[name] = t;
+  call.launch("_sink_grads", true, call.h(), {{"N", n}, {"STAGE", 0}}, common);
+  gc[n - 1].copy_(-g);
+  for (int64_t t = n - 2; t >= 0; --t) {
+    call.launch("_sink_reduce", false, call.h(), {{"COLUMNS", 0}, {"LSE", 0}, {"HAS_RPOT", 1}},
+                {{"RPOT", f.r[t]}, {"CPOT", f.c[t + 1]}, {"COEF", gc[t + 1]}, {"OUT", gr[t]}});
+    call.launch("_sink_reduce", true, call.h(), {{"COLUMNS", 1}, {"LSE", 0}, {"HAS_RPOT", 1}},
+                {{"RPOT", f.r[t]}, {"CPOT", f.c[t]}, {"COEF", gr[t]}, {"OUT", gc[t]}});
+  }
+  call.launch("_sink_grads", true, call.h_kv(), {{"N", n}, {"STAGE", 1}}, common);
+  call.launch("_sink_grads", false, call.h(), {{"N", n}, {"STAGE", 2}}, common);
+  return d;
+}
+
+// The gradients for a forward's statistics; `grads` the gradients in (out, the KL part, HNAS's
+// softmax output).
+Grads fused_backward(const Call& call, const Forward& f, const variable_list& grads) {
+  const auto grad_part = call.spec.kl != 0 ? grads[1] : at::Tensor();
+  if (call.spec.sweeps > 1) return sinkhorn_backward(call, f, grads[0], grad_part);
+  auto d = plan_backward(call, std::min<int64_t>(call.spec.sweeps, 1), f.out, f.c, f.r, f, grads[0], grad_part);
+  if (call.spec.hybrid && !call.mix()) {
+    // softmax's branch: no column statistic (zeros), its own row statistic and output
+    const auto s = plan_backward(call, 0, f.out2, at::zeros_like(f.c), f.r2, f, grads[2], at::Tensor());
+    d.dq = d.dq + s.dq, d.dk = d.dk + s.dk, d.dv = d.dv + s.dv;
+  }
+  return d;
 }
 
 struct FusedAttention : torch::autograd::Function<FusedAttention> {
-  // (output, the KL part T (B, H): zeros without a KL term), differentiable in q, k, v and the prior.
+  // (output, the KL part T (B, H): zeros without a KL term, HNAS's softmax output: empty but for
+  // HNAS without noise), differentiable in q, k, v, the prior and (BAM over HNAS) the gate logits.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               std::optional<at::Tensor> kpad, std::optional<at::Tensor> prior, double scale, int64_t sweeps, bool causal,
-                               int64_t noise, int64_t kl, double noise_scale, int64_t seed) {
-    const Sampling sampling{noise, kl, noise_scale, static_cast<uint64_t>(seed)};
-    const auto call = make_call(q, k, v, kpad.value_or(at::Tensor()), scale, sweeps, causal, sampling, prior.value_or(at::Tensor()));
-    auto result = fused_forward(call);
-    const auto part = kl != 0 ? result[5].sum(-1) : at::zeros({call.b(), call.h()}, call.stats());
-    ctx->save_for_backward({call.q, call.k, call.v, result[0], result[1], result[2], result[3], result[4]});
-    probattn::tiled::keep_optional(ctx, "kpad", call.kpad);
-    probattn::tiled::keep_optional(ctx, "prior", prior.value_or(at::Tensor()));
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["sweeps"] = sweeps;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["noise"] = noise;
-    ctx->saved_data["kl"] = kl;
-    ctx->saved_data["noise_scale"] = noise_scale;
-    ctx->saved_data["seed"] = seed;
+                               std::optional<at::Tensor> kpad, std::optional<at::Tensor> qpad, std::optional<at::Tensor> prior,
+                               std::optional<at::Tensor> logit, double scale, int64_t sweeps, bool hybrid, bool causal, int64_t noise,
+                               int64_t kl, double noise_scale, int64_t seed) {
+    const Spec spec{scale, sweeps, hybrid, causal, noise, kl, noise_scale, static_cast<uint64_t>(seed)};
+    const auto call = make_call(q, k, v, kpad.value_or(at::Tensor()), qpad.value_or(at::Tensor()), spec, prior.value_or(at::Tensor()),
+                                logit.value_or(at::Tensor()));
+    const auto f = fused_forward(call);
+    const auto part = kl != 0 ? f.trow.sum(-1) : at::zeros({call.b(), call.h()}, call.stats());
+    const bool two = hybrid && noise == 0;
+    const auto out2 = two ? f.out2 : at::empty({0}, q.options());
+    ctx->save_for_backward({call.q, call.k, call.v, f.out, f.c, f.r, f.out2, f.r2, f.rd, f.rs, f.rb, f.ks});
+    for (const auto& [name, t] : {std::pair<const char*, at::Tensor>{"kpad", call.kpad}, {"qpad", call.qpad},
+                                  {"prior", prior.value_or(at::Tensor())}, {"logit", logit.value_or(at::Tensor())}}) {
+      probattn::tiled::keep_optional(ctx, name, t);
+    }
+    auto& data = ctx->saved_data;
+    data["scale"] = scale, data["sweeps"] = sweeps, data["hybrid"] = hybrid, data["causal"] = causal;
+    data["noise"] = noise, data["kl"] = kl, data["noise_scale"] = noise_scale, data["seed"] = seed;
     if (kl == 0) ctx->mark_non_differentiable({part});
-    return {result[0], part};
+    if (!two) ctx->mark_non_differentiable({out2});
+    return {f.out, part, out2};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto prior = probattn::tiled::kept_optional(ctx, "prior");
-    const Sampling sampling{ctx->saved_data["noise"].toInt(), ctx->saved_data["kl"].toInt(), ctx->saved_data["noise_scale"].toDouble(),
-                            static_cast<uint64_t>(ctx->saved_data["seed"].toInt())};
+    const auto prior = probattn::tiled::kept_optional(ctx, "prior"), logit = probattn::tiled::kept_optional(ctx, "logit");
+    auto& data = ctx->saved_data;
+    const Spec spec{data["scale"].toDouble(), data["sweeps"].toInt(), data["hybrid"].toBool(), data["causal"].toBool(),
+                    data["noise"].toInt(),   data["kl"].toInt(),     data["noise_scale"].toDouble(),
+                    static_cast<uint64_t>(data["seed"].toInt())};
     const auto call = make_call(saved[0], saved[1], saved[2], probattn::tiled::kept_optional(ctx, "kpad"),
-                                ctx->saved_data["scale"].toDouble(), ctx->saved_data["sweeps"].toInt(),
-                                ctx->saved_data["causal"].toBool(), sampling, prior);
-    const std::vector<at::Tensor> forward = {saved[3], saved[4], saved[5], saved[6], saved[7]};
-    auto d = fused_backward(call, forward, grads[0], sampling.kl != 0 ? grads[1] : at::Tensor());
-    at::Tensor dprior;
-    if (prior.defined() && d[3].defined()) dprior = d[3].unsqueeze(2).sum_to_size(prior.sizes()).to(prior.scalar_type());
-    variable_list out(12);  // one per input of forward: q, k, v, kpad, prior, then the settings
-    out[0] = d[0];
-    out[1] = d[1];
-    out[2] = d[2];
-    out[4] = dprior;
+                                probattn::tiled::kept_optional(ctx, "qpad"), spec, prior, logit);
+    Forward f;
+    f.out = saved[3], f.c = saved[4], f.r = saved[5], f.out2 = saved[6], f.r2 = saved[7], f.rd = saved[8], f.rs = saved[9];
+    f.rb = saved[10], f.ks = saved[11];
+    const auto d = fused_backward(call, f, grads);
+    variable_list out(16);  // one per input of forward: q, k, v, kpad, qpad, prior, logit, then the settings
+    out[0] = d.dq, out[1] = d.dk, out[2] = d.dv;
+    if (prior.defined() && d.da.defined()) out[5] = d.da.unsqueeze(2).sum_to_size(prior.sizes()).to(prior.scalar_type());
+    if (logit.defined() && d.gu.defined()) {
+      // d/dlogit of u·(DNAS's) + (1 − u)·(softmax's) through u = sigmoid(logit): Σ over batch and rows.
+      const auto u = at::sigmoid(logit.detach().to(at::kFloat));
+      out[6] = (d.gu.sum(at::IntArrayRef{0, 2}) * u * (1 - u)).to(logit.scalar_type());
+    }
     return out;
   }
 };
+
+std::optional<at::Tensor> some(const pa_tensor* t) { return t != nullptr ? std::optional<at::Tensor>(*t) : std::nullopt; }
 
 }  // namespace
 
@@ -587,21 +424,9 @@ char* pa_fused_register(const char* kernel, int32_t arch, const char* dtype, int
       probattn::require(pointer, "pa_fused_register", name);
     }
     TORCH_CHECK(cubin_len > 4, "pa_fused_register: an empty cubin for ", kernel);
-    Entry e;
-    e.kernel = kernel;
-    e.arch = arch;
-    e.dtype = dtype_named(dtype);
-    e.head_dim = head_dim;
-    for (const auto& [n, value] : pairs(key, '=')) e.key[n] = std::stoll(value);
-    e.params = pairs(params, ':');
-    e.num_warps = num_warps;
-    e.shared = shared_bytes;
-    e.block_m = block_m;
-    e.block_n = block_n;
-    e.symbol = symbol;
-    e.image = cubin;  // the embedded bytes live as long as the program
-    std::lock_guard<std::mutex> hold(registry().lock);
-    registry().entries.push_back(std::move(e));
+    // the embedded bytes live as long as the program
+    probattn::fused::register_kernel(kernel, arch, dtype, head_dim, key, params, num_warps, shared_bytes, block_m, block_n, symbol,
+                                     cubin);
   });
 }
 
@@ -611,34 +436,31 @@ char* pa_fused_cuda_status(int64_t device_index, int32_t* arch, char** why) {
     probattn::require(why, "pa_fused_cuda_status", "why");
     *arch = 0;
     *why = nullptr;
-    const auto& d = driver();
-    if (!d.missing.empty()) {
-      *why = probattn::copy_string(d.missing);
+    if (const auto& missing = probattn::fused::driver_missing(); !missing.empty()) {
+      *why = probattn::copy_string(missing);
       return;
     }
-    CUdevice device = 0;
-    d.check(d.device_get(&device, static_cast<int>(device_index)), "cuDeviceGet");
-    *arch = compute_capability(d, device);
+    *arch = probattn::fused::device_capability(device_index);
   });
 }
 
 char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding,
-                            const pa_tensor* prior, double scale, int64_t sweeps, int32_t causal, int32_t noise, int32_t kl,
-                            double noise_scale, uint64_t seed, int32_t arch, char** json) {
+                            const pa_tensor* query_padding, const pa_tensor* prior, const pa_tensor* hybrid_logit,
+                            const pa_fused_spec* spec, int32_t arch, char** json) {
   return probattn::guard([&] {
-    for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {json, "json"}}) {
+    for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {spec, "spec"}, {json, "json"}}) {
       probattn::require(pointer, "pa_fused_cuda_dry_run", name);
     }
     TORCH_CHECK(arch > 0, "pa_fused_cuda_dry_run: a compute capability, such as 90, got ", arch);
     const probattn::tiled::NoAutocast no_autocast;
     const at::NoGradGuard no_grad;
-    const Sampling sampling{noise, kl, noise_scale, seed};
-    auto call = make_call(*q, *k, *v, key_padding != nullptr ? *key_padding : at::Tensor(), scale, sweeps, causal != 0, sampling,
-                          prior != nullptr ? *prior : at::Tensor(), arch);
+    const auto given = [](const pa_tensor* t) { return t != nullptr ? *t : at::Tensor(); };
+    auto call = make_call(*q, *k, *v, given(key_padding), given(query_padding), Spec::of(*spec), given(prior), given(hybrid_logit), arch);
     std::vector<std::string> launches;
     call.dry = &launches;
-    const auto forward = fused_forward(call);
-    fused_backward(call, forward, at::ones_like(forward[0]), kl != 0 ? at::ones({call.b(), call.h()}, call.stats()) : at::Tensor());
+    const auto f = fused_forward(call);
+    const auto ones = at::ones_like(f.out);
+    fused_backward(call, f, {ones, spec->kl != 0 ? at::ones({call.b(), call.h()}, call.stats()) : at::Tensor(), ones});
     std::string text = "[";
     for (size_t i = 0; i < launches.size(); ++i) text += (i > 0 ? ",\n " : "") + launches[i];
     *json = probattn::copy_string(text + "]");
@@ -646,21 +468,25 @@ char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_ten
 }
 
 char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding,
-                              const pa_tensor* prior, double scale, int64_t sweeps, int32_t causal, int32_t noise, int32_t kl,
-                              double noise_scale, uint64_t seed, pa_tensor** out, pa_tensor** kl_part) {
+                              const pa_tensor* query_padding, const pa_tensor* prior, const pa_tensor* hybrid_logit,
+                              const pa_fused_spec* spec, pa_tensor** out, pa_tensor** kl_part, pa_tensor** softmax_out) {
   return probattn::guard([&] {
-    for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {kl_part, "kl_part"}}) {
+    for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {spec, "spec"}, {out, "out"},
+                                 {kl_part, "kl_part"}, {softmax_out, "softmax_out"}}) {
       probattn::require(pointer, "pa_fused_cuda_attention", name);
     }
     const probattn::tiled::NoAutocast no_autocast;
-    auto some = [](const pa_tensor* t) { return t != nullptr ? std::optional<at::Tensor>(*t) : std::nullopt; };
-    auto result = FusedAttention::apply(*q, *k, *v, some(key_padding), some(prior), scale, sweeps, causal != 0, int64_t{noise}, int64_t{kl},
-                                        noise_scale, static_cast<int64_t>(seed));
-    // Both handles exist before either is handed out: an allocation that fails leaks none.
+    const auto s = *spec;
+    auto result = FusedAttention::apply(*q, *k, *v, some(key_padding), some(query_padding), some(prior), some(hybrid_logit), s.scale,
+                                        s.sweeps, s.hybrid != 0, s.causal != 0,
+                                        int64_t{s.noise}, int64_t{s.kl}, s.noise_scale, static_cast<int64_t>(s.seed));
+    // Every handle exists before any is handed out: an allocation that fails leaks none.
     auto o = std::make_unique<at::Tensor>(result[0]);
     auto p = std::make_unique<at::Tensor>(result[1]);
+    auto o2 = std::make_unique<at::Tensor>(result[2]);
     *out = o.release();
     *kl_part = p.release();
+    *softmax_out = o2.release();
   });
 }
 

@@ -7,7 +7,7 @@
 // A NULL where a function needs a pointer is an error naming the argument, not a crash.
 // Tensors are tch's `C_tensor`, i.e. `at::Tensor*`: inputs are borrowed, every `at::Tensor*`
 // handed out is new and owned by the caller (tch's `Tensor::from_ptr` takes it).
-// The only caller is probattn-sys/src/lib.rs: every `unsafe` block that crosses into this layer is there.
+// The only callers are in probattn-sys/src/: every `unsafe` block that crosses into this layer is there.
 #pragma once
 
 #include <stddef.h>
@@ -127,7 +127,7 @@ char* pa_widened_softmax(const pa_tensor* q, const pa_tensor* k, const pa_tensor
 char* pa_counter_noise(const pa_tensor* like, const int64_t* shape, int32_t noise, uint64_t seed, int64_t start, int64_t len,
                        int32_t aten_ops, pa_tensor** out);
 
-// ---- the fused CUDA route (fused_cuda.cpp): the embedded Triton kernels through the CUDA driver API
+// ---- the fused CUDA route (fused_cuda.cpp, fused_launch.cpp): the embedded Triton kernels through the CUDA driver API
 // Registers one embedded cubin (probattn-kernels' manifest entry): its kernel's name, compute
 // capability (90 for sm_90), dtype ("bfloat16", "float16"), head dimension, the constexprs it was
 // specialized on ("SWEEPS=1,CAUSAL=0,..."), its parameters in launch order ("Q:*bf16,S_Q:i32,..."),
@@ -140,25 +140,38 @@ char* pa_fused_register(const char* kernel, int32_t arch, const char* dtype, int
 // (e.g. 90), or, when the driver library is missing or sees no GPU, *arch 0 and the reason in
 // `why` (a new string; NULL when usable).
 char* pa_fused_cuda_status(int64_t device_index, int32_t* arch, char** why);
+// What a fused call computes besides its inputs. Scores `scale`·q·kᵀ; `sweeps` 0 (softmax), 1
+// (DNAS) or N ≥ 2 (Sinkhorn-N, for the N embedded); `hybrid` (with one sweep): HNAS, whose softmax
+// branch is returned beside DNAS's output for the caller to mix (without noise); `causal`
+// (softmax only, top-left). BAM's sampling over the plan when `noise` is 1 (Weibull) or 2
+// (Lognormal): the counter-based draws keyed by `seed`, the noise term's scale `noise_scale` (1/k
+// or sigma), and with `kl` (equal to `noise`; 0: none) the KL term's score-dependent part against
+// the prior.
+typedef struct {
+  double scale;
+  int64_t sweeps;
+  int32_t hybrid, causal, noise, kl;
+  double noise_scale;
+  uint64_t seed;
+} pa_fused_spec;
 // Attention of bfloat16 or float16 q (B, H, S_q, d), k (B, H_kv, S_k, d), v (B, H_kv, S_k, d_v) on
-// one CUDA device by the embedded kernels: scores `scale`·q·kᵀ, `sweeps` 0 (softmax) or 1 (DNAS),
-// `key_padding` (bool (B, S_k), true = excluded; NULL: none), `causal` (softmax only, top-left).
-// BAM's sampling over the plan when `noise` is 1 (Weibull) or 2 (Lognormal): the counter-based
-// draws keyed by `seed`, the noise term's scale `noise_scale` (1/k or sigma), and with `kl` (equal
-// to `noise`; 0: none) the KL term's score-dependent part against `prior` (a_j, broadcastable to
-// (B, H, 1, S_k)). Outputs: the attention output (q's dtype) and the KL part (B, H) (zeros without
-// a KL term); differentiable in q, k, v and `prior`.
+// one CUDA device by the embedded kernels, as `spec` says; `key_padding` bool (B, S_k) and
+// `query_padding` bool (B, S_q), true = excluded (NULL: none); `prior` a_j broadcastable to
+// (B, H, 1, S_k) with a KL term (NULL: none); `hybrid_logit` HNAS's gate logits (H,) for BAM over
+// HNAS (`hybrid` with `noise`; NULL otherwise), whose mixture the kernels then form themselves.
+// Outputs: the attention output (q's dtype), the KL part (B, H) (zeros without a KL term), and
+// HNAS's softmax output (empty without `hybrid`); differentiable in q, k, v and `prior`.
 char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding,
-                              const pa_tensor* prior, double scale, int64_t sweeps, int32_t causal, int32_t noise, int32_t kl,
-                              double noise_scale, uint64_t seed, pa_tensor** out, pa_tensor** kl_part);
+                              const pa_tensor* query_padding, const pa_tensor* prior, const pa_tensor* hybrid_logit,
+                              const pa_fused_spec* spec, pa_tensor** out, pa_tensor** kl_part, pa_tensor** softmax_out);
 // What pa_fused_cuda_attention would launch, forward then backward (with gradients of ones), for a
 // GPU of compute capability `arch`, on tensors of any device, without the driver: a JSON array of
 // {kernel, key (its constexprs), grid, ints (every integer argument), tensors (each real tensor
 // argument's [shape, dtype])} in launch order (a new string). The tests compare it with plans.py's
 // own launches of the same call.
 char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding,
-                            const pa_tensor* prior, double scale, int64_t sweeps, int32_t causal, int32_t noise, int32_t kl,
-                            double noise_scale, uint64_t seed, int32_t arch, char** json);
+                            const pa_tensor* query_padding, const pa_tensor* prior, const pa_tensor* hybrid_logit,
+                            const pa_fused_spec* spec, int32_t arch, char** json);
 
 // ---- memory statistics
 // CPU: a counting allocator for libtorch's CPU tensors (installed once, on the first call; tensors

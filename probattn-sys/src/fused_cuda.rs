@@ -33,14 +33,10 @@ extern "C" {
         k: *const C_tensor,
         v: *const C_tensor,
         key_padding: *const C_tensor,
+        query_padding: *const C_tensor,
         prior: *const C_tensor,
-        scale: f64,
-        sweeps: i64,
-        causal: i32,
-        noise: i32,
-        kl: i32,
-        noise_scale: f64,
-        seed: u64,
+        hybrid_logit: *const C_tensor,
+        spec: *const CSpec,
         arch: i32,
         json: *mut *mut c_char,
     ) -> *mut c_char;
@@ -49,16 +45,13 @@ extern "C" {
         k: *const C_tensor,
         v: *const C_tensor,
         key_padding: *const C_tensor,
+        query_padding: *const C_tensor,
         prior: *const C_tensor,
-        scale: f64,
-        sweeps: i64,
-        causal: i32,
-        noise: i32,
-        kl: i32,
-        noise_scale: f64,
-        seed: u64,
+        hybrid_logit: *const C_tensor,
+        spec: *const CSpec,
         out: *mut *mut C_tensor,
         kl_part: *mut *mut C_tensor,
+        softmax_out: *mut *mut C_tensor,
     ) -> *mut c_char;
 }
 
@@ -123,10 +116,17 @@ pub fn fused_cuda_status(index: i64) -> Result<std::result::Result<u32, String>>
 pub struct FusedSpec<'a> {
     /// The factor of `q·kᵀ`.
     pub scale: f64,
-    /// 0 softmax, 1 DNAS.
+    /// 0 softmax, 1 DNAS, N ≥ 2 Sinkhorn-N (for the N embedded: [`sinkhorn_sweeps`]).
     pub sweeps: i64,
+    /// HNAS (with one sweep): without noise, softmax's output is returned beside DNAS's, for the
+    /// caller to mix; with BAM's noise, the kernels mix the two bases' weights with the gate
+    /// `hybrid_logit`.
+    pub hybrid: bool,
     /// `(B, S_k)` bool, true = excluded.
     pub key_padding: Option<&'a Tensor>,
+    /// `(B, S_q)` bool, true = excluded: the row gets a zero output and takes no part in the
+    /// column statistics.
+    pub query_padding: Option<&'a Tensor>,
     /// Top-left causal (softmax only).
     pub causal: bool,
     /// BAM's noise: 0 none, 1 Weibull, 2 Lognormal ([`crate::TiledSpec::WEIBULL`], ...).
@@ -139,38 +139,89 @@ pub struct FusedSpec<'a> {
     pub seed: u64,
     /// The prior's per-key values `a_j`, broadcastable to `(B, H, 1, S_k)`, with a KL term.
     pub prior: Option<&'a Tensor>,
+    /// HNAS's gate logits `(H,)`, for BAM over HNAS; differentiable.
+    pub hybrid_logit: Option<&'a Tensor>,
+}
+
+/// `pa_fused_spec` (csrc/probattn.h): a [`FusedSpec`] without its tensors.
+#[repr(C)]
+struct CSpec {
+    scale: f64,
+    sweeps: i64,
+    hybrid: i32,
+    causal: i32,
+    noise: i32,
+    kl: i32,
+    noise_scale: f64,
+    seed: u64,
+}
+
+impl FusedSpec<'_> {
+    fn c(&self) -> CSpec {
+        CSpec {
+            scale: self.scale,
+            sweeps: self.sweeps,
+            hybrid: i32::from(self.hybrid),
+            causal: i32::from(self.causal),
+            noise: self.noise,
+            kl: self.kl,
+            noise_scale: self.noise_scale,
+            seed: self.seed,
+        }
+    }
+}
+
+/// What [`fused_cuda_attention`] returns.
+#[derive(Debug)]
+pub struct FusedOutput {
+    /// The attention output `(B, H, S_q, d_v)`, in q's dtype (with `hybrid`, DNAS's branch).
+    pub out: Tensor,
+    /// The KL term's score-dependent part `(B, H)` (zeros without one).
+    pub kl_part: Tensor,
+    /// With `hybrid`, softmax's branch `(B, H, S_q, d_v)`; else an empty tensor.
+    pub softmax_out: Tensor,
+}
+
+/// The sweep counts N ≥ 2 for which Sinkhorn-N's kernels are embedded, from the manifest.
+pub fn sinkhorn_sweeps() -> Vec<i64> {
+    let mut n: Vec<i64> = probattn_kernels::kernels()
+        .iter()
+        .filter(|k| k.kernel == "_sink_grads")
+        .filter_map(|k| k.key.iter().find(|(name, _)| *name == "N").map(|(_, v)| *v))
+        .collect();
+    n.sort_unstable();
+    n.dedup();
+    n
 }
 
 /// Attention of bfloat16 or float16 `q (B, H, S_q, d)`, `k (B, H_kv, S_k, d)`, `v (B, H_kv, S_k,
-/// d_v)` on one CUDA device by the embedded kernels, as `spec` says: the output and the KL
-/// term's score-dependent part `(B, H)` (zeros without one), differentiable in q, k, v and the
-/// prior. What the route serves is the caller's to decide (src/attention/fused_cuda.rs); anything
-/// else is an error that names it.
-pub fn fused_cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec) -> Result<(Tensor, Tensor)> {
+/// d_v)` on one CUDA device by the embedded kernels, as `spec` says ([`FusedOutput`]),
+/// differentiable in q, k, v and the prior. What the route serves is the caller's to decide
+/// (src/attention/fused_cuda.rs); anything else is an error that names it.
+pub fn fused_cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec) -> Result<FusedOutput> {
     registered()?;
-    let (mut out, mut part) = (ptr::null_mut(), ptr::null_mut());
+    let (mut out, mut part, mut softmax_out) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
     let optional = |t: Option<&Tensor>| t.map_or(ptr::null(), |t| t.as_ptr());
-    // SAFETY: the tensor pointers borrow live tensors for the call; `out` and `part` are new
-    // tensors written on success only, owned by `Tensor::from_ptr` from then on.
+    let c_spec = spec.c();
+    // SAFETY: the tensor pointers borrow live tensors for the call and `c_spec` is a live local;
+    // the three outputs are new tensors written on success only, owned by `Tensor::from_ptr`
+    // from then on.
     unsafe {
         let status = pa_fused_cuda_attention(
             q.as_ptr(),
             k.as_ptr(),
             v.as_ptr(),
             optional(spec.key_padding),
+            optional(spec.query_padding),
             optional(spec.prior),
-            spec.scale,
-            spec.sweeps,
-            i32::from(spec.causal),
-            spec.noise,
-            spec.kl,
-            spec.noise_scale,
-            spec.seed,
+            optional(spec.hybrid_logit),
+            &c_spec,
             &mut out,
             &mut part,
+            &mut softmax_out,
         );
         check(status, Error::Torch)?;
-        Ok((Tensor::from_ptr(out), Tensor::from_ptr(part)))
+        Ok(FusedOutput { out: Tensor::from_ptr(out), kl_part: Tensor::from_ptr(part), softmax_out: Tensor::from_ptr(softmax_out) })
     }
 }
 
@@ -183,22 +234,19 @@ pub fn fused_cuda_dry_run(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec, 
     registered()?;
     let mut json = ptr::null_mut();
     let optional = |t: Option<&Tensor>| t.map_or(ptr::null(), |t| t.as_ptr());
-    // SAFETY: the tensor pointers borrow live tensors for the call; `json` is a new string written
-    // on success only, taken once.
+    let c_spec = spec.c();
+    // SAFETY: the tensor pointers borrow live tensors for the call and `c_spec` is a live local;
+    // `json` is a new string written on success only, taken once.
     let status = unsafe {
         pa_fused_cuda_dry_run(
             q.as_ptr(),
             k.as_ptr(),
             v.as_ptr(),
             optional(spec.key_padding),
+            optional(spec.query_padding),
             optional(spec.prior),
-            spec.scale,
-            spec.sweeps,
-            i32::from(spec.causal),
-            spec.noise,
-            spec.kl,
-            spec.noise_scale,
-            spec.seed,
+            optional(spec.hybrid_logit),
+            &c_spec,
             arch as i32,
             &mut json,
         )

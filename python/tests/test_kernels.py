@@ -22,7 +22,7 @@ class TritonKernels(unittest.TestCase):
                                   env=env, timeout=900)
             out = done.stdout + done.stderr
             self.assertEqual(done.returncode, 0, out)
-            self.assertIn("all 29 cases within tolerance; draws as recorded; bad input named", out)
+            self.assertIn("all 32 cases within tolerance; draws as recorded; bad input named", out)
             self.assertNotIn("FAIL", out)
             # The launches recorded are what `kernels.aot --set` would compile, key for key: every
             # constexpr of each kernel named, none the ahead-of-time build sets itself.
@@ -53,6 +53,66 @@ class TritonKernels(unittest.TestCase):
             for e in entries:
                 self.assertGreater((Path(out) / e["file"]).stat().st_size, 10_000, e["file"])
                 self.assertTrue(e["params"] and all(p["type"] in ("i32", "*bf16", "*fp32", "*u8", "*i64") for p in e["params"]), e)
+
+
+class TuningTable(unittest.TestCase):
+    """The table `kernels.sweep` writes and `kernels.aot` reads."""
+
+    def test_the_committed_table_reads_and_each_entry_is_a_launch_setting(self):
+        from probattn_tools.kernels import sweep
+
+        table = sweep.read_table()
+        for arch, dtypes in table["configs"].items():
+            for dtype, dims in dtypes.items():
+                for head_dim in dims:
+                    block_m, block_n, warps, stages = sweep.lookup(table, int(arch.removeprefix("sm_")), dtype, head_dim)
+                    for block in (block_m, block_n):
+                        self.assertTrue(block >= 16 and block & (block - 1) == 0, (arch, dtype, head_dim))
+                    self.assertIn(warps, (1, 2, 4, 8, 16))
+                    self.assertGreaterEqual(stages, 1)
+
+    def test_flags_then_the_table_then_the_defaults_choose_a_cubins_setting(self):
+        from types import SimpleNamespace
+
+        from probattn_tools.kernels import aot, sweep
+
+        table = sweep.merge({"configs": {}}, {"configs": {"sm_90": {"bfloat16": {"64": {
+            "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "score_ms": 1.0}}}}})
+        none = SimpleNamespace(block_m=None, block_n=None, num_warps=None, num_stages=None)
+        self.assertEqual(aot.launch_setting(table, 90, "bfloat16", 64, none), (128, 64, 8, 3))
+        self.assertEqual(aot.launch_setting(table, 90, "bfloat16", 128, none), sweep.DEFAULT)
+        # float16 takes bfloat16's entry where it has none of its own.
+        self.assertEqual(aot.launch_setting(table, 90, "float16", 64, none), (128, 64, 8, 3))
+        self.assertEqual(aot.launch_setting(table, 80, "bfloat16", 64, none), sweep.DEFAULT)
+        self.assertEqual(aot.launch_setting(table, 90, "bfloat16", 64, SimpleNamespace(block_m=32, block_n=None,
+                                                                                        num_warps=None, num_stages=2)),
+                         (32, 64, 8, 2))
+        # A later sweep replaces an entry and keeps the others.
+        later = sweep.merge(table, {"configs": {"sm_90": {"bfloat16": {"128": dict(
+            block_m=64, block_n=32, num_warps=4, num_stages=2)}}}})
+        self.assertEqual(sweep.lookup(later, 90, "bfloat16", 64), (128, 64, 8, 3))
+        self.assertEqual(sweep.lookup(later, 90, "bfloat16", 128), (64, 32, 4, 2))
+        with self.assertRaisesRegex(ValueError, "sm_90, bfloat16, head dimension 64"):
+            sweep.lookup({"configs": {"sm_90": {"bfloat16": {"64": {"block_m": 64}}}}}, 90, "bfloat16", 64)
+
+
+    def test_the_sweep_runs_under_the_interpreter_and_writes_its_records(self):
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        with tempfile.TemporaryDirectory() as out:
+            done = subprocess.run([sys.executable, "-m", "probattn_tools.kernels.sweep", "--device", "cpu", "--dtypes",
+                                   "float16", "--head-dims", "16", "--shape", "1x40", "--heads", "2", "--settings", "3",
+                                   "--repeats", "1", "--out", out], capture_output=True, text=True, env=env, timeout=600)
+            self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+            record = json.loads((Path(out) / "sweep.json").read_text())
+            self.assertEqual(len(record["rows"]), 3)
+            for row in record["rows"]:
+                self.assertNotIn("refused", row)
+                self.assertEqual(sorted(row["ms"]), ["dnas", "softmax"])
+                self.assertLess(max(row["max_error_vs_default"].values()), 4e-3)
+            self.assertEqual(record["rows"][0]["vs_default"], 1.0)
+            # The interpreter's times choose nothing.
+            self.assertEqual(json.loads((Path(out) / "table.json").read_text()), {"configs": {}})
+            self.assertIn("| 128 | 64 | 4 | 2 |", (Path(out) / "sweep.md").read_text())
 
 
 if __name__ == "__main__":

@@ -5,11 +5,12 @@
 //! online log-sum-exps; only O(S) statistics reach global memory, forward and backward.
 //!
 //! What it serves ([`unserved`] says why not, for the backend record): bfloat16 and float16 on a
-//! GPU the embedded cubins fit, plans of 0 and 1 sweeps (softmax, DNAS) and HNAS's mix of the two,
-//! any score scale, no mask, key padding, or causal (softmax), grouped key/value heads, head
-//! dimensions up to 128, no attention dropout; and BAM's sampling with its KL term over softmax and
-//! DNAS, its noise drawn in the kernels from the same counter-based hash as the tiles' (the same ε
-//! for the same seed), for up to 2^32 score entries, without the causal mask. It returns no
+//! GPU the embedded cubins fit; softmax, DNAS, HNAS (both branches from one row pass) and
+//! Sinkhorn-N for the N embedded, with any score scale; no mask, key and query padding, causal
+//! (softmax); grouped key/value heads; head dimensions up to 128; no attention dropout; and BAM's
+//! sampling over every one of those bases, with its KL term (Weibull and Lognormal) or without
+//! (Weibull, over softmax and DNAS), its noise drawn in the kernels from the same counter-based
+//! hash as the tiles' (the same ε for the same seed), for up to 2^32 score entries. It returns no
 //! weights and no received mass. Anything else runs on the tiles.
 
 use tch::{Device, Kind, Tensor};
@@ -19,7 +20,7 @@ use crate::cxx;
 use crate::mask::{Masks, ScoreShape};
 use crate::plan::Tiled;
 use crate::precision::{statistics_kind, widen};
-use crate::tiled::{check_hybrid_logit, libtorch_seed, tiled_kl, MaskCounts};
+use crate::tiled::{check_hybrid_logit, libtorch_seed, tiled_kl, MaskCounts, NoiseKind};
 use crate::{Error, Result};
 
 /// Whether `auto` takes this route where it serves a memory-efficient call (`false`: only when
@@ -38,17 +39,17 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
     if !matches!(q.kind(), Kind::BFloat16 | Kind::Half) {
         return Some(format!("it takes bfloat16 and float16, not {:?}", q.kind()));
     }
-    if plan.sweeps > 1 {
-        return Some(format!("{} takes {} sweeps; Sinkhorn-N's kernels are not embedded", plan.name, plan.sweeps));
+    if plan.sweeps > 1 && !cxx::sinkhorn_sweeps().contains(&i64::from(plan.sweeps)) {
+        let embedded: Vec<String> = cxx::sinkhorn_sweeps().iter().map(|n| format!("sinkhorn-{n}")).collect();
+        let embedded = if embedded.is_empty() { "none".to_string() } else { embedded.join(", ") };
+        return Some(format!("{} takes {} sweeps; Sinkhorn-N's kernels are embedded for {embedded}", plan.name, plan.sweeps));
     }
     if let Some(sampling) = plan.sampling.as_ref().filter(|_| opts.mode.sample) {
         let [b, h, sq, sk] = shape.dims();
-        let why = if sampling.kl.is_none() {
-            Some("BAM without a KL term is not in the embedded set")
-        } else if plan.hybrid_logit.is_some() {
-            Some("BAM over HNAS is not in the embedded set")
-        } else if masks.causal {
-            Some("causal BAM is not in the embedded set")
+        let why = if sampling.kl.is_none() && sampling.noise != NoiseKind::Weibull {
+            Some("Lognormal sampling without a KL term is not in the embedded set")
+        } else if sampling.kl.is_none() && (plan.hybrid_logit.is_some() || plan.sweeps > 1) {
+            Some("BAM without a KL term over HNAS or Sinkhorn-N is not in the embedded set")
         } else if opts.noise.is_some() {
             Some("given draws are not in the embedded set (the kernels draw from a seed)")
         } else if b * h * sq * sk > 1 << 32 {
@@ -63,15 +64,11 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
     if opts.dropout_active() {
         return Some("attention dropout forms the weights".into());
     }
-    if let Some(what) = [
-        (masks.query_padding.is_some(), "a query padding mask"),
-        (masks.attn_mask.is_some(), "a boolean attention mask"),
-        (masks.bias.is_some(), "an additive mask"),
-    ]
-    .iter()
-    .find_map(|(has, what)| has.then_some(*what))
+    if let Some(what) = [(masks.attn_mask.is_some(), "a boolean attention mask"), (masks.bias.is_some(), "an additive mask")]
+        .iter()
+        .find_map(|(has, what)| has.then_some(*what))
     {
-        return Some(format!("{what} is not in the embedded set (no mask, key padding, causal)"));
+        return Some(format!("{what} is not in the embedded set (no mask, key and query padding, causal)"));
     }
     let widest = q.size()[3].max(v.size()[3]);
     if widest > WIDEST_HEAD_DIM {
@@ -132,8 +129,8 @@ pub fn attend(
     plan: &Tiled,
     opts: &AttendOptions,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    // Every mask checked against the call's shape and dtype as on the other routes (the key
-    // padding's is the one this route reads).
+    // Every mask checked against the call's shape and dtype as on the other routes (the
+    // paddings are the ones this route reads).
     let allowed = masks.allowed(shape, q.device())?;
     check_hybrid_logit(plan, shape)?;
     let d = q.size()[3] as f64;
@@ -141,31 +138,37 @@ pub fn attend(
         scale: plan.score_scale * opts.scale.unwrap_or(1.0 / d.sqrt()),
         sweeps: i64::from(plan.sweeps),
         key_padding: masks.key_padding,
+        query_padding: masks.query_padding,
         causal: masks.causal,
         ..Default::default()
     };
     let run = |spec: &cxx::FusedSpec| cxx::fused_cuda_attention(q, k, v, spec).map_err(Error::from);
     if let Some(sampling) = plan.sampling.as_ref().filter(|_| opts.mode.sample) {
-        let Some(kl) = sampling.kl.as_ref() else {
-            return Err(Error::Unsupported(format!("{}: BAM without a KL term is not in the embedded set", plan.name)));
+        // The draws from the seed in the kernels; over HNAS the kernels mix the bases themselves.
+        let seed = opts.seed.unwrap_or_else(libtorch_seed);
+        let spec = cxx::FusedSpec {
+            noise: sampling.noise.code(),
+            noise_scale: sampling.scale,
+            seed,
+            hybrid: plan.hybrid_logit.is_some(),
+            hybrid_logit: plan.hybrid_logit,
+            ..spec
         };
+        let Some(kl) = sampling.kl.as_ref() else { return Ok((run(&spec)?.out, None)) };
         let stats = statistics_kind(q.kind());
         let prior = (kl.prior)(&widen(k), allowed.as_ref())?;
-        let seed = opts.seed.unwrap_or_else(libtorch_seed);
-        let (noise, form) = (sampling.noise.code(), kl.form.code());
-        let spec = cxx::FusedSpec { noise, kl: form, noise_scale: sampling.scale, seed, prior: Some(&prior), ..spec };
-        let (output, part) = run(&spec)?;
+        let fused = run(&cxx::FusedSpec { kl: kl.form.code(), prior: Some(&prior), ..spec })?;
         let counts = MaskCounts::new(allowed.as_ref(), shape, crate::backend::DEFAULT_TILE, stats, q.device());
-        return Ok((output, Some(tiled_kl(kl.form, &part, &prior, &counts))));
+        return Ok((fused.out, Some(tiled_kl(kl.form, &fused.kl_part, &prior, &counts))));
     }
     match plan.hybrid_logit {
-        None => Ok((run(&spec)?.0, None)),
+        None => Ok((run(&spec)?.out, None)),
         Some(logit) => {
-            // u·O_plan + (1 − u)·O_softmax per head, as the tiles mix them (the output is linear in
-            // the weights).
+            // u·O_DNAS + (1 − u)·O_softmax per head, both branches from one row pass, mixed as the
+            // tiles mix them (the output is linear in the weights); the gate's gradient follows.
             let u = logit.to_kind(statistics_kind(q.kind())).sigmoid().view([1, -1, 1, 1]);
-            let (mixed, plain) = (run(&spec)?.0, run(&cxx::FusedSpec { sweeps: 0, ..spec })?.0);
-            let out: Tensor = &u * mixed + (1.0 - &u) * plain;
+            let fused = run(&cxx::FusedSpec { hybrid: true, ..spec })?;
+            let out: Tensor = &u * fused.out + (1.0 - &u) * fused.softmax_out;
             Ok((out.to_kind(v.kind()), None))
         }
     }

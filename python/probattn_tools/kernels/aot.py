@@ -34,6 +34,9 @@ MASKS = {"QPAD", "KPAD", "MASK", "BLOCKS"}
 WORDS = {"DRAWS"}  # int64 tensors: the seed's words (draws given as a tensor are not compiled here)
 # Constexprs with a value that leaves their feature off, where a specialization does not name them.
 OFF = dict(NOISE=0, KL=0, WIDE=False, DRAW64=False, MIX=False, ROWS=False)
+# Sinkhorn-N's sweep counts the route embeds (its gradient kernel is specialized on N): the
+# registry's instance, Sinkhorn-3. Another N runs on the tiles, with the reason recorded.
+ROUTE_SINKHORN_SWEEPS = (3,)
 TRITON_TYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
@@ -71,23 +74,46 @@ def specializations(plans, smoke):
 
 
 def route_specializations():
-    """What the library's fused CUDA route launches (probattn-sys/csrc/fused_cuda.cpp): softmax
-    (plain and causal) and DNAS, forward and backward, without and with key padding (HNAS is the
-    two mixed); and BAM's sampling over softmax and DNAS with its KL term, Weibull and Lognormal,
-    below 2^32 score entries, without and with key padding. A test keeps this list and the
-    launches of `plans.attention` and `plans.bam_attention` for those calls the same
+    """What the library's fused CUDA route launches (probattn-sys/csrc/fused_cuda.cpp). Unpadded
+    and padded (key and query padding read together: a call with one passes no padding for the
+    other): softmax (plain and causal), DNAS and HNAS (DNAS's row pass with softmax's accumulator
+    beside it), forward and backward, and Sinkhorn-N's passes for the N of
+    `ROUTE_SINKHORN_SWEEPS`. Padded only (a call without padding passes none; BAM's draws dwarf
+    reading it): BAM's sampling, Weibull and Lognormal with their KL terms over softmax (plain and
+    causal), DNAS, HNAS and Sinkhorn-N, and Weibull without a KL term (bam-nokl) over softmax and
+    DNAS, below 2^32 score entries. A test keeps this list and the launches of `plans.attention`,
+    `plans.hybrid_attention` and `plans.bam_attention` for those calls the same
     (tests/fused_cuda.rs)."""
     out = []
-    for kpad in (False, True):
-        f = dict(HAS_QPAD=False, HAS_KPAD=kpad, HAS_MASK=False, HAS_BIAS=False)
+    for padded in (False, True):
+        f = dict(HAS_QPAD=padded, HAS_KPAD=padded, HAS_MASK=False, HAS_BIAS=False)
         out.append(("_column_pass", f))
         for sweeps, causal in ((0, False), (0, True), (1, False)):
             out.append(("_row_pass", dict(f, SWEEPS=sweeps, HYBRID=False, CAUSAL=causal)))
             out.append(("_key_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal, GRADS=True)))
             out.append(("_query_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal)))
-        for sweeps, noise in itertools.product((0, 1), (1, 2)):
-            bam = dict(f, NOISE=noise, KL=noise, WIDE=False, SWEEPS=sweeps, CAUSAL=False)
-            out += [("_row_pass", dict(bam, HYBRID=False)), ("_key_pass", dict(bam, GRADS=True)), ("_query_pass", bam)]
+        out.append(("_row_pass", dict(f, SWEEPS=1, HYBRID=True, CAUSAL=False)))
+        # Sinkhorn-N: the forward's column (first, then after a row potential) and row reductions,
+        # the backward's two reductions of the potentials' gradients, and its three gradient stages.
+        for columns, lse, rpot in ((True, True, False), (True, True, True), (False, True, False), (False, False, True),
+                                   (True, False, True)):
+            out.append(("_sink_reduce", dict(f, COLUMNS=columns, LSE=lse, HAS_RPOT=rpot)))
+        for n in ROUTE_SINKHORN_SWEEPS:
+            out += [("_sink_grads", dict(f, N=n, STAGE=stage, NOISE=0, KL=0, WIDE=False)) for stage in (0, 1, 2)]
+    f = dict(HAS_QPAD=True, HAS_KPAD=True, HAS_MASK=False, HAS_BIAS=False, WIDE=False)
+    for sweeps, causal, noise, kl in ((0, False, 1, 1), (0, False, 2, 2), (0, True, 1, 1), (0, True, 2, 2), (1, False, 1, 1),
+                                      (1, False, 2, 2), (0, False, 1, 0), (0, True, 1, 0), (1, False, 1, 0)):
+        bam = dict(f, NOISE=noise, KL=kl, SWEEPS=sweeps, CAUSAL=causal)
+        out += [("_row_pass", dict(bam, HYBRID=False)), ("_key_pass", dict(bam, GRADS=True)), ("_query_pass", bam)]
+    for noise in (1, 2):
+        # Over HNAS: the mixture's row pass, the gate's per-row gradient, then the key and query passes.
+        mix = dict(f, NOISE=noise, KL=noise, SWEEPS=1, CAUSAL=False, MIX=True)
+        out += [("_row_pass", dict(mix, HYBRID=False)), ("_query_pass", dict(mix, ROWS=True)),
+                ("_key_pass", dict(mix, GRADS=True)), ("_query_pass", mix)]
+        # Over Sinkhorn-N: the potentials as without noise, DNAS's row pass with the noise, and the
+        # gradient stages with it.
+        for n in ROUTE_SINKHORN_SWEEPS:
+            out += [("_sink_grads", dict(f, N=n, STAGE=stage, NOISE=noise, KL=noise)) for stage in (0, 1, 2)]
     return out
 
 
@@ -150,6 +176,19 @@ def compile_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m,
     return compiled.asm["cubin"], entry
 
 
+def launch_setting(table, arch, dtype, head_dim, args):
+    """(block_m, block_n, num_warps, num_stages) for one architecture, dtype and head dimension:
+    each flag given on the command line, else the tuning table's entry (float16 takes bfloat16's
+    where it has none of its own: the same element size, the same shared memory), else the
+    defaults."""
+    from probattn_tools.kernels import sweep
+
+    tuned = (sweep.lookup(table, arch, dtype, head_dim)
+             or (dtype == "float16" and sweep.lookup(table, arch, "bfloat16", head_dim)) or sweep.DEFAULT)
+    given = (args.block_m, args.block_n, args.num_warps, args.num_stages)
+    return tuple(g if g is not None else t for g, t in zip(given, tuned))
+
+
 def _compile_job(job):
     """One `compile_one` in a worker process (imports its own Triton)."""
     import triton
@@ -165,10 +204,12 @@ def main(argv=None):
     parser.add_argument("--arch", default="80,90", help="compute capabilities, comma-separated (80: A100, 90: H100/H200)")
     parser.add_argument("--dtypes", default="bfloat16,float16", help="comma-separated")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated")
-    parser.add_argument("--block-m", type=int, default=64)
-    parser.add_argument("--block-n", type=int, default=64)
-    parser.add_argument("--num-warps", type=int, default=4)
-    parser.add_argument("--num-stages", type=int, default=2)
+    parser.add_argument("--block-m", type=int, help="the query block (default: the tuning table's entry, else 64)")
+    parser.add_argument("--block-n", type=int, help="the key block (default: the tuning table's entry, else 64)")
+    parser.add_argument("--num-warps", type=int, help="default: the tuning table's entry, else 4")
+    parser.add_argument("--num-stages", type=int, help="default: the tuning table's entry, else 2")
+    parser.add_argument("--tuning", default=str(Path(__file__).with_name("tuning.json")),
+                        help="the tuning table (kernels.sweep writes its entries); 'none': the defaults everywhere")
     parser.add_argument("--smoke", action="store_true", help="one specialization per kernel, every feature on")
     parser.add_argument("--set", help="compile the specializations of this `kernels.check --record` file instead of "
                                       "the default set")
@@ -191,6 +232,12 @@ def main(argv=None):
         sys.exit("kernels.aot: --set, --route and --smoke each name a set; give one")
     if args.jobs < 1:
         sys.exit(f"kernels.aot: --jobs must be at least 1, got {args.jobs}")
+    from probattn_tools.kernels import sweep
+
+    try:
+        table = {"configs": {}} if args.tuning == "none" else sweep.read_table(args.tuning)
+    except (OSError, ValueError) as e:
+        sys.exit(f"kernels.aot: the tuning table {args.tuning}: {e}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     chosen = (recorded(args.set) if args.set else route_specializations() if args.route
@@ -200,8 +247,8 @@ def main(argv=None):
                                                    [int(d) for d in args.head_dims.split(",")]):
         if dtype not in TRITON_TYPE:
             sys.exit(f"kernels.aot: unknown dtype {dtype!r} (known: {', '.join(TRITON_TYPE)})")
-        jobs += [(name, constexprs, dtype, head_dim, arch, args.block_m, args.block_n, args.num_warps,
-                  args.num_stages) for name, constexprs in chosen]
+        setting = launch_setting(table, arch, dtype, head_dim, args)
+        jobs += [(name, constexprs, dtype, head_dim, arch, *setting) for name, constexprs in chosen]
     entries, start = [], time.time()
     if args.jobs == 1:
         done = (compile_one(triton, plans, *job) for job in jobs)

@@ -71,13 +71,18 @@ def cases(quick, lower):
     # ε given as a tensor (the library's noise=) instead of a seed.
     given = [("dnas", 1, ("weibull", 0.5, "weibull", None), ("key", "query")),
              ("softmax", 0, ("lognormal", 0.7, None, None), ("key",))]
-    for plan, sweeps, sampling, masks in bam[:2] + given[:1] if quick else bam + given:
+    # Causal BAM over softmax (a decoder's self-attention), the KL term over the allowed entries only.
+    causal = [("softmax", 0, ("weibull", 0.5, "weibull", seed + 8), ("key",)),
+              ("softmax", 0, ("lognormal", 0.7, "lognormal", seed + 9), ("key", "query")),
+              ("softmax", 0, ("weibull", 0.5, None, seed + 10), ("query",))]
+    chosen = [(c, False) for c in (bam[:2] + given[:1] if quick else bam + given)]
+    for (plan, sweeps, sampling, masks), is_causal in chosen + [(c, True) for c in causal[:1 if quick else 3]]:
         if lower and masks[0] in ("pattern", "additive"):
             continue
         kl = f"KL {sampling[2]}" if sampling[2] else "no KL"
         drawn = "" if sampling[3] is not None else ", given draws"
-        out.append((f"bam-{sampling[0]} over {plan}, {kl}, {'+'.join(masks)}{drawn}", sweeps, 1.0, shapes["gqa"],
-                    masks, False, sampling))
+        out.append((f"bam-{sampling[0]} over {plan}, {kl}, {'+'.join(masks)}{drawn}{', causal' if is_causal else ''}",
+                    sweeps, 1.0, shapes["gqa"], masks, is_causal, sampling))
     return out
 
 

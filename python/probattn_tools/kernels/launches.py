@@ -6,9 +6,12 @@ run under Triton's interpreter, on the CPU, in float16.
 
     python -m probattn_tools.kernels.launches --shape 2,4,2,70,90,48,48 --sweeps 1 --key-padding --scale 0.3
     python -m probattn_tools.kernels.launches --shape 1,2,2,40,40,64,64 --sweeps 0 --scale 0.125 --noise weibull --seed 7
+    python -m probattn_tools.kernels.launches --shape 1,2,1,70,70,64,64 --sweeps 3 --scale 0.125
 
-With `--noise`, BAM's sampling over the plan with its KL term of the same kind, against a prior of
-shape (B, H, 1, S_k); the backward then starts from the output and the KL part alike.
+`--sweeps N` for N ≥ 2 is Sinkhorn-N; `--hybrid` is HNAS (`plans.hybrid_attention`, DNAS mixed
+with softmax by a gate per head). With `--noise`, BAM's sampling over the plan (over HNAS with
+`--hybrid`) with its KL term of the same kind, against a prior of shape (B, H, 1, S_k); the
+backward then starts from the output and the KL part alike. `--no-kl` leaves the KL term out.
 """
 
 import argparse
@@ -20,18 +23,27 @@ import sys
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", required=True, help="B,H,H_KV,S_Q,S_K,D,DV")
-    parser.add_argument("--sweeps", type=int, default=0, help="0 softmax, 1 DNAS")
+    parser.add_argument("--sweeps", type=int, default=0, help="0 softmax, 1 DNAS, N ≥ 2 Sinkhorn-N")
+    parser.add_argument("--hybrid", action="store_true", help="HNAS: DNAS and softmax mixed by a gate per head")
     parser.add_argument("--scale", type=float, required=True, help="the factor of q·kᵀ")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--key-padding", action="store_true", help="pad the last key of the first batch")
-    parser.add_argument("--noise", choices=("weibull", "lognormal"), help="BAM's sampling, with its KL term")
+    parser.add_argument("--query-padding", action="store_true", help="pad the first query of the last batch")
+    parser.add_argument("--noise", choices=("weibull", "lognormal"), help="BAM's sampling (with --hybrid over HNAS)")
+    parser.add_argument("--no-kl", action="store_true", help="BAM's sampling without its KL term (bam-nokl)")
     parser.add_argument("--noise-scale", type=float, default=0.5, help="1/k or sigma")
     parser.add_argument("--seed", type=int, default=0, help="the draws' key")
+    parser.add_argument("--config", default="64,64,4,2",
+                        help="block_m,block_n,num_warps,num_stages: the embedded cubins' (their manifest says)")
     args = parser.parse_args(argv)
     try:
         b, h, h_kv, s_q, s_k, d, dv = (int(x) for x in args.shape.split(","))
     except ValueError:
         sys.exit(f"launches: --shape takes seven integers B,H,H_KV,S_Q,S_K,D,DV, got {args.shape!r}")
+    try:
+        block_m, block_n, num_warps, num_stages = (int(x) for x in args.config.split(","))
+    except ValueError:
+        sys.exit(f"launches: --config takes four integers block_m,block_n,num_warps,num_stages, got {args.config!r}")
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
@@ -41,20 +53,31 @@ def main(argv=None):
     q = torch.randn(b, h, s_q, d, generator=gen, dtype=torch.float16, requires_grad=True)
     k = torch.randn(b, h_kv, s_k, d, generator=gen, dtype=torch.float16, requires_grad=True)
     v = torch.randn(b, h_kv, s_k, dv, generator=gen, dtype=torch.float16, requires_grad=True)
-    pad = None
-    if args.key_padding:
-        pad = torch.zeros(b, s_k, dtype=torch.bool)
-        pad[0, -1] = True
-    masks = plans.Masks(key_padding_mask=pad, causal=args.causal)
-    # The embedded cubins' blocks (kernels.aot's defaults).
-    config = plans.Config(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    # The route reads key and query padding together: a call with one passes no padding for the
+    # other, and BAM's kernels are all padded ones.
+    kpad = qpad = None
+    if args.key_padding or args.query_padding or args.noise:
+        kpad, qpad = torch.zeros(b, s_k, dtype=torch.bool), torch.zeros(b, s_q, dtype=torch.bool)
+        kpad[0, -1] = args.key_padding
+        qpad[-1, 0] = args.query_padding
+    masks = plans.Masks(key_padding_mask=kpad, query_padding_mask=qpad, causal=args.causal)
+    config = plans.Config(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     with plans.launches() as seen:
         if args.noise:
-            prior = torch.rand(b, h, 1, s_k, generator=gen, dtype=torch.float32, requires_grad=True)
-            sampling = plans.Sampling(args.noise, args.noise_scale, args.seed, kl=args.noise)
+            prior = None if args.no_kl else torch.rand(b, h, 1, s_k, generator=gen, dtype=torch.float32,
+                                                        requires_grad=True)
+            logit = torch.randn(h, generator=gen, dtype=torch.float32, requires_grad=True) if args.hybrid else None
+            sampling = plans.Sampling(args.noise, args.noise_scale, args.seed, kl=None if args.no_kl else args.noise)
             out, part = plans.bam_attention(q, k, v, sampling, sweeps=args.sweeps, score_scale=args.scale * d ** 0.5,
-                                            prior=prior, masks=masks, config=config)
-            torch.autograd.backward([out, part], [torch.ones_like(out), torch.ones_like(part)])
+                                            prior=prior, masks=masks, config=config, hybrid_logit=logit)
+            if args.no_kl:
+                out.backward(torch.ones_like(out))
+            else:
+                torch.autograd.backward([out, part], [torch.ones_like(out), torch.ones_like(part)])
+        elif args.hybrid:
+            logit = torch.randn(h, generator=gen, dtype=torch.float32, requires_grad=True)
+            out = plans.hybrid_attention(q, k, v, logit, score_scale=args.scale * d ** 0.5, masks=masks, config=config)
+            out.backward(torch.ones_like(out))
         else:
             out = plans.attention(q, k, v, sweeps=args.sweeps, score_scale=args.scale * d ** 0.5, masks=masks,
                                   config=config)

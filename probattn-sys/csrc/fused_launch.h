@@ -1,0 +1,58 @@
+// The fused CUDA route's launcher (csrc/fused_launch.cpp): the CUDA driver opened at run time, the
+// embedded kernels as the Rust side registers them, and one kernel launch on libtorch's current
+// stream with its parameters filled by name. csrc/fused_cuda.cpp decides what to launch.
+// Internal to the C++ layer: the Rust side sees csrc/probattn.h only.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace probattn::fused {
+
+// Why the CUDA driver cannot be used on this machine ("" when it can).
+const std::string& driver_missing();
+
+// The compute capability of CUDA device `index` (90 for sm_90); the device's primary context is
+// made current on this thread. Throws, naming the driver's error, when the driver cannot say.
+int device_capability(int64_t index);
+
+// One embedded kernel, handed over by the Rust side (probattn-kernels' manifest): `key` "A=1,B=0"
+// the constexprs it was specialized on, `params` "x:*bf16,y:i32" its run-time parameters in
+// launch order; `image` the cubin, which must outlive the program.
+void register_kernel(const char* kernel, int arch, const char* dtype, int64_t head_dim, const char* key, const char* params,
+                     unsigned num_warps, unsigned shared_bytes, int64_t block_m, int64_t block_n, const char* symbol,
+                     const void* image);
+
+// The embedded architecture and head dimension a call takes on compute capability `device_arch`
+// for `dtype` and head dimensions up to `widest`: a cubin runs on its own architecture and on later
+// minor versions of the same major one (sm_80's on sm_86 and sm_89), so the newest such, then the
+// smallest head dimension that holds `widest`. {0, 0} when none fits.
+std::pair<int, int64_t> choose(int device_arch, at::ScalarType dtype, int64_t widest);
+
+// One launch: the kernel `name` of (arch, dtype, head_dim) whose constexprs are `constexprs`, over
+// a grid of (blocks of `length` by the kernel's block size along keys or queries, `programs`),
+// its pointer parameters from `tensors` by name, its integers from `ints`.
+struct Launch {
+  std::string name;
+  int arch = 0;
+  at::ScalarType dtype = at::kBFloat16;
+  int64_t head_dim = 0;
+  std::map<std::string, int64_t> constexprs;
+  std::map<std::string, at::Tensor> tensors;
+  const std::map<std::string, int64_t>* ints = nullptr;
+  bool keys = false;  // blocks of keys (block_n) or of queries (block_m)
+  int64_t length = 0;
+  int64_t programs = 0;
+};
+
+// Runs `l` on `device` (libtorch's current stream), or, with `dry`, appends its description as
+// JSON there instead: {kernel, key, grid, ints, tensors}, as plans.py's `_launch_record` writes it.
+// Pointer parameters for features the call does not use take a small tensor from `unused`.
+void launch(const Launch& l, const at::Device& device, std::map<at::ScalarType, at::Tensor>& unused, std::vector<std::string>* dry);
+
+}  // namespace probattn::fused

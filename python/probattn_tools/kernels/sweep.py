@@ -1,0 +1,255 @@
+"""Tunes the kernels' launch settings on a GPU: times a small grid of block shapes, warps and
+pipeline stages for the plans, forward and backward, and writes the fastest per architecture,
+dtype and head dimension to the table that the ahead-of-time build reads (`tuning.json` beside
+this file; `kernels.aot` compiles each embedded cubin with its entry, float16 with bfloat16's
+where it has none of its own, and with the defaults where the table has neither).
+
+    python -m probattn_tools.kernels.sweep --out results/cuda/DATE/sweep
+    python -m probattn_tools.kernels.sweep --out DIR --dtypes bfloat16 --head-dims 64 --shape 1x4096
+    python -m probattn_tools.kernels.sweep --merge DIR/table.json     # into tuning.json, on a machine that builds
+
+Every setting of the grid runs every plan asked for (`--plans`; softmax and DNAS by default) at one
+shape, bfloat16 or float16, and is held to the default setting's output and gradients first: a
+setting that fails to compile, runs out of shared memory or disagrees is recorded with the reason
+and never chosen. The score of a setting is the sum over the plans of its median forward +
+backward time (calls taking turns, as `kernels.bench` times them). `sweep.json` keeps every time,
+`table.json` the winners with the shape they were chosen at, and `sweep.md` a table per
+(dtype, head dimension) with each setting's time relative to the default's.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+# (block_m, block_n, num_warps, num_stages): the defaults first, then shapes FlashAttention-2 and
+# Triton's fused-attention tutorial use on Ampere and Hopper.
+DEFAULT = (64, 64, 4, 2)
+GRID = [DEFAULT, (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 4, 2), (128, 128, 8, 2),
+        (64, 32, 4, 2)]
+TABLE = Path(__file__).with_name("tuning.json")
+# Agreement with the default setting (a different block order changes the rounding of the
+# online sums, nothing else).
+TOLERANCE = {"bfloat16": 3e-2, "float16": 4e-3}
+
+
+def read_table(path=TABLE):
+    """The table: {"configs": {arch: {dtype: {head_dim: {block_m, block_n, num_warps, num_stages, ...}}}}}."""
+    if not Path(path).exists():
+        return {"configs": {}}
+    table = json.loads(Path(path).read_text())
+    if not isinstance(table.get("configs"), dict):
+        raise ValueError(f"{path}: a tuning table holds a 'configs' object")
+    return table
+
+
+def lookup(table, arch, dtype, head_dim):
+    """(block_m, block_n, num_warps, num_stages) for sm_`arch`, or None where the table has none."""
+    entry = table["configs"].get(f"sm_{arch}", {}).get(dtype, {}).get(str(head_dim))
+    if entry is None:
+        return None
+    try:
+        return tuple(int(entry[k]) for k in ("block_m", "block_n", "num_warps", "num_stages"))
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"tuning table: the entry for sm_{arch}, {dtype}, head dimension {head_dim} needs integer "
+                         f"block_m, block_n, num_warps and num_stages, got {entry}") from None
+
+
+def merge(table, found):
+    """`table` with the entries of `found` (a sweep's table.json) added or replaced."""
+    out = json.loads(json.dumps(table))
+    for arch, dtypes in found["configs"].items():
+        for dtype, dims in dtypes.items():
+            out["configs"].setdefault(arch, {}).setdefault(dtype, {}).update(dims)
+    return out
+
+
+def steps(torch, plans, names, q, k, v, grad, config):
+    """A forward + backward per plan name, with `config`."""
+    def plan_step(name):
+        if name == "softmax":
+            return lambda: plans.attention(q, k, v, sweeps=0, config=config)
+        if name == "dnas":
+            return lambda: plans.attention(q, k, v, sweeps=1, config=config)
+        if name.startswith("sinkhorn-"):
+            n = int(name.split("-")[1])
+            return lambda: plans.attention(q, k, v, sweeps=n, config=config)
+        if name == "hnas":
+            logit = torch.zeros(q.shape[1], device=q.device, dtype=torch.float32)
+            return lambda: plans.hybrid_attention(q, k, v, logit, config=config)
+        if name in ("bam-wc", "bam-lc"):
+            noise, scale = ("weibull", 0.1) if name == "bam-wc" else ("lognormal", 1.0)
+            sampling = plans.Sampling(noise, scale, seed=1234, kl=noise)
+            prior = torch.full((1, q.shape[1], 1, k.shape[2]), 1.0 / k.shape[2], device=q.device)
+            return lambda: plans.bam_attention(q, k, v, sampling, sweeps=0, prior=prior, config=config)[0]
+        raise ValueError(f"unknown plan {name!r} (softmax, dnas, hnas, sinkhorn-N, bam-wc, bam-lc)")
+
+    def run(forward):
+        def step():
+            for t in (q, k, v):
+                t.grad = None
+            out = forward()
+            out.backward(grad)
+            return out
+        return step
+    return {name: run(plan_step(name)) for name in names}
+
+
+def sweep_one(torch, plans, args, dtype_name, head_dim, rows):
+    """Times the grid for one (dtype, head dimension); the winner's setting, or None."""
+    from probattn_tools.baselines.bench import time_interleaved
+
+    dtype, device = getattr(torch, dtype_name), torch.device(args.device)
+    b, s = (int(x) for x in args.shape.lower().split("x"))
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(b, args.heads, s, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_(True)
+               for _ in range(3))
+    grad = torch.randn(b, args.heads, s, head_dim, device=device, dtype=dtype, generator=gen)
+    names = args.plans.split(",")
+    reference = {}
+    for name, step in steps(torch, plans, names, q, k, v, grad, plans.Config(*DEFAULT)).items():
+        out = step()
+        reference[name] = [t.detach().float().clone() for t in (out, q.grad, k.grad, v.grad)]
+    candidates, timed = [], []
+    for setting in GRID[:args.settings]:
+        row = {"dtype": dtype_name, "head_dim": head_dim, "shape": args.shape, "heads": args.heads,
+               "block_m": setting[0], "block_n": setting[1], "num_warps": setting[2], "num_stages": setting[3]}
+        rows.append(row)
+        try:
+            fns = steps(torch, plans, names, q, k, v, grad, plans.Config(*setting))
+            errors = {}
+            for name, step in fns.items():
+                out = step()
+                ours = [t.detach().float() for t in (out, q.grad, k.grad, v.grad)]
+                errors[name] = max(((a - r).abs().max() / r.abs().max().clamp_min(1.0)).item()
+                                   for a, r in zip(ours, reference[name]))
+            row["max_error_vs_default"] = errors
+            worst = max(errors.values())
+            if not worst <= TOLERANCE[dtype_name]:
+                row["refused"] = f"disagrees with the default setting by {worst:.2e}"
+                continue
+            candidates.append((row, fns))
+        except Exception as e:  # recorded; the other settings go on
+            row["refused"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    for row, fns in candidates:
+        timed += [(row, name, fn) for name, fn in fns.items()]
+    results = time_interleaved([fn for _, _, fn in timed], args.repeats, device)
+    for (row, name, _), (med, iqr) in zip(timed, results):
+        row.setdefault("ms", {})[name] = med
+        row.setdefault("iqr_ms", {})[name] = iqr
+    for row, _ in candidates:
+        row["score_ms"] = sum(row["ms"].values())
+    if not candidates:
+        return None
+    best = min((row for row, _ in candidates), key=lambda r: r["score_ms"])
+    default = next((r for r, _ in candidates if (r["block_m"], r["block_n"], r["num_warps"], r["num_stages"]) == DEFAULT),
+                   None)
+    for row, _ in candidates:
+        if default is not None:
+            row["vs_default"] = row["score_ms"] / default["score_ms"]
+    return best
+
+
+def markdown(rows, arch, device):
+    lines = [f"# Launch settings on {device}" + (f" (sm_{arch})" if arch else ""), "",
+             "Forward + backward, median ms per plan; the score is their sum; × default is the score over the "
+             "default setting's (64 × 64 blocks, 4 warps, 2 stages).", ""]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["dtype"], r["head_dim"]), []).append(r)
+    for (dtype, head_dim), group in groups.items():
+        plans = sorted({p for r in group for p in r.get("ms", {})})
+        lines += [f"## {dtype}, head dimension {head_dim}, B × S {group[0]['shape']}, {group[0]['heads']} heads", "",
+                  "| block_m | block_n | warps | stages | " + " | ".join(plans) + " | score | × default |",
+                  "|---" * (6 + len(plans)) + "|"]
+        for r in sorted(group, key=lambda r: r.get("score_ms", float("inf"))):
+            cells = [str(r[k]) for k in ("block_m", "block_n", "num_warps", "num_stages")]
+            if "refused" in r:
+                lines.append("| " + " | ".join(cells) + f" | refused: {r['refused']} |")
+                continue
+            cells += [f"{r['ms'][p]:.3f}" for p in plans] + [f"{r['score_ms']:.3f}", f"{r.get('vs_default', float('nan')):.2f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="folder for sweep.json, sweep.md and table.json")
+    parser.add_argument("--shape", default="1x4096", help="B x S the settings are timed at")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dims", default="64,128", help="comma-separated")
+    parser.add_argument("--dtypes", default="bfloat16", help="comma-separated (float16 takes bfloat16's entry where "
+                                                                 "it has none of its own)")
+    parser.add_argument("--plans", default="softmax,dnas", help="comma-separated: softmax, dnas, hnas, sinkhorn-N, "
+                                                                 "bam-wc, bam-lc")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--settings", type=int, default=len(GRID), help=f"the first N settings of the grid (of {len(GRID)})")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu runs the sweep's logic under Triton's interpreter "
+                                                        "(TRITON_INTERPRET=1; float16 only; its times mean nothing)")
+    parser.add_argument("--merge", help="merge this sweep's table.json into tuning.json instead of sweeping")
+    args = parser.parse_args(argv)
+    if args.merge:
+        merged = merge(read_table(), read_table(args.merge))
+        tmp = TABLE.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+        tmp.replace(TABLE)
+        print(f"merged {args.merge} into {TABLE}")
+        return 0
+    if not args.out:
+        parser.error("--out is required (or --merge)")
+    import torch
+
+    from probattn_tools.baselines.precision_profile import scripts_provenance
+    from probattn_tools.kernels import plans
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("kernels.sweep: needs a CUDA GPU: it times the kernels")
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("kernels.sweep: --device cpu runs under Triton's interpreter: set TRITON_INTERPRET=1")
+    if args.device not in ("cuda", "cpu"):
+        sys.exit(f"kernels.sweep: --device is cuda or cpu, got {args.device!r}")
+    if not 1 <= args.settings <= len(GRID):
+        sys.exit(f"kernels.sweep: --settings is 1 to {len(GRID)}, got {args.settings}")
+    unknown = [d for d in args.dtypes.split(",") if d not in TOLERANCE]
+    if unknown:
+        sys.exit(f"kernels.sweep: unknown dtype(s) {unknown} (the kernels' table holds {', '.join(TOLERANCE)})")
+    major, minor = torch.cuda.get_device_capability() if args.device == "cuda" else (0, 0)
+    arch = major * 10 + minor
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "the CPU, under Triton's interpreter"
+    rows, found, start = [], {"configs": {}}, time.time()
+    for dtype in args.dtypes.split(","):
+        for head_dim in (int(d) for d in args.head_dims.split(",")):
+            best = sweep_one(torch, plans, args, dtype, head_dim, rows)
+            if args.device != "cuda":  # the interpreter's times choose nothing
+                continue
+            if best is None:
+                print(f"sm_{arch} {dtype} d {head_dim}: no setting ran", flush=True)
+                continue
+            found["configs"].setdefault(f"sm_{arch}", {}).setdefault(dtype, {})[str(head_dim)] = {
+                k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages")} | {
+                "score_ms": best["score_ms"], "vs_default": best.get("vs_default"), "shape": args.shape,
+                "heads": args.heads, "plans": args.plans, "device": device_name}
+            print(f"sm_{arch} {dtype} d {head_dim}: {best['block_m']} × {best['block_n']}, {best['num_warps']} warps, "
+                  f"{best['num_stages']} stages: {best['score_ms']:.3f} ms, {best.get('vs_default', float('nan')):.2f}× "
+                  f"the default's", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"provenance": scripts_provenance(), "device": device_name, "arch": f"sm_{arch}",
+              "torch": torch.__version__, "settings": vars(args), "grid": GRID, "seconds": time.time() - start,
+              "rows": rows}
+    for name, text in (("sweep.json", json.dumps(record, indent=1) + "\n"), ("table.json", json.dumps(found, indent=1) + "\n"),
+                       ("sweep.md", markdown(rows, arch, device_name) + "\n")):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out / name)
+    print(f"wrote {out}/sweep.json, sweep.md and table.json ({time.time() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
