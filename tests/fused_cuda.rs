@@ -30,10 +30,19 @@ struct Case {
     noise: i32,
     /// HNAS: one sweep mixed with softmax.
     hybrid: bool,
+    /// A boolean (S_q, S_k) pattern broadcast over batch and heads, and an additive (1, H, S_q, S_k)
+    /// mask with `-inf` entries, as launches.py draws them.
+    pattern: bool,
+    additive: bool,
 }
 
 const fn case(shape: [i64; 7], sweeps: i64, causal: bool, (key_padding, query_padding): (bool, bool), noise: i32, hybrid: bool) -> Case {
-    Case { shape, sweeps, causal, key_padding, query_padding, noise, hybrid }
+    Case { shape, sweeps, causal, key_padding, query_padding, noise, hybrid, pattern: false, additive: false }
+}
+
+/// A case under a boolean pattern, an additive mask, or both.
+const fn masked(c: Case, pattern: bool, additive: bool) -> Case {
+    Case { pattern, additive, ..c }
 }
 
 const NONE: (bool, bool) = (false, false);
@@ -52,7 +61,7 @@ impl Case {
     }
 }
 
-const CASES: [Case; 26] = [
+const CASES: [Case; 30] = [
     case([1, 2, 2, 30, 50, 32, 32], 0, false, KEYS, 0, false),
     case([1, 2, 2, 64, 64, 64, 64], 0, false, NONE, 0, false),
     case([2, 4, 2, 70, 90, 48, 48], 1, false, KEYS, 0, false),
@@ -79,6 +88,10 @@ const CASES: [Case; 26] = [
     case([1, 2, 2, 40, 40, 64, 64], 0, false, NONE, 3, false),
     case([2, 2, 2, 64, 40, 64, 64], 1, false, BOTH, 3, false),
     case([1, 2, 1, 50, 50, 64, 64], 0, true, KEYS, 3, false),
+    masked(case([2, 4, 2, 70, 90, 48, 48], 1, false, NONE, 0, false), true, false),
+    masked(case([1, 2, 1, 100, 77, 64, 64], 0, true, KEYS, 0, false), false, true),
+    masked(case([1, 2, 2, 65, 70, 64, 64], 1, false, QUERIES, 0, true), true, true),
+    masked(case([1, 2, 2, 50, 70, 64, 64], 3, false, NONE, 0, false), true, false),
 ];
 
 const NOISE_NAMES: [&str; 3] = ["", "weibull", "lognormal"];
@@ -86,8 +99,21 @@ const NOISE_NAMES: [&str; 3] = ["", "weibull", "lognormal"];
 const SEED: u64 = (5 << 32) + 11;
 const NOISE_SCALE: f64 = 0.4;
 
-/// q, k, v, and the key and query padding masks launches.py draws for a case.
-fn inputs(shape: [i64; 7], kind: Kind, device: Device) -> (Tensor, Tensor, Tensor, Tensor, Tensor) {
+/// A case's tensors: q, k, v, and its masks in the shapes launches.py draws them.
+struct Inputs {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    /// (B, S_k) and (B, S_q), true = excluded.
+    kpad: Tensor,
+    qpad: Tensor,
+    /// (S_q, S_k), true = excluded (the library's convention).
+    excluded: Tensor,
+    /// (1, H, S_q, S_k): an ALiBi-like bias per head, `-inf` where a key is more than 6 ahead.
+    additive: Tensor,
+}
+
+fn inputs(shape: [i64; 7], kind: Kind, device: Device) -> Inputs {
     let [b, h, h_kv, s_q, s_k, d, dv] = shape;
     let opts = (Kind::Float, Device::Cpu);
     let q = Tensor::randn([b, h, s_q, d], opts).to_kind(kind).to_device(device);
@@ -98,7 +124,26 @@ fn inputs(shape: [i64; 7], kind: Kind, device: Device) -> (Tensor, Tensor, Tenso
     let _ = kpad.get(0).get(s_k - 1).fill_(1);
     let qpad = Tensor::zeros([b, s_q], (Kind::Bool, Device::Cpu));
     let _ = qpad.get(b - 1).get(0).fill_(1);
-    (q, k, v, kpad.to_device(device), qpad.to_device(device))
+    let excluded = Tensor::rand([s_q, s_k], opts).ge(0.7);
+    let i = Tensor::arange(s_q, opts).view([-1, 1]);
+    let j = Tensor::arange(s_k, opts).view([1, -1]);
+    let slopes = Tensor::from_slice(&(1..=h).map(|t| 0.5f32.powi(t as i32)).collect::<Vec<_>>()).view([-1, 1, 1]);
+    let additive = (-slopes * (&i - &j).abs()).masked_fill(&(&j - &i).gt(6.0), f64::NEG_INFINITY).unsqueeze(0);
+    let on = |t: Tensor| t.to_device(device);
+    Inputs { q, k, v, kpad: on(kpad), qpad: on(qpad), excluded: on(excluded), additive: on(additive) }
+}
+
+impl Case {
+    /// The case's masks over `x`'s tensors.
+    fn masks<'a>(&self, x: &'a Inputs) -> Masks<'a> {
+        Masks {
+            key_padding: self.key_padding.then_some(&x.kpad),
+            query_padding: self.query_padding.then_some(&x.qpad),
+            attn_mask: self.pattern.then_some(&x.excluded),
+            bias: self.additive.then_some(&x.additive),
+            causal: self.causal,
+        }
+    }
 }
 
 /// The embedded sm_90 float16 cubins' launch settings for a case's head dimensions (those the
@@ -119,9 +164,14 @@ fn python_launches(case: &Case, scale: f64) -> Result<Value> {
     command.arg("--config").arg(embedded_config(case.shape)?);
     command.arg("--shape").arg(case.shape.map(|n| n.to_string()).join(",")).arg("--sweeps").arg(case.sweeps.to_string());
     command.arg("--scale").arg(scale.to_string());
-    for (on, flag) in
-        [(case.causal, "--causal"), (case.key_padding, "--key-padding"), (case.query_padding, "--query-padding"), (case.hybrid, "--hybrid")]
-    {
+    for (on, flag) in [
+        (case.causal, "--causal"),
+        (case.key_padding, "--key-padding"),
+        (case.query_padding, "--query-padding"),
+        (case.hybrid, "--hybrid"),
+        (case.pattern, "--pattern"),
+        (case.additive, "--additive"),
+    ] {
         if on {
             command.arg(flag);
         }
@@ -153,15 +203,19 @@ fn the_route_launches_what_the_checked_python_orchestration_launches() -> Result
     }
     for case in &CASES {
         let (shape, (noise, kl)) = (case.shape, case.noise_and_kl());
-        let (q, k, v, kpad, qpad) = inputs(shape, Kind::Half, Device::Cpu);
+        let x = inputs(shape, Kind::Half, Device::Cpu);
+        let (q, k, v) = (&x.q, &x.k, &x.v);
         let prior = Tensor::rand([shape[0], shape[1], 1, shape[4]], (Kind::Float, Device::Cpu));
         let logit = Tensor::randn([shape[1]], (Kind::Float, Device::Cpu));
+        let pattern = x.excluded.logical_not();
         let spec = probattn_sys::FusedSpec {
             scale: 0.3,
             sweeps: case.sweeps,
             hybrid: case.hybrid,
-            key_padding: case.key_padding.then_some(&kpad),
-            query_padding: case.query_padding.then_some(&qpad),
+            key_padding: case.key_padding.then_some(&x.kpad),
+            query_padding: case.query_padding.then_some(&x.qpad),
+            pattern: case.pattern.then_some(&pattern),
+            bias: case.additive.then_some(&x.additive),
             causal: case.causal,
             noise,
             kl,
@@ -170,7 +224,7 @@ fn the_route_launches_what_the_checked_python_orchestration_launches() -> Result
             prior: (kl > 0).then_some(&prior),
             hybrid_logit: (case.hybrid && noise > 0).then_some(&logit),
         };
-        let ours: Value = serde_json::from_str(&probattn_sys::fused_cuda_dry_run(&q, &k, &v, &spec, 90)?)?;
+        let ours: Value = serde_json::from_str(&probattn_sys::fused_cuda_dry_run(q, k, v, &spec, 90)?)?;
         let scale = spec.scale;
         let theirs = python_launches(case, scale)?;
         let (ours, theirs) = (ours.as_array().context("an array")?, theirs.as_array().context("an array")?);
@@ -201,7 +255,7 @@ fn without_a_driver_the_status_says_why_and_the_route_is_refused_by_name() -> Re
         Err(why) => assert!(why.contains("libcuda.so.1") || why.contains("cuInit"), "{why}"),
     }
     // The launcher refuses CPU tensors by name, after every embedded kernel registered.
-    let (q, k, v, _, _) = inputs([1, 1, 1, 4, 4, 16, 16], Kind::BFloat16, Device::Cpu);
+    let Inputs { q, k, v, .. } = inputs([1, 1, 1, 4, 4, 16, 16], Kind::BFloat16, Device::Cpu);
     let spec = probattn_sys::FusedSpec { scale: 0.25, sweeps: 1, ..Default::default() };
     let err = probattn_sys::fused_cuda_attention(&q, &k, &v, &spec).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(err.contains("CUDA"), "{err}");
@@ -283,22 +337,17 @@ fn on_a_gpu_the_route_matches_the_float64_tiles_forward_and_backward() -> Result
         // bfloat16 keeps 8 bits of mantissa, float16 11: the inputs' rounding bounds the agreement.
         let tolerance = if kind == Kind::BFloat16 { 3e-2 } else { 4e-3 };
         for case in gpu_cases()? {
-            let (shape, causal, (noise, kl_form)) = (case.shape, case.causal, case.noise_and_kl());
-            let (q, k, v, kpad, qpad) = inputs(shape, kind, cuda);
+            let (shape, (noise, kl_form)) = (case.shape, case.noise_and_kl());
+            let x = inputs(shape, kind, cuda);
             let g = Tensor::randn([shape[0], shape[1], shape[3], shape[6]], (Kind::Float, cuda));
             let prior = Tensor::rand([shape[0], shape[1], 1, shape[4]], (Kind::Double, Device::Cpu)) + 0.5;
             let head_logit = logit.narrow(0, 0, shape[1]).copy().set_requires_grad(true);
-            let masks = Masks {
-                key_padding: case.key_padding.then_some(&kpad),
-                query_padding: case.query_padding.then_some(&qpad),
-                causal,
-                ..Default::default()
-            };
+            let masks = case.masks(&x);
             let (gpu_logit, gpu_prior) = (head_logit.detach().to_device(cuda).set_requires_grad(true), prior.to_device(cuda));
             let plan = plan_for(case, &gpu_logit, &gpu_prior);
             let opts =
                 AttendOptions { scale: Some(0.3), enable_gqa: true, seed: Some(SEED), mode: Mode::train(true), ..Default::default() };
-            let (q, k, v) = (q.set_requires_grad(true), k.set_requires_grad(true), v.set_requires_grad(true));
+            let (q, k, v) = (x.q.set_requires_grad(true), x.k.set_requires_grad(true), x.v.set_requires_grad(true));
             let score_shape = probattn::ScoreShape { batch: shape[0], heads: shape[1], queries: shape[3], keys: shape[4] };
             let (out, kl) = probattn::fused_cuda::attend(score_shape, &q, &k, &v, &masks, &plan, &opts)?;
             assert_eq!(out.kind(), kind);
@@ -311,14 +360,18 @@ fn on_a_gpu_the_route_matches_the_float64_tiles_forward_and_backward() -> Result
             // The reference: the tiles in float64 on the CPU, on the same rounded inputs, given
             // the ε the kernels draw in float32 for this seed.
             let wide = |t: &Tensor| t.detach().to_device(Device::Cpu).to_kind(Kind::Double).set_requires_grad(true);
-            let (q64, k64, v64) = (wide(&q), wide(&k), wide(&v));
-            let (kpad64, qpad64) = (kpad.to_device(Device::Cpu), qpad.to_device(Device::Cpu));
-            let masks64 = Masks {
-                key_padding: case.key_padding.then_some(&kpad64),
-                query_padding: case.query_padding.then_some(&qpad64),
-                causal,
-                ..Default::default()
+            let cpu = |t: &Tensor| t.to_device(Device::Cpu);
+            let x64 = Inputs {
+                q: wide(&q),
+                k: wide(&k),
+                v: wide(&v),
+                kpad: cpu(&x.kpad),
+                qpad: cpu(&x.qpad),
+                excluded: cpu(&x.excluded),
+                additive: cpu(&x.additive).to_kind(Kind::Double),
             };
+            let (q64, k64, v64) = (&x64.q, &x64.k, &x64.v);
+            let masks64 = case.masks(&x64);
             let plan64 = plan_for(case, &head_logit, &prior);
             let bam = if noise == 1 { BamKind::WeibullContextual } else { BamKind::LognormalContextual };
             let eps = if noise > 0 {
@@ -334,13 +387,13 @@ fn on_a_gpu_the_route_matches_the_float64_tiles_forward_and_backward() -> Result
                 noise: eps.as_ref(),
                 ..TiledOptions::new(16)
             };
-            let reference = attend_tiled(&q64, &k64, &v64, &masks64, &plan64, tiled_opts)?;
+            let reference = attend_tiled(q64, k64, v64, &masks64, &plan64, tiled_opts)?;
             let g64 = g.to_device(Device::Cpu).to_kind(Kind::Double);
             let mut loss64 = (&reference.output * &g64).sum(Kind::Double);
             if let Some(kl) = &reference.kl {
                 loss64 += kl;
             }
-            let grads64 = Tensor::run_backward(&[loss64], &wrt(case, [&q64, &k64, &v64], &head_logit), false, false);
+            let grads64 = Tensor::run_backward(&[loss64], &wrt(case, [q64, k64, v64], &head_logit), false, false);
             let at = format!("sm_{arch}, {kind:?}, {case:?}");
             let error = common::scaled_error(&out, &reference.output)?;
             assert!(error < tolerance, "{at}: output off by {error:e}");
@@ -366,7 +419,7 @@ fn on_a_gpu_the_fused_backend_takes_the_route_and_says_why_where_it_cannot() -> 
     }
     let _serial = common::serial();
     let cuda = Device::Cuda(0);
-    let (q, k, v, kpad, _) = inputs([2, 2, 2, 40, 40, 64, 64], Kind::BFloat16, cuda);
+    let Inputs { q, k, v, kpad, .. } = inputs([2, 2, 2, 40, 40, 64, 64], Kind::BFloat16, cuda);
     let masks = Masks { key_padding: Some(&kpad), ..Default::default() };
     let forced = AttendOptions { need_weights: false, backend: Backend::Fused, ..Default::default() };
     let (_, choice) = attend_with_choice(&q, &k, &v, &masks, &Dnas, forced)?;

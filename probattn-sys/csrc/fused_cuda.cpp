@@ -17,6 +17,8 @@
 // - Sinkhorn-N (N ≥ 2 sweeps): N column and N − 1 row potential reductions, DNAS's row pass with
 //   the last column potential; backward, the potentials' gradients reduced sweep by sweep back
 //   to the first, between three gradient stages;
+// - the masked kernels (a boolean pattern, its block map and an additive mask, with both
+//   paddings) for the deterministic plans;
 // - BAM's sampling over softmax (causal or not), DNAS, HNAS and Sinkhorn-N, with its KL term or
 //   (Weibull) without: the noise joins the base's row pass and its gradient passes; over HNAS the
 //   row pass mixes the two bases' weights itself (`hybrid` with noise), after one reduction each
@@ -63,6 +65,10 @@ struct Call {
   at::Tensor q, k, v, kpad, qpad, scale;
   at::Tensor seed_words, prior;      // BAM: the seed's two 32-bit words (int64), a_j as (B, H, S_k) float32
   at::Tensor logu;                   // BAM over HNAS: (log u, log(1 − u)) per head, (H, 2) float32
+  // The masked kernels' pattern (uint8, nonzero = takes part), its block map (B, H, ⌈S_q / block_m⌉,
+  // ⌈S_k / block_n⌉) and the additive mask (float32), each a view broadcast to its full shape;
+  // all three or none, with both paddings.
+  at::Tensor pattern, blocks, bias;
   Spec spec;
   int arch = 0;
   int64_t head_dim = 0;  // of the cubins: the smallest embedded one that holds d and d_v
@@ -90,7 +96,8 @@ struct Call {
     l.arch = arch;
     l.dtype = q.scalar_type();
     l.head_dim = head_dim;
-    l.constexprs = {{"HAS_QPAD", qpad.defined() ? 1 : 0}, {"HAS_KPAD", kpad.defined() ? 1 : 0}, {"HAS_MASK", 0}, {"HAS_BIAS", 0},
+    const int64_t masked = pattern.defined() ? 1 : 0;
+    l.constexprs = {{"HAS_QPAD", qpad.defined() ? 1 : 0}, {"HAS_KPAD", kpad.defined() ? 1 : 0}, {"HAS_MASK", masked}, {"HAS_BIAS", masked},
                     {"SWEEPS", std::min<int64_t>(spec.sweeps, 1)}, {"CAUSAL", spec.causal ? 1 : 0}, {"NOISE", spec.noise},
                     {"KL", spec.kl}, {"WIDE", 0}, {"MIX", mix() ? 1 : 0}, {"ROWS", 0}};
     for (const auto& [n, value] : extra) l.constexprs[n] = value;
@@ -103,6 +110,7 @@ struct Call {
     if (spec.noise != 0) tensors["DRAWS"] = seed_words;
     if (spec.kl != 0) tensors["PRIOR"] = prior;
     if (mix()) tensors["LOGU"] = logu;
+    if (masked != 0) tensors["MASK"] = pattern, tensors["BLOCKS"] = blocks, tensors["BIAS"] = bias;
     l.tensors = std::move(tensors);
     l.ints = &ints;
     l.keys = keys;
@@ -118,10 +126,52 @@ struct Call {
   }
 };
 
+// The masks a call may carry: the paddings (bool or uint8 (B, S), true = excluded), a boolean
+// pattern broadcastable to (B, H, S_q, S_k) (true = takes part) and an additive mask broadcastable
+// to the same (its -inf entries excluded), each undefined when absent.
+struct Masks {
+  at::Tensor kpad, qpad, pattern, bias;
+};
+
+// A mask of rank up to 4 as a rank-4 view (size-1 dimensions in front), checked to broadcast to
+// `shape`.
+at::Tensor rank4(const at::Tensor& mask, at::IntArrayRef shape, const char* name) {
+  TORCH_CHECK(mask.dim() <= 4, "the ", name, " has shape ", mask.sizes(), ": at most 4 dimensions, broadcast to ", shape);
+  std::vector<int64_t> sizes(4 - mask.dim(), 1);
+  sizes.insert(sizes.end(), mask.sizes().begin(), mask.sizes().end());
+  for (int i = 0; i < 4; ++i) {
+    TORCH_CHECK(sizes[i] == 1 || sizes[i] == shape[i], "the ", name, " of shape ", mask.sizes(), " does not broadcast to ", shape);
+  }
+  return mask.contiguous().reshape(sizes);
+}
+
+// The masked kernels' views, as plans.py forms them: the pattern as uint8 broadcast through
+// stride-0 views (all of it taking part when absent), its block map over the cubins' blocks (a
+// tile's entry nonzero where it holds an allowed pair: formed on the pattern's own dimensions,
+// then broadcast the same way), and the additive mask in float32 (zero when absent).
+void masked_views(Call& c, const Masks& masks) {
+  const std::vector<int64_t> shape = {c.b(), c.h(), c.s_q(), c.s_k()};
+  const auto own = masks.pattern.defined() ? rank4(masks.pattern.to(c.q.device(), at::kByte), shape, "boolean attention mask")
+                                           : at::ones({1, 1, 1, 1}, c.q.options().dtype(at::kByte));
+  c.pattern = own.expand(shape);
+  const auto [block_m, block_n] = probattn::fused::blocks_of(c.arch, c.q.scalar_type(), c.head_dim);
+  TORCH_CHECK(block_m > 0 && block_n > 0, "the fused CUDA route: no embedded kernel's blocks for a block map");
+  const int64_t n_m = (c.s_q() + block_m - 1) / block_m, n_n = (c.s_k() + block_n - 1) / block_n;
+  const auto tiles = at::constant_pad_nd(own.expand({own.size(0), own.size(1), c.s_q(), c.s_k()}),
+                                         {0, n_n * block_n - c.s_k(), 0, n_m * block_m - c.s_q()}, 0);
+  c.blocks = tiles.reshape({own.size(0), own.size(1), n_m, block_m, n_n, block_n}).amax({3, 5}).expand({c.b(), c.h(), n_m, n_n});
+  c.bias = masks.bias.defined() ? rank4(masks.bias.detach().to(c.q.device(), at::kFloat), shape, "additive mask").expand(shape)
+                                : at::zeros({1, 1, 1, 1}, c.stats()).expand(shape);
+}
+
+// A view's stride along `dim`; 0 for an absent view.
+int64_t at(const at::Tensor& t, int64_t dim) { return t.defined() ? t.stride(dim) : 0; }
+
 // `prior`: a_j broadcastable to (B, H, 1, S_k) with a KL term. `dry_arch`: 0 for a call that
 // launches; else a dry run's compute capability (any device, no driver).
-Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kpad, const at::Tensor& qpad,
-               const Spec& spec, const at::Tensor& prior, const at::Tensor& logit, int dry_arch = 0) {
+Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Masks& masks, const Spec& spec, const at::Tensor& prior,
+               const at::Tensor& logit, int dry_arch = 0) {
+  const auto &kpad = masks.kpad, &qpad = masks.qpad;
   TORCH_CHECK((q.is_cuda() || dry_arch > 0) && k.device() == q.device() && v.device() == q.device(),
               "the fused CUDA route runs on one CUDA device, got ", q.device(), ", ", k.device(), ", ", v.device());
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "the fused CUDA route takes (B, H, S, d) tensors");
@@ -149,7 +199,9 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   std::tie(c.arch, c.head_dim) = probattn::fused::choose(device_arch, q.scalar_type(), widest);
   TORCH_CHECK(c.head_dim > 0, "the fused CUDA route has no embedded kernel for this GPU (sm_", device_arch, "), ",
               c10::toString(q.scalar_type()), " and head dimension ", widest);
-  if (kpad.defined() || qpad.defined()) {
+  const bool masked = masks.pattern.defined() || masks.bias.defined();
+  TORCH_CHECK(!masked || spec.noise == 0, "the fused CUDA route samples BAM without a boolean or additive mask");
+  if (kpad.defined() || qpad.defined() || masked) {
     const auto padding = [&](const at::Tensor& mask, int64_t length, const char* name) {
       if (!mask.defined()) return at::zeros({q.size(0), length}, q.options().dtype(at::kByte));
       TORCH_CHECK(mask.dim() == 2 && mask.size(0) == q.size(0) && mask.size(1) == length, "the ", name, " padding mask must be (B, S) = (",
@@ -165,6 +217,7 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   // Entry positions past 2^32 take the hash's wide form (WIDE), which the embedded set leaves out.
   TORCH_CHECK(spec.noise == 0 || q.size(0) * q.size(1) * q.size(2) * k.size(2) <= (int64_t{1} << 32),
               "the fused CUDA route draws BAM's noise for at most 2^32 score entries");
+  if (masked) masked_views(c, masks);
   // The padded kernels are the only ones BAM has: no padding is a padding of nothing.
   if (spec.noise != 0 && !c.kpad.defined()) {
     c.kpad = at::zeros({q.size(0), k.size(2)}, q.options().dtype(at::kByte));
@@ -196,9 +249,10 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
             {"stride_dkb", ks[0]}, {"stride_dkh", ks[1]}, {"stride_dks", ks[2]}, {"stride_dvb", vs[0]}, {"stride_dvh", vs[1]},
             {"stride_dvs", vs[2]}, {"stride_cb", h * s_k}, {"stride_ch", s_k}, {"stride_rb", h * s_q}, {"stride_rh", s_q},
             {"stride_t", b * h * s_k}, {"stride_tr", b * h * s_q}, {"stride_qpad", c.qpad.defined() ? s_q : 0},
-            {"stride_kpad", c.kpad.defined() ? s_k : 0},
-            {"stride_mb", 0}, {"stride_mh", 0}, {"stride_mm", 0}, {"stride_mn", 0}, {"stride_bb", 0}, {"stride_bh", 0},
-            {"stride_bm", 0}, {"stride_bn", 0}, {"stride_ab", 0}, {"stride_ah", 0}, {"stride_am", 0}, {"stride_an", 0},
+            {"stride_kpad", c.kpad.defined() ? s_k : 0}, {"stride_mb", at(c.pattern, 0)}, {"stride_mh", at(c.pattern, 1)},
+            {"stride_mm", at(c.pattern, 2)}, {"stride_mn", at(c.pattern, 3)}, {"stride_bb", at(c.blocks, 0)}, {"stride_bh", at(c.blocks, 1)},
+            {"stride_bm", at(c.blocks, 2)}, {"stride_bn", at(c.blocks, 3)}, {"stride_ab", at(c.bias, 0)}, {"stride_ah", at(c.bias, 1)},
+            {"stride_am", at(c.bias, 2)}, {"stride_an", at(c.bias, 3)},
             {"stride_pb", kl ? h * s_k : 0}, {"stride_ph", kl ? s_k : 0}, {"stride_pn", kl ? 1 : 0},
             {"H", h}, {"H_KV", c.h_kv()}, {"GROUP", h / c.h_kv()}, {"S_Q", s_q}, {"S_K", s_k}, {"D", q.size(3)}, {"DV", dv}};
   // Every offset a kernel forms is a 32-bit product of these (Sinkhorn-N's potentials: N of them).
@@ -361,19 +415,21 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
   // (output, the KL part T (B, H): zeros without a KL term, HNAS's softmax output: empty but for
   // HNAS without noise), differentiable in q, k, v, the prior and (BAM over HNAS) the gate logits.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               std::optional<at::Tensor> kpad, std::optional<at::Tensor> qpad, std::optional<at::Tensor> prior,
-                               std::optional<at::Tensor> logit, double scale, int64_t sweeps, bool hybrid, bool causal, int64_t noise,
-                               int64_t kl, double noise_scale, int64_t seed) {
+                               std::optional<at::Tensor> kpad, std::optional<at::Tensor> qpad, std::optional<at::Tensor> pattern,
+                               std::optional<at::Tensor> bias, std::optional<at::Tensor> prior, std::optional<at::Tensor> logit,
+                               double scale, int64_t sweeps, bool hybrid, bool causal, int64_t noise, int64_t kl, double noise_scale,
+                               int64_t seed) {
     const Spec spec{scale, sweeps, hybrid, causal, noise, kl, noise_scale, static_cast<uint64_t>(seed)};
-    const auto call = make_call(q, k, v, kpad.value_or(at::Tensor()), qpad.value_or(at::Tensor()), spec, prior.value_or(at::Tensor()),
-                                logit.value_or(at::Tensor()));
+    const Masks masks{kpad.value_or(at::Tensor()), qpad.value_or(at::Tensor()), pattern.value_or(at::Tensor()),
+                      bias.value_or(at::Tensor())};
+    const auto call = make_call(q, k, v, masks, spec, prior.value_or(at::Tensor()), logit.value_or(at::Tensor()));
     const auto f = fused_forward(call);
     const auto part = kl != 0 ? f.trow.sum(-1) : at::zeros({call.b(), call.h()}, call.stats());
     const bool two = hybrid && noise == 0;
     const auto out2 = two ? f.out2 : at::empty({0}, q.options());
     ctx->save_for_backward({call.q, call.k, call.v, f.out, f.c, f.r, f.out2, f.r2, f.rd, f.rs, f.rb, f.ks});
-    for (const auto& [name, t] : {std::pair<const char*, at::Tensor>{"kpad", call.kpad}, {"qpad", call.qpad},
-                                  {"prior", prior.value_or(at::Tensor())}, {"logit", logit.value_or(at::Tensor())}}) {
+    for (const auto& [name, t] : {std::pair<const char*, at::Tensor>{"kpad", call.kpad}, {"qpad", call.qpad}, {"pattern", masks.pattern},
+                                  {"bias", masks.bias}, {"prior", prior.value_or(at::Tensor())}, {"logit", logit.value_or(at::Tensor())}}) {
       probattn::tiled::keep_optional(ctx, name, t);
     }
     auto& data = ctx->saved_data;
@@ -391,19 +447,20 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     const Spec spec{data["scale"].toDouble(), data["sweeps"].toInt(), data["hybrid"].toBool(), data["causal"].toBool(),
                     data["noise"].toInt(),   data["kl"].toInt(),     data["noise_scale"].toDouble(),
                     static_cast<uint64_t>(data["seed"].toInt())};
-    const auto call = make_call(saved[0], saved[1], saved[2], probattn::tiled::kept_optional(ctx, "kpad"),
-                                probattn::tiled::kept_optional(ctx, "qpad"), spec, prior, logit);
+    const auto kept = [&](const char* name) { return probattn::tiled::kept_optional(ctx, name); };
+    const auto call = make_call(saved[0], saved[1], saved[2], Masks{kept("kpad"), kept("qpad"), kept("pattern"), kept("bias")}, spec, prior,
+                                logit);
     Forward f;
     f.out = saved[3], f.c = saved[4], f.r = saved[5], f.out2 = saved[6], f.r2 = saved[7], f.rd = saved[8], f.rs = saved[9];
     f.rb = saved[10], f.ks = saved[11];
     const auto d = fused_backward(call, f, grads);
-    variable_list out(16);  // one per input of forward: q, k, v, kpad, qpad, prior, logit, then the settings
+    variable_list out(18);  // one per input of forward: q, k, v, kpad, qpad, pattern, bias, prior, logit, then the settings
     out[0] = d.dq, out[1] = d.dk, out[2] = d.dv;
-    if (prior.defined() && d.da.defined()) out[5] = d.da.unsqueeze(2).sum_to_size(prior.sizes()).to(prior.scalar_type());
+    if (prior.defined() && d.da.defined()) out[7] = d.da.unsqueeze(2).sum_to_size(prior.sizes()).to(prior.scalar_type());
     if (logit.defined() && d.gu.defined()) {
       // d/dlogit of u·(DNAS's) + (1 − u)·(softmax's) through u = sigmoid(logit): Σ over batch and rows.
       const auto u = at::sigmoid(logit.detach().to(at::kFloat));
-      out[6] = (d.gu.sum(at::IntArrayRef{0, 2}) * u * (1 - u)).to(logit.scalar_type());
+      out[8] = (d.gu.sum(at::IntArrayRef{0, 2}) * u * (1 - u)).to(logit.scalar_type());
     }
     return out;
   }
@@ -445,8 +502,8 @@ char* pa_fused_cuda_status(int64_t device_index, int32_t* arch, char** why) {
 }
 
 char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding,
-                            const pa_tensor* query_padding, const pa_tensor* prior, const pa_tensor* hybrid_logit,
-                            const pa_fused_spec* spec, int32_t arch, char** json) {
+                            const pa_tensor* query_padding, const pa_tensor* pattern, const pa_tensor* bias, const pa_tensor* prior,
+                            const pa_tensor* hybrid_logit, const pa_fused_spec* spec, int32_t arch, char** json) {
   return probattn::guard([&] {
     for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {spec, "spec"}, {json, "json"}}) {
       probattn::require(pointer, "pa_fused_cuda_dry_run", name);
@@ -455,7 +512,8 @@ char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_ten
     const probattn::tiled::NoAutocast no_autocast;
     const at::NoGradGuard no_grad;
     const auto given = [](const pa_tensor* t) { return t != nullptr ? *t : at::Tensor(); };
-    auto call = make_call(*q, *k, *v, given(key_padding), given(query_padding), Spec::of(*spec), given(prior), given(hybrid_logit), arch);
+    const Masks masks{given(key_padding), given(query_padding), given(pattern), given(bias)};
+    auto call = make_call(*q, *k, *v, masks, Spec::of(*spec), given(prior), given(hybrid_logit), arch);
     std::vector<std::string> launches;
     call.dry = &launches;
     const auto f = fused_forward(call);
@@ -468,8 +526,9 @@ char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_ten
 }
 
 char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding,
-                              const pa_tensor* query_padding, const pa_tensor* prior, const pa_tensor* hybrid_logit,
-                              const pa_fused_spec* spec, pa_tensor** out, pa_tensor** kl_part, pa_tensor** softmax_out) {
+                              const pa_tensor* query_padding, const pa_tensor* pattern, const pa_tensor* bias, const pa_tensor* prior,
+                              const pa_tensor* hybrid_logit, const pa_fused_spec* spec, pa_tensor** out, pa_tensor** kl_part,
+                              pa_tensor** softmax_out) {
   return probattn::guard([&] {
     for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {spec, "spec"}, {out, "out"},
                                  {kl_part, "kl_part"}, {softmax_out, "softmax_out"}}) {
@@ -477,8 +536,8 @@ char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_t
     }
     const probattn::tiled::NoAutocast no_autocast;
     const auto s = *spec;
-    auto result = FusedAttention::apply(*q, *k, *v, some(key_padding), some(query_padding), some(prior), some(hybrid_logit), s.scale,
-                                        s.sweeps, s.hybrid != 0, s.causal != 0,
+    auto result = FusedAttention::apply(*q, *k, *v, some(key_padding), some(query_padding), some(pattern), some(bias), some(prior),
+                                        some(hybrid_logit), s.scale, s.sweeps, s.hybrid != 0, s.causal != 0,
                                         int64_t{s.noise}, int64_t{s.kl}, s.noise_scale, static_cast<int64_t>(s.seed));
     // Every handle exists before any is handed out: an allocation that fails leaks none.
     auto o = std::make_unique<at::Tensor>(result[0]);

@@ -250,6 +250,8 @@ at::ScalarType declared_type(const std::string& type) {
 // BAM's draws and KL term, BAM's mixture over HNAS): a two-element tensor of the declared type.
 const std::set<std::string> kUnused = {"QPAD", "KPAD", "MASK", "BLOCKS", "BIAS", "DRAWS", "PRIOR", "RB", "KS", "TROW",
                                        "DKL",  "DA",   "RD",   "RS",     "LOGU", "RHO_D", "RHO_S", "GU"};
+// The masks a kernel reads through strides of its own (stride-0 views of what they broadcast).
+const std::set<std::string> kStrided = {"MASK", "BLOCKS", "BIAS"};
 
 }  // namespace
 
@@ -295,6 +297,14 @@ std::pair<int, int64_t> choose(int device_arch, at::ScalarType dtype, int64_t wi
   return {arch, head_dim};
 }
 
+std::pair<int64_t, int64_t> blocks_of(int arch, at::ScalarType dtype, int64_t head_dim) {
+  std::lock_guard<std::mutex> hold(registry().lock);
+  for (const auto& e : registry().entries) {
+    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim) return {e.block_m, e.block_n};
+  }
+  return {0, 0};
+}
+
 void launch(const Launch& l, const at::Device& device, std::map<at::ScalarType, at::Tensor>& unused, std::vector<std::string>* dry) {
   const auto& name = l.name;
   std::lock_guard<std::mutex> hold(registry().lock);
@@ -332,9 +342,10 @@ void launch(const Launch& l, const at::Device& device, std::map<at::ScalarType, 
       if (!slot.defined()) slot = at::zeros({2}, at::TensorOptions().device(device).dtype(want));
       t = slot;
     }
-    TORCH_CHECK(t.scalar_type() == want && t.device() == device && t.is_contiguous(), "the fused CUDA route: ", name, "'s ", pname,
-                " must be a contiguous ", c10::toString(want), " tensor on ", device, ", got ", c10::toString(t.scalar_type()),
-                " on ", t.device());
+    const bool strided = kStrided.count(pname) > 0;  // read through strides the launch passes
+    TORCH_CHECK(t.scalar_type() == want && t.device() == device && (strided || t.is_contiguous()), "the fused CUDA route: ", name, "'s ",
+                pname, " must be a ", strided ? "" : "contiguous ", c10::toString(want), " tensor on ", device, ", got ",
+                c10::toString(t.scalar_type()), " on ", t.device());
     pointers.push_back(dry != nullptr ? 0 : reinterpret_cast<CUdeviceptr>(t.data_ptr()));
     args.push_back(&pointers.back());
   }

@@ -34,9 +34,15 @@ void register_kernel(const char* kernel, int arch, const char* dtype, int64_t he
 // smallest head dimension that holds `widest`. {0, 0} when none fits.
 std::pair<int, int64_t> choose(int device_arch, at::ScalarType dtype, int64_t widest);
 
+// The query and key blocks (block_m, block_n) the embedded cubins of (arch, dtype, head_dim) were
+// compiled with: what a block map of a boolean pattern is formed over. {0, 0} when none.
+std::pair<int64_t, int64_t> blocks_of(int arch, at::ScalarType dtype, int64_t head_dim);
+
 // One launch: the kernel `name` of (arch, dtype, head_dim) whose constexprs are `constexprs`, over
 // a grid of (blocks of `length` by the kernel's block size along keys or queries, `programs`),
-// its pointer parameters from `tensors` by name, its integers from `ints`.
+// its pointer parameters from `tensors` by name, its integers from `ints`. Pointers are to
+// contiguous tensors, but for the masks read through strides given as integers (MASK, BLOCKS,
+// BIAS: stride-0 views of what they broadcast).
 struct Launch {
   std::string name;
   int arch = 0;

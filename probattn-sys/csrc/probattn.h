@@ -156,22 +156,27 @@ typedef struct {
 } pa_fused_spec;
 // Attention of bfloat16 or float16 q (B, H, S_q, d), k (B, H_kv, S_k, d), v (B, H_kv, S_k, d_v) on
 // one CUDA device by the embedded kernels, as `spec` says; `key_padding` bool (B, S_k) and
-// `query_padding` bool (B, S_q), true = excluded (NULL: none); `prior` a_j broadcastable to
-// (B, H, 1, S_k) with a KL term (NULL: none); `hybrid_logit` HNAS's gate logits (H,) for BAM over
-// HNAS (`hybrid` with `noise`; NULL otherwise), whose mixture the kernels then form themselves.
+// `query_padding` bool (B, S_q), true = excluded (NULL: none); `pattern` bool broadcastable to
+// (B, H, S_q, S_k), true = takes part, and `bias` a floating-point additive mask broadcastable to
+// the same, -inf excluding its entries (NULL: none; no gradient reaches it); `prior` a_j
+// broadcastable to (B, H, 1, S_k) with a KL term (NULL: none); `hybrid_logit` HNAS's gate logits
+// (H,) for BAM over HNAS (`hybrid` with `noise`; NULL otherwise), whose mixture the kernels then
+// form themselves.
 // Outputs: the attention output (q's dtype), the KL part (B, H) (zeros without a KL term), and
-// HNAS's softmax output (empty without `hybrid`); differentiable in q, k, v and `prior`.
+// HNAS's softmax output (empty but for `hybrid` without noise); differentiable in q, k, v, `prior`
+// and `hybrid_logit`.
 char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding,
-                              const pa_tensor* query_padding, const pa_tensor* prior, const pa_tensor* hybrid_logit,
-                              const pa_fused_spec* spec, pa_tensor** out, pa_tensor** kl_part, pa_tensor** softmax_out);
+                              const pa_tensor* query_padding, const pa_tensor* pattern, const pa_tensor* bias, const pa_tensor* prior,
+                              const pa_tensor* hybrid_logit, const pa_fused_spec* spec, pa_tensor** out, pa_tensor** kl_part,
+                              pa_tensor** softmax_out);
 // What pa_fused_cuda_attention would launch, forward then backward (with gradients of ones), for a
 // GPU of compute capability `arch`, on tensors of any device, without the driver: a JSON array of
 // {kernel, key (its constexprs), grid, ints (every integer argument), tensors (each real tensor
 // argument's [shape, dtype])} in launch order (a new string). The tests compare it with plans.py's
 // own launches of the same call.
 char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding,
-                            const pa_tensor* query_padding, const pa_tensor* prior, const pa_tensor* hybrid_logit,
-                            const pa_fused_spec* spec, int32_t arch, char** json);
+                            const pa_tensor* query_padding, const pa_tensor* pattern, const pa_tensor* bias, const pa_tensor* prior,
+                            const pa_tensor* hybrid_logit, const pa_fused_spec* spec, int32_t arch, char** json);
 
 // ---- memory statistics
 // CPU: a counting allocator for libtorch's CPU tensors (installed once, on the first call; tensors

@@ -34,6 +34,8 @@ extern "C" {
         v: *const C_tensor,
         key_padding: *const C_tensor,
         query_padding: *const C_tensor,
+        pattern: *const C_tensor,
+        bias: *const C_tensor,
         prior: *const C_tensor,
         hybrid_logit: *const C_tensor,
         spec: *const CSpec,
@@ -46,6 +48,8 @@ extern "C" {
         v: *const C_tensor,
         key_padding: *const C_tensor,
         query_padding: *const C_tensor,
+        pattern: *const C_tensor,
+        bias: *const C_tensor,
         prior: *const C_tensor,
         hybrid_logit: *const C_tensor,
         spec: *const CSpec,
@@ -127,6 +131,11 @@ pub struct FusedSpec<'a> {
     /// `(B, S_q)` bool, true = excluded: the row gets a zero output and takes no part in the
     /// column statistics.
     pub query_padding: Option<&'a Tensor>,
+    /// Bool, broadcastable to `(B, H, S_q, S_k)`, true = takes part (as SDPA's boolean `attn_mask`).
+    pub pattern: Option<&'a Tensor>,
+    /// A floating-point additive mask broadcastable to `(B, H, S_q, S_k)`, added to the scores; its
+    /// `-inf` entries are excluded. No gradient reaches it.
+    pub bias: Option<&'a Tensor>,
     /// Top-left causal (softmax only).
     pub causal: bool,
     /// BAM's noise: 0 none, 1 Weibull, 2 Lognormal ([`crate::TiledSpec::WEIBULL`], ...).
@@ -213,6 +222,8 @@ pub fn fused_cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec
             v.as_ptr(),
             optional(spec.key_padding),
             optional(spec.query_padding),
+            optional(spec.pattern),
+            optional(spec.bias),
             optional(spec.prior),
             optional(spec.hybrid_logit),
             &c_spec,
@@ -244,6 +255,8 @@ pub fn fused_cuda_dry_run(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec, 
             v.as_ptr(),
             optional(spec.key_padding),
             optional(spec.query_padding),
+            optional(spec.pattern),
+            optional(spec.bias),
             optional(spec.prior),
             optional(spec.hybrid_logit),
             &c_spec,

@@ -6,9 +6,10 @@
 //!
 //! What it serves ([`unserved`] says why not, for the backend record): bfloat16 and float16 on a
 //! GPU the embedded cubins fit; softmax, DNAS, HNAS (both branches from one row pass) and
-//! Sinkhorn-N for the N embedded, with any score scale; no mask, key and query padding, causal
-//! (softmax); grouped key/value heads; head dimensions up to 128; no attention dropout; and BAM's
-//! sampling over every one of those bases, with its KL term (Weibull and Lognormal) or without
+//! Sinkhorn-N for the N embedded, with any score scale; key and query padding, causal (softmax),
+//! a boolean pattern and an additive mask that needs no gradient; grouped key/value heads; head
+//! dimensions up to 128; no attention dropout; and BAM's sampling over every one of those bases
+//! (without a pattern or additive mask), with its KL term (Weibull and Lognormal) or without
 //! (Weibull, over softmax and DNAS), its noise drawn in the kernels from the same counter-based
 //! hash as the tiles' (the same ε for the same seed), for up to 2^32 score entries. It returns no
 //! weights and no received mass. Anything else runs on the tiles.
@@ -64,11 +65,12 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
     if opts.dropout_active() {
         return Some("attention dropout forms the weights".into());
     }
-    if let Some(what) = [(masks.attn_mask.is_some(), "a boolean attention mask"), (masks.bias.is_some(), "an additive mask")]
-        .iter()
-        .find_map(|(has, what)| has.then_some(*what))
-    {
-        return Some(format!("{what} is not in the embedded set (no mask, key and query padding, causal)"));
+    if masks.bias.is_some_and(Tensor::requires_grad) {
+        return Some("an additive mask that needs its gradient (the kernels compute none)".into());
+    }
+    let patterned = masks.attn_mask.is_some() || masks.bias.is_some();
+    if patterned && plan.sampling.is_some() && opts.mode.sample {
+        return Some(format!("{}: BAM under a boolean or additive mask is not in the embedded set", plan.name));
     }
     let widest = q.size()[3].max(v.size()[3]);
     if widest > WIDEST_HEAD_DIM {
@@ -133,12 +135,16 @@ pub fn attend(
     // paddings are the ones this route reads).
     let allowed = masks.allowed(shape, q.device())?;
     check_hybrid_logit(plan, shape)?;
+    // The kernels read a pattern as SDPA does, true = takes part; the library's is true = excluded.
+    let pattern = masks.attn_mask.map(|m| m.ne(0).logical_not());
     let d = q.size()[3] as f64;
     let spec = cxx::FusedSpec {
         scale: plan.score_scale * opts.scale.unwrap_or(1.0 / d.sqrt()),
         sweeps: i64::from(plan.sweeps),
         key_padding: masks.key_padding,
         query_padding: masks.query_padding,
+        pattern: pattern.as_ref(),
+        bias: masks.bias,
         causal: masks.causal,
         ..Default::default()
     };

@@ -74,9 +74,10 @@ def specializations(plans, smoke):
 
 
 def route_specializations():
-    """What the library's fused CUDA route launches (probattn-sys/csrc/fused_cuda.cpp). Unpadded
-    and padded (key and query padding read together: a call with one passes no padding for the
-    other): softmax (plain and causal), DNAS and HNAS (DNAS's row pass with softmax's accumulator
+    """What the library's fused CUDA route launches (probattn-sys/csrc/fused_cuda.cpp). Unpadded,
+    padded (key and query padding read together: a call with one passes no padding for the
+    other) and masked (the paddings, a boolean pattern and an additive mask read together, each
+    absent one passed as a stride-0 view of one neutral value): softmax (plain and causal), DNAS and HNAS (DNAS's row pass with softmax's accumulator
     beside it), forward and backward, and Sinkhorn-N's passes for the N of
     `ROUTE_SINKHORN_SWEEPS`. Padded only (a call without padding passes none; BAM's draws dwarf
     reading it): BAM's sampling, Weibull and Lognormal with their KL terms over softmax (plain and
@@ -85,8 +86,8 @@ def route_specializations():
     `plans.hybrid_attention` and `plans.bam_attention` for those calls the same
     (tests/fused_cuda.rs)."""
     out = []
-    for padded in (False, True):
-        f = dict(HAS_QPAD=padded, HAS_KPAD=padded, HAS_MASK=False, HAS_BIAS=False)
+    for padded, masked in ((False, False), (True, False), (True, True)):
+        f = dict(HAS_QPAD=padded, HAS_KPAD=padded, HAS_MASK=masked, HAS_BIAS=masked)
         out.append(("_column_pass", f))
         for sweeps, causal in ((0, False), (0, True), (1, False)):
             out.append(("_row_pass", dict(f, SWEEPS=sweeps, HYBRID=False, CAUSAL=causal)))

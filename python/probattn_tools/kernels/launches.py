@@ -29,6 +29,9 @@ def main(argv=None):
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--key-padding", action="store_true", help="pad the last key of the first batch")
     parser.add_argument("--query-padding", action="store_true", help="pad the first query of the last batch")
+    parser.add_argument("--pattern", action="store_true", help="a boolean (S_q, S_k) pattern, broadcast over batch and "
+                                                                "heads (True = takes part)")
+    parser.add_argument("--additive", action="store_true", help="an additive (1, H, S_q, S_k) mask, some entries -inf")
     parser.add_argument("--noise", choices=("weibull", "lognormal"), help="BAM's sampling (with --hybrid over HNAS)")
     parser.add_argument("--no-kl", action="store_true", help="BAM's sampling without its KL term (bam-nokl)")
     parser.add_argument("--noise-scale", type=float, default=0.5, help="1/k or sigma")
@@ -54,13 +57,23 @@ def main(argv=None):
     k = torch.randn(b, h_kv, s_k, d, generator=gen, dtype=torch.float16, requires_grad=True)
     v = torch.randn(b, h_kv, s_k, dv, generator=gen, dtype=torch.float16, requires_grad=True)
     # The route reads key and query padding together: a call with one passes no padding for the
-    # other, and BAM's kernels are all padded ones.
-    kpad = qpad = None
-    if args.key_padding or args.query_padding or args.noise:
+    # other, and BAM's kernels are all padded ones. Its masked kernels read the paddings, the
+    # pattern and the additive mask together, each absent one as one neutral value broadcast.
+    kpad = qpad = pattern = additive = None
+    masked = args.pattern or args.additive
+    if args.key_padding or args.query_padding or args.noise or masked:
         kpad, qpad = torch.zeros(b, s_k, dtype=torch.bool), torch.zeros(b, s_q, dtype=torch.bool)
         kpad[0, -1] = args.key_padding
         qpad[-1, 0] = args.query_padding
-    masks = plans.Masks(key_padding_mask=kpad, query_padding_mask=qpad, causal=args.causal)
+    if masked:
+        pattern = torch.rand(s_q, s_k, generator=gen) < 0.7 if args.pattern else torch.ones(1, 1, 1, 1, dtype=torch.bool)
+        additive = torch.zeros(1, 1, 1, 1)
+        if args.additive:
+            i, j = torch.arange(s_q)[:, None], torch.arange(s_k)[None, :]
+            slopes = torch.tensor([0.5 ** (t + 1) for t in range(h)])[:, None, None]
+            additive = (-slopes * (i - j).abs()).masked_fill(j - i > 6, float("-inf"))[None]
+    masks = plans.Masks(key_padding_mask=kpad, query_padding_mask=qpad, allowed_mask=pattern, causal=args.causal,
+                        additive=additive)
     config = plans.Config(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     with plans.launches() as seen:
         if args.noise:
