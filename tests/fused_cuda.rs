@@ -159,11 +159,12 @@ fn embedded_config(shape: [i64; 7]) -> Result<String> {
     Ok(format!("{},{},{},{}", chosen.block_m, chosen.block_n, chosen.num_warps, chosen.num_stages))
 }
 
-fn python_launches(case: &Case, scale: f64) -> Result<Value> {
-    let mut command = common::python_module("kernels.launches")?;
-    command.arg("--config").arg(embedded_config(case.shape)?);
-    command.arg("--shape").arg(case.shape.map(|n| n.to_string()).join(",")).arg("--sweeps").arg(case.sweeps.to_string());
-    command.arg("--scale").arg(scale.to_string());
+/// The arguments of launches.py for a case: one line of its `--batch` input.
+fn python_arguments(case: &Case, scale: f64) -> Result<String> {
+    let mut args = vec![
+        format!("--config {}", embedded_config(case.shape)?),
+        format!("--shape {} --sweeps {} --scale {scale}", case.shape.map(|n| n.to_string()).join(","), case.sweeps),
+    ];
     for (on, flag) in [
         (case.causal, "--causal"),
         (case.key_padding, "--key-padding"),
@@ -173,20 +174,32 @@ fn python_launches(case: &Case, scale: f64) -> Result<Value> {
         (case.additive, "--additive"),
     ] {
         if on {
-            command.arg(flag);
+            args.push(flag.into());
         }
     }
     let (noise, kl) = case.noise_and_kl();
     if noise > 0 {
-        command.arg("--noise").arg(NOISE_NAMES[noise as usize]).arg("--seed").arg(SEED.to_string());
-        command.arg("--noise-scale").arg(NOISE_SCALE.to_string());
+        args.push(format!("--noise {} --seed {SEED} --noise-scale {NOISE_SCALE}", NOISE_NAMES[noise as usize]));
     }
     if noise > 0 && kl == 0 {
-        command.arg("--no-kl");
+        args.push("--no-kl".into());
     }
-    let out = command.output().context("running probattn_tools.kernels.launches")?;
+    Ok(args.join(" "))
+}
+
+/// The launches plans.py makes for each case, from one Python process.
+fn python_launches(cases: &[Case], scale: f64) -> Result<Vec<Value>> {
+    let lines = cases.iter().map(|c| python_arguments(c, scale)).collect::<Result<Vec<_>>>()?.join("\n");
+    let mut command = common::python_module("kernels.launches")?;
+    command.arg("--batch").stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped());
+    command.stderr(std::process::Stdio::piped());
+    let mut child = command.spawn().context("running probattn_tools.kernels.launches")?;
+    std::io::Write::write_all(&mut child.stdin.take().context("its standard input")?, lines.as_bytes())?;
+    let out = child.wait_with_output()?;
     ensure!(out.status.success(), "kernels.launches failed: {}", String::from_utf8_lossy(&out.stderr));
-    Ok(serde_json::from_slice(&out.stdout)?)
+    let all: Vec<Value> = serde_json::from_slice(&out.stdout)?;
+    ensure!(all.len() == cases.len(), "kernels.launches described {} calls of {}", all.len(), cases.len());
+    Ok(all)
 }
 
 /// Tensor arguments the Python side passes as one- or two-element stand-ins for a feature the call
@@ -201,7 +214,9 @@ fn the_route_launches_what_the_checked_python_orchestration_launches() -> Result
         eprintln!("skipped: this build embeds no kernel ({why})");
         return Ok(());
     }
-    for case in &CASES {
+    const SCALE: f64 = 0.3;
+    let python = python_launches(&CASES, SCALE)?;
+    for (case, theirs) in CASES.iter().zip(python) {
         let (shape, (noise, kl)) = (case.shape, case.noise_and_kl());
         let x = inputs(shape, Kind::Half, Device::Cpu);
         let (q, k, v) = (&x.q, &x.k, &x.v);
@@ -209,7 +224,7 @@ fn the_route_launches_what_the_checked_python_orchestration_launches() -> Result
         let logit = Tensor::randn([shape[1]], (Kind::Float, Device::Cpu));
         let pattern = x.excluded.logical_not();
         let spec = probattn_sys::FusedSpec {
-            scale: 0.3,
+            scale: SCALE,
             sweeps: case.sweeps,
             hybrid: case.hybrid,
             key_padding: case.key_padding.then_some(&x.kpad),
@@ -225,8 +240,6 @@ fn the_route_launches_what_the_checked_python_orchestration_launches() -> Result
             hybrid_logit: (case.hybrid && noise > 0).then_some(&logit),
         };
         let ours: Value = serde_json::from_str(&probattn_sys::fused_cuda_dry_run(q, k, v, &spec, 90)?)?;
-        let scale = spec.scale;
-        let theirs = python_launches(case, scale)?;
         let (ours, theirs) = (ours.as_array().context("an array")?, theirs.as_array().context("an array")?);
         let kernels = |l: &[Value]| l.iter().map(|x| x["kernel"].as_str().unwrap_or("").to_string()).collect::<Vec<_>>();
         assert_eq!(kernels(ours), kernels(theirs), "{case:?}: the kernels launched, in order");

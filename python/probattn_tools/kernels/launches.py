@@ -1,12 +1,16 @@
 """The launches `plans.attention` makes for one call, forward then backward, as JSON: what the
 library's fused CUDA route (probattn-sys/csrc/fused_cuda.cpp) must launch for the same call, which
 its dry run describes in the same form. tests/fused_cuda.rs compares the two, launch by launch
-(kernel, specialization, grid, every integer argument, every tensor's shape and dtype). The kernels
-run under Triton's interpreter, on the CPU, in float16.
+(kernel, specialization, grid, every integer argument, every tensor's shape and dtype). The
+inputs are float16 on the CPU, and the kernels are not run: each launch is recorded instead, since
+the orchestration reads no value a kernel computes (only the inputs' and masks' own checks read
+values). `--execute` runs them too, under Triton's interpreter.
 
     python -m probattn_tools.kernels.launches --shape 2,4,2,70,90,48,48 --sweeps 1 --key-padding --scale 0.3
     python -m probattn_tools.kernels.launches --shape 1,2,2,40,40,64,64 --sweeps 0 --scale 0.125 --noise weibull --seed 7
     python -m probattn_tools.kernels.launches --shape 1,2,1,70,70,64,64 --sweeps 3 --scale 0.125
+    printf '%s\n' "--shape 1,1,1,8,8,16,16 --scale 1" "--shape 1,1,1,8,8,16,16 --scale 1 --causal" \
+        | python -m probattn_tools.kernels.launches --batch      # many calls, one process, a JSON list
 
 `--sweeps N` for N ≥ 2 is Sinkhorn-N; `--hybrid` is HNAS (`plans.hybrid_attention`, DNAS mixed
 with softmax by a gate per head). With `--noise`, BAM's sampling over the plan (over HNAS with
@@ -20,7 +24,10 @@ import os
 import sys
 
 
-def main(argv=None):
+_RUN = None  # plans._Call.launch as plans defines it
+
+
+def parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", required=True, help="B,H,H_KV,S_Q,S_K,D,DV")
     parser.add_argument("--sweeps", type=int, default=0, help="0 softmax, 1 DNAS, N ≥ 2 Sinkhorn-N")
@@ -36,9 +43,25 @@ def main(argv=None):
     parser.add_argument("--no-kl", action="store_true", help="BAM's sampling without its KL term (bam-nokl)")
     parser.add_argument("--noise-scale", type=float, default=0.5, help="1/k or sigma")
     parser.add_argument("--seed", type=int, default=0, help="the draws' key")
+    parser.add_argument("--execute", action="store_true", help="also run the kernels, under Triton's interpreter")
     parser.add_argument("--config", default="64,64,4,2",
                         help="block_m,block_n,num_warps,num_stages: the embedded cubins' (their manifest says)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    """One call's launches from the command line; with `--batch` alone, one call per line of
+    standard input (each line that call's arguments), their launches as one JSON list: one
+    process for many calls."""
+    argv = sys.argv[1:] if argv is None else argv
+    calls = [line.split() for line in sys.stdin.read().splitlines() if line.strip()] if argv == ["--batch"] else [argv]
+    records = [launches(parser().parse_args(call)) for call in calls]
+    print(json.dumps(records if argv == ["--batch"] else records[0]))
+    return 0
+
+
+def launches(args):
+    """The launches of the call `args` describes, forward then backward."""
     try:
         b, h, h_kv, s_q, s_k, d, dv = (int(x) for x in args.shape.split(","))
     except ValueError:
@@ -51,6 +74,17 @@ def main(argv=None):
     import torch
 
     from probattn_tools.kernels import plans
+
+    global _RUN
+    if _RUN is None:
+        _RUN = plans._Call.launch
+
+    def record_only(call, kernel, grid, **extra):
+        launch_args = {**call.args, **extra}
+        missing = [n for n in kernel.arg_names if n not in launch_args]
+        assert not missing, f"{kernel.arg_names}: no value for {missing}"
+        plans.LAUNCHES.append(plans._launch_record(kernel, grid, launch_args))
+    plans._Call.launch = _RUN if args.execute else record_only
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(b, h, s_q, d, generator=gen, dtype=torch.float16, requires_grad=True)
@@ -95,8 +129,9 @@ def main(argv=None):
             out = plans.attention(q, k, v, sweeps=args.sweeps, score_scale=args.scale * d ** 0.5, masks=masks,
                                   config=config)
             out.backward(torch.ones_like(out))
-    print(json.dumps(seen))
-    return 0
+    return seen
+
+
 
 
 if __name__ == "__main__":
