@@ -183,11 +183,12 @@ impl FusedSpec<'_> {
 /// What [`fused_cuda_attention`] returns.
 #[derive(Debug)]
 pub struct FusedOutput {
-    /// The attention output `(B, H, S_q, d_v)`, in q's dtype (with `hybrid`, DNAS's branch).
+    /// The attention output `(B, H, S_q, d_v)`, in q's dtype: with `hybrid` and no noise, DNAS's
+    /// branch; with `hybrid` and BAM's noise, the mixture.
     pub out: Tensor,
     /// The KL term's score-dependent part `(B, H)` (zeros without one).
     pub kl_part: Tensor,
-    /// With `hybrid`, softmax's branch `(B, H, S_q, d_v)`; else an empty tensor.
+    /// With `hybrid` and no noise, softmax's branch `(B, H, S_q, d_v)`; else an empty tensor.
     pub softmax_out: Tensor,
 }
 

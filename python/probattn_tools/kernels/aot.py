@@ -74,17 +74,21 @@ def specializations(plans, smoke):
 
 
 def route_specializations():
-    """What the library's fused CUDA route launches (probattn-sys/csrc/fused_cuda.cpp). Unpadded,
-    padded (key and query padding read together: a call with one passes no padding for the
-    other) and masked (the paddings, a boolean pattern and an additive mask read together, each
-    absent one passed as a stride-0 view of one neutral value): softmax (plain and causal), DNAS and HNAS (DNAS's row pass with softmax's accumulator
-    beside it), forward and backward, and Sinkhorn-N's passes for the N of
-    `ROUTE_SINKHORN_SWEEPS`. Padded only (a call without padding passes none; BAM's draws dwarf
-    reading it): BAM's sampling, Weibull and Lognormal with their KL terms over softmax (plain and
-    causal), DNAS, HNAS and Sinkhorn-N, and Weibull without a KL term (bam-nokl) over softmax and
-    DNAS, below 2^32 score entries. A test keeps this list and the launches of `plans.attention`,
-    `plans.hybrid_attention` and `plans.bam_attention` for those calls the same
-    (tests/fused_cuda.rs)."""
+    """What the library's fused CUDA route launches (probattn-sys/csrc/fused_cuda.cpp).
+
+    Unpadded, padded (key and query padding read together: a call with one passes no padding for
+    the other) and masked (the paddings, a boolean pattern and an additive mask read together, each
+    absent one passed as a stride-0 view of one neutral value): softmax (plain and causal), DNAS
+    and HNAS (DNAS's row pass with softmax's accumulator beside it), forward and backward, and
+    Sinkhorn-N's passes for the N of `ROUTE_SINKHORN_SWEEPS`.
+
+    Padded only (a call without padding passes none; BAM's draws dwarf reading it): BAM's
+    sampling, Weibull and Lognormal with their KL terms over softmax (plain and causal), DNAS, HNAS
+    and Sinkhorn-N, and Weibull without a KL term (bam-nokl) over softmax and DNAS, below 2^32
+    score entries.
+
+    A test keeps this list and the launches of `plans.attention`, `plans.hybrid_attention` and
+    `plans.bam_attention` for those calls the same (tests/fused_cuda.rs)."""
     out = []
     for padded, masked in ((False, False), (True, False), (True, True)):
         f = dict(HAS_QPAD=padded, HAS_KPAD=padded, HAS_MASK=masked, HAS_BIAS=masked)
@@ -102,8 +106,9 @@ def route_specializations():
         for n in ROUTE_SINKHORN_SWEEPS:
             out += [("_sink_grads", dict(f, N=n, STAGE=stage, NOISE=0, KL=0, WIDE=False)) for stage in (0, 1, 2)]
     f = dict(HAS_QPAD=True, HAS_KPAD=True, HAS_MASK=False, HAS_BIAS=False, WIDE=False)
-    for sweeps, causal, noise, kl in ((0, False, 1, 1), (0, False, 2, 2), (0, True, 1, 1), (0, True, 2, 2), (1, False, 1, 1),
-                                      (1, False, 2, 2), (0, False, 1, 0), (0, True, 1, 0), (1, False, 1, 0)):
+    for sweeps, causal, noise, kl in ((0, False, 1, 1), (0, False, 2, 2), (0, True, 1, 1), (0, True, 2, 2),
+                                      (1, False, 1, 1), (1, False, 2, 2), (0, False, 1, 0), (0, True, 1, 0),
+                                      (1, False, 1, 0)):
         bam = dict(f, NOISE=noise, KL=kl, SWEEPS=sweeps, CAUSAL=causal)
         out += [("_row_pass", dict(bam, HYBRID=False)), ("_key_pass", dict(bam, GRADS=True)), ("_query_pass", bam)]
     for noise in (1, 2):
