@@ -26,17 +26,18 @@
 #                            then their benchmark against SDPA and FlexAttention at 8 x 1,024 and
 #                            1 x 4,096
 set -euo pipefail
-[ $# -eq 2 ] || [ $# -eq 3 ] || { sed -n '2,25p' "$0" >&2; exit 2; }
+[ $# -eq 2 ] || [ $# -eq 3 ] || { sed -n '2,27p' "$0" >&2; exit 2; }
 bundle=$(realpath "$1") out=$(realpath -m "$2") part=${3:-route}
+case $part in
+  route) steps=(doctor:20 sdpa-empty-rows:60 tests:150 sanitizer:180) ;;
+  kernels) steps=(sweep:240 kernels:300) ;;
+  *) echo "gpu_lease.sh: PART is route or kernels, got $part" >&2; exit 2 ;;
+esac
+[ -f "$bundle" ] || { echo "gpu_lease.sh: no bundle at $bundle (scripts/cuda_bundle.sh builds it)" >&2; exit 2; }
 here=$(dirname "$(realpath "$0")")
 work=$(mktemp -d)
 tar xJf "$bundle" -C "$work"
 export TESTS="external_variant fused_cuda normalizers tiled"
 export KERNELS_CHECK="--quick --dtypes bfloat16,float16"
 export KERNELS_BENCH="--shapes 8x1024,1x4096 --repeats 10"
-case $part in
-  route) steps=(doctor:20 sdpa-empty-rows:60 tests:150 sanitizer:180) ;;
-  kernels) steps=(sweep:240 kernels:300) ;;
-  *) echo "gpu_lease.sh: PART is route or kernels, got $part" >&2; exit 2 ;;
-esac
 bash "$here/cuda_steps.sh" "$work/bin" "$work/data" "$work/out" "$out" "${steps[@]}"
