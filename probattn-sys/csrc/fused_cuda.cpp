@@ -128,9 +128,10 @@ struct Call {
 
 // The masks a call may carry: the paddings (bool or uint8 (B, S), true = excluded), a boolean
 // pattern broadcastable to (B, H, S_q, S_k) (true = takes part) and an additive mask broadcastable
-// to the same (its -inf entries excluded), each undefined when absent.
+// to the same (its -inf entries excluded), each undefined when absent; and, in a backward, the
+// pattern's block map its forward formed (undefined: form it).
 struct Masks {
-  at::Tensor kpad, qpad, pattern, bias;
+  at::Tensor kpad, qpad, pattern, bias, blocks;
 };
 
 // A mask of rank up to 4 as a rank-4 view (size-1 dimensions in front), checked to broadcast to
@@ -154,12 +155,16 @@ void masked_views(Call& c, const Masks& masks) {
   const auto own = masks.pattern.defined() ? rank4(masks.pattern.to(c.q.device(), at::kByte), shape, "boolean attention mask")
                                            : at::ones({1, 1, 1, 1}, c.q.options().dtype(at::kByte));
   c.pattern = own.expand(shape);
-  const auto [block_m, block_n] = probattn::fused::blocks_of(c.arch, c.q.scalar_type(), c.head_dim);
-  TORCH_CHECK(block_m > 0 && block_n > 0, "the fused CUDA route: no embedded kernel's blocks for a block map");
-  const int64_t n_m = (c.s_q() + block_m - 1) / block_m, n_n = (c.s_k() + block_n - 1) / block_n;
-  const auto tiles = at::constant_pad_nd(own.expand({own.size(0), own.size(1), c.s_q(), c.s_k()}),
-                                         {0, n_n * block_n - c.s_k(), 0, n_m * block_m - c.s_q()}, 0);
-  c.blocks = tiles.reshape({own.size(0), own.size(1), n_m, block_m, n_n, block_n}).amax({3, 5}).expand({c.b(), c.h(), n_m, n_n});
+  if (masks.blocks.defined()) {
+    c.blocks = masks.blocks;
+  } else {
+    const auto [block_m, block_n] = probattn::fused::blocks_of(c.arch, c.q.scalar_type(), c.head_dim);
+    TORCH_CHECK(block_m > 0 && block_n > 0, "the fused CUDA route: no embedded kernel's blocks for a block map");
+    const int64_t n_m = (c.s_q() + block_m - 1) / block_m, n_n = (c.s_k() + block_n - 1) / block_n;
+    const auto tiles = at::constant_pad_nd(own.expand({own.size(0), own.size(1), c.s_q(), c.s_k()}),
+                                           {0, n_n * block_n - c.s_k(), 0, n_m * block_m - c.s_q()}, 0);
+    c.blocks = tiles.reshape({own.size(0), own.size(1), n_m, block_m, n_n, block_n}).amax({3, 5}).expand({c.b(), c.h(), n_m, n_n});
+  }
   c.bias = masks.bias.defined() ? rank4(masks.bias.detach().to(c.q.device(), at::kFloat), shape, "additive mask").expand(shape)
                                 : at::zeros({1, 1, 1, 1}, c.stats()).expand(shape);
 }
@@ -421,15 +426,17 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
                                int64_t seed) {
     const Spec spec{scale, sweeps, hybrid, causal, noise, kl, noise_scale, static_cast<uint64_t>(seed)};
     const Masks masks{kpad.value_or(at::Tensor()), qpad.value_or(at::Tensor()), pattern.value_or(at::Tensor()),
-                      bias.value_or(at::Tensor())};
+                      bias.value_or(at::Tensor()), at::Tensor()};
     const auto call = make_call(q, k, v, masks, spec, prior.value_or(at::Tensor()), logit.value_or(at::Tensor()));
     const auto f = fused_forward(call);
     const auto part = kl != 0 ? f.trow.sum(-1) : at::zeros({call.b(), call.h()}, call.stats());
     const bool two = hybrid && noise == 0;
     const auto out2 = two ? f.out2 : at::empty({0}, q.options());
     ctx->save_for_backward({call.q, call.k, call.v, f.out, f.c, f.r, f.out2, f.r2, f.rd, f.rs, f.rb, f.ks});
+    // The backward forms its call from these again, the block map included (formed once).
     for (const auto& [name, t] : {std::pair<const char*, at::Tensor>{"kpad", call.kpad}, {"qpad", call.qpad}, {"pattern", masks.pattern},
-                                  {"bias", masks.bias}, {"prior", prior.value_or(at::Tensor())}, {"logit", logit.value_or(at::Tensor())}}) {
+                                  {"bias", masks.bias}, {"blocks", call.blocks}, {"prior", prior.value_or(at::Tensor())},
+                                  {"logit", logit.value_or(at::Tensor())}}) {
       probattn::tiled::keep_optional(ctx, name, t);
     }
     auto& data = ctx->saved_data;
@@ -448,8 +455,9 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
                     data["noise"].toInt(),   data["kl"].toInt(),     data["noise_scale"].toDouble(),
                     static_cast<uint64_t>(data["seed"].toInt())};
     const auto kept = [&](const char* name) { return probattn::tiled::kept_optional(ctx, name); };
-    const auto call = make_call(saved[0], saved[1], saved[2], Masks{kept("kpad"), kept("qpad"), kept("pattern"), kept("bias")}, spec, prior,
-                                logit);
+    const auto call =
+        make_call(saved[0], saved[1], saved[2], Masks{kept("kpad"), kept("qpad"), kept("pattern"), kept("bias"), kept("blocks")}, spec,
+                  prior, logit);
     Forward f;
     f.out = saved[3], f.c = saved[4], f.r = saved[5], f.out2 = saved[6], f.r2 = saved[7], f.rd = saved[8], f.rs = saved[9];
     f.rb = saved[10], f.ks = saved[11];
@@ -512,7 +520,7 @@ char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_ten
     const probattn::tiled::NoAutocast no_autocast;
     const at::NoGradGuard no_grad;
     const auto given = [](const pa_tensor* t) { return t != nullptr ? *t : at::Tensor(); };
-    const Masks masks{given(key_padding), given(query_padding), given(pattern), given(bias)};
+    const Masks masks{given(key_padding), given(query_padding), given(pattern), given(bias), at::Tensor()};
     auto call = make_call(*q, *k, *v, masks, Spec::of(*spec), given(prior), given(hybrid_logit), arch);
     std::vector<std::string> launches;
     call.dry = &launches;

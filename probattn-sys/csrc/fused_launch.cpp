@@ -11,6 +11,7 @@
 
 #include <mutex>
 #include <set>
+#include <tuple>
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/Stream.h>
@@ -145,6 +146,8 @@ struct Registry {
   std::mutex lock;
   std::vector<Entry> entries;
   std::map<std::pair<size_t, CUcontext>, CUfunction> loaded;  // (entry, context) → function
+  // (kernel, arch, dtype, head dimension, a launch's constexprs) → entry, as `find` found it.
+  std::map<std::tuple<std::string, int, int, int64_t, std::map<std::string, int64_t>>, size_t> found;
 };
 
 Registry& registry() {
@@ -179,6 +182,12 @@ std::vector<std::pair<std::string, std::string>> pairs(const std::string& text, 
 const Entry& find(const std::string& name, int arch, at::ScalarType dtype, int64_t head_dim,
                   const std::map<std::string, int64_t>& constexprs, size_t* index) {
   auto& r = registry();
+  // Every launch asks: the search over the entries runs once per kind of launch.
+  auto key = std::make_tuple(name, arch, static_cast<int>(dtype), head_dim, constexprs);
+  if (const auto it = r.found.find(key); it != r.found.end()) {
+    *index = it->second;
+    return r.entries[it->second];
+  }
   for (size_t i = 0; i < r.entries.size(); ++i) {
     const auto& e = r.entries[i];
     if (e.kernel != name || e.arch != arch || e.dtype != dtype || e.head_dim != head_dim) continue;
@@ -191,6 +200,7 @@ const Entry& find(const std::string& name, int arch, at::ScalarType dtype, int64
     }
     if (same) {
       *index = i;
+      r.found.emplace(std::move(key), i);
       return e;
     }
   }
@@ -325,16 +335,18 @@ void launch(const Launch& l, const at::Device& device, std::map<at::ScalarType, 
                   " does not fit the kernels' 32-bit integers");
       integers.push_back(static_cast<int32_t>(it->second));
       args.push_back(&integers.back());
-      ints_json += (ints_json.empty() ? "\"" : ", \"") + pname + "\": " + std::to_string(it->second);
+      if (dry != nullptr) ints_json += (ints_json.empty() ? "\"" : ", \"") + pname + "\": " + std::to_string(it->second);
       continue;
     }
     const auto want = declared_type(type);
     at::Tensor t;
     if (const auto it = l.tensors.find(pname); it != l.tensors.end()) {
       t = it->second;
-      std::string shape;
-      for (const auto n : t.sizes()) shape += (shape.empty() ? "" : ", ") + std::to_string(n);
-      tensors_json += (tensors_json.empty() ? "\"" : ", \"") + pname + "\": [[" + shape + "], \"" + dtype_name(t.scalar_type()) + "\"]";
+      if (dry != nullptr) {
+        std::string shape;
+        for (const auto n : t.sizes()) shape += (shape.empty() ? "" : ", ") + std::to_string(n);
+        tensors_json += (tensors_json.empty() ? "\"" : ", \"") + pname + "\": [[" + shape + "], \"" + dtype_name(t.scalar_type()) + "\"]";
+      }
     } else {
       TORCH_CHECK(kUnused.count(pname) > 0, "the fused CUDA route: ", name, " takes the tensor ", pname,
                   ", which the launcher does not pass");

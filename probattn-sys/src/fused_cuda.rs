@@ -192,16 +192,20 @@ pub struct FusedOutput {
     pub softmax_out: Tensor,
 }
 
-/// The sweep counts N ≥ 2 for which Sinkhorn-N's kernels are embedded, from the manifest.
-pub fn sinkhorn_sweeps() -> Vec<i64> {
-    let mut n: Vec<i64> = probattn_kernels::kernels()
-        .iter()
-        .filter(|k| k.kernel == "_sink_grads")
-        .filter_map(|k| k.key.iter().find(|(name, _)| *name == "N").map(|(_, v)| *v))
-        .collect();
-    n.sort_unstable();
-    n.dedup();
-    n
+/// The sweep counts N ≥ 2 for which Sinkhorn-N's kernels are embedded, from the manifest (read
+/// once: every route choice of a Sinkhorn call asks).
+pub fn sinkhorn_sweeps() -> &'static [i64] {
+    static SWEEPS: OnceLock<Vec<i64>> = OnceLock::new();
+    SWEEPS.get_or_init(|| {
+        let mut n: Vec<i64> = probattn_kernels::kernels()
+            .iter()
+            .filter(|k| k.kernel == "_sink_grads")
+            .filter_map(|k| k.key.iter().find(|(name, _)| *name == "N").map(|(_, v)| *v))
+            .collect();
+        n.sort_unstable();
+        n.dedup();
+        n
+    })
 }
 
 /// Attention of bfloat16 or float16 `q (B, H, S_q, d)`, `k (B, H_kv, S_k, d)`, `v (B, H_kv, S_k,

@@ -131,9 +131,16 @@ pub fn attend(
     plan: &Tiled,
     opts: &AttendOptions,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    // Every mask checked against the call's shape and dtype as on the other routes (the
-    // paddings are the ones this route reads).
-    let allowed = masks.allowed(shape, q.device())?;
+    // Every mask checked against the call's shape and dtype as on the other routes; combined into
+    // one boolean tensor only where the KL term's counts need it (the kernels read each mask
+    // themselves, and a causal mask combined is S_q × S_k).
+    let sampling = plan.sampling.as_ref().filter(|_| opts.mode.sample);
+    let allowed = if sampling.is_some_and(|s| s.kl.is_some()) {
+        masks.allowed(shape, q.device())?
+    } else {
+        masks.check(shape)?;
+        None
+    };
     check_hybrid_logit(plan, shape)?;
     // The kernels read a pattern as SDPA does, true = takes part; the library's is true = excluded.
     let pattern = masks.attn_mask.map(|m| m.ne(0).logical_not());
@@ -149,7 +156,7 @@ pub fn attend(
         ..Default::default()
     };
     let run = |spec: &cxx::FusedSpec| cxx::fused_cuda_attention(q, k, v, spec).map_err(Error::from);
-    if let Some(sampling) = plan.sampling.as_ref().filter(|_| opts.mode.sample) {
+    if let Some(sampling) = sampling {
         // The draws from the seed in the kernels; over HNAS the kernels mix the bases themselves.
         let seed = opts.seed.unwrap_or_else(libtorch_seed);
         let spec = cxx::FusedSpec {

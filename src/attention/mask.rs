@@ -67,6 +67,28 @@ impl Masks<'_> {
         Ok(Some(b))
     }
 
+    /// Checks every mask against `shape` as [`Self::allowed`] does (shapes, dtypes, an additive
+    /// mask's values), without combining them: for a route that reads each mask itself, where the
+    /// combination (`S_q × S_k` under a causal mask) would be work and memory for nothing.
+    pub(crate) fn check(&self, shape: ScoreShape) -> Result<()> {
+        let [b, _, sq, sk] = shape.dims();
+        if let Some(m) = self.key_padding {
+            check_mask("key_padding_mask", m, &[b, sk])?;
+        }
+        if let Some(m) = self.query_padding {
+            check_mask("query_padding_mask", m, &[b, sq])?;
+        }
+        if let Some(m) = self.attn_mask {
+            check_broadcastable("attn_mask", m, &shape.dims())?;
+            check_mask("attn_mask", m, &m.size())?;
+        }
+        if let Some(b) = self.bias {
+            check_bias(b, shape)?;
+            check_bias_values(b)?;
+        }
+        Ok(())
+    }
+
     /// Checks every mask against `shape` and combines them into one boolean tensor on `device`,
     /// of rank 4 and broadcastable to `(B, H, S_q, S_k)`, `true` = may attend. `None` when nothing is masked.
     pub fn allowed(&self, shape: ScoreShape, device: Device) -> Result<Option<Tensor>> {
@@ -139,19 +161,24 @@ fn check_bias_values(b: &Tensor) -> Result<()> {
     Err(Error::NonFinite("the additive mask (bias) holds +inf (only -inf, which excludes an entry, is allowed)".into()))
 }
 
-/// Checks a mask's dtype and shape and returns it as a boolean tensor (`true` = excluded).
-fn as_excluded(name: &str, mask: &Tensor, shape: &[i64]) -> Result<Tensor> {
+/// Checks a mask's dtype and shape: bool or uint8, of exactly `shape`.
+fn check_mask(name: &str, mask: &Tensor, shape: &[i64]) -> Result<()> {
     if mask.size() != shape {
         return Err(Error::Shape(format!("{name} has shape {:?}, expected {shape:?}", mask.size())));
     }
     match mask.kind() {
-        Kind::Bool => Ok(mask.shallow_clone()),
-        Kind::Uint8 => Ok(mask.ne(0)),
+        Kind::Bool | Kind::Uint8 => Ok(()),
         other => Err(Error::Shape(format!(
             "{name} has dtype {other:?}; masks must be bool or uint8 (true = excluded, as in \
              PyTorch's nn.MultiheadAttention)"
         ))),
     }
+}
+
+/// Checks a mask's dtype and shape and returns it as a boolean tensor (`true` = excluded).
+fn as_excluded(name: &str, mask: &Tensor, shape: &[i64]) -> Result<Tensor> {
+    check_mask(name, mask, shape)?;
+    Ok(if mask.kind() == Kind::Bool { mask.shallow_clone() } else { mask.ne(0) })
 }
 
 /// Checks that `t` broadcasts to `target` (rank at most that of `target`, each size 1 or equal).
