@@ -34,10 +34,17 @@ struct Case {
     /// mask with `-inf` entries, as launches.py draws them.
     pattern: bool,
     additive: bool,
+    /// The received mass asked for too (deterministic plans).
+    mass: bool,
 }
 
 const fn case(shape: [i64; 7], sweeps: i64, causal: bool, (key_padding, query_padding): (bool, bool), noise: i32, hybrid: bool) -> Case {
-    Case { shape, sweeps, causal, key_padding, query_padding, noise, hybrid, pattern: false, additive: false }
+    Case { shape, sweeps, causal, key_padding, query_padding, noise, hybrid, pattern: false, additive: false, mass: false }
+}
+
+/// A case that asks for the received mass too.
+const fn with_mass(c: Case) -> Case {
+    Case { mass: true, ..c }
 }
 
 /// A case under a boolean pattern, an additive mask, or both.
@@ -63,18 +70,18 @@ impl Case {
 
 const CASES: [Case; 30] = [
     case([1, 2, 2, 30, 50, 32, 32], 0, false, KEYS, 0, false),
-    case([1, 2, 2, 64, 64, 64, 64], 0, false, NONE, 0, false),
-    case([2, 4, 2, 70, 90, 48, 48], 1, false, KEYS, 0, false),
-    case([1, 2, 1, 100, 77, 64, 64], 0, true, KEYS, 0, false),
+    with_mass(case([1, 2, 2, 64, 64, 64, 64], 0, false, NONE, 0, false)),
+    with_mass(case([2, 4, 2, 70, 90, 48, 48], 1, false, KEYS, 0, false)),
+    with_mass(case([1, 2, 1, 100, 77, 64, 64], 0, true, KEYS, 0, false)),
     case([2, 2, 2, 65, 130, 128, 128], 1, false, NONE, 0, false),
     case([1, 4, 4, 33, 33, 100, 100], 0, true, NONE, 0, false),
     case([1, 1, 1, 1, 5, 16, 16], 1, false, KEYS, 0, false),
-    case([2, 4, 2, 70, 90, 48, 48], 1, false, BOTH, 0, true),
+    with_mass(case([2, 4, 2, 70, 90, 48, 48], 1, false, BOTH, 0, true)),
     case([1, 2, 1, 33, 65, 64, 64], 1, false, NONE, 0, true),
-    case([2, 4, 2, 70, 90, 48, 48], 3, false, BOTH, 0, false),
+    with_mass(case([2, 4, 2, 70, 90, 48, 48], 3, false, BOTH, 0, false)),
     case([1, 2, 2, 65, 130, 128, 128], 3, false, NONE, 0, false),
     case([2, 2, 2, 64, 40, 64, 64], 1, false, QUERIES, 0, false),
-    case([2, 2, 1, 50, 50, 64, 64], 0, true, BOTH, 0, false),
+    with_mass(case([2, 2, 1, 50, 50, 64, 64], 0, true, BOTH, 0, false)),
     case([1, 2, 2, 40, 40, 64, 64], 0, false, NONE, 1, false),
     case([2, 4, 2, 70, 90, 48, 48], 1, false, BOTH, 1, false),
     case([1, 2, 1, 65, 33, 128, 128], 0, false, KEYS, 2, false),
@@ -88,9 +95,9 @@ const CASES: [Case; 30] = [
     case([1, 2, 2, 40, 40, 64, 64], 0, false, NONE, 3, false),
     case([2, 2, 2, 64, 40, 64, 64], 1, false, BOTH, 3, false),
     case([1, 2, 1, 50, 50, 64, 64], 0, true, KEYS, 3, false),
-    masked(case([2, 4, 2, 70, 90, 48, 48], 1, false, NONE, 0, false), true, false),
+    with_mass(masked(case([2, 4, 2, 70, 90, 48, 48], 1, false, NONE, 0, false), true, false)),
     masked(case([1, 2, 1, 100, 77, 64, 64], 0, true, KEYS, 0, false), false, true),
-    masked(case([1, 2, 2, 65, 70, 64, 64], 1, false, QUERIES, 0, true), true, true),
+    with_mass(masked(case([1, 2, 2, 65, 70, 64, 64], 1, false, QUERIES, 0, true), true, true)),
     masked(case([1, 2, 2, 50, 70, 64, 64], 3, false, NONE, 0, false), true, false),
 ];
 
@@ -172,6 +179,7 @@ fn python_arguments(case: &Case, scale: f64) -> Result<String> {
         (case.hybrid, "--hybrid"),
         (case.pattern, "--pattern"),
         (case.additive, "--additive"),
+        (case.mass, "--mass"),
     ] {
         if on {
             args.push(flag.into());
@@ -238,6 +246,7 @@ fn the_route_launches_what_the_checked_python_orchestration_launches() -> Result
             seed: SEED,
             prior: (kl > 0).then_some(&prior),
             hybrid_logit: (case.hybrid && noise > 0).then_some(&logit),
+            mass: case.mass,
         };
         let ours: Value = serde_json::from_str(&probattn_sys::fused_cuda_dry_run(q, k, v, &spec, 90)?)?;
         let (ours, theirs) = (ours.as_array().context("an array")?, theirs.as_array().context("an array")?);
@@ -358,11 +367,18 @@ fn on_a_gpu_the_route_matches_the_float64_tiles_forward_and_backward() -> Result
             let masks = case.masks(&x);
             let (gpu_logit, gpu_prior) = (head_logit.detach().to_device(cuda).set_requires_grad(true), prior.to_device(cuda));
             let plan = plan_for(case, &gpu_logit, &gpu_prior);
-            let opts =
-                AttendOptions { scale: Some(0.3), enable_gqa: true, seed: Some(SEED), mode: Mode::train(true), ..Default::default() };
+            let opts = AttendOptions {
+                scale: Some(0.3),
+                enable_gqa: true,
+                seed: Some(SEED),
+                mode: Mode::train(true),
+                need_mass: case.mass,
+                ..Default::default()
+            };
             let (q, k, v) = (x.q.set_requires_grad(true), x.k.set_requires_grad(true), x.v.set_requires_grad(true));
             let score_shape = probattn::ScoreShape { batch: shape[0], heads: shape[1], queries: shape[3], keys: shape[4] };
-            let (out, kl) = probattn::fused_cuda::attend(score_shape, &q, &k, &v, &masks, &plan, &opts)?;
+            let probattn::fused_cuda::FusedAttended { output: out, kl, received_mass: mass } =
+                probattn::fused_cuda::attend(score_shape, &q, &k, &v, &masks, &plan, &opts)?;
             assert_eq!(out.kind(), kind);
             let mut loss = (&out.to_kind(Kind::Float) * &g).sum(Kind::Float);
             if let Some(kl) = &kl {
@@ -415,6 +431,12 @@ fn on_a_gpu_the_route_matches_the_float64_tiles_forward_and_backward() -> Result
                 let error = common::scaled_error(ours, theirs)?;
                 assert!(error < tolerance, "{at}: KL off by {error:e}");
             }
+            assert_eq!(mass.is_some(), case.mass, "{at}: the received mass exactly when asked for");
+            if let Some(mass) = &mass {
+                assert_eq!(mass.kind(), Kind::Float, "{at}: the mass in float32");
+                let error = common::scaled_error(mass, &reference.received_mass)?;
+                assert!(error < tolerance, "{at}: received mass off by {error:e}");
+            }
             for (name, (ours, theirs)) in ["dq", "dk", "dv", "dlogit"].iter().zip(grads.iter().zip(&grads64)) {
                 let error = common::scaled_error(ours, theirs)?;
                 assert!(error < tolerance * 4.0, "{at}: {name} off by {error:e}");
@@ -441,5 +463,14 @@ fn on_a_gpu_the_fused_backend_takes_the_route_and_says_why_where_it_cannot() -> 
     let (q32, k32, v32) = (q.to_kind(Kind::Float), k.to_kind(Kind::Float), v.to_kind(Kind::Float));
     let err = attend_with_choice(&q32, &k32, &v32, &masks, &Dnas, forced).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(err.contains("bfloat16 and float16"), "{err}");
+    // The received mass of a deterministic plan is served; of BAM's draws it is not, by name.
+    let (_, choice) = attend_with_choice(&q, &k, &v, &masks, &Dnas, AttendOptions { need_mass: true, ..forced })?;
+    assert_eq!(choice.route, Route::FusedCuda, "{choice:?}");
+    let (logit, prior) = (Tensor::zeros([2], (Kind::Float, cuda)), Tensor::ones([2, 2, 1, 40], (Kind::Float, cuda)));
+    let bam = plan_for(&case([2, 2, 2, 40, 40, 64, 64], 1, false, KEYS, 1, false), &logit, &prior);
+    let shape = probattn::ScoreShape { batch: 2, heads: 2, queries: 40, keys: 40 };
+    let sampled = AttendOptions { mode: Mode::train(true), need_mass: true, ..Default::default() };
+    let why = probattn::fused_cuda::unserved(shape, &q, &v, &masks, &bam, &sampled).unwrap_or_default();
+    assert!(why.contains("received mass of BAM's draws"), "{why}");
     Ok(())
 }

@@ -166,7 +166,7 @@ mod tests {
             s
         });
         let first = shapes.next().unwrap_or_default();
-        assert_eq!(first.len(), 98);
+        assert_eq!(first.len(), 107);
         assert!(shapes.all(|s| s == first));
         assert_eq!(architectures().iter().map(|(a, _)| a.as_str()).collect::<Vec<_>>(), ["sm_80", "sm_90"]);
     }

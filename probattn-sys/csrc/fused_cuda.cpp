@@ -22,7 +22,9 @@
 // - BAM's sampling over softmax (causal or not), DNAS, HNAS and Sinkhorn-N, with its KL term or
 //   (Weibull) without: the noise joins the base's row pass and its gradient passes; over HNAS the
 //   row pass mixes the two bases' weights itself (`hybrid` with noise), after one reduction each
-//   for their row statistics, and the gate's gradient is reduced per row.
+//   for their row statistics, and the gate's gradient is reduced per row;
+// - the received mass, when a call asks for it (deterministic plans): after the forward, one key
+//   pass without gradients per branch.
 
 #include <cmath>
 #include <map>
@@ -53,9 +55,10 @@ struct Spec {
   int64_t kl = 0;     // 1 Σ a_j log π_ij, 2 Σ (log π_ij − a_j)²; the embedded set has kl = noise or 0
   double noise_scale = 0.0;  // 1/k or σ
   uint64_t seed = 0;
+  bool mass = false;  // the received mass too, after the forward
 
   static Spec of(const pa_fused_spec& s) {
-    return {s.scale, s.sweeps, s.hybrid != 0, s.causal != 0, s.noise, s.kl, s.noise_scale, s.seed};
+    return {s.scale, s.sweeps, s.hybrid != 0, s.causal != 0, s.noise, s.kl, s.noise_scale, s.seed, s.mass != 0};
   }
 };
 
@@ -331,6 +334,23 @@ Forward fused_forward(const Call& call) {
   return f;
 }
 
+// The received mass Σ_i p_ij, (branches, B, H, S_k): a key pass without gradients per branch from
+// the forward's statistics (HNAS without noise: DNAS's, then softmax's; Sinkhorn-N: DNAS's
+// weights with the last potentials), as plans.py's `received=True` launches it.
+at::Tensor received_mass(const Call& call, const Forward& f) {
+  TORCH_CHECK(call.spec.noise == 0, "the fused CUDA route gives the received mass of the deterministic plans, not of BAM's draws");
+  const auto one = [&](int64_t sweeps, const at::Tensor& c, const at::Tensor& r) {
+    auto mass = call.stat(true);
+    call.launch("_key_pass", true, call.h_kv(), {{"GRADS", 0}, {"SWEEPS", sweeps}},
+                {{"C", c}, {"R", r}, {"DO", call.q}, {"DELTA", r}, {"DK", call.k}, {"DV_OUT", call.v}, {"G", mass}, {"MASS", mass}});
+    return mass;
+  };
+  const int64_t n = call.spec.sweeps;
+  if (n > 1) return one(1, f.c[n - 1], f.r[n - 1]).unsqueeze(0);
+  if (f.out2.defined()) return at::stack({one(1, f.c, f.r), one(0, at::zeros_like(f.c), f.r2)});
+  return one(n, f.c, f.r).unsqueeze(0);
+}
+
 // D_i = Σ_d dO_id O_id, and dO in the inputs' dtype (zeros where no gradient came).
 std::pair<at::Tensor, at::Tensor> d_rows(const Call& call, const at::Tensor& out, const at::Tensor& grad_out) {
   const auto grad = grad_out.defined() ? grad_out.to(call.q.scalar_type()).contiguous() : at::zeros_like(out);
@@ -418,13 +438,14 @@ Grads fused_backward(const Call& call, const Forward& f, const variable_list& gr
 
 struct FusedAttention : torch::autograd::Function<FusedAttention> {
   // (output, the KL part T (B, H): zeros without a KL term, HNAS's softmax output: empty but for
-  // HNAS without noise), differentiable in q, k, v, the prior and (BAM over HNAS) the gate logits.
+  // HNAS without noise, the received mass: empty unless asked), differentiable in q, k, v, the
+  // prior and (BAM over HNAS) the gate logits.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                std::optional<at::Tensor> kpad, std::optional<at::Tensor> qpad, std::optional<at::Tensor> pattern,
                                std::optional<at::Tensor> bias, std::optional<at::Tensor> prior, std::optional<at::Tensor> logit,
                                double scale, int64_t sweeps, bool hybrid, bool causal, int64_t noise, int64_t kl, double noise_scale,
-                               int64_t seed) {
-    const Spec spec{scale, sweeps, hybrid, causal, noise, kl, noise_scale, static_cast<uint64_t>(seed)};
+                               int64_t seed, bool mass) {
+    const Spec spec{scale, sweeps, hybrid, causal, noise, kl, noise_scale, static_cast<uint64_t>(seed), mass};
     const Masks masks{kpad.value_or(at::Tensor()), qpad.value_or(at::Tensor()), pattern.value_or(at::Tensor()),
                       bias.value_or(at::Tensor()), at::Tensor()};
     const auto call = make_call(q, k, v, masks, spec, prior.value_or(at::Tensor()), logit.value_or(at::Tensor()));
@@ -432,6 +453,7 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     const auto part = kl != 0 ? f.trow.sum(-1) : at::zeros({call.b(), call.h()}, call.stats());
     const bool two = hybrid && noise == 0;
     const auto out2 = two ? f.out2 : at::empty({0}, q.options());
+    const auto received = mass ? received_mass(call, f) : at::empty({0}, call.stats());
     ctx->save_for_backward({call.q, call.k, call.v, f.out, f.c, f.r, f.out2, f.r2, f.rd, f.rs, f.rb, f.ks});
     // The backward forms its call from these again, the block map included (formed once).
     for (const auto& [name, t] : {std::pair<const char*, at::Tensor>{"kpad", call.kpad}, {"qpad", call.qpad}, {"pattern", masks.pattern},
@@ -444,7 +466,8 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     data["noise"] = noise, data["kl"] = kl, data["noise_scale"] = noise_scale, data["seed"] = seed;
     if (kl == 0) ctx->mark_non_differentiable({part});
     if (!two) ctx->mark_non_differentiable({out2});
-    return {f.out, part, out2};
+    ctx->mark_non_differentiable({received});
+    return {f.out, part, out2, received};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -462,7 +485,7 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     f.out = saved[3], f.c = saved[4], f.r = saved[5], f.out2 = saved[6], f.r2 = saved[7], f.rd = saved[8], f.rs = saved[9];
     f.rb = saved[10], f.ks = saved[11];
     const auto d = fused_backward(call, f, grads);
-    variable_list out(18);  // one per input of forward: q, k, v, kpad, qpad, pattern, bias, prior, logit, then the settings
+    variable_list out(19);  // one per input of forward: q, k, v, kpad, qpad, pattern, bias, prior, logit, then the settings
     out[0] = d.dq, out[1] = d.dk, out[2] = d.dv;
     if (prior.defined() && d.da.defined()) out[7] = d.da.unsqueeze(2).sum_to_size(prior.sizes()).to(prior.scalar_type());
     if (logit.defined() && d.gu.defined()) {
@@ -525,6 +548,7 @@ char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_ten
     std::vector<std::string> launches;
     call.dry = &launches;
     const auto f = fused_forward(call);
+    if (spec->mass != 0) received_mass(call, f);
     const auto ones = at::ones_like(f.out);
     fused_backward(call, f, {ones, spec->kl != 0 ? at::ones({call.b(), call.h()}, call.stats()) : at::Tensor(), ones});
     std::string text = "[";
@@ -536,24 +560,26 @@ char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_ten
 char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding,
                               const pa_tensor* query_padding, const pa_tensor* pattern, const pa_tensor* bias, const pa_tensor* prior,
                               const pa_tensor* hybrid_logit, const pa_fused_spec* spec, pa_tensor** out, pa_tensor** kl_part,
-                              pa_tensor** softmax_out) {
+                              pa_tensor** softmax_out, pa_tensor** mass) {
   return probattn::guard([&] {
     for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {spec, "spec"}, {out, "out"},
-                                 {kl_part, "kl_part"}, {softmax_out, "softmax_out"}}) {
+                                 {kl_part, "kl_part"}, {softmax_out, "softmax_out"}, {mass, "mass"}}) {
       probattn::require(pointer, "pa_fused_cuda_attention", name);
     }
     const probattn::tiled::NoAutocast no_autocast;
     const auto s = *spec;
     auto result = FusedAttention::apply(*q, *k, *v, some(key_padding), some(query_padding), some(pattern), some(bias), some(prior),
                                         some(hybrid_logit), s.scale, s.sweeps, s.hybrid != 0, s.causal != 0,
-                                        int64_t{s.noise}, int64_t{s.kl}, s.noise_scale, static_cast<int64_t>(s.seed));
+                                        int64_t{s.noise}, int64_t{s.kl}, s.noise_scale, static_cast<int64_t>(s.seed), s.mass != 0);
     // Every handle exists before any is handed out: an allocation that fails leaks none.
     auto o = std::make_unique<at::Tensor>(result[0]);
     auto p = std::make_unique<at::Tensor>(result[1]);
     auto o2 = std::make_unique<at::Tensor>(result[2]);
+    auto m = std::make_unique<at::Tensor>(result[3]);
     *out = o.release();
     *kl_part = p.release();
     *softmax_out = o2.release();
+    *mass = m.release();
   });
 }
 

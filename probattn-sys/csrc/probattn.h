@@ -146,11 +146,12 @@ char* pa_fused_cuda_status(int64_t device_index, int32_t* arch, char** why);
 // (softmax only, top-left). BAM's sampling over the plan when `noise` is 1 (Weibull) or 2
 // (Lognormal): the counter-based draws keyed by `seed`, the noise term's scale `noise_scale` (1/k
 // or sigma), and with `kl` (equal to `noise`; 0: none) the KL term's score-dependent part against
-// the prior.
+// the prior. `mass`: also the received mass Σ_i p_ij, one key pass per branch after the forward
+// (deterministic plans only).
 typedef struct {
   double scale;
   int64_t sweeps;
-  int32_t hybrid, causal, noise, kl;
+  int32_t hybrid, causal, noise, kl, mass;
   double noise_scale;
   uint64_t seed;
 } pa_fused_spec;
@@ -162,14 +163,15 @@ typedef struct {
 // broadcastable to (B, H, 1, S_k) with a KL term (NULL: none); `hybrid_logit` HNAS's gate logits
 // (H,) for BAM over HNAS (`hybrid` with `noise`; NULL otherwise), whose mixture the kernels then
 // form themselves.
-// Outputs: the attention output (q's dtype), the KL part (B, H) (zeros without a KL term), and
-// HNAS's softmax output (empty but for `hybrid` without noise); differentiable in q, k, v, `prior`
-// and `hybrid_logit`.
+// Outputs: the attention output (q's dtype), the KL part (B, H) (zeros without a KL term),
+// HNAS's softmax output (empty but for `hybrid` without noise), and with `mass` the received mass
+// (branches, B, H, S_k) float32, one per branch (HNAS without noise: DNAS's, then softmax's;
+// empty without `mass`); differentiable in q, k, v, `prior` and `hybrid_logit` (the mass is not).
 char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding,
                               const pa_tensor* query_padding, const pa_tensor* pattern, const pa_tensor* bias, const pa_tensor* prior,
                               const pa_tensor* hybrid_logit, const pa_fused_spec* spec, pa_tensor** out, pa_tensor** kl_part,
-                              pa_tensor** softmax_out);
-// What pa_fused_cuda_attention would launch, forward then backward (with gradients of ones), for a
+                              pa_tensor** softmax_out, pa_tensor** mass);
+// What pa_fused_cuda_attention would launch, forward (and the mass) then backward (with gradients of ones), for a
 // GPU of compute capability `arch`, on tensors of any device, without the driver: a JSON array of
 // {kernel, key (its constexprs), grid, ints (every integer argument), tensors (each real tensor
 // argument's [shape, dtype])} in launch order (a new string). The tests compare it with plans.py's

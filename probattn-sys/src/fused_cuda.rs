@@ -56,6 +56,7 @@ extern "C" {
         out: *mut *mut C_tensor,
         kl_part: *mut *mut C_tensor,
         softmax_out: *mut *mut C_tensor,
+        mass: *mut *mut C_tensor,
     ) -> *mut c_char;
 }
 
@@ -150,6 +151,9 @@ pub struct FusedSpec<'a> {
     pub prior: Option<&'a Tensor>,
     /// HNAS's gate logits `(H,)`, for BAM over HNAS; differentiable.
     pub hybrid_logit: Option<&'a Tensor>,
+    /// Also the received mass ([`FusedOutput::mass`]): one more key pass per branch after the
+    /// forward. Deterministic plans only (no `noise`).
+    pub mass: bool,
 }
 
 /// `pa_fused_spec` (csrc/probattn.h): a [`FusedSpec`] without its tensors.
@@ -161,6 +165,7 @@ struct CSpec {
     causal: i32,
     noise: i32,
     kl: i32,
+    mass: i32,
     noise_scale: f64,
     seed: u64,
 }
@@ -174,6 +179,7 @@ impl FusedSpec<'_> {
             causal: i32::from(self.causal),
             noise: self.noise,
             kl: self.kl,
+            mass: i32::from(self.mass),
             noise_scale: self.noise_scale,
             seed: self.seed,
         }
@@ -190,6 +196,10 @@ pub struct FusedOutput {
     pub kl_part: Tensor,
     /// With `hybrid` and no noise, softmax's branch `(B, H, S_q, d_v)`; else an empty tensor.
     pub softmax_out: Tensor,
+    /// With [`FusedSpec::mass`], the received mass `Σ_i p_ij` per branch, `(branches, B, H, S_k)`
+    /// in float32, without a gradient: with `hybrid` and no noise DNAS's then softmax's (for the
+    /// caller to mix as it mixes the outputs), else the plan's alone.
+    pub mass: Option<Tensor>,
 }
 
 /// The sweep counts N ≥ 2 for which Sinkhorn-N's kernels are embedded, from the manifest (read
@@ -214,11 +224,11 @@ pub fn sinkhorn_sweeps() -> &'static [i64] {
 /// (src/attention/fused_cuda.rs); anything else is an error that names it.
 pub fn fused_cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec) -> Result<FusedOutput> {
     registered()?;
-    let (mut out, mut part, mut softmax_out) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+    let (mut out, mut part, mut softmax_out, mut mass) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
     let optional = |t: Option<&Tensor>| t.map_or(ptr::null(), |t| t.as_ptr());
     let c_spec = spec.c();
     // SAFETY: the tensor pointers borrow live tensors for the call and `c_spec` is a live local;
-    // the three outputs are new tensors written on success only, owned by `Tensor::from_ptr`
+    // the four outputs are new tensors written on success only, owned by `Tensor::from_ptr`
     // from then on.
     unsafe {
         let status = pa_fused_cuda_attention(
@@ -235,14 +245,21 @@ pub fn fused_cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec
             &mut out,
             &mut part,
             &mut softmax_out,
+            &mut mass,
         );
         check(status, Error::Torch)?;
-        Ok(FusedOutput { out: Tensor::from_ptr(out), kl_part: Tensor::from_ptr(part), softmax_out: Tensor::from_ptr(softmax_out) })
+        let mass = Tensor::from_ptr(mass);
+        Ok(FusedOutput {
+            out: Tensor::from_ptr(out),
+            kl_part: Tensor::from_ptr(part),
+            softmax_out: Tensor::from_ptr(softmax_out),
+            mass: spec.mass.then_some(mass),
+        })
     }
 }
 
 /// What [`fused_cuda_attention`] would launch for a GPU of compute capability `arch` (90 for
-/// sm_90), forward then backward, without a driver and on tensors of any device: a JSON array of
+/// sm_90), forward (and the mass, with [`FusedSpec::mass`]) then backward, without a driver and on tensors of any device: a JSON array of
 /// `{kernel, key, grid, ints, tensors}` per launch, in order. The tests compare it with the Python
 /// orchestration's own launches (`plans.launches()`).
 #[doc(hidden)]

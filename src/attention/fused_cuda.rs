@@ -12,7 +12,8 @@
 //! (without a pattern or additive mask), with its KL term (Weibull and Lognormal) or without
 //! (Weibull, over softmax and DNAS), its noise drawn in the kernels from the same counter-based
 //! hash as the tiles' (the same ε for the same seed), for up to 2^32 score entries. It returns no
-//! weights and no received mass. Anything else runs on the tiles.
+//! weights; the received mass of a deterministic plan when the call asks for it
+//! ([`AttendOptions::need_mass`]: one more key pass per branch). Anything else runs on the tiles.
 
 use tch::{Device, Kind, Tensor};
 
@@ -51,6 +52,8 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
             Some("Lognormal sampling without a KL term is not in the embedded set")
         } else if sampling.kl.is_none() && (plan.hybrid_logit.is_some() || plan.sweeps > 1) {
             Some("BAM without a KL term over HNAS or Sinkhorn-N is not in the embedded set")
+        } else if opts.need_mass {
+            Some("the received mass of BAM's draws is not in the embedded set")
         } else if opts.noise.is_some() {
             Some("given draws are not in the embedded set (the kernels draw from a seed)")
         } else if b * h * sq * sk > 1 << 32 {
@@ -119,9 +122,17 @@ pub fn embedded_archs() -> String {
     }
 }
 
-/// Runs a call [`unserved`] accepted: the output `(B, H, S_q, d_v)` and, when sampling with a KL
-/// term, BAM's KL (a scalar, as the tiles' and the eager path's), differentiable in q, k, v (and
-/// HNAS's gate logits, and the prior's network).
+/// What the route returns: the output `(B, H, S_q, d_v)`; when sampling with a KL term, BAM's KL
+/// (a scalar, as the tiles' and the eager path's); with [`AttendOptions::need_mass`], the received
+/// mass `(B, H, S_k)` in float32 (without a gradient).
+pub struct FusedAttended {
+    pub output: Tensor,
+    pub kl: Option<Tensor>,
+    pub received_mass: Option<Tensor>,
+}
+
+/// Runs a call [`unserved`] accepted ([`FusedAttended`]), differentiable in q, k, v (and HNAS's
+/// gate logits, and the prior's network).
 pub fn attend(
     shape: ScoreShape,
     q: &Tensor,
@@ -130,7 +141,7 @@ pub fn attend(
     masks: &Masks,
     plan: &Tiled,
     opts: &AttendOptions,
-) -> Result<(Tensor, Option<Tensor>)> {
+) -> Result<FusedAttended> {
     // Every mask checked against the call's shape and dtype as on the other routes; combined into
     // one boolean tensor only where the KL term's counts need it (the kernels read each mask
     // themselves, and a causal mask combined is S_q × S_k).
@@ -153,6 +164,7 @@ pub fn attend(
         pattern: pattern.as_ref(),
         bias: masks.bias,
         causal: masks.causal,
+        mass: opts.need_mass,
         ..Default::default()
     };
     let run = |spec: &cxx::FusedSpec| cxx::fused_cuda_attention(q, k, v, spec).map_err(Error::from);
@@ -167,22 +179,31 @@ pub fn attend(
             hybrid_logit: plan.hybrid_logit,
             ..spec
         };
-        let Some(kl) = sampling.kl.as_ref() else { return Ok((run(&spec)?.out, None)) };
+        let Some(kl) = sampling.kl.as_ref() else {
+            return Ok(FusedAttended { output: run(&spec)?.out, kl: None, received_mass: None });
+        };
         let stats = statistics_kind(q.kind());
         let prior = (kl.prior)(&widen(k), allowed.as_ref())?;
         let fused = run(&cxx::FusedSpec { kl: kl.form.code(), prior: Some(&prior), ..spec })?;
         let counts = MaskCounts::new(allowed.as_ref(), shape, crate::backend::DEFAULT_TILE, stats, q.device());
-        return Ok((fused.out, Some(tiled_kl(kl.form, &fused.kl_part, &prior, &counts))));
+        let kl = tiled_kl(kl.form, &fused.kl_part, &prior, &counts);
+        return Ok(FusedAttended { output: fused.out, kl: Some(kl), received_mass: None });
     }
     match plan.hybrid_logit {
-        None => Ok((run(&spec)?.out, None)),
+        None => {
+            let fused = run(&spec)?;
+            Ok(FusedAttended { output: fused.out, kl: None, received_mass: fused.mass.map(|m| m.squeeze_dim(0)) })
+        }
         Some(logit) => {
             // u·O_DNAS + (1 − u)·O_softmax per head, both branches from one row pass, mixed as the
-            // tiles mix them (the output is linear in the weights); the gate's gradient follows.
+            // tiles mix them (the output and the mass are linear in the weights); the gate's
+            // gradient follows.
             let u = logit.to_kind(statistics_kind(q.kind())).sigmoid().view([1, -1, 1, 1]);
             let fused = run(&cxx::FusedSpec { hybrid: true, ..spec })?;
             let out: Tensor = &u * fused.out + (1.0 - &u) * fused.softmax_out;
-            Ok((out.to_kind(v.kind()), None))
+            let u = u.view([1, -1, 1]).detach();
+            let received_mass = fused.mass.map(|m| &u * m.get(0) + (1.0 - &u) * m.get(1));
+            Ok(FusedAttended { output: out.to_kind(v.kind()), kl: None, received_mass })
         }
     }
 }

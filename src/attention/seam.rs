@@ -214,8 +214,8 @@ fn fused_cuda_route(
     opts: &AttendOptions,
 ) -> Result<Attended> {
     let plan = normalizer.tiled().ok_or_else(|| Error::Unsupported(format!("{} has no plan", normalizer.name())))?;
-    let (output, kl) = fused_cuda::attend(shape, q, k, v, masks, &plan, opts)?;
-    Ok(Attended { output, weights: None, received_mass: None, kl })
+    let fused = fused_cuda::attend(shape, q, k, v, masks, &plan, opts)?;
+    Ok(Attended { output: fused.output, weights: None, received_mass: fused.received_mass, kl: fused.kl })
 }
 
 /// The eager route: the normalizer's own eager form where it has one ([`Normalizer::fused`]),

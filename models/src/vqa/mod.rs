@@ -298,6 +298,7 @@ impl MultiViewFusion {
         // With a tile, the memory-efficient path: no weights, the mass each box receives instead.
         let opts = AttendOptions {
             need_weights: self.tile.is_none(),
+            need_mass: self.tile.is_some(),
             tile: self.tile,
             ..AttendOptions { mode, dropout: self.dropout, ..Default::default() }
         };

@@ -170,7 +170,7 @@ def _attention(query, key, value, variant, attn_mask, bias, is_causal, scale, en
                 return output, info if return_info else None
     output, weights, mass, kl = _native.attention(
         _registry.spec(variant, settings, base), query, key, value, None, attn_mask, bias, is_causal, scale,
-        enable_gqa, tile, training, dropout_p, seed, noise, return_info and not memory_efficient, params)
+        enable_gqa, tile, training, dropout_p, seed, noise, return_info and not memory_efficient, return_info, params)
     if not return_info:
         return output, None
     if mass is None and weights is not None:

@@ -18,7 +18,7 @@ from . import _native, _registry
 def _run(q, k, v, variant, tile, attn_mask, key_padding_mask, causal, hybrid_logit, bias, scale, enable_gqa):
     params = None if hybrid_logit is None else {"hybrid_logit": hybrid_logit}
     out, _, _, _ = _native.attention(_registry.spec(variant, (), None), q, k, v, key_padding_mask, attn_mask, bias,
-                                     causal, scale, enable_gqa, tile, False, 0.0, None, None, False, params)
+                                     causal, scale, enable_gqa, tile, False, 0.0, None, None, False, False, params)
     return out
 
 
@@ -304,7 +304,7 @@ def _run_with_info(q, k, v, config, tile, attn_mask, key_padding_mask, causal, p
         spec = _registry.spec(c["variant"], tuple(sorted(c["settings"].items())), c["base"])
         out, _, mass, kl = _native.attention(
             spec, q, k, v, key_padding_mask, attn_mask, None, causal, c.get("scale"), c.get("enable_gqa", False), tile,
-            c["training"], 0.0, seed, noise, False, dict(zip(c["names"], params)))
+            c["training"], 0.0, seed, noise, False, True, dict(zip(c["names"], params)))
     return out, mass, kl
 
 

@@ -79,8 +79,9 @@ def route_specializations():
     Unpadded, padded (key and query padding read together: a call with one passes no padding for
     the other) and masked (the paddings, a boolean pattern and an additive mask read together, each
     absent one passed as a stride-0 view of one neutral value): softmax (plain and causal), DNAS
-    and HNAS (DNAS's row pass with softmax's accumulator beside it), forward and backward, and
-    Sinkhorn-N's passes for the N of `ROUTE_SINKHORN_SWEEPS`.
+    and HNAS (DNAS's row pass with softmax's accumulator beside it), forward and backward, with
+    the key pass that gives the received mass alone, and Sinkhorn-N's passes for the N of
+    `ROUTE_SINKHORN_SWEEPS`.
 
     Padded only (a call without padding passes none; BAM's draws dwarf reading it): BAM's
     sampling, Weibull and Lognormal with their KL terms over softmax (plain and causal), DNAS, HNAS
@@ -95,7 +96,8 @@ def route_specializations():
         out.append(("_column_pass", f))
         for sweeps, causal in ((0, False), (0, True), (1, False)):
             out.append(("_row_pass", dict(f, SWEEPS=sweeps, HYBRID=False, CAUSAL=causal)))
-            out.append(("_key_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal, GRADS=True)))
+            for grads in (True, False):  # without gradients: the received mass, when a call asks for it
+                out.append(("_key_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal, GRADS=grads)))
             out.append(("_query_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal)))
         out.append(("_row_pass", dict(f, SWEEPS=1, HYBRID=True, CAUSAL=False)))
         # Sinkhorn-N: the forward's column (first, then after a row potential) and row reductions,

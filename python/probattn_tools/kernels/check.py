@@ -151,8 +151,7 @@ def run_case(torch, plans, formulas, case, dtype, device, config):
                 ("dv", grads[2], ref_grads[2])]
     if plan == "hnas":
         compared.append(("dlogit", grads[3], ref_grads[3]))
-    else:
-        compared.append(("mass", plans.received_mass(q, k, v, sweeps, scale, masks, config), ref_mass))
+    compared.append(("mass", plans.received_mass(q, k, v, sweeps, scale, masks, config, hybrid_logit=logit), ref_mass))
     return relative_errors(compared)
 
 

@@ -16,6 +16,7 @@ values). `--execute` runs them too, under Triton's interpreter.
 with softmax by a gate per head). With `--noise`, BAM's sampling over the plan (over HNAS with
 `--hybrid`) with its KL term of the same kind, against a prior of shape (B, H, 1, S_k); the
 backward then starts from the output and the KL part alike. `--no-kl` leaves the KL term out.
+`--mass` (deterministic plans) adds the received mass's key passes after the forward's.
 """
 
 import argparse
@@ -43,6 +44,7 @@ def parser():
     parser.add_argument("--no-kl", action="store_true", help="BAM's sampling without its KL term (bam-nokl)")
     parser.add_argument("--noise-scale", type=float, default=0.5, help="1/k or sigma")
     parser.add_argument("--seed", type=int, default=0, help="the draws' key")
+    parser.add_argument("--mass", action="store_true", help="the received mass too (deterministic plans)")
     parser.add_argument("--execute", action="store_true", help="also run the kernels, under Triton's interpreter")
     parser.add_argument("--config", default="64,64,4,2",
                         help="block_m,block_n,num_warps,num_stages: the embedded cubins' (their manifest says)")
@@ -70,6 +72,8 @@ def launches(args):
         block_m, block_n, num_warps, num_stages = (int(x) for x in args.config.split(","))
     except ValueError:
         sys.exit(f"launches: --config takes four integers block_m,block_n,num_warps,num_stages, got {args.config!r}")
+    if args.mass and args.noise:
+        sys.exit("launches: --mass takes the deterministic plans (the route gives no mass of BAM's draws)")
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
@@ -123,11 +127,14 @@ def launches(args):
                 torch.autograd.backward([out, part], [torch.ones_like(out), torch.ones_like(part)])
         elif args.hybrid:
             logit = torch.randn(h, generator=gen, dtype=torch.float32, requires_grad=True)
-            out = plans.hybrid_attention(q, k, v, logit, score_scale=args.scale * d ** 0.5, masks=masks, config=config)
+            out = plans.hybrid_attention(q, k, v, logit, score_scale=args.scale * d ** 0.5, masks=masks, config=config,
+                                         received=args.mass)
+            out = out[0] if args.mass else out
             out.backward(torch.ones_like(out))
         else:
             out = plans.attention(q, k, v, sweeps=args.sweeps, score_scale=args.scale * d ** 0.5, masks=masks,
-                                  config=config)
+                                  config=config, received=args.mass)
+            out = out[0] if args.mass else out
             out.backward(torch.ones_like(out))
     return seen
 

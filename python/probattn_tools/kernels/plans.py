@@ -391,13 +391,15 @@ def forward(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None):
 
 
 def received_mass(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None, sampling=None, hybrid_logit=None):
-    """Σ_i p_ij per query head, (B, H, S_k): a forward's statistics, then one key pass. With
-    `sampling`, the sampled weights' (the same draws as `bam_attention` with that sampling, over
-    HNAS with `hybrid_logit`)."""
-    if sampling is not None:
-        sampling = Sampling(sampling.noise, sampling.scale, sampling.seed, draws=sampling.draws)  # no KL: the weights only
-    if hybrid_logit is not None and sampling is None:
-        raise ValueError("received_mass takes hybrid_logit with sampling only (HNAS alone: hybrid_attention)")
+    """Σ_i p_ij per query head, (B, H, S_k): a forward's statistics, then one key pass (two for
+    HNAS, one per branch, mixed by the gate). With `sampling`, the sampled weights' (the same
+    draws as `bam_attention` with that sampling, over HNAS with `hybrid_logit`)."""
+    if sampling is None:
+        with torch.no_grad():
+            if hybrid_logit is not None:
+                return hybrid_attention(q, k, v, hybrid_logit, score_scale, masks, config, received=True)[1]
+            return attention(q, k, v, sweeps, score_scale, masks, config, received=True)[1]
+    sampling = Sampling(sampling.noise, sampling.scale, sampling.seed, draws=sampling.draws)  # no KL: the weights only
     call = _Call(q, k, v, sweeps, score_scale, masks or Masks(), config, sampling, mix_logit=hybrid_logit)
     _, c, r = _forward(call, sweeps)
     return _received_mass(call, c[-1] if sweeps > 1 else c, r[-1] if sweeps > 1 else r)
@@ -405,24 +407,31 @@ def received_mass(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None, s
 
 class _PlanAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sweeps, score_scale, masks, config):
+    def forward(ctx, q, k, v, sweeps, score_scale, masks, config, received):
         call = _Call(q, k, v, sweeps, score_scale, masks, config)
-        out, *stats = _forward(call, sweeps)
-        ctx.save_for_backward(out, *stats)
+        out, c, r = _forward(call, sweeps)
+        ctx.save_for_backward(out, c, r)
         ctx.call, ctx.sweeps = call, sweeps
-        return out
+        if not received:
+            return out
+        # Sinkhorn-N's weights are DNAS's with the last potentials.
+        mass = _received_mass(call, c[-1] if sweeps > 1 else c, r[-1] if sweeps > 1 else r)
+        ctx.mark_non_differentiable(mass)
+        return out, mass
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *_):
         out, *stats = ctx.saved_tensors
-        return (*_backward(ctx.call, ctx.sweeps, out, stats, grad_out), None, None, None, None)
+        return (*_backward(ctx.call, ctx.sweeps, out, stats, grad_out), None, None, None, None, None)
 
 
-def attention(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None):
+def attention(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None, received=False):
     """The plan's attention output (B, H, S_q, d_v), differentiable in q, k and v: 0 sweeps is
     softmax, 1 DNAS, N Sinkhorn-N; scores are `score_scale · q·kᵀ / sqrt(d)`. `k` and `v` may have
-    fewer heads than `q` (a divisor of them: grouped-query attention, read by index)."""
-    return _PlanAttention.apply(q, k, v, sweeps, score_scale, masks or Masks(), config)
+    fewer heads than `q` (a divisor of them: grouped-query attention, read by index). `received`:
+    `(output, mass)`, the received mass `Σ_i p_ij` (B, H, S_k) from one key pass after the
+    forward's, without a gradient."""
+    return _PlanAttention.apply(q, k, v, sweeps, score_scale, masks or Masks(), config, received)
 
 
 class _HybridAttention(torch.autograd.Function):
@@ -431,35 +440,47 @@ class _HybridAttention(torch.autograd.Function):
     gradient is `Σ dO·(O_plan − O_softmax) · u(1 − u)` per head."""
 
     @staticmethod
-    def forward(ctx, q, k, v, logit, score_scale, masks, config):
+    def forward(ctx, q, k, v, logit, score_scale, masks, config, received):
         call = _Call(q, k, v, 1, score_scale, masks, config)
         out_d, c, r_d, out_s, r_s = _forward(call, 1, hybrid=True)
         u = torch.sigmoid(logit.to(call.stats))[None, :, None, None]
         ctx.save_for_backward(out_d, c, r_d, out_s, r_s, u)
         ctx.call = call
-        return (u * out_d.to(u.dtype) + (1 - u) * out_s.to(u.dtype)).to(q.dtype)
+        out = (u * out_d.to(u.dtype) + (1 - u) * out_s.to(u.dtype)).to(q.dtype)
+        if not received:
+            return out
+        # Each branch's mass from its own statistics, mixed as the weights are.
+        m_d, m_s = _received_mass(call, c, r_d), _received_mass(_softmax_branch(call), torch.zeros_like(c), r_s)
+        mass = u[..., 0] * m_d + (1 - u[..., 0]) * m_s
+        ctx.mark_non_differentiable(mass)
+        return out, mass
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *_):
         out_d, c, r_d, out_s, r_s, u = ctx.saved_tensors
         call, dtype = ctx.call, out_d.dtype
         g = grad_out.to(u.dtype)
         dq_d, dk_d, dv_d = _backward(call, 1, out_d, (c, r_d), (u * g).to(dtype))
-        softmax = copy.copy(call)
-        softmax.args = {**call.args, "SWEEPS": 0}
-        dq_s, dk_s, dv_s = _backward(softmax, 0, out_s, (torch.zeros_like(c), r_s), ((1 - u) * g).to(dtype))
+        dq_s, dk_s, dv_s = _backward(_softmax_branch(call), 0, out_s, (torch.zeros_like(c), r_s), ((1 - u) * g).to(dtype))
         dlogit = (g * (out_d.to(u.dtype) - out_s.to(u.dtype))).sum((0, 2, 3)) * (u * (1 - u)).flatten()
-        return dq_d + dq_s, dk_d + dk_s, dv_d + dv_s, dlogit, None, None, None
+        return dq_d + dq_s, dk_d + dk_s, dv_d + dv_s, dlogit, None, None, None, None
 
 
-def hybrid_attention(q, k, v, logit, score_scale=1.0, masks=None, config=None):
+def _softmax_branch(call):
+    """HNAS's call as its softmax branch launches its passes (no column statistic)."""
+    softmax = copy.copy(call)
+    softmax.args = {**call.args, "SWEEPS": 0}
+    return softmax
+
+
+def hybrid_attention(q, k, v, logit, score_scale=1.0, masks=None, config=None, received=False):
     """HNAS's output (B, H, S_q, d_v) with gate logits `logit (H,)`, differentiable in q, k, v and
-    the logits."""
+    the logits. `received`: `(output, mass)`, the mass mixed from each branch's key pass."""
     if logit.dim() != 1 or logit.shape[0] != q.shape[1]:
         raise ValueError(f"logit must have one gate per query head, shape ({q.shape[1]},), got {tuple(logit.shape)}")
     if masks is not None and masks.causal:
         raise ValueError("HNAS mixes in DNAS, whose column sweep is not causal")
-    return _HybridAttention.apply(q, k, v, logit, score_scale, masks or Masks(), config)
+    return _HybridAttention.apply(q, k, v, logit, score_scale, masks or Masks(), config, received)
 
 
 class _BamAttention(torch.autograd.Function):
