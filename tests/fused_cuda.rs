@@ -68,7 +68,7 @@ impl Case {
     }
 }
 
-const CASES: [Case; 30] = [
+const CASES: [Case; 32] = [
     case([1, 2, 2, 30, 50, 32, 32], 0, false, KEYS, 0, false),
     with_mass(case([1, 2, 2, 64, 64, 64, 64], 0, false, NONE, 0, false)),
     with_mass(case([2, 4, 2, 70, 90, 48, 48], 1, false, KEYS, 0, false)),
@@ -99,6 +99,9 @@ const CASES: [Case; 30] = [
     masked(case([1, 2, 1, 100, 77, 64, 64], 0, true, KEYS, 0, false), false, true),
     with_mass(masked(case([1, 2, 2, 65, 70, 64, 64], 1, false, QUERIES, 0, true), true, true)),
     masked(case([1, 2, 2, 50, 70, 64, 64], 3, false, NONE, 0, false), true, false),
+    // Sinkhorn-N for other N: one gradient kernel takes N at run time.
+    with_mass(case([2, 2, 1, 40, 70, 64, 64], 2, false, KEYS, 0, false)),
+    case([1, 2, 2, 50, 50, 64, 64], 5, false, BOTH, 1, false),
 ];
 
 const NOISE_NAMES: [&str; 3] = ["", "weibull", "lognormal"];

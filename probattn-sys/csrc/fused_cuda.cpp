@@ -262,7 +262,8 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
             {"stride_bm", at(c.blocks, 2)}, {"stride_bn", at(c.blocks, 3)}, {"stride_ab", at(c.bias, 0)}, {"stride_ah", at(c.bias, 1)},
             {"stride_am", at(c.bias, 2)}, {"stride_an", at(c.bias, 3)},
             {"stride_pb", kl ? h * s_k : 0}, {"stride_ph", kl ? s_k : 0}, {"stride_pn", kl ? 1 : 0},
-            {"H", h}, {"H_KV", c.h_kv()}, {"GROUP", h / c.h_kv()}, {"S_Q", s_q}, {"S_K", s_k}, {"D", q.size(3)}, {"DV", dv}};
+            {"H", h}, {"H_KV", c.h_kv()}, {"GROUP", h / c.h_kv()}, {"S_Q", s_q}, {"S_K", s_k}, {"D", q.size(3)}, {"DV", dv},
+            {"N", spec.sweeps}};
   // Every offset a kernel forms is a 32-bit product of these (Sinkhorn-N's potentials: N of them).
   for (const auto& t : {c.q, c.k, c.v}) {
     TORCH_CHECK(t.numel() <= INT32_MAX, "the fused CUDA route indexes with 32-bit integers: a tensor of ", t.numel(),
@@ -409,7 +410,7 @@ Grads sinkhorn_backward(const Call& call, const Forward& f, const at::Tensor& gr
   std::map<std::string, at::Tensor> common = {{"CS", f.c},       {"RS", f.r},  {"GC", gc},   {"GR", gr},       {"DO", grad},
                                               {"DELTA", delta}, {"DQ", d.dq}, {"DK", d.dk}, {"DV_OUT", d.dv}, {"G", g}};
   for (const auto& [name, t] : kl_grads(call, f, grad_part, d)) common[name] = t;
-  call.launch("_sink_grads", true, call.h(), {{"N", n}, {"STAGE", 0}}, common);
+  call.launch("_sink_grads", true, call.h(), {{"STAGE", 0}}, common);
   gc[n - 1].copy_(-g);
   for (int64_t t = n - 2; t >= 0; --t) {
     call.launch("_sink_reduce", false, call.h(), {{"COLUMNS", 0}, {"LSE", 0}, {"HAS_RPOT", 1}},
@@ -417,8 +418,8 @@ Grads sinkhorn_backward(const Call& call, const Forward& f, const at::Tensor& gr
     call.launch("_sink_reduce", true, call.h(), {{"COLUMNS", 1}, {"LSE", 0}, {"HAS_RPOT", 1}},
                 {{"RPOT", f.r[t]}, {"CPOT", f.c[t]}, {"COEF", gr[t]}, {"OUT", gc[t]}});
   }
-  call.launch("_sink_grads", true, call.h_kv(), {{"N", n}, {"STAGE", 1}}, common);
-  call.launch("_sink_grads", false, call.h(), {{"N", n}, {"STAGE", 2}}, common);
+  call.launch("_sink_grads", true, call.h_kv(), {{"STAGE", 1}}, common);
+  call.launch("_sink_grads", false, call.h(), {{"STAGE", 2}}, common);
   return d;
 }
 

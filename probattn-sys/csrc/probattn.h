@@ -141,7 +141,7 @@ char* pa_fused_register(const char* kernel, int32_t arch, const char* dtype, int
 // `why` (a new string; NULL when usable).
 char* pa_fused_cuda_status(int64_t device_index, int32_t* arch, char** why);
 // What a fused call computes besides its inputs. Scores `scale`·q·kᵀ; `sweeps` 0 (softmax), 1
-// (DNAS) or N ≥ 2 (Sinkhorn-N, for the N embedded); `hybrid` (with one sweep): HNAS, whose softmax
+// (DNAS) or N ≥ 2 (Sinkhorn-N); `hybrid` (with one sweep): HNAS, whose softmax
 // branch is returned beside DNAS's output for the caller to mix (without noise); `causal`
 // (softmax only, top-left). BAM's sampling over the plan when `noise` is 1 (Weibull) or 2
 // (Lognormal): the counter-based draws keyed by `seed`, the noise term's scale `noise_scale` (1/k

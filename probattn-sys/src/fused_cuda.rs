@@ -121,7 +121,7 @@ pub fn fused_cuda_status(index: i64) -> Result<std::result::Result<u32, String>>
 pub struct FusedSpec<'a> {
     /// The factor of `q·kᵀ`.
     pub scale: f64,
-    /// 0 softmax, 1 DNAS, N ≥ 2 Sinkhorn-N (for the N embedded: [`sinkhorn_sweeps`]).
+    /// 0 softmax, 1 DNAS, N ≥ 2 Sinkhorn-N.
     pub sweeps: i64,
     /// HNAS (with one sweep): without noise, softmax's output is returned beside DNAS's, for the
     /// caller to mix; with BAM's noise, the kernels mix the two bases' weights with the gate
@@ -200,22 +200,6 @@ pub struct FusedOutput {
     /// in float32, without a gradient: with `hybrid` and no noise DNAS's then softmax's (for the
     /// caller to mix as it mixes the outputs), else the plan's alone.
     pub mass: Option<Tensor>,
-}
-
-/// The sweep counts N ≥ 2 for which Sinkhorn-N's kernels are embedded, from the manifest (read
-/// once: every route choice of a Sinkhorn call asks).
-pub fn sinkhorn_sweeps() -> &'static [i64] {
-    static SWEEPS: OnceLock<Vec<i64>> = OnceLock::new();
-    SWEEPS.get_or_init(|| {
-        let mut n: Vec<i64> = probattn_kernels::kernels()
-            .iter()
-            .filter(|k| k.kernel == "_sink_grads")
-            .filter_map(|k| k.key.iter().find(|(name, _)| *name == "N").map(|(_, v)| *v))
-            .collect();
-        n.sort_unstable();
-        n.dedup();
-        n
-    })
 }
 
 /// Attention of bfloat16 or float16 `q (B, H, S_q, d)`, `k (B, H_kv, S_k, d)`, `v (B, H_kv, S_k,

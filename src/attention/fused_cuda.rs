@@ -6,7 +6,7 @@
 //!
 //! What it serves ([`unserved`] says why not, for the backend record): bfloat16 and float16 on a
 //! GPU the embedded cubins fit; softmax, DNAS, HNAS (both branches from one row pass) and
-//! Sinkhorn-N for the N embedded, with any score scale; key and query padding, causal (softmax),
+//! Sinkhorn-N for any N, with any score scale; key and query padding, causal (softmax),
 //! a boolean pattern and an additive mask that needs no gradient; grouped key/value heads; head
 //! dimensions up to 128; no attention dropout; and BAM's sampling over every one of those bases
 //! (without a pattern or additive mask), with its KL term (Weibull and Lognormal) or without
@@ -40,11 +40,6 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
     };
     if !matches!(q.kind(), Kind::BFloat16 | Kind::Half) {
         return Some(format!("it takes bfloat16 and float16, not {:?}", q.kind()));
-    }
-    if plan.sweeps > 1 && !cxx::sinkhorn_sweeps().contains(&i64::from(plan.sweeps)) {
-        let embedded: Vec<String> = cxx::sinkhorn_sweeps().iter().map(|n| format!("sinkhorn-{n}")).collect();
-        let embedded = if embedded.is_empty() { "none".to_string() } else { embedded.join(", ") };
-        return Some(format!("{} takes {} sweeps; Sinkhorn-N's kernels are embedded for {embedded}", plan.name, plan.sweeps));
     }
     if let Some(sampling) = plan.sampling.as_ref().filter(|_| opts.mode.sample) {
         let [b, h, sq, sk] = shape.dims();

@@ -34,9 +34,6 @@ MASKS = {"QPAD", "KPAD", "MASK", "BLOCKS"}
 WORDS = {"DRAWS"}  # int64 tensors: the seed's words (draws given as a tensor are not compiled here)
 # Constexprs with a value that leaves their feature off, where a specialization does not name them.
 OFF = dict(NOISE=0, KL=0, WIDE=False, DRAW64=False, MIX=False, ROWS=False)
-# Sinkhorn-N's sweep counts the route embeds (its gradient kernel is specialized on N): the
-# registry's instance, Sinkhorn-3. Another N runs on the tiles, with the reason recorded.
-ROUTE_SINKHORN_SWEEPS = (3,)
 TRITON_TYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
@@ -53,7 +50,7 @@ def specializations(plans, smoke):
                 ("_query_pass", dict(flags, **bam, SWEEPS=1, CAUSAL=False, MIX=True, ROWS=True)),
                 ("_query_pass", dict(flags, **bam, SWEEPS=1, CAUSAL=False, MIX=True, ROWS=False)),
                 ("_sink_reduce", dict(flags, COLUMNS=True, LSE=False, HAS_RPOT=True)),
-                ("_sink_grads", dict(flags, **bam, N=3, STAGE=0))]
+                ("_sink_grads", dict(flags, **bam, STAGE=0))]
     out = []
     for qpad, kpad, mask in itertools.product((False, True), repeat=3):
         f = dict(HAS_QPAD=qpad, HAS_KPAD=kpad, HAS_MASK=mask, HAS_BIAS=False)
@@ -80,8 +77,8 @@ def route_specializations():
     the other) and masked (the paddings, a boolean pattern and an additive mask read together, each
     absent one passed as a stride-0 view of one neutral value): softmax (plain and causal), DNAS
     and HNAS (DNAS's row pass with softmax's accumulator beside it), forward and backward, with
-    the key pass that gives the received mass alone, and Sinkhorn-N's passes for the N of
-    `ROUTE_SINKHORN_SWEEPS`.
+    the key pass that gives the received mass alone, and Sinkhorn-N's passes (N a run-time
+    argument: one set for every N ≥ 2).
 
     Padded only (a call without padding passes none; BAM's draws dwarf reading it): BAM's
     sampling, Weibull and Lognormal with their KL terms over softmax (plain and causal), DNAS, HNAS
@@ -105,8 +102,7 @@ def route_specializations():
         for columns, lse, rpot in ((True, True, False), (True, True, True), (False, True, False), (False, False, True),
                                    (True, False, True)):
             out.append(("_sink_reduce", dict(f, COLUMNS=columns, LSE=lse, HAS_RPOT=rpot)))
-        for n in ROUTE_SINKHORN_SWEEPS:
-            out += [("_sink_grads", dict(f, N=n, STAGE=stage, NOISE=0, KL=0, WIDE=False)) for stage in (0, 1, 2)]
+        out += [("_sink_grads", dict(f, STAGE=stage, NOISE=0, KL=0, WIDE=False)) for stage in (0, 1, 2)]
     f = dict(HAS_QPAD=True, HAS_KPAD=True, HAS_MASK=False, HAS_BIAS=False, WIDE=False)
     for sweeps, causal, noise, kl in ((0, False, 1, 1), (0, False, 2, 2), (0, True, 1, 1), (0, True, 2, 2),
                                       (1, False, 1, 1), (1, False, 2, 2), (0, False, 1, 0), (0, True, 1, 0),
@@ -120,8 +116,7 @@ def route_specializations():
                 ("_key_pass", dict(mix, GRADS=True)), ("_query_pass", mix)]
         # Over Sinkhorn-N: the potentials as without noise, DNAS's row pass with the noise, and the
         # gradient stages with it.
-        for n in ROUTE_SINKHORN_SWEEPS:
-            out += [("_sink_grads", dict(f, N=n, STAGE=stage, NOISE=noise, KL=noise)) for stage in (0, 1, 2)]
+        out += [("_sink_grads", dict(f, STAGE=stage, NOISE=noise, KL=noise)) for stage in (0, 1, 2)]
     return out
 
 

@@ -1,7 +1,7 @@
 """Checks the Triton kernels of the plans (`probattn_tools.kernels.plans`) against the reference
 formulas (`probattn_tools.reference.formulas`, written from the papers): the output, the gradients
 in q, k and v (and HNAS's gate logits) and the received mass, over plans (softmax, DNAS, HNAS,
-Sinkhorn-3, another score scale), masks (key padding, query padding, boolean patterns per head or
+Sinkhorn-N for N = 2, 3 and 5, another score scale), masks (key padding, query padding, boolean patterns per head or
 broadcast, a row that sees nothing, causal), grouped key/value
 heads, lengths that are not multiples of the blocks, head dimensions that are not powers of two,
 and dtypes; and BAM's sampling over the plans (`plans.bam_attention`): its draws against the CPU
@@ -55,7 +55,13 @@ def cases(quick, lower):
             out.append((f"{plan} rect key padding", sweeps, 1.0, shapes["rect"], ("key",), False, None))
             out.append((f"{plan} one entry", sweeps, 1.0, shapes["one"], (), False, None))
     out.append(("softmax gqa causal, key padding", 0, 2.0, shapes["gqa"], ("key",), True, None))
+    # Sinkhorn-N for other N: the gradient kernel takes N at run time (N = 2: its loop over the
+    # earlier sweeps runs once).
+    if not lower:
+        out.append(("sinkhorn-2 gqa key padding", 2, 1.0, shapes["gqa"], ("key",), False, None))
     if not quick and not lower:
+        out.append(("sinkhorn-5 gqa pattern per head, key padding", 5, 1.0, shapes["gqa"], ("pattern", "key"), False,
+                    None))
         out.append(("softmax rect causal", 0, 1.0, shapes["rect"], (), True, None))
     # BAM over the plans: Weibull (k = 2) and Lognormal (σ = 0.7) draws, with and without a KL term,
     # a seed past 2^32 (both of its words in the hash).
@@ -67,7 +73,8 @@ def cases(quick, lower):
            ("softmax", 0, ("weibull", 0.5, None, seed + 4), ("key",)),
            ("sinkhorn-3", 3, ("lognormal", 0.7, "lognormal", seed + 5), ("key", "query")),
            ("hnas", 1, ("weibull", 0.5, "weibull", seed + 6), ("key", "query")),
-           ("hnas", 1, ("lognormal", 0.7, "lognormal", seed + 7), ("additive", "key"))]
+           ("hnas", 1, ("lognormal", 0.7, "lognormal", seed + 7), ("additive", "key")),
+           ("sinkhorn-2", 2, ("weibull", 0.5, "weibull", seed + 11), ("key",))]
     # ε given as a tensor (the library's noise=) instead of a seed.
     given = [("dnas", 1, ("weibull", 0.5, "weibull", None), ("key", "query")),
              ("softmax", 0, ("lognormal", 0.7, None, None), ("key",))]

@@ -94,20 +94,25 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
 
 @triton.jit
 def _sink_dz(z, ok, dsz, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb, stride_ch, stride_tr,
-             stride_rb, stride_rh, N: tl.constexpr):
-    """dz = dS¹ + Σ_t Ḡc^t κ^t + Σ_{t<N} Ḡr^t ρ^t on one tile (z without potentials)."""
+             stride_rb, stride_rh, N):
+    """dz = dS¹ + Σ_t Ḡc^t κ^t + Σ_{t<N} Ḡr^t ρ^t on one tile (z without potentials). N is a
+    run-time argument: one compiled kernel serves every sweep count."""
     r_prev = tl.zeros([z.shape[0]], dtype=z.dtype)
-    for t in tl.static_range(N):
+    for t in range(0, N - 1):
         c = tl.load(CS + t * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
         gc = tl.load(GC + t * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
         x = z - r_prev[:, None] - c[None, :]
         dsz += tl.where(ok, tl.exp(tl.where(ok, x, 0.0)), 0.0) * gc[None, :]
-        if t < N - 1:
-            r = tl.load(RS + t * stride_tr + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-            gr = tl.load(GR + t * stride_tr + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-            y = z - c[None, :] - r[:, None]
-            dsz += tl.where(ok, tl.exp(tl.where(ok, y, 0.0)), 0.0) * gr[:, None]
-            r_prev = r
+        r = tl.load(RS + t * stride_tr + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+        gr = tl.load(GR + t * stride_tr + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+        y = z - c[None, :] - r[:, None]
+        dsz += tl.where(ok, tl.exp(tl.where(ok, y, 0.0)), 0.0) * gr[:, None]
+        r_prev = r
+    # The last sweep's column potential, which no row potential follows in dz.
+    c = tl.load(CS + (N - 1) * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+    gc = tl.load(GC + (N - 1) * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+    x = z - r_prev[:, None] - c[None, :]
+    dsz += tl.where(ok, tl.exp(tl.where(ok, x, 0.0)), 0.0) * gc[None, :]
     return dsz
 
 
@@ -118,8 +123,8 @@ def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPA
                 stride_dob, stride_doh, stride_dos, stride_t, stride_cb, stride_ch, stride_tr, stride_rb, stride_rh,
                 stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm,
                 stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_pb, stride_ph, stride_pn,
-                H, GROUP, S_Q, S_K, D, DV, SCALE,
-                N: tl.constexpr, STAGE: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr,
+                H, GROUP, S_Q, S_K, D, DV, SCALE, N,
+                STAGE: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr,
                 HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, NOISE: tl.constexpr, KL: tl.constexpr,
                 WIDE: tl.constexpr, DRAW64: tl.constexpr,
                 ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
