@@ -2,7 +2,8 @@
 //! grid of sequence lengths (B = 8, H = 8, E = 512, float32, training mode), against PyTorch eager
 //! with the reference implementations and PyTorch's `scaled_dot_product_attention`, measured in
 //! the same invocation; and one optimizer step of a Transformer-small-sized stack with and without
-//! the repulsive (SVGD) hook. Writes `bench.json` and `bench.md` (the ratios that matter).
+//! the repulsive (SVGD) hook. Writes `bench.json` and `bench.md` (the ratios that matter, and
+//! each row's layer throughput in TFLOP/s: `table::layer_flops` says what is counted).
 //!
 //! Memory: after the timed steps, one more step of each variant, untimed, reports the peak bytes
 //! it allocated above what was held before it (activations, the S × S weights autograd keeps,
@@ -27,7 +28,10 @@ use crate::common::CommonArgs;
 use crate::provenance::{run_dir, run_python, write_results, Provenance};
 use probattn::precision::Precision;
 
+mod table;
 mod timing;
+use table::MIB;
+pub use table::{layer_flops, ratio_table, throughput_table};
 use timing::{catch_torch_panic, first_line, sync, time_interleaved};
 
 /// The registry's benchmarked variants (softmax, dnas, hnas, sinkhorn-3, bam-lc, bam-wc).
@@ -109,6 +113,10 @@ pub struct Measurement {
     /// from records written before it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub route: Option<String>,
+    /// The layer's throughput, [`layer_flops`] over `fwd_bwd_ms`, in TFLOP/s (absent from records
+    /// written before it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tflops: Option<f64>,
 }
 
 /// The SVGD hook's cost (bench.json's `svgd`).
@@ -308,6 +316,7 @@ fn measure_length(device: Device, s: i64, repeats: usize, rows: &[Row], precisio
             peak_mem_bytes: Some(peak.max(0) as u64),
             precision,
             route: Some(route),
+            tflops: None,
         });
     }
     Ok(out)
@@ -370,102 +379,6 @@ fn measure_svgd(device: Device, tokens: i64, repeats: usize, precision: Precisio
     let step_peak_bytes = peak.max(0) as u64;
     eprintln!("svgd: step {a:.1} ms without the hook, {b:.1} ms with (hook alone {h:.1} ms); peak {:.1} MiB", step_peak_bytes as f64 / MIB);
     Ok(SvgdTiming { step_ms_without: a, step_ms_with: b, ratio: b / a, hook_ms: h, tokens_per_side: batch * len, step_peak_bytes })
-}
-
-const MIB: f64 = 1024.0 * 1024.0;
-
-/// The markdown table: per sequence length and variant, ours, PyTorch's, and the ratios, of time
-/// and of peak memory.
-pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
-    let row = |v: &str, imp: &str, s: i64| m.iter().find(|x| x.variant == v && x.implementation == imp && x.seq_len == s);
-    let find = |v: &str, imp: &str, s: i64| row(v, imp, s).map(|x| x.fwd_bwd_ms);
-    let mem = |v: &str, imp: &str, s: i64| row(v, imp, s).and_then(|x| x.peak_mem_bytes).map(|b| b as f64 / MIB);
-    let mut seqs: Vec<i64> = m.iter().map(|x| x.seq_len).collect();
-    seqs.sort();
-    seqs.dedup();
-    let fmt = |x: Option<f64>| x.map_or("–".to_string(), |v| format!("{v:.2}"));
-    let fmt1 = |x: Option<f64>| x.map_or("–".to_string(), |v| format!("{v:.1}"));
-    // A row setting ours against another measurement: times, their ratio, peaks, their ratio.
-    let versus = |s: i64, what: &str, other: &str, (a, b): (Option<f64>, Option<f64>), (a_mem, b_mem): (Option<f64>, Option<f64>)| {
-        format!(
-            "| {s} | {what} | {} | {} ({other}) | | {} | {} | {} ({other}) | {} |\n",
-            fmt(a),
-            fmt(b),
-            fmt(a.zip(b).map(|(x, y)| x / y)),
-            fmt1(a_mem),
-            fmt1(b_mem),
-            fmt(a_mem.zip(b_mem).map(|(x, y)| x / y))
-        )
-    };
-    let mut t = String::from(
-        "| S | variant | probattn ms | PyTorch ms | variant / softmax (probattn) | probattn / PyTorch | probattn peak MiB | PyTorch peak MiB | memory probattn / PyTorch |\n|---|---|---|---|---|---|---|---|---|\n",
-    );
-    // The variants measured at all (--variants may leave some out), in the usual order.
-    let measured: Vec<&str> = variants().into_iter().filter(|v| m.iter().any(|x| x.variant == *v)).collect();
-    let eager_rows = m.iter().any(|x| x.implementation == "probattn" || x.implementation == "pytorch");
-    for &s in &seqs {
-        let soft = find("softmax", "probattn", s);
-        for &v in measured.iter().filter(|_| eager_rows) {
-            let ours = find(v, "probattn", s);
-            let theirs = find(v, "pytorch", s);
-            let rel = ours.zip(soft).map(|(a, b)| a / b);
-            let vs = ours.zip(theirs).map(|(a, b)| a / b);
-            let (our_mem, their_mem) = (mem(v, "probattn", s), mem(v, "pytorch", s));
-            let mem_ratio = our_mem.zip(their_mem).map(|(a, b)| a / b);
-            t += &format!(
-                "| {s} | {v} | {} | {} | {} | {} | {} | {} | {} |\n",
-                fmt(ours),
-                fmt(theirs),
-                fmt(rel),
-                fmt(vs),
-                fmt1(our_mem),
-                fmt1(their_mem),
-                fmt(mem_ratio)
-            );
-        }
-        let sdpa = find("softmax", "pytorch-sdpa", s);
-        let (soft_mem, sdpa_mem) = (mem("softmax", "probattn", s), mem("softmax", "pytorch-sdpa", s));
-        for (imp, named) in [(MEMORY_EFFICIENT, "memory-efficient"), (FUSED, "fused")] {
-            let own_variants = measured.iter().filter(|&&v| m.iter().any(|x| x.variant == v && x.implementation == imp));
-            for &v in own_variants {
-                // Against our eager path (unless --no-eager), SDPA's softmax (the price of the
-                // variant), and for DNAS its FlexAttention composition where PyTorch's side
-                // measured one (CUDA).
-                let mut against = vec![("SDPA softmax", "SDPA", "softmax", "pytorch-sdpa")];
-                if eager_rows {
-                    against.insert(0, ("our eager", "ours, eager", v, "probattn"));
-                }
-                if v == "dnas" {
-                    against.push(("FlexAttention (two calls)", "Flex", "dnas", "pytorch-flex"));
-                }
-                for (label, short, rv, rimp) in against {
-                    let (ours, other) = (find(v, imp, s), find(rv, rimp, s));
-                    if other.is_none() && rimp != "probattn" {
-                        continue;
-                    }
-                    let (our_mem, other_mem) = (mem(v, imp, s), mem(rv, rimp, s));
-                    t += &versus(s, &format!("{v} {named} vs {label}"), short, (ours, other), (our_mem, other_mem));
-                }
-            }
-        }
-        if eager_rows {
-            t += &versus(s, "softmax vs SDPA", "SDPA", (soft, sdpa), (soft_mem, sdpa_mem));
-        }
-    }
-    t + &svgd_line(svgd)
-}
-
-/// The SVGD hook's line under the table.
-fn svgd_line(svgd: &SvgdTiming) -> String {
-    format!(
-        "\nSVGD hook: one Adam step of the 6+6-layer E=512 stack ({} tokens per side) {:.1} ms without, {:.1} ms with (ratio {:.3}; the hook alone {:.1} ms); a step without the hook peaks {:.1} MiB above its start.\n",
-        svgd.tokens_per_side,
-        svgd.step_ms_without,
-        svgd.step_ms_with,
-        svgd.ratio,
-        svgd.hook_ms,
-        svgd.step_peak_bytes as f64 / MIB
-    )
 }
 
 /// PyTorch's side (python/probattn_tools/baselines/bench.py) in its own process, on the same
@@ -545,8 +458,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let (ours, skipped) = measure_ours(device, &seq_lens, repeats, &rows, args.precision.precision)?;
     anyhow::ensure!(!ours.is_empty(), "no sequence length could be measured: {}", skipped[0].reason);
     measurements.extend(ours);
+    for m in &mut measurements {
+        m.tflops = Some(layer_flops(m.batch, m.heads, m.embed, m.seq_len) / (m.fwd_bwd_ms * 1e-3) / 1e12);
+    }
     let svgd = measure_svgd(device, if args.quick { 256 } else { 1024 }, if args.quick { 3 } else { repeats }, args.precision.precision)?;
-    let mut table = ratio_table(&measurements, &svgd);
+    let mut table = ratio_table(&measurements, &svgd) + &throughput_table(&measurements);
     for u in &unserved {
         table += &format!("\nNot served: {} {} ({}).\n", u.implementation, u.variant, u.reason);
     }
@@ -585,46 +501,5 @@ mod tests {
         assert!(!line.contains("\\n") && !line.contains("Torch(") && !line.contains("frame #"), "{line}");
         // A success passes through.
         assert_eq!(catch_torch_panic(|| Ok(3)).unwrap(), 3);
-    }
-
-    #[test]
-    fn the_memory_efficient_rows_compare_with_sdpa_and_flexattention_where_measured() {
-        let m = |variant: &str, implementation: &str, ms: f64, mib: u64| Measurement {
-            variant: variant.into(),
-            implementation: implementation.into(),
-            device: "cuda:0".into(),
-            batch: 1,
-            heads: HEADS,
-            embed: EMBED,
-            seq_len: 32768,
-            fwd_bwd_ms: ms,
-            fwd_bwd_ms_iqr: 0.0,
-            peak_mem_bytes: Some(mib << 20),
-            precision: Precision::F32,
-            route: None,
-        };
-        let svgd = SvgdTiming { step_ms_without: 1.0, step_ms_with: 1.0, ratio: 1.0, hook_ms: 0.0, tokens_per_side: 1, step_peak_bytes: 0 };
-        let rows = [
-            m("dnas", MEMORY_EFFICIENT, 300.0, 64),
-            m("softmax", MEMORY_EFFICIENT, 200.0, 48),
-            m("softmax", "pytorch-sdpa", 100.0, 32),
-            m("dnas", "pytorch-flex", 400.0, 128),
-        ];
-        let table = ratio_table(&rows, &svgd);
-        let line = |start: &str| table.lines().find(|l| l.starts_with(start)).unwrap_or_else(|| panic!("no row {start} in\n{table}"));
-        assert_eq!(
-            line("| 32768 | dnas memory-efficient vs SDPA softmax |"),
-            "| 32768 | dnas memory-efficient vs SDPA softmax | 300.00 | 100.00 (SDPA) | | 3.00 | 64.0 | 32.0 (SDPA) | 2.00 |"
-        );
-        assert_eq!(
-            line("| 32768 | dnas memory-efficient vs FlexAttention (two calls) |"),
-            "| 32768 | dnas memory-efficient vs FlexAttention (two calls) | 300.00 | 400.00 (Flex) | | 0.75 | 64.0 | 128.0 (Flex) | 0.50 |"
-        );
-        // FlexAttention's row is DNAS's alone, and a PyTorch side that was not run adds no rows.
-        assert!(!table.contains("softmax memory-efficient vs FlexAttention"), "{table}");
-        let without_pytorch = ratio_table(&rows[..2], &svgd);
-        assert!(!without_pytorch.contains("SDPA softmax") && !without_pytorch.contains("FlexAttention"), "{without_pytorch}");
-        // Without eager rows (--no-eager) there is no comparison with them either.
-        assert!(!table.contains("vs our eager"), "{table}");
     }
 }
