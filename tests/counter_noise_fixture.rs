@@ -33,7 +33,8 @@ struct Slice {
 
 /// The small shapes hold fewer than 2^32 entries (the shortcut: one hash of the seed's high word);
 /// the large ones more, and their slices lie past position 2^32, where the position's high word
-/// enters the hash.
+/// enters the hash, and across a multiple of it (two rows whose positions take two high words, as
+/// one tile of the kernels then does).
 fn slices() -> Vec<Slice> {
     let mut out = Vec::new();
     let small = [2, 3, 5, 7];
@@ -44,6 +45,15 @@ fn slices() -> Vec<Slice> {
             out.push(Slice { noise, kind, shape: small, seed: 7, rows: 0..5, columns: (0..7).collect() });
             out.push(Slice { noise, kind, shape: small, seed: 0x9e37_79b9_7f4a_7c15, rows: 1..4, columns: (0..7).collect() });
             out.push(Slice { noise, kind, shape: large, seed: 0x0123_4567_89ab_cdef, rows: (1 << 21) - 2..1 << 21, columns: some.clone() });
+            // Row 2^20 of head 0 starts at position 2^32, and of head 1 at 3·2^32.
+            out.push(Slice {
+                noise,
+                kind,
+                shape: large,
+                seed: 0x0123_4567_89ab_cdef,
+                rows: (1 << 20) - 1..(1 << 20) + 1,
+                columns: some.clone(),
+            });
         }
     }
     out

@@ -102,7 +102,7 @@ struct Call {
     const int64_t masked = pattern.defined() ? 1 : 0;
     l.constexprs = {{"HAS_QPAD", qpad.defined() ? 1 : 0}, {"HAS_KPAD", kpad.defined() ? 1 : 0}, {"HAS_MASK", masked}, {"HAS_BIAS", masked},
                     {"SWEEPS", std::min<int64_t>(spec.sweeps, 1)}, {"CAUSAL", spec.causal ? 1 : 0}, {"NOISE", spec.noise},
-                    {"KL", spec.kl}, {"WIDE", 0}, {"MIX", mix() ? 1 : 0}, {"ROWS", 0}};
+                    {"KL", spec.kl}, {"MIX", mix() ? 1 : 0}, {"ROWS", 0}};
     for (const auto& [n, value] : extra) l.constexprs[n] = value;
     tensors["Q"] = q;
     tensors["K"] = k;
@@ -222,9 +222,10 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   c.scale = at::tensor({spec.scale, spec.noise_scale}, at::TensorOptions().dtype(at::kFloat)).to(q.device());
   TORCH_CHECK(spec.noise >= 0 && spec.noise <= 2 && (spec.kl == 0 || spec.kl == spec.noise), "the fused CUDA route draws Weibull (1) "
               "or Lognormal (2) noise with its own KL form, got noise ", spec.noise, " and KL ", spec.kl);
-  // Entry positions past 2^32 take the hash's wide form (WIDE), which the embedded set leaves out.
-  TORCH_CHECK(spec.noise == 0 || q.size(0) * q.size(1) * q.size(2) * k.size(2) <= (int64_t{1} << 32),
-              "the fused CUDA route draws BAM's noise for at most 2^32 score entries");
+  // A tile's positions must span at most two of the hash's high words: S_k · block_m ≤ 2^32 for
+  // any block_m up to 256.
+  TORCH_CHECK(spec.noise == 0 || k.size(2) <= (int64_t{1} << 24), "the fused CUDA route draws BAM's noise for at most 2^24 keys, got ",
+              k.size(2));
   if (masked) masked_views(c, masks);
   // The padded kernels are the only ones BAM has: no padding is a padding of nothing.
   if (spec.noise != 0 && !c.kpad.defined()) {

@@ -11,7 +11,8 @@
 //! dimensions up to 128; no attention dropout; and BAM's sampling over every one of those bases
 //! (without a pattern or additive mask), with its KL term (Weibull and Lognormal) or without
 //! (Weibull, over softmax and DNAS), its noise drawn in the kernels from the same counter-based
-//! hash as the tiles' (the same ε for the same seed), for up to 2^32 score entries. It returns no
+//! hash as the tiles' (the same ε for the same seed), on both sides of 2^32 score entries, for up
+//! to 2^24 keys. It returns no
 //! weights; the received mass of a deterministic plan when the call asks for it
 //! ([`AttendOptions::need_mass`]: one more key pass per branch). Anything else runs on the tiles.
 
@@ -42,7 +43,7 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
         return Some(format!("it takes bfloat16 and float16, not {:?}", q.kind()));
     }
     if let Some(sampling) = plan.sampling.as_ref().filter(|_| opts.mode.sample) {
-        let [b, h, sq, sk] = shape.dims();
+        let sk = shape.dims()[3];
         let why = if sampling.kl.is_none() && sampling.noise != NoiseKind::Weibull {
             Some("Lognormal sampling without a KL term is not in the embedded set")
         } else if sampling.kl.is_none() && (plan.hybrid_logit.is_some() || plan.sweeps > 1) {
@@ -51,8 +52,8 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
             Some("the received mass of BAM's draws is not in the embedded set")
         } else if opts.noise.is_some() {
             Some("given draws are not in the embedded set (the kernels draw from a seed)")
-        } else if b * h * sq * sk > 1 << 32 {
-            Some("BAM past 2^32 score entries (the hash's wide form) is not in the embedded set")
+        } else if sk > 1 << 24 {
+            Some("BAM's kernels draw for at most 2^24 keys (a tile's positions span two of the hash's high words at most)")
         } else {
             None
         };

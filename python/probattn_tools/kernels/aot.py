@@ -33,7 +33,7 @@ STATISTICS = {"C", "R", "R2", "G", "MASS", "DELTA", "CS", "RS", "GC", "GR", "RPO
 MASKS = {"QPAD", "KPAD", "MASK", "BLOCKS"}
 WORDS = {"DRAWS"}  # int64 tensors: the seed's words (draws given as a tensor are not compiled here)
 # Constexprs with a value that leaves their feature off, where a specialization does not name them.
-OFF = dict(NOISE=0, KL=0, WIDE=False, DRAW64=False, MIX=False, ROWS=False)
+OFF = dict(NOISE=0, KL=0, DRAW64=False, MIX=False, ROWS=False)
 TRITON_TYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
@@ -42,7 +42,7 @@ def specializations(plans, smoke):
     per kernel with every feature on (what the test suite compiles)."""
     flags = dict(HAS_QPAD=True, HAS_KPAD=True, HAS_MASK=True, HAS_BIAS=True)
     # Lognormal draws (erfinv in float64) and its KL over HNAS (MIX): the widest code.
-    bam = dict(NOISE=2, KL=2, WIDE=True)
+    bam = dict(NOISE=2, KL=2)
     if smoke:
         return [("_column_pass", flags), ("_row_pass", dict(flags, SWEEPS=1, HYBRID=True, CAUSAL=False)),
                 ("_row_pass", dict(flags, **bam, SWEEPS=1, HYBRID=False, CAUSAL=False, MIX=True)),
@@ -62,10 +62,10 @@ def specializations(plans, smoke):
                 out.append(("_key_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal, GRADS=grads)))
             out.append(("_query_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal)))
     # BAM over softmax and DNAS with key padding: Weibull with its KL (BAM-WC), Lognormal with its
-    # KL (BAM-LC), positions below 2^32.
+    # KL (BAM-LC).
     f = dict(HAS_QPAD=False, HAS_KPAD=True, HAS_MASK=False, HAS_BIAS=False)
     for sweeps, noise in itertools.product((0, 1), (1, 2)):
-        bam = dict(f, NOISE=noise, KL=noise, WIDE=False, SWEEPS=sweeps, CAUSAL=False)
+        bam = dict(f, NOISE=noise, KL=noise, SWEEPS=sweeps, CAUSAL=False)
         out += [("_row_pass", dict(bam, HYBRID=False)), ("_key_pass", dict(bam, GRADS=True)), ("_query_pass", bam)]
     return out
 
@@ -82,8 +82,8 @@ def route_specializations():
 
     Padded only (a call without padding passes none; BAM's draws dwarf reading it): BAM's
     sampling, Weibull and Lognormal with their KL terms over softmax (plain and causal), DNAS, HNAS
-    and Sinkhorn-N, and Weibull without a KL term (bam-nokl) over softmax and DNAS, below 2^32
-    score entries.
+    and Sinkhorn-N, and Weibull without a KL term (bam-nokl) over softmax and DNAS, on both sides
+    of 2^32 score entries.
 
     A test keeps this list and the launches of `plans.attention`, `plans.hybrid_attention` and
     `plans.bam_attention` for those calls the same (tests/fused_cuda.rs)."""
@@ -102,8 +102,8 @@ def route_specializations():
         for columns, lse, rpot in ((True, True, False), (True, True, True), (False, True, False), (False, False, True),
                                    (True, False, True)):
             out.append(("_sink_reduce", dict(f, COLUMNS=columns, LSE=lse, HAS_RPOT=rpot)))
-        out += [("_sink_grads", dict(f, STAGE=stage, NOISE=0, KL=0, WIDE=False)) for stage in (0, 1, 2)]
-    f = dict(HAS_QPAD=True, HAS_KPAD=True, HAS_MASK=False, HAS_BIAS=False, WIDE=False)
+        out += [("_sink_grads", dict(f, STAGE=stage, NOISE=0, KL=0)) for stage in (0, 1, 2)]
+    f = dict(HAS_QPAD=True, HAS_KPAD=True, HAS_MASK=False, HAS_BIAS=False)
     for sweeps, causal, noise, kl in ((0, False, 1, 1), (0, False, 2, 2), (0, True, 1, 1), (0, True, 2, 2),
                                       (1, False, 1, 1), (1, False, 2, 2), (0, False, 1, 0), (0, True, 1, 0),
                                       (1, False, 1, 0)):

@@ -14,8 +14,7 @@ import triton.language as tl
 # BAM's draws: the counter-based generator of probattn-sys/csrc/noise.cpp, bit for bit. Entry
 # (b, h, i, j) of a (B, H, S_q, S_k) score tensor has the position e = ((b·H + h)·S_q + i)·S_k + j
 # and the 32 bits hash(hash(low(e) ^ hash(high(e) ^ seed_hi)) ^ seed_lo); float64 draws are
-# (bits + 1/2) / 2^32, float32 draws (bits >> 9 + 1/2) / 2^23 (exact in float32, below 1). Where
-# every position is below 2^32 (WIDE off), high(e) is 0 and its hash one number per program.
+# (bits + 1/2) / 2^32, float32 draws (bits >> 9 + 1/2) / 2^23 (exact in float32, below 1).
 
 
 @triton.jit
@@ -36,17 +35,19 @@ def _position(b, h, offs_m, offs_n, H, S_Q, S_K):
 
 
 @triton.jit
-def _uniform(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, WIDE: tl.constexpr, DRAW64: tl.constexpr):
+def _uniform(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, DRAW64: tl.constexpr):
     """ε ~ U(0, 1) of the tile (offs_m × offs_n) of (batch b, query head h): float64 from 32 bits
-    (DRAW64) or float32 from 23. DRAWS holds the seed's low and high 32-bit words (int64)."""
+    (DRAW64) or float32 from 23. DRAWS holds the seed's low and high 32-bit words (int64). A tile
+    spans fewer than 2^32 positions (BLOCK_M·S_K ≤ 2^32, which the callers hold), so its positions
+    have at most two high words, its first entry's and the next: each is hashed once per tile, and
+    every entry takes its own, on both sides of 2^32 alike."""
     seed_lo = tl.load(DRAWS).to(tl.uint32)
     seed_hi = tl.load(DRAWS + 1).to(tl.uint32)
     e = _position(b, h, offs_m, offs_n, H, S_Q, S_K)
     low = (e & 0xFFFFFFFF).to(tl.uint32)
-    if WIDE:
-        high = _hash32((e >> 32).to(tl.uint32) ^ seed_hi)
-    else:
-        high = _hash32(seed_hi)
+    first = ((b * H + h).to(tl.int64) * S_Q + tl.min(offs_m, 0).to(tl.int64)) * S_K + tl.min(offs_n, 0).to(tl.int64)
+    word = first >> 32
+    high = tl.where((e >> 32) == word, _hash32(word.to(tl.uint32) ^ seed_hi), _hash32((word + 1).to(tl.uint32) ^ seed_hi))
     bits = _hash32(_hash32(low ^ high) ^ seed_lo)
     if DRAW64:
         return (bits.to(tl.float64) + 0.5) * 2.3283064365386963e-10  # 2^-32
@@ -74,7 +75,7 @@ def _erfinv(y):
 
 
 @triton.jit
-def _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE: tl.constexpr, WIDE: tl.constexpr,
+def _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE: tl.constexpr,
              DRAW64: tl.constexpr):
     """The eager path's ε of a tile: uniform (NOISE 1, Weibull) in the draws' dtype, or standard
     normal (NOISE 2, Lognormal) in float64, sqrt(2)·erfinv(2u − 1) as noise.cpp forms it, from the
@@ -83,7 +84,7 @@ def _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE: tl.constexpr, WIDE
     if NOISE >= 3:
         inside = (offs_m[:, None] < S_Q) & (offs_n[None, :] < S_K)
         return tl.load(DRAWS + _position(b, h, offs_m, offs_n, H, S_Q, S_K), mask=inside, other=0.5)
-    u = _uniform(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, WIDE, DRAW64)
+    u = _uniform(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, DRAW64)
     if NOISE == 2:
         return _erfinv(u.to(tl.float64) * 2.0 - 1.0) * 1.4142135623730951
     else:
@@ -91,12 +92,12 @@ def _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE: tl.constexpr, WIDE
 
 
 @triton.jit
-def _noise(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE: tl.constexpr, WIDE: tl.constexpr,
+def _noise(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE: tl.constexpr,
            DRAW64: tl.constexpr, ACC: tl.constexpr):
     """BAM's noise term of a tile in ACC: (1/k)·log(−log(1 − ε)) for Weibull (1 − ε is exact for
     drawn ε, which lies on the 2^-24 or 2^-33 grid; a given ε takes log1p(−ε) by Goldberg's
     identity, as the eager path's log1p), σ·ε for Lognormal; `noise_scale` is 1/k or σ."""
-    eps = _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE, WIDE, DRAW64)
+    eps = _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE, DRAW64)
     if NOISE == 1 or NOISE == 3:
         eps = tl.maximum(eps, 1.1754943508222875e-38)  # FLT_MIN, as noise.cpp's and the eager path's clamp
         w = 1.0 - eps
@@ -109,7 +110,7 @@ def _noise(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE: tl.cons
 
 
 @triton.jit
-def _draws(OUT, DRAWS, H, S_Q, S_K, ROW0, ROWS, NOISE: tl.constexpr, WIDE: tl.constexpr, DRAW64: tl.constexpr,
+def _draws(OUT, DRAWS, H, S_Q, S_K, ROW0, ROWS, NOISE: tl.constexpr, DRAW64: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """ε of rows [ROW0, ROW0 + ROWS) of a (B, H, S_q, S_k) score tensor, laid out (B, H, ROWS,
     S_k) in OUT's dtype: what noise.cpp's `counter_noise` returns for those rows."""
@@ -119,19 +120,19 @@ def _draws(OUT, DRAWS, H, S_Q, S_K, ROW0, ROWS, NOISE: tl.constexpr, WIDE: tl.co
     offs_m = ROW0 + local
     for start_n in range(0, S_K, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        eps = _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE, WIDE, DRAW64)
+        eps = _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE, DRAW64)
         at = OUT + (bh.to(tl.int64) * ROWS + local[:, None]) * S_K + offs_n[None, :]
         tl.store(at, eps.to(OUT.dtype.element_ty), mask=(local[:, None] < ROWS) & (offs_n[None, :] < S_K))
 
 
 @triton.jit
 def _weights(y, ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE: tl.constexpr,
-             WIDE: tl.constexpr, DRAW64: tl.constexpr, ACC: tl.constexpr):
+             DRAW64: tl.constexpr, ACC: tl.constexpr):
     """A tile's weights recomputed from its logits y and its row statistic r: exp(y + n − r), n
     BAM's noise term (none without NOISE), exactly 0 where excluded."""
     x = y
     if NOISE > 0:
-        x = y + _noise(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, WIDE, DRAW64, ACC)
+        x = y + _noise(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, DRAW64, ACC)
     return tl.where(ok, tl.exp(tl.where(ok, x - r[:, None], 0.0)), 0.0)
 
 
@@ -264,14 +265,11 @@ def _prior_values(prior, shape, dtype, device):
     return wide, wide.stride()
 
 
-def counter_noise(shape, seed, noise, precision, rows=None, device="cpu", wide=None, block=(16, 64)):
+def counter_noise(shape, seed, noise, precision, rows=None, device="cpu", block=(16, 64)):
     """The counter-based draws ε of rows `rows` (a range; all by default) of a (B, H, S_q, S_k)
     score tensor `shape`, drawn by the kernels' own generator, (B, H, len(rows), S_k) in
     `precision` (torch.float32: 23-bit draws; torch.float64: 32-bit): uniform for `noise`
-    "weibull", standard normal for "lognormal", as noise.cpp's `counter_noise` returns them.
-    `wide`: take the position's high word into the hash everywhere (True) or nowhere (False);
-    by default where some position reaches 2^32, as the attention kernels do (the two agree
-    wherever every position is below 2^32)."""
+    "weibull", standard normal for "lognormal", as noise.cpp's `counter_noise` returns them."""
     b, h, s_q, s_k = shape
     rows = range(s_q) if rows is None else rows
     if noise not in Sampling.NOISES:
@@ -280,10 +278,11 @@ def counter_noise(shape, seed, noise, precision, rows=None, device="cpu", wide=N
         raise ValueError(f"precision must be torch.float32 or torch.float64, got {precision}")
     if rows.step != 1 or rows.start < 0 or rows.stop > s_q:
         raise ValueError(f"rows must be a contiguous range inside [0, {s_q}), got {rows}")
+    if s_k * block[0] > 2 ** 32:
+        raise ValueError(f"the draws take at most 2^32 / {block[0]} keys, got {s_k}")
     out = torch.empty(b, h, len(rows), s_k, dtype=precision, device=device)
     if len(rows) and s_k:
-        wide = b * h * s_q * s_k > 2 ** 32 if wide is None else wide
         _draws[(triton.cdiv(len(rows), block[0]), b * h)](
             out, _seed_words(seed, device), h, s_q, s_k, rows.start, len(rows), NOISE=Sampling.NOISES[noise],
-            WIDE=wide, DRAW64=precision == torch.float64, BLOCK_M=block[0], BLOCK_N=block[1])
+            DRAW64=precision == torch.float64, BLOCK_M=block[0], BLOCK_N=block[1])
     return out

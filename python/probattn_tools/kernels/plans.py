@@ -188,6 +188,9 @@ class _Call:
         bias, (sab, sah, sam, san), has_bias = _additive(masks.additive, (b, h, s_q, s_k), self.stats, dev)
         qs, ks, vs = self.q.stride(), self.k.stride(), self.v.stride()
         self.sampling = sampling
+        if sampling is not None and s_k * self.config.block_m > 2 ** 32:
+            raise ValueError(f"BAM's draws take at most 2^32 / block_m keys (a tile's positions then have at most two "
+                             f"high words), got {s_k} keys with block_m {self.config.block_m}")
         self.kl = sampling is not None and sampling.kl is not None
         if self.kl and prior is None:
             raise ValueError("a KL term needs the prior's per-key values (prior=)")
@@ -201,7 +204,7 @@ class _Call:
             RD=dummy, RS=dummy, LOGU=dummy, RHO_D=dummy, RHO_S=dummy, GU=dummy,
             stride_pb=spb, stride_ph=sph, stride_pn=spn,
             NOISE=sampling.code() if sampling else 0, KL=Sampling.NOISES[sampling.kl] if self.kl else 0,
-            WIDE=b * h * s_q * s_k > 2 ** 32, DRAW64=self.stats == torch.float64,
+            DRAW64=self.stats == torch.float64,
             stride_qb=qs[0], stride_qh=qs[1], stride_qs=qs[2], stride_kb=ks[0], stride_kh=ks[1], stride_ks=ks[2],
             stride_vb=vs[0], stride_vh=vs[1], stride_vs=vs[2],
             # outputs, gradients and statistics are contiguous, shaped as what they belong to
