@@ -368,3 +368,23 @@ fn bench_measures_odd_lengths_on_every_path_and_precision() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn bench_with_nothing_it_can_serve_says_so_instead_of_panicking() -> Result<()> {
+    // BAM's sampling in bfloat16 is not served by the fused CPU kernel: with --no-eager that leaves
+    // no configuration to measure, which is a named error (status 1), not an index out of bounds.
+    let dir = TempDir::new("bench-unserved")?;
+    let out = dir.path("out");
+    let args = ["bench", "--device", "cpu", "--batch", "1", "--fused", "--no-eager", "--precision", "bf16", "--variants", "bam-wc"];
+    let run = Command::new(env!("CARGO_BIN_EXE_probattn"))
+        .args(args)
+        .args(["--seq-lens", "8", "--repeats", "1", "--no-pytorch", "--out", out.to_str().context("path")?])
+        .env_remove("RUST_BACKTRACE")
+        .output()?;
+    let said = binary::text(&run);
+    ensure!(run.status.code() == Some(1), "status {:?}:\n{said}", run.status);
+    ensure!(!said.contains("panic") && !said.contains("internal error"), "{said}");
+    ensure!(said.contains("nothing to measure") && said.contains("probattn-fused bam-wc: "), "{said}");
+    ensure!(!out.exists(), "a run that measured nothing left {}", out.display());
+    Ok(())
+}
