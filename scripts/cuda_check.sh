@@ -27,10 +27,12 @@
 #   KERNELS_SWEEP  the sweep step's flags (python -m probattn_tools.kernels.sweep; default: its own)
 #   SANITIZER_CASES  the fused_cuda cases the sanitizer step runs (FUSED_CUDA_CASES; default
 #                  "1,2,7,9,17": softmax, DNAS with GQA and padding, HNAS, Sinkhorn-3, causal BAM-WC)
+#   FUSED_VARIANTS, FUSED_LENGTHS  the fused-long step's variants (default: the six benchmarked)
+#                  and lengths (default "4096,32768,131072")
 #   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient precision
-#             nccl python python-bench sdpa-empty-rows kernels sweep sanitizer table table-converged
-#             (default: all but bench-quick, kernels, sweep, sanitizer and the table steps, the
-#             long-sequence and NCCL runs first)
+#             nccl python python-bench sdpa-empty-rows kernels sweep sanitizer fused-long table
+#             table-converged (default: all but bench-quick, kernels, sweep, sanitizer, fused-long
+#             and the table steps, the long-sequence and NCCL runs first)
 #
 # The sweep step times the kernels' launch settings (python -m probattn_tools.kernels.sweep) and
 # writes the winners to OUT_DIR/sweep/table.json, which `--merge` takes into the tuning table the
@@ -131,6 +133,16 @@ for s in $steps; do
           --repeats 3 --out "$out/bench-me-long-$v" 2>&1 | tee "$out/bench-me-long-$v.log" | tail -12
       done
       "$p" bench --device cuda --batch 1 --memory-efficient --seq-lens 1024,4096 --out "$out/bench-me" 2>&1 | tee "$out/bench-me.log" | tail -30 ;;
+    fused-long)
+      # The fused CUDA route at length in bfloat16 against SDPA (and DNAS against FlexAttention's
+      # composition) in the same run, up to S = 131,072 (past 2^32 score entries, BAM's draws
+      # included). One benchmark per variant: each writes its folder when it ends.
+      step fused-long
+      for v in ${FUSED_VARIANTS:-softmax dnas hnas sinkhorn-3 bam-wc bam-lc}; do
+        "$p" bench --device cuda --batch 1 --fused --no-eager --precision bf16 --variants "$v" \
+          --seq-lens "${FUSED_LENGTHS:-4096,32768,131072}" --repeats 3 --out "$out/bench-fused-long-$v" 2>&1 \
+          | tee "$out/bench-fused-long-$v.log" | tail -12
+      done ;;
     precision)
       # bfloat16 (docs/precision.md): the memory-efficient path against SDPA in bfloat16 up to
       # S = 32,768, float32 beside it, and a quick translation run in bfloat16.

@@ -6,7 +6,7 @@
 # Usage: scripts/gpu_lease.sh BUNDLE OUT [PART]
 #   BUNDLE  scripts/cuda_bundle.sh's archive (built here, carried there)
 #   OUT     where each step's folder goes packed (ARCHIVE_DIR of cuda_steps.sh), with log.txt
-#   PART    route (the default) or kernels
+#   PART    route (the default), kernels or long
 #
 # The steps, each under its own limit (a step that overruns costs only itself):
 #   route:
@@ -25,13 +25,18 @@
 #   kernels          300 s   the Triton kernels' check in bfloat16 and float16 (their quick cases),
 #                            then their benchmark against SDPA and FlexAttention at 8 x 1,024 and
 #                            1 x 4,096
+#   long:
+#   fused-long       540 s   the fused route in bfloat16 against SDPA in one run per variant, at
+#                            S = 4,096, 32,768 and 131,072 (B 1, H 8, E 512; softmax, DNAS, HNAS,
+#                            Sinkhorn-3, BAM-WC, BAM-LC): time, TFLOP/s and peak memory
 set -euo pipefail
-[ $# -eq 2 ] || [ $# -eq 3 ] || { sed -n '2,27p' "$0" >&2; exit 2; }
+[ $# -eq 2 ] || [ $# -eq 3 ] || { sed -n '2,31p' "$0" >&2; exit 2; }
 bundle=$(realpath "$1") out=$(realpath -m "$2") part=${3:-route}
 case $part in
   route) steps=(doctor:20 sdpa-empty-rows:60 tests:150 sanitizer:180) ;;
   kernels) steps=(sweep:240 kernels:300) ;;
-  *) echo "gpu_lease.sh: PART is route or kernels, got $part" >&2; exit 2 ;;
+  long) steps=(fused-long:540) ;;
+  *) echo "gpu_lease.sh: PART is route, kernels or long, got $part" >&2; exit 2 ;;
 esac
 [ -f "$bundle" ] || { echo "gpu_lease.sh: no bundle at $bundle (scripts/cuda_bundle.sh builds it)" >&2; exit 2; }
 here=$(dirname "$(realpath "$0")")
