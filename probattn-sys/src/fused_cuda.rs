@@ -243,8 +243,9 @@ pub fn fused_cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec
 }
 
 /// What [`fused_cuda_attention`] would launch for a GPU of compute capability `arch` (90 for
-/// sm_90), forward (and the mass, with [`FusedSpec::mass`]) then backward, without a driver and on tensors of any device: a JSON array of
-/// `{kernel, key, grid, ints, tensors}` per launch, in order. The tests compare it with the Python
+/// sm_90), forward (and the mass, with [`FusedSpec::mass`]) then backward, without a driver and
+/// on tensors of any device: a JSON array of `{kernel, key, grid, ints, tensors}` per launch, in
+/// order. The tests compare it with the Python
 /// orchestration's own launches (`plans.launches()`).
 #[doc(hidden)]
 pub fn fused_cuda_dry_run(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec, arch: u32) -> Result<String> {

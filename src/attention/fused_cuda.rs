@@ -12,9 +12,9 @@
 //! (without a pattern or additive mask), with its KL term (Weibull and Lognormal) or without
 //! (Weibull, over softmax and DNAS), its noise drawn in the kernels from the same counter-based
 //! hash as the tiles' (the same ε for the same seed), on both sides of 2^32 score entries, for up
-//! to 2^24 keys. It returns no
-//! weights; the received mass of a deterministic plan when the call asks for it
-//! ([`AttendOptions::need_mass`]: one more key pass per branch). Anything else runs on the tiles.
+//! to 2^24 keys. It returns no weights, and the received mass of a deterministic plan when the
+//! call asks for it ([`AttendOptions::need_mass`]: one more key pass per branch). Anything else
+//! runs on the tiles.
 
 use tch::{Device, Kind, Tensor};
 
