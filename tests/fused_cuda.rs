@@ -484,14 +484,17 @@ fn on_a_gpu_the_fused_backend_takes_the_route_and_says_why_where_it_cannot() -> 
     let (q32, k32, v32) = (q.to_kind(Kind::Float), k.to_kind(Kind::Float), v.to_kind(Kind::Float));
     let err = attend_with_choice(&q32, &k32, &v32, &masks, &Dnas, forced).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(err.contains("bfloat16 and float16"), "{err}");
-    // The received mass of a deterministic plan is served; of BAM's draws it is not, by name.
-    let (_, choice) = attend_with_choice(&q, &k, &v, &masks, &Dnas, AttendOptions { need_mass: true, ..forced })?;
+    // The received mass of a deterministic plan comes back when asked for; asking for it with
+    // BAM's draws keeps the route and gives none.
+    let (out, choice) = attend_with_choice(&q, &k, &v, &masks, &Dnas, AttendOptions { need_mass: true, ..forced })?;
     assert_eq!(choice.route, Route::FusedCuda, "{choice:?}");
+    assert!(out.received_mass.is_some());
     let (logit, prior) = (Tensor::zeros([2], (Kind::Float, cuda)), Tensor::ones([2, 2, 1, 40], (Kind::Float, cuda)));
     let bam = plan_for(&case([2, 2, 2, 40, 40, 64, 64], 1, false, KEYS, 1, false), &logit, &prior);
     let shape = probattn::ScoreShape { batch: 2, heads: 2, queries: 40, keys: 40 };
-    let sampled = AttendOptions { mode: Mode::train(true), need_mass: true, ..Default::default() };
-    let why = probattn::fused_cuda::unserved(shape, &q, &v, &masks, &bam, &sampled).unwrap_or_default();
-    assert!(why.contains("received mass of BAM's draws"), "{why}");
+    let sampled = AttendOptions { mode: Mode::train(true), need_mass: true, seed: Some(SEED), ..Default::default() };
+    assert_eq!(probattn::fused_cuda::unserved(shape, &q, &v, &masks, &bam, &sampled), None);
+    let drawn = probattn::fused_cuda::attend(shape, &q, &k, &v, &masks, &bam, &sampled)?;
+    assert!(drawn.received_mass.is_none() && drawn.kl.is_some());
     Ok(())
 }

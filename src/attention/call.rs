@@ -47,10 +47,11 @@ pub struct AttendOptions<'a> {
     /// forms them ([`crate::Normalizer::fused`]: softmax takes libtorch's fused attention), and `tile`
     /// takes the memory-efficient path.
     pub need_weights: bool,
-    /// Return the received mass from the routes that spend a pass of their own on it (default
-    /// false): the fused CUDA kernels, one key pass per branch after the forward. The tiles and
-    /// the fused CPU kernel form it as a by-product and return it either way; the eager path
-    /// returns the weights instead ([`crate::diagnostics::received_mass`] sums them).
+    /// Ask the routes that spend a pass of their own on the received mass to form it (default
+    /// false): the fused CUDA kernels, one key pass per branch after the forward, for the
+    /// deterministic plans (BAM's draws get none there). The tiles and the fused CPU kernel form
+    /// it as a by-product and return it either way; the eager path returns the weights instead
+    /// ([`crate::diagnostics::received_mass`] sums them). It never changes the route.
     pub need_mass: bool,
     /// `Some(t)`: when no weights are asked for, the memory-efficient path ([`crate::tiled`]), `t`
     /// queries at a time, which keeps nothing `(S_q, S_k)` for the backward pass and returns

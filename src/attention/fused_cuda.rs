@@ -13,8 +13,8 @@
 //! (Weibull, over softmax and DNAS), its noise drawn in the kernels from the same counter-based
 //! hash as the tiles' (the same ε for the same seed), on both sides of 2^32 score entries, for up
 //! to 2^24 keys. It returns no weights, and the received mass of a deterministic plan when the
-//! call asks for it ([`AttendOptions::need_mass`]: one more key pass per branch). Anything else
-//! runs on the tiles.
+//! call asks for it ([`AttendOptions::need_mass`]: one more key pass per branch; none for BAM's
+//! draws). Anything else runs on the tiles.
 
 use tch::{Device, Kind, Tensor};
 
@@ -48,8 +48,6 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
             Some("Lognormal sampling without a KL term is not in the embedded set")
         } else if sampling.kl.is_none() && (plan.hybrid_logit.is_some() || plan.sweeps > 1) {
             Some("BAM without a KL term over HNAS or Sinkhorn-N is not in the embedded set")
-        } else if opts.need_mass {
-            Some("the received mass of BAM's draws is not in the embedded set")
         } else if opts.noise.is_some() {
             Some("given draws are not in the embedded set (the kernels draw from a seed)")
         } else if sk > 1 << 24 {
@@ -120,7 +118,8 @@ pub fn embedded_archs() -> String {
 
 /// What the route returns: the output `(B, H, S_q, d_v)`; when sampling with a KL term, BAM's KL
 /// (a scalar, as the tiles' and the eager path's); with [`AttendOptions::need_mass`], the received
-/// mass `(B, H, S_k)` in float32 (without a gradient).
+/// mass `(B, H, S_k)` in float32 (without a gradient), but for BAM's draws, whose mass the
+/// kernels do not form.
 pub struct FusedAttended {
     pub output: Tensor,
     pub kl: Option<Tensor>,
@@ -166,8 +165,10 @@ pub fn attend(
     let run = |spec: &cxx::FusedSpec| cxx::fused_cuda_attention(q, k, v, spec).map_err(Error::from);
     if let Some(sampling) = sampling {
         // The draws from the seed in the kernels; over HNAS the kernels mix the bases themselves.
+        // Their received mass is not formed.
         let seed = opts.seed.unwrap_or_else(libtorch_seed);
         let spec = cxx::FusedSpec {
+            mass: false,
             noise: sampling.noise.code(),
             noise_scale: sampling.scale,
             seed,

@@ -200,9 +200,8 @@ pub fn run(args: &AttendArgs) -> Result<()> {
         mode: Mode { dropout: false, sample: args.bam.train },
         noise: noise.as_ref(),
         need_weights: !weightless,
-        // The mass is written beside the output wherever a route forms it; forced onto the fused
-        // CUDA route, BAM's draws have none there (that call writes the output and the KL).
-        need_mass: !(backend == Backend::Fused && args.bam.train && args.variant.is_stochastic()),
+        // The mass is written beside the output wherever a route forms it.
+        need_mass: true,
         tile: weightless.then_some(args.memory.tile),
         seed: weightless.then_some(args.bam.seed),
         scale: args.scale,
