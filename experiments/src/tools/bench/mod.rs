@@ -455,8 +455,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "--no-eager leaves nothing to measure without --memory-efficient or --fused"
     );
     let (rows, unserved) = served(device, seq_lens[0], rows(args), args.precision.precision);
-    let refused: Vec<String> = unserved.iter().map(|u| format!("{} {}: {}", u.implementation, u.variant, u.reason)).collect();
-    anyhow::ensure!(!rows.is_empty(), "nothing to measure: no configuration asked for is served here ({})", refused.join("; "));
+    anyhow::ensure!(
+        !rows.is_empty(),
+        "nothing to measure: no configuration asked for is served here ({})",
+        unserved.iter().map(|u| format!("{} {}: {}", u.implementation, u.variant, u.reason)).collect::<Vec<_>>().join("; ")
+    );
     let (ours, skipped) = measure_ours(device, &seq_lens, repeats, &rows, args.precision.precision)?;
     let why = skipped.first().map_or("no reason recorded", |s| s.reason.as_str());
     anyhow::ensure!(!ours.is_empty(), "no sequence length could be measured: {why}");
