@@ -371,3 +371,24 @@ fn autocast_regions_run_products_in_bfloat16_and_restore_the_state() -> Result<(
     assert!(unknown.contains("fp8") && unknown.contains("bf16"), "{unknown}");
     Ok(())
 }
+
+#[test]
+fn tf32_regions_switch_tf32_on_for_their_length_and_restore_it() -> Result<()> {
+    use probattn::precision::{allow_tf32, set_allow_tf32};
+    // The switch is process-wide: the tests that read it hold the lock.
+    let _serial = common::serial();
+    let before = set_allow_tf32(false)?;
+    let seen = Precision::Tf32.run(Device::Cpu, || -> Result<(bool, bool)> {
+        let nested = Precision::Tf32.run(Device::Cpu, allow_tf32)??;
+        // Leaving the inner region keeps the outer one's switch on.
+        Ok((allow_tf32()?, nested))
+    })?;
+    let after = allow_tf32()?;
+    let autocast = probattn::precision::autocast_kind(Device::Cpu)?;
+    set_allow_tf32(before)?;
+    assert_eq!(seen?, (true, true));
+    assert!(!after, "the region's switch did not survive it");
+    assert_eq!(autocast, None, "tf32 is float32: no autocast");
+    assert_eq!(("tf32".parse::<Precision>()?, Precision::Tf32.name()), (Precision::Tf32, "tf32"));
+    Ok(())
+}

@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
-use probattn::precision::Precision;
+use probattn::precision::{Autocast, Precision};
 use probattn::{Backend, DeviceSpec};
 use tch::Device;
 
@@ -60,24 +60,35 @@ impl MemoryEfficientArgs {
     }
 }
 
-/// `--precision f32|bf16`: one definition for translate, vqa, gat, bench and attend.
+/// `--precision f32|tf32|bf16`: one definition for translate, vqa, gat, bench and attend.
 #[derive(Args, Debug, Clone, Copy)]
 pub struct PrecisionArgs {
-    /// f32: everything in float32. bf16: bfloat16 autocast, as torch.autocast(device,
-    /// torch.bfloat16): matrix products and attention in bfloat16, while the weights, the
-    /// optimizer state, the losses, attention's statistics (log-sum-exps, weights, BAM's noise
-    /// and KL) and the SVGD kernel stay float32; checkpoints are float32 in both (docs/precision.md).
+    /// f32: everything in float32. tf32: float32, with CUDA's matrix products (cuBLAS's and the
+    /// fused CUDA route's) in TF32, as torch.backends.cuda.matmul.allow_tf32 = True; the same as
+    /// f32 on the CPU. bf16: bfloat16 autocast, as torch.autocast(device, torch.bfloat16): matrix
+    /// products and attention in bfloat16, while the weights, the optimizer state, the losses,
+    /// attention's statistics (log-sum-exps, weights, BAM's noise and KL) and the SVGD kernel stay
+    /// float32; checkpoints are float32 in all three (docs/precision.md).
     #[arg(long, default_value = "f32", value_parser = parse_precision)]
     pub precision: Precision,
 }
 
 impl PrecisionArgs {
-    /// Says on stderr when the precision asked for is expected to run slower than float32 on
-    /// `device` (bfloat16 on a CPU without bfloat16 instructions); the run goes on.
-    pub fn warn_if_slower(&self, device: Device) {
+    /// Starts a command's run in this precision on `device`. Says on stderr when the precision is
+    /// expected to run slower than float32 there (bfloat16 on a CPU without bfloat16 instructions)
+    /// or is float32 there (tf32 on the CPU); the run goes on. For tf32, switches TF32 on until
+    /// the returned guard drops: for the whole command, backward passes included, as a PyTorch
+    /// script's `torch.backends.cuda.matmul.allow_tf32 = True`. (bf16's autocast regions cover
+    /// forward passes only, as `torch.autocast`'s do; the commands enter them themselves.)
+    pub fn begin(&self, device: Device) -> Result<Autocast> {
+        if self.precision == Precision::Tf32 && !device.is_cuda() {
+            eprintln!("warning: tf32 on the CPU runs as f32: libtorch's TF32 switch reaches CUDA's matrix products only");
+        }
         if let Some(why) = self.precision.slower_than_f32(device) {
             eprintln!("warning: {why}");
         }
+        let whole = if self.precision == Precision::Tf32 { Precision::Tf32 } else { Precision::F32 };
+        Ok(whole.enter(device)?)
     }
 }
 

@@ -396,6 +396,6 @@ fn a_bfloat16_run_records_its_precision_and_keeps_float32_checkpoints() -> Resul
         ensure!(precision == "bf16" || !String::from_utf8_lossy(&o.stderr).contains("warning: bf16"), "f32 warned: {}", text(&o));
     }
     let o = probattn(&["translate", "--precision", "fp8", "--data-dir", &d])?;
-    ensure!(!o.status.success() && text(&o).contains("unknown precision 'fp8' (known: f32, bf16)"), "{}", text(&o));
+    ensure!(!o.status.success() && text(&o).contains("unknown precision 'fp8' (known: f32, tf32, bf16)"), "{}", text(&o));
     Ok(())
 }

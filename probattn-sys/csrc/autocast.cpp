@@ -1,7 +1,9 @@
 // Mixed precision: libtorch's autocast state for one device type on the calling thread (autocast
 // is thread-local, as in PyTorch). tch's C API reaches only CUDA's on/off switch; the CPU's, the
-// lower-precision dtype, the nesting count and the cast cache are here.
+// lower-precision dtype, the nesting count and the cast cache are here; so is the process-wide
+// switch that lets float32 matrix products run in TF32 on CUDA.
 
+#include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 
 #include "guard.h"
@@ -63,6 +65,16 @@ char* pa_autocast_state_of(int32_t cuda, pa_autocast_state* state) {
     const auto type = device_type(cuda);
     state->enabled = at::autocast::is_autocast_enabled(type) ? 1 : 0;
     state->dtype = dtype_code(at::autocast::get_autocast_dtype(type));
+  });
+}
+
+char* pa_allow_tf32(int32_t allow, int32_t* previous) {
+  return probattn::guard([&] {
+    probattn::require(previous, "pa_allow_tf32", "previous");
+    TORCH_CHECK(allow >= -1 && allow <= 1, "pa_allow_tf32: -1 (ask), 0 or 1, got ", allow);
+    auto& context = at::globalContext();
+    *previous = context.allowTF32CuBLAS() ? 1 : 0;
+    if (allow >= 0) context.setAllowTF32CuBLAS(allow != 0);
   });
 }
 

@@ -74,6 +74,10 @@ char* pa_autocast_state_of(int32_t cuda, pa_autocast_state* state);
 // Switches autocast on or off without entering a region (no nesting, no cache): what a call
 // that runs its own precision does around itself.
 char* pa_autocast_set_enabled(int32_t cuda, int32_t enabled);
+// libtorch's process-wide switch for TF32 in CUDA's float32 matrix products (PyTorch's
+// torch.backends.cuda.matmul.allow_tf32): its value before into `previous`; then, for `allow` 0 or
+// 1, set to it (-1 only asks). The fused CUDA route takes float32 only while it is on.
+char* pa_allow_tf32(int32_t allow, int32_t* previous);
 
 // ---- memory-efficient attention (tiled.cpp)
 typedef struct pa_tiled_spec {

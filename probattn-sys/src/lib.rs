@@ -103,6 +103,7 @@ extern "C" {
     fn pa_autocast_exit(cuda: i32, previous: *const AutocastState) -> *mut c_char;
     fn pa_autocast_state_of(cuda: i32, state: *mut AutocastState) -> *mut c_char;
     fn pa_autocast_set_enabled(cuda: i32, enabled: i32) -> *mut c_char;
+    fn pa_allow_tf32(allow: i32, previous: *mut i32) -> *mut c_char;
     fn pa_cpu_memory_track() -> *mut c_char;
     fn pa_cpu_memory_stats(current: *mut i64, peak: *mut i64, tracking: *mut i64) -> *mut c_char;
     fn pa_cpu_memory_reset_peak() -> *mut c_char;
@@ -333,6 +334,23 @@ pub fn autocast_exit(cuda: bool, previous: &AutocastState) -> Result<()> {
 pub fn autocast_set_enabled(cuda: bool, enabled: bool) -> Result<()> {
     // SAFETY: plain integer arguments.
     check(unsafe { pa_autocast_set_enabled(i32::from(cuda), i32::from(enabled)) }, autocast_error)
+}
+
+/// Whether libtorch lets CUDA's float32 matrix products run in TF32 (PyTorch's
+/// `torch.backends.cuda.matmul.allow_tf32`; process-wide, not per thread).
+pub fn allow_tf32() -> Result<bool> {
+    let mut previous = 0;
+    // SAFETY: a valid out-pointer; -1 only asks.
+    check(unsafe { pa_allow_tf32(-1, &mut previous) }, Error::Torch)?;
+    Ok(previous != 0)
+}
+
+/// Sets libtorch's switch [`allow_tf32`] reads; returns its value before.
+pub fn set_allow_tf32(allow: bool) -> Result<bool> {
+    let mut previous = 0;
+    // SAFETY: a valid out-pointer.
+    check(unsafe { pa_allow_tf32(i32::from(allow), &mut previous) }, Error::Torch)?;
+    Ok(previous != 0)
 }
 
 /// The calling thread's autocast state for the CPU or CUDA.

@@ -33,16 +33,22 @@ pub enum Precision {
     /// Everything in float32 (the default).
     #[default]
     F32,
+    /// float32 tensors whose matrix products on CUDA run in TF32 (10-bit mantissas in, float32
+    /// out), as `torch.backends.cuda.matmul.allow_tf32 = True` makes them: cuBLAS's, and the
+    /// fused CUDA route's, which takes float32 only then. The switch is libtorch's and
+    /// process-wide; a region sets it and puts it back. On the CPU it changes nothing.
+    Tf32,
     /// bfloat16 autocast, as `torch.autocast(device, torch.bfloat16)`: float32 weights.
     Bf16,
 }
 
 impl Precision {
-    pub const NAMES: &'static str = "f32, bf16";
+    pub const NAMES: &'static str = "f32, tf32, bf16";
 
     pub fn name(self) -> &'static str {
         match self {
             Self::F32 => "f32",
+            Self::Tf32 => "tf32",
             Self::Bf16 => "bf16",
         }
     }
@@ -71,15 +77,17 @@ impl Precision {
         })
     }
 
-    /// Enters a region on `device`: autocast on for its device type until the guard drops (a
-    /// no-op guard for [`Precision::F32`]). Regions nest; the state before is restored on drop.
+    /// Enters a region on `device` until the guard drops: autocast on for its device type
+    /// ([`Precision::Bf16`]), or TF32 allowed ([`Precision::Tf32`]); a no-op guard for
+    /// [`Precision::F32`]. Regions nest; the state before is restored on drop.
     pub fn enter(self, device: Device) -> Result<Autocast> {
         let cuda = device.is_cuda();
-        let previous = match self {
-            Self::F32 => None,
-            Self::Bf16 => Some(cxx::autocast_enter(cuda, cxx::AutocastDtype::BFloat16)?),
+        let (previous, tf32_before) = match self {
+            Self::F32 => (None, None),
+            Self::Tf32 => (None, Some(cxx::set_allow_tf32(true)?)),
+            Self::Bf16 => (Some(cxx::autocast_enter(cuda, cxx::AutocastDtype::BFloat16)?), None),
         };
-        Ok(Autocast { cuda, previous })
+        Ok(Autocast { cuda, previous, tf32_before })
     }
 
     /// Runs `f` in a region on `device` (see [`Precision::enter`]).
@@ -103,19 +111,22 @@ impl FromStr for Precision {
     fn from_str(s: &str) -> Result<Self> {
         match s.to_ascii_lowercase().as_str() {
             "f32" | "fp32" | "float32" => Ok(Self::F32),
+            "tf32" => Ok(Self::Tf32),
             "bf16" | "bfloat16" => Ok(Self::Bf16),
             _ => Err(Error::Config(format!("unknown precision '{s}' (known: {})", Self::NAMES))),
         }
     }
 }
 
-/// An autocast region; dropping it restores the state before ([`Autocast::exit`] reports an error
+/// A precision region; dropping it restores the state before ([`Autocast::exit`] reports an error
 /// that a drop cannot).
 #[must_use = "the region ends when the guard drops"]
 #[derive(Debug)]
 pub struct Autocast {
     cuda: bool,
     previous: Option<cxx::AutocastState>,
+    /// [`Precision::Tf32`]: libtorch's TF32 switch before the region.
+    tf32_before: Option<bool>,
 }
 
 impl Autocast {
@@ -125,6 +136,9 @@ impl Autocast {
     }
 
     fn restore(&mut self) -> Result<()> {
+        if let Some(before) = self.tf32_before.take() {
+            cxx::set_allow_tf32(before)?;
+        }
         match self.previous.take() {
             Some(previous) => Ok(cxx::autocast_exit(self.cuda, &previous)?),
             None => Ok(()),
@@ -138,6 +152,19 @@ impl Drop for Autocast {
         // and a drop has no one to tell.
         let _ = self.restore();
     }
+}
+
+/// Whether libtorch lets CUDA's float32 matrix products run in TF32: PyTorch's
+/// `torch.backends.cuda.matmul.allow_tf32`, one switch for the process (off by default, as in
+/// PyTorch). The fused CUDA route takes float32 only while it is on.
+pub fn allow_tf32() -> Result<bool> {
+    Ok(cxx::allow_tf32()?)
+}
+
+/// Sets the switch [`allow_tf32`] reads for the whole process; returns its value before.
+/// [`Precision::Tf32`]'s regions set it and put it back.
+pub fn set_allow_tf32(allow: bool) -> Result<bool> {
+    Ok(cxx::set_allow_tf32(allow)?)
 }
 
 /// Whether this CPU does bfloat16 arithmetic in hardware: x86-64's AVX512-BF16 instructions (which

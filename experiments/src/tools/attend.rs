@@ -133,7 +133,7 @@ const KNOWN_INPUTS: [&str; 9] =
 
 pub fn run(args: &AttendArgs) -> Result<()> {
     let device = args.common.setup()?;
-    args.precision.warn_if_slower(device);
+    let _precision = args.precision.begin(device)?;
     let input = args.input.display().to_string();
     let tensors = read_safetensors(&args.input).context("reading --input")?;
     let get = |name: &str| -> Result<Tensor> {

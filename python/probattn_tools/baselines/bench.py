@@ -174,13 +174,16 @@ def main():
                         help="comma-separated variants (default: the registry's benchmarked set)")
     parser.add_argument("--memory-lib", help="probattn's libprobattn_memory.so, to count CPU memory as probattn does")
     parser.add_argument("--batch", type=int, default=B, help="batch size B of the layer")
-    parser.add_argument("--precision", choices=["f32", "bf16"], default="f32",
-                        help="bf16: the forward pass under torch.autocast(device, torch.bfloat16), the backward after it")
+    parser.add_argument("--precision", choices=["f32", "tf32", "bf16"], default="f32",
+                        help="tf32: float32 with CUDA's matrix products in TF32 for the whole run "
+                             "(torch.backends.cuda.matmul.allow_tf32); bf16: the forward pass under "
+                             "torch.autocast(device, torch.bfloat16), the backward after it")
     parser.add_argument("--no-eager", action="store_true",
                         help="leave out the eager reference rows: SDPA and, on CUDA, FlexAttention's DNAS only")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
     device = torch.device(args.device)
     counter = CpuCounter(args.memory_lib) if args.memory_lib and device.type == "cpu" else None
     torch.manual_seed(0)

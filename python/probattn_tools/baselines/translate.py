@@ -342,9 +342,10 @@ def main():
     parser.add_argument("--max-updates", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--precision", choices=["f32", "bf16"], default=None,
-                        help="bf16: forward passes under torch.autocast(device, torch.bfloat16), backward after "
-                             "(default: the run's config.json precision, f32 when it has none)")
+    parser.add_argument("--precision", choices=["f32", "tf32", "bf16"], default=None,
+                        help="bf16: forward passes under torch.autocast(device, torch.bfloat16), backward after; "
+                             "tf32 runs as f32 here, on the CPU (default: the run's config.json precision, f32 when "
+                             "it has none)")
     parser.add_argument("--decode", action="store_true", help="greedy-decode the test set and score it")
     parser.add_argument("--hyp", metavar="FILE", help="with --decode: also write the test hypotheses here, one per line")
     parser.add_argument("--load-state-dict", metavar="SD", help="load these weights (strict) instead of training")

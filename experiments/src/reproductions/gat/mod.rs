@@ -188,7 +188,7 @@ pub fn table(results: &[GatResults]) -> String {
 
 pub fn run(args: &GatArgs) -> Result<()> {
     let device = args.common.setup()?;
-    args.precision.warn_if_slower(device);
+    let _precision = args.precision.begin(device)?;
     ensure!(args.seeds >= 1, "--seeds must be at least 1");
     ensure!(args.max_epochs >= 1 && args.patience >= 1, "--max-epochs and --patience must be at least 1");
     let variants: Vec<Variant> = if args.attention == "all" {

@@ -445,7 +445,7 @@ const LSTM_ROWS: [(&str, &str, Repulsive); 3] =
 
 pub fn run(args: &TranslateArgs) -> Result<()> {
     let device = args.common.setup()?;
-    args.precision.warn_if_slower(device);
+    let _precision = args.precision.begin(device)?;
     if args.decode {
         return decode_file(args, device);
     }

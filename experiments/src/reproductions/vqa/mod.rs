@@ -382,7 +382,7 @@ fn eval_torchscript(p: &Prepared, path: &Path, args: &VqaArgs, device: Device) -
 
 pub fn run(args: &VqaArgs) -> Result<()> {
     let device = args.common.setup()?;
-    args.precision.warn_if_slower(device);
+    let _precision = args.precision.begin(device)?;
     let (ranks, device) = Ranks::join(&args.dist, device)?;
     let quick;
     let args = if args.quick {

@@ -424,7 +424,7 @@ fn measure_pytorch(args: &BenchArgs, device: Device, seq_lens: &[i64], repeats: 
 
 pub fn run(args: &BenchArgs) -> Result<()> {
     let device = args.common.setup()?;
-    args.precision.warn_if_slower(device);
+    let _precision = args.precision.begin(device)?;
     let cuda = device != Device::Cpu;
     let seq_lens = match (&args.seq_lens, args.quick, cuda) {
         (Some(s), _, _) => s.clone(),
@@ -482,11 +482,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     // The folder is made once there is something to write: a run that fails leaves none behind.
     let dir = run_dir(args.out.as_deref(), "bench", &probattn::device::device_name(device).replace(':', ""))?;
     write_results(&dir.join("bench.json"), &Bench { measurements, skipped, unserved, svgd, provenance: Provenance::gather(device) })?;
-    if args.precision.precision != Precision::F32 {
-        table += &format!(
-            "\nPrecision: {} (forward passes in an autocast region on both sides; docs/precision.md).\n",
-            args.precision.precision
-        );
+    match args.precision.precision {
+        Precision::F32 => {}
+        Precision::Tf32 => {
+            table += "\nPrecision: tf32 (float32, CUDA's matrix products in TF32 for the whole run on both sides; docs/precision.md).\n"
+        }
+        Precision::Bf16 => table += "\nPrecision: bf16 (forward passes in an autocast region on both sides; docs/precision.md).\n",
     }
     probattn::io::write_bytes_atomic(&dir.join("bench.md"), table.as_bytes())?;
     println!("\n{table}\nresults in {}", dir.display());
