@@ -30,9 +30,9 @@
 #   FUSED_VARIANTS, FUSED_LENGTHS  the fused-long step's variants (default: the six benchmarked)
 #                  and lengths (default "4096,32768,131072")
 #   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient precision
-#             nccl python python-bench sdpa-empty-rows kernels sweep sanitizer fused-long table
-#             table-converged (default: all but bench-quick, kernels, sweep, sanitizer, fused-long
-#             and the table steps, the long-sequence and NCCL runs first)
+#             nccl python python-bench sdpa-empty-rows kernels sweep sanitizer fused-long fused-tf32
+#             table table-converged (default: all but bench-quick, kernels, sweep, sanitizer,
+#             fused-long, fused-tf32 and the table steps, the long-sequence and NCCL runs first)
 #
 # The sweep step times the kernels' launch settings (python -m probattn_tools.kernels.sweep) and
 # writes the winners to OUT_DIR/sweep/table.json, which `--merge` takes into the tuning table the
@@ -143,6 +143,12 @@ for s in $steps; do
           --seq-lens "${FUSED_LENGTHS:-4096,32768,131072}" --repeats 3 --out "$out/bench-fused-long-$v" 2>&1 \
           | tee "$out/bench-fused-long-$v.log" | tail -12
       done ;;
+    fused-tf32)
+      # The fused CUDA route's float32 kernels (TF32 products) against SDPA in float32 with TF32
+      # allowed, both sides in one run: softmax and DNAS at S = 4,096 and 16,384.
+      step fused-tf32
+      "$p" bench --device cuda --batch 1 --fused --no-eager --precision tf32 --variants softmax,dnas \
+        --seq-lens 4096,16384 --repeats 3 --out "$out/bench-fused-tf32" 2>&1 | tee "$out/bench-fused-tf32.log" | tail -12 ;;
     precision)
       # bfloat16 (docs/precision.md): the memory-efficient path against SDPA in bfloat16 up to
       # S = 32,768, float32 beside it, and a quick translation run in bfloat16.

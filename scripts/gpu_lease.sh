@@ -19,6 +19,8 @@
 #                            against the eager path on CUDA
 #   sanitizer        180 s   compute-sanitizer's memcheck and racecheck on five of the fused route's
 #                            GPU comparisons (softmax, DNAS, HNAS, Sinkhorn-3, causal BAM-WC)
+#   fused-tf32        90 s   the route's float32 kernels (TF32 products) against SDPA in float32 with
+#                            TF32 allowed, softmax and DNAS at S = 4,096 and 16,384
 #   kernels:
 #   sweep            240 s   the kernels' launch settings timed in bfloat16 at head dimensions 64 and
 #                            128 (softmax and DNAS, 1 x 4,096): the tuning table's entries
@@ -30,10 +32,10 @@
 #                            S = 4,096, 32,768 and 131,072 (B 1, H 8, E 512; softmax, DNAS, HNAS,
 #                            Sinkhorn-3, BAM-WC, BAM-LC): time, TFLOP/s and peak memory
 set -euo pipefail
-[ $# -eq 2 ] || [ $# -eq 3 ] || { sed -n '2,31p' "$0" >&2; exit 2; }
+[ $# -eq 2 ] || [ $# -eq 3 ] || { sed -n '2,33p' "$0" >&2; exit 2; }
 bundle=$(realpath "$1") out=$(realpath -m "$2") part=${3:-route}
 case $part in
-  route) steps=(doctor:20 sdpa-empty-rows:60 tests:150 sanitizer:180) ;;
+  route) steps=(doctor:20 sdpa-empty-rows:60 tests:150 sanitizer:180 fused-tf32:90) ;;
   kernels) steps=(sweep:240 kernels:300) ;;
   long) steps=(fused-long:540) ;;
   *) echo "gpu_lease.sh: PART is route, kernels or long, got $part" >&2; exit 2 ;;

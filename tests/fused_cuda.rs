@@ -159,23 +159,33 @@ impl Case {
     }
 }
 
-/// The embedded sm_90 float16 cubins' launch settings for a case's head dimensions (those the
+/// The name Python and the manifest give a dtype.
+fn dtype_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Float => "float32",
+        Kind::BFloat16 => "bfloat16",
+        _ => "float16",
+    }
+}
+
+/// The embedded sm_90 cubins' launch settings in `kind` for a case's head dimensions (those the
 /// route takes: the smallest embedded head dimension that holds d and d_v), as launches.py's
 /// `--config`.
-fn embedded_config(shape: [i64; 7]) -> Result<String> {
+fn embedded_config(shape: [i64; 7], kind: Kind) -> Result<String> {
     let widest = shape[5].max(shape[6]);
+    let dtype = dtype_name(kind);
     let chosen = probattn_sys::kernels::kernels()
         .iter()
-        .filter(|k| k.arch_number() == 90 && k.dtype == "float16" && k.head_dim >= widest)
+        .filter(|k| k.arch_number() == 90 && k.dtype == dtype && k.head_dim >= widest)
         .min_by_key(|k| k.head_dim)
-        .context("an embedded sm_90 float16 kernel for the case")?;
+        .with_context(|| format!("an embedded sm_90 {dtype} kernel for the case"))?;
     Ok(format!("{},{},{},{}", chosen.block_m, chosen.block_n, chosen.num_warps, chosen.num_stages))
 }
 
-/// The arguments of launches.py for a case: one line of its `--batch` input.
-fn python_arguments(case: &Case, scale: f64) -> Result<String> {
+/// The arguments of launches.py for a case in `kind`: one line of its `--batch` input.
+fn python_arguments(case: &Case, scale: f64, kind: Kind) -> Result<String> {
     let mut args = vec![
-        format!("--config {}", embedded_config(case.shape)?),
+        format!("--config {} --dtype {}", embedded_config(case.shape, kind)?, dtype_name(kind)),
         format!("--shape {} --sweeps {} --scale {scale}", case.shape.map(|n| n.to_string()).join(","), case.sweeps),
     ];
     for (on, flag) in [
@@ -201,9 +211,9 @@ fn python_arguments(case: &Case, scale: f64) -> Result<String> {
     Ok(args.join(" "))
 }
 
-/// The launches plans.py makes for each case, from one Python process.
-fn python_launches(cases: &[Case], scale: f64) -> Result<Vec<Value>> {
-    let lines = cases.iter().map(|c| python_arguments(c, scale)).collect::<Result<Vec<_>>>()?.join("\n");
+/// The launches plans.py makes for each case in `kind`, from one Python process.
+fn python_launches(cases: &[Case], scale: f64, kind: Kind) -> Result<Vec<Value>> {
+    let lines = cases.iter().map(|c| python_arguments(c, scale, kind)).collect::<Result<Vec<_>>>()?.join("\n");
     let mut command = common::python_module("kernels.launches")?;
     command.arg("--batch").stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped());
     command.stderr(std::process::Stdio::piped());
@@ -224,7 +234,31 @@ fn unused_stand_in(entry: &Value) -> bool {
 
 #[test]
 fn the_route_launches_what_the_checked_python_orchestration_launches() -> Result<()> {
-    compare_launches(&CASES)
+    compare_launches(&CASES, Kind::Half)
+}
+
+/// The deterministic cases: float32's embedded set (BAM's sampling in float32 takes the tiles).
+fn deterministic() -> Vec<Case> {
+    CASES.iter().filter(|c| c.noise == 0).copied().collect()
+}
+
+#[test]
+fn float32_with_tf32_allowed_launches_what_python_launches_and_without_it_is_refused_by_name() -> Result<()> {
+    if let Some(why) = probattn_sys::kernels::missing() {
+        eprintln!("skipped: this build embeds no kernel ({why})");
+        return Ok(());
+    }
+    // libtorch's switch is process-wide: the tests that read it hold the lock.
+    let _serial = common::serial();
+    let before = probattn_sys::set_allow_tf32(false)?;
+    let Inputs { q, k, v, .. } = inputs([1, 2, 2, 8, 8, 64, 64], Kind::Float, Device::Cpu);
+    let spec = probattn_sys::FusedSpec { scale: 0.3, sweeps: 1, ..Default::default() };
+    let refused = probattn_sys::fused_cuda_dry_run(&q, &k, &v, &spec, 90).err().map(|e| e.to_string()).unwrap_or_default();
+    probattn_sys::set_allow_tf32(true)?;
+    let compared = compare_launches(&deterministic(), Kind::Float);
+    probattn_sys::set_allow_tf32(before)?;
+    assert!(refused.contains("TF32") && refused.contains("allow_tf32"), "{refused}");
+    compared
 }
 
 #[test]
@@ -234,20 +268,20 @@ fn a_bam_call_past_2_32_score_entries_launches_what_python_launches() -> Result<
     const PAST: Case = case([1, 2, 1, 50_000, 50_000, 64, 64], 1, false, KEYS, 1, false);
     let [b, h, _, s_q, s_k, ..] = PAST.shape;
     assert!(b * h * s_q * s_k > 1 << 32);
-    compare_launches(&[PAST])
+    compare_launches(&[PAST], Kind::Half)
 }
 
-/// Holds the dry run's launches for each case equal to plans.py's, launch by launch.
-fn compare_launches(cases: &[Case]) -> Result<()> {
+/// Holds the dry run's launches for each case in `kind` equal to plans.py's, launch by launch.
+fn compare_launches(cases: &[Case], kind: Kind) -> Result<()> {
     if let Some(why) = probattn_sys::kernels::missing() {
         eprintln!("skipped: this build embeds no kernel ({why})");
         return Ok(());
     }
     const SCALE: f64 = 0.3;
-    let python = python_launches(cases, SCALE)?;
+    let python = python_launches(cases, SCALE, kind)?;
     for (case, theirs) in cases.iter().zip(python) {
         let (shape, (noise, kl)) = (case.shape, case.noise_and_kl());
-        let x = inputs(shape, Kind::Half, Device::Cpu);
+        let x = inputs(shape, kind, Device::Cpu);
         let (q, k, v) = (&x.q, &x.k, &x.v);
         let prior = Tensor::rand([shape[0], shape[1], 1, shape[4]], (Kind::Float, Device::Cpu));
         let logit = Tensor::randn([shape[1]], (Kind::Float, Device::Cpu));
@@ -376,10 +410,17 @@ fn on_a_gpu_the_route_matches_the_float64_tiles_forward_and_backward() -> Result
     tch::manual_seed(7);
     let cuda = Device::Cuda(0);
     let logit = Tensor::from_slice(&[0.7f64, -1.2, 0.1, 2.0]);
-    for kind in [Kind::BFloat16, Kind::Half] {
+    for kind in [Kind::BFloat16, Kind::Half, Kind::Float] {
         // bfloat16 keeps 8 bits of mantissa, float16 11: the inputs' rounding bounds the agreement.
-        let tolerance = if kind == Kind::BFloat16 { 3e-2 } else { 4e-3 };
-        for case in gpu_cases()? {
+        // float32 runs with TF32 products (11 bits), which round inside the kernels what the
+        // reference takes unrounded.
+        let tolerance = match kind {
+            Kind::BFloat16 => 3e-2,
+            Kind::Half => 4e-3,
+            _ => 1e-2,
+        };
+        let region = (kind == Kind::Float).then(|| probattn::precision::Precision::Tf32.enter(cuda)).transpose()?;
+        for case in gpu_cases()?.into_iter().filter(|c| kind != Kind::Float || c.noise == 0) {
             let (shape, (noise, kl_form)) = (case.shape, case.noise_and_kl());
             let x = inputs(shape, kind, cuda);
             let g = Tensor::randn([shape[0], shape[1], shape[3], shape[6]], (Kind::Float, cuda));
@@ -464,6 +505,7 @@ fn on_a_gpu_the_route_matches_the_float64_tiles_forward_and_backward() -> Result
             }
             eprintln!("{at}: within {tolerance:e}");
         }
+        drop(region);
     }
     Ok(())
 }
@@ -480,10 +522,15 @@ fn on_a_gpu_the_fused_backend_takes_the_route_and_says_why_where_it_cannot() -> 
     let forced = AttendOptions { need_weights: false, backend: Backend::Fused, ..Default::default() };
     let (_, choice) = attend_with_choice(&q, &k, &v, &masks, &Dnas, forced)?;
     assert_eq!(choice.route, Route::FusedCuda, "{choice:?}");
-    // float32 is not served: forced, a named error with the reason.
+    // float32 is served with TF32 allowed; without, forced, it is a named error with the reason.
     let (q32, k32, v32) = (q.to_kind(Kind::Float), k.to_kind(Kind::Float), v.to_kind(Kind::Float));
+    let before = probattn_sys::set_allow_tf32(false)?;
     let err = attend_with_choice(&q32, &k32, &v32, &masks, &Dnas, forced).err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(err.contains("bfloat16 and float16"), "{err}");
+    let tf32 = probattn::precision::Precision::Tf32.run(cuda, || attend_with_choice(&q32, &k32, &v32, &masks, &Dnas, forced))?;
+    probattn_sys::set_allow_tf32(before)?;
+    assert!(err.contains("TF32"), "{err}");
+    let (out32, choice) = tf32?;
+    assert_eq!((choice.route, out32.output.kind()), (Route::FusedCuda, Kind::Float), "{choice:?}");
     // The received mass of a deterministic plan comes back when asked for; asking for it with
     // BAM's draws keeps the route and gives none.
     let (out, choice) = attend_with_choice(&q, &k, &v, &masks, &Dnas, AttendOptions { need_mass: true, ..forced })?;

@@ -176,17 +176,25 @@ void masked_views(Call& c, const Masks& masks) {
 int64_t at(const at::Tensor& t, int64_t dim) { return t.defined() ? t.stride(dim) : 0; }
 
 // `prior`: a_j broadcastable to (B, H, 1, S_k) with a KL term. `dry_arch`: 0 for a call that
-// launches; else a dry run's compute capability (any device, no driver).
+// launches; else a dry run's compute capability (any device, no driver). `backward`: the call of
+// a backward, whose forward took the route: it follows that choice (float32's TF32 switch is not
+// asked again: a backward may run outside the region that allowed it).
 Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Masks& masks, const Spec& spec, const at::Tensor& prior,
-               const at::Tensor& logit, int dry_arch = 0) {
+               const at::Tensor& logit, int dry_arch = 0, bool backward = false) {
   const auto &kpad = masks.kpad, &qpad = masks.qpad;
   TORCH_CHECK((q.is_cuda() || dry_arch > 0) && k.device() == q.device() && v.device() == q.device(),
               "the fused CUDA route runs on one CUDA device, got ", q.device(), ", ", k.device(), ", ", v.device());
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "the fused CUDA route takes (B, H, S, d) tensors");
-  TORCH_CHECK((q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) && k.scalar_type() == q.scalar_type() &&
-                  v.scalar_type() == q.scalar_type(),
-              "the fused CUDA route takes bfloat16 or float16 q, k and v of one dtype, got ", c10::toString(q.scalar_type()), ", ",
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat) && k.scalar_type() == dtype &&
+                  v.scalar_type() == dtype,
+              "the fused CUDA route takes bfloat16, float16 or float32 q, k and v of one dtype, got ", c10::toString(dtype), ", ",
               c10::toString(k.scalar_type()), ", ", c10::toString(v.scalar_type()));
+  // float32's cubins take TF32 products: only where libtorch lets its own float32 products do so.
+  TORCH_CHECK(dtype != at::kFloat || backward || at::globalContext().allowTF32CuBLAS(),
+              "the fused CUDA route takes float32 with TF32 products only, and libtorch's switch for them is off "
+              "(torch.backends.cuda.matmul.allow_tf32, probattn's Precision::Tf32)");
+  TORCH_CHECK(dtype != at::kFloat || spec.noise == 0, "the fused CUDA route samples BAM in bfloat16 and float16, not float32");
   TORCH_CHECK(spec.sweeps >= 0, "the fused CUDA route: sweeps must be 0 or more, got ", spec.sweeps);
   TORCH_CHECK(!(spec.causal && spec.sweeps > 0), "a causal mask with a column sweep would let later queries change earlier ones' weights");
   TORCH_CHECK(!spec.hybrid || spec.sweeps == 1, "the fused CUDA route mixes HNAS from DNAS (one sweep) and softmax; got ", spec.sweeps,
@@ -482,7 +490,7 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     const auto kept = [&](const char* name) { return probattn::tiled::kept_optional(ctx, name); };
     const auto call =
         make_call(saved[0], saved[1], saved[2], Masks{kept("kpad"), kept("qpad"), kept("pattern"), kept("bias"), kept("blocks")}, spec,
-                  prior, logit);
+                  prior, logit, 0, /*backward=*/true);
     Forward f;
     f.out = saved[3], f.c = saved[4], f.r = saved[5], f.out2 = saved[6], f.r2 = saved[7], f.rd = saved[8], f.rs = saved[9];
     f.rb = saved[10], f.ks = saved[11];

@@ -158,7 +158,8 @@ Registry& registry() {
 at::ScalarType dtype_named(const std::string& name) {
   if (name == "bfloat16") return at::kBFloat16;
   if (name == "float16") return at::kHalf;
-  TORCH_CHECK(false, "the fused CUDA route: an embedded kernel's dtype is ", name, ", not bfloat16 or float16");
+  if (name == "float32") return at::kFloat;
+  TORCH_CHECK(false, "the fused CUDA route: an embedded kernel's dtype is ", name, ", not bfloat16, float16 or float32");
 }
 
 // "A=1,B=0" → {A: 1, B: 0}; "x:*bf16,y:i32" → [(x, *bf16), (y, i32)].

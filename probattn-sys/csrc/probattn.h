@@ -133,7 +133,7 @@ char* pa_counter_noise(const pa_tensor* like, const int64_t* shape, int32_t nois
 
 // ---- the fused CUDA route (fused_cuda.cpp, fused_launch.cpp): the embedded Triton kernels through the CUDA driver API
 // Registers one embedded cubin (probattn-kernels' manifest entry): its kernel's name, compute
-// capability (90 for sm_90), dtype ("bfloat16", "float16"), head dimension, the constexprs it was
+// capability (90 for sm_90), dtype ("bfloat16", "float16", "float32"), head dimension, the constexprs it was
 // specialized on ("SWEEPS=1,CAUSAL=0,..."), its parameters in launch order ("Q:*bf16,S_Q:i32,..."),
 // warps, dynamic shared memory, blocks and symbol. `cubin` must outlive the process's launches
 // (the embedded bytes do).
@@ -159,8 +159,9 @@ typedef struct {
   double noise_scale;
   uint64_t seed;
 } pa_fused_spec;
-// Attention of bfloat16 or float16 q (B, H, S_q, d), k (B, H_kv, S_k, d), v (B, H_kv, S_k, d_v) on
-// one CUDA device by the embedded kernels, as `spec` says; `key_padding` bool (B, S_k) and
+// Attention of bfloat16, float16 or float32 (this one while TF32 is allowed: pa_allow_tf32)
+// q (B, H, S_q, d), k (B, H_kv, S_k, d), v (B, H_kv, S_k, d_v) on one CUDA device by the embedded
+// kernels, as `spec` says; `key_padding` bool (B, S_k) and
 // `query_padding` bool (B, S_q), true = excluded (NULL: none); `pattern` bool broadcastable to
 // (B, H, S_q, S_k), true = takes part, and `bias` a floating-point additive mask broadcastable to
 // the same, -inf excluding its entries (NULL: none; no gradient reaches it); `prior` a_j

@@ -55,6 +55,19 @@ class TritonKernels(unittest.TestCase):
                 self.assertTrue(e["params"] and all(p["type"] in ("i32", "*bf16", "*fp32", "*u8", "*i64") for p in e["params"]), e)
 
 
+    def test_a_cubin_past_its_architectures_shared_memory_is_refused_by_name(self):
+        # float32 at head dimension 128 with 64 x 64 blocks: the key pass needs 176 KiB, sm_80
+        # allows 163 KiB per block.
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        code = ("import triton; from probattn_tools.kernels import aot, plans; "
+                "name, c = next(s for s in aot.route_specializations('float32') if s[0] == '_key_pass'); "
+                "aot.compile_one(triton, plans, name, c, 'float32', 128, 80, 64, 64, 4, 2)")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+        self.assertNotEqual(done.returncode, 0)
+        self.assertRegex(done.stderr, r"ValueError: _key_pass for sm_80, float32, head dimension 128, 64 x 64 blocks "
+                                      r"and 2 stages needs \d+ bytes of shared memory; sm_80 allows 166912")
+
+
 class TuningTable(unittest.TestCase):
     """The table `kernels.sweep` writes and `kernels.aot` reads."""
 
@@ -84,6 +97,10 @@ class TuningTable(unittest.TestCase):
         # float16 takes bfloat16's entry where it has none of its own.
         self.assertEqual(aot.launch_setting(table, 90, "float16", 64, none), (128, 64, 8, 3))
         self.assertEqual(aot.launch_setting(table, 80, "bfloat16", 64, none), sweep.DEFAULT)
+        # float32 takes no 16-bit entry (its tiles take twice the shared memory), and above head
+        # dimension 64 its own default.
+        self.assertEqual(aot.launch_setting(table, 90, "float32", 64, none), sweep.DEFAULT)
+        self.assertEqual(aot.launch_setting(table, 90, "float32", 128, none), sweep.DEFAULT_FLOAT32_WIDE)
         self.assertEqual(aot.launch_setting(table, 90, "bfloat16", 64, SimpleNamespace(block_m=32, block_n=None,
                                                                                         num_warps=None, num_stages=2)),
                          (32, 64, 8, 2))

@@ -5,11 +5,12 @@
 //! online log-sum-exps; only O(S) statistics reach global memory, forward and backward.
 //!
 //! What it serves ([`unserved`] says why not, for the backend record): bfloat16 and float16 on a
-//! GPU the embedded cubins fit; softmax, DNAS, HNAS (both branches from one row pass) and
-//! Sinkhorn-N for any N, with any score scale; key and query padding, causal (softmax),
-//! a boolean pattern and an additive mask that needs no gradient; grouped key/value heads; head
-//! dimensions up to 128; no attention dropout; and BAM's sampling over every one of those bases
-//! (without a pattern or additive mask), with its KL term (Weibull and Lognormal) or without
+//! GPU the embedded cubins fit, and float32 while libtorch allows TF32 in float32 products
+//! ([`Precision::Tf32`](crate::precision::Precision::Tf32); the deterministic plans only);
+//! softmax, DNAS, HNAS (both branches from one row pass) and Sinkhorn-N for any N, with any score
+//! scale; key and query padding, causal (softmax), a boolean pattern and an additive mask that
+//! needs no gradient; grouped key/value heads; head dimensions up to 128; no attention dropout;
+//! and BAM's sampling over every one of those bases (without a pattern or additive mask), with its KL term (Weibull and Lognormal) or without
 //! (Weibull, over softmax and DNAS), its noise drawn in the kernels from the same counter-based
 //! hash as the tiles' (the same ε for the same seed), on both sides of 2^32 score entries, for up
 //! to 2^24 keys. It returns no weights, and the received mass of a deterministic plan when the
@@ -39,10 +40,21 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
     let Device::Cuda(index) = q.device() else {
         return Some("it runs on CUDA devices".into());
     };
-    if !matches!(q.kind(), Kind::BFloat16 | Kind::Half) {
-        return Some(format!("it takes bfloat16 and float16, not {:?}", q.kind()));
+    let sampling = plan.sampling.as_ref().filter(|_| opts.mode.sample);
+    match q.kind() {
+        Kind::BFloat16 | Kind::Half => {}
+        Kind::Float if !cxx::allow_tf32().unwrap_or(false) => {
+            return Some(
+                "float32 takes it with TF32 products only, and libtorch's switch for them is off \
+                 (Precision::Tf32, torch.backends.cuda.matmul.allow_tf32)"
+                    .into(),
+            )
+        }
+        Kind::Float if sampling.is_some() => return Some(format!("{}: BAM's sampling in float32 is not in the embedded set", plan.name)),
+        Kind::Float => {}
+        other => return Some(format!("it takes bfloat16, float16 and float32 (with TF32), not {other:?}")),
     }
-    if let Some(sampling) = plan.sampling.as_ref().filter(|_| opts.mode.sample) {
+    if let Some(sampling) = sampling {
         let sk = shape.dims()[3];
         let why = if sampling.kl.is_none() && sampling.noise != NoiseKind::Weibull {
             Some("Lognormal sampling without a KL term is not in the embedded set")
@@ -79,6 +91,14 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
     }
     if let Some(why) = cxx::kernels::missing() {
         return Some(format!("this build embeds no kernel ({why})"));
+    }
+    let dtype = match q.kind() {
+        Kind::BFloat16 => "bfloat16",
+        Kind::Half => "float16",
+        _ => "float32",
+    };
+    if !cxx::kernels::kernels().iter().any(|k| k.dtype == dtype) {
+        return Some(format!("this build embeds no {dtype} kernel"));
     }
     match device_status(index as i64) {
         Err(why) => Some(why),

@@ -17,6 +17,11 @@ the build of the `probattn-kernels` crate runs it and embeds the cubins, and the
 (probattn-sys/csrc/fused_cuda.cpp) launches them. The test suite also compiles every kernel once
 for sm_80 and sm_90 (`--smoke`), which catches what Triton's interpreter lets through and a GPU
 compile refuses.
+
+float32 cubins take their products in TF32 (`tl.dot(..., input_precision="tf32")`): the route serves
+float32 only where libtorch's TF32 switch for matrix products is on, as cuBLAS then computes; with
+it off, float32 runs on the tiles. Every cubin's shared memory is checked against its
+architecture's per-block limit here, so that a set that could not launch fails its build instead.
 """
 
 import argparse
@@ -35,6 +40,12 @@ WORDS = {"DRAWS"}  # int64 tensors: the seed's words (draws given as a tensor ar
 # Constexprs with a value that leaves their feature off, where a specialization does not name them.
 OFF = dict(NOISE=0, KL=0, DRAW64=False, MIX=False, ROWS=False)
 TRITON_TYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+# The products' input precision per dtype: TF32 for float32 (see above); for 16-bit inputs the
+# precision changes nothing.
+DOT = {"bfloat16": "tf32", "float16": "tf32", "float32": "tf32", "float64": "ieee"}
+# The dynamic shared memory one block may opt into, per compute capability (the CUDA programming
+# guide's table): a cubin for sm_80 runs on sm_86 and sm_89 too, which allow less.
+SHARED_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
 
 
 def specializations(plans, smoke):
@@ -70,8 +81,8 @@ def specializations(plans, smoke):
     return out
 
 
-def route_specializations():
-    """What the library's fused CUDA route launches (probattn-sys/csrc/fused_cuda.cpp).
+def route_specializations(dtype="bfloat16"):
+    """What the library's fused CUDA route launches (probattn-sys/csrc/fused_cuda.cpp) in `dtype`.
 
     Unpadded, padded (key and query padding read together: a call with one passes no padding for
     the other) and masked (the paddings, a boolean pattern and an additive mask read together, each
@@ -83,7 +94,8 @@ def route_specializations():
     Padded only (a call without padding passes none; BAM's draws dwarf reading it): BAM's
     sampling, Weibull and Lognormal with their KL terms over softmax (plain and causal), DNAS, HNAS
     and Sinkhorn-N, and Weibull without a KL term (bam-nokl) over softmax and DNAS, on both sides
-    of 2^32 score entries.
+    of 2^32 score entries. Not in float32, whose set holds the deterministic plans alone (BAM in
+    float32 runs on the tiles).
 
     A test keeps this list and the launches of `plans.attention`, `plans.hybrid_attention` and
     `plans.bam_attention` for those calls the same (tests/fused_cuda.rs)."""
@@ -103,6 +115,8 @@ def route_specializations():
                                    (True, False, True)):
             out.append(("_sink_reduce", dict(f, COLUMNS=columns, LSE=lse, HAS_RPOT=rpot)))
         out += [("_sink_grads", dict(f, STAGE=stage, NOISE=0, KL=0)) for stage in (0, 1, 2)]
+    if dtype == "float32":
+        return out
     f = dict(HAS_QPAD=True, HAS_KPAD=True, HAS_MASK=False, HAS_BIAS=False)
     for sweeps, causal, noise, kl in ((0, False, 1, 1), (0, False, 2, 2), (0, True, 1, 1), (0, True, 2, 2),
                                       (1, False, 1, 1), (1, False, 2, 2), (0, False, 1, 0), (0, True, 1, 0),
@@ -139,7 +153,7 @@ def compile_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m,
     kernel = getattr(plans, name)
     tl = triton.language
     acc = tl.float64 if dtype == "float64" else tl.float32
-    values = dict(OFF, **constexprs, ACC=acc, DOT="ieee" if dtype in ("float32", "float64") else "tf32",
+    values = dict(OFF, **constexprs, ACC=acc, DOT=DOT[dtype],
                   DRAW64=dtype == "float64",
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=plans._block_dim(head_dim), BLOCK_DV=plans._block_dim(head_dim))
     signature, params = {}, []
@@ -169,7 +183,13 @@ def compile_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m,
                                                                                    "num_stages": num_stages})
     shown = {n: (str(v) if not isinstance(v, (bool, int, float, str)) else v) for n, v in given.items()}
     meta = compiled.metadata
-    entry = {"kernel": name, "arch": f"sm_{arch}", "dtype": dtype, "head_dim": head_dim, "constexprs": shown,
+    limit = SHARED_LIMIT.get(arch)
+    if limit is not None and meta.shared > limit:
+        raise ValueError(f"{name} for sm_{arch}, {dtype}, head dimension {head_dim}, {block_m} x {block_n} blocks and "
+                         f"{num_stages} stages needs {meta.shared} bytes of shared memory; sm_{arch} allows {limit} per "
+                         "block: choose smaller blocks or fewer stages (the tuning table, or --block-n/--num-stages)")
+    entry = {"kernel": name, "arch": f"sm_{arch}", "dtype": dtype, "dot": values["DOT"], "head_dim": head_dim,
+             "constexprs": shown,
              # the constexprs a launch chooses (those the dtype, head dimension and blocks fix left out)
              "key": dict(plans.specialization(kernel, values)[1]),
              "params": params, "num_warps": num_warps, "num_stages": num_stages, "block_m": block_m,
@@ -183,11 +203,12 @@ def launch_setting(table, arch, dtype, head_dim, args):
     """(block_m, block_n, num_warps, num_stages) for one architecture, dtype and head dimension:
     each flag given on the command line, else the tuning table's entry (float16 takes bfloat16's
     where it has none of its own: the same element size, the same shared memory), else the
-    defaults."""
+    defaults (`sweep.default`)."""
     from probattn_tools.kernels import sweep
 
     tuned = (sweep.lookup(table, arch, dtype, head_dim)
-             or (dtype == "float16" and sweep.lookup(table, arch, "bfloat16", head_dim)) or sweep.DEFAULT)
+             or (dtype == "float16" and sweep.lookup(table, arch, "bfloat16", head_dim))
+             or sweep.default(dtype, head_dim))
     given = (args.block_m, args.block_n, args.num_warps, args.num_stages)
     return tuple(g if g is not None else t for g, t in zip(given, tuned))
 
@@ -199,6 +220,15 @@ def _compile_job(job):
     from probattn_tools.kernels import plans
 
     return compile_one(triton, plans, *job)
+
+
+def _checked(pairs):
+    """`pairs` as they come, a `compile_one` refusal (a cubin over its architecture's shared memory)
+    ending the run with its message."""
+    try:
+        yield from pairs
+    except ValueError as e:
+        sys.exit(f"kernels.aot: {e}")
 
 
 def main(argv=None):
@@ -243,14 +273,14 @@ def main(argv=None):
         sys.exit(f"kernels.aot: the tuning table {args.tuning}: {e}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    chosen = (recorded(args.set) if args.set else route_specializations() if args.route
-              else specializations(plans, args.smoke))
     jobs = []
     for arch, dtype, head_dim in itertools.product([int(a) for a in args.arch.split(",")], args.dtypes.split(","),
                                                    [int(d) for d in args.head_dims.split(",")]):
         if dtype not in TRITON_TYPE:
             sys.exit(f"kernels.aot: unknown dtype {dtype!r} (known: {', '.join(TRITON_TYPE)})")
         setting = launch_setting(table, arch, dtype, head_dim, args)
+        chosen = (recorded(args.set) if args.set else route_specializations(dtype) if args.route
+                  else specializations(plans, args.smoke))
         jobs += [(name, constexprs, dtype, head_dim, arch, *setting) for name, constexprs in chosen]
     entries, start = [], time.time()
     if args.jobs == 1:
@@ -260,7 +290,7 @@ def main(argv=None):
 
         pool = ProcessPoolExecutor(args.jobs)
         done = pool.map(_compile_job, jobs)
-    for (name, *_, arch, _bm, _bn, _w, _s), (cubin, entry) in zip(jobs, done):
+    for (name, *_, arch, _bm, _bn, _w, _s), (cubin, entry) in _checked(zip(jobs, done)):
         entry["file"] = f"{name.strip('_')}-{len(entries):04d}-sm{arch}.cubin"
         (out / entry["file"]).write_bytes(cubin)
         entries.append(entry)

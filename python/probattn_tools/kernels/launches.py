@@ -4,7 +4,7 @@ its dry run describes in the same form. tests/fused_cuda.rs compares the two, la
 (kernel, specialization, grid, every integer argument, every tensor's shape and dtype). The
 inputs are float16 on the CPU, and the kernels are not run: each launch is recorded instead, since
 the orchestration reads no value a kernel computes (only the inputs' and masks' own checks read
-values). `--execute` runs them too, under Triton's interpreter.
+values); `--dtype float32` describes a float32 call. `--execute` runs them too, under Triton's interpreter.
 
     python -m probattn_tools.kernels.launches --shape 2,4,2,70,90,48,48 --sweeps 1 --key-padding --scale 0.3
     python -m probattn_tools.kernels.launches --shape 1,2,2,40,40,64,64 --sweeps 0 --scale 0.125 --noise weibull --seed 7
@@ -45,6 +45,8 @@ def parser():
     parser.add_argument("--noise-scale", type=float, default=0.5, help="1/k or sigma")
     parser.add_argument("--seed", type=int, default=0, help="the draws' key")
     parser.add_argument("--mass", action="store_true", help="the received mass too (deterministic plans)")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
+                        help="q, k and v's dtype")
     parser.add_argument("--execute", action="store_true", help="also run the kernels, under Triton's interpreter")
     parser.add_argument("--config", default="64,64,4,2",
                         help="block_m,block_n,num_warps,num_stages: the embedded cubins' (their manifest says)")
@@ -91,9 +93,10 @@ def launches(args):
     plans._Call.launch = _RUN if args.execute else record_only
 
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(b, h, s_q, d, generator=gen, dtype=torch.float16, requires_grad=True)
-    k = torch.randn(b, h_kv, s_k, d, generator=gen, dtype=torch.float16, requires_grad=True)
-    v = torch.randn(b, h_kv, s_k, dv, generator=gen, dtype=torch.float16, requires_grad=True)
+    dtype = getattr(torch, args.dtype)
+    q = torch.randn(b, h, s_q, d, generator=gen, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, h_kv, s_k, d, generator=gen, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, h_kv, s_k, dv, generator=gen, dtype=dtype, requires_grad=True)
     # The route reads key and query padding together: a call with one passes no padding for the
     # other, and BAM's kernels are all padded ones. Its masked kernels read the paddings, the
     # pattern and the additive mask together, each absent one as one neutral value broadcast.
@@ -137,8 +140,6 @@ def launches(args):
             out = out[0] if args.mass else out
             out.backward(torch.ones_like(out))
     return seen
-
-
 
 
 if __name__ == "__main__":
