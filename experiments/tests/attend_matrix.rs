@@ -316,10 +316,11 @@ fn compare(got: &HashMap<String, Tensor>, expected: &HashMap<String, Tensor>, ru
 #[test]
 fn bench_measures_odd_lengths_on_every_path_and_precision() -> Result<()> {
     // `bench --quick` at S = 1 and 7 (not a multiple of the tile), eager, memory-efficient and on
-    // the fused backend, in float32 and bfloat16: status 0, no panic, a finite time for every
-    // variant at both lengths (on the fused backend: or the reason it is not served).
+    // the fused backend, in float32, tf32 (float32 on the CPU, which it says) and bfloat16: status
+    // 0, no panic, a finite time for every variant at both lengths (on the fused backend: or the
+    // reason it is not served).
     let dir = TempDir::new("bench-matrix")?;
-    for precision in ["f32", "bf16"] {
+    for precision in ["f32", "tf32", "bf16"] {
         for path in ["eager", "memory-efficient", "fused"] {
             let out = dir.path(&format!("{precision}-{path}"));
             let mut args = vec!["bench", "--quick", "--seq-lens", "1,7", "--repeats", "1", "--no-pytorch", "--batch", "2"];
@@ -334,6 +335,7 @@ fn bench_measures_odd_lengths_on_every_path_and_precision() -> Result<()> {
             let said = binary::text(&run);
             ensure!(run.status.code() == Some(0), "bench {precision} {path}: status {:?}:\n{said}", run.status);
             ensure!(!said.contains("panicked") && !said.contains("internal error"), "bench {precision} {path}:\n{said}");
+            ensure!((precision == "tf32") == said.contains("tf32 on the CPU runs as f32"), "bench {precision} {path}:\n{said}");
             let json = binary::json(&out.join("bench.json"))?;
             let rows = json["measurements"].as_array().context("measurements")?;
             let implementation = match path {
