@@ -328,7 +328,7 @@ fn compare_launches(cases: &[Case], kind: Kind) -> Result<()> {
 #[test]
 fn without_a_driver_the_status_says_why_and_the_route_is_refused_by_name() -> Result<()> {
     match probattn_sys::fused_cuda_status(0)? {
-        Ok(arch) => assert!(arch >= 50, "a compute capability, got {arch}"),
+        Ok(device) => assert!(device.arch >= 50 && device.shared_optin >= 48 << 10, "{device:?}"),
         Err(why) => assert!(why.contains("libcuda.so.1") || why.contains("cuInit"), "{why}"),
     }
     // The launcher refuses CPU tensors by name, after every embedded kernel registered.
@@ -351,7 +351,7 @@ fn gpu() -> Option<u32> {
         return None;
     }
     match probattn_sys::fused_cuda_status(0) {
-        Ok(Ok(arch)) if probattn::fused_cuda::fits(arch) => Some(arch),
+        Ok(Ok(device)) if probattn::fused_cuda::fits(device.arch) => Some(device.arch),
         other => {
             eprintln!("skipped: the fused CUDA route cannot run here: {other:?}");
             None

@@ -528,17 +528,20 @@ char* pa_fused_register(const char* kernel, int32_t arch, const char* dtype, int
   });
 }
 
-char* pa_fused_cuda_status(int64_t device_index, int32_t* arch, char** why) {
+char* pa_fused_cuda_status(int64_t device_index, int32_t* arch, int32_t* shared_optin, char** why) {
   return probattn::guard([&] {
     probattn::require(arch, "pa_fused_cuda_status", "arch");
+    probattn::require(shared_optin, "pa_fused_cuda_status", "shared_optin");
     probattn::require(why, "pa_fused_cuda_status", "why");
     *arch = 0;
+    *shared_optin = 0;
     *why = nullptr;
     if (const auto& missing = probattn::fused::driver_missing(); !missing.empty()) {
       *why = probattn::copy_string(missing);
       return;
     }
     *arch = probattn::fused::device_capability(device_index);
+    *shared_optin = probattn::fused::device_shared_optin(device_index);
   });
 }
 

@@ -275,6 +275,15 @@ int device_capability(int64_t index) {
   return compute_capability(d, device);
 }
 
+int device_shared_optin(int64_t index) {
+  const auto& d = working_driver();
+  CUdevice device = 0;
+  d.check(d.device_get(&device, static_cast<int>(index)), "cuDeviceGet");
+  int optin = 0;
+  d.check(d.device_get_attribute(&optin, kSharedOptin, device), "cuDeviceGetAttribute(shared memory)");
+  return optin;
+}
+
 void register_kernel(const char* kernel, int arch, const char* dtype, int64_t head_dim, const char* key, const char* params,
                      unsigned num_warps, unsigned shared_bytes, int64_t block_m, int64_t block_n, const char* symbol,
                      const void* image) {

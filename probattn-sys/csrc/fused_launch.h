@@ -20,6 +20,8 @@ const std::string& driver_missing();
 // The compute capability of CUDA device `index` (90 for sm_90); the device's primary context is
 // made current on this thread. Throws, naming the driver's error, when the driver cannot say.
 int device_capability(int64_t index);
+// The shared memory one block may opt into on CUDA device `index`, in bytes.
+int device_shared_optin(int64_t index);
 
 // One embedded kernel, handed over by the Rust side (probattn-kernels' manifest): `key` "A=1,B=0"
 // the constexprs it was specialized on, `params` "x:*bf16,y:i32" its run-time parameters in

@@ -141,9 +141,10 @@ char* pa_fused_register(const char* kernel, int32_t arch, const char* dtype, int
                         uint32_t num_warps, uint32_t shared_bytes, int64_t block_m, int64_t block_n, const char* symbol,
                         const uint8_t* cubin, size_t cubin_len);
 // Whether the driver can launch on CUDA device `device_index`: its compute capability in `arch`
-// (e.g. 90), or, when the driver library is missing or sees no GPU, *arch 0 and the reason in
-// `why` (a new string; NULL when usable).
-char* pa_fused_cuda_status(int64_t device_index, int32_t* arch, char** why);
+// (e.g. 90) and the shared memory one block may opt into in `shared_optin` (bytes), or, when the
+// driver library is missing or sees no GPU, both 0 and the reason in `why` (a new string; NULL
+// when usable).
+char* pa_fused_cuda_status(int64_t device_index, int32_t* arch, int32_t* shared_optin, char** why);
 // What a fused call computes besides its inputs. Scores `scale`·q·kᵀ; `sweeps` 0 (softmax), 1
 // (DNAS) or N ≥ 2 (Sinkhorn-N); `hybrid` (with one sweep): HNAS, whose softmax
 // branch is returned beside DNAS's output for the caller to mix (without noise); `causal`

@@ -27,7 +27,7 @@ extern "C" {
         cubin: *const u8,
         cubin_len: usize,
     ) -> *mut c_char;
-    fn pa_fused_cuda_status(device_index: i64, arch: *mut i32, why: *mut *mut c_char) -> *mut c_char;
+    fn pa_fused_cuda_status(device_index: i64, arch: *mut i32, shared_optin: *mut i32, why: *mut *mut c_char) -> *mut c_char;
     fn pa_fused_cuda_dry_run(
         q: *const C_tensor,
         k: *const C_tensor,
@@ -103,16 +103,27 @@ fn registered() -> Result<()> {
     .map_err(Error::Torch)
 }
 
-/// Whether the driver can launch the embedded kernels on CUDA device `index`: `Ok(Ok(90))` its
-/// compute capability, `Ok(Err(why))` when the driver library is missing or sees no GPU.
-pub fn fused_cuda_status(index: i64) -> Result<std::result::Result<u32, String>> {
-    let (mut arch, mut why) = (0i32, ptr::null_mut());
-    // SAFETY: both outputs are live locals; `why` is a new string or NULL, taken once.
-    let status = unsafe { pa_fused_cuda_status(index, &mut arch, &mut why) };
+/// What the driver says of a CUDA device the embedded kernels may launch on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaDevice {
+    /// The compute capability: 90 for sm_90.
+    pub arch: u32,
+    /// The shared memory one block may opt into, in bytes (227 KiB on sm_90, 163 KiB on sm_80,
+    /// 99 KiB on sm_86 and sm_89).
+    pub shared_optin: u32,
+}
+
+/// Whether the driver can launch the embedded kernels on CUDA device `index`: `Ok(Ok(device))`
+/// with its compute capability and shared memory, `Ok(Err(why))` when the driver library is
+/// missing or sees no GPU.
+pub fn fused_cuda_status(index: i64) -> Result<std::result::Result<CudaDevice, String>> {
+    let (mut arch, mut shared_optin, mut why) = (0i32, 0i32, ptr::null_mut());
+    // SAFETY: the outputs are live locals; `why` is a new string or NULL, taken once.
+    let status = unsafe { pa_fused_cuda_status(index, &mut arch, &mut shared_optin, &mut why) };
     check(status, Error::Device)?;
     Ok(match take_string(why) {
         Some(why) => Err(why),
-        None => Ok(arch.max(0) as u32),
+        None => Ok(CudaDevice { arch: arch.max(0) as u32, shared_optin: shared_optin.max(0) as u32 }),
     })
 }
 

@@ -100,17 +100,42 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
     if !cxx::kernels::kernels().iter().any(|k| k.dtype == dtype) {
         return Some(format!("this build embeds no {dtype} kernel"));
     }
-    match device_status(index as i64) {
-        Err(why) => Some(why),
-        Ok(arch) if !fits(arch) => Some(format!("no embedded kernel runs on sm_{arch} (embedded: {})", embedded_archs())),
-        Ok(_) => None,
+    let device = match device_status(index as i64) {
+        Err(why) => return Some(why),
+        Ok(device) => device,
+    };
+    if !fits(device.arch) {
+        return Some(format!("no embedded kernel runs on sm_{} (embedded: {})", device.arch, embedded_archs()));
     }
+    too_little_shared_memory(device, dtype, widest)
 }
 
-/// The driver's answer for CUDA device `index` (its compute capability, or why it cannot launch),
-/// asked once per device and process: every call's route choice reads it.
-fn device_status(index: i64) -> std::result::Result<u32, String> {
-    static SEEN: std::sync::Mutex<Vec<(i64, std::result::Result<u32, String>)>> = std::sync::Mutex::new(Vec::new());
+/// Why the cubins a call of `dtype` and head dimension `widest` takes on `device` cannot load
+/// there (`None`: they can): a cubin for sm_80 also serves sm_86 and sm_89, which allow a block
+/// less shared memory than the build checked against (float32 at head dimension 128 needs more).
+/// The launcher picks the same cubins: the newest embedded architecture of the device's major
+/// version not newer than it, the smallest embedded head dimension that holds d and d_v.
+fn too_little_shared_memory(device: cxx::CudaDevice, dtype: &str, widest: i64) -> Option<String> {
+    let kernels = cxx::kernels::kernels();
+    let same = |k: &&cxx::kernels::Kernel| k.arch_number() / 10 == device.arch / 10 && k.arch_number() <= device.arch;
+    let arch = kernels.iter().filter(same).map(|k| k.arch_number()).max()?;
+    let ours = |k: &&cxx::kernels::Kernel| k.arch_number() == arch && k.dtype == dtype;
+    let head_dim = kernels.iter().filter(ours).map(|k| k.head_dim).filter(|&d| d >= widest).min()?;
+    let needed = kernels.iter().filter(ours).filter(|k| k.head_dim == head_dim).map(|k| k.shared_bytes).max()?;
+    (needed > device.shared_optin).then(|| {
+        format!(
+            "the sm_{arch} {dtype} cubins for head dimension {head_dim} need up to {needed} bytes of shared memory per block; \
+             this GPU (sm_{}) allows {}",
+            device.arch, device.shared_optin
+        )
+    })
+}
+
+/// The driver's answer for CUDA device `index` (its compute capability and shared memory, or why
+/// it cannot launch), asked once per device and process: every call's route choice reads it.
+fn device_status(index: i64) -> std::result::Result<cxx::CudaDevice, String> {
+    type Status = std::result::Result<cxx::CudaDevice, String>;
+    static SEEN: std::sync::Mutex<Vec<(i64, Status)>> = std::sync::Mutex::new(Vec::new());
     let mut seen = SEEN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Some((_, status)) = seen.iter().find(|(i, _)| *i == index) {
         return status.clone();
@@ -253,7 +278,7 @@ pub fn availability(cuda: bool) -> Availability {
         (None, Some("libtorch sees no CUDA device".to_string()))
     } else {
         match device_status(0) {
-            Ok(arch) => (Some(arch), None),
+            Ok(device) => (Some(device.arch), None),
             Err(why) => (None, Some(why)),
         }
     };
@@ -262,4 +287,30 @@ pub fn availability(cuda: bool) -> Availability {
         .or_else(|| missing.as_ref().map(|m| format!("this build embeds no kernel ({m})")))
         .or_else(|| (!gpu_matches).then(|| format!("no embedded kernel runs on sm_{} (embedded: {})", gpu.unwrap_or(0), embedded_archs())));
     Availability { embedded, triton: cxx::kernels::triton_version().to_string(), missing, gpu, gpu_matches, why_not, auto: AUTO_TAKES_IT }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gpu_with_less_shared_memory_than_the_cubins_need_is_refused_by_name() {
+        if cxx::kernels::missing().is_some() {
+            return;
+        }
+        let device = |arch, kib: u32| cxx::CudaDevice { arch, shared_optin: kib << 10 };
+        // sm_86 and sm_89 take sm_80's cubins with 99 KiB a block: the 16-bit ones fit at every
+        // head dimension, float32's at head dimension 128 do not (129 KiB).
+        for dtype in ["bfloat16", "float16"] {
+            for widest in [32, 64, 100, 128] {
+                assert_eq!(too_little_shared_memory(device(86, 99), dtype, widest), None, "{dtype}, {widest}");
+            }
+        }
+        assert_eq!(too_little_shared_memory(device(89, 99), "float32", 64), None);
+        let why = too_little_shared_memory(device(86, 99), "float32", 128).unwrap_or_default();
+        assert!(why.contains("sm_80 float32 cubins for head dimension 128") && why.contains("(sm_86) allows 101376"), "{why}");
+        // sm_80 and sm_90 allow what the build checked against.
+        assert_eq!(too_little_shared_memory(device(80, 163), "float32", 128), None);
+        assert_eq!(too_little_shared_memory(device(90, 227), "float32", 128), None);
+    }
 }
