@@ -98,9 +98,11 @@ class TuningTable(unittest.TestCase):
         self.assertEqual(aot.launch_setting(table, 90, "float16", 64, none), (128, 64, 8, 3))
         self.assertEqual(aot.launch_setting(table, 80, "bfloat16", 64, none), sweep.DEFAULT)
         # float32 takes no 16-bit entry (its tiles take twice the shared memory), and above head
-        # dimension 64 its own default.
+        # dimension 64 32-query blocks; above head dimension 128 every dtype takes 8 warps.
         self.assertEqual(aot.launch_setting(table, 90, "float32", 64, none), sweep.DEFAULT)
-        self.assertEqual(aot.launch_setting(table, 90, "float32", 128, none), sweep.DEFAULT_FLOAT32_WIDE)
+        self.assertEqual(aot.launch_setting(table, 90, "float32", 128, none), (32, 64, 4, 2))
+        self.assertEqual(aot.launch_setting(table, 90, "float16", 256, none), (64, 64, 8, 2))
+        self.assertEqual(aot.launch_setting(table, 80, "float32", 256, none), (32, 64, 8, 2))
         self.assertEqual(aot.launch_setting(table, 90, "bfloat16", 64, SimpleNamespace(block_m=32, block_n=None,
                                                                                         num_warps=None, num_stages=2)),
                          (32, 64, 8, 2))

@@ -9,7 +9,7 @@
 //! ([`Precision::Tf32`](crate::precision::Precision::Tf32); the deterministic plans only);
 //! softmax, DNAS, HNAS (both branches from one row pass) and Sinkhorn-N for any N, with any score
 //! scale; key and query padding, causal (softmax), a boolean pattern and an additive mask that
-//! needs no gradient; grouped key/value heads; head dimensions up to 128; no attention dropout;
+//! needs no gradient; grouped key/value heads; head dimensions up to 256; no attention dropout;
 //! and BAM's sampling over every one of those bases (without a pattern or additive mask), with its KL term (Weibull and Lognormal) or without
 //! (Weibull, over softmax and DNAS), its noise drawn in the kernels from the same counter-based
 //! hash as the tiles' (the same ε for the same seed), on both sides of 2^32 score entries, for up
@@ -31,9 +31,6 @@ use crate::{Error, Result};
 /// forced, `--attention-backend fused`). It stays `false` until the CUDA tests
 /// (`tests/fused_cuda.rs`) have passed on a GPU and their run is recorded under `results/cuda/`.
 pub const AUTO_TAKES_IT: bool = false;
-
-/// The widest head dimension the embedded kernels hold.
-const WIDEST_HEAD_DIM: i64 = 128;
 
 /// Why the route does not serve this call (`None`: it does).
 pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: &Tiled, opts: &AttendOptions) -> Option<String> {
@@ -82,9 +79,6 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
         return Some(format!("{}: BAM under a boolean or additive mask is not in the embedded set", plan.name));
     }
     let widest = q.size()[3].max(v.size()[3]);
-    if widest > WIDEST_HEAD_DIM {
-        return Some(format!("head dimension {widest} is wider than the embedded kernels' {WIDEST_HEAD_DIM}"));
-    }
     let [b, h, sq, sk] = shape.dims();
     if [b * h * sq * widest, b * v.size()[1] * sk * widest].iter().any(|&n| n > i64::from(i32::MAX)) {
         return Some("the kernels index with 32-bit integers and the tensors are larger".into());
@@ -97,8 +91,12 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
         Kind::Half => "float16",
         _ => "float32",
     };
-    if !cxx::kernels::kernels().iter().any(|k| k.dtype == dtype) {
-        return Some(format!("this build embeds no {dtype} kernel"));
+    match cxx::kernels::kernels().iter().filter(|k| k.dtype == dtype).map(|k| k.head_dim).max() {
+        None => return Some(format!("this build embeds no {dtype} kernel")),
+        Some(embedded) if widest > embedded => {
+            return Some(format!("head dimension {widest} is wider than the embedded {dtype} kernels' {embedded}"))
+        }
+        Some(_) => {}
     }
     let device = match device_status(index as i64) {
         Err(why) => return Some(why),
@@ -299,12 +297,14 @@ mod tests {
             return;
         }
         let device = |arch, kib: u32| cxx::CudaDevice { arch, shared_optin: kib << 10 };
-        // sm_86 and sm_89 take sm_80's cubins with 99 KiB a block: the 16-bit ones fit at every
-        // head dimension, float32's at head dimension 128 do not (129 KiB).
+        // sm_86 and sm_89 take sm_80's cubins with 99 KiB a block: the 16-bit ones fit up to head
+        // dimension 128, not at 256 (138 KiB), and float32's at head dimension 128 do not (129 KiB).
         for dtype in ["bfloat16", "float16"] {
             for widest in [32, 64, 100, 128] {
                 assert_eq!(too_little_shared_memory(device(86, 99), dtype, widest), None, "{dtype}, {widest}");
             }
+            let why = too_little_shared_memory(device(89, 99), dtype, 200).unwrap_or_default();
+            assert!(why.contains(&format!("sm_80 {dtype} cubins for head dimension 256")), "{why}");
         }
         assert_eq!(too_little_shared_memory(device(89, 99), "float32", 64), None);
         let why = too_little_shared_memory(device(86, 99), "float32", 128).unwrap_or_default();
@@ -312,5 +312,6 @@ mod tests {
         // sm_80 and sm_90 allow what the build checked against.
         assert_eq!(too_little_shared_memory(device(80, 163), "float32", 128), None);
         assert_eq!(too_little_shared_memory(device(90, 227), "float32", 128), None);
+        assert_eq!(too_little_shared_memory(device(80, 163), "bfloat16", 256), None);
     }
 }

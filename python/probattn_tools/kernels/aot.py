@@ -81,8 +81,14 @@ def specializations(plans, smoke):
     return out
 
 
-def route_specializations(dtype="bfloat16"):
-    """What the library's fused CUDA route launches (probattn-sys/csrc/fused_cuda.cpp) in `dtype`.
+# float32 has no set above this head dimension: at 256 its key pass needs more than sm_80's
+# 163 KiB of shared memory a block with every block shape tried down to 32 × 32 (164 KiB).
+FLOAT32_WIDEST = 128
+
+
+def route_specializations(dtype="bfloat16", head_dim=64):
+    """What the library's fused CUDA route launches (probattn-sys/csrc/fused_cuda.cpp) in `dtype`
+    at `head_dim`.
 
     Unpadded, padded (key and query padding read together: a call with one passes no padding for
     the other) and masked (the paddings, a boolean pattern and an additive mask read together, each
@@ -95,11 +101,13 @@ def route_specializations(dtype="bfloat16"):
     sampling, Weibull and Lognormal with their KL terms over softmax (plain and causal), DNAS, HNAS
     and Sinkhorn-N, and Weibull without a KL term (bam-nokl) over softmax and DNAS, on both sides
     of 2^32 score entries. Not in float32, whose set holds the deterministic plans alone (BAM in
-    float32 runs on the tiles).
+    float32 runs on the tiles), up to FLOAT32_WIDEST.
 
     A test keeps this list and the launches of `plans.attention`, `plans.hybrid_attention` and
     `plans.bam_attention` for those calls the same (tests/fused_cuda.rs)."""
     out = []
+    if dtype == "float32" and head_dim > FLOAT32_WIDEST:
+        return out
     for padded, masked in ((False, False), (True, False), (True, True)):
         f = dict(HAS_QPAD=padded, HAS_KPAD=padded, HAS_MASK=masked, HAS_BIAS=masked)
         out.append(("_column_pass", f))
@@ -279,7 +287,7 @@ def main(argv=None):
         if dtype not in TRITON_TYPE:
             sys.exit(f"kernels.aot: unknown dtype {dtype!r} (known: {', '.join(TRITON_TYPE)})")
         setting = launch_setting(table, arch, dtype, head_dim, args)
-        chosen = (recorded(args.set) if args.set else route_specializations(dtype) if args.route
+        chosen = (recorded(args.set) if args.set else route_specializations(dtype, head_dim) if args.route
                   else specializations(plans, args.smoke))
         jobs += [(name, constexprs, dtype, head_dim, arch, *setting) for name, constexprs in chosen]
     entries, start = [], time.time()

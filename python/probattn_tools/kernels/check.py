@@ -63,6 +63,9 @@ def cases(quick, lower):
         out.append(("sinkhorn-5 gqa pattern per head, key padding", 5, 1.0, shapes["gqa"], ("pattern", "key"), False,
                     None))
         out.append(("softmax rect causal", 0, 1.0, shapes["rect"], (), True, None))
+        # Head dimensions past 128: 256-wide blocks (the route's widest set).
+        out.append(("dnas wide heads d 200, d_v 136, key padding", 1, 1.0, (1, 2, 1, 9, 13, 200, 136), ("key",), False,
+                    None))
     # BAM over the plans: Weibull (k = 2) and Lognormal (σ = 0.7) draws, with and without a KL term,
     # a seed past 2^32 (both of its words in the hash).
     seed = 0x5DEECE66D_0B

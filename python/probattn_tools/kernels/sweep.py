@@ -30,14 +30,16 @@ DEFAULT = (64, 64, 4, 2)
 GRID = [DEFAULT, (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 4, 2), (128, 128, 8, 2),
         (64, 32, 4, 2)]
 TABLE = Path(__file__).with_name("tuning.json")
-# float32 above head dimension 64: the key pass's 64 × 64 float32 tiles need 176 KiB of shared
-# memory, past sm_80's 163 KiB per block; 32-query blocks need 129 KiB.
-DEFAULT_FLOAT32_WIDE = (32, 64, 4, 2)
 
 
 def default(dtype, head_dim):
-    """The setting a set without a tuning table entry is compiled with."""
-    return DEFAULT_FLOAT32_WIDE if dtype == "float32" and head_dim > 64 else DEFAULT
+    """The setting a set without a tuning table entry is compiled with: DEFAULT, but 32-query
+    blocks for float32 above head dimension 64 (the key pass's 64 × 64 float32 tiles need 176 KiB
+    of shared memory at head dimension 128, past sm_80's 163 KiB per block; 32-query blocks need
+    129 KiB), and 8 warps above head dimension 128 (a 64 × 256 float32 accumulator is 128
+    registers a thread over 4 warps, before anything else)."""
+    block_m = 32 if dtype == "float32" and head_dim > 64 else DEFAULT[0]
+    return (block_m, DEFAULT[1], 8 if head_dim > 128 else DEFAULT[2], DEFAULT[3])
 # Agreement with the default setting (a different block order changes the rounding of the
 # online sums, nothing else).
 TOLERANCE = {"bfloat16": 3e-2, "float16": 4e-3}
