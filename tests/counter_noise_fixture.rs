@@ -4,7 +4,14 @@
 //! `python/probattn_tools/kernels/counter_noise.json`. The Triton kernels draw BAM's noise from
 //! the same hash; `python -m probattn_tools.kernels.check` compares their draws with this record
 //! bit for bit, on the CPU under Triton's interpreter and on a GPU, where no Rust runs. This test
-//! keeps the record true: it recomputes every value and requires the same bits.
+//! keeps the record true: it recomputes every value and requires the same bits, but for
+//! Lognormal's float64 draws. sqrt(2)·erfinv(2u − 1) in float64 rests on the math library's
+//! `erf` and `exp` inside ATen's erfinv (docs/kernels.md), whose last bits are not the same on
+//! every machine: the same build and libtorch, on an AMD EPYC, draw one of the record's 210
+//! values of slice 12 two units in the last place away from the machine that wrote it (ATen's CPU
+//! capability, AVX2 or AVX-512, changes nothing there). Those draws are held to the 16 units in
+//! the last place the kernel check allows them against other math libraries; the uniform draws
+//! behind every kind, and Lognormal's float32 ones, must stay bit for bit.
 //!
 //! `PROBATTN_WRITE_FIXTURE=1 cargo test -p probattn --test counter_noise_fixture` rewrites the
 //! record (after a deliberate change of the draws).
@@ -98,10 +105,18 @@ fn the_recorded_draws_are_the_cpu_loops() -> Result<()> {
     let (kept, now) = (&kept["cases"], &now["cases"]);
     ensure!(kept.as_array().map(Vec::len) == now.as_array().map(Vec::len), "the record has another number of slices");
     for (i, (a, b)) in kept.as_array().into_iter().flatten().zip(now.as_array().into_iter().flatten()).enumerate() {
-        if a != b {
-            let differing = a["bits"].as_array().zip(b["bits"].as_array()).map(|(x, y)| x.iter().zip(y).filter(|(p, q)| p != q).count());
+        let allowed = if (b["noise"].as_str(), b["precision"].as_str()) == (Some("lognormal"), Some("float64")) { 16 } else { 0 };
+        let mut slice = a.clone();
+        slice["bits"] = b["bits"].clone();
+        ensure!(&slice == b, "slice {i}: the record describes another slice than the test draws ({a} against {b})");
+        let (x, y) = (a["bits"].as_array().context("bits")?, b["bits"].as_array().context("bits")?);
+        ensure!(x.len() == y.len(), "slice {i}: {} recorded values, {} drawn", x.len(), y.len());
+        let ulps = x.iter().zip(y).map(|(p, q)| Ok(bits(p)?.abs_diff(bits(q)?))).collect::<Result<Vec<u64>>>()?;
+        let (differing, worst) = (ulps.iter().filter(|&&u| u > 0).count(), ulps.iter().copied().max().unwrap_or(0));
+        if worst > allowed {
             bail!(
-                "slice {i} ({} {} seed {}): the CPU loop no longer draws the recorded values ({differing:?} differ)",
+                "slice {i} ({} {} seed {}): the CPU loop no longer draws the recorded values ({differing} differ, by up to \
+                 {worst} units in the last place; {allowed} allowed)",
                 b["noise"],
                 b["precision"],
                 b["seed"]
@@ -109,4 +124,11 @@ fn the_recorded_draws_are_the_cpu_loops() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A recorded value's float64 bits, as an integer whose distance to another's counts units in the
+/// last place (for values of one sign).
+fn bits(hex: &Value) -> Result<i64> {
+    let hex = hex.as_str().context("a hex string")?;
+    Ok(u64::from_str_radix(hex, 16).with_context(|| format!("{hex} is not hex"))? as i64)
 }
