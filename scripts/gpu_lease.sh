@@ -12,7 +12,7 @@
 #   route:
 #   doctor            20 s   the GPU, the driver and libtorch as the library sees them
 #   sdpa-empty-rows   60 s   what SDPA's CUDA backends give a query no key may attend
-#   tests            150 s   the external_variant, fused_cuda, normalizers and tiled binaries: the
+#   tests            190 s   the external_variant, fused_cuda, normalizers and tiled binaries: the
 #                            embedded Triton kernels through the driver API against the float64
 #                            tiles and formulas (forward, gradients) and the backend's choice of
 #                            them; softmax on SDPA's CUDA kernels against the eager form; the tiles
@@ -35,7 +35,7 @@ set -euo pipefail
 [ $# -eq 2 ] || [ $# -eq 3 ] || { sed -n '2,33p' "$0" >&2; exit 2; }
 bundle=$(realpath "$1") out=$(realpath -m "$2") part=${3:-route}
 case $part in
-  route) steps=(doctor:20 sdpa-empty-rows:60 tests:150 sanitizer:180 fused-tf32:90) ;;
+  route) steps=(doctor:20 sdpa-empty-rows:60 tests:190 sanitizer:180 fused-tf32:90) ;;
   kernels) steps=(sweep:240 kernels:300) ;;
   long) steps=(fused-long:540) ;;
   *) echo "gpu_lease.sh: PART is route, kernels or long, got $part" >&2; exit 2 ;;

@@ -133,9 +133,9 @@ char* pa_counter_noise(const pa_tensor* like, const int64_t* shape, int32_t nois
 
 // ---- the fused CUDA route (fused_cuda.cpp, fused_launch.cpp): the embedded Triton kernels through the CUDA driver API
 // Registers one embedded cubin (probattn-kernels' manifest entry): its kernel's name, compute
-// capability (90 for sm_90), dtype ("bfloat16", "float16", "float32"), head dimension, the constexprs it was
-// specialized on ("SWEEPS=1,CAUSAL=0,..."), its parameters in launch order ("Q:*bf16,S_Q:i32,..."),
-// warps, dynamic shared memory, blocks and symbol. `cubin` must outlive the process's launches
+// capability (90 for sm_90), dtype ("bfloat16", "float16", "float32"), head dimension, the
+// constexprs it was specialized on ("SWEEPS=1,CAUSAL=0,..."), its parameters in launch order
+// ("Q:*bf16,S_Q:i32,..."), warps, dynamic shared memory, blocks and symbol. `cubin` must outlive the process's launches
 // (the embedded bytes do).
 char* pa_fused_register(const char* kernel, int32_t arch, const char* dtype, int64_t head_dim, const char* key, const char* params,
                         uint32_t num_warps, uint32_t shared_bytes, int64_t block_m, int64_t block_n, const char* symbol,
@@ -162,8 +162,7 @@ typedef struct {
 } pa_fused_spec;
 // Attention of bfloat16, float16 or float32 (this one while TF32 is allowed: pa_allow_tf32)
 // q (B, H, S_q, d), k (B, H_kv, S_k, d), v (B, H_kv, S_k, d_v) on one CUDA device by the embedded
-// kernels, as `spec` says; `key_padding` bool (B, S_k) and
-// `query_padding` bool (B, S_q), true = excluded (NULL: none); `pattern` bool broadcastable to
+// kernels, as `spec` says; `key_padding` bool (B, S_k) and `query_padding` bool (B, S_q), true = excluded (NULL: none); `pattern` bool broadcastable to
 // (B, H, S_q, S_k), true = takes part, and `bias` a floating-point additive mask broadcastable to
 // the same, -inf excluding its entries (NULL: none; no gradient reaches it); `prior` a_j
 // broadcastable to (B, H, 1, S_k) with a KL term (NULL: none); `hybrid_logit` HNAS's gate logits

@@ -9,11 +9,11 @@
 //! ([`Precision::Tf32`](crate::precision::Precision::Tf32); the deterministic plans only);
 //! softmax, DNAS, HNAS (both branches from one row pass) and Sinkhorn-N for any N, with any score
 //! scale; key and query padding, causal (softmax), a boolean pattern and an additive mask that
-//! needs no gradient; grouped key/value heads; head dimensions up to 256; no attention dropout;
-//! and BAM's sampling over every one of those bases (without a pattern or additive mask), with its KL term (Weibull and Lognormal) or without
-//! (Weibull, over softmax and DNAS), its noise drawn in the kernels from the same counter-based
-//! hash as the tiles' (the same ε for the same seed), on both sides of 2^32 score entries, for up
-//! to 2^24 keys. It returns no weights, and the received mass of a deterministic plan when the
+//! needs no gradient; grouped key/value heads; head dimensions up to 256 (128 in float32); no
+//! attention dropout; and BAM's sampling over every one of those bases (without a pattern or
+//! additive mask), with its KL term (Weibull and Lognormal) or without (Weibull, over softmax and
+//! DNAS), its noise drawn in the kernels from the same counter-based hash as the tiles' (the same ε
+//! for the same seed), on both sides of 2^32 score entries, for up to 2^24 keys. It returns no weights, and the received mass of a deterministic plan when the
 //! call asks for it ([`AttendOptions::need_mass`]: one more key pass per branch; none for BAM's
 //! draws). Anything else runs on the tiles.
 
