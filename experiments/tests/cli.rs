@@ -46,6 +46,8 @@ fn doctor_reports_versions_and_cuda() -> Result<()> {
         Some(why) => ensure!(said.contains(&format!("fused     no kernels embedded: {why}")), "{said}"),
     }
     ensure!(fused["gpu_matches"].as_bool().is_some() && (fused["gpu_matches"] == true || fused["why_not"].is_string()), "{fused}");
+    // This GPU's shared memory a block, and the embedded sets too large for it (none without a GPU).
+    ensure!(fused["too_large_here"].as_array().is_some() && (fused["gpu"].is_null() == fused["gpu_shared_optin"].is_null()), "{fused}");
     let required = probattn(&["doctor", "--require-cuda"])?;
     if tch::Cuda::is_available() {
         ensure!(required.status.success(), "{}", text(&required));

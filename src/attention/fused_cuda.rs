@@ -261,6 +261,11 @@ pub struct Availability {
     pub gpu: Option<u32>,
     /// Whether an embedded kernel runs on that device.
     pub gpu_matches: bool,
+    /// The shared memory one block may opt into on that device, in bytes.
+    pub gpu_shared_optin: Option<u32>,
+    /// The embedded sets (`"float32 d 128"`) whose cubins need more shared memory a block than
+    /// that device allows: calls that would take them run on the tiles there.
+    pub too_large_here: Vec<String>,
     /// Why the route cannot run here, when it cannot.
     pub why_not: Option<String>,
     /// [`AUTO_TAKES_IT`].
@@ -272,19 +277,43 @@ pub struct Availability {
 pub fn availability(cuda: bool) -> Availability {
     let embedded = cxx::kernels::architectures().into_iter().collect();
     let missing = cxx::kernels::missing().map(String::from);
-    let (gpu, why_not) = if !cuda {
+    let (device, why_not) = if !cuda {
         (None, Some("libtorch sees no CUDA device".to_string()))
     } else {
         match device_status(0) {
-            Ok(device) => (Some(device.arch), None),
+            Ok(device) => (Some(device), None),
             Err(why) => (None, Some(why)),
         }
     };
+    let gpu = device.map(|d| d.arch);
     let gpu_matches = gpu.is_some_and(fits);
+    let too_large_here = device.filter(|_| gpu_matches).map(too_large_sets).unwrap_or_default();
     let why_not = why_not
         .or_else(|| missing.as_ref().map(|m| format!("this build embeds no kernel ({m})")))
         .or_else(|| (!gpu_matches).then(|| format!("no embedded kernel runs on sm_{} (embedded: {})", gpu.unwrap_or(0), embedded_archs())));
-    Availability { embedded, triton: cxx::kernels::triton_version().to_string(), missing, gpu, gpu_matches, why_not, auto: AUTO_TAKES_IT }
+    Availability {
+        embedded,
+        triton: cxx::kernels::triton_version().to_string(),
+        missing,
+        gpu,
+        gpu_matches,
+        gpu_shared_optin: device.map(|d| d.shared_optin),
+        too_large_here,
+        why_not,
+        auto: AUTO_TAKES_IT,
+    }
+}
+
+/// The embedded (dtype, head dimension) sets, as `"float32 d 128"`, that [`too_little_shared_memory`]
+/// refuses on `device`.
+fn too_large_sets(device: cxx::CudaDevice) -> Vec<String> {
+    let mut sets: Vec<(String, i64)> = cxx::kernels::kernels().iter().map(|k| (k.dtype.clone(), k.head_dim)).collect();
+    sets.sort();
+    sets.dedup();
+    sets.into_iter()
+        .filter(|(dtype, head_dim)| too_little_shared_memory(device, dtype, *head_dim).is_some())
+        .map(|(dtype, head_dim)| format!("{dtype} d {head_dim}"))
+        .collect()
 }
 
 #[cfg(test)]
@@ -313,5 +342,8 @@ mod tests {
         assert_eq!(too_little_shared_memory(device(80, 163), "float32", 128), None);
         assert_eq!(too_little_shared_memory(device(90, 227), "float32", 128), None);
         assert_eq!(too_little_shared_memory(device(80, 163), "bfloat16", 256), None);
+        // What doctor lists for such a device.
+        assert_eq!(too_large_sets(device(86, 99)), ["bfloat16 d 256", "float16 d 256", "float32 d 128"]);
+        assert!(too_large_sets(device(90, 227)).is_empty());
     }
 }

@@ -118,6 +118,13 @@ impl Report {
             (_, Some(why)) => println!("          not usable here: {why}"),
             (None, None) => {}
         }
+        if let (Some(bytes), false) = (fused.gpu_shared_optin, fused.too_large_here.is_empty()) {
+            println!(
+                "          this GPU allows {bytes} bytes of shared memory a block, too few for the {} kernels: \
+                 those calls run on the tiles",
+                fused.too_large_here.join(", ")
+            );
+        }
         println!("device    {} (from --device)", self.device);
         let backends: Vec<&str> = self.distributed_backends.iter().map(|b| b.name()).collect();
         println!(
