@@ -38,8 +38,10 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
         return Some("it runs on CUDA devices".into());
     };
     let sampling = plan.sampling.as_ref().filter(|_| opts.mode.sample);
-    match q.kind() {
-        Kind::BFloat16 | Kind::Half => {}
+    // As the manifest names the embedded sets' dtypes.
+    let dtype = match q.kind() {
+        Kind::BFloat16 => "bfloat16",
+        Kind::Half => "float16",
         Kind::Float if !cxx::allow_tf32().unwrap_or(false) => {
             return Some(
                 "float32 takes it with TF32 products only, and libtorch's switch for them is off \
@@ -48,9 +50,9 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
             )
         }
         Kind::Float if sampling.is_some() => return Some(format!("{}: BAM's sampling in float32 is not in the embedded set", plan.name)),
-        Kind::Float => {}
+        Kind::Float => "float32",
         other => return Some(format!("it takes bfloat16, float16 and float32 (with TF32), not {other:?}")),
-    }
+    };
     if let Some(sampling) = sampling {
         let sk = shape.dims()[3];
         let why = if sampling.kl.is_none() && sampling.noise != NoiseKind::Weibull {
@@ -86,11 +88,6 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
     if let Some(why) = cxx::kernels::missing() {
         return Some(format!("this build embeds no kernel ({why})"));
     }
-    let dtype = match q.kind() {
-        Kind::BFloat16 => "bfloat16",
-        Kind::Half => "float16",
-        _ => "float32",
-    };
     match cxx::kernels::kernels().iter().filter(|k| k.dtype == dtype).map(|k| k.head_dim).max() {
         None => return Some(format!("this build embeds no {dtype} kernel")),
         Some(embedded) if widest > embedded => {
@@ -115,8 +112,7 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
 /// version not newer than it, the smallest embedded head dimension that holds d and d_v.
 fn too_little_shared_memory(device: cxx::CudaDevice, dtype: &str, widest: i64) -> Option<String> {
     let kernels = cxx::kernels::kernels();
-    let same = |k: &&cxx::kernels::Kernel| k.arch_number() / 10 == device.arch / 10 && k.arch_number() <= device.arch;
-    let arch = kernels.iter().filter(same).map(|k| k.arch_number()).max()?;
+    let arch = embedded_arch(device.arch)?;
     let ours = |k: &&cxx::kernels::Kernel| k.arch_number() == arch && k.dtype == dtype;
     let head_dim = kernels.iter().filter(ours).map(|k| k.head_dim).filter(|&d| d >= widest).min()?;
     let needed = kernels.iter().filter(ours).filter(|k| k.head_dim == head_dim).map(|k| k.shared_bytes).max()?;
@@ -146,7 +142,13 @@ fn device_status(index: i64) -> std::result::Result<cxx::CudaDevice, String> {
 /// Whether an embedded cubin runs on compute capability `arch`: one of the same major version,
 /// not newer.
 pub fn fits(arch: u32) -> bool {
-    cxx::kernels::kernels().iter().any(|k| k.arch_number() / 10 == arch / 10 && k.arch_number() <= arch)
+    embedded_arch(arch).is_some()
+}
+
+/// The embedded architecture whose cubins the launcher takes on compute capability `arch`: the
+/// newest of the same major version not newer than it.
+fn embedded_arch(arch: u32) -> Option<u32> {
+    cxx::kernels::kernels().iter().map(|k| k.arch_number()).filter(|&a| a / 10 == arch / 10 && a <= arch).max()
 }
 
 /// The embedded architectures, `sm_80, sm_90`.
