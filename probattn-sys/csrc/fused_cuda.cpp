@@ -23,8 +23,8 @@
 //   (Weibull) without: the noise joins the base's row pass and its gradient passes; over HNAS the
 //   row pass mixes the two bases' weights itself (`hybrid` with noise), after one reduction each
 //   for their row statistics, and the gate's gradient is reduced per row;
-// - the received mass, when a call asks for it (deterministic plans): after the forward, one key
-//   pass without gradients per branch.
+// - the received mass, when a call asks for it: after the forward, one key pass without gradients
+//   per branch (BAM: of the sampled weights, its draws made again).
 
 #include <cmath>
 #include <map>
@@ -346,13 +346,16 @@ Forward fused_forward(const Call& call) {
 
 // The received mass Σ_i p_ij, (branches, B, H, S_k): a key pass without gradients per branch from
 // the forward's statistics (HNAS without noise: DNAS's, then softmax's; Sinkhorn-N: DNAS's
-// weights with the last potentials), as plans.py's `received=True` launches it.
+// weights with the last potentials), as plans.py's `received=True` launches it. BAM's: the
+// sampled weights', the same draws again, without the KL term (which moves no weight); over HNAS
+// the mixture's, from its row pass's statistics.
 at::Tensor received_mass(const Call& call, const Forward& f) {
-  TORCH_CHECK(call.spec.noise == 0, "the fused CUDA route gives the received mass of the deterministic plans, not of BAM's draws");
   const auto one = [&](int64_t sweeps, const at::Tensor& c, const at::Tensor& r) {
     auto mass = call.stat(true);
-    call.launch("_key_pass", true, call.h_kv(), {{"GRADS", 0}, {"SWEEPS", sweeps}},
-                {{"C", c}, {"R", r}, {"DO", call.q}, {"DELTA", r}, {"DK", call.k}, {"DV_OUT", call.v}, {"G", mass}, {"MASS", mass}});
+    std::map<std::string, at::Tensor> key = {{"C", c},          {"R", r},        {"DO", call.q}, {"DELTA", r},
+                                             {"DK", call.k},    {"DV_OUT", call.v}, {"G", mass}, {"MASS", mass}};
+    if (call.mix()) key.insert({{"RD", f.rd}, {"RS", f.rs}});
+    call.launch("_key_pass", true, call.h_kv(), {{"GRADS", 0}, {"SWEEPS", sweeps}, {"KL", 0}}, key);
     return mass;
   };
   const int64_t n = call.spec.sweeps;

@@ -48,8 +48,8 @@ pub struct AttendOptions<'a> {
     /// takes the memory-efficient path.
     pub need_weights: bool,
     /// Ask the routes that spend a pass of their own on the received mass to form it (default
-    /// false): the fused CUDA kernels, one key pass per branch after the forward, for the
-    /// deterministic plans (BAM's draws get none there). The tiles and the fused CPU kernel form
+    /// false): the fused CUDA kernels, one key pass per branch after the forward (for BAM's draws,
+    /// of the sampled weights, its noise drawn again). The tiles and the fused CPU kernel form
     /// it as a by-product and return it either way; the eager path returns the weights instead
     /// ([`crate::diagnostics::received_mass`] sums them). It never changes the route.
     pub need_mass: bool,

@@ -13,9 +13,10 @@
 //! attention dropout; and BAM's sampling over every one of those bases (without a pattern or
 //! additive mask), with its KL term (Weibull and Lognormal) or without (Weibull, over softmax and
 //! DNAS), its noise drawn in the kernels from the same counter-based hash as the tiles' (the same ε
-//! for the same seed), on both sides of 2^32 score entries, for up to 2^24 keys. It returns no weights, and the received mass of a deterministic plan when the
-//! call asks for it ([`AttendOptions::need_mass`]: one more key pass per branch; none for BAM's
-//! draws). Anything else runs on the tiles.
+//! for the same seed), on both sides of 2^32 score entries, for up to 2^24 keys. It returns no
+//! weights, and the received mass when the call asks for it ([`AttendOptions::need_mass`]: one
+//! more key pass per branch; for BAM, of the sampled weights, its draws made again). Anything
+//! else runs on the tiles.
 
 use tch::{Device, Kind, Tensor};
 
@@ -163,8 +164,7 @@ pub fn embedded_archs() -> String {
 
 /// What the route returns: the output `(B, H, S_q, d_v)`; when sampling with a KL term, BAM's KL
 /// (a scalar, as the tiles' and the eager path's); with [`AttendOptions::need_mass`], the received
-/// mass `(B, H, S_k)` in float32 (without a gradient), but for BAM's draws, whose mass the
-/// kernels do not form.
+/// mass `(B, H, S_k)` in float32 (without a gradient; for BAM, of the sampled weights).
 pub struct FusedAttended {
     pub output: Tensor,
     pub kl: Option<Tensor>,
@@ -209,11 +209,10 @@ pub fn attend(
     };
     let run = |spec: &cxx::FusedSpec| cxx::fused_cuda_attention(q, k, v, spec).map_err(Error::from);
     if let Some(sampling) = sampling {
-        // The draws from the seed in the kernels; over HNAS the kernels mix the bases themselves.
-        // Their received mass is not formed.
+        // The draws from the seed in the kernels; over HNAS the kernels mix the bases themselves,
+        // and the received mass is the mixture's (one branch).
         let seed = opts.seed.unwrap_or_else(libtorch_seed);
         let spec = cxx::FusedSpec {
-            mass: false,
             noise: sampling.noise.code(),
             noise_scale: sampling.scale,
             seed,
@@ -222,14 +221,15 @@ pub fn attend(
             ..spec
         };
         let Some(kl) = sampling.kl.as_ref() else {
-            return Ok(FusedAttended { output: run(&spec)?.out, kl: None, received_mass: None });
+            let fused = run(&spec)?;
+            return Ok(FusedAttended { output: fused.out, kl: None, received_mass: fused.mass.map(|m| m.squeeze_dim(0)) });
         };
         let stats = statistics_kind(q.kind());
         let prior = (kl.prior)(&widen(k), allowed.as_ref())?;
         let fused = run(&cxx::FusedSpec { kl: kl.form.code(), prior: Some(&prior), ..spec })?;
         let counts = MaskCounts::new(allowed.as_ref(), shape, crate::backend::DEFAULT_TILE, stats, q.device());
         let kl = tiled_kl(kl.form, &fused.kl_part, &prior, &counts);
-        return Ok(FusedAttended { output: fused.out, kl: Some(kl), received_mass: None });
+        return Ok(FusedAttended { output: fused.out, kl: Some(kl), received_mass: fused.mass.map(|m| m.squeeze_dim(0)) });
     }
     match plan.hybrid_logit {
         None => {

@@ -99,8 +99,8 @@ def route_specializations(dtype="bfloat16", head_dim=64):
 
     Padded only (a call without padding passes none; BAM's draws dwarf reading it): BAM's
     sampling, Weibull and Lognormal with their KL terms over softmax (plain and causal), DNAS, HNAS
-    and Sinkhorn-N, and Weibull without a KL term (bam-nokl) over softmax and DNAS, on both sides
-    of 2^32 score entries. Not in float32, whose set holds the deterministic plans alone (BAM in
+    and Sinkhorn-N, and Weibull without a KL term (bam-nokl) over softmax and DNAS, with the key
+    pass that gives the sampled weights' received mass, on both sides of 2^32 score entries. Not in float32, whose set holds the deterministic plans alone (BAM in
     float32 runs on the tiles), up to FLOAT32_WIDEST.
 
     A test keeps this list and the launches of `plans.attention`, `plans.hybrid_attention` and
@@ -131,11 +131,13 @@ def route_specializations(dtype="bfloat16", head_dim=64):
                                       (1, False, 1, 0)):
         bam = dict(f, NOISE=noise, KL=kl, SWEEPS=sweeps, CAUSAL=causal)
         out += [("_row_pass", dict(bam, HYBRID=False)), ("_key_pass", dict(bam, GRADS=True)), ("_query_pass", bam)]
+        if kl == noise:  # the sampled weights' received mass: the draws again, no KL term (it moves no weight)
+            out.append(("_key_pass", dict(bam, KL=0, GRADS=False)))
     for noise in (1, 2):
         # Over HNAS: the mixture's row pass, the gate's per-row gradient, then the key and query passes.
         mix = dict(f, NOISE=noise, KL=noise, SWEEPS=1, CAUSAL=False, MIX=True)
         out += [("_row_pass", dict(mix, HYBRID=False)), ("_query_pass", dict(mix, ROWS=True)),
-                ("_key_pass", dict(mix, GRADS=True)), ("_query_pass", mix)]
+                ("_key_pass", dict(mix, GRADS=True)), ("_query_pass", mix), ("_key_pass", dict(mix, KL=0, GRADS=False))]
         # Over Sinkhorn-N: the potentials as without noise, DNAS's row pass with the noise, and the
         # gradient stages with it.
         out += [("_sink_grads", dict(f, STAGE=stage, NOISE=noise, KL=noise)) for stage in (0, 1, 2)]

@@ -197,11 +197,12 @@ def run_bam_case(torch, plans, formulas, name, sweeps, scale, inputs, masks, bam
     logit = torch.randn(h, generator=gen, dtype=torch.float64).to(stats).to(device) if base == "hnas" else None
     ins = [t.detach().requires_grad_(True) for t in (q, k, v)] + ([a.detach().requires_grad_(True)] if kl else [])
     ins += [logit.detach().requires_grad_(True)] if logit is not None else []
-    out, part = plans.bam_attention(*ins[:3], sampling, sweeps=sweeps, score_scale=scale, prior=ins[3] if kl else None,
-                                    masks=masks, config=config, hybrid_logit=ins[-1] if logit is not None else None)
+    # The mass from the same call, as the fused route forms it: one key pass after the forward.
+    out, part, mass = plans.bam_attention(*ins[:3], sampling, sweeps=sweeps, score_scale=scale,
+                                          prior=ins[3] if kl else None, masks=masks, config=config,
+                                          hybrid_logit=ins[-1] if logit is not None else None, received=True)
     loss = (out.double() * cot.double()).sum() + ((part.double() * weight).sum() if kl else 0.0)
     grads = torch.autograd.grad(loss, ins)
-    mass = plans.received_mass(q, k, v, sweeps, scale, masks, config, sampling=sampling, hybrid_logit=logit)
 
     eps = given.double() if seed is None else plans.counter_noise((b, h, s_q, s_k), seed, noise, stats,
                                                                   device=device).double()

@@ -16,7 +16,7 @@ values); `--dtype float32` describes a float32 call. `--execute` runs them too, 
 with softmax by a gate per head). With `--noise`, BAM's sampling over the plan (over HNAS with
 `--hybrid`) with its KL term of the same kind, against a prior of shape (B, H, 1, S_k); the
 backward then starts from the output and the KL part alike. `--no-kl` leaves the KL term out.
-`--mass` (deterministic plans) adds the received mass's key passes after the forward's.
+`--mass` adds the received mass's key passes after the forward's (of BAM's sampled weights with `--noise`).
 """
 
 import argparse
@@ -44,7 +44,7 @@ def parser():
     parser.add_argument("--no-kl", action="store_true", help="BAM's sampling without its KL term (bam-nokl)")
     parser.add_argument("--noise-scale", type=float, default=0.5, help="1/k or sigma")
     parser.add_argument("--seed", type=int, default=0, help="the draws' key")
-    parser.add_argument("--mass", action="store_true", help="the received mass too (deterministic plans)")
+    parser.add_argument("--mass", action="store_true", help="the received mass too")
     parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
                         help="q, k and v's dtype")
     parser.add_argument("--execute", action="store_true", help="also run the kernels, under Triton's interpreter")
@@ -74,8 +74,6 @@ def launches(args):
         block_m, block_n, num_warps, num_stages = (int(x) for x in args.config.split(","))
     except ValueError:
         sys.exit(f"launches: --config takes four integers block_m,block_n,num_warps,num_stages, got {args.config!r}")
-    if args.mass and args.noise:
-        sys.exit("launches: --mass takes the deterministic plans (the route gives no mass of BAM's draws)")
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
@@ -122,8 +120,9 @@ def launches(args):
                                                         requires_grad=True)
             logit = torch.randn(h, generator=gen, dtype=torch.float32, requires_grad=True) if args.hybrid else None
             sampling = plans.Sampling(args.noise, args.noise_scale, args.seed, kl=None if args.no_kl else args.noise)
-            out, part = plans.bam_attention(q, k, v, sampling, sweeps=args.sweeps, score_scale=args.scale * d ** 0.5,
-                                            prior=prior, masks=masks, config=config, hybrid_logit=logit)
+            out, part, *_ = plans.bam_attention(q, k, v, sampling, sweeps=args.sweeps, score_scale=args.scale * d ** 0.5,
+                                                prior=prior, masks=masks, config=config, hybrid_logit=logit,
+                                                received=args.mass)
             if args.no_kl:
                 out.backward(torch.ones_like(out))
             else:

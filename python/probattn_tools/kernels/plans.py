@@ -403,9 +403,9 @@ def received_mass(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None, s
                 return hybrid_attention(q, k, v, hybrid_logit, score_scale, masks, config, received=True)[1]
             return attention(q, k, v, sweeps, score_scale, masks, config, received=True)[1]
     sampling = Sampling(sampling.noise, sampling.scale, sampling.seed, draws=sampling.draws)  # no KL: the weights only
-    call = _Call(q, k, v, sweeps, score_scale, masks or Masks(), config, sampling, mix_logit=hybrid_logit)
-    _, c, r = _forward(call, sweeps)
-    return _received_mass(call, c[-1] if sweeps > 1 else c, r[-1] if sweeps > 1 else r)
+    with torch.no_grad():
+        return bam_attention(q, k, v, sampling, sweeps, score_scale, masks=masks, config=config,
+                             hybrid_logit=hybrid_logit, received=True)[2]
 
 
 class _PlanAttention(torch.autograd.Function):
@@ -491,10 +491,13 @@ class _BamAttention(torch.autograd.Function):
     noise again tile by tile and stores nothing of size S_q × S_k."""
 
     @staticmethod
-    def forward(ctx, q, k, v, prior, logit, sweeps, score_scale, sampling, masks, config):
+    def forward(ctx, q, k, v, prior, logit, sweeps, score_scale, sampling, masks, config, received):
         call = _Call(q, k, v, sweeps, score_scale, masks, config, sampling, prior, logit)
         out, c, r = _forward(call, sweeps)
         part = call.kl_rows[2].sum(-1) if call.kl else torch.zeros(q.shape[:2], dtype=call.stats, device=q.device)
+        # The sampled weights' mass: the same draws again in one key pass (Sinkhorn-N's weights are
+        # DNAS's with the last potentials; over HNAS, the mixture's).
+        mass = _received_mass(call, c[-1] if sweeps > 1 else c, r[-1] if sweeps > 1 else r) if received else None
         rows = [*call.kl_rows[:2], *(call.mix_rows if call.mix else ())]
         ctx.save_for_backward(out, c, r, *rows)
         ctx.call, ctx.sweeps, ctx.prior_shape = call, sweeps, None if prior is None else prior.shape
@@ -502,10 +505,13 @@ class _BamAttention(torch.autograd.Function):
             ctx.u = torch.sigmoid(logit.detach().to(call.stats))
         if not call.kl:
             ctx.mark_non_differentiable(part)
-        return out, part
+        if not received:
+            return out, part
+        ctx.mark_non_differentiable(mass)
+        return out, part, mass
 
     @staticmethod
-    def backward(ctx, grad_out, grad_part):
+    def backward(ctx, grad_out, grad_part, *_mass):
         call, sweeps = ctx.call, ctx.sweeps
         out, c, r, *rows = ctx.saved_tensors
         kl_rows, mix_rows = (rows[:2], rows[2:]) if call.kl else ((), rows)
@@ -522,17 +528,19 @@ class _BamAttention(torch.autograd.Function):
             dprior = kl[3].unsqueeze(2).sum_to_size(ctx.prior_shape)
         if mix is not None:
             dlogit = mix[2].sum((0, 2)) * ctx.u * (1 - ctx.u)
-        return dq, dk, dv, dprior, dlogit, None, None, None, None, None
+        return dq, dk, dv, dprior, dlogit, None, None, None, None, None, None
 
 
 def bam_attention(q, k, v, sampling, sweeps=1, score_scale=1.0, prior=None, masks=None, config=None,
-                  hybrid_logit=None):
+                  hybrid_logit=None, received=False):
     """BAM's sampled attention over the plan with `sweeps` (0 softmax, 1 DNAS, N Sinkhorn-N), or
     over HNAS with its gate logits `hybrid_logit (H,)` (sweeps 1): (output (B, H, S_q, d_v),
     T (B, H)), T the KL term's score-dependent part (`Sampling`; zeros without a KL term),
     differentiable in q, k, v, the prior's values `prior` (broadcastable to (B, H, 1, S_k)) and
     the gate logits. The noise is drawn in the kernels from `sampling.seed`, the same ε as the
-    tiles' and the CPU loop's for that seed (`counter_noise`), or read from `sampling.draws`."""
+    tiles' and the CPU loop's for that seed (`counter_noise`), or read from `sampling.draws`.
+    `received`: `(output, T, mass)`, the sampled weights' received mass `Σ_i w_ij` (B, H, S_k) from
+    one key pass after the forward that draws the same noise again."""
     if not isinstance(sampling, Sampling):
         raise ValueError(f"sampling must be a plans.Sampling, got {type(sampling).__name__}")
     if hybrid_logit is not None:
@@ -541,4 +549,5 @@ def bam_attention(q, k, v, sampling, sweeps=1, score_scale=1.0, prior=None, mask
         if hybrid_logit.dim() != 1 or hybrid_logit.shape[0] != q.shape[1]:
             raise ValueError(f"hybrid_logit must have one gate per query head, shape ({q.shape[1]},), "
                              f"got {tuple(hybrid_logit.shape)}")
-    return _BamAttention.apply(q, k, v, prior, hybrid_logit, sweeps, score_scale, sampling, masks or Masks(), config)
+    return _BamAttention.apply(q, k, v, prior, hybrid_logit, sweeps, score_scale, sampling, masks or Masks(), config,
+                               received)
