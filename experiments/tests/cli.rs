@@ -42,6 +42,13 @@ fn doctor_reports_versions_and_cuda() -> Result<()> {
         None => {
             ensure!(fused["embedded"]["sm_80"].as_u64() > Some(0) && fused["embedded"]["sm_90"].as_u64() > Some(0), "{fused}");
             ensure!(said.contains("fused     sm_80 (") && said.contains("sm_90 ("), "{said}");
+            // The sets by dtype and head dimension, the same on every architecture.
+            let sets: Vec<&str> = fused["sets"].as_array().map(|s| s.iter().filter_map(|x| x.as_str()).collect()).unwrap_or_default();
+            ensure!(sets.contains(&"bfloat16 d 64") && sets.contains(&"float32 d 128") && !sets.contains(&"float32 d 256"), "{fused}");
+            ensure!(
+                said.contains("dtypes and head dimensions: bfloat16 d 64, 128, 256; float16 d 64, 128, 256; float32 (TF32) d 64, 128"),
+                "{said}"
+            );
         }
         Some(why) => ensure!(said.contains(&format!("fused     no kernels embedded: {why}")), "{said}"),
     }

@@ -255,6 +255,9 @@ pub fn attend(
 pub struct Availability {
     /// Kernels per architecture, `{"sm_80": 80, "sm_90": 80}`.
     pub embedded: std::collections::BTreeMap<String, usize>,
+    /// The embedded sets by dtype and head dimension, `["bfloat16 d 64", ..., "float32 d 128"]`:
+    /// a call takes the narrowest that holds its d and d_v (the same on every architecture).
+    pub sets: Vec<String>,
     /// The Triton version that compiled them.
     pub triton: String,
     /// Why the build embedded none.
@@ -295,6 +298,7 @@ pub fn availability(cuda: bool) -> Availability {
         .or_else(|| (!gpu_matches).then(|| format!("no embedded kernel runs on sm_{} (embedded: {})", gpu.unwrap_or(0), embedded_archs())));
     Availability {
         embedded,
+        sets: embedded_sets().into_iter().map(|(dtype, head_dim)| format!("{dtype} d {head_dim}")).collect(),
         triton: cxx::kernels::triton_version().to_string(),
         missing,
         gpu,
@@ -306,13 +310,19 @@ pub fn availability(cuda: bool) -> Availability {
     }
 }
 
-/// The embedded (dtype, head dimension) sets, as `"float32 d 128"`, that [`too_little_shared_memory`]
-/// refuses on `device`.
-fn too_large_sets(device: cxx::CudaDevice) -> Vec<String> {
+/// The embedded (dtype, head dimension) sets, in the manifest's dtype names.
+fn embedded_sets() -> Vec<(String, i64)> {
     let mut sets: Vec<(String, i64)> = cxx::kernels::kernels().iter().map(|k| (k.dtype.clone(), k.head_dim)).collect();
     sets.sort();
     sets.dedup();
-    sets.into_iter()
+    sets
+}
+
+/// The embedded (dtype, head dimension) sets, as `"float32 d 128"`, that [`too_little_shared_memory`]
+/// refuses on `device`.
+fn too_large_sets(device: cxx::CudaDevice) -> Vec<String> {
+    embedded_sets()
+        .into_iter()
         .filter(|(dtype, head_dim)| too_little_shared_memory(device, dtype, *head_dim).is_some())
         .map(|(dtype, head_dim)| format!("{dtype} d {head_dim}"))
         .collect()

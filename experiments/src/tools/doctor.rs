@@ -108,7 +108,10 @@ impl Report {
         let embedded: Vec<String> = fused.embedded.iter().map(|(arch, n)| format!("{arch} ({n} kernels)")).collect();
         match &fused.missing {
             Some(why) => println!("fused     no kernels embedded: {why}"),
-            None => println!("fused     {} (Triton {}; docs/kernels.md)", embedded.join(", "), fused.triton),
+            None => {
+                println!("fused     {} (Triton {}; docs/kernels.md)", embedded.join(", "), fused.triton);
+                println!("          dtypes and head dimensions: {}", sets_by_dtype(&fused.sets).join("; "));
+            }
         }
         match (fused.gpu, &fused.why_not) {
             (Some(arch), None) => println!(
@@ -170,6 +173,22 @@ pub fn run(args: &DoctorArgs) -> Result<()> {
 
 /// "<model name>; bfloat16 instructions: <flags>" from the text of `/proc/cpuinfo` (x86-64's
 /// `avx512_bf16` and `amx_bf16`, "none" when it has neither).
+/// The embedded sets (`"bfloat16 d 64"`, ...) as one entry per dtype, `"bfloat16 d 64, 128, 256"`,
+/// in the sets' order; float32's marked as taking TF32 products (the route's float32 cubins do).
+fn sets_by_dtype(sets: &[String]) -> Vec<String> {
+    let mut by_dtype: Vec<(&str, Vec<&str>)> = Vec::new();
+    for (dtype, head_dim) in sets.iter().filter_map(|s| s.split_once(" d ")) {
+        match by_dtype.iter_mut().find(|(d, _)| *d == dtype) {
+            Some((_, dims)) => dims.push(head_dim),
+            None => by_dtype.push((dtype, vec![head_dim])),
+        }
+    }
+    by_dtype
+        .into_iter()
+        .map(|(dtype, dims)| format!("{dtype}{} d {}", if dtype == "float32" { " (TF32)" } else { "" }, dims.join(", ")))
+        .collect()
+}
+
 fn cpu_description(cpuinfo: &str) -> Option<String> {
     let field = |name: &str| {
         cpuinfo.lines().find_map(|line| {
@@ -219,5 +238,13 @@ mod tests {
         let old = "model name\t: Intel(R) Xeon(R) Gold 6248 CPU @ 2.50GHz\nflags\t\t: fpu avx512f avx512_vnni\n";
         assert_eq!(cpu_description(old).unwrap(), "Intel(R) Xeon(R) Gold 6248 CPU @ 2.50GHz; bfloat16 instructions: none");
         assert_eq!(cpu_description("processor\t: 0\n"), None, "no model name, nothing to record");
+    }
+
+    #[test]
+    fn the_embedded_sets_are_listed_once_per_dtype() {
+        let sets: Vec<String> =
+            ["bfloat16 d 64", "bfloat16 d 256", "float16 d 64", "float32 d 64", "float32 d 128"].map(String::from).into();
+        assert_eq!(sets_by_dtype(&sets), ["bfloat16 d 64, 256", "float16 d 64", "float32 (TF32) d 64, 128"]);
+        assert!(sets_by_dtype(&[]).is_empty());
     }
 }
