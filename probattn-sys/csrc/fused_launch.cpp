@@ -17,6 +17,9 @@
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include "boundary.h"
+#include "probattn.h"
+
 namespace probattn::fused {
 namespace {
 
@@ -400,3 +403,41 @@ void launch(const Launch& l, const at::Device& device, std::map<at::ScalarType, 
 }
 
 }  // namespace probattn::fused
+
+// The registration of the embedded kernels and the driver's status, for the Rust side
+// (csrc/probattn.h).
+extern "C" {
+
+char* pa_fused_register(const char* kernel, int32_t arch, const char* dtype, int64_t head_dim, const char* key, const char* params,
+                        uint32_t num_warps, uint32_t shared_bytes, int64_t block_m, int64_t block_n, const char* symbol,
+                        const uint8_t* cubin, size_t cubin_len) {
+  return probattn::guard([&] {
+    for (auto [pointer, name] : {std::pair<const void*, const char*>{kernel, "kernel"}, {dtype, "dtype"}, {key, "key"},
+                                 {params, "params"}, {symbol, "symbol"}, {cubin, "cubin"}}) {
+      probattn::require(pointer, "pa_fused_register", name);
+    }
+    TORCH_CHECK(cubin_len > 4, "pa_fused_register: an empty cubin for ", kernel);
+    // the embedded bytes live as long as the program
+    probattn::fused::register_kernel(kernel, arch, dtype, head_dim, key, params, num_warps, shared_bytes, block_m, block_n, symbol,
+                                     cubin);
+  });
+}
+
+char* pa_fused_cuda_status(int64_t device_index, int32_t* arch, int32_t* shared_optin, char** why) {
+  return probattn::guard([&] {
+    probattn::require(arch, "pa_fused_cuda_status", "arch");
+    probattn::require(shared_optin, "pa_fused_cuda_status", "shared_optin");
+    probattn::require(why, "pa_fused_cuda_status", "why");
+    *arch = 0;
+    *shared_optin = 0;
+    *why = nullptr;
+    if (const auto& missing = probattn::fused::driver_missing(); !missing.empty()) {
+      *why = probattn::copy_string(missing);
+      return;
+    }
+    *arch = probattn::fused::device_capability(device_index);
+    *shared_optin = probattn::fused::device_shared_optin(device_index);
+  });
+}
+
+}  // extern "C"

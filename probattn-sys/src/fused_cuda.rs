@@ -1,6 +1,6 @@
-//! The fused CUDA route's entry points in csrc/fused_cuda.cpp: the embedded kernels
-//! (probattn-kernels) registered with the launcher once, the driver's status for a device, and
-//! the attention call itself.
+//! The fused CUDA route's entry points: the embedded kernels (probattn-kernels) registered with
+//! the launcher once and the driver's status for a device (csrc/fused_launch.cpp), and the
+//! attention call itself (csrc/fused_cuda.cpp).
 
 use std::ffi::{c_char, CString};
 use std::ptr;
