@@ -11,6 +11,9 @@
 //! by name before the normalizer or module is built, which then uses those very tensors
 //! ([`probattn::param`]), so their gradients arrive in Python.
 
+mod repulsive;
+mod timing;
+
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -401,82 +404,6 @@ fn sdpa(
     Ok(out.map(PyTensor))
 }
 
-/// The Rust side of the package's overhead benchmark (`python/probattn/benchmarks/bench.py`), run
-/// in the caller's process and thread so that both sides share one libtorch, one allocator and
-/// one CPU state: `probattn::attend` called from Rust on `randn (batch, heads, seq, dim)` float32
-/// inputs (from `seed`) with the normalizer built once, forward alone (under no_grad) and forward
-/// + backward (`output.sum().backward()`), each `repeats` times after two warm-up calls. With
-/// `baseline`, libtorch's own `scaled_dot_product_attention` instead of `attend`: the floor any
-/// caller from Rust pays. Returns the milliseconds of each call, `(forward, forward_backward)`;
-/// on CUDA each call is timed to its completion.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (variant, seq, *, memory_efficient=false, repeats=20, batch=1, heads=8, dim=64, seed=0, device="cpu", baseline=false))]
-fn rust_timing(
-    py: Python<'_>,
-    variant: &str,
-    seq: i64,
-    memory_efficient: bool,
-    repeats: usize,
-    batch: i64,
-    heads: i64,
-    dim: i64,
-    seed: i64,
-    device: &str,
-    baseline: bool,
-) -> PyResult<(Vec<f64>, Vec<f64>)> {
-    let variant = self::variant(variant)?;
-    let device = match device {
-        "cpu" => tch::Device::Cpu,
-        "cuda" if tch::Cuda::is_available() => tch::Device::Cuda(0),
-        other => return Err(PyValueError::new_err(format!("device must be cpu or cuda (with CUDA available), got '{other}'"))),
-    };
-    py.allow_threads(move || {
-        guarded(|| {
-            let sync = || {
-                if let tch::Device::Cuda(i) = device {
-                    tch::Cuda::synchronize(i as i64);
-                }
-            };
-            tch::manual_seed(seed);
-            let options = (tch::Kind::Float, device);
-            let [q, k, v] = [0; 3].map(|_| Tensor::randn([batch, heads, seq, dim], options));
-            let vs = nn::VarStore::new(device);
-            let normalizer = variant.build(&vs.root(), heads, dim, &NormalizerConfig::default()).map_err(to_py)?;
-            let call = |q: &Tensor, k: &Tensor, v: &Tensor| -> PyResult<Tensor> {
-                if baseline {
-                    return Ok(Tensor::scaled_dot_product_attention(q, k, v, None::<&Tensor>, 0.0, false, None, false));
-                }
-                let opts = AttendOptions { need_weights: false, tile: memory_efficient.then_some(256), ..Default::default() };
-                Ok(attend(q, k, v, &Masks::default(), normalizer.as_ref(), opts).map_err(to_py)?.output)
-            };
-            let (mut forward, mut both) = (Vec::with_capacity(repeats), Vec::with_capacity(repeats));
-            let grads = [q.detach().set_requires_grad(true), k.detach().set_requires_grad(true), v.detach().set_requires_grad(true)];
-            for round in 0..repeats + 2 {
-                sync();
-                let start = std::time::Instant::now();
-                let _ = tch::no_grad(|| call(&q, &k, &v))?;
-                sync();
-                let f = start.elapsed().as_secs_f64() * 1e3;
-                let start = std::time::Instant::now();
-                call(&grads[0], &grads[1], &grads[2])?.sum(tch::Kind::Float).backward();
-                sync();
-                let fb = start.elapsed().as_secs_f64() * 1e3;
-                for mut t in grads.iter().map(Tensor::grad) {
-                    if t.defined() {
-                        let _ = t.zero_();
-                    }
-                }
-                if round >= 2 {
-                    forward.push(f);
-                    both.push(fb);
-                }
-            }
-            Ok((forward, both))
-        })
-    })
-}
-
 /// `MultiHeadAttention::forward_mode` on batch-first `(B, S, E)` inputs, the module built on the
 /// caller's parameters (`in_proj_weight`, `in_proj_bias`, `out_proj.weight`, `out_proj.bias`,
 /// or `q_proj_weight`, ... when kdim/vdim differ; the normalizer's own). `key_is_query` and
@@ -574,59 +501,6 @@ fn initial_parameters(
     })
 }
 
-/// A value of one of the library's serde enums from its name (`"encoder-self"`, `"q"`, `"spos"`).
-fn named<T: serde::de::DeserializeOwned>(what: &str, name: &str) -> PyResult<T> {
-    serde_json::from_value(serde_json::Value::String(name.to_string()))
-        .map_err(|_| PyValueError::new_err(format!("unknown {what} '{name}'")))
-}
-
-/// The repulsive heads' step (`probattn::repulsive::RepulsiveHook::apply`): replaces the
-/// gradients of the attention projections in `modules` with the SVGD or SPOS direction, in place.
-/// `modules`: `(name, weight, heads, kind, layer, projection)`, `projection` None for a packed
-/// `in_proj_weight (3E, E)` (Q, K and V), else "q", "k" or "v" for a separate weight.
-/// `selection`: the CLI's `--selection` JSON (kinds, layers, projections). Returns the names of
-/// the particle sets it moved.
-#[pyfunction]
-#[pyo3(signature = (modules, *, method="svgd", alpha=0.01, stepsize=0.1, beta=1.0, bandwidth=None, selection=None))]
-#[allow(clippy::type_complexity)]
-fn repulsive_step(
-    modules: Vec<(String, PyTensor, i64, String, usize, Option<String>)>,
-    method: &str,
-    alpha: f64,
-    stepsize: f64,
-    beta: f64,
-    bandwidth: Option<f64>,
-    selection: Option<&str>,
-) -> PyResult<Vec<String>> {
-    use probattn::repulsive::{Bandwidth, RepulsiveConfig, RepulsiveHook, Selection};
-    let cfg = RepulsiveConfig {
-        method: named("repulsive method (svgd, spos)", method)?,
-        alpha,
-        stepsize,
-        beta,
-        bandwidth: bandwidth.map_or(Bandwidth::Median, Bandwidth::Fixed),
-    };
-    let selection: Selection = match selection {
-        Some(s) => serde_json::from_str(s)
-            .map_err(|e| PyValueError::new_err(format!("selection {s}: {e} (JSON with kinds, layers, projections)")))?,
-        None => Selection::default(),
-    };
-    guarded(|| {
-        let mut hook = RepulsiveHook::new(cfg, selection).map_err(to_py)?;
-        for (name, weight, heads, kind, layer, projection) in &modules {
-            let kind = named("module kind (encoder-self, decoder-self, cross, other)", kind)?;
-            match projection {
-                None => hook.add_in_proj(name, weight, *heads, kind, *layer).map_err(to_py)?,
-                Some(p) => {
-                    hook.add_projection_weight(name, weight, *heads, kind, *layer, named("projection (q, k, v)", p)?).map_err(to_py)?
-                }
-            }
-        }
-        hook.apply().map_err(to_py)?;
-        Ok(hook.sets().iter().map(|s| s.name.clone()).collect())
-    })
-}
-
 /// Sets the process's attention backend (`probattn::backend::set_default`: auto, eager, tiles or
 /// fused) and returns the one it replaces, for `probattn.attention_backend`'s context manager.
 #[pyfunction]
@@ -658,11 +532,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Spec>()?;
     m.add_function(wrap_pyfunction!(attention, m)?)?;
     m.add_function(wrap_pyfunction!(sdpa, m)?)?;
-    m.add_function(wrap_pyfunction!(rust_timing, m)?)?;
+    m.add_function(wrap_pyfunction!(timing::rust_timing, m)?)?;
     m.add_function(wrap_pyfunction!(multi_head_attention, m)?)?;
     m.add_function(wrap_pyfunction!(initial_parameters, m)?)?;
     m.add_function(wrap_pyfunction!(registry_json, m)?)?;
-    m.add_function(wrap_pyfunction!(repulsive_step, m)?)?;
+    m.add_function(wrap_pyfunction!(repulsive::repulsive_step, m)?)?;
     m.add_function(wrap_pyfunction!(set_attention_backend, m)?)?;
     m.add_function(wrap_pyfunction!(attention_routes, m)?)?;
     Ok(())
