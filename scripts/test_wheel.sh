@@ -57,7 +57,7 @@ site=$("$fresh" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 echo "$work/torch-only" > "$site/torch-only.pth"
 "$fresh" -m pip install --quiet --no-index "$wheel"   # torch==2.11.0 is met by the links; nothing is fetched
 mkdir -p "$work/tests"
-cp "$root"/python/probattn/tests/test_*.py "$work/tests/"
+cp "$root"/python/probattn/tests/*.py "$work/tests/"   # the test files and what they share (common.py)
 cp -r "$root/python/probattn_tools" "$work/tests/"
 cd "$work/tests"
 "$fresh" -c "import probattn, torch; print('probattn from', probattn.__file__, 'torch', torch.__version__)" >&2

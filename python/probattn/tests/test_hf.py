@@ -1,0 +1,156 @@
+"""probattn in Hugging Face transformers' models: the registered implementation in tiny Llama and
+BERT models built from configs (no download)."""
+
+import importlib.util
+import unittest
+
+import torch
+
+import probattn
+from probattn_tools.reference import variants as registry
+
+
+@unittest.skipUnless(importlib.util.find_spec("transformers"), "transformers is not installed")
+class HuggingFace(unittest.TestCase):
+    """Every registered implementation in tiny Llama and BERT models built from configs (no download)."""
+
+    @classmethod
+    def setUpClass(cls):
+        import probattn.hf
+        from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
+
+        cls.names = probattn.hf.register()
+        cls.llama = staticmethod(lambda: LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)))
+        cls.bert = staticmethod(lambda: BertForMaskedLM(BertConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                      num_attention_heads=4, max_position_embeddings=32, attention_probs_dropout_prob=0.0)))
+        cls.ids = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(0))
+        cls.mask = torch.ones(2, 10, dtype=torch.long)
+        cls.mask[1, :3] = 0
+
+    def model(self, kind, impl, train=True):
+        torch.manual_seed(0)
+        m = self.llama() if kind == "llama" else self.bert()
+        m.set_attn_implementation(impl)
+        return m.train(train)
+
+    def loss(self, m):
+        return m(input_ids=self.ids, attention_mask=self.mask, labels=self.ids).loss
+
+    def train(self, m, with_kl):
+        """Eight Adam steps; `with_kl`: each of the two attention modules leaves BAM's KL, added to
+        the loss. Returns the losses."""
+        opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+        losses = []
+        for _ in range(8):
+            loss = self.loss(m)
+            if with_kl:
+                kl = [mod.probattn_kl for mod in m.modules() if getattr(mod, "probattn_kl", None) is not None]
+                self.assertEqual(len(kl), 2)
+                loss = loss + 0.01 * sum(kl)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    def test_softmax_equals_sdpa(self):
+        # The tiny Llama has 2 key/value heads for 4 query heads: they reach the library grouped.
+        for kind in ("llama", "bert"):
+            for impl in ("probattn", "probattn-softmax", "probattn-softmax-me"):
+                with self.subTest(f"{kind} {impl}"):
+                    ours, theirs = self.model(kind, impl, False), self.model(kind, "sdpa", False)
+                    a, b = self.loss(ours), self.loss(theirs)
+                    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+                    a.backward()
+                    b.backward()
+                    for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
+                        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+    def test_memory_efficient_forms_equal_the_eager_ones(self):
+        for impl in ("probattn-dnas", "probattn-sinkhorn-3", "probattn-bam-wf"):
+            with self.subTest(impl):
+                a, b = self.loss(self.model("bert", impl, False)), self.loss(self.model("bert", impl + "-me", False))
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+    def test_the_config_chooses_the_variant(self):
+        # "probattn" reads config.probattn at every call: dnas from the config equals its alias, a
+        # change of the config applies at the next call, and a bad config is named.
+        m = self.model("bert", "probattn", False)
+        m.config.probattn = {"variant": "dnas", "memory_efficient": True, "tile": 3}
+        torch.testing.assert_close(self.loss(m), self.loss(self.model("bert", "probattn-dnas", False)), rtol=0, atol=1e-5)
+        m.config.probattn = {"variant": "softmax"}
+        torch.testing.assert_close(self.loss(m), self.loss(self.model("bert", "sdpa", False)), rtol=0, atol=1e-5)
+        for bad, message in (({"variant": "dnaz"}, "unknown variant 'dnaz'"), ({"varient": "dnas"}, "unknown settings"),
+                             ("dnas", "must be a dict")):
+            m.config.probattn = bad
+            with self.assertRaisesRegex((ValueError, TypeError), message):
+                self.loss(m)
+
+    def test_bam_wc_from_the_config_trains_a_grouped_query_llama(self):
+        m = self.model("llama", "probattn")
+        m.config.probattn = {"variant": "bam-wc", "bam": {"k": 20.0}}
+        self.assertEqual(len(probattn.hf.prepare(m)), 2)
+        losses = self.train(m, with_kl=True)
+        self.assertLess(losses[-1], losses[0], losses)
+
+    def test_a_position_bias_is_an_additive_mask(self):
+        # transformers' own SDPA function is the oracle: a T5-style bias (B, H, L, S) with the
+        # boolean padding mask, with and without the causal pattern, grouped heads.
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        g = torch.Generator().manual_seed(3)
+        q, k, v = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)
+        bias = torch.randn(2, 4, 5, 5, generator=g, requires_grad=True)
+        mask = torch.ones(2, 1, 5, 5, dtype=torch.bool)
+        mask[1, ..., :2] = False
+        for causal, m in ((False, mask), (True, None)):
+            with self.subTest(causal=causal):
+                module = torch.nn.Module()
+                module.num_key_value_groups, module.is_causal = 2, causal
+                module.eval()
+                ours = probattn.hf._forward()(module, q, k, v, m, scaling=0.3, position_bias=bias)[0]
+                theirs = sdpa_attention_forward(module, q, k, v, m, scaling=0.3, position_bias=bias)[0]
+                torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+                (a,), (b,) = (torch.autograd.grad(o.sum(), [bias]) for o in (ours, theirs))
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    def test_every_implementation_trains(self):
+        for name in self.names:
+            if name == "probattn":
+                continue  # the config's variant: softmax here, the aliases cover each variant
+            variant = name.removeprefix("probattn-").removesuffix("-me")
+            kinds = ["bert"] + (["llama"] if variant.startswith(("softmax", "bam")) else [])
+            for kind in kinds:
+                with self.subTest(f"{kind} {name}"):
+                    m = self.model(kind, name)
+                    if registry.entry(variant)["parameters"]:
+                        self.assertEqual(len(probattn.hf.prepare(m, variant)), 2)
+                    losses = self.train(m, with_kl=variant in ("bam-wf", "bam-lf", "bam-wc", "bam-lc"))
+                    self.assertLess(losses[-1], losses[0], losses)
+                    for n, p in m.named_parameters():
+                        if ".probattn." in n:
+                            self.assertIsNotNone(p.grad, n)
+
+    def test_parameters_are_asked_for_by_name(self):
+        with self.assertRaisesRegex(ValueError, r"call probattn.hf.prepare\(model, 'hnas'\)"):
+            self.loss(self.model("bert", "probattn-hnas"))
+        with self.assertRaisesRegex(ValueError, "no parameters of its own"):
+            probattn.hf.prepare(self.model("bert", "probattn-dnas"), "dnas")
+        with self.assertRaisesRegex(ValueError, "no parameters of its own"):
+            probattn.hf.prepare(self.model("bert", "probattn"))  # the config's variant: softmax
+
+    def test_a_causal_model_refuses_a_variant_that_would_see_the_future(self):
+        for impl in ("probattn-dnas", "probattn-sinkhorn-3-me"):
+            with self.assertRaisesRegex(ValueError, "causal model"):
+                self.loss(self.model("llama", impl))
+        with self.assertRaisesRegex(ValueError, "no attention dropout"):
+            m = self.model("llama", "probattn-softmax-me")
+            m.config.attention_dropout = 0.1
+            for layer in m.model.layers:
+                layer.self_attn.attention_dropout = 0.1
+            self.loss(m)
+
+
+if __name__ == "__main__":
+    unittest.main()
