@@ -110,18 +110,7 @@ fn dispatch(
     opts: AttendOptions,
 ) -> Result<(Attended, Choice)> {
     let shape = check_qkv(q, k, v, opts.enable_gqa)?;
-    check_scale(opts.scale)?;
-    if masks.causal && !normalizer.causal_safe() {
-        return Err(Error::causal_leak(&normalizer.name()));
-    }
-    if !(0.0..1.0).contains(&opts.dropout) {
-        return Err(Error::Config(format!("dropout must lie in [0, 1), got {}", opts.dropout)));
-    }
-    if let Some(noise) = opts.noise {
-        if noise.size() != shape.dims() {
-            return Err(Error::Shape(format!("noise has shape {:?}, expected the weights' shape {:?}", noise.size(), shape.dims())));
-        }
-    }
+    check_options(shape, masks, normalizer, &opts)?;
     let requested = match opts.backend {
         Backend::Auto => backend::default(),
         forced => forced,
@@ -188,6 +177,24 @@ fn dispatch(
     };
     backend::record(choice.route);
     Ok((out, choice))
+}
+
+/// The call's options checked against its shape and variant, whatever the route: the scale, a
+/// causal mask only for a causal-safe variant, the dropout rate, the shape of given draws.
+fn check_options(shape: ScoreShape, masks: &Masks, normalizer: &dyn Normalizer, opts: &AttendOptions) -> Result<()> {
+    check_scale(opts.scale)?;
+    if masks.causal && !normalizer.causal_safe() {
+        return Err(Error::causal_leak(&normalizer.name()));
+    }
+    if !(0.0..1.0).contains(&opts.dropout) {
+        return Err(Error::Config(format!("dropout must lie in [0, 1), got {}", opts.dropout)));
+    }
+    match opts.noise {
+        Some(noise) if noise.size() != shape.dims() => {
+            Err(Error::Shape(format!("noise has shape {:?}, expected the weights' shape {:?}", noise.size(), shape.dims())))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Whether the fused CUDA route serves this call, or why not.
