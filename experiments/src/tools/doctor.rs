@@ -171,8 +171,6 @@ pub fn run(args: &DoctorArgs) -> Result<()> {
     Ok(())
 }
 
-/// "<model name>; bfloat16 instructions: <flags>" from the text of `/proc/cpuinfo` (x86-64's
-/// `avx512_bf16` and `amx_bf16`, "none" when it has neither).
 /// The embedded sets (`"bfloat16 d 64"`, ...) as one entry per dtype, `"bfloat16 d 64, 128, 256"`,
 /// in the sets' order; float32's marked as taking TF32 products (the route's float32 cubins do).
 fn sets_by_dtype(sets: &[String]) -> Vec<String> {
@@ -189,6 +187,8 @@ fn sets_by_dtype(sets: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// "<model name>; bfloat16 instructions: <flags>" from the text of `/proc/cpuinfo` (x86-64's
+/// `avx512_bf16` and `amx_bf16`, "none" when it has neither).
 fn cpu_description(cpuinfo: &str) -> Option<String> {
     let field = |name: &str| {
         cpuinfo.lines().find_map(|line| {
