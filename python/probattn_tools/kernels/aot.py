@@ -100,8 +100,9 @@ def route_specializations(dtype="bfloat16", head_dim=64):
     Padded only (a call without padding passes none; BAM's draws dwarf reading it): BAM's
     sampling, Weibull and Lognormal with their KL terms over softmax (plain and causal), DNAS, HNAS
     and Sinkhorn-N, and Weibull without a KL term (bam-nokl) over softmax and DNAS, with the key
-    pass that gives the sampled weights' received mass, on both sides of 2^32 score entries. Not in float32, whose set holds the deterministic plans alone (BAM in
-    float32 runs on the tiles), up to FLOAT32_WIDEST.
+    pass that gives the sampled weights' received mass, on both sides of 2^32 score entries. Not
+    in float32, whose set holds the deterministic plans alone (BAM in float32 runs on the tiles),
+    up to FLOAT32_WIDEST.
 
     A test keeps this list and the launches of `plans.attention`, `plans.hybrid_attention` and
     `plans.bam_attention` for those calls the same (tests/fused_cuda.rs)."""

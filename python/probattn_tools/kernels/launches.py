@@ -16,7 +16,8 @@ values); `--dtype float32` describes a float32 call. `--execute` runs them too, 
 with softmax by a gate per head). With `--noise`, BAM's sampling over the plan (over HNAS with
 `--hybrid`) with its KL term of the same kind, against a prior of shape (B, H, 1, S_k); the
 backward then starts from the output and the KL part alike. `--no-kl` leaves the KL term out.
-`--mass` adds the received mass's key passes after the forward's (of BAM's sampled weights with `--noise`).
+`--mass` adds the received mass's key passes after the forward's (with `--noise`, of BAM's sampled
+weights).
 """
 
 import argparse
