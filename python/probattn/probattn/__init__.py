@@ -94,6 +94,18 @@ def _tensor(name, t):
     return t
 
 
+def _seed(seed):
+    """`seed` as the library takes it: None, or an integer in [0, 2**64), the 64-bit key of BAM's
+    counter-based draws."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not hasattr(type(seed), "__index__"):
+        raise TypeError(f"seed must be an integer, got {type(seed).__name__}")
+    if not 0 <= int(seed) < 2**64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), the key of BAM's draws, got {int(seed)}")
+    return int(seed)
+
+
 def _mask(name, m):
     """A boolean mask in nn.MultiheadAttention's convention (True = excluded), checked: what
     `probattn.nn.MultiheadAttention` takes as PyTorch's module takes it."""
@@ -145,6 +157,7 @@ def _attention(query, key, value, variant, attn_mask, bias, is_causal, scale, en
             raise ValueError(f"tile must be at least 1, got {tile}")
     elif tile is not None:
         raise ValueError("tile applies to the memory-efficient path: pass memory_efficient=True with it")
+    seed = _seed(seed)
     if seed is not None and tile is None:
         raise ValueError("seed keys the memory-efficient path's BAM draws; the eager path draws from libtorch's "
                          "generator (torch.manual_seed) or takes bam={'noise': ...}: pass memory_efficient=True with it")

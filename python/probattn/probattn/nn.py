@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from . import DEFAULT_TILE, _BAM_SETTINGS, _mask, _native, _ops
+from . import DEFAULT_TILE, _BAM_SETTINGS, _mask, _native, _ops, _seed
 
 __all__ = ["MultiheadAttention"]
 
@@ -105,6 +105,7 @@ class MultiheadAttention(torch.nn.Module):
         `torch.compile` a seeded or given draw compiles without a graph break."""
         if self.tile is not None and need_weights:
             raise ValueError("the memory-efficient path forms no weights: call it with need_weights=False")
+        seed = _seed(seed)
         if seed is not None and self.tile is None:
             raise ValueError("seed keys the memory-efficient path's BAM draws; the eager module draws from libtorch's "
                              "generator (torch.manual_seed) or takes noise=: construct it with memory_efficient=True")

@@ -364,11 +364,24 @@ class Errors(unittest.TestCase):
             (ValueError, "construct it with memory_efficient=True",
              lambda: probattn.nn.MultiheadAttention(4, 2, variant="bam-wf", batch_first=True, dtype=D)(
                  q[0], q[0], q[0], need_weights=False, seed=3)),
+            # The draws' key is 64 bits: outside them, or not an integer, the seed is named.
+            (ValueError, r"seed must be an integer in \[0, 2\*\*64\), the key of BAM's draws, got -1",
+             lambda: probattn.attention(q, k, v, variant="bam-wf", training=True, memory_efficient=True, seed=-1)),
+            (ValueError, r"seed must be an integer in \[0, 2\*\*64\), the key of BAM's draws, got 18446744073709551616",
+             lambda: probattn.attention(q, k, v, variant="bam-wf", training=True, memory_efficient=True, seed=2**64)),
+            (TypeError, "seed must be an integer, got float",
+             lambda: probattn.attention(q, k, v, variant="bam-wf", training=True, memory_efficient=True, seed=1.5)),
+            (TypeError, "seed must be an integer, got bool",
+             lambda: probattn.nn.MultiheadAttention(4, 2, variant="bam-wf", batch_first=True, dtype=D, memory_efficient=True)(
+                 q[0], q[0], q[0], need_weights=False, seed=True)),
         ]
         for kind, message, call in cases:
             with self.subTest(message):
                 with self.assertRaisesRegex(kind, message):
                     call()
+        # The whole range is taken: the largest key draws as any other.
+        out = probattn.attention(q, k, v, variant="bam-wf", training=True, memory_efficient=True, seed=2**64 - 1)
+        self.assertTrue(torch.isfinite(out).all())
 
     def test_another_torch_is_refused_at_import_by_name(self):
         code = "import torch; torch.__version__ = '2.99.0'; import probattn"
