@@ -94,6 +94,18 @@ def _tensor(name, t):
     return t
 
 
+def _tile(tile):
+    """`tile` as the memory-efficient path takes it: the default for None, else a positive integer
+    (queries a tile; past the query length it is one tile)."""
+    if tile is None:
+        return DEFAULT_TILE
+    if isinstance(tile, bool) or not hasattr(type(tile), "__index__"):
+        raise TypeError(f"tile must be an integer, got {type(tile).__name__}")
+    if not 1 <= int(tile) < 2**63:
+        raise ValueError(f"tile must be at least 1 (queries a tile), got {int(tile)}")
+    return int(tile)
+
+
 def _seed(seed):
     """`seed` as the library takes it: None, or an integer in [0, 2**64), the 64-bit key of BAM's
     counter-based draws."""
@@ -152,9 +164,7 @@ def _attention(query, key, value, variant, attn_mask, bias, is_causal, scale, en
     if hybrid_logit is not None:
         params = dict(params or {}, hybrid_logit=_tensor("hybrid_logit", hybrid_logit))
     if memory_efficient:
-        tile = DEFAULT_TILE if tile is None else int(tile)
-        if tile < 1:
-            raise ValueError(f"tile must be at least 1, got {tile}")
+        tile = _tile(tile)
     elif tile is not None:
         raise ValueError("tile applies to the memory-efficient path: pass memory_efficient=True with it")
     seed = _seed(seed)

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from . import DEFAULT_TILE, _BAM_SETTINGS, _mask, _native, _ops, _seed
+from . import _BAM_SETTINGS, _mask, _native, _ops, _seed, _tile
 
 __all__ = ["MultiheadAttention"]
 
@@ -41,6 +41,9 @@ class MultiheadAttention(torch.nn.Module):
                  vdim=None, batch_first=False, device=None, dtype=None, *, variant="softmax", memory_efficient=False,
                  tile=None, hybrid_init_u=0.5, bam=None):
         super().__init__()
+        if embed_dim <= 0 or num_heads <= 0:  # as nn.MultiheadAttention says it
+            raise ValueError(f"embed_dim and num_heads must be greater than 0, got embed_dim={embed_dim} and "
+                             f"num_heads={num_heads} instead")
         if add_bias_kv or add_zero_attn:
             raise ValueError("add_bias_kv and add_zero_attn are not supported by probattn.nn.MultiheadAttention")
         if tile is not None and not memory_efficient:
@@ -55,7 +58,7 @@ class MultiheadAttention(torch.nn.Module):
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
         self.dropout, self.batch_first, self.variant = dropout, batch_first, variant
         self.head_dim = embed_dim // num_heads
-        self.tile = (DEFAULT_TILE if tile is None else int(tile)) if memory_efficient else None
+        self.tile = _tile(tile) if memory_efficient else None
         self._settings = {name: float(bam[name]) for name in _BAM_SETTINGS if name in bam}
         self._settings["hybrid_init_u"] = float(hybrid_init_u)
         self._base = bam.get("base")
