@@ -352,8 +352,8 @@ Forward fused_forward(const Call& call) {
 at::Tensor received_mass(const Call& call, const Forward& f) {
   const auto one = [&](int64_t sweeps, const at::Tensor& c, const at::Tensor& r) {
     auto mass = call.stat(true);
-    std::map<std::string, at::Tensor> key = {{"C", c},          {"R", r},        {"DO", call.q}, {"DELTA", r},
-                                             {"DK", call.k},    {"DV_OUT", call.v}, {"G", mass}, {"MASS", mass}};
+    std::map<std::string, at::Tensor> key = {{"C", c},      {"R", r},          {"DO", call.q}, {"DELTA", r},
+                                             {"DK", call.k}, {"DV_OUT", call.v}, {"G", mass},    {"MASS", mass}};
     if (call.mix()) key.insert({{"RD", f.rd}, {"RS", f.rs}});
     call.launch("_key_pass", true, call.h_kv(), {{"GRADS", 0}, {"SWEEPS", sweeps}, {"KL", 0}}, key);
     return mass;
