@@ -14,6 +14,7 @@ docs/python.md.
 
 import contextlib
 import json
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -94,28 +95,28 @@ def _tensor(name, t):
     return t
 
 
+def _integer(name, value, low, high, needs):
+    """`value` as an integer in [low, high): a TypeError naming `name` for a value that is not an
+    integer (a bool included), a ValueError saying what it `needs` for one outside the range."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    value = operator.index(value)
+    if not low <= value < high:
+        raise ValueError(f"{name} must be {needs}, got {value}")
+    return value
+
+
 def _tile(tile):
     """`tile` as the memory-efficient path takes it: the default for None, else a positive integer
     (queries a tile; past the query length it is one tile)."""
-    if tile is None:
-        return DEFAULT_TILE
-    if isinstance(tile, bool) or not hasattr(type(tile), "__index__"):
-        raise TypeError(f"tile must be an integer, got {type(tile).__name__}")
-    if not 1 <= int(tile) < 2**63:
-        raise ValueError(f"tile must be at least 1 (queries a tile), got {int(tile)}")
-    return int(tile)
+    return DEFAULT_TILE if tile is None else _integer("tile", tile, 1, 2**63, "at least 1 (queries a tile)")
 
 
 def _seed(seed):
     """`seed` as the library takes it: None, or an integer in [0, 2**64), the 64-bit key of BAM's
     counter-based draws."""
-    if seed is None:
-        return None
-    if isinstance(seed, bool) or not hasattr(type(seed), "__index__"):
-        raise TypeError(f"seed must be an integer, got {type(seed).__name__}")
-    if not 0 <= int(seed) < 2**64:
-        raise ValueError(f"seed must be an integer in [0, 2**64), the key of BAM's draws, got {int(seed)}")
-    return int(seed)
+    needs = "an integer in [0, 2**64), the key of BAM's draws"
+    return None if seed is None else _integer("seed", seed, 0, 2**64, needs)
 
 
 def _mask(name, m):
