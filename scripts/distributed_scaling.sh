@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 35's CPU scaling target, measured in one run on the same two cores: Multi30k, the small
+# The CPU scaling target (docs/distributed.md), measured in one run on the same two cores: Multi30k, the small
 # preset, the same seeded batches and the same number of updates in each of
 #   1 rank x 1 thread, 1 rank x 2 threads, 2 ranks x 1 thread (torchrun, Gloo over loopback),
 # then `python/probattn_tools/tables/distributed.py` writes the table (tokens/s and ratios) beside the runs.

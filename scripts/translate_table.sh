@@ -26,7 +26,7 @@ probattn=${PROBATTN:-$root/target/release/probattn}
 jobs=${TABLE_JOBS:-1}
 
 # NAME|FLAGS: the row as probattn_tools.tables.translate names it, and the flags of its runs. The
-# bam-wc-w0.1-anneal1000 and lstm-bam-wc-w0.1 rows are issue 49's BAM-WC, tuned on validation for
+# bam-wc-w0.1-anneal1000 and lstm-bam-wc-w0.1 rows are BAM-WC tuned on validation for
 # each architecture (results/translate/bam-tuning); lstm-dnas is the LSTM's causal DNAS.
 rows() {
   cat <<'ROWS'

@@ -127,7 +127,7 @@ fn bad_edge_lists_are_refused() {
     assert!(EdgeList::new(i(&[0]).to_kind(Kind::Int), i(&[0]), 1, 1).is_err());
 }
 
-/// The neighbourhood prior (`PriorScope::Neighbourhood`, issue 14) over an edge list against the
+/// The neighbourhood prior (`PriorScope::Neighbourhood`) over an edge list against the
 /// dense prior written here from the formula, with the adjacency as a per-row mask:
 /// `log ψ_ij = logit_j − logsumexp_{j' : A_ij' = 1} logit_j'`, `α_ij = β ψ_ij` (bam-wc) or
 /// `μ_p,ij = log ψ_ij` (bam-lc), the KL averaged over each head's edges, then over heads. Weights,

@@ -1,5 +1,5 @@
 //! `probattn::tiled`: the memory-efficient path equals the eager path (`probattn::attend`) in
-//! float64 within 1e-10 (the tolerance; the differences seen are float rounding, ~1e-15):
+//! float64 within 1e-10 (the stated tolerance; the differences seen are float rounding, ~1e-15):
 //! output, received mass, and the gradients of `sum(output · G)` with respect to q, k, v and
 //! HNAS's gate logits, for softmax, DNAS, HNAS and Sinkhorn-N, under every mask layout (none, key
 //! padding with a fully padded sequence, query padding, a boolean (B, H, S_q, S_k) pattern with

@@ -3,7 +3,7 @@
 //! written here otherwise) with seeded system-like outputs, and every translation output committed
 //! under results/translate/. Four settings: the default (13a, cased, exp smoothing), lowercased,
 //! no tokenization, no smoothing. Tolerance 1e-9 on every
-//! field (the issue asks for 0.01; both sides do the same float arithmetic, so they should agree
+//! field (the target is 0.01; both sides do the same float arithmetic, so they should agree
 //! to rounding).
 
 #[path = "../../tests/common/mod.rs"]

@@ -1,5 +1,5 @@
 //! `probattn compare` as a user runs it on torch.nn.MultiheadAttention exported by
-//! python/probattn_tools/export/torchscript.py: agreement within the tolerances (float64 1e-12, float32
+//! python/probattn_tools/export/torchscript.py: agreement within the stated tolerances (float64 1e-12, float32
 //! 1e-5, forward and gradients), the layout found on its own, a wrong head count caught, and bad
 //! input named with exit status 1.
 

@@ -5,7 +5,7 @@ of updates, then `probattn_tools.baselines.translate` trains the same model on t
 from that run's folder (config.json, tokenizer.json) under `torch.autocast` for bf16. The four
 take turns, round after round, so a machine's drift reaches each alike; the training loop's
 tokens per second of each (validation and decoding excluded, on both sides) go into
-`bench.json` and `bench.md` with the ratios the issue asks for:
+`bench.json` and `bench.md` with the ratios the precision targets are stated in (docs/precision.md):
 
     python -m probattn_tools.baselines.precision_speed --probattn target/release/probattn \\
         --updates 100 --threads 2 --out results/translate/precision/speed

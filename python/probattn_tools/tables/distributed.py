@@ -1,4 +1,4 @@
-"""Issue 35's scaling table from scripts/distributed_scaling.sh's runs: training tokens/s of
+"""The CPU scaling table from scripts/distributed_scaling.sh's runs: training tokens/s of
 1 rank x 1 thread, 1 rank x 2 threads and 2 ranks x 1 thread per round, and the ratios.
 
     python -m probattn_tools.tables.distributed results/distributed/scaling

@@ -1,4 +1,4 @@
-"""Eager against memory-efficient training (issue 36), from run folders named NAME-eager and
+"""Eager against memory-efficient training, from run folders named NAME-eager and
 NAME-memory-efficient (and, where present, NAME-eager-2threads: the same eager run on two threads,
 whose difference from the one-thread run is what float32 summation order alone does).
 

@@ -1,4 +1,4 @@
-"""bfloat16 against float32 from run folders (`--precision`, issue 53): one row per experiment and
+"""bfloat16 against float32 from run folders (`--precision`): one row per experiment and
 attention variant, the test score's mean ± std over seeds in each precision, their difference
 and whether it lies within float32's seed spread (one std).
 

@@ -1,4 +1,4 @@
-"""The repulsive-attention tuning table (issue 37) from `probattn translate` runs on a tuning seed:
+"""The repulsive-attention tuning table from `probattn translate` runs on a tuning seed:
 one row per run folder, validation only, MA (the folder `ma`) as the reference.
 
     python -m probattn_tools.tables.rma_tuning results/translate/rma-tuning [ma svgd-first-a0.01 ...]
@@ -6,7 +6,7 @@ one row per run folder, validation only, MA (the folder `ma`) as the reference.
 
 With folder names after the root, rows come in that order; otherwise every run folder, MA first.
 `--reference DIR` takes the reference row (the `− MA` column) from DIR instead of the root's `ma`
-(the BAM grids compare with the softmax run of their tuning seed; issue 49). The LSTM's encoder has
+(the BAM grids compare with the softmax run of their tuning seed). The LSTM's encoder has
 no attention heads: its Dist column is `–`.
 Columns: best validation sacreBLEU (the checkpoint-selection measure) and its difference to MA's;
 the epoch that reached it; the median seconds per epoch (the median, because single epochs vary

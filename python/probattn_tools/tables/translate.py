@@ -17,7 +17,7 @@ sacreBLEU; epochs; training tokens/s; the head diversity "Dist" of the encoder s
 difference, sqrt(s1²/n1 + s2²/n2), for both BLEUs and Dist: the repulsive-attention paper's claim
 is RMA − MA = +0.8 BLEU (IWSLT14) and a larger Dist. With `--diff`, each bfloat16 row is also set
 against its own float32 row: the difference (unpaired, and paired by seed), the float32 seeds'
-range of test BLEU and whether the bfloat16 mean lies within it (issue 53's quality check).
+range of test BLEU and whether the bfloat16 mean lies within it (the quality check of docs/precision.md).
 `--paper` adds the difference each paper reports for the row (`paper_difference`; IWSLT14 de-en,
 tokenized lowercased BLEU, not Multi30k): beside it, not comparable in size, only in sign and
 rough scale.
@@ -165,7 +165,7 @@ def float32_row(name):
 
 
 def precision_row(name, runs, base):
-    """A bfloat16 row against its own float32 row (issue 53's quality check): the test BLEU
+    """A bfloat16 row against its own float32 row (docs/precision.md's quality check): the test BLEU
     difference ± s.e., the same paired by seed, the float32 seeds' range, and whether the bfloat16
     mean lies in it."""
     bf16 = [r["test_bleu_tok"] for r in runs]

@@ -1,4 +1,4 @@
-"""The translation budget check (issue 37): runs trained for longer than the table's 13 epochs,
+"""The translation budget check: runs trained for longer than the table's 13 epochs,
 each set beside the table's run of the same attention and seed, the first pair being MA.
 
     python -m probattn_tools.tables.translate_budget LONG=SHORT [LONG=SHORT ...]

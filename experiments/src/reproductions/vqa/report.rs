@@ -18,7 +18,7 @@ pub struct ExplainedAway {
     pub boxes: usize,
     /// The share with mass below 1e-8 (the paper's ε-explained-away).
     pub share_below_1e8: f64,
-    /// The share with `log mass < -20` (the reading of Fig. 1's cut).
+    /// The share with `log mass < -20` (a reading of Fig. 1's cut).
     pub share_log_below_minus20: f64,
     /// The smallest mass times the number of keys (DNAS guarantees >= 1: Theorem 2).
     pub min_mass_times_keys: f64,
