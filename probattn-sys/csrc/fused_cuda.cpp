@@ -422,7 +422,7 @@ Grads sinkhorn_backward(const Call& call, const Forward& f, const at::Tensor& gr
   std::map<std::string, at::Tensor> common = {{"CS", f.c},       {"RS", f.r},  {"GC", gc},   {"GR", gr},       {"DO", grad},
                                               {"DELTA", delta}, {"DQ", d.dq}, {"DK", d.dk}, {"DV_OUT", d.dv}, {"G", g}};
   for (const auto& [name, t] : kl_grads(call, f, grad_part, d)) common[name] = t;
-  call.launch("_sink_grads", true, call.h(), {{"STAGE", 0}}, common);
+  call.launch("_sink_key_grads", true, call.h(), {{"STAGE", 0}}, common);
   gc[n - 1].copy_(-g);
   for (int64_t t = n - 2; t >= 0; --t) {
     call.launch("_sink_reduce", false, call.h(), {{"COLUMNS", 0}, {"LSE", 0}, {"HAS_RPOT", 1}},
@@ -430,8 +430,8 @@ Grads sinkhorn_backward(const Call& call, const Forward& f, const at::Tensor& gr
     call.launch("_sink_reduce", true, call.h(), {{"COLUMNS", 1}, {"LSE", 0}, {"HAS_RPOT", 1}},
                 {{"RPOT", f.r[t]}, {"CPOT", f.c[t]}, {"COEF", gr[t]}, {"OUT", gc[t]}});
   }
-  call.launch("_sink_grads", true, call.h_kv(), {{"STAGE", 1}}, common);
-  call.launch("_sink_grads", false, call.h(), {{"STAGE", 2}}, common);
+  call.launch("_sink_key_grads", true, call.h_kv(), {{"STAGE", 1}}, common);
+  call.launch("_sink_query_grads", false, call.h(), {}, common);
   return d;
 }
 

@@ -30,7 +30,7 @@ class TritonKernels(unittest.TestCase):
             launched = json.loads(record.read_text())["launched"]
             kernels = {e["kernel"] for e in launched}
             self.assertEqual(kernels, {"_column_pass", "_row_pass", "_key_pass", "_query_pass", "_sink_reduce",
-                                       "_sink_grads"})
+                                       "_sink_key_grads", "_sink_query_grads"})
             self.assertTrue(any(e["kernel"] == "_row_pass" and e["constexprs"]["NOISE"] == 3 for e in launched))
             check = ("import json, sys; from probattn_tools.kernels import aot, plans; "
                      "bad = [e for e in json.load(open(sys.argv[1]))['launched'] if aot.key(plans, e['kernel'], "
@@ -49,7 +49,8 @@ class TritonKernels(unittest.TestCase):
             entries = json.loads((Path(out) / "manifest.json").read_text())["entries"]
             self.assertEqual(sorted({(e["kernel"], e["arch"]) for e in entries}),
                              sorted((k, a) for k in ("_column_pass", "_row_pass", "_key_pass", "_query_pass",
-                                                     "_sink_reduce", "_sink_grads") for a in ("sm_80", "sm_90")))
+                                                     "_sink_reduce", "_sink_key_grads", "_sink_query_grads")
+                                    for a in ("sm_80", "sm_90")))
             for e in entries:
                 self.assertGreater((Path(out) / e["file"]).stat().st_size, 10_000, e["file"])
                 self.assertTrue(e["params"] and all(p["type"] in ("i32", "*bf16", "*fp32", "*u8", "*i64") for p in e["params"]), e)

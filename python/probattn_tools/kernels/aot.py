@@ -61,7 +61,7 @@ def specializations(plans, smoke):
                 ("_query_pass", dict(flags, **bam, SWEEPS=1, CAUSAL=False, MIX=True, ROWS=True)),
                 ("_query_pass", dict(flags, **bam, SWEEPS=1, CAUSAL=False, MIX=True, ROWS=False)),
                 ("_sink_reduce", dict(flags, COLUMNS=True, LSE=False, HAS_RPOT=True)),
-                ("_sink_grads", dict(flags, **bam, STAGE=0))]
+                ("_sink_key_grads", dict(flags, **bam, STAGE=0)), ("_sink_query_grads", dict(flags, **bam))]
     out = []
     for qpad, kpad, mask in itertools.product((False, True), repeat=3):
         f = dict(HAS_QPAD=qpad, HAS_KPAD=kpad, HAS_MASK=mask, HAS_BIAS=False)
@@ -123,7 +123,8 @@ def route_specializations(dtype="bfloat16", head_dim=64):
         for columns, lse, rpot in ((True, True, False), (True, True, True), (False, True, False), (False, False, True),
                                    (True, False, True)):
             out.append(("_sink_reduce", dict(f, COLUMNS=columns, LSE=lse, HAS_RPOT=rpot)))
-        out += [("_sink_grads", dict(f, STAGE=stage, NOISE=0, KL=0)) for stage in (0, 1, 2)]
+        out += [("_sink_key_grads", dict(f, STAGE=stage, NOISE=0, KL=0)) for stage in (0, 1)]
+        out.append(("_sink_query_grads", dict(f, NOISE=0, KL=0)))
     if dtype == "float32":
         return out
     f = dict(HAS_QPAD=True, HAS_KPAD=True, HAS_MASK=False, HAS_BIAS=False)
@@ -141,7 +142,8 @@ def route_specializations(dtype="bfloat16", head_dim=64):
                 ("_key_pass", dict(mix, GRADS=True)), ("_query_pass", mix), ("_key_pass", dict(mix, KL=0, GRADS=False))]
         # Over Sinkhorn-N: the potentials as without noise, DNAS's row pass with the noise, and the
         # gradient stages with it.
-        out += [("_sink_grads", dict(f, STAGE=stage, NOISE=noise, KL=noise)) for stage in (0, 1, 2)]
+        out += [("_sink_key_grads", dict(f, STAGE=stage, NOISE=noise, KL=noise)) for stage in (0, 1)]
+        out.append(("_sink_query_grads", dict(f, NOISE=noise, KL=noise)))
     return out
 
 

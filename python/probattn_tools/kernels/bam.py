@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from probattn_tools.kernels.tiles import _lse_fold, _lse_value, _rows
+
 
 # ---------------------------------------------------------------------------------------------
 # BAM's draws: the counter-based generator of probattn-sys/csrc/noise.cpp, bit for bit. Entry
@@ -151,8 +153,8 @@ def _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL, strid
     Weibull) or Σ (log π_ij − a_j)² (KL 2, Lognormal), over the allowed entries."""
     ok = ok & (y > float("-inf"))  # an additive mask's -inf entries are excluded pairs
     dkl = tl.load(DKL + b * H + h).to(ACC)
-    rb = tl.load(RB + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-    ks = tl.load(KS + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+    rb = _rows(RB, b, h, offs_m, S_Q, stride_rb, stride_rh)
+    ks = _rows(KS, b, h, offs_m, S_Q, stride_rb, stride_rh)
     a = _prior(PRIOR, b, h, offs_n, S_K, stride_pb, stride_ph, stride_pn).to(ACC)
     log_pi = y - rb[:, None]
     pi = tl.where(ok, tl.exp(tl.where(ok, log_pi, 0.0)), 0.0)
@@ -164,6 +166,52 @@ def _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL, strid
         dy = tl.where(ok, 2.0 * diff - pi * ks[:, None], 0.0)
         da = -2.0 * tl.sum(diff, 0)
     return dy * dkl, da * dkl
+
+
+@triton.jit
+def _kl_fold(z, y, ok, mb, lb, t0, t1, t2, PRIOR, b, h, offs_n, S_K, stride_pb, stride_ph, stride_pn,
+             KL: tl.constexpr, ACC: tl.constexpr):
+    """One key block of the row pass's KL sums, over the tile's allowed entries: the base's online
+    row log-sum-exp (mb, lb) of its logits y = z (excluded: −inf), and per row, for Weibull (KL 1),
+    t0 = Σ a_j and t1 = Σ a_j y_ij; for Lognormal (KL 2), t0 the allowed keys, t1 = Σ (y − a − m)
+    and t2 = Σ (y − a − m)², m the running maximum mb, re-centred as it grows (so that the sums
+    do not cancel)."""
+    ok = ok & (z > float("-inf"))  # an additive mask's -inf entries are excluded pairs
+    a = _prior(PRIOR, b, h, offs_n, S_K, stride_pb, stride_ph, stride_pn).to(ACC)
+    m_old = mb
+    mb, lb = _lse_fold(mb, lb, y, 1)
+    if KL == 1:
+        t0 += tl.sum(tl.where(ok, a[None, :], 0.0), 1)
+        t1 += tl.sum(a[None, :] * tl.where(ok, z, 0.0), 1)
+    else:
+        shift = tl.where(t0 > 0, mb - m_old, 0.0)
+        t2 = t2 - 2.0 * shift * t1 + t0 * shift * shift
+        t1 = t1 - t0 * shift
+        w = tl.where(ok, z - a[None, :] - mb[:, None], 0.0)
+        t0 += tl.sum(ok.to(ACC), 1)
+        t1 += tl.sum(w, 1)
+        t2 += tl.sum(w * w, 1)
+    return mb, lb, t0, t1, t2
+
+
+@triton.jit
+def _kl_rows(RB, KS, TROW, mb, lb, t0, t1, t2, b, h, offs_m, S_Q, stride_rb, stride_rh, KL: tl.constexpr):
+    """Writes what `_kl_fold`'s sums give per row: the base's row log-sum-exp RB_i (π =
+    exp(y − RB)), the KL part TROW_i (T = Σ_i TROW_i, `_kl_tile`) and KS_i = Σ_j ∂T/∂log π_ij:
+    for Weibull Σ_j a_j y_ij − RB_i Σ_j a_j and Σ_j a_j; for Lognormal Σ_j (y_ij − a_j − RB_i)²
+    and its derivative, re-centred from m_i to RB_i."""
+    rb = _lse_value(mb, lb, 0.0)
+    if KL == 1:
+        trow = t1 - rb * t0
+        ks = t0
+    else:
+        d = tl.where(t0 > 0, rb - mb, 0.0)
+        trow = t2 - 2.0 * d * t1 + t0 * d * d
+        ks = 2.0 * (t1 - t0 * d)
+    at = b * stride_rb + h * stride_rh + offs_m
+    tl.store(RB + at, rb, mask=offs_m < S_Q)
+    tl.store(KS + at, ks, mask=offs_m < S_Q)
+    tl.store(TROW + at, trow, mask=offs_m < S_Q)
 
 
 @triton.jit
@@ -180,8 +228,8 @@ def _mix_shares(zd, zs, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb, stride_r
     π_D = exp(zd − RD_i) DNAS's weights (zd = z − c) and π_S = exp(zs − RS_i) softmax's, −inf where
     excluded; with the shares w_D = u·π_D/π and w_S = (1 − u)·π_S/π and the two weights. LOGU holds
     log u and log(1 − u) per head."""
-    rd = tl.load(RD + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-    rs = tl.load(RS + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+    rd = _rows(RD, b, h, offs_m, S_Q, stride_rb, stride_rh)
+    rs = _rows(RS, b, h, offs_m, S_Q, stride_rb, stride_rh)
     log_d = tl.where(ok, zd - rd[:, None], 0.0)
     log_s = tl.where(ok, zs - rs[:, None], 0.0)
     part_d = tl.load(LOGU + 2 * h) + log_d

@@ -5,9 +5,9 @@ pass, the row pass, and the recomputed backward's key and query passes
 import triton
 import triton.language as tl
 
-from probattn_tools.kernels.bam import _kl_tile, _mix_shares, _mix_split, _noise, _prior, _weights
+from probattn_tools.kernels.bam import _kl_fold, _kl_rows, _kl_tile, _mix_shares, _mix_split, _noise, _weights
 from probattn_tools.kernels.tiles import (FLOOR, _accumulate, _allowed, _block, _finish_row, _live, _lse_fold,
-                                          _lse_value, _scores)
+                                          _lse_value, _rows, _scores, _store_block, _store_rows)
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
             m, l = _lse_fold(m, l, tl.where(ok, z, float("-inf")), 0)
     c = _lse_value(m, l, FLOOR)
-    tl.store(C + b * stride_cb + h * stride_ch + offs_n, c, mask=offs_n < S_K)
+    _store_rows(C, c, b, h, offs_n, S_K, stride_cb, stride_ch)
 
 
 @triton.jit
@@ -63,16 +63,13 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
 
     BAM (NOISE 1 Weibull, 2 Lognormal): the weights are row-softmax(y + n), y = z − c the base's
     logits and n the noise term drawn in the tile, and r_i is their log-sum-exp. With a KL term
-    (KL 1 or 2) the same pass keeps the base's row log-sum-exp RB_i = LSE_j y_ij (π = exp(y − RB))
-    and writes, per row, the KL part TROW_i (T = Σ_i TROW_i, `_kl_tile`) and KS_i = Σ_j ∂T/∂log
-    π_ij: for Weibull Σ_j a_j y_ij − RB_i Σ_j a_j; for Lognormal Σ_j (y_ij − a_j − RB_i)² from
-    sums of y − a − m_i, m_i the running maximum of y, re-centred as m_i grows (so that the sums
-    do not cancel). MIX (BAM over HNAS): the base's logits are HNAS's log-weights (`_mix_shares`,
-    from DNAS's and softmax's row statistics RD and RS of an earlier pass)."""
+    (KL 1 or 2) the same pass keeps the base's row log-sum-exp RB_i = LSE_j y_ij and writes, per
+    row, the KL part TROW_i and KS_i (`_kl_fold`, `_kl_rows`). MIX (BAM over HNAS): the base's
+    logits are HNAS's log-weights (`_mix_shares`, from DNAS's and softmax's row statistics RD and
+    RS of an earlier pass)."""
     scale = tl.load(SCALE).to(ACC)
     noise_scale = tl.load(SCALE + 1).to(ACC)
     start_m = tl.program_id(0) * BLOCK_M
-    start_m0 = start_m
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     kvh = h // GROUP
@@ -95,7 +92,7 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
     if CAUSAL:
         end_n = tl.minimum(S_K, start_m + BLOCK_M)  # blocks wholly above the diagonal are skipped
     for start_n in range(0, end_n, BLOCK_N):
-        if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+        if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
                  HAS_MASK):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
@@ -106,7 +103,7 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
                          HAS_BIAS, ACC, DOT)
             z = z0
             if SWEEPS > 0:
-                c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+                c = _rows(C, b, h, offs_n, S_K, stride_cb, stride_ch)
                 z = z0 - c[None, :]
             if MIX:
                 ok = ok & (z0 > float("-inf"))
@@ -120,38 +117,47 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
             if HYBRID:
                 m2, l2, acc2 = _accumulate(m2, l2, acc2, tl.where(ok, z0, float("-inf")), v, ACC, DOT)
             if KL > 0:
-                ok = ok & (z > float("-inf"))  # an additive mask's -inf entries are excluded pairs
-                a = _prior(PRIOR, b, h, offs_n, S_K, stride_pb, stride_ph, stride_pn).to(ACC)
-                m_old = mb
-                mb, lb = _lse_fold(mb, lb, y, 1)
-                if KL == 1:
-                    t0 += tl.sum(tl.where(ok, a[None, :], 0.0), 1)
-                    t1 += tl.sum(a[None, :] * tl.where(ok, z, 0.0), 1)
-                else:
-                    shift = tl.where(t0 > 0, mb - m_old, 0.0)
-                    t2 = t2 - 2.0 * shift * t1 + t0 * shift * shift
-                    t1 = t1 - t0 * shift
-                    w = tl.where(ok, z - a[None, :] - mb[:, None], 0.0)
-                    t0 += tl.sum(ok.to(ACC), 1)
-                    t1 += tl.sum(w, 1)
-                    t2 += tl.sum(w * w, 1)
+                mb, lb, t0, t1, t2 = _kl_fold(z, y, ok, mb, lb, t0, t1, t2, PRIOR, b, h, offs_n, S_K, stride_pb,
+                                              stride_ph, stride_pn, KL, ACC)
     _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb, stride_rh)
     if KL > 0:
-        rb = _lse_value(mb, lb, 0.0)
-        if KL == 1:
-            trow = t1 - rb * t0
-            ks = t0
-        else:
-            d = tl.where(t0 > 0, rb - mb, 0.0)
-            trow = t2 - 2.0 * d * t1 + t0 * d * d
-            ks = 2.0 * (t1 - t0 * d)
-        at = b * stride_rb + h * stride_rh + offs_m
-        tl.store(RB + at, rb, mask=offs_m < S_Q)
-        tl.store(KS + at, ks, mask=offs_m < S_Q)
-        tl.store(TROW + at, trow, mask=offs_m < S_Q)
+        _kl_rows(RB, KS, TROW, mb, lb, t0, t1, t2, b, h, offs_m, S_Q, stride_rb, stride_rh, KL)
     if HYBRID:
         _finish_row(O2, R2, acc2, m2, l2, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb,
                     stride_rh)
+
+
+@triton.jit
+def _key_grads(dv, dk_main, dk_corr, g, da, p, y, z, ok, q, v, w_d, w_s, pi_d, pi_s, DO, DELTA, PRIOR, RB, KS, DKL,
+               RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob, stride_doh, stride_dos,
+               stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS: tl.constexpr, KL: tl.constexpr,
+               MIX: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
+    """One query block's share of `_key_pass`'s sums for its key block and query head, given the
+    tile's weights p, the base's logits y, DNAS's logits z (the scores less c) and the allowed
+    pairs: dV; dK's main part Σ_i dS_ij q_i and DNAS's correction Σ_i exp(z_ij) q_i; g_j = Σ_i
+    dy_ij, dy the gradient in z (DNAS's branch's share of it under MIX); and, with a KL term, the
+    prior's gradient."""
+    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
+    delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
+    dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
+    dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT)
+    ds = p * (dp - delta[:, None])
+    if KL > 0:
+        dy_kl, da_tile = _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL,
+                                  stride_pb, stride_ph, stride_pn, stride_rb, stride_rh, KL, ACC)
+        ds += dy_kl
+        da += da_tile
+    dy_d = ds  # the gradient in DNAS's logits z − c
+    if MIX:
+        rho_d = _rows(RHO_D, b, h, offs_m, S_Q, stride_rb, stride_rh)
+        rho_s = _rows(RHO_S, b, h, offs_m, S_Q, stride_rb, stride_rh)
+        dy_d, ds = _mix_split(ds, w_d, w_s, pi_d, pi_s, rho_d, rho_s)
+    dk_main += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
+    if SWEEPS > 0:
+        g += tl.sum(dy_d, 0)
+        pc = tl.where(ok, tl.exp(tl.where(ok, z, 0.0)), 0.0)  # exp(z_ij − c_j): the column weights
+        dk_corr += tl.dot(tl.trans(pc).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
+    return dv, dk_main, dk_corr, g, da
 
 
 @triton.jit
@@ -178,7 +184,6 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
     scale = tl.load(SCALE).to(ACC)
     noise_scale = tl.load(SCALE + 1).to(ACC)
     start_n = tl.program_id(0) * BLOCK_N
-    start_n0 = start_n
     bk = tl.program_id(1)
     b, kvh = bk // H_KV, bk % H_KV
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -195,24 +200,24 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
         h = kvh * GROUP + i
         c = tl.zeros([BLOCK_N], dtype=ACC)
         if SWEEPS > 0:
-            c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+            c = _rows(C, b, h, offs_n, S_K, stride_cb, stride_ch)
         g = tl.zeros([BLOCK_N], dtype=ACC)
         mass = tl.zeros([BLOCK_N], dtype=ACC)
         da = tl.zeros([BLOCK_N], dtype=ACC)
         dk_main = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
         dk_corr = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
         for start_m in range(start_m0, S_Q, BLOCK_M):
-            if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+            if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
                      HAS_MASK):
                 offs_m = start_m + tl.arange(0, BLOCK_M)
                 q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
-                r = tl.load(R + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                r = _rows(R, b, h, offs_m, S_Q, stride_rb, stride_rh)
                 zr = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am,
                              stride_an, HAS_BIAS, ACC, DOT)
                 z = zr - c[None, :]
                 ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
                               CAUSAL, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-                y = z
+                y, w_d, w_s, pi_d, pi_s = z, z, z, z, z  # the shares are MIX's
                 if MIX:
                     ok = ok & (zr > float("-inf"))
                     y, w_d, w_s, pi_d, pi_s = _mix_shares(z, zr, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb,
@@ -221,39 +226,34 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
                              ACC)  # (BLOCK_M, BLOCK_N)
                 mass += tl.sum(p, 0)
                 if GRADS:
-                    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
-                    delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                    dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
-                    dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT)
-                    ds = p * (dp - delta[:, None])
-                    if KL > 0:
-                        dy_kl, da_tile = _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL,
-                                                  stride_pb, stride_ph, stride_pn, stride_rb, stride_rh, KL, ACC)
-                        ds += dy_kl
-                        da += da_tile
-                    dy_d = ds  # the gradient in DNAS's logits z − c
-                    if MIX:
-                        rho_d = tl.load(RHO_D + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                        rho_s = tl.load(RHO_S + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                        dy_d, ds = _mix_split(ds, w_d, w_s, pi_d, pi_s, rho_d, rho_s)
-                    dk_main += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
-                    if SWEEPS > 0:
-                        g += tl.sum(dy_d, 0)
-                        pc = tl.where(ok, tl.exp(tl.where(ok, z, 0.0)), 0.0)  # exp(z_ij − c_j): the column weights
-                        dk_corr += tl.dot(tl.trans(pc).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
+                    dv, dk_main, dk_corr, g, da = _key_grads(
+                        dv, dk_main, dk_corr, g, da, p, y, z, ok, q, v, w_d, w_s, pi_d, pi_s, DO, DELTA, PRIOR, RB, KS,
+                        DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob, stride_doh,
+                        stride_dos, stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS, KL, MIX, ACC, DOT)
         if GRADS:
             dk += dk_main - g[:, None] * dk_corr
             if SWEEPS > 0:
-                tl.store(G + b * stride_cb + h * stride_ch + offs_n, g, mask=offs_n < S_K)
+                _store_rows(G, g, b, h, offs_n, S_K, stride_cb, stride_ch)
             if KL > 0:
-                tl.store(DA + b * stride_cb + h * stride_ch + offs_n, da, mask=offs_n < S_K)
+                _store_rows(DA, da, b, h, offs_n, S_K, stride_cb, stride_ch)
         else:
-            tl.store(MASS + b * stride_cb + h * stride_ch + offs_n, mass, mask=offs_n < S_K)
+            _store_rows(MASS, mass, b, h, offs_n, S_K, stride_cb, stride_ch)
     if GRADS:
-        tl.store(DK + b * stride_dkb + kvh * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
-                 (dk * scale).to(DK.dtype.element_ty), mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D))
-        tl.store(DV_OUT + b * stride_dvb + kvh * stride_dvh + offs_n[:, None] * stride_dvs + offs_dv[None, :],
-                 dv.to(DV_OUT.dtype.element_ty), mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV))
+        _store_block(DK, dk * scale, b, kvh, offs_n, offs_d, S_K, D, stride_dkb, stride_dkh, stride_dks)
+        _store_block(DV_OUT, dv, b, kvh, offs_n, offs_dv, S_K, DV, stride_dvb, stride_dvh, stride_dvs)
+
+
+@triton.jit
+def _query_dz(ds, z, ok, w_d, w_s, pi_d, pi_s, rho_d, rho_s, G, b, h, offs_n, S_K, stride_cb, stride_ch,
+              SWEEPS: tl.constexpr, MIX: tl.constexpr):
+    """dz on one tile of `_query_pass`: dS¹ (DNAS's branch's share under MIX, `_mix_split`) less
+    DNAS's column correction exp(z_ij − c_j) g_j, z the scores less c."""
+    if MIX:
+        _, ds = _mix_split(ds, w_d, w_s, pi_d, pi_s, rho_d, rho_s)
+    if SWEEPS > 0:
+        g = _rows(G, b, h, offs_n, S_K, stride_cb, stride_ch)
+        ds -= tl.where(ok, tl.exp(tl.where(ok, z, 0.0)), 0.0) * g[None, :]
+    return ds
 
 
 @triton.jit
@@ -263,14 +263,11 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
                 stride_dqb, stride_dqh, stride_dqs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm,
                 stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
-                stride_pb, stride_ph, stride_pn,
-                H, GROUP, S_Q, S_K, D, DV, SCALE,
+                stride_pb, stride_ph, stride_pn, H, GROUP, S_Q, S_K, D, DV, SCALE,
                 SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
                 HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, NOISE: tl.constexpr, KL: tl.constexpr,
-                DRAW64: tl.constexpr, MIX: tl.constexpr, ROWS: tl.constexpr,
-                ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr,
-                BLOCK_DV: tl.constexpr):
+                DRAW64: tl.constexpr, MIX: tl.constexpr, ROWS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """dQ_i = s Σ_j dz_ij k_j, dz_ij = dS¹_ij − exp(z_ij − c_j) g_j, one query block per program
     (with BAM's noise in the weights and the KL part in dS¹, as in `_key_pass`). MIX (BAM over
     HNAS) with ROWS: instead of dQ, the per-row sums the branches' gradients need, RHO_D_i =
@@ -278,7 +275,6 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
     scale = tl.load(SCALE).to(ACC)
     noise_scale = tl.load(SCALE + 1).to(ACC)
     start_m = tl.program_id(0) * BLOCK_M
-    start_m0 = start_m
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     kvh = h // GROUP
@@ -287,8 +283,8 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
     offs_dv = tl.arange(0, BLOCK_DV)
     q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
     do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
-    r = tl.load(R + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-    delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+    r = _rows(R, b, h, offs_m, S_Q, stride_rb, stride_rh)
+    delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     rho_d = tl.zeros([BLOCK_M], dtype=ACC)
     rho_s = tl.zeros([BLOCK_M], dtype=ACC)
@@ -297,13 +293,13 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
         inv_u = tl.exp(-tl.load(LOGU + 2 * h))
         inv_1mu = tl.exp(-tl.load(LOGU + 2 * h + 1))
         if not ROWS:
-            rho_d = tl.load(RHO_D + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-            rho_s = tl.load(RHO_S + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+            rho_d = _rows(RHO_D, b, h, offs_m, S_Q, stride_rb, stride_rh)
+            rho_s = _rows(RHO_S, b, h, offs_m, S_Q, stride_rb, stride_rh)
     end_n = S_K
     if CAUSAL:
         end_n = tl.minimum(S_K, start_m + BLOCK_M)
     for start_n in range(0, end_n, BLOCK_N):
-        if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+        if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
                  HAS_MASK):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
@@ -312,11 +308,11 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
                          HAS_BIAS, ACC, DOT)
             z = zr
             if SWEEPS > 0:
-                c = tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+                c = _rows(C, b, h, offs_n, S_K, stride_cb, stride_ch)
                 z = zr - c[None, :]
             ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-            y = z
+            y, w_d, w_s, pi_d, pi_s = z, z, z, z, z  # the shares are MIX's
             if MIX:
                 ok = ok & (zr > float("-inf"))
                 y, w_d, w_s, pi_d, pi_s = _mix_shares(z, zr, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb, stride_rh)
@@ -332,17 +328,12 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 rho_s += tl.sum(w_s * ds, 1)
                 gu += tl.sum(ds * (w_d * inv_u - w_s * inv_1mu), 1)
             else:
-                if MIX:
-                    _, ds = _mix_split(ds, w_d, w_s, pi_d, pi_s, rho_d, rho_s)
-                if SWEEPS > 0:
-                    g = tl.load(G + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-                    ds -= tl.where(ok, tl.exp(tl.where(ok, z, 0.0)), 0.0) * g[None, :]
-                dq += tl.dot(ds.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
+                dz = _query_dz(ds, z, ok, w_d, w_s, pi_d, pi_s, rho_d, rho_s, G, b, h, offs_n, S_K, stride_cb, stride_ch,
+                               SWEEPS, MIX)
+                dq += tl.dot(dz.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
     if ROWS:
-        at = b * stride_rb + h * stride_rh + offs_m
-        tl.store(RHO_D + at, rho_d, mask=offs_m < S_Q)
-        tl.store(RHO_S + at, rho_s, mask=offs_m < S_Q)
-        tl.store(GU + at, gu, mask=offs_m < S_Q)
+        _store_rows(RHO_D, rho_d, b, h, offs_m, S_Q, stride_rb, stride_rh)
+        _store_rows(RHO_S, rho_s, b, h, offs_m, S_Q, stride_rb, stride_rh)
+        _store_rows(GU, gu, b, h, offs_m, S_Q, stride_rb, stride_rh)
     else:
-        tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
-                 (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D))
+        _store_block(DQ, dq * scale, b, h, offs_m, offs_d, S_Q, D, stride_dqb, stride_dqh, stride_dqs)

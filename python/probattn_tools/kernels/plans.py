@@ -54,7 +54,7 @@ import triton.language as tl
 
 from probattn_tools.kernels.bam import Sampling, _prior_values, _seed_words, counter_noise  # noqa: F401
 from probattn_tools.kernels.passes import _column_pass, _key_pass, _query_pass, _row_pass
-from probattn_tools.kernels.sinkhorn import _sink_grads, _sink_reduce
+from probattn_tools.kernels.sinkhorn import _sink_key_grads, _sink_query_grads, _sink_reduce
 
 # ---------------------------------------------------------------------------------------------
 # The launches, and autograd functions over them.
@@ -375,15 +375,15 @@ def _backward(call, sweeps, out, stats, grad_out, kl=None, mix=None):
     cs, rs = stats
     gc, gr, g = torch.zeros_like(cs), torch.zeros_like(rs), call.stat(True)
     common = dict(CS=cs, RS=rs, GC=gc, GR=gr, DO=do, DELTA=delta, DQ=dq, DK=dk, DV_OUT=dv, G=g, N=sweeps, **kl_args)
-    call.launch(_sink_grads, call.grid(True, "query"), STAGE=0, **common)
+    call.launch(_sink_key_grads, call.grid(True, "query"), STAGE=0, **common)
     gc[-1] = -g
     for t in range(sweeps - 2, -1, -1):
         call.launch(_sink_reduce, call.grid(False, "query"), RPOT=rs[t], CPOT=cs[t + 1], COEF=gc[t + 1], OUT=gr[t],
                     COLUMNS=False, LSE=False, HAS_RPOT=True)
         call.launch(_sink_reduce, call.grid(True, "query"), RPOT=rs[t], CPOT=cs[t], COEF=gr[t], OUT=gc[t],
                     COLUMNS=True, LSE=False, HAS_RPOT=True)
-    call.launch(_sink_grads, call.grid(True, "kv"), STAGE=1, **common)
-    call.launch(_sink_grads, call.grid(False, "query"), STAGE=2, **common)
+    call.launch(_sink_key_grads, call.grid(True, "kv"), STAGE=1, **common)
+    call.launch(_sink_query_grads, call.grid(False, "query"), **common)
     return dq, dk, dv
 
 

@@ -4,7 +4,8 @@ import triton
 import triton.language as tl
 
 from probattn_tools.kernels.bam import _kl_tile, _weights
-from probattn_tools.kernels.tiles import FLOOR, _allowed, _block, _live, _lse_fold, _lse_value, _tile
+from probattn_tools.kernels.tiles import (FLOOR, _allowed, _block, _live, _lse_fold, _lse_value, _rows,
+                                          _store_block, _store_rows, _tile)
 
 # ---------------------------------------------------------------------------------------------
 # Sinkhorn-N (N ≥ 2): potentials per sweep t = 1..N, C^t_j = LSE_i (z_ij − R^{t−1}_i) (R^0 = 0)
@@ -41,7 +42,7 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
         total = tl.zeros([BLOCK_N], dtype=ACC)
         cpot = tl.zeros([BLOCK_N], dtype=ACC)
         if not LSE:
-            cpot = tl.load(CPOT + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+            cpot = _rows(CPOT, b, h, offs_n, S_K, stride_cb, stride_ch)
         for start_m in range(0, S_Q, BLOCK_M):
             if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
                      HAS_MASK):
@@ -52,17 +53,16 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
                               False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                 if HAS_RPOT:
-                    z = z - tl.load(RPOT + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)[:,
-                    None]
+                    z = z - _rows(RPOT, b, h, offs_m, S_Q, stride_rb, stride_rh)[:, None]
                 if LSE:
                     m, total = _lse_fold(m, total, tl.where(ok, z, float("-inf")), 0)
                 else:
-                    coef = tl.load(COEF + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+                    coef = _rows(COEF, b, h, offs_m, S_Q, stride_rb, stride_rh)
                     e = tl.where(ok, tl.exp(tl.where(ok, z - cpot[None, :], 0.0)), 0.0)
                     total -= tl.sum(e * coef[:, None], 0)
         if LSE:
             total = _lse_value(m, total, FLOOR)
-        tl.store(OUT + b * stride_cb + h * stride_ch + offs_n, total, mask=offs_n < S_K)
+        _store_rows(OUT, total, b, h, offs_n, S_K, stride_cb, stride_ch)
     else:
         start_m0 = tl.program_id(0) * BLOCK_M
         offs_m = start_m0 + tl.arange(0, BLOCK_M)
@@ -70,7 +70,7 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
         total = tl.zeros([BLOCK_M], dtype=ACC)
         rpot = tl.zeros([BLOCK_M], dtype=ACC)
         if HAS_RPOT:
-            rpot = tl.load(RPOT + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
+            rpot = _rows(RPOT, b, h, offs_m, S_Q, stride_rb, stride_rh)
         for start_n in range(0, S_K, BLOCK_N):
             if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
                      HAS_MASK):
@@ -80,16 +80,16 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
                                 stride_an, HAS_BIAS, ACC, DOT)
                 ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
                               False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-                z = z - tl.load(CPOT + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)[None, :]
+                z = z - _rows(CPOT, b, h, offs_n, S_K, stride_cb, stride_ch)[None, :]
                 if LSE:
                     m, total = _lse_fold(m, total, tl.where(ok, z, float("-inf")), 1)
                 else:
-                    coef = tl.load(COEF + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+                    coef = _rows(COEF, b, h, offs_n, S_K, stride_cb, stride_ch)
                     e = tl.where(ok, tl.exp(tl.where(ok, z - rpot[:, None], 0.0)), 0.0)
                     total -= tl.sum(e * coef[None, :], 1)
         if LSE:
             total = _lse_value(m, total, 0.0)
-        tl.store(OUT + b * stride_rb + h * stride_rh + offs_m, total, mask=offs_m < S_Q)
+        _store_rows(OUT, total, b, h, offs_m, S_Q, stride_rb, stride_rh)
 
 
 @triton.jit
@@ -117,116 +117,136 @@ def _sink_dz(z, ok, dsz, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_
 
 
 @triton.jit
-def _sink_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, DK, DV_OUT, G, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, PRIOR,
-                RB, KS, DKL, DA,
-                stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                stride_dob, stride_doh, stride_dos, stride_t, stride_cb, stride_ch, stride_tr, stride_rb, stride_rh,
-                stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm,
-                stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_pb, stride_ph, stride_pn,
-                H, GROUP, S_Q, S_K, D, DV, SCALE, N,
-                STAGE: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr,
-                HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, NOISE: tl.constexpr, KL: tl.constexpr,
-                DRAW64: tl.constexpr,
-                ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Sinkhorn-N's gradient passes. STAGE 0: g_j = Σ_i dS¹_ij, one key block of one (batch, query
-    head) per program. STAGE 1: dK and dV with the whole dz, one key block of one (batch,
-    key/value head), over its group's query heads. STAGE 2: dQ, one query block of one (batch,
-    query head). p = exp(z − C^N − R^N + n), n BAM's noise term (none without NOISE); dq, dk and
-    dv are laid out as q, k and v. With a KL term its part joins dS¹ in every stage, and STAGE 0
-    also writes the prior's gradient DA."""
+def _sink_ds(z, c, ok, r, do, v, delta, da, DRAWS, PRIOR, RB, KS, DKL, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale,
+             stride_pb, stride_ph, stride_pn, stride_rb, stride_rh, NOISE: tl.constexpr, KL: tl.constexpr,
+             DRAW64: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
+    """One tile's weights p = exp(z − c − r + n) (c and r the last potentials) and dS¹ = p ⊙ (dO vᵀ −
+    Δ), with the KL part's gradient added, and its gradient in the prior's values (per key) added
+    to da."""
+    y = z - c[None, :]
+    p = _weights(y, ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, DRAW64, ACC)
+    ds = p * (tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT) - delta[:, None])
+    if KL > 0:
+        dy_kl, da_tile = _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL, stride_pb, stride_ph,
+                                  stride_pn, stride_rb, stride_rh, KL, ACC)
+        ds += dy_kl
+        da += da_tile
+    return p, ds, da
+
+
+@triton.jit
+def _sink_key_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DK, DV_OUT, G, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, PRIOR,
+                    RB, KS, DKL, DA,
+                    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                    stride_dob, stride_doh, stride_dos, stride_t, stride_cb, stride_ch, stride_tr, stride_rb, stride_rh,
+                    stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh,
+                    stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_pb, stride_ph, stride_pn,
+                    H, GROUP, S_Q, S_K, D, DV, SCALE, N, STAGE: tl.constexpr,
+                    HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    NOISE: tl.constexpr, KL: tl.constexpr, DRAW64: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Sinkhorn-N's gradient passes over key blocks. STAGE 0: g_j = Σ_i dS¹_ij, one key block of
+    one (batch, query head) per program (with a KL term, also the prior's gradient DA). STAGE 1:
+    dK and dV with the whole dz, one key block of one (batch, key/value head), over its group's
+    query heads. p = exp(z − C^N − R^N + n), n BAM's noise term (none without NOISE), and a KL
+    term's part joins dS¹ (`_sink_ds`); dk and dv are laid out as k and v."""
     scale = tl.load(SCALE).to(ACC)
     noise_scale = tl.load(SCALE + 1).to(ACC)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     last_c = (N - 1) * stride_t
     last_r = (N - 1) * stride_tr
-    if STAGE < 2:
-        start_n0 = tl.program_id(0) * BLOCK_N
-        offs_n = start_n0 + tl.arange(0, BLOCK_N)
-        bk = tl.program_id(1)
-        if STAGE == 0:
-            b, kvh = bk // H, (bk % H) // GROUP
-            first, heads = bk % H, 1
-        else:
-            b, kvh = bk // (H // GROUP), bk % (H // GROUP)
-            first, heads = kvh * GROUP, GROUP
-        v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
-        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
-        for i in range(0, heads):
-            h = first + i
-            c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-            g = tl.zeros([BLOCK_N], dtype=ACC)
-            da = tl.zeros([BLOCK_N], dtype=ACC)
-            for start_m in range(0, S_Q, BLOCK_M):
-                if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm,
-                         stride_bn, HAS_MASK):
-                    offs_m = start_m + tl.arange(0, BLOCK_M)
-                    z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh,
-                                    stride_qs,
-                                    stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
-                                    stride_an, HAS_BIAS, ACC, DOT)
-                    ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                                  False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-                    r = tl.load(RS + last_r + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                    p = _weights(z - c[None, :], ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE,
-                                 DRAW64, ACC)
-                    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
-                    delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-                    ds = p * (tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT) - delta[:, None])
-                    if KL > 0:
-                        dy_kl, da_tile = _kl_tile(z - c[None, :], ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB,
-                                                  KS, DKL, stride_pb, stride_ph, stride_pn, stride_rb, stride_rh, KL,
-                                                  ACC)
-                        ds += dy_kl
-                        da += da_tile
-                    if STAGE == 0:
-                        g += tl.sum(ds, 0)
-                    else:
-                        dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb,
-                                      stride_ch, stride_tr, stride_rb, stride_rh, N)
-                        dk += tl.dot(tl.trans(dz).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
-                        dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
-            if STAGE == 0:
-                tl.store(G + b * stride_cb + h * stride_ch + offs_n, g, mask=offs_n < S_K)
-                if KL > 0:
-                    tl.store(DA + b * stride_cb + h * stride_ch + offs_n, da, mask=offs_n < S_K)
-        if STAGE == 1:
-            tl.store(DK + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-                     (dk * scale).to(DK.dtype.element_ty), mask=(offs_n[:, None] < S_K) & (offs_d[None, :] < D))
-            tl.store(DV_OUT + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
-                     dv.to(DV_OUT.dtype.element_ty), mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < DV))
+    start_n0 = tl.program_id(0) * BLOCK_N
+    offs_n = start_n0 + tl.arange(0, BLOCK_N)
+    bk = tl.program_id(1)
+    if STAGE == 0:
+        b, kvh = bk // H, (bk % H) // GROUP
+        first, heads = bk % H, 1
     else:
-        start_m0 = tl.program_id(0) * BLOCK_M
-        offs_m = start_m0 + tl.arange(0, BLOCK_M)
-        bh = tl.program_id(1)
-        b, h = bh // H, bh % H
-        kvh = h // GROUP
-        r = tl.load(RS + last_r + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-        do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
-        delta = tl.load(DELTA + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
-        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
-        for start_n in range(0, S_K, BLOCK_N):
-            if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
-                     HAS_MASK):
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
-                                stride_an, HAS_BIAS, ACC, DOT)
+        b, kvh = bk // (H // GROUP), bk % (H // GROUP)
+        first, heads = kvh * GROUP, GROUP
+    v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
+    for i in range(0, heads):
+        h = first + i
+        c = _rows(CS + last_c, b, h, offs_n, S_K, stride_cb, stride_ch)
+        g = tl.zeros([BLOCK_N], dtype=ACC)
+        da = tl.zeros([BLOCK_N], dtype=ACC)
+        for start_m in range(0, S_Q, BLOCK_M):
+            if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm,
+                     stride_bn, HAS_MASK):
+                offs_m = start_m + tl.arange(0, BLOCK_M)
+                z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh,
+                                stride_qs, stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah,
+                                stride_am, stride_an, HAS_BIAS, ACC, DOT)
                 ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
                               False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-                c = tl.load(CS + last_c + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-                v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
-                p = _weights(z - c[None, :], ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE,
-                             DRAW64, ACC)
-                ds = p * (tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT) - delta[:, None])
-                if KL > 0:
-                    dy_kl, _ = _kl_tile(z - c[None, :], ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL,
-                                        stride_pb, stride_ph, stride_pn, stride_rb, stride_rh, KL, ACC)
-                    ds += dy_kl
-                dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb, stride_ch,
-                              stride_tr, stride_rb, stride_rh, N)
-                dq += tl.dot(dz.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
-        tl.store(DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                 (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D))
+                r = _rows(RS + last_r, b, h, offs_m, S_Q, stride_rb, stride_rh)
+                do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
+                delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
+                p, ds, da = _sink_ds(z, c, ok, r, do, v, delta, da, DRAWS, PRIOR, RB, KS, DKL, b, h, offs_m, offs_n,
+                                     H, S_Q, S_K, noise_scale, stride_pb, stride_ph, stride_pn, stride_rb,
+                                     stride_rh, NOISE, KL, DRAW64, ACC, DOT)
+                if STAGE == 0:
+                    g += tl.sum(ds, 0)
+                else:
+                    dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb,
+                                  stride_ch, stride_tr, stride_rb, stride_rh, N)
+                    dk += tl.dot(tl.trans(dz).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
+                    dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
+        if STAGE == 0:
+            _store_rows(G, g, b, h, offs_n, S_K, stride_cb, stride_ch)
+            if KL > 0:
+                _store_rows(DA, da, b, h, offs_n, S_K, stride_cb, stride_ch)
+    if STAGE == 1:
+        _store_block(DK, dk * scale, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
+        _store_block(DV_OUT, dv, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
+
+
+@triton.jit
+def _sink_query_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, PRIOR, RB, KS,
+                      DKL, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+                      stride_vs, stride_dob, stride_doh, stride_dos, stride_t, stride_cb, stride_ch, stride_tr,
+                      stride_rb, stride_rh, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn,
+                      stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_pb,
+                      stride_ph, stride_pn, H, GROUP, S_Q, S_K, D, DV, SCALE, N,
+                      HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      NOISE: tl.constexpr, KL: tl.constexpr, DRAW64: tl.constexpr, ACC: tl.constexpr,
+                      DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_DV: tl.constexpr):
+    """Sinkhorn-N's last gradient pass: dQ with the whole dz (as `_sink_key_grads`' STAGE 1), one
+    query block of one (batch, query head) per program; dq is laid out as q."""
+    scale = tl.load(SCALE).to(ACC)
+    noise_scale = tl.load(SCALE + 1).to(ACC)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    last_c = (N - 1) * stride_t
+    last_r = (N - 1) * stride_tr
+    start_m0 = tl.program_id(0) * BLOCK_M
+    offs_m = start_m0 + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    kvh = h // GROUP
+    r = _rows(RS + last_r, b, h, offs_m, S_Q, stride_rb, stride_rh)
+    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
+    delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    for start_n in range(0, S_K, BLOCK_N):
+        if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
+                 HAS_MASK):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
+                            stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
+                            stride_an, HAS_BIAS, ACC, DOT)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
+                          False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+            c = _rows(CS + last_c, b, h, offs_n, S_K, stride_cb, stride_ch)
+            v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
+            _, ds, _ = _sink_ds(z, c, ok, r, do, v, delta, tl.zeros_like(c), DRAWS, PRIOR, RB, KS, DKL, b, h, offs_m,
+                                offs_n, H, S_Q, S_K, noise_scale, stride_pb, stride_ph, stride_pn, stride_rb, stride_rh,
+                                NOISE, KL, DRAW64, ACC, DOT)  # no prior gradient here: STAGE 0 forms it
+            dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb, stride_ch,
+                          stride_tr, stride_rb, stride_rh, N)
+            dq += tl.dot(dz.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
+    _store_block(DQ, dq * scale, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)

@@ -44,6 +44,28 @@ def _block(P, b, h, offs, cols, n, width, stride_b, stride_h, stride_s):
 
 
 @triton.jit
+def _store_block(P, x, b, h, offs, cols, n, width, stride_b, stride_h, stride_s):
+    """Writes x, in P's dtype, to rows `offs` (< n) and columns `cols` (< width) of head h of batch
+    b of a (B, H, S, width) tensor laid out by its strides (`_block`'s inverse)."""
+    tl.store(P + b * stride_b + h * stride_h + offs[:, None] * stride_s + cols[None, :],
+             x.to(P.dtype.element_ty), mask=(offs[:, None] < n) & (cols[None, :] < width))
+
+
+@triton.jit
+def _rows(P, b, h, offs, n, stride_b, stride_h):
+    """Entries `offs` (< n) of head h of batch b of a (B, H, S) per-row or per-key statistic laid
+    out by its strides; zeros outside."""
+    return tl.load(P + b * stride_b + h * stride_h + offs, mask=offs < n, other=0.0)
+
+
+@triton.jit
+def _store_rows(P, x, b, h, offs, n, stride_b, stride_h):
+    """Writes x to entries `offs` (< n) of head h of batch b of a (B, H, S) statistic (`_rows`'s
+    inverse)."""
+    tl.store(P + b * stride_b + h * stride_h + offs, x, mask=offs < n)
+
+
+@triton.jit
 def _biased(z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
             HAS_BIAS: tl.constexpr):
     """z plus the additive float mask's tile (broadcast through its strides), when there is one;
@@ -108,7 +130,7 @@ def _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stri
     r = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), 0.0)
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_dv[None, :],
              out.to(O.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < DV))
-    tl.store(R + b * stride_rb + h * stride_rh + offs_m, r, mask=offs_m < S_Q)
+    _store_rows(R, r, b, h, offs_m, S_Q, stride_rb, stride_rh)
 
 
 @triton.jit
