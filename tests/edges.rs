@@ -32,26 +32,58 @@ fn grad_or_zero(t: &Tensor) -> Tensor {
     }
 }
 
+/// A random graph (`random_graph`) for `heads` heads, and the conversions between per-edge values
+/// `(H, E)` and dense ones `(1, H, N, N)` with the adjacency as mask.
+struct Graph {
+    n: i64,
+    heads: i64,
+    dst: Tensor,
+    src: Tensor,
+    device: Device,
+}
+
+impl Graph {
+    fn new(n: i64, heads: i64, device: Device) -> Self {
+        let (dst, src) = random_graph(n, device);
+        Graph { n, heads, dst, src, device }
+    }
+
+    fn edges(&self) -> i64 {
+        self.dst.size()[0]
+    }
+
+    fn support(&self) -> Result<Support> {
+        Ok(Support::Edges(EdgeList::new(self.dst.shallow_clone(), self.src.shallow_clone(), self.n, self.n)?))
+    }
+
+    /// The adjacency, `(N, N)`, true on the edges.
+    fn allowed(&self) -> Tensor {
+        let ones = Tensor::ones([self.edges()], (Kind::Bool, self.device));
+        Tensor::zeros([self.n, self.n], (Kind::Bool, self.device)).index_put(&[Some(&self.dst), Some(&self.src)], &ones, false)
+    }
+
+    /// `(H, E)` -> `(1, H, N, N)`, zero off the edges.
+    fn scatter(&self, edge_values: &Tensor) -> Tensor {
+        let dense = Tensor::zeros([self.heads, self.n, self.n], (Kind::Double, self.device));
+        dense.index_put(&[None, Some(&self.dst), Some(&self.src)], edge_values, false).unsqueeze(0)
+    }
+
+    /// `(1, H, N, N)` -> `(H, E)`.
+    fn gather(&self, dense: &Tensor) -> Tensor {
+        dense.squeeze_dim(0).index(&[None, Some(&self.dst), Some(&self.src)])
+    }
+}
+
 #[test]
 fn every_variant_over_edges_equals_its_dense_form() -> Result<()> {
     let _serial = common::serial();
     tch::manual_seed(21);
     for device in devices() {
         let (n, heads, d) = (9, 3, 5);
-        let (dst, src) = random_graph(n, device);
-        let e = dst.size()[0];
-        let edge_support = Support::Edges(EdgeList::new(dst.shallow_clone(), src.shallow_clone(), n, n)?);
-        let allowed = Tensor::zeros([n, n], (Kind::Bool, device)).index_put(
-            &[Some(&dst), Some(&src)],
-            &Tensor::ones([e], (Kind::Bool, device)),
-            false,
-        );
-        let dense_support = Support::dense(Some(allowed.view([1, 1, n, n])));
-        let scatter = |edge_values: &Tensor| {
-            // (H, E) -> (1, H, N, N), zero off the edges.
-            Tensor::zeros([heads, n, n], (Kind::Double, device)).index_put(&[None, Some(&dst), Some(&src)], edge_values, false).unsqueeze(0)
-        };
-        let gather = |dense: &Tensor| dense.squeeze_dim(0).index(&[None, Some(&dst), Some(&src)]); // (H, E)
+        let graph = Graph::new(n, heads, device);
+        let (e, dst) = (graph.edges(), &graph.dst);
+        let edge_support = graph.support()?;
+        let dense_support = Support::dense(Some(graph.allowed().view([1, 1, n, n])));
 
         let names = ["softmax", "dnas", "hnas", "sinkhorn-3", "bam-nokl", "bam-lf", "bam-lc", "bam-wf", "bam-wc"];
         for name in names {
@@ -95,7 +127,7 @@ fn every_variant_over_edges_equals_its_dense_form() -> Result<()> {
                     Ok((w.detach(), kl, grads))
                 };
                 let (w_edges, kl_edges, g_edges) = run(&edge_support, &z, &noise, &|w| w.shallow_clone())?;
-                let (w_dense, kl_dense, g_dense) = run(&dense_support, &scatter(&z), &scatter(&noise), &gather)?;
+                let (w_dense, kl_dense, g_dense) = run(&dense_support, &graph.scatter(&z), &graph.scatter(&noise), &|w| graph.gather(w))?;
                 let err = f64::try_from((&w_edges - &w_dense).abs().max())?;
                 assert!(err < 1e-12, "{name} sample={sample}: weights differ by {err}");
                 match (kl_edges, kl_dense) {
@@ -108,8 +140,8 @@ fn every_variant_over_edges_equals_its_dense_form() -> Result<()> {
                     assert!(err < 1e-11, "{name} sample={sample}: gradient {i} differs by {err}");
                 }
                 // Each row with edges sums to one.
-                let rows = Tensor::zeros([heads, n], (Kind::Double, device)).index_add(1, &dst, &w_edges);
-                let has_edge = Tensor::zeros([n], (Kind::Double, device)).index_fill(0, &dst, 1.0);
+                let rows = Tensor::zeros([heads, n], (Kind::Double, device)).index_add(1, dst, &w_edges);
+                let has_edge = Tensor::zeros([n], (Kind::Double, device)).index_fill(0, dst, 1.0);
                 assert!(f64::try_from((rows - has_edge).abs().max())? < 1e-12, "{name}: rows do not sum to 1");
             }
         }
@@ -127,6 +159,37 @@ fn bad_edge_lists_are_refused() {
     assert!(EdgeList::new(i(&[0]).to_kind(Kind::Int), i(&[0]), 1, 1).is_err());
 }
 
+/// BAM with the neighbourhood prior written from the formula, dense, with the adjacency as a
+/// per-row mask: the sampled weights `(H, E)`, the KL averaged over each head's edges and then over
+/// heads, and `log ψ` `(H, E)`. `prior` holds the prior network's f1 weight and bias and f2 weight
+/// and bias.
+fn neighbourhood_formula(
+    graph: &Graph,
+    name: &str,
+    bam: &BamConfig,
+    z: &Tensor,
+    keys: &Tensor,
+    noise: &Tensor,
+    prior: &[Tensor; 4],
+) -> (Tensor, Tensor, Tensor) {
+    let (n, heads) = (graph.n, graph.heads);
+    let excluded = graph.allowed().logical_not().view([1, 1, n, n]);
+    // A masked row log-softmax; rows without edges come out uniform and are never gathered.
+    let row_log_softmax = |t: &Tensor| graph.gather(&t.masked_fill(&excluded, -1e300).log_softmax(-1, Kind::Double));
+    let log_pi = row_log_softmax(&graph.scatter(z)); // (H, E)
+    let log_s = if name == "bam-lc" { lognormal_log_sample(&log_pi, bam.sigma, noise) } else { weibull_log_sample(&log_pi, bam.k, noise) };
+    let w = row_log_softmax(&graph.scatter(&log_s)).exp();
+    let hidden = (keys.matmul(&prior[0].transpose(1, 2).unsqueeze(0)) + prior[1].view([1, heads, 1, -1])).relu(); // (1, H, N, hidden)
+    let logits = (hidden.matmul(&prior[2].view([1, heads, -1, 1])) + prior[3].view([1, heads, 1, 1])).transpose(2, 3); // (1, H, 1, N)
+    let log_psi = row_log_softmax(&logits.expand([1, heads, n, n], false)); // (H, E)
+    let kl = if name == "bam-lc" {
+        lognormal_kl(&(&log_pi - bam.sigma * bam.sigma / 2.0), bam.sigma, &log_psi, bam.prior_sigma)
+    } else {
+        weibull_gamma_kl(&log_pi, bam.k, &(log_psi.exp() * bam.prior_beta), bam.prior_beta)
+    }; // (H, E)
+    (w, kl.mean_dim(&[1i64][..], false, Kind::Double).mean(Kind::Double), log_psi)
+}
+
 /// The neighbourhood prior (`PriorScope::Neighbourhood`) over an edge list against the
 /// dense prior written here from the formula, with the adjacency as a per-row mask:
 /// `log ψ_ij = logit_j − logsumexp_{j' : A_ij' = 1} logit_j'`, `α_ij = β ψ_ij` (bam-wc) or
@@ -139,24 +202,9 @@ fn neighbourhood_prior_over_edges_equals_a_per_row_dense_prior() -> Result<()> {
     tch::manual_seed(22);
     for device in devices() {
         let (n, heads, d) = (10, 2, 4);
-        let (dst, src) = random_graph(n, device);
-        let e = dst.size()[0];
-        let support = Support::Edges(EdgeList::new(dst.shallow_clone(), src.shallow_clone(), n, n)?);
-        let allowed = Tensor::zeros([n, n], (Kind::Bool, device)).index_put(
-            &[Some(&dst), Some(&src)],
-            &Tensor::ones([e], (Kind::Bool, device)),
-            false,
-        );
-        let excluded = allowed.logical_not().view([1, 1, n, n]);
-        let scatter = |edge_values: &Tensor| {
-            // (H, E) -> (1, H, N, N), zero off the edges.
-            Tensor::zeros([heads, n, n], (Kind::Double, device)).index_put(&[None, Some(&dst), Some(&src)], edge_values, false).unsqueeze(0)
-        };
-        let gather = |dense: &Tensor| dense.squeeze_dim(0).index(&[None, Some(&dst), Some(&src)]); // (H, E)
-
-        // A masked row log-softmax; rows without edges come out uniform and are never gathered.
-        let row_log_softmax = |t: &Tensor| t.masked_fill(&excluded, -1e300).log_softmax(-1, Kind::Double);
-
+        let graph = Graph::new(n, heads, device);
+        let (e, dst) = (graph.edges(), &graph.dst);
+        let support = graph.support()?;
         for name in ["bam-wc", "bam-lc"] {
             let (k, sigma, beta, sigma_p) = (3.0, 0.5, 2.0, 0.8);
             let bam = BamConfig {
@@ -168,7 +216,8 @@ fn neighbourhood_prior_over_edges_equals_a_per_row_dense_prior() -> Result<()> {
                 ..Default::default()
             };
             let mut vs = nn::VarStore::new(device);
-            let normalizer = name.parse::<Variant>()?.build(&vs.root(), heads, d, &NormalizerConfig { bam, ..Default::default() })?;
+            let cfg = NormalizerConfig { bam: bam.clone(), ..Default::default() };
+            let normalizer = name.parse::<Variant>()?.build(&vs.root(), heads, d, &cfg)?;
             vs.double();
             let z = (Tensor::randn([heads, e], (Kind::Double, device)) * 3.0).set_requires_grad(true);
             let keys = Tensor::randn([1, heads, n, d], (Kind::Double, device)).set_requires_grad(true);
@@ -199,23 +248,8 @@ fn neighbourhood_prior_over_edges_equals_a_per_row_dense_prior() -> Result<()> {
 
             // The formula, dense, per-row mask.
             zero_grads();
-            let log_pi = gather(&row_log_softmax(&scatter(&z))); // (H, E)
-            let log_s =
-                if name == "bam-lc" { lognormal_log_sample(&log_pi, sigma, &noise) } else { weibull_log_sample(&log_pi, k, &noise) };
-            let w_dense = gather(&row_log_softmax(&scatter(&log_s)).exp());
-            let hidden = (keys.matmul(&param("prior.f1.weight")?.transpose(1, 2).unsqueeze(0))
-                + param("prior.f1.bias")?.view([1, heads, 1, -1]))
-            .relu(); // (1, H, N, hidden)
-            let logits = (hidden.matmul(&param("prior.f2.weight")?.view([1, heads, -1, 1]))
-                + param("prior.f2.bias")?.view([1, heads, 1, 1]))
-            .transpose(2, 3); // (1, H, 1, N)
-            let log_psi = gather(&row_log_softmax(&logits.expand([1, heads, n, n], false))); // (H, E)
-            let kl = if name == "bam-lc" {
-                lognormal_kl(&(&log_pi - sigma * sigma / 2.0), sigma, &log_psi, sigma_p)
-            } else {
-                weibull_gamma_kl(&log_pi, k, &(log_psi.exp() * beta), beta)
-            }; // (H, E)
-            let kl_dense = kl.mean_dim(&[1i64][..], false, Kind::Double).mean(Kind::Double);
+            let prior = [param("prior.f1.weight")?, param("prior.f1.bias")?, param("prior.f2.weight")?, param("prior.f2.bias")?];
+            let (w_dense, kl_dense, log_psi) = neighbourhood_formula(&graph, name, &bam, &z, &keys, &noise, &prior);
             ((&w_dense * &cot).sum(Kind::Double) + &kl_dense * 0.7).backward();
             let (w_dense, kl_dense, g_dense) = (w_dense.detach(), f64::try_from(&kl_dense)?, grads());
 
@@ -231,8 +265,8 @@ fn neighbourhood_prior_over_edges_equals_a_per_row_dense_prior() -> Result<()> {
                 assert!(i == 4 || f64::try_from(a.abs().max())? > 1e-6, "{name}: gradient {i} is zero");
             }
             // The prior really is per neighbourhood: each node's ψ sums to one over its edges.
-            let psi_rows = Tensor::zeros([heads, n], (Kind::Double, device)).index_add(1, &dst, &log_psi.exp().detach());
-            let has_edge = Tensor::zeros([n], (Kind::Double, device)).index_fill(0, &dst, 1.0);
+            let psi_rows = Tensor::zeros([heads, n], (Kind::Double, device)).index_add(1, dst, &log_psi.exp().detach());
+            let has_edge = Tensor::zeros([n], (Kind::Double, device)).index_fill(0, dst, 1.0);
             assert!(f64::try_from((psi_rows - has_edge).abs().max())? < 1e-12, "{name}: ψ does not sum to 1 per node");
         }
     }

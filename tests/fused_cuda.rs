@@ -408,6 +408,53 @@ fn wrt<'a>(case: &Case, qkv: [&'a Tensor; 3], logit: &'a Tensor) -> Vec<&'a Tens
     all
 }
 
+/// The reference for a case run on the GPU: the tiles in float64 on the CPU, on the same rounded
+/// inputs, given the ε the kernels draw in float32 for this seed; the gradients of Σ output · g
+/// (plus the KL) in what `wrt` names.
+fn float64_reference(
+    case: &Case,
+    x: &Inputs,
+    g: &Tensor,
+    logit: &Tensor,
+    prior: &Tensor,
+) -> Result<(probattn::tiled::TiledAttended, Vec<Tensor>)> {
+    let wide = |t: &Tensor| t.detach().to_device(Device::Cpu).to_kind(Kind::Double).set_requires_grad(true);
+    let cpu = |t: &Tensor| t.to_device(Device::Cpu);
+    let x64 = Inputs {
+        q: wide(&x.q),
+        k: wide(&x.k),
+        v: wide(&x.v),
+        kpad: cpu(&x.kpad),
+        qpad: cpu(&x.qpad),
+        excluded: cpu(&x.excluded),
+        additive: cpu(&x.additive).to_kind(Kind::Double),
+    };
+    let (q64, k64, v64) = (&x64.q, &x64.k, &x64.v);
+    let masks64 = case.masks(&x64);
+    let plan64 = plan_for(case, logit, prior);
+    let noise = case.noise_and_kl().0;
+    let bam = if noise == 1 { BamKind::WeibullContextual } else { BamKind::LognormalContextual };
+    let shape = case.shape;
+    let dims = [shape[0], shape[1], shape[3], shape[4]];
+    let eps = if noise > 0 { Some(counter_noise(bam, dims, SEED, (Kind::Float, Device::Cpu))?.to_kind(Kind::Double)) } else { None };
+    let tiled_opts = TiledOptions {
+        scale: Some(0.3),
+        enable_gqa: true,
+        fused_cpu: false,
+        sample: noise > 0,
+        noise: eps.as_ref(),
+        ..TiledOptions::new(16)
+    };
+    let reference = attend_tiled(q64, k64, v64, &masks64, &plan64, tiled_opts)?;
+    let g64 = g.to_device(Device::Cpu).to_kind(Kind::Double);
+    let mut loss64 = (&reference.output * &g64).sum(Kind::Double);
+    if let Some(kl) = &reference.kl {
+        loss64 += kl;
+    }
+    let grads64 = Tensor::run_backward(&[loss64], &wrt(case, [q64, k64, v64], logit), false, false);
+    Ok((reference, grads64))
+}
+
 #[test]
 fn on_a_gpu_the_route_matches_the_float64_tiles_forward_and_backward() -> Result<()> {
     let Some(arch) = gpu() else { return Ok(()) };
@@ -426,7 +473,7 @@ fn on_a_gpu_the_route_matches_the_float64_tiles_forward_and_backward() -> Result
         };
         let region = (kind == Kind::Float).then(|| probattn::precision::Precision::Tf32.enter(cuda)).transpose()?;
         for case in gpu_cases()?.into_iter().filter(|c| kind != Kind::Float || in_float32_set(c)) {
-            let (shape, (noise, kl_form)) = (case.shape, case.noise_and_kl());
+            let (shape, kl_form) = (case.shape, case.noise_and_kl().1);
             let x = inputs(shape, kind, cuda);
             let g = Tensor::randn([shape[0], shape[1], shape[3], shape[6]], (Kind::Float, cuda));
             let prior = Tensor::rand([shape[0], shape[1], 1, shape[4]], (Kind::Double, Device::Cpu)) + 0.5;
@@ -453,43 +500,8 @@ fn on_a_gpu_the_route_matches_the_float64_tiles_forward_and_backward() -> Result
             }
             let grads = Tensor::run_backward(&[loss], &wrt(case, [&q, &k, &v], &gpu_logit), false, false);
 
-            // The reference: the tiles in float64 on the CPU, on the same rounded inputs, given
-            // the ε the kernels draw in float32 for this seed.
-            let wide = |t: &Tensor| t.detach().to_device(Device::Cpu).to_kind(Kind::Double).set_requires_grad(true);
-            let cpu = |t: &Tensor| t.to_device(Device::Cpu);
-            let x64 = Inputs {
-                q: wide(&q),
-                k: wide(&k),
-                v: wide(&v),
-                kpad: cpu(&x.kpad),
-                qpad: cpu(&x.qpad),
-                excluded: cpu(&x.excluded),
-                additive: cpu(&x.additive).to_kind(Kind::Double),
-            };
-            let (q64, k64, v64) = (&x64.q, &x64.k, &x64.v);
-            let masks64 = case.masks(&x64);
-            let plan64 = plan_for(case, &head_logit, &prior);
-            let bam = if noise == 1 { BamKind::WeibullContextual } else { BamKind::LognormalContextual };
-            let eps = if noise > 0 {
-                Some(counter_noise(bam, score_shape.dims(), SEED, (Kind::Float, Device::Cpu))?.to_kind(Kind::Double))
-            } else {
-                None
-            };
-            let tiled_opts = TiledOptions {
-                scale: Some(0.3),
-                enable_gqa: true,
-                fused_cpu: false,
-                sample: noise > 0,
-                noise: eps.as_ref(),
-                ..TiledOptions::new(16)
-            };
-            let reference = attend_tiled(q64, k64, v64, &masks64, &plan64, tiled_opts)?;
-            let g64 = g.to_device(Device::Cpu).to_kind(Kind::Double);
-            let mut loss64 = (&reference.output * &g64).sum(Kind::Double);
-            if let Some(kl) = &reference.kl {
-                loss64 += kl;
-            }
-            let grads64 = Tensor::run_backward(&[loss64], &wrt(case, [q64, k64, v64], &head_logit), false, false);
+            // x.q, x.k and x.v are q, k and v (set_requires_grad marks the tensor itself).
+            let (reference, grads64) = float64_reference(case, &x, &g, &head_logit, &prior)?;
             let at = format!("sm_{arch}, {kind:?}, {case:?}");
             let error = common::scaled_error(&out, &reference.output)?;
             assert!(error < tolerance, "{at}: output off by {error:e}");

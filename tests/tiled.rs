@@ -94,20 +94,6 @@ fn cases() -> Vec<Case> {
     ]
 }
 
-/// Output, received mass and gradients (q, k, v, then the extra parameters) of one path.
-fn run(
-    path: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor)>,
-    inputs: &[Tensor; 3],
-    params: &[Tensor],
-    g: &Tensor,
-) -> Result<(Tensor, Tensor, Vec<Tensor>)> {
-    let leaves: Vec<Tensor> = inputs.iter().map(|t| t.detach().set_requires_grad(true)).collect();
-    let (out, mass) = path(&leaves[0], &leaves[1], &leaves[2])?;
-    let wrt: Vec<Tensor> = leaves.iter().chain(params).map(Tensor::shallow_clone).collect();
-    let grads = Tensor::run_backward(&[(&out * g).sum(Kind::Double)], &wrt, false, false);
-    Ok((out.detach(), mass.detach(), grads))
-}
-
 /// Where the fused CPU kernel applies (no mask, or key padding with a key in every sequence) it
 /// computes differently from the tiles (equal to 1e-10, not bit for bit); elsewhere `fused_cpu`
 /// changes nothing. Either way round is an error naming the case.
@@ -158,38 +144,19 @@ fn tiled_attention_equals_the_eager_path() -> Result<()> {
                 );
                 continue;
             }
-            let reference = run(
-                |q, k, v| {
-                    let a = attend(q, k, v, &masks, eager, Default::default())?;
-                    let mass = a.weights()?.sum_dim_intlist(&[-2i64][..], false, Kind::Double);
-                    Ok((a.output, mass))
-                },
-                &inputs,
-                &params,
-                &g,
-            )?;
+            let reference = outputs_and_grads(&inputs, &g, &params, |q, k, v| {
+                let a = attend(q, k, v, &masks, eager, Default::default())?;
+                let mass = a.weights()?.sum_dim_intlist(&[-2i64][..], false, Kind::Double);
+                Ok((a.output, mass, None))
+            })?;
             // The tiles at sizes that do and do not divide S, and the fused CPU kernel where it applies.
             for (tile, fused_cpu) in [(1, false), (4, false), (5, false), (L, false), (64, false), (4, true)] {
-                let ours = run(
-                    |q, k, v| {
-                        let t = attend_tiled(q, k, v, &masks, &tiled, TiledOptions { fused_cpu, ..TiledOptions::new(tile) })?;
-                        Ok((t.output, t.received_mass))
-                    },
-                    &inputs,
-                    &params,
-                    &g,
-                )?;
+                let ours = outputs_and_grads(&inputs, &g, &params, |q, k, v| {
+                    let t = attend_tiled(q, k, v, &masks, &tiled, TiledOptions { fused_cpu, ..TiledOptions::new(tile) })?;
+                    Ok((t.output, t.received_mass, None))
+                })?;
                 let what = format!("{name}, {}, tile {tile}{}", case.name, if fused_cpu { ", fused CPU kernel" } else { "" });
-                largest = [max_diff(&ours.0, &reference.0), max_diff(&ours.1, &reference.1)]
-                    .into_iter()
-                    .chain(ours.2.iter().zip(&reference.2).map(|(a, b)| max_diff(a, b)))
-                    .fold(largest, f64::max);
-                ensure!(max_diff(&ours.0, &reference.0) <= 1e-10, "{what}: output differs by {}", max_diff(&ours.0, &reference.0));
-                ensure!(max_diff(&ours.1, &reference.1) <= 1e-10, "{what}: received mass differs by {}", max_diff(&ours.1, &reference.1));
-                for (i, (a, b)) in ours.2.iter().zip(&reference.2).enumerate() {
-                    let d = max_diff(a, b);
-                    ensure!(d <= 1e-10, "{what}: gradient {} differs by {d}", ["q", "k", "v", "hybrid_logit"][i]);
-                }
+                largest = largest.max(all_within_1e10(&what, Device::Cpu, &ours, &reference)?);
                 checked += 1;
             }
         }
@@ -304,6 +271,41 @@ fn bam_on(kind: BamKind, base: Variant, device: Device) -> Result<(nn::VarStore,
     Ok((vs, normalizer))
 }
 
+/// One BAM call of `sampled_bam_equals_the_eager_path_given_the_same_draws`: its inputs, the
+/// cotangent `g`, the masks, the normalizer with its parameters, and the draws the eager path takes.
+struct BamCall<'a> {
+    inputs: &'a [Tensor; 3],
+    g: &'a Tensor,
+    masks: &'a Masks<'a>,
+    normalizer: &'a probattn::normalize::Bam,
+    params: &'a [Tensor],
+    draws: &'a Tensor,
+    kind: BamKind,
+}
+
+impl BamCall<'_> {
+    /// `outputs_and_grads` of one path: the tiles with `tiled`'s options, else the eager path given
+    /// the draws.
+    fn run(&self, tiled: Option<TiledOptions>) -> Result<Vec<Tensor>> {
+        outputs_and_grads(self.inputs, self.g, self.params, |q, k, v| {
+            let (out, mass, kl) = match tiled {
+                Some(options) => {
+                    let t = attend_tiled(q, k, v, self.masks, &self.normalizer.tiled().expect("BAM has a plan"), options)?;
+                    (t.output, t.received_mass, t.kl)
+                }
+                None => {
+                    let opts = AttendOptions { mode: Mode::MONTE_CARLO, noise: Some(self.draws), ..Default::default() };
+                    let a = attend(q, k, v, self.masks, self.normalizer, opts)?;
+                    let mass = a.weights()?.sum_dim_intlist(&[-2i64][..], false, Kind::Double);
+                    (a.output, mass, a.kl)
+                }
+            };
+            ensure!(kl.is_some() == self.kind.has_kl(), "{}: KL present: {}", self.kind.name(), kl.is_some());
+            Ok((out, mass, kl))
+        })
+    }
+}
+
 #[test]
 fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
     // Loss = Σ output · G + 0.37 KL: output, received mass, KL, and the gradients of q, k, v and of
@@ -327,35 +329,8 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
                 if case.causal && base != Variant::Softmax {
                     continue;
                 }
-                // Output, mass and KL stacked as extra "outputs" so one comparison covers them.
-                let path = |tiled: Option<TiledOptions>| -> Result<(Tensor, Tensor, Tensor, Vec<Tensor>)> {
-                    let leaves: Vec<Tensor> = inputs.iter().map(|t| t.detach().set_requires_grad(true)).collect();
-                    let (q, k, v) = (&leaves[0], &leaves[1], &leaves[2]);
-                    let (out, mass, kl) = match tiled {
-                        Some(options) => {
-                            let t = attend_tiled(q, k, v, &masks, &normalizer.tiled().expect("BAM has a plan"), options)?;
-                            (t.output, t.received_mass, t.kl)
-                        }
-                        None => {
-                            let a = attend(
-                                q,
-                                k,
-                                v,
-                                &masks,
-                                &normalizer,
-                                AttendOptions { mode: Mode::MONTE_CARLO, noise: Some(&draws), ..Default::default() },
-                            )?;
-                            let mass = a.weights()?.sum_dim_intlist(&[-2i64][..], false, Kind::Double);
-                            (a.output, mass, a.kl)
-                        }
-                    };
-                    ensure!(kl.is_some() == kind.has_kl(), "{}: KL present: {}", kind.name(), kl.is_some());
-                    let kl = kl.unwrap_or_else(|| Tensor::zeros([], opts));
-                    let wrt: Vec<Tensor> = leaves.iter().chain(&params).map(Tensor::shallow_clone).collect();
-                    let loss = (&out * &g).sum(Kind::Double) + &kl * 0.37;
-                    let grads = Tensor::run_backward(&[loss], &wrt, false, false);
-                    Ok((out.detach(), mass.detach(), kl.detach(), grads))
-                };
+                let call = BamCall { inputs: &inputs, g: &g, masks: &masks, normalizer: &normalizer, params: &params, draws: &draws, kind };
+                let path = |tiled: Option<TiledOptions>| call.run(tiled);
                 let eager = path(None)?;
                 let counter = TiledOptions { sample: true, seed: Some(seed), ..TiledOptions::new(4) };
                 let given = TiledOptions { sample: true, noise: Some(&draws), ..TiledOptions::new(5) };
@@ -367,17 +342,7 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
                 for (how, options) in runs {
                     let ours = path(Some(options))?;
                     let what = format!("{} over {base}, {}, {how}", kind.name(), case.name);
-                    let diffs = [max_diff(&ours.0, &eager.0), max_diff(&ours.1, &eager.1), max_diff(&ours.2, &eager.2)];
-                    for (d, name) in diffs.iter().zip(["output", "received mass", "KL"]) {
-                        ensure!(*d <= 1e-10, "{what}: {name} differs by {d}");
-                    }
-                    ensure!(ours.3.len() == eager.3.len(), "{what}: gradients");
-                    for (i, (a, b)) in ours.3.iter().zip(&eager.3).enumerate() {
-                        let d = max_diff(a, b);
-                        ensure!(d <= 1e-10, "{what}: gradient {i} differs by {d}");
-                        largest = largest.max(d);
-                    }
-                    largest = diffs.into_iter().fold(largest, f64::max);
+                    largest = largest.max(all_within_1e10(&what, Device::Cpu, &ours, &eager)?);
                     checked += 1;
                 }
             }
@@ -391,7 +356,15 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
         let options = TiledOptions { sample: true, seed: Some(seed), ..TiledOptions::new(4) };
         check_fused_route(&inputs, &case, &normalizer.tiled().expect("BAM has a plan"), options)?;
     }
-    // The draws matter: another seed gives another output, and the mean (no sampling) is the base.
+    Ok(())
+}
+
+/// The draws matter: another seed gives another output, and the mean (no sampling) is the base.
+#[test]
+fn bam_draws_follow_the_seed_and_its_mean_is_the_base() -> Result<()> {
+    tch::manual_seed(7);
+    let opts = (Kind::Double, Device::Cpu);
+    let inputs = [Tensor::randn([B, H, L, D], opts), Tensor::randn([B, H, S, D], opts) * 2.0, Tensor::randn([B, H, S, D], opts)];
     let (_, normalizer) = bam(BamKind::LognormalContextual, Variant::Dnas)?;
     let run = |options: TiledOptions| {
         attend_tiled(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), &normalizer.tiled().expect("BAM has a plan"), options)
@@ -406,6 +379,42 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
 }
 
 /// The eager path of one variant, given q, k and v.
+/// Output, received mass, KL (0 without one) and the gradients of Σ output · G + 0.37 KL in q, k, v
+/// and `params`, from the path `run`.
+fn outputs_and_grads(
+    inputs: &[Tensor; 3],
+    g: &Tensor,
+    params: &[Tensor],
+    run: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor, Option<Tensor>)>,
+) -> Result<Vec<Tensor>> {
+    let leaves: Vec<Tensor> = inputs.iter().map(|t| t.detach().set_requires_grad(true)).collect();
+    let (out, mass, kl) = run(&leaves[0], &leaves[1], &leaves[2])?;
+    let kl = kl.unwrap_or_else(|| Tensor::zeros([], (Kind::Double, g.device())));
+    let wrt: Vec<Tensor> = leaves.iter().chain(params).map(Tensor::shallow_clone).collect();
+    let loss = (&out * g).sum(Kind::Double) + &kl * 0.37;
+    let mut all = vec![out.detach(), mass.detach(), kl.detach()];
+    all.extend(Tensor::run_backward(&[loss], &wrt, false, false));
+    Ok(all)
+}
+
+/// The largest difference between `outputs_and_grads` of a path and of its reference, each held
+/// to 1e-10 and to `device`.
+fn all_within_1e10(what: &str, device: Device, ours: &[Tensor], reference: &[Tensor]) -> Result<f64> {
+    ensure!(ours.len() == reference.len(), "{what}: gradients");
+    let mut largest = 0.0f64;
+    for (i, (a, b)) in ours.iter().zip(reference).enumerate() {
+        ensure!(a.device() == device, "{what}: left {device:?}");
+        let d = max_diff(a, b);
+        let name = ["output", "received mass", "KL", "gradient of q", "gradient of k", "gradient of v"]
+            .get(i)
+            .copied()
+            .unwrap_or("gradient of a parameter");
+        ensure!(d <= 1e-10, "{what}: {name} differs by {d}");
+        largest = largest.max(d);
+    }
+    Ok(largest)
+}
+
 type Eager<'a> = Box<dyn Fn(&Tensor, &Tensor, &Tensor) -> probattn::Result<probattn::Attended> + 'a>;
 
 #[test]
@@ -467,37 +476,17 @@ fn on_every_device_the_tiles_equal_the_eager_path() -> Result<()> {
                 if case.causal && name != "softmax" {
                     continue;
                 }
-                let path = |tiles: bool| -> Result<Vec<Tensor>> {
-                    let leaves: Vec<Tensor> = inputs.iter().map(|t| t.detach().set_requires_grad(true)).collect();
-                    let (q, k, v) = (&leaves[0], &leaves[1], &leaves[2]);
-                    let (out, mass, kl) = if tiles {
-                        let options = TiledOptions { sample: true, seed: Some(seed), ..TiledOptions::new(5) };
-                        let t = attend_tiled(q, k, v, &masks, tiled, options)?;
-                        (t.output, t.received_mass, t.kl)
-                    } else {
-                        let a = eager(q, k, v)?;
-                        let mass = a.weights()?.sum_dim_intlist(&[-2i64][..], false, Kind::Double);
-                        (a.output, mass, a.kl)
-                    };
-                    let kl = kl.unwrap_or_else(|| Tensor::zeros([], opts));
-                    let wrt: Vec<Tensor> = leaves.iter().chain(params).map(Tensor::shallow_clone).collect();
-                    let loss = (&out * &g).sum(Kind::Double) + &kl * 0.37;
-                    let mut all = vec![out.detach(), mass.detach(), kl.detach()];
-                    all.extend(Tensor::run_backward(&[loss], &wrt, false, false));
-                    Ok(all)
-                };
-                let (ours, reference) = (path(true)?, path(false)?);
-                ensure!(ours.len() == reference.len(), "{name}, {}: gradients", case.name);
-                for (i, (a, b)) in ours.iter().zip(&reference).enumerate() {
-                    ensure!(a.device() == device, "{name} left {device:?}");
-                    let d = max_diff(a, b);
-                    let what = ["output", "received mass", "KL", "gradient of q", "gradient of k", "gradient of v"]
-                        .get(i)
-                        .copied()
-                        .unwrap_or("gradient of a parameter");
-                    ensure!(d <= 1e-10, "{device:?}, {name}, {}: {what} differs by {d}", case.name);
-                    largest = largest.max(d);
-                }
+                let ours = outputs_and_grads(&inputs, &g, params, |q, k, v| {
+                    let options = TiledOptions { sample: true, seed: Some(seed), ..TiledOptions::new(5) };
+                    let t = attend_tiled(q, k, v, &masks, tiled, options)?;
+                    Ok((t.output, t.received_mass, t.kl))
+                })?;
+                let reference = outputs_and_grads(&inputs, &g, params, |q, k, v| {
+                    let a = eager(q, k, v)?;
+                    let mass = a.weights()?.sum_dim_intlist(&[-2i64][..], false, Kind::Double);
+                    Ok((a.output, mass, a.kl))
+                })?;
+                largest = largest.max(all_within_1e10(&format!("{device:?}, {name}, {}", case.name), device, &ours, &reference)?);
                 checked += 1;
             }
         }

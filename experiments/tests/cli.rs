@@ -153,57 +153,32 @@ fn bad_input_is_named_and_nothing_is_written() -> Result<()> {
     std::fs::write(dir.path("corrupt.safetensors"), b"\x08\0\0\0\0\0\0\0{\"a\":1}")?;
     let p = |name: &str| dir.path(name).to_string_lossy().to_string();
     let out = p("out.safetensors");
-    let cases: Vec<(Vec<String>, &str)> = vec![
-        (vec!["--variant".into(), "dnas".into(), "--input".into(), p("rank3.safetensors")], "q has shape [2, 3, 4]; expected rank 4"),
-        (vec!["--variant".into(), "dnas".into(), "--input".into(), p("nan.safetensors")], "k holds 1 NaN"),
-        (
-            vec!["--variant".into(), "dnas".into(), "--input".into(), p("badmask.safetensors")],
-            "attn_mask has shape [4, 5], which does not broadcast to [1, 2, 3, 5]",
-        ),
-        (vec!["--variant".into(), "dnas".into(), "--input".into(), p("floatmask.safetensors")], "key_padding_mask has dtype Float"),
-        (vec!["--variant".into(), "dnas".into(), "--input".into(), p("sizes.safetensors")], "same number of keys"),
-        (vec!["--variant".into(), "dnas".into(), "--input".into(), p("noq.safetensors")], "has no tensor 'q'"),
-        (vec!["--variant".into(), "hnas".into(), "--input".into(), p("logit.safetensors")], "hybrid_logit has shape [3], expected (2,)"),
-        (vec!["--variant".into(), "dnas".into(), "--input".into(), p("missing.safetensors")], "missing.safetensors: no such file"),
-        (
-            vec!["--variant".into(), "dnas".into(), "--input".into(), p("corrupt.safetensors")],
-            "corrupt.safetensors: not a readable safetensors file",
-        ),
-        (vec!["--variant".into(), "dnax".into(), "--input".into(), p("good.safetensors")], "unknown attention variant 'dnax'"),
-        (vec!["--variant".into(), "dnas".into(), "--causal".into(), "--input".into(), p("good.safetensors")], "leak"),
-        (
-            vec!["--variant".into(), "dnas".into(), "--bogus".into(), "--input".into(), p("good.safetensors")],
-            "unexpected argument '--bogus'",
-        ),
-        (
-            vec!["--variant".into(), "dnas".into(), "--device".into(), "tpu".into(), "--input".into(), p("good.safetensors")],
-            "unknown device 'tpu'",
-        ),
-        (
-            vec!["--variant".into(), "dnas".into(), "--allocator".into(), "jemalloc".into(), "--input".into(), p("good.safetensors")],
-            "invalid value 'jemalloc' for '--allocator",
-        ),
-        (
-            vec!["--variant".into(), "bam-wc".into(), "--train".into(), "--input".into(), p("noise.safetensors")],
-            "noise has shape [1, 2, 3, 4], expected the weights' shape [1, 2, 3, 5]",
-        ),
-        (
-            vec!["--variant".into(), "bam-wf".into(), "--k".into(), "0".into(), "--input".into(), p("good.safetensors")],
-            "BAM k must be positive",
-        ),
-        (
-            vec!["--variant".into(), "bam-wc".into(), "--input".into(), p("prior.safetensors")],
-            "prior.f1.weight has shape [2, 10, 3], expected [2, 10, 4]",
-        ),
-        (
-            vec!["--variant".into(), "bam-lc".into(), "--base".into(), "bam-wc".into(), "--input".into(), p("good.safetensors")],
-            "BAM's base must be deterministic",
-        ),
+    // (variant, flags, the input file's stem, what the error says)
+    let cases: [(&str, &[&str], &str, &str); 18] = [
+        ("dnas", &[], "rank3", "q has shape [2, 3, 4]; expected rank 4"),
+        ("dnas", &[], "nan", "k holds 1 NaN"),
+        ("dnas", &[], "badmask", "attn_mask has shape [4, 5], which does not broadcast to [1, 2, 3, 5]"),
+        ("dnas", &[], "floatmask", "key_padding_mask has dtype Float"),
+        ("dnas", &[], "sizes", "same number of keys"),
+        ("dnas", &[], "noq", "has no tensor 'q'"),
+        ("hnas", &[], "logit", "hybrid_logit has shape [3], expected (2,)"),
+        ("dnas", &[], "missing", "missing.safetensors: no such file"),
+        ("dnas", &[], "corrupt", "corrupt.safetensors: not a readable safetensors file"),
+        ("dnax", &[], "good", "unknown attention variant 'dnax'"),
+        ("dnas", &["--causal"], "good", "leak"),
+        ("dnas", &["--bogus"], "good", "unexpected argument '--bogus'"),
+        ("dnas", &["--device", "tpu"], "good", "unknown device 'tpu'"),
+        ("dnas", &["--allocator", "jemalloc"], "good", "invalid value 'jemalloc' for '--allocator"),
+        ("bam-wc", &["--train"], "noise", "noise has shape [1, 2, 3, 4], expected the weights' shape [1, 2, 3, 5]"),
+        ("bam-wf", &["--k", "0"], "good", "BAM k must be positive"),
+        ("bam-wc", &[], "prior", "prior.f1.weight has shape [2, 10, 3], expected [2, 10, 4]"),
+        ("bam-lc", &["--base", "bam-wc"], "good", "BAM's base must be deterministic"),
     ];
-    for (mut args, expected) in cases {
-        args.splice(0..0, ["attend".to_string()]);
-        args.extend(["--output".to_string(), out.clone()]);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    for (variant, flags, stem, expected) in cases {
+        let input = p(&format!("{stem}.safetensors"));
+        let mut args = vec!["attend", "--variant", variant];
+        args.extend(flags);
+        args.extend(["--input", &input, "--output", &out]);
         let run = probattn(&args)?;
         let said = text(&run);
         ensure!(!run.status.success(), "{args:?} succeeded");

@@ -192,24 +192,10 @@ fn the_translation_baseline_runs_our_trained_weights() -> Result<()> {
     std::fs::create_dir_all(&data)?;
     write_corpus(&data, [200, 10, 12])?;
     let (d, run) = (data.to_string_lossy().to_string(), tmp.path("run").to_string_lossy().to_string());
-    let flags = [
-        "--preset",
-        "tiny",
-        "--bpe-vocab",
-        "120",
-        "--max-tokens",
-        "300",
-        "--max-epochs",
-        "3",
-        "--beam",
-        "2",
-        "--warmup-updates",
-        "20",
-        "--threads",
-        "1",
-        "--device",
-        "cpu",
-    ];
+    let flags: Vec<&str> =
+        "--preset tiny --bpe-vocab 120 --max-tokens 300 --max-epochs 3 --beam 2 --warmup-updates 20 --threads 1 --device cpu"
+            .split(' ')
+            .collect();
     let o = probattn(&[&["translate", "--data-dir", &d, "--out", &run][..], &flags].concat())?;
     ensure!(o.status.success(), "{}", text(&o));
 
@@ -223,47 +209,15 @@ fn the_translation_baseline_runs_our_trained_weights() -> Result<()> {
     ensure!(o.status.success(), "the baseline did not load our weights strictly: {}", text(&o));
 
     // Same logits and gradients (float64), and the same greedy translations.
-    let o = probattn(&[
-        "compare",
-        "--torchscript",
-        &m,
-        "--native",
-        "translation",
-        "--heads",
-        "4",
-        "--dtype",
-        "float64",
-        "--backward",
-        "--json",
-        "--repeats",
-        "2",
-        "--threads",
-        "1",
-    ])?;
+    let compare: Vec<&str> = "--native translation --heads 4 --json --repeats 2 --threads 1".split(' ').collect();
+    let o = probattn(&[&["compare", "--torchscript", &m, "--dtype", "float64", "--backward"][..], &compare].concat())?;
     ensure!(o.status.success(), "{}", text(&o));
     let json: serde_json::Value = serde_json::from_slice(&o.stdout)?;
     let (rel, n) = worst(&json)?;
     ensure!(n > 30 && rel <= 1e-12, "float64 translation model differs by {rel} over {n} tensors: {json}");
     let test = format!("{d}/test.de");
     let tok = format!("{run}/tokenizer.json");
-    let o = probattn(&[
-        "compare",
-        "--torchscript",
-        &m,
-        "--native",
-        "translation",
-        "--heads",
-        "4",
-        "--greedy-file",
-        &test,
-        "--tokenizer",
-        &tok,
-        "--json",
-        "--repeats",
-        "2",
-        "--threads",
-        "1",
-    ])?;
+    let o = probattn(&[&["compare", "--torchscript", &m, "--greedy-file", &test, "--tokenizer", &tok][..], &compare].concat())?;
     ensure!(o.status.success(), "{}", text(&o));
     let json: serde_json::Value = serde_json::from_slice(&o.stdout)?;
     ensure!(json["greedy"]["sentences"] == 12 && json["greedy"]["identical"] == 12, "{json}");

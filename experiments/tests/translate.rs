@@ -39,6 +39,25 @@ fn lstm_flags() -> Vec<&'static str> {
     FLAGS.iter().enumerate().filter(|(i, _)| *i != at && *i != at + 1).map(|(_, f)| *f).collect()
 }
 
+/// Our checkpoints are data only: safetensors (an 8-byte little-endian header length, then a JSON
+/// header), never a pickle (0x80 ...) or a zip archive (torch.save's "PK").
+fn ensure_safetensors(path: &Path) -> Result<()> {
+    let bytes = std::fs::read(path)?;
+    ensure!(bytes.len() > 9 && bytes[8] == b'{' && !bytes.starts_with(b"PK") && bytes[0] != 0x80, "the checkpoint is not safetensors");
+    let header_len = u64::from_le_bytes(bytes[..8].try_into()?) as usize;
+    ensure!(8 + header_len <= bytes.len(), "the checkpoint's safetensors header runs past its end");
+    serde_json::from_slice::<serde_json::Value>(&bytes[8..8 + header_len]).context("the checkpoint's header is not JSON")?;
+    Ok(())
+}
+
+/// No temporary file of an atomic write is left in `dir`.
+fn no_temporary_files(dir: &Path) -> Result<()> {
+    let left: Vec<String> =
+        std::fs::read_dir(dir)?.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.contains(".tmp-")).collect();
+    ensure!(left.is_empty(), "temporary files left behind in {}: {left:?}", dir.display());
+    Ok(())
+}
+
 #[test]
 fn a_killed_run_resumes_to_the_uninterrupted_result() -> Result<()> {
     let tmp = TempDir::new("translate-resume")?;
@@ -56,13 +75,7 @@ fn a_killed_run_resumes_to_the_uninterrupted_result() -> Result<()> {
     let args = [&["translate", "--data-dir", &data, "--out", &b][..], &FLAGS].concat();
     kill_when(&args, || ckpt.exists(), "its first checkpoint", Duration::from_millis(20), Duration::from_millis(300))?;
     ensure!(!tmp.path("b/results.json").exists(), "the killed run wrote results");
-    // Our checkpoints are data only: safetensors (an 8-byte little-endian header length, then a
-    // JSON header), never a pickle (0x80 ...) or a zip archive (torch.save's "PK").
-    let bytes = std::fs::read(&ckpt)?;
-    ensure!(bytes.len() > 9 && bytes[8] == b'{' && !bytes.starts_with(b"PK") && bytes[0] != 0x80, "the checkpoint is not safetensors");
-    let header_len = u64::from_le_bytes(bytes[..8].try_into()?) as usize;
-    ensure!(8 + header_len <= bytes.len(), "the checkpoint's safetensors header runs past its end");
-    serde_json::from_slice::<serde_json::Value>(&bytes[8..8 + header_len]).context("the checkpoint's header is not JSON")?;
+    ensure_safetensors(&ckpt)?;
 
     let resumed = probattn(&[&["translate", "--data-dir", &data, "--resume", &b][..], &FLAGS].concat())?;
     ensure!(resumed.status.success(), "{}", text(&resumed));
@@ -79,12 +92,7 @@ fn a_killed_run_resumes_to_the_uninterrupted_result() -> Result<()> {
     for field in ["test_bleu", "test_bleu_tok", "valid_bleu", "best_epoch", "epochs", "tokens_per_second"] {
         ensure!(!results["runs"][0][field].is_null(), "results.json lacks runs[0].{field}");
     }
-    let left: Vec<String> = std::fs::read_dir(tmp.path("b/seed-1"))?
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.contains(".tmp-"))
-        .collect();
-    ensure!(left.is_empty(), "temporary files left behind: {left:?}");
+    no_temporary_files(&tmp.path("b/seed-1"))?;
 
     // The checkpoint translates a file for users, and agrees with the run's own test output.
     let ckpt = tmp.path("b/seed-1/checkpoint_best.safetensors").to_string_lossy().to_string();
@@ -272,6 +280,35 @@ fn the_attentional_lstm_trains_resumes_decodes_and_refuses_what_it_lacks() -> Re
     Ok(())
 }
 
+/// What python/probattn_tools/baselines/translate.py's LSTM gives (`--logits`) for the inputs in
+/// `inputs` with the weights in `sd64`: a run folder of its own holds `config` (the same run with
+/// another attention: only config.json differs).
+fn pytorch_lstm(
+    tmp: &TempDir,
+    config: &serde_json::Value,
+    variant: &str,
+    sd64: &Path,
+    inputs: &Path,
+) -> Result<std::collections::HashMap<String, tch::Tensor>> {
+    let dir = tmp.path(&format!("run-{variant}"));
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("config.json"), serde_json::to_string(config)?)?;
+    let theirs = tmp.path(&format!("logits-{variant}.safetensors"));
+    let o = common::python_module("baselines.translate")?
+        .args([
+            "--run",
+            &dir.to_string_lossy(),
+            "--load-state-dict",
+            &sd64.to_string_lossy(),
+            "--logits",
+            &inputs.to_string_lossy(),
+            &theirs.to_string_lossy(),
+        ])
+        .output()?;
+    ensure!(o.status.success(), "the PyTorch LSTM ({variant}) did not run: {}", text(&o));
+    Ok(tch::Tensor::read_safetensors(&theirs)?.into_iter().collect())
+}
+
 #[test]
 fn the_lstm_equals_an_independent_pytorch_lstm_on_the_same_weights() -> Result<()> {
     // python/probattn_tools/baselines/translate.py writes the LSTM again in PyTorch (packed bidirectional
@@ -310,25 +347,8 @@ fn the_lstm_equals_an_independent_pytorch_lstm_on_the_same_weights() -> Result<(
     let live = prev.ne(1).unsqueeze(-1).to_kind(tch::Kind::Double);
 
     for variant in ["softmax", "dnas"] {
-        // The same run with another attention: only config.json differs.
-        let dir = tmp.path(&format!("run-{variant}"));
-        std::fs::create_dir_all(&dir)?;
         config["model"]["lstm"]["variant"] = variant.into();
-        std::fs::write(dir.join("config.json"), serde_json::to_string(&config)?)?;
-        let theirs = tmp.path(&format!("logits-{variant}.safetensors"));
-        let o = common::python_module("baselines.translate")?
-            .args([
-                "--run",
-                &dir.to_string_lossy(),
-                "--load-state-dict",
-                &sd64.to_string_lossy(),
-                "--logits",
-                &inputs.to_string_lossy(),
-                &theirs.to_string_lossy(),
-            ])
-            .output()?;
-        ensure!(o.status.success(), "the PyTorch LSTM ({variant}) did not run: {}", text(&o));
-        let theirs: std::collections::HashMap<String, tch::Tensor> = tch::Tensor::read_safetensors(&theirs)?.into_iter().collect();
+        let theirs = pytorch_lstm(&tmp, &config, variant, &sd64, &inputs)?;
 
         let cfg: probattn_models::translation::Seq2SeqConfig = serde_json::from_value(config["model"].clone())?;
         let mut vs = tch::nn::VarStore::new(tch::Device::Cpu);

@@ -208,27 +208,9 @@ fn bad_detectors_and_data_are_named() -> Result<()> {
     let dir = TempDir::new("cli-vqa-bad")?;
     let (data, det) = tiny_sort_of_clevr(&dir)?;
     let d = |name: &str| Path::new(&det).join(name).to_string_lossy().to_string();
-    let run = |extra: &[&str]| {
-        probattn(
-            &[
-                &[
-                    "vqa",
-                    "--data",
-                    &data,
-                    "--max-epochs",
-                    "1",
-                    "--seeds",
-                    "1",
-                    "--threads",
-                    "1",
-                    "--out",
-                    &dir.path("never").to_string_lossy(),
-                ],
-                extra,
-            ]
-            .concat(),
-        )
-    };
+    let never = dir.path("never").to_string_lossy().to_string();
+    let base = ["vqa", "--data", &data, "--max-epochs", "1", "--seeds", "1", "--threads", "1", "--out", &never];
+    let run = |extra: &[&str]| probattn(&[&base[..], extra].concat());
     // A corrupt TorchScript file.
     std::fs::write(dir.path("garbage.pt"), b"not a zip archive")?;
     let garbage = dir.path("garbage.pt").to_string_lossy().to_string();

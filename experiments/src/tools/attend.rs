@@ -135,27 +135,9 @@ pub fn run(args: &AttendArgs) -> Result<()> {
     let device = args.common.setup()?;
     let _precision = args.precision.begin(device)?;
     let input = args.input.display().to_string();
-    let tensors = read_safetensors(&args.input).context("reading --input")?;
-    let get = |name: &str| -> Result<Tensor> {
-        let t = tensors.get(name).with_context(|| format!("{input} has no tensor '{name}' (expected q, k and v, each (B, H, S, d))"))?;
-        Ok(t.to_device(device))
-    };
-    let (q, k, v) = (get("q")?, get("k")?, get("v")?);
+    let (tensors, q, k, v) = read_qkv(args, device)?;
     let kind = q.kind();
-    for (name, t) in [("q", &q), ("k", &k), ("v", &v)] {
-        ensure!(
-            matches!(t.kind(), Kind::Float | Kind::Double | Kind::BFloat16 | Kind::Half),
-            "{input}: {name} has dtype {:?}; attend takes float32, float64, bfloat16 or float16",
-            t.kind()
-        );
-        ensure!(t.kind() == kind, "{input}: q is {kind:?} but {name} is {:?}; use one dtype", t.kind());
-        check_finite(name, t).with_context(|| input.clone())?;
-    }
     let precision = args.precision.precision;
-    ensure!(
-        precision == Precision::F32 || kind == Kind::Float,
-        "{input}: --precision {precision} takes float32 inputs (autocast leaves {kind:?} as it is)"
-    );
     let ignored: Vec<&String> = tensors.keys().filter(|n| !KNOWN_INPUTS.contains(&n.as_str()) && !n.starts_with("prior.")).collect();
     if !ignored.is_empty() {
         eprintln!("note: ignoring tensors attend does not read: {ignored:?}");
@@ -211,6 +193,34 @@ pub fn run(args: &AttendArgs) -> Result<()> {
     let (out, choice) = tch::no_grad(|| precision.run(device, || attend_with_choice(&q, &k, &v, &masks, normalizer.as_ref(), opts)))?
         .with_context(|| format!("attending with {} ({backend} backend) on {input}", args.variant))?;
     write_outputs(args, device, &masks, &normalizer.name(), &choice, &out)
+}
+
+/// Reads `--input` and its q, k and v, checked: one of the four float dtypes for all three, finite
+/// values, and float32 where `--precision` asks for autocast.
+fn read_qkv(args: &AttendArgs, device: Device) -> Result<(HashMap<String, Tensor>, Tensor, Tensor, Tensor)> {
+    let input = args.input.display().to_string();
+    let tensors = read_safetensors(&args.input).context("reading --input")?;
+    let get = |name: &str| -> Result<Tensor> {
+        let t = tensors.get(name).with_context(|| format!("{input} has no tensor '{name}' (expected q, k and v, each (B, H, S, d))"))?;
+        Ok(t.to_device(device))
+    };
+    let (q, k, v) = (get("q")?, get("k")?, get("v")?);
+    let kind = q.kind();
+    for (name, t) in [("q", &q), ("k", &k), ("v", &v)] {
+        ensure!(
+            matches!(t.kind(), Kind::Float | Kind::Double | Kind::BFloat16 | Kind::Half),
+            "{input}: {name} has dtype {:?}; attend takes float32, float64, bfloat16 or float16",
+            t.kind()
+        );
+        ensure!(t.kind() == kind, "{input}: q is {kind:?} but {name} is {:?}; use one dtype", t.kind());
+        check_finite(name, t).with_context(|| input.clone())?;
+    }
+    let precision = args.precision.precision;
+    ensure!(
+        precision == Precision::F32 || kind == Kind::Float,
+        "{input}: --precision {precision} takes float32 inputs (autocast leaves {kind:?} as it is)"
+    );
+    Ok((tensors, q, k, v))
 }
 
 /// Writes what one call returned (the received mass from the weights where it has them; a kernel

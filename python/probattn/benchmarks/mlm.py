@@ -84,7 +84,7 @@ def svg(curves, path, title, width=640, height=360, pad=48):
     write_atomic(path, "\n".join(parts) + "\n")
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="the Multi30k folder (train.en, val.en)")
     parser.add_argument("--tokenizer", required=True, help="a probattn translate run's tokenizer.json (joint BPE)")
@@ -98,7 +98,82 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def build_models(args, build, config, device):
+    """One model and optimizer per implementation, each from the same initial weights."""
+    models, optimizers, curves = {}, {}, {}
+    for impl in args.impls:
+        torch.manual_seed(args.seed)
+        m = build(copy.deepcopy(config))  # a config each: set_attn_implementation writes into it
+        m.set_attn_implementation(impl)
+        m.to(device)
+        models[impl], optimizers[impl] = m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+        curves[impl] = {"train_loss": [], "seconds": [], "tokens": [], "val_steps": [], "val_loss": []}
+    for impl, m in models.items():
+        if m.config._attn_implementation != impl:
+            sys.exit(f"error: the {impl} model runs {m.config._attn_implementation}")
+    return models, optimizers, curves
+
+
+def train_in_turns(args, models, optimizers, curves, train_batches, val_batches, sync):
+    """Trains the models in turns, step by step, on the same batches, recording into `curves`."""
+    def evaluate(m):
+        m.eval()
+        with torch.no_grad():
+            losses = [m(input_ids=i, labels=l, attention_mask=a).loss.item() for i, l, a in val_batches]
+        m.train()
+        return sum(losses) / len(losses)
+
+    for step in range(args.steps + 1):
+        if step % args.eval_every == 0 or step == args.steps:
+            for impl, m in models.items():
+                curves[impl]["val_steps"].append(step)
+                curves[impl]["val_loss"].append(evaluate(m))
+            print(f"step {step:4d}: " + ", ".join(f"{impl} {c['val_loss'][-1]:.3f}" for impl, c in curves.items()), file=sys.stderr)
+        if step == args.steps:
+            break
+        inputs, labels, attention = train_batches[step]
+        for impl, m in models.items():  # in turns: drift of a shared machine hits each alike
+            torch.manual_seed(args.seed * 1_000_003 + step)  # the same dropout masks for every model
+            sync()
+            start = time.perf_counter()
+            loss = m(input_ids=inputs, labels=labels, attention_mask=attention).loss
+            optimizers[impl].zero_grad()
+            loss.backward()
+            optimizers[impl].step()
+            sync()
+            c = curves[impl]
+            c["seconds"].append(time.perf_counter() - start)
+            c["tokens"].append(int(attention.sum()))
+            c["train_loss"].append(loss.item())
+
+
+def write_results(args, curves, device):
+    """curves.json, curves.md and val_loss.svg under --out; prints the tables."""
+    summary = {}
+    for impl, c in curves.items():
+        summary[impl] = {"final_val_loss": c["val_loss"][-1], "tokens_per_second": sum(c["tokens"]) / sum(c["seconds"])}
+    base = summary[args.impls[0]]["tokens_per_second"]
+    lines = [f"Tiny {'BERT MLM' if args.model == 'bert' else 'Llama causal LM'} on Multi30k en, {args.steps} updates of {args.batch} sentences, seed {args.seed}, {'CUDA' if device.type == 'cuda' else f'{args.threads} thread(s)'}:", "",
+             "| implementation | final validation loss | training tokens/s | / " + args.impls[0] + " |", "|---|---|---|---|"]
+    for impl, s in summary.items():
+        lines.append(f"| {impl} | {s['final_val_loss']:.3f} | {s['tokens_per_second']:.0f} | {s['tokens_per_second'] / base:.2f} |")
+    lines += ["", "Validation loss by update:", "", "| update | " + " | ".join(args.impls) + " |", "|---" * (len(args.impls) + 1) + "|"]
+    for i, step in enumerate(curves[args.impls[0]]["val_steps"]):
+        lines.append(f"| {step} | " + " | ".join(f"{curves[impl]['val_loss'][i]:.3f}" for impl in args.impls) + " |")
+    result = {"settings": vars(args), "provenance": git_state(), "torch": torch.__version__, "summary": summary, "curves": curves}
+    os.makedirs(args.out, exist_ok=True)
+    for name, text in (("curves.json", json.dumps(result, indent=1) + "\n"), ("curves.md", "\n".join(lines) + "\n")):
+        write_atomic(os.path.join(args.out, name), text)
+    what = "MLM loss (Multi30k en, tiny BERT)" if args.model == "bert" else "causal LM loss (Multi30k en, tiny Llama)"
+    svg(curves, os.path.join(args.out, "val_loss.svg"), "validation " + what)
+    print("\n".join(lines))
+
+
+def main():
+    args = parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda: CUDA is not available to this torch")
     device = torch.device(args.device)
@@ -138,67 +213,9 @@ def main():
         build = BertForMaskedLM
     train_batches = [tuple(t.to(device) for t in b) for b in train_batches]
     val_batches = [tuple(t.to(device) for t in b) for b in val_batches]
-    models, optimizers, curves = {}, {}, {}
-    for impl in args.impls:
-        torch.manual_seed(args.seed)
-        m = build(copy.deepcopy(config))  # a config each: set_attn_implementation writes into it
-        m.set_attn_implementation(impl)
-        m.to(device)
-        models[impl], optimizers[impl] = m, torch.optim.AdamW(m.parameters(), lr=1e-3)
-        curves[impl] = {"train_loss": [], "seconds": [], "tokens": [], "val_steps": [], "val_loss": []}
-
-    for impl, m in models.items():
-        if m.config._attn_implementation != impl:
-            sys.exit(f"error: the {impl} model runs {m.config._attn_implementation}")
-
-    def evaluate(m):
-        m.eval()
-        with torch.no_grad():
-            losses = [m(input_ids=i, labels=l, attention_mask=a).loss.item() for i, l, a in val_batches]
-        m.train()
-        return sum(losses) / len(losses)
-
-    for step in range(args.steps + 1):
-        if step % args.eval_every == 0 or step == args.steps:
-            for impl, m in models.items():
-                curves[impl]["val_steps"].append(step)
-                curves[impl]["val_loss"].append(evaluate(m))
-            print(f"step {step:4d}: " + ", ".join(f"{impl} {c['val_loss'][-1]:.3f}" for impl, c in curves.items()), file=sys.stderr)
-        if step == args.steps:
-            break
-        inputs, labels, attention = train_batches[step]
-        for impl, m in models.items():  # in turns: drift of a shared machine hits each alike
-            torch.manual_seed(args.seed * 1_000_003 + step)  # the same dropout masks for every model
-            sync()
-            start = time.perf_counter()
-            loss = m(input_ids=inputs, labels=labels, attention_mask=attention).loss
-            optimizers[impl].zero_grad()
-            loss.backward()
-            optimizers[impl].step()
-            sync()
-            c = curves[impl]
-            c["seconds"].append(time.perf_counter() - start)
-            c["tokens"].append(int(attention.sum()))
-            c["train_loss"].append(loss.item())
-
-    summary = {}
-    for impl, c in curves.items():
-        summary[impl] = {"final_val_loss": c["val_loss"][-1], "tokens_per_second": sum(c["tokens"]) / sum(c["seconds"])}
-    base = summary[args.impls[0]]["tokens_per_second"]
-    lines = [f"Tiny {'BERT MLM' if args.model == 'bert' else 'Llama causal LM'} on Multi30k en, {args.steps} updates of {args.batch} sentences, seed {args.seed}, {'CUDA' if device.type == 'cuda' else f'{args.threads} thread(s)'}:", "",
-             "| implementation | final validation loss | training tokens/s | / " + args.impls[0] + " |", "|---|---|---|---|"]
-    for impl, s in summary.items():
-        lines.append(f"| {impl} | {s['final_val_loss']:.3f} | {s['tokens_per_second']:.0f} | {s['tokens_per_second'] / base:.2f} |")
-    lines += ["", "Validation loss by update:", "", "| update | " + " | ".join(args.impls) + " |", "|---" * (len(args.impls) + 1) + "|"]
-    for i, step in enumerate(curves[args.impls[0]]["val_steps"]):
-        lines.append(f"| {step} | " + " | ".join(f"{curves[impl]['val_loss'][i]:.3f}" for impl in args.impls) + " |")
-    result = {"settings": vars(args), "provenance": git_state(), "torch": torch.__version__, "summary": summary, "curves": curves}
-    os.makedirs(args.out, exist_ok=True)
-    for name, text in (("curves.json", json.dumps(result, indent=1) + "\n"), ("curves.md", "\n".join(lines) + "\n")):
-        write_atomic(os.path.join(args.out, name), text)
-    what = "MLM loss (Multi30k en, tiny BERT)" if args.model == "bert" else "causal LM loss (Multi30k en, tiny Llama)"
-    svg(curves, os.path.join(args.out, "val_loss.svg"), "validation " + what)
-    print("\n".join(lines))
+    models, optimizers, curves = build_models(args, build, config, device)
+    train_in_turns(args, models, optimizers, curves, train_batches, val_batches, sync)
+    write_results(args, curves, device)
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ def time_interleaved(fns, repeats, device):
     return out
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seq-lens", required=True)
@@ -180,7 +180,57 @@ def main():
                              "torch.autocast(device, torch.bfloat16), the backward after it")
     parser.add_argument("--no-eager", action="store_true",
                         help="leave out the eager reference rows: SDPA and, on CUDA, FlexAttention's DNAS only")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def make_step(variant, x, params, precision):
+    """One forward and backward of the layer on x (B, S, E) with `variant`'s attention."""
+    b, s, _ = x.shape
+    d = E // H
+
+    def forward():
+        w_q, w_k, w_v = params["in_proj_weight"].split(E)
+        b_q, b_k, b_v = params["in_proj_bias"].split(E)
+        split = lambda t: t.view(b, s, H, d).transpose(1, 2)  # noqa: E731
+        # F.linear, as nn.Linear: under autocast the bias joins the product in bfloat16.
+        q, k, v = split(F.linear(x, w_q, b_q)), split(F.linear(x, w_k, b_k)), split(F.linear(x, w_v, b_v))
+        res = attention_core(variant, q, k, v)
+        res, kl = res if isinstance(res, tuple) else (res, None)
+        ctx = F.linear(res.transpose(1, 2).reshape(b, s, E), params["out_proj.weight"], params["out_proj.bias"])
+        return ctx.float().sum() + (kl.float() if kl is not None else 0)
+
+    def step():
+        with torch.autocast(x.device.type, torch.bfloat16, enabled=precision == "bf16"):
+            loss = forward()
+        loss.backward()
+    return step
+
+
+def time_cuda_one_by_one(variants, x, params, args):
+    """(median, IQR, peak) per variant on CUDA, one at a time, so one running out of memory leaves the
+    others measured; None for one that ran out or that FlexAttention's compiler refused."""
+    s, timed = x.shape[1], []
+    for variant in variants:
+        try:
+            step = make_step(variant, x, params, args.precision)
+            timed.append((*time_interleaved([step], args.repeats, x.device)[0], cuda_peak_during(step)))
+        except torch.cuda.OutOfMemoryError as e:  # left out of the table, said on stderr
+            x.grad = None
+            torch.cuda.empty_cache()
+            timed.append(None)
+            print(f"pytorch {variant:12s} S={s:5d}: CUDA out of memory ({str(e).splitlines()[0]})", file=sys.stderr, flush=True)
+        except Exception as e:  # FlexAttention's compiler refusing the composition: said, not fatal
+            if variant != "pytorch-flex-dnas":
+                raise
+            x.grad = None
+            timed.append(None)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            print(f"pytorch flex dnas S={s:5d}: FlexAttention failed ({type(e).__name__}: {first})", file=sys.stderr, flush=True)
+    return timed
+
+
+def main():
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
@@ -202,46 +252,10 @@ def main():
         variants = ([] if args.no_eager else asked) + ["pytorch-sdpa"]
         if device.type == "cuda" and "dnas" in asked:
             variants.append("pytorch-flex-dnas")
-
-        def make_step(variant):
-            def step():
-                with torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16"):
-                    loss = forward()
-                loss.backward()
-
-            def forward():
-                w_q, w_k, w_v = params["in_proj_weight"].split(E)
-                b_q, b_k, b_v = params["in_proj_bias"].split(E)
-                split = lambda t: t.view(b, s, H, d).transpose(1, 2)  # noqa: E731
-                # F.linear, as nn.Linear: under autocast the bias joins the product in bfloat16.
-                q, k, v = split(F.linear(x, w_q, b_q)), split(F.linear(x, w_k, b_k)), split(F.linear(x, w_v, b_v))
-                res = attention_core(variant, q, k, v)
-                res, kl = res if isinstance(res, tuple) else (res, None)
-                ctx = F.linear(res.transpose(1, 2).reshape(b, s, E), params["out_proj.weight"], params["out_proj.bias"])
-                return ctx.float().sum() + (kl.float() if kl is not None else 0)
-            return step
-
         if device.type == "cuda":
-            # One variant at a time, so one running out of memory leaves the others measured.
-            timed = []
-            for variant in variants:
-                try:
-                    step = make_step(variant)
-                    timed.append((*time_interleaved([step], args.repeats, device)[0], cuda_peak_during(step)))
-                except torch.cuda.OutOfMemoryError as e:  # left out of the table, said on stderr
-                    x.grad = None
-                    torch.cuda.empty_cache()
-                    timed.append(None)
-                    print(f"pytorch {variant:12s} S={s:5d}: CUDA out of memory ({str(e).splitlines()[0]})", file=sys.stderr, flush=True)
-                except Exception as e:  # FlexAttention's compiler refusing the composition: said, not fatal
-                    if variant != "pytorch-flex-dnas":
-                        raise
-                    x.grad = None
-                    timed.append(None)
-                    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                    print(f"pytorch flex dnas S={s:5d}: FlexAttention failed ({type(e).__name__}: {first})", file=sys.stderr, flush=True)
+            timed = time_cuda_one_by_one(variants, x, params, args)
         else:
-            steps = [make_step(v) for v in variants]
+            steps = [make_step(v, x, params, args.precision) for v in variants]
             timed = [(m, i, counter.peak_during(step) if counter else None)
                      for (m, i), step in zip(time_interleaved(steps, args.repeats, device), steps)]
         for variant, t in zip(variants, timed):

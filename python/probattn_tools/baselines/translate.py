@@ -336,7 +336,7 @@ def greedy(model, sources, max_len_a, max_len_b, batch=64):
     return out
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="a probattn translate run folder (config.json, tokenizer.json)")
     parser.add_argument("--max-updates", type=int, default=200)
@@ -359,42 +359,35 @@ def main():
                         help="time the training loop's phases (forward with the loss, backward, clipping with the "
                              "optimizer step) and profile it (torch.profiler, CPU): each operator's self time and "
                              "calls to OUT.json")
-    args = parser.parse_args()
-    from tokenizers import Tokenizer
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    with open(os.path.join(args.run, "config.json")) as f:
-        cfg = json.load(f)
-    lstm = "lstm" in cfg["model"]
-    variant = (cfg["model"].get("lstm") or cfg["model"]["transformer"])["variant"]
-    if variant not in (("softmax", "dnas") if lstm else ("softmax",)) or cfg["repulsive"] != "none":
-        sys.exit("the baseline is softmax attention (or the LSTM's causal DNAS) without repulsive heads; "
-                 f"this run has {variant} attention and repulsive {cfg['repulsive']}")
-    if lstm and args.export_torchscript:
-        sys.exit("--export-torchscript is the Transformer's (the LSTM decoder is a Python loop)")
-    if args.logits:
-        from safetensors.torch import load_file, save_file
-        if not args.load_state_dict:
-            sys.exit("--logits needs --load-state-dict")
-        inputs = load_file(args.logits[0])
-        model = AttentionalLstm(cfg) if lstm else Seq2Seq(cfg)
-        sd = load_file(args.load_state_dict)
-        model.to(next(iter(sd.values())).dtype)
-        model.load_probattn(sd) if lstm else model.load_state_dict(sd, strict=True)
-        model.eval()
-        logits = model(inputs["src"], inputs["prev"])
-        out = {"logits": logits.detach().contiguous()}
-        if "r" in inputs:
-            if not lstm:
-                sys.exit("--logits with `r` (gradients) is the LSTM's")
-            live = inputs["prev"].ne(PAD).unsqueeze(-1).to(logits.dtype)
-            (inputs["r"] * logits * live).sum().backward()
-            params = dict(model.named_parameters())
-            out.update({f"grad.{ours}": params[theirs].grad.contiguous()
-                        for ours, theirs in model.probattn_names().items()})
-        save_file(out, args.logits[1])
-        return
-    tok = Tokenizer.from_file(os.path.join(args.run, "tokenizer.json"))
+    return parser.parse_args()
+
+
+def write_logits(args, cfg, lstm):
+    """--logits: the loaded model's eval-mode logits of IN (and, given `r`, the LSTM's gradients) to OUT."""
+    from safetensors.torch import load_file, save_file
+    if not args.load_state_dict:
+        sys.exit("--logits needs --load-state-dict")
+    inputs = load_file(args.logits[0])
+    model = AttentionalLstm(cfg) if lstm else Seq2Seq(cfg)
+    sd = load_file(args.load_state_dict)
+    model.to(next(iter(sd.values())).dtype)
+    model.load_probattn(sd) if lstm else model.load_state_dict(sd, strict=True)
+    model.eval()
+    logits = model(inputs["src"], inputs["prev"])
+    out = {"logits": logits.detach().contiguous()}
+    if "r" in inputs:
+        if not lstm:
+            sys.exit("--logits with `r` (gradients) is the LSTM's")
+        live = inputs["prev"].ne(PAD).unsqueeze(-1).to(logits.dtype)
+        (inputs["r"] * logits * live).sum().backward()
+        params = dict(model.named_parameters())
+        out.update({f"grad.{ours}": params[theirs].grad.contiguous()
+                    for ours, theirs in model.probattn_names().items()})
+    save_file(out, args.logits[1])
+
+
+def read_splits(cfg, tok):
+    """Each split as (source ids, target ids, target lines), cut to the run's limits."""
     d, s, t = cfg["data_dir"], cfg["src"], cfg["tgt"]
     lim = {"train": cfg.get("limit_train"), "valid": cfg.get("limit_valid"), "test": cfg.get("limit_test")}
     data = {}
@@ -403,22 +396,15 @@ def main():
         if lim[split]:
             src_lines, tgt_lines = src_lines[:lim[split]], tgt_lines[:lim[split]]
         data[split] = (encode(tok, src_lines), encode(tok, tgt_lines), tgt_lines)
-    torch.manual_seed(args.seed)
-    precision = args.precision or cfg.get("precision", "f32")
-    autocast = lambda: torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16")  # noqa: E731
-    model = AttentionalLstm(cfg) if lstm else Seq2Seq(cfg)
-    if args.load_state_dict:
-        from safetensors.torch import load_file
-        try:
-            sd = load_file(args.load_state_dict)
-            model.load_probattn(sd) if lstm else model.load_state_dict(sd, strict=True)
-        except RuntimeError as e:
-            sys.exit(f"error: {args.load_state_dict}: {e}")
-        args.max_updates = 0
+    return data
+
+
+def train(model, cfg, train_split, args, autocast):
+    """Trains for args.max_updates updates, in the run's batches and order; returns (updates, tokens, seconds,
+    seconds by phase, the profiler or None)."""
     opt = FairseqAdam(model.parameters(), cfg["adam"]["beta1"], cfg["adam"]["beta2"], cfg["adam"]["eps"], cfg["adam"]["weight_decay"])
-    src, tgt, _ = data["train"]
+    src, tgt, _ = train_split
     batches = token_batches(src, tgt, cfg["max_tokens"], cfg["model"]["max_positions"])
-    eps = cfg["label_smoothing"]
     updates, tokens, seconds, epoch = 0, 0, 0.0, 0
     model.train()
     phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # seconds of the training loop, by phase
@@ -441,7 +427,7 @@ def main():
                 ntok = sum(len(tgt[i]) for i in rows)
                 t0 = time.perf_counter()
                 with autocast():
-                    loss, _ = label_smoothed(model(s_t, prev), target, eps)
+                    loss, _ = label_smoothed(model(s_t, prev), target, cfg["label_smoothing"])
                 for p in model.parameters():
                     p.grad = None
                 t1 = time.perf_counter()
@@ -460,7 +446,70 @@ def main():
             epoch += 1
             print(f"epoch {epoch}: {updates} of {args.max_updates} updates, {tokens / seconds:.0f} tokens/s, {elapsed:.0f} s",
                   file=sys.stderr, flush=True)
-    if args.profile:
+    return updates, tokens, seconds, phases, profiler if args.profile else None
+
+
+def valid_loss(model, cfg, valid_split, autocast):
+    """The label-smoothed loss per target token over the validation split, in eval mode."""
+    vs, vt, _ = valid_split
+    total, ntok = 0.0, 0
+    with torch.no_grad(), autocast():
+        for rows in token_batches(vs, vt, cfg["max_tokens"], 10 ** 9):
+            prev = pad([[EOS] + vt[i][:-1] for i in rows])
+            loss, _ = label_smoothed(model(pad([vs[i] for i in rows]), prev), pad([vt[i] for i in rows]), cfg["label_smoothing"])
+            total += loss.item()
+            ntok += sum(len(vt[i]) for i in rows)
+    return total / ntok
+
+
+def decode_test(model, cfg, tok, test_split, hyp_path, out):
+    """Greedy-decodes the test split into `out`: sentences/s, BLEU and its signature."""
+    from sacrebleu.metrics import BLEU
+    ts, _, refs = test_split
+    dec = cfg["decode"]
+    start = time.perf_counter()
+    hyps = [tok.decode([i for i in h if i > EOS], skip_special_tokens=True).strip() for h in greedy(model, ts, dec["max_len_a"], dec["max_len_b"])]
+    out["test_sentences_per_second"] = len(ts) / (time.perf_counter() - start)
+    bleu = BLEU()
+    out["test_bleu_greedy"] = bleu.corpus_score(hyps, [refs]).score
+    out["test_signature"] = str(bleu.get_signature())
+    if hyp_path:
+        atomic_write_text(hyp_path, "".join(h + "\n" for h in hyps))
+
+
+def main():
+    args = parse_args()
+    from tokenizers import Tokenizer
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with open(os.path.join(args.run, "config.json")) as f:
+        cfg = json.load(f)
+    lstm = "lstm" in cfg["model"]
+    variant = (cfg["model"].get("lstm") or cfg["model"]["transformer"])["variant"]
+    if variant not in (("softmax", "dnas") if lstm else ("softmax",)) or cfg["repulsive"] != "none":
+        sys.exit("the baseline is softmax attention (or the LSTM's causal DNAS) without repulsive heads; "
+                 f"this run has {variant} attention and repulsive {cfg['repulsive']}")
+    if lstm and args.export_torchscript:
+        sys.exit("--export-torchscript is the Transformer's (the LSTM decoder is a Python loop)")
+    if args.logits:
+        write_logits(args, cfg, lstm)
+        return
+    tok = Tokenizer.from_file(os.path.join(args.run, "tokenizer.json"))
+    data = read_splits(cfg, tok)
+    torch.manual_seed(args.seed)
+    precision = args.precision or cfg.get("precision", "f32")
+    autocast = lambda: torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16")  # noqa: E731
+    model = AttentionalLstm(cfg) if lstm else Seq2Seq(cfg)
+    if args.load_state_dict:
+        from safetensors.torch import load_file
+        try:
+            sd = load_file(args.load_state_dict)
+            model.load_probattn(sd) if lstm else model.load_state_dict(sd, strict=True)
+        except RuntimeError as e:
+            sys.exit(f"error: {args.load_state_dict}: {e}")
+        args.max_updates = 0
+    updates, tokens, seconds, phases, profiler = train(model, cfg, data["train"], args, autocast)
+    if profiler is not None:
         ops = {e.key: {"self_cpu_us": e.self_cpu_time_total, "calls": e.count} for e in profiler.key_averages()}
         record = {"precision": precision, "threads": torch.get_num_threads(), "updates": updates, "train_tokens": tokens,
                   "train_seconds": seconds, "phase_seconds": phases, "ops": ops}
@@ -472,29 +521,12 @@ def main():
             warnings.filterwarnings("ignore", message=".*torch.jit.*deprecated.*")
             warnings.filterwarnings("ignore", category=DeprecationWarning)
             torch.jit.script(model).save(args.export_torchscript)
-    vs, vt, _ = data["valid"]
-    total, ntok = 0.0, 0
-    with torch.no_grad(), autocast():
-        for rows in token_batches(vs, vt, cfg["max_tokens"], 10 ** 9):
-            loss, _ = label_smoothed(model(pad([vs[i] for i in rows]), pad([[EOS] + vt[i][:-1] for i in rows])), pad([vt[i] for i in rows]), eps)
-            total += loss.item()
-            ntok += sum(len(vt[i]) for i in rows)
     out = {"implementation": f"pytorch {torch.__version__}", "threads": torch.get_num_threads(), "precision": precision,
            "updates": updates,
            "train_seconds": seconds, "train_tokens": tokens, "phase_seconds": phases, "tokens_per_second": tokens / seconds if seconds else None,
-           "valid_loss": total / ntok}
+           "valid_loss": valid_loss(model, cfg, data["valid"], autocast)}
     if args.decode:
-        from sacrebleu.metrics import BLEU
-        ts, _, refs = data["test"]
-        dec = cfg["decode"]
-        start = time.perf_counter()
-        hyps = [tok.decode([i for i in h if i > EOS], skip_special_tokens=True).strip() for h in greedy(model, ts, dec["max_len_a"], dec["max_len_b"])]
-        out["test_sentences_per_second"] = len(ts) / (time.perf_counter() - start)
-        bleu = BLEU()
-        out["test_bleu_greedy"] = bleu.corpus_score(hyps, [refs]).score
-        out["test_signature"] = str(bleu.get_signature())
-        if args.hyp:
-            atomic_write_text(args.hyp, "".join(h + "\n" for h in hyps))
+        decode_test(model, cfg, tok, data["test"], args.hyp, out)
     json.dump(out, sys.stdout, indent=1)
     print()
 

@@ -240,7 +240,7 @@ def evaluate(model, views, split, data, batch=1024):
     return (hits.sum() / totals.sum()).item(), (hits / totals.clamp(min=1)).tolist()
 
 
-def main():
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="folder written by python/probattn_tools/data/vqa.py")
     p.add_argument("--features", required=True, help="the features cache probattn vqa wrote (view0, view1, view2)")
@@ -266,7 +266,54 @@ def main():
     p.add_argument("--max-train", type=int, default=0, help="use at most this many training questions (0: all)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--export-torchscript", help="save the last seed's kept model here (torch.jit.script)")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def train_one_seed(args, seed, meta, data, views):
+    """Trains from `seed`, keeping the epoch with the best validation accuracy (early stopping with
+    --patience, the rate decayed by --lr-decay); returns that model and its run record."""
+    torch.manual_seed(seed)
+    model = VqaModel(3, views[0].shape[-1], args.fusion, len(meta["vocab"]), len(meta["answers"]), args.hidden, args.reasoning_layers, args.glimpses,
+                     prenorm=args.reasoning_prenorm, relational_heads=args.relational_heads, metric_dim=args.relational_dim,
+                     question_encoder=args.question_encoder, primary_skip=args.primary_skip and args.fusion != "none",
+                     primary_beside=args.primary_beside and args.fusion != "none")
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    best, best_state, best_epoch, waited, epoch_times = -1.0, None, 0, 0, []
+    tr = data["train"]
+    for epoch in range(args.max_epochs):
+        model.train()
+        start = time.perf_counter()
+        order = torch.randperm(len(tr["answer"]))
+        total = 0.0
+        for i in range(0, len(order), args.batch):
+            idx = order[i : i + args.batch]
+            img = tr["image"][idx]
+            loss = F.cross_entropy(model(*(v[img] for v in views), tr["tokens"][idx]), tr["answer"][idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += loss.item()
+        epoch_times.append(time.perf_counter() - start)
+        val, _ = evaluate(model, views, "val", data)
+        print(f"{args.fusion} seed {seed} epoch {epoch}: train loss {total / math.ceil(len(order) / args.batch):.4f}, val acc {val:.4f}, {epoch_times[-1]:.1f} s", file=sys.stderr, flush=True)
+        if val > best:
+            best, best_epoch, waited = val, epoch, 0
+            best_state = {k: v.clone() for k, v in model.state_dict().items()}
+        else:
+            waited += 1
+            if waited >= args.patience:
+                break
+            if args.lr_decay != 1.0 and waited % args.lr_patience == 0:
+                for group in opt.param_groups:
+                    group["lr"] *= args.lr_decay
+    model.load_state_dict(best_state)
+    test, by_type = evaluate(model, views, "test", data)
+    return model, {"seed": seed, "val_acc": best, "test_acc": test, "test_acc_by_type": dict(zip(meta["types"], by_type)), "best_epoch": best_epoch,
+                   "epochs": len(epoch_times), "epoch_seconds": sum(epoch_times) / len(epoch_times)}
+
+
+def main():
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     meta = json.load(open(os.path.join(args.data, "meta.json")))
@@ -280,44 +327,8 @@ def main():
     views = [feats[f"view{i}"] for i in range(3)]
     runs = []
     for seed in range(args.seed_start, args.seed_start + args.seeds):
-        torch.manual_seed(seed)
-        model = VqaModel(3, views[0].shape[-1], args.fusion, len(meta["vocab"]), len(meta["answers"]), args.hidden, args.reasoning_layers, args.glimpses,
-                         prenorm=args.reasoning_prenorm, relational_heads=args.relational_heads, metric_dim=args.relational_dim,
-                         question_encoder=args.question_encoder, primary_skip=args.primary_skip and args.fusion != "none",
-                         primary_beside=args.primary_beside and args.fusion != "none")
-        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-        best, best_state, best_epoch, waited, epoch_times = -1.0, None, 0, 0, []
-        tr = data["train"]
-        for epoch in range(args.max_epochs):
-            model.train()
-            start = time.perf_counter()
-            order = torch.randperm(len(tr["answer"]))
-            total = 0.0
-            for i in range(0, len(order), args.batch):
-                idx = order[i : i + args.batch]
-                img = tr["image"][idx]
-                loss = F.cross_entropy(model(*(v[img] for v in views), tr["tokens"][idx]), tr["answer"][idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                total += loss.item()
-            epoch_times.append(time.perf_counter() - start)
-            val, _ = evaluate(model, views, "val", data)
-            print(f"{args.fusion} seed {seed} epoch {epoch}: train loss {total / math.ceil(len(order) / args.batch):.4f}, val acc {val:.4f}, {epoch_times[-1]:.1f} s", file=sys.stderr, flush=True)
-            if val > best:
-                best, best_epoch, waited = val, epoch, 0
-                best_state = {k: v.clone() for k, v in model.state_dict().items()}
-            else:
-                waited += 1
-                if waited >= args.patience:
-                    break
-                if args.lr_decay != 1.0 and waited % args.lr_patience == 0:
-                    for group in opt.param_groups:
-                        group["lr"] *= args.lr_decay
-        model.load_state_dict(best_state)
-        test, by_type = evaluate(model, views, "test", data)
-        runs.append({"seed": seed, "val_acc": best, "test_acc": test, "test_acc_by_type": dict(zip(meta["types"], by_type)), "best_epoch": best_epoch,
-                     "epochs": len(epoch_times), "epoch_seconds": sum(epoch_times) / len(epoch_times)})
+        model, run = train_one_seed(args, seed, meta, data, views)
+        runs.append(run)
         if args.export_torchscript:
             model.eval()
             with warnings.catch_warnings():

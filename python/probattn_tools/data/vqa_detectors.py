@@ -189,7 +189,7 @@ def losses(out, batch):
     return total, stats
 
 
-def main():
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="folder written by python/probattn_tools/data/vqa.py")
     p.add_argument("--out", required=True, help="output folder for <name>.pt and detectors.json")
@@ -204,7 +204,51 @@ def main():
                    help="the grid backbone's output stride (default 16; 8 for a label grid finer than H/16, "
                         "e.g. Sort-of-CLEVR written with --grid 7, whose 5 x 5 map would be up-sampled to 7 x 7)")
     p.add_argument("--max-images", type=int, default=0, help="train on at most this many images (0: all)")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def train_detector(args, index, name, data, labels, context, train, val, tmp):
+    """Trains detector `name` on the images in the range `train`, scores it on those in `val` and
+    traces it to tmp/<name>.pt; returns its manifest entry."""
+    images = data["images"]
+    size, grid = images.shape[-1], data["aux_color"].shape[-1]
+    colors, shapes = int(data["aux_color"].max()) + 1, int(data["aux_shape"].max()) + 1
+    (t0, t1), (v0, v1) = train, val
+    torch.manual_seed(args.seed * 100 + index)
+    model = Labelled(name, size, grid, args.dim, colors, shapes, context, args.boxes, image_shape=context, grid_stride=args.grid_stride)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    start = time.time()
+    for epoch in range(args.epochs):
+        model.train()
+        order = torch.randperm(t1 - t0) + t0
+        for i in range(0, len(order), args.batch):
+            idx = order[i : i + args.batch]
+            loss, _ = losses(model(images[idx].float() / 255.0), [l[idx] for l in labels])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    model.eval()
+    with torch.no_grad():
+        idx = torch.arange(v0, v1)
+        out = model(images[idx].float() / 255.0)
+        _, stats = losses(out, [l[idx] for l in labels])
+        if args.boxes:  # share of the objects whose cell is among the K boxes
+            occupied = labels[0][idx].flatten(1) > 0
+            top = out["objectness"].squeeze(2).topk(args.boxes, 1).indices
+            stats["object_recall"] = (occupied.gather(1, top).sum() / occupied.sum()).item()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.jit.trace is deprecated": TorchScript is what tch loads
+        traced = torch.jit.trace(model.exported(), images[:2].float() / 255.0)
+        path = os.path.join(tmp, f"{name}.pt")
+        traced.save(path)
+    regions, dim = traced(images[:1].float() / 255.0).shape[1:]
+    return {"name": name, "file": f"{name}.pt", "regions": regions, "dim": dim, "labels": list(TASKS[name]),
+            "val": {k: round(v, 4) for k, v in stats.items()}, "train_seconds": round(time.time() - start, 1),
+            "sha256": hashlib.sha256(open(path, "rb").read()).hexdigest()}
+
+
+def main():
+    args = parse_args()
     if args.boxes < 0:
         raise SystemExit(f"error: --boxes must be 0 or more, got {args.boxes}")
     if args.threads:
@@ -216,7 +260,6 @@ def main():
     data = load_file(os.path.join(args.data, "data.safetensors"))
     images = data["images"]
     size, grid = images.shape[-1], data["aux_color"].shape[-1]
-    colors, shapes = int(data["aux_color"].max()) + 1, int(data["aux_shape"].max()) + 1
     if args.boxes > grid * grid:
         raise SystemExit(f"error: --boxes {args.boxes} is more than the {grid * grid} cells of the label grid")
     side = -(-size // 16)  # the grid backbone's map at stride 16
@@ -233,37 +276,7 @@ def main():
                 "torch": torch.__version__, "input": [None, 3, size, size], "global_context": context,
                 "boxes": args.boxes or None, "image_shape": context, "grid_stride": args.grid_stride, "detectors": []}
     for index, name in enumerate(TASKS):
-        torch.manual_seed(args.seed * 100 + index)
-        model = Labelled(name, size, grid, args.dim, colors, shapes, context, args.boxes, image_shape=context, grid_stride=args.grid_stride)
-        opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-        start = time.time()
-        for epoch in range(args.epochs):
-            model.train()
-            order = torch.randperm(t1 - t0) + t0
-            for i in range(0, len(order), args.batch):
-                idx = order[i : i + args.batch]
-                loss, _ = losses(model(images[idx].float() / 255.0), [l[idx] for l in labels])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-        model.eval()
-        with torch.no_grad():
-            idx = torch.arange(v0, v1)
-            out = model(images[idx].float() / 255.0)
-            _, stats = losses(out, [l[idx] for l in labels])
-            if args.boxes:  # share of the objects whose cell is among the K boxes
-                occupied = labels[0][idx].flatten(1) > 0
-                top = out["objectness"].squeeze(2).topk(args.boxes, 1).indices
-                stats["object_recall"] = (occupied.gather(1, top).sum() / occupied.sum()).item()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "torch.jit.trace is deprecated": TorchScript is what tch loads
-            traced = torch.jit.trace(model.exported(), images[:2].float() / 255.0)
-            path = os.path.join(tmp, f"{name}.pt")
-            traced.save(path)
-        regions, dim = traced(images[:1].float() / 255.0).shape[1:]
-        entry = {"name": name, "file": f"{name}.pt", "regions": regions, "dim": dim, "labels": list(TASKS[name]),
-                 "val": {k: round(v, 4) for k, v in stats.items()}, "train_seconds": round(time.time() - start, 1),
-                 "sha256": hashlib.sha256(open(path, "rb").read()).hexdigest()}
+        entry = train_detector(args, index, name, data, labels, context, (t0, t1), (v0, v1), tmp)
         manifest["detectors"].append(entry)
         print(json.dumps(entry), flush=True)
     with open(os.path.join(tmp, "detectors.json"), "w") as f:
