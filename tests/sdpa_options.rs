@@ -187,6 +187,39 @@ fn a_scale_alone_keeps_the_fused_routes() -> Result<()> {
     Ok(())
 }
 
+/// A padding mask broadcast over the queries (transformers builds one for a padded batch, by
+/// `expand`) runs as key padding: DNAS takes the fused CPU kernel, as under the key padding itself,
+/// with the same numbers; the same mask stored whole is a pattern, on the tiles. Both equal the
+/// eager path, output and gradient in q.
+#[test]
+fn a_padding_mask_broadcast_over_the_queries_runs_as_key_padding() -> Result<()> {
+    tch::manual_seed(12);
+    let x = inputs(4, &[6, 7]);
+    let (b, sq, sk) = (2, 6, 7);
+    let expanded = x.pad.view([b, 1, 1, sk]).expand([b, 1, sq, sk], false);
+    let stored = expanded.contiguous();
+    // The fused CPU kernel takes d_v = d: the keys are the values.
+    let run = |masks: Masks, backend: Backend, tile: Option<i64>| {
+        let opts = AttendOptions { need_weights: false, tile, backend, ..Default::default() };
+        attend_with_choice(&x.q, &x.k, &x.k, &masks, &Dnas, opts)
+    };
+    let (padded, by_padding) = run(Masks { key_padding: Some(&x.pad), ..Default::default() }, Backend::Auto, Some(3))?;
+    let (broadcast, by_broadcast) = run(Masks { attn_mask: Some(&expanded), ..Default::default() }, Backend::Auto, Some(3))?;
+    let (pattern, by_pattern) = run(Masks { attn_mask: Some(&stored), ..Default::default() }, Backend::Auto, Some(3))?;
+    assert_eq!([by_padding.route, by_broadcast.route, by_pattern.route], [Route::FusedCpu, Route::FusedCpu, Route::Tiles]);
+    assert_eq!(max_diff(&broadcast.output, &padded.output), 0.0);
+    let (eager, _) = run(Masks { attn_mask: Some(&stored), ..Default::default() }, Backend::Eager, None)?;
+    let ct = Tensor::randn_like(&eager.output);
+    let want = grads(&eager.output, &ct, &[&x.q]).remove(0);
+    for (out, what) in [(&broadcast, "broadcast"), (&pattern, "stored")] {
+        let d = max_diff(&out.output, &eager.output);
+        assert!(d < 1e-12, "{what}: the output differs from the eager path's by {d:e}");
+        let d = max_diff(&grads(&out.output, &ct, &[&x.q]).remove(0), &want);
+        assert!(d < 1e-12, "{what}: the gradient in q differs from the eager path's by {d:e}");
+    }
+    Ok(())
+}
+
 /// A query whose keys are all `-inf` gets a zero output and zero gradients, as SDPA gives.
 #[test]
 fn a_row_the_bias_excludes_wholly_is_zero() -> Result<()> {

@@ -1,7 +1,7 @@
 //! How one attention call runs. A caller asks for a [`Backend`] (`auto` unless forced:
 //! [`crate::AttendOptions::backend`], the process default [`set_default`], `--attention-backend`
 //! on every command, `probattn.attention_backend(...)` in Python); [`crate::attend`] then takes one
-//! [`Route`] in one place (`seam::dispatch`), from the device, the dtype, the normalizer's kernel
+//! [`Route`] in one place (`seam::route`), from the device, the dtype, the normalizer's kernel
 //! and plan, the masks, the lengths and what the caller asked to get back, and says why.
 //!
 //! - `auto`: the memory-efficient plan when a tile is set and no weights are asked for (the fused

@@ -89,6 +89,41 @@ impl Masks<'_> {
         Ok(())
     }
 
+    /// The key padding `(B, S_k)` that a boolean `attn_mask` is when it excludes the same keys for
+    /// every query and every head (size 1, or stride 0, in both dimensions: a padding mask
+    /// broadcast, as transformers builds one for a padded batch), joined with the call's own key
+    /// padding, on `device`; `None` when the call has no such mask. Views and one `(B, S_k)` copy:
+    /// nothing is read back and no `(S_q, S_k)` tensor is formed, and the routes that serve key
+    /// padding but not a pattern (the fused kernels) then serve the call. A mask that fails the
+    /// checks is left to them.
+    pub(crate) fn per_key_padding(&self, shape: ScoreShape, device: Device) -> Option<Tensor> {
+        let m = self.attn_mask?;
+        let size = m.size();
+        let rank = size.len();
+        let dims = shape.dims();
+        let [b, _, _, sk] = dims;
+        let own_fits = self.key_padding.map_or(true, |own| check_mask("key_padding_mask", own, &[b, sk]).is_ok());
+        if !own_fits || check_mask("attn_mask", m, &size).is_err() || check_broadcastable("attn_mask", m, &dims).is_err() {
+            return None;
+        }
+        let stride = m.stride();
+        // The query dimension (rank - 2) and the head dimension (rank - 3), where the mask has them.
+        let alike = |d: usize| size[d] == 1 || stride[d] == 0;
+        if (rank >= 2 && !alike(rank - 2)) || (rank >= 3 && !alike(rank - 3)) {
+            return None;
+        }
+        let mut keys = m.shallow_clone();
+        for d in [rank.checked_sub(2), rank.checked_sub(3)].into_iter().flatten() {
+            keys = keys.select(d as i64, 0);
+        }
+        // (), (S_k), (1, S_k) or (B, S_k), true = excluded.
+        let mut padding = keys.to_device(device).ne(0).expand([b, sk], false);
+        if let Some(own) = self.key_padding {
+            padding = padding.logical_or(&own.to_device(device).ne(0));
+        }
+        Some(padding.contiguous())
+    }
+
     /// Checks every mask against `shape` and combines them into one boolean tensor on `device`,
     /// of rank 4 and broadcastable to `(B, H, S_q, S_k)`, `true` = may attend. `None` when nothing is masked.
     pub fn allowed(&self, shape: ScoreShape, device: Device) -> Result<Option<Tensor>> {
@@ -136,6 +171,15 @@ impl Masks<'_> {
             a
         }))
     }
+}
+
+/// `t` with every dimension it repeats through a zero stride (an `expand`ed view) narrowed to
+/// size 1: the same values under broadcasting, so that an element-wise operation on it (inverting
+/// a mask of the other convention) forms one copy of what repeats, and [`crate::attend`] still
+/// sees a mask that is alike for every query (which it takes as key padding).
+pub fn unexpanded(t: &Tensor) -> Tensor {
+    let (size, stride) = (t.size(), t.stride());
+    (0..size.len()).filter(|&d| stride[d] == 0 && size[d] > 1).fold(t.shallow_clone(), |t, d| t.narrow(d as i64, 0, 1))
 }
 
 /// Checks an additive mask's dtype and shape: floating, broadcastable to the scores.
@@ -189,5 +233,68 @@ pub(crate) fn check_broadcastable(name: &str, t: &Tensor, target: &[i64]) -> Res
         Ok(())
     } else {
         Err(Error::Shape(format!("{name} has shape {size:?}, which does not broadcast to {target:?}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SHAPE: ScoreShape = ScoreShape { batch: 3, heads: 2, queries: 4, keys: 5 };
+
+    fn padding() -> Tensor {
+        // (B, S_k), true = excluded: one key of the first batch, two of the last.
+        Tensor::from_slice(&[0u8, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0]).view([3, 5]).ne(0)
+    }
+
+    fn folded(attn_mask: &Tensor, key_padding: Option<&Tensor>) -> Option<Vec<i64>> {
+        let masks = Masks { attn_mask: Some(attn_mask), key_padding, ..Default::default() };
+        masks.per_key_padding(SHAPE, Device::Cpu).map(|p| {
+            assert_eq!(p.size(), [3, 5]);
+            assert_eq!(p.kind(), Kind::Bool);
+            Vec::<i64>::try_from(p.to_kind(Kind::Int64).view([-1])).unwrap_or_default()
+        })
+    }
+
+    #[test]
+    fn a_mask_alike_for_every_query_and_head_is_key_padding() {
+        let want = Vec::<i64>::try_from(padding().to_kind(Kind::Int64).view([-1])).unwrap_or_default();
+        // Broadcast over the queries by a zero stride (transformers' padded batch), or by size 1.
+        let expanded = padding().view([3, 1, 1, 5]).expand([3, 1, 4, 5], false);
+        assert_eq!(folded(&expanded, None).as_ref(), Some(&want));
+        assert_eq!(folded(&padding().view([3, 1, 1, 5]), None).as_ref(), Some(&want));
+        // Over the heads too, by a zero stride; as uint8.
+        let heads = padding().to_kind(Kind::Uint8).view([3, 1, 1, 5]).expand([3, 2, 4, 5], false);
+        assert_eq!(folded(&heads, None).as_ref(), Some(&want));
+        // One row for every batch, of rank 1 and 2: the same keys excluded in each.
+        let row = Tensor::from_slice(&[false, true, false, false, false]);
+        let rows = Vec::<i64>::try_from(row.to_kind(Kind::Int64).repeat([3])).unwrap_or_default();
+        assert_eq!(folded(&row, None).as_ref(), Some(&rows));
+        assert_eq!(folded(&row.view([1, 5]), None).as_ref(), Some(&rows));
+        // Joined with the call's own key padding.
+        let both: Vec<i64> = want.iter().zip(&rows).map(|(a, b)| a | b).collect();
+        let own = row.view([1, 5]).expand([3, 5], false).contiguous();
+        assert_eq!(folded(&padding().view([3, 1, 1, 5]), Some(&own)).as_ref(), Some(&both));
+    }
+
+    #[test]
+    fn a_mask_that_differs_by_query_or_head_or_does_not_fit_stays_a_pattern() {
+        // The same values stored for every query: not read back to find that out.
+        let stored = padding().view([3, 1, 1, 5]).expand([3, 1, 4, 5], false).contiguous();
+        assert_eq!(folded(&stored, None), None);
+        let per_head = Tensor::from_slice(&[false, true]).view([1, 2, 1, 1]).expand([3, 2, 1, 5], false);
+        assert_eq!(folded(&per_head, None), None);
+        // Wrong shape or dtype, or a key padding of the wrong shape: the checks name them.
+        assert_eq!(folded(&padding().view([3, 1, 1, 5]).narrow(3, 0, 4), None), None);
+        assert_eq!(folded(&padding().view([3, 1, 1, 5]).to_kind(Kind::Float), None), None);
+        assert_eq!(folded(&padding().view([3, 1, 1, 5]), Some(&padding().narrow(1, 0, 4))), None);
+    }
+
+    #[test]
+    fn unexpanded_narrows_only_what_repeats_by_a_zero_stride() {
+        let expanded = padding().view([3, 1, 1, 5]).expand([3, 2, 4, 5], false);
+        assert_eq!(unexpanded(&expanded).size(), [3, 1, 1, 5]);
+        assert_eq!(unexpanded(&expanded.contiguous()).size(), [3, 2, 4, 5]);
+        assert_eq!(unexpanded(&padding()).size(), [3, 5]);
     }
 }

@@ -99,8 +99,7 @@ pub(crate) fn attend_any_layout(
     }
 }
 
-/// The one place that decides how a call runs (the rules: [`crate::backend`]), after checking
-/// what every route needs; runs it and counts it.
+/// Checks what every route needs, then [`route`]s the call.
 fn dispatch(
     q: &Tensor,
     k: &Tensor,
@@ -111,6 +110,24 @@ fn dispatch(
 ) -> Result<(Attended, Choice)> {
     let shape = check_qkv(q, k, v, opts.enable_gqa)?;
     check_options(shape, masks, normalizer, &opts)?;
+    // A pattern that excludes the same keys for every query and head is key padding, which the
+    // fused routes serve (a padded batch's mask from transformers is one).
+    let padding = masks.per_key_padding(shape, q.device());
+    let folded = padding.as_ref().map(|p| Masks { key_padding: Some(p), attn_mask: None, ..*masks });
+    route(shape, q, k, v, folded.as_ref().unwrap_or(masks), normalizer, opts)
+}
+
+/// The one place that decides how a call runs (the rules: [`crate::backend`]); runs it and
+/// counts it.
+fn route(
+    shape: ScoreShape,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    masks: &Masks,
+    normalizer: &dyn Normalizer,
+    opts: AttendOptions,
+) -> Result<(Attended, Choice)> {
     let requested = match opts.backend {
         Backend::Auto => backend::default(),
         forced => forced,

@@ -59,6 +59,17 @@ def _as_heads_first(name, t):
     return tuple(t.shape[:-3]), t.shape[-3], t
 
 
+def _unexpanded(t):
+    """`t` with every dimension it repeats through a zero stride (an `expand`ed view) narrowed to
+    size 1: the same values under broadcasting, so that inverting a mask forms one copy of what
+    repeats, and a padding mask alike for every query (transformers' for a padded batch) reaches
+    the library as one, which runs it as key padding."""
+    for d in range(t.dim()):
+        if t.stride(d) == 0 and t.shape[d] > 1:
+            t = t.narrow(d, 0, 1)
+    return t
+
+
 def _mask(attn_mask, query, target):
     """The library's masks from SDPA's `attn_mask`: (excluded, bias), each broadcastable to the
     4-D `(B, H, L, S)` call or None; `target` is the full SDPA shape `(..., H, L, S)`."""
@@ -75,7 +86,7 @@ def _mask(attn_mask, query, target):
     if attn_mask.dim() > 3 and len(target) != 4:  # batch dimensions other than one: flattened as the inputs'
         attn_mask = attn_mask.expand(target).reshape((-1,) + tuple(target[-3:]))
     if attn_mask.dtype == torch.bool:
-        return ~attn_mask, None
+        return ~_unexpanded(attn_mask), None
     if attn_mask.device != query.device:
         raise ValueError(f"attn_mask is on {attn_mask.device}, the query on {query.device}")
     return None, attn_mask

@@ -172,14 +172,34 @@ def prepare(model, variant=None, hybrid_init_u=0.5):
     return prepared
 
 
+def _sdpa_mask(*args, **kwargs):
+    """SDPA's mask builder, except that an encoder's padding mask comes back as its first query's
+    row broadcast over the queries (an `expand`ed view of the same values): the library then runs
+    it as key padding, which its fused kernels serve, where the whole (S_q, S_k) mask would be a
+    pattern. transformers builds one mask per forward pass for every layer. A caller that asks for
+    the mask materialized (`allow_is_bidirectional_skip=False`, to write into it or join it with
+    another) gets it as SDPA's builder makes it."""
+    from transformers.masking_utils import bidirectional_mask_function, sdpa_mask
+
+    mask = sdpa_mask(*args, **kwargs)
+    # The bidirectional pattern and a 2-D padding mask, nothing else: every query's row is the
+    # padding's (mask = (q >= 0) & padding[b, kv]).
+    alike = (not args and kwargs.get("mask_function") is bidirectional_mask_function
+             and kwargs.get("allow_is_bidirectional_skip") is True and kwargs.get("local_size") is None
+             and (kwargs.get("attention_mask") is None or kwargs["attention_mask"].dim() == 2))
+    if alike and isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype == torch.bool:
+        return mask[:, :, :1, :].expand(mask.shape)
+    return mask
+
+
 def register(sinkhorn=(3,)):
     """Registers "probattn" and every alias of `names(sinkhorn)` with transformers, with SDPA's
-    mask builder; returns the names."""
+    mask builder (`_sdpa_mask`); returns the names."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     registered = names(sinkhorn)
     for name, fixed in registered.items():
         AttentionInterface.register(name, _forward(fixed))
-        AttentionMaskInterface.register(name, sdpa_mask)
+        AttentionMaskInterface.register(name, _sdpa_mask)
     return sorted(registered)

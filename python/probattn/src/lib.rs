@@ -372,7 +372,7 @@ fn sdpa(
         guarded(|| {
             let (excluded, bias) = match &mask {
                 None => (None, None),
-                Some(m) if m.kind() == tch::Kind::Bool => (Some(m.logical_not()), None),
+                Some(m) if m.kind() == tch::Kind::Bool => (Some(probattn::mask::unexpanded(m).logical_not()), None),
                 Some(m) if m.is_floating_point() && m.device() == q.device() => (None, Some(m.0.shallow_clone())),
                 Some(_) => return Ok(None),
             };

@@ -70,8 +70,13 @@ class HuggingFace(unittest.TestCase):
     def test_memory_efficient_forms_equal_the_eager_ones(self):
         for impl in ("probattn-dnas", "probattn-sinkhorn-3", "probattn-bam-wf"):
             with self.subTest(impl):
-                a, b = self.loss(self.model("bert", impl, False)), self.loss(self.model("bert", impl + "-me", False))
+                a = self.loss(self.model("bert", impl, False))
+                probattn.attention_routes(reset=True)
+                b = self.loss(self.model("bert", impl + "-me", False))
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+                # The padded batch's mask is the padding broadcast over the queries: key padding,
+                # which the fused CPU kernel serves in both layers.
+                self.assertEqual(probattn.attention_routes(reset=True), {"fused-cpu": 2})
 
     def test_the_config_chooses_the_variant(self):
         # "probattn" reads config.probattn at every call: dnas from the config equals its alias, a

@@ -288,6 +288,26 @@ class Backends(unittest.TestCase):
                 pass
 
 
+    def test_a_padding_mask_broadcast_over_the_queries_takes_the_fused_kernel(self):
+        # As transformers builds a padded batch's mask: (B, 1, 1, S) True = takes part, expanded
+        # over the queries. It runs as key padding, on the fused CPU kernel; stored whole, it is a
+        # pattern, on the tiles; both give the eager result.
+        from probattn.functional import scaled_dot_product_attention as sdpa_ours
+        q, k, v = qkv(dv=4)
+        keep = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+        keep[1, ..., -2:] = False
+        expanded = keep.expand(2, 1, 5, 6)
+        eager = sdpa_ours(q, k, v, attn_mask=expanded.contiguous(), variant="dnas")
+        probattn.attention_routes(reset=True)
+        for mask, route in ((expanded, "fused-cpu"), (expanded.contiguous(), "tiles")):
+            with self.subTest(route):
+                out = sdpa_ours(q, k, v, attn_mask=mask, variant="dnas", memory_efficient=True)
+                self.assertEqual(probattn.attention_routes(reset=True), {route: 1})
+                torch.testing.assert_close(out, eager, rtol=0, atol=1e-12)
+                g = torch.randn_like(out)
+                torch.testing.assert_close(torch.autograd.grad(out, q, g)[0], torch.autograd.grad(eager, q, g, retain_graph=True)[0],
+                                           rtol=0, atol=1e-12)
+
 class LeanCalls(unittest.TestCase):
     def test_a_variant_is_resolved_once_and_every_path_agrees(self):
         from probattn import _native, _registry, functional
