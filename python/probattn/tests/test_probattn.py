@@ -287,7 +287,6 @@ class Backends(unittest.TestCase):
             with probattn.attention_backend("flash"):
                 pass
 
-
     def test_a_padding_mask_broadcast_over_the_queries_takes_the_fused_kernel(self):
         # As transformers builds a padded batch's mask: (B, 1, 1, S) True = takes part, expanded
         # over the queries. It runs as key padding, on the fused CPU kernel; stored whole, it is a
@@ -307,6 +306,7 @@ class Backends(unittest.TestCase):
                 g = torch.randn_like(out)
                 torch.testing.assert_close(torch.autograd.grad(out, q, g)[0], torch.autograd.grad(eager, q, g, retain_graph=True)[0],
                                            rtol=0, atol=1e-12)
+
 
 class LeanCalls(unittest.TestCase):
     def test_a_variant_is_resolved_once_and_every_path_agrees(self):
