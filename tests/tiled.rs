@@ -330,8 +330,7 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
                     continue;
                 }
                 let call = BamCall { inputs: &inputs, g: &g, masks: &masks, normalizer: &normalizer, params: &params, draws: &draws, kind };
-                let path = |tiled: Option<TiledOptions>| call.run(tiled);
-                let eager = path(None)?;
+                let eager = call.run(None)?;
                 let counter = TiledOptions { sample: true, seed: Some(seed), ..TiledOptions::new(4) };
                 let given = TiledOptions { sample: true, noise: Some(&draws), ..TiledOptions::new(5) };
                 let whole = TiledOptions { sample: true, seed: Some(seed), ..TiledOptions::new(L) };
@@ -340,7 +339,7 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
                 let runs =
                     [("counter, tile 4", counter), ("given draws, tile 5", given), ("counter, tile 13", whole), ("tiles only", tiles)];
                 for (how, options) in runs {
-                    let ours = path(Some(options))?;
+                    let ours = call.run(Some(options))?;
                     let what = format!("{} over {base}, {}, {how}", kind.name(), case.name);
                     largest = largest.max(all_within_1e10(&what, Device::Cpu, &ours, &eager)?);
                     checked += 1;

@@ -103,7 +103,7 @@ impl Masks<'_> {
         let dims = shape.dims();
         let [b, _, _, sk] = dims;
         let own_fits = self.key_padding.map_or(true, |own| check_mask("key_padding_mask", own, &[b, sk]).is_ok());
-        if !own_fits || check_mask("attn_mask", m, &size).is_err() || check_broadcastable("attn_mask", m, &dims).is_err() {
+        if !own_fits || !matches!(m.kind(), Kind::Bool | Kind::Uint8) || check_broadcastable("attn_mask", m, &dims).is_err() {
             return None;
         }
         let stride = m.stride();
