@@ -117,6 +117,36 @@ class TableHelpers(unittest.TestCase):
         self.assertEqual(translate.precision_row("softmax-bf16", runs(37.0), runs(37.63, 38.06))[2], "–")
         self.assertEqual(translate.precision_row("softmax-bf16", runs(37.0), runs(37.63, 38.06))[5], "below")
 
+    def test_fisher_exact(self):
+        # By hand: 3 events in 20 trials split 3/10 against 0/10; each split's probability is
+        # C(10, x) C(10, 3 - x) / C(20, 3) = 120, 450, 450, 120 over 1140, and the two-sided p sums
+        # the splits no likelier than 3/0: 240 / 1140.
+        self.assertAlmostEqual(common.fisher_exact(3, 10, 0, 10), 240 / 1140, places=12)
+        self.assertAlmostEqual(common.fisher_exact(0, 10, 3, 10), 240 / 1140, places=12)
+        # Fisher's tea-tasting table, 3/4 against 1/4: (1 + 16 + 16 + 1) / 70.
+        self.assertAlmostEqual(common.fisher_exact(3, 4, 1, 4), 34 / 70, places=12)
+        self.assertAlmostEqual(common.fisher_exact(1, 10, 1, 10), 1.0, places=12)
+        self.assertAlmostEqual(common.fisher_exact(0, 3, 0, 7), 1.0, places=12)
+        with self.assertRaises(ValueError):
+            common.fisher_exact(4, 3, 0, 3)
+
+    def test_stall_row(self):
+        from probattn_tools.tables import translate
+
+        def runs(*valid):
+            return [{"seed": s, "valid_bleu": v, "test_bleu_tok": v + 0.5} for s, v in enumerate(valid, start=1)]
+        soft = runs(40.0, 39.0, 22.1, 25.0)
+        bam = runs(40.0, 41.0, 39.0, 40.0)
+        row = translate.stall_row("lstm-bam-wc-w0.1", bam, soft, 30)
+        self.assertEqual(row[:4], ["lstm-bam-wc-w0.1", "0 of 4", "–", "40.50 ± 0.82 (n=4)"])
+        # 0/4 against 2/4: C(4, x) C(4, 2 - x) / C(8, 2) = 6, 16, 6 over 28, so p = 12 / 28 = 3/7.
+        self.assertEqual(row[4], f"{3 / 7:.3f} (0/4 vs 2/4)")
+        row = translate.stall_row("lstm-softmax", soft, soft, 30)
+        self.assertEqual(row[1:], ["2 of 4", "3 (22.10), 4 (25.00)", "40.00 ± 0.71 (n=2)", "–"])
+        self.assertEqual(translate.stall_row("lstm-dnas", runs(10.0), None, 30)[1:], ["1 of 1", "1 (10.00)", "–", "–"])
+        self.assertEqual(translate.parse(["a", "--stalled", "30"]).stalled, 30.0)
+        self.assertIsNone(translate.parse(["a"]).stalled)
+
     def test_markdown(self):
         self.assertEqual(common.markdown(["a", "b"], [[1, "x"]]), "| a | b |\n|---|---|\n| 1 | x |")
 

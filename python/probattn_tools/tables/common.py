@@ -2,6 +2,7 @@
 error (unpaired, and paired by seed), markdown tables. Imported by the other table scripts of
 this folder."""
 
+import math
 import statistics
 
 
@@ -25,6 +26,22 @@ def diff_cell(a, b, digits=2):
         return "–"
     se = (statistics.variance(a) / len(a) + statistics.variance(b) / len(b)) ** 0.5
     return f"{statistics.mean(a) - statistics.mean(b):+.{digits}f} ± {se:.{digits}f} (n={len(a)} vs {len(b)})"
+
+
+def fisher_exact(a, n_a, b, n_b):
+    """Fisher's exact test of a/n_a against b/n_b (events out of trials), two-sided: the
+    probability, with both margins fixed, of every split of the a + b events at most as likely as
+    the one observed (the hypergeometric law: C(n_a, x) C(n_b, a + b − x) / C(n_a + n_b, a + b))."""
+    events, total = a + b, n_a + n_b
+    if not (0 <= a <= n_a and 0 <= b <= n_b):
+        raise ValueError(f"events out of trials must lie in [0, trials], got {a}/{n_a} and {b}/{n_b}")
+
+    def p(x):
+        return math.comb(n_a, x) * math.comb(n_b, events - x) / math.comb(total, events)
+    observed = p(a)
+    splits = range(max(0, events - n_b), min(events, n_a) + 1)
+    # A relative margin, as R's fisher.test takes, so that ties in exact arithmetic stay ties.
+    return min(1.0, sum(p(x) for x in splits if p(x) <= observed * (1 + 1e-7)))
 
 
 def paired_cell(a, b, digits=2):

@@ -21,6 +21,10 @@ range of test BLEU and whether the bfloat16 mean lies within it (the quality che
 `--paper` adds the difference each paper reports for the row (`paper_difference`; IWSLT14 de-en,
 tokenized lowercased BLEU, not Multi30k): beside it, not comparable in size, only in sign and
 rough scale.
+`--stalled BLEU` adds how many runs of each row stalled, a stall being a best validation
+sacreBLEU below BLEU (fixed before the runs are read: the threshold is a flag, not a fit), with the
+stalled seeds, the test BLEU of the runs that did not stall, and Fisher's exact test of the row's
+stall count against its model's softmax row.
 """
 
 import argparse
@@ -29,7 +33,7 @@ import os
 import statistics
 import sys
 
-from probattn_tools.tables.common import cell, diff_cell, markdown, paired_cell
+from probattn_tools.tables.common import cell, diff_cell, fisher_exact, markdown, paired_cell
 
 # Each model's softmax row before the rows set against it; other rows follow in name order, the
 # bfloat16 rows last.
@@ -182,6 +186,25 @@ def precision_row(name, runs, base):
     ]
 
 
+def stall_row(name, runs, base, below):
+    """How often a row's runs stalled (best validation sacreBLEU < `below`): the count, the stalled
+    seeds with their best validation BLEU, the test BLEU of the others, and Fisher's exact p of the
+    count against `base`'s (its model's softmax row; '–' for that row itself or without it)."""
+    stalled = sorted((r for r in runs if r["valid_bleu"] < below), key=lambda r: r["seed"])
+    others = [r["test_bleu_tok"] for r in runs if r["valid_bleu"] >= below]
+    against = "–"
+    if base is not None and base is not runs:
+        k = sum(r["valid_bleu"] < below for r in base)
+        against = f"{fisher_exact(len(stalled), len(runs), k, len(base)):.3f} ({len(stalled)}/{len(runs)} vs {k}/{len(base)})"
+    return [
+        name,
+        f"{len(stalled)} of {len(runs)}",
+        ", ".join(f"{r['seed']} ({r['valid_bleu']:.2f})" for r in stalled) or "–",
+        cell(others) if others else "–",
+        against,
+    ]
+
+
 def parse(argv):
     parser = argparse.ArgumentParser(prog="python -m probattn_tools.tables.translate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -189,6 +212,9 @@ def parse(argv):
                         help="folders searched for results.json (default results/translate)")
     parser.add_argument("--diff", action="store_true", help="each row minus its model's softmax row, ± standard error")
     parser.add_argument("--paper", action="store_true", help="beside the differences (implies --diff), the difference each paper reports for the row")
+    parser.add_argument("--stalled", type=float, metavar="BLEU",
+                        help="count the runs whose best validation sacreBLEU is below BLEU, per row, with Fisher's exact "
+                             "test against the model's softmax row")
     return parser.parse_args(argv)
 
 
@@ -241,6 +267,12 @@ def main(argv=None):
             header = ["bfloat16 − float32", "tok-lc BLEU difference (± s.e.)", "paired by seed (± s.e.)", "bfloat16 tok-lc",
                       "float32 seeds' range", "bfloat16 mean within it"]
             print(markdown(header, table))
+    if args.stalled is not None:
+        table = [stall_row(name, rows[name], rows.get(reference(name)), args.stalled) for name in names]
+        header = ["attention", f"stalled (best valid sacreBLEU < {args.stalled:g})", "stalled seeds (best valid)",
+                  "test BLEU tok-lc of the others", "Fisher's exact p against its softmax row"]
+        print()
+        print(markdown(header, table))
 
 
 if __name__ == "__main__":
