@@ -27,12 +27,13 @@ pub struct CommonArgs {
     /// same setting.
     #[arg(long, value_enum, default_value_t = Allocator::Retain)]
     pub allocator: Allocator,
-    /// How attention runs, in every layer of the command: auto (the library's choice: the
-    /// memory-efficient plan with --memory-efficient, softmax's fused kernel when no weights are
-    /// asked for on the CPU, else eager), eager (the weights formed), tiles (each variant's plan
-    /// tile by tile; --tile queries a tile) or fused (one kernel that never forms the weights:
-    /// softmax's on the CPU, libtorch's fused CPU kernel under the plans of dnas, hnas and
-    /// sinkhorn-N). A forced backend that cannot serve a call (weights asked for, a mask the fused
+    /// How attention runs, in every layer of the command: auto (the library's choice: with
+    /// --memory-efficient the variant's plan, through libtorch's fused CPU kernel where it applies;
+    /// without it, softmax's fused kernel when no weights are asked for; else eager), eager (the
+    /// weights formed), tiles (each variant's plan tile by tile; --tile queries a tile) or fused
+    /// (one kernel that never forms the weights: softmax's own, else the variant's plan through
+    /// libtorch's fused CPU kernel on the CPU and the embedded Triton kernels on CUDA;
+    /// docs/kernels.md). A forced backend that cannot serve a call (weights asked for, a mask the fused
     /// kernel does not take) stops the command with an error that says why. Recorded in
     /// results.json and bench.json with the routes that served the calls.
     #[arg(long, default_value = "auto", value_parser = parse_backend)]

@@ -60,8 +60,9 @@ def attention_backend(backend: str):
     """Runs every probattn attention call inside the block on `backend`, as
     `torch.nn.attention.sdpa_kernel` does for SDPA: "auto" (the library's choice), "eager" (the
     weights formed), "tiles" (the variant's plan tile by tile, `DEFAULT_TILE` queries a tile unless
-    the call sets one) or "fused" (one kernel that never forms the weights: softmax's on the CPU,
-    the fused CPU kernel under the plans of dnas, hnas and sinkhorn-N). A call the backend cannot
+    the call sets one) or "fused" (one kernel that never forms the weights: softmax's own, else the
+    variant's plan through the fused CPU kernel on the CPU and the embedded Triton kernels on CUDA,
+    docs/kernels.md). A call the backend cannot
     serve (weights asked for from tiles or fused, a mask the fused kernel does not take) raises
     ValueError saying why; nothing falls back silently. The setting is the process's, restored on
     leaving the block.
