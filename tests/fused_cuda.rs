@@ -26,7 +26,7 @@ struct Case {
     /// The first query of the last batch padded.
     query_padding: bool,
     /// BAM's noise: 0 none, 1 Weibull and 2 Lognormal with their KL terms, 3 Weibull without
-    /// (bam-nokl).
+    /// (bam-nokl), 4 Lognormal without.
     noise: i32,
     /// HNAS: one sweep mixed with softmax.
     hybrid: bool,
@@ -60,15 +60,15 @@ const BOTH: (bool, bool) = (true, true);
 impl Case {
     /// The kernels' noise code and KL form.
     fn noise_and_kl(&self) -> (i32, i32) {
-        if self.noise == 3 {
-            (1, 0)
-        } else {
-            (self.noise, self.noise)
+        match self.noise {
+            3 => (1, 0),
+            4 => (2, 0),
+            n => (n, n),
         }
     }
 }
 
-const CASES: [Case; 34] = [
+const CASES: [Case; 41] = [
     case([1, 2, 2, 30, 50, 32, 32], 0, false, KEYS, 0, false),
     with_mass(case([1, 2, 2, 64, 64, 64, 64], 0, false, NONE, 0, false)),
     with_mass(case([2, 4, 2, 70, 90, 48, 48], 1, false, KEYS, 0, false)),
@@ -95,6 +95,14 @@ const CASES: [Case; 34] = [
     case([1, 2, 2, 40, 40, 64, 64], 0, false, NONE, 3, false),
     with_mass(case([2, 2, 2, 64, 40, 64, 64], 1, false, BOTH, 3, false)),
     case([1, 2, 1, 50, 50, 64, 64], 0, true, KEYS, 3, false),
+    // Without a KL term over every base: Lognormal, and Weibull over HNAS and Sinkhorn-N.
+    with_mass(case([1, 2, 1, 65, 33, 128, 128], 0, false, KEYS, 4, false)),
+    case([2, 2, 1, 100, 77, 64, 64], 0, true, BOTH, 4, false),
+    with_mass(case([2, 2, 2, 50, 70, 64, 64], 1, false, NONE, 4, false)),
+    with_mass(case([2, 4, 2, 70, 90, 48, 48], 1, false, BOTH, 3, true)),
+    case([1, 2, 1, 40, 65, 64, 64], 1, false, KEYS, 4, true),
+    case([1, 2, 2, 50, 70, 64, 64], 3, false, KEYS, 3, false),
+    with_mass(case([2, 2, 1, 33, 40, 32, 32], 2, false, QUERIES, 4, false)),
     with_mass(masked(case([2, 4, 2, 70, 90, 48, 48], 1, false, NONE, 0, false), true, false)),
     masked(case([1, 2, 1, 100, 77, 64, 64], 0, true, KEYS, 0, false), false, true),
     with_mass(masked(case([1, 2, 2, 65, 70, 64, 64], 1, false, QUERIES, 0, true), true, true)),
@@ -364,8 +372,8 @@ fn gpu() -> Option<u32> {
     }
 }
 
-/// A plan for a case: softmax, DNAS, HNAS, Sinkhorn-N, or BAM over softmax or DNAS with its KL
-/// term against the fixed per-key values `prior`.
+/// A plan for a case: softmax, DNAS, HNAS, Sinkhorn-N, or BAM over one of them, with its KL term
+/// against the fixed per-key values `prior` or without one.
 fn plan_for<'a>(case: &Case, logit: &'a Tensor, prior: &'a Tensor) -> Tiled<'a> {
     let mut plan = match case.sweeps {
         _ if case.hybrid => Tiled::hnas(logit),

@@ -20,7 +20,7 @@
 // - the masked kernels (a boolean pattern, its block map and an additive mask, with both
 //   paddings) for the deterministic plans;
 // - BAM's sampling over softmax (causal or not), DNAS, HNAS and Sinkhorn-N, with its KL term or
-//   (Weibull) without: the noise joins the base's row pass and its gradient passes; over HNAS the
+//   without: the noise joins the base's row pass and its gradient passes; over HNAS the
 //   row pass mixes the two bases' weights itself (`hybrid` with noise), after one reduction each
 //   for their row statistics, and the gate's gradient is reduced per row;
 // - the received mass, when a call asks for it: after the forward, one key pass without gradients
@@ -201,7 +201,6 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
               " sweeps");
   TORCH_CHECK(!spec.hybrid || spec.noise == 0 || (logit.defined() && logit.dim() == 1 && logit.size(0) == q.size(1)),
               "BAM over HNAS on the fused CUDA route needs the gate logits, one per query head (", q.size(1), ")");
-  TORCH_CHECK(spec.noise == 0 || !(spec.hybrid && spec.kl == 0), "the fused CUDA route samples BAM over HNAS with its KL term only");
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(3) == q.size(3) && v.size(1) == k.size(1) &&
                   v.size(2) == k.size(2) && k.size(1) >= 1 && q.size(1) % k.size(1) == 0,
               "the fused CUDA route: q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(), " do not fit together");

@@ -11,9 +11,9 @@
 //! scale; key and query padding, causal (softmax), a boolean pattern and an additive mask that
 //! needs no gradient; grouped key/value heads; head dimensions up to 256 (128 in float32); no
 //! attention dropout; and BAM's sampling over every one of those bases (without a pattern or
-//! additive mask), with its KL term (Weibull and Lognormal) or without (Weibull, over softmax and
-//! DNAS), its noise drawn in the kernels from the same counter-based hash as the tiles' (the same ε
-//! for the same seed), on both sides of 2^32 score entries, for up to 2^24 keys. It returns no
+//! additive mask), Weibull and Lognormal, with its KL term or without, its noise drawn in the
+//! kernels from the same counter-based hash as the tiles' (the same ε for the same seed), on both
+//! sides of 2^32 score entries, for up to 2^24 keys. It returns no
 //! weights, and the received mass when the call asks for it ([`AttendOptions::need_mass`]: one
 //! more key pass per branch; for BAM, of the sampled weights, its draws made again). Anything
 //! else runs on the tiles.
@@ -25,7 +25,7 @@ use crate::cxx;
 use crate::mask::{Masks, ScoreShape};
 use crate::plan::Tiled;
 use crate::precision::{statistics_kind, widen};
-use crate::tiled::{check_hybrid_logit, libtorch_seed, tiled_kl, MaskCounts, NoiseKind};
+use crate::tiled::{check_hybrid_logit, libtorch_seed, tiled_kl, MaskCounts};
 use crate::{Error, Result};
 
 /// Whether `auto` takes this route where it serves a memory-efficient call (`false`: only when
@@ -54,15 +54,10 @@ pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: 
         Kind::Float => "float32",
         other => return Some(format!("it takes bfloat16, float16 and float32 (with TF32), not {other:?}")),
     };
-    if let Some(sampling) = sampling {
-        let sk = shape.dims()[3];
-        let why = if sampling.kl.is_none() && sampling.noise != NoiseKind::Weibull {
-            Some("Lognormal sampling without a KL term is not in the embedded set")
-        } else if sampling.kl.is_none() && (plan.hybrid_logit.is_some() || plan.sweeps > 1) {
-            Some("BAM without a KL term over HNAS or Sinkhorn-N is not in the embedded set")
-        } else if opts.noise.is_some() {
+    if sampling.is_some() {
+        let why = if opts.noise.is_some() {
             Some("given draws are not in the embedded set (the kernels draw from a seed)")
-        } else if sk > 1 << 24 {
+        } else if shape.dims()[3] > 1 << 24 {
             Some("BAM's kernels draw for at most 2^24 keys (a tile's positions span two of the hash's high words at most)")
         } else {
             None

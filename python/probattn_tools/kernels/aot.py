@@ -98,9 +98,9 @@ def route_specializations(dtype="bfloat16", head_dim=64):
     argument: one set for every N ≥ 2).
 
     Padded only (a call without padding passes none; BAM's draws dwarf reading it): BAM's
-    sampling, Weibull and Lognormal with their KL terms over softmax (plain and causal), DNAS, HNAS
-    and Sinkhorn-N, and Weibull without a KL term (bam-nokl) over softmax and DNAS, with the key
-    pass that gives the sampled weights' received mass, on both sides of 2^32 score entries. Not
+    sampling, Weibull and Lognormal, each with its KL term and without one, over softmax (plain and
+    causal), DNAS, HNAS and Sinkhorn-N, with the key pass that gives the sampled weights' received
+    mass, on both sides of 2^32 score entries. Not
     in float32, whose set holds the deterministic plans alone (BAM in float32 runs on the tiles),
     up to FLOAT32_WIDEST.
 
@@ -128,22 +128,24 @@ def route_specializations(dtype="bfloat16", head_dim=64):
     if dtype == "float32":
         return out
     f = dict(HAS_QPAD=True, HAS_KPAD=True, HAS_MASK=False, HAS_BIAS=False)
-    for sweeps, causal, noise, kl in ((0, False, 1, 1), (0, False, 2, 2), (0, True, 1, 1), (0, True, 2, 2),
-                                      (1, False, 1, 1), (1, False, 2, 2), (0, False, 1, 0), (0, True, 1, 0),
-                                      (1, False, 1, 0)):
+    # Each noise with its own KL form (kl = noise) and without a KL term (kl = 0).
+    draws = ((1, 1), (2, 2), (1, 0), (2, 0))
+    for (sweeps, causal), (noise, kl) in itertools.product(((0, False), (0, True), (1, False)), draws):
         bam = dict(f, NOISE=noise, KL=kl, SWEEPS=sweeps, CAUSAL=causal)
         out += [("_row_pass", dict(bam, HYBRID=False)), ("_key_pass", dict(bam, GRADS=True)), ("_query_pass", bam)]
         if kl == noise:  # the sampled weights' received mass: the draws again, no KL term (it moves no weight)
             out.append(("_key_pass", dict(bam, KL=0, GRADS=False)))
-    for noise in (1, 2):
+    for noise, kl in draws:
         # Over HNAS: the mixture's row pass, the gate's per-row gradient, then the key and query passes.
-        mix = dict(f, NOISE=noise, KL=noise, SWEEPS=1, CAUSAL=False, MIX=True)
+        mix = dict(f, NOISE=noise, KL=kl, SWEEPS=1, CAUSAL=False, MIX=True)
         out += [("_row_pass", dict(mix, HYBRID=False)), ("_query_pass", dict(mix, ROWS=True)),
-                ("_key_pass", dict(mix, GRADS=True)), ("_query_pass", mix), ("_key_pass", dict(mix, KL=0, GRADS=False))]
+                ("_key_pass", dict(mix, GRADS=True)), ("_query_pass", mix)]
+        if kl == noise:
+            out.append(("_key_pass", dict(mix, KL=0, GRADS=False)))
         # Over Sinkhorn-N: the potentials as without noise, DNAS's row pass with the noise, and the
         # gradient stages with it.
-        out += [("_sink_key_grads", dict(f, STAGE=stage, NOISE=noise, KL=noise)) for stage in (0, 1)]
-        out.append(("_sink_query_grads", dict(f, NOISE=noise, KL=noise)))
+        out += [("_sink_key_grads", dict(f, STAGE=stage, NOISE=noise, KL=kl)) for stage in (0, 1)]
+        out.append(("_sink_query_grads", dict(f, NOISE=noise, KL=kl)))
     return out
 
 

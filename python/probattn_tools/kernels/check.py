@@ -77,7 +77,13 @@ def cases(quick, lower):
            ("sinkhorn-3", 3, ("lognormal", 0.7, "lognormal", seed + 5), ("key", "query")),
            ("hnas", 1, ("weibull", 0.5, "weibull", seed + 6), ("key", "query")),
            ("hnas", 1, ("lognormal", 0.7, "lognormal", seed + 7), ("additive", "key")),
-           ("sinkhorn-2", 2, ("weibull", 0.5, "weibull", seed + 11), ("key",))]
+           ("sinkhorn-2", 2, ("weibull", 0.5, "weibull", seed + 11), ("key",)),
+           # Without a KL term over every base (bam-nokl, and Lognormal draws alone).
+           ("dnas", 1, ("lognormal", 0.7, None, seed + 12), ("key",)),
+           ("hnas", 1, ("weibull", 0.5, None, seed + 13), ("key", "query")),
+           ("hnas", 1, ("lognormal", 0.7, None, seed + 14), ("query",)),
+           ("sinkhorn-3", 3, ("lognormal", 0.7, None, seed + 15), ("key",)),
+           ("sinkhorn-2", 2, ("weibull", 0.5, None, seed + 16), ("key", "query"))]
     # ε given as a tensor (the library's noise=) instead of a seed.
     given = [("dnas", 1, ("weibull", 0.5, "weibull", None), ("key", "query")),
              ("softmax", 0, ("lognormal", 0.7, None, None), ("key",))]
