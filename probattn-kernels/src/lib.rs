@@ -174,7 +174,7 @@ mod tests {
         assert_eq!(keys, want);
         let wide = &sets[&("sm_90".to_string(), "bfloat16".to_string(), 64)];
         let narrow = &sets[&("sm_90".to_string(), "float32".to_string(), 64)];
-        assert_eq!((wide.len(), narrow.len()), (115, 66));
+        assert_eq!((wide.len(), narrow.len()), (138, 66));
         let deterministic: Vec<&String> = wide.iter().filter(|s| !s.contains("\"NOISE\": 1") && !s.contains("\"NOISE\": 2")).collect();
         assert_eq!(narrow.iter().collect::<Vec<_>>(), deterministic);
         for ((_, dtype, _), set) in &sets {
