@@ -21,6 +21,12 @@ const L: i64 = 13;
 const S: i64 = 11;
 const D: i64 = 8;
 
+/// Random q (B, H, L, D), k (B, H, S, D) at twice the spread, and v (B, H, S, D), drawn in that
+/// order from libtorch's generator.
+fn qkv(opts: (Kind, Device)) -> [Tensor; 3] {
+    [Tensor::randn([B, H, L, D], opts), Tensor::randn([B, H, S, D], opts) * 2.0, Tensor::randn([B, H, S, D], opts)]
+}
+
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b).abs().max().double_value(&[])
 }
@@ -116,7 +122,7 @@ fn check_fused_route(inputs: &[Tensor; 3], case: &Case, variant: &Tiled, options
 fn tiled_attention_equals_the_eager_path() -> Result<()> {
     tch::manual_seed(0);
     let opts = (Kind::Double, Device::Cpu);
-    let inputs = [Tensor::randn([B, H, L, D], opts), Tensor::randn([B, H, S, D], opts) * 2.0, Tensor::randn([B, H, S, D], opts)];
+    let inputs = qkv(opts);
     let g = Tensor::randn([B, H, L, D], opts);
     let vs = nn::VarStore::new(Device::Cpu);
     let hnas = Hnas::new(&vs.root(), H, 0.5)?;
@@ -313,7 +319,7 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
     // against tiled given the seed; once more tiled given the draws as a tensor.
     tch::manual_seed(7);
     let opts = (Kind::Double, Device::Cpu);
-    let inputs = [Tensor::randn([B, H, L, D], opts), Tensor::randn([B, H, S, D], opts) * 2.0, Tensor::randn([B, H, S, D], opts)];
+    let inputs = qkv(opts);
     let g = Tensor::randn([B, H, L, D], opts);
     let seed = 0x5eed_1234_abcd_u64;
     let (mut checked, mut largest) = (0, 0.0f64);
@@ -363,7 +369,7 @@ fn sampled_bam_equals_the_eager_path_given_the_same_draws() -> Result<()> {
 fn bam_draws_follow_the_seed_and_its_mean_is_the_base() -> Result<()> {
     tch::manual_seed(7);
     let opts = (Kind::Double, Device::Cpu);
-    let inputs = [Tensor::randn([B, H, L, D], opts), Tensor::randn([B, H, S, D], opts) * 2.0, Tensor::randn([B, H, S, D], opts)];
+    let inputs = qkv(opts);
     let (_, normalizer) = bam(BamKind::LognormalContextual, Variant::Dnas)?;
     let run = |options: TiledOptions| {
         attend_tiled(&inputs[0], &inputs[1], &inputs[2], &Masks::default(), &normalizer.tiled().expect("BAM has a plan"), options)
@@ -426,7 +432,7 @@ fn on_every_device_the_tiles_equal_the_eager_path() -> Result<()> {
     for device in common::devices() {
         tch::manual_seed(3);
         let opts = (Kind::Double, device);
-        let inputs = [Tensor::randn([B, H, L, D], opts), Tensor::randn([B, H, S, D], opts) * 2.0, Tensor::randn([B, H, S, D], opts)];
+        let inputs = qkv(opts);
         let g = Tensor::randn([B, H, L, D], opts);
         let mut vs = nn::VarStore::new(device);
         let hnas = Hnas::new(&vs.root(), H, 0.5)?;
