@@ -143,7 +143,10 @@ def _flattened(query, key, value, enable_gqa):
 
 
 def _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variant, training, memory_efficient,
-          tile, seed, hybrid_logit, bam, info):
+          tile, seed, hybrid_logit, bam, info, joined=False):
+    """The general call; `joined`: `attn_mask` and `is_causal` together mean both, the causal
+    pattern and the mask (for `probattn.hf`, which knows when a model's mask is a causal one joined
+    with key padding; the public functions refuse the pair, as PyTorch documents)."""
     if _plain(query, key, value, enable_gqa):
         q4, k4, v4 = query, key, value
         shape = query.shape
@@ -156,7 +159,7 @@ def _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     if attn_mask is None:
         excluded = bias = None
     else:
-        if is_causal:
+        if is_causal and not joined:
             raise ValueError("attn_mask and is_causal are both set: PyTorch documents this as an error (pass the causal "
                              "mask inside attn_mask instead)")
         excluded, bias = _mask(attn_mask, query, lead + (heads, L, k4.shape[2]))

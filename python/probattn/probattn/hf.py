@@ -33,7 +33,7 @@ loss yourself.
 
 import torch
 
-from . import _native, _registry, attention_with_info, scaled_dot_product_attention, variants
+from . import _native, _registry, attention_with_info, functional, scaled_dot_product_attention, variants
 
 __all__ = ["register", "names", "prepare", "settings_of"]
 
@@ -91,6 +91,12 @@ def _forward(fixed=None):
                 f"{name} on a causal model: {variant} normalizes each key over the queries, so under a causal "
                 f"mask a query's weights would depend on later queries (use softmax or a bam variant over softmax)")
         causal = bool(module_causal) and attention_mask is None and query.shape[2] > 1
+        # A causal mask joined with key padding (`_sdpa_mask` marks one): the causal pattern and the
+        # key row, which the library runs as both where the whole mask would be a pattern.
+        keys = getattr(attention_mask, "_probattn_causal_keys", None)
+        if keys is not None and (position_bias is not None
+                                 or tuple(attention_mask.shape[-2:]) != (query.shape[2], key.shape[2])):
+            keys = None
         if position_bias is not None:
             attention_mask = _mask_with_bias(attention_mask, position_bias, causal, query, key)
             causal = False
@@ -116,10 +122,15 @@ def _forward(fixed=None):
             if settings.get("tile") is not None:
                 extra["tile"] = settings["tile"]
         groups = getattr(module, "num_key_value_groups", 1)
-        call = attention_with_info if entry["stochastic"] else scaled_dot_product_attention
-        out = call(query, key, value, attn_mask=attention_mask, dropout_p=dropout if module.training else 0.0,
-                   is_causal=causal, scale=scaling, enable_gqa=groups > 1, variant=variant, training=module.training,
-                   **extra)
+        dropout = dropout if module.training else 0.0
+        if keys is not None:
+            out = functional._call(query, key, value, keys, dropout, True, scaling, groups > 1, variant, module.training,
+                                   extra.get("memory_efficient", False), extra.get("tile"), None,
+                                   extra.get("hybrid_logit"), extra.get("bam"), entry["stochastic"], joined=True)
+        else:
+            call = attention_with_info if entry["stochastic"] else scaled_dot_product_attention
+            out = call(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal, scale=scaling,
+                       enable_gqa=groups > 1, variant=variant, training=module.training, **extra)
         if entry["stochastic"]:
             # Only BAM asks for the info (its KL): without it the eager path need not form weights.
             out, info = out
@@ -173,23 +184,37 @@ def prepare(model, variant=None, hybrid_init_u=0.5):
 
 
 def _sdpa_mask(*args, **kwargs):
-    """SDPA's mask builder, except that an encoder's padding mask comes back as its first query's
-    row broadcast over the queries (an `expand`ed view of the same values): the library then runs
-    it as key padding, which its fused kernels serve, where the whole (S_q, S_k) mask would be a
-    pattern. transformers builds one mask per forward pass for every layer. A caller that asks for
-    the mask materialized (`allow_is_bidirectional_skip=False`, to write into it or join it with
-    another) gets it as SDPA's builder makes it."""
-    from transformers.masking_utils import bidirectional_mask_function, sdpa_mask
+    """SDPA's mask builder, with what the library can run faster than a whole (S_q, S_k) pattern:
+    - an encoder's padding mask comes back as its first query's row broadcast over the queries (an
+      `expand`ed view of the same values), which the library runs as key padding. A caller that
+      asks for the mask materialized (`allow_is_bidirectional_skip=False`, to write into it or
+      join it with another) gets it as SDPA's builder makes it;
+    - a decoder's causal mask joined with padding (Llama's, a padded batch's) comes back as SDPA's
+      builder makes it, marked with its last query's row (`_probattn_causal_keys`, the padding):
+      the attention then runs it as the causal pattern and key padding.
+    transformers builds one mask per forward pass for every layer."""
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, sdpa_mask
 
     mask = sdpa_mask(*args, **kwargs)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.dtype != torch.bool:
+        return mask
+    padding = kwargs.get("attention_mask")
+    plain = not args and kwargs.get("local_size") is None and (padding is None or padding.dim() == 2)
+    # Causal from the top left: the query and key positions start together (offsets as ints; a
+    # tensor offset would need a synchronizing read). Then query i may see key j when j <= i and
+    # j is not padding, and the last query's row is the padding (past it, nothing is allowed in
+    # any row), so that row and the causal pattern make the whole mask.
+    offsets = kwargs.get("q_offset"), kwargs.get("kv_offset")
+    causal = (plain and kwargs.get("mask_function") is causal_mask_function and all(type(o) is int for o in offsets)
+              and offsets[0] == offsets[1] and not torch.compiler.is_compiling())
+    if causal:
+        mask._probattn_causal_keys = mask[:, :, -1:, :].clone()
+        return mask
     # The bidirectional pattern and a 2-D padding mask, nothing else: every query's row is the
     # padding's (mask = (q >= 0) & padding[b, kv]).
-    alike = (not args and kwargs.get("mask_function") is bidirectional_mask_function
-             and kwargs.get("allow_is_bidirectional_skip") is True and kwargs.get("local_size") is None
-             and (kwargs.get("attention_mask") is None or kwargs["attention_mask"].dim() == 2))
-    if alike and isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype == torch.bool:
-        return mask[:, :, :1, :].expand(mask.shape)
-    return mask
+    alike = (plain and kwargs.get("mask_function") is bidirectional_mask_function
+             and kwargs.get("allow_is_bidirectional_skip") is True)
+    return mask[:, :, :1, :].expand(mask.shape) if alike else mask
 
 
 def register(sinkhorn=(3,)):

@@ -12,8 +12,8 @@ import test_compile  # its model and inputs (a module, so that its tests are not
 @unittest.skipUnless(torch.cuda.is_available(), "no CUDA device")
 class Cuda(unittest.TestCase):
     """The package on a GPU: gradcheck in float64 on CUDA tensors, a tiny Llama on CUDA whose
-    probattn-softmax step equals sdpa's and whose BAM-WC training lowers the loss, and the compiled
-    forms' operators on CUDA."""
+    probattn-softmax step equals sdpa's, whose BAM-WC training lowers the loss and whose padded
+    bfloat16 batch takes the fused CUDA route, and the compiled forms' operators on CUDA."""
 
     def test_gradcheck_on_cuda(self):
         gradcheck_every_variant(self, "cuda", layouts_used=2)
@@ -58,6 +58,14 @@ class Cuda(unittest.TestCase):
             opt.step()
             losses.append(loss.item())
         self.assertLess(losses[-1], losses[0], losses)
+        # In bfloat16 the padded batch's causal mask reaches the library as the causal pattern and
+        # key padding, which the fused CUDA route serves BAM under: both layers' calls take it.
+        m = model("probattn-bam-wc-me", True)
+        probattn.hf.prepare(m, "bam-wc")
+        m.to(device="cuda", dtype=torch.bfloat16)
+        probattn.attention_routes(reset=True)
+        m(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        self.assertEqual(probattn.attention_routes(reset=True), {"fused-cuda": 2})
 
 
     def test_compiled_bam_and_module_under_autocast_on_cuda(self):

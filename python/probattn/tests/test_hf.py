@@ -120,6 +120,69 @@ class HuggingFace(unittest.TestCase):
                 (a,), (b,) = (torch.autograd.grad(o.sum(), [bias]) for o in (ours, theirs))
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
+    def test_a_causal_mask_with_padding_is_marked_with_its_key_row(self):
+        # The row the mask builder marks, with the causal pattern from the top left, is the whole
+        # mask: left, right and no padding, a key axis longer than the queries' (a static cache's
+        # prefill), offsets that start together. A sliding window or offsets apart are not marked.
+        from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+        padding = torch.ones(3, 7, dtype=torch.bool)  # as transformers passes it to the builder
+        padding[1, :3] = False
+        padding[2, 5:] = False
+        for kv_length, offset, given in ((7, 0, padding), (9, 0, padding), (7, 2, padding), (7, 0, None)):
+            with self.subTest(kv_length=kv_length, offset=offset, padded=given is not None):
+                mask = probattn.hf._sdpa_mask(batch_size=3, q_length=7, kv_length=kv_length, q_offset=offset, kv_offset=offset,
+                                              mask_function=causal_mask_function, attention_mask=given, allow_is_causal_skip=False)
+                keys = mask._probattn_causal_keys
+                self.assertEqual(tuple(keys.shape), (3, 1, 1, kv_length))
+                self.assertTrue(torch.equal(mask, torch.ones(7, kv_length, dtype=torch.bool).tril() & keys))
+                if given is not None and offset == 0:
+                    self.assertTrue(torch.equal(keys[:, 0, 0, :7], given))
+        for function, offsets in ((sliding_window_causal_mask_function(3), (0, 0)), (causal_mask_function, (2, 0))):
+            mask = probattn.hf._sdpa_mask(batch_size=3, q_length=7, kv_length=9, q_offset=offsets[0], kv_offset=offsets[1],
+                                          mask_function=function, attention_mask=padding, allow_is_causal_skip=False)
+            self.assertFalse(hasattr(mask, "_probattn_causal_keys"))
+
+    def test_a_padded_causal_batch_runs_as_the_causal_pattern_and_key_padding(self):
+        # A padded Llama batch reaches the library as the causal pattern and key padding (one call
+        # per layer), and gives what transformers' own mask builder, a whole (L, S) pattern, gives:
+        # softmax and BAM-WC sampling, eager and memory-efficient, loss and gradients.
+        from unittest import mock
+
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        ids = torch.randint(0, 50, (3, 10), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones(3, 10, dtype=torch.long)
+        mask[1, :3] = 0  # left padding, as for generation
+        mask[2, 6:] = 0  # right padding, as for training
+
+        def run(impl, variant):
+            m = self.model("llama", impl, train=variant.startswith("bam"))
+            if registry.entry(variant)["parameters"]:
+                probattn.hf.prepare(m, variant)
+            torch.manual_seed(5)
+            loss = m(input_ids=ids, attention_mask=mask, labels=ids).loss
+            loss.backward()
+            return loss, [(n, p.grad) for n, p in m.named_parameters()]
+
+        for impl in ("probattn-softmax", "probattn-softmax-me", "probattn-bam-wc", "probattn-bam-wc-me"):
+            with self.subTest(impl):
+                variant = impl.removeprefix("probattn-").removesuffix("-me")
+                spy = mock.patch.object(probattn.functional, "_call", wraps=probattn.functional._call)
+                with spy as called:
+                    folded = run(impl, variant)
+                self.assertEqual([c.kwargs.get("joined") for c in called.call_args_list], [True, True])
+                AttentionMaskInterface.register(impl, sdpa_mask)
+                try:
+                    with spy as called:
+                        whole = run(impl, variant)
+                finally:
+                    probattn.hf.register()
+                self.assertFalse(any(c.kwargs.get("joined") for c in called.call_args_list))
+                torch.testing.assert_close(folded[0], whole[0], rtol=0, atol=1e-6)
+                for (n, a), (_, b) in zip(folded[1], whole[1]):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
     def test_every_implementation_trains(self):
         for name in self.names:
             if name == "probattn":
