@@ -7,6 +7,11 @@
 //! `PROBATTN_KERNEL_CACHE` (default `$XDG_CACHE_HOME/probattn/kernels` or
 //! `~/.cache/probattn/kernels`) is that folder; a build with the same key reuses it.
 //!
+//! `PROBATTN_CUDA_ARCHS` (as `90`, or `80,90`; default every one compiled) embeds the cubins of
+//! those architectures alone, taken from the whole compiled set, as `TORCH_CUDA_ARCH_LIST` narrows
+//! PyTorch's build: binaries carried to one kind of GPU need its cubins only (sm_90's are half of
+//! the set). A GPU of another architecture then runs on the tiles, with the reason recorded.
+//!
 //! `PROBATTN_KERNELS=none` embeds no kernel (a faster first build; the fused CUDA route then
 //! says it has none). Without a Python that has Triton the build embeds none either, and says why
 //! in a warning and in `probattn doctor`; with one, a kernel that fails to compile fails the
@@ -31,20 +36,40 @@ fn main() {
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let kernels_dir = root.join("../python/probattn_tools/kernels");
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    for var in ["PROBATTN_PYTHON", "PROBATTN_KERNELS", "PROBATTN_KERNEL_CACHE", "XDG_CACHE_HOME", "HOME"] {
+    for var in ["PROBATTN_PYTHON", "PROBATTN_KERNELS", "PROBATTN_KERNEL_CACHE", "PROBATTN_CUDA_ARCHS", "XDG_CACHE_HOME", "HOME"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     for name in SOURCES {
         println!("cargo:rerun-if-changed={}", kernels_dir.join(name).display());
     }
+    let archs = selected_archs().unwrap_or_else(|why| panic!("probattn-kernels: {why}"));
     let generated = match compiled(&root, &kernels_dir) {
-        Ok(dir) => embed(&dir),
+        Ok(dir) => embed(&dir, &archs),
         Err(why) => {
             println!("cargo:warning=probattn-kernels: no fused CUDA kernels embedded: {why}");
             none(&why)
         }
     };
     std::fs::write(out.join("kernels.rs"), generated).expect("writing kernels.rs");
+}
+
+/// The architectures to embed, as the manifest names them (`sm_90`): `PROBATTN_CUDA_ARCHS`'s, each
+/// one the set is compiled for, or every one.
+fn selected_archs() -> Result<Vec<String>, String> {
+    let compiled: Vec<&str> = ARCHS.split(',').collect();
+    let Ok(given) = std::env::var("PROBATTN_CUDA_ARCHS") else {
+        return Ok(compiled.iter().map(|a| format!("sm_{a}")).collect());
+    };
+    let mut archs = Vec::new();
+    for a in given.split(',').map(|a| a.trim().trim_start_matches("sm_")) {
+        if !compiled.contains(&a) {
+            return Err(format!("PROBATTN_CUDA_ARCHS={given}: the kernels are compiled for {ARCHS}, not {a:?}"));
+        }
+        archs.push(format!("sm_{a}"));
+    }
+    archs.sort();
+    archs.dedup();
+    Ok(archs)
 }
 
 /// The cache folder holding the compiled set: found, or compiled now.
@@ -126,13 +151,31 @@ fn prune(cache: &Path) {
     }
 }
 
-/// `kernels.rs` embedding the manifest and every cubin it names, as one zstd stream (the cubins
-/// of one kernel differ little across its specializations: 64 MB become a few), with each cubin's
-/// place in the decompressed bytes. The stream is written into the set's folder once.
-fn embed(dir: &Path) -> String {
-    let manifest_path = dir.join("manifest.json");
-    let manifest = std::fs::read_to_string(&manifest_path).expect("reading the kernels' manifest");
-    let value: serde_json::Value = serde_json::from_str(&manifest).expect("the kernels' manifest is JSON");
+/// `kernels.rs` embedding the manifest's cubins for `archs` and the manifest of those, as one zstd
+/// stream (the cubins of one kernel differ little across its specializations: 64 MB become a
+/// few), with each cubin's place in the decompressed bytes. The stream (and for part of the
+/// architectures, its manifest) is written into the set's folder once.
+fn embed(dir: &Path, archs: &[String]) -> String {
+    let whole = dir.join("manifest.json");
+    let manifest = std::fs::read_to_string(&whole).expect("reading the kernels' manifest");
+    let mut value: serde_json::Value = serde_json::from_str(&manifest).expect("the kernels' manifest is JSON");
+    let entries = value["entries"].as_array_mut().expect("the manifest lists its entries");
+    let before = entries.len();
+    entries.retain(|e| archs.iter().any(|a| e["arch"] == a.as_str()));
+    // The whole set keeps the names it has always had; a part is named by its architectures.
+    let (manifest_path, packed) = if entries.len() == before {
+        (whole, dir.join("cubins.zst"))
+    } else {
+        let part = archs.join("-");
+        let path = dir.join(format!("manifest-{part}.json"));
+        if !path.is_file() {
+            let text = serde_json::to_string_pretty(&value).expect("the manifest as JSON");
+            let partial = dir.join(format!(".manifest-{part}.json.{}", std::process::id()));
+            std::fs::write(&partial, text).expect("writing the manifest of part of the set");
+            std::fs::rename(&partial, &path).expect("moving the manifest into place");
+        }
+        (path, dir.join(format!("cubins-{part}.zst")))
+    };
     let mut places = Vec::new();
     let mut all = Vec::new();
     for entry in value["entries"].as_array().expect("the manifest lists its entries") {
@@ -141,7 +184,6 @@ fn embed(dir: &Path) -> String {
         places.push((file.to_string(), all.len(), bytes.len()));
         all.extend_from_slice(&bytes);
     }
-    let packed = dir.join("cubins.zst");
     if !packed.is_file() {
         // A window over all of them: a kernel's cubins for the other dtypes and head dimensions
         // lie megabytes apart.
@@ -156,6 +198,7 @@ fn embed(dir: &Path) -> String {
     }
     let mut code = String::new();
     writeln!(code, "pub(crate) static MISSING: Option<&str> = None;").unwrap();
+    writeln!(code, "#[cfg_attr(not(test), allow(dead_code))]\npub(crate) static SELECTED: &[&str] = &{archs:?};").unwrap();
     writeln!(code, "pub(crate) static MANIFEST: &str = include_str!({:?});", manifest_path.display().to_string()).unwrap();
     writeln!(code, "pub(crate) static PACKED: &[u8] = include_bytes!({:?});", packed.display().to_string()).unwrap();
     writeln!(code, "pub(crate) const UNPACKED_LEN: usize = {};", all.len()).unwrap();
@@ -170,6 +213,6 @@ fn embed(dir: &Path) -> String {
 /// `kernels.rs` without kernels, and why.
 fn none(why: &str) -> String {
     format!(
-        "pub(crate) static MISSING: Option<&str> = Some({why:?});\npub(crate) static MANIFEST: &str = \"{{\\\"triton\\\": \\\"\\\", \\\"entries\\\": []}}\";\npub(crate) static PACKED: &[u8] = &[];\npub(crate) const UNPACKED_LEN: usize = 0;\npub(crate) static PLACES: &[(&str, usize, usize)] = &[];\n"
+        "pub(crate) static MISSING: Option<&str> = Some({why:?});\n#[cfg_attr(not(test), allow(dead_code))]\npub(crate) static SELECTED: &[&str] = &[];\npub(crate) static MANIFEST: &str = \"{{\\\"triton\\\": \\\"\\\", \\\"entries\\\": []}}\";\npub(crate) static PACKED: &[u8] = &[];\npub(crate) const UNPACKED_LEN: usize = 0;\npub(crate) static PLACES: &[(&str, usize, usize)] = &[];\n"
     )
 }

@@ -10,16 +10,22 @@
 #
 # Usage: scripts/cuda_bundle.sh ARCHIVE.tar.xz [DATA_DIR]
 #   DATA_DIR  the data folder (default $PROBATTN_DATA, else data/)
+# The binaries embed the fused CUDA kernels of PROBATTN_CUDA_ARCHS alone (default 90: the H100's
+# and H200's), half the whole set: with the tracked files the archive must stay within the 64 MiB
+# a GPU machine takes (with the whole set, 35 MB beside 38 MB of tracked files). Building with another
+# PROBATTN_CUDA_ARCHS than the last build's rebuilds the crates above probattn-kernels (here, and
+# again in the next build without it).
 # On the GPU machine, from a checkout of the same commit:
 #   mkdir -p /tmp/cb && tar xJf ARCHIVE.tar.xz -C /tmp/cb
 #   scripts/cuda_steps.sh /tmp/cb/bin /tmp/cb/data /tmp/cuda ARCHIVE_DIR doctor:20 memory-efficient:300 ...
 set -euo pipefail
-[ $# -ge 1 ] || { sed -n '2,15p' "$0" >&2; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,20p' "$0" >&2; exit 2; }
 archive=$(realpath -m "$1")
 data=$(realpath -m "${2:-${PROBATTN_DATA:-data}}")
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python=${PROBATTN_PYTHON:-python3}
+export PROBATTN_CUDA_ARCHS=${PROBATTN_CUDA_ARCHS:-90}
 tests="bam edges external_variant fused_cuda interop normalizers parity precision repulsive pt2 tiled"
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
@@ -59,4 +65,9 @@ mkdir -p "$(dirname "$archive")"
 # kernels (probattn-kernels), which a window this wide stores once.
 tar cf - -C "$stage" bin data | xz -T1 --lzma2=preset=6,dict=512MiB > "$archive.part"
 mv "$archive.part" "$archive"
-echo "$archive: $(du -h "$archive" | cut -f1), commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (dirty tree)')"
+echo "$archive: $(du -h "$archive" | cut -f1), kernels for sm_$PROBATTN_CUDA_ARCHS, commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (dirty tree)')"
+# The GPU machines take the checkout's tracked files and the carried archive, 64 MiB together.
+tracked=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+total=$(( $(stat -c %s "$archive") + tracked ))
+echo "with the tracked files: $(( total / 1048576 )) MiB of the 64 MiB a GPU machine takes"
+(( total <= 64 * 1048576 )) || echo "warning: over 64 MiB: the archive cannot travel with this checkout" >&2
