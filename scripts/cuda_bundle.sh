@@ -12,9 +12,9 @@
 #   DATA_DIR  the data folder (default $PROBATTN_DATA, else data/)
 # The binaries embed the fused CUDA kernels of PROBATTN_CUDA_ARCHS alone (default 90: the H100's
 # and H200's), half the whole set: with the tracked files the archive must stay within the 64 MiB
-# a GPU machine takes (with the whole set, 35 MB beside 38 MB of tracked files). Building with another
-# PROBATTN_CUDA_ARCHS than the last build's rebuilds the crates above probattn-kernels (here, and
-# again in the next build without it).
+# a GPU machine takes (the whole set's archive, 34.6 MiB, and 36.6 MiB of tracked files do not).
+# Building with another PROBATTN_CUDA_ARCHS than the last build's rebuilds the crates above
+# probattn-kernels (here, and again in the next build without it).
 # On the GPU machine, from a checkout of the same commit:
 #   mkdir -p /tmp/cb && tar xJf ARCHIVE.tar.xz -C /tmp/cb
 #   scripts/cuda_steps.sh /tmp/cb/bin /tmp/cb/data /tmp/cuda ARCHIVE_DIR doctor:20 memory-efficient:300 ...
