@@ -20,7 +20,9 @@ applies from the next step. `register()` also adds `probattn-<variant>` and
 The call is SDPA's (`probattn.functional.scaled_dot_product_attention`): grouped-query models
 (Llama, Mistral, Qwen) pass their keys and values as they are (`enable_gqa`), the model's scaling
 is the score scale, masks go in as transformers builds them for SDPA (boolean, or additive), and
-an additive position bias (T5-style) is added to the mask. Softcapping is refused.
+an additive position bias (T5-style) is added to the mask. Softcapping is refused. The mask
+builder registered with the names hands the library a padded encoder's mask as key padding and a
+padded decoder's causal mask as the causal pattern and key padding (`_sdpa_mask`).
 
 Variants with learnable parameters of their own (hnas's gates, bam-wc's and bam-lc's prior
 network) read them from the attention modules: `prepare(model)` puts them there, before the
