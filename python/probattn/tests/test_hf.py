@@ -183,6 +183,27 @@ class HuggingFace(unittest.TestCase):
                 for (n, a), (_, b) in zip(folded[1], whole[1]):
                     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
+    def test_greedy_generation_from_a_left_padded_batch_equals_sdpas(self):
+        # The prompt's pass takes the causal pattern and key padding; each new token's pass, one
+        # query against the cache, takes the mask as it is: the same tokens as SDPA's.
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        ids = torch.randint(3, 50, (3, 10), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones(3, 10, dtype=torch.long)
+        mask[1, :3] = 0
+        mask[2, :6] = 0
+        tokens = {}
+        for impl in ("sdpa", "probattn-softmax", "probattn-softmax-me"):
+            torch.manual_seed(0)
+            m = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                             pad_token_id=0, bos_token_id=1, eos_token_id=2))
+            m.set_attn_implementation(impl)
+            with torch.no_grad():
+                tokens[impl] = m.eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        for impl in ("probattn-softmax", "probattn-softmax-me"):
+            self.assertTrue(torch.equal(tokens[impl], tokens["sdpa"]), f"{impl}: {tokens[impl]} against {tokens['sdpa']}")
+
     def test_every_implementation_trains(self):
         for name in self.names:
             if name == "probattn":
