@@ -1,13 +1,13 @@
 //! probattn's fused GPU kernels, compiled ahead of time and embedded: the Triton kernels of the
 //! deterministic plans (python/probattn_tools/kernels/, docs/kernels.md) as cubins for sm_80 and
-//! sm_90, in bfloat16 and float16 (and in float32 with TF32 products, the deterministic plans
-//! only), for head dimensions 64, 128 and 256, each with what launching it takes (its parameters
-//! in order, its warps, its shared memory). The set is the one the fused CUDA route launches
-//! (`kernels.aot --route`); probattn-sys/csrc/fused_cuda.cpp launches them through the CUDA driver
-//! API.
+//! sm_90 (or those of them `PROBATTN_CUDA_ARCHS` names), in bfloat16 and float16 (and in float32
+//! with TF32 products, the deterministic plans only), for head dimensions 64, 128 and 256, each
+//! with what launching it takes (its parameters in order, its warps, its shared memory). The set
+//! is the one the fused CUDA route launches (`kernels.aot --route`);
+//! probattn-sys/csrc/fused_cuda.cpp launches them through the CUDA driver API.
 //!
 //! The build compiles them with the set-up's Triton (build.rs says how, and where it keeps them) and
-//! packs them into one zstd stream (64 MB of cubins take 5 in each binary); [`Kernel::cubin`]
+//! packs them into one zstd stream (310 MB of cubins take 26 in each binary); [`Kernel::cubin`]
 //! unpacks them on first use. Nothing here needs a GPU: a build without Triton embeds none and
 //! [`missing`] says why.
 
