@@ -80,6 +80,11 @@ def main():
     unknown = [i for i in impls if i not in registered and i not in ("sdpa", "eager")]
     if unknown:
         sys.exit(f"error: unknown implementation(s) {unknown} (sdpa, eager, or one of {registered})")
+    if args.model == "llama":
+        leaking = [i for i in impls if aliases.get(i) and not probattn._registry.entry(aliases[i][0])["causal_safe"]]
+        if leaking:
+            sys.exit(f"error: {leaking} normalize each key over the queries, which a causal model refuses "
+                     f"(--model llama takes softmax and BAM over softmax)")
     torch.set_num_threads(args.threads)
     ids = torch.randint(5, 1000, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     padding = torch.ones(args.batch, args.seq, dtype=torch.long)
