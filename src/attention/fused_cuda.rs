@@ -329,7 +329,7 @@ mod tests {
 
     #[test]
     fn a_gpu_with_less_shared_memory_than_the_cubins_need_is_refused_by_name() {
-        if cxx::kernels::missing().is_some() || !embedded_archs().contains("sm_80") {
+        if !embedded_archs().contains("sm_80") {
             eprintln!("no sm_80 cubins embedded ({}): nothing to check", embedded_archs());
             return;
         }
