@@ -84,6 +84,7 @@ table() {
   local threads=$(( $(nproc) / jobs > 0 ? $(nproc) / jobs : 1 ))
   PROBATTN=$p TABLE_JOBS=$jobs bash "$(dirname "$(realpath "$0")")/translate_table.sh" "$@" --device cuda --threads "$threads"
 }
+failed=
 for s in $steps; do
   case $s in
     doctor)
@@ -95,9 +96,11 @@ for s in $steps; do
       step tests
       for t in ${TESTS:-bam edges external_variant fused_cuda interop normalizers parity precision repulsive pt2 tiled}; do
         (cd "$root" && "$bin/$t" --test-threads 4 2>&1) | tee -a "$out/tests.log" | grep -A3 -E "^test |test result|panicked|Error"
+        [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed $t"
       done
       # Of the CLI's tests, the doctor's is the one with a CUDA form (the others run the CPU).
-      (cd "$root/experiments" && "$bin/cli" doctor --test-threads 4 2>&1) | tee -a "$out/tests.log" | grep -A3 -E "^test |test result|panicked|Error" ;;
+      (cd "$root/experiments" && "$bin/cli" doctor --test-threads 4 2>&1) | tee -a "$out/tests.log" | grep -A3 -E "^test |test result|panicked|Error"
+      [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed cli" ;;
     gat)
       step gat
       "$p" gat --dataset cora --attention all --seeds "${GAT_SEEDS:-1}" --device cuda --out "$out/gat-cora-all" 2>&1 | tail -20 ;;
@@ -237,3 +240,5 @@ for s in $steps; do
   esac
 done
 step done
+# A failing test binary fails the run (after every step has had its turn).
+[ -z "$failed" ] || { echo "failed test binaries:$failed" >&2; exit 1; }

@@ -40,8 +40,18 @@ fn doctor_reports_versions_and_cuda() -> Result<()> {
     let fused = &json["fused_cuda"];
     match fused["missing"].as_str() {
         None => {
-            ensure!(fused["embedded"]["sm_80"].as_u64() > Some(0) && fused["embedded"]["sm_90"].as_u64() > Some(0), "{fused}");
-            ensure!(said.contains("fused     sm_80 (") && said.contains("sm_90 ("), "{said}");
+            // Every architecture compiled, or those PROBATTN_CUDA_ARCHS named to the build
+            // (scripts/cuda_bundle.sh embeds sm_90's alone).
+            let archs: Vec<String> = option_env!("PROBATTN_CUDA_ARCHS")
+                .unwrap_or("80,90")
+                .split(',')
+                .map(|a| format!("sm_{}", a.trim().trim_start_matches("sm_")))
+                .collect();
+            let listed: Vec<&String> = fused["embedded"].as_object().map(|m| m.keys().collect()).unwrap_or_default();
+            ensure!(listed.len() == archs.len(), "embedded {listed:?}, built for {archs:?}: {fused}");
+            for arch in &archs {
+                ensure!(fused["embedded"][arch].as_u64() > Some(0) && said.contains(&format!("{arch} (")), "{arch}: {fused}\n{said}");
+            }
             // The sets by dtype and head dimension, the same on every architecture.
             let sets: Vec<&str> = fused["sets"].as_array().map(|s| s.iter().filter_map(|x| x.as_str()).collect()).unwrap_or_default();
             ensure!(sets.contains(&"bfloat16 d 64") && sets.contains(&"float32 d 128") && !sets.contains(&"float32 d 256"), "{fused}");
