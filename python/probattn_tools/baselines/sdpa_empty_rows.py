@@ -1,8 +1,10 @@
 """What PyTorch's `scaled_dot_product_attention` gives a query that no key may attend, backend by
 backend: the check that decides whether probattn's softmax may take SDPA's kernels on a device
 under masks that can empty a row. probattn's own answer for such a row is a zero output and zero
-gradients (docs/formulas.md); SDPA's CPU kernel in torch 2.11 gives the same, and on CUDA
-probattn keeps the eager form under such masks until this check says which kernels agree.
+gradients (docs/formulas.md); SDPA's CPU kernel in torch 2.11 gives the same. On CUDA (an H200,
+results/cuda/2026-11-29/) the math and memory-efficient kernels give the same too, but cuDNN's,
+which SDPA may choose in bfloat16 and float16, gives a nonzero output and gradient under a
+boolean mask, so probattn keeps the eager form on CUDA under masks that can empty a row.
 
 For each backend SDPA has (the math fallback, FlashAttention's, the memory-efficient kernel,
 cuDNN's, each forced with `torch.nn.attention.sdpa_kernel`; one the device lacks, or that takes no

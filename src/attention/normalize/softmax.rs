@@ -37,8 +37,11 @@ impl Normalizer for Softmax {
     /// On CUDA, in any floating dtype, SDPA's kernels (FlashAttention's, the memory-efficient one,
     /// or the math fallback, as libtorch picks) serve the calls in which no query can be left
     /// without a key: no mask, or the causal mask alone (top-left aligned, query `i` keeps key 0),
-    /// and at least one key. A mask that can empty a row keeps the eager form there: what SDPA's
-    /// CUDA kernels return for such a row is not checked yet (ours is zero).
+    /// and at least one key. A mask that can empty a row keeps the eager form there: for such a
+    /// row SDPA's math and memory-efficient CUDA kernels return zeros as we do, but cuDNN's, which
+    /// libtorch may pick in bfloat16 and float16, returns a nonzero output and gradient under a
+    /// boolean mask (`python -m probattn_tools.baselines.sdpa_empty_rows --device cuda`, libtorch
+    /// 2.11 on an H200: results/cuda/2026-11-29/).
     fn kernel(&self, q: &Tensor, k: &Tensor, v: &Tensor, masks: &Masks, opts: &AttendOptions) -> Result<Option<Attended>> {
         let device = q.device();
         if opts.need_weights || opts.dropout_active() || !(device == Device::Cpu || device.is_cuda()) {
