@@ -12,11 +12,12 @@
 #   route:
 #   doctor            20 s   the GPU, the driver and libtorch as the library sees them
 #   sdpa-empty-rows   60 s   what SDPA's CUDA backends give a query no key may attend
-#   tests            190 s   the external_variant, fused_cuda, normalizers and tiled binaries: the
-#                            embedded Triton kernels through the driver API against the float64
-#                            tiles and formulas (forward, gradients) and the backend's choice of
-#                            them; softmax on SDPA's CUDA kernels against the eager form; the tiles
-#                            against the eager path on CUDA
+#   tests            190 s   the external_variant, fused_cuda, normalizers, precision and tiled
+#                            binaries: the embedded Triton kernels through the driver API against
+#                            the float64 tiles and formulas (forward, gradients) and the backend's
+#                            choice of them; softmax on SDPA's CUDA kernels against the eager form;
+#                            every variant's bfloat16 tolerance, memory-efficient calls on the
+#                            fused route; the tiles against the eager path on CUDA
 #   sanitizer        180 s   compute-sanitizer's memcheck and racecheck on five of the fused route's
 #                            GPU comparisons (softmax, DNAS, HNAS, Sinkhorn-3, causal BAM-WC)
 #   fused-tf32        90 s   the route's float32 kernels (TF32 products) against SDPA in float32 with
@@ -44,7 +45,7 @@ esac
 here=$(dirname "$(realpath "$0")")
 work=$(mktemp -d)
 tar xJf "$bundle" -C "$work"
-export TESTS="external_variant fused_cuda normalizers tiled"
+export TESTS="external_variant fused_cuda normalizers precision tiled"
 export KERNELS_CHECK="--quick --dtypes bfloat16,float16"
 export KERNELS_BENCH="--shapes 8x1024,1x4096 --repeats 10"
 bash "$here/cuda_steps.sh" "$work/bin" "$work/data" "$work/out" "$out" "${steps[@]}"

@@ -8,7 +8,7 @@ mod common;
 use anyhow::{ensure, Context, Result};
 use probattn::backend::{Backend, Route};
 use probattn::normalize::BamKind;
-use probattn::normalize::Dnas;
+use probattn::normalize::{Dnas, Softmax};
 use probattn::tiled::{attend_tiled, counter_noise, Kl, KlForm, NoiseKind, PriorFn, Sampling, Tiled, TiledOptions};
 use probattn::{attend_with_choice, AttendOptions, Masks, Mode};
 use serde_json::Value;
@@ -547,6 +547,16 @@ fn on_a_gpu_the_fused_backend_takes_the_route_and_says_why_where_it_cannot() -> 
     let forced = AttendOptions { need_weights: false, backend: Backend::Fused, ..Default::default() };
     let (_, choice) = attend_with_choice(&q, &k, &v, &masks, &Dnas, forced)?;
     assert_eq!(choice.route, Route::FusedCuda, "{choice:?}");
+    // auto takes it for a memory-efficient call (a tile, no weights), after softmax's own kernel,
+    // and leaves the tiles a call it does not serve (float64).
+    let tiled = AttendOptions { need_weights: false, tile: Some(16), ..Default::default() };
+    let (_, choice) = attend_with_choice(&q, &k, &v, &masks, &Dnas, tiled)?;
+    assert_eq!(choice.route, Route::FusedCuda, "{choice:?}");
+    let (_, choice) = attend_with_choice(&q, &k, &v, &Masks::default(), &Softmax, tiled)?;
+    assert_eq!(choice.route, Route::Kernel, "{choice:?}");
+    let wide = [&q, &k, &v].map(|t| t.to_kind(Kind::Double));
+    let (_, choice) = attend_with_choice(&wide[0], &wide[1], &wide[2], &masks, &Dnas, tiled)?;
+    assert_eq!(choice.route, Route::Tiles, "{choice:?}");
     // float32 is served with TF32 allowed; without, forced, it is a named error with the reason.
     let (q32, k32, v32) = (q.to_kind(Kind::Float), k.to_kind(Kind::Float), v.to_kind(Kind::Float));
     let before = probattn_sys::set_allow_tf32(false)?;

@@ -28,8 +28,9 @@ pub struct CommonArgs {
     #[arg(long, value_enum, default_value_t = Allocator::Retain)]
     pub allocator: Allocator,
     /// How attention runs, in every layer of the command: auto (the library's choice: with
-    /// --memory-efficient the variant's plan, through libtorch's fused CPU kernel where it applies;
-    /// without it, softmax's fused kernel when no weights are asked for; else eager), eager (the
+    /// --memory-efficient the variant's plan, through the embedded Triton kernels on CUDA and
+    /// libtorch's fused CPU kernel on the CPU where they apply; without it, softmax's fused kernel
+    /// when no weights are asked for; else eager), eager (the
     /// weights formed), tiles (each variant's plan tile by tile; --tile queries a tile) or fused
     /// (one kernel that never forms the weights: softmax's own, else the variant's plan through
     /// libtorch's fused CPU kernel on the CPU and the embedded Triton kernels on CUDA;

@@ -4,11 +4,12 @@
 //! [`Route`] in one place (`seam::route`), from the device, the dtype, the normalizer's kernel
 //! and plan, the masks, the lengths and what the caller asked to get back, and says why.
 //!
-//! - `auto`: the memory-efficient plan when a tile is set and no weights are asked for (the fused
-//!   CPU kernel where it applies, else the tiles; the fused CUDA route there once
-//!   [`crate::fused_cuda::AUTO_TAKES_IT`]); otherwise the normalizer's kernel where it has
-//!   one that applies (softmax without weights: libtorch's fused attention, on the CPU under any
-//!   mask, on CUDA without a mask or with the causal mask alone); otherwise eager.
+//! - `auto`: when a tile is set and no weights are asked for, the memory-efficient forms: where
+//!   the fused CUDA route serves the call ([`crate::fused_cuda::AUTO_TAKES_IT`]), the
+//!   normalizer's kernel if one applies, else that route; elsewhere the fused CPU kernel where it
+//!   applies, else the tiles. Otherwise the normalizer's kernel where it has one that applies
+//!   (softmax without weights: libtorch's fused attention, on the CPU under any mask, on CUDA
+//!   without a mask or with the causal mask alone); otherwise eager.
 //! - `eager`: scores, the normalizer and the mix, the weights formed (returned when asked for).
 //! - `tiles`: the normalizer's plan tile by tile ([`crate::tiled`]), never the fused kernel; the
 //!   tile is the call's, else [`DEFAULT_TILE`].

@@ -28,10 +28,12 @@ use crate::precision::{statistics_kind, widen};
 use crate::tiled::{check_hybrid_logit, libtorch_seed, tiled_kl, MaskCounts};
 use crate::{Error, Result};
 
-/// Whether `auto` takes this route where it serves a memory-efficient call (`false`: only when
-/// forced, `--attention-backend fused`). It stays `false` until the CUDA tests
-/// (`tests/fused_cuda.rs`) have passed on a GPU and their run is recorded under `results/cuda/`.
-pub const AUTO_TAKES_IT: bool = false;
+/// Whether `auto` takes this route where it serves a memory-efficient call (a tile set, no
+/// weights asked for) that the normalizer's own kernel does not (`false`: only when forced,
+/// `--attention-backend fused`). The CUDA tests (`tests/fused_cuda.rs`) and compute-sanitizer
+/// passed on an H200, where the route also ran each deterministic plan and BAM-WC 2-20× faster
+/// than the tiles had on the same kind of GPU (results/cuda/2026-11-29/).
+pub const AUTO_TAKES_IT: bool = true;
 
 /// Why the route does not serve this call (`None`: it does).
 pub fn unserved(shape: ScoreShape, q: &Tensor, v: &Tensor, masks: &Masks, plan: &Tiled, opts: &AttendOptions) -> Option<String> {

@@ -143,10 +143,19 @@ fn route(
     };
     let (out, choice) = match requested {
         Backend::Auto => match opts.tile.filter(|_| !opts.need_weights) {
-            Some(_) if fused_cuda::AUTO_TAKES_IT && fused_cuda_serves(shape, q, v, masks, normalizer, &opts).is_ok() => (
-                fused_cuda_route(shape, q, k, v, masks, normalizer, &opts)?,
-                chose(Route::FusedCuda, "a tile is set and no weights are asked for: the plan's fused CUDA kernels".into()),
-            ),
+            // On CUDA a kernel of the normalizer's own (softmax's: SDPA's) comes first, as forced.
+            Some(_) if fused_cuda::AUTO_TAKES_IT && fused_cuda_serves(shape, q, v, masks, normalizer, &opts).is_ok() => {
+                match normalizer.kernel(q, k, v, masks, &opts)? {
+                    Some(out) => (
+                        out,
+                        chose(Route::Kernel, "a tile is set and no weights are asked for: the normalizer's kernel serves it on CUDA".into()),
+                    ),
+                    None => (
+                        fused_cuda_route(shape, q, k, v, masks, normalizer, &opts)?,
+                        chose(Route::FusedCuda, "a tile is set and no weights are asked for: the plan's fused CUDA kernels".into()),
+                    ),
+                }
+            }
             Some(tile) => {
                 let (out, route) = memory_efficient(shape, q, k, v, masks, normalizer, tile, TiledSpec::FUSED_WHERE_APPLIES, &opts)?;
                 (out, chose(route, "a tile is set and no weights are asked for: the memory-efficient plan".into()))
