@@ -148,7 +148,10 @@ fn route(
                 match normalizer.kernel(q, k, v, masks, &opts)? {
                     Some(out) => (
                         out,
-                        chose(Route::Kernel, "a tile is set and no weights are asked for: the normalizer's kernel serves it on CUDA".into()),
+                        chose(
+                            Route::Kernel,
+                            "a tile is set and no weights are asked for: the normalizer's kernel serves it on CUDA".into(),
+                        ),
                     ),
                     None => (
                         fused_cuda_route(shape, q, k, v, masks, normalizer, &opts)?,
