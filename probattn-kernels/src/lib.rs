@@ -27,6 +27,14 @@ pub struct Param {
     pub name: String,
     #[serde(rename = "type")]
     pub ty: String,
+    /// The multiple the cubin was compiled to assume of it (an integer's value, a pointer's
+    /// address in bytes): 16 for the inputs, their strides and head dimensions, else 1.
+    #[serde(default = "one")]
+    pub divisible: i64,
+}
+
+fn one() -> i64 {
+    1
 }
 
 /// One embedded cubin: a kernel specialized for an architecture, a dtype, a head dimension and
@@ -153,6 +161,14 @@ mod tests {
             let cubin = k.cubin();
             assert!(cubin.len() > 1000 && cubin.starts_with(b"\x7fELF"), "{}: {} bytes", k.file, cubin.len());
             assert!(k.params.iter().all(|p| p.ty == "i32" || p.ty.starts_with('*')), "{}", k.file);
+            // Compiled for aligned inputs: q, k, v, their strides and the head dimensions as
+            // multiples of 16 (the launcher checks each); lengths and statistics as they come.
+            for p in &k.params {
+                let aligned = ["Q", "K", "V", "D", "DV", "stride_qs", "stride_ks", "stride_vs"].contains(&p.name.as_str());
+                let free = ["S_Q", "S_K", "H", "C", "R", "KPAD", "stride_kpad"].contains(&p.name.as_str());
+                assert!(!aligned || p.divisible == 16, "{}: {} {}", k.file, p.name, p.divisible);
+                assert!(!free || p.divisible == 1, "{}: {} {}", k.file, p.name, p.divisible);
+            }
             assert_eq!((k.global_scratch_bytes, k.profile_scratch_bytes), (0, 0), "{}", k.file);
         }
         // The same specializations for each (arch, 16-bit dtype, head dim): 64, 128 and 256; and

@@ -26,7 +26,9 @@
 // - the received mass, when a call asks for it: after the forward, one key pass without gradients
 //   per branch (BAM: of the sampled weights, its draws made again).
 
+#include <array>
 #include <cmath>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <optional>
@@ -73,6 +75,7 @@ struct Call {
   // all three or none, with both paddings.
   at::Tensor pattern, blocks, bias;
   Spec spec;
+  int64_t d = 0, dv = 0;  // the head dimensions given; q, k and v are padded to multiples of 16
   int arch = 0;
   int64_t head_dim = 0;  // of the cubins: the smallest embedded one that holds d and d_v
   std::map<std::string, int64_t> ints;
@@ -175,6 +178,21 @@ void masked_views(Call& c, const Masks& masks) {
 // A view's stride along `dim`; 0 for an absent view.
 int64_t at(const at::Tensor& t, int64_t dim) { return t.defined() ? t.stride(dim) : 0; }
 
+// The next multiple of 16: the head dimensions the kernels take.
+int64_t width(int64_t n) { return (n + 15) / 16 * 16; }
+
+// x contiguous, 16-byte aligned and `w` wide in its last dimension, zero columns added (which
+// change no score and no output column): the cubins are compiled knowing that the inputs' head
+// dimensions and strides are multiples of 16 and their pointers aligned (aot.ALIGNED), which lets
+// them load whole 16-byte pieces. plans.py's `_aligned` does the same.
+at::Tensor aligned(const at::Tensor& x, int64_t w) {
+  auto y = (x.size(-1) == w ? x : at::constant_pad_nd(x, {0, w - x.size(-1)})).contiguous();
+  return reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 == 0 ? y : y.clone();
+}
+
+// The first n columns of a padded result (itself where there is no padding).
+at::Tensor narrowed(const at::Tensor& x, int64_t n) { return x.size(-1) == n ? x : x.narrow(-1, 0, n).contiguous(); }
+
 // `prior`: a_j broadcastable to (B, H, 1, S_k) with a KL term. `dry_arch`: 0 for a call that
 // launches; else a dry run's compute capability (any device, no driver). `backward`: the call of
 // a backward, whose forward took the route: it follows that choice (float32's TF32 switch is not
@@ -205,9 +223,10 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
                   v.size(2) == k.size(2) && k.size(1) >= 1 && q.size(1) % k.size(1) == 0,
               "the fused CUDA route: q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(), " do not fit together");
   Call c;
-  c.q = q.contiguous();
-  c.k = k.contiguous();
-  c.v = v.contiguous();
+  c.d = q.size(3), c.dv = v.size(3);
+  c.q = aligned(q, width(c.d));
+  c.k = aligned(k, width(c.d));
+  c.v = aligned(v, width(c.dv));
   c.spec = spec;
   const int device_arch = dry_arch > 0 ? dry_arch : probattn::fused::device_capability(q.device().index());
   const int64_t widest = std::max(q.size(3), v.size(3));
@@ -254,8 +273,10 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     TORCH_CHECK(own.size(2) == 1, "the prior has shape ", prior.sizes(), ": one value per key, (B, H, 1, S_k), not per query");
     c.prior = own.expand({q.size(0), q.size(1), 1, k.size(2)}).squeeze(2).contiguous();
   }
-  const auto qs = c.q.strides(), ks = c.k.strides(), vs = c.v.strides();
-  const int64_t b = c.b(), h = c.h(), s_q = c.s_q(), s_k = c.s_k(), dv = v.size(3);
+  // The strides of the contiguous inputs, from their sizes: a size-1 dimension's stride is
+  // whatever its view had, and the cubins take them as multiples of 16.
+  const int64_t b = c.b(), h = c.h(), s_q = c.s_q(), s_k = c.s_k(), d = c.q.size(3), dv = c.v.size(3);
+  const std::array<int64_t, 3> qs{h * s_q * d, s_q * d, d}, ks{c.h_kv() * s_k * d, s_k * d, d}, vs{c.h_kv() * s_k * dv, s_k * dv, dv};
   const bool kl = spec.kl != 0;
   c.ints = {{"stride_qb", qs[0]}, {"stride_qh", qs[1]}, {"stride_qs", qs[2]}, {"stride_kb", ks[0]}, {"stride_kh", ks[1]},
             {"stride_ks", ks[2]}, {"stride_vb", vs[0]}, {"stride_vh", vs[1]}, {"stride_vs", vs[2]},
@@ -270,7 +291,7 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
             {"stride_bm", at(c.blocks, 2)}, {"stride_bn", at(c.blocks, 3)}, {"stride_ab", at(c.bias, 0)}, {"stride_ah", at(c.bias, 1)},
             {"stride_am", at(c.bias, 2)}, {"stride_an", at(c.bias, 3)},
             {"stride_pb", kl ? h * s_k : 0}, {"stride_ph", kl ? s_k : 0}, {"stride_pn", kl ? 1 : 0},
-            {"H", h}, {"H_KV", c.h_kv()}, {"GROUP", h / c.h_kv()}, {"S_Q", s_q}, {"S_K", s_k}, {"D", q.size(3)}, {"DV", dv},
+            {"H", h}, {"H_KV", c.h_kv()}, {"GROUP", h / c.h_kv()}, {"S_Q", s_q}, {"S_K", s_k}, {"D", d}, {"DV", dv},
             {"N", spec.sweeps}};
   // Every offset a kernel forms is a 32-bit product of these (Sinkhorn-N's potentials: N of them).
   for (const auto& t : {c.q, c.k, c.v}) {
@@ -365,7 +386,7 @@ at::Tensor received_mass(const Call& call, const Forward& f) {
 
 // D_i = Σ_d dO_id O_id, and dO in the inputs' dtype (zeros where no gradient came).
 std::pair<at::Tensor, at::Tensor> d_rows(const Call& call, const at::Tensor& out, const at::Tensor& grad_out) {
-  const auto grad = grad_out.defined() ? grad_out.to(call.q.scalar_type()).contiguous() : at::zeros_like(out);
+  const auto grad = grad_out.defined() ? aligned(grad_out.to(call.q.scalar_type()), out.size(-1)) : at::zeros_like(out);
   return {grad, (grad.to(at::kFloat) * out.to(at::kFloat)).sum(-1).contiguous()};
 }
 
@@ -464,9 +485,11 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     const auto f = fused_forward(call);
     const auto part = kl != 0 ? f.trow.sum(-1) : at::zeros({call.b(), call.h()}, call.stats());
     const bool two = hybrid && noise == 0;
-    const auto out2 = two ? f.out2 : at::empty({0}, q.options());
+    const auto out2 = two ? narrowed(f.out2, call.dv) : at::empty({0}, q.options());
     const auto received = mass ? received_mass(call, f) : at::empty({0}, call.stats());
-    ctx->save_for_backward({call.q, call.k, call.v, f.out, f.c, f.r, f.out2, f.r2, f.rd, f.rs, f.rb, f.ks});
+    // q, k and v as given (the backward's call pads them again, and cuts its gradients back to
+    // them); the outputs padded, as the backward's passes read them.
+    ctx->save_for_backward({q, k, v, f.out, f.c, f.r, f.out2, f.r2, f.rd, f.rs, f.rb, f.ks});
     // The backward forms its call from these again, the block map included (formed once).
     for (const auto& [name, t] : {std::pair<const char*, at::Tensor>{"kpad", call.kpad}, {"qpad", call.qpad}, {"pattern", masks.pattern},
                                   {"bias", masks.bias}, {"blocks", call.blocks}, {"prior", prior.value_or(at::Tensor())},
@@ -479,7 +502,7 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     if (kl == 0) ctx->mark_non_differentiable({part});
     if (!two) ctx->mark_non_differentiable({out2});
     ctx->mark_non_differentiable({received});
-    return {f.out, part, out2, received};
+    return {narrowed(f.out, call.dv), part, out2, received};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -498,7 +521,7 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     f.rb = saved[10], f.ks = saved[11];
     const auto d = fused_backward(call, f, grads);
     variable_list out(19);  // one per input of forward: q, k, v, kpad, qpad, pattern, bias, prior, logit, then the settings
-    out[0] = d.dq, out[1] = d.dk, out[2] = d.dv;
+    out[0] = narrowed(d.dq, call.d), out[1] = narrowed(d.dk, call.d), out[2] = narrowed(d.dv, call.dv);
     if (prior.defined() && d.da.defined()) out[7] = d.da.unsqueeze(2).sum_to_size(prior.sizes()).to(prior.scalar_type());
     if (logit.defined() && d.gu.defined()) {
       // d/dlogit of u·(DNAS's) + (1 − u)·(softmax's) through u = sigmoid(logit): Σ over batch and rows.

@@ -9,6 +9,8 @@
 
 #include <dlfcn.h>
 
+#include <cstdint>
+
 #include <mutex>
 #include <set>
 #include <tuple>
@@ -139,6 +141,9 @@ struct Entry {
   int64_t head_dim = 0;
   std::map<std::string, int64_t> key;
   std::vector<std::pair<std::string, std::string>> params;  // (name, type), launch order
+  // The multiple each parameter was compiled to assume (1: none): 16 for aot.ALIGNED's, the
+  // integers' values and the pointers' addresses in bytes.
+  std::map<std::string, int64_t> divisible;
   unsigned num_warps = 4, shared = 0;
   int64_t block_m = 64, block_n = 64;
   std::string symbol;
@@ -296,7 +301,15 @@ void register_kernel(const char* kernel, int arch, const char* dtype, int64_t he
   e.dtype = dtype_named(dtype);
   e.head_dim = head_dim;
   for (const auto& [n, value] : pairs(key, '=')) e.key[n] = std::stoll(value);
-  e.params = pairs(params, ':');
+  // "name:type" or "name:type/16" (compiled assuming a multiple of 16).
+  for (auto [n, type] : pairs(params, ':')) {
+    const auto slash = type.find('/');
+    if (slash != std::string::npos) {
+      e.divisible[n] = std::stoll(type.substr(slash + 1));
+      type = type.substr(0, slash);
+    }
+    e.params.emplace_back(n, type);
+  }
   e.num_warps = num_warps;
   e.shared = shared_bytes;
   e.block_m = block_m;
@@ -346,6 +359,10 @@ void launch(const Launch& l, const at::Device& device, std::map<at::ScalarType, 
       TORCH_CHECK(it != l.ints->end(), "the fused CUDA route: ", name, " takes the integer ", pname, ", which the launcher does not set");
       TORCH_CHECK(it->second >= INT32_MIN && it->second <= INT32_MAX, "the fused CUDA route: ", pname, " = ", it->second,
                   " does not fit the kernels' 32-bit integers");
+      if (const auto div = e.divisible.find(pname); div != e.divisible.end()) {
+        TORCH_CHECK(it->second % div->second == 0, "the fused CUDA route: ", name, " is compiled for a ", pname, " that is a multiple of ",
+                    div->second, ", got ", it->second);
+      }
       integers.push_back(static_cast<int32_t>(it->second));
       args.push_back(&integers.back());
       if (dry != nullptr) ints_json += (ints_json.empty() ? "\"" : ", \"") + pname + "\": " + std::to_string(it->second);
@@ -371,6 +388,10 @@ void launch(const Launch& l, const at::Device& device, std::map<at::ScalarType, 
     TORCH_CHECK(t.scalar_type() == want && t.device() == device && (strided || t.is_contiguous()), "the fused CUDA route: ", name, "'s ",
                 pname, " must be a ", strided ? "" : "contiguous ", c10::toString(want), " tensor on ", device, ", got ",
                 c10::toString(t.scalar_type()), " on ", t.device());
+    if (const auto div = e.divisible.find(pname); div != e.divisible.end()) {
+      TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % div->second == 0, "the fused CUDA route: ", name,
+                  " is compiled for a ", pname, " aligned to ", div->second, " bytes, got ", t.data_ptr());
+    }
     pointers.push_back(dry != nullptr ? 0 : reinterpret_cast<CUdeviceptr>(t.data_ptr()));
     args.push_back(&pointers.back());
   }

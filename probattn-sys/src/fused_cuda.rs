@@ -70,7 +70,13 @@ fn registered() -> Result<()> {
     DONE.get_or_init(|| {
         for k in probattn_kernels::kernels() {
             let key = k.key.iter().map(|(n, v)| format!("{n}={v}")).collect::<Vec<_>>().join(",");
-            let params = k.params.iter().map(|p| format!("{}:{}", p.name, p.ty)).collect::<Vec<_>>().join(",");
+            // "name:type", with "/16" where the cubin assumes a multiple of 16 (the launcher checks it).
+            let params = k
+                .params
+                .iter()
+                .map(|p| if p.divisible > 1 { format!("{}:{}/{}", p.name, p.ty, p.divisible) } else { format!("{}:{}", p.name, p.ty) })
+                .collect::<Vec<_>>()
+                .join(",");
             let strings = [k.kernel.as_str(), k.dtype.as_str(), &key, &params, k.symbol.as_str()].map(c_string);
             let [Ok(kernel), Ok(dtype), Ok(key), Ok(params), Ok(symbol)] = strings else {
                 return Err(format!("{}: a manifest entry with a NUL byte", k.file));

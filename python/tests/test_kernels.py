@@ -54,7 +54,21 @@ class TritonKernels(unittest.TestCase):
             for e in entries:
                 self.assertGreater((Path(out) / e["file"]).stat().st_size, 10_000, e["file"])
                 self.assertTrue(e["params"] and all(p["type"] in ("i32", "*bf16", "*fp32", "*u8", "*i64") for p in e["params"]), e)
+                divisible = {p["name"]: p["divisible"] for p in e["params"]}
+                self.assertEqual((divisible["Q"], divisible["D"], divisible["S_Q"]), (16, 16, 1), e)
 
+
+    def test_the_cubins_are_compiled_for_aligned_inputs_and_load_16_byte_pieces(self):
+        # DNAS's row pass for sm_90 as the build compiles it, against the same without the
+        # alignment facts: 2-byte loads of its q, k and v blocks become 16-byte ones.
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        done = subprocess.run([sys.executable, "-m", "probattn_tools.kernels.ptx_loads"], capture_output=True, text=True,
+                              env=env, timeout=600)
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+        plain, built = done.stdout.split("as the build compiles it")
+        self.assertIn("ld.global.b16", plain)
+        self.assertNotIn("ld.global.b16", built)
+        self.assertIn("× 16 bytes", built.split("async copies")[1].split("\n")[0])
 
     def test_a_cubin_past_its_architectures_shared_memory_is_refused_by_name(self):
         # float32 at head dimension 128 with 64 x 64 blocks: the key pass needs 176 KiB, sm_80

@@ -337,7 +337,7 @@ mod tests {
         }
         let device = |arch, kib: u32| cxx::CudaDevice { arch, shared_optin: kib << 10 };
         // sm_86 and sm_89 take sm_80's cubins with 99 KiB a block: the 16-bit ones fit up to head
-        // dimension 128, not at 256 (138 KiB), and float32's at head dimension 128 do not (129 KiB).
+        // dimension 128, not at 256 (138 KiB), and float32's at head dimension 128 do not (120 KiB).
         for dtype in ["bfloat16", "float16"] {
             for widest in [32, 64, 100, 128] {
                 assert_eq!(too_little_shared_memory(device(86, 99), dtype, widest), None, "{dtype}, {widest}");

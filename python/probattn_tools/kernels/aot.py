@@ -22,6 +22,15 @@ float32 cubins take their products in TF32 (`tl.dot(..., input_precision="tf32")
 float32 only where libtorch's TF32 switch for matrix products is on, as cuBLAS then computes; with
 it off, float32 runs on the tiles. Every cubin's shared memory is checked against its
 architecture's per-block limit here, so that a set that could not launch fails its build instead.
+
+Each cubin is compiled knowing what Triton's just-in-time launcher would tell it for aligned
+tensors (`tt.divisibility` 16): the q, k, v, output and gradient pointers are 16-byte aligned,
+and their batch, head and row strides and the head dimensions `D` and `DV` are multiples of 16
+(`ALIGNED`; the manifest's `divisible` per parameter). Without those facts every load of a q, k
+or v block is a 2-byte load and nothing is pipelined (`python -m probattn_tools.kernels.ptx_loads`
+counts them); with them the blocks come in 16-byte copies. A launcher must keep them: the
+library's pads d and d_v to multiples of 16 with zero columns and checks each value before a
+launch (csrc/fused_cuda.cpp, csrc/fused_launch.cpp), as `plans._Call` does.
 """
 
 import argparse
@@ -33,6 +42,9 @@ import time
 from pathlib import Path
 
 INPUTS = {"Q", "K", "V", "O", "O2", "DO", "DQ", "DK", "DV_OUT"}
+# The parameters each cubin takes as multiples of 16 (the pointers: 16-byte aligned): INPUTS, their
+# batch, head and row strides, and the head dimensions.
+ALIGNED = INPUTS | {"D", "DV"} | {f"stride_{t}{axis}" for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv") for axis in "bhs"}
 STATISTICS = {"C", "R", "R2", "G", "MASS", "DELTA", "CS", "RS", "GC", "GR", "RPOT", "CPOT", "COEF", "OUT", "SCALE", "BIAS",
               "PRIOR", "RB", "KS", "TROW", "DKL", "DA", "RD", "RS", "LOGU", "RHO_D", "RHO_S", "GU"}
 MASKS = {"QPAD", "KPAD", "MASK", "BLOCKS"}
@@ -162,6 +174,15 @@ def recorded(path):
 
 def compile_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m, block_n, num_warps, num_stages):
     """One cubin and its manifest entry."""
+    compiled, entry = compiled_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m, block_n, num_warps,
+                                   num_stages)
+    return compiled.asm["cubin"], entry
+
+
+def compiled_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m, block_n, num_warps, num_stages,
+                 aligned=True):
+    """Triton's compiled kernel and its manifest entry; `aligned=False` leaves out the ALIGNED facts
+    (what the manifest then says is not what was compiled: for `ptx_loads`'s comparison only)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -171,9 +192,9 @@ def compile_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m,
     values = dict(OFF, **constexprs, ACC=acc, DOT=DOT[dtype],
                   DRAW64=dtype == "float64",
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=plans._block_dim(head_dim), BLOCK_DV=plans._block_dim(head_dim))
-    signature, params = {}, []
+    signature, params, attrs = {}, [], {}
     stats = "fp64" if dtype == "float64" else "fp32"
-    for p in kernel.params:
+    for i, p in enumerate(kernel.params):
         n = p.name
         if p.is_constexpr:
             signature[n] = "constexpr"
@@ -191,9 +212,12 @@ def compile_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m,
         else:
             signature[n] = "i32"
         if not p.is_constexpr:
-            params.append({"name": n, "type": signature[n]})
+            params.append({"name": n, "type": signature[n], "divisible": 16 if n in ALIGNED else 1})
+            if n in ALIGNED and aligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
     given = {n: v for n, v in values.items() if n in signature and signature[n] == "constexpr"}
-    source = ASTSource(fn=kernel, signature=signature, constexprs={(kernel.arg_names.index(n),): v for n, v in given.items()})
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(kernel.arg_names.index(n),): v for n, v in given.items()},
+                       attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps,
                                                                                    "num_stages": num_stages})
     shown = {n: (str(v) if not isinstance(v, (bool, int, float, str)) else v) for n, v in given.items()}
@@ -211,7 +235,7 @@ def compile_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m,
              "block_n": block_n, "shared_bytes": meta.shared, "symbol": meta.name,
              "global_scratch_bytes": getattr(meta, "global_scratch_size", 0),
              "profile_scratch_bytes": getattr(meta, "profile_scratch_size", 0)}
-    return compiled.asm["cubin"], entry
+    return compiled, entry
 
 
 def launch_setting(table, arch, dtype, head_dim, args):

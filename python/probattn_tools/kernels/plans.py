@@ -169,15 +169,49 @@ def _additive(mask, shape, dtype, device):
     return wide, wide.stride(), True
 
 
+def _aligned(x, width):
+    """x contiguous, 16-byte aligned and `width` wide in its last dimension, zero columns added:
+    the kernels are compiled knowing that the inputs' head dimensions and strides are multiples of
+    16 and their pointers aligned (`aot.ALIGNED`), which lets them load whole 16-byte pieces."""
+    if x.shape[-1] != width:
+        x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
+def _width(n):
+    """A head dimension as the kernels take it: the next multiple of 16."""
+    return -(-n // 16) * 16
+
+
+def _narrow(x, n):
+    """The first n columns of a padded result (itself where there is no padding)."""
+    return x if x.shape[-1] == n else x[..., :n].contiguous()
+
+
+def _strides(shape):
+    """The strides of a contiguous tensor of `shape`, whatever a size-1 dimension's stride in a
+    given tensor (the kernels take them as multiples of 16)."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
 class _Call:
-    """One attention call: its inputs made contiguous, its masks as kernel arguments, and the
-    arguments every kernel shares, passed by name (each kernel takes the ones it declares)."""
+    """One attention call: its inputs contiguous, aligned and padded to head dimensions that are
+    multiples of 16 (zero columns, which change no score and no output column; results are cut
+    back to `d` and `d_v`), its masks as kernel arguments, and the arguments every kernel shares,
+    passed by name (each kernel takes the ones it declares)."""
 
     def __init__(self, q, k, v, sweeps, score_scale, masks, config, sampling=None, prior=None, mix_logit=None):
         _check(q, k, v, sweeps, masks.causal)
-        self.q, self.k, self.v = q.contiguous(), k.contiguous(), v.contiguous()
+        d_given, self.dv_given = q.shape[-1], v.shape[-1]
+        self.d_given = d_given
+        self.q, self.k, self.v = _aligned(q, _width(d_given)), _aligned(k, _width(d_given)), _aligned(v, _width(self.dv_given))
         self.config = config or Config()
-        (b, h, s_q, d), (_, h_kv, s_k, _), dv = q.shape, k.shape, v.shape[-1]
+        (b, h, s_q, d), (_, h_kv, s_k, _), dv = self.q.shape, self.k.shape, self.v.shape[-1]
         self.shape = (b, h, h_kv, s_q, s_k, d, dv)
         self.stats = _STATS[q.dtype]
         dev = q.device
@@ -186,7 +220,7 @@ class _Call:
         pattern, (smb, smh, smm, smn), blocks, (sbb, sbh, sbm, sbn), has_mask = _pattern(
             masks.allowed_mask, (b, h, s_q, s_k), self.config.block_m, self.config.block_n, dev)
         bias, (sab, sah, sam, san), has_bias = _additive(masks.additive, (b, h, s_q, s_k), self.stats, dev)
-        qs, ks, vs = self.q.stride(), self.k.stride(), self.v.stride()
+        qs, ks, vs = _strides(self.q.shape), _strides(self.k.shape), _strides(self.v.shape)
         self.sampling = sampling
         if sampling is not None and s_k * self.config.block_m > 2 ** 32:
             raise ValueError(f"BAM's draws take at most 2^32 / block_m keys (a tile's positions then have at most two "
@@ -217,7 +251,7 @@ class _Call:
             stride_bb=sbb, stride_bh=sbh, stride_bm=sbm, stride_bn=sbn, stride_ab=sab, stride_ah=sah, stride_am=sam,
             stride_an=san, HAS_BIAS=has_bias,
             H=h, H_KV=h_kv, GROUP=h // h_kv, S_Q=s_q, S_K=s_k, D=d, DV=dv,
-            SCALE=torch.tensor([score_scale / math.sqrt(d), sampling.scale if sampling else 0.0], dtype=self.stats,
+            SCALE=torch.tensor([score_scale / math.sqrt(d_given), sampling.scale if sampling else 0.0], dtype=self.stats,
                                device=dev),
             SWEEPS=min(sweeps, 1), HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, HAS_MASK=has_mask, CAUSAL=masks.causal,
             ACC=_ACC[q.dtype], DOT=_dot_precision(q.dtype), BLOCK_M=self.config.block_m, BLOCK_N=self.config.block_n,
@@ -356,7 +390,7 @@ def _backward(call, sweeps, out, stats, grad_out, kl=None, mix=None):
     da) of a KL term, dkl (B, H) the gradient in its part T; the prior's gradient is written to
     da (B, H, S_k). None: no KL term's gradient. `mix` (BAM over HNAS): (RD, RS, gu), the
     forward's row statistics and a (B, H, S_q) tensor for the gate's gradient per row."""
-    do = grad_out.contiguous()
+    do = _aligned(grad_out, call.shape[6])  # as wide as the padded output
     delta = (do.to(call.stats) * out.to(call.stats)).sum(-1).contiguous()  # D_i = Σ_d dO_id O_id
     dq, dk, dv = torch.empty_like(call.q), torch.empty_like(call.k), torch.empty_like(call.v)
     kl_args = dict(KL=0) if kl is None else dict(zip(("RB", "KS", "DKL", "DA"), kl))
@@ -371,7 +405,7 @@ def _backward(call, sweeps, out, stats, grad_out, kl=None, mix=None):
         call.launch(_key_pass, call.grid(True, "kv"), C=c, R=r, DO=do, DELTA=delta, DK=dk, DV_OUT=dv, G=g, MASS=g,
                     GRADS=True, **kl_args)
         call.launch(_query_pass, call.grid(False, "query"), C=c, R=r, DO=do, DELTA=delta, G=g, DQ=dq, **kl_args)
-        return dq, dk, dv
+        return _given(call, dq, dk, dv)
     cs, rs = stats
     gc, gr, g = torch.zeros_like(cs), torch.zeros_like(rs), call.stat(True)
     common = dict(CS=cs, RS=rs, GC=gc, GR=gr, DO=do, DELTA=delta, DQ=dq, DK=dk, DV_OUT=dv, G=g, N=sweeps, **kl_args)
@@ -384,13 +418,20 @@ def _backward(call, sweeps, out, stats, grad_out, kl=None, mix=None):
                     COLUMNS=True, LSE=False, HAS_RPOT=True)
     call.launch(_sink_key_grads, call.grid(True, "kv"), STAGE=1, **common)
     call.launch(_sink_query_grads, call.grid(False, "query"), **common)
-    return dq, dk, dv
+    return _given(call, dq, dk, dv)
+
+
+def _given(call, dq, dk, dv):
+    """The gradients cut back to the head dimensions the call was given."""
+    return _narrow(dq, call.d_given), _narrow(dk, call.d_given), _narrow(dv, call.dv_given)
 
 
 def forward(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None):
     """The plan's output (B, H, S_q, d_v) and its statistics, without a graph: (out, c, r) for 0 or
     1 sweeps, (out, CS, RS) with a potential per sweep for more."""
-    return _forward(_Call(q, k, v, sweeps, score_scale, masks or Masks(), config), sweeps)
+    call = _Call(q, k, v, sweeps, score_scale, masks or Masks(), config)
+    out, *stats = _forward(call, sweeps)
+    return (_narrow(out, call.dv_given), *stats)
 
 
 def received_mass(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None, sampling=None, hybrid_logit=None):
@@ -416,11 +457,11 @@ class _PlanAttention(torch.autograd.Function):
         ctx.save_for_backward(out, c, r)
         ctx.call, ctx.sweeps = call, sweeps
         if not received:
-            return out
+            return _narrow(out, call.dv_given)
         # Sinkhorn-N's weights are DNAS's with the last potentials.
         mass = _received_mass(call, c[-1] if sweeps > 1 else c, r[-1] if sweeps > 1 else r)
         ctx.mark_non_differentiable(mass)
-        return out, mass
+        return _narrow(out, call.dv_given), mass
 
     @staticmethod
     def backward(ctx, grad_out, *_):
@@ -449,7 +490,7 @@ class _HybridAttention(torch.autograd.Function):
         u = torch.sigmoid(logit.to(call.stats))[None, :, None, None]
         ctx.save_for_backward(out_d, c, r_d, out_s, r_s, u)
         ctx.call = call
-        out = (u * out_d.to(u.dtype) + (1 - u) * out_s.to(u.dtype)).to(q.dtype)
+        out = _narrow((u * out_d.to(u.dtype) + (1 - u) * out_s.to(u.dtype)).to(q.dtype), call.dv_given)
         if not received:
             return out
         # Each branch's mass from its own statistics, mixed as the weights are.
@@ -462,7 +503,7 @@ class _HybridAttention(torch.autograd.Function):
     def backward(ctx, grad_out, *_):
         out_d, c, r_d, out_s, r_s, u = ctx.saved_tensors
         call, dtype = ctx.call, out_d.dtype
-        g = grad_out.to(u.dtype)
+        g = _aligned(grad_out, out_d.shape[-1]).to(u.dtype)
         dq_d, dk_d, dv_d = _backward(call, 1, out_d, (c, r_d), (u * g).to(dtype))
         dq_s, dk_s, dv_s = _backward(_softmax_branch(call), 0, out_s, (torch.zeros_like(c), r_s), ((1 - u) * g).to(dtype))
         dlogit = (g * (out_d.to(u.dtype) - out_s.to(u.dtype))).sum((0, 2, 3)) * (u * (1 - u)).flatten()
@@ -505,6 +546,7 @@ class _BamAttention(torch.autograd.Function):
             ctx.u = torch.sigmoid(logit.detach().to(call.stats))
         if not call.kl:
             ctx.mark_non_differentiable(part)
+        out = _narrow(out, call.dv_given)
         if not received:
             return out, part
         ctx.mark_non_differentiable(mass)

@@ -36,7 +36,7 @@ def default(dtype, head_dim):
     """The setting a set without a tuning table entry is compiled with: DEFAULT, but 32-query
     blocks for float32 above head dimension 64 (the key pass's 64 × 64 float32 tiles need 176 KiB
     of shared memory at head dimension 128, past sm_80's 163 KiB per block; 32-query blocks need
-    129 KiB), and 8 warps above head dimension 128 (a 64 × 256 float32 accumulator is 128
+    up to 120 KiB), and 8 warps above head dimension 128 (a 64 × 256 float32 accumulator is 128
     registers a thread over 4 warps, before anything else)."""
     block_m = 32 if dtype == "float32" and head_dim > 64 else DEFAULT[0]
     return (block_m, DEFAULT[1], 8 if head_dim > 128 else DEFAULT[2], DEFAULT[3])
