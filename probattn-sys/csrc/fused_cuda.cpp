@@ -384,10 +384,15 @@ at::Tensor received_mass(const Call& call, const Forward& f) {
   return one(n, f.c, f.r).unsqueeze(0);
 }
 
-// D_i = Σ_d dO_id O_id, and dO in the inputs' dtype (zeros where no gradient came).
+// D_i = Σ_d dO_id O_id, and dO in the inputs' dtype (zeros where no gradient came). The products
+// are formed in one float32 buffer (addcmul_ widens dO and O element by element, exactly, as
+// float32 copies of both would): float32 copies of dO and O and their product would be three
+// float32 tensors of the output's size, the backward's largest allocation before dq, dk and dv.
 std::pair<at::Tensor, at::Tensor> d_rows(const Call& call, const at::Tensor& out, const at::Tensor& grad_out) {
   const auto grad = grad_out.defined() ? aligned(grad_out.to(call.q.scalar_type()), out.size(-1)) : at::zeros_like(out);
-  return {grad, (grad.to(at::kFloat) * out.to(at::kFloat)).sum(-1).contiguous()};
+  auto products = at::zeros(out.sizes(), out.options().dtype(at::kFloat));
+  products.addcmul_(grad, out);
+  return {grad, products.sum(-1)};
 }
 
 // The gradients a backward returns: in q, k, v, the prior's values (B, H, S_k) with a KL term,
@@ -464,7 +469,7 @@ Grads fused_backward(const Call& call, const Forward& f, const variable_list& gr
   if (call.spec.hybrid && !call.mix()) {
     // softmax's branch: no column statistic (zeros), its own row statistic and output
     const auto s = plan_backward(call, 0, f.out2, at::zeros_like(f.c), f.r2, f, grads[2], at::Tensor());
-    d.dq = d.dq + s.dq, d.dk = d.dk + s.dk, d.dv = d.dv + s.dv;
+    d.dq.add_(s.dq), d.dk.add_(s.dk), d.dv.add_(s.dv);  // in place: no third copy of each
   }
   return d;
 }

@@ -207,9 +207,9 @@ class _Call:
 
     def __init__(self, q, k, v, sweeps, score_scale, masks, config, sampling=None, prior=None, mix_logit=None):
         _check(q, k, v, sweeps, masks.causal)
-        d_given, self.dv_given = q.shape[-1], v.shape[-1]
-        self.d_given = d_given
-        self.q, self.k, self.v = _aligned(q, _width(d_given)), _aligned(k, _width(d_given)), _aligned(v, _width(self.dv_given))
+        self.d_given, self.dv_given = q.shape[-1], v.shape[-1]
+        self.q, self.k, self.v = (_aligned(q, _width(self.d_given)), _aligned(k, _width(self.d_given)),
+                                  _aligned(v, _width(self.dv_given)))
         self.config = config or Config()
         (b, h, s_q, d), (_, h_kv, s_k, _), dv = self.q.shape, self.k.shape, self.v.shape[-1]
         self.shape = (b, h, h_kv, s_q, s_k, d, dv)
@@ -251,7 +251,7 @@ class _Call:
             stride_bb=sbb, stride_bh=sbh, stride_bm=sbm, stride_bn=sbn, stride_ab=sab, stride_ah=sah, stride_am=sam,
             stride_an=san, HAS_BIAS=has_bias,
             H=h, H_KV=h_kv, GROUP=h // h_kv, S_Q=s_q, S_K=s_k, D=d, DV=dv,
-            SCALE=torch.tensor([score_scale / math.sqrt(d_given), sampling.scale if sampling else 0.0], dtype=self.stats,
+            SCALE=torch.tensor([score_scale / math.sqrt(self.d_given), sampling.scale if sampling else 0.0], dtype=self.stats,
                                device=dev),
             SWEEPS=min(sweeps, 1), HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, HAS_MASK=has_mask, CAUSAL=masks.causal,
             ACC=_ACC[q.dtype], DOT=_dot_precision(q.dtype), BLOCK_M=self.config.block_m, BLOCK_N=self.config.block_n,
@@ -391,7 +391,9 @@ def _backward(call, sweeps, out, stats, grad_out, kl=None, mix=None):
     da (B, H, S_k). None: no KL term's gradient. `mix` (BAM over HNAS): (RD, RS, gu), the
     forward's row statistics and a (B, H, S_q) tensor for the gate's gradient per row."""
     do = _aligned(grad_out, call.shape[6])  # as wide as the padded output
-    delta = (do.to(call.stats) * out.to(call.stats)).sum(-1).contiguous()  # D_i = Σ_d dO_id O_id
+    # D_i = Σ_d dO_id O_id, the products formed exactly in one buffer of the statistics' dtype
+    # (not copies of dO and O in that dtype beside their product).
+    delta = torch.zeros(out.shape, dtype=call.stats, device=out.device).addcmul_(do, out).sum(-1)
     dq, dk, dv = torch.empty_like(call.q), torch.empty_like(call.k), torch.empty_like(call.v)
     kl_args = dict(KL=0) if kl is None else dict(zip(("RB", "KS", "DKL", "DA"), kl))
     if sweeps <= 1:
@@ -507,7 +509,7 @@ class _HybridAttention(torch.autograd.Function):
         dq_d, dk_d, dv_d = _backward(call, 1, out_d, (c, r_d), (u * g).to(dtype))
         dq_s, dk_s, dv_s = _backward(_softmax_branch(call), 0, out_s, (torch.zeros_like(c), r_s), ((1 - u) * g).to(dtype))
         dlogit = (g * (out_d.to(u.dtype) - out_s.to(u.dtype))).sum((0, 2, 3)) * (u * (1 - u)).flatten()
-        return dq_d + dq_s, dk_d + dk_s, dv_d + dv_s, dlogit, None, None, None, None
+        return dq_d.add_(dq_s), dk_d.add_(dk_s), dv_d.add_(dv_s), dlogit, None, None, None, None
 
 
 def _softmax_branch(call):
