@@ -70,6 +70,28 @@ class TritonKernels(unittest.TestCase):
         self.assertNotIn("ld.global.b16", built)
         self.assertIn("× 16 bytes", built.split("async copies")[1].split("\n")[0])
 
+    def test_the_lognormal_draws_cost_one_erf_and_one_exp_in_float64_an_entry(self):
+        # BAM's Lognormal row passes for sm_90, read from their SASS: about 73 float64
+        # instructions a score entry with one Halley step, where calc_erfinv's two Newton steps
+        # took about 225; Weibull's draws take none.
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = {}
+            for noise in ("1", "2"):
+                out = Path(tmp) / f"noise{noise}.json"
+                done = subprocess.run([sys.executable, "-m", "probattn_tools.kernels.resources", "--kernel", "_row_pass",
+                                       "--noise", noise, "--json", str(out)], capture_output=True, text=True, env=env,
+                                      timeout=900)
+                self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+                rows[noise] = json.loads(out.read_text())["rows"]
+        self.assertTrue(rows["1"] and rows["2"])
+        for r in rows["1"]:
+            self.assertEqual(r["float64_per_entry"], 0, r)
+            self.assertGreater(r["HGMMA"], 0, r)
+        for r in rows["2"]:
+            self.assertGreater(r["float64_per_entry"], 20, r)
+            self.assertLess(r["float64_per_entry"], 100, r)
+
     def test_a_cubin_past_its_architectures_shared_memory_is_refused_by_name(self):
         # float32 at head dimension 128 with 64 x 64 blocks: the key pass needs 176 KiB, sm_80
         # allows 163 KiB per block.

@@ -1,0 +1,147 @@
+"""What each kernel of the fused CUDA route costs a GPU, read from its cubin on a machine without
+one: the kernels compiled as the ahead-of-time build compiles them (`aot.compiled_one`), then
+`cuobjdump` (which Triton ships) for the registers a thread takes, the stack that holds what did
+not fit in them (spills), and the SASS instructions that matter for speed, counted statically.
+
+    python -m probattn_tools.kernels.resources                             # every kernel, bfloat16, d 64, sm_90
+    python -m probattn_tools.kernels.resources --noise 2 --setting 64,32,4,2
+    python -m probattn_tools.kernels.resources --kernel _row_pass --json out.json --markdown out.md
+
+The counts are of instructions in the code, not of executions: the loop over key (or query)
+blocks is compiled once, so a count in the loop's body is what one thread issues per tile, and
+`per entry` divides it by the score entries a thread holds in a tile (BLOCK_M · BLOCK_N / 32 /
+num_warps): all instructions, and the float64 ones. Instruction kinds: HGMMA (Hopper's tensor-core products), HMMA (Ampere's), float64
+(DFMA, DADD, DMUL), MUFU (the special-function unit: exp2, log2, reciprocal, square root),
+LDGSTS (asynchronous copies to shared memory), LDL and STL (local memory, which spills use).
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+KINDS = ["HGMMA", "HMMA", "DFMA", "DADD", "DMUL", "MUFU", "LDGSTS", "LDL", "STL"]
+
+
+def sources_state():
+    """`{"git_sha", "git_dirty"}` of the kernels' sources: the commit of this checkout, and whether
+    a tracked file of this folder differs from it."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    return {"git_sha": git("rev-parse", "HEAD") or None,
+            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", "."))}
+
+
+def tools():
+    """The path of Triton's cuobjdump, or SystemExit naming what is missing."""
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.access(path, os.X_OK):
+        sys.exit(f"kernels.resources: no cuobjdump at {path} (Triton's NVIDIA backend ships it)")
+    return path
+
+
+def read_cubin(cuobjdump, cubin):
+    """{registers, stack_bytes, KIND: count} of one cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+)\s+STACK:(\d+)", usage)
+    if not found:
+        raise RuntimeError(f"cuobjdump -res-usage gave no REG/STACK line:\n{usage}")
+    out = {"registers": int(found.group(1)), "stack_bytes": int(found.group(2))}
+    # An opcode is the first word of an instruction after its optional predicate (`@P0`, `@!PT`).
+    opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    out["instructions"] = len(opcodes)
+    for kind in KINDS:
+        out[kind] = sum(1 for op in opcodes if op == kind)
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--head-dim", type=int, default=64, choices=[64, 128, 256])
+    parser.add_argument("--arch", type=int, default=90, choices=[80, 90])
+    parser.add_argument("--setting", help="BLOCK_M,BLOCK_N,num_warps,num_stages (default: the build's, from "
+                                          "tuning.json or the defaults)")
+    parser.add_argument("--kernel", help="only this kernel (e.g. _row_pass)")
+    parser.add_argument("--noise", type=int, choices=[0, 1, 2], help="only this noise (0 none, 1 Weibull, 2 Lognormal)")
+    parser.add_argument("--padded", action="store_true", help="the padded and masked specializations too (the "
+                                                              "unpadded ones alone by default, BAM's always padded)")
+    parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--markdown", help="write the table to this file")
+    args = parser.parse_args(argv)
+    import triton
+
+    from probattn_tools.files import atomic_write_text
+    from probattn_tools.kernels import aot, plans, sweep
+
+    if args.setting:
+        try:
+            setting = tuple(int(x) for x in args.setting.split(","))
+        except ValueError:
+            setting = ()
+        if len(setting) != 4:
+            sys.exit(f"kernels.resources: --setting takes BLOCK_M,BLOCK_N,num_warps,num_stages, got {args.setting!r}")
+    else:
+        setting = sweep.lookup(sweep.read_table(), args.arch, args.dtype, args.head_dim) or sweep.default(args.dtype, args.head_dim)
+    block_m, block_n, num_warps, num_stages = setting
+    held = block_m * block_n / (32 * num_warps)
+    cuobjdump = tools()
+    rows, seen = [], set()
+    for name, constexprs in aot.route_specializations(args.dtype, args.head_dim):
+        noise = constexprs.get("NOISE", 0)
+        if args.kernel and name != args.kernel or args.noise is not None and noise != args.noise:
+            continue
+        if noise == 0 and not args.padded and (constexprs.get("HAS_QPAD") or constexprs.get("HAS_MASK")):
+            continue
+        shown = {k: v for k, v in constexprs.items() if v not in (False, 0)}
+        key = (name, tuple(sorted(shown.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            compiled, entry = aot.compiled_one(triton, plans, name, constexprs, args.dtype, args.head_dim, args.arch,
+                                               block_m, block_n, num_warps, num_stages)
+        except ValueError as e:  # a setting past the architecture's shared memory, named by aot
+            sys.exit(f"kernels.resources: {e}")
+        row = {"kernel": name, "constexprs": shown, "shared_bytes": entry["shared_bytes"]}
+        row.update(read_cubin(cuobjdump, compiled.asm["cubin"]))
+        row["instructions_per_entry"] = round(row["instructions"] / held, 1)
+        row["float64_per_entry"] = round((row["DFMA"] + row["DADD"] + row["DMUL"]) / held, 1)
+        rows.append(row)
+        print(f"{name:18} {' '.join(f'{k}={v}' for k, v in shown.items()):60} regs {row['registers']:3} "
+              f"spill stack {row['stack_bytes']:5} B, LDL/STL {row['LDL']}/{row['STL']}, instructions "
+              f"{row['instructions_per_entry']}/entry, float64 "
+              f"{row['float64_per_entry']}/entry, MUFU {row['MUFU']}, HGMMA {row['HGMMA']}", flush=True)
+    if not rows:
+        sys.exit("kernels.resources: no kernel of the route matches the filters")
+    about = {"dtype": args.dtype, "head_dim": args.head_dim, "arch": f"sm_{args.arch}", "block_m": block_m,
+             "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "triton": triton.__version__,
+             "entries_per_thread": held, **sources_state()}
+    if args.json:
+        atomic_write_text(args.json, json.dumps({"about": about, "rows": rows}, indent=1) + "\n")
+    if args.markdown:
+        lines = [f"{args.dtype}, head dimension {args.head_dim}, sm_{args.arch}, {block_m} x {block_n} blocks, "
+                 f"{num_warps} warps, {num_stages} stages (Triton {triton.__version__}); static SASS counts; kernels "
+                 f"of {about['git_sha']}{' with changes' if about['git_dirty'] else ''}", "",
+                 "| kernel | specialization | registers | spill stack (B) | LDL / STL | shared (B) | HGMMA | MUFU | "
+                 "instr. / entry | float64 instr. | float64 / entry |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            spec = ", ".join(f"{k}={v}" for k, v in r["constexprs"].items()) or "–"
+            lines.append(f"| {r['kernel']} | {spec} | {r['registers']} | {r['stack_bytes']} | {r['LDL']} / {r['STL']} "
+                         f"| {r['shared_bytes']} | {r['HGMMA'] or r['HMMA']} | {r['MUFU']} | {r['instructions_per_entry']} | "
+                         f"{r['DFMA'] + r['DADD'] + r['DMUL']} | {r['float64_per_entry']} |")
+        atomic_write_text(args.markdown, "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
