@@ -372,6 +372,24 @@ fn bench_measures_odd_lengths_on_every_path_and_precision() -> Result<()> {
 }
 
 #[test]
+fn bench_keeps_the_backend_its_command_forces() -> Result<()> {
+    // --attention-backend tiles reaches the memory-efficient rows: they ran on the fused CPU
+    // kernel (auto's choice) before, whatever the flag said.
+    let dir = TempDir::new("bench-backend")?;
+    let out = dir.path("out");
+    let run = Command::new(env!("CARGO_BIN_EXE_probattn"))
+        .args(["bench", "--device", "cpu", "--batch", "1", "--memory-efficient", "--no-eager", "--variants", "dnas"])
+        .args(["--attention-backend", "tiles", "--seq-lens", "16", "--repeats", "1", "--no-pytorch", "--out"])
+        .arg(&out)
+        .output()?;
+    ensure!(run.status.success(), "{}", binary::text(&run));
+    let bench = binary::json(&out.join("bench.json"))?;
+    let routes: Vec<&str> = bench["measurements"].as_array().context("measurements")?.iter().filter_map(|m| m["route"].as_str()).collect();
+    ensure!(routes == ["tiles"], "routes {routes:?}");
+    Ok(())
+}
+
+#[test]
 fn bench_with_nothing_it_can_serve_says_so_instead_of_panicking() -> Result<()> {
     // BAM's sampling in bfloat16 is not served by the fused CPU kernel: with --no-eager that leaves
     // no configuration to measure, which is a named error (status 1), not an index out of bounds.

@@ -162,7 +162,9 @@ pub struct Unserved {
 fn served(device: Device, s: i64, rows: Vec<Row>, precision: Precision) -> (Vec<Row>, Vec<Unserved>) {
     let (mut kept, mut left) = (vec![], vec![]);
     for row in rows {
-        if row.backend == Backend::Auto {
+        // A row that forces nothing runs on the command's backend: tried like the others when
+        // `--attention-backend` forces one.
+        if row.backend == Backend::Auto && probattn::backend::default() == Backend::Auto {
             kept.push(row);
             continue;
         }
@@ -213,18 +215,21 @@ struct Row {
     backend: Backend,
 }
 
-/// Sets the process's attention backend until dropped, then restores the one before.
-struct BackendScope(Backend);
+/// Sets the process's attention backend until dropped, then restores the one before. `Auto`
+/// forces nothing: the command's own choice (`--attention-backend`) stays.
+struct BackendScope(Option<Backend>);
 
 impl BackendScope {
     fn enter(backend: Backend) -> Self {
-        Self(probattn::backend::set_default(backend))
+        Self((backend != Backend::Auto).then(|| probattn::backend::set_default(backend)))
     }
 }
 
 impl Drop for BackendScope {
     fn drop(&mut self) {
-        probattn::backend::set_default(self.0);
+        if let Some(before) = self.0 {
+            probattn::backend::set_default(before);
+        }
     }
 }
 
