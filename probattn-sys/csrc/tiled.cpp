@@ -309,7 +309,12 @@ struct TiledAttention : public torch::autograd::Function<TiledAttention> {
     // Statistics and the accumulated gradients in the statistics' dtype, products in the inputs'.
     const auto stats = q.options().dtype(pb.stats());
     const auto lower = [&](const at::Tensor& t) { return t.to(q.scalar_type()); };
-    auto d = (dout.to(pb.stats()) * out.to(pb.stats())).sum(-1, true);  // (B, H, S_q, 1)
+    // D_i = Σ_d dO_id O_id, (B, H, S_q, 1). Inputs narrower than the statistics go through one
+    // buffer of the statistics' dtype (addcmul_ widens them element by element, so the products
+    // are exact, as widened copies of both would give), not through widened copies of dO and O
+    // beside their product.
+    const bool widened = dout.scalar_type() != pb.stats() || out.scalar_type() != pb.stats();
+    auto d = (widened ? at::zeros(out.sizes(), stats).addcmul_(dout, out) : dout * out).sum(-1, true);
     // dV per query head (B, H, S_k, d_v), summed over each group at the end: Σ_i dY_ij below reads
     // it head by head.
     const int64_t kv_heads = k.size(1), groups = q.size(1) / kv_heads;
