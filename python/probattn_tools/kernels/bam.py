@@ -58,11 +58,8 @@ def _uniform(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, DRAW64: tl.constexpr):
 
 
 @triton.jit
-def _erfinv(y):
-    """The inverse error function of float64 values in (−1, 1), operation for operation as ATen's
-    calc_erfinv (ATen/native/Math.h), which the CPU's `at::erfinv` maps over its inputs: a rational
-    first guess, then two Newton steps."""
-    central = tl.abs(y) <= 0.7
+def _erfinv_guess(y):
+    """ATen's calc_erfinv's rational first guess at erfinv(y), y in (−1, 1), in y's dtype."""
     z = y * y
     num = ((-0.140543331 * z + 0.914624893) * z + -1.645349621) * z + 0.886226899
     dem = (((0.012229801 * z + -0.329097515) * z + 1.442710462) * z + -2.118377725) * z + 1.0
@@ -71,7 +68,15 @@ def _erfinv(y):
     num = ((1.641345311 * w + 3.429567803) * w + -1.624906493) * w + -1.970840454
     dem = (1.6370678 * w + 3.5438892) * w + 1.0
     outer = tl.where(y < 0, -tl.abs(num), tl.abs(num)) / dem  # copysign(num, y) / dem
-    x = tl.where(central, inner, outer)
+    return tl.where(tl.abs(y) <= 0.7, inner, outer)
+
+
+@triton.jit
+def _erfinv(y):
+    """The inverse error function of float64 values in (−1, 1), operation for operation as ATen's
+    calc_erfinv (ATen/native/Math.h), which the CPU's `at::erfinv` maps over its inputs: a rational
+    first guess, then two Newton steps."""
+    x = _erfinv_guess(y)
     x = x - (tl.erf(x) - y) / (1.1283791670955126 * tl.exp(-x * x))  # 2/sqrt(pi)
     return x - (tl.erf(x) - y) / (1.1283791670955126 * tl.exp(-x * x))
 
@@ -86,16 +91,7 @@ def _normal32(u):
     division in float64 where calc_erfinv takes two of each and more. 2u − 1 is exact in float32
     (u lies on the 2^-24 grid below 1)."""
     y = u * 2.0 - 1.0
-    a = tl.abs(y)
-    z = y * y
-    num = ((-0.140543331 * z + 0.914624893) * z + -1.645349621) * z + 0.886226899
-    dem = (((0.012229801 * z + -0.329097515) * z + 1.442710462) * z + -2.118377725) * z + 1.0
-    inner = y * num / dem
-    w = tl.sqrt(-tl.log((1.0 - a) * 0.5))
-    num = ((1.641345311 * w + 3.429567803) * w + -1.624906493) * w + -1.970840454
-    dem = (1.6370678 * w + 3.5438892) * w + 1.0
-    outer = tl.where(y < 0, -tl.abs(num), tl.abs(num)) / dem
-    x = tl.where(a <= 0.7, inner, outer).to(tl.float64)
+    x = _erfinv_guess(y).to(tl.float64)
     r = tl.erf(x) - y.to(tl.float64)
     x = x - r / (1.1283791670955126 * tl.exp(-x * x) + x * r)  # 2/sqrt(pi)
     return (x * 1.4142135623730951).to(tl.float32)

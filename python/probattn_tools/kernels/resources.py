@@ -26,15 +26,6 @@ import tempfile
 KINDS = ["HGMMA", "HMMA", "DFMA", "DADD", "DMUL", "MUFU", "LDGSTS", "LDL", "STL"]
 
 
-def sources_state():
-    """`{"git_sha", "git_dirty"}` of the kernels' sources: the commit of this checkout, and whether
-    a tracked file of this folder differs from it."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    return {"git_sha": git("rev-parse", "HEAD") or None,
-            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", "."))}
-
-
 def tools():
     """The path of Triton's cuobjdump, or SystemExit naming what is missing."""
     import triton
@@ -80,6 +71,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     import triton
 
+    from probattn_tools.baselines.precision_profile import scripts_provenance
     from probattn_tools.files import atomic_write_text
     from probattn_tools.kernels import aot, plans, sweep
 
@@ -125,7 +117,7 @@ def main(argv=None):
         sys.exit("kernels.resources: no kernel of the route matches the filters")
     about = {"dtype": args.dtype, "head_dim": args.head_dim, "arch": f"sm_{args.arch}", "block_m": block_m,
              "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "triton": triton.__version__,
-             "entries_per_thread": held, **sources_state()}
+             "entries_per_thread": held, **scripts_provenance()}
     if args.json:
         atomic_write_text(args.json, json.dumps({"about": about, "rows": rows}, indent=1) + "\n")
     if args.markdown:
