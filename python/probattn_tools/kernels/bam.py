@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from probattn_tools.kernels.tiles import _lse_fold, _lse_value, _rows
+from probattn_tools.kernels.tiles import _exp, _lse_fold, _lse_value, _rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ def _weights(y, ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NO
     x = y
     if NOISE > 0:
         x = y + _noise(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, DRAW64, ACC)
-    return tl.where(ok, tl.exp(tl.where(ok, x - r[:, None], 0.0)), 0.0)
+    return _exp(tl.where(ok, x - r[:, None], float("-inf")))
 
 
 @triton.jit
@@ -202,7 +202,7 @@ def _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL, strid
     ks = _rows(KS, b, h, offs_m, S_Q, stride_rb, stride_rh)
     a = _prior(PRIOR, b, h, offs_n, S_K, stride_pb, stride_ph, stride_pn).to(ACC)
     log_pi = y - rb[:, None]
-    pi = tl.where(ok, tl.exp(tl.where(ok, log_pi, 0.0)), 0.0)
+    pi = _exp(tl.where(ok, log_pi, float("-inf")))
     if KL == 1:
         dy = tl.where(ok, a[None, :] - pi * ks[:, None], 0.0)
         da = tl.sum(tl.where(ok, log_pi, 0.0), 0)
@@ -280,10 +280,10 @@ def _mix_shares(zd, zs, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb, stride_r
     part_d = tl.load(LOGU + 2 * h) + log_d
     part_s = tl.load(LOGU + 2 * h + 1) + log_s
     top = tl.maximum(part_d, part_s)
-    y = top + tl.log(tl.exp(part_d - top) + tl.exp(part_s - top))
-    w_d = tl.where(ok, tl.exp(part_d - y), 0.0)
-    w_s = tl.where(ok, tl.exp(part_s - y), 0.0)
-    return tl.where(ok, y, float("-inf")), w_d, w_s, tl.where(ok, tl.exp(log_d), 0.0), tl.where(ok, tl.exp(log_s), 0.0)
+    y = top + tl.log(_exp(part_d - top) + _exp(part_s - top))
+    w_d = tl.where(ok, _exp(part_d - y), 0.0)
+    w_s = tl.where(ok, _exp(part_s - y), 0.0)
+    return tl.where(ok, y, float("-inf")), w_d, w_s, tl.where(ok, _exp(log_d), 0.0), tl.where(ok, _exp(log_s), 0.0)
 
 
 class Sampling:

@@ -55,6 +55,11 @@ def cases(quick, lower):
             out.append((f"{plan} rect key padding", sweeps, 1.0, shapes["rect"], ("key",), False, None))
             out.append((f"{plan} one entry", sweeps, 1.0, shapes["one"], (), False, None))
     out.append(("softmax gqa causal, key padding", 0, 2.0, shapes["gqa"], ("key",), True, None))
+    # Scores far below 0 (float64): what the passes compute past the last query or key must not
+    # reach what they store (there exp(0 − c_j) is inf).
+    if not lower:
+        out += [(f"{plan} gqa scores far below 0", sweeps, 1.0, shapes["gqa"], ("far",), False, None)
+                for sweeps, plan in ((0, "softmax"), (1, "dnas"))]
     # Sinkhorn-N for other N: the gradient kernel takes N at run time (N = 2: its loop over the
     # earlier sweeps runs once).
     if not lower:
@@ -146,6 +151,9 @@ def run_case(torch, plans, formulas, case, dtype, device, config):
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     make = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
     q, k, v = make(b, h, s_q, d), make(b, h_kv, s_k, d), make(b, h_kv, s_k, dv)
+    if "far" in masks_asked:  # scores near −750 (float64's case): exp(−c_j) and exp(−r_i) overflow
+        q[..., 0] -= 46.0
+        k[..., 0] += 46.0
     masks = make_masks(torch, plans, masks_asked, causal, (b, h, h_kv, s_q, s_k, d, dv), gen, device)
     if bam is not None:
         return run_bam_case(torch, plans, formulas, name, sweeps, scale, (q, k, v), masks, bam, gen, config)

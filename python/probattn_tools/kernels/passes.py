@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from probattn_tools.kernels.bam import _kl_fold, _kl_rows, _kl_tile, _mix_shares, _mix_split, _noise, _weights
-from probattn_tools.kernels.tiles import (FLOOR, _accumulate, _allowed, _block, _finish_row, _live, _lse_fold,
+from probattn_tools.kernels.tiles import (FLOOR, _accumulate, _allowed, _block, _exp, _finish_row, _live, _lse_fold,
                                           _lse_value, _rows, _scores, _store_block, _store_rows)
 
 
@@ -20,7 +20,10 @@ def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
                  ACC: tl.constexpr, DOT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """c_j = LSE_i z_ij over the allowed queries, one key block per program (axis 0), one
-    (batch, query head) per axis 1. A key with no allowed query gets FLOOR (never read)."""
+    (batch, query head) per axis 1. A key with no allowed query gets FLOOR (never read). Each
+    tile is formed transposed, zᵀ = s·k qᵀ (keys × queries), so that the sums over queries run
+    along a row of the tensor cores' layout, within a thread and a few of its neighbours, and not
+    across the warps through shared memory."""
     scale = tl.load(SCALE).to(ACC)
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
@@ -35,11 +38,12 @@ def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
                  HAS_MASK):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
-            z = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
-                        HAS_BIAS, ACC, DOT)  # (BLOCK_M, BLOCK_N)
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, False,
-                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-            m, l = _lse_fold(m, l, tl.where(ok, z, float("-inf")), 0)
+            zt = _scores(k, q, scale, BIAS, b, h, offs_n, offs_m, S_K, S_Q, stride_ab, stride_ah, stride_an, stride_am,
+                         HAS_BIAS, ACC, DOT)  # (BLOCK_N, BLOCK_M): the tile transposed
+            # which pairs take part, transposed: the conditions on keys and queries trade places
+            ok = _allowed(offs_n, offs_m, b, S_K, S_Q, KPAD, QPAD, stride_kpad, stride_qpad, HAS_KPAD, HAS_QPAD, False,
+                          h, MASK, stride_mb, stride_mh, stride_mn, stride_mm, HAS_MASK, BOUND_M=False)
+            m, l = _lse_fold(m, l, tl.where(ok, zt, float("-inf")), 1)
     c = _lse_value(m, l, FLOOR)
     _store_rows(C, c, b, h, offs_n, S_K, stride_cb, stride_ch)
 
@@ -98,7 +102,7 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
             k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
             v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
             ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
-                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_M=False)
             z0 = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
                          HAS_BIAS, ACC, DOT)
             z = z0
@@ -128,13 +132,14 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
 
 
 @triton.jit
-def _key_grads(dv, dk_main, dk_corr, g, da, p, y, z, ok, q, v, w_d, w_s, pi_d, pi_s, DO, DELTA, PRIOR, RB, KS, DKL,
+def _key_grads(dv, dk, dk_corr, g, da, p, y, z, ok, q, v, w_d, w_s, pi_d, pi_s, DO, DELTA, PRIOR, RB, KS, DKL,
                RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob, stride_doh, stride_dos,
                stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS: tl.constexpr, KL: tl.constexpr,
                MIX: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
     """One query block's share of `_key_pass`'s sums for its key block and query head, given the
     tile's weights p, the base's logits y, DNAS's logits z (the scores less c) and the allowed
-    pairs: dV; dK's main part Σ_i dS_ij q_i and DNAS's correction Σ_i exp(z_ij) q_i; g_j = Σ_i
+    pairs: dV; dK's main part Σ_i dS_ij q_i, added to dk (summed over the group's query heads),
+    and DNAS's correction Σ_i exp(z_ij) q_i, per query head; g_j = Σ_i
     dy_ij, dy the gradient in z (DNAS's branch's share of it under MIX); and, with a KL term, the
     prior's gradient."""
     do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
@@ -152,12 +157,12 @@ def _key_grads(dv, dk_main, dk_corr, g, da, p, y, z, ok, q, v, w_d, w_s, pi_d, p
         rho_d = _rows(RHO_D, b, h, offs_m, S_Q, stride_rb, stride_rh)
         rho_s = _rows(RHO_S, b, h, offs_m, S_Q, stride_rb, stride_rh)
         dy_d, ds = _mix_split(ds, w_d, w_s, pi_d, pi_s, rho_d, rho_s)
-    dk_main += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
+    dk += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
     if SWEEPS > 0:
         g += tl.sum(dy_d, 0)
-        pc = tl.where(ok, tl.exp(tl.where(ok, z, 0.0)), 0.0)  # exp(z_ij − c_j): the column weights
+        pc = _exp(tl.where(ok, z, float("-inf")))  # exp(z_ij − c_j): the column weights
         dk_corr += tl.dot(tl.trans(pc).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
-    return dv, dk_main, dk_corr, g, da
+    return dv, dk, dk_corr, g, da
 
 
 @triton.jit
@@ -204,7 +209,6 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
         g = tl.zeros([BLOCK_N], dtype=ACC)
         mass = tl.zeros([BLOCK_N], dtype=ACC)
         da = tl.zeros([BLOCK_N], dtype=ACC)
-        dk_main = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
         dk_corr = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
         for start_m in range(start_m0, S_Q, BLOCK_M):
             if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
@@ -216,7 +220,7 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
                              stride_an, HAS_BIAS, ACC, DOT)
                 z = zr - c[None, :]
                 ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              CAUSAL, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                              CAUSAL, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_N=False)
                 y, w_d, w_s, pi_d, pi_s = z, z, z, z, z  # the shares are MIX's
                 if MIX:
                     ok = ok & (zr > float("-inf"))
@@ -226,13 +230,13 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
                              ACC)  # (BLOCK_M, BLOCK_N)
                 mass += tl.sum(p, 0)
                 if GRADS:
-                    dv, dk_main, dk_corr, g, da = _key_grads(
-                        dv, dk_main, dk_corr, g, da, p, y, z, ok, q, v, w_d, w_s, pi_d, pi_s, DO, DELTA, PRIOR, RB, KS,
+                    dv, dk, dk_corr, g, da = _key_grads(
+                        dv, dk, dk_corr, g, da, p, y, z, ok, q, v, w_d, w_s, pi_d, pi_s, DO, DELTA, PRIOR, RB, KS,
                         DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob, stride_doh,
                         stride_dos, stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS, KL, MIX, ACC, DOT)
         if GRADS:
-            dk += dk_main - g[:, None] * dk_corr
             if SWEEPS > 0:
+                dk -= g[:, None] * dk_corr  # DNAS's correction, once g_j is known; the main part went into dk
                 _store_rows(G, g, b, h, offs_n, S_K, stride_cb, stride_ch)
             if KL > 0:
                 _store_rows(DA, da, b, h, offs_n, S_K, stride_cb, stride_ch)
@@ -252,7 +256,7 @@ def _query_dz(ds, z, ok, w_d, w_s, pi_d, pi_s, rho_d, rho_s, G, b, h, offs_n, S_
         _, ds = _mix_split(ds, w_d, w_s, pi_d, pi_s, rho_d, rho_s)
     if SWEEPS > 0:
         g = _rows(G, b, h, offs_n, S_K, stride_cb, stride_ch)
-        ds -= tl.where(ok, tl.exp(tl.where(ok, z, 0.0)), 0.0) * g[None, :]
+        ds -= _exp(tl.where(ok, z, float("-inf"))) * g[None, :]
     return ds
 
 
@@ -290,8 +294,8 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
     rho_s = tl.zeros([BLOCK_M], dtype=ACC)
     gu = tl.zeros([BLOCK_M], dtype=ACC)
     if MIX:
-        inv_u = tl.exp(-tl.load(LOGU + 2 * h))
-        inv_1mu = tl.exp(-tl.load(LOGU + 2 * h + 1))
+        inv_u = _exp(-tl.load(LOGU + 2 * h))
+        inv_1mu = _exp(-tl.load(LOGU + 2 * h + 1))
         if not ROWS:
             rho_d = _rows(RHO_D, b, h, offs_m, S_Q, stride_rb, stride_rh)
             rho_s = _rows(RHO_S, b, h, offs_m, S_Q, stride_rb, stride_rh)
@@ -311,7 +315,7 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 c = _rows(C, b, h, offs_n, S_K, stride_cb, stride_ch)
                 z = zr - c[None, :]
             ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
-                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_M=False)
             y, w_d, w_s, pi_d, pi_s = z, z, z, z, z  # the shares are MIX's
             if MIX:
                 ok = ok & (zr > float("-inf"))

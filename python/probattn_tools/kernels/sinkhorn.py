@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from probattn_tools.kernels.bam import _kl_tile, _weights
-from probattn_tools.kernels.tiles import (FLOOR, _allowed, _block, _live, _lse_fold, _lse_value, _rows,
+from probattn_tools.kernels.tiles import (FLOOR, _allowed, _block, _exp, _live, _lse_fold, _lse_value, _rows,
                                           _store_block, _store_rows, _tile)
 
 # ---------------------------------------------------------------------------------------------
@@ -58,7 +58,7 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
                     m, total = _lse_fold(m, total, tl.where(ok, z, float("-inf")), 0)
                 else:
                     coef = _rows(COEF, b, h, offs_m, S_Q, stride_rb, stride_rh)
-                    e = tl.where(ok, tl.exp(tl.where(ok, z - cpot[None, :], 0.0)), 0.0)
+                    e = _exp(tl.where(ok, z - cpot[None, :], float("-inf")))
                     total -= tl.sum(e * coef[:, None], 0)
         if LSE:
             total = _lse_value(m, total, FLOOR)
@@ -85,7 +85,7 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
                     m, total = _lse_fold(m, total, tl.where(ok, z, float("-inf")), 1)
                 else:
                     coef = _rows(COEF, b, h, offs_n, S_K, stride_cb, stride_ch)
-                    e = tl.where(ok, tl.exp(tl.where(ok, z - rpot[:, None], 0.0)), 0.0)
+                    e = _exp(tl.where(ok, z - rpot[:, None], float("-inf")))
                     total -= tl.sum(e * coef[None, :], 1)
         if LSE:
             total = _lse_value(m, total, 0.0)
@@ -102,17 +102,17 @@ def _sink_dz(z, ok, dsz, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_
         c = tl.load(CS + t * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
         gc = tl.load(GC + t * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
         x = z - r_prev[:, None] - c[None, :]
-        dsz += tl.where(ok, tl.exp(tl.where(ok, x, 0.0)), 0.0) * gc[None, :]
+        dsz += _exp(tl.where(ok, x, float("-inf"))) * gc[None, :]
         r = tl.load(RS + t * stride_tr + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
         gr = tl.load(GR + t * stride_tr + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
         y = z - c[None, :] - r[:, None]
-        dsz += tl.where(ok, tl.exp(tl.where(ok, y, 0.0)), 0.0) * gr[:, None]
+        dsz += _exp(tl.where(ok, y, float("-inf"))) * gr[:, None]
         r_prev = r
     # The last sweep's column potential, which no row potential follows in dz.
     c = tl.load(CS + (N - 1) * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
     gc = tl.load(GC + (N - 1) * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
     x = z - r_prev[:, None] - c[None, :]
-    dsz += tl.where(ok, tl.exp(tl.where(ok, x, 0.0)), 0.0) * gc[None, :]
+    dsz += _exp(tl.where(ok, x, float("-inf"))) * gc[None, :]
     return dsz
 
 

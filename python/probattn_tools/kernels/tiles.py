@@ -14,15 +14,24 @@ FLOOR = tl.constexpr(-1.0e30)
 @triton.jit
 def _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
              HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, CAUSAL: tl.constexpr,
-             h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK: tl.constexpr):
+             h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK: tl.constexpr,
+             BOUND_M: tl.constexpr = True, BOUND_N: tl.constexpr = True):
     """(BLOCK_M, BLOCK_N): which (query, key) pairs of the tile take part. MASK: a boolean
     pattern broadcast to (B, H, S_q, S_k) through its strides (0 on broadcast dimensions),
-    nonzero where the pair takes part."""
-    ok = (offs_m[:, None] < S_Q) & (offs_n[None, :] < S_K)
+    nonzero where the pair takes part.
+
+    BOUND_M and BOUND_N: whether queries past S_Q and keys past S_K are excluded. A pass may
+    leave out the bound of the axis it does not reduce over: what lies past it reaches only
+    outputs that are never stored (a row pass's rows past S_Q, a key pass's keys past S_K),
+    and each bound left out saves a select per score entry."""
+    ok = True
+    if BOUND_M:
+        ok = offs_m[:, None] < S_Q
+    if BOUND_N:
+        ok = ok & (offs_n[None, :] < S_K)
     if HAS_MASK:
         at = MASK + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
-        pattern = tl.load(at,
-                          mask=ok, other=0)
+        pattern = tl.load(at, mask=(offs_m[:, None] < S_Q) & (offs_n[None, :] < S_K), other=0)
         ok = ok & (pattern != 0)
     if HAS_QPAD:
         qpad = tl.load(QPAD + b * stride_qpad + offs_m, mask=offs_m < S_Q, other=1)
@@ -97,11 +106,22 @@ def _live(BLOCKS, b, h, mb, nb, stride_bb, stride_bh, stride_bm, stride_bn, HAS_
 
 
 @triton.jit
+def _exp(x):
+    """exp(x). In float32 as exp2(x·log2 e): one approximate exp2 on the GPU, where `tl.exp` adds
+    the handling of results below 2^-126 (three instructions more), which weights need not keep
+    (they flush to 0). Float64 keeps `tl.exp`."""
+    if x.dtype == tl.float64:
+        return tl.exp(x)
+    else:
+        return tl.exp2(x * 1.4426950408889634)
+
+
+@triton.jit
 def _lse_fold(m, l, z, AXIS: tl.constexpr):
     """One block of an online log-sum-exp along AXIS: the running maximum m and the sum l of
     exp(x − m), updated with the block z (−inf where excluded)."""
     m_new = tl.maximum(m, tl.max(z, AXIS))
-    return m_new, l * tl.exp(m - m_new) + tl.sum(tl.exp(z - tl.expand_dims(m_new, AXIS)), AXIS)
+    return m_new, l * _exp(m - m_new) + tl.sum(_exp(z - tl.expand_dims(m_new, AXIS)), AXIS)
 
 
 @triton.jit
@@ -115,8 +135,8 @@ def _accumulate(m, l, acc, z, v, ACC: tl.constexpr, DOT: tl.constexpr):
     """One key block of the row pass's online softmax: the running maximum, sum and value
     accumulator, updated with the logits z (−inf where excluded) and the value block v."""
     m_new = tl.maximum(m, tl.max(z, 1))
-    p = tl.exp(z - m_new[:, None])
-    alpha = tl.exp(m - m_new)
+    p = _exp(z - m_new[:, None])
+    alpha = _exp(m - m_new)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC, input_precision=DOT)
     return m_new, l * alpha + tl.sum(p, 1), acc
 
