@@ -8,9 +8,11 @@ not fit in them (spills), and the SASS instructions that matter for speed, count
     python -m probattn_tools.kernels.resources --kernel _row_pass --json out.json --markdown out.md
 
 The counts are of instructions in the code, not of executions: the loop over key (or query)
-blocks is compiled once, so a count in the loop's body is what one thread issues per tile, and
-`per entry` divides it by the score entries a thread holds in a tile (BLOCK_M · BLOCK_N / 32 /
-num_warps): all instructions, and the float64 ones. Instruction kinds: HGMMA (Hopper's tensor-core products), HMMA (Ampere's), float64
+blocks is compiled once, so a count in the loop's body is what one thread issues per tile.
+`per entry` divides a count by the score entries a thread holds in a tile (BLOCK_M · BLOCK_N /
+32 / num_warps): the whole kernel's instructions and float64 ones (what runs once per program
+included), and those of the loop over tiles alone (`loop`: from its backward branch's target to
+the branch), which is what a long sequence costs per score entry. Instruction kinds: HGMMA (Hopper's tensor-core products), HMMA (Ampere's), float64
 (DFMA, DADD, DMUL), MUFU (the special-function unit: exp2, log2, reciprocal, square root),
 LDGSTS (asynchronous copies to shared memory), LDL and STL (local memory, which spills use).
 """
@@ -47,12 +49,34 @@ def read_cubin(cuobjdump, cubin):
     if not found:
         raise RuntimeError(f"cuobjdump -res-usage gave no REG/STACK line:\n{usage}")
     out = {"registers": int(found.group(1)), "stack_bytes": int(found.group(2))}
-    # An opcode is the first word of an instruction after its optional predicate (`@P0`, `@!PT`).
-    opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    # An opcode is the first word of an instruction after its address and optional predicate
+    # (`@P0`, `@!PT`); a branch's target is the first address among its operands.
+    code = [(int(a, 16), op, rest) for a, op, rest in
+            re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);", sass)]
+    opcodes = [op for _, op, _ in code]
     out["instructions"] = len(opcodes)
     for kind in KINDS:
         out[kind] = sum(1 for op in opcodes if op == kind)
+    out.update(loop_counts(code))
     return out
+
+
+def loop_counts(code):
+    """{loop_instructions, loop_KIND: count} of the loop over tiles in the code, [(address,
+    opcode, operands)]: the largest innermost loop, from a backward branch's target to the branch,
+    which is what a thread issues per tile. (The key pass's loop over a group's query heads holds
+    it.) Empty without a loop."""
+    loops = []
+    for addr, op, rest in code:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    innermost = [(lo, hi) for lo, hi in loops
+                 if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]
+    best = max(([o for a, o, _ in code if lo <= a <= hi] for lo, hi in innermost), key=len, default=[])
+    if not best:
+        return {}
+    return {"loop_instructions": len(best), **{f"loop_{kind}": sum(1 for op in best if op == kind) for kind in KINDS}}
 
 
 def main(argv=None):
@@ -108,10 +132,13 @@ def main(argv=None):
         row.update(read_cubin(cuobjdump, compiled.asm["cubin"]))
         row["instructions_per_entry"] = round(row["instructions"] / held, 1)
         row["float64_per_entry"] = round((row["DFMA"] + row["DADD"] + row["DMUL"]) / held, 1)
+        if "loop_instructions" in row:
+            row["loop_per_entry"] = round(row["loop_instructions"] / held, 1)
+            row["loop_float64_per_entry"] = round((row["loop_DFMA"] + row["loop_DADD"] + row["loop_DMUL"]) / held, 1)
         rows.append(row)
         print(f"{name:18} {' '.join(f'{k}={v}' for k, v in shown.items()):60} regs {row['registers']:3} "
               f"spill stack {row['stack_bytes']:5} B, LDL/STL {row['LDL']}/{row['STL']}, instructions "
-              f"{row['instructions_per_entry']}/entry, float64 "
+              f"{row['instructions_per_entry']}/entry (loop {row.get('loop_per_entry', '–')}), float64 "
               f"{row['float64_per_entry']}/entry, MUFU {row['MUFU']}, HGMMA {row['HGMMA']}", flush=True)
     if not rows:
         sys.exit("kernels.resources: no kernel of the route matches the filters")
@@ -125,12 +152,14 @@ def main(argv=None):
                  f"{num_warps} warps, {num_stages} stages (Triton {triton.__version__}); static SASS counts; kernels "
                  f"of {about['git_sha']}{' with changes' if about['git_dirty'] else ''}", "",
                  "| kernel | specialization | registers | spill stack (B) | LDL / STL | shared (B) | HGMMA | MUFU | "
-                 "instr. / entry | float64 instr. | float64 / entry |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "instr. / entry | float64 instr. | float64 / entry | loop instr. / entry | loop float64 / entry |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             spec = ", ".join(f"{k}={v}" for k, v in r["constexprs"].items()) or "–"
             lines.append(f"| {r['kernel']} | {spec} | {r['registers']} | {r['stack_bytes']} | {r['LDL']} / {r['STL']} "
                          f"| {r['shared_bytes']} | {r['HGMMA'] or r['HMMA']} | {r['MUFU']} | {r['instructions_per_entry']} | "
-                         f"{r['DFMA'] + r['DADD'] + r['DMUL']} | {r['float64_per_entry']} |")
+                         f"{r['DFMA'] + r['DADD'] + r['DMUL']} | {r['float64_per_entry']} | "
+                         f"{r.get('loop_per_entry', '–')} | {r.get('loop_float64_per_entry', '–')} |")
         atomic_write_text(args.markdown, "\n".join(lines) + "\n")
     return 0
 
