@@ -63,14 +63,17 @@ def read_cubin(cuobjdump, cubin):
 
 def loop_counts(code):
     """{loop_instructions, loop_KIND: count} of the loop over tiles in the code, [(address,
-    opcode, operands)]: the largest innermost loop, from a backward branch's target to the branch,
-    which is what a thread issues per tile. (The key pass's loop over a group's query heads holds
-    it.) Empty without a loop."""
+    opcode, operands)]: of the loops (a backward branch's target to the branch) that hold a
+    tensor-core product, the innermost, the largest if there are several. That is what a thread
+    issues per tile. (The key pass's loop over a group's query heads holds it; Sinkhorn-N's
+    gradient passes hold a loop over the sweeps inside it.) Empty without one."""
     loops = []
     for addr, op, rest in code:
         target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
         if target and int(target.group(1), 16) < addr:
-            loops.append((int(target.group(1), 16), addr))
+            lo = int(target.group(1), 16)
+            if any(lo <= a <= addr and o in ("HGMMA", "HMMA") for a, o, _ in code):
+                loops.append((lo, addr))
     innermost = [(lo, hi) for lo, hi in loops
                  if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]
     best = max(([o for a, o, _ in code if lo <= a <= hi] for lo, hi in innermost), key=len, default=[])
