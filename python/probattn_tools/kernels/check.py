@@ -4,7 +4,7 @@ in q, k and v (and HNAS's gate logits) and the received mass, over plans (softma
 Sinkhorn-N for N = 2, 3 and 5, another score scale), masks (key padding, query padding, boolean patterns per head or
 broadcast, a row that sees nothing, causal), grouped key/value
 heads, lengths that are not multiples of the blocks, head dimensions that are not powers of two,
-and dtypes; and BAM's sampling over the plans (`plans.bam_attention`): its draws against the CPU
+scores far below 0 (where exp overflows past the last query or key of a block), and dtypes; and BAM's sampling over the plans (`plans.bam_attention`): its draws against the CPU
 loop's record (`counter_noise.json`), its output, KL part and gradients against the formulas
 given the same draws.
 
