@@ -6,6 +6,7 @@ not fit in them (spills), and the SASS instructions that matter for speed, count
     python -m probattn_tools.kernels.resources                             # every kernel, bfloat16, d 64, sm_90
     python -m probattn_tools.kernels.resources --noise 2 --setting 64,32,4,2
     python -m probattn_tools.kernels.resources --kernel _row_pass --json out.json --markdown out.md
+    python -m probattn_tools.kernels.resources --noise 0 --floor 32768   # and each plan's instruction floor
 
 The counts are of instructions in the code, not of executions: the loop over key (or query)
 blocks is compiled once, so a count in the loop's body is what one thread issues per tile.
@@ -82,6 +83,43 @@ def loop_counts(code):
     return {"loop_instructions": len(best), **{f"loop_{kind}": sum(1 for op in best if op == kind) for kind in KINDS}}
 
 
+# The passes of a forward and backward per plan, unpadded, as the route launches them
+# (fused_cuda.cpp): (kernel, the constexprs that pick its specialization).
+PLAN_PASSES = {
+    "softmax": [("_row_pass", {"SWEEPS": 0}), ("_key_pass", {"SWEEPS": 0, "GRADS": True}), ("_query_pass", {"SWEEPS": 0})],
+    "dnas": [("_column_pass", {}), ("_row_pass", {"SWEEPS": 1}), ("_key_pass", {"SWEEPS": 1, "GRADS": True}),
+             ("_query_pass", {"SWEEPS": 1})],
+    "hnas": [("_column_pass", {}), ("_row_pass", {"SWEEPS": 1, "HYBRID": True}),
+             ("_key_pass", {"SWEEPS": 1, "GRADS": True}), ("_query_pass", {"SWEEPS": 1}),
+             ("_key_pass", {"SWEEPS": 0, "GRADS": True}), ("_query_pass", {"SWEEPS": 0})],
+}
+# Hopper (H100 and H200 SXM): 132 SMs at up to 1.98 GHz, 4 warp instructions issued per SM per clock.
+SMS, CLOCK, ISSUE = 132, 1.98e9, 4
+
+
+def floors(rows, seq, heads, batch=1):
+    """{plan: {ms, per_entry, passes}}: the time the loops' instructions alone take for a forward and
+    backward at B × H × S × S score entries, every scheduler issuing each clock. A lower bound on
+    time, not an estimate: it counts no wait, and the tensor cores' work overlapped."""
+    def find(kernel, picks):
+        for r in rows:
+            c = r["constexprs"]
+            if (r["kernel"] == kernel and "loop_per_entry" in r and not c.get("HAS_QPAD") and not c.get("HAS_MASK")
+                    and not c.get("CAUSAL") and all(c.get(k, 0) == v for k, v in picks.items())
+                    and (kernel != "_row_pass" or c.get("HYBRID", False) == picks.get("HYBRID", False))):
+                return r["loop_per_entry"]
+        return None
+    out = {}
+    for plan, passes in PLAN_PASSES.items():
+        counts = [find(k, p) for k, p in passes]
+        if None in counts:
+            continue
+        per_entry = round(sum(counts), 1)
+        ms = batch * heads * seq * seq * per_entry / 32 / (SMS * ISSUE * CLOCK) * 1e3
+        out[plan] = {"ms": round(ms, 1), "per_entry": per_entry, "passes": [[k, n] for (k, _), n in zip(passes, counts)]}
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -93,6 +131,11 @@ def main(argv=None):
     parser.add_argument("--noise", type=int, choices=[0, 1, 2], help="only this noise (0 none, 1 Weibull, 2 Lognormal)")
     parser.add_argument("--padded", action="store_true", help="the padded and masked specializations too (the "
                                                               "unpadded ones alone by default, BAM's always padded)")
+    parser.add_argument("--floor", type=int, metavar="S", help="also the time the loops' instructions alone take "
+                                                                 "for each deterministic plan's forward and backward "
+                                                                 "at sequence length S on an H100 or H200 (a lower "
+                                                                 "bound; needs the unpadded passes: --noise 0)")
+    parser.add_argument("--heads", type=int, default=8, help="heads for --floor (batch 1)")
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--markdown", help="write the table to this file")
     args = parser.parse_args(argv)
@@ -145,11 +188,21 @@ def main(argv=None):
               f"{row['float64_per_entry']}/entry, MUFU {row['MUFU']}, HGMMA {row['HGMMA']}", flush=True)
     if not rows:
         sys.exit("kernels.resources: no kernel of the route matches the filters")
+    floor = floors(rows, args.floor, args.heads) if args.floor else {}
+    if args.floor and not floor:
+        sys.exit("kernels.resources: --floor needs the unpadded deterministic passes (--noise 0, no --kernel)")
+    for plan, f in floor.items():
+        print(f"floor {plan:8} S {args.floor}, H {args.heads}: {f['ms']} ms from {f['per_entry']} instructions per "
+              f"entry ({', '.join(f'{k} {n}' for k, n in f['passes'])}) on {SMS} SMs at {CLOCK / 1e9} GHz")
     about = {"dtype": args.dtype, "head_dim": args.head_dim, "arch": f"sm_{args.arch}", "block_m": block_m,
              "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "triton": triton.__version__,
              "entries_per_thread": held, **scripts_provenance()}
     if args.json:
-        atomic_write_text(args.json, json.dumps({"about": about, "rows": rows}, indent=1) + "\n")
+        record = {"about": about, "rows": rows}
+        if floor:
+            record["floors"] = {"seq": args.floor, "heads": args.heads, "batch": 1, "sms": SMS, "clock_hz": CLOCK,
+                                "issue_per_clock": ISSUE, "plans": floor}
+        atomic_write_text(args.json, json.dumps(record, indent=1) + "\n")
     if args.markdown:
         lines = [f"{args.dtype}, head dimension {args.head_dim}, sm_{args.arch}, {block_m} x {block_n} blocks, "
                  f"{num_warps} warps, {num_stages} stages (Triton {triton.__version__}); static SASS counts; kernels "
