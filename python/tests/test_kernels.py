@@ -95,12 +95,12 @@ class TritonKernels(unittest.TestCase):
     def test_the_deterministic_loops_stay_within_their_instruction_budgets(self):
         # The loops over tiles of softmax's and DNAS's passes for sm_90 (bfloat16, d 64, 64 x 64
         # blocks), read from their SASS. Forming exp as one approximate exp2, leaving out the
-        # bound a pass need not apply and summing the column pass's tiles along rows took them
-        # from 18.7-45.2 instructions a score entry to 11.3-26.8; a budget 15% above those
-        # counts holds them there.
+        # bound a pass need not apply, summing the column pass's tiles along rows and taking
+        # DNAS's column weights from the row weights took them from 18.7-45.2 instructions a
+        # score entry to 11.3-24.7; a budget 15% above those counts holds them there.
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         budget = {("_column_pass", 0): 13.0, ("_row_pass", 0): 16.6, ("_row_pass", 1): 22.2, ("_key_pass", 0): 15.3,
-                  ("_key_pass", 1): 30.8, ("_query_pass", 0): 13.8, ("_query_pass", 1): 24.6}
+                  ("_key_pass", 1): 28.4, ("_query_pass", 0): 13.8, ("_query_pass", 1): 23.2}
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "det.json"
             done = subprocess.run([sys.executable, "-m", "probattn_tools.kernels.resources", "--noise", "0", "--json",

@@ -132,10 +132,10 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
 
 
 @triton.jit
-def _key_grads(dv, dk, dk_corr, g, da, p, y, z, ok, q, v, w_d, w_s, pi_d, pi_s, DO, DELTA, PRIOR, RB, KS, DKL,
+def _key_grads(dv, dk, dk_corr, g, da, p, y, z, ok, r, q, v, w_d, w_s, pi_d, pi_s, DO, DELTA, PRIOR, RB, KS, DKL,
                RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob, stride_doh, stride_dos,
                stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS: tl.constexpr, KL: tl.constexpr,
-               MIX: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
+               MIX: tl.constexpr, NOISE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
     """One query block's share of `_key_pass`'s sums for its key block and query head, given the
     tile's weights p, the base's logits y, DNAS's logits z (the scores less c) and the allowed
     pairs: dV; dK's main part Σ_i dS_ij q_i, added to dk (summed over the group's query heads),
@@ -160,8 +160,8 @@ def _key_grads(dv, dk, dk_corr, g, da, p, y, z, ok, q, v, w_d, w_s, pi_d, pi_s, 
     dk += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
     if SWEEPS > 0:
         g += tl.sum(dy_d, 0)
-        pc = _exp(tl.where(ok, z, float("-inf")))  # exp(z_ij − c_j): the column weights
-        dk_corr += tl.dot(tl.trans(pc).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
+        dk_corr += tl.dot(tl.trans(_column_weights(p, z, ok, r, NOISE, MIX)).to(q.dtype), q, out_dtype=ACC,
+                          input_precision=DOT)
     return dv, dk, dk_corr, g, da
 
 
@@ -231,9 +231,10 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
                 mass += tl.sum(p, 0)
                 if GRADS:
                     dv, dk, dk_corr, g, da = _key_grads(
-                        dv, dk, dk_corr, g, da, p, y, z, ok, q, v, w_d, w_s, pi_d, pi_s, DO, DELTA, PRIOR, RB, KS,
+                        dv, dk, dk_corr, g, da, p, y, z, ok, r, q, v, w_d, w_s, pi_d, pi_s, DO, DELTA, PRIOR, RB, KS,
                         DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob, stride_doh,
-                        stride_dos, stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS, KL, MIX, ACC, DOT)
+                        stride_dos, stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS, KL, MIX, NOISE, ACC,
+                        DOT)
         if GRADS:
             if SWEEPS > 0:
                 dk -= g[:, None] * dk_corr  # DNAS's correction, once g_j is known; the main part went into dk
@@ -248,16 +249,27 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
 
 
 @triton.jit
-def _query_dz(ds, z, ok, w_d, w_s, pi_d, pi_s, rho_d, rho_s, G, b, h, offs_n, S_K, stride_cb, stride_ch,
-              SWEEPS: tl.constexpr, MIX: tl.constexpr):
+def _query_dz(ds, p, z, ok, r, w_d, w_s, pi_d, pi_s, rho_d, rho_s, G, b, h, offs_n, S_K, stride_cb, stride_ch,
+              SWEEPS: tl.constexpr, MIX: tl.constexpr, NOISE: tl.constexpr):
     """dz on one tile of `_query_pass`: dS¹ (DNAS's branch's share under MIX, `_mix_split`) less
     DNAS's column correction exp(z_ij − c_j) g_j, z the scores less c."""
     if MIX:
         _, ds = _mix_split(ds, w_d, w_s, pi_d, pi_s, rho_d, rho_s)
     if SWEEPS > 0:
         g = _rows(G, b, h, offs_n, S_K, stride_cb, stride_ch)
-        ds -= _exp(tl.where(ok, z, float("-inf"))) * g[None, :]
+        ds -= _column_weights(p, z, ok, r, NOISE, MIX) * g[None, :]
     return ds
+
+
+@triton.jit
+def _column_weights(p, z, ok, r, NOISE: tl.constexpr, MIX: tl.constexpr):
+    """DNAS's column weights exp(z_ij − c_j) on a tile (z the scores less c, 0 where excluded). With
+    weights p = exp(z − r_i) that carry no noise and no mixture, p·exp(r_i): a multiply per entry
+    where an exp takes three instructions (r_i ≤ log S_k, as each exp(z_ij) ≤ 1)."""
+    if NOISE == 0 and not MIX:
+        return p * _exp(r)[:, None]
+    else:
+        return _exp(tl.where(ok, z, float("-inf")))
 
 
 @triton.jit
@@ -332,8 +344,8 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 rho_s += tl.sum(w_s * ds, 1)
                 gu += tl.sum(ds * (w_d * inv_u - w_s * inv_1mu), 1)
             else:
-                dz = _query_dz(ds, z, ok, w_d, w_s, pi_d, pi_s, rho_d, rho_s, G, b, h, offs_n, S_K, stride_cb, stride_ch,
-                               SWEEPS, MIX)
+                dz = _query_dz(ds, p, z, ok, r, w_d, w_s, pi_d, pi_s, rho_d, rho_s, G, b, h, offs_n, S_K, stride_cb,
+                               stride_ch, SWEEPS, MIX, NOISE)
                 dq += tl.dot(dz.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
     if ROWS:
         _store_rows(RHO_D, rho_d, b, h, offs_m, S_Q, stride_rb, stride_rh)
