@@ -29,6 +29,8 @@ import time
 import zlib
 from pathlib import Path
 
+import numpy
+
 TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3}
 
 
@@ -370,7 +372,13 @@ def run_cases(torch, plans, formulas, args, config):
             continue
         for case in [c for c in cases(args.quick, dtype_name != "float64") if args.cases in c[0]]:
             start = time.time()
-            errors = run_case(torch, plans, formulas, case, dtype, args.device, config)
+            if "far" in case[4]:
+                # Past the last query or key the passes compute inf and NaN on purpose (what lies
+                # there is never stored); the interpreter's numpy would warn of each.
+                with numpy.errstate(over="ignore", invalid="ignore"):
+                    errors = run_case(torch, plans, formulas, case, dtype, args.device, config)
+            else:
+                errors = run_case(torch, plans, formulas, case, dtype, args.device, config)
             # every error against the tolerance: NaN fails (max() of a list holding NaN may skip it)
             ok = all(e <= TOLERANCE[dtype_name] for e in errors.values())
             results.append({"case": case[0], "dtype": dtype_name, "errors": errors, "ok": ok})

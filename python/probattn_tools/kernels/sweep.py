@@ -37,6 +37,7 @@ def _worst(errors):
     """The largest of the errors, NaN above every number (max() may pass over a NaN)."""
     return max(errors, key=lambda e: math.inf if math.isnan(e) else e)
 
+
 def default(dtype, head_dim):
     """The setting a set without a tuning table entry is compiled with: DEFAULT, but 32-query
     blocks for float32 above head dimension 64 (the key pass's 64 × 64 float32 tiles need 176 KiB
