@@ -83,15 +83,20 @@ def loop_counts(code):
     return {"loop_instructions": len(best), **{f"loop_{kind}": sum(1 for op in best if op == kind) for kind in KINDS}}
 
 
-# The passes of a forward and backward per plan, unpadded, as the route launches them
-# (fused_cuda.cpp): (kernel, the constexprs that pick its specialization).
+# The passes of a forward and backward per plan, as the route launches them (fused_cuda.cpp):
+# (kernel, its specialization's constexprs that are set, as the rows show them). The
+# deterministic plans unpadded; BAM (over softmax, with its KL term) padded, as the route
+# always runs it.
+_BAM = {"HAS_QPAD": True, "HAS_KPAD": True}
 PLAN_PASSES = {
-    "softmax": [("_row_pass", {"SWEEPS": 0}), ("_key_pass", {"SWEEPS": 0, "GRADS": True}), ("_query_pass", {"SWEEPS": 0})],
+    "softmax": [("_row_pass", {}), ("_key_pass", {"GRADS": True}), ("_query_pass", {})],
     "dnas": [("_column_pass", {}), ("_row_pass", {"SWEEPS": 1}), ("_key_pass", {"SWEEPS": 1, "GRADS": True}),
              ("_query_pass", {"SWEEPS": 1})],
     "hnas": [("_column_pass", {}), ("_row_pass", {"SWEEPS": 1, "HYBRID": True}),
              ("_key_pass", {"SWEEPS": 1, "GRADS": True}), ("_query_pass", {"SWEEPS": 1}),
-             ("_key_pass", {"SWEEPS": 0, "GRADS": True}), ("_query_pass", {"SWEEPS": 0})],
+             ("_key_pass", {"GRADS": True}), ("_query_pass", {})],
+    **{name: [("_row_pass", dict(_BAM, NOISE=n, KL=n)), ("_key_pass", dict(_BAM, NOISE=n, KL=n, GRADS=True)),
+              ("_query_pass", dict(_BAM, NOISE=n, KL=n))] for name, n in (("bam-wc", 1), ("bam-lc", 2))},
 }
 # Hopper (H100 and H200 SXM): 132 SMs at up to 1.98 GHz, 4 warp instructions issued per SM per clock.
 SMS, CLOCK, ISSUE = 132, 1.98e9, 4
@@ -99,16 +104,14 @@ SMS, CLOCK, ISSUE = 132, 1.98e9, 4
 
 def floors(rows, seq, heads, batch=1):
     """{plan: {ms, per_entry, passes}}: the time the loops' instructions alone take for a forward and
-    backward at B × H × S × S score entries, every scheduler issuing each clock. A lower bound on
-    time, not an estimate: it counts no wait, and the tensor cores' work overlapped."""
+    backward at B × H × S × S score entries, every scheduler issuing each clock, for each plan of
+    PLAN_PASSES whose passes are among the rows. A lower bound on time, not an estimate: it counts
+    no wait, and the tensor cores' work overlapped. (Float64 instructions, which Lognormal's draws
+    take, issue at half the rate on their own pipe; at 73-76 of 260-440 an entry they do not
+    bind.)"""
     def find(kernel, picks):
-        for r in rows:
-            c = r["constexprs"]
-            if (r["kernel"] == kernel and "loop_per_entry" in r and not c.get("HAS_QPAD") and not c.get("HAS_MASK")
-                    and not c.get("CAUSAL") and all(c.get(k, 0) == v for k, v in picks.items())
-                    and (kernel != "_row_pass" or c.get("HYBRID", False) == picks.get("HYBRID", False))):
-                return r["loop_per_entry"]
-        return None
+        return next((r["loop_per_entry"] for r in rows
+                     if r["kernel"] == kernel and r["constexprs"] == picks and "loop_per_entry" in r), None)
     out = {}
     for plan, passes in PLAN_PASSES.items():
         counts = [find(k, p) for k, p in passes]
@@ -132,9 +135,10 @@ def main(argv=None):
     parser.add_argument("--padded", action="store_true", help="the padded and masked specializations too (the "
                                                               "unpadded ones alone by default, BAM's always padded)")
     parser.add_argument("--floor", type=int, metavar="S", help="also the time the loops' instructions alone take "
-                                                                 "for each deterministic plan's forward and backward "
-                                                                 "at sequence length S on an H100 or H200 (a lower "
-                                                                 "bound; needs the unpadded passes: --noise 0)")
+                                                                 "for each plan's forward and backward at sequence "
+                                                                 "length S on an H100 or H200, a lower bound (the "
+                                                                 "deterministic plans with --noise 0, BAM-WC and "
+                                                                 "BAM-LC with --noise 1 and 2)")
     parser.add_argument("--heads", type=int, default=8, help="heads for --floor (batch 1)")
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--markdown", help="write the table to this file")
@@ -190,7 +194,7 @@ def main(argv=None):
         sys.exit("kernels.resources: no kernel of the route matches the filters")
     floor = floors(rows, args.floor, args.heads) if args.floor else {}
     if args.floor and not floor:
-        sys.exit("kernels.resources: --floor needs the unpadded deterministic passes (--noise 0, no --kernel)")
+        sys.exit("kernels.resources: --floor needs all of a plan's passes (--noise 0, 1 or 2, no --kernel)")
     for plan, f in floor.items():
         print(f"floor {plan:8} S {args.floor}, H {args.heads}: {f['ms']} ms from {f['per_entry']} instructions per "
               f"entry ({', '.join(f'{k} {n}' for k, n in f['passes'])}) on {SMS} SMs at {CLOCK / 1e9} GHz")
