@@ -1,12 +1,13 @@
 """Checks the Triton kernels of the plans (`probattn_tools.kernels.plans`) against the reference
 formulas (`probattn_tools.reference.formulas`, written from the papers): the output, the gradients
 in q, k and v (and HNAS's gate logits) and the received mass, over plans (softmax, DNAS, HNAS,
-Sinkhorn-N for N = 2, 3 and 5, another score scale), masks (key padding, query padding, boolean patterns per head or
-broadcast, a row that sees nothing, causal), grouped key/value
-heads, lengths that are not multiples of the blocks, head dimensions that are not powers of two,
-scores far below 0 (where exp overflows past the last query or key of a block), and dtypes; and BAM's sampling over the plans (`plans.bam_attention`): its draws against the CPU
-loop's record (`counter_noise.json`), its output, KL part and gradients against the formulas
-given the same draws.
+Sinkhorn-N for N = 2, 3 and 5, another score scale), masks (key padding, query padding, boolean
+patterns per head or broadcast, a row that sees nothing, causal), grouped key/value heads,
+lengths that are not multiples of the blocks, head dimensions that are not powers of two, scores
+far below 0 (where exp overflows past the last query or key of a block), and dtypes; and BAM's
+sampling over the plans (`plans.bam_attention`): its draws against the CPU loop's record
+(`counter_noise.json`), its output, KL part and gradients against the formulas given the same
+draws.
 
     python -m probattn_tools.kernels.check                  # on the CPU, under Triton's interpreter
     python -m probattn_tools.kernels.check --device cuda    # on a GPU, compiled
