@@ -46,11 +46,11 @@ INPUTS = {"Q", "K", "V", "O", "O2", "DO", "DQ", "DK", "DV_OUT"}
 # batch, head and row strides, and the head dimensions.
 ALIGNED = INPUTS | {"D", "DV"} | {f"stride_{t}{axis}" for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv") for axis in "bhs"}
 STATISTICS = {"C", "R", "R2", "G", "MASS", "DELTA", "CS", "RS", "GC", "GR", "RPOT", "CPOT", "COEF", "OUT", "SCALE", "BIAS",
-              "PRIOR", "RB", "KS", "TROW", "DKL", "DA", "RD", "RS", "LOGU", "RHO_D", "RHO_S", "GU"}
+              "PRIOR", "RB", "KS", "TROW", "DKL", "DA", "RD", "RS", "LOGU", "RHO_D", "RHO_S", "GU", "SHARES"}
 MASKS = {"QPAD", "KPAD", "MASK", "BLOCKS"}
 WORDS = {"DRAWS"}  # int64 tensors: the seed's words (draws given as a tensor are not compiled here)
 # Constexprs with a value that leaves their feature off, where a specialization does not name them.
-OFF = dict(NOISE=0, KL=0, DRAW64=False, MIX=False, ROWS=False)
+OFF = dict(NOISE=0, KL=0, DRAW64=False, MIX=False, ROWS=False, SHARE=False, ADD=False)
 TRITON_TYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 # The products' input precision per dtype: TF32 for float32 (see above); for 16-bit inputs the
 # precision changes nothing.
@@ -70,6 +70,8 @@ def specializations(plans, smoke):
         return [("_column_pass", flags), ("_row_pass", dict(flags, SWEEPS=1, HYBRID=True, CAUSAL=False)),
                 ("_row_pass", dict(flags, **bam, SWEEPS=1, HYBRID=False, CAUSAL=False, MIX=True)),
                 ("_key_pass", dict(flags, **bam, SWEEPS=1, CAUSAL=False, GRADS=True, MIX=True)),
+                ("_key_pass", dict(flags, SWEEPS=1, CAUSAL=False, GRADS=True, SHARE=True, ADD=True)),
+                ("_query_pass", dict(flags, SWEEPS=1, CAUSAL=False, SHARE=True, ADD=True)),
                 ("_query_pass", dict(flags, **bam, SWEEPS=1, CAUSAL=False, MIX=True, ROWS=True)),
                 ("_query_pass", dict(flags, **bam, SWEEPS=1, CAUSAL=False, MIX=True, ROWS=False)),
                 ("_sink_reduce", dict(flags, COLUMNS=True, LSE=False, HAS_RPOT=True)),
@@ -105,7 +107,8 @@ def route_specializations(dtype="bfloat16", head_dim=64):
     Unpadded, padded (key and query padding read together: a call with one passes no padding for
     the other) and masked (the paddings, a boolean pattern and an additive mask read together, each
     absent one passed as a stride-0 view of one neutral value): softmax (plain and causal), DNAS
-    and HNAS (DNAS's row pass with softmax's accumulator beside it), forward and backward, with
+    and HNAS (DNAS's row pass with softmax's accumulator beside it; its backward's passes take
+    each branch's share of dO, the second adding to the first's gradients), forward and backward, with
     the key pass that gives the received mass alone, and Sinkhorn-N's passes (N a run-time
     argument: one set for every N ≥ 2).
 
@@ -130,6 +133,11 @@ def route_specializations(dtype="bfloat16", head_dim=64):
                 out.append(("_key_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal, GRADS=grads)))
             out.append(("_query_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal)))
         out.append(("_row_pass", dict(f, SWEEPS=1, HYBRID=True, CAUSAL=False)))
+        # HNAS's backward: each branch's key and query passes on its share of dO, softmax's adding
+        # its gradients to DNAS's.
+        for sweeps, add in ((1, False), (0, True)):
+            out += [("_key_pass", dict(f, SWEEPS=sweeps, CAUSAL=False, GRADS=True, SHARE=True, ADD=add)),
+                    ("_query_pass", dict(f, SWEEPS=sweeps, CAUSAL=False, SHARE=True, ADD=add))]
         # Sinkhorn-N: the forward's column (first, then after a row potential) and row reductions,
         # the backward's two reductions of the potentials' gradients, and its three gradient stages.
         for columns, lse, rpot in ((True, True, False), (True, True, True), (False, True, False), (False, False, True),

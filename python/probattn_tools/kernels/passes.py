@@ -132,17 +132,29 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
 
 
 @triton.jit
-def _key_grads(dv, dk, dk_corr, g, da, p, y, z, ok, r, q, v, w_d, w_s, pi_d, pi_s, DO, DELTA, PRIOR, RB, KS, DKL,
-               RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob, stride_doh, stride_dos,
+def _shared(do, share, SHARE: tl.constexpr, ACC: tl.constexpr):
+    """A block of dO as one branch of HNAS takes it (SHARE): times the branch's share of its head
+    (u or 1 − u), rounded to dO's dtype, as a caller that formed that branch's dO would round it;
+    the block itself otherwise."""
+    if SHARE:
+        return (do.to(ACC) * share).to(do.dtype)
+    else:
+        return do
+
+
+@triton.jit
+def _key_grads(dv, dk, dk_corr, g, da, p, y, z, ok, r, q, v, w_d, w_s, pi_d, pi_s, share, DO, DELTA, PRIOR, RB, KS,
+               DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob, stride_doh, stride_dos,
                stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS: tl.constexpr, KL: tl.constexpr,
-               MIX: tl.constexpr, NOISE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
+               MIX: tl.constexpr, NOISE: tl.constexpr, SHARE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
     """One query block's share of `_key_pass`'s sums for its key block and query head, given the
     tile's weights p, the base's logits y, DNAS's logits z (the scores less c) and the allowed
     pairs: dV; dK's main part Σ_i dS_ij q_i, added to dk (summed over the group's query heads),
     and DNAS's correction Σ_i exp(z_ij) q_i, per query head; g_j = Σ_i
     dy_ij, dy the gradient in z (DNAS's branch's share of it under MIX); and, with a KL term, the
-    prior's gradient."""
-    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
+    prior's gradient. SHARE: dO is this query head's `share` of the block read, as `_shared`
+    forms it."""
+    do = _shared(_block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos), share, SHARE, ACC)
     delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
     dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
     dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT)
@@ -167,7 +179,7 @@ def _key_grads(dv, dk, dk_corr, g, da, p, y, z, ok, r, q, v, w_d, w_s, pi_d, pi_
 
 @triton.jit
 def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, PRIOR, RB, KS, DKL,
-              DA, RD, RS, LOGU, RHO_D, RHO_S, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+              DA, RD, RS, LOGU, RHO_D, RHO_S, SHARES, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
               stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
               stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_qpad, stride_kpad,
               stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab,
@@ -175,7 +187,7 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
               H, H_KV, GROUP, S_Q, S_K, D, DV, SCALE,
               SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
               HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, NOISE: tl.constexpr, KL: tl.constexpr,
-              DRAW64: tl.constexpr, MIX: tl.constexpr,
+              DRAW64: tl.constexpr, MIX: tl.constexpr, SHARE: tl.constexpr, ADD: tl.constexpr,
               GRADS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One key block of one (batch, key/value head) per program, over its group's query heads
@@ -185,7 +197,9 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
     (per query head, laid out as C) is summed over the queries. MIX (BAM over HNAS): dS¹ is the
     gradient in HNAS's log-weights, split between the branches by their shares (`_mix_shares`)
     with the per-row sums RHO_D and RHO_S of `_query_pass`'s ROWS stage; DNAS's branch takes the
-    column correction."""
+    column correction. SHARE and ADD (HNAS's branches): each query head's dO is its share of the
+    given dO (`SHARES`, one per query head), and with ADD dK and dV are added to what DK and
+    DV_OUT hold (the other branch's), not written over it."""
     scale = tl.load(SCALE).to(ACC)
     noise_scale = tl.load(SCALE + 1).to(ACC)
     start_n = tl.program_id(0) * BLOCK_N
@@ -203,6 +217,9 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
         start_m0 = (start_n // BLOCK_M) * BLOCK_M  # query blocks wholly above the diagonal see none of these keys
     for i in range(0, GROUP):
         h = kvh * GROUP + i
+        share = scale  # read only under SHARE
+        if SHARE:
+            share = tl.load(SHARES + h).to(ACC)
         c = tl.zeros([BLOCK_N], dtype=ACC)
         if SWEEPS > 0:
             c = _rows(C, b, h, offs_n, S_K, stride_cb, stride_ch)
@@ -231,10 +248,10 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
                 mass += tl.sum(p, 0)
                 if GRADS:
                     dv, dk, dk_corr, g, da = _key_grads(
-                        dv, dk, dk_corr, g, da, p, y, z, ok, r, q, v, w_d, w_s, pi_d, pi_s, DO, DELTA, PRIOR, RB, KS,
-                        DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob, stride_doh,
-                        stride_dos, stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS, KL, MIX, NOISE, ACC,
-                        DOT)
+                        dv, dk, dk_corr, g, da, p, y, z, ok, r, q, v, w_d, w_s, pi_d, pi_s, share, DO, DELTA, PRIOR,
+                        RB, KS, DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob,
+                        stride_doh, stride_dos, stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS, KL, MIX,
+                        NOISE, SHARE, ACC, DOT)
         if GRADS:
             if SWEEPS > 0:
                 dk -= g[:, None] * dk_corr  # DNAS's correction, once g_j is known; the main part went into dk
@@ -244,7 +261,11 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
         else:
             _store_rows(MASS, mass, b, h, offs_n, S_K, stride_cb, stride_ch)
     if GRADS:
-        _store_block(DK, dk * scale, b, kvh, offs_n, offs_d, S_K, D, stride_dkb, stride_dkh, stride_dks)
+        dk = dk * scale
+        if ADD:
+            dk += _block(DK, b, kvh, offs_n, offs_d, S_K, D, stride_dkb, stride_dkh, stride_dks).to(ACC)
+            dv += _block(DV_OUT, b, kvh, offs_n, offs_dv, S_K, DV, stride_dvb, stride_dvh, stride_dvs).to(ACC)
+        _store_block(DK, dk, b, kvh, offs_n, offs_d, S_K, D, stride_dkb, stride_dkh, stride_dks)
         _store_block(DV_OUT, dv, b, kvh, offs_n, offs_dv, S_K, DV, stride_dvb, stride_dvh, stride_dvs)
 
 
@@ -274,7 +295,7 @@ def _column_weights(p, z, ok, r, NOISE: tl.constexpr, MIX: tl.constexpr):
 
 @triton.jit
 def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, PRIOR, RB, KS, DKL, RD, RS, LOGU,
-                RHO_D, RHO_S, GU,
+                RHO_D, RHO_S, GU, SHARES,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
                 stride_dqb, stride_dqh, stride_dqs, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm,
@@ -282,12 +303,14 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 stride_pb, stride_ph, stride_pn, H, GROUP, S_Q, S_K, D, DV, SCALE,
                 SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
                 HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, NOISE: tl.constexpr, KL: tl.constexpr,
-                DRAW64: tl.constexpr, MIX: tl.constexpr, ROWS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+                DRAW64: tl.constexpr, MIX: tl.constexpr, ROWS: tl.constexpr, SHARE: tl.constexpr, ADD: tl.constexpr,
+                ACC: tl.constexpr, DOT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """dQ_i = s Σ_j dz_ij k_j, dz_ij = dS¹_ij − exp(z_ij − c_j) g_j, one query block per program
     (with BAM's noise in the weights and the KL part in dS¹, as in `_key_pass`). MIX (BAM over
     HNAS) with ROWS: instead of dQ, the per-row sums the branches' gradients need, RHO_D_i =
-    Σ_j w_D dS¹ and RHO_S_i = Σ_j w_S dS¹, and GU_i = Σ_j dS¹·(π_D − π_S)/π for the gate."""
+    Σ_j w_D dS¹ and RHO_S_i = Σ_j w_S dS¹, and GU_i = Σ_j dS¹·(π_D − π_S)/π for the gate. SHARE and
+    ADD as in `_key_pass`: dO is the head's share of the given one, and dQ is added to DQ's."""
     scale = tl.load(SCALE).to(ACC)
     noise_scale = tl.load(SCALE + 1).to(ACC)
     start_m = tl.program_id(0) * BLOCK_M
@@ -298,7 +321,10 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
-    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
+    share = scale  # read only under SHARE
+    if SHARE:
+        share = tl.load(SHARES + h).to(ACC)
+    do = _shared(_block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos), share, SHARE, ACC)
     r = _rows(R, b, h, offs_m, S_Q, stride_rb, stride_rh)
     delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
@@ -352,4 +378,7 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
         _store_rows(RHO_S, rho_s, b, h, offs_m, S_Q, stride_rb, stride_rh)
         _store_rows(GU, gu, b, h, offs_m, S_Q, stride_rb, stride_rh)
     else:
-        _store_block(DQ, dq * scale, b, h, offs_m, offs_d, S_Q, D, stride_dqb, stride_dqh, stride_dqs)
+        dq = dq * scale
+        if ADD:
+            dq += _block(DQ, b, h, offs_m, offs_d, S_Q, D, stride_dqb, stride_dqh, stride_dqs).to(ACC)
+        _store_block(DQ, dq, b, h, offs_m, offs_d, S_Q, D, stride_dqb, stride_dqh, stride_dqs)

@@ -235,7 +235,7 @@ class _Call:
         self.args = dict(
             Q=self.q, K=self.k, V=self.v, QPAD=qpad, KPAD=kpad, MASK=pattern, BLOCKS=blocks, BIAS=bias,
             DRAWS=draws, PRIOR=a, RB=dummy, KS=dummy, TROW=dummy, DKL=dummy, DA=dummy, MIX=False, ROWS=False,
-            RD=dummy, RS=dummy, LOGU=dummy, RHO_D=dummy, RHO_S=dummy, GU=dummy,
+            RD=dummy, RS=dummy, LOGU=dummy, RHO_D=dummy, RHO_S=dummy, GU=dummy, SHARES=dummy, SHARE=False, ADD=False,
             stride_pb=spb, stride_ph=sph, stride_pn=spn,
             NOISE=sampling.code() if sampling else 0, KL=Sampling.NOISES[sampling.kl] if self.kl else 0,
             DRAW64=self.stats == torch.float64,
@@ -385,17 +385,33 @@ def _received_mass(call, c, r):
     return mass
 
 
-def _backward(call, sweeps, out, stats, grad_out, kl=None, mix=None):
+def _row_dots(do, out, dtype):
+    """D_i = Σ_d dO_id O_id (B, H, S) in `dtype`, the products formed exactly in one buffer of that
+    dtype (not copies of dO and O in it beside their product)."""
+    return torch.zeros(out.shape, dtype=dtype, device=out.device).addcmul_(do, out).sum(-1)
+
+
+def _shared(do, shares):
+    """dO times each head's share `shares (H,)`, rounded to dO's dtype: what the passes form from
+    dO under SHARE (`passes._shared`)."""
+    return (do.to(shares.dtype) * shares[None, :, None, None]).to(do.dtype)
+
+
+def _backward(call, sweeps, out, stats, grad_out, kl=None, mix=None, branch=None):
     """(dq, dk, dv) by recomputation, for the statistics `_forward` returned. `kl`: (RB, KS, dkl,
     da) of a KL term, dkl (B, H) the gradient in its part T; the prior's gradient is written to
     da (B, H, S_k). None: no KL term's gradient. `mix` (BAM over HNAS): (RD, RS, gu), the
-    forward's row statistics and a (B, H, S_q) tensor for the gate's gradient per row."""
+    forward's row statistics and a (B, H, S_q) tensor for the gate's gradient per row. `branch`
+    (one of HNAS's): (shares (H,), its D_i, (dq, dk, dv), add): the passes take each head's share
+    of dO and write their gradients to those tensors, or add them to theirs with `add`."""
     do = _aligned(grad_out, call.shape[6])  # as wide as the padded output
-    # D_i = Σ_d dO_id O_id, the products formed exactly in one buffer of the statistics' dtype
-    # (not copies of dO and O in that dtype beside their product).
-    delta = torch.zeros(out.shape, dtype=call.stats, device=out.device).addcmul_(do, out).sum(-1)
-    dq, dk, dv = torch.empty_like(call.q), torch.empty_like(call.k), torch.empty_like(call.v)
     kl_args = dict(KL=0) if kl is None else dict(zip(("RB", "KS", "DKL", "DA"), kl))
+    if branch is None:
+        delta = _row_dots(do, out, call.stats)
+        dq, dk, dv = torch.empty_like(call.q), torch.empty_like(call.k), torch.empty_like(call.v)
+    else:
+        shares, delta, (dq, dk, dv), add = branch
+        kl_args.update(SHARES=shares, SHARE=True, ADD=add)
     if sweeps <= 1:
         c, r = stats
         g = call.stat(True)
@@ -482,8 +498,9 @@ def attention(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None, recei
 
 class _HybridAttention(torch.autograd.Function):
     """HNAS: `u·O_plan + (1 − u)·O_softmax` per head, `u = sigmoid(logit)`, both outputs from one
-    row pass; the backward runs each branch's passes with its share of dO, and the gate's
-    gradient is `Σ dO·(O_plan − O_softmax) · u(1 − u)` per head."""
+    row pass; the backward runs each branch's passes with its share of dO (formed in the passes,
+    not stored), the second adding its gradients to the first's, and the gate's gradient is
+    `Σ dO·(O_plan − O_softmax) · u(1 − u)` per head."""
 
     @staticmethod
     def forward(ctx, q, k, v, logit, score_scale, masks, config, received):
@@ -504,12 +521,19 @@ class _HybridAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, *_):
         out_d, c, r_d, out_s, r_s, u = ctx.saved_tensors
-        call, dtype = ctx.call, out_d.dtype
-        g = _aligned(grad_out, out_d.shape[-1]).to(u.dtype)
-        dq_d, dk_d, dv_d = _backward(call, 1, out_d, (c, r_d), (u * g).to(dtype))
-        dq_s, dk_s, dv_s = _backward(_softmax_branch(call), 0, out_s, (torch.zeros_like(c), r_s), ((1 - u) * g).to(dtype))
-        dlogit = (g * (out_d.to(u.dtype) - out_s.to(u.dtype))).sum((0, 2, 3)) * (u * (1 - u)).flatten()
-        return dq_d.add_(dq_s), dk_d.add_(dk_s), dv_d.add_(dv_s), dlogit, None, None, None, None
+        call = ctx.call
+        do = _aligned(grad_out, out_d.shape[-1])
+        shares = u.flatten()
+        # Each branch's D_i from its share of dO as the passes round it; the gate's rows from dO.
+        delta_d, delta_s = _row_dots(_shared(do, shares), out_d, call.stats), _row_dots(_shared(do, 1 - shares), out_s, call.stats)
+        rows = _row_dots(do, out_d, call.stats) - _row_dots(do, out_s, call.stats)
+        # One set of gradients: DNAS's branch writes it, softmax's adds to it.
+        grads = torch.empty_like(call.q), torch.empty_like(call.k), torch.empty_like(call.v)
+        _backward(call, 1, out_d, (c, r_d), do, branch=(shares, delta_d, grads, False))
+        dq, dk, dv = _backward(_softmax_branch(call), 0, out_s, (torch.zeros_like(c), r_s), do,
+                               branch=(1 - shares, delta_s, grads, True))
+        dlogit = rows.sum((0, 2)) * (shares * (1 - shares))
+        return dq, dk, dv, dlogit, None, None, None, None
 
 
 def _softmax_branch(call):
