@@ -313,7 +313,7 @@ fn compare_launches(cases: &[Case], kind: Kind) -> Result<()> {
             noise_scale: NOISE_SCALE,
             seed: SEED,
             prior: (kl > 0).then_some(&prior),
-            hybrid_logit: (case.hybrid && noise > 0).then_some(&logit),
+            hybrid_logit: case.hybrid.then_some(&logit),
             mass: case.mass,
         };
         let ours: Value = serde_json::from_str(&probattn_sys::fused_cuda_dry_run(q, k, v, &spec, 90)?)?;

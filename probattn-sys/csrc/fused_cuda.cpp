@@ -12,8 +12,9 @@
 // read together, zeros for the one a call does not give):
 // - 0 and 1 sweeps (softmax, causal or not; DNAS): forward, the column pass (DNAS) then the row
 //   pass; backward, the key pass (dK, dV, g) then the query pass (dQ), by recomputation;
-// - HNAS (`hybrid`): DNAS's row pass keeps softmax's accumulator beside its own, and returns both
-//   outputs for the caller to mix; the backward runs each branch's passes with its gradient;
+// - HNAS (`hybrid`): DNAS's row pass keeps softmax's accumulator beside its own, and the two
+//   outputs are mixed by the gate here; the backward runs each branch's passes on its share of
+//   dO (formed in the passes), the second adding its gradients to the first's;
 // - Sinkhorn-N (N ≥ 2 sweeps): N column and N − 1 row potential reductions, DNAS's row pass with
 //   the last column potential; backward, the potentials' gradients reduced sweep by sweep back
 //   to the first, between three gradient stages;
@@ -26,6 +27,7 @@
 // - the received mass, when a call asks for it: after the forward, one key pass without gradients
 //   per branch (BAM: of the sampled weights, its draws made again).
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -70,6 +72,7 @@ struct Call {
   at::Tensor q, k, v, kpad, qpad, scale;
   at::Tensor seed_words, prior;      // BAM: the seed's two 32-bit words (int64), a_j as (B, H, S_k) float32
   at::Tensor logu;                   // BAM over HNAS: (log u, log(1 − u)) per head, (H, 2) float32
+  at::Tensor shares;                 // HNAS without noise: u = sigmoid(logit) per head, (H,) float32
   // The masked kernels' pattern (uint8, nonzero = takes part), its block map (B, H, ⌈S_q / block_m⌉,
   // ⌈S_k / block_n⌉) and the additive mask (float32), each a view broadcast to its full shape;
   // all three or none, with both paddings.
@@ -105,7 +108,7 @@ struct Call {
     const int64_t masked = pattern.defined() ? 1 : 0;
     l.constexprs = {{"HAS_QPAD", qpad.defined() ? 1 : 0}, {"HAS_KPAD", kpad.defined() ? 1 : 0}, {"HAS_MASK", masked}, {"HAS_BIAS", masked},
                     {"SWEEPS", std::min<int64_t>(spec.sweeps, 1)}, {"CAUSAL", spec.causal ? 1 : 0}, {"NOISE", spec.noise},
-                    {"KL", spec.kl}, {"MIX", mix() ? 1 : 0}, {"ROWS", 0}};
+                    {"KL", spec.kl}, {"MIX", mix() ? 1 : 0}, {"ROWS", 0}, {"SHARE", 0}, {"ADD", 0}};
     for (const auto& [n, value] : extra) l.constexprs[n] = value;
     tensors["Q"] = q;
     tensors["K"] = k;
@@ -217,8 +220,8 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   TORCH_CHECK(!(spec.causal && spec.sweeps > 0), "a causal mask with a column sweep would let later queries change earlier ones' weights");
   TORCH_CHECK(!spec.hybrid || spec.sweeps == 1, "the fused CUDA route mixes HNAS from DNAS (one sweep) and softmax; got ", spec.sweeps,
               " sweeps");
-  TORCH_CHECK(!spec.hybrid || spec.noise == 0 || (logit.defined() && logit.dim() == 1 && logit.size(0) == q.size(1)),
-              "BAM over HNAS on the fused CUDA route needs the gate logits, one per query head (", q.size(1), ")");
+  TORCH_CHECK(!spec.hybrid || (logit.defined() && logit.dim() == 1 && logit.size(0) == q.size(1)),
+              "HNAS on the fused CUDA route needs the gate logits, one per query head (", q.size(1), ")");
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(3) == q.size(3) && v.size(1) == k.size(1) &&
                   v.size(2) == k.size(2) && k.size(1) >= 1 && q.size(1) % k.size(1) == 0,
               "the fused CUDA route: q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(), " do not fit together");
@@ -258,9 +261,13 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     c.kpad = at::zeros({q.size(0), k.size(2)}, q.options().dtype(at::kByte));
     c.qpad = at::zeros({q.size(0), q.size(2)}, q.options().dtype(at::kByte));
   }
-  if (c.mix()) {
+  if (spec.hybrid) {
     const auto l = logit.detach().to(q.device(), at::kFloat);
-    c.logu = at::stack({at::log_sigmoid(l), at::log_sigmoid(-l)}, -1).contiguous();
+    if (c.mix()) {
+      c.logu = at::stack({at::log_sigmoid(l), at::log_sigmoid(-l)}, -1).contiguous();
+    } else {
+      c.shares = at::sigmoid(l).contiguous();
+    }
   }
   c.seed_words = at::tensor({static_cast<int64_t>(spec.seed & 0xFFFFFFFFu), static_cast<int64_t>(spec.seed >> 32)},
                             at::TensorOptions().dtype(at::kLong))
@@ -364,9 +371,9 @@ Forward fused_forward(const Call& call) {
   return f;
 }
 
-// The received mass Σ_i p_ij, (branches, B, H, S_k): a key pass without gradients per branch from
-// the forward's statistics (HNAS without noise: DNAS's, then softmax's; Sinkhorn-N: DNAS's
-// weights with the last potentials), as plans.py's `received=True` launches it. BAM's: the
+// The received mass Σ_i p_ij, (1, B, H, S_k): a key pass without gradients per branch from the
+// forward's statistics (HNAS without noise: DNAS's and softmax's, mixed by the gate; Sinkhorn-N:
+// DNAS's weights with the last potentials), as plans.py's `received=True` launches it. BAM's: the
 // sampled weights', the same draws again, without the KL term (which moves no weight); over HNAS
 // the mixture's, from its row pass's statistics.
 at::Tensor received_mass(const Call& call, const Forward& f) {
@@ -380,23 +387,61 @@ at::Tensor received_mass(const Call& call, const Forward& f) {
   };
   const int64_t n = call.spec.sweeps;
   if (n > 1) return one(1, f.c[n - 1], f.r[n - 1]).unsqueeze(0);
-  if (f.out2.defined()) return at::stack({one(1, f.c, f.r), one(0, at::zeros_like(f.c), f.r2)});
+  if (f.out2.defined()) {
+    // HNAS without noise: each branch's mass from its own statistics, mixed as the weights are.
+    const auto u = call.shares.view({1, -1, 1});
+    return (u * one(1, f.c, f.r) + (1 - u) * one(0, at::zeros_like(f.c), f.r2)).unsqueeze(0);
+  }
   return one(n, f.c, f.r).unsqueeze(0);
 }
 
-// D_i = Σ_d dO_id O_id, and dO in the inputs' dtype (zeros where no gradient came). The products
-// are formed in one float32 buffer (addcmul_ widens dO and O element by element, exactly, as
-// float32 copies of both would): float32 copies of dO and O and their product would be three
-// float32 tensors of the output's size, the backward's largest allocation before dq, dk and dv.
-std::pair<at::Tensor, at::Tensor> d_rows(const Call& call, const at::Tensor& out, const at::Tensor& grad_out) {
-  const auto grad = grad_out.defined() ? aligned(grad_out.to(call.q.scalar_type()), out.size(-1)) : at::zeros_like(out);
-  auto products = at::zeros(out.sizes(), out.options().dtype(at::kFloat));
-  products.addcmul_(grad, out);
-  return {grad, products.sum(-1)};
+// The elements of the float32 buffers that row_dots and mixed form a block of rows at a time
+// (16 MiB): at the output's full size such a buffer would be twice the output in bfloat16.
+constexpr int64_t kRowBlock = int64_t{1} << 22;
+
+// Applies f(start, count) to blocks of x's rows (dimension 2 of (B, H, S, d)) that hold at most
+// kRowBlock elements (at least one row).
+template <typename F>
+void by_row_blocks(const at::Tensor& x, F f) {
+  const int64_t per_row = std::max<int64_t>(x.size(0) * x.size(1) * x.size(3), 1);
+  const int64_t rows = std::max<int64_t>(kRowBlock / per_row, 1);
+  for (int64_t i = 0; i < x.size(2); i += rows) f(i, std::min(rows, x.size(2) - i));
+}
+
+// dO in the inputs' dtype, as wide as the padded output (zeros where no gradient came).
+at::Tensor grad_of(const Call& call, const at::Tensor& out, const at::Tensor& grad_out) {
+  return grad_out.defined() ? aligned(grad_out.to(call.q.scalar_type()), out.size(-1)) : at::zeros_like(out);
+}
+
+// Σ_d dO_id O_id per row, (B, H, S_q) float32; with `shares` (H,), each head's share of dO as the
+// passes form it under SHARE (times the share, rounded to dO's dtype). The products are formed
+// exactly in float32 (addcmul_ widens dO and O element by element, as float32 copies of both
+// would), a block of rows at a time.
+at::Tensor row_dots(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& shares = at::Tensor()) {
+  auto dots = at::empty({out.size(0), out.size(1), out.size(2)}, out.options().dtype(at::kFloat));
+  by_row_blocks(out, [&](int64_t i, int64_t n) {
+    auto g = grad.narrow(2, i, n);
+    if (shares.defined()) g = (g.to(at::kFloat) * shares.view({1, -1, 1, 1})).to(grad.scalar_type());
+    auto products = at::zeros(g.sizes(), out.options().dtype(at::kFloat));
+    products.addcmul_(g, out.narrow(2, i, n));
+    dots.narrow(2, i, n).copy_(products.sum(-1));
+  });
+  return dots;
+}
+
+// HNAS's output u·O_DNAS + (1 − u)·O_softmax per head (u: `shares`), formed in float32 and rounded
+// once to the outputs' dtype, a block of rows at a time.
+at::Tensor mixed(const at::Tensor& out_d, const at::Tensor& out_s, const at::Tensor& shares) {
+  auto out = at::empty_like(out_d);
+  const auto u = shares.view({1, -1, 1, 1});
+  by_row_blocks(out, [&](int64_t i, int64_t n) {
+    out.narrow(2, i, n).copy_(u * out_d.narrow(2, i, n).to(at::kFloat) + (1 - u) * out_s.narrow(2, i, n).to(at::kFloat));
+  });
+  return out;
 }
 
 // The gradients a backward returns: in q, k, v, the prior's values (B, H, S_k) with a KL term,
-// and, for BAM over HNAS, the gate's per-row gradient (B, H, S_q).
+// and, over HNAS, the gate's per-row gradient (B, H, S_q).
 struct Grads {
   at::Tensor dq, dk, dv, da, gu;
 };
@@ -411,17 +456,29 @@ std::map<std::string, at::Tensor> kl_grads(const Call& call, const Forward& f, c
   return {{"RB", f.rb}, {"KS", f.ks}, {"DKL", dkl}, {"DA", d.da}};
 }
 
-// The plan with `sweeps` 0 or 1 for statistics (c, r), by recomputation.
-Grads plan_backward(const Call& call, int64_t sweeps, const at::Tensor& out, const at::Tensor& c, const at::Tensor& r, const Forward& f,
-                    const at::Tensor& grad_out, const at::Tensor& grad_part) {
-  const auto [grad, delta] = d_rows(call, out, grad_out);
-  Grads d;
-  d.dq = at::empty_like(call.q), d.dk = at::empty_like(call.k), d.dv = at::empty_like(call.v);
+// One of HNAS's branches in a backward: each head's share of dO (H,), the branch's D_i from that
+// share, and whether its passes add their gradients to those in `Grads` (the other branch's).
+struct Branch {
+  at::Tensor shares, delta;
+  bool add = false;
+};
+
+// The gradient passes of the plan with `sweeps` 0 or 1 for statistics (c, r), by recomputation,
+// writing d.dq, d.dk and d.dv (and the KL term's and the gate's gradients); `branch`: one of
+// HNAS's.
+void gradient_passes(const Call& call, int64_t sweeps, const at::Tensor& c, const at::Tensor& r, const Forward& f,
+                     const at::Tensor& grad, const at::Tensor& delta, const at::Tensor& grad_part, Grads& d,
+                     const Branch* branch = nullptr) {
   auto g = call.stat(true);
   std::map<std::string, at::Tensor> key = {{"C", c},     {"R", r},         {"DO", grad}, {"DELTA", delta},
                                            {"DK", d.dk}, {"DV_OUT", d.dv}, {"G", g},     {"MASS", g}};
   std::map<std::string, at::Tensor> query = {{"C", c}, {"R", r}, {"DO", grad}, {"DELTA", delta}, {"G", g}, {"DQ", d.dq}};
   for (const auto& [name, t] : kl_grads(call, f, grad_part, d)) key[name] = query[name] = t;
+  std::map<std::string, int64_t> shared;
+  if (branch != nullptr) {
+    key["SHARES"] = query["SHARES"] = branch->shares;
+    shared = {{"SHARE", 1}, {"ADD", branch->add ? 1 : 0}};
+  }
   if (call.mix()) {
     const auto rho_d = call.stat(false), rho_s = call.stat(false);
     for (auto* pass : {&key, &query}) pass->insert({{"RD", f.rd}, {"RS", f.rs}, {"RHO_D", rho_d}, {"RHO_S", rho_s}});
@@ -431,8 +488,38 @@ Grads plan_backward(const Call& call, int64_t sweeps, const at::Tensor& out, con
     rows["GU"] = d.gu;
     call.launch("_query_pass", false, call.h(), {{"SWEEPS", sweeps}, {"ROWS", 1}}, rows);
   }
-  call.launch("_key_pass", true, call.h_kv(), {{"GRADS", 1}, {"SWEEPS", sweeps}}, key);
-  call.launch("_query_pass", false, call.h(), {{"SWEEPS", sweeps}}, query);
+  auto key_settings = shared, query_settings = shared;
+  key_settings.insert({{"GRADS", 1}, {"SWEEPS", sweeps}});
+  query_settings.insert({"SWEEPS", sweeps});
+  call.launch("_key_pass", true, call.h_kv(), key_settings, key);
+  call.launch("_query_pass", false, call.h(), query_settings, query);
+}
+
+// The plan with `sweeps` 0 or 1 for statistics (c, r), by recomputation.
+Grads plan_backward(const Call& call, int64_t sweeps, const at::Tensor& out, const at::Tensor& c, const at::Tensor& r, const Forward& f,
+                    const at::Tensor& grad_out, const at::Tensor& grad_part) {
+  const auto grad = grad_of(call, out, grad_out);
+  const auto delta = row_dots(grad, out);
+  Grads d;
+  d.dq = at::empty_like(call.q), d.dk = at::empty_like(call.k), d.dv = at::empty_like(call.v);
+  gradient_passes(call, sweeps, c, r, f, grad, delta, grad_part, d);
+  return d;
+}
+
+// HNAS without noise, u·(DNAS's) + (1 − u)·(softmax's) per head: each branch's passes take its
+// share of dO, formed in the passes (not stored), with its D_i from that share; DNAS's branch
+// writes dq, dk and dv and softmax's adds to them, so that one set of gradients exists. The
+// gate's gradient per row is Σ_d dO·(O_DNAS − O_softmax). Every row reduction comes before dq,
+// dk and dv are allocated.
+Grads hybrid_backward(const Call& call, const Forward& f, const at::Tensor& grad_out) {
+  const auto grad = grad_of(call, f.out, grad_out);
+  const auto& u = call.shares;
+  const Branch dnas{u, row_dots(grad, f.out, u), false}, softmax{1 - u, row_dots(grad, f.out2, 1 - u), true};
+  Grads d;
+  d.gu = row_dots(grad, f.out) - row_dots(grad, f.out2);
+  d.dq = at::empty_like(call.q), d.dk = at::empty_like(call.k), d.dv = at::empty_like(call.v);
+  gradient_passes(call, 1, f.c, f.r, f, grad, dnas.delta, at::Tensor(), d, &dnas);
+  gradient_passes(call, 0, at::zeros_like(f.c), f.r2, f, grad, softmax.delta, at::Tensor(), d, &softmax);
   return d;
 }
 
@@ -440,7 +527,8 @@ Grads plan_backward(const Call& call, int64_t sweeps, const at::Tensor& out, con
 // first, then dK, dV and dQ with the whole dz.
 Grads sinkhorn_backward(const Call& call, const Forward& f, const at::Tensor& grad_out, const at::Tensor& grad_part) {
   const int64_t n = call.spec.sweeps;
-  const auto [grad, delta] = d_rows(call, f.out, grad_out);
+  const auto grad = grad_of(call, f.out, grad_out);
+  const auto delta = row_dots(grad, f.out);
   Grads d;
   d.dq = at::empty_like(call.q), d.dk = at::empty_like(call.k), d.dv = at::empty_like(call.v);
   auto gc = at::zeros_like(f.c), gr = at::zeros_like(f.r), g = call.stat(true);
@@ -460,24 +548,17 @@ Grads sinkhorn_backward(const Call& call, const Forward& f, const at::Tensor& gr
   return d;
 }
 
-// The gradients for a forward's statistics; `grads` the gradients in (out, the KL part, HNAS's
-// softmax output).
+// The gradients for a forward's statistics; `grads` the gradients in (out, the KL part).
 Grads fused_backward(const Call& call, const Forward& f, const variable_list& grads) {
   const auto grad_part = call.spec.kl != 0 ? grads[1] : at::Tensor();
   if (call.spec.sweeps > 1) return sinkhorn_backward(call, f, grads[0], grad_part);
-  auto d = plan_backward(call, std::min<int64_t>(call.spec.sweeps, 1), f.out, f.c, f.r, f, grads[0], grad_part);
-  if (call.spec.hybrid && !call.mix()) {
-    // softmax's branch: no column statistic (zeros), its own row statistic and output
-    const auto s = plan_backward(call, 0, f.out2, at::zeros_like(f.c), f.r2, f, grads[2], at::Tensor());
-    d.dq.add_(s.dq), d.dk.add_(s.dk), d.dv.add_(s.dv);  // in place: no third copy of each
-  }
-  return d;
+  if (call.spec.hybrid && !call.mix()) return hybrid_backward(call, f, grads[0]);
+  return plan_backward(call, std::min<int64_t>(call.spec.sweeps, 1), f.out, f.c, f.r, f, grads[0], grad_part);
 }
 
 struct FusedAttention : torch::autograd::Function<FusedAttention> {
-  // (output, the KL part T (B, H): zeros without a KL term, HNAS's softmax output: empty but for
-  // HNAS without noise, the received mass: empty unless asked), differentiable in q, k, v, the
-  // prior and (BAM over HNAS) the gate logits.
+  // (output, the KL part T (B, H): zeros without a KL term, the received mass: empty unless
+  // asked), differentiable in q, k, v, the prior and (HNAS) the gate logits.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                std::optional<at::Tensor> kpad, std::optional<at::Tensor> qpad, std::optional<at::Tensor> pattern,
                                std::optional<at::Tensor> bias, std::optional<at::Tensor> prior, std::optional<at::Tensor> logit,
@@ -489,8 +570,8 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     const auto call = make_call(q, k, v, masks, spec, prior.value_or(at::Tensor()), logit.value_or(at::Tensor()));
     const auto f = fused_forward(call);
     const auto part = kl != 0 ? f.trow.sum(-1) : at::zeros({call.b(), call.h()}, call.stats());
-    const bool two = hybrid && noise == 0;
-    const auto out2 = two ? narrowed(f.out2, call.dv) : at::empty({0}, q.options());
+    // HNAS without noise: the branches' outputs mixed here (both kept for the backward).
+    const auto out = hybrid && noise == 0 ? mixed(f.out, f.out2, call.shares) : f.out;
     const auto received = mass ? received_mass(call, f) : at::empty({0}, call.stats());
     // q, k and v as given (the backward's call pads them again, and cuts its gradients back to
     // them); the outputs padded, as the backward's passes read them.
@@ -505,9 +586,8 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     data["scale"] = scale, data["sweeps"] = sweeps, data["hybrid"] = hybrid, data["causal"] = causal;
     data["noise"] = noise, data["kl"] = kl, data["noise_scale"] = noise_scale, data["seed"] = seed;
     if (kl == 0) ctx->mark_non_differentiable({part});
-    if (!two) ctx->mark_non_differentiable({out2});
     ctx->mark_non_differentiable({received});
-    return {narrowed(f.out, call.dv), part, out2, received};
+    return {narrowed(out, call.dv), part, received};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -560,8 +640,7 @@ char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_ten
     call.dry = &launches;
     const auto f = fused_forward(call);
     if (spec->mass != 0) received_mass(call, f);
-    const auto ones = at::ones_like(f.out);
-    fused_backward(call, f, {ones, spec->kl != 0 ? at::ones({call.b(), call.h()}, call.stats()) : at::Tensor(), ones});
+    fused_backward(call, f, {at::ones_like(f.out), spec->kl != 0 ? at::ones({call.b(), call.h()}, call.stats()) : at::Tensor()});
     std::string text = "[";
     for (size_t i = 0; i < launches.size(); ++i) text += (i > 0 ? ",\n " : "") + launches[i];
     *json = probattn::copy_string(text + "]");
@@ -571,10 +650,10 @@ char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_ten
 char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding,
                               const pa_tensor* query_padding, const pa_tensor* pattern, const pa_tensor* bias, const pa_tensor* prior,
                               const pa_tensor* hybrid_logit, const pa_fused_spec* spec, pa_tensor** out, pa_tensor** kl_part,
-                              pa_tensor** softmax_out, pa_tensor** mass) {
+                              pa_tensor** mass) {
   return probattn::guard([&] {
     for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {spec, "spec"}, {out, "out"},
-                                 {kl_part, "kl_part"}, {softmax_out, "softmax_out"}, {mass, "mass"}}) {
+                                 {kl_part, "kl_part"}, {mass, "mass"}}) {
       probattn::require(pointer, "pa_fused_cuda_attention", name);
     }
     const probattn::tiled::NoAutocast no_autocast;
@@ -585,11 +664,9 @@ char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_t
     // Every handle exists before any is handed out: an allocation that fails leaks none.
     auto o = std::make_unique<at::Tensor>(result[0]);
     auto p = std::make_unique<at::Tensor>(result[1]);
-    auto o2 = std::make_unique<at::Tensor>(result[2]);
-    auto m = std::make_unique<at::Tensor>(result[3]);
+    auto m = std::make_unique<at::Tensor>(result[2]);
     *out = o.release();
     *kl_part = p.release();
-    *softmax_out = o2.release();
     *mass = m.release();
   });
 }

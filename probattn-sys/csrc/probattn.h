@@ -146,8 +146,8 @@ char* pa_fused_register(const char* kernel, int32_t arch, const char* dtype, int
 // when usable).
 char* pa_fused_cuda_status(int64_t device_index, int32_t* arch, int32_t* shared_optin, char** why);
 // What a fused call computes besides its inputs. Scores `scale`·q·kᵀ; `sweeps` 0 (softmax), 1
-// (DNAS) or N ≥ 2 (Sinkhorn-N); `hybrid` (with one sweep): HNAS, whose softmax
-// branch is returned beside DNAS's output for the caller to mix (without noise); `causal`
+// (DNAS) or N ≥ 2 (Sinkhorn-N); `hybrid` (with one sweep): HNAS, u·DNAS + (1 − u)·softmax per
+// head with the gate u = sigmoid(hybrid_logit); `causal`
 // (softmax only, top-left). BAM's sampling over the plan when `noise` is 1 (Weibull) or 2
 // (Lognormal): the counter-based draws keyed by `seed`, the noise term's scale `noise_scale` (1/k
 // or sigma), and with `kl` (equal to `noise`; 0: none) the KL term's score-dependent part against
@@ -166,16 +166,15 @@ typedef struct {
 // (B, H, S_q, S_k), true = takes part, and `bias` a floating-point additive mask broadcastable to
 // the same, -inf excluding its entries (NULL: none; no gradient reaches it); `prior` a_j
 // broadcastable to (B, H, 1, S_k) with a KL term (NULL: none); `hybrid_logit` HNAS's gate logits
-// (H,) for BAM over HNAS (`hybrid` with `noise`; NULL otherwise), whose mixture the kernels then
-// form themselves.
-// Outputs: the attention output (q's dtype), the KL part (B, H) (zeros without a KL term),
-// HNAS's softmax output (empty but for `hybrid` without noise), and with `mass` the received mass
-// (branches, B, H, S_k) float32, one per branch (HNAS without noise: DNAS's, then softmax's;
-// empty without `mass`); differentiable in q, k, v, `prior` and `hybrid_logit` (the mass is not).
+// (H,) with `hybrid` (NULL otherwise).
+// Outputs: the attention output (q's dtype; HNAS's mixture), the KL part (B, H) (zeros without a
+// KL term), and with `mass` the received mass (1, B, H, S_k) float32 (HNAS's mixed as its weights
+// are; empty without `mass`); differentiable in q, k, v, `prior` and `hybrid_logit` (the mass is
+// not).
 char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* key_padding,
                               const pa_tensor* query_padding, const pa_tensor* pattern, const pa_tensor* bias, const pa_tensor* prior,
                               const pa_tensor* hybrid_logit, const pa_fused_spec* spec, pa_tensor** out, pa_tensor** kl_part,
-                              pa_tensor** softmax_out, pa_tensor** mass);
+                              pa_tensor** mass);
 // What pa_fused_cuda_attention would launch, forward (and the mass) then backward (with gradients of ones), for a
 // GPU of compute capability `arch`, on tensors of any device, without the driver: a JSON array of
 // {kernel, key (its constexprs), grid, ints (every integer argument), tensors (each real tensor

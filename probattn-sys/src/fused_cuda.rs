@@ -55,7 +55,6 @@ extern "C" {
         spec: *const CSpec,
         out: *mut *mut C_tensor,
         kl_part: *mut *mut C_tensor,
-        softmax_out: *mut *mut C_tensor,
         mass: *mut *mut C_tensor,
     ) -> *mut c_char;
 }
@@ -140,9 +139,8 @@ pub struct FusedSpec<'a> {
     pub scale: f64,
     /// 0 softmax, 1 DNAS, N ≥ 2 Sinkhorn-N.
     pub sweeps: i64,
-    /// HNAS (with one sweep): without noise, softmax's output is returned beside DNAS's, for the
-    /// caller to mix; with BAM's noise, the kernels mix the two bases' weights with the gate
-    /// `hybrid_logit`.
+    /// HNAS (with one sweep): `u·DNAS + (1 − u)·softmax` per head with the gate
+    /// `u = sigmoid(hybrid_logit)`; under BAM's noise the kernels mix the two bases' weights.
     pub hybrid: bool,
     /// `(B, S_k)` bool, true = excluded.
     pub key_padding: Option<&'a Tensor>,
@@ -166,7 +164,7 @@ pub struct FusedSpec<'a> {
     pub seed: u64,
     /// The prior's per-key values `a_j`, broadcastable to `(B, H, 1, S_k)`, with a KL term.
     pub prior: Option<&'a Tensor>,
-    /// HNAS's gate logits `(H,)`, for BAM over HNAS; differentiable.
+    /// HNAS's gate logits `(H,)`, with `hybrid`; differentiable.
     pub hybrid_logit: Option<&'a Tensor>,
     /// Also the received mass ([`FusedOutput::mass`]): one more key pass per branch after the
     /// forward. Deterministic plans only (no `noise`).
@@ -206,16 +204,12 @@ impl FusedSpec<'_> {
 /// What [`fused_cuda_attention`] returns.
 #[derive(Debug)]
 pub struct FusedOutput {
-    /// The attention output `(B, H, S_q, d_v)`, in q's dtype: with `hybrid` and no noise, DNAS's
-    /// branch; with `hybrid` and BAM's noise, the mixture.
+    /// The attention output `(B, H, S_q, d_v)`, in q's dtype (with `hybrid`, the mixture).
     pub out: Tensor,
     /// The KL term's score-dependent part `(B, H)` (zeros without one).
     pub kl_part: Tensor,
-    /// With `hybrid` and no noise, softmax's branch `(B, H, S_q, d_v)`; else an empty tensor.
-    pub softmax_out: Tensor,
-    /// With [`FusedSpec::mass`], the received mass `Σ_i p_ij` per branch, `(branches, B, H, S_k)`
-    /// in float32, without a gradient: with `hybrid` and no noise DNAS's then softmax's (for the
-    /// caller to mix as it mixes the outputs), else the plan's alone.
+    /// With [`FusedSpec::mass`], the received mass `Σ_i p_ij`, `(1, B, H, S_k)` in float32, without
+    /// a gradient (with `hybrid`, the mixture's).
     pub mass: Option<Tensor>,
 }
 
@@ -225,11 +219,11 @@ pub struct FusedOutput {
 /// (src/attention/fused_cuda.rs); anything else is an error that names it.
 pub fn fused_cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec) -> Result<FusedOutput> {
     registered()?;
-    let (mut out, mut part, mut softmax_out, mut mass) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+    let (mut out, mut part, mut mass) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
     let optional = |t: Option<&Tensor>| t.map_or(ptr::null(), |t| t.as_ptr());
     let c_spec = spec.c();
     // SAFETY: the tensor pointers borrow live tensors for the call and `c_spec` is a live local;
-    // the four outputs are new tensors written on success only, owned by `Tensor::from_ptr`
+    // the three outputs are new tensors written on success only, owned by `Tensor::from_ptr`
     // from then on.
     unsafe {
         let status = pa_fused_cuda_attention(
@@ -245,7 +239,6 @@ pub fn fused_cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec
             &c_spec,
             &mut out,
             &mut part,
-            &mut softmax_out,
             &mut mass,
         );
         check(status, Error::Torch)?;
@@ -253,7 +246,6 @@ pub fn fused_cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec
         Ok(FusedOutput {
             out: Tensor::from_ptr(out),
             kl_part: Tensor::from_ptr(part),
-            softmax_out: Tensor::from_ptr(softmax_out),
             mass: spec.mass.then_some(mass),
         })
     }

@@ -202,49 +202,30 @@ pub fn attend(
         bias: masks.bias,
         causal: masks.causal,
         mass: opts.need_mass,
+        // HNAS: the route mixes the branches with the gate itself (under BAM's noise, in its
+        // kernels), and the gate's gradient follows.
+        hybrid: plan.hybrid_logit.is_some(),
+        hybrid_logit: plan.hybrid_logit,
         ..Default::default()
     };
     let run = |spec: &cxx::FusedSpec| cxx::fused_cuda_attention(q, k, v, spec).map_err(Error::from);
-    if let Some(sampling) = sampling {
-        // The draws from the seed in the kernels; over HNAS the kernels mix the bases themselves,
-        // and the received mass is the mixture's (one branch).
-        let seed = opts.seed.unwrap_or_else(libtorch_seed);
-        let spec = cxx::FusedSpec {
-            noise: sampling.noise.code(),
-            noise_scale: sampling.scale,
-            seed,
-            hybrid: plan.hybrid_logit.is_some(),
-            hybrid_logit: plan.hybrid_logit,
-            ..spec
-        };
-        let Some(kl) = sampling.kl.as_ref() else {
-            let fused = run(&spec)?;
-            return Ok(FusedAttended { output: fused.out, kl: None, received_mass: fused.mass.map(|m| m.squeeze_dim(0)) });
-        };
-        let stats = statistics_kind(q.kind());
-        let prior = (kl.prior)(&widen(k), allowed.as_ref())?;
-        let fused = run(&cxx::FusedSpec { kl: kl.form.code(), prior: Some(&prior), ..spec })?;
-        let counts = MaskCounts::new(allowed.as_ref(), shape, crate::backend::DEFAULT_TILE, stats, q.device());
-        let kl = tiled_kl(kl.form, &fused.kl_part, &prior, &counts);
-        return Ok(FusedAttended { output: fused.out, kl: Some(kl), received_mass: fused.mass.map(|m| m.squeeze_dim(0)) });
-    }
-    match plan.hybrid_logit {
-        None => {
-            let fused = run(&spec)?;
-            Ok(FusedAttended { output: fused.out, kl: None, received_mass: fused.mass.map(|m| m.squeeze_dim(0)) })
-        }
-        Some(logit) => {
-            // u·O_DNAS + (1 − u)·O_softmax per head, both branches from one row pass, mixed as the
-            // tiles mix them (the output and the mass are linear in the weights); the gate's
-            // gradient follows.
-            let u = logit.to_kind(statistics_kind(q.kind())).sigmoid().view([1, -1, 1, 1]);
-            let fused = run(&cxx::FusedSpec { hybrid: true, ..spec })?;
-            let out: Tensor = &u * fused.out + (1.0 - &u) * fused.softmax_out;
-            let u = u.view([1, -1, 1]).detach();
-            let received_mass = fused.mass.map(|m| &u * m.get(0) + (1.0 - &u) * m.get(1));
-            Ok(FusedAttended { output: out.to_kind(v.kind()), kl: None, received_mass })
-        }
-    }
+    let Some(sampling) = sampling else {
+        let fused = run(&spec)?;
+        return Ok(FusedAttended { output: fused.out, kl: None, received_mass: fused.mass.map(|m| m.squeeze_dim(0)) });
+    };
+    // The draws from the seed in the kernels; over HNAS the kernels mix the bases themselves.
+    let seed = opts.seed.unwrap_or_else(libtorch_seed);
+    let spec = cxx::FusedSpec { noise: sampling.noise.code(), noise_scale: sampling.scale, seed, ..spec };
+    let Some(kl) = sampling.kl.as_ref() else {
+        let fused = run(&spec)?;
+        return Ok(FusedAttended { output: fused.out, kl: None, received_mass: fused.mass.map(|m| m.squeeze_dim(0)) });
+    };
+    let stats = statistics_kind(q.kind());
+    let prior = (kl.prior)(&widen(k), allowed.as_ref())?;
+    let fused = run(&cxx::FusedSpec { kl: kl.form.code(), prior: Some(&prior), ..spec })?;
+    let counts = MaskCounts::new(allowed.as_ref(), shape, crate::backend::DEFAULT_TILE, stats, q.device());
+    let kl = tiled_kl(kl.form, &fused.kl_part, &prior, &counts);
+    Ok(FusedAttended { output: fused.out, kl: Some(kl), received_mass: fused.mass.map(|m| m.squeeze_dim(0)) })
 }
 
 /// What this build embeds and whether the first CUDA device can run it (`probattn doctor`).
