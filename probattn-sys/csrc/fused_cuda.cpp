@@ -14,7 +14,7 @@
 //   pass; backward, the key pass (dK, dV, g) then the query pass (dQ), by recomputation;
 // - HNAS (`hybrid`): DNAS's row pass keeps softmax's accumulator beside its own, and the two
 //   outputs are mixed by the gate here; the backward runs each branch's passes on its share of
-//   dO (formed in the passes), the second adding its gradients to the first's;
+//   dO (applied in the passes), the second adding its gradients to the first's;
 // - Sinkhorn-N (N ≥ 2 sweeps): N column and N − 1 row potential reductions, DNAS's row pass with
 //   the last column potential; backward, the potentials' gradients reduced sweep by sweep back
 //   to the first, between three gradient stages;
@@ -413,17 +413,14 @@ at::Tensor grad_of(const Call& call, const at::Tensor& out, const at::Tensor& gr
   return grad_out.defined() ? aligned(grad_out.to(call.q.scalar_type()), out.size(-1)) : at::zeros_like(out);
 }
 
-// Σ_d dO_id O_id per row, (B, H, S_q) float32; with `shares` (H,), each head's share of dO as the
-// passes form it under SHARE (times the share, rounded to dO's dtype). The products are formed
-// exactly in float32 (addcmul_ widens dO and O element by element, as float32 copies of both
-// would), a block of rows at a time.
-at::Tensor row_dots(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& shares = at::Tensor()) {
+// D_i = Σ_d dO_id O_id, (B, H, S_q) float32. The products are formed exactly in float32
+// (addcmul_ widens dO and O element by element, as float32 copies of both would), a block of
+// rows at a time.
+at::Tensor row_dots(const at::Tensor& grad, const at::Tensor& out) {
   auto dots = at::empty({out.size(0), out.size(1), out.size(2)}, out.options().dtype(at::kFloat));
   by_row_blocks(out, [&](int64_t i, int64_t n) {
-    auto g = grad.narrow(2, i, n);
-    if (shares.defined()) g = (g.to(at::kFloat) * shares.view({1, -1, 1, 1})).to(grad.scalar_type());
-    auto products = at::zeros(g.sizes(), out.options().dtype(at::kFloat));
-    products.addcmul_(g, out.narrow(2, i, n));
+    auto products = at::zeros({out.size(0), out.size(1), n, out.size(3)}, out.options().dtype(at::kFloat));
+    products.addcmul_(grad.narrow(2, i, n), out.narrow(2, i, n));
     dots.narrow(2, i, n).copy_(products.sum(-1));
   });
   return dots;
@@ -456,8 +453,8 @@ std::map<std::string, at::Tensor> kl_grads(const Call& call, const Forward& f, c
   return {{"RB", f.rb}, {"KS", f.ks}, {"DKL", dkl}, {"DA", d.da}};
 }
 
-// One of HNAS's branches in a backward: each head's share of dO (H,), the branch's D_i from that
-// share, and whether its passes add their gradients to those in `Grads` (the other branch's).
+// One of HNAS's branches in a backward: each head's share of dO (H,), the branch's D_i (the
+// share times Σ_d dO·O of its output), and whether its passes add their gradients to those in `Grads` (the other branch's).
 struct Branch {
   at::Tensor shares, delta;
   bool add = false;
@@ -507,16 +504,17 @@ Grads plan_backward(const Call& call, int64_t sweeps, const at::Tensor& out, con
 }
 
 // HNAS without noise, u·(DNAS's) + (1 − u)·(softmax's) per head: each branch's passes take its
-// share of dO, formed in the passes (not stored), with its D_i from that share; DNAS's branch
-// writes dq, dk and dv and softmax's adds to them, so that one set of gradients exists. The
-// gate's gradient per row is Σ_d dO·(O_DNAS − O_softmax). Every row reduction comes before dq,
-// dk and dv are allocated.
+// share of dO, applied in the passes (share·dO is never formed); DNAS's branch writes dq, dk and
+// dv and softmax's adds to them, so that one set of gradients exists. The gate's gradient per
+// row is Σ_d dO·(O_DNAS − O_softmax). Every row reduction comes before dq, dk and dv are
+// allocated.
 Grads hybrid_backward(const Call& call, const Forward& f, const at::Tensor& grad_out) {
   const auto grad = grad_of(call, f.out, grad_out);
-  const auto& u = call.shares;
-  const Branch dnas{u, row_dots(grad, f.out, u), false}, softmax{1 - u, row_dots(grad, f.out2, 1 - u), true};
+  const auto dots_d = row_dots(grad, f.out), dots_s = row_dots(grad, f.out2);
+  const auto u = call.shares.view({1, -1, 1});
+  const Branch dnas{call.shares, u * dots_d, false}, softmax{1 - call.shares, (1 - u) * dots_s, true};
   Grads d;
-  d.gu = row_dots(grad, f.out) - row_dots(grad, f.out2);
+  d.gu = dots_d - dots_s;
   d.dq = at::empty_like(call.q), d.dk = at::empty_like(call.k), d.dv = at::empty_like(call.v);
   gradient_passes(call, 1, f.c, f.r, f, grad, dnas.delta, at::Tensor(), d, &dnas);
   gradient_passes(call, 0, at::zeros_like(f.c), f.r2, f, grad, softmax.delta, at::Tensor(), d, &softmax);

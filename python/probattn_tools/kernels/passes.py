@@ -132,14 +132,16 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
 
 
 @triton.jit
-def _shared(do, share, SHARE: tl.constexpr, ACC: tl.constexpr):
-    """A block of dO as one branch of HNAS takes it (SHARE): times the branch's share of its head
-    (u or 1 − u), rounded to dO's dtype, as a caller that formed that branch's dO would round it;
-    the block itself otherwise."""
+def _shared(x, share, SHARE: tl.constexpr):
+    """x times one branch of HNAS's share of its head (u or 1 − u) under SHARE, where x is linear
+    in dO (dO vᵀ, or the weights that multiply dO): the branch's dO is then `share·dO` without
+    being formed. Scaling the dO block itself would need a second copy of it in shared memory
+    for the product (32 KiB more at head dimension 256, past sm_80's limit); these are register
+    tiles. x itself otherwise."""
     if SHARE:
-        return (do.to(ACC) * share).to(do.dtype)
+        return x * share
     else:
-        return do
+        return x
 
 
 @triton.jit
@@ -152,12 +154,11 @@ def _key_grads(dv, dk, dk_corr, g, da, p, y, z, ok, r, q, v, w_d, w_s, pi_d, pi_
     pairs: dV; dK's main part Σ_i dS_ij q_i, added to dk (summed over the group's query heads),
     and DNAS's correction Σ_i exp(z_ij) q_i, per query head; g_j = Σ_i
     dy_ij, dy the gradient in z (DNAS's branch's share of it under MIX); and, with a KL term, the
-    prior's gradient. SHARE: dO is this query head's `share` of the block read, as `_shared`
-    forms it."""
-    do = _shared(_block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos), share, SHARE, ACC)
+    prior's gradient. SHARE: dO is this query head's `share` of the block read (`_shared`)."""
+    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
     delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
-    dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
-    dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT)
+    dv += tl.dot(tl.trans(_shared(p, share, SHARE)).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
+    dp = _shared(tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT), share, SHARE)
     ds = p * (dp - delta[:, None])
     if KL > 0:
         dy_kl, da_tile = _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL,
@@ -324,7 +325,7 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
     share = scale  # read only under SHARE
     if SHARE:
         share = tl.load(SHARES + h).to(ACC)
-    do = _shared(_block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos), share, SHARE, ACC)
+    do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
     r = _rows(R, b, h, offs_m, S_Q, stride_rb, stride_rh)
     delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
@@ -359,7 +360,7 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 ok = ok & (zr > float("-inf"))
                 y, w_d, w_s, pi_d, pi_s = _mix_shares(z, zr, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb, stride_rh)
             p = _weights(y, ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, DRAW64, ACC)
-            dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT)
+            dp = _shared(tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT), share, SHARE)
             ds = p * (dp - delta[:, None])
             if KL > 0:
                 dy_kl, _ = _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL, stride_pb, stride_ph,

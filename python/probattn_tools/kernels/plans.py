@@ -391,19 +391,14 @@ def _row_dots(do, out, dtype):
     return torch.zeros(out.shape, dtype=dtype, device=out.device).addcmul_(do, out).sum(-1)
 
 
-def _shared(do, shares):
-    """dO times each head's share `shares (H,)`, rounded to dO's dtype: what the passes form from
-    dO under SHARE (`passes._shared`)."""
-    return (do.to(shares.dtype) * shares[None, :, None, None]).to(do.dtype)
-
-
 def _backward(call, sweeps, out, stats, grad_out, kl=None, mix=None, branch=None):
     """(dq, dk, dv) by recomputation, for the statistics `_forward` returned. `kl`: (RB, KS, dkl,
     da) of a KL term, dkl (B, H) the gradient in its part T; the prior's gradient is written to
     da (B, H, S_k). None: no KL term's gradient. `mix` (BAM over HNAS): (RD, RS, gu), the
     forward's row statistics and a (B, H, S_q) tensor for the gate's gradient per row. `branch`
     (one of HNAS's): (shares (H,), its D_i, (dq, dk, dv), add): the passes take each head's share
-    of dO and write their gradients to those tensors, or add them to theirs with `add`."""
+    of dO (`share·dO`, never formed) and write their gradients to those tensors, or add them to
+    theirs with `add`."""
     do = _aligned(grad_out, call.shape[6])  # as wide as the padded output
     kl_args = dict(KL=0) if kl is None else dict(zip(("RB", "KS", "DKL", "DA"), kl))
     if branch is None:
@@ -498,8 +493,8 @@ def attention(q, k, v, sweeps=1, score_scale=1.0, masks=None, config=None, recei
 
 class _HybridAttention(torch.autograd.Function):
     """HNAS: `u·O_plan + (1 − u)·O_softmax` per head, `u = sigmoid(logit)`, both outputs from one
-    row pass; the backward runs each branch's passes with its share of dO (formed in the passes,
-    not stored), the second adding its gradients to the first's, and the gate's gradient is
+    row pass; the backward runs each branch's passes with its share of dO (applied in the passes,
+    never formed), the second adding its gradients to the first's, and the gate's gradient is
     `Σ dO·(O_plan − O_softmax) · u(1 − u)` per head."""
 
     @staticmethod
@@ -524,9 +519,11 @@ class _HybridAttention(torch.autograd.Function):
         call = ctx.call
         do = _aligned(grad_out, out_d.shape[-1])
         shares = u.flatten()
-        # Each branch's D_i from its share of dO as the passes round it; the gate's rows from dO.
-        delta_d, delta_s = _row_dots(_shared(do, shares), out_d, call.stats), _row_dots(_shared(do, 1 - shares), out_s, call.stats)
-        rows = _row_dots(do, out_d, call.stats) - _row_dots(do, out_s, call.stats)
+        # Σ_d dO·O per row for each branch: times the branch's share, its D_i; their difference,
+        # the gate's rows.
+        dots_d, dots_s = _row_dots(do, out_d, call.stats), _row_dots(do, out_s, call.stats)
+        delta_d, delta_s = u[..., 0] * dots_d, (1 - u[..., 0]) * dots_s
+        rows = dots_d - dots_s
         # One set of gradients: DNAS's branch writes it, softmax's adds to it.
         grads = torch.empty_like(call.q), torch.empty_like(call.k), torch.empty_like(call.v)
         _backward(call, 1, out_d, (c, r_d), do, branch=(shares, delta_d, grads, False))

@@ -93,8 +93,8 @@ PLAN_PASSES = {
     "dnas": [("_column_pass", {}), ("_row_pass", {"SWEEPS": 1}), ("_key_pass", {"SWEEPS": 1, "GRADS": True}),
              ("_query_pass", {"SWEEPS": 1})],
     "hnas": [("_column_pass", {}), ("_row_pass", {"SWEEPS": 1, "HYBRID": True}),
-             ("_key_pass", {"SWEEPS": 1, "GRADS": True}), ("_query_pass", {"SWEEPS": 1}),
-             ("_key_pass", {"GRADS": True}), ("_query_pass", {})],
+             ("_key_pass", {"SWEEPS": 1, "GRADS": True, "SHARE": True}), ("_query_pass", {"SWEEPS": 1, "SHARE": True}),
+             ("_key_pass", {"GRADS": True, "SHARE": True, "ADD": True}), ("_query_pass", {"SHARE": True, "ADD": True})],
     **{name: [("_row_pass", dict(_BAM, NOISE=n, KL=n)), ("_key_pass", dict(_BAM, NOISE=n, KL=n, GRADS=True)),
               ("_query_pass", dict(_BAM, NOISE=n, KL=n))] for name, n in (("bam-wc", 1), ("bam-lc", 2))},
 }
