@@ -388,9 +388,12 @@ at::Tensor received_mass(const Call& call, const Forward& f) {
   const int64_t n = call.spec.sweeps;
   if (n > 1) return one(1, f.c[n - 1], f.r[n - 1]).unsqueeze(0);
   if (f.out2.defined()) {
-    // HNAS without noise: each branch's mass from its own statistics, mixed as the weights are.
+    // HNAS without noise: each branch's mass from its own statistics (DNAS's first, as plans.py
+    // launches them), mixed as the weights are.
     const auto u = call.shares.view({1, -1, 1});
-    return (u * one(1, f.c, f.r) + (1 - u) * one(0, at::zeros_like(f.c), f.r2)).unsqueeze(0);
+    const auto dnas = one(1, f.c, f.r);
+    const auto softmax = one(0, at::zeros_like(f.c), f.r2);
+    return (u * dnas + (1 - u) * softmax).unsqueeze(0);
   }
   return one(n, f.c, f.r).unsqueeze(0);
 }
