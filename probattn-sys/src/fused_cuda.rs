@@ -243,11 +243,7 @@ pub fn fused_cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec
         );
         check(status, Error::Torch)?;
         let mass = Tensor::from_ptr(mass);
-        Ok(FusedOutput {
-            out: Tensor::from_ptr(out),
-            kl_part: Tensor::from_ptr(part),
-            mass: spec.mass.then_some(mass),
-        })
+        Ok(FusedOutput { out: Tensor::from_ptr(out), kl_part: Tensor::from_ptr(part), mass: spec.mass.then_some(mass) })
     }
 }
 
