@@ -474,10 +474,10 @@ void gradient_passes(const Call& call, int64_t sweeps, const at::Tensor& c, cons
                                            {"DK", d.dk}, {"DV_OUT", d.dv}, {"G", g},     {"MASS", g}};
   std::map<std::string, at::Tensor> query = {{"C", c}, {"R", r}, {"DO", grad}, {"DELTA", delta}, {"G", g}, {"DQ", d.dq}};
   for (const auto& [name, t] : kl_grads(call, f, grad_part, d)) key[name] = query[name] = t;
-  std::map<std::string, int64_t> shared;
+  std::map<std::string, int64_t> key_settings = {{"GRADS", 1}, {"SWEEPS", sweeps}}, query_settings = {{"SWEEPS", sweeps}};
   if (branch != nullptr) {
     key["SHARES"] = query["SHARES"] = branch->shares;
-    shared = {{"SHARE", 1}, {"ADD", branch->add ? 1 : 0}};
+    for (auto* settings : {&key_settings, &query_settings}) settings->insert({{"SHARE", 1}, {"ADD", branch->add ? 1 : 0}});
   }
   if (call.mix()) {
     const auto rho_d = call.stat(false), rho_s = call.stat(false);
@@ -488,9 +488,6 @@ void gradient_passes(const Call& call, int64_t sweeps, const at::Tensor& c, cons
     rows["GU"] = d.gu;
     call.launch("_query_pass", false, call.h(), {{"SWEEPS", sweeps}, {"ROWS", 1}}, rows);
   }
-  auto key_settings = shared, query_settings = shared;
-  key_settings.insert({{"GRADS", 1}, {"SWEEPS", sweeps}});
-  query_settings.insert({"SWEEPS", sweeps});
   call.launch("_key_pass", true, call.h_kv(), key_settings, key);
   call.launch("_query_pass", false, call.h(), query_settings, query);
 }
