@@ -8,7 +8,9 @@ mod common;
 use anyhow::Result;
 use common::devices;
 use probattn::mc::monte_carlo;
-use probattn::normalize::{lognormal_kl, lognormal_log_sample, weibull_gamma_kl, weibull_log_sample, BamConfig, BamKind};
+use probattn::normalize::{
+    lognormal_kl, lognormal_log_sample, weibull_gamma_kl, weibull_log_sample, BamConfig, BamKind, ContextualPrior, PriorScope, Support,
+};
 use probattn::{attend, AttendOptions, Masks, MhaConfig, MhaInput, Mode, MultiHeadAttention, Normalizer, NormalizerConfig, Variant};
 use tch::{nn, Device, Kind, Tensor};
 
@@ -209,6 +211,46 @@ fn drawn_noise_has_the_distribution_of_the_formula() -> Result<()> {
         let se = ((drawn.var_dim(&[0i64][..], true, false) + explicit.var_dim(&[0i64][..], true, false)) / n as f64).sqrt();
         let diff = (drawn.mean_dim(&[0i64][..], false, Kind::Double) - explicit.mean_dim(&[0i64][..], false, Kind::Double)).abs();
         assert!(bool::try_from(diff.le_tensor(&(se * 4.0)).all())?, "{kind:?}: drawn and explicit noise differ: {diff}");
+    }
+    Ok(())
+}
+
+#[test]
+fn the_contextual_prior_takes_16_bit_keys_at_their_float32_values() -> Result<()> {
+    let _serial = common::serial();
+    // Over bfloat16 or float16 keys the prior's network runs in float32 from the keys' exact
+    // float32 values, through a product that keeps the 16-bit keys for its backward pass: its
+    // output and every gradient must be autograd's over keys widened first. Two examples (the
+    // first weight's gradient sums over them) and grouped keys (two key heads for four networks).
+    tch::manual_seed(17);
+    for kind in [Kind::BFloat16, Kind::Half] {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let prior = ContextualPrior::new(&vs.root(), 4, 8, 10, PriorScope::AllNodes)?;
+        let keys = Tensor::randn([2, 2, 33, 8], (Kind::Float, Device::Cpu)).to_kind(kind);
+        let narrow = keys.detach().set_requires_grad(true);
+        let wide = keys.to_kind(Kind::Float).set_requires_grad(true);
+        let support = Support::dense(None);
+        let (ours, widened) = (prior.log_psi(&narrow, &support)?, prior.log_psi(&wide, &support)?);
+        assert_eq!(ours.kind(), Kind::Float, "{kind:?}: the prior's dtype");
+        assert!(ours.equal(&widened), "{kind:?}: the prior differs from the widened keys' by {}", f64_of(&(&ours - &widened).abs().max()));
+        let weights = Tensor::randn_like(&widened);
+        let params: Vec<Tensor> = vs.trainable_variables();
+        let grads_of = |out: &Tensor, keys: &Tensor| {
+            let inputs: Vec<Tensor> = std::iter::once(keys.shallow_clone()).chain(params.iter().map(Tensor::shallow_clone)).collect();
+            Tensor::run_backward(&[(out * &weights).sum(Kind::Float)], &inputs, false, false)
+        };
+        let (g_ours, g_widened) = (grads_of(&ours, &narrow), grads_of(&widened, &wide));
+        assert_eq!(g_ours[0].kind(), kind, "{kind:?}: the keys' gradient takes their dtype");
+        // The keys' gradient, formed in float32 and rounded once to their dtype: within a unit in
+        // the last place of the widened keys' float32 gradient (the two products' float32 sums
+        // may round apart).
+        let ulp = if kind == Kind::BFloat16 { 2f64.powi(-7) } else { 2f64.powi(-10) };
+        let excess = ((&g_ours[0].to_kind(Kind::Float) - &g_widened[0]).abs() - g_widened[0].abs() * ulp).max();
+        assert!(f64_of(&excess) <= 0.0, "{kind:?}: the keys' gradients differ by more than a unit in the last place");
+        for (i, (a, b)) in g_ours.iter().zip(&g_widened).enumerate().skip(1) {
+            let err = f64_of(&(a - b).abs().max()) / f64_of(&b.abs().max()).max(1e-30);
+            assert!(err <= 1e-6, "{kind:?}: parameter {i}'s gradient differs by {err:e} of its size");
+        }
     }
     Ok(())
 }

@@ -230,6 +230,35 @@ struct WidenedSoftmax : public torch::autograd::Function<WidenedSoftmax> {
   }
 };
 
+// a · b with a in bfloat16 or float16 widened to b's dtype, differentiable in both, keeping a
+// itself for the backward pass and widening it again there, where autograd over a.to(b) · b would
+// keep the widened copy (twice a's size in float32) from the forward pass to the backward. The
+// forward and both gradients are the same operations as autograd's over that product; b's
+// gradient is summed over the dimensions b was broadcast along. (The contextual prior's first
+// layer over the keys: a (B, H, S_k, d), b (1, H, d, hidden).)
+struct WidenedMatmul : public torch::autograd::Function<WidenedMatmul> {
+  static variable_list forward(AutogradContext* ctx, at::Tensor a, at::Tensor b) {
+    const NoAutocast no_autocast;
+    ctx->save_for_backward({a, b});
+    return {at::matmul(a.to(b.scalar_type()), b)};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const NoAutocast no_autocast;
+    auto saved = ctx->get_saved_variables();
+    const auto &a = saved[0], &b = saved[1];
+    const auto& dout = grads[0];
+    at::Tensor da, db;
+    if (ctx->needs_input_grad(0)) {
+      da = at::matmul(dout, b.transpose(-2, -1)).sum_to_size(a.sizes()).to(a.scalar_type());
+    }
+    if (ctx->needs_input_grad(1)) {
+      db = at::matmul(a.to(b.scalar_type()).transpose(-2, -1), dout).sum_to_size(b.sizes());
+    }
+    return {da, db};
+  }
+};
+
 // ---- BAM over a softmax base through the same kernel, a block of queries at a time
 //
 // The sampled weights are P = row-softmax(z + n) (the base's per-row constant cancels): the kernel
@@ -472,6 +501,16 @@ char* pa_widened_softmax(const pa_tensor* q, const pa_tensor* k, const pa_tensor
     }
     auto some = allowed != nullptr ? std::optional<at::Tensor>(*allowed) : std::nullopt;
     auto result = probattn::tiled::WidenedSoftmax::apply(*q, *k, *v, some, scale);
+    *out = std::make_unique<at::Tensor>(result[0]).release();
+  });
+}
+
+char* pa_widened_matmul(const pa_tensor* a, const pa_tensor* b, pa_tensor** out) {
+  return probattn::guard([&] {
+    for (auto [pointer, name] : {std::pair<const void*, const char*>{a, "a"}, {b, "b"}, {out, "out"}}) {
+      probattn::require(pointer, "pa_widened_matmul", name);
+    }
+    auto result = probattn::tiled::WidenedMatmul::apply(*a, *b);
     *out = std::make_unique<at::Tensor>(result[0]).release();
   });
 }

@@ -124,6 +124,10 @@ char* pa_tiled_attention(const pa_tensor* q, const pa_tensor* k, const pa_tensor
 // output has v's dtype.
 char* pa_widened_softmax(const pa_tensor* q, const pa_tensor* k, const pa_tensor* v, const pa_tensor* allowed, double scale,
                          pa_tensor** out);
+// a · b (matmul's broadcasting) with a in bfloat16 or float16 widened to b's dtype, differentiable
+// in a and b, keeping a rather than its widened copy for the backward pass. The output has b's
+// dtype.
+char* pa_widened_matmul(const pa_tensor* a, const pa_tensor* b, pa_tensor** out);
 // The counter-based draws of the tiled path for a whole (B, H, S_q, S_k) = shape[0..4] score
 // tensor, in the eager path's convention (eps ~ U(0, 1) for noise 1, N(0, 1) for noise 2), with
 // the dtype and device of `like`, rows (queries) [start, start + len). `aten_ops`: computed with

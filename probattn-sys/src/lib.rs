@@ -22,7 +22,7 @@ mod fused_cuda;
 mod tiled;
 pub use fused_cuda::{fused_cuda_attention, fused_cuda_dry_run, fused_cuda_status, CudaDevice, FusedOutput, FusedSpec};
 pub use probattn_kernels as kernels;
-pub use tiled::{counter_noise, tiled_attention, widened_softmax, TiledOutput, TiledRoute, TiledSpec};
+pub use tiled::{counter_noise, tiled_attention, widened_matmul, widened_softmax, TiledOutput, TiledRoute, TiledSpec};
 
 /// What a call into the C++ layer can fail with.
 #[derive(Debug)]

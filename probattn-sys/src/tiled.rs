@@ -34,6 +34,7 @@ extern "C" {
         scale: f64,
         out: *mut *mut C_tensor,
     ) -> *mut c_char;
+    fn pa_widened_matmul(a: *const C_tensor, b: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
     fn pa_counter_noise(
         like: *const C_tensor,
         shape: *const i64,
@@ -176,6 +177,19 @@ pub fn widened_softmax(q: &Tensor, k: &Tensor, v: &Tensor, allowed: Option<&Tens
     unsafe {
         let allowed = allowed.map_or(ptr::null(), |t| t.as_ptr());
         check(pa_widened_softmax(q.as_ptr(), k.as_ptr(), v.as_ptr(), allowed, scale, &mut out), Error::Torch)?;
+        Ok(Tensor::from_ptr(out))
+    }
+}
+
+/// `a · b` (matmul's broadcasting) with `a` in bfloat16 or float16 widened to `b`'s dtype,
+/// differentiable in both, keeping `a` rather than its widened copy (twice its size in float32)
+/// for the backward pass (csrc/fused_cpu.cpp). The output has `b`'s dtype.
+pub fn widened_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let mut out = ptr::null_mut();
+    // SAFETY: the tensor pointers borrow live values for the call; the output is a new tensor
+    // written on success only, owned by `Tensor::from_ptr` from then on.
+    unsafe {
+        check(pa_widened_matmul(a.as_ptr(), b.as_ptr(), &mut out), Error::Torch)?;
         Ok(Tensor::from_ptr(out))
     }
 }

@@ -24,7 +24,7 @@ use crate::call::AttendOptions;
 use crate::cxx;
 use crate::mask::{Masks, ScoreShape};
 use crate::plan::Tiled;
-use crate::precision::{statistics_kind, widen};
+use crate::precision::statistics_kind;
 use crate::tiled::{check_hybrid_logit, libtorch_seed, tiled_kl, MaskCounts};
 use crate::{Error, Result};
 
@@ -221,7 +221,7 @@ pub fn attend(
         return Ok(FusedAttended { output: fused.out, kl: None, received_mass: fused.mass.map(|m| m.squeeze_dim(0)) });
     };
     let stats = statistics_kind(q.kind());
-    let prior = (kl.prior)(&widen(k), allowed.as_ref())?;
+    let prior = (kl.prior)(k, allowed.as_ref())?;
     let fused = run(&cxx::FusedSpec { kl: kl.form.code(), prior: Some(&prior), ..spec })?;
     let counts = MaskCounts::new(allowed.as_ref(), shape, crate::backend::DEFAULT_TILE, stats, q.device());
     let kl = tiled_kl(kl.form, &fused.kl_part, &prior, &counts);

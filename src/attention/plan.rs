@@ -66,8 +66,9 @@ impl KlForm {
     }
 }
 
-/// The prior's per-key values from the keys `(B, H, S_k, d_k)` and the allowed entries (boolean,
-/// broadcastable to `(B, H, S_q, S_k)`; `None`: all), broadcastable to `(B, H, 1, S_k)`.
+/// The prior's per-key values from the keys `(B, H, S_k, d_k)`, in the call's dtype, and the
+/// allowed entries (boolean, broadcastable to `(B, H, S_q, S_k)`; `None`: all), broadcastable to
+/// `(B, H, 1, S_k)`, in the statistics' dtype (float32 for bfloat16 or float16 keys).
 pub type PriorFn<'a> = Box<dyn Fn(&Tensor, Option<&Tensor>) -> Result<Tensor> + 'a>;
 
 /// A stochastic plan's KL term.

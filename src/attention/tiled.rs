@@ -64,7 +64,7 @@ use crate::cxx::{self, TiledSpec};
 use crate::mask::{Masks, ScoreShape};
 use crate::normalize::BamKind;
 pub use crate::plan::{Kl, KlForm, NoiseKind, PriorFn, Sampling, Tiled};
-use crate::precision::{statistics_kind, widen};
+use crate::precision::statistics_kind;
 use crate::{Error, Result};
 
 /// Euler–Mascheroni constant γ.
@@ -188,8 +188,7 @@ pub(crate) fn attend_tiled_shaped(
             let noise = opts.noise.map(|n| check_noise(n, shape)).transpose()?;
             let (noise_kind, noise_scale) = (sampling.noise.code(), sampling.scale);
             let seed = opts.seed.unwrap_or_else(libtorch_seed);
-            let keys = widen(k);
-            let prior = sampling.kl.as_ref().map(|kl| (kl.prior)(&keys, allowed.as_ref()).map(|a| (kl.form, a))).transpose()?;
+            let prior = sampling.kl.as_ref().map(|kl| (kl.prior)(k, allowed.as_ref()).map(|a| (kl.form, a))).transpose()?;
             let kl_kind = prior.as_ref().map_or(0, |(form, _)| form.code());
             let spec = TiledSpec { sweeps: i64::from(plan.sweeps), noise: noise_kind, noise_scale, seed, kl: kl_kind, ..spec };
             let a = prior.as_ref().map(|(_, a)| a);

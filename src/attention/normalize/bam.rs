@@ -21,6 +21,7 @@ use super::noise::{draw, Noise};
 use super::prior::{ContextualPrior, PriorScope};
 use super::{NormalizeInput, Normalized, Normalizer, NormalizerConfig, Support, Variant};
 use crate::plan::{Kl, KlForm, NoiseKind, PriorFn, Sampling, Tiled};
+use crate::precision::statistics_kind;
 use crate::{Error, Result};
 
 /// Euler–Mascheroni constant γ.
@@ -357,7 +358,7 @@ impl Normalizer for Bam {
             let prior: PriorFn<'_> = Box::new(move |keys: &Tensor, allowed: Option<&Tensor>| {
                 let support = Support::dense(allowed.map(Tensor::shallow_clone));
                 let log_psi = self.prior.as_ref().map(|p| p.log_psi(keys, &support)).transpose()?; // (B, H, 1, S_k)
-                let constant = |x: f64| Tensor::from(x).to_kind(keys.kind()).to_device(keys.device()).view([1, 1, 1, 1]);
+                let constant = |x: f64| Tensor::from(x).to_kind(statistics_kind(keys.kind())).to_device(keys.device()).view([1, 1, 1, 1]);
                 Ok(if self.kind.is_weibull() {
                     let beta = self.cfg.prior_beta;
                     log_psi.map_or_else(|| constant(self.cfg.prior_alpha), |l| (l.exp() * beta).clamp_min(1e-30))

@@ -10,6 +10,7 @@ use tch::{nn, Tensor};
 
 use super::Support;
 use crate::param::param;
+use crate::precision::statistics_kind;
 use crate::{Error, Result};
 
 /// Which keys the contextual prior's softmax runs over when attention is an edge list (a graph).
@@ -104,25 +105,28 @@ impl ContextualPrior {
     /// `log ψ` broadcastable to the scores (`(B, H, 1, S_k)` dense, `(H, E)` over edges: one value
     /// per edge, which varies with the query node under the neighbourhood scope), from keys
     /// `(B, H, S_k, d_k)` (`(1, H, N, d_k)` over edges); keys no query may attend get 0. Grouped
-    /// keys `(B, H_kv, S_k, d_k)`, `H_kv` a divisor of `H` (grouped-query attention), are repeated
-    /// here for the query heads whose networks read them: a copy of the keys, made only for the prior.
+    /// keys `(B, H_kv, S_k, d_k)`, `H_kv` a divisor of `H` (grouped-query attention), are read by
+    /// the networks of their query heads in one product, without a copy. The network runs in the
+    /// statistics' dtype (float32 for bfloat16 or float16 keys).
     pub fn log_psi(&self, keys: &Tensor, support: &Support) -> Result<Tensor> {
         let (heads, hidden, key_dim) = (self.heads, self.hidden, self.key_dim);
         let size = keys.size();
         if size.len() != 4 || size[1] == 0 || heads % size[1] != 0 || size[3] != key_dim {
             return Err(Error::Shape(format!("the contextual prior takes keys (B, {heads}, S_k, {key_dim}), got {size:?}")));
         }
-        let grouped;
-        let keys = if size[1] == heads {
-            keys
-        } else {
-            grouped = keys.repeat_interleave_self_int(heads / size[1], Some(1), None);
-            &grouped
-        };
-        let kind = keys.kind();
-        let w1 = self.f1_weight.to_kind(kind).transpose(1, 2).unsqueeze(0); // (1, H, d_k, hidden)
+        let ([batch, kv, len, _], group) = ([size[0], size[1], size[2], size[3]], heads / size[1]);
+        let kind = statistics_kind(keys.kind());
+        // The first layers of the G = H / H_kv query heads that read a key head side by side,
+        // (1, H_kv, d_k, G · hidden): query head kv · G + g reads key head kv, as in
+        // grouped-query attention.
+        let w1 =
+            self.f1_weight.to_kind(kind).view([kv, group, hidden, key_dim]).permute([0, 3, 1, 2]).reshape([1, kv, key_dim, group * hidden]);
+        // Bfloat16 or float16 keys are taken in float32, as the scores are, without autograd
+        // keeping a float32 copy of them (twice their size) for the first weight's gradient.
+        let first = if keys.kind() == kind { keys.matmul(&w1) } else { crate::cxx::widened_matmul(keys, &w1)? };
+        let first = first.view([batch, kv, len, group, hidden]).permute([0, 1, 3, 2, 4]).reshape([batch, heads, len, hidden]);
         let b1 = self.f1_bias.to_kind(kind).view([1, heads, 1, hidden]);
-        let h = (keys.matmul(&w1) + b1).relu(); // (B, H, S_k, hidden)
+        let h = (first + b1).relu(); // (B, H, S_k, hidden)
         let w2 = self.f2_weight.to_kind(kind).view([1, heads, hidden, 1]);
         let b2 = self.f2_bias.to_kind(kind).view([1, heads, 1, 1]);
         let logits = (h.matmul(&w2) + b2).transpose(2, 3); // (B, H, 1, S_k)
