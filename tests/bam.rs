@@ -233,6 +233,10 @@ fn the_contextual_prior_takes_16_bit_keys_at_their_float32_values() -> Result<()
         let (ours, widened) = (prior.log_psi(&narrow, &support)?, prior.log_psi(&wide, &support)?);
         assert_eq!(ours.kind(), Kind::Float, "{kind:?}: the prior's dtype");
         assert!(ours.equal(&widened), "{kind:?}: the prior differs from the widened keys' by {}", f64_of(&(&ours - &widened).abs().max()));
+        // Grouped keys as grouped-query attention reads them: query head h takes key head h / 2.
+        let repeated = prior.log_psi(&wide.repeat_interleave_self_int(2, Some(1), None), &support)?;
+        let diff = f64_of(&(&widened - &repeated).abs().max());
+        assert!(diff <= 1e-5, "{kind:?}: the grouped keys' prior differs from the repeated keys' by {diff:e}");
         let weights = Tensor::randn_like(&widened);
         let params: Vec<Tensor> = vs.trainable_variables();
         let grads_of = |out: &Tensor, keys: &Tensor| {

@@ -119,8 +119,8 @@ impl ContextualPrior {
         // The first layers of the G = H / H_kv query heads that read a key head side by side,
         // (1, H_kv, d_k, G · hidden): query head kv · G + g reads key head kv, as in
         // grouped-query attention.
-        let w1 =
-            self.f1_weight.to_kind(kind).view([kv, group, hidden, key_dim]).permute([0, 3, 1, 2]).reshape([1, kv, key_dim, group * hidden]);
+        let w1 = self.f1_weight.to_kind(kind).reshape([kv, group, hidden, key_dim]);
+        let w1 = w1.permute([0, 3, 1, 2]).reshape([1, kv, key_dim, group * hidden]);
         // Bfloat16 or float16 keys are taken in float32, as the scores are, without autograd
         // keeping a float32 copy of them (twice their size) for the first weight's gradient.
         let first = if keys.kind() == kind { keys.matmul(&w1) } else { crate::cxx::widened_matmul(keys, &w1)? };
