@@ -233,9 +233,9 @@ struct WidenedSoftmax : public torch::autograd::Function<WidenedSoftmax> {
 // a · b with a in bfloat16 or float16 widened to b's dtype, differentiable in both, keeping a
 // itself for the backward pass and widening it again there, where autograd over a.to(b) · b would
 // keep the widened copy (twice a's size in float32) from the forward pass to the backward. The
-// forward and both gradients are the same operations as autograd's over that product; b's
-// gradient is summed over the dimensions b was broadcast along. (The contextual prior's first
-// layer over the keys: a (B, H, S_k, d), b (1, H, d, hidden).)
+// forward is the same product, bit for bit; the gradients are its gradients formed in b's dtype,
+// b's summed over the dimensions b was broadcast along, a's rounded once to a's dtype. (The
+// contextual prior's first layer over the keys: a (B, H_kv, S_k, d), b (1, H_kv, d, G · hidden).)
 struct WidenedMatmul : public torch::autograd::Function<WidenedMatmul> {
   static variable_list forward(AutogradContext* ctx, at::Tensor a, at::Tensor b) {
     const NoAutocast no_autocast;
