@@ -14,7 +14,14 @@ setting that fails to compile, runs out of shared memory or disagrees is recorde
 and never chosen. The score of a setting is the sum over the plans of its median forward +
 backward time (calls taking turns, as `kernels.bench` times them). `sweep.json` keeps every time,
 `table.json` the winners with the shape they were chosen at, and `sweep.md` a table per
-(dtype, head dimension) with each setting's time relative to the default's.
+(dtype, head dimension) with each setting's time relative to the default's; all three are
+rewritten after each (dtype, head dimension), so a sweep stopped at a time limit keeps what it
+finished.
+
+Triton compiles a kernel the first time it is called, one at a time in the calling process, and
+the grid holds some hundred kernels: on a GPU, `--jobs` worker processes first call every setting
+once, side by side, which fills Triton's on-disk cache, and the timing process then finds them
+compiled. The workers' calls are not timed.
 """
 
 import argparse
@@ -26,10 +33,10 @@ import time
 from pathlib import Path
 
 # (block_m, block_n, num_warps, num_stages): the defaults first, then shapes FlashAttention-2 and
-# Triton's fused-attention tutorial use on Ampere and Hopper.
+# Triton's fused-attention tutorial use on Ampere and Hopper, then deeper pipelines of them.
 DEFAULT = (64, 64, 4, 2)
 GRID = [DEFAULT, (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 4, 2), (128, 128, 8, 2),
-        (64, 32, 4, 2)]
+        (64, 32, 4, 2), (64, 64, 4, 4), (128, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 3)]
 TABLE = Path(__file__).with_name("tuning.json")
 
 
@@ -113,16 +120,58 @@ def steps(torch, plans, names, q, k, v, grad, config):
     return {name: run(plan_step(name)) for name in names}
 
 
-def sweep_one(torch, plans, args, dtype_name, head_dim, rows):
-    """Times the grid for one (dtype, head dimension); the winner's setting, or None."""
-    from probattn_tools.baselines.bench import time_interleaved
-
+def _inputs(torch, args, dtype_name, head_dim):
+    """q, k, v (requiring gradients) and the output gradient at the sweep's shape, seeded."""
     dtype, device = getattr(torch, dtype_name), torch.device(args.device)
     b, s = (int(x) for x in args.shape.lower().split("x"))
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(b, args.heads, s, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_(True)
                for _ in range(3))
     grad = torch.randn(b, args.heads, s, head_dim, device=device, dtype=dtype, generator=gen)
+    return q, k, v, grad
+
+
+def _compile(args, dtype_name, head_dim, setting):
+    """Calls every plan once with `setting`, so Triton compiles (and caches) its kernels; run in a
+    worker process. A setting that fails here is left for the timing process to record."""
+    import torch
+
+    from probattn_tools.kernels import plans
+
+    q, k, v, grad = _inputs(torch, args, dtype_name, head_dim)
+    try:
+        for step in steps(torch, plans, args.plans.split(","), q, k, v, grad, plans.Config(*setting)).values():
+            step()
+        if q.is_cuda:
+            torch.cuda.synchronize()
+    except Exception as e:  # the timing process records it
+        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+    return None
+
+
+def compile_grid(args, groups):
+    """Compiles every (dtype, head dimension, setting) of the sweep in `args.jobs` processes."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    work = [(dtype, head_dim, setting) for dtype, head_dim in groups for setting in GRID[:args.settings]]
+    start = time.time()
+    try:
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            failed = sum(r is not None for r in pool.map(_compile, *zip(*[(args, *w) for w in work])))
+    except Exception as e:  # a worker that died (a crashed launch, say): the timing process compiles the rest
+        print(f"compiling ahead stopped ({type(e).__name__}: {e}); the timing compiles what is left", flush=True)
+        return
+    print(f"compiled {len(work)} settings' kernels in {args.jobs} processes ({time.time() - start:.0f} s, "
+          f"{failed} failed: recorded below)", flush=True)
+
+
+def sweep_one(torch, plans, args, dtype_name, head_dim, rows):
+    """Times the grid for one (dtype, head dimension); the winner's setting, or None."""
+    from probattn_tools.baselines.bench import time_interleaved
+
+    device = torch.device(args.device)
+    q, k, v, grad = _inputs(torch, args, dtype_name, head_dim)
     names = args.plans.split(",")
     reference = {}
     for name, step in steps(torch, plans, names, q, k, v, grad, plans.Config(*DEFAULT)).items():
@@ -205,6 +254,8 @@ def main(argv=None):
                                                                  "bam-wc, bam-lc")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--settings", type=int, default=len(GRID), help=f"the first N settings of the grid (of {len(GRID)})")
+    parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                        help="processes that compile the grid's kernels before the timing (cuda only; 1: none)")
     parser.add_argument("--device", default="cuda", help="cuda; cpu runs the sweep's logic under Triton's interpreter "
                                                         "(TRITON_INTERPRET=1; float16 only; its times mean nothing)")
     parser.add_argument("--merge", help="merge this sweep's table.json into tuning.json instead of sweeping")
@@ -237,32 +288,40 @@ def main(argv=None):
     major, minor = torch.cuda.get_device_capability() if args.device == "cuda" else (0, 0)
     arch = major * 10 + minor
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "the CPU, under Triton's interpreter"
+    if args.jobs < 1:
+        sys.exit(f"kernels.sweep: --jobs is 1 or more, got {args.jobs}")
     rows, found, start = [], {"configs": {}}, time.time()
-    for dtype in args.dtypes.split(","):
-        for head_dim in (int(d) for d in args.head_dims.split(",")):
-            best = sweep_one(torch, plans, args, dtype, head_dim, rows)
-            if args.device != "cuda":  # the interpreter's times choose nothing
-                continue
-            if best is None:
-                print(f"sm_{arch} {dtype} d {head_dim}: no setting ran", flush=True)
-                continue
-            found["configs"].setdefault(f"sm_{arch}", {}).setdefault(dtype, {})[str(head_dim)] = {
-                k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages")} | {
-                "score_ms": best["score_ms"], "vs_default": best.get("vs_default"), "shape": args.shape,
-                "heads": args.heads, "plans": args.plans, "device": device_name}
-            print(f"sm_{arch} {dtype} d {head_dim}: {best['block_m']} × {best['block_n']}, {best['num_warps']} warps, "
-                  f"{best['num_stages']} stages: {best['score_ms']:.3f} ms, {best.get('vs_default', float('nan')):.2f}× "
-                  f"the default's", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    record = {"provenance": scripts_provenance(), "device": device_name, "arch": f"sm_{arch}",
-              "torch": torch.__version__, "settings": vars(args), "grid": GRID, "seconds": time.time() - start,
-              "rows": rows}
-    for name, text in (("sweep.json", json.dumps(record, indent=1) + "\n"), ("table.json", json.dumps(found, indent=1) + "\n"),
-                       ("sweep.md", markdown(rows, arch, device_name) + "\n")):
-        tmp = out / (name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(out / name)
+
+    def write():
+        record = {"provenance": scripts_provenance(), "device": device_name, "arch": f"sm_{arch}",
+                  "torch": torch.__version__, "settings": vars(args), "grid": GRID, "seconds": time.time() - start,
+                  "rows": rows}
+        for name, text in (("sweep.json", json.dumps(record, indent=1) + "\n"),
+                           ("table.json", json.dumps(found, indent=1) + "\n"),
+                           ("sweep.md", markdown(rows, arch, device_name) + "\n")):
+            tmp = out / (name + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(out / name)
+
+    groups = [(dtype, int(d)) for dtype in args.dtypes.split(",") for d in args.head_dims.split(",")]
+    if args.device == "cuda" and args.jobs > 1:
+        compile_grid(args, groups)
+    for dtype, head_dim in groups:
+        best = sweep_one(torch, plans, args, dtype, head_dim, rows)
+        if args.device == "cuda":  # the interpreter's times choose nothing
+            if best is None:
+                print(f"sm_{arch} {dtype} d {head_dim}: no setting ran", flush=True)
+            else:
+                found["configs"].setdefault(f"sm_{arch}", {}).setdefault(dtype, {})[str(head_dim)] = {
+                    k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages")} | {
+                    "score_ms": best["score_ms"], "vs_default": best.get("vs_default"), "shape": args.shape,
+                    "heads": args.heads, "plans": args.plans, "device": device_name}
+                print(f"sm_{arch} {dtype} d {head_dim}: {best['block_m']} × {best['block_n']}, {best['num_warps']} "
+                      f"warps, {best['num_stages']} stages: {best['score_ms']:.3f} ms, "
+                      f"{best.get('vs_default', float('nan')):.2f}× the default's", flush=True)
+        write()
     print(f"wrote {out}/sweep.json, sweep.md and table.json ({time.time() - start:.0f} s)")
     return 0
 
