@@ -28,7 +28,7 @@ const ARCHS: &str = "80,90";
 const DTYPES: &str = "bfloat16,float16,float32";
 const HEAD_DIMS: &str = "64,128,256";
 /// The files of python/probattn_tools/kernels/ the cubins are compiled from: the cache's key.
-const SOURCES: [&str; 8] = ["aot.py", "plans.py", "passes.py", "tiles.py", "bam.py", "sinkhorn.py", "sweep.py", "tuning.json"];
+const SOURCES: [&str; 8] = ["aot.py", "plans.py", "passes.py", "tiles.py", "bam.py", "sinkhorn.py", "settings.py", "tuning.json"];
 /// Compiled sets kept in the cache (the newest), for checkouts at other commits.
 const KEPT: usize = 4;
 

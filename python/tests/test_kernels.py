@@ -132,16 +132,16 @@ class TritonKernels(unittest.TestCase):
 
 
 class TuningTable(unittest.TestCase):
-    """The table `kernels.sweep` writes and `kernels.aot` reads."""
+    """The table `kernels.sweep` writes and `kernels.aot` reads (`kernels.settings`)."""
 
     def test_the_committed_table_reads_and_each_entry_is_a_launch_setting(self):
-        from probattn_tools.kernels import sweep
+        from probattn_tools.kernels import settings
 
-        table = sweep.read_table()
+        table = settings.read_table()
         for arch, dtypes in table["configs"].items():
             for dtype, dims in dtypes.items():
                 for head_dim in dims:
-                    block_m, block_n, warps, stages = sweep.lookup(table, int(arch.removeprefix("sm_")), dtype, head_dim)
+                    block_m, block_n, warps, stages = settings.lookup(table, int(arch.removeprefix("sm_")), dtype, head_dim)
                     for block in (block_m, block_n):
                         self.assertTrue(block >= 16 and block & (block - 1) == 0, (arch, dtype, head_dim))
                     self.assertIn(warps, (1, 2, 4, 8, 16))
@@ -150,19 +150,19 @@ class TuningTable(unittest.TestCase):
     def test_flags_then_the_table_then_the_defaults_choose_a_cubins_setting(self):
         from types import SimpleNamespace
 
-        from probattn_tools.kernels import aot, sweep
+        from probattn_tools.kernels import aot, settings, sweep
 
         table = sweep.merge({"configs": {}}, {"configs": {"sm_90": {"bfloat16": {"64": {
             "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "score_ms": 1.0}}}}})
         none = SimpleNamespace(block_m=None, block_n=None, num_warps=None, num_stages=None)
         self.assertEqual(aot.launch_setting(table, 90, "bfloat16", 64, none), (128, 64, 8, 3))
-        self.assertEqual(aot.launch_setting(table, 90, "bfloat16", 128, none), sweep.DEFAULT)
+        self.assertEqual(aot.launch_setting(table, 90, "bfloat16", 128, none), settings.DEFAULT)
         # float16 takes bfloat16's entry where it has none of its own.
         self.assertEqual(aot.launch_setting(table, 90, "float16", 64, none), (128, 64, 8, 3))
-        self.assertEqual(aot.launch_setting(table, 80, "bfloat16", 64, none), sweep.DEFAULT)
+        self.assertEqual(aot.launch_setting(table, 80, "bfloat16", 64, none), settings.DEFAULT)
         # float32 takes no 16-bit entry (its tiles take twice the shared memory), and above head
         # dimension 64 32-query blocks; above head dimension 128 every dtype takes 8 warps.
-        self.assertEqual(aot.launch_setting(table, 90, "float32", 64, none), sweep.DEFAULT)
+        self.assertEqual(aot.launch_setting(table, 90, "float32", 64, none), settings.DEFAULT)
         self.assertEqual(aot.launch_setting(table, 90, "float32", 128, none), (32, 64, 4, 2))
         self.assertEqual(aot.launch_setting(table, 90, "float16", 256, none), (64, 64, 8, 2))
         self.assertEqual(aot.launch_setting(table, 80, "float32", 256, none), (32, 64, 8, 2))
@@ -172,10 +172,10 @@ class TuningTable(unittest.TestCase):
         # A later sweep replaces an entry and keeps the others.
         later = sweep.merge(table, {"configs": {"sm_90": {"bfloat16": {"128": dict(
             block_m=64, block_n=32, num_warps=4, num_stages=2)}}}})
-        self.assertEqual(sweep.lookup(later, 90, "bfloat16", 64), (128, 64, 8, 3))
-        self.assertEqual(sweep.lookup(later, 90, "bfloat16", 128), (64, 32, 4, 2))
+        self.assertEqual(settings.lookup(later, 90, "bfloat16", 64), (128, 64, 8, 3))
+        self.assertEqual(settings.lookup(later, 90, "bfloat16", 128), (64, 32, 4, 2))
         with self.assertRaisesRegex(ValueError, "sm_90, bfloat16, head dimension 64"):
-            sweep.lookup({"configs": {"sm_90": {"bfloat16": {"64": {"block_m": 64}}}}}, 90, "bfloat16", 64)
+            settings.lookup({"configs": {"sm_90": {"bfloat16": {"64": {"block_m": 64}}}}}, 90, "bfloat16", 64)
 
 
     def test_the_sweep_runs_under_the_interpreter_and_writes_its_records(self):

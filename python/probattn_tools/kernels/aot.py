@@ -250,12 +250,12 @@ def launch_setting(table, arch, dtype, head_dim, args):
     """(block_m, block_n, num_warps, num_stages) for one architecture, dtype and head dimension:
     each flag given on the command line, else the tuning table's entry (float16 takes bfloat16's
     where it has none of its own: the same element size, the same shared memory), else the
-    defaults (`sweep.default`)."""
-    from probattn_tools.kernels import sweep
+    defaults (`settings.default`)."""
+    from probattn_tools.kernels import settings
 
-    tuned = (sweep.lookup(table, arch, dtype, head_dim)
-             or (dtype == "float16" and sweep.lookup(table, arch, "bfloat16", head_dim))
-             or sweep.default(dtype, head_dim))
+    tuned = (settings.lookup(table, arch, dtype, head_dim)
+             or (dtype == "float16" and settings.lookup(table, arch, "bfloat16", head_dim))
+             or settings.default(dtype, head_dim))
     given = (args.block_m, args.block_n, args.num_warps, args.num_stages)
     return tuple(g if g is not None else t for g, t in zip(given, tuned))
 
@@ -312,10 +312,10 @@ def main(argv=None):
         sys.exit("kernels.aot: --set, --route and --smoke each name a set; give one")
     if args.jobs < 1:
         sys.exit(f"kernels.aot: --jobs must be at least 1, got {args.jobs}")
-    from probattn_tools.kernels import sweep
+    from probattn_tools.kernels import settings
 
     try:
-        table = {"configs": {}} if args.tuning == "none" else sweep.read_table(args.tuning)
+        table = {"configs": {}} if args.tuning == "none" else settings.read_table(args.tuning)
     except (OSError, ValueError) as e:
         sys.exit(f"kernels.aot: the tuning table {args.tuning}: {e}")
     out = Path(args.out)

@@ -147,7 +147,7 @@ def main(argv=None):
 
     from probattn_tools.baselines.precision_profile import scripts_provenance
     from probattn_tools.files import atomic_write_text
-    from probattn_tools.kernels import aot, plans, sweep
+    from probattn_tools.kernels import aot, plans, settings
 
     if args.setting:
         try:
@@ -157,7 +157,7 @@ def main(argv=None):
         if len(setting) != 4:
             sys.exit(f"kernels.resources: --setting takes BLOCK_M,BLOCK_N,num_warps,num_stages, got {args.setting!r}")
     else:
-        setting = sweep.lookup(sweep.read_table(), args.arch, args.dtype, args.head_dim) or sweep.default(args.dtype, args.head_dim)
+        setting = settings.lookup(settings.read_table(), args.arch, args.dtype, args.head_dim) or settings.default(args.dtype, args.head_dim)
     block_m, block_n, num_warps, num_stages = setting
     held = block_m * block_n / (32 * num_warps)
     cuobjdump = tools()

@@ -1,0 +1,43 @@
+"""The launch settings the ahead-of-time build compiles each kernel with: the defaults, and the
+tuning table (`tuning.json` beside this file) that `kernels.sweep` fills on a GPU. What the cubins
+are compiled from, so the kernels' build keys its cache on this file and the table, not on the
+sweep that times them."""
+
+import json
+from pathlib import Path
+
+# (block_m, block_n, num_warps, num_stages)
+DEFAULT = (64, 64, 4, 2)
+TABLE = Path(__file__).with_name("tuning.json")
+
+
+def default(dtype, head_dim):
+    """The setting a set without a tuning table entry is compiled with: DEFAULT, but 32-query
+    blocks for float32 above head dimension 64 (the key pass's 64 × 64 float32 tiles need 176 KiB
+    of shared memory at head dimension 128, past sm_80's 163 KiB per block; 32-query blocks need
+    up to 120 KiB), and 8 warps above head dimension 128 (a 64 × 256 float32 accumulator is 128
+    registers a thread over 4 warps, before anything else)."""
+    block_m = 32 if dtype == "float32" and head_dim > 64 else DEFAULT[0]
+    return (block_m, DEFAULT[1], 8 if head_dim > 128 else DEFAULT[2], DEFAULT[3])
+
+
+def read_table(path=TABLE):
+    """The table: {"configs": {arch: {dtype: {head_dim: {block_m, block_n, num_warps, num_stages, ...}}}}}."""
+    if not Path(path).exists():
+        return {"configs": {}}
+    table = json.loads(Path(path).read_text())
+    if not isinstance(table.get("configs"), dict):
+        raise ValueError(f"{path}: a tuning table holds a 'configs' object")
+    return table
+
+
+def lookup(table, arch, dtype, head_dim):
+    """(block_m, block_n, num_warps, num_stages) for sm_`arch`, or None where the table has none."""
+    entry = table["configs"].get(f"sm_{arch}", {}).get(dtype, {}).get(str(head_dim))
+    if entry is None:
+        return None
+    try:
+        return tuple(int(entry[k]) for k in ("block_m", "block_n", "num_warps", "num_stages"))
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"tuning table: the entry for sm_{arch}, {dtype}, head dimension {head_dim} needs integer "
+                         f"block_m, block_n, num_warps and num_stages, got {entry}") from None
