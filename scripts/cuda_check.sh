@@ -23,14 +23,16 @@
 #   TABLE_ROWS, TABLE_SEEDS, TABLE_JOBS   the table steps' rows, seeds and runs at a time on the one
 #                  GPU (default 6, the CPU cores shared out), as scripts/translate_table.sh reads them
 #   KERNELS_CHECK, KERNELS_BENCH   the kernels step's check flags (default: every case in every
-#                  dtype) and benchmark flags (default "--shapes 8x1024,1x4096,1x16384")
+#                  dtype) and benchmark flags (default "--shapes 8x1024,1x4096,1x16384"), the
+#                  latter the kernels-bench step's too (the benchmark alone, with each
+#                  implementation's time kernel by kernel)
 #   KERNELS_SWEEP  the sweep step's flags (python -m probattn_tools.kernels.sweep; default: its own)
 #   SANITIZER_CASES  the fused_cuda cases the sanitizer step runs (FUSED_CUDA_CASES; default
 #                  "1,2,7,9,17": softmax, DNAS with GQA and padding, HNAS, Sinkhorn-3, causal BAM-WC)
 #   FUSED_VARIANTS, FUSED_LENGTHS  the fused-long step's variants (default: the six benchmarked)
 #                  and lengths (default "4096,32768,131072")
 #   STEP      any of doctor tests gat vqa translate bench bench-quick pt2 memory-efficient precision
-#             nccl python python-bench sdpa-empty-rows kernels sweep sanitizer fused-long fused-tf32
+#             nccl python python-bench sdpa-empty-rows kernels kernels-bench sweep sanitizer fused-long fused-tf32
 #             table table-converged (default: all but bench-quick, kernels, sweep, sanitizer,
 #             fused-long, fused-tf32 and the table steps, the long-sequence and NCCL runs first)
 #
@@ -201,6 +203,13 @@ for s in $steps; do
       # shellcheck disable=SC2086  # KERNELS_BENCH are words
       CHECK_FLAGS="${KERNELS_CHECK:-}" PYTHON="$python" bash "$(dirname "$(realpath "$0")")/kernels_gpu.sh" "$out/kernels" \
         ${KERNELS_BENCH:---shapes 8x1024,1x4096,1x16384} 2>&1 | tail -60 ;;
+    kernels-bench)
+      # The kernels step's benchmark alone (its KERNELS_BENCH flags), each implementation's time
+      # also kernel by kernel (--profile).
+      step kernels-bench
+      # shellcheck disable=SC2086  # KERNELS_BENCH are words
+      PYTHONPATH="$root/python" "$python" -m probattn_tools.kernels.bench --out "$out/kernels-bench" --profile \
+        ${KERNELS_BENCH:---shapes 8x1024,1x4096,1x16384} 2>&1 | tee "$out/kernels-bench.log" | tail -80 ;;
     sweep)
       step sweep
       # shellcheck disable=SC2086  # KERNELS_SWEEP are words

@@ -3,10 +3,12 @@
 # device lease in two commands of at most 600 s each: run from the repository root of a checkout
 # of the bundle's commit, on the GPU machine.
 #
-# Usage: scripts/gpu_lease.sh BUNDLE OUT [PART]
+# Usage: scripts/gpu_lease.sh BUNDLE OUT [PART | STEP:SECONDS...]
 #   BUNDLE  scripts/cuda_bundle.sh's archive (built here, carried there)
 #   OUT     where each step's folder goes packed (ARCHIVE_DIR of cuda_steps.sh), with log.txt
-#   PART    route (the default), kernels or long
+#   PART    route (the default), kernels or long; or cuda_check.sh's steps, each with its limit
+#           (as `tests:120 fused-long:240`)
+# TESTS, KERNELS_CHECK and KERNELS_BENCH (cuda_check.sh's) default to the values below.
 #
 # The steps, each under its own limit (a step that overruns costs only itself):
 #   route:
@@ -33,19 +35,20 @@
 #                            S = 4,096, 32,768 and 131,072 (B 1, H 8, E 512; softmax, DNAS, HNAS,
 #                            Sinkhorn-3, BAM-WC, BAM-LC): time, TFLOP/s and peak memory
 set -euo pipefail
-[ $# -eq 2 ] || [ $# -eq 3 ] || { sed -n '2,33p' "$0" >&2; exit 2; }
+[ $# -ge 2 ] || { sed -n '2,36p' "$0" >&2; exit 2; }
 bundle=$(realpath "$1") out=$(realpath -m "$2") part=${3:-route}
 case $part in
   route) steps=(doctor:20 sdpa-empty-rows:60 tests:190 sanitizer:180 fused-tf32:90) ;;
   kernels) steps=(sweep:240 kernels:300) ;;
   long) steps=(fused-long:540) ;;
-  *) echo "gpu_lease.sh: PART is route, kernels or long, got $part" >&2; exit 2 ;;
+  *:*) steps=("${@:3}") ;;
+  *) echo "gpu_lease.sh: PART is route, kernels, long or STEP:SECONDS..., got $part" >&2; exit 2 ;;
 esac
 [ -f "$bundle" ] || { echo "gpu_lease.sh: no bundle at $bundle (scripts/cuda_bundle.sh builds it)" >&2; exit 2; }
 here=$(dirname "$(realpath "$0")")
 work=$(mktemp -d)
 tar xJf "$bundle" -C "$work"
-export TESTS="external_variant fused_cuda normalizers precision tiled"
-export KERNELS_CHECK="--quick --dtypes bfloat16,float16"
-export KERNELS_BENCH="--shapes 8x1024,1x4096 --repeats 10"
+export TESTS=${TESTS:-external_variant fused_cuda normalizers precision tiled}
+export KERNELS_CHECK=${KERNELS_CHECK:---quick --dtypes bfloat16,float16}
+export KERNELS_BENCH=${KERNELS_BENCH:---shapes 8x1024,1x4096 --repeats 10}
 bash "$here/cuda_steps.sh" "$work/bin" "$work/data" "$work/out" "$out" "${steps[@]}"

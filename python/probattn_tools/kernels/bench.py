@@ -14,6 +14,10 @@ compares with softmax's as a time does), its peak memory, and its time relative 
 formulas (at S ≤ 4,096), and a mismatch is recorded instead of a time. FlexAttention's DNAS uses a
 separate value tensor for its column call, `dynamic=False` and a raised recompile limit (with `q`
 reused as that value, Dynamo recompiled past its limit and fell back to an unfused path).
+
+`--profile` also runs one more forward + backward of each implementation under PyTorch's profiler
+and records where its GPU time goes: each kernel's time and calls, the largest first (`kernels` in
+the row, the first five printed), so that a slow plan shows which of its passes is slow.
 """
 
 import argparse
@@ -64,6 +68,26 @@ def implementations(torch, args):
     }
 
 
+def kernel_times(torch, step, device, top=12):
+    """One call of `step` under PyTorch's profiler: {"total_ms", "kernels": [{"kernel", "calls", "ms"}]},
+    the `top` kernels by their time on the device (on the CPU, the operators by their own time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        step()
+        sync()
+    found = []
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", 0) if cuda else event.self_cpu_time_total
+        if us > 0:
+            found.append({"kernel": event.key, "calls": event.count, "ms": us / 1e3})
+    found.sort(key=lambda r: -r["ms"])
+    return {"total_ms": sum(r["ms"] for r in found), "kernels": found[:top]}
+
+
 def check(torch, name, plan, fn, q, k, v):
     """Max error of fn's output against SDPA (softmax), the formulas' DNAS, or softmax over the
     scores plus BAM's noise term from the same draws, in float32."""
@@ -104,6 +128,7 @@ def main(argv=None):
     parser.add_argument("--impls", default="sdpa,flex-softmax,flex-dnas,probattn-softmax,probattn-dnas,probattn-bam-wc,"
                         "probattn-bam-lc")
     parser.add_argument("--out", help="folder for bench.json (default: print only)")
+    parser.add_argument("--profile", action="store_true", help="record each implementation's time kernel by kernel")
     args = parser.parse_args(argv)
     import torch
 
@@ -143,6 +168,12 @@ def main(argv=None):
             rows.append(row)
         for i, (med, iqr) in zip(names, time_interleaved(steps, args.repeats, torch.device("cuda"))):
             rows[i].update(ms=med, iqr_ms=iqr, tflops=flops / (med * 1e-3) / 1e12)
+        if args.profile:
+            for i, step in zip(names, steps):
+                try:
+                    rows[i]["profile"] = kernel_times(torch, step, torch.device("cuda"))
+                except Exception as e:  # recorded; the times stand
+                    rows[i]["profile"] = {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
         sdpa = next((r["ms"] for r in rows if r["shape"] == f"{b}x{s}" and r["impl"] == "sdpa" and "ms" in r), None)
         for r in rows:
             if r["shape"] == f"{b}x{s}":
@@ -151,6 +182,10 @@ def main(argv=None):
                 cells = (f"{r['ms']:8.2f} ms ± {r['iqr_ms']:.2f}, {r['tflops']:6.1f} TFLOP/s, {r['peak_mib']:8.1f} MiB, "
                          f"{r.get('vs_sdpa', float('nan')):.2f}× SDPA" if "ms" in r else r.get("error", ""))
                 print(f"{r['shape']:>8} {r['impl']:18} {cells}  err {r.get('max_error', float('nan')):.1e}", flush=True)
+                for kernel in r.get("profile", {}).get("kernels", [])[:5]:
+                    print(f"{'':>10}{kernel['ms']:9.3f} ms  {kernel['calls']:3d}×  {kernel['kernel'][:90]}", flush=True)
+                if "error" in r.get("profile", {}):
+                    print(f"{'':>10}profile: {r['profile']['error']}", flush=True)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
