@@ -183,7 +183,7 @@ class TuningTable(unittest.TestCase):
         with tempfile.TemporaryDirectory() as out:
             done = subprocess.run([sys.executable, "-m", "probattn_tools.kernels.sweep", "--device", "cpu", "--dtypes",
                                    "float16", "--head-dims", "16", "--shape", "1x40", "--heads", "2", "--settings", "3",
-                                   "--repeats", "1", "--out", out], capture_output=True, text=True, env=env, timeout=600)
+                                   "--plans", "softmax,dnas", "--repeats", "1", "--out", out], capture_output=True, text=True, env=env, timeout=600)
             self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
             record = json.loads((Path(out) / "sweep.json").read_text())
             self.assertEqual(len(record["rows"]), 3)
