@@ -26,7 +26,7 @@
 #                            TF32 allowed, softmax and DNAS at S = 4,096 and 16,384
 #   kernels:
 #   sweep            240 s   the kernels' launch settings timed in bfloat16 at head dimensions 64 and
-#                            128 (softmax and DNAS, 1 x 4,096): the tuning table's entries
+#                            128 (softmax, DNAS and BAM-WC, 1 x 4,096): the tuning table's entries
 #   kernels          300 s   the Triton kernels' check in bfloat16 and float16 (their quick cases),
 #                            then their benchmark against SDPA and FlexAttention at 8 x 1,024 and
 #                            1 x 4,096
