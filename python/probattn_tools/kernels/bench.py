@@ -132,7 +132,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     import torch
 
-    from probattn_tools.baselines.bench import cuda_peak_during, time_interleaved
+    from probattn_tools.baselines.bench import cuda_peak_during, error_line, time_interleaved
     from probattn_tools.baselines.precision_profile import scripts_provenance
 
     if not torch.cuda.is_available():
@@ -164,7 +164,7 @@ def main(argv=None):
                 steps.append(step)
                 names.append(len(rows))
             except Exception as e:  # recorded, and the other implementations go on
-                row["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+                row["error"] = error_line(e)
             rows.append(row)
         for i, (med, iqr) in zip(names, time_interleaved(steps, args.repeats, torch.device("cuda"))):
             rows[i].update(ms=med, iqr_ms=iqr, tflops=flops / (med * 1e-3) / 1e12)
@@ -173,7 +173,7 @@ def main(argv=None):
                 try:
                     rows[i]["profile"] = kernel_times(torch, step, torch.device("cuda"))
                 except Exception as e:  # recorded; the times stand
-                    rows[i]["profile"] = {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
+                    rows[i]["profile"] = {"error": error_line(e)}
         sdpa = next((r["ms"] for r in rows if r["shape"] == f"{b}x{s}" and r["impl"] == "sdpa" and "ms" in r), None)
         for r in rows:
             if r["shape"] == f"{b}x{s}":

@@ -107,6 +107,7 @@ def _compile(args, dtype_name, head_dim, setting):
     worker process. A setting that fails here is left for the timing process to record."""
     import torch
 
+    from probattn_tools.baselines.bench import error_line
     from probattn_tools.kernels import plans
 
     q, k, v, grad = _inputs(torch, args, dtype_name, head_dim)
@@ -116,7 +117,7 @@ def _compile(args, dtype_name, head_dim, setting):
         if q.is_cuda:
             torch.cuda.synchronize()
     except Exception as e:  # the timing process records it
-        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        return error_line(e)
     return None
 
 
@@ -129,7 +130,7 @@ def compile_grid(args, groups):
     start = time.time()
     try:
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            failed = sum(r is not None for r in pool.map(_compile, *zip(*[(args, *w) for w in work])))
+            failed = sum(job.result() is not None for job in [pool.submit(_compile, args, *w) for w in work])
     except Exception as e:  # a worker that died (a crashed launch, say): the timing process compiles the rest
         print(f"compiling ahead stopped ({type(e).__name__}: {e}); the timing compiles what is left", flush=True)
         return
@@ -139,7 +140,7 @@ def compile_grid(args, groups):
 
 def sweep_one(torch, plans, args, dtype_name, head_dim, rows):
     """Times the grid for one (dtype, head dimension); the winner's setting, or None."""
-    from probattn_tools.baselines.bench import time_interleaved
+    from probattn_tools.baselines.bench import error_line, time_interleaved
 
     device = torch.device(args.device)
     q, k, v, grad = _inputs(torch, args, dtype_name, head_dim)
@@ -168,7 +169,7 @@ def sweep_one(torch, plans, args, dtype_name, head_dim, rows):
                 continue
             candidates.append((row, fns))
         except Exception as e:  # recorded; the other settings go on
-            row["refused"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+            row["refused"] = error_line(e)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     for row, fns in candidates:
