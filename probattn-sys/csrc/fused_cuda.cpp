@@ -81,6 +81,9 @@ struct Call {
   int64_t d = 0, dv = 0;  // the head dimensions given; q, k and v are padded to multiples of 16
   int arch = 0;
   int64_t head_dim = 0;  // of the cubins: the smallest embedded one that holds d and d_v
+  // Whether a backward may follow this forward: DNAS's column pass then leaves the queries' column
+  // mean for the key pass (Forward::qbar).
+  bool grads = false;
   std::map<std::string, int64_t> ints;
   mutable std::map<at::ScalarType, at::Tensor> unused;  // for pointer parameters of features the call does not use
   // A dry run (pa_fused_cuda_dry_run): each launch described here as JSON instead of run.
@@ -108,7 +111,7 @@ struct Call {
     const int64_t masked = pattern.defined() ? 1 : 0;
     l.constexprs = {{"HAS_QPAD", qpad.defined() ? 1 : 0}, {"HAS_KPAD", kpad.defined() ? 1 : 0}, {"HAS_MASK", masked}, {"HAS_BIAS", masked},
                     {"SWEEPS", std::min<int64_t>(spec.sweeps, 1)}, {"CAUSAL", spec.causal ? 1 : 0}, {"NOISE", spec.noise},
-                    {"KL", spec.kl}, {"MIX", mix() ? 1 : 0}, {"ROWS", 0}, {"SHARE", 0}, {"ADD", 0}};
+                    {"KL", spec.kl}, {"MIX", mix() ? 1 : 0}, {"ROWS", 0}, {"SHARE", 0}, {"ADD", 0}, {"CONTEXT", 0}};
     for (const auto& [n, value] : extra) l.constexprs[n] = value;
     tensors["Q"] = q;
     tensors["K"] = k;
@@ -291,7 +294,7 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
             {"stride_ob", h * s_q * dv}, {"stride_oh", s_q * dv}, {"stride_os", dv}, {"stride_dob", h * s_q * dv},
             {"stride_doh", s_q * dv}, {"stride_dos", dv}, {"stride_dqb", qs[0]}, {"stride_dqh", qs[1]}, {"stride_dqs", qs[2]},
             {"stride_dkb", ks[0]}, {"stride_dkh", ks[1]}, {"stride_dks", ks[2]}, {"stride_dvb", vs[0]}, {"stride_dvh", vs[1]},
-            {"stride_dvs", vs[2]}, {"stride_cb", h * s_k}, {"stride_ch", s_k}, {"stride_rb", h * s_q}, {"stride_rh", s_q},
+            {"stride_dvs", vs[2]}, {"stride_qbarb", h * s_k * d}, {"stride_qbarh", s_k * d}, {"stride_qbars", d}, {"stride_cb", h * s_k}, {"stride_ch", s_k}, {"stride_rb", h * s_q}, {"stride_rh", s_q},
             {"stride_t", b * h * s_k}, {"stride_tr", b * h * s_q}, {"stride_qpad", c.qpad.defined() ? s_q : 0},
             {"stride_kpad", c.kpad.defined() ? s_k : 0}, {"stride_mb", at(c.pattern, 0)}, {"stride_mh", at(c.pattern, 1)},
             {"stride_mm", at(c.pattern, 2)}, {"stride_mn", at(c.pattern, 3)}, {"stride_bb", at(c.blocks, 0)}, {"stride_bh", at(c.blocks, 1)},
@@ -311,11 +314,13 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
 }
 
 // What a forward leaves for its backward. 0 and 1 sweeps: c (B, H, S_k; zeros for softmax) and r
-// (B, H, S_q); HNAS adds softmax's output and row statistic (out2, r2), BAM over HNAS the two
+// (B, H, S_q), and with a sweep and a backward to follow the queries' column mean qbar (B, H, S_k,
+// d, in q's dtype: Σ_i exp(z_ij − c_j) q_i, from which the key pass takes DNAS's correction to dK);
+// HNAS adds softmax's output and row statistic (out2, r2), BAM over HNAS the two
 // bases' row statistics (rd, rs); a KL term its per-row statistics (rb, ks, and the part's rows
 // trow). Sinkhorn-N: c and r hold a potential per sweep, (N, B, H, S).
 struct Forward {
-  at::Tensor out, c, r, out2, r2, rd, rs, rb, ks, trow;
+  at::Tensor out, c, r, out2, r2, rd, rs, rb, ks, trow, qbar;
 };
 
 // A row pass's tensors for the KL term's per-row statistics, made in `f`.
@@ -350,7 +355,14 @@ Forward fused_forward(const Call& call) {
   if (call.spec.sweeps > 1) return sinkhorn_forward(call, out);
   Forward f;
   f.out = out, f.c = call.stat(true), f.r = call.stat(false);
-  if (call.spec.sweeps > 0) call.launch("_column_pass", true, call.h(), {}, {{"C", f.c}});
+  if (call.spec.sweeps > 0) {
+    std::map<std::string, at::Tensor> column = {{"C", f.c}};
+    if (call.grads) {
+      f.qbar = at::empty({call.b(), call.h(), call.s_k(), call.q.size(3)}, call.q.options());
+      column["QBAR"] = f.qbar;
+    }
+    call.launch("_column_pass", true, call.h(), {{"CONTEXT", call.grads ? 1 : 0}}, column);
+  }
   const bool two = call.spec.hybrid && !call.mix();  // HNAS's two accumulators
   f.out2 = two ? at::empty_like(out) : out;
   f.r2 = two ? call.stat(false) : f.r;
@@ -480,6 +492,11 @@ void gradient_passes(const Call& call, int64_t sweeps, const at::Tensor& c, cons
                                            {"DK", d.dk}, {"DV_OUT", d.dv}, {"G", g},     {"MASS", g}};
   std::map<std::string, at::Tensor> query = {{"C", c}, {"R", r}, {"DO", grad}, {"DELTA", delta}, {"G", g}, {"DQ", d.dq}};
   for (const auto& [name, t] : kl_grads(call, f, grad_part, d)) key[name] = query[name] = t;
+  if (sweeps > 0) {
+    TORCH_CHECK(f.qbar.defined(), "the fused CUDA route: DNAS's backward needs the queries' column mean of a forward that had "
+                "a backward in view");
+    key["QBAR"] = f.qbar;
+  }
   std::map<std::string, int64_t> key_settings = {{"GRADS", 1}, {"SWEEPS", sweeps}}, query_settings = {{"SWEEPS", sweeps}};
   if (branch != nullptr) {
     key["SHARES"] = query["SHARES"] = branch->shares;
@@ -567,11 +584,12 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
                                std::optional<at::Tensor> kpad, std::optional<at::Tensor> qpad, std::optional<at::Tensor> pattern,
                                std::optional<at::Tensor> bias, std::optional<at::Tensor> prior, std::optional<at::Tensor> logit,
                                double scale, int64_t sweeps, bool hybrid, bool causal, int64_t noise, int64_t kl, double noise_scale,
-                               int64_t seed, bool mass) {
+                               int64_t seed, bool mass, bool grads) {
     const Spec spec{scale, sweeps, hybrid, causal, noise, kl, noise_scale, static_cast<uint64_t>(seed), mass};
     const Masks masks{kpad.value_or(at::Tensor()), qpad.value_or(at::Tensor()), pattern.value_or(at::Tensor()),
                       bias.value_or(at::Tensor()), at::Tensor()};
-    const auto call = make_call(q, k, v, masks, spec, prior.value_or(at::Tensor()), logit.value_or(at::Tensor()));
+    auto call = make_call(q, k, v, masks, spec, prior.value_or(at::Tensor()), logit.value_or(at::Tensor()));
+    call.grads = grads;
     const auto f = fused_forward(call);
     const auto part = kl != 0 ? f.trow.sum(-1) : at::zeros({call.b(), call.h()}, call.stats());
     // HNAS without noise: the branches' outputs mixed here (both kept for the backward).
@@ -579,7 +597,7 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     const auto received = mass ? received_mass(call, f) : at::empty({0}, call.stats());
     // q, k and v as given (the backward's call pads them again, and cuts its gradients back to
     // them); the outputs padded, as the backward's passes read them.
-    ctx->save_for_backward({q, k, v, f.out, f.c, f.r, f.out2, f.r2, f.rd, f.rs, f.rb, f.ks});
+    ctx->save_for_backward({q, k, v, f.out, f.c, f.r, f.out2, f.r2, f.rd, f.rs, f.rb, f.ks, f.qbar});
     // The backward forms its call from these again, the block map included (formed once).
     for (const auto& [name, t] : {std::pair<const char*, at::Tensor>{"kpad", call.kpad}, {"qpad", call.qpad}, {"pattern", masks.pattern},
                                   {"bias", masks.bias}, {"blocks", call.blocks}, {"prior", prior.value_or(at::Tensor())},
@@ -607,9 +625,9 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
                   prior, logit, 0, /*backward=*/true);
     Forward f;
     f.out = saved[3], f.c = saved[4], f.r = saved[5], f.out2 = saved[6], f.r2 = saved[7], f.rd = saved[8], f.rs = saved[9];
-    f.rb = saved[10], f.ks = saved[11];
+    f.rb = saved[10], f.ks = saved[11], f.qbar = saved[12];
     const auto d = fused_backward(call, f, grads);
-    variable_list out(19);  // one per input of forward: q, k, v, kpad, qpad, pattern, bias, prior, logit, then the settings
+    variable_list out(20);  // one per input of forward: q, k, v, kpad, qpad, pattern, bias, prior, logit, then the settings
     out[0] = narrowed(d.dq, call.d), out[1] = narrowed(d.dk, call.d), out[2] = narrowed(d.dv, call.dv);
     if (prior.defined() && d.da.defined()) out[7] = d.da.unsqueeze(2).sum_to_size(prior.sizes()).to(prior.scalar_type());
     if (logit.defined() && d.gu.defined()) {
@@ -640,6 +658,7 @@ char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_ten
     const auto given = [](const pa_tensor* t) { return t != nullptr ? *t : at::Tensor(); };
     const Masks masks{given(key_padding), given(query_padding), given(pattern), given(bias), at::Tensor()};
     auto call = make_call(*q, *k, *v, masks, Spec::of(*spec), given(prior), given(hybrid_logit), arch);
+    call.grads = true;  // the backward's launches follow
     std::vector<std::string> launches;
     call.dry = &launches;
     const auto f = fused_forward(call);
@@ -662,9 +681,14 @@ char* pa_fused_cuda_attention(const pa_tensor* q, const pa_tensor* k, const pa_t
     }
     const probattn::tiled::NoAutocast no_autocast;
     const auto s = *spec;
+    // Whether autograd will record this call, so that a backward may follow.
+    bool grads = false;
+    for (const pa_tensor* t : {q, k, v, prior, hybrid_logit}) grads = grads || (t != nullptr && t->defined() && t->requires_grad());
+    grads = grads && at::GradMode::is_enabled();
     auto result = FusedAttention::apply(*q, *k, *v, some(key_padding), some(query_padding), some(pattern), some(bias), some(prior),
                                         some(hybrid_logit), s.scale, s.sweeps, s.hybrid != 0, s.causal != 0,
-                                        int64_t{s.noise}, int64_t{s.kl}, s.noise_scale, static_cast<int64_t>(s.seed), s.mass != 0);
+                                        int64_t{s.noise}, int64_t{s.kl}, s.noise_scale, static_cast<int64_t>(s.seed), s.mass != 0,
+                                        grads);
     // Every handle exists before any is handed out: an allocation that fails leaks none.
     auto o = std::make_unique<at::Tensor>(result[0]);
     auto p = std::make_unique<at::Tensor>(result[1]);

@@ -97,10 +97,14 @@ class TritonKernels(unittest.TestCase):
         # blocks), read from their SASS. Forming exp as one approximate exp2, leaving out the
         # bound a pass need not apply, summing the column pass's tiles along rows and taking
         # DNAS's column weights from the row weights took them from 18.7-45.2 instructions a
-        # score entry to 11.3-24.7; a budget 15% above those counts holds them there.
+        # score entry to 11.3-24.7. DNAS's key pass then took its correction to dK from the
+        # column pass's mean of the queries and summed g_j across the warps once per head: 24.7
+        # to 16.2, the column pass that forms that mean 13.2. A budget 15% above those counts
+        # holds them there.
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        budget = {("_column_pass", 0): 13.0, ("_row_pass", 0): 16.6, ("_row_pass", 1): 22.2, ("_key_pass", 0): 15.3,
-                  ("_key_pass", 1): 28.4, ("_query_pass", 0): 13.8, ("_query_pass", 1): 23.2}
+        budget = {("_column_pass", 0, False): 13.0, ("_column_pass", 0, True): 15.2, ("_row_pass", 0, False): 16.6,
+                  ("_row_pass", 1, False): 22.2, ("_key_pass", 0, False): 15.3, ("_key_pass", 1, False): 18.6,
+                  ("_query_pass", 0, False): 13.8, ("_query_pass", 1, False): 23.2}
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "det.json"
             done = subprocess.run([sys.executable, "-m", "probattn_tools.kernels.resources", "--noise", "0", "--json",
@@ -112,7 +116,7 @@ class TritonKernels(unittest.TestCase):
             c = r["constexprs"]
             if r["kernel"] == "_key_pass" and not c.get("GRADS") or c.get("CAUSAL") or c.get("HYBRID"):
                 continue
-            key = (r["kernel"], c.get("SWEEPS", 0))
+            key = (r["kernel"], c.get("SWEEPS", 0), c.get("CONTEXT", False))
             if key in budget:
                 seen.add(key)
                 self.assertLessEqual(r["loop_per_entry"], budget[key], r)

@@ -41,16 +41,17 @@ import sys
 import time
 from pathlib import Path
 
-INPUTS = {"Q", "K", "V", "O", "O2", "DO", "DQ", "DK", "DV_OUT"}
+INPUTS = {"Q", "K", "V", "O", "O2", "DO", "DQ", "DK", "DV_OUT", "QBAR"}
 # The parameters each cubin takes as multiples of 16 (the pointers: 16-byte aligned): INPUTS, their
 # batch, head and row strides, and the head dimensions.
-ALIGNED = INPUTS | {"D", "DV"} | {f"stride_{t}{axis}" for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv") for axis in "bhs"}
+ALIGNED = INPUTS | {"D", "DV"} | {f"stride_{t}{axis}" for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv", "qbar")
+                                      for axis in "bhs"}
 STATISTICS = {"C", "R", "R2", "G", "MASS", "DELTA", "CS", "RS", "GC", "GR", "RPOT", "CPOT", "COEF", "OUT", "SCALE", "BIAS",
               "PRIOR", "RB", "KS", "TROW", "DKL", "DA", "RD", "RS", "LOGU", "RHO_D", "RHO_S", "GU", "SHARES"}
 MASKS = {"QPAD", "KPAD", "MASK", "BLOCKS"}
 WORDS = {"DRAWS"}  # int64 tensors: the seed's words (draws given as a tensor are not compiled here)
 # Constexprs with a value that leaves their feature off, where a specialization does not name them.
-OFF = dict(NOISE=0, KL=0, DRAW64=False, MIX=False, ROWS=False, SHARE=False, ADD=False)
+OFF = dict(NOISE=0, KL=0, DRAW64=False, MIX=False, ROWS=False, SHARE=False, ADD=False, CONTEXT=False)
 TRITON_TYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 # The products' input precision per dtype: TF32 for float32 (see above); for 16-bit inputs the
 # precision changes nothing.
@@ -67,7 +68,7 @@ def specializations(plans, smoke):
     # Lognormal draws (erfinv in float64) and its KL over HNAS (MIX): the widest code.
     bam = dict(NOISE=2, KL=2)
     if smoke:
-        return [("_column_pass", flags), ("_row_pass", dict(flags, SWEEPS=1, HYBRID=True, CAUSAL=False)),
+        return [("_column_pass", dict(flags, CONTEXT=True)), ("_row_pass", dict(flags, SWEEPS=1, HYBRID=True, CAUSAL=False)),
                 ("_row_pass", dict(flags, **bam, SWEEPS=1, HYBRID=False, CAUSAL=False, MIX=True)),
                 ("_key_pass", dict(flags, **bam, SWEEPS=1, CAUSAL=False, GRADS=True, MIX=True)),
                 ("_key_pass", dict(flags, SWEEPS=1, CAUSAL=False, GRADS=True, SHARE=True, ADD=True)),
@@ -79,7 +80,7 @@ def specializations(plans, smoke):
     out = []
     for qpad, kpad, mask in itertools.product((False, True), repeat=3):
         f = dict(HAS_QPAD=qpad, HAS_KPAD=kpad, HAS_MASK=mask, HAS_BIAS=False)
-        out.append(("_column_pass", f))
+        out += [("_column_pass", dict(f, CONTEXT=context)) for context in (False, True)]
         for sweeps, hybrid, causal in ((0, False, False), (0, False, True), (1, False, False), (1, True, False)):
             out.append(("_row_pass", dict(f, SWEEPS=sweeps, HYBRID=hybrid, CAUSAL=causal)))
         for sweeps, causal in ((0, False), (0, True), (1, False)):
@@ -126,7 +127,8 @@ def route_specializations(dtype="bfloat16", head_dim=64):
         return out
     for padded, masked in ((False, False), (True, False), (True, True)):
         f = dict(HAS_QPAD=padded, HAS_KPAD=padded, HAS_MASK=masked, HAS_BIAS=masked)
-        out.append(("_column_pass", f))
+        # with the queries' column mean for the key pass when a backward follows, without it when none does
+        out += [("_column_pass", dict(f, CONTEXT=context)) for context in (False, True)]
         for sweeps, causal in ((0, False), (0, True), (1, False)):
             out.append(("_row_pass", dict(f, SWEEPS=sweeps, HYBRID=False, CAUSAL=causal)))
             for grads in (True, False):  # without gradients: the received mass, when a call asks for it

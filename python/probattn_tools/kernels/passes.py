@@ -11,19 +11,26 @@ from probattn_tools.kernels.tiles import (FLOOR, _accumulate, _allowed, _block, 
 
 
 @triton.jit
-def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
-                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
-                 stride_cb, stride_ch, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb,
-                 stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+def _column_pass(Q, K, C, QBAR, QPAD, KPAD, MASK, BLOCKS, BIAS,
+                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_qbarb, stride_qbarh,
+                 stride_qbars, stride_cb, stride_ch, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm,
+                 stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
                  H, GROUP, S_Q, S_K, D, SCALE,
                  HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 ACC: tl.constexpr, DOT: tl.constexpr,
+                 CONTEXT: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """c_j = LSE_i z_ij over the allowed queries, one key block per program (axis 0), one
     (batch, query head) per axis 1. A key with no allowed query gets FLOOR (never read). Each
     tile is formed transposed, zᵀ = s·k qᵀ (keys × queries), so that the sums over queries run
     along a row of the tensor cores' layout, within a thread and a few of its neighbours, and not
-    across the warps through shared memory."""
+    across the warps through shared memory.
+
+    CONTEXT (a forward whose backward follows): also the column weights' mean of the queries,
+    QBAR_j = Σ_i exp(z_ij − c_j) q_i (laid out as K per query head, in Q's dtype; 0 for a key no
+    query sees), by the same online fold as the row pass's output with the roles of queries and
+    keys exchanged. DNAS's key pass takes its correction to dK from it, `−g_j · QBAR_j`, instead of
+    a fifth product per tile and a third float32 accumulator; the product runs here, in a pass
+    whose tensor cores the exponentials leave idle."""
     scale = tl.load(SCALE).to(ACC)
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
@@ -33,6 +40,7 @@ def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
     k = _block(K, b, h // GROUP, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
     m = tl.full([BLOCK_N], FLOOR, dtype=ACC)
     l = tl.zeros([BLOCK_N], dtype=ACC)
+    qbar = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     for start_m in range(0, S_Q, BLOCK_M):
         if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
                  HAS_MASK):
@@ -43,9 +51,15 @@ def _column_pass(Q, K, C, QPAD, KPAD, MASK, BLOCKS, BIAS,
             # which pairs take part, transposed: the conditions on keys and queries trade places
             ok = _allowed(offs_n, offs_m, b, S_K, S_Q, KPAD, QPAD, stride_kpad, stride_qpad, HAS_KPAD, HAS_QPAD, False,
                           h, MASK, stride_mb, stride_mh, stride_mn, stride_mm, HAS_MASK, BOUND_M=False)
-            m, l = _lse_fold(m, l, tl.where(ok, zt, float("-inf")), 1)
+            if CONTEXT:
+                m, l, qbar = _accumulate(m, l, qbar, tl.where(ok, zt, float("-inf")), q, ACC, DOT)
+            else:
+                m, l = _lse_fold(m, l, tl.where(ok, zt, float("-inf")), 1)
     c = _lse_value(m, l, FLOOR)
     _store_rows(C, c, b, h, offs_n, S_K, stride_cb, stride_ch)
+    if CONTEXT:
+        qbar = qbar / tl.where(l > 0, l, 1.0)[:, None]
+        _store_block(QBAR, qbar, b, h, offs_n, offs_d, S_K, D, stride_qbarb, stride_qbarh, stride_qbars)
 
 
 @triton.jit
@@ -145,16 +159,16 @@ def _shared(x, share, SHARE: tl.constexpr):
 
 
 @triton.jit
-def _key_grads(dv, dk, dk_corr, g, da, p, y, z, ok, r, q, v, w_d, w_s, pi_d, pi_s, share, DO, DELTA, PRIOR, RB, KS,
+def _key_grads(dv, dk, gt, da, p, y, ok, q, v, w_d, w_s, pi_d, pi_s, share, DO, DELTA, PRIOR, RB, KS,
                DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob, stride_doh, stride_dos,
                stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS: tl.constexpr, KL: tl.constexpr,
-               MIX: tl.constexpr, NOISE: tl.constexpr, SHARE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
+               MIX: tl.constexpr, SHARE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
     """One query block's share of `_key_pass`'s sums for its key block and query head, given the
-    tile's weights p, the base's logits y, DNAS's logits z (the scores less c) and the allowed
-    pairs: dV; dK's main part Σ_i dS_ij q_i, added to dk (summed over the group's query heads),
-    and DNAS's correction Σ_i exp(z_ij) q_i, per query head; g_j = Σ_i
-    dy_ij, dy the gradient in z (DNAS's branch's share of it under MIX); and, with a KL term, the
-    prior's gradient. SHARE: dO is this query head's `share` of the block read (`_shared`)."""
+    tile's weights p, the base's logits y and the allowed pairs: dV; dK's main part Σ_i dS_ij q_i,
+    added to dk (summed over the group's query heads); the tile of dy, the gradient in DNAS's
+    logits (its branch's share of it under MIX), added to gt, whose sum over the query blocks' rows
+    is g_j = Σ_i dy_ij; and, with a KL term, the prior's gradient. SHARE: dO is this query head's
+    `share` of the block read (`_shared`)."""
     do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
     delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
     dv += tl.dot(tl.trans(_shared(p, share, SHARE)).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
@@ -172,28 +186,27 @@ def _key_grads(dv, dk, dk_corr, g, da, p, y, z, ok, r, q, v, w_d, w_s, pi_d, pi_
         dy_d, ds = _mix_split(ds, w_d, w_s, pi_d, pi_s, rho_d, rho_s)
     dk += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
     if SWEEPS > 0:
-        g += tl.sum(dy_d, 0)
-        dk_corr += tl.dot(tl.trans(_column_weights(p, z, ok, r, NOISE, MIX)).to(q.dtype), q, out_dtype=ACC,
-                          input_precision=DOT)
-    return dv, dk, dk_corr, g, da
+        gt += dy_d
+    return dv, dk, gt, da
 
 
 @triton.jit
-def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, PRIOR, RB, KS, DKL,
+def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, PRIOR, RB, KS, DKL,
               DA, RD, RS, LOGU, RHO_D, RHO_S, SHARES, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
               stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
-              stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_qpad, stride_kpad,
-              stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab,
-              stride_ah, stride_am, stride_an, stride_pb, stride_ph, stride_pn,
-              H, H_KV, GROUP, S_Q, S_K, D, DV, SCALE,
+              stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_qbarb, stride_qbarh,
+              stride_qbars, stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb,
+              stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_pb, stride_ph,
+              stride_pn, H, H_KV, GROUP, S_Q, S_K, D, DV, SCALE,
               SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
               HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, NOISE: tl.constexpr, KL: tl.constexpr,
               DRAW64: tl.constexpr, MIX: tl.constexpr, SHARE: tl.constexpr, ADD: tl.constexpr,
               GRADS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One key block of one (batch, key/value head) per program, over its group's query heads
-    and every query block: dV, dK (with DNAS's correction), g_j per query head (for the query
-    pass) and, with GRADS off, only the received mass Σ_i p_ij per query head. BAM's noise is
+    and every query block: dV, dK (with DNAS's correction −g_j · QBAR_j, QBAR the column pass's
+    mean of the queries, once g_j is known), g_j per query head (for the query pass) and, with
+    GRADS off, only the received mass Σ_i p_ij per query head. BAM's noise is
     drawn again in each tile; with a KL term its part joins dS¹ and the prior's gradient DA
     (per query head, laid out as C) is summed over the queries. MIX (BAM over HNAS): dS¹ is the
     gradient in HNAS's log-weights, split between the branches by their shares (`_mix_shares`)
@@ -224,10 +237,9 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
         c = tl.zeros([BLOCK_N], dtype=ACC)
         if SWEEPS > 0:
             c = _rows(C, b, h, offs_n, S_K, stride_cb, stride_ch)
-        g = tl.zeros([BLOCK_N], dtype=ACC)
+        gt = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)  # g's terms, summed over the rows after the loop
         mass = tl.zeros([BLOCK_N], dtype=ACC)
         da = tl.zeros([BLOCK_N], dtype=ACC)
-        dk_corr = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
         for start_m in range(start_m0, S_Q, BLOCK_M):
             if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
                      HAS_MASK):
@@ -248,14 +260,16 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QPAD, KPAD, MASK, B
                              ACC)  # (BLOCK_M, BLOCK_N)
                 mass += tl.sum(p, 0)
                 if GRADS:
-                    dv, dk, dk_corr, g, da = _key_grads(
-                        dv, dk, dk_corr, g, da, p, y, z, ok, r, q, v, w_d, w_s, pi_d, pi_s, share, DO, DELTA, PRIOR,
+                    dv, dk, gt, da = _key_grads(
+                        dv, dk, gt, da, p, y, ok, q, v, w_d, w_s, pi_d, pi_s, share, DO, DELTA, PRIOR,
                         RB, KS, DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob,
                         stride_doh, stride_dos, stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS, KL, MIX,
-                        NOISE, SHARE, ACC, DOT)
+                        SHARE, ACC, DOT)
         if GRADS:
             if SWEEPS > 0:
-                dk -= g[:, None] * dk_corr  # DNAS's correction, once g_j is known; the main part went into dk
+                g = tl.sum(gt, 0)  # across the warps once per head, not once per tile
+                qbar = _block(QBAR, b, h, offs_n, offs_d, S_K, D, stride_qbarb, stride_qbarh, stride_qbars)
+                dk -= g[:, None] * qbar.to(ACC)  # DNAS's correction; the main part went into dk
                 _store_rows(G, g, b, h, offs_n, S_K, stride_cb, stride_ch)
             if KL > 0:
                 _store_rows(DA, da, b, h, offs_n, S_K, stride_cb, stride_ch)

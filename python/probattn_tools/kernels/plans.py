@@ -12,10 +12,11 @@ A plan's weights are `p_ij = exp(z_ij − c_j − r_i)` over the allowed entries
 - `sweeps = N ≥ 2` (Sinkhorn-N): a column and a row potential per sweep (below, `_sink_reduce`).
 
 The kernels:
-- `_column_pass`: per key, `c_j` over the queries (no value product);
+- `_column_pass`: per key, `c_j` over the queries; in a forward with a backward to follow, also
+  the queries' column mean `Q̄_j = Σ_i exp(z_ij − c_j) q_i` (the column weights as the values);
 - `_row_pass`: the output `O = p v` and `r_i`, with `c` subtracted (none for softmax);
 - `_key_pass` (backward): per key block over the queries, `dV = pᵀ dO`, `g_j = Σ_i dS¹_ij` and
-  `dK`, with DNAS's column correction; and the received mass `Σ_i p_ij` when asked;
+  `dK`, with DNAS's column correction `−s·g_j·Q̄_j`; and the received mass `Σ_i p_ij` when asked;
 - `_query_pass` (backward): `dQ`, with the correction `dz_ij = dS¹_ij − exp(z_ij − c_j) g_j`.
 
 Here `dS¹ = p ∘ (dO vᵀ − D)`, `D_i = Σ_d dO_id O_id`: FlashAttention-2's recomputed backward;
@@ -232,10 +233,14 @@ class _Call:
         a, (spb, sph, spn) = _prior_values(prior, (b, h, s_q, s_k), self.stats, dev) if self.kl else (dummy, (0, 0, 0))
         draws = sampling.source((b, h, s_q, s_k), self.stats, dev) if sampling else _seed_words(0, dev)
         self.mix = mix_logit is not None
+        # Whether a backward may follow (the caller sets it from its inputs' need of gradients):
+        # DNAS's column pass then leaves the queries' column mean for the key pass (`qbar`).
+        self.grads, self.qbar = False, None
         self.args = dict(
             Q=self.q, K=self.k, V=self.v, QPAD=qpad, KPAD=kpad, MASK=pattern, BLOCKS=blocks, BIAS=bias,
             DRAWS=draws, PRIOR=a, RB=dummy, KS=dummy, TROW=dummy, DKL=dummy, DA=dummy, MIX=False, ROWS=False,
             RD=dummy, RS=dummy, LOGU=dummy, RHO_D=dummy, RHO_S=dummy, GU=dummy, SHARES=dummy, SHARE=False, ADD=False,
+            QBAR=torch.zeros(1, dtype=self.q.dtype, device=dev), CONTEXT=False, stride_qbarb=h * s_k * d, stride_qbarh=s_k * d, stride_qbars=d,
             stride_pb=spb, stride_ph=sph, stride_pn=spn,
             NOISE=sampling.code() if sampling else 0, KL=Sampling.NOISES[sampling.kl] if self.kl else 0,
             DRAW64=self.stats == torch.float64,
@@ -352,7 +357,11 @@ def _forward(call, sweeps, hybrid=False):
     if sweeps <= 1:
         c, r = call.stat(True), call.stat(False)
         if sweeps:
-            call.launch(_column_pass, call.grid(True, "query"), C=c)
+            if call.grads:
+                b, h, _, _, s_k, d, _ = call.shape
+                call.qbar = torch.empty(b, h, s_k, d, dtype=call.q.dtype, device=call.q.device)
+            call.launch(_column_pass, call.grid(True, "query"), C=c, QBAR=call.qbar if call.grads else call.args["QBAR"],
+                        CONTEXT=call.grads)
         if call.mix:  # BAM over HNAS: DNAS's and softmax's row statistics first, then the mixture's row pass
             rd, rs = call.stat(False), call.stat(False)
             for cpot, rows in ((c, rd), (torch.zeros_like(c), rs)):
@@ -415,8 +424,12 @@ def _backward(call, sweeps, out, stats, grad_out, kl=None, mix=None, branch=None
             kl_args.update(RD=mix[0], RS=mix[1], RHO_D=rho_d, RHO_S=rho_s, MIX=True)
             call.launch(_query_pass, call.grid(False, "query"), C=c, R=r, DO=do, DELTA=delta, G=g, DQ=dq, GU=mix[2],
                         ROWS=True, **kl_args)
+        if call.args["SWEEPS"] and call.qbar is None:
+            raise RuntimeError("DNAS's backward needs the queries' column mean of its forward: the forward ran "
+                               "without a backward in view (call.grads)")
+        qbar = call.qbar if call.args["SWEEPS"] else call.args["QBAR"]
         call.launch(_key_pass, call.grid(True, "kv"), C=c, R=r, DO=do, DELTA=delta, DK=dk, DV_OUT=dv, G=g, MASS=g,
-                    GRADS=True, **kl_args)
+                    QBAR=qbar, GRADS=True, **kl_args)
         call.launch(_query_pass, call.grid(False, "query"), C=c, R=r, DO=do, DELTA=delta, G=g, DQ=dq, **kl_args)
         return _given(call, dq, dk, dv)
     cs, rs = stats
@@ -466,6 +479,7 @@ class _PlanAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sweeps, score_scale, masks, config, received):
         call = _Call(q, k, v, sweeps, score_scale, masks, config)
+        call.grads = any(ctx.needs_input_grad)
         out, c, r = _forward(call, sweeps)
         ctx.save_for_backward(out, c, r)
         ctx.call, ctx.sweeps = call, sweeps
@@ -500,6 +514,7 @@ class _HybridAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, logit, score_scale, masks, config, received):
         call = _Call(q, k, v, 1, score_scale, masks, config)
+        call.grads = any(ctx.needs_input_grad)
         out_d, c, r_d, out_s, r_s = _forward(call, 1, hybrid=True)
         u = torch.sigmoid(logit.to(call.stats))[None, :, None, None]
         ctx.save_for_backward(out_d, c, r_d, out_s, r_s, u)
@@ -557,6 +572,7 @@ class _BamAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, prior, logit, sweeps, score_scale, sampling, masks, config, received):
         call = _Call(q, k, v, sweeps, score_scale, masks, config, sampling, prior, logit)
+        call.grads = any(ctx.needs_input_grad)
         out, c, r = _forward(call, sweeps)
         part = call.kl_rows[2].sum(-1) if call.kl else torch.zeros(q.shape[:2], dtype=call.stats, device=q.device)
         # The sampled weights' mass: the same draws again in one key pass (Sinkhorn-N's weights are

@@ -15,7 +15,10 @@ blocks is compiled once, so a count in the loop's body is what one thread issues
 included), and those of the loop over tiles alone (`loop`: from its backward branch's target to
 the branch), which is what a long sequence costs per score entry. Instruction kinds: HGMMA (Hopper's tensor-core products), HMMA (Ampere's), float64
 (DFMA, DADD, DMUL), MUFU (the special-function unit: exp2, log2, reciprocal, square root),
-LDGSTS (asynchronous copies to shared memory), LDL and STL (local memory, which spills use).
+LDGSTS (asynchronous copies to shared memory), LDL and STL (local memory, which spills use), and
+what a reduction across warps or a change of a tile's layout costs: SHFL (shuffles between the
+threads of a warp), STS (stores to shared memory), BAR (barriers) and WARPGROUP (the waits and
+fences around Hopper's products).
 """
 
 import argparse
@@ -26,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 
-KINDS = ["HGMMA", "HMMA", "DFMA", "DADD", "DMUL", "MUFU", "LDGSTS", "LDL", "STL"]
+KINDS = ["HGMMA", "HMMA", "DFMA", "DADD", "DMUL", "MUFU", "LDGSTS", "LDL", "STL", "SHFL", "STS", "BAR", "WARPGROUP"]
 
 
 def tools():
@@ -83,16 +86,17 @@ def loop_counts(code):
     return {"loop_instructions": len(best), **{f"loop_{kind}": sum(1 for op in best if op == kind) for kind in KINDS}}
 
 
-# The passes of a forward and backward per plan, as the route launches them (fused_cuda.cpp):
+# The passes of a forward and backward per plan, as the route launches them (fused_cuda.cpp; the
+# column pass as a forward with a backward to follow runs it):
 # (kernel, its specialization's constexprs that are set, as the rows show them). The
 # deterministic plans unpadded; BAM (over softmax, with its KL term) padded, as the route
 # always runs it.
 _BAM = {"HAS_QPAD": True, "HAS_KPAD": True}
 PLAN_PASSES = {
     "softmax": [("_row_pass", {}), ("_key_pass", {"GRADS": True}), ("_query_pass", {})],
-    "dnas": [("_column_pass", {}), ("_row_pass", {"SWEEPS": 1}), ("_key_pass", {"SWEEPS": 1, "GRADS": True}),
+    "dnas": [("_column_pass", {"CONTEXT": True}), ("_row_pass", {"SWEEPS": 1}), ("_key_pass", {"SWEEPS": 1, "GRADS": True}),
              ("_query_pass", {"SWEEPS": 1})],
-    "hnas": [("_column_pass", {}), ("_row_pass", {"SWEEPS": 1, "HYBRID": True}),
+    "hnas": [("_column_pass", {"CONTEXT": True}), ("_row_pass", {"SWEEPS": 1, "HYBRID": True}),
              ("_key_pass", {"SWEEPS": 1, "GRADS": True, "SHARE": True}), ("_query_pass", {"SWEEPS": 1, "SHARE": True}),
              ("_key_pass", {"GRADS": True, "SHARE": True, "ADD": True}), ("_query_pass", {"SHARE": True, "ADD": True})],
     **{name: [("_row_pass", dict(_BAM, NOISE=n, KL=n)), ("_key_pass", dict(_BAM, NOISE=n, KL=n, GRADS=True)),
