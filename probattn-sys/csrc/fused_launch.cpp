@@ -337,8 +337,12 @@ std::pair<int, int64_t> choose(int device_arch, at::ScalarType dtype, int64_t wi
 
 std::pair<int64_t, int64_t> blocks_of(int arch, at::ScalarType dtype, int64_t head_dim) {
   std::lock_guard<std::mutex> hold(registry().lock);
+  // The kernels that read a block map (HAS_MASK) share one setting; the others may have their own.
   for (const auto& e : registry().entries) {
-    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim) return {e.block_m, e.block_n};
+    const auto masked = e.key.find("HAS_MASK");
+    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && masked != e.key.end() && masked->second != 0) {
+      return {e.block_m, e.block_n};
+    }
   }
   return {0, 0};
 }

@@ -36,8 +36,10 @@ void register_kernel(const char* kernel, int arch, const char* dtype, int64_t he
 // smallest head dimension that holds `widest`. {0, 0} when none fits.
 std::pair<int, int64_t> choose(int device_arch, at::ScalarType dtype, int64_t widest);
 
-// The query and key blocks (block_m, block_n) the embedded cubins of (arch, dtype, head_dim) were
-// compiled with: what a block map of a boolean pattern is formed over. {0, 0} when none.
+// The query and key blocks (block_m, block_n) the embedded cubins of (arch, dtype, head_dim) that
+// read a block map (HAS_MASK) were compiled with, one setting for all of them: what a block map of
+// a boolean pattern is formed over. {0, 0} when none. (Other kernels may have settings of their
+// own, from the tuning table; each launch's grid follows its own cubin's blocks.)
 std::pair<int64_t, int64_t> blocks_of(int arch, at::ScalarType dtype, int64_t head_dim);
 
 // One launch: the kernel `name` of (arch, dtype, head_dim) whose constexprs are `constexprs`, over

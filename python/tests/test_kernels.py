@@ -181,6 +181,36 @@ class TuningTable(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "sm_90, bfloat16, head dimension 64"):
             settings.lookup({"configs": {"sm_90": {"bfloat16": {"64": {"block_m": 64}}}}}, 90, "bfloat16", 64)
 
+    def test_a_kernel_takes_its_own_setting_where_the_entry_names_it_and_a_block_map_reader_never_does(self):
+        from types import SimpleNamespace
+
+        from probattn_tools.kernels import aot, plans, settings
+
+        table = {"configs": {"sm_90": {"bfloat16": {"64": {
+            "block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2,
+            "kernels": {"_key_pass": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+                        "_row_pass:noise": {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}}}}}}}
+        none = SimpleNamespace(block_m=None, block_n=None, num_warps=None, num_stages=None)
+        at = lambda name, **c: aot.launch_setting(table, 90, "bfloat16", 64, none, name, c)  # noqa: E731
+        self.assertEqual(at("_key_pass", SWEEPS=1, GRADS=True), (128, 64, 8, 3))
+        self.assertEqual(at("_key_pass", NOISE=1, GRADS=True), (64, 64, 4, 2))  # BAM's key pass: the common one
+        self.assertEqual(at("_row_pass", NOISE=2), (64, 32, 4, 2))
+        self.assertEqual(at("_row_pass"), (64, 64, 4, 2))
+        # A specialization that reads a block map takes the common setting: one map serves a call.
+        self.assertEqual(at("_key_pass", SWEEPS=1, GRADS=True, HAS_MASK=True), (64, 64, 4, 2))
+        # float16 takes bfloat16's kernels' settings too.
+        self.assertEqual(aot.launch_setting(table, 90, "float16", 64, none, "_key_pass", {}), (128, 64, 8, 3))
+        self.assertEqual(settings.lookup(table, 90, "bfloat16", 64), (64, 64, 4, 2))
+        with self.assertRaisesRegex(ValueError, "kernel _key_pass"):
+            settings.lookup({"configs": {"sm_90": {"bfloat16": {"64": dict(
+                block_m=64, block_n=64, num_warps=4, num_stages=2, kernels={"_key_pass": {"block_m": 64}})}}}},
+                90, "bfloat16", 64, "_key_pass")
+        # The Python orchestration launches the same way.
+        config = plans.Config(64, 64, 4, 2, kernels={"_key_pass": (128, 64, 8, 3)})
+        self.assertEqual(config.of("_key_pass", {"SWEEPS": 1}), (128, 64, 8, 3))
+        self.assertEqual(config.of("_key_pass", {"SWEEPS": 1, "HAS_MASK": True}), (64, 64, 4, 2))
+        self.assertEqual(config.of("_key_pass", {"NOISE": 1}), (64, 64, 4, 2))
+
 
     def test_the_sweep_runs_under_the_interpreter_and_writes_its_records(self):
         env = dict(os.environ, TRITON_INTERPRET="1")
@@ -190,12 +220,22 @@ class TuningTable(unittest.TestCase):
                                    "--plans", "softmax,dnas", "--repeats", "1", "--out", out], capture_output=True, text=True, env=env, timeout=600)
             self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
             record = json.loads((Path(out) / "sweep.json").read_text())
-            self.assertEqual(len(record["rows"]), 3)
             for row in record["rows"]:
                 self.assertNotIn("refused", row)
                 self.assertEqual(sorted(row["ms"]), ["dnas", "softmax"])
                 self.assertLess(max(row["max_error_vs_default"].values()), 4e-3)
             self.assertEqual(record["rows"][0]["vs_default"], 1.0)
+            timed = [row for row in record["rows"] if "kernels" not in row]
+            self.assertEqual(len(timed), 3)
+            for row in timed:
+                self.assertEqual(sorted(row["kernel_ms"]), ["_column_pass", "_key_pass", "_query_pass", "_row_pass"])
+                self.assertTrue(all(ms > 0 for ms in row["kernel_ms"].values()), row)
+            # A combination of the kernels' own settings, where any beat the common one for their
+            # kernel, was checked and timed against it.
+            for row in record["rows"]:
+                if "kernels" in row:
+                    self.assertLess(max(row["max_error_vs_default"].values()), 4e-3)
+                    self.assertIn("common_score_ms", row)
             # The interpreter's times choose nothing.
             self.assertEqual(json.loads((Path(out) / "table.json").read_text()), {"configs": {}})
             self.assertIn("| 128 | 64 | 4 | 2 |", (Path(out) / "sweep.md").read_text())

@@ -248,15 +248,19 @@ def compiled_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m
     return compiled, entry
 
 
-def launch_setting(table, arch, dtype, head_dim, args):
-    """(block_m, block_n, num_warps, num_stages) for one architecture, dtype and head dimension:
-    each flag given on the command line, else the tuning table's entry (float16 takes bfloat16's
-    where it has none of its own: the same element size, the same shared memory), else the
-    defaults (`settings.default`)."""
+def launch_setting(table, arch, dtype, head_dim, args, name=None, constexprs=None):
+    """(block_m, block_n, num_warps, num_stages) for one architecture, dtype and head dimension,
+    and with `name` and `constexprs` for that kernel's specialization: each flag given on the
+    command line, else the tuning table's entry (the kernel's own setting where the entry names
+    one, `settings.kernel_key`; a specialization that reads a block map takes the entry's, so that
+    one map serves a call), float16 taking bfloat16's where it has none of its own (the same
+    element size, the same shared memory), else the defaults (`settings.default`)."""
     from probattn_tools.kernels import settings
 
-    tuned = (settings.lookup(table, arch, dtype, head_dim)
-             or (dtype == "float16" and settings.lookup(table, arch, "bfloat16", head_dim))
+    constexprs = constexprs or {}
+    kernel = None if name is None or constexprs.get("HAS_MASK") else settings.kernel_key(name, constexprs)
+    tuned = (settings.lookup(table, arch, dtype, head_dim, kernel)
+             or (dtype == "float16" and settings.lookup(table, arch, "bfloat16", head_dim, kernel))
              or settings.default(dtype, head_dim))
     given = (args.block_m, args.block_n, args.num_warps, args.num_stages)
     return tuple(g if g is not None else t for g, t in zip(given, tuned))
@@ -327,10 +331,11 @@ def main(argv=None):
                                                    [int(d) for d in args.head_dims.split(",")]):
         if dtype not in TRITON_TYPE:
             sys.exit(f"kernels.aot: unknown dtype {dtype!r} (known: {', '.join(TRITON_TYPE)})")
-        setting = launch_setting(table, arch, dtype, head_dim, args)
         chosen = (recorded(args.set) if args.set else route_specializations(dtype, head_dim) if args.route
                   else specializations(plans, args.smoke))
-        jobs += [(name, constexprs, dtype, head_dim, arch, *setting) for name, constexprs in chosen]
+        jobs += [(name, constexprs, dtype, head_dim, arch, *launch_setting(table, arch, dtype, head_dim, args, name,
+                                                                            constexprs))
+                 for name, constexprs in chosen]
     entries, start = [], time.time()
     if args.jobs == 1:
         done = (compile_one(triton, plans, *job) for job in jobs)

@@ -48,6 +48,7 @@ import contextlib
 import copy
 import inspect
 import math
+import time
 
 import torch
 import triton
@@ -55,6 +56,7 @@ import triton.language as tl
 
 from probattn_tools.kernels.bam import Sampling, _prior_values, _seed_words, counter_noise  # noqa: F401
 from probattn_tools.kernels.passes import _column_pass, _key_pass, _query_pass, _row_pass
+from probattn_tools.kernels.settings import kernel_key
 from probattn_tools.kernels.sinkhorn import _sink_key_grads, _sink_query_grads, _sink_reduce
 
 # ---------------------------------------------------------------------------------------------
@@ -67,10 +69,24 @@ torch.float16: torch.float32}
 
 
 class Config:
-    """Block shapes and launch settings (the tuning knobs; the tests use small blocks)."""
+    """Block shapes and launch settings (the tuning knobs; the tests use small blocks): one setting
+    for every kernel, and `kernels`, {settings.kernel_key: (block_m, block_n, num_warps,
+    num_stages)}, for kernels with their own, as a tuning table's entry holds them. A
+    specialization that reads the block map of a boolean mask takes the common setting, so that
+    one map serves the call (`kernels.settings`)."""
 
-    def __init__(self, block_m=64, block_n=64, num_warps=4, num_stages=2):
+    def __init__(self, block_m=64, block_n=64, num_warps=4, num_stages=2, kernels=None):
         self.block_m, self.block_n, self.num_warps, self.num_stages = block_m, block_n, num_warps, num_stages
+        self.kernels = {k: tuple(v) for k, v in (kernels or {}).items()}
+
+    def of(self, name, constexprs):
+        """(block_m, block_n, num_warps, num_stages) of a launch of kernel `name` with `constexprs`."""
+        own = None if constexprs.get("HAS_MASK") else self.kernels.get(kernel_key(name, constexprs))
+        return own or (self.block_m, self.block_n, self.num_warps, self.num_stages)
+
+    def widest_query_block(self):
+        """The largest block_m any kernel launches with."""
+        return max([self.block_m] + [s[0] for s in self.kernels.values()])
 
 
 def _block_dim(n):
@@ -223,9 +239,9 @@ class _Call:
         bias, (sab, sah, sam, san), has_bias = _additive(masks.additive, (b, h, s_q, s_k), self.stats, dev)
         qs, ks, vs = _strides(self.q.shape), _strides(self.k.shape), _strides(self.v.shape)
         self.sampling = sampling
-        if sampling is not None and s_k * self.config.block_m > 2 ** 32:
+        if sampling is not None and s_k * self.config.widest_query_block() > 2 ** 32:
             raise ValueError(f"BAM's draws take at most 2^32 / block_m keys (a tile's positions then have at most two "
-                             f"high words), got {s_k} keys with block_m {self.config.block_m}")
+                             f"high words), got {s_k} keys with block_m {self.config.widest_query_block()}")
         self.kl = sampling is not None and sampling.kl is not None
         if self.kl and prior is None:
             raise ValueError("a KL term needs the prior's per-key values (prior=)")
@@ -273,24 +289,36 @@ class _Call:
         return torch.zeros(*lead, b, h, s_k if keys else s_q, dtype=self.stats, device=self.q.device)
 
     def grid(self, keys, heads):
-        b, h, h_kv, s_q, s_k, _, _ = self.shape
-        blocks = triton.cdiv(s_k, self.config.block_n) if keys else triton.cdiv(s_q, self.config.block_m)
-        return (blocks, b * (h if heads == "query" else h_kv))
+        """A launch's grid, (blocks of keys or of queries, B × query or key/value heads): resolved in
+        `launch`, with the blocks of the kernel's setting."""
+        return keys, heads
 
     def launch(self, kernel, grid, **extra):
         args = {**self.args, **extra}
         missing = [n for n in kernel.arg_names if n not in args]
         assert not missing, f"{kernel.arg_names}: no value for {missing}"
+        name, constexprs = specialization(kernel, args)
+        block_m, block_n, num_warps, num_stages = self.config.of(name, dict(constexprs))
+        args.update(BLOCK_M=block_m, BLOCK_N=block_n)
+        b, h, h_kv, s_q, s_k, _, _ = self.shape
+        keys, heads = grid
+        grid = (triton.cdiv(s_k, block_n) if keys else triton.cdiv(s_q, block_m), b * (h if heads == "query" else h_kv))
         if LAUNCHED is not None:
-            LAUNCHED.add(specialization(kernel, args))
+            LAUNCHED.add((name, constexprs))
         if LAUNCHES is not None:
             LAUNCHES.append(_launch_record(kernel, grid, args))
-        kernel[grid](**{n: args[n] for n in kernel.arg_names}, num_warps=self.config.num_warps,
-                     num_stages=self.config.num_stages)
+        timed = TIMES is not None
+        if timed:
+            start = _clock(self.q.device)
+        kernel[grid](**{n: args[n] for n in kernel.arg_names}, num_warps=num_warps, num_stages=num_stages)
+        if timed:
+            TIMES.append((kernel_key(name, dict(constexprs)), start, _clock(self.q.device)))
 
 
 # The specializations launched while a caller collects them (`launched()`), else None.
 LAUNCHED = None
+# (kernel_key, start, end) of each launch while a caller times them (`timed()`), else None.
+TIMES = None
 # Each launch in order, in full, while a caller records them (`launches()`), else None.
 LAUNCHES = None
 # Constexprs that follow from the dtype, the head dimensions and the configuration, which an
@@ -304,6 +332,35 @@ def specialization(kernel, args):
     fn = kernel.fn  # the Python function, compiled (JITFunction) or interpreted alike
     names = [n for n, p in inspect.signature(fn).parameters.items() if p.annotation is tl.constexpr]
     return fn.__name__, tuple(sorted((n, args[n]) for n in names if n not in _DERIVED))
+
+
+def _clock(device):
+    """A point in time on `device`'s stream: a recorded CUDA event, or on the CPU (the
+    interpreter runs a kernel in the calling thread) perf_counter's seconds."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+@contextlib.contextmanager
+def timed():
+    """Times each launch inside the block (`with plans.timed() as times:`): on leaving it, `times`
+    maps each `settings.kernel_key` launched to its total milliseconds (CUDA events around each
+    launch on a GPU, the interpreter's wall time on the CPU)."""
+    global TIMES
+    previous, TIMES = TIMES, []
+    totals = {}
+    try:
+        yield totals
+        if any(not isinstance(start, float) for _, start, _ in TIMES):
+            torch.cuda.synchronize()
+        for key, start, end in TIMES:
+            ms = (end - start) * 1e3 if isinstance(start, float) else start.elapsed_time(end)
+            totals[key] = totals.get(key, 0.0) + ms
+    finally:
+        TIMES = previous
 
 
 @contextlib.contextmanager

@@ -153,17 +153,19 @@ def main(argv=None):
     from probattn_tools.files import atomic_write_text
     from probattn_tools.kernels import aot, plans, settings
 
+    given = None
     if args.setting:
         try:
-            setting = tuple(int(x) for x in args.setting.split(","))
+            given = tuple(int(x) for x in args.setting.split(","))
         except ValueError:
-            setting = ()
-        if len(setting) != 4:
+            given = ()
+        if len(given) != 4:
             sys.exit(f"kernels.resources: --setting takes BLOCK_M,BLOCK_N,num_warps,num_stages, got {args.setting!r}")
-    else:
-        setting = settings.lookup(settings.read_table(), args.arch, args.dtype, args.head_dim) or settings.default(args.dtype, args.head_dim)
-    block_m, block_n, num_warps, num_stages = setting
-    held = block_m * block_n / (32 * num_warps)
+    table = settings.read_table()
+    # The build's setting of each kernel where none is given (`aot.launch_setting`).
+    flags = argparse.Namespace(block_m=None, block_n=None, num_warps=None, num_stages=None)
+    block_m, block_n, num_warps, num_stages = given or aot.launch_setting(table, args.arch, args.dtype, args.head_dim,
+                                                                          flags)
     cuobjdump = tools()
     rows, seen = [], set()
     for name, constexprs in aot.route_specializations(args.dtype, args.head_dim):
@@ -177,12 +179,14 @@ def main(argv=None):
         if key in seen:
             continue
         seen.add(key)
+        setting = given or aot.launch_setting(table, args.arch, args.dtype, args.head_dim, flags, name, constexprs)
+        held = setting[0] * setting[1] / (32 * setting[2])
         try:
             compiled, entry = aot.compiled_one(triton, plans, name, constexprs, args.dtype, args.head_dim, args.arch,
-                                               block_m, block_n, num_warps, num_stages)
+                                               *setting)
         except ValueError as e:  # a setting past the architecture's shared memory, named by aot
             sys.exit(f"kernels.resources: {e}")
-        row = {"kernel": name, "constexprs": shown, "shared_bytes": entry["shared_bytes"]}
+        row = {"kernel": name, "constexprs": shown, "setting": list(setting), "shared_bytes": entry["shared_bytes"]}
         row.update(read_cubin(cuobjdump, compiled.asm["cubin"]))
         row["instructions_per_entry"] = round(row["instructions"] / held, 1)
         row["float64_per_entry"] = round((row["DFMA"] + row["DADD"] + row["DMUL"]) / held, 1)
@@ -204,7 +208,10 @@ def main(argv=None):
               f"entry ({', '.join(f'{k} {n}' for k, n in f['passes'])}) on {SMS} SMs at {CLOCK / 1e9} GHz")
     about = {"dtype": args.dtype, "head_dim": args.head_dim, "arch": f"sm_{args.arch}", "block_m": block_m,
              "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "triton": triton.__version__,
-             "entries_per_thread": held, **scripts_provenance()}
+             "entries_per_thread": block_m * block_n / (32 * num_warps),
+             "kernels_with_own_setting": sorted({f"{r['kernel']} {r['setting']}" for r in rows
+                                                 if tuple(r["setting"]) != (block_m, block_n, num_warps, num_stages)}),
+             **scripts_provenance()}
     if args.json:
         record = {"about": about, "rows": rows}
         if floor:
@@ -214,7 +221,9 @@ def main(argv=None):
     if args.markdown:
         lines = [f"{args.dtype}, head dimension {args.head_dim}, sm_{args.arch}, {block_m} x {block_n} blocks, "
                  f"{num_warps} warps, {num_stages} stages (Triton {triton.__version__}); static SASS counts; kernels "
-                 f"of {about['git_sha']}{' with changes' if about['git_dirty'] else ''}", "",
+                 f"of {about['git_sha']}{' with changes' if about['git_dirty'] else ''}"
+                 + (f"; kernels with their own setting: {', '.join(about['kernels_with_own_setting'])}"
+                    if about["kernels_with_own_setting"] else ""), "",
                  "| kernel | specialization | registers | spill stack (B) | LDL / STL | shared (B) | HGMMA | MUFU | "
                  "instr. / entry | float64 instr. | float64 / entry | loop instr. / entry | loop float64 / entry |",
                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

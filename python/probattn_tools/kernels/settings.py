@@ -21,8 +21,18 @@ def default(dtype, head_dim):
     return (block_m, DEFAULT[1], 8 if head_dim > 128 else DEFAULT[2], DEFAULT[3])
 
 
+def kernel_key(name, constexprs):
+    """The name a kernel's own setting has in a table entry's `kernels`: the kernel's, with
+    ":noise" for BAM's specializations (NOISE > 0), whose draws in the loop over tiles make them
+    another kind of work than the deterministic plans' passes of the same kernel."""
+    return f"{name}:noise" if constexprs.get("NOISE", 0) else name
+
+
 def read_table(path=TABLE):
-    """The table: {"configs": {arch: {dtype: {head_dim: {block_m, block_n, num_warps, num_stages, ...}}}}}."""
+    """The table: {"configs": {arch: {dtype: {head_dim: {block_m, block_n, num_warps, num_stages, ...,
+    "kernels": {kernel_key: {block_m, block_n, num_warps, num_stages}}}}}}}: an entry's setting
+    serves every kernel but those `kernels` names (`kernel_key`), and every specialization that
+    reads a block map (HAS_MASK: the map has one block shape per call)."""
     if not Path(path).exists():
         return {"configs": {}}
     table = json.loads(Path(path).read_text())
@@ -31,13 +41,25 @@ def read_table(path=TABLE):
     return table
 
 
-def lookup(table, arch, dtype, head_dim):
-    """(block_m, block_n, num_warps, num_stages) for sm_`arch`, or None where the table has none."""
-    entry = table["configs"].get(f"sm_{arch}", {}).get(dtype, {}).get(str(head_dim))
-    if entry is None:
-        return None
+def _setting(entry, where):
     try:
         return tuple(int(entry[k]) for k in ("block_m", "block_n", "num_warps", "num_stages"))
     except (KeyError, TypeError, ValueError):
-        raise ValueError(f"tuning table: the entry for sm_{arch}, {dtype}, head dimension {head_dim} needs integer "
-                         f"block_m, block_n, num_warps and num_stages, got {entry}") from None
+        raise ValueError(f"tuning table: {where} needs integer block_m, block_n, num_warps and num_stages, "
+                         f"got {entry}") from None
+
+
+def lookup(table, arch, dtype, head_dim, kernel=None):
+    """(block_m, block_n, num_warps, num_stages) for sm_`arch`, or None where the table has none:
+    the entry's own, or with `kernel` (a `kernel_key`) that kernel's where the entry names it."""
+    entry = table["configs"].get(f"sm_{arch}", {}).get(dtype, {}).get(str(head_dim))
+    if entry is None:
+        return None
+    where = f"the entry for sm_{arch}, {dtype}, head dimension {head_dim}"
+    own = _setting(entry, where)
+    kernels = entry.get("kernels", {})
+    if not isinstance(kernels, dict):
+        raise ValueError(f"tuning table: {where}: 'kernels' maps kernel names to settings, got {kernels!r}")
+    if kernel is None or kernel not in kernels:
+        return own
+    return _setting(kernels[kernel], f"{where}, kernel {kernel}")

@@ -12,14 +12,21 @@ Every setting of the grid runs every plan asked for (`--plans`; softmax, DNAS an
 default) at one shape, bfloat16 or float16, and is held to the default setting's output and gradients first: a
 setting that fails to compile, runs out of shared memory or disagrees is recorded with the reason
 and never chosen. The score of a setting is the sum over the plans of its median forward +
-backward time (calls taking turns, as `kernels.bench` times them). BAM is in the default score
-because the table's entry serves every pass of its dtype and head dimension: on an H200, 128 × 64
-blocks sped softmax and DNAS up by 6% at 1 × 16,384 and slowed BAM's passes, which draw their
-noise in the loop over tiles, 1.5-2.7× (results/cuda/2026-11-30/). `sweep.json` keeps every time,
-`table.json` the winners with the shape they were chosen at, and `sweep.md` a table per
-(dtype, head dimension) with each setting's time relative to the default's; all three are
-rewritten after each (dtype, head dimension), so a sweep stopped at a time limit keeps what it
-finished.
+backward time (calls taking turns, as `kernels.bench` times them); the fastest is the entry's
+common setting.
+
+Each kernel's launches are also timed apart (CUDA events around each launch, `plans.timed`), per
+`settings.kernel_key`: a kernel, with BAM's specializations (which draw their noise in the loop
+over tiles) apart from the deterministic plans'. A kernel whose fastest setting beats the common
+one's time for it by 3% or more takes that setting as its own: on an H200, 128 × 64 blocks sped
+softmax and DNAS up by 6% at 1 × 16,384 and slowed BAM's passes 1.5-2.7×
+(results/cuda/2026-11-30/), which one setting for every pass cannot serve. The kernels' own
+settings together are held to the default's outputs and gradients and timed against the common
+setting alone in one run; they join the entry (`kernels`) only where they are faster together.
+`sweep.json` keeps every time, `table.json` the winners with the shape they were chosen at, and
+`sweep.md` a table per (dtype, head dimension) with each setting's time relative to the default's
+and each kernel's time per setting; all three are rewritten after each (dtype, head dimension),
+so a sweep stopped at a time limit keeps what it finished.
 
 Triton compiles a kernel the first time it is called, one at a time in the calling process, and
 the grid holds some hundred kernels: on a GPU, `--jobs` worker processes first call every setting
@@ -178,17 +185,95 @@ def sweep_one(torch, plans, args, dtype_name, head_dim, rows):
     for (row, name, _), (med, iqr) in zip(timed, results):
         row.setdefault("ms", {})[name] = med
         row.setdefault("iqr_ms", {})[name] = iqr
-    for row, _ in candidates:
+    for row, fns in candidates:
         row["score_ms"] = sum(row["ms"].values())
+        row["kernel_ms"] = kernel_times(plans, fns, args.repeats)
     if not candidates:
         return None
     best = min((row for row, _ in candidates), key=lambda r: r["score_ms"])
-    default = next((r for r, _ in candidates if (r["block_m"], r["block_n"], r["num_warps"], r["num_stages"]) == DEFAULT),
-                   None)
+    default = next((r for r, _ in candidates if setting_of(r) == DEFAULT), None)
     for row, _ in candidates:
         if default is not None:
             row["vs_default"] = row["score_ms"] / default["score_ms"]
+    own = own_settings([row for row, _ in candidates], best)
+    chosen = own and try_own(torch, plans, args, names, (q, k, v, grad), reference, best, own, default, rows)
+    if chosen:
+        best["own"] = chosen  # the kernels' own settings beside it (the row of the two together has `kernels`)
     return best
+
+
+def setting_of(row):
+    return row["block_m"], row["block_n"], row["num_warps"], row["num_stages"]
+
+
+def kernel_times(plans, fns, repeats):
+    """{settings.kernel_key: median ms per forward + backward} of the plans' steps `fns`, each
+    kernel's launches timed apart (`plans.timed`), summed over the plans that launch it."""
+    out = {}
+    for fn in fns.values():
+        runs = []
+        for _ in range(repeats):
+            with plans.timed() as times:
+                fn()
+            runs.append(times)
+        for key in runs[0]:
+            series = sorted(r.get(key, 0.0) for r in runs)
+            out[key] = out.get(key, 0.0) + series[len(series) // 2]
+    return out
+
+
+# A kernel takes a setting of its own only where that setting's time for it is at least this much
+# below the common setting's (the timings' spread on one GPU is a few percent).
+OWN_GAIN = 0.97
+
+
+def own_settings(rows, common):
+    """{kernel_key: row} of the kernels whose fastest setting among the timed `rows` beats the
+    `common` setting's row for them by OWN_GAIN."""
+    own = {}
+    for key, ms in common["kernel_ms"].items():
+        fastest = min((r for r in rows if key in r["kernel_ms"]), key=lambda r: r["kernel_ms"][key])
+        if setting_of(fastest) != setting_of(common) and fastest["kernel_ms"][key] <= OWN_GAIN * ms:
+            own[key] = fastest
+    return own
+
+
+def try_own(torch, plans, args, names, inputs, reference, common, own, default, rows):
+    """The kernels' own settings `own` beside the `common` setting, held to the default's output and
+    gradients and timed against the common setting alone in one interleaved run: {kernel_key:
+    setting} where the two together are faster, else None. The combination's row joins `rows`."""
+    from probattn_tools.baselines.bench import error_line, time_interleaved
+
+    kernels = {key: setting_of(r) for key, r in own.items()}
+    row = {"dtype": common["dtype"], "head_dim": common["head_dim"], "shape": args.shape, "heads": args.heads,
+           **dict(zip(("block_m", "block_n", "num_warps", "num_stages"), setting_of(common))),
+           "kernels": {key: list(s) for key, s in kernels.items()}}
+    rows.append(row)
+    q, k, v, grad = inputs
+    try:
+        mixed = steps(torch, plans, names, q, k, v, grad, plans.Config(*setting_of(common), kernels=kernels))
+        alone = steps(torch, plans, names, q, k, v, grad, plans.Config(*setting_of(common)))
+        errors = {}
+        for name, step in mixed.items():
+            out = step()
+            ours = [t.detach().float() for t in (out, q.grad, k.grad, v.grad)]
+            errors[name] = _worst(((a - r).abs().max() / r.abs().max().clamp_min(1.0)).item()
+                                  for a, r in zip(ours, reference[name]))
+        row["max_error_vs_default"] = errors
+        if not _worst(errors.values()) <= TOLERANCE[common["dtype"]]:
+            row["refused"] = f"disagrees with the default setting by {_worst(errors.values()):.2e}"
+            return None
+        timed = time_interleaved([*mixed.values(), *alone.values()], args.repeats, torch.device(args.device))
+    except Exception as e:  # recorded; the common setting stands
+        row["refused"] = error_line(e)
+        return None
+    row["ms"] = {name: med for name, (med, _) in zip(mixed, timed)}
+    row["score_ms"] = sum(row["ms"].values())
+    row["common_score_ms"] = sum(med for med, _ in timed[len(mixed):])
+    if default is not None:
+        row["vs_default"] = row["score_ms"] / default["score_ms"]
+    row["vs_common"] = row["score_ms"] / row["common_score_ms"]
+    return kernels if row["score_ms"] < row["common_score_ms"] else None
 
 
 def markdown(rows, arch, device):
@@ -205,11 +290,23 @@ def markdown(rows, arch, device):
                   "|---" * (6 + len(plans)) + "|"]
         for r in sorted(group, key=lambda r: r.get("score_ms", float("inf"))):
             cells = [str(r[k]) for k in ("block_m", "block_n", "num_warps", "num_stages")]
+            if r.get("kernels"):
+                cells[-1] += " + own: " + ", ".join(f"{key} {'/'.join(map(str, s))}" for key, s in r["kernels"].items())
             if "refused" in r:
                 lines.append("| " + " | ".join(cells) + f" | refused: {r['refused']} |")
                 continue
             cells += [f"{r['ms'][p]:.3f}" for p in plans] + [f"{r['score_ms']:.3f}", f"{r.get('vs_default', float('nan')):.2f}"]
             lines.append("| " + " | ".join(cells) + " |")
+        timed = [r for r in group if r.get("kernel_ms")]
+        keys = sorted({key for r in timed for key in r["kernel_ms"]})
+        if keys:
+            lines += ["", "Each kernel's median ms per forward + backward, summed over the plans that launch it "
+                      "(CUDA events around each launch; wall time under the interpreter):", "",
+                      "| block_m | block_n | warps | stages | " + " | ".join(keys) + " |", "|---" * (4 + len(keys)) + "|"]
+            for r in timed:
+                lines.append("| " + " | ".join(str(r[k]) for k in ("block_m", "block_n", "num_warps", "num_stages"))
+                             + " | " + " | ".join(f"{r['kernel_ms'][k]:.3f}" if k in r["kernel_ms"] else "–"
+                                                  for k in keys) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -286,13 +383,20 @@ def main(argv=None):
             if best is None:
                 print(f"sm_{arch} {dtype} d {head_dim}: no setting ran", flush=True)
             else:
-                found["configs"].setdefault(f"sm_{arch}", {}).setdefault(dtype, {})[str(head_dim)] = {
-                    k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages")} | {
+                entry = {k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages")} | {
                     "score_ms": best["score_ms"], "vs_default": best.get("vs_default"), "shape": args.shape,
                     "heads": args.heads, "plans": args.plans, "device": device_name}
+                if best.get("own"):
+                    combined = next(r for r in rows if r.get("kernels") == {k: list(v) for k, v in best["own"].items()})
+                    entry["kernels"] = {key: dict(zip(("block_m", "block_n", "num_warps", "num_stages"), setting))
+                                        for key, setting in best["own"].items()}
+                    entry.update(score_ms=combined["score_ms"], vs_default=combined.get("vs_default"))
+                found["configs"].setdefault(f"sm_{arch}", {}).setdefault(dtype, {})[str(head_dim)] = entry
+                own = "".join(f"; {key} {s[0]} × {s[1]}, {s[2]} warps, {s[3]} stages"
+                              for key, s in (best.get("own") or {}).items())
                 print(f"sm_{arch} {dtype} d {head_dim}: {best['block_m']} × {best['block_n']}, {best['num_warps']} "
-                      f"warps, {best['num_stages']} stages: {best['score_ms']:.3f} ms, "
-                      f"{best.get('vs_default', float('nan')):.2f}× the default's", flush=True)
+                      f"warps, {best['num_stages']} stages{own}: {entry['score_ms']:.3f} ms, "
+                      f"{entry.get('vs_default') or float('nan'):.2f}× the default's", flush=True)
         write()
     print(f"wrote {out}/sweep.json, sweep.md and table.json ({time.time() - start:.0f} s)")
     return 0
