@@ -293,7 +293,9 @@ class _Call:
         `launch`, with the blocks of the kernel's setting."""
         return keys, heads
 
-    def launch(self, kernel, grid, **extra):
+    def prepared(self, kernel, grid, **extra):
+        """A launch's arguments (the call's with `extra`, and the blocks of the kernel's setting),
+        its grid resolved (`grid`) and its (num_warps, num_stages)."""
         args = {**self.args, **extra}
         missing = [n for n in kernel.arg_names if n not in args]
         assert not missing, f"{kernel.arg_names}: no value for {missing}"
@@ -303,6 +305,11 @@ class _Call:
         b, h, h_kv, s_q, s_k, _, _ = self.shape
         keys, heads = grid
         grid = (triton.cdiv(s_k, block_n) if keys else triton.cdiv(s_q, block_m), b * (h if heads == "query" else h_kv))
+        return args, grid, (num_warps, num_stages)
+
+    def launch(self, kernel, grid, **extra):
+        args, grid, (num_warps, num_stages) = self.prepared(kernel, grid, **extra)
+        name, constexprs = specialization(kernel, args)
         if LAUNCHED is not None:
             LAUNCHED.add((name, constexprs))
         if LAUNCHES is not None:
