@@ -205,6 +205,16 @@ class TuningTable(unittest.TestCase):
             settings.lookup({"configs": {"sm_90": {"bfloat16": {"64": dict(
                 block_m=64, block_n=64, num_warps=4, num_stages=2, kernels={"_key_pass": {"block_m": 64}})}}}},
                 90, "bfloat16", 64, "_key_pass")
+        # The sweep's entry for a winner with kernels of their own reads back as the build reads it.
+        from probattn_tools.kernels import sweep
+
+        best = dict(block_m=64, block_n=64, num_warps=4, num_stages=2, score_ms=3.0, vs_default=1.0,
+                    own={"_key_pass": (128, 64, 4, 2)}, own_score_ms=2.8, own_vs_default=0.93)
+        entry = sweep.table_entry(best, SimpleNamespace(shape="1x16384", heads=8, plans="softmax,dnas"), "GPU")
+        self.assertEqual((entry["score_ms"], entry["vs_default"]), (2.8, 0.93))
+        written = {"configs": {"sm_90": {"bfloat16": {"64": entry}}}}
+        self.assertEqual(settings.lookup(written, 90, "bfloat16", 64, "_key_pass"), (128, 64, 4, 2))
+        self.assertEqual(settings.lookup(written, 90, "bfloat16", 64, "_row_pass"), (64, 64, 4, 2))
         # The Python orchestration launches the same way.
         config = plans.Config(64, 64, 4, 2, kernels={"_key_pass": (128, 64, 8, 3)})
         self.assertEqual(config.of("_key_pass", {"SWEEPS": 1}), (128, 64, 8, 3))

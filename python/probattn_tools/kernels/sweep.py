@@ -196,10 +196,24 @@ def sweep_one(torch, plans, args, dtype_name, head_dim, rows):
         if default is not None:
             row["vs_default"] = row["score_ms"] / default["score_ms"]
     own = own_settings([row for row, _ in candidates], best)
-    chosen = own and try_own(torch, plans, args, names, (q, k, v, grad), reference, best, own, default, rows)
-    if chosen:
-        best["own"] = chosen  # the kernels' own settings beside it (the row of the two together has `kernels`)
+    together = own and try_own(torch, plans, args, names, (q, k, v, grad), reference, best, own, default, rows)
+    if together:  # the kernels' own settings beside the common one, and the score of the two together
+        best["own"] = {key: tuple(s) for key, s in together["kernels"].items()}
+        best["own_score_ms"], best["own_vs_default"] = together["score_ms"], together.get("vs_default")
     return best
+
+
+def table_entry(best, args, device_name):
+    """A tuning table's entry for the winning row of `sweep_one`: its setting, the kernels' own
+    beside it where it has them (`kernels`), the score they were chosen by and where."""
+    fields = ("block_m", "block_n", "num_warps", "num_stages")
+    entry = {k: best[k] for k in fields} | {
+        "score_ms": best["score_ms"], "vs_default": best.get("vs_default"), "shape": args.shape, "heads": args.heads,
+        "plans": args.plans, "device": device_name}
+    if best.get("own"):
+        entry["kernels"] = {key: dict(zip(fields, setting)) for key, setting in best["own"].items()}
+        entry.update(score_ms=best["own_score_ms"], vs_default=best["own_vs_default"])
+    return entry
 
 
 def setting_of(row):
@@ -240,8 +254,8 @@ def own_settings(rows, common):
 
 def try_own(torch, plans, args, names, inputs, reference, common, own, default, rows):
     """The kernels' own settings `own` beside the `common` setting, held to the default's output and
-    gradients and timed against the common setting alone in one interleaved run: {kernel_key:
-    setting} where the two together are faster, else None. The combination's row joins `rows`."""
+    gradients and timed against the common setting alone in one interleaved run. The combination's
+    row joins `rows`, and is returned where the two together are faster (None otherwise)."""
     from probattn_tools.baselines.bench import error_line, time_interleaved
 
     kernels = {key: setting_of(r) for key, r in own.items()}
@@ -273,7 +287,7 @@ def try_own(torch, plans, args, names, inputs, reference, common, own, default, 
     if default is not None:
         row["vs_default"] = row["score_ms"] / default["score_ms"]
     row["vs_common"] = row["score_ms"] / row["common_score_ms"]
-    return kernels if row["score_ms"] < row["common_score_ms"] else None
+    return row if row["score_ms"] < row["common_score_ms"] else None
 
 
 def markdown(rows, arch, device):
@@ -383,14 +397,7 @@ def main(argv=None):
             if best is None:
                 print(f"sm_{arch} {dtype} d {head_dim}: no setting ran", flush=True)
             else:
-                entry = {k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages")} | {
-                    "score_ms": best["score_ms"], "vs_default": best.get("vs_default"), "shape": args.shape,
-                    "heads": args.heads, "plans": args.plans, "device": device_name}
-                if best.get("own"):
-                    combined = next(r for r in rows if r.get("kernels") == {k: list(v) for k, v in best["own"].items()})
-                    entry["kernels"] = {key: dict(zip(("block_m", "block_n", "num_warps", "num_stages"), setting))
-                                        for key, setting in best["own"].items()}
-                    entry.update(score_ms=combined["score_ms"], vs_default=combined.get("vs_default"))
+                entry = table_entry(best, args, device_name)
                 found["configs"].setdefault(f"sm_{arch}", {}).setdefault(dtype, {})[str(head_dim)] = entry
                 own = "".join(f"; {key} {s[0]} × {s[1]}, {s[2]} warps, {s[3]} stages"
                               for key, s in (best.get("own") or {}).items())
