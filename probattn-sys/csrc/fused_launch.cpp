@@ -266,9 +266,8 @@ at::ScalarType declared_type(const std::string& type) {
 }
 
 // Pointer parameters a kernel of this route declares for features it does not use (masks,
-// BAM's draws and KL term, BAM's mixture over HNAS, HNAS's shares of dO, DNAS's queries' column mean
-// without a backward): a two-element tensor of
-// the declared type.
+// BAM's draws and KL term, BAM's mixture over HNAS, HNAS's shares of dO, DNAS's queries' column
+// mean without a backward): a two-element tensor of the declared type.
 const std::set<std::string> kUnused = {"QPAD", "KPAD", "MASK", "BLOCKS", "BIAS",  "DRAWS", "PRIOR", "RB",    "KS", "TROW",
                                        "DKL",  "DA",   "RD",   "RS",     "LOGU", "RHO_D", "RHO_S", "GU", "SHARES", "QBAR"};
 // The masks a kernel reads through strides of its own (stride-0 views of what they broadcast).
