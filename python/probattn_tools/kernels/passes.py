@@ -29,8 +29,8 @@ def _column_pass(Q, K, C, QBAR, QPAD, KPAD, MASK, BLOCKS, BIAS,
     QBAR_j = Σ_i exp(z_ij − c_j) q_i (laid out as K per query head, in Q's dtype; 0 for a key no
     query sees), by the same online fold as the row pass's output with the roles of queries and
     keys exchanged. DNAS's key pass takes its correction to dK from it, `−g_j · QBAR_j`, instead of
-    a fifth product per tile and a third float32 accumulator; the product runs here, in a pass
-    whose tensor cores the exponentials leave idle."""
+    a fifth product per tile and a third float32 accumulator; this pass takes the product
+    instead, beside its one product and one exponential per entry."""
     scale = tl.load(SCALE).to(ACC)
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)

@@ -86,8 +86,8 @@ def loop_counts(code):
     return {"loop_instructions": len(best), **{f"loop_{kind}": sum(1 for op in best if op == kind) for kind in KINDS}}
 
 
-# The passes of a forward and backward per plan, as the route launches them (fused_cuda.cpp; the
-# column pass as a forward with a backward to follow runs it):
+# The passes of a forward and backward per plan, as the route launches them (fused_cuda.cpp; DNAS's
+# and HNAS's column pass with CONTEXT, as a forward with a backward to follow runs it):
 # (kernel, its specialization's constexprs that are set, as the rows show them). The
 # deterministic plans unpadded; BAM (over softmax, with its KL term) padded, as the route
 # always runs it.
