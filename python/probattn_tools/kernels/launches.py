@@ -85,7 +85,7 @@ def launches(args):
         _RUN = plans._Call.launch
 
     def record_only(call, kernel, grid, **extra):
-        launch_args, grid, _ = call.prepared(kernel, grid, **extra)
+        launch_args, grid, _, _ = call.prepared(kernel, grid, **extra)
         plans.LAUNCHES.append(plans._launch_record(kernel, grid, launch_args))
     plans._Call.launch = _RUN if args.execute else record_only
 

@@ -295,7 +295,7 @@ class _Call:
 
     def prepared(self, kernel, grid, **extra):
         """A launch's arguments (the call's with `extra`, and the blocks of the kernel's setting),
-        its grid resolved (`grid`) and its (num_warps, num_stages)."""
+        its grid resolved (`grid`), its (num_warps, num_stages) and its `specialization`."""
         args = {**self.args, **extra}
         missing = [n for n in kernel.arg_names if n not in args]
         assert not missing, f"{kernel.arg_names}: no value for {missing}"
@@ -305,11 +305,10 @@ class _Call:
         b, h, h_kv, s_q, s_k, _, _ = self.shape
         keys, heads = grid
         grid = (triton.cdiv(s_k, block_n) if keys else triton.cdiv(s_q, block_m), b * (h if heads == "query" else h_kv))
-        return args, grid, (num_warps, num_stages)
+        return args, grid, (num_warps, num_stages), (name, constexprs)
 
     def launch(self, kernel, grid, **extra):
-        args, grid, (num_warps, num_stages) = self.prepared(kernel, grid, **extra)
-        name, constexprs = specialization(kernel, args)
+        args, grid, (num_warps, num_stages), (name, constexprs) = self.prepared(kernel, grid, **extra)
         if LAUNCHED is not None:
             LAUNCHED.add((name, constexprs))
         if LAUNCHES is not None:

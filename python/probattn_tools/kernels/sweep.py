@@ -67,6 +67,18 @@ def merge(table, found):
     return out
 
 
+def errors_vs(fns, inputs, reference):
+    """{plan: the largest error of one step's output and q, k and v's gradients against the
+    default setting's `reference`, relative to the reference's largest magnitude (at least 1)}."""
+    errors = {}
+    for name, step in fns.items():
+        out = step()
+        ours = [t.detach().float() for t in (out, *(x.grad for x in inputs))]
+        errors[name] = _worst(((a - r).abs().max() / r.abs().max().clamp_min(1.0)).item()
+                              for a, r in zip(ours, reference[name]))
+    return errors
+
+
 def steps(torch, plans, names, q, k, v, grad, config):
     """A forward + backward per plan name, with `config`."""
     def plan_step(name):
@@ -163,13 +175,7 @@ def sweep_one(torch, plans, args, dtype_name, head_dim, rows):
         rows.append(row)
         try:
             fns = steps(torch, plans, names, q, k, v, grad, plans.Config(*setting))
-            errors = {}
-            for name, step in fns.items():
-                out = step()
-                ours = [t.detach().float() for t in (out, q.grad, k.grad, v.grad)]
-                errors[name] = _worst(((a - r).abs().max() / r.abs().max().clamp_min(1.0)).item()
-                                      for a, r in zip(ours, reference[name]))
-            row["max_error_vs_default"] = errors
+            row["max_error_vs_default"] = errors = errors_vs(fns, (q, k, v), reference)
             worst = _worst(errors.values())
             if not worst <= TOLERANCE[dtype_name]:
                 row["refused"] = f"disagrees with the default setting by {worst:.2e}"
@@ -267,13 +273,7 @@ def try_own(torch, plans, args, names, inputs, reference, common, own, default, 
     try:
         mixed = steps(torch, plans, names, q, k, v, grad, plans.Config(*setting_of(common), kernels=kernels))
         alone = steps(torch, plans, names, q, k, v, grad, plans.Config(*setting_of(common)))
-        errors = {}
-        for name, step in mixed.items():
-            out = step()
-            ours = [t.detach().float() for t in (out, q.grad, k.grad, v.grad)]
-            errors[name] = _worst(((a - r).abs().max() / r.abs().max().clamp_min(1.0)).item()
-                                  for a, r in zip(ours, reference[name]))
-        row["max_error_vs_default"] = errors
+        row["max_error_vs_default"] = errors = errors_vs(mixed, (q, k, v), reference)
         if not _worst(errors.values()) <= TOLERANCE[common["dtype"]]:
             row["refused"] = f"disagrees with the default setting by {_worst(errors.values()):.2e}"
             return None
