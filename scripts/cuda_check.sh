@@ -205,10 +205,12 @@ for s in $steps; do
         ${KERNELS_BENCH:---shapes 8x1024,1x4096,1x16384} 2>&1 | tail -60 ;;
     kernels-bench)
       # The kernels step's benchmark alone (its KERNELS_BENCH flags), each implementation's time
-      # also kernel by kernel (--profile).
+      # also kernel by kernel (--profile), and ours also with the key pass in the form the build
+      # leaves out (--key-tiles both).
       step kernels-bench
       # shellcheck disable=SC2086  # KERNELS_BENCH are words
       PYTHONPATH="$root/python" "$python" -m probattn_tools.kernels.bench --out "$out/kernels-bench" --profile \
+        --key-tiles both \
         ${KERNELS_BENCH:---shapes 8x1024,1x4096,1x16384} 2>&1 | tee "$out/kernels-bench.log" | tail -80 ;;
     sweep)
       step sweep

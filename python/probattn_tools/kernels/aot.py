@@ -196,11 +196,13 @@ def compiled_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from probattn_tools.kernels import settings
+
     kernel = getattr(plans, name)
     tl = triton.language
     acc = tl.float64 if dtype == "float64" else tl.float32
     values = dict(OFF, **constexprs, ACC=acc, DOT=DOT[dtype],
-                  DRAW64=dtype == "float64",
+                  DRAW64=dtype == "float64", TRANSPOSE=settings.TRANSPOSE_KEYS,
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=plans._block_dim(head_dim), BLOCK_DV=plans._block_dim(head_dim))
     signature, params, attrs = {}, [], {}
     stats = "fp64" if dtype == "float64" else "fp32"

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from probattn_tools.kernels.tiles import _exp, _lse_fold, _lse_value, _rows
+from probattn_tools.kernels.tiles import _exp, _lse_fold, _lse_value, _over_queries, _per_key, _per_row, _rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -30,22 +30,25 @@ def _hash32(x):
 
 
 @triton.jit
-def _position(b, h, offs_m, offs_n, H, S_Q, S_K):
+def _position(b, h, offs_m, offs_n, H, S_Q, S_K, T: tl.constexpr = False):
     """The int64 position of each entry of the tile in a contiguous (B, H, S_q, S_k) score tensor:
-    the counter the draws hash, and where a given ε lies."""
-    return ((b * H + h).to(tl.int64) * S_Q + offs_m[:, None].to(tl.int64)) * S_K + offs_n[None, :].to(tl.int64)
+    the counter the draws hash, and where a given ε lies. T: the tile is formed transposed
+    (keys × queries); each entry keeps its own position."""
+    rows = _per_row(offs_m.to(tl.int64), T)
+    return ((b * H + h).to(tl.int64) * S_Q + rows) * S_K + _per_key(offs_n.to(tl.int64), T)
 
 
 @triton.jit
-def _uniform(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, DRAW64: tl.constexpr):
+def _uniform(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, DRAW64: tl.constexpr, T: tl.constexpr = False):
     """ε ~ U(0, 1) of the tile (offs_m × offs_n) of (batch b, query head h): float64 from 32 bits
     (DRAW64) or float32 from 23. DRAWS holds the seed's low and high 32-bit words (int64). A tile
     spans fewer than 2^32 positions (BLOCK_M·S_K ≤ 2^32, which the callers hold), so its positions
     have at most two high words, its first entry's and the next: each is hashed once per tile, and
-    every entry takes its own, on both sides of 2^32 alike."""
+    every entry takes its own, on both sides of 2^32 alike. T: the tile formed transposed (keys ×
+    queries)."""
     seed_lo = tl.load(DRAWS).to(tl.uint32)
     seed_hi = tl.load(DRAWS + 1).to(tl.uint32)
-    e = _position(b, h, offs_m, offs_n, H, S_Q, S_K)
+    e = _position(b, h, offs_m, offs_n, H, S_Q, S_K, T)
     low = (e & 0xFFFFFFFF).to(tl.uint32)
     first = ((b * H + h).to(tl.int64) * S_Q + tl.min(offs_m, 0).to(tl.int64)) * S_K + tl.min(offs_n, 0).to(tl.int64)
     word = first >> 32
@@ -119,16 +122,16 @@ def normal_draws_differ(device="cpu", count=1 << 23, block=1 << 16):
 
 @triton.jit
 def _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE: tl.constexpr,
-             DRAW64: tl.constexpr):
+             DRAW64: tl.constexpr, T: tl.constexpr = False):
     """The eager path's ε of a tile: uniform (NOISE 1, Weibull) in the draws' dtype, or standard
     normal (NOISE 2, Lognormal), sqrt(2)·erfinv(2u − 1) as noise.cpp forms it (float64 draws op
     for op as calc_erfinv, float32 draws by `_normal32`, the same float32 values), from the
     seed's words in DRAWS. NOISE 3 (Weibull) and 4 (Lognormal): the caller's ε, read from DRAWS, a
-    contiguous (B, H, S_q, S_k) tensor in the statistics' dtype."""
+    contiguous (B, H, S_q, S_k) tensor in the statistics' dtype. T: the tile formed transposed."""
     if NOISE >= 3:
-        inside = (offs_m[:, None] < S_Q) & (offs_n[None, :] < S_K)
-        return tl.load(DRAWS + _position(b, h, offs_m, offs_n, H, S_Q, S_K), mask=inside, other=0.5)
-    u = _uniform(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, DRAW64)
+        inside = (_per_row(offs_m, T) < S_Q) & (_per_key(offs_n, T) < S_K)
+        return tl.load(DRAWS + _position(b, h, offs_m, offs_n, H, S_Q, S_K, T), mask=inside, other=0.5)
+    u = _uniform(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, DRAW64, T)
     if NOISE == 2:
         if DRAW64:
             return _erfinv(u * 2.0 - 1.0) * 1.4142135623730951
@@ -140,11 +143,12 @@ def _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE: tl.constexpr,
 
 @triton.jit
 def _noise(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE: tl.constexpr,
-           DRAW64: tl.constexpr, ACC: tl.constexpr):
+           DRAW64: tl.constexpr, ACC: tl.constexpr, T: tl.constexpr = False):
     """BAM's noise term of a tile in ACC: (1/k)·log(−log(1 − ε)) for Weibull (1 − ε is exact for
     drawn ε, which lies on the 2^-24 or 2^-33 grid; a given ε takes log1p(−ε) by Goldberg's
-    identity, as the eager path's log1p), σ·ε for Lognormal; `noise_scale` is 1/k or σ."""
-    eps = _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE, DRAW64)
+    identity, as the eager path's log1p), σ·ε for Lognormal; `noise_scale` is 1/k or σ. T: the tile
+    formed transposed."""
+    eps = _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE, DRAW64, T)
     if NOISE == 1 or NOISE == 3:
         eps = tl.maximum(eps, 1.1754943508222875e-38)  # FLT_MIN, as noise.cpp's and the eager path's clamp
         w = 1.0 - eps
@@ -174,13 +178,14 @@ def _draws(OUT, DRAWS, H, S_Q, S_K, ROW0, ROWS, NOISE: tl.constexpr, DRAW64: tl.
 
 @triton.jit
 def _weights(y, ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE: tl.constexpr,
-             DRAW64: tl.constexpr, ACC: tl.constexpr):
+             DRAW64: tl.constexpr, ACC: tl.constexpr, T: tl.constexpr = False):
     """A tile's weights recomputed from its logits y and its row statistic r: exp(y + n − r), n
-    BAM's noise term (none without NOISE), exactly 0 where excluded."""
+    BAM's noise term (none without NOISE), exactly 0 where excluded. T: the tile formed transposed
+    (keys × queries)."""
     x = y
     if NOISE > 0:
-        x = y + _noise(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, DRAW64, ACC)
-    return _exp(tl.where(ok, x - r[:, None], float("-inf")))
+        x = y + _noise(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, DRAW64, ACC, T)
+    return _exp(tl.where(ok, x - _per_row(r, T), float("-inf")))
 
 
 @triton.jit
@@ -191,25 +196,26 @@ def _prior(PRIOR, b, h, offs_n, S_K, stride_pb, stride_ph, stride_pn):
 
 @triton.jit
 def _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL, stride_pb, stride_ph, stride_pn,
-             stride_rb, stride_rh, KL: tl.constexpr, ACC: tl.constexpr):
+             stride_rb, stride_rh, KL: tl.constexpr, ACC: tl.constexpr, T: tl.constexpr = False):
     """The KL part's gradient on one tile: in the logits y, dkl·(∂T/∂log π − π·Σ_j ∂T/∂log π)
     (π = exp(y − RB_i) the base's weights, KS_i = Σ_j ∂T/∂log π_ij from the row pass), and in
     the prior's values, dkl·Σ_i ∂T/∂a_j over the tile's queries. T is Σ a_j log π_ij (KL 1,
-    Weibull) or Σ (log π_ij − a_j)² (KL 2, Lognormal), over the allowed entries."""
+    Weibull) or Σ (log π_ij − a_j)² (KL 2, Lognormal), over the allowed entries. T: the tile
+    formed transposed (keys × queries)."""
     ok = ok & (y > float("-inf"))  # an additive mask's -inf entries are excluded pairs
     dkl = tl.load(DKL + b * H + h).to(ACC)
     rb = _rows(RB, b, h, offs_m, S_Q, stride_rb, stride_rh)
     ks = _rows(KS, b, h, offs_m, S_Q, stride_rb, stride_rh)
     a = _prior(PRIOR, b, h, offs_n, S_K, stride_pb, stride_ph, stride_pn).to(ACC)
-    log_pi = y - rb[:, None]
+    log_pi = y - _per_row(rb, T)
     pi = _exp(tl.where(ok, log_pi, float("-inf")))
     if KL == 1:
-        dy = tl.where(ok, a[None, :] - pi * ks[:, None], 0.0)
-        da = tl.sum(tl.where(ok, log_pi, 0.0), 0)
+        dy = tl.where(ok, _per_key(a, T) - pi * _per_row(ks, T), 0.0)
+        da = _over_queries(tl.where(ok, log_pi, 0.0), T)
     else:
-        diff = tl.where(ok, log_pi - a[None, :], 0.0)
-        dy = tl.where(ok, 2.0 * diff - pi * ks[:, None], 0.0)
-        da = -2.0 * tl.sum(diff, 0)
+        diff = tl.where(ok, log_pi - _per_key(a, T), 0.0)
+        dy = tl.where(ok, 2.0 * diff - pi * _per_row(ks, T), 0.0)
+        da = -2.0 * _over_queries(diff, T)
     return dy * dkl, da * dkl
 
 
@@ -260,23 +266,24 @@ def _kl_rows(RB, KS, TROW, mb, lb, t0, t1, t2, b, h, offs_m, S_Q, stride_rb, str
 
 
 @triton.jit
-def _mix_split(e, w_d, w_s, pi_d, pi_s, rho_d, rho_s):
+def _mix_split(e, w_d, w_s, pi_d, pi_s, rho_d, rho_s, T: tl.constexpr = False):
     """BAM over HNAS: the gradient e in HNAS's log-weights split into each branch's gradient in its
-    own logits, w·e − π·ρ (ρ the branch's per-row sum Σ_j w·e): (DNAS's, the two summed)."""
-    dy_d = w_d * e - pi_d * rho_d[:, None]
-    return dy_d, dy_d + w_s * e - pi_s * rho_s[:, None]
+    own logits, w·e − π·ρ (ρ the branch's per-row sum Σ_j w·e): (DNAS's, the two summed). T: the
+    tile formed transposed."""
+    dy_d = w_d * e - pi_d * _per_row(rho_d, T)
+    return dy_d, dy_d + w_s * e - pi_s * _per_row(rho_s, T)
 
 
 @triton.jit
-def _mix_shares(zd, zs, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb, stride_rh):
+def _mix_shares(zd, zs, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb, stride_rh, T: tl.constexpr = False):
     """HNAS's weights as logits, for BAM over an HNAS base: log π = log(u·π_D + (1 − u)·π_S),
     π_D = exp(zd − RD_i) DNAS's weights (zd = z − c) and π_S = exp(zs − RS_i) softmax's, −inf where
     excluded; with the shares w_D = u·π_D/π and w_S = (1 − u)·π_S/π and the two weights. LOGU holds
-    log u and log(1 − u) per head."""
+    log u and log(1 − u) per head. T: the tile formed transposed (keys × queries)."""
     rd = _rows(RD, b, h, offs_m, S_Q, stride_rb, stride_rh)
     rs = _rows(RS, b, h, offs_m, S_Q, stride_rb, stride_rh)
-    log_d = tl.where(ok, zd - rd[:, None], 0.0)
-    log_s = tl.where(ok, zs - rs[:, None], 0.0)
+    log_d = tl.where(ok, zd - _per_row(rd, T), 0.0)
+    log_s = tl.where(ok, zs - _per_row(rs, T), 0.0)
     part_d = tl.load(LOGU + 2 * h) + log_d
     part_s = tl.load(LOGU + 2 * h + 1) + log_s
     top = tl.maximum(part_d, part_s)

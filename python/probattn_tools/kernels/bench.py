@@ -15,6 +15,9 @@ formulas (at S ≤ 4,096), and a mismatch is recorded instead of a time. FlexAtt
 separate value tensor for its column call, `dynamic=False` and a raised recompile limit (with `q`
 reused as that value, Dynamo recompiled past its limit and fell back to an unfused path).
 
+`--key-tiles both` also times each chosen probattn implementation with its key pass formed the
+other way round from the build's (`settings.TRANSPOSE_KEYS`), in the same run.
+
 `--profile` also runs one more forward + backward of each implementation under PyTorch's profiler
 and records where its GPU time goes: each kernel's time and calls, the largest first (`kernels` in
 the row, the first five printed), so that a slow plan shows which of its passes is slow.
@@ -35,7 +38,6 @@ def implementations(torch, args):
 
     torch._dynamo.config.recompile_limit = 64
     flex = torch.compile(flex_attention, dynamic=False)
-    config = plans.Config(args.block_m, args.block_n, args.num_warps, args.num_stages)
 
     def flex_dnas(q, k, v):
         ones = torch.zeros_like(q)  # the column call's value: its output is discarded
@@ -45,7 +47,7 @@ def implementations(torch, args):
             return score - column_lse[b, h, kv_idx]
         return flex(q, k, v, score_mod=minus_column_lse)
 
-    def bam(noise, scale):
+    def bam(noise, scale, config):
         # BAM over softmax with its KL term (BAM-WC: Weibull, k = 10; BAM-LC: Lognormal, σ = 1), the
         # prior's per-key values a given tensor (its network runs outside the kernels, O(S·d)); the
         # step's output is the attention output plus the KL part's gradient path.
@@ -57,15 +59,31 @@ def implementations(torch, args):
             return out + part.sum().to(out.dtype) * 0  # one output: T's backward still runs
         return run
 
-    return {
+    def ours(transpose_keys):
+        config = plans.Config(args.block_m, args.block_n, args.num_warps, args.num_stages,
+                              transpose_keys=transpose_keys)
+        return {
+            "probattn-softmax": ("softmax", lambda q, k, v: plans.attention(q, k, v, sweeps=0, config=config)),
+            "probattn-dnas": ("dnas", lambda q, k, v: plans.attention(q, k, v, sweeps=1, config=config)),
+            "probattn-bam-wc": ("bam-weibull", bam("weibull", 0.1, config)),
+            "probattn-bam-lc": ("bam-lognormal", bam("lognormal", 1.0, config)),
+        }
+
+    found = {
         "sdpa": ("softmax", lambda q, k, v: F.scaled_dot_product_attention(q, k, v)),
         "flex-softmax": ("softmax", lambda q, k, v: flex(q, k, v)),
         "flex-dnas": ("dnas", flex_dnas),
-        "probattn-softmax": ("softmax", lambda q, k, v: plans.attention(q, k, v, sweeps=0, config=config)),
-        "probattn-dnas": ("dnas", lambda q, k, v: plans.attention(q, k, v, sweeps=1, config=config)),
-        "probattn-bam-wc": ("bam-weibull", bam("weibull", 0.1)),
-        "probattn-bam-lc": ("bam-lognormal", bam("lognormal", 1.0)),
+        **ours(plans.TRANSPOSE_KEYS),
     }
+    # the key pass's other form (`settings.TRANSPOSE_KEYS`), for `--key-tiles both`
+    other = OTHER_KEYS[plans.TRANSPOSE_KEYS]
+    found.update({f"{name}{other}": impl for name, impl in ours(not plans.TRANSPOSE_KEYS).items()})
+    return found
+
+
+# The suffix of an implementation whose key pass takes the form the build leaves out, by the build's
+# TRANSPOSE_KEYS.
+OTHER_KEYS = {False: "+transposed-keys", True: "+row-keys"}
 
 
 def kernel_times(torch, step, device, top=12):
@@ -129,6 +147,10 @@ def main(argv=None):
                         "probattn-bam-lc")
     parser.add_argument("--out", help="folder for bench.json (default: print only)")
     parser.add_argument("--profile", action="store_true", help="record each implementation's time kernel by kernel")
+    parser.add_argument("--key-tiles", choices=("build", "both"), default="build",
+                        help="both: also each chosen probattn implementation with the key pass formed the other way "
+                             "round from the build's (settings.TRANSPOSE_KEYS: (queries x keys) or (keys x queries)), "
+                             "named with +transposed-keys or +row-keys, in the same run")
     args = parser.parse_args(argv)
     import torch
 
@@ -140,6 +162,11 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     impls = implementations(torch, args)
     chosen = args.impls.split(",")
+    if args.key_tiles == "both":
+        from probattn_tools.kernels import plans
+
+        other = OTHER_KEYS[plans.TRANSPOSE_KEYS]
+        chosen += [f"{n}{other}" for n in chosen if n.startswith("probattn-")]
     unknown = [n for n in chosen if n not in impls]
     if unknown:
         sys.exit(f"kernels.bench: unknown implementation(s) {unknown} (known: {', '.join(impls)})")

@@ -12,6 +12,7 @@ draws.
     python -m probattn_tools.kernels.check                  # on the CPU, under Triton's interpreter
     python -m probattn_tools.kernels.check --device cuda    # on a GPU, compiled
     python -m probattn_tools.kernels.check --record FILE    # also the specializations launched (aot --set)
+    python -m probattn_tools.kernels.check --key-tiles transposed   # the key pass's other form
 
 The reference runs in float64 on the inputs as the kernel sees them (rounded to its dtype); each
 dtype is held to its tolerance: float64 1e-10, float32 2e-5 (TF32 off), bfloat16 3e-2 and float16
@@ -414,6 +415,9 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer cases (what the test suite runs)")
     parser.add_argument("--block", type=int, default=None, help="block size (default: 8 on the CPU, 64 on a GPU)")
     parser.add_argument("--cases", default="", help="run only the cases whose name contains this text")
+    parser.add_argument("--key-tiles", choices=("rows", "transposed"), default=None,
+                        help="how the key pass forms its tiles: (queries x keys) or (keys x queries) "
+                             "(default: the build's, settings.TRANSPOSE_KEYS)")
     parser.add_argument("--json", help="write the errors per case to this file")
     parser.add_argument("--record", help="write the kernel specializations the cases launched to this file (what "
                                          "`kernels.aot --set` compiles), and say which the default ahead-of-time "
@@ -437,7 +441,9 @@ def main(argv=None):
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     block = args.block or (8 if args.device == "cpu" else 64)
-    config = plans.Config(block_m=block, block_n=block, num_warps=1 if args.device == "cpu" else 4)
+    transpose = plans.TRANSPOSE_KEYS if args.key_tiles is None else args.key_tiles == "transposed"
+    config = plans.Config(block_m=block, block_n=block, num_warps=1 if args.device == "cpu" else 4,
+                          transpose_keys=transpose)
     with plans.launched() as seen:
         failures, results = run_cases(torch, plans, formulas, args, config)
     if args.record:

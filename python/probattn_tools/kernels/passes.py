@@ -7,7 +7,8 @@ import triton.language as tl
 
 from probattn_tools.kernels.bam import _kl_fold, _kl_rows, _kl_tile, _mix_shares, _mix_split, _noise, _weights
 from probattn_tools.kernels.tiles import (FLOOR, _accumulate, _allowed, _block, _exp, _finish_row, _live, _lse_fold,
-                                          _lse_value, _rows, _scores, _store_block, _store_rows)
+                                          _lse_value, _over_queries, _per_key, _per_row, _rows, _scores, _store_block,
+                                          _store_rows)
 
 
 @triton.jit
@@ -162,32 +163,63 @@ def _shared(x, share, SHARE: tl.constexpr):
 def _key_grads(dv, dk, gt, da, p, y, ok, q, v, w_d, w_s, pi_d, pi_s, share, DO, DELTA, PRIOR, RB, KS,
                DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob, stride_doh, stride_dos,
                stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS: tl.constexpr, KL: tl.constexpr,
-               MIX: tl.constexpr, SHARE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
+               MIX: tl.constexpr, SHARE: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
     """One query block's share of `_key_pass`'s sums for its key block and query head, given the
-    tile's weights p, the base's logits y and the allowed pairs: dV; dK's main part Σ_i dS_ij q_i,
-    added to dk (summed over the group's query heads); the tile of dy, the gradient in DNAS's
-    logits (its branch's share of it under MIX), added to gt, whose sum over the query blocks' rows
-    is g_j = Σ_i dy_ij; and, with a KL term, the prior's gradient. SHARE: dO is this query head's
-    `share` of the block read (`_shared`)."""
+    tile's weights p, the base's logits y and the allowed pairs, formed (queries × keys), or (keys
+    × queries) with T: dV; dK's main part Σ_i dS_ij q_i, added to dk (summed over the group's query
+    heads); the tile of dy, the gradient in DNAS's logits (its branch's share of it under MIX),
+    added to gt, whose sum over the tile's queries is g_j = Σ_i dy_ij; and, with a KL term, the
+    prior's gradient. SHARE: dO is this query head's `share` of the block read (`_shared`)."""
     do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
     delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
-    dv += tl.dot(tl.trans(_shared(p, share, SHARE)).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
-    dp = _shared(tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT), share, SHARE)
-    ds = p * (dp - delta[:, None])
+    if T:
+        dv += tl.dot(_shared(p, share, SHARE).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
+        dp = _shared(tl.dot(v, tl.trans(do), out_dtype=ACC, input_precision=DOT), share, SHARE)
+    else:
+        dv += tl.dot(tl.trans(_shared(p, share, SHARE)).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
+        dp = _shared(tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT), share, SHARE)
+    ds = p * (dp - _per_row(delta, T))
     if KL > 0:
         dy_kl, da_tile = _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL,
-                                  stride_pb, stride_ph, stride_pn, stride_rb, stride_rh, KL, ACC)
+                                  stride_pb, stride_ph, stride_pn, stride_rb, stride_rh, KL, ACC, T)
         ds += dy_kl
         da += da_tile
     dy_d = ds  # the gradient in DNAS's logits z − c
     if MIX:
         rho_d = _rows(RHO_D, b, h, offs_m, S_Q, stride_rb, stride_rh)
         rho_s = _rows(RHO_S, b, h, offs_m, S_Q, stride_rb, stride_rh)
-        dy_d, ds = _mix_split(ds, w_d, w_s, pi_d, pi_s, rho_d, rho_s)
-    dk += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
+        dy_d, ds = _mix_split(ds, w_d, w_s, pi_d, pi_s, rho_d, rho_s, T)
+    if T:
+        dk += tl.dot(ds.to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
+    else:
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
     if SWEEPS > 0:
         gt += dy_d
     return dv, dk, gt, da
+
+
+@triton.jit
+def _key_allowed(offs_m, offs_n, b, h, S_Q, S_K, QPAD, KPAD, MASK, stride_qpad, stride_kpad, stride_mb, stride_mh,
+                 stride_mm, stride_mn, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
+                 CAUSAL: tl.constexpr, BOUND_M: tl.constexpr, T: tl.constexpr):
+    """`_allowed` for a key pass's tile, (keys × queries) with T: the conditions on keys and queries
+    trade places. The keys past S_K reach no stored output; the queries past S_Q need a bound
+    (BOUND_M) only where a term not weighted by p reaches them (KL's, MIX's): the pass reads
+    r_i = +inf there, so that their weights and dS are 0."""
+    if T:
+        ok = _allowed(offs_n, offs_m, b, S_K, S_Q, KPAD, QPAD, stride_kpad, stride_qpad, HAS_KPAD, HAS_QPAD, False,
+                      h, MASK, stride_mb, stride_mh, stride_mn, stride_mm, HAS_MASK, BOUND_M=False, BOUND_N=BOUND_M)
+        if CAUSAL:
+            ok = ok & (offs_n[:, None] <= offs_m[None, :])
+    elif HAS_QPAD:
+        # Query padding reads the queries past S_Q as padded, so the bound excludes nothing more; left
+        # out, Triton 3.6 compiled this form's loop to 90 more instructions a tile (bfloat16, sm_90).
+        ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
+                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_N=False)
+    else:
+        ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
+                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_M=BOUND_M, BOUND_N=False)
+    return ok
 
 
 @triton.jit
@@ -201,8 +233,8 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
               SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
               HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, NOISE: tl.constexpr, KL: tl.constexpr,
               DRAW64: tl.constexpr, MIX: tl.constexpr, SHARE: tl.constexpr, ADD: tl.constexpr,
-              GRADS: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+              GRADS: tl.constexpr, TRANSPOSE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One key block of one (batch, key/value head) per program, over its group's query heads
     and every query block: dV, dK (with DNAS's correction −g_j · QBAR_j, QBAR the column pass's
     mean of the queries, once g_j is known), g_j per query head (for the query pass) and, with
@@ -213,7 +245,15 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
     with the per-row sums RHO_D and RHO_S of `_query_pass`'s ROWS stage; DNAS's branch takes the
     column correction. SHARE and ADD (HNAS's branches): each query head's dO is its share of the
     given dO (`SHARES`, one per query head), and with ADD dK and dV are added to what DK and
-    DV_OUT hold (the other branch's), not written over it."""
+    DV_OUT hold (the other branch's), not written over it.
+
+    TRANSPOSE (the configuration's, `plans.Config`): each tile is formed transposed, zᵀ = s·k qᵀ
+    (keys × queries), as FlashAttention-2's backward forms it. The weights and dS then enter their
+    products (pᵀ dO, dSᵀ Q) as the left operand straight from the registers that formed them, and
+    the sums over queries run along a row of the tensor cores' layout; formed (queries × keys),
+    each of the two is first transposed through shared memory, with a barrier, on every tile. In
+    exchange the per-query statistics r_i and D_i are read once per column a thread holds, not once
+    per row."""
     scale = tl.load(SCALE).to(ACC)
     noise_scale = tl.load(SCALE + 1).to(ACC)
     start_n = tl.program_id(0) * BLOCK_N
@@ -237,7 +277,11 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
         c = tl.zeros([BLOCK_N], dtype=ACC)
         if SWEEPS > 0:
             c = _rows(C, b, h, offs_n, S_K, stride_cb, stride_ch)
-        gt = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)  # g's terms, summed over the rows after the loop
+        # g's terms, summed over the queries after the loop
+        if TRANSPOSE:
+            gt = tl.zeros([BLOCK_N, BLOCK_M], dtype=ACC)
+        else:
+            gt = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         mass = tl.zeros([BLOCK_N], dtype=ACC)
         da = tl.zeros([BLOCK_N], dtype=ACC)
         for start_m in range(start_m0, S_Q, BLOCK_M):
@@ -245,29 +289,35 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
                      HAS_MASK):
                 offs_m = start_m + tl.arange(0, BLOCK_M)
                 q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
-                r = _rows(R, b, h, offs_m, S_Q, stride_rb, stride_rh)
-                zr = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am,
-                             stride_an, HAS_BIAS, ACC, DOT)
-                z = zr - c[None, :]
-                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              CAUSAL, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_N=False)
+                # +inf past S_Q, so that the queries there weigh 0 without a bound per entry
+                r = tl.load(R + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=float("inf"))
+                ok = _key_allowed(offs_m, offs_n, b, h, S_Q, S_K, QPAD, KPAD, MASK, stride_qpad, stride_kpad,
+                                  stride_mb, stride_mh, stride_mm, stride_mn, HAS_QPAD, HAS_KPAD, HAS_MASK, CAUSAL,
+                                  KL > 0 or MIX, TRANSPOSE)
+                if TRANSPOSE:  # (BLOCK_N, BLOCK_M), keys × queries
+                    zr = _scores(k, q, scale, BIAS, b, h, offs_n, offs_m, S_K, S_Q, stride_ab, stride_ah, stride_an,
+                                 stride_am, HAS_BIAS, ACC, DOT)
+                else:  # (BLOCK_M, BLOCK_N)
+                    zr = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am,
+                                 stride_an, HAS_BIAS, ACC, DOT)
+                z = zr - _per_key(c, TRANSPOSE)
                 y, w_d, w_s, pi_d, pi_s = z, z, z, z, z  # the shares are MIX's
                 if MIX:
                     ok = ok & (zr > float("-inf"))
                     y, w_d, w_s, pi_d, pi_s = _mix_shares(z, zr, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb,
-                                                          stride_rh)
+                                                          stride_rh, TRANSPOSE)
                 p = _weights(y, ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, DRAW64,
-                             ACC)  # (BLOCK_M, BLOCK_N)
-                mass += tl.sum(p, 0)
+                             ACC, TRANSPOSE)
+                mass += _over_queries(p, TRANSPOSE)
                 if GRADS:
                     dv, dk, gt, da = _key_grads(
                         dv, dk, gt, da, p, y, ok, q, v, w_d, w_s, pi_d, pi_s, share, DO, DELTA, PRIOR,
                         RB, KS, DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob,
                         stride_doh, stride_dos, stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS, KL, MIX,
-                        SHARE, ACC, DOT)
+                        SHARE, TRANSPOSE, ACC, DOT)
         if GRADS:
             if SWEEPS > 0:
-                g = tl.sum(gt, 0)  # across the warps once per head, not once per tile
+                g = _over_queries(gt, TRANSPOSE)  # once per head, not once per tile
                 qbar = _block(QBAR, b, h, offs_n, offs_d, S_K, D, stride_qbarb, stride_qbarh, stride_qbars)
                 dk -= g[:, None] * qbar.to(ACC)  # DNAS's correction; the main part went into dk
                 _store_rows(G, g, b, h, offs_n, S_K, stride_cb, stride_ch)

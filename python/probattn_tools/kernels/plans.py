@@ -56,7 +56,7 @@ import triton.language as tl
 
 from probattn_tools.kernels.bam import Sampling, _prior_values, _seed_words, counter_noise  # noqa: F401
 from probattn_tools.kernels.passes import _column_pass, _key_pass, _query_pass, _row_pass
-from probattn_tools.kernels.settings import kernel_key
+from probattn_tools.kernels.settings import TRANSPOSE_KEYS, kernel_key
 from probattn_tools.kernels.sinkhorn import _sink_key_grads, _sink_query_grads, _sink_reduce
 
 # ---------------------------------------------------------------------------------------------
@@ -73,11 +73,15 @@ class Config:
     for every kernel, and `kernels`, {settings.kernel_key: (block_m, block_n, num_warps,
     num_stages)}, for kernels with their own, as a tuning table's entry holds them. A
     specialization that reads the block map of a boolean mask takes the common setting, so that
-    one map serves the call (`kernels.settings`)."""
+    one map serves the call (`kernels.settings`). `transpose_keys`: whether the key pass forms its
+    tiles (keys × queries) or (queries × keys) (`_key_pass`'s TRANSPOSE; the build compiles
+    `settings.TRANSPOSE_KEYS`)."""
 
-    def __init__(self, block_m=64, block_n=64, num_warps=4, num_stages=2, kernels=None):
+    def __init__(self, block_m=64, block_n=64, num_warps=4, num_stages=2, kernels=None,
+                 transpose_keys=TRANSPOSE_KEYS):
         self.block_m, self.block_n, self.num_warps, self.num_stages = block_m, block_n, num_warps, num_stages
         self.kernels = {k: tuple(v) for k, v in (kernels or {}).items()}
+        self.transpose_keys = bool(transpose_keys)
 
     def of(self, name, constexprs):
         """(block_m, block_n, num_warps, num_stages) of a launch of kernel `name` with `constexprs`."""
@@ -276,7 +280,7 @@ class _Call:
                                device=dev),
             SWEEPS=min(sweeps, 1), HAS_QPAD=has_qpad, HAS_KPAD=has_kpad, HAS_MASK=has_mask, CAUSAL=masks.causal,
             ACC=_ACC[q.dtype], DOT=_dot_precision(q.dtype), BLOCK_M=self.config.block_m, BLOCK_N=self.config.block_n,
-            BLOCK_D=_block_dim(d), BLOCK_DV=_block_dim(dv))
+            BLOCK_D=_block_dim(d), BLOCK_DV=_block_dim(dv), TRANSPOSE=self.config.transpose_keys)
 
         if self.mix:  # log u and log(1 − u) per head
             logit = mix_logit.detach().to(device=dev, dtype=self.stats)
@@ -329,7 +333,7 @@ TIMES = None
 LAUNCHES = None
 # Constexprs that follow from the dtype, the head dimensions and the configuration, which an
 # ahead-of-time build sets from its own arguments: not part of a specialization's key.
-_DERIVED = {"ACC", "DOT", "DRAW64", "BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV"}
+_DERIVED = {"ACC", "DOT", "DRAW64", "BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV", "TRANSPOSE"}
 
 
 def specialization(kernel, args):

@@ -144,6 +144,9 @@ def main(argv=None):
                                                                  "deterministic plans with --noise 0, BAM-WC and "
                                                                  "BAM-LC with --noise 1 and 2)")
     parser.add_argument("--heads", type=int, default=8, help="heads for --floor (batch 1)")
+    parser.add_argument("--key-tiles", choices=("rows", "transposed"), default=None,
+                        help="the key pass's tiles (queries x keys) or (keys x queries) (default: the build's, "
+                             "settings.TRANSPOSE_KEYS)")
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--markdown", help="write the table to this file")
     args = parser.parse_args(argv)
@@ -161,6 +164,8 @@ def main(argv=None):
             given = ()
         if len(given) != 4:
             sys.exit(f"kernels.resources: --setting takes BLOCK_M,BLOCK_N,num_warps,num_stages, got {args.setting!r}")
+    if args.key_tiles is not None:  # what `aot.compiled_one` compiles the key pass with
+        settings.TRANSPOSE_KEYS = args.key_tiles == "transposed"
     table = settings.read_table()
     # The build's setting of each kernel where none is given (`aot.launch_setting`).
     flags = argparse.Namespace(block_m=None, block_n=None, num_warps=None, num_stages=None)
@@ -207,6 +212,7 @@ def main(argv=None):
         print(f"floor {plan:8} S {args.floor}, H {args.heads}: {f['ms']} ms from {f['per_entry']} instructions per "
               f"entry ({', '.join(f'{k} {n}' for k, n in f['passes'])}) on {SMS} SMs at {CLOCK / 1e9} GHz")
     about = {"dtype": args.dtype, "head_dim": args.head_dim, "arch": f"sm_{args.arch}", "block_m": block_m,
+             "key_tiles": "transposed" if settings.TRANSPOSE_KEYS else "rows",
              "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "triton": triton.__version__,
              "entries_per_thread": block_m * block_n / (32 * num_warps),
              "kernels_with_own_setting": sorted({f"{r['kernel']} {r['setting']}" for r in rows
@@ -220,7 +226,8 @@ def main(argv=None):
         atomic_write_text(args.json, json.dumps(record, indent=1) + "\n")
     if args.markdown:
         lines = [f"{args.dtype}, head dimension {args.head_dim}, sm_{args.arch}, {block_m} x {block_n} blocks, "
-                 f"{num_warps} warps, {num_stages} stages (Triton {triton.__version__}); static SASS counts; kernels "
+                 f"{num_warps} warps, {num_stages} stages, key tiles {about['key_tiles']} (Triton {triton.__version__}); "
+                 f"static SASS counts; kernels "
                  f"of {about['git_sha']}{' with changes' if about['git_dirty'] else ''}"
                  + (f"; kernels with their own setting: {', '.join(about['kernels_with_own_setting'])}"
                     if about["kernels_with_own_setting"] else ""), "",

@@ -9,6 +9,10 @@ from pathlib import Path
 # (block_m, block_n, num_warps, num_stages)
 DEFAULT = (64, 64, 4, 2)
 TABLE = Path(__file__).with_name("tuning.json")
+# Whether the key pass forms its tiles (keys × queries), as FlashAttention-2's backward does, or
+# (queries × keys) (`_key_pass`'s TRANSPOSE, docs/kernels.md): what the build compiles, and
+# `plans.Config`'s default. `kernels.bench --key-tiles` times both forms in one run.
+TRANSPOSE_KEYS = False
 
 
 def default(dtype, head_dim):

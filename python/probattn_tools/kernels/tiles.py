@@ -45,6 +45,36 @@ def _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
 
 
 @triton.jit
+def _per_row(x, T: tl.constexpr):
+    """A per-query vector broadcast over a tile's keys: x[:, None], or x[None, :] in a tile formed
+    transposed (T: keys × queries, as the key pass forms its tiles)."""
+    if T:
+        return x[None, :]
+    else:
+        return x[:, None]
+
+
+@triton.jit
+def _per_key(x, T: tl.constexpr):
+    """A per-key vector broadcast over a tile's queries: x[None, :], or x[:, None] in a tile formed
+    transposed (T)."""
+    if T:
+        return x[:, None]
+    else:
+        return x[None, :]
+
+
+@triton.jit
+def _over_queries(x, T: tl.constexpr):
+    """A tile's sums over its queries, one per key: along axis 0, or axis 1 when formed
+    transposed (T)."""
+    if T:
+        return tl.sum(x, 1)
+    else:
+        return tl.sum(x, 0)
+
+
+@triton.jit
 def _block(P, b, h, offs, cols, n, width, stride_b, stride_h, stride_s):
     """Rows `offs` (< n) and columns `cols` (< width) of head h of batch b of a (B, H, S, width)
     tensor laid out by its strides; zeros outside."""
