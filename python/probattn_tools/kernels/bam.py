@@ -197,11 +197,11 @@ def _prior(PRIOR, b, h, offs_n, S_K, stride_pb, stride_ph, stride_pn):
 @triton.jit
 def _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL, stride_pb, stride_ph, stride_pn,
              stride_rb, stride_rh, KL: tl.constexpr, ACC: tl.constexpr, T: tl.constexpr = False):
-    """The KL part's gradient on one tile: in the logits y, dkl·(∂T/∂log π − π·Σ_j ∂T/∂log π)
-    (π = exp(y − RB_i) the base's weights, KS_i = Σ_j ∂T/∂log π_ij from the row pass), and in
-    the prior's values, dkl·Σ_i ∂T/∂a_j over the tile's queries. T is Σ a_j log π_ij (KL 1,
-    Weibull) or Σ (log π_ij − a_j)² (KL 2, Lognormal), over the allowed entries. T: the tile
-    formed transposed (keys × queries)."""
+    """The KL part's gradient on one tile: in the logits y, dkl·(∂K/∂log π − π·Σ_j ∂K/∂log π)
+    (π = exp(y − RB_i) the base's weights, KS_i = Σ_j ∂K/∂log π_ij from the row pass), and in
+    the prior's values, dkl·Σ_i ∂K/∂a_j over the tile's queries. The part K is Σ a_j log π_ij
+    (KL 1, Weibull) or Σ (log π_ij − a_j)² (KL 2, Lognormal), over the allowed entries (`_kl_rows`'
+    T). With T the tile is formed transposed (keys × queries)."""
     ok = ok & (y > float("-inf"))  # an additive mask's -inf entries are excluded pairs
     dkl = tl.load(DKL + b * H + h).to(ACC)
     rb = _rows(RB, b, h, offs_m, S_Q, stride_rb, stride_rh)
