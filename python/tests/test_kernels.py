@@ -115,14 +115,15 @@ class TritonKernels(unittest.TestCase):
         # column pass's mean of the queries and summed g_j across the warps once per head: 24.7
         # to 16.2, the column pass that forms that mean 13.2. Reading r_i = +inf past the last
         # query took the key pass's bound on queries away: 12.2 (softmax) and 15.2 (DNAS); formed
-        # transposed (settings.TRANSPOSE_KEYS), 17.3 and 20.9. A budget 15% above those counts
+        # transposed (settings.TRANSPOSE_KEYS), 17.3 and 20.9. Reading c_j = +inf past the last
+        # key did the same for DNAS's row pass: 19.3 to 17.9. A budget 15% above those counts
         # holds them there.
         from probattn_tools.kernels import settings
 
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         keys = (19.9, 24.0) if settings.TRANSPOSE_KEYS else (14.0, 17.5)
         budget = {("_column_pass", 0, False): 13.0, ("_column_pass", 0, True): 15.2, ("_row_pass", 0, False): 16.6,
-                  ("_row_pass", 1, False): 22.2, ("_key_pass", 0, False): keys[0], ("_key_pass", 1, False): keys[1],
+                  ("_row_pass", 1, False): 20.6, ("_key_pass", 0, False): keys[0], ("_key_pass", 1, False): keys[1],
                   ("_query_pass", 0, False): 13.8, ("_query_pass", 1, False): 23.2}
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "det.json"
