@@ -212,8 +212,8 @@ def main(argv=None):
         print(f"floor {plan:8} S {args.floor}, H {args.heads}: {f['ms']} ms from {f['per_entry']} instructions per "
               f"entry ({', '.join(f'{k} {n}' for k, n in f['passes'])}) on {SMS} SMs at {CLOCK / 1e9} GHz")
     about = {"dtype": args.dtype, "head_dim": args.head_dim, "arch": f"sm_{args.arch}", "block_m": block_m,
-             "key_tiles": "transposed" if settings.TRANSPOSE_KEYS else "rows",
-             "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "triton": triton.__version__,
+             "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
+             "key_tiles": "transposed" if settings.TRANSPOSE_KEYS else "rows", "triton": triton.__version__,
              "entries_per_thread": block_m * block_n / (32 * num_warps),
              "kernels_with_own_setting": sorted({f"{r['kernel']} {r['setting']}" for r in rows
                                                  if tuple(r["setting"]) != (block_m, block_n, num_warps, num_stages)}),
@@ -226,9 +226,9 @@ def main(argv=None):
         atomic_write_text(args.json, json.dumps(record, indent=1) + "\n")
     if args.markdown:
         lines = [f"{args.dtype}, head dimension {args.head_dim}, sm_{args.arch}, {block_m} x {block_n} blocks, "
-                 f"{num_warps} warps, {num_stages} stages, key tiles {about['key_tiles']} (Triton {triton.__version__}); "
-                 f"static SASS counts; kernels "
-                 f"of {about['git_sha']}{' with changes' if about['git_dirty'] else ''}"
+                 f"{num_warps} warps, {num_stages} stages, key tiles {about['key_tiles']} "
+                 f"(Triton {triton.__version__}); static SASS counts; kernels of "
+                 f"{about['git_sha']}{' with changes' if about['git_dirty'] else ''}"
                  + (f"; kernels with their own setting: {', '.join(about['kernels_with_own_setting'])}"
                     if about["kernels_with_own_setting"] else ""), "",
                  "| kernel | specialization | registers | spill stack (B) | LDL / STL | shared (B) | HGMMA | MUFU | "
