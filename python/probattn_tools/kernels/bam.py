@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from probattn_tools.kernels.tiles import _exp, _lse_fold, _lse_value, _over_queries, _per_key, _per_row, _rows
+from probattn_tools.kernels.tiles import (_exp, _exp_less, _in_exp_base, _lse_fold, _lse_value, _over_queries, _per_key,
+                                          _per_row, _rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +186,7 @@ def _weights(y, ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NO
     x = y
     if NOISE > 0:
         x = y + _noise(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, DRAW64, ACC, T)
-    return _exp(tl.where(ok, x - _per_row(r, T), float("-inf")))
+    return tl.where(ok, _exp_less(x, _per_row(_in_exp_base(r), T)), 0.0)
 
 
 @triton.jit

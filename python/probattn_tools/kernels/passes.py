@@ -64,17 +64,6 @@ def _column_pass(Q, K, C, QBAR, QPAD, KPAD, MASK, BLOCKS, BIAS,
 
 
 @triton.jit
-def _key_stats(C, b, h, offs_n, S_K, stride_cb, stride_ch):
-    """DNAS's per-key statistics c_j for the row pass: +inf past S_K, so that the logits z − c there
-    are −inf and weigh nothing, and DNAS's row pass needs no bound on keys per entry (619 to 573
-    instructions a tile, bfloat16, sm_90). Where softmax's logits (HNAS), the KL term or HNAS's
-    mixture reach those keys, the pass keeps the bound, as it does with key padding (whose mask
-    reads them as padded already). The query pass keeps its bound: without it Triton compiled its
-    loop to about as many instructions (642 against 645)."""
-    return tl.load(C + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=float("inf"))
-
-
-@triton.jit
 def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, PRIOR, RB, KS, TROW, RD, RS, LOGU,
               stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
               stride_ob, stride_oh, stride_os, stride_cb, stride_ch, stride_rb, stride_rh, stride_qpad, stride_kpad,
@@ -118,6 +107,13 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
     t0 = tl.zeros([BLOCK_M], dtype=ACC)  # Weibull: Σ a_j; Lognormal: the allowed keys
     t1 = tl.zeros([BLOCK_M], dtype=ACC)  # Weibull: Σ a_j y_ij; Lognormal: Σ (y − a − m)
     t2 = tl.zeros([BLOCK_M], dtype=ACC)  # Lognormal: Σ (y − a − m)²
+    # DNAS's c_j is read as +inf past S_K, so that the logits z − c there are −inf and weigh nothing:
+    # no bound on keys is then needed per entry (619 to 573 instructions a tile, bfloat16, sm_90).
+    # Where softmax's logits (HNAS), the KL term or HNAS's mixture reach those keys, the bound
+    # stays, as it does with key padding (whose mask reads them as padded already), and c_j reads
+    # 0 there: with +inf beside the bound, HNAS's loop took 60 instructions a tile more (866).
+    KEYS_BY_C: tl.constexpr = SWEEPS > 0 and not (HYBRID or MIX or KL > 0 or HAS_KPAD)
+    FILL_C: tl.constexpr = float("inf") if KEYS_BY_C else 0.0
     end_n = S_K
     if CAUSAL:
         end_n = tl.minimum(S_K, start_m + BLOCK_M)  # blocks wholly above the diagonal are skipped
@@ -129,18 +125,12 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
             v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
             z0 = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
                          HAS_BIAS, ACC, DOT)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
+                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_M=False,
+                          BOUND_N=not KEYS_BY_C)
             z = z0
-            if SWEEPS > 0 and not (HYBRID or MIX or KL > 0 or HAS_KPAD):  # c_j = +inf bounds the keys (`_key_stats`)
-                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              CAUSAL, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_M=False,
-                              BOUND_N=False)
-                z = z0 - _key_stats(C, b, h, offs_n, S_K, stride_cb, stride_ch)[None, :]
-            else:
-                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              CAUSAL, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_M=False)
-                if SWEEPS > 0:
-                    c = _rows(C, b, h, offs_n, S_K, stride_cb, stride_ch)
-                    z = z0 - c[None, :]
+            if SWEEPS > 0:
+                z = z0 - _rows(C, b, h, offs_n, S_K, stride_cb, stride_ch, FILL_C)[None, :]
             if MIX:
                 ok = ok & (z0 > float("-inf"))
                 z, _, _, _, _ = _mix_shares(z, z0, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb, stride_rh)
@@ -307,7 +297,7 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
                 offs_m = start_m + tl.arange(0, BLOCK_M)
                 q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
                 # +inf past S_Q, so that the queries there weigh 0 without a bound per entry
-                r = tl.load(R + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=float("inf"))
+                r = _rows(R, b, h, offs_m, S_Q, stride_rb, stride_rh, float("inf"))
                 ok = _key_allowed(offs_m, offs_n, b, h, S_Q, S_K, QPAD, KPAD, MASK, stride_qpad, stride_kpad,
                                   stride_mb, stride_mh, stride_mm, stride_mn, HAS_QPAD, HAS_KPAD, HAS_MASK, CAUSAL,
                                   KL > 0 or MIX, TRANSPOSE)

@@ -4,8 +4,8 @@ import triton
 import triton.language as tl
 
 from probattn_tools.kernels.bam import _kl_tile, _weights
-from probattn_tools.kernels.tiles import (FLOOR, _allowed, _block, _exp, _live, _lse_fold, _lse_value, _rows,
-                                          _store_block, _store_rows, _tile)
+from probattn_tools.kernels.tiles import (FLOOR, _allowed, _block, _exp, _exp_less, _in_exp_base, _live, _lse_fold,
+                                          _lse_value, _rows, _store_block, _store_rows, _tile)
 
 # ---------------------------------------------------------------------------------------------
 # Sinkhorn-N (N ≥ 2): potentials per sweep t = 1..N, C^t_j = LSE_i (z_ij − R^{t−1}_i) (R^0 = 0)
@@ -40,9 +40,9 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
         offs_n = start_n0 + tl.arange(0, BLOCK_N)
         m = tl.full([BLOCK_N], FLOOR, dtype=ACC)
         total = tl.zeros([BLOCK_N], dtype=ACC)
-        cpot = tl.zeros([BLOCK_N], dtype=ACC)
+        cpot = tl.zeros([BLOCK_N], dtype=ACC)  # in the exps' base (`_in_exp_base`)
         if not LSE:
-            cpot = _rows(CPOT, b, h, offs_n, S_K, stride_cb, stride_ch)
+            cpot = _in_exp_base(_rows(CPOT, b, h, offs_n, S_K, stride_cb, stride_ch))
         for start_m in range(0, S_Q, BLOCK_M):
             if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
                      HAS_MASK):
@@ -58,7 +58,7 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
                     m, total = _lse_fold(m, total, tl.where(ok, z, float("-inf")), 0)
                 else:
                     coef = _rows(COEF, b, h, offs_m, S_Q, stride_rb, stride_rh)
-                    e = _exp(tl.where(ok, z - cpot[None, :], float("-inf")))
+                    e = _exp_less(tl.where(ok, z, float("-inf")), cpot[None, :])
                     total -= tl.sum(e * coef[:, None], 0)
         if LSE:
             total = _lse_value(m, total, FLOOR)
@@ -68,9 +68,9 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
         offs_m = start_m0 + tl.arange(0, BLOCK_M)
         m = tl.full([BLOCK_M], FLOOR, dtype=ACC)
         total = tl.zeros([BLOCK_M], dtype=ACC)
-        rpot = tl.zeros([BLOCK_M], dtype=ACC)
+        rpot = tl.zeros([BLOCK_M], dtype=ACC)  # in the exps' base (`_in_exp_base`)
         if HAS_RPOT:
-            rpot = _rows(RPOT, b, h, offs_m, S_Q, stride_rb, stride_rh)
+            rpot = _in_exp_base(_rows(RPOT, b, h, offs_m, S_Q, stride_rb, stride_rh))
         for start_n in range(0, S_K, BLOCK_N):
             if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
                      HAS_MASK):
@@ -85,7 +85,7 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
                     m, total = _lse_fold(m, total, tl.where(ok, z, float("-inf")), 1)
                 else:
                     coef = _rows(COEF, b, h, offs_n, S_K, stride_cb, stride_ch)
-                    e = _exp(tl.where(ok, z - rpot[:, None], float("-inf")))
+                    e = _exp_less(tl.where(ok, z, float("-inf")), rpot[:, None])
                     total -= tl.sum(e * coef[None, :], 1)
         if LSE:
             total = _lse_value(m, total, 0.0)
