@@ -9,6 +9,8 @@ import triton.language as tl
 # A finite floor for the running maxima: a fully masked block then leaves them finite, and
 # exp(-inf − floor) is exactly 0 where exp(-inf − -inf) would be NaN.
 FLOOR = tl.constexpr(-1.0e30)
+# log2 e: the exps are taken as exp2 of their argument times it (`_exp`, `_exp_less`).
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -143,7 +145,7 @@ def _exp(x):
     if x.dtype == tl.float64:
         return tl.exp(x)
     else:
-        return tl.exp2(x * 1.4426950408889634)
+        return tl.exp2(x * LOG2E)
 
 
 @triton.jit
@@ -153,7 +155,7 @@ def _in_exp_base(m):
     if m.dtype == tl.float64:
         return m
     else:
-        return m * 1.4426950408889634
+        return m * LOG2E
 
 
 @triton.jit
@@ -169,7 +171,7 @@ def _exp_less(x, m2):
     if x.dtype == tl.float64:
         return tl.exp(x - m2)
     else:
-        return tl.exp2(x * 1.4426950408889634 - m2)
+        return tl.exp2(x * LOG2E - m2)
 
 
 @triton.jit
