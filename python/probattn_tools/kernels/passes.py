@@ -6,9 +6,9 @@ import triton
 import triton.language as tl
 
 from probattn_tools.kernels.bam import _kl_fold, _kl_rows, _kl_tile, _mix_shares, _mix_split, _noise, _weights
-from probattn_tools.kernels.tiles import (FLOOR, _accumulate, _allowed, _block, _exp, _finish_row, _live, _lse_fold,
-                                          _lse_value, _over_queries, _per_key, _per_row, _rows, _scores, _store_block,
-                                          _store_rows)
+from probattn_tools.kernels.tiles import (FLOOR, _accumulate, _allowed, _block, _exp, _exp_in_base, _finish_row,
+                                          _in_exp_base, _live, _lse_fold, _lse_value, _over_queries, _per_key,
+                                          _per_row, _rows, _scores, _store_block, _store_rows)
 
 
 @triton.jit
@@ -167,6 +167,16 @@ def _shared(x, share, SHARE: tl.constexpr):
 
 
 @triton.jit
+def _plain_weights(t2, ok, r, T: tl.constexpr = False):
+    """Softmax's weights exp(z − r_i) on a tile whose scores t2 were formed in the exps' base (the
+    scale times log2 e as their one multiply, `_in_exp_base`), 0 where excluded. Each weight is
+    then one fused multiply-add (the product times the scale, less r_i in the same base) and an
+    exp2, where scores in the natural base take a multiply more per entry (`_weights`). With T
+    the tile is formed transposed (keys × queries)."""
+    return tl.where(ok, _exp_in_base(t2 - _per_row(_in_exp_base(r), T)), 0.0)
+
+
+@triton.jit
 def _key_grads(dv, dk, gt, da, p, y, ok, q, v, w_d, w_s, pi_d, pi_s, share, DO, DELTA, PRIOR, RB, KS,
                DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob, stride_doh, stride_dos,
                stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS: tl.constexpr, KL: tl.constexpr,
@@ -263,6 +273,12 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
     per row."""
     scale = tl.load(SCALE).to(ACC)
     noise_scale = tl.load(SCALE + 1).to(ACC)
+    # PLAIN (softmax's weights with nothing added to the scores): the scores are formed in the
+    # exps' base and only the weights read them (`_plain_weights`).
+    PLAIN: tl.constexpr = SWEEPS == 0 and NOISE == 0 and KL == 0 and not (MIX or HAS_BIAS)
+    scale_z = scale
+    if PLAIN:
+        scale_z = _in_exp_base(scale)
     start_n = tl.program_id(0) * BLOCK_N
     bk = tl.program_id(1)
     b, kvh = bk // H_KV, bk % H_KV
@@ -302,10 +318,10 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
                                   stride_mb, stride_mh, stride_mm, stride_mn, HAS_QPAD, HAS_KPAD, HAS_MASK, CAUSAL,
                                   KL > 0 or MIX, TRANSPOSE)
                 if TRANSPOSE:  # (BLOCK_N, BLOCK_M), keys × queries
-                    zr = _scores(k, q, scale, BIAS, b, h, offs_n, offs_m, S_K, S_Q, stride_ab, stride_ah, stride_an,
+                    zr = _scores(k, q, scale_z, BIAS, b, h, offs_n, offs_m, S_K, S_Q, stride_ab, stride_ah, stride_an,
                                  stride_am, HAS_BIAS, ACC, DOT)
                 else:  # (BLOCK_M, BLOCK_N)
-                    zr = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am,
+                    zr = _scores(q, k, scale_z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am,
                                  stride_an, HAS_BIAS, ACC, DOT)
                 z = zr - _per_key(c, TRANSPOSE)
                 y, w_d, w_s, pi_d, pi_s = z, z, z, z, z  # the shares are MIX's
@@ -313,8 +329,11 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
                     ok = ok & (zr > float("-inf"))
                     y, w_d, w_s, pi_d, pi_s = _mix_shares(z, zr, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb,
                                                           stride_rh, TRANSPOSE)
-                p = _weights(y, ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, DRAW64,
-                             ACC, TRANSPOSE)
+                if PLAIN:
+                    p = _plain_weights(zr, ok, r, TRANSPOSE)
+                else:
+                    p = _weights(y, ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, DRAW64,
+                                 ACC, TRANSPOSE)
                 mass += _over_queries(p, TRANSPOSE)
                 if GRADS:
                     dv, dk, gt, da = _key_grads(
@@ -385,6 +404,10 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
     ADD as in `_key_pass`: dO is the head's share of the given one, and dQ is added to DQ's."""
     scale = tl.load(SCALE).to(ACC)
     noise_scale = tl.load(SCALE + 1).to(ACC)
+    PLAIN: tl.constexpr = SWEEPS == 0 and NOISE == 0 and KL == 0 and not (MIX or HAS_BIAS)  # as in `_key_pass`
+    scale_z = scale
+    if PLAIN:
+        scale_z = _in_exp_base(scale)
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -418,8 +441,8 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
             v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
-            zr = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
-                         HAS_BIAS, ACC, DOT)
+            zr = _scores(q, k, scale_z, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am,
+                         stride_an, HAS_BIAS, ACC, DOT)
             z = zr
             if SWEEPS > 0:
                 c = _rows(C, b, h, offs_n, S_K, stride_cb, stride_ch)
@@ -430,7 +453,10 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
             if MIX:
                 ok = ok & (zr > float("-inf"))
                 y, w_d, w_s, pi_d, pi_s = _mix_shares(z, zr, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb, stride_rh)
-            p = _weights(y, ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, DRAW64, ACC)
+            if PLAIN:
+                p = _plain_weights(zr, ok, r)
+            else:
+                p = _weights(y, ok, r, DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE, DRAW64, ACC)
             dp = _shared(tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=DOT), share, SHARE)
             ds = p * (dp - delta[:, None])
             if KL > 0:

@@ -163,11 +163,10 @@ def _exp_less(x, m2):
     """exp(x − m) on a tile x, m2 = `_in_exp_base(m)` broadcast to it. In float32 as
     exp2(x·log2 e − m2): one fused multiply-add before the exp2, where `_exp(x − m)` takes a
     subtraction and a multiply, one instruction more per entry. Rounding m·log2 e is one more
-    rounding of m, of the size of its own float32 rounding, shared by the entries that use it. An
-    online fold rescales by exp(m − m_new) in the natural base, so the terms folded before and
-    after its maximum moved differ by up to the two roundings, 2^-23·|m| relatively (1.2e-6 at
-    |m| = 10), far below bfloat16's and float16's resolution. 0 where x is −inf (m finite or
-    +inf) and where m is +inf."""
+    rounding of m, of the size of its own float32 rounding, shared by the entries that use it; an
+    online fold rescales its sums by the exp2 of the difference of the same rounded values
+    (`_rescale`), so the terms folded before and after its maximum moved stay on one footing. 0
+    where x is −inf (m finite or +inf) and where m is +inf."""
     if x.dtype == tl.float64:
         return tl.exp(x - m2)
     else:
@@ -175,11 +174,32 @@ def _exp_less(x, m2):
 
 
 @triton.jit
+def _exp_in_base(x2):
+    """exp of a value already in the exps' base (`_in_exp_base`): exp2(x2) in float32, exp(x2) in
+    float64."""
+    if x2.dtype == tl.float64:
+        return tl.exp(x2)
+    else:
+        return tl.exp2(x2)
+
+
+@triton.jit
+def _rescale(m, m_new):
+    """exp(m − m_new), the factor by which an online fold's sums move when its running maximum
+    moves from m to m_new, as the exp2 of the difference of the two maxima rounded into the exps'
+    base: the same rounded values that the entries folded against them were exponentiated
+    against (`_exp_less`), so that a sum's terms from before and after the move carry the same
+    rounding of each maximum (in the natural base they differed by up to 2^-23·|m| relatively).
+    Its cost is per row or key, not per entry; both maxima stay finite (FLOOR)."""
+    return _exp_in_base(_in_exp_base(m) - _in_exp_base(m_new))
+
+
+@triton.jit
 def _lse_fold(m, l, z, AXIS: tl.constexpr):
     """One block of an online log-sum-exp along AXIS: the running maximum m and the sum l of
     exp(x − m), updated with the block z (−inf where excluded)."""
     m_new = tl.maximum(m, tl.max(z, AXIS))
-    return m_new, l * _exp(m - m_new) + tl.sum(_exp_less(z, tl.expand_dims(_in_exp_base(m_new), AXIS)), AXIS)
+    return m_new, l * _rescale(m, m_new) + tl.sum(_exp_less(z, tl.expand_dims(_in_exp_base(m_new), AXIS)), AXIS)
 
 
 @triton.jit
@@ -194,7 +214,7 @@ def _accumulate(m, l, acc, z, v, ACC: tl.constexpr, DOT: tl.constexpr):
     accumulator, updated with the logits z (−inf where excluded) and the value block v."""
     m_new = tl.maximum(m, tl.max(z, 1))
     p = _exp_less(z, _in_exp_base(m_new)[:, None])
-    alpha = _exp(m - m_new)
+    alpha = _rescale(m, m_new)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC, input_precision=DOT)
     return m_new, l * alpha + tl.sum(p, 1), acc
 
