@@ -66,6 +66,13 @@ struct Spec {
   }
 };
 
+// The per-key statistics (B, H, S_k) are laid out with each (batch, head) row padded to whole
+// blocks of kKeyBlock keys, so that the passes that loop over key blocks read them a block at a
+// time without a bound: a column statistic's padding is +inf (its exp(z − c) weighs the keys past
+// S_k 0), the others' 0. As plans.py's KEY_BLOCK; the launcher refuses a cubin whose key blocks
+// do not divide it.
+constexpr int64_t kKeyBlock = 256;
+
 struct Call {
   // kpad, qpad: uint8 (B, S_k) and (B, S_q), both or neither (the padded kernels read both; a call
   // with one passes zeros for the other)
@@ -94,6 +101,7 @@ struct Call {
   int64_t h_kv() const { return k.size(1); }
   int64_t s_q() const { return q.size(2); }
   int64_t s_k() const { return k.size(2); }
+  int64_t s_kp() const { return (s_k() + kKeyBlock - 1) / kKeyBlock * kKeyBlock; }  // a per-key statistic's row
   at::TensorOptions stats() const { return q.options().dtype(at::kFloat); }
   // BAM over HNAS: the row pass mixes DNAS's and softmax's weights under the noise.
   bool mix() const { return spec.hybrid && spec.noise != 0; }
@@ -131,11 +139,16 @@ struct Call {
     probattn::fused::launch(l, q.device(), unused, dry);
   }
 
-  // Zeros for per-key (B, H, S_k) or per-query (B, H, S_q) statistics, after `lead` dimensions.
-  at::Tensor stat(bool keys, std::vector<int64_t> lead = {}) const {
-    lead.insert(lead.end(), {b(), h(), keys ? s_k() : s_q()});
-    return at::zeros(lead, stats());
+  // Zeros for per-key (B, H, S_k) or per-query (B, H, S_q) statistics, after `lead` dimensions; a
+  // per-key one padded to whole key blocks (`s_kp`) with `pad`.
+  at::Tensor stat(bool keys, std::vector<int64_t> lead = {}, double pad = 0.0) const {
+    lead.insert(lead.end(), {b(), h(), keys ? s_kp() : s_q()});
+    auto out = at::zeros(lead, stats());
+    if (keys && pad != 0.0) out.narrow(-1, s_k(), s_kp() - s_k()).fill_(pad);
+    return out;
   }
+  // A per-key statistic as (…, B, H, S_k), without its padding.
+  at::Tensor keys_only(const at::Tensor& t) const { return t.narrow(-1, 0, s_k()); }
 };
 
 // The masks a call may carry: the paddings (bool or uint8 (B, S), true = excluded), a boolean
@@ -285,7 +298,7 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   }
   // The strides of the contiguous inputs, from their sizes: a size-1 dimension's stride is
   // whatever its view had, and the cubins take them as multiples of 16.
-  const int64_t b = c.b(), h = c.h(), s_q = c.s_q(), s_k = c.s_k(), d = c.q.size(3), dv = c.v.size(3);
+  const int64_t b = c.b(), h = c.h(), s_q = c.s_q(), s_k = c.s_k(), s_kp = c.s_kp(), d = c.q.size(3), dv = c.v.size(3);
   const std::array<int64_t, 3> qs{h * s_q * d, s_q * d, d}, ks{c.h_kv() * s_k * d, s_k * d, d}, vs{c.h_kv() * s_k * dv, s_k * dv, dv};
   const bool kl = spec.kl != 0;
   c.ints = {{"stride_qb", qs[0]}, {"stride_qh", qs[1]}, {"stride_qs", qs[2]}, {"stride_kb", ks[0]}, {"stride_kh", ks[1]},
@@ -295,8 +308,8 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
             {"stride_doh", s_q * dv}, {"stride_dos", dv}, {"stride_dqb", qs[0]}, {"stride_dqh", qs[1]}, {"stride_dqs", qs[2]},
             {"stride_dkb", ks[0]}, {"stride_dkh", ks[1]}, {"stride_dks", ks[2]}, {"stride_dvb", vs[0]}, {"stride_dvh", vs[1]},
             {"stride_dvs", vs[2]}, {"stride_qbarb", h * s_k * d}, {"stride_qbarh", s_k * d}, {"stride_qbars", d},
-            {"stride_cb", h * s_k}, {"stride_ch", s_k}, {"stride_rb", h * s_q}, {"stride_rh", s_q},
-            {"stride_t", b * h * s_k}, {"stride_tr", b * h * s_q}, {"stride_qpad", c.qpad.defined() ? s_q : 0},
+            {"stride_cb", h * s_kp}, {"stride_ch", s_kp}, {"stride_rb", h * s_q}, {"stride_rh", s_q},
+            {"stride_t", b * h * s_kp}, {"stride_tr", b * h * s_q}, {"stride_qpad", c.qpad.defined() ? s_q : 0},
             {"stride_kpad", c.kpad.defined() ? s_k : 0}, {"stride_mb", at(c.pattern, 0)}, {"stride_mh", at(c.pattern, 1)},
             {"stride_mm", at(c.pattern, 2)}, {"stride_mn", at(c.pattern, 3)}, {"stride_bb", at(c.blocks, 0)}, {"stride_bh", at(c.blocks, 1)},
             {"stride_bm", at(c.blocks, 2)}, {"stride_bn", at(c.blocks, 3)}, {"stride_ab", at(c.bias, 0)}, {"stride_ah", at(c.bias, 1)},
@@ -309,17 +322,18 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     TORCH_CHECK(t.numel() <= INT32_MAX, "the fused CUDA route indexes with 32-bit integers: a tensor of ", t.numel(),
                 " elements is too large");
   }
-  TORCH_CHECK(b * h * s_q * dv <= INT32_MAX && std::max<int64_t>(spec.sweeps, 1) * b * h * std::max(s_q, s_k) <= INT32_MAX,
+  TORCH_CHECK(b * h * s_q * dv <= INT32_MAX && std::max<int64_t>(spec.sweeps, 1) * b * h * std::max(s_q, s_kp) <= INT32_MAX,
               "the fused CUDA route indexes with 32-bit integers: the output or the statistics are too large");
   return c;
 }
 
-// What a forward leaves for its backward. 0 and 1 sweeps: c (B, H, S_k; zeros for softmax) and r
-// (B, H, S_q), and with a sweep and a backward to follow the queries' column mean qbar (B, H, S_k,
-// d, in q's dtype: Σ_i exp(z_ij − c_j) q_i, from which the key pass takes DNAS's correction to dK);
-// HNAS adds softmax's output and row statistic (out2, r2), BAM over HNAS the two
-// bases' row statistics (rd, rs); a KL term its per-row statistics (rb, ks, and the part's rows
-// trow). Sinkhorn-N: c and r hold a potential per sweep, (N, B, H, S).
+// What a forward leaves for its backward. 0 and 1 sweeps: c (B, H, S_k, padded as `Call::stat`
+// pads the per-key statistics; zeros for softmax) and r (B, H, S_q), and with a sweep and a
+// backward to follow the queries' column mean qbar (B, H, S_k, d, in q's dtype:
+// Σ_i exp(z_ij − c_j) q_i, from which the key pass takes DNAS's correction to dK); HNAS adds
+// softmax's output and row statistic (out2, r2), BAM over HNAS the two bases' row statistics (rd,
+// rs); a KL term its per-row statistics (rb, ks, and the part's rows trow). Sinkhorn-N: c and r
+// hold a potential per sweep, (N, B, H, S).
 struct Forward {
   at::Tensor out, c, r, out2, r2, rd, rs, rb, ks, trow, qbar;
 };
@@ -333,7 +347,7 @@ void with_kl_rows(const Call& call, Forward& f, std::map<std::string, at::Tensor
 
 Forward sinkhorn_forward(const Call& call, at::Tensor out) {
   const int64_t n = call.spec.sweeps;
-  auto cs = call.stat(true, {n}), rs = call.stat(false, {n});
+  auto cs = call.stat(true, {n}, INFINITY), rs = call.stat(false, {n});
   for (int64_t t = 0; t < n; ++t) {
     call.launch("_sink_reduce", true, call.h(), {{"COLUMNS", 1}, {"LSE", 1}, {"HAS_RPOT", t > 0 ? 1 : 0}},
                 {{"RPOT", rs[t > 0 ? t - 1 : 0]}, {"CPOT", cs[t]}, {"COEF", cs[t]}, {"OUT", cs[t]}});
@@ -355,7 +369,7 @@ Forward fused_forward(const Call& call) {
   auto out = at::empty({call.b(), call.h(), call.s_q(), call.v.size(3)}, call.q.options());
   if (call.spec.sweeps > 1) return sinkhorn_forward(call, out);
   Forward f;
-  f.out = out, f.c = call.stat(true), f.r = call.stat(false);
+  f.out = out, f.c = call.stat(true, {}, INFINITY), f.r = call.stat(false);
   if (call.spec.sweeps > 0) {
     std::map<std::string, at::Tensor> column = {{"C", f.c}};
     if (call.grads) {
@@ -396,7 +410,7 @@ at::Tensor received_mass(const Call& call, const Forward& f) {
                                              {"DK", call.k}, {"DV_OUT", call.v}, {"G", mass},    {"MASS", mass}};
     if (call.mix()) key.insert({{"RD", f.rd}, {"RS", f.rs}});
     call.launch("_key_pass", true, call.h_kv(), {{"GRADS", 0}, {"SWEEPS", sweeps}, {"KL", 0}}, key);
-    return mass;
+    return call.keys_only(mass).contiguous();
   };
   const int64_t n = call.spec.sweeps;
   if (n > 1) return one(1, f.c[n - 1], f.r[n - 1]).unsqueeze(0);
@@ -471,7 +485,7 @@ struct Grads {
 std::map<std::string, at::Tensor> kl_grads(const Call& call, const Forward& f, const at::Tensor& grad_part, Grads& d) {
   if (call.spec.kl == 0) return {};
   const auto dkl = grad_part.defined() ? grad_part.to(at::kFloat).contiguous() : at::zeros({call.b(), call.h()}, call.stats());
-  d.da = at::zeros({call.b(), call.h(), call.s_k()}, call.stats());
+  d.da = call.stat(true);
   return {{"RB", f.rb}, {"KS", f.ks}, {"DKL", dkl}, {"DA", d.da}};
 }
 
@@ -630,7 +644,9 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     const auto d = fused_backward(call, f, grads);
     variable_list out(20);  // one per input of forward: q, k, v, kpad, qpad, pattern, bias, prior, logit, then the settings
     out[0] = narrowed(d.dq, call.d), out[1] = narrowed(d.dk, call.d), out[2] = narrowed(d.dv, call.dv);
-    if (prior.defined() && d.da.defined()) out[7] = d.da.unsqueeze(2).sum_to_size(prior.sizes()).to(prior.scalar_type());
+    if (prior.defined() && d.da.defined()) {
+      out[7] = call.keys_only(d.da).unsqueeze(2).sum_to_size(prior.sizes()).to(prior.scalar_type());
+    }
     if (logit.defined() && d.gu.defined()) {
       // d/dlogit of u·(DNAS's) + (1 − u)·(softmax's) through u = sigmoid(logit): Σ over batch and rows.
       const auto u = at::sigmoid(logit.detach().to(at::kFloat));

@@ -352,6 +352,13 @@ void launch(const Launch& l, const at::Device& device, std::map<at::ScalarType, 
   size_t index = 0;
   const auto& e = find(name, l.arch, l.dtype, l.head_dim, l.constexprs, &index);
   std::string ints_json, tensors_json;
+  // The per-key statistics' rows hold whole blocks of keys (stride_ch, a multiple of
+  // fused_cuda.cpp's kKeyBlock), which the passes that loop over key blocks read a block at a
+  // time without a bound: a wider key block would read past a row.
+  if (const auto row = l.ints->find("stride_ch"); row != l.ints->end()) {
+    TORCH_CHECK(e.block_n > 0 && row->second % e.block_n == 0, "the fused CUDA route: ", name, " is compiled for key blocks of ",
+                e.block_n, ", which do not divide the per-key statistics' rows of ", row->second, " entries");
+  }
 
   std::vector<CUdeviceptr> pointers;
   std::vector<int32_t> integers;

@@ -7,8 +7,8 @@ import triton.language as tl
 
 from probattn_tools.kernels.bam import _kl_fold, _kl_rows, _kl_tile, _mix_shares, _mix_split, _noise, _weights
 from probattn_tools.kernels.tiles import (FLOOR, _accumulate, _allowed, _block, _exp, _exp_in_base, _finish_row,
-                                          _in_exp_base, _live, _lse_fold, _lse_value, _over_queries, _per_key,
-                                          _per_row, _rows, _scores, _store_block, _store_rows)
+                                          _in_exp_base, _key_block, _live, _lse_fold, _lse_value, _over_queries,
+                                          _per_key, _per_row, _rows, _scores, _store_block, _store_rows)
 
 
 @triton.jit
@@ -107,13 +107,11 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
     t0 = tl.zeros([BLOCK_M], dtype=ACC)  # Weibull: Σ a_j; Lognormal: the allowed keys
     t1 = tl.zeros([BLOCK_M], dtype=ACC)  # Weibull: Σ a_j y_ij; Lognormal: Σ (y − a − m)
     t2 = tl.zeros([BLOCK_M], dtype=ACC)  # Lognormal: Σ (y − a − m)²
-    # DNAS's c_j is read as +inf past S_K, so that the logits z − c there are −inf and weigh nothing:
-    # no bound on keys is then needed per entry (619 to 573 instructions a tile, bfloat16, sm_90).
-    # Where softmax's logits (HNAS), the KL term or HNAS's mixture reach those keys, the bound
-    # stays, as it does with key padding (whose mask reads them as padded already), and c_j reads
-    # 0 there: with +inf beside the bound, HNAS's loop took 60 instructions a tile more (866).
+    # DNAS's c_j is +inf past S_K (`_key_block`), so that the logits z − c there are −inf and weigh
+    # nothing: no bound on keys is then needed per entry (619 to 573 instructions a tile, bfloat16,
+    # sm_90). Where softmax's logits (HNAS), the KL term or HNAS's mixture reach those keys, the
+    # bound stays, as it does with key padding (whose mask reads them as padded already).
     KEYS_BY_C: tl.constexpr = SWEEPS > 0 and not (HYBRID or MIX or KL > 0 or HAS_KPAD)
-    FILL_C: tl.constexpr = float("inf") if KEYS_BY_C else 0.0
     end_n = S_K
     if CAUSAL:
         end_n = tl.minimum(S_K, start_m + BLOCK_M)  # blocks wholly above the diagonal are skipped
@@ -130,7 +128,7 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
                           BOUND_N=not KEYS_BY_C)
             z = z0
             if SWEEPS > 0:
-                z = z0 - _rows(C, b, h, offs_n, S_K, stride_cb, stride_ch, FILL_C)[None, :]
+                z = z0 - _key_block(C, b, h, offs_n, stride_cb, stride_ch)[None, :]
             if MIX:
                 ok = ok & (z0 > float("-inf"))
                 z, _, _, _, _ = _mix_shares(z, z0, ok, b, h, offs_m, S_Q, RD, RS, LOGU, stride_rb, stride_rh)
@@ -368,7 +366,7 @@ def _query_dz(ds, p, z, ok, r, w_d, w_s, pi_d, pi_s, rho_d, rho_s, G, b, h, offs
     if MIX:
         _, ds = _mix_split(ds, w_d, w_s, pi_d, pi_s, rho_d, rho_s)
     if SWEEPS > 0:
-        g = _rows(G, b, h, offs_n, S_K, stride_cb, stride_ch)
+        g = _key_block(G, b, h, offs_n, stride_cb, stride_ch)  # 0 past S_K, where the weights are 0
         ds -= _column_weights(p, z, ok, r, NOISE, MIX) * g[None, :]
     return ds
 
@@ -445,8 +443,7 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
                          stride_an, HAS_BIAS, ACC, DOT)
             z = zr
             if SWEEPS > 0:
-                c = _rows(C, b, h, offs_n, S_K, stride_cb, stride_ch)
-                z = zr - c[None, :]
+                z = zr - _key_block(C, b, h, offs_n, stride_cb, stride_ch)[None, :]
             ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
                           h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_M=False)
             y, w_d, w_s, pi_d, pi_s = z, z, z, z, z  # the shares are MIX's

@@ -62,6 +62,18 @@ from probattn_tools.kernels.sinkhorn import _sink_key_grads, _sink_query_grads, 
 # ---------------------------------------------------------------------------------------------
 # The launches, and autograd functions over them.
 
+# The per-key statistics (B, H, S_k) are laid out with each (batch, head) row padded to whole
+# blocks of KEY_BLOCK keys, so that the passes that loop over key blocks read them a block at a
+# time without a bound (`tiles._key_block`): a column statistic's padding is +inf, the others'
+# 0. A launch's key blocks must divide it (`_Call.prepared`).
+KEY_BLOCK = 256
+
+
+def padded_keys(s_k):
+    """S_k rounded up to whole blocks of KEY_BLOCK keys: the per-key statistics' row length."""
+    return -(-s_k // KEY_BLOCK) * KEY_BLOCK
+
+
 _ACC = {torch.float64: tl.float64, torch.float32: tl.float32, torch.bfloat16: tl.float32, torch.float16: tl.float32}
 # The statistics' dtype (potentials, row statistics, g, D, the received mass).
 _STATS = {torch.float64: torch.float64, torch.float32: torch.float32, torch.bfloat16: torch.float32,
@@ -270,8 +282,8 @@ class _Call:
             stride_ob=h * s_q * dv, stride_oh=s_q * dv, stride_os=dv, stride_dob=h * s_q * dv, stride_doh=s_q * dv,
             stride_dos=dv, stride_dqb=qs[0], stride_dqh=qs[1], stride_dqs=qs[2], stride_dkb=ks[0], stride_dkh=ks[1],
             stride_dks=ks[2], stride_dvb=vs[0], stride_dvh=vs[1], stride_dvs=vs[2],
-            stride_cb=h * s_k, stride_ch=s_k, stride_rb=h * s_q, stride_rh=s_q,
-            stride_t=b * h * s_k, stride_tr=b * h * s_q,
+            stride_cb=h * padded_keys(s_k), stride_ch=padded_keys(s_k), stride_rb=h * s_q, stride_rh=s_q,
+            stride_t=b * h * padded_keys(s_k), stride_tr=b * h * s_q,
             stride_qpad=sqp, stride_kpad=skp, stride_mb=smb, stride_mh=smh, stride_mm=smm, stride_mn=smn,
             stride_bb=sbb, stride_bh=sbh, stride_bm=sbm, stride_bn=sbn, stride_ab=sab, stride_ah=sah, stride_am=sam,
             stride_an=san, HAS_BIAS=has_bias,
@@ -287,10 +299,14 @@ class _Call:
             self.args["LOGU"] = torch.stack([torch.nn.functional.logsigmoid(logit),
                                              torch.nn.functional.logsigmoid(-logit)], -1).contiguous()
 
-    def stat(self, keys, *lead):
-        """Zeros for a per-key (B, H, S_k) or per-query (B, H, S_q) statistic, after `lead` dimensions."""
+    def stat(self, keys, *lead, pad=0.0):
+        """Zeros for a per-key (B, H, S_k) or per-query (B, H, S_q) statistic, after `lead`
+        dimensions; a per-key one padded to whole key blocks (`padded_keys`) with `pad`."""
         b, h, _, s_q, s_k, _, _ = self.shape
-        return torch.zeros(*lead, b, h, s_k if keys else s_q, dtype=self.stats, device=self.q.device)
+        out = torch.zeros(*lead, b, h, padded_keys(s_k) if keys else s_q, dtype=self.stats, device=self.q.device)
+        if keys:
+            out[..., s_k:] = pad
+        return out
 
     def grid(self, keys, heads):
         """A launch's grid, (blocks of keys or of queries, B × query or key/value heads): resolved in
@@ -305,6 +321,9 @@ class _Call:
         assert not missing, f"{kernel.arg_names}: no value for {missing}"
         name, constexprs = specialization(kernel, args)
         block_m, block_n, num_warps, num_stages = self.config.of(name, dict(constexprs))
+        if KEY_BLOCK % block_n:
+            raise ValueError(f"{name}: key blocks of {block_n} do not divide the per-key statistics' blocks of "
+                             f"{KEY_BLOCK} keys (plans.KEY_BLOCK)")
         args.update(BLOCK_M=block_m, BLOCK_N=block_n)
         b, h, h_kv, s_q, s_k, _, _ = self.shape
         keys, heads = grid
@@ -422,7 +441,7 @@ def _forward(call, sweeps, hybrid=False):
     call.kl_rows = kl_rows
     kl_args = dict(zip(("RB", "KS", "TROW"), kl_rows))
     if sweeps <= 1:
-        c, r = call.stat(True), call.stat(False)
+        c, r = call.stat(True, pad=math.inf), call.stat(False)
         if sweeps:
             if call.grads:
                 b, h, _, _, s_k, d, _ = call.shape
@@ -439,7 +458,7 @@ def _forward(call, sweeps, hybrid=False):
         out2, r2 = (torch.empty_like(out), call.stat(False)) if hybrid else (out, r)
         call.launch(_row_pass, call.grid(False, "query"), C=c, O=out, R=r, O2=out2, R2=r2, HYBRID=hybrid, **kl_args)
         return (out, c, r, out2, r2) if hybrid else (out, c, r)
-    cs, rs = call.stat(True, sweeps), call.stat(False, sweeps)
+    cs, rs = call.stat(True, sweeps, pad=math.inf), call.stat(False, sweeps)
     for t in range(sweeps):
         call.launch(_sink_reduce, call.grid(True, "query"), RPOT=rs[t - 1] if t else rs[0], CPOT=cs[t], COEF=cs[t],
                     OUT=cs[t], COLUMNS=True, LSE=True, HAS_RPOT=t > 0)
@@ -458,7 +477,7 @@ def _received_mass(call, c, r):
     mix = dict(RD=call.mix_rows[0], RS=call.mix_rows[1], MIX=True) if call.mix else {}
     call.launch(_key_pass, call.grid(True, "kv"), C=c, R=r, DO=dummy, DELTA=r, DK=call.k, DV_OUT=call.v, G=mass,
                 MASS=mass, GRADS=False, KL=0, **mix)
-    return mass
+    return mass[..., :call.shape[4]].contiguous()
 
 
 def _row_dots(do, out, dtype):
@@ -668,12 +687,12 @@ class _BamAttention(torch.autograd.Function):
         b, h, _, s_q, s_k, _, _ = call.shape
         kl, dprior, mix, dlogit = None, None, None, None
         if call.kl and grad_part is not None:
-            kl = (*kl_rows, grad_part.to(call.stats).contiguous(), torch.zeros(b, h, s_k, dtype=call.stats, device=out.device))
+            kl = (*kl_rows, grad_part.to(call.stats).contiguous(), call.stat(True))
         if call.mix:
             mix = (*mix_rows, torch.zeros(b, h, s_q, dtype=call.stats, device=out.device))
         dq, dk, dv = _backward(call, sweeps, out, (c, r), grad_out, kl, mix)
         if kl is not None and ctx.needs_input_grad[3]:
-            dprior = kl[3].unsqueeze(2).sum_to_size(ctx.prior_shape)
+            dprior = kl[3][..., :s_k].unsqueeze(2).sum_to_size(ctx.prior_shape)
         if mix is not None:
             dlogit = mix[2].sum((0, 2)) * ctx.u * (1 - ctx.u)
         return dq, dk, dv, dprior, dlogit, None, None, None, None, None, None

@@ -4,8 +4,8 @@ import triton
 import triton.language as tl
 
 from probattn_tools.kernels.bam import _kl_tile, _weights
-from probattn_tools.kernels.tiles import (FLOOR, _allowed, _block, _exp, _exp_less, _in_exp_base, _live, _lse_fold,
-                                          _lse_value, _rows, _store_block, _store_rows, _tile)
+from probattn_tools.kernels.tiles import (FLOOR, _allowed, _block, _exp, _exp_less, _in_exp_base, _key_block, _live,
+                                          _lse_fold, _lse_value, _rows, _store_block, _store_rows, _tile)
 
 # ---------------------------------------------------------------------------------------------
 # Sinkhorn-N (N ≥ 2): potentials per sweep t = 1..N, C^t_j = LSE_i (z_ij − R^{t−1}_i) (R^0 = 0)
@@ -80,11 +80,11 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
                                 stride_an, HAS_BIAS, ACC, DOT)
                 ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
                               False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-                z = z - _rows(CPOT, b, h, offs_n, S_K, stride_cb, stride_ch)[None, :]
+                z = z - _key_block(CPOT, b, h, offs_n, stride_cb, stride_ch)[None, :]
                 if LSE:
                     m, total = _lse_fold(m, total, tl.where(ok, z, float("-inf")), 1)
                 else:
-                    coef = _rows(COEF, b, h, offs_n, S_K, stride_cb, stride_ch)
+                    coef = _key_block(COEF, b, h, offs_n, stride_cb, stride_ch)
                     e = _exp_less(tl.where(ok, z, float("-inf")), rpot[:, None])
                     total -= tl.sum(e * coef[None, :], 1)
         if LSE:
@@ -96,11 +96,13 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
 def _sink_dz(z, ok, dsz, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb, stride_ch, stride_tr,
              stride_rb, stride_rh, N):
     """dz = dS¹ + Σ_t Ḡc^t κ^t + Σ_{t<N} Ḡr^t ρ^t on one tile (z without potentials). N is a
-    run-time argument: one compiled kernel serves every sweep count."""
+    run-time argument: one compiled kernel serves every sweep count. The column potentials and
+    their gradients are read a key block at a time (`_key_block`): past S_K the potentials are
+    +inf and their gradients 0, and the tile's bound on keys excludes those entries."""
     r_prev = tl.zeros([z.shape[0]], dtype=z.dtype)
     for t in range(0, N - 1):
-        c = tl.load(CS + t * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-        gc = tl.load(GC + t * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+        c = _key_block(CS + t * stride_t, b, h, offs_n, stride_cb, stride_ch)
+        gc = _key_block(GC + t * stride_t, b, h, offs_n, stride_cb, stride_ch)
         x = z - r_prev[:, None] - c[None, :]
         dsz += _exp(tl.where(ok, x, float("-inf"))) * gc[None, :]
         r = tl.load(RS + t * stride_tr + b * stride_rb + h * stride_rh + offs_m, mask=offs_m < S_Q, other=0.0)
@@ -109,8 +111,8 @@ def _sink_dz(z, ok, dsz, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_
         dsz += _exp(tl.where(ok, y, float("-inf"))) * gr[:, None]
         r_prev = r
     # The last sweep's column potential, which no row potential follows in dz.
-    c = tl.load(CS + (N - 1) * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
-    gc = tl.load(GC + (N - 1) * stride_t + b * stride_cb + h * stride_ch + offs_n, mask=offs_n < S_K, other=0.0)
+    c = _key_block(CS + (N - 1) * stride_t, b, h, offs_n, stride_cb, stride_ch)
+    gc = _key_block(GC + (N - 1) * stride_t, b, h, offs_n, stride_cb, stride_ch)
     x = z - r_prev[:, None] - c[None, :]
     dsz += _exp(tl.where(ok, x, float("-inf"))) * gc[None, :]
     return dsz
@@ -241,7 +243,7 @@ def _sink_query_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, QPAD, KPAD, MASK, 
                             stride_an, HAS_BIAS, ACC, DOT)
             ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
                           False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
-            c = _rows(CS + last_c, b, h, offs_n, S_K, stride_cb, stride_ch)
+            c = _key_block(CS + last_c, b, h, offs_n, stride_cb, stride_ch)
             v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
             _, ds, _ = _sink_ds(z, c, ok, r, do, v, delta, tl.zeros_like(c), DRAWS, PRIOR, RB, KS, DKL, b, h, offs_m,
                                 offs_n, H, S_Q, S_K, noise_scale, stride_pb, stride_ph, stride_pn, stride_rb, stride_rh,

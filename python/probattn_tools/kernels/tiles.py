@@ -100,6 +100,17 @@ def _rows(P, b, h, offs, n, stride_b, stride_h, FILL: tl.constexpr = 0.0):
 
 
 @triton.jit
+def _key_block(P, b, h, offs_n, stride_b, stride_h):
+    """Entries `offs_n` (one key block) of head h of batch b of a per-key statistic, read without
+    a bound. The per-key statistics are laid out in whole blocks of keys (`plans.KEY_BLOCK`), their
+    padding past S_k +inf for a column statistic c (so that exp(z − c) weighs those keys 0) and 0
+    for the others: a bound per key would take a compare, a select and the predicate's
+    bookkeeping for each key a thread holds, more than the loop's exps and products together
+    against one statistic (DNAS's row pass, 541 instructions a tile to 387, bfloat16, sm_90)."""
+    return tl.load(P + b * stride_b + h * stride_h + offs_n)
+
+
+@triton.jit
 def _store_rows(P, x, b, h, offs, n, stride_b, stride_h):
     """Writes x to entries `offs` (< n) of head h of batch b of a (B, H, S) statistic (`_rows`'s
     inverse)."""
