@@ -323,6 +323,7 @@ def bad_input_messages(torch, plans, device):
         ("dtype", lambda: plans.attention(x, x.double(), x), "must share"),
         ("causal dnas", lambda: plans.attention(x, x, x, sweeps=1, masks=plans.Masks(causal=True)), "causal"),
         ("sweeps", lambda: plans.attention(x, x, x, sweeps=-1), "sweeps must be"),
+        ("key block", lambda: plans.attention(x, x, x, sweeps=1, config=plans.Config(block_n=512)), "plans.KEY_BLOCK"),
         ("padding", lambda: plans.attention(x, x, x, masks=plans.Masks(key_padding_mask=torch.zeros(1, 5, dtype=torch.bool,
                                                                                                    device=device))),
          "key_padding_mask"),
