@@ -21,7 +21,9 @@ def _column_pass(Q, K, C, QBAR, QPAD, KPAD, MASK, BLOCKS, BIAS,
                  CONTEXT: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """c_j = LSE_i z_ij over the allowed queries, one key block per program (axis 0), one
-    (batch, query head) per axis 1. A key with no allowed query gets FLOOR (never read). Each
+    (batch, query head) per axis 1. A key with no allowed query (a padded key among them) gets
+    +inf, as the keys past S_K do (`_key_block`): the passes that subtract c then weigh it 0
+    without excluding it entry by entry (`_row_pass`'s KEYS_BY_C). Each
     tile is formed transposed, zᵀ = s·k qᵀ (keys × queries), so that the sums over queries run
     along a row of the tensor cores' layout, within a thread and a few of its neighbours, and not
     across the warps through shared memory.
@@ -50,16 +52,19 @@ def _column_pass(Q, K, C, QBAR, QPAD, KPAD, MASK, BLOCKS, BIAS,
             zt = _scores(k, q, scale, BIAS, b, h, offs_n, offs_m, S_K, S_Q, stride_ab, stride_ah, stride_an, stride_am,
                          HAS_BIAS, ACC, DOT)  # (BLOCK_N, BLOCK_M): the tile transposed
             # which pairs take part, transposed: the conditions on keys and queries trade places
-            ok = _allowed(offs_n, offs_m, b, S_K, S_Q, KPAD, QPAD, stride_kpad, stride_qpad, HAS_KPAD, HAS_QPAD, False,
+            # key padding is applied once per key below, not per entry
+            ok = _allowed(offs_n, offs_m, b, S_K, S_Q, KPAD, QPAD, stride_kpad, stride_qpad, False, HAS_QPAD, False,
                           h, MASK, stride_mb, stride_mh, stride_mn, stride_mm, HAS_MASK, BOUND_M=False)
             if CONTEXT:
                 m, l, qbar = _accumulate(m, l, qbar, tl.where(ok, zt, float("-inf")), q, ACC, DOT)
             else:
                 m, l = _lse_fold(m, l, tl.where(ok, zt, float("-inf")), 1)
-    c = _lse_value(m, l, FLOOR)
+    if HAS_KPAD:
+        l = tl.where(tl.load(KPAD + b * stride_kpad + offs_n, mask=offs_n < S_K, other=1) == 0, l, 0.0)
+    c = _lse_value(m, l, float("inf"))
     _store_rows(C, c, b, h, offs_n, S_K, stride_cb, stride_ch)
     if CONTEXT:
-        qbar = qbar / tl.where(l > 0, l, 1.0)[:, None]
+        qbar = tl.where((l > 0)[:, None], qbar / tl.where(l > 0, l, 1.0)[:, None], 0.0)
         _store_block(QBAR, qbar, b, h, offs_n, offs_d, S_K, D, stride_qbarb, stride_qbarh, stride_qbars)
 
 
@@ -107,11 +112,12 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
     t0 = tl.zeros([BLOCK_M], dtype=ACC)  # Weibull: Σ a_j; Lognormal: the allowed keys
     t1 = tl.zeros([BLOCK_M], dtype=ACC)  # Weibull: Σ a_j y_ij; Lognormal: Σ (y − a − m)
     t2 = tl.zeros([BLOCK_M], dtype=ACC)  # Lognormal: Σ (y − a − m)²
-    # DNAS's c_j is +inf past S_K (`_key_block`), so that the logits z − c there are −inf and weigh
-    # nothing: no bound on keys is then needed per entry (619 to 573 instructions a tile, bfloat16,
-    # sm_90). Where softmax's logits (HNAS), the KL term or HNAS's mixture reach those keys, the
-    # bound stays, as it does with key padding (whose mask reads them as padded already).
-    KEYS_BY_C: tl.constexpr = SWEEPS > 0 and not (HYBRID or MIX or KL > 0 or HAS_KPAD)
+    # KEYS_BY_C: DNAS's c_j is +inf past S_K (`_key_block`) and for a key no query sees, a padded
+    # one among them (`_column_pass`), so that the logits z − c there are −inf and weigh nothing:
+    # neither a bound on keys nor key padding is then needed per entry (619 to 573 instructions a
+    # tile for the bound, bfloat16, sm_90). Where softmax's logits (HNAS), the KL term or HNAS's
+    # mixture reach those keys, both stay. The key and query passes follow the same rule.
+    KEYS_BY_C: tl.constexpr = SWEEPS > 0 and not (HYBRID or MIX or KL > 0)
     end_n = S_K
     if CAUSAL:
         end_n = tl.minimum(S_K, start_m + BLOCK_M)  # blocks wholly above the diagonal are skipped
@@ -123,9 +129,9 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
             v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
             z0 = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
                          HAS_BIAS, ACC, DOT)
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
-                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_M=False,
-                          BOUND_N=not KEYS_BY_C)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD,
+                          HAS_KPAD and not KEYS_BY_C, CAUSAL, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                          HAS_MASK, BOUND_M=False, BOUND_N=not KEYS_BY_C)
             z = z0
             if SWEEPS > 0:
                 z = z0 - _key_block(C, b, h, offs_n, stride_cb, stride_ch)[None, :]
@@ -274,6 +280,7 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
     # PLAIN (softmax's weights with nothing added to the scores): the scores are formed in the
     # exps' base and only the weights read them (`_plain_weights`).
     PLAIN: tl.constexpr = SWEEPS == 0 and NOISE == 0 and KL == 0 and not (MIX or HAS_BIAS)
+    KEYS_BY_C: tl.constexpr = SWEEPS > 0 and not (MIX or KL > 0)  # as in `_row_pass`
     scale_z = scale
     if PLAIN:
         scale_z = _in_exp_base(scale)
@@ -313,8 +320,8 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
                 # +inf past S_Q, so that the queries there weigh 0 without a bound per entry
                 r = _rows(R, b, h, offs_m, S_Q, stride_rb, stride_rh, float("inf"))
                 ok = _key_allowed(offs_m, offs_n, b, h, S_Q, S_K, QPAD, KPAD, MASK, stride_qpad, stride_kpad,
-                                  stride_mb, stride_mh, stride_mm, stride_mn, HAS_QPAD, HAS_KPAD, HAS_MASK, CAUSAL,
-                                  KL > 0 or MIX, TRANSPOSE)
+                                  stride_mb, stride_mh, stride_mm, stride_mn, HAS_QPAD, HAS_KPAD and not KEYS_BY_C,
+                                  HAS_MASK, CAUSAL, KL > 0 or MIX, TRANSPOSE)
                 if TRANSPOSE:  # (BLOCK_N, BLOCK_M), keys × queries
                     zr = _scores(k, q, scale_z, BIAS, b, h, offs_n, offs_m, S_K, S_Q, stride_ab, stride_ah, stride_an,
                                  stride_am, HAS_BIAS, ACC, DOT)
@@ -403,6 +410,7 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
     scale = tl.load(SCALE).to(ACC)
     noise_scale = tl.load(SCALE + 1).to(ACC)
     PLAIN: tl.constexpr = SWEEPS == 0 and NOISE == 0 and KL == 0 and not (MIX or HAS_BIAS)  # as in `_key_pass`
+    KEYS_BY_C: tl.constexpr = SWEEPS > 0 and not (MIX or KL > 0)  # as in `_row_pass`
     scale_z = scale
     if PLAIN:
         scale_z = _in_exp_base(scale)
@@ -444,8 +452,9 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
             z = zr
             if SWEEPS > 0:
                 z = zr - _key_block(C, b, h, offs_n, stride_cb, stride_ch)[None, :]
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
-                          h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_M=False)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD,
+                          HAS_KPAD and not KEYS_BY_C, CAUSAL, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                          HAS_MASK, BOUND_M=False, BOUND_N=not KEYS_BY_C)
             y, w_d, w_s, pi_d, pi_s = z, z, z, z, z  # the shares are MIX's
             if MIX:
                 ok = ok & (zr > float("-inf"))

@@ -60,8 +60,8 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
                     coef = _rows(COEF, b, h, offs_m, S_Q, stride_rb, stride_rh)
                     e = _exp_less(tl.where(ok, z, float("-inf")), cpot[None, :])
                     total -= tl.sum(e * coef[:, None], 0)
-        if LSE:
-            total = _lse_value(m, total, FLOOR)
+        if LSE:  # +inf for a key no query sees, as `_column_pass` writes c (the last sweep's row pass reads it)
+            total = _lse_value(m, total, float("inf"))
         _store_rows(OUT, total, b, h, offs_n, S_K, stride_cb, stride_ch)
     else:
         start_m0 = tl.program_id(0) * BLOCK_M
