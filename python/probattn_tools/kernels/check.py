@@ -92,7 +92,9 @@ def cases(quick, lower):
            ("hnas", 1, ("weibull", 0.5, None, seed + 13), ("key", "query")),
            ("hnas", 1, ("lognormal", 0.7, None, seed + 14), ("query",)),
            ("sinkhorn-3", 3, ("lognormal", 0.7, None, seed + 15), ("key",)),
-           ("sinkhorn-2", 2, ("weibull", 0.5, None, seed + 16), ("key", "query"))]
+           ("sinkhorn-2", 2, ("weibull", 0.5, None, seed + 16), ("key", "query")),
+           # Padded queries with noise and no KL term: DNAS's column weights reach their rows of dQ.
+           ("dnas", 1, ("weibull", 0.5, None, seed + 17), ("key", "query"))]
     # ε given as a tensor (the library's noise=) instead of a seed.
     given = [("dnas", 1, ("weibull", 0.5, "weibull", None), ("key", "query")),
              ("softmax", 0, ("lognormal", 0.7, None, None), ("key",))]

@@ -6,9 +6,10 @@ import triton
 import triton.language as tl
 
 from probattn_tools.kernels.bam import _kl_fold, _kl_rows, _kl_tile, _mix_shares, _mix_split, _noise, _weights
-from probattn_tools.kernels.tiles import (FLOOR, _accumulate, _allowed, _block, _exp, _exp_in_base, _finish_row,
-                                          _in_exp_base, _key_block, _live, _lse_fold, _lse_value, _over_queries,
-                                          _per_key, _per_row, _rows, _scores, _store_block, _store_rows)
+from probattn_tools.kernels.tiles import (FLOOR, _accumulate, _allowed, _block, _drop_rows, _exp, _exp_in_base,
+                                          _finish_row, _in_exp_base, _key_block, _live, _lse_fold, _lse_value,
+                                          _over_queries, _padded, _per_key, _per_row, _rows, _scores, _store_block,
+                                          _store_rows)
 
 
 @triton.jit
@@ -60,7 +61,7 @@ def _column_pass(Q, K, C, QBAR, QPAD, KPAD, MASK, BLOCKS, BIAS,
             else:
                 m, l = _lse_fold(m, l, tl.where(ok, zt, float("-inf")), 1)
     if HAS_KPAD:
-        l = tl.where(tl.load(KPAD + b * stride_kpad + offs_n, mask=offs_n < S_K, other=1) == 0, l, 0.0)
+        l = tl.where(_padded(KPAD, b, offs_n, S_K, stride_kpad), 0.0, l)
     c = _lse_value(m, l, float("inf"))
     _store_rows(C, c, b, h, offs_n, S_K, stride_cb, stride_ch)
     if CONTEXT:
@@ -118,6 +119,13 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
     # tile for the bound, bfloat16, sm_90). Where softmax's logits (HNAS), the KL term or HNAS's
     # mixture reach those keys, both stay. The key and query passes follow the same rule.
     KEYS_BY_C: tl.constexpr = SWEEPS > 0 and not (HYBRID or MIX or KL > 0)
+    # ROWS_AFTER: query padding is applied once per row after the loop (`_drop_rows`), not per
+    # entry: a padded query's row is formed as the others are, then written as 0 with r_i = +inf,
+    # which the backward's weights read as 0. The KL term's and the mixture's per-row sums read
+    # the allowed pairs themselves and keep it per entry; their padded rows are written the same
+    # way, so that every backward (the received mass's without the KL term among them) reads
+    # r_i = +inf there.
+    ROWS_AFTER: tl.constexpr = HAS_QPAD and not (MIX or KL > 0)
     end_n = S_K
     if CAUSAL:
         end_n = tl.minimum(S_K, start_m + BLOCK_M)  # blocks wholly above the diagonal are skipped
@@ -129,9 +137,9 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
             v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
             z0 = _scores(q, k, scale, BIAS, b, h, offs_m, offs_n, S_Q, S_K, stride_ab, stride_ah, stride_am, stride_an,
                          HAS_BIAS, ACC, DOT)
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD,
-                          HAS_KPAD and not KEYS_BY_C, CAUSAL, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                          HAS_MASK, BOUND_M=False, BOUND_N=not KEYS_BY_C)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
+                          HAS_QPAD and not ROWS_AFTER, HAS_KPAD and not KEYS_BY_C, CAUSAL, h, MASK, stride_mb,
+                          stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_M=False, BOUND_N=not KEYS_BY_C)
             z = z0
             if SWEEPS > 0:
                 z = z0 - _key_block(C, b, h, offs_n, stride_cb, stride_ch)[None, :]
@@ -149,6 +157,11 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
             if KL > 0:
                 mb, lb, t0, t1, t2 = _kl_fold(z, y, ok, mb, lb, t0, t1, t2, PRIOR, b, h, offs_n, S_K, stride_pb,
                                               stride_ph, stride_pn, KL, ACC)
+    if HAS_QPAD:
+        padded = _padded(QPAD, b, offs_m, S_Q, stride_qpad)
+        acc, m, l = _drop_rows(acc, m, l, padded)
+        if HYBRID:
+            acc2, m2, l2 = _drop_rows(acc2, m2, l2, padded)
     _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb, stride_rh)
     if KL > 0:
         _kl_rows(RB, KS, TROW, mb, lb, t0, t1, t2, b, h, offs_m, S_Q, stride_rb, stride_rh, KL)
@@ -280,7 +293,12 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
     # PLAIN (softmax's weights with nothing added to the scores): the scores are formed in the
     # exps' base and only the weights read them (`_plain_weights`).
     PLAIN: tl.constexpr = SWEEPS == 0 and NOISE == 0 and KL == 0 and not (MIX or HAS_BIAS)
-    KEYS_BY_C: tl.constexpr = SWEEPS > 0 and not (MIX or KL > 0)  # as in `_row_pass`
+    # PAD_AFTER: neither padding is applied per entry. A padded query weighs 0 through r_i = +inf
+    # (`_row_pass`'s ROWS_AFTER); a padded key's weights, which reach only its own dK, dV, g and
+    # mass, are left as they come and those are set to 0 once after the loop. The KL term and the
+    # mixture read the pairs outside the weights and keep both per entry.
+    PAD_AFTER: tl.constexpr = not (MIX or KL > 0)
+    KEYS_AFTER: tl.constexpr = HAS_KPAD and PAD_AFTER
     scale_z = scale
     if PLAIN:
         scale_z = _in_exp_base(scale)
@@ -294,6 +312,8 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
     v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
+    if KEYS_AFTER:
+        dropped = _padded(KPAD, b, offs_n, S_K, stride_kpad)  # read once
     start_m0 = 0
     if CAUSAL:
         start_m0 = (start_n // BLOCK_M) * BLOCK_M  # query blocks wholly above the diagonal see none of these keys
@@ -320,8 +340,8 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
                 # +inf past S_Q, so that the queries there weigh 0 without a bound per entry
                 r = _rows(R, b, h, offs_m, S_Q, stride_rb, stride_rh, float("inf"))
                 ok = _key_allowed(offs_m, offs_n, b, h, S_Q, S_K, QPAD, KPAD, MASK, stride_qpad, stride_kpad,
-                                  stride_mb, stride_mh, stride_mm, stride_mn, HAS_QPAD, HAS_KPAD and not KEYS_BY_C,
-                                  HAS_MASK, CAUSAL, KL > 0 or MIX, TRANSPOSE)
+                                  stride_mb, stride_mh, stride_mm, stride_mn, HAS_QPAD and not PAD_AFTER,
+                                  HAS_KPAD and not PAD_AFTER, HAS_MASK, CAUSAL, KL > 0 or MIX, TRANSPOSE)
                 if TRANSPOSE:  # (BLOCK_N, BLOCK_M), keys × queries
                     zr = _scores(k, q, scale_z, BIAS, b, h, offs_n, offs_m, S_K, S_Q, stride_ab, stride_ah, stride_an,
                                  stride_am, HAS_BIAS, ACC, DOT)
@@ -349,15 +369,22 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
         if GRADS:
             if SWEEPS > 0:
                 g = _over_queries(gt, TRANSPOSE)  # once per head, not once per tile
+                if KEYS_AFTER:
+                    g = tl.where(dropped, 0.0, g)
                 qbar = _block(QBAR, b, h, offs_n, offs_d, S_K, D, stride_qbarb, stride_qbarh, stride_qbars)
                 dk -= g[:, None] * qbar.to(ACC)  # DNAS's correction; the main part went into dk
                 _store_rows(G, g, b, h, offs_n, S_K, stride_cb, stride_ch)
             if KL > 0:
                 _store_rows(DA, da, b, h, offs_n, S_K, stride_cb, stride_ch)
         else:
+            if KEYS_AFTER:
+                mass = tl.where(dropped, 0.0, mass)
             _store_rows(MASS, mass, b, h, offs_n, S_K, stride_cb, stride_ch)
     if GRADS:
         dk = dk * scale
+        if KEYS_AFTER:
+            dk = tl.where(dropped[:, None], 0.0, dk)
+            dv = tl.where(dropped[:, None], 0.0, dv)
         if ADD:
             dk += _block(DK, b, kvh, offs_n, offs_d, S_K, D, stride_dkb, stride_dkh, stride_dks).to(ACC)
             dv += _block(DV_OUT, b, kvh, offs_n, offs_dv, S_K, DV, stride_dvb, stride_dvh, stride_dvs).to(ACC)
@@ -411,6 +438,10 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
     noise_scale = tl.load(SCALE + 1).to(ACC)
     PLAIN: tl.constexpr = SWEEPS == 0 and NOISE == 0 and KL == 0 and not (MIX or HAS_BIAS)  # as in `_key_pass`
     KEYS_BY_C: tl.constexpr = SWEEPS > 0 and not (MIX or KL > 0)  # as in `_row_pass`
+    # ROWS_AFTER: a padded query weighs 0 through r_i = +inf (`_row_pass`), and its row of dQ, which
+    # DNAS's column weights exp(z_ij − c_j) still reach with noise, is set to 0 once after the loop;
+    # the KL term and the mixture keep query padding per entry.
+    ROWS_AFTER: tl.constexpr = HAS_QPAD and not (MIX or KL > 0)
     scale_z = scale
     if PLAIN:
         scale_z = _in_exp_base(scale)
@@ -427,6 +458,9 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
         share = tl.load(SHARES + h).to(ACC)
     do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
     r = _rows(R, b, h, offs_m, S_Q, stride_rb, stride_rh)
+    r_c = r  # r as the column weights p·exp(r_i) read it: finite, so that 0·exp(r_i) is 0, not NaN
+    if ROWS_AFTER:
+        r_c = tl.where(r < float("inf"), r, 0.0)
     delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     rho_d = tl.zeros([BLOCK_M], dtype=ACC)
@@ -452,9 +486,9 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
             z = zr
             if SWEEPS > 0:
                 z = zr - _key_block(C, b, h, offs_n, stride_cb, stride_ch)[None, :]
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD,
-                          HAS_KPAD and not KEYS_BY_C, CAUSAL, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                          HAS_MASK, BOUND_M=False, BOUND_N=not KEYS_BY_C)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
+                          HAS_QPAD and not ROWS_AFTER, HAS_KPAD and not KEYS_BY_C, CAUSAL, h, MASK, stride_mb,
+                          stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_M=False, BOUND_N=not KEYS_BY_C)
             y, w_d, w_s, pi_d, pi_s = z, z, z, z, z  # the shares are MIX's
             if MIX:
                 ok = ok & (zr > float("-inf"))
@@ -474,7 +508,7 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 rho_s += tl.sum(w_s * ds, 1)
                 gu += tl.sum(ds * (w_d * inv_u - w_s * inv_1mu), 1)
             else:
-                dz = _query_dz(ds, p, z, ok, r, w_d, w_s, pi_d, pi_s, rho_d, rho_s, G, b, h, offs_n, S_K, stride_cb,
+                dz = _query_dz(ds, p, z, ok, r_c, w_d, w_s, pi_d, pi_s, rho_d, rho_s, G, b, h, offs_n, S_K, stride_cb,
                                stride_ch, SWEEPS, MIX, NOISE)
                 dq += tl.dot(dz.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
     if ROWS:
@@ -483,6 +517,8 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
         _store_rows(GU, gu, b, h, offs_m, S_Q, stride_rb, stride_rh)
     else:
         dq = dq * scale
+        if ROWS_AFTER:
+            dq = tl.where(_padded(QPAD, b, offs_m, S_Q, stride_qpad)[:, None], 0.0, dq)
         if ADD:
             dq += _block(DQ, b, h, offs_m, offs_d, S_Q, D, stride_dqb, stride_dqh, stride_dqs).to(ACC)
         _store_block(DQ, dq, b, h, offs_m, offs_d, S_Q, D, stride_dqb, stride_dqh, stride_dqs)

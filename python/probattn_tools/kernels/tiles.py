@@ -243,6 +243,21 @@ def _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stri
 
 
 @triton.jit
+def _padded(PAD, b, offs, n, stride_pad):
+    """Whether each of a block's queries or keys is padded, from a (B, S) padding mask (nonzero where
+    padded); those past n count as padded."""
+    return tl.load(PAD + b * stride_pad + offs, mask=offs < n, other=1) != 0
+
+
+@triton.jit
+def _drop_rows(acc, m, l, padded):
+    """A row pass's accumulators with the padded queries' rows emptied as `_finish_row` then writes
+    them: output 0 and r_i = +inf (m = +inf, l = 1), so that the backward's weights exp(z − r_i)
+    are 0 in those rows without query padding applied per entry. Per row, once after the loop."""
+    return (tl.where(padded[:, None], 0.0, acc), tl.where(padded, float("inf"), m), tl.where(padded, 1.0, l))
+
+
+@triton.jit
 def _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh,
           stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am, stride_an, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
           DOT: tl.constexpr):
