@@ -14,6 +14,13 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def _padded(PAD, b, offs, n, stride_pad):
+    """Whether each of a block's queries or keys is padded, from a (B, S) padding mask (nonzero where
+    padded); those past n count as padded."""
+    return tl.load(PAD + b * stride_pad + offs, mask=offs < n, other=1) != 0
+
+
+@triton.jit
 def _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
              HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, CAUSAL: tl.constexpr,
              h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK: tl.constexpr,
@@ -36,11 +43,9 @@ def _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
         pattern = tl.load(at, mask=(offs_m[:, None] < S_Q) & (offs_n[None, :] < S_K), other=0)
         ok = ok & (pattern != 0)
     if HAS_QPAD:
-        qpad = tl.load(QPAD + b * stride_qpad + offs_m, mask=offs_m < S_Q, other=1)
-        ok = ok & (qpad[:, None] == 0)
+        ok = ok & ~_padded(QPAD, b, offs_m, S_Q, stride_qpad)[:, None]
     if HAS_KPAD:
-        kpad = tl.load(KPAD + b * stride_kpad + offs_n, mask=offs_n < S_K, other=1)
-        ok = ok & (kpad[None, :] == 0)
+        ok = ok & ~_padded(KPAD, b, offs_n, S_K, stride_kpad)[None, :]
     if CAUSAL:
         ok = ok & (offs_n[None, :] <= offs_m[:, None])
     return ok
@@ -240,13 +245,6 @@ def _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stri
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_dv[None, :],
              out.to(O.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < DV))
     _store_rows(R, r, b, h, offs_m, S_Q, stride_rb, stride_rh)
-
-
-@triton.jit
-def _padded(PAD, b, offs, n, stride_pad):
-    """Whether each of a block's queries or keys is padded, from a (B, S) padding mask (nonzero where
-    padded); those past n count as padded."""
-    return tl.load(PAD + b * stride_pad + offs, mask=offs < n, other=1) != 0
 
 
 @triton.jit
