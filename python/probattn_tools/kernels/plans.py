@@ -450,7 +450,9 @@ def _forward(call, sweeps, hybrid=False):
                         CONTEXT=call.grads)
         if call.mix:  # BAM over HNAS: DNAS's and softmax's row statistics first, then the mixture's row pass
             rd, rs = call.stat(False), call.stat(False)
-            for cpot, rows in ((c, rd), (torch.zeros_like(c), rs)):
+            # Softmax's "potential" is 0, but +inf where c_j is (a key no query sees, a padded one
+            # among them, and past S_k), which carries key padding into the reduction as c does.
+            for cpot, rows in ((c, rd), (torch.where(torch.isposinf(c), c, 0.0), rs)):
                 call.launch(_sink_reduce, call.grid(False, "query"), RPOT=r, CPOT=cpot, COEF=cpot, OUT=rows,
                             COLUMNS=False, LSE=True, HAS_RPOT=False)
             call.mix_rows = (rd, rs)

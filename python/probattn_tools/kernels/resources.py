@@ -7,6 +7,7 @@ not fit in them (spills), and the SASS instructions that matter for speed, count
     python -m probattn_tools.kernels.resources --noise 2 --setting 64,32,4,2
     python -m probattn_tools.kernels.resources --kernel _row_pass --json out.json --markdown out.md
     python -m probattn_tools.kernels.resources --noise 0 --floor 32768   # and each plan's instruction floor
+    python -m probattn_tools.kernels.resources --noise 0 --masks padding  # unpadded and padded forms
 
 The counts are of instructions in the code, not of executions: the loop over key (or query)
 blocks is compiled once, so a count in the loop's body is what one thread issues per tile.
@@ -136,8 +137,11 @@ def main(argv=None):
                                           "tuning.json or the defaults)")
     parser.add_argument("--kernel", help="only this kernel (e.g. _row_pass)")
     parser.add_argument("--noise", type=int, choices=[0, 1, 2], help="only this noise (0 none, 1 Weibull, 2 Lognormal)")
-    parser.add_argument("--padded", action="store_true", help="the padded and masked specializations too (the "
-                                                              "unpadded ones alone by default, BAM's always padded)")
+    parser.add_argument("--masks", choices=("none", "padding", "all"), default="none",
+                        help="the deterministic specializations counted: unpadded alone (none, the default), "
+                             "padded too (padding), or padded and under a pattern or an additive mask too "
+                             "(all); BAM's are always padded")
+    parser.add_argument("--padded", action="store_true", help="the same as --masks all")
     parser.add_argument("--floor", type=int, metavar="S", help="also the time the loops' instructions alone take "
                                                                  "for each plan's forward and backward at sequence "
                                                                  "length S on an H100 or H200, a lower bound (the "
@@ -177,7 +181,9 @@ def main(argv=None):
         noise = constexprs.get("NOISE", 0)
         if args.kernel and name != args.kernel or args.noise is not None and noise != args.noise:
             continue
-        if noise == 0 and not args.padded and (constexprs.get("HAS_QPAD") or constexprs.get("HAS_MASK")):
+        masks = "all" if args.padded else args.masks
+        if noise == 0 and (masks == "none" and constexprs.get("HAS_QPAD") or masks != "all" and (
+                constexprs.get("HAS_MASK") or constexprs.get("HAS_BIAS"))):
             continue
         shown = {k: v for k, v in constexprs.items() if v not in (False, 0)}
         key = (name, tuple(sorted(shown.items())))

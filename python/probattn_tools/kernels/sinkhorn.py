@@ -5,7 +5,7 @@ import triton.language as tl
 
 from probattn_tools.kernels.bam import _kl_tile, _weights
 from probattn_tools.kernels.tiles import (FLOOR, _allowed, _block, _exp, _exp_less, _in_exp_base, _key_block, _live,
-                                          _lse_fold, _lse_value, _rows, _store_block, _store_rows, _tile)
+                                          _lse_fold, _lse_value, _padded, _rows, _store_block, _store_rows, _tile)
 
 # ---------------------------------------------------------------------------------------------
 # Sinkhorn-N (N ≥ 2): potentials per sweep t = 1..N, C^t_j = LSE_i (z_ij − R^{t−1}_i) (R^0 = 0)
@@ -15,6 +15,14 @@ from probattn_tools.kernels.tiles import (FLOOR, _allowed, _block, _exp, _exp_le
 # κ^t = exp(z − R^{t−1} − C^t) and ρ^t = exp(z − C^t − R^t); then
 # dz = dS¹ + Σ_t Ḡc^t κ^t + Σ_{t<N} Ḡr^t ρ^t, formed tile by tile in the final key and query passes.
 # Potentials and their gradients are (N, B, H, S) float tensors: O(N·S) memory.
+#
+# Padding is carried by the potentials, not applied per entry: a padded key's column potentials
+# are +inf and a padded query's row potentials too (written once per key or query after a
+# reduction's loop, as DNAS's column and row passes write c_j and r_i), so that every x = z − C − R
+# that reaches a padded key or query is −inf and weighs 0, and the potentials' gradients there are
+# 0. Only the first column reduction, which has no row potential before it (R^0 = 0), and the
+# first sweep's term of dz apply query padding themselves: the first per entry, dz per row
+# (`_first_rows`). The KL term reads the allowed pairs itself and keeps both per entry.
 
 
 @triton.jit
@@ -29,7 +37,10 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
     """One reduction of x_ij = z_ij − RPOT_i − CPOT_j over the allowed entries, per key (COLUMNS,
     over the queries) or per query (over the keys): with LSE, the log-sum-exp of x (a potential;
     the potential being formed is left out of x); else −Σ COEF_other · exp(x) (a potential's
-    gradient). RPOT and CPOT are laid out as (B, H, S) statistics; RPOT absent: 0."""
+    gradient). RPOT and CPOT are laid out as (B, H, S) statistics; RPOT absent: 0. CPOT is +inf
+    at padded keys and RPOT at padded queries (the module's note), so that neither padding is
+    applied per entry, but query padding in a column reduction without RPOT; a log-sum-exp is
+    written +inf at its own padded keys or queries after the loop."""
     scale = tl.load(SCALE).to(ACC)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -50,8 +61,9 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
                                 stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
                                 stride_an, HAS_BIAS, ACC, DOT)
-                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
+                              HAS_QPAD and not HAS_RPOT, False, False, h, MASK, stride_mb, stride_mh, stride_mm,
+                              stride_mn, HAS_MASK)
                 if HAS_RPOT:
                     z = z - _rows(RPOT, b, h, offs_m, S_Q, stride_rb, stride_rh)[:, None]
                 if LSE:
@@ -62,6 +74,8 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
                     total -= tl.sum(e * coef[:, None], 0)
         if LSE:  # +inf for a key no query sees, as `_column_pass` writes c (the last sweep's row pass reads it)
             total = _lse_value(m, total, float("inf"))
+            if HAS_KPAD:
+                total = tl.where(_padded(KPAD, b, offs_n, S_K, stride_kpad), float("inf"), total)
         _store_rows(OUT, total, b, h, offs_n, S_K, stride_cb, stride_ch)
     else:
         start_m0 = tl.program_id(0) * BLOCK_M
@@ -78,8 +92,8 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
                 z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
                                 stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
                                 stride_an, HAS_BIAS, ACC, DOT)
-                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, False, False, False,
+                              h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
                 z = z - _key_block(CPOT, b, h, offs_n, stride_cb, stride_ch)[None, :]
                 if LSE:
                     m, total = _lse_fold(m, total, tl.where(ok, z, float("-inf")), 1)
@@ -89,17 +103,31 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
                     total -= tl.sum(e * coef[None, :], 1)
         if LSE:
             total = _lse_value(m, total, 0.0)
+            if HAS_QPAD:
+                total = tl.where(_padded(QPAD, b, offs_m, S_Q, stride_qpad), float("inf"), total)
         _store_rows(OUT, total, b, h, offs_m, S_Q, stride_rb, stride_rh)
 
 
 @triton.jit
-def _sink_dz(z, ok, dsz, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb, stride_ch, stride_tr,
+def _first_rows(QPAD, b, offs_m, S_Q, stride_qpad, ACC: tl.constexpr, HAS_QPAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """R^0 for a block of queries, as dz's first term reads it: 0, and +inf at padded queries
+    (and past S_Q), so that κ^1 = exp(z − R^0 − C^1) is 0 in their rows as every later term is
+    through their row potentials. Per row, not per entry."""
+    r0 = tl.zeros([BLOCK_M], dtype=ACC)
+    if HAS_QPAD:
+        r0 = tl.where(_padded(QPAD, b, offs_m, S_Q, stride_qpad), float("inf"), r0)
+    return r0
+
+
+@triton.jit
+def _sink_dz(z, ok, dsz, r0, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb, stride_ch, stride_tr,
              stride_rb, stride_rh, N):
-    """dz = dS¹ + Σ_t Ḡc^t κ^t + Σ_{t<N} Ḡr^t ρ^t on one tile (z without potentials). N is a
-    run-time argument: one compiled kernel serves every sweep count. The column potentials and
-    their gradients are read a key block at a time (`_key_block`): past S_K the potentials are
-    +inf and their gradients 0, and the tile's bound on keys excludes those entries."""
-    r_prev = tl.zeros([z.shape[0]], dtype=z.dtype)
+    """dz = dS¹ + Σ_t Ḡc^t κ^t + Σ_{t<N} Ḡr^t ρ^t on one tile (z without potentials), r0 the
+    block's R^0 (`_first_rows`). N is a run-time argument: one compiled kernel serves every sweep
+    count. The column potentials and their gradients are read a key block at a time
+    (`_key_block`): past S_K the potentials are +inf and their gradients 0, and the tile's bound
+    on keys excludes those entries."""
+    r_prev = r0
     for t in range(0, N - 1):
         c = _key_block(CS + t * stride_t, b, h, offs_n, stride_cb, stride_ch)
         gc = _key_block(GC + t * stride_t, b, h, offs_n, stride_cb, stride_ch)
@@ -151,7 +179,8 @@ def _sink_key_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DK, DV_OUT, G, QPAD, KPA
     one (batch, query head) per program (with a KL term, also the prior's gradient DA). STAGE 1:
     dK and dV with the whole dz, one key block of one (batch, key/value head), over its group's
     query heads. p = exp(z − C^N − R^N + n), n BAM's noise term (none without NOISE), and a KL
-    term's part joins dS¹ (`_sink_ds`); dk and dv are laid out as k and v."""
+    term's part joins dS¹ (`_sink_ds`); dk and dv are laid out as k and v. The paddings reach the
+    weights through the last potentials (the module's note): per entry only with a KL term."""
     scale = tl.load(SCALE).to(ACC)
     noise_scale = tl.load(SCALE + 1).to(ACC)
     offs_d = tl.arange(0, BLOCK_D)
@@ -182,8 +211,9 @@ def _sink_key_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DK, DV_OUT, G, QPAD, KPA
                 z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh,
                                 stride_qs, stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah,
                                 stride_am, stride_an, HAS_BIAS, ACC, DOT)
-                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                              False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
+                              HAS_QPAD and KL > 0, HAS_KPAD and KL > 0, False, h, MASK, stride_mb, stride_mh,
+                              stride_mm, stride_mn, HAS_MASK)
                 r = _rows(RS + last_r, b, h, offs_m, S_Q, stride_rb, stride_rh)
                 do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
                 delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
@@ -193,7 +223,8 @@ def _sink_key_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DK, DV_OUT, G, QPAD, KPA
                 if STAGE == 0:
                     g += tl.sum(ds, 0)
                 else:
-                    dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb,
+                    r0 = _first_rows(QPAD, b, offs_m, S_Q, stride_qpad, ACC, HAS_QPAD, BLOCK_M)
+                    dz = _sink_dz(z, ok, ds, r0, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb,
                                   stride_ch, stride_tr, stride_rb, stride_rh, N)
                     dk += tl.dot(tl.trans(dz).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
                     dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
@@ -218,7 +249,8 @@ def _sink_query_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, QPAD, KPAD, MASK, 
                       DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_DV: tl.constexpr):
     """Sinkhorn-N's last gradient pass: dQ with the whole dz (as `_sink_key_grads`' STAGE 1), one
-    query block of one (batch, query head) per program; dq is laid out as q."""
+    query block of one (batch, query head) per program; dq is laid out as q. Padding as in
+    `_sink_key_grads`."""
     scale = tl.load(SCALE).to(ACC)
     noise_scale = tl.load(SCALE + 1).to(ACC)
     offs_d = tl.arange(0, BLOCK_D)
@@ -233,6 +265,7 @@ def _sink_query_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, QPAD, KPAD, MASK, 
     r = _rows(RS + last_r, b, h, offs_m, S_Q, stride_rb, stride_rh)
     do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
     delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
+    r0 = _first_rows(QPAD, b, offs_m, S_Q, stride_qpad, ACC, HAS_QPAD, BLOCK_M)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     for start_n in range(0, S_K, BLOCK_N):
         if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
@@ -241,14 +274,14 @@ def _sink_query_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, QPAD, KPAD, MASK, 
             z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
                             stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
                             stride_an, HAS_BIAS, ACC, DOT)
-            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD,
-                          False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
+            ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD and KL > 0,
+                          HAS_KPAD and KL > 0, False, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK)
             c = _key_block(CS + last_c, b, h, offs_n, stride_cb, stride_ch)
             v = _block(V, b, kvh, offs_n, offs_dv, S_K, DV, stride_vb, stride_vh, stride_vs)
             _, ds, _ = _sink_ds(z, c, ok, r, do, v, delta, tl.zeros_like(c), DRAWS, PRIOR, RB, KS, DKL, b, h, offs_m,
                                 offs_n, H, S_Q, S_K, noise_scale, stride_pb, stride_ph, stride_pn, stride_rb, stride_rh,
                                 NOISE, KL, DRAW64, ACC, DOT)  # no prior gradient here: STAGE 0 forms it
-            dz = _sink_dz(z, ok, ds, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb, stride_ch,
-                          stride_tr, stride_rb, stride_rh, N)
+            dz = _sink_dz(z, ok, ds, r0, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb,
+                          stride_ch, stride_tr, stride_rb, stride_rh, N)
             dq += tl.dot(dz.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
     _store_block(DQ, dq * scale, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
