@@ -22,7 +22,8 @@ from probattn_tools.kernels.tiles import (FLOOR, _allowed, _block, _exp, _exp_le
 # that reaches a padded key or query is −inf and weighs 0, and the potentials' gradients there are
 # 0. Only the first column reduction, which has no row potential before it (R^0 = 0), and the
 # first sweep's term of dz apply query padding themselves: the first per entry, dz per row
-# (`_first_rows`). The KL term reads the allowed pairs itself and keeps both per entry.
+# (`_first_rows`). The KL term reads the allowed pairs itself and keeps both per entry (dz's
+# first term then needs no R^0 of its own).
 
 
 @triton.jit
@@ -223,7 +224,7 @@ def _sink_key_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DK, DV_OUT, G, QPAD, KPA
                 if STAGE == 0:
                     g += tl.sum(ds, 0)
                 else:
-                    r0 = _first_rows(QPAD, b, offs_m, S_Q, stride_qpad, ACC, HAS_QPAD, BLOCK_M)
+                    r0 = _first_rows(QPAD, b, offs_m, S_Q, stride_qpad, ACC, HAS_QPAD and KL == 0, BLOCK_M)
                     dz = _sink_dz(z, ok, ds, r0, offs_m, offs_n, b, h, S_Q, S_K, CS, RS, GC, GR, stride_t, stride_cb,
                                   stride_ch, stride_tr, stride_rb, stride_rh, N)
                     dk += tl.dot(tl.trans(dz).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
@@ -265,7 +266,7 @@ def _sink_query_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, QPAD, KPAD, MASK, 
     r = _rows(RS + last_r, b, h, offs_m, S_Q, stride_rb, stride_rh)
     do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
     delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
-    r0 = _first_rows(QPAD, b, offs_m, S_Q, stride_qpad, ACC, HAS_QPAD, BLOCK_M)
+    r0 = _first_rows(QPAD, b, offs_m, S_Q, stride_qpad, ACC, HAS_QPAD and KL == 0, BLOCK_M)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     for start_n in range(0, S_K, BLOCK_N):
         if _live(BLOCKS, b, h, start_m0 // BLOCK_M, start_n // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
