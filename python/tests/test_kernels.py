@@ -172,6 +172,28 @@ class TritonKernels(unittest.TestCase):
                                       r"and 2 stages needs \d+ bytes of shared memory; sm_80 allows 166912")
 
 
+class SassCounts(unittest.TestCase):
+    """How `kernels.resources` reads a loop's instructions from SASS and turns them into a floor."""
+
+    def test_a_loop_inside_the_tile_loop_is_counted_apart_and_repeated_in_the_floor(self):
+        from unittest import mock
+
+        from probattn_tools.kernels import resources
+
+        # A tile loop (0x10-0x60, with a product) around a loop without one (0x20-0x40).
+        code = [(0x00, "MOV", " R1, R2"), (0x10, "HGMMA", " R4"), (0x20, "FADD", " R5"), (0x30, "MUFU", ".EX2 R6"),
+                (0x40, "BRA", " 0x20"), (0x50, "FMUL", " R7"), (0x60, "BRA", " 0x10"), (0x70, "EXIT", "")]
+        counts = resources.loop_counts(code)
+        self.assertEqual((counts["loop_instructions"], counts["inner_loop_instructions"]), (6, 3))
+        self.assertEqual((counts["loop_HGMMA"], counts["loop_MUFU"]), (1, 1))
+        self.assertNotIn("inner_loop_instructions", resources.loop_counts(code[:4] + code[5:]))
+        row = {"kernel": "k", "constexprs": {}, "loop_per_entry": 6.0, **counts}
+        # Launched twice, its inner loop run three times a tile: 2 · (6 + 2 · 3) per entry.
+        with mock.patch.dict(resources.PLAN_PASSES, {"p": [("k", {}, 2, 3)]}, clear=True):
+            floor = resources.floors([row], seq=1024, heads=1)
+        self.assertEqual(floor["p"]["per_entry"], 24.0)
+
+
 class TuningTable(unittest.TestCase):
     """The table `kernels.sweep` writes and `kernels.aot` reads (`kernels.settings`)."""
 

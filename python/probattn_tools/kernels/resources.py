@@ -70,29 +70,43 @@ def loop_counts(code):
     """{loop_instructions, loop_KIND: count} of the loop over tiles in the code, [(address,
     opcode, operands)]: of the loops (a backward branch's target to the branch) that hold a
     tensor-core product, the innermost, the largest if there are several. That is what a thread
-    issues per tile. (The key pass's loop over a group's query heads holds it; Sinkhorn-N's
-    gradient passes hold a loop over the sweeps inside it.) Empty without one."""
-    loops = []
+    issues per tile. (The key pass's loop over a group's query heads holds it.) Where loops
+    without a product lie inside it, as Sinkhorn-N's loop over the sweeps inside its gradient
+    stages, also `inner_loop_instructions`: their bodies, which the tile's count holds once and a
+    run repeats (`floors`). Empty without one."""
+    every, loops = [], []
     for addr, op, rest in code:
         target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
         if target and int(target.group(1), 16) < addr:
             lo = int(target.group(1), 16)
+            every.append((lo, addr))
             if any(lo <= a <= addr and o in ("HGMMA", "HMMA") for a, o, _ in code):
                 loops.append((lo, addr))
     innermost = [(lo, hi) for lo, hi in loops
                  if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]
-    best = max(([o for a, o, _ in code if lo <= a <= hi] for lo, hi in innermost), key=len, default=[])
-    if not best:
+    if not innermost:
         return {}
-    return {"loop_instructions": len(best), **{f"loop_{kind}": sum(1 for op in best if op == kind) for kind in KINDS}}
+    lo, hi = max(innermost, key=lambda r: sum(1 for a, _, _ in code if r[0] <= a <= r[1]))
+    best = [o for a, o, _ in code if lo <= a <= hi]
+    out = {"loop_instructions": len(best), **{f"loop_{kind}": sum(1 for op in best if op == kind) for kind in KINDS}}
+    inside = {(a, b) for a, b in every if lo <= a and b <= hi and (a, b) != (lo, hi)}
+    outermost = [(a, b) for a, b in inside if not any(c <= a and b <= d and (c, d) != (a, b) for c, d in inside)]
+    if outermost:
+        out["inner_loop_instructions"] = sum(sum(1 for x, _, _ in code if a <= x <= b) for a, b in outermost)
+    return out
 
 
 # The passes of a forward and backward per plan, as the route launches them (fused_cuda.cpp; DNAS's
 # and HNAS's column pass with CONTEXT, as a forward with a backward to follow runs it):
-# (kernel, its specialization's constexprs that are set, as the rows show them). The
-# deterministic plans unpadded; BAM (over softmax, with its KL term) padded, as the route
-# always runs it.
+# (kernel, its specialization's constexprs that are set, as the rows show them), or with (launches,
+# runs of the loops inside its tile loop) where those are not 1. The deterministic plans
+# unpadded; BAM (over softmax, with its KL term) padded, as the route always runs it.
+# Sinkhorn-3: three column and two row reductions of the potentials, the last row pass (DNAS's),
+# then stage 0 (g_j), two row and two column reductions of the potentials' gradients, and the dK/dV
+# and dQ stages, whose loop over the earlier sweeps runs N − 1 = 2 times a tile (plans._forward,
+# plans._backward).
 _BAM = {"HAS_QPAD": True, "HAS_KPAD": True}
+_N = 3
 PLAN_PASSES = {
     "softmax": [("_row_pass", {}), ("_key_pass", {"GRADS": True}), ("_query_pass", {})],
     "dnas": [("_column_pass", {"CONTEXT": True}), ("_row_pass", {"SWEEPS": 1}), ("_key_pass", {"SWEEPS": 1, "GRADS": True}),
@@ -102,6 +116,12 @@ PLAN_PASSES = {
              ("_key_pass", {"GRADS": True, "SHARE": True, "ADD": True}), ("_query_pass", {"SHARE": True, "ADD": True})],
     **{name: [("_row_pass", dict(_BAM, NOISE=n, KL=n)), ("_key_pass", dict(_BAM, NOISE=n, KL=n, GRADS=True)),
               ("_query_pass", dict(_BAM, NOISE=n, KL=n))] for name, n in (("bam-wc", 1), ("bam-lc", 2))},
+    f"sinkhorn-{_N}": [("_sink_reduce", {"COLUMNS": True, "LSE": True}),
+                       ("_sink_reduce", {"COLUMNS": True, "LSE": True, "HAS_RPOT": True}, _N - 1, 1),
+                       ("_sink_reduce", {"LSE": True}, _N - 1, 1), ("_row_pass", {"SWEEPS": 1}),
+                       ("_sink_key_grads", {}), ("_sink_reduce", {"HAS_RPOT": True}, _N - 1, 1),
+                       ("_sink_reduce", {"COLUMNS": True, "HAS_RPOT": True}, _N - 1, 1),
+                       ("_sink_key_grads", {"STAGE": 1}, 1, _N - 1), ("_sink_query_grads", {}, 1, _N - 1)],
 }
 # Hopper (H100 and H200 SXM): 132 SMs at up to 1.98 GHz, 4 warp instructions issued per SM per clock.
 SMS, CLOCK, ISSUE = 132, 1.98e9, 4
@@ -114,17 +134,22 @@ def floors(rows, seq, heads, batch=1):
     no wait, and the tensor cores' work overlapped. (Float64 instructions, which Lognormal's draws
     take, issue at half the rate on their own pipe; at 73-76 of 260-440 an entry they do not
     bind.)"""
-    def find(kernel, picks):
-        return next((r["loop_per_entry"] for r in rows
-                     if r["kernel"] == kernel and r["constexprs"] == picks and "loop_per_entry" in r), None)
+    def find(kernel, picks, launches=1, runs=1):
+        """The pass's instructions per entry over its launches, its inner loops run `runs` times."""
+        row = next((r for r in rows if r["kernel"] == kernel and r["constexprs"] == picks and "loop_per_entry" in r),
+                   None)
+        if row is None:
+            return None
+        inner = row.get("inner_loop_instructions", 0) / row["loop_instructions"] * row["loop_per_entry"]
+        return round(launches * (row["loop_per_entry"] + (runs - 1) * inner), 1)
     out = {}
     for plan, passes in PLAN_PASSES.items():
-        counts = [find(k, p) for k, p in passes]
+        counts = [find(*p) for p in passes]
         if None in counts:
             continue
         per_entry = round(sum(counts), 1)
         ms = batch * heads * seq * seq * per_entry / 32 / (SMS * ISSUE * CLOCK) * 1e3
-        out[plan] = {"ms": round(ms, 1), "per_entry": per_entry, "passes": [[k, n] for (k, _), n in zip(passes, counts)]}
+        out[plan] = {"ms": round(ms, 1), "per_entry": per_entry, "passes": [[p[0], n] for p, n in zip(passes, counts)]}
     return out
 
 
