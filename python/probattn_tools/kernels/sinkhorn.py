@@ -5,7 +5,8 @@ import triton.language as tl
 
 from probattn_tools.kernels.bam import _kl_tile, _weights
 from probattn_tools.kernels.tiles import (FLOOR, _allowed, _block, _exp, _exp_less, _in_exp_base, _key_block, _live,
-                                          _lse_fold, _lse_value, _padded, _rows, _store_block, _store_rows, _tile)
+                                          _lse_fold, _lse_value, _padded, _rows, _scores, _store_block, _store_rows,
+                                          _tile)
 
 # ---------------------------------------------------------------------------------------------
 # Sinkhorn-N (N ≥ 2): potentials per sweep t = 1..N, C^t_j = LSE_i (z_ij − R^{t−1}_i) (R^0 = 0)
@@ -55,24 +56,29 @@ def _sink_reduce(Q, K, RPOT, CPOT, COEF, OUT, QPAD, KPAD, MASK, BLOCKS, BIAS,
         cpot = tl.zeros([BLOCK_N], dtype=ACC)  # in the exps' base (`_in_exp_base`)
         if not LSE:
             cpot = _in_exp_base(_rows(CPOT, b, h, offs_n, S_K, stride_cb, stride_ch))
+        k = _block(K, b, kvh, offs_n, offs_d, S_K, D, stride_kb, stride_kh, stride_ks)
         for start_m in range(0, S_Q, BLOCK_M):
             if _live(BLOCKS, b, h, start_m // BLOCK_M, start_n0 // BLOCK_N, stride_bb, stride_bh, stride_bm, stride_bn,
                      HAS_MASK):
                 offs_m = start_m + tl.arange(0, BLOCK_M)
-                z, q, k = _tile(Q, K, b, h, kvh, offs_m, offs_n, offs_d, S_Q, S_K, D, stride_qb, stride_qh, stride_qs,
-                                stride_kb, stride_kh, stride_ks, scale, BIAS, stride_ab, stride_ah, stride_am,
-                                stride_an, HAS_BIAS, ACC, DOT)
-                ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad,
-                              HAS_QPAD and not HAS_RPOT, False, False, h, MASK, stride_mb, stride_mh, stride_mm,
-                              stride_mn, HAS_MASK)
+                q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
+                # The tile formed transposed, zᵀ = s·k qᵀ (keys × queries), as `_column_pass` forms
+                # it: the sums over queries then run along a row of the tensor cores' layout, not
+                # across the warps through shared memory. The conditions on keys and queries trade
+                # places; keys past S_K reach only what is not stored (no bound on them).
+                zt = _scores(k, q, scale, BIAS, b, h, offs_n, offs_m, S_K, S_Q, stride_ab, stride_ah, stride_an,
+                             stride_am, HAS_BIAS, ACC, DOT)
+                ok = _allowed(offs_n, offs_m, b, S_K, S_Q, KPAD, QPAD, stride_kpad, stride_qpad, False,
+                              HAS_QPAD and not HAS_RPOT, False, h, MASK, stride_mb, stride_mh, stride_mn, stride_mm,
+                              HAS_MASK, BOUND_M=False)
                 if HAS_RPOT:
-                    z = z - _rows(RPOT, b, h, offs_m, S_Q, stride_rb, stride_rh)[:, None]
+                    zt = zt - _rows(RPOT, b, h, offs_m, S_Q, stride_rb, stride_rh)[None, :]
                 if LSE:
-                    m, total = _lse_fold(m, total, tl.where(ok, z, float("-inf")), 0)
+                    m, total = _lse_fold(m, total, tl.where(ok, zt, float("-inf")), 1)
                 else:
                     coef = _rows(COEF, b, h, offs_m, S_Q, stride_rb, stride_rh)
-                    e = _exp_less(tl.where(ok, z, float("-inf")), cpot[None, :])
-                    total -= tl.sum(e * coef[:, None], 0)
+                    e = _exp_less(tl.where(ok, zt, float("-inf")), cpot[:, None])
+                    total -= tl.sum(e * coef[None, :], 1)
         if LSE:  # +inf for a key no query sees, as `_column_pass` writes c (the last sweep's row pass reads it)
             total = _lse_value(m, total, float("inf"))
             if HAS_KPAD:
