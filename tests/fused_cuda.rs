@@ -222,9 +222,11 @@ fn python_arguments(case: &Case, scale: f64, kind: Kind) -> Result<String> {
     Ok(args.join(" "))
 }
 
-/// The launches plans.py makes for each case in `kind`, from one Python process.
-fn python_launches(cases: &[Case], scale: f64, kind: Kind) -> Result<Vec<Value>> {
-    let lines = cases.iter().map(|c| python_arguments(c, scale, kind)).collect::<Result<Vec<_>>>()?.join("\n");
+/// The launches plans.py makes for each case in `kind`, from one Python process; `deterministic`:
+/// with libtorch's deterministic algorithms asked for.
+fn python_launches(cases: &[Case], scale: f64, kind: Kind, deterministic: bool) -> Result<Vec<Value>> {
+    let flag = if deterministic { " --deterministic" } else { "" };
+    let lines = cases.iter().map(|c| Ok(python_arguments(c, scale, kind)? + flag)).collect::<Result<Vec<_>>>()?.join("\n");
     let mut command = common::python_module("kernels.launches")?;
     command.arg("--batch").stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped());
     command.stderr(std::process::Stdio::piped());
@@ -245,7 +247,33 @@ fn unused_stand_in(entry: &Value) -> bool {
 
 #[test]
 fn the_route_launches_what_the_checked_python_orchestration_launches() -> Result<()> {
-    compare_launches(&CASES, Kind::Half)
+    // libtorch's deterministic switch is process-wide: the tests that depend on it hold the lock.
+    let _serial = common::serial();
+    let launched = compare_launches(&CASES, Kind::Half)?;
+    // Sinkhorn-N adds dQ by atomics from its dK/dV stage: no stage of dQ's own.
+    for (case, kernels) in CASES.iter().zip(launched) {
+        assert!(!kernels.iter().any(|k| k == "_sink_query_grads"), "{case:?}: {kernels:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn with_deterministic_algorithms_asked_for_sinkhorns_dq_takes_a_stage_of_its_own_in_both() -> Result<()> {
+    let _serial = common::serial();
+    let cases: Vec<Case> = CASES.iter().copied().filter(|c| c.sweeps > 1).collect();
+    let before = probattn_sys::set_deterministic_algorithms(true)?;
+    let launched = compare_launches_with(&cases, Kind::Half, true);
+    probattn_sys::set_deterministic_algorithms(before)?;
+    let launched = launched?;
+    assert!(!cases.is_empty());
+    for (case, kernels) in cases.iter().zip(launched) {
+        if kernels.is_empty() {
+            continue; // this build embeds no kernel (compare_launches_with said so)
+        }
+        // The backward ends with the dK/dV stage, then dQ's own.
+        assert!(kernels.ends_with(&["_sink_key_grads".to_string(), "_sink_query_grads".to_string()]), "{case:?}: {kernels:?}");
+    }
+    Ok(())
 }
 
 /// Whether float32's embedded set serves a case: the deterministic plans (BAM's sampling in float32
@@ -268,7 +296,7 @@ fn float32_with_tf32_allowed_launches_what_python_launches_and_without_it_is_ref
     let refused = probattn_sys::fused_cuda_dry_run(&q, &k, &v, &spec, 90).err().map(|e| e.to_string()).unwrap_or_default();
     probattn_sys::set_allow_tf32(true)?;
     let cases: Vec<Case> = CASES.iter().copied().filter(in_float32_set).collect();
-    let compared = compare_launches(&cases, Kind::Float);
+    let compared = compare_launches(&cases, Kind::Float).map(drop);
     probattn_sys::set_allow_tf32(before)?;
     assert!(refused.contains("TF32") && refused.contains("allow_tf32"), "{refused}");
     compared
@@ -281,17 +309,26 @@ fn a_bam_call_past_2_32_score_entries_launches_what_python_launches() -> Result<
     const PAST: Case = case([1, 2, 1, 50_000, 50_000, 64, 64], 1, false, KEYS, 1, false);
     let [b, h, _, s_q, s_k, ..] = PAST.shape;
     assert!(b * h * s_q * s_k > 1 << 32);
-    compare_launches(&[PAST], Kind::Half)
+    let _serial = common::serial();
+    compare_launches(&[PAST], Kind::Half).map(drop)
 }
 
-/// Holds the dry run's launches for each case in `kind` equal to plans.py's, launch by launch.
-fn compare_launches(cases: &[Case], kind: Kind) -> Result<()> {
+/// Holds the dry run's launches for each case in `kind` equal to plans.py's, launch by launch;
+/// returns the kernels each case launched, in order (none where the build embeds no kernel).
+fn compare_launches(cases: &[Case], kind: Kind) -> Result<Vec<Vec<String>>> {
+    compare_launches_with(cases, kind, false)
+}
+
+/// [`compare_launches`], plans.py's launches with libtorch's deterministic algorithms asked for
+/// where `deterministic` (the dry run reads libtorch's switch as the caller left it).
+fn compare_launches_with(cases: &[Case], kind: Kind, deterministic: bool) -> Result<Vec<Vec<String>>> {
     if let Some(why) = probattn_sys::kernels::missing() {
         eprintln!("skipped: this build embeds no kernel ({why})");
-        return Ok(());
+        return Ok(vec![Vec::new(); cases.len()]);
     }
     const SCALE: f64 = 0.3;
-    let python = python_launches(cases, SCALE, kind)?;
+    let python = python_launches(cases, SCALE, kind, deterministic)?;
+    let mut launched = Vec::new();
     for (case, theirs) in cases.iter().zip(python) {
         let (shape, (noise, kl)) = (case.shape, case.noise_and_kl());
         let x = inputs(shape, kind, Device::Cpu);
@@ -320,6 +357,7 @@ fn compare_launches(cases: &[Case], kind: Kind) -> Result<()> {
         let (ours, theirs) = (ours.as_array().context("an array")?, theirs.as_array().context("an array")?);
         let kernels = |l: &[Value]| l.iter().map(|x| x["kernel"].as_str().unwrap_or("").to_string()).collect::<Vec<_>>();
         assert_eq!(kernels(ours), kernels(theirs), "{case:?}: the kernels launched, in order");
+        launched.push(kernels(ours));
         for (i, (o, t)) in ours.iter().zip(theirs).enumerate() {
             let at = format!("{case:?}, launch {i} ({})", o["kernel"]);
             assert_eq!(o["key"], t["key"], "{at}: the specialization");
@@ -335,7 +373,7 @@ fn compare_launches(cases: &[Case], kind: Kind) -> Result<()> {
             assert!(ot.keys().all(|n| tt.contains_key(n)), "{at}: {:?} against {:?}", ot.keys(), tt.keys());
         }
     }
-    Ok(())
+    Ok(launched)
 }
 
 #[test]

@@ -78,4 +78,14 @@ char* pa_allow_tf32(int32_t allow, int32_t* previous) {
   });
 }
 
+char* pa_deterministic_algorithms(int32_t set, int32_t* previous) {
+  return probattn::guard([&] {
+    probattn::require(previous, "pa_deterministic_algorithms", "previous");
+    TORCH_CHECK(set >= -1 && set <= 1, "pa_deterministic_algorithms: -1 (ask), 0 or 1, got ", set);
+    auto& context = at::globalContext();
+    *previous = context.deterministicAlgorithms() ? 1 : 0;
+    if (set >= 0) context.setDeterministicAlgorithms(set != 0, context.deterministicAlgorithmsWarnOnly());
+  });
+}
+
 }  // extern "C"

@@ -119,7 +119,7 @@ struct Call {
     const int64_t masked = pattern.defined() ? 1 : 0;
     l.constexprs = {{"HAS_QPAD", qpad.defined() ? 1 : 0}, {"HAS_KPAD", kpad.defined() ? 1 : 0}, {"HAS_MASK", masked}, {"HAS_BIAS", masked},
                     {"SWEEPS", std::min<int64_t>(spec.sweeps, 1)}, {"CAUSAL", spec.causal ? 1 : 0}, {"NOISE", spec.noise},
-                    {"KL", spec.kl}, {"MIX", mix() ? 1 : 0}, {"ROWS", 0}, {"SHARE", 0}, {"ADD", 0}, {"CONTEXT", 0}};
+                    {"KL", spec.kl}, {"MIX", mix() ? 1 : 0}, {"ROWS", 0}, {"SHARE", 0}, {"ADD", 0}, {"CONTEXT", 0}, {"ATOMIC_DQ", 0}};
     for (const auto& [n, value] : extra) l.constexprs[n] = value;
     tensors["Q"] = q;
     tensors["K"] = k;
@@ -560,7 +560,9 @@ Grads hybrid_backward(const Call& call, const Forward& f, const at::Tensor& grad
 }
 
 // Sinkhorn-N: g from dS¹, the potentials' gradients reduced from the last sweep back to the
-// first, then dK, dV and dQ with the whole dz.
+// first, then dK, dV and dQ with the whole dz: dQ added by atomics from the dK/dV stage, in
+// float32, or in a stage of its own (forming each tile's dz again) where libtorch's deterministic
+// algorithms are asked for (`torch.use_deterministic_algorithms`), as `plans.py` does.
 Grads sinkhorn_backward(const Call& call, const Forward& f, const at::Tensor& grad_out, const at::Tensor& grad_part) {
   const int64_t n = call.spec.sweeps;
   const auto grad = grad_of(call, f.out, grad_out);
@@ -579,8 +581,16 @@ Grads sinkhorn_backward(const Call& call, const Forward& f, const at::Tensor& gr
     call.launch("_sink_reduce", true, call.h(), {{"COLUMNS", 1}, {"LSE", 0}, {"HAS_RPOT", 1}},
                 {{"RPOT", f.r[t]}, {"CPOT", f.c[t]}, {"COEF", gr[t]}, {"OUT", gc[t]}});
   }
-  call.launch("_sink_key_grads", true, call.h_kv(), {{"STAGE", 1}}, common);
-  call.launch("_sink_query_grads", false, call.h(), {}, common);
+  if (at::globalContext().deterministicAlgorithms()) {
+    call.launch("_sink_key_grads", true, call.h_kv(), {{"STAGE", 1}}, common);
+    call.launch("_sink_query_grads", false, call.h(), {}, common);
+  } else {
+    auto dq = at::zeros(call.q.sizes(), call.stats());
+    auto stage = common;
+    stage["DQ"] = dq;
+    call.launch("_sink_key_grads", true, call.h_kv(), {{"STAGE", 1}, {"ATOMIC_DQ", 1}}, stage);
+    d.dq.copy_(dq);
+  }
   return d;
 }
 

@@ -104,6 +104,7 @@ extern "C" {
     fn pa_autocast_state_of(cuda: i32, state: *mut AutocastState) -> *mut c_char;
     fn pa_autocast_set_enabled(cuda: i32, enabled: i32) -> *mut c_char;
     fn pa_allow_tf32(allow: i32, previous: *mut i32) -> *mut c_char;
+    fn pa_deterministic_algorithms(set: i32, previous: *mut i32) -> *mut c_char;
     fn pa_cpu_memory_track() -> *mut c_char;
     fn pa_cpu_memory_stats(current: *mut i64, peak: *mut i64, tracking: *mut i64) -> *mut c_char;
     fn pa_cpu_memory_reset_peak() -> *mut c_char;
@@ -350,6 +351,24 @@ pub fn set_allow_tf32(allow: bool) -> Result<bool> {
     let mut previous = 0;
     // SAFETY: a valid out-pointer.
     check(unsafe { pa_allow_tf32(i32::from(allow), &mut previous) }, Error::Torch)?;
+    Ok(previous != 0)
+}
+
+/// Whether libtorch's deterministic algorithms are asked for (PyTorch's
+/// `torch.are_deterministic_algorithms_enabled()`; process-wide).
+pub fn deterministic_algorithms() -> Result<bool> {
+    let mut previous = 0;
+    // SAFETY: a valid out-pointer; -1 only asks.
+    check(unsafe { pa_deterministic_algorithms(-1, &mut previous) }, Error::Torch)?;
+    Ok(previous != 0)
+}
+
+/// Sets libtorch's switch [`deterministic_algorithms`] reads (its warn-only setting kept); returns
+/// its value before.
+pub fn set_deterministic_algorithms(on: bool) -> Result<bool> {
+    let mut previous = 0;
+    // SAFETY: a valid out-pointer.
+    check(unsafe { pa_deterministic_algorithms(i32::from(on), &mut previous) }, Error::Torch)?;
     Ok(previous != 0)
 }
 

@@ -167,6 +167,21 @@ pub fn set_allow_tf32(allow: bool) -> Result<bool> {
     Ok(cxx::set_allow_tf32(allow)?)
 }
 
+/// Whether libtorch's deterministic algorithms are asked for: PyTorch's
+/// `torch.use_deterministic_algorithms`, one switch for the process (off by default). On the
+/// fused CUDA route Sinkhorn-N's backward adds dQ tile by tile with atomic adds, whose order (and
+/// so dQ's last bits) varies from run to run; with the switch on it forms dQ in a pass of its own
+/// instead, at the cost of every tile's gradient formed twice.
+pub fn deterministic_algorithms() -> Result<bool> {
+    Ok(cxx::deterministic_algorithms()?)
+}
+
+/// Sets the switch [`deterministic_algorithms`] reads for the whole process; returns its value
+/// before. libtorch then also refuses its own operations that have no deterministic form.
+pub fn set_deterministic_algorithms(on: bool) -> Result<bool> {
+    Ok(cxx::set_deterministic_algorithms(on)?)
+}
+
 /// Whether this CPU does bfloat16 arithmetic in hardware: x86-64's AVX512-BF16 instructions (which
 /// every processor with AMX has too). Without them libtorch computes bfloat16 products with float32
 /// instructions and conversions, and bfloat16 runs slower than float32 on the CPU

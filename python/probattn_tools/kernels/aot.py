@@ -51,7 +51,7 @@ STATISTICS = {"C", "R", "R2", "G", "MASS", "DELTA", "CS", "RS", "GC", "GR", "RPO
 MASKS = {"QPAD", "KPAD", "MASK", "BLOCKS"}
 WORDS = {"DRAWS"}  # int64 tensors: the seed's words (draws given as a tensor are not compiled here)
 # Constexprs with a value that leaves their feature off, where a specialization does not name them.
-OFF = dict(NOISE=0, KL=0, DRAW64=False, MIX=False, ROWS=False, SHARE=False, ADD=False, CONTEXT=False)
+OFF = dict(NOISE=0, KL=0, DRAW64=False, MIX=False, ROWS=False, SHARE=False, ADD=False, CONTEXT=False, ATOMIC_DQ=False)
 TRITON_TYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 # The products' input precision per dtype: TF32 for float32 (see above); for 16-bit inputs the
 # precision changes nothing.
@@ -76,7 +76,8 @@ def specializations(plans, smoke):
                 ("_query_pass", dict(flags, **bam, SWEEPS=1, CAUSAL=False, MIX=True, ROWS=True)),
                 ("_query_pass", dict(flags, **bam, SWEEPS=1, CAUSAL=False, MIX=True, ROWS=False)),
                 ("_sink_reduce", dict(flags, COLUMNS=True, LSE=False, HAS_RPOT=True)),
-                ("_sink_key_grads", dict(flags, **bam, STAGE=0)), ("_sink_query_grads", dict(flags, **bam))]
+                ("_sink_key_grads", dict(flags, **bam, STAGE=0)),
+                ("_sink_key_grads", dict(flags, **bam, STAGE=1, ATOMIC_DQ=True)), ("_sink_query_grads", dict(flags, **bam))]
     out = []
     for qpad, kpad, mask in itertools.product((False, True), repeat=3):
         f = dict(HAS_QPAD=qpad, HAS_KPAD=kpad, HAS_MASK=mask, HAS_BIAS=False)
@@ -141,12 +142,13 @@ def route_specializations(dtype="bfloat16", head_dim=64):
             out += [("_key_pass", dict(f, SWEEPS=sweeps, CAUSAL=False, GRADS=True, SHARE=True, ADD=add)),
                     ("_query_pass", dict(f, SWEEPS=sweeps, CAUSAL=False, SHARE=True, ADD=add))]
         # Sinkhorn-N: the forward's column (first, then after a row potential) and row reductions,
-        # the backward's two reductions of the potentials' gradients, and its three gradient stages.
+        # the backward's two reductions of the potentials' gradients, and its gradient stages (dQ
+        # added by atomics from the dK/dV stage, or in a stage of its own where deterministic
+        # algorithms are asked for).
         for columns, lse, rpot in ((True, True, False), (True, True, True), (False, True, False), (False, False, True),
                                    (True, False, True)):
             out.append(("_sink_reduce", dict(f, COLUMNS=columns, LSE=lse, HAS_RPOT=rpot)))
-        out += [("_sink_key_grads", dict(f, STAGE=stage, NOISE=0, KL=0)) for stage in (0, 1)]
-        out.append(("_sink_query_grads", dict(f, NOISE=0, KL=0)))
+        out += _sink_stages(dict(f, NOISE=0, KL=0))
     if dtype == "float32":
         return out
     f = dict(HAS_QPAD=True, HAS_KPAD=True, HAS_MASK=False, HAS_BIAS=False)
@@ -166,9 +168,16 @@ def route_specializations(dtype="bfloat16", head_dim=64):
             out.append(("_key_pass", dict(mix, KL=0, GRADS=False)))
         # Over Sinkhorn-N: the potentials as without noise, DNAS's row pass with the noise, and the
         # gradient stages with it.
-        out += [("_sink_key_grads", dict(f, STAGE=stage, NOISE=noise, KL=kl)) for stage in (0, 1)]
-        out.append(("_sink_query_grads", dict(f, NOISE=noise, KL=kl)))
+        out += _sink_stages(dict(f, NOISE=noise, KL=kl))
     return out
+
+
+def _sink_stages(flags):
+    """Sinkhorn-N's gradient stages with `flags`: g's, dK/dV's with dQ by atomics and without,
+    and dQ's own."""
+    return ([("_sink_key_grads", dict(flags, STAGE=0, ATOMIC_DQ=False))]
+            + [("_sink_key_grads", dict(flags, STAGE=1, ATOMIC_DQ=atomic)) for atomic in (True, False)]
+            + [("_sink_query_grads", flags)])
 
 
 def key(plans, name, constexprs):
@@ -213,6 +222,8 @@ def compiled_one(triton, plans, name, constexprs, dtype, head_dim, arch, block_m
             values.setdefault(n, None)
             if values[n] is None:
                 raise ValueError(f"{name}: no value for its constexpr {n}")
+        elif n == "DQ" and values.get("ATOMIC_DQ"):  # dQ added by atomics, in the statistics' dtype
+            signature[n] = f"*{stats}"
         elif n in INPUTS:
             signature[n] = f"*{TRITON_TYPE[dtype]}"
         elif n in STATISTICS:

@@ -4,7 +4,8 @@ in q, k and v (and HNAS's gate logits) and the received mass, over plans (softma
 Sinkhorn-N for N = 2, 3 and 5, another score scale), masks (key padding, query padding, boolean
 patterns per head or broadcast, a row that sees nothing, causal), grouped key/value heads,
 lengths that are not multiples of the blocks, head dimensions that are not powers of two, scores
-far below 0 (where exp overflows past the last query or key of a block), and dtypes; and BAM's
+far below 0 (where exp overflows past the last query or key of a block), Sinkhorn-N's dQ by atomic
+adds and, with libtorch's deterministic algorithms asked for, from a stage of its own, and dtypes; and BAM's
 sampling over the plans (`plans.bam_attention`): its draws against the CPU loop's record
 (`counter_noise.json`), its output, KL part and gradients against the formulas given the same
 draws.
@@ -23,6 +24,7 @@ only. Prints one line per case and exits 1 if any case fails.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -65,9 +67,11 @@ def cases(quick, lower):
         out += [(f"{plan} gqa scores far below 0", sweeps, 1.0, shapes["gqa"], ("far",), False, None)
                 for sweeps, plan in ((0, "softmax"), (1, "dnas"))]
     # Sinkhorn-N for other N: the gradient kernel takes N at run time (N = 2: its loop over the
-    # earlier sweeps runs once).
+    # earlier sweeps runs once). With deterministic algorithms asked for ("deterministic"), dQ
+    # comes from a stage of its own instead of atomic adds.
     if not lower:
-        out.append(("sinkhorn-2 gqa key padding", 2, 1.0, shapes["gqa"], ("key",), False, None))
+        out.append(("sinkhorn-2 gqa key+query padding, deterministic", 2, 1.0, shapes["gqa"],
+                    ("key", "query", "deterministic"), False, None))
     if not quick and not lower:
         out.append(("sinkhorn-5 gqa pattern per head, key padding", 5, 1.0, shapes["gqa"], ("pattern", "key"), False,
                     None))
@@ -92,7 +96,7 @@ def cases(quick, lower):
            ("hnas", 1, ("weibull", 0.5, None, seed + 13), ("key", "query")),
            ("hnas", 1, ("lognormal", 0.7, None, seed + 14), ("query",)),
            ("sinkhorn-3", 3, ("lognormal", 0.7, None, seed + 15), ("key",)),
-           ("sinkhorn-2", 2, ("weibull", 0.5, None, seed + 16), ("key", "query")),
+           ("sinkhorn-2", 2, ("weibull", 0.5, None, seed + 16), ("key", "query", "deterministic")),
            # Padded queries with noise and no KL term: DNAS's column weights reach their rows of dQ.
            ("dnas", 1, ("weibull", 0.5, None, seed + 17), ("key", "query"))]
     # ε given as a tensor (the library's noise=) instead of a seed.
@@ -377,12 +381,13 @@ def run_cases(torch, plans, formulas, args, config):
             continue
         for case in [c for c in cases(args.quick, dtype_name != "float64") if args.cases in c[0]]:
             start = time.time()
-            if "far" in case[4]:
-                # Past the last query or key the passes compute inf and NaN on purpose (what lies
-                # there is never stored); the interpreter's numpy would warn of each.
-                with numpy.errstate(over="ignore", invalid="ignore"):
-                    errors = run_case(torch, plans, formulas, case, dtype, args.device, config)
-            else:
+            with contextlib.ExitStack() as stack:
+                if "far" in case[4]:
+                    # Past the last query or key the passes compute inf and NaN on purpose (what lies
+                    # there is never stored); the interpreter's numpy would warn of each.
+                    stack.enter_context(numpy.errstate(over="ignore", invalid="ignore"))
+                if "deterministic" in case[4]:
+                    stack.enter_context(deterministic_algorithms(torch))
                 errors = run_case(torch, plans, formulas, case, dtype, args.device, config)
             # every error against the tolerance: NaN fails (max() of a list holding NaN may skip it)
             ok = all(e <= TOLERANCE[dtype_name] for e in errors.values())
@@ -392,6 +397,18 @@ def run_cases(torch, plans, formulas, args, config):
             if not ok:
                 failures.append(f"{dtype_name} {case[0]}: {line}")
     return failures, results
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(torch):
+    """libtorch's deterministic algorithms asked for inside the block (`torch.use_deterministic_algorithms`),
+    as they were after it."""
+    before, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn)
 
 
 def record_launches(plans, seen, path):

@@ -17,7 +17,8 @@ with softmax by a gate per head). With `--noise`, BAM's sampling over the plan (
 `--hybrid`) with its KL term of the same kind, against a prior of shape (B, H, 1, S_k); the
 backward then starts from the output and the KL part alike. `--no-kl` leaves the KL term out.
 `--mass` adds the received mass's key passes after the forward's (with `--noise`, of BAM's sampled
-weights).
+weights). `--deterministic` asks for libtorch's deterministic algorithms during the call, under which
+Sinkhorn-N's dQ takes a stage of its own instead of atomic adds.
 """
 
 import argparse
@@ -48,6 +49,9 @@ def parser():
     parser.add_argument("--mass", action="store_true", help="the received mass too")
     parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
                         help="q, k and v's dtype")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="with libtorch's deterministic algorithms asked for (torch.use_deterministic_algorithms): "
+                             "Sinkhorn-N's dQ in a stage of its own, not by atomic adds")
     parser.add_argument("--execute", action="store_true", help="also run the kernels, under Triton's interpreter")
     parser.add_argument("--config", default="64,64,4,2",
                         help="block_m,block_n,num_warps,num_stages: the embedded cubins' (their manifest says)")
@@ -113,6 +117,18 @@ def launches(args):
     masks = plans.Masks(key_padding_mask=kpad, query_padding_mask=qpad, allowed_mask=pattern, causal=args.causal,
                         additive=additive)
     config = plans.Config(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(args.deterministic)
+    try:
+        return _recorded(torch, plans, args, (q, k, v), masks, config, gen)
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def _recorded(torch, plans, args, qkv, masks, config, gen):
+    """The launches of one call and its backward, recorded (the prior and the gate drawn from `gen`)."""
+    q, k, v = qkv
+    (b, h, _, d), s_k = q.shape, k.shape[2]
     with plans.launches() as seen:
         if args.noise:
             prior = None if args.no_kl else torch.rand(b, h, 1, s_k, generator=gen, dtype=torch.float32,

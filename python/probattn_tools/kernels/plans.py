@@ -272,6 +272,7 @@ class _Call:
             Q=self.q, K=self.k, V=self.v, QPAD=qpad, KPAD=kpad, MASK=pattern, BLOCKS=blocks, BIAS=bias,
             DRAWS=draws, PRIOR=a, RB=dummy, KS=dummy, TROW=dummy, DKL=dummy, DA=dummy, MIX=False, ROWS=False,
             RD=dummy, RS=dummy, LOGU=dummy, RHO_D=dummy, RHO_S=dummy, GU=dummy, SHARES=dummy, SHARE=False, ADD=False,
+            ATOMIC_DQ=False,
             QBAR=torch.zeros(1, dtype=self.q.dtype, device=dev), CONTEXT=False, stride_qbarb=h * s_k * d, stride_qbarh=s_k * d, stride_qbars=d,
             stride_pb=spb, stride_ph=sph, stride_pn=spn,
             NOISE=sampling.code() if sampling else 0, KL=Sampling.NOISES[sampling.kl] if self.kl else 0,
@@ -530,8 +531,13 @@ def _backward(call, sweeps, out, stats, grad_out, kl=None, mix=None, branch=None
                     COLUMNS=False, LSE=False, HAS_RPOT=True)
         call.launch(_sink_reduce, call.grid(True, "query"), RPOT=rs[t], CPOT=cs[t], COEF=gr[t], OUT=gc[t],
                     COLUMNS=True, LSE=False, HAS_RPOT=True)
-    call.launch(_sink_key_grads, call.grid(True, "kv"), STAGE=1, **common)
-    call.launch(_sink_query_grads, call.grid(False, "query"), **common)
+    if torch.are_deterministic_algorithms_enabled():  # dQ in a pass of its own, forming each tile's dz again
+        call.launch(_sink_key_grads, call.grid(True, "kv"), STAGE=1, **common)
+        call.launch(_sink_query_grads, call.grid(False, "query"), **common)
+    else:  # dQ added tile by tile from the dK/dV stage, in the statistics' dtype
+        acc = torch.zeros(call.q.shape, dtype=call.stats, device=call.q.device)
+        call.launch(_sink_key_grads, call.grid(True, "kv"), STAGE=1, **dict(common, DQ=acc, ATOMIC_DQ=True))
+        dq.copy_(acc)
     return _given(call, dq, dk, dv)
 
 

@@ -103,8 +103,9 @@ def loop_counts(code):
 # unpadded; BAM (over softmax, with its KL term) padded, as the route always runs it.
 # Sinkhorn-3: three column and two row reductions of the potentials, the last row pass (DNAS's),
 # then stage 0 (g_j), two row and two column reductions of the potentials' gradients, and the dK/dV
-# and dQ stages, whose loop over the earlier sweeps runs N − 1 = 2 times a tile (plans._forward,
-# plans._backward).
+# stage that adds dQ by atomics, whose loop over the earlier sweeps runs N − 1 = 2 times a tile
+# (plans._forward, plans._backward; the stage of dQ's own, where deterministic algorithms are asked
+# for, is left out).
 _BAM = {"HAS_QPAD": True, "HAS_KPAD": True}
 _N = 3
 PLAN_PASSES = {
@@ -121,7 +122,7 @@ PLAN_PASSES = {
                        ("_sink_reduce", {"LSE": True}, _N - 1, 1), ("_row_pass", {"SWEEPS": 1}),
                        ("_sink_key_grads", {}), ("_sink_reduce", {"HAS_RPOT": True}, _N - 1, 1),
                        ("_sink_reduce", {"COLUMNS": True, "HAS_RPOT": True}, _N - 1, 1),
-                       ("_sink_key_grads", {"STAGE": 1}, 1, _N - 1), ("_sink_query_grads", {}, 1, _N - 1)],
+                       ("_sink_key_grads", {"STAGE": 1, "ATOMIC_DQ": True}, 1, _N - 1)],
 }
 # Hopper (H100 and H200 SXM): 132 SMs at up to 1.98 GHz, 4 warp instructions issued per SM per clock.
 SMS, CLOCK, ISSUE = 132, 1.98e9, 4

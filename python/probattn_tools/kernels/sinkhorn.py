@@ -172,13 +172,13 @@ def _sink_ds(z, c, ok, r, do, v, delta, da, DRAWS, PRIOR, RB, KS, DKL, b, h, off
 
 
 @triton.jit
-def _sink_key_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DK, DV_OUT, G, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, PRIOR,
-                    RB, KS, DKL, DA,
+def _sink_key_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DK, DV_OUT, DQ, G, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS,
+                    PRIOR, RB, KS, DKL, DA,
                     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                     stride_dob, stride_doh, stride_dos, stride_t, stride_cb, stride_ch, stride_tr, stride_rb, stride_rh,
                     stride_qpad, stride_kpad, stride_mb, stride_mh, stride_mm, stride_mn, stride_bb, stride_bh,
                     stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_pb, stride_ph, stride_pn,
-                    H, GROUP, S_Q, S_K, D, DV, SCALE, N, STAGE: tl.constexpr,
+                    H, GROUP, S_Q, S_K, D, DV, SCALE, N, STAGE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                     HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
                     NOISE: tl.constexpr, KL: tl.constexpr, DRAW64: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -186,8 +186,11 @@ def _sink_key_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DK, DV_OUT, G, QPAD, KPA
     one (batch, query head) per program (with a KL term, also the prior's gradient DA). STAGE 1:
     dK and dV with the whole dz, one key block of one (batch, key/value head), over its group's
     query heads. p = exp(z − C^N − R^N + n), n BAM's noise term (none without NOISE), and a KL
-    term's part joins dS¹ (`_sink_ds`); dk and dv are laid out as k and v. The paddings reach the
-    weights through the last potentials (the module's note): per entry only with a KL term."""
+    term's part joins dS¹ (`_sink_ds`); dk and dv are laid out as k and v. With ATOMIC_DQ, STAGE 1
+    also adds each tile's share of dQ, s·dz k, to DQ (zeros in ACC's dtype, laid out as q) by
+    atomic adds, so that each tile's dz is formed once and `_sink_query_grads` is not launched;
+    the order of the adds, and so dQ's last bits, then varies from run to run. The paddings reach
+    the weights through the last potentials (the module's note): per entry only with a KL term."""
     scale = tl.load(SCALE).to(ACC)
     noise_scale = tl.load(SCALE + 1).to(ACC)
     offs_d = tl.arange(0, BLOCK_D)
@@ -235,6 +238,10 @@ def _sink_key_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DK, DV_OUT, G, QPAD, KPA
                                   stride_ch, stride_tr, stride_rb, stride_rh, N)
                     dk += tl.dot(tl.trans(dz).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
                     dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=ACC, input_precision=DOT)
+                    if ATOMIC_DQ:
+                        dq = tl.dot(dz.to(k.dtype), k, out_dtype=ACC, input_precision=DOT) * scale
+                        tl.atomic_add(DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                                      dq, mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), sem="relaxed")
         if STAGE == 0:
             _store_rows(G, g, b, h, offs_n, S_K, stride_cb, stride_ch)
             if KL > 0:
@@ -255,9 +262,9 @@ def _sink_query_grads(Q, K, V, CS, RS, GC, GR, DO, DELTA, DQ, QPAD, KPAD, MASK, 
                       NOISE: tl.constexpr, KL: tl.constexpr, DRAW64: tl.constexpr, ACC: tl.constexpr,
                       DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_DV: tl.constexpr):
-    """Sinkhorn-N's last gradient pass: dQ with the whole dz (as `_sink_key_grads`' STAGE 1), one
-    query block of one (batch, query head) per program; dq is laid out as q. Padding as in
-    `_sink_key_grads`."""
+    """Sinkhorn-N's last gradient pass, where `_sink_key_grads`' STAGE 1 did not add dQ (deterministic
+    algorithms asked for): dQ with the whole dz, one query block of one (batch, query head) per
+    program; dq is laid out as q. Padding as in `_sink_key_grads`."""
     scale = tl.load(SCALE).to(ACC)
     noise_scale = tl.load(SCALE + 1).to(ACC)
     offs_d = tl.arange(0, BLOCK_D)
