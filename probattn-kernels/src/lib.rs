@@ -195,7 +195,7 @@ mod tests {
         let newest = embedded::SELECTED.last().expect("an architecture").to_string();
         let wide = &sets[&(newest.clone(), "bfloat16".to_string(), 64)];
         let narrow = &sets[&(newest, "float32".to_string(), 64)];
-        assert_eq!((wide.len(), narrow.len()), (153, 81));
+        assert_eq!((wide.len(), narrow.len()), (160, 84));
         let deterministic: Vec<&String> = wide.iter().filter(|s| !s.contains("\"NOISE\": 1") && !s.contains("\"NOISE\": 2")).collect();
         assert_eq!(narrow.iter().collect::<Vec<_>>(), deterministic);
         for ((_, dtype, _), set) in &sets {
