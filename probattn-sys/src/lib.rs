@@ -337,39 +337,36 @@ pub fn autocast_set_enabled(cuda: bool, enabled: bool) -> Result<()> {
     check(unsafe { pa_autocast_set_enabled(i32::from(cuda), i32::from(enabled)) }, autocast_error)
 }
 
+/// One of libtorch's process-wide switches through its C function (`pa_allow_tf32`,
+/// `pa_deterministic_algorithms`): -1 only asks, 0 or 1 sets it; returns its value before.
+fn switch(ffi: unsafe extern "C" fn(i32, *mut i32) -> *mut c_char, value: i32) -> Result<bool> {
+    let mut previous = 0;
+    // SAFETY: a valid out-pointer; the functions take -1, 0 or 1.
+    check(unsafe { ffi(value, &mut previous) }, Error::Torch)?;
+    Ok(previous != 0)
+}
+
 /// Whether libtorch lets CUDA's float32 matrix products run in TF32 (PyTorch's
 /// `torch.backends.cuda.matmul.allow_tf32`; process-wide, not per thread).
 pub fn allow_tf32() -> Result<bool> {
-    let mut previous = 0;
-    // SAFETY: a valid out-pointer; -1 only asks.
-    check(unsafe { pa_allow_tf32(-1, &mut previous) }, Error::Torch)?;
-    Ok(previous != 0)
+    switch(pa_allow_tf32, -1)
 }
 
 /// Sets libtorch's switch [`allow_tf32`] reads; returns its value before.
 pub fn set_allow_tf32(allow: bool) -> Result<bool> {
-    let mut previous = 0;
-    // SAFETY: a valid out-pointer.
-    check(unsafe { pa_allow_tf32(i32::from(allow), &mut previous) }, Error::Torch)?;
-    Ok(previous != 0)
+    switch(pa_allow_tf32, i32::from(allow))
 }
 
 /// Whether libtorch's deterministic algorithms are asked for (PyTorch's
 /// `torch.are_deterministic_algorithms_enabled()`; process-wide).
 pub fn deterministic_algorithms() -> Result<bool> {
-    let mut previous = 0;
-    // SAFETY: a valid out-pointer; -1 only asks.
-    check(unsafe { pa_deterministic_algorithms(-1, &mut previous) }, Error::Torch)?;
-    Ok(previous != 0)
+    switch(pa_deterministic_algorithms, -1)
 }
 
 /// Sets libtorch's switch [`deterministic_algorithms`] reads (its warn-only setting kept); returns
 /// its value before.
 pub fn set_deterministic_algorithms(on: bool) -> Result<bool> {
-    let mut previous = 0;
-    // SAFETY: a valid out-pointer.
-    check(unsafe { pa_deterministic_algorithms(i32::from(on), &mut previous) }, Error::Torch)?;
-    Ok(previous != 0)
+    switch(pa_deterministic_algorithms, i32::from(on))
 }
 
 /// The calling thread's autocast state for the CPU or CUDA.
