@@ -4,12 +4,20 @@
 //! ask for (eager; memory-efficient, whose route the library picks; `--attention-backend tiles`
 //! and `fused`, forced) × odd sizes (S = 1, S not a multiple of the tile, S_q ≠ S_k).
 //!
-//! Each run must exit 0 with the library's eager result (output, received mass, KL), computed here
-//! in-process from the same file, or, where the library refuses the call, exit 1 with a named
-//! error; never a panic (status 101, or the binary's "internal error" line), never a signal.
+//! Each run must write the library's eager result (output, received mass, KL), computed here from
+//! the same file with the library's own call, on the route the library chooses, or, where the
+//! library refuses the call, fail with the library's reason and write nothing; never panic.
+//!
+//! Every run is made through the command's own code, parsed from its arguments, in this process
+//! (a libtorch start-up per `probattn` process would take most of the test's time), and one run in
+//! seven again through the binary, where it must also exit 0 or exit 1 with a named error, never
+//! with a panic (status 101, or the binary's "internal error" line) or a signal. The runs come in
+//! blocks of the 44 (variant, path) pairs, one block per dtype and mask, and 7 is prime to 44, so
+//! every pair reaches the binary in two or three of the blocks.
 //!
 //! `cargo test` runs every variant, dtype, mask and path, with the sizes taken in turn (one per
-//! combination); `PROBATTN_MATRIX=full` runs every size of every combination.
+//! combination); `PROBATTN_MATRIX=full` runs every size of every combination, each through the
+//! binary too.
 
 mod binary;
 #[path = "../../tests/common/mod.rs"]
@@ -18,12 +26,14 @@ mod common;
 use std::collections::HashMap;
 use std::process::Command;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use clap::Parser;
 use common::TempDir;
+use probattn::backend::Route;
 use probattn::io::{read_safetensors, write_safetensors_atomic};
 use probattn::normalize::BamConfig;
 use probattn::precision::Precision;
-use probattn::{attend, AttendOptions, Backend, Masks, Mode, NormalizerConfig, Variant};
+use probattn::{attend_with_choice, AttendOptions, Backend, Masks, Mode, NormalizerConfig, Variant};
 use tch::{nn, Device, Kind, Tensor};
 
 /// The variants, as `attend` flags: every built-in normalizer, BAM sampling (`--train`) and at its
@@ -62,6 +72,9 @@ const SIZES: [(i64, i64, i64); 6] = [(1, 1, 4), (7, 7, 4), (5, 9, 4), (8, 2, 4),
 /// backends.
 const PATHS: [&str; 4] = ["eager", "memory-efficient", "tiles", "fused"];
 
+/// One run in `BINARY_EVERY` goes through the binary too (prime to the 44 pairs of a block).
+const BINARY_EVERY: usize = 7;
+
 const TILE: i64 = 3;
 const HIDDEN: i64 = 4;
 
@@ -86,23 +99,37 @@ fn attend_exits_cleanly_with_the_eager_result_over_the_input_matrix() -> Result<
             }
         }
     }
-    // Two processes at a time (our machines have two cores); each run's libtorch uses one thread.
-    let failures: Vec<String> = std::thread::scope(|scope| {
+    // In this process, one run at a time: the command sets the process's default backend.
+    let mut failures: Vec<String> =
+        runs.iter().filter_map(|run| run.check_in_process(&dir).err().map(|e| format!("{run} (in process): {e:#}"))).collect();
+    probattn::backend::set_default(Backend::Auto);
+    // Through the binary, two processes at a time (our machines have two cores); each run's
+    // libtorch uses one thread.
+    let chosen: Vec<&Run> = runs.iter().enumerate().filter(|(i, _)| full || i % BINARY_EVERY == 0).map(|(_, r)| r).collect();
+    failures.extend(std::thread::scope(|scope| {
         let workers: Vec<_> = (0..2)
             .map(|w| {
-                let (runs, dir) = (&runs, &dir);
+                let (chosen, dir) = (&chosen, &dir);
                 scope.spawn(move || {
-                    runs.iter()
+                    chosen
+                        .iter()
                         .skip(w)
                         .step_by(2)
-                        .filter_map(|run| run.check(dir).err().map(|e| format!("{run}: {e:#}")))
+                        .filter_map(|run| run.check_binary(dir).err().map(|e| format!("{run} (binary): {e:#}")))
                         .collect::<Vec<_>>()
                 })
             })
             .collect();
-        workers.into_iter().flat_map(|w| w.join().unwrap_or_else(|_| vec!["a worker panicked".into()])).collect()
-    });
-    ensure!(failures.is_empty(), "{} of {} runs failed:\n{}", failures.len(), runs.len(), failures.join("\n"));
+        workers.into_iter().flat_map(|w| w.join().unwrap_or_else(|_| vec!["a worker panicked".into()])).collect::<Vec<_>>()
+    }));
+    let made = runs.len() + chosen.len();
+    ensure!(
+        failures.is_empty(),
+        "{} of {made} runs failed ({} through the binary):\n{}",
+        failures.len(),
+        chosen.len(),
+        failures.join("\n")
+    );
     Ok(())
 }
 
@@ -122,20 +149,26 @@ impl std::fmt::Display for Run {
     }
 }
 
+/// What a call did: wrote its output (with what it printed, where that was captured), or failed
+/// with a message.
+enum Outcome {
+    Wrote(Option<String>),
+    Refused(String),
+}
+
 impl Run {
     fn input(&self, dir: &TempDir) -> std::path::PathBuf {
         let (sq, sk, dv) = SIZES[self.size];
         dir.path(&format!("{}-{}-{sq}x{sk}x{dv}.safetensors", DTYPES[self.dtype].0, self.mask))
     }
 
-    /// Runs the binary and holds it to the library's eager result on the same file.
-    fn check(&self, dir: &TempDir) -> Result<()> {
-        let input = self.input(dir);
-        let output = dir.path(&format!("out-{}.safetensors", self.to_string().replace(' ', "_")));
+    /// `attend`'s arguments for this run, writing to the output file named by `how`.
+    fn args(&self, dir: &TempDir, how: &str) -> (Vec<String>, std::path::PathBuf) {
+        let output = dir.path(&format!("out-{how}-{}.safetensors", self.to_string().replace(' ', "_")));
         let precision = DTYPES[self.dtype].2;
         let mut args: Vec<String> = ["attend", "--variant"].iter().chain(self.variant).map(|a| a.to_string()).collect();
         args.extend(["--seed", "5", "--device", "cpu", "--threads", "1", "--precision", precision.name()].map(String::from));
-        args.extend(["--input".into(), input.display().to_string(), "--output".into(), output.display().to_string()]);
+        args.extend(["--input".into(), self.input(dir).display().to_string(), "--output".into(), output.display().to_string()]);
         if self.mask == "causal" {
             args.push("--causal".into());
         }
@@ -144,6 +177,29 @@ impl Run {
             "tiles" | "fused" => args.extend(["--attention-backend", self.path, "--tile", &TILE.to_string()].map(String::from)),
             _ => {}
         }
+        (args, output)
+    }
+
+    /// The command's code, from its parsed arguments, in this process: a panic is caught and
+    /// reported as the failure it is.
+    fn check_in_process(&self, dir: &TempDir) -> Result<()> {
+        let (args, output) = self.args(dir, "in-process");
+        let cli = probattn_experiments::Cli::try_parse_from(std::iter::once("probattn".to_string()).chain(args))?;
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| probattn_experiments::run(&cli)));
+        let result = result
+            .map_err(|payload| anyhow!("panicked: {}", probattn::panic_message(payload.as_ref()).unwrap_or("a panic without a message")))?;
+        // The command set the process default from --attention-backend: the reference takes auto's.
+        probattn::backend::set_default(Backend::Auto);
+        let outcome = match result {
+            Ok(()) => Outcome::Wrote(None),
+            Err(e) => Outcome::Refused(format!("error: {e:#}")),
+        };
+        self.judge(dir, outcome, &output)
+    }
+
+    /// Runs the binary: status 0, or status 1 with a named error; never a panic or a signal.
+    fn check_binary(&self, dir: &TempDir) -> Result<()> {
+        let (args, output) = self.args(dir, "binary");
         let run = Command::new(env!("CARGO_BIN_EXE_probattn")).args(&args).env_remove("RUST_BACKTRACE").output()?;
         let said = binary::text(&run);
         let Some(code) = run.status.code() else { bail!("killed by a signal ({:?}):\n{said}", run.status) };
@@ -151,24 +207,39 @@ impl Run {
             !said.contains("panicked") && !said.contains("internal error") && !said.contains("RUST_BACKTRACE"),
             "a panic reached the user (status {code}):\n{said}"
         );
-        let expected = eager(&read_safetensors(&input)?, self);
-        match (code, expected) {
-            (0, Ok(expected)) => {
-                let got = read_safetensors(&output).context("reading the output")?;
-                compare(&got, &expected, self, said.contains("(route kernel)"))
+        let outcome = match code {
+            0 => Outcome::Wrote(Some(said)),
+            1 => Outcome::Refused(said),
+            _ => bail!("status {code} (a named error is status 1):\n{said}"),
+        };
+        self.judge(dir, outcome, &output)
+    }
+
+    /// Holds what a call did to the library's eager result on the same file.
+    fn judge(&self, dir: &TempDir, outcome: Outcome, output: &std::path::Path) -> Result<()> {
+        let expected = eager(&read_safetensors(&self.input(dir))?, self);
+        match (outcome, expected) {
+            (Outcome::Wrote(said), Ok((expected, route))) => {
+                if let Some(said) = said {
+                    ensure!(
+                        said.contains(&format!("(route {route})")),
+                        "the library's call takes the {route} route; the binary said:\n{said}"
+                    );
+                }
+                let got = read_safetensors(output).context("reading the output")?;
+                compare(&got, &expected, self, route == Route::Kernel)
             }
-            (1, Err(refused)) => {
-                ensure!(said.contains("error: "), "status 1 without a named error:\n{said}");
+            (Outcome::Refused(said), Err(refused)) => {
+                ensure!(said.contains("error: "), "a failure without a named error:\n{said}");
                 ensure!(!output.exists(), "a refused call left {}", output.display());
-                // The binary refuses for the library's reason.
+                // The command refuses for the library's reason.
                 let reason = refused.to_string();
                 let head = reason.split(':').next().unwrap_or(&reason);
                 ensure!(said.contains(head), "refused with\n{said}\nwhere the library says: {reason}");
                 Ok(())
             }
-            (0, Err(e)) => bail!("exit 0 where the library refuses: {e:#}"),
-            (_, Ok(_)) => bail!("status {code} where the library's eager path succeeds:\n{said}"),
-            (_, Err(e)) => bail!("status {code} (a named error is status 1) where the library refuses ({e:#}):\n{said}"),
+            (Outcome::Wrote(_), Err(e)) => bail!("wrote an output where the library refuses: {e:#}"),
+            (Outcome::Refused(said), Ok(_)) => bail!("failed where the library's call succeeds:\n{said}"),
         }
     }
 }
@@ -222,9 +293,10 @@ fn to_stats(kind: Kind) -> Kind {
 }
 
 /// The library's eager result on the file's tensors, built as `attend` documents: the normalizer
-/// with the file's HNAS logits and prior, the file's noise when sampling, the masks; an error
+/// with the file's HNAS logits and prior, the file's noise when sampling, the masks; and the route
+/// of the run's path, as the library's own call with the command's options takes it. An error
 /// where the library refuses the run's path.
-fn eager(file: &HashMap<String, Tensor>, run: &Run) -> probattn::Result<HashMap<String, Tensor>> {
+fn eager(file: &HashMap<String, Tensor>, run: &Run) -> probattn::Result<(HashMap<String, Tensor>, Route)> {
     let variant: Variant = run.variant[0].parse()?;
     let flag = |name: &str| run.variant.iter().position(|a| *a == name);
     let train = flag("--train").is_some();
@@ -251,6 +323,7 @@ fn eager(file: &HashMap<String, Tensor>, run: &Run) -> probattn::Result<HashMap<
     let opts = AttendOptions {
         mode: Mode { dropout: false, sample: train },
         noise: if train { file.get("noise") } else { None },
+        need_mass: true,
         ..Default::default()
     };
     let precision = DTYPES[run.dtype].2;
@@ -260,11 +333,13 @@ fn eager(file: &HashMap<String, Tensor>, run: &Run) -> probattn::Result<HashMap<
         "fused" => Backend::Fused,
         _ => Backend::Auto,
     };
+    let mut route = None;
     if run.path != "eager" {
-        let path = AttendOptions { need_weights: false, tile: Some(TILE), backend, ..opts };
-        tch::no_grad(|| precision.run(Device::Cpu, || attend(q, k, v, &masks, normalizer.as_ref(), path)))??;
+        let path = AttendOptions { need_weights: false, tile: Some(TILE), seed: Some(5), backend, ..opts };
+        let (_, choice) = tch::no_grad(|| precision.run(Device::Cpu, || attend_with_choice(q, k, v, &masks, normalizer.as_ref(), path)))??;
+        route = Some(choice.route);
     }
-    let out = tch::no_grad(|| precision.run(Device::Cpu, || attend(q, k, v, &masks, normalizer.as_ref(), opts)))??;
+    let (out, choice) = tch::no_grad(|| precision.run(Device::Cpu, || attend_with_choice(q, k, v, &masks, normalizer.as_ref(), opts)))??;
     let weights = out.weights()?;
     let mut expected = HashMap::from([
         ("output".to_string(), out.output.shallow_clone()),
@@ -273,10 +348,10 @@ fn eager(file: &HashMap<String, Tensor>, run: &Run) -> probattn::Result<HashMap<
     if let Some(kl) = &out.kl {
         expected.insert("kl".into(), kl.shallow_clone());
     }
-    Ok(expected)
+    Ok((expected, route.unwrap_or(choice.route)))
 }
 
-/// The binary's tensors against the eager ones: the same names, shapes and (to the path's and
+/// The command's tensors against the eager ones: the same names, shapes and (to the path's and
 /// dtype's rounding) values.
 /// `kernel`: the run's route was a normalizer's kernel, which forms no received mass.
 fn compare(got: &HashMap<String, Tensor>, expected: &HashMap<String, Tensor>, run: &Run, kernel: bool) -> Result<()> {
@@ -318,13 +393,19 @@ fn bench_measures_odd_lengths_on_every_path_and_precision() -> Result<()> {
     // `bench --quick` at S = 1 and 7 (not a multiple of the tile), eager, memory-efficient and on
     // the fused backend, in float32, tf32 (float32 on the CPU, which it says) and bfloat16: status
     // 0, no panic, a finite time for every variant at both lengths (on the fused backend: or the
-    // reason it is not served).
+    // reason it is not served). The SVGD hook's step, which takes most of a run (two minutes in
+    // bfloat16, which this CPU emulates), is timed in the first run only and left out of the
+    // others with --no-svgd.
     let dir = TempDir::new("bench-matrix")?;
     for precision in ["f32", "tf32", "bf16"] {
         for path in ["eager", "memory-efficient", "fused"] {
             let out = dir.path(&format!("{precision}-{path}"));
+            let svgd = precision == "f32" && path == "eager";
             let mut args = vec!["bench", "--quick", "--seq-lens", "1,7", "--repeats", "1", "--no-pytorch", "--batch", "2"];
             args.extend(["--threads", "1", "--device", "cpu", "--precision", precision, "--out", out.to_str().context("path")?]);
+            if !svgd {
+                args.push("--no-svgd");
+            }
             if path == "memory-efficient" {
                 args.extend(["--memory-efficient", "--tile", "3"]);
             }
@@ -337,6 +418,15 @@ fn bench_measures_odd_lengths_on_every_path_and_precision() -> Result<()> {
             ensure!(!said.contains("panicked") && !said.contains("internal error"), "bench {precision} {path}:\n{said}");
             ensure!((precision == "tf32") == said.contains("tf32 on the CPU runs as f32"), "bench {precision} {path}:\n{said}");
             let json = binary::json(&out.join("bench.json"))?;
+            ensure!(
+                json["svgd"].is_object() == svgd && said.contains("SVGD hook:") == svgd,
+                "bench {precision} {path}: svgd {}:\n{said}",
+                json["svgd"]
+            );
+            if svgd {
+                let ms = json["svgd"]["step_ms_with"].as_f64();
+                ensure!(ms.is_some_and(|ms| ms.is_finite() && ms > 0.0), "bench {precision} {path}: svgd {}", json["svgd"]);
+            }
             let rows = json["measurements"].as_array().context("measurements")?;
             let implementation = match path {
                 "eager" => "probattn",
@@ -379,7 +469,7 @@ fn bench_keeps_the_backend_its_command_forces() -> Result<()> {
     let out = dir.path("out");
     let run = Command::new(env!("CARGO_BIN_EXE_probattn"))
         .args(["bench", "--device", "cpu", "--batch", "1", "--memory-efficient", "--no-eager", "--variants", "dnas"])
-        .args(["--attention-backend", "tiles", "--seq-lens", "16", "--repeats", "1", "--no-pytorch", "--out"])
+        .args(["--attention-backend", "tiles", "--seq-lens", "16", "--repeats", "1", "--no-pytorch", "--no-svgd", "--out"])
         .arg(&out)
         .output()?;
     ensure!(run.status.success(), "{}", binary::text(&run));

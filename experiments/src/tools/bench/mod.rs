@@ -72,6 +72,11 @@ pub struct BenchArgs {
     /// from two FlexAttention calls.
     #[arg(long)]
     pub no_eager: bool,
+    /// Skip the SVGD hook's timing (an Adam step of the 6+6-layer translation Transformer with and
+    /// without the hook, the longest part of a run on the CPU): bench.json's `svgd` is then null
+    /// and the table has no SVGD line.
+    #[arg(long)]
+    pub no_svgd: bool,
     /// Variants to measure, from the registry's benchmarked ones: softmax, dnas, hnas, sinkhorn-3, bam-lc, bam-wc (default: all
     /// six); both sides measure the same ones.
     #[arg(long, visible_alias = "attention", value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(variants()))]
@@ -137,7 +142,8 @@ struct Bench {
     measurements: Vec<Measurement>,
     skipped: Vec<Skipped>,
     unserved: Vec<Unserved>,
-    svgd: SvgdTiming,
+    /// `null` with `--no-svgd`.
+    svgd: Option<SvgdTiming>,
     provenance: Provenance,
 }
 
@@ -472,8 +478,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     for m in &mut measurements {
         m.tflops = Some(layer_flops(m.batch, m.heads, m.embed, m.seq_len) / (m.fwd_bwd_ms * 1e-3) / 1e12);
     }
-    let svgd = measure_svgd(device, if args.quick { 256 } else { 1024 }, if args.quick { 3 } else { repeats }, args.precision.precision)?;
-    let mut table = ratio_table(&measurements, &svgd) + &throughput_table(&measurements);
+    let svgd = if args.no_svgd {
+        None
+    } else {
+        Some(measure_svgd(device, if args.quick { 256 } else { 1024 }, if args.quick { 3 } else { repeats }, args.precision.precision)?)
+    };
+    let mut table = ratio_table(&measurements, svgd.as_ref()) + &throughput_table(&measurements);
     for u in &unserved {
         table += &format!("\nNot served: {} {} ({}).\n", u.implementation, u.variant, u.reason);
     }

@@ -6,8 +6,8 @@ use super::{variants, Measurement, SvgdTiming, FUSED, MEMORY_EFFICIENT};
 pub(super) const MIB: f64 = 1024.0 * 1024.0;
 
 /// The markdown table: per sequence length and variant, ours, PyTorch's, and the ratios, of time
-/// and of peak memory.
-pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
+/// and of peak memory; the SVGD hook's line under it where it was timed.
+pub fn ratio_table(m: &[Measurement], svgd: Option<&SvgdTiming>) -> String {
     let row = |v: &str, imp: &str, s: i64| m.iter().find(|x| x.variant == v && x.implementation == imp && x.seq_len == s);
     let find = |v: &str, imp: &str, s: i64| row(v, imp, s).map(|x| x.fwd_bwd_ms);
     let mem = |v: &str, imp: &str, s: i64| row(v, imp, s).and_then(|x| x.peak_mem_bytes).map(|b| b as f64 / MIB);
@@ -83,7 +83,7 @@ pub fn ratio_table(m: &[Measurement], svgd: &SvgdTiming) -> String {
             t += &versus(s, "softmax vs SDPA", "SDPA", (soft, sdpa), (soft_mem, sdpa_mem));
         }
     }
-    t + &svgd_line(svgd)
+    t + &svgd.map(svgd_line).unwrap_or_default()
 }
 
 /// The SVGD hook's line under the table.
@@ -157,7 +157,7 @@ mod tests {
             m("softmax", "pytorch-sdpa", 100.0, 32),
             m("dnas", "pytorch-flex", 400.0, 128),
         ];
-        let table = ratio_table(&rows, &svgd);
+        let table = ratio_table(&rows, Some(&svgd));
         let line = |start: &str| table.lines().find(|l| l.starts_with(start)).unwrap_or_else(|| panic!("no row {start} in\n{table}"));
         assert_eq!(
             line("| 32768 | dnas memory-efficient vs SDPA softmax |"),
@@ -169,10 +169,13 @@ mod tests {
         );
         // FlexAttention's row is DNAS's alone, and a PyTorch side that was not run adds no rows.
         assert!(!table.contains("softmax memory-efficient vs FlexAttention"), "{table}");
-        let without_pytorch = ratio_table(&rows[..2], &svgd);
+        let without_pytorch = ratio_table(&rows[..2], Some(&svgd));
         assert!(!without_pytorch.contains("SDPA softmax") && !without_pytorch.contains("FlexAttention"), "{without_pytorch}");
         // Without eager rows (--no-eager) there is no comparison with them either.
         assert!(!table.contains("vs our eager"), "{table}");
+        // The SVGD hook's line is there where it was timed, and only there (--no-svgd).
+        assert!(table.contains("\nSVGD hook: one Adam step"), "{table}");
+        assert!(!ratio_table(&rows, None).contains("SVGD"), "{}", ratio_table(&rows, None));
     }
 
     #[test]
