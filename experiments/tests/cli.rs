@@ -495,40 +495,9 @@ fn the_python_packages_own_tests_pass() -> Result<()> {
     // interpreter (run by hand: `python -m unittest discover -s python/tests`). Each test module
     // runs in a process of its own, all side by side: the kernel checks take minutes each.
     let dir = common::python_dir()?;
-    let tests = dir.join("tests");
-    let mut modules = Vec::new();
-    for entry in std::fs::read_dir(&tests).with_context(|| format!("reading {}", tests.display()))? {
-        let name = entry?.file_name().to_string_lossy().into_owned();
-        if name.starts_with("test_") && name.ends_with(".py") {
-            modules.push(name);
-        }
-    }
-    modules.sort();
-    ensure!(modules.len() >= 4, "python/tests holds {modules:?}");
-    let python = python()?;
-    let failures: Vec<String> = std::thread::scope(|scope| {
-        let runs: Vec<_> = modules
-            .iter()
-            .map(|module| {
-                let (python, dir, tests) = (&python, &dir, &tests);
-                scope.spawn(move || -> Result<()> {
-                    let out = Command::new(python)
-                        .args(["-m", "unittest", "discover", "-s"])
-                        .arg(tests)
-                        .args(["-p", module])
-                        .env("PYTHONPATH", dir)
-                        .output()?;
-                    ensure!(out.status.success() && text(&out).contains("\nOK"), "{module}: {}", text(&out));
-                    ensure!(!text(&out).contains("Ran 0 tests"), "{module} ran no test");
-                    Ok(())
-                })
-            })
-            .collect();
-        runs.into_iter()
-            .filter_map(|run| run.join().map_err(|_| anyhow::anyhow!("a test thread panicked")).and_then(|r| r).err())
-            .map(|e| format!("{e:#}"))
-            .collect()
-    });
-    ensure!(failures.is_empty(), "{}", failures.join("\n"));
-    Ok(())
+    common::run_unittest_modules(&dir.join("tests"), 4, || {
+        let mut command = Command::new(python()?);
+        command.env("PYTHONPATH", &dir);
+        Ok(command)
+    })
 }

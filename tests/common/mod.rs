@@ -37,6 +37,43 @@ pub fn python_module(module: &str) -> Result<Command> {
     Ok(command)
 }
 
+/// Runs each `test_*.py` module of `tests` (at least `at_least` of them) with `python -m unittest
+/// discover -v`, every module in a process of its own and all side by side; `python` makes the
+/// process (the interpreter, its working folder and `PYTHONPATH`). Fails with the output of every
+/// module that failed or ran no test.
+pub fn run_unittest_modules(tests: &Path, at_least: usize, python: impl Fn() -> Result<Command> + Sync) -> Result<()> {
+    let mut modules = Vec::new();
+    for entry in std::fs::read_dir(tests).with_context(|| format!("reading {}", tests.display()))? {
+        let name = entry?.file_name().to_string_lossy().into_owned();
+        if name.starts_with("test_") && name.ends_with(".py") {
+            modules.push(name);
+        }
+    }
+    modules.sort();
+    anyhow::ensure!(modules.len() >= at_least, "{} holds {modules:?}", tests.display());
+    let failures: Vec<String> = std::thread::scope(|scope| {
+        let runs: Vec<_> = modules
+            .iter()
+            .map(|module| {
+                let python = &python;
+                scope.spawn(move || -> Result<()> {
+                    let out = python()?.args(["-m", "unittest", "discover", "-v", "-s"]).arg(tests).args(["-p", module]).output()?;
+                    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+                    anyhow::ensure!(out.status.success() && text.contains("\nOK"), "{module}: {text}");
+                    anyhow::ensure!(!text.contains("Ran 0 tests"), "{module} ran no test");
+                    Ok(())
+                })
+            })
+            .collect();
+        runs.into_iter()
+            .filter_map(|run| run.join().map_err(|_| anyhow::anyhow!("a test thread panicked")).and_then(|r| r).err())
+            .map(|e| format!("{e:#}"))
+            .collect()
+    });
+    anyhow::ensure!(failures.is_empty(), "{}", failures.join("\n"));
+    Ok(())
+}
+
 /// Runs `python -m probattn_tools.<module>` with `args`; fails with its stderr.
 pub fn run_python(module: &str, args: &[&str]) -> Result<()> {
     let out = python_module(module)?.args(args).output().with_context(|| format!("running probattn_tools.{module}"))?;

@@ -2,6 +2,9 @@
 //! copied beside the package's Python files as maturin would install it) and runs its tests
 //! (`test_*.py` here) with the set-up's Python, against the references of python/probattn_tools.
 
+#[path = "../../../tests/common/mod.rs"]
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -41,50 +44,17 @@ fn package() -> Result<PathBuf> {
 fn the_python_package_passes_its_tests() -> Result<()> {
     // Each test module in a process of its own, all side by side: the compile tests alone take
     // minutes, and one process keeps one core busy most of the time.
-    let python = std::env::var_os("PROBATTN_PYTHON").context("PROBATTN_PYTHON is not set: run ./download_libtorch.sh")?;
+    let python = common::python()?;
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let package = package()?;
     let path = std::env::join_paths([&package, &root.join("python")])?;
-    let tests = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
-    let mut modules = Vec::new();
-    for entry in std::fs::read_dir(&tests).with_context(|| format!("reading {}", tests.display()))? {
-        let name = entry?.file_name().to_string_lossy().into_owned();
-        if name.starts_with("test_") && name.ends_with(".py") {
-            modules.push(name);
-        }
-    }
-    modules.sort();
-    ensure!(modules.len() >= 5, "{} holds {modules:?}", tests.display());
-    let failures: Vec<String> = std::thread::scope(|scope| {
-        let runs: Vec<_> = modules
-            .iter()
-            .map(|module| {
-                let (python, package, path, tests) = (&python, &package, &path, &tests);
-                scope.spawn(move || -> Result<()> {
-                    // From the package's folder: `python -m` puts the working directory first on
-                    // sys.path, and the crate's folder holds the package's sources without the
-                    // extension.
-                    let out = Command::new(python)
-                        .current_dir(package)
-                        .args(["-m", "unittest", "discover", "-v", "-s"])
-                        .arg(tests)
-                        .args(["-p", module])
-                        .env("PYTHONPATH", path)
-                        .output()?;
-                    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-                    ensure!(out.status.success() && text.contains("\nOK"), "{module}: {text}");
-                    ensure!(!text.contains("Ran 0 tests"), "{module} ran no test");
-                    Ok(())
-                })
-            })
-            .collect();
-        runs.into_iter()
-            .filter_map(|run| run.join().map_err(|_| anyhow::anyhow!("a test thread panicked")).and_then(|r| r).err())
-            .map(|e| format!("{e:#}"))
-            .collect()
-    });
-    ensure!(failures.is_empty(), "{}", failures.join("\n"));
-    Ok(())
+    // From the package's folder: `python -m` puts the working directory first on sys.path, and
+    // the crate's folder holds the package's sources without the extension.
+    common::run_unittest_modules(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests"), 5, || {
+        let mut command = Command::new(&python);
+        command.current_dir(&package).env("PYTHONPATH", &path);
+        Ok(command)
+    })
 }
 
 #[test]
