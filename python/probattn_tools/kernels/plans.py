@@ -55,9 +55,14 @@ import triton
 import triton.language as tl
 
 from probattn_tools.kernels.bam import Sampling, _prior_values, _seed_words, counter_noise  # noqa: F401
+from probattn_tools.kernels.interpreter import patch_once_per_launch
 from probattn_tools.kernels.passes import _column_pass, _key_pass, _query_pass, _row_pass
 from probattn_tools.kernels.settings import TRANSPOSE_KEYS, kernel_key
 from probattn_tools.kernels.sinkhorn import _sink_key_grads, _sink_query_grads, _sink_reduce
+
+# Under Triton's interpreter (the tests' CPU runs) only: the language patched once per helper and
+# launch, not on every call (`kernels.interpreter`).
+patch_once_per_launch()
 
 # ---------------------------------------------------------------------------------------------
 # The launches, and autograd functions over them.
