@@ -58,6 +58,12 @@ const QUERIES: (bool, bool) = (false, true);
 const BOTH: (bool, bool) = (true, true);
 
 impl Case {
+    /// Whether the backward adds dQ by atomics from the key pass: softmax's base (softmax, and BAM
+    /// over it: no sweeps, no mixture) up to head dimension 128 (settings.py's ATOMIC_DQ_WIDEST).
+    fn atomic_dq(&self) -> bool {
+        self.sweeps == 0 && !self.hybrid && self.shape[5].max(self.shape[6]) <= 128
+    }
+
     /// The kernels' noise code and KL form.
     fn noise_and_kl(&self) -> (i32, i32) {
         match self.noise {
@@ -250,17 +256,21 @@ fn the_route_launches_what_the_checked_python_orchestration_launches() -> Result
     // libtorch's deterministic switch is process-wide: the tests that depend on it hold the lock.
     let _serial = common::serial();
     let launched = compare_launches(&CASES, Kind::Half)?;
-    // Sinkhorn-N adds dQ by atomics from its dK/dV stage: no stage of dQ's own.
+    // Sinkhorn-N adds dQ by atomics from its dK/dV stage, softmax's base (softmax and BAM over it,
+    // up to head dimension 128) from its key pass: no pass of dQ's own.
     for (case, kernels) in CASES.iter().zip(launched) {
         assert!(!kernels.iter().any(|k| k == "_sink_query_grads"), "{case:?}: {kernels:?}");
+        if case.atomic_dq() {
+            assert!(!kernels.iter().any(|k| k == "_query_pass"), "{case:?}: {kernels:?}");
+        }
     }
     Ok(())
 }
 
 #[test]
-fn with_deterministic_algorithms_asked_for_sinkhorns_dq_takes_a_stage_of_its_own_in_both() -> Result<()> {
+fn with_deterministic_algorithms_asked_for_dq_takes_a_pass_of_its_own_in_both() -> Result<()> {
     let _serial = common::serial();
-    let cases: Vec<Case> = CASES.iter().copied().filter(|c| c.sweeps > 1).collect();
+    let cases: Vec<Case> = CASES.iter().copied().filter(|c| c.sweeps > 1 || c.atomic_dq()).collect();
     let before = probattn_sys::set_deterministic_algorithms(true)?;
     let launched = compare_launches_with(&cases, Kind::Half, true);
     probattn_sys::set_deterministic_algorithms(before)?;
@@ -270,8 +280,9 @@ fn with_deterministic_algorithms_asked_for_sinkhorns_dq_takes_a_stage_of_its_own
         if kernels.is_empty() {
             continue; // this build embeds no kernel (compare_launches_with said so)
         }
-        // The backward ends with the dK/dV stage, then dQ's own.
-        assert!(kernels.ends_with(&["_sink_key_grads".to_string(), "_sink_query_grads".to_string()]), "{case:?}: {kernels:?}");
+        // The backward ends with the dK/dV stage (the key pass), then dQ's own.
+        let last = if case.sweeps > 1 { ["_sink_key_grads", "_sink_query_grads"] } else { ["_key_pass", "_query_pass"] };
+        assert!(kernels.ends_with(&last.map(String::from)), "{case:?}: {kernels:?}");
     }
     Ok(())
 }

@@ -195,11 +195,18 @@ mod tests {
         let newest = embedded::SELECTED.last().expect("an architecture").to_string();
         let wide = &sets[&(newest.clone(), "bfloat16".to_string(), 64)];
         let narrow = &sets[&(newest, "float32".to_string(), 64)];
-        assert_eq!((wide.len(), narrow.len()), (160, 84));
-        let deterministic: Vec<&String> = wide.iter().filter(|s| !s.contains("\"NOISE\": 1") && !s.contains("\"NOISE\": 2")).collect();
+        assert_eq!((wide.len(), narrow.len()), (174, 84));
+        // Softmax's key pass that adds dQ by atomics: in 16-bit dtypes up to head dimension 128
+        // (settings.py's atomic_dq), 6 deterministic and 8 of BAM's.
+        let atomic = |s: &&String| s.starts_with("_key_pass") && s.contains("\"ATOMIC_DQ\": 1");
+        assert_eq!((wide.iter().filter(atomic).count(), narrow.iter().filter(atomic).count()), (14, 0));
+        let deterministic: Vec<&String> =
+            wide.iter().filter(|s| !s.contains("\"NOISE\": 1") && !s.contains("\"NOISE\": 2") && !atomic(s)).collect();
         assert_eq!(narrow.iter().collect::<Vec<_>>(), deterministic);
-        for ((_, dtype, _), set) in &sets {
-            assert_eq!(set, if dtype == "float32" { narrow } else { wide }, "{dtype}");
+        for ((_, dtype, head_dim), set) in &sets {
+            let want: Vec<&String> =
+                if dtype == "float32" { narrow.iter().collect() } else { wide.iter().filter(|s| *head_dim <= 128 || !atomic(s)).collect() };
+            assert_eq!(set.iter().collect::<Vec<_>>(), want, "{dtype} {head_dim}");
         }
         assert_eq!(architectures().iter().map(|(a, _)| a.as_str()).collect::<Vec<_>>(), embedded::SELECTED);
     }

@@ -72,6 +72,10 @@ struct Spec {
 // S_k 0), the others' 0. As plans.py's KEY_BLOCK; the launcher refuses a cubin whose key blocks
 // do not divide it.
 constexpr int64_t kKeyBlock = 256;
+// The widest embedded head dimension at which softmax's base adds dQ by atomics from its key pass,
+// in 16-bit inputs, as settings.py's atomic_dq (at 256 that key pass needs more shared memory than
+// sm_80 has; in float32, more than sm_86 and sm_89 have).
+constexpr int64_t kAtomicDqWidest = 128;
 
 struct Call {
   // kpad, qpad: uint8 (B, S_k) and (B, S_q), both or neither (the padded kernels read both; a call
@@ -498,7 +502,9 @@ struct Branch {
 
 // The gradient passes of the plan with `sweeps` 0 or 1 for statistics (c, r), by recomputation,
 // writing d.dq, d.dk and d.dv (and the KL term's and the gate's gradients); `branch`: one of
-// HNAS's.
+// HNAS's. Over softmax's base alone (no sweeps, no mixture, no branch), in 16-bit inputs up to
+// kAtomicDqWidest, the key pass adds dQ by atomics, in float32, and no query pass follows,
+// unless libtorch's deterministic algorithms are asked for, as `plans.py` does.
 void gradient_passes(const Call& call, int64_t sweeps, const at::Tensor& c, const at::Tensor& r, const Forward& f,
                      const at::Tensor& grad, const at::Tensor& delta, const at::Tensor& grad_part, Grads& d,
                      const Branch* branch = nullptr) {
@@ -525,6 +531,15 @@ void gradient_passes(const Call& call, int64_t sweeps, const at::Tensor& c, cons
     auto rows = query;
     rows["GU"] = d.gu;
     call.launch("_query_pass", false, call.h(), {{"SWEEPS", sweeps}, {"ROWS", 1}}, rows);
+  }
+  if (sweeps == 0 && branch == nullptr && !call.mix() && call.q.scalar_type() != at::kFloat &&
+      call.head_dim <= kAtomicDqWidest && !at::globalContext().deterministicAlgorithms()) {
+    auto dq = at::zeros(call.q.sizes(), call.stats());
+    key["DQ"] = dq;
+    key_settings["ATOMIC_DQ"] = 1;
+    call.launch("_key_pass", true, call.h_kv(), key_settings, key);
+    d.dq.copy_(dq);
+    return;
   }
   call.launch("_key_pass", true, call.h_kv(), key_settings, key);
   call.launch("_query_pass", false, call.h(), query_settings, query);

@@ -273,6 +273,14 @@ const std::set<std::string> kUnused = {"QPAD", "KPAD", "MASK", "BLOCKS", "BIAS",
 // The masks a kernel reads through strides of its own (stride-0 views of what they broadcast).
 const std::set<std::string> kStrided = {"MASK", "BLOCKS", "BIAS"};
 
+// Whether a launch may leave out the tensor `pname`: one of kUnused, or the key pass's DQ where
+// its specialization adds nothing to it (ATOMIC_DQ 0).
+bool may_leave_out(const Launch& l, const std::string& pname) {
+  if (kUnused.count(pname) > 0) return true;
+  const auto atomic = l.constexprs.find("ATOMIC_DQ");
+  return pname == "DQ" && l.name == "_key_pass" && atomic != l.constexprs.end() && atomic->second == 0;
+}
+
 }  // namespace
 
 const std::string& driver_missing() { return driver().missing; }
@@ -390,7 +398,7 @@ void launch(const Launch& l, const at::Device& device, std::map<at::ScalarType, 
         tensors_json += (tensors_json.empty() ? "\"" : ", \"") + pname + "\": [[" + shape + "], \"" + dtype_name(t.scalar_type()) + "\"]";
       }
     } else {
-      TORCH_CHECK(kUnused.count(pname) > 0, "the fused CUDA route: ", name, " takes the tensor ", pname,
+      TORCH_CHECK(may_leave_out(l, pname), "the fused CUDA route: ", name, " takes the tensor ", pname,
                   ", which the launcher does not pass");
       auto& slot = unused[want];
       if (!slot.defined()) slot = at::zeros({2}, at::TensorOptions().device(device).dtype(want));

@@ -72,6 +72,7 @@ def specializations(plans, smoke):
                 ("_row_pass", dict(flags, **bam, SWEEPS=1, HYBRID=False, CAUSAL=False, MIX=True)),
                 ("_key_pass", dict(flags, **bam, SWEEPS=1, CAUSAL=False, GRADS=True, MIX=True)),
                 ("_key_pass", dict(flags, SWEEPS=1, CAUSAL=False, GRADS=True, SHARE=True, ADD=True)),
+                ("_key_pass", dict(flags, **bam, SWEEPS=0, CAUSAL=True, GRADS=True, ATOMIC_DQ=True)),
                 ("_query_pass", dict(flags, SWEEPS=1, CAUSAL=False, SHARE=True, ADD=True)),
                 ("_query_pass", dict(flags, **bam, SWEEPS=1, CAUSAL=False, MIX=True, ROWS=True)),
                 ("_query_pass", dict(flags, **bam, SWEEPS=1, CAUSAL=False, MIX=True, ROWS=False)),
@@ -88,12 +89,16 @@ def specializations(plans, smoke):
             for grads in (False, True):
                 out.append(("_key_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal, GRADS=grads)))
             out.append(("_query_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal)))
+            if sweeps == 0:  # softmax's dQ added by atomics from the key pass
+                out.append(("_key_pass", dict(f, SWEEPS=0, CAUSAL=causal, GRADS=True, ATOMIC_DQ=True)))
     # BAM over softmax and DNAS with key padding: Weibull with its KL (BAM-WC), Lognormal with its
     # KL (BAM-LC).
     f = dict(HAS_QPAD=False, HAS_KPAD=True, HAS_MASK=False, HAS_BIAS=False)
     for sweeps, noise in itertools.product((0, 1), (1, 2)):
         bam = dict(f, NOISE=noise, KL=noise, SWEEPS=sweeps, CAUSAL=False)
         out += [("_row_pass", dict(bam, HYBRID=False)), ("_key_pass", dict(bam, GRADS=True)), ("_query_pass", bam)]
+        if sweeps == 0:
+            out.append(("_key_pass", dict(bam, GRADS=True, ATOMIC_DQ=True)))
     return out
 
 
@@ -135,6 +140,7 @@ def route_specializations(dtype="bfloat16", head_dim=64):
             for grads in (True, False):  # without gradients: the received mass, when a call asks for it
                 out.append(("_key_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal, GRADS=grads)))
             out.append(("_query_pass", dict(f, SWEEPS=sweeps, CAUSAL=causal)))
+            out += _softmax_dq(dict(f, SWEEPS=sweeps, CAUSAL=causal), dtype, head_dim)
         out.append(("_row_pass", dict(f, SWEEPS=1, HYBRID=True, CAUSAL=False)))
         # HNAS's backward: each branch's key and query passes on its share of dO, softmax's adding
         # its gradients to DNAS's.
@@ -157,6 +163,7 @@ def route_specializations(dtype="bfloat16", head_dim=64):
     for (sweeps, causal), (noise, kl) in itertools.product(((0, False), (0, True), (1, False)), draws):
         bam = dict(f, NOISE=noise, KL=kl, SWEEPS=sweeps, CAUSAL=causal)
         out += [("_row_pass", dict(bam, HYBRID=False)), ("_key_pass", dict(bam, GRADS=True)), ("_query_pass", bam)]
+        out += _softmax_dq(bam, dtype, head_dim)
         if kl == noise:  # the sampled weights' received mass: the draws again, no KL term (it moves no weight)
             out.append(("_key_pass", dict(bam, KL=0, GRADS=False)))
     for noise, kl in draws:
@@ -170,6 +177,16 @@ def route_specializations(dtype="bfloat16", head_dim=64):
         # gradient stages with it.
         out += _sink_stages(dict(f, NOISE=noise, KL=kl))
     return out
+
+
+def _softmax_dq(flags, dtype, head_dim):
+    """Over softmax's base (no sweeps), where `settings.atomic_dq` says so: the key pass that adds dQ
+    by atomics, which the route launches instead of the key and query passes unless deterministic
+    algorithms are asked for."""
+    from probattn_tools.kernels import settings
+
+    atomic = flags["SWEEPS"] == 0 and settings.atomic_dq(dtype, head_dim)
+    return [("_key_pass", dict(flags, GRADS=True, ATOMIC_DQ=True))] if atomic else []
 
 
 def _sink_stages(flags):
@@ -346,6 +363,9 @@ def main(argv=None):
             sys.exit(f"kernels.aot: unknown dtype {dtype!r} (known: {', '.join(TRITON_TYPE)})")
         chosen = (recorded(args.set) if args.set else route_specializations(dtype, head_dim) if args.route
                   else specializations(plans, args.smoke))
+        # softmax's key pass that adds dQ serves where settings.atomic_dq says so
+        chosen = [(n, c) for n, c in chosen if not (c.get("ATOMIC_DQ") and n == "_key_pass"
+                                                     and not settings.atomic_dq(dtype, head_dim))]
         jobs += [(name, constexprs, dtype, head_dim, arch, *launch_setting(table, arch, dtype, head_dim, args, name,
                                                                             constexprs))
                  for name, constexprs in chosen]

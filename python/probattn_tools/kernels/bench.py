@@ -18,6 +18,10 @@ reused as that value, Dynamo recompiled past its limit and fell back to an unfus
 `--key-tiles both` also times each chosen probattn implementation with its key pass formed the
 other way round from the build's (`settings.TRANSPOSE_KEYS`), in the same run.
 
+`--dq both` also times each chosen probattn implementation over softmax's base (softmax, BAM-WC,
+BAM-LC) with dQ from a query pass of its own, as libtorch's deterministic algorithms ask for
+(`+query-pass`), beside the default, whose key pass adds dQ by atomics.
+
 `--profile` also runs one more forward + backward of each implementation under PyTorch's profiler
 and records where its GPU time goes: each kernel's time and calls, the largest first (`kernels` in
 the row, the first five printed), so that a slow plan shows which of its passes is slow.
@@ -86,6 +90,23 @@ def implementations(torch, args):
 OTHER_KEYS = {False: "+transposed-keys", True: "+row-keys"}
 
 
+# The suffix of an implementation timed with dQ from a query pass of its own (`--dq both`).
+QUERY_PASS = "+query-pass"
+
+
+def deterministic(torch, step):
+    """`step` with libtorch's deterministic algorithms asked for (warnings only, for the ops that
+    have no deterministic form), under which softmax's base forms dQ in a query pass of its own."""
+    def run():
+        before, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            step()
+        finally:
+            torch.use_deterministic_algorithms(before, warn_only=warn)
+    return run
+
+
 def kernel_times(torch, step, device, top=12):
     """One call of `step` under PyTorch's profiler: {"total_ms", "kernels": [{"kernel", "calls", "ms"}]},
     the `top` kernels by their time on the device (on the CPU, the operators by their own time)."""
@@ -147,6 +168,9 @@ def main(argv=None):
                         "probattn-bam-lc")
     parser.add_argument("--out", help="folder for bench.json (default: print only)")
     parser.add_argument("--profile", action="store_true", help="record each implementation's time kernel by kernel")
+    parser.add_argument("--dq", choices=("atomic", "both"), default="atomic",
+                        help="both: also softmax's base (probattn-softmax, -bam-wc, -bam-lc) with dQ from a query pass "
+                             "of its own, under deterministic algorithms (+query-pass), in the same run")
     parser.add_argument("--key-tiles", choices=("build", "both"), default="build",
                         help="both: also each chosen probattn implementation with the key pass formed the other way "
                              "round from the build's (settings.TRANSPOSE_KEYS: (queries x keys) or (keys x queries)), "
@@ -167,7 +191,9 @@ def main(argv=None):
 
         other = OTHER_KEYS[plans.TRANSPOSE_KEYS]
         chosen += [f"{n}{other}" for n in chosen if n.startswith("probattn-")]
-    unknown = [n for n in chosen if n not in impls]
+    if args.dq == "both":
+        chosen += [f"{n}{QUERY_PASS}" for n in chosen if n.startswith(("probattn-softmax", "probattn-bam"))]
+    unknown = [n for n in chosen if n.split(QUERY_PASS)[0] not in impls]
     if unknown:
         sys.exit(f"kernels.bench: unknown implementation(s) {unknown} (known: {', '.join(impls)})")
     rows = []
@@ -180,12 +206,14 @@ def main(argv=None):
         flops = 14 * b * h * s * s * d  # forward two products, backward five, each 2·B·H·S²·d flops
         steps, names = [], []
         for name in chosen:
-            plan, fn = impls[name]
+            plan, fn = impls[name.split(QUERY_PASS)[0]]
             row = {"shape": f"{b}x{s}", "B": b, "S": s, "H": h, "d": d, "dtype": args.dtype, "impl": name, "plan": plan}
             try:
                 if s <= 4096:
                     row["max_error"] = check(torch, name, plan, fn, q, k, v)
                 step = lambda fn=fn: torch.autograd.backward(fn(q, k, v), grad)  # noqa: E731
+                if name.endswith(QUERY_PASS):
+                    step = deterministic(torch, step)
                 step()
                 row["peak_mib"] = cuda_peak_during(step) / 2**20
                 steps.append(step)

@@ -68,9 +68,12 @@ def cases(quick, lower):
                 for sweeps, plan in ((0, "softmax"), (1, "dnas"))]
     # Sinkhorn-N for other N: the gradient kernel takes N at run time (N = 2: its loop over the
     # earlier sweeps runs once). With deterministic algorithms asked for ("deterministic"), dQ
-    # comes from a stage of its own instead of atomic adds.
+    # comes from a stage of its own instead of atomic adds (Sinkhorn-N's), and softmax's from the
+    # query pass instead of the key pass's atomic adds.
     if not lower:
         out.append(("sinkhorn-2 gqa key+query padding, deterministic", 2, 1.0, shapes["gqa"],
+                    ("key", "query", "deterministic"), False, None))
+        out.append(("softmax gqa key+query padding, deterministic", 0, 0.5, shapes["gqa"],
                     ("key", "query", "deterministic"), False, None))
     if not quick and not lower:
         out.append(("sinkhorn-5 gqa pattern per head, key padding", 5, 1.0, shapes["gqa"], ("pattern", "key"), False,
@@ -98,7 +101,9 @@ def cases(quick, lower):
            ("sinkhorn-3", 3, ("lognormal", 0.7, None, seed + 15), ("key",)),
            ("sinkhorn-2", 2, ("weibull", 0.5, None, seed + 16), ("key", "query", "deterministic")),
            # Padded queries with noise and no KL term: DNAS's column weights reach their rows of dQ.
-           ("dnas", 1, ("weibull", 0.5, None, seed + 17), ("key", "query"))]
+           ("dnas", 1, ("weibull", 0.5, None, seed + 17), ("key", "query")),
+           # BAM over softmax with dQ from the query pass (deterministic algorithms asked for).
+           ("softmax", 0, ("weibull", 0.5, "weibull", seed + 18), ("key", "query", "deterministic"))]
     # ε given as a tensor (the library's noise=) instead of a seed.
     given = [("dnas", 1, ("weibull", 0.5, "weibull", None), ("key", "query")),
              ("softmax", 0, ("lognormal", 0.7, None, None), ("key",))]

@@ -194,16 +194,19 @@ def _plain_weights(t2, ok, r, T: tl.constexpr = False):
 
 
 @triton.jit
-def _key_grads(dv, dk, gt, da, p, y, ok, q, v, w_d, w_s, pi_d, pi_s, share, DO, DELTA, PRIOR, RB, KS,
-               DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob, stride_doh, stride_dos,
-               stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS: tl.constexpr, KL: tl.constexpr,
-               MIX: tl.constexpr, SHARE: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
+def _key_grads(dv, dk, gt, da, p, y, ok, q, k, v, w_d, w_s, pi_d, pi_s, share, scale, DO, DELTA, DQ, PRIOR, RB, KS,
+               DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_d, offs_dv, H, S_Q, S_K, D, DV, stride_qb, stride_qh,
+               stride_qs, stride_dob, stride_doh, stride_dos, stride_rb, stride_rh, stride_pb, stride_ph, stride_pn,
+               SWEEPS: tl.constexpr, KL: tl.constexpr, MIX: tl.constexpr, SHARE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+               T: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
     """One query block's share of `_key_pass`'s sums for its key block and query head, given the
     tile's weights p, the base's logits y and the allowed pairs, formed (queries × keys), or (keys
     × queries) with T: dV; dK's main part Σ_i dS_ij q_i, added to dk (summed over the group's query
     heads); the tile of dy, the gradient in DNAS's logits (its branch's share of it under MIX),
     added to gt, whose sum over the tile's queries is g_j = Σ_i dy_ij; and, with a KL term, the
-    prior's gradient. SHARE: dO is this query head's `share` of the block read (`_shared`)."""
+    prior's gradient. SHARE: dO is this query head's `share` of the block read (`_shared`).
+    ATOMIC_DQ (softmax's base, no sweeps: dz is dS¹): the tile's share of dQ, s·dS¹ k, added to
+    DQ (laid out as q, in ACC's dtype) by atomic adds."""
     do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
     delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
     if T:
@@ -229,35 +232,43 @@ def _key_grads(dv, dk, gt, da, p, y, ok, q, v, w_d, w_s, pi_d, pi_s, share, DO, 
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=ACC, input_precision=DOT)
     if SWEEPS > 0:
         gt += dy_d
+    if ATOMIC_DQ:
+        if T:
+            dq = tl.dot(tl.trans(ds).to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
+        else:
+            dq = tl.dot(ds.to(k.dtype), k, out_dtype=ACC, input_precision=DOT)
+        tl.atomic_add(DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :], dq * scale,
+                      mask=(offs_m[:, None] < S_Q) & (offs_d[None, :] < D), sem="relaxed")
     return dv, dk, gt, da
 
 
 @triton.jit
 def _key_allowed(offs_m, offs_n, b, h, S_Q, S_K, QPAD, KPAD, MASK, stride_qpad, stride_kpad, stride_mb, stride_mh,
                  stride_mm, stride_mn, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
-                 CAUSAL: tl.constexpr, BOUND_M: tl.constexpr, T: tl.constexpr):
+                 CAUSAL: tl.constexpr, BOUND_M: tl.constexpr, T: tl.constexpr, BOUND_N: tl.constexpr = False):
     """`_allowed` for a key pass's tile, (keys × queries) with T: the conditions on keys and queries
-    trade places. The keys past S_K reach no stored output; the queries past S_Q need a bound
-    (BOUND_M) only where a term not weighted by p reaches them (KL's, MIX's): the pass reads
-    r_i = +inf there, so that their weights and dS are 0."""
+    trade places. The keys past S_K need a bound (BOUND_N) only where the pass adds to dQ: else
+    they reach no stored output. The queries past S_Q need one (BOUND_M) only where a term not
+    weighted by p reaches them (KL's, MIX's): the pass reads r_i = +inf there, so that their
+    weights and dS are 0."""
     if T:
         ok = _allowed(offs_n, offs_m, b, S_K, S_Q, KPAD, QPAD, stride_kpad, stride_qpad, HAS_KPAD, HAS_QPAD, False,
-                      h, MASK, stride_mb, stride_mh, stride_mn, stride_mm, HAS_MASK, BOUND_M=False, BOUND_N=BOUND_M)
+                      h, MASK, stride_mb, stride_mh, stride_mn, stride_mm, HAS_MASK, BOUND_M=BOUND_N, BOUND_N=BOUND_M)
         if CAUSAL:
             ok = ok & (offs_n[:, None] <= offs_m[None, :])
     elif HAS_QPAD:
         # Query padding reads the queries past S_Q as padded, so the bound excludes nothing more; left
         # out, Triton 3.6 compiled this form's loop to 90 more instructions a tile (bfloat16, sm_90).
         ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
-                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_N=False)
+                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_N=BOUND_N)
     else:
         ok = _allowed(offs_m, offs_n, b, S_Q, S_K, QPAD, KPAD, stride_qpad, stride_kpad, HAS_QPAD, HAS_KPAD, CAUSAL,
-                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_M=BOUND_M, BOUND_N=False)
+                      h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, HAS_MASK, BOUND_M=BOUND_M, BOUND_N=BOUND_N)
     return ok
 
 
 @triton.jit
-def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, PRIOR, RB, KS, DKL,
+def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, DQ, G, MASS, QBAR, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, PRIOR, RB, KS, DKL,
               DA, RD, RS, LOGU, RHO_D, RHO_S, SHARES, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
               stride_dob, stride_doh, stride_dos, stride_cb, stride_ch, stride_rb, stride_rh,
               stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_qbarb, stride_qbarh,
@@ -267,7 +278,8 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
               SWEEPS: tl.constexpr, HAS_QPAD: tl.constexpr, HAS_KPAD: tl.constexpr, HAS_MASK: tl.constexpr,
               HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, NOISE: tl.constexpr, KL: tl.constexpr,
               DRAW64: tl.constexpr, MIX: tl.constexpr, SHARE: tl.constexpr, ADD: tl.constexpr,
-              GRADS: tl.constexpr, TRANSPOSE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+              GRADS: tl.constexpr, ATOMIC_DQ: tl.constexpr, TRANSPOSE: tl.constexpr, ACC: tl.constexpr,
+              DOT: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One key block of one (batch, key/value head) per program, over its group's query heads
     and every query block: dV, dK (with DNAS's correction −g_j · QBAR_j, QBAR the column pass's
@@ -280,6 +292,13 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
     column correction. SHARE and ADD (HNAS's branches): each query head's dO is its share of the
     given dO (`SHARES`, one per query head), and with ADD dK and dV are added to what DK and
     DV_OUT hold (the other branch's), not written over it.
+
+    ATOMIC_DQ (softmax's base: softmax, and BAM over it; no sweeps, no mixture, no share): the pass
+    also adds each tile's share of dQ to DQ by atomic adds (`_key_grads`), as FlashAttention-2's
+    backward does, so that each tile's weights, and BAM's draws among them, are formed once in
+    the backward instead of twice and `_query_pass` is not launched. The order of the adds, and
+    so dQ's last bits, varies from run to run: under libtorch's deterministic algorithms the
+    query pass forms dQ instead (`plans._backward`).
 
     TRANSPOSE (the configuration's, `plans.Config`): each tile is formed transposed, zᵀ = s·k qᵀ
     (keys × queries), as FlashAttention-2's backward forms it. The weights and dS then enter their
@@ -298,7 +317,11 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
     # mass, are left as they come and those are set to 0 once after the loop. The KL term and the
     # mixture read the pairs outside the weights and keep both per entry.
     PAD_AFTER: tl.constexpr = not (MIX or KL > 0)
-    KEYS_AFTER: tl.constexpr = HAS_KPAD and PAD_AFTER
+    # With ATOMIC_DQ a key's weights reach every query's dQ: the keys past S_K and the padded ones
+    # are excluded per entry (past S_K, exp(0 − r_i) can overflow where the scores are far below 0).
+    KEYS_AFTER: tl.constexpr = HAS_KPAD and PAD_AFTER and not ATOMIC_DQ
+    tl.static_assert(not ATOMIC_DQ or (GRADS and SWEEPS == 0 and not (MIX or SHARE)),
+                     "_key_pass: dQ by atomics serves softmax's base alone (dz = dS¹)")
     scale_z = scale
     if PLAIN:
         scale_z = _in_exp_base(scale)
@@ -339,9 +362,11 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
                 q = _block(Q, b, h, offs_m, offs_d, S_Q, D, stride_qb, stride_qh, stride_qs)
                 # +inf past S_Q, so that the queries there weigh 0 without a bound per entry
                 r = _rows(R, b, h, offs_m, S_Q, stride_rb, stride_rh, float("inf"))
+                # key padding reads the keys past S_K as padded: the bound on keys is needed without it
                 ok = _key_allowed(offs_m, offs_n, b, h, S_Q, S_K, QPAD, KPAD, MASK, stride_qpad, stride_kpad,
                                   stride_mb, stride_mh, stride_mm, stride_mn, HAS_QPAD and not PAD_AFTER,
-                                  HAS_KPAD and not PAD_AFTER, HAS_MASK, CAUSAL, KL > 0 or MIX, TRANSPOSE)
+                                  HAS_KPAD and not KEYS_AFTER, HAS_MASK, CAUSAL, KL > 0 or MIX, TRANSPOSE,
+                                  BOUND_N=ATOMIC_DQ and not HAS_KPAD)
                 if TRANSPOSE:  # (BLOCK_N, BLOCK_M), keys × queries
                     zr = _scores(k, q, scale_z, BIAS, b, h, offs_n, offs_m, S_K, S_Q, stride_ab, stride_ah, stride_an,
                                  stride_am, HAS_BIAS, ACC, DOT)
@@ -362,10 +387,10 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, G, MASS, QBAR, QPAD, KPAD, M
                 mass += _over_queries(p, TRANSPOSE)
                 if GRADS:
                     dv, dk, gt, da = _key_grads(
-                        dv, dk, gt, da, p, y, ok, q, v, w_d, w_s, pi_d, pi_s, share, DO, DELTA, PRIOR,
-                        RB, KS, DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_dv, H, S_Q, S_K, DV, stride_dob,
-                        stride_doh, stride_dos, stride_rb, stride_rh, stride_pb, stride_ph, stride_pn, SWEEPS, KL, MIX,
-                        SHARE, TRANSPOSE, ACC, DOT)
+                        dv, dk, gt, da, p, y, ok, q, k, v, w_d, w_s, pi_d, pi_s, share, scale, DO, DELTA, DQ, PRIOR,
+                        RB, KS, DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_d, offs_dv, H, S_Q, S_K, D, DV,
+                        stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_rb, stride_rh,
+                        stride_pb, stride_ph, stride_pn, SWEEPS, KL, MIX, SHARE, ATOMIC_DQ, TRANSPOSE, ACC, DOT)
         if GRADS:
             if SWEEPS > 0:
                 g = _over_queries(gt, TRANSPOSE)  # once per head, not once per tile

@@ -16,8 +16,11 @@ The kernels:
   the queries' column mean `Q̄_j = Σ_i exp(z_ij − c_j) q_i` (the column weights as the values);
 - `_row_pass`: the output `O = p v` and `r_i`, with `c` subtracted (none for softmax);
 - `_key_pass` (backward): per key block over the queries, `dV = pᵀ dO`, `g_j = Σ_i dS¹_ij` and
-  `dK`, with DNAS's column correction `−s·g_j·Q̄_j`; and the received mass `Σ_i p_ij` when asked;
-- `_query_pass` (backward): `dQ`, with the correction `dz_ij = dS¹_ij − exp(z_ij − c_j) g_j`.
+  `dK`, with DNAS's column correction `−s·g_j·Q̄_j`; and the received mass `Σ_i p_ij` when asked.
+  Over softmax's base (no sweeps) it also adds each tile's share of dQ, `s·dS¹ k`, by atomic adds;
+- `_query_pass` (backward): `dQ`, with the correction `dz_ij = dS¹_ij − exp(z_ij − c_j) g_j`;
+  over softmax's base only where libtorch's deterministic algorithms are asked for (the atomic
+  adds' order, and so dQ's last bits, varies from run to run).
 
 Here `dS¹ = p ∘ (dO vᵀ − D)`, `D_i = Σ_d dO_id O_id`: FlashAttention-2's recomputed backward;
 the column correction is the gradient through `c_j` (one extra term in each backward pass).
@@ -57,7 +60,7 @@ import triton.language as tl
 from probattn_tools.kernels.bam import Sampling, _prior_values, _seed_words, counter_noise  # noqa: F401
 from probattn_tools.kernels.interpreter import patch_once_per_launch
 from probattn_tools.kernels.passes import _column_pass, _key_pass, _query_pass, _row_pass
-from probattn_tools.kernels.settings import TRANSPOSE_KEYS, kernel_key
+from probattn_tools.kernels.settings import TRANSPOSE_KEYS, atomic_dq, kernel_key
 from probattn_tools.kernels.sinkhorn import _sink_key_grads, _sink_query_grads, _sink_reduce
 
 # Under Triton's interpreter (the tests' CPU runs) only: the language patched once per helper and
@@ -277,7 +280,7 @@ class _Call:
             Q=self.q, K=self.k, V=self.v, QPAD=qpad, KPAD=kpad, MASK=pattern, BLOCKS=blocks, BIAS=bias,
             DRAWS=draws, PRIOR=a, RB=dummy, KS=dummy, TROW=dummy, DKL=dummy, DA=dummy, MIX=False, ROWS=False,
             RD=dummy, RS=dummy, LOGU=dummy, RHO_D=dummy, RHO_S=dummy, GU=dummy, SHARES=dummy, SHARE=False, ADD=False,
-            ATOMIC_DQ=False,
+            ATOMIC_DQ=False, DQ=dummy,
             QBAR=torch.zeros(1, dtype=self.q.dtype, device=dev), CONTEXT=False, stride_qbarb=h * s_k * d, stride_qbarh=s_k * d, stride_qbars=d,
             stride_pb=spb, stride_ph=sph, stride_pn=spn,
             NOISE=sampling.code() if sampling else 0, KL=Sampling.NOISES[sampling.kl] if self.kl else 0,
@@ -522,9 +525,16 @@ def _backward(call, sweeps, out, stats, grad_out, kl=None, mix=None, branch=None
             raise RuntimeError("DNAS's backward needs the queries' column mean of its forward: the forward ran "
                                "without a backward in view (call.grads)")
         qbar = call.qbar if call.args["SWEEPS"] else call.args["QBAR"]
-        call.launch(_key_pass, call.grid(True, "kv"), C=c, R=r, DO=do, DELTA=delta, DK=dk, DV_OUT=dv, G=g, MASS=g,
-                    QBAR=qbar, GRADS=True, **kl_args)
-        call.launch(_query_pass, call.grid(False, "query"), C=c, R=r, DO=do, DELTA=delta, G=g, DQ=dq, **kl_args)
+        key = dict(C=c, R=r, DO=do, DELTA=delta, DK=dk, DV_OUT=dv, G=g, MASS=g, QBAR=qbar, GRADS=True, **kl_args)
+        atomic = atomic_dq(str(call.q.dtype).replace("torch.", ""), max(call.shape[5:]))
+        if (call.args["SWEEPS"] or mix is not None or branch is not None or not atomic
+                or torch.are_deterministic_algorithms_enabled()):
+            call.launch(_key_pass, call.grid(True, "kv"), **key)
+            call.launch(_query_pass, call.grid(False, "query"), C=c, R=r, DO=do, DELTA=delta, G=g, DQ=dq, **kl_args)
+        else:  # softmax's base (settings.atomic_dq): dQ added tile by tile from the key pass, in float32
+            acc = torch.zeros(call.q.shape, dtype=call.stats, device=call.q.device)
+            call.launch(_key_pass, call.grid(True, "kv"), **dict(key, DQ=acc, ATOMIC_DQ=True))
+            dq.copy_(acc)
         return _given(call, dq, dk, dv)
     cs, rs = stats
     gc, gr, g = torch.zeros_like(cs), torch.zeros_like(rs), call.stat(True)

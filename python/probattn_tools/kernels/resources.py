@@ -100,7 +100,9 @@ def loop_counts(code):
 # and HNAS's column pass with CONTEXT, as a forward with a backward to follow runs it):
 # (kernel, its specialization's constexprs that are set, as the rows show them), or with (launches,
 # runs of the loops inside its tile loop) where those are not 1. The deterministic plans
-# unpadded; BAM (over softmax, with its KL term) padded, as the route always runs it.
+# unpadded; BAM (over softmax, with its KL term) padded, as the route always runs it. Softmax and BAM
+# over it: the key pass that adds dQ by atomics, and no query pass (the query pass, where
+# deterministic algorithms are asked for, is left out).
 # Sinkhorn-3: three column and two row reductions of the potentials, the last row pass (DNAS's),
 # then stage 0 (g_j), two row and two column reductions of the potentials' gradients, and the dK/dV
 # stage that adds dQ by atomics, whose loop over the earlier sweeps runs N − 1 = 2 times a tile
@@ -109,14 +111,15 @@ def loop_counts(code):
 _BAM = {"HAS_QPAD": True, "HAS_KPAD": True}
 _N = 3
 PLAN_PASSES = {
-    "softmax": [("_row_pass", {}), ("_key_pass", {"GRADS": True}), ("_query_pass", {})],
+    "softmax": [("_row_pass", {}), ("_key_pass", {"GRADS": True, "ATOMIC_DQ": True})],
     "dnas": [("_column_pass", {"CONTEXT": True}), ("_row_pass", {"SWEEPS": 1}), ("_key_pass", {"SWEEPS": 1, "GRADS": True}),
              ("_query_pass", {"SWEEPS": 1})],
     "hnas": [("_column_pass", {"CONTEXT": True}), ("_row_pass", {"SWEEPS": 1, "HYBRID": True}),
              ("_key_pass", {"SWEEPS": 1, "GRADS": True, "SHARE": True}), ("_query_pass", {"SWEEPS": 1, "SHARE": True}),
              ("_key_pass", {"GRADS": True, "SHARE": True, "ADD": True}), ("_query_pass", {"SHARE": True, "ADD": True})],
-    **{name: [("_row_pass", dict(_BAM, NOISE=n, KL=n)), ("_key_pass", dict(_BAM, NOISE=n, KL=n, GRADS=True)),
-              ("_query_pass", dict(_BAM, NOISE=n, KL=n))] for name, n in (("bam-wc", 1), ("bam-lc", 2))},
+    **{name: [("_row_pass", dict(_BAM, NOISE=n, KL=n)),
+              ("_key_pass", dict(_BAM, NOISE=n, KL=n, GRADS=True, ATOMIC_DQ=True))]
+       for name, n in (("bam-wc", 1), ("bam-lc", 2))},
     f"sinkhorn-{_N}": [("_sink_reduce", {"COLUMNS": True, "LSE": True}),
                        ("_sink_reduce", {"COLUMNS": True, "LSE": True, "HAS_RPOT": True}, _N - 1, 1),
                        ("_sink_reduce", {"LSE": True}, _N - 1, 1), ("_row_pass", {"SWEEPS": 1}),

@@ -13,6 +13,19 @@ TABLE = Path(__file__).with_name("tuning.json")
 # (queries × keys) (`_key_pass`'s TRANSPOSE, docs/kernels.md): what the build compiles, and
 # `plans.Config`'s default. `kernels.bench --key-tiles` times both forms in one run.
 TRANSPOSE_KEYS = False
+# The widest head dimension (of q and k, and of v) at which softmax's base adds dQ by atomics from
+# its key pass (`_key_pass`'s ATOMIC_DQ, `atomic_dq`).
+ATOMIC_DQ_WIDEST = 128
+
+
+def atomic_dq(dtype, head_dim):
+    """Whether softmax's base adds dQ by atomics from its key pass for inputs of `dtype` (a name:
+    "bfloat16", ...) at `head_dim` (the widest of q's and v's), where deterministic algorithms are
+    not asked for; elsewhere the key and query passes serve. Up to ATOMIC_DQ_WIDEST: at 256 that
+    key pass's 64 × 64 tiles need 176 KiB of shared memory in bfloat16 (168 KiB with one stage),
+    past sm_80's 163 KiB a block. Not in float32: there they need 113 KiB at head dimension 64,
+    past the 99 KiB of sm_86 and sm_89, which float32's set otherwise fits."""
+    return dtype != "float32" and head_dim <= ATOMIC_DQ_WIDEST
 
 
 def default(dtype, head_dim):
