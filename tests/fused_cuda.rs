@@ -58,8 +58,9 @@ const QUERIES: (bool, bool) = (false, true);
 const BOTH: (bool, bool) = (true, true);
 
 impl Case {
-    /// Whether the backward adds dQ by atomics from the key pass: softmax's base (softmax, and BAM
-    /// over it: no sweeps, no mixture) up to head dimension 128 (settings.py's ATOMIC_DQ_WIDEST).
+    /// Whether the backward adds dQ by atomics from the key pass in a 16-bit dtype (the one these
+    /// cases are compared in): softmax's base (softmax, and BAM over it: no sweeps, no mixture) up to
+    /// head dimension 128 (settings.py's atomic_dq).
     fn atomic_dq(&self) -> bool {
         self.sweeps == 0 && !self.hybrid && self.shape[5].max(self.shape[6]) <= 128
     }

@@ -193,7 +193,7 @@ def main(argv=None):
         chosen += [f"{n}{other}" for n in chosen if n.startswith("probattn-")]
     if args.dq == "both":
         chosen += [f"{n}{QUERY_PASS}" for n in chosen if n.startswith(("probattn-softmax", "probattn-bam"))]
-    unknown = [n for n in chosen if n.split(QUERY_PASS)[0] not in impls]
+    unknown = [n for n in chosen if n.removesuffix(QUERY_PASS) not in impls]
     if unknown:
         sys.exit(f"kernels.bench: unknown implementation(s) {unknown} (known: {', '.join(impls)})")
     rows = []
@@ -206,7 +206,7 @@ def main(argv=None):
         flops = 14 * b * h * s * s * d  # forward two products, backward five, each 2·B·H·S²·d flops
         steps, names = [], []
         for name in chosen:
-            plan, fn = impls[name.split(QUERY_PASS)[0]]
+            plan, fn = impls[name.removesuffix(QUERY_PASS)]
             row = {"shape": f"{b}x{s}", "B": b, "S": s, "H": h, "d": d, "dtype": args.dtype, "impl": name, "plan": plan}
             try:
                 if s <= 4096:
