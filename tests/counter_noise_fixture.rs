@@ -41,7 +41,7 @@ struct Slice {
 /// The small shapes hold fewer than 2^32 entries (the shortcut: one hash of the seed's high word);
 /// the large ones more, and their slices lie past position 2^32, where the position's high word
 /// enters the hash, and across a multiple of it (two rows whose positions take two high words, as
-/// one tile of the kernels then does).
+/// one tile of the kernels then does, and a row whose own keys do).
 fn slices() -> Vec<Slice> {
     let mut out = Vec::new();
     let small = [2, 3, 5, 7];
@@ -60,6 +60,17 @@ fn slices() -> Vec<Slice> {
                 seed: 0x0123_4567_89ab_cdef,
                 rows: (1 << 20) - 1..(1 << 20) + 1,
                 columns: some.clone(),
+            });
+            // A row whose keys straddle 2^32: with 4,097 keys, row 1,048,320 starts at 2^32 − 256, so
+            // its key 256 lies at 2^32 (the kernels take the next high word where a row's low word
+            // carries).
+            out.push(Slice {
+                noise,
+                kind,
+                shape: [1, 1, (1 << 20) + 1, 4097],
+                seed: 0x0123_4567_89ab_cdef,
+                rows: 1_048_319..1_048_322,
+                columns: (250..262).chain([0, 4096]).collect(),
             });
         }
     }

@@ -4,10 +4,12 @@ gradient per tile, HNAS's log-weights as a base, and what a call says about them
 `counter_noise`)."""
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from probattn_tools.kernels.tiles import (_exp, _exp_less, _in_exp_base, _lse_fold, _lse_value, _over_queries, _per_key,
                                           _per_row, _rows)
@@ -44,21 +46,92 @@ def _uniform(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, DRAW64: tl.constexpr, T: 
     """ε ~ U(0, 1) of the tile (offs_m × offs_n) of (batch b, query head h): float64 from 32 bits
     (DRAW64) or float32 from 23. DRAWS holds the seed's low and high 32-bit words (int64). A tile
     spans fewer than 2^32 positions (BLOCK_M·S_K ≤ 2^32, which the callers hold), so its positions
-    have at most two high words, its first entry's and the next: each is hashed once per tile, and
-    every entry takes its own, on both sides of 2^32 alike. T: the tile formed transposed (keys ×
-    queries)."""
+    have at most two high words, its first row's and the next: each is hashed once per tile. The
+    int64 positions are formed per row (the row's key 0); an entry's low word is its row's plus
+    its key, in 32 bits, and it takes the next high word where that sum carries: three integer
+    instructions per entry where the entry's own int64 position took about ten. T: the tile
+    formed transposed (keys × queries)."""
     seed_lo = tl.load(DRAWS).to(tl.uint32)
     seed_hi = tl.load(DRAWS + 1).to(tl.uint32)
-    e = _position(b, h, offs_m, offs_n, H, S_Q, S_K, T)
-    low = (e & 0xFFFFFFFF).to(tl.uint32)
-    first = ((b * H + h).to(tl.int64) * S_Q + tl.min(offs_m, 0).to(tl.int64)) * S_K + tl.min(offs_n, 0).to(tl.int64)
-    word = first >> 32
-    high = tl.where((e >> 32) == word, _hash32(word.to(tl.uint32) ^ seed_hi), _hash32((word + 1).to(tl.uint32) ^ seed_hi))
+    bh = (b * H + h).to(tl.int64)
+    start = (bh * S_Q + offs_m.to(tl.int64)) * S_K  # each row's key 0
+    word = ((bh * S_Q + tl.min(offs_m, 0).to(tl.int64)) * S_K) >> 32
+    first = _hash32(word.to(tl.uint32) ^ seed_hi)
+    second = _hash32((word + 1).to(tl.uint32) ^ seed_hi)
+    start_lo = _per_row((start & 0xFFFFFFFF).to(tl.uint32), T)
+    row_high = _per_row(tl.where((start >> 32) == word, first, second), T)
+    low = start_lo + _per_key(offs_n.to(tl.uint32), T)  # wraps past 2^32, as the low word does
+    high = tl.where(low < start_lo, second, row_high)
     bits = _hash32(_hash32(low ^ high) ^ seed_lo)
     if DRAW64:
         return (bits.to(tl.float64) + 0.5) * 2.3283064365386963e-10  # 2^-32
     else:
-        return ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
+        # (m + 1/2)·2^-23 as one fused multiply-add, exact: m < 2^23.
+        return (bits >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.9604644775390625e-08  # 2^-23, 2^-24
+
+
+# The GPU's approximate log2 (`lg2.approx.f32`, one MUFU.LG2): CUDA documents its error (as
+# `__log2f`'s) as at most 2^-22 absolute for x in [0.5, 2] and 2 units in the last place
+# elsewhere, so at most 2^-22·max(1, |log2 x|). Triton's interpreter has no such instruction: there
+# `_log2_approx` is the exact log2 moved up by that bound, so that the checks run under it see the
+# largest error the hardware may make, in the direction that shifts every term alike.
+APPROX_LG2 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+LG2_ERROR = tl.constexpr(2.0 ** -22)
+LN2 = tl.constexpr(0.6931471805599453)
+LOG2_LN2 = tl.constexpr(-0.5287663729448977)  # log2(ln 2)
+
+
+@triton.jit
+def _log2_approx(x):
+    """log2 of positive, normal float32 values, to within 2^-22·max(1, |log2 x|) (above)."""
+    if APPROX_LG2:
+        return libdevice.fast_log2f(x)
+    else:
+        y = tl.log2(x)
+        return y + LG2_ERROR * tl.maximum(tl.abs(y), 1.0)
+
+
+@triton.jit
+def _weibull32(u, scale):
+    """scale·log(−log(1 − u)) of float32 draws u (on the 2^-24 grid, in [2^-24, 1 − 2^-24]), in
+    float32, from two approximate log2s and no exact log. t = −log2(1 − u) comes from
+    `_log2_approx(1 − u)` (1 − u is exact) where u ≥ 1/16; below, where log2(1 − u) is small and
+    the log2's error is absolute, from the series log2 e·(u + u²/2 + ... + u⁷/7), whose remainder
+    is below 5e-10 of t there. Then log(t·ln 2) = ln 2·(log2 t + log2 ln 2). Within 6e-6 of the exact
+    log(−log(1 − u)) for every draw (`weibull_error`; the value itself lies in [−16.6, 2.8], where
+    float32's unit in the last place is up to 1.9e-6): where u ≥ 1/16, t's relative error is at
+    most 2^-22 / 0.093 = 2.6e-6; the second log2 adds at most ln 2·2^-22·24 = 4.0e-6, at the
+    smallest u, where t is 2^-24·log2 e."""
+    p = 0.2060992915555662 * u + 0.2404491734814939  # log2 e / 7, / 6, ..., / 1
+    p = p * u + 0.28853900817779266
+    p = p * u + 0.36067376022224085
+    p = p * u + 0.4808983469629878
+    p = p * u + 0.7213475204444817
+    p = p * u + 1.4426950408889634
+    t = tl.where(u < 0.0625, u * p, -_log2_approx(1.0 - u))
+    factor = scale * LN2
+    return _log2_approx(t) * factor + LOG2_LN2 * factor
+
+
+@triton.jit
+def _weibull_terms(OUT, N, BLOCK: tl.constexpr):
+    """`_weibull32` (scale 1) of the float32 draws (m + 1/2)·2^-23, m < N: what `weibull_error`
+    checks."""
+    m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    u = (m.to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
+    tl.store(OUT + m, _weibull32(u, 1.0), mask=m < N)
+
+
+def weibull_error(device="cpu", count=1 << 23, block=1 << 16):
+    """The largest difference between the kernels' Weibull noise term (`_weibull32`, scale 1) and
+    log(−log(1 − u)) in float64, over the float32 draws (m + 1/2)·2^-23, m < `count` (all 2^23 by
+    default): (the difference, the m where it is largest)."""
+    ours = torch.empty(count, dtype=torch.float32, device=device)
+    _weibull_terms[(triton.cdiv(count, block),)](ours, count, BLOCK=block)
+    u = (torch.arange(count, dtype=torch.float64) + 0.5) * 2.0 ** -23
+    diff = (ours.cpu().double() - torch.log(-torch.log1p(-u))).abs()
+    worst = int(diff.argmax())
+    return float(diff[worst]), worst
 
 
 @triton.jit
@@ -145,11 +218,13 @@ def _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE: tl.constexpr,
 @triton.jit
 def _noise(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, noise_scale, NOISE: tl.constexpr,
            DRAW64: tl.constexpr, ACC: tl.constexpr, T: tl.constexpr = False):
-    """BAM's noise term of a tile in ACC: (1/k)·log(−log(1 − ε)) for Weibull (1 − ε is exact for
-    drawn ε, which lies on the 2^-24 or 2^-33 grid; a given ε takes log1p(−ε) by Goldberg's
-    identity, as the eager path's log1p), σ·ε for Lognormal; `noise_scale` is 1/k or σ. T: the tile
-    formed transposed."""
+    """BAM's noise term of a tile in ACC: (1/k)·log(−log(1 − ε)) for Weibull (float32 draws by
+    `_weibull32`; 1 − ε is exact for drawn ε, which lies on the 2^-24 or 2^-33 grid; a given ε
+    takes log1p(−ε) by Goldberg's identity, as the eager path's log1p), σ·ε for Lognormal;
+    `noise_scale` is 1/k or σ. T: the tile formed transposed."""
     eps = _epsilon(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, NOISE, DRAW64, T)
+    if NOISE == 1 and not DRAW64:
+        return _weibull32(eps, noise_scale).to(ACC)
     if NOISE == 1 or NOISE == 3:
         eps = tl.maximum(eps, 1.1754943508222875e-38)  # FLT_MIN, as noise.cpp's and the eager path's clamp
         w = 1.0 - eps
@@ -197,19 +272,25 @@ def _prior(PRIOR, b, h, offs_n, S_K, stride_pb, stride_ph, stride_pn):
 
 @triton.jit
 def _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL, stride_pb, stride_ph, stride_pn,
-             stride_rb, stride_rh, KL: tl.constexpr, ACC: tl.constexpr, T: tl.constexpr = False):
+             stride_rb, stride_rh, KL: tl.constexpr, ACC: tl.constexpr, T: tl.constexpr = False,
+             INF: tl.constexpr = True):
     """The KL part's gradient on one tile: in the logits y, dkl·(∂K/∂log π − π·Σ_j ∂K/∂log π)
     (π = exp(y − RB_i) the base's weights, KS_i = Σ_j ∂K/∂log π_ij from the row pass), and in
     the prior's values, dkl·Σ_i ∂K/∂a_j over the tile's queries. The part K is Σ a_j log π_ij
     (KL 1, Weibull) or Σ (log π_ij − a_j)² (KL 2, Lognormal), over the allowed entries (`_kl_rows`'
-    T). With T the tile is formed transposed (keys × queries)."""
-    ok = ok & (y > float("-inf"))  # an additive mask's -inf entries are excluded pairs
+    T). With T the tile is formed transposed (keys × queries). INF: the logits may hold −inf
+    (an additive mask's), which are excluded pairs; without one, a compare per entry less. π is
+    formed unmasked (excluded entries' values are discarded by the select that forms dy): a
+    select per entry less, and one use less of the allowed pairs, which a thread holding 32
+    entries keeps as bits of a register when its predicates run out."""
+    if INF:
+        ok = ok & (y > float("-inf"))  # an additive mask's -inf entries are excluded pairs
     dkl = tl.load(DKL + b * H + h).to(ACC)
     rb = _rows(RB, b, h, offs_m, S_Q, stride_rb, stride_rh)
     ks = _rows(KS, b, h, offs_m, S_Q, stride_rb, stride_rh)
     a = _prior(PRIOR, b, h, offs_n, S_K, stride_pb, stride_ph, stride_pn).to(ACC)
     log_pi = y - _per_row(rb, T)
-    pi = _exp(tl.where(ok, log_pi, float("-inf")))
+    pi = _exp(log_pi)
     if KL == 1:
         dy = tl.where(ok, _per_key(a, T) - pi * _per_row(ks, T), 0.0)
         da = _over_queries(tl.where(ok, log_pi, 0.0), T)

@@ -36,6 +36,9 @@ from pathlib import Path
 import numpy
 
 TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3}
+# The largest difference allowed between the kernels' Weibull noise term of a float32 draw and
+# log(−log(1 − u)) in float64 (bam._weibull32's bound).
+WEIBULL_ERROR = 6e-6
 
 
 def cases(quick, lower):
@@ -288,7 +291,8 @@ def check_draws(torch, plans, device):
     whose last bits differ between math libraries, so there they are held to 16 units. The slices
     lie below position 2^32, past it, and across a multiple of it (rows whose positions take two
     high words, as one tile of the kernels then does). Then every float32 Lognormal draw, 2^23 of
-    them, against at::erfinv on the CPU."""
+    them, against at::erfinv on the CPU, and the Weibull noise term of every float32 draw against
+    float64's log(−log(1 − u))."""
     record = json.loads((Path(__file__).parent / "counter_noise.json").read_text())
     lines, problems = [], []
     for c in record["cases"]:
@@ -321,6 +325,15 @@ def check_draws(torch, plans, device):
     lines.append(line)
     if differ:
         problems.append(line)
+    # Weibull's noise term of every float32 draw: the kernels take it from approximate log2s
+    # (bam._weibull32), held to WEIBULL_ERROR of log(−log(1 − u)) in float64.
+    from probattn_tools.kernels.bam import weibull_error
+
+    worst, at = weibull_error(device, block=1 << 16 if device == "cpu" else 1 << 10)
+    line = f"weibull float32, all {1 << 23} draws: noise term within {worst:.2e} of float64's (largest at m {at})"
+    lines.append(line)
+    if not worst <= WEIBULL_ERROR:
+        problems.append(f"{line}, past {WEIBULL_ERROR:.0e}")
     return lines, problems
 
 

@@ -198,7 +198,7 @@ def _key_grads(dv, dk, gt, da, p, y, ok, q, k, v, w_d, w_s, pi_d, pi_s, share, s
                DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_d, offs_dv, H, S_Q, S_K, D, DV, stride_qb, stride_qh,
                stride_qs, stride_dob, stride_doh, stride_dos, stride_rb, stride_rh, stride_pb, stride_ph, stride_pn,
                SWEEPS: tl.constexpr, KL: tl.constexpr, MIX: tl.constexpr, SHARE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-               T: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
+               T: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """One query block's share of `_key_pass`'s sums for its key block and query head, given the
     tile's weights p, the base's logits y and the allowed pairs, formed (queries × keys), or (keys
     × queries) with T: dV; dK's main part Σ_i dS_ij q_i, added to dk (summed over the group's query
@@ -218,7 +218,7 @@ def _key_grads(dv, dk, gt, da, p, y, ok, q, k, v, w_d, w_s, pi_d, pi_s, share, s
     ds = p * (dp - _per_row(delta, T))
     if KL > 0:
         dy_kl, da_tile = _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL,
-                                  stride_pb, stride_ph, stride_pn, stride_rb, stride_rh, KL, ACC, T)
+                                  stride_pb, stride_ph, stride_pn, stride_rb, stride_rh, KL, ACC, T, HAS_BIAS)
         ds += dy_kl
         da += da_tile
     dy_d = ds  # the gradient in DNAS's logits z − c
@@ -390,7 +390,8 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, DQ, G, MASS, QBAR, QPAD, KPA
                         dv, dk, gt, da, p, y, ok, q, k, v, w_d, w_s, pi_d, pi_s, share, scale, DO, DELTA, DQ, PRIOR,
                         RB, KS, DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_d, offs_dv, H, S_Q, S_K, D, DV,
                         stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_rb, stride_rh,
-                        stride_pb, stride_ph, stride_pn, SWEEPS, KL, MIX, SHARE, ATOMIC_DQ, TRANSPOSE, ACC, DOT)
+                        stride_pb, stride_ph, stride_pn, SWEEPS, KL, MIX, SHARE, ATOMIC_DQ, TRANSPOSE, ACC, DOT,
+                        HAS_BIAS)
         if GRADS:
             if SWEEPS > 0:
                 g = _over_queries(gt, TRANSPOSE)  # once per head, not once per tile
@@ -526,7 +527,7 @@ def _query_pass(Q, K, V, C, R, DO, DELTA, G, DQ, QPAD, KPAD, MASK, BLOCKS, BIAS,
             ds = p * (dp - delta[:, None])
             if KL > 0:
                 dy_kl, _ = _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL, stride_pb, stride_ph,
-                                    stride_pn, stride_rb, stride_rh, KL, ACC)
+                                    stride_pn, stride_rb, stride_rh, KL, ACC, INF=HAS_BIAS)
                 ds += dy_kl
             if ROWS:
                 rho_d += tl.sum(w_d * ds, 1)
