@@ -70,13 +70,17 @@ def _uniform(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, DRAW64: tl.constexpr, T: 
         return (bits >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.9604644775390625e-08  # 2^-23, 2^-24
 
 
-# The GPU's approximate log2 (`lg2.approx.f32`, one MUFU.LG2): CUDA documents its error (as
-# `__log2f`'s) as at most 2^-22 absolute for x in [0.5, 2] and 2 units in the last place
-# elsewhere, so at most 2^-22·max(1, |log2 x|). Triton's interpreter has no such instruction: there
-# `_log2_approx` is the exact log2 moved up by that bound, so that the checks run under it see the
-# largest error the hardware may make, in the direction that shifts every term alike.
-APPROX_LG2 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+# The GPU's approximate float32 log2 and quotient (`lg2.approx.f32`, one MUFU.LG2, and
+# `div.approx.f32`, a MUFU.RCP and a multiply). CUDA documents their errors (as `__log2f`'s and
+# `__fdividef`'s): the log2's at most 2^-22 absolute for x in [0.5, 2] and 2 units in the last
+# place elsewhere, so at most 2^-22·max(1, |log2 x|); the quotient's 2 units in the last place,
+# at most 2^-22 of it, for divisors in [2^-126, 2^126]. Triton's interpreter has neither
+# instruction: there `_log2_approx` and `_div_approx` are exact, moved up by those bounds, so that
+# the checks run under it see the largest error the hardware may make, in the direction that
+# shifts every term alike.
+APPROX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 LG2_ERROR = tl.constexpr(2.0 ** -22)
+DIV_ERROR = tl.constexpr(2.0 ** -22)
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2_LN2 = tl.constexpr(-0.5287663729448977)  # log2(ln 2)
 
@@ -84,11 +88,20 @@ LOG2_LN2 = tl.constexpr(-0.5287663729448977)  # log2(ln 2)
 @triton.jit
 def _log2_approx(x):
     """log2 of positive, normal float32 values, to within 2^-22·max(1, |log2 x|) (above)."""
-    if APPROX_LG2:
+    if APPROX:
         return libdevice.fast_log2f(x)
     else:
         y = tl.log2(x)
         return y + LG2_ERROR * tl.maximum(tl.abs(y), 1.0)
+
+
+@triton.jit
+def _div_approx(a, b):
+    """a / b of float32 values, b normal, to within 2^-22 of the quotient (above)."""
+    if APPROX:
+        return libdevice.fast_dividef(a, b)
+    else:
+        return a / b * (1.0 + DIV_ERROR)
 
 
 @triton.jit
@@ -135,16 +148,27 @@ def weibull_error(device="cpu", count=1 << 23, block=1 << 16):
 
 
 @triton.jit
-def _erfinv_guess(y):
-    """ATen's calc_erfinv's rational first guess at erfinv(y), y in (−1, 1), in y's dtype."""
+def _erfinv_guess(y, FAST: tl.constexpr = False):
+    """ATen's calc_erfinv's rational first guess at erfinv(y), y in (−1, 1), in y's dtype. FAST
+    (float32): its two quotients and its log from the GPU's approximate instructions
+    (`_div_approx`, `_log2_approx`), for `_normal32`, whose Halley step absorbs their error."""
     z = y * y
     num = ((-0.140543331 * z + 0.914624893) * z + -1.645349621) * z + 0.886226899
     dem = (((0.012229801 * z + -0.329097515) * z + 1.442710462) * z + -2.118377725) * z + 1.0
-    inner = y * num / dem
-    w = tl.sqrt(-tl.log((1.0 - tl.abs(y)) / 2.0))
+    half_tail = (1.0 - tl.abs(y)) / 2.0
+    if FAST:
+        inner = _div_approx(y * num, dem)
+        w = tl.sqrt(-(_log2_approx(half_tail) * LN2))
+    else:
+        inner = y * num / dem
+        w = tl.sqrt(-tl.log(half_tail))
     num = ((1.641345311 * w + 3.429567803) * w + -1.624906493) * w + -1.970840454
     dem = (1.6370678 * w + 3.5438892) * w + 1.0
-    outer = tl.where(y < 0, -tl.abs(num), tl.abs(num)) / dem  # copysign(num, y) / dem
+    signed = tl.where(y < 0, -tl.abs(num), tl.abs(num))  # copysign(num, y)
+    if FAST:
+        outer = _div_approx(signed, dem)
+    else:
+        outer = signed / dem
     return tl.where(tl.abs(y) <= 0.7, inner, outer)
 
 
@@ -164,13 +188,21 @@ def _normal32(u):
     the float32 rounding of noise.cpp's float64 form (ATen's calc_erfinv: a rational first guess
     and two Newton steps, each an erf and an exp), checked exhaustively (`normal_draws_differ`).
     The same first guess in float32 (within 7e-6 of erfinv over the draws), then one Halley step
-    in float64, x − r / (2/sqrt(pi)·exp(−x²) + x·r) with r = erf(x) − y: one erf, one exp and one
-    division in float64 where calc_erfinv takes two of each and more. 2u − 1 is exact in float32
-    (u lies on the 2^-24 grid below 1)."""
+    in float64, x − r / (2/sqrt(pi)·exp(−x²) + x·r) with r = erf(x) − y: one erf and one exp in
+    float64 where calc_erfinv takes two of each. 2u − 1 is exact in float32 (u lies on the 2^-24
+    grid below 1). The first guess takes the GPU's approximate quotients and log (`_erfinv_guess`'s
+    FAST), and the step's quotient is r times a reciprocal from an approximate float32 one and one
+    Newton step in float64 (relative error below 2^-43), where float64's division takes about 15
+    instructions and a call to its slow path. The draws stay identical with all three approximate
+    instructions off by 32 times their documented bounds (2^-17), measured on the CPU over the
+    2^23 draws; the check runs them off by their bounds."""
     y = u * 2.0 - 1.0
-    x = _erfinv_guess(y).to(tl.float64)
+    x = _erfinv_guess(y, True).to(tl.float64)
     r = tl.erf(x) - y.to(tl.float64)
-    x = x - r / (1.1283791670955126 * tl.exp(-x * x) + x * r)  # 2/sqrt(pi)
+    d = 1.1283791670955126 * tl.exp(-x * x) + x * r  # 2/sqrt(pi)
+    inv = _div_approx(1.0, d.to(tl.float32)).to(tl.float64)
+    inv = inv + inv * (1.0 - d * inv)
+    x = x - r * inv
     return (x * 1.4142135623730951).to(tl.float32)
 
 
