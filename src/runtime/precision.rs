@@ -170,9 +170,9 @@ pub fn set_allow_tf32(allow: bool) -> Result<bool> {
 /// Whether libtorch's deterministic algorithms are asked for: PyTorch's
 /// `torch.use_deterministic_algorithms`, one switch for the process (off by default). On the
 /// fused CUDA route the backward of Sinkhorn-N and of softmax's base (softmax, and BAM over it, in
-/// 16-bit dtypes up to head dimension 128) adds dQ tile by tile with atomic adds, whose order (and so dQ's last bits) varies from run to
-/// run; with the switch on it forms dQ in a pass of its own instead, at the cost of every tile's
-/// gradient (and BAM's draws) formed twice.
+/// 16-bit dtypes up to head dimension 128) adds dQ tile by tile with atomic adds, whose order (and
+/// so dQ's last bits) varies from run to run; with the switch on it forms dQ in a pass of its own
+/// instead, at the cost of every tile's gradient (and BAM's draws) formed twice.
 pub fn deterministic_algorithms() -> Result<bool> {
     Ok(cxx::deterministic_algorithms()?)
 }
