@@ -407,7 +407,79 @@ fn without_a_driver_the_status_says_why_and_the_route_is_refused_by_name() -> Re
     Ok(())
 }
 
-/// The GPU's compute capability when the route can run here.
+/// The Weibull KL part's terms over the whole score matrix, in float64, from the allowed pairs:
+/// `[KS, TROW, QBAR, dA, the dQ term]` as `fused_linear_kl_terms` returns them.
+#[allow(clippy::too_many_arguments)]
+fn linear_kl_dense(
+    q: &Tensor,
+    k: &Tensor,
+    a: &Tensor,
+    qpad: &Tensor,
+    kpad: &Tensor,
+    causal: bool,
+    scale: f64,
+    rb: &Tensor,
+    dkl: &Tensor,
+) -> [Tensor; 5] {
+    let (s_q, s_k) = (q.size()[2], k.size()[2]);
+    let kk = k.repeat_interleave_self_int(q.size()[1] / k.size()[1], 1, None::<i64>);
+    let z = q.matmul(&kk.transpose(-2, -1)) * scale;
+    let mut allowed = qpad.eq(0).unsqueeze(1).unsqueeze(-1).logical_and(&kpad.eq(0).unsqueeze(1).unsqueeze(2));
+    if causal {
+        allowed = allowed.logical_and(&Tensor::ones([s_q, s_k], (Kind::Bool, Device::Cpu)).tril(0));
+    }
+    let m = allowed.to_kind(Kind::Double);
+    let am = a.unsqueeze(2) * &m; // a_j on each allowed pair
+    let centred = &z - rb.unsqueeze(-1);
+    let dkl = dkl.unsqueeze(-1);
+    let ks = am.sum_dim_intlist(-1, false, Kind::Double);
+    let trow = (&am * &centred).sum_dim_intlist(-1, false, Kind::Double);
+    let qsum = m.transpose(-2, -1).matmul(q); // Σ_i q_i over the queries that see key j
+    let qbar = (&dkl * a).unsqueeze(-1) * qsum;
+    let da = &dkl * (&m * &centred).sum_dim_intlist(-2, false, Kind::Double);
+    let dq = dkl.unsqueeze(-1) * am.matmul(&kk) * scale;
+    [ks, trow, qbar, da, dq]
+}
+
+#[test]
+fn the_weibull_kl_terms_the_route_forms_from_sums_equal_those_over_the_score_matrix() -> Result<()> {
+    // What the route's C++ side forms where the kernels leave the KL part's linear terms to it
+    // (over softmax's base); plans.py's twin is held to the same in python/tests/test_linear_kl.py.
+    tch::manual_seed(11);
+    let opts = (Kind::Double, Device::Cpu);
+    for ((s_q, s_k), causal, padded, (h, h_kv)) in [(9, 6), (5, 11)]
+        .into_iter()
+        .flat_map(|l| [false, true].into_iter().map(move |c| (l, c)))
+        .flat_map(|(l, c)| [false, true].into_iter().map(move |p| (l, c, p)))
+        .flat_map(|(l, c, p)| [(4, 2), (2, 2)].into_iter().map(move |g| (l, c, p, g)))
+    {
+        let (b, d, scale) = (2, 8, 0.6 / 8f64.sqrt());
+        let q = Tensor::randn([b, h, s_q, d], opts);
+        let k = Tensor::randn([b, h_kv, s_k, d], opts);
+        let a = Tensor::rand([b, h, s_k], opts) + 0.1;
+        let pad = |n: i64| {
+            if padded {
+                Tensor::rand([b, n], opts).lt(0.3).to_kind(Kind::Uint8)
+            } else {
+                Tensor::zeros([b, n], (Kind::Uint8, Device::Cpu))
+            }
+        };
+        let (qpad, kpad) = (pad(s_q), pad(s_k));
+        let rb = Tensor::randn([b, h, s_q], opts);
+        let dkl = Tensor::randn([b, h], opts);
+        let ours = probattn_sys::fused_linear_kl_terms(&q, &k, &a, &qpad, &kpad, causal, scale, &rb, &dkl)?;
+        let want = linear_kl_dense(&q, &k, &a, &qpad, &kpad, causal, scale, &rb, &dkl);
+        for ((name, got), want) in ["KS", "TROW", "QBAR", "dA", "dQ"].iter().zip(&ours).zip(&want) {
+            let at = format!("{name}: S_q {s_q}, S_k {s_k}, causal {causal}, padded {padded}, heads {h}/{h_kv}");
+            ensure!(got.size() == want.size(), "{at}: shape {:?} against {:?}", got.size(), want.size());
+            let diff = common::max_diff(got, want);
+            ensure!(diff <= 1e-12 * (1.0 + common::max_abs(want)), "{at}: differs by {diff:e}");
+        }
+    }
+    Ok(())
+}
+
+/// The GPU's compute capability when the route can run here./// The GPU's compute capability when the route can run here.
 fn gpu() -> Option<u32> {
     if !tch::Cuda::is_available() {
         eprintln!("skipped: no CUDA device");

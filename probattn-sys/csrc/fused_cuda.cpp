@@ -109,6 +109,9 @@ struct Call {
   at::TensorOptions stats() const { return q.options().dtype(at::kFloat); }
   // BAM over HNAS: the row pass mixes DNAS's and softmax's weights under the noise.
   bool mix() const { return spec.hybrid && spec.noise != 0; }
+  // Whether the kernels leave the Weibull KL part's terms linear in the logits to this side
+  // (`LinearKl`; the passes' KL_LINEAR, bam.linear_kl): over softmax's base, without a pattern.
+  bool linear_kl() const { return spec.kl == 1 && spec.sweeps == 0 && !mix() && !pattern.defined(); }
 
   // Launches `name` over a grid of (blocks of `keys ? S_k : S_q`, B × heads) programs, its
   // constexprs the call's and `extra`, its pointers `tensors` (by name, with the inputs, the
@@ -331,6 +334,99 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   return c;
 }
 
+// The Weibull KL part's terms linear in the logits z_ij = s·q_i·k_j, from sums over the sequence,
+// as bam.py's `LinearKl` forms them (which this mirrors; its docstring has the formulas). The part
+// is T = Σ_i Σ_j a_j (z_ij − RB_i) over the allowed pairs, so TROW_i = s·q_i·W_i − RB_i·KS_i with
+// W_i = Σ_j a_j k_j and KS_i = Σ_j a_j over the keys query i sees; of its gradient the kernels
+// leave dQ_i's s·dkl·W_i, dK_j's s·dkl·a_j·Q_j (Q_j = Σ_i q_i over the queries that see key j; the
+// key pass adds dkl·a_j·Q_j from QBAR before its scale) and the prior's dkl·(s·k_j·Q_j − Σ_i RB_i).
+// The allowed pairs are the unpadded ones, and j ≤ i under the causal mask (prefix sums over keys,
+// suffix sums over queries). The sums are in a's dtype (float32 on the route). Without the causal
+// mask W and Q are one vector per head; under it they take a (B, H, S, d) float32 tensor each, as
+// large as the route's float32 dQ buffer.
+struct LinearKl {
+  at::Tensor q, k, a, qv, kv;  // q (B, H, S_q, d), k (B, H_kv, S_k, d); a_j where key j is allowed; 1 where taking part
+  bool causal = false;
+  double scale = 1.0;
+
+  // qpad and kpad: (B, S), nonzero where padded.
+  LinearKl(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& prior, const at::Tensor& qpad, const at::Tensor& kpad,
+           bool causal_, double scale_)
+      : q(q_), k(k_), qv(qpad.eq(0).to(prior.scalar_type())), kv(kpad.eq(0).to(prior.scalar_type())), causal(causal_), scale(scale_) {
+    a = prior * kv.unsqueeze(1);
+  }
+
+  int64_t b() const { return q.size(0); }
+  int64_t h() const { return q.size(1); }
+  int64_t h_kv() const { return k.size(1); }
+  int64_t group() const { return h() / h_kv(); }
+  at::Tensor qf() const { return q.to(a.scalar_type()) * qv.view({b(), 1, q.size(2), 1}); }  // allowed queries, 0 elsewhere
+
+  // (W, KS): Σ a_j k_j and Σ a_j over the keys each query sees, (B, H, S_q, d) and (B, H, S_q);
+  // without the causal mask the same for every query, (B, H, 1, d) and (B, H, 1), and not
+  // weighted by the query's padding.
+  std::pair<at::Tensor, at::Tensor> key_sums() const {
+    const int64_t s_q = q.size(2), s_k = k.size(2), d = q.size(3);
+    const auto ak = a.view({b(), h_kv(), group(), s_k});
+    const auto kf = k.to(a.scalar_type());
+    if (!causal) return {at::matmul(ak, kf).view({b(), h(), 1, d}), a.sum(2, true)};
+    const auto last = at::arange(s_q, a.options().dtype(at::kLong)).clamp_max(s_k - 1);  // the last key query i sees
+    const auto qvh = qv.unsqueeze(1);
+    const auto w = at::cumsum(ak.unsqueeze(-1) * kf.unsqueeze(2), 3).view({b(), h(), s_k, d}).index_select(2, last);
+    return {w * qvh.unsqueeze(-1), at::cumsum(a, 2).index_select(2, last) * qvh};
+  }
+
+  // (KS, TROW) per row (B, H, S_q), from the row pass's RB.
+  std::pair<at::Tensor, at::Tensor> rows(const at::Tensor& rb) const {
+    auto [w, ks] = key_sums();
+    at::Tensor t1;
+    if (causal) {
+      t1 = scale * (q.to(a.scalar_type()) * w).sum(-1);
+    } else {
+      ks = ks * qv.unsqueeze(1);
+      t1 = scale * at::matmul(qf(), w.transpose(-2, -1)).squeeze(-1);
+    }
+    return {ks, t1 - rb * ks};
+  }
+
+  // (the key pass's QBAR, dkl·a_j·Q_j (B, H, S_k, d) in q's dtype; dA (B, H, S_k); the dQ term
+  // s·dkl·W_i (B, H, S_q, d)), for the gradient dkl (B, H) in T; Q_j = Σ_i q_i over the queries
+  // that see key j.
+  std::array<at::Tensor, 3> grads(const at::Tensor& rb, const at::Tensor& dkl_) const {
+    const int64_t s_q = q.size(2), s_k = k.size(2), d = q.size(3);
+    const auto dkl = dkl_.to(a.scalar_type()).view({b(), h(), 1});
+    const auto qs_ = qf();
+    const auto r = rb * qv.unsqueeze(1);
+    const auto kvh = kv.unsqueeze(1);
+    const auto w = key_sums().first;
+    const auto dq = scale * dkl.unsqueeze(-1) * (causal ? w : w.expand({b(), h(), s_q, d}) * qv.view({b(), 1, s_q, 1}));
+    if (!causal) {
+      const auto qs = qs_.sum(2, true);  // (B, H, 1, d)
+      const auto rs = r.sum(2, true);    // (B, H, 1)
+      const auto qbar = ((dkl * a).unsqueeze(-1) * qs).to(q.scalar_type());  // a is 0 at a padded key
+      // k_j·Q per query head: (B, H_kv, S_k, d) against (B, H_kv, G, d)
+      const auto kq = at::matmul(k.to(a.scalar_type()), qs.view({b(), h_kv(), group(), d}).transpose(-2, -1))
+                          .permute({0, 1, 3, 2})
+                          .reshape({b(), h(), s_k});
+      return {qbar, dkl * (scale * kq - rs) * kvh, dq};
+    }
+    // suffix sums over the queries i ≥ j, for the keys j < S_q; none sees a key past them
+    auto qs = at::cumsum(qs_.flip({2}), 2).flip({2});
+    auto rs = at::cumsum(r.flip({2}), 2).flip({2});
+    if (s_k <= s_q) {
+      qs = qs.narrow(2, 0, s_k), rs = rs.narrow(2, 0, s_k);
+    } else {
+      qs = at::constant_pad_nd(qs, {0, 0, 0, s_k - s_q}, 0), rs = at::constant_pad_nd(rs, {0, s_k - s_q}, 0);
+    }
+    const auto qbar = ((dkl * a).unsqueeze(-1) * qs).to(q.scalar_type());
+    const auto kq = (qs.view({b(), h_kv(), group(), s_k, d}) * k.to(a.scalar_type()).unsqueeze(2)).sum(-1).view({b(), h(), s_k});
+    return {qbar, dkl * (scale * kq - rs) * kvh, dq};
+  }
+};
+
+// A call's `LinearKl`.
+LinearKl linear_of(const Call& c) { return LinearKl(c.q, c.k, c.prior, c.qpad, c.kpad, c.spec.causal, c.spec.scale); }
+
 // What a forward leaves for its backward. 0 and 1 sweeps: c (B, H, S_k, padded as `Call::stat`
 // pads the per-key statistics; zeros for softmax) and r (B, H, S_q), and with a sweep and a
 // backward to follow the queries' column mean qbar (B, H, S_k, d, in q's dtype:
@@ -398,6 +494,10 @@ Forward fused_forward(const Call& call) {
   }
   with_kl_rows(call, f, row);
   call.launch("_row_pass", false, call.h(), {{"HYBRID", two ? 1 : 0}}, row);
+  if (call.linear_kl()) {
+    const auto [ks, trow] = linear_of(call).rows(f.rb);
+    f.ks.copy_(ks), f.trow.copy_(trow);
+  }
   if (!two) f.out2 = f.r2 = at::Tensor();
   return f;
 }
@@ -518,6 +618,13 @@ void gradient_passes(const Call& call, int64_t sweeps, const at::Tensor& c, cons
                 "a backward in view");
     key["QBAR"] = f.qbar;
   }
+  at::Tensor dq_term;  // the KL part's linear terms (`LinearKl`)
+  if (call.linear_kl() && key.count("DKL") > 0) {
+    auto [qbar, da, term] = linear_of(call).grads(f.rb, key["DKL"]);
+    key["QBAR"] = qbar;
+    call.keys_only(d.da).copy_(da);
+    dq_term = term;
+  }
   std::map<std::string, int64_t> key_settings = {{"GRADS", 1}, {"SWEEPS", sweeps}}, query_settings = {{"SWEEPS", sweeps}};
   if (branch != nullptr) {
     key["SHARES"] = query["SHARES"] = branch->shares;
@@ -534,7 +641,7 @@ void gradient_passes(const Call& call, int64_t sweeps, const at::Tensor& c, cons
   }
   if (sweeps == 0 && branch == nullptr && !call.mix() && call.q.scalar_type() != at::kFloat &&
       call.head_dim <= kAtomicDqWidest && !at::globalContext().deterministicAlgorithms()) {
-    auto dq = at::zeros(call.q.sizes(), call.stats());
+    auto dq = dq_term.defined() ? dq_term.contiguous() : at::zeros(call.q.sizes(), call.stats());
     key["DQ"] = dq;
     key_settings["ATOMIC_DQ"] = 1;
     call.launch("_key_pass", true, call.h_kv(), key_settings, key);
@@ -709,6 +816,26 @@ char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_ten
     std::string text = "[";
     for (size_t i = 0; i < launches.size(); ++i) text += (i > 0 ? ",\n " : "") + launches[i];
     *json = probattn::copy_string(text + "]");
+  });
+}
+
+char* pa_fused_linear_kl_terms(const pa_tensor* q, const pa_tensor* k, const pa_tensor* prior, const pa_tensor* query_padding,
+                               const pa_tensor* key_padding, int32_t causal, double scale, const pa_tensor* rb, const pa_tensor* dkl,
+                               pa_tensor** terms) {
+  return probattn::guard([&] {
+    for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {prior, "prior"}, {query_padding, "query_padding"},
+                                 {key_padding, "key_padding"}, {rb, "rb"}, {dkl, "dkl"}, {terms, "terms"}}) {
+      probattn::require(pointer, "pa_fused_linear_kl_terms", name);
+    }
+    const at::NoGradGuard no_grad;
+    const LinearKl linear(*q, *k, *prior, *query_padding, *key_padding, causal != 0, scale);
+    const auto [ks, trow] = linear.rows(*rb);
+    const auto [qbar, da, dq] = linear.grads(*rb, *dkl);
+    // Every handle exists before any is handed out: an allocation that fails leaks none.
+    std::array<std::unique_ptr<at::Tensor>, 5> held;
+    const std::array<at::Tensor, 5> formed{ks, trow, qbar, da, dq};
+    for (size_t i = 0; i < held.size(); ++i) held[i] = std::make_unique<at::Tensor>(formed[i].contiguous());
+    for (size_t i = 0; i < held.size(); ++i) terms[i] = held[i].release();
   });
 }
 

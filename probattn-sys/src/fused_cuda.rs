@@ -42,6 +42,18 @@ extern "C" {
         arch: i32,
         json: *mut *mut c_char,
     ) -> *mut c_char;
+    fn pa_fused_linear_kl_terms(
+        q: *const C_tensor,
+        k: *const C_tensor,
+        prior: *const C_tensor,
+        query_padding: *const C_tensor,
+        key_padding: *const C_tensor,
+        causal: i32,
+        scale: f64,
+        rb: *const C_tensor,
+        dkl: *const C_tensor,
+        terms: *mut *mut C_tensor,
+    ) -> *mut c_char;
     fn pa_fused_cuda_attention(
         q: *const C_tensor,
         k: *const C_tensor,
@@ -278,4 +290,46 @@ pub fn fused_cuda_dry_run(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec, 
     };
     check(status, Error::Torch)?;
     take_string(json).ok_or_else(|| Error::Torch("pa_fused_cuda_dry_run returned no record".into()))
+}
+
+/// The Weibull KL part's terms linear in the logits that the fused route forms from sums over the
+/// sequence rather than in its kernels (over softmax's base; docs/kernels.md): `[KS, TROW, QBAR,
+/// dA, the dQ term]` for `q` (B, H, S_q, d), `k` (B, H_kv, S_k, d), the prior's values `prior`
+/// (B, H, S_k; its dtype is the sums'), the paddings (B, S, nonzero where padded), the causal
+/// mask, the score scale, the row pass's log-sum-exps `rb` (B, H, S_q) and the gradient `dkl`
+/// (B, H) in the part. For the tests, which hold them to the same terms over the whole score
+/// matrix; on any device.
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn fused_linear_kl_terms(
+    q: &Tensor,
+    k: &Tensor,
+    prior: &Tensor,
+    query_padding: &Tensor,
+    key_padding: &Tensor,
+    causal: bool,
+    scale: f64,
+    rb: &Tensor,
+    dkl: &Tensor,
+) -> Result<[Tensor; 5]> {
+    let mut terms = [ptr::null_mut(); 5];
+    // SAFETY: the tensor pointers borrow live tensors for the call; `terms` receives five new
+    // tensors on success only, each taken once below.
+    let status = unsafe {
+        pa_fused_linear_kl_terms(
+            q.as_ptr(),
+            k.as_ptr(),
+            prior.as_ptr(),
+            query_padding.as_ptr(),
+            key_padding.as_ptr(),
+            i32::from(causal),
+            scale,
+            rb.as_ptr(),
+            dkl.as_ptr(),
+            terms.as_mut_ptr(),
+        )
+    };
+    check(status, Error::Torch)?;
+    // SAFETY: on success each entry is a new tensor the call handed over.
+    Ok(terms.map(|t| unsafe { Tensor::from_ptr(t) }))
 }

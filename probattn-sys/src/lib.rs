@@ -20,7 +20,9 @@ use torch_sys::C_tensor;
 
 mod fused_cuda;
 mod tiled;
-pub use fused_cuda::{fused_cuda_attention, fused_cuda_dry_run, fused_cuda_status, CudaDevice, FusedOutput, FusedSpec};
+pub use fused_cuda::{
+    fused_cuda_attention, fused_cuda_dry_run, fused_cuda_status, fused_linear_kl_terms, CudaDevice, FusedOutput, FusedSpec,
+};
 pub use probattn_kernels as kernels;
 pub use tiled::{counter_noise, tiled_attention, widened_matmul, widened_softmax, TiledOutput, TiledRoute, TiledSpec};
 

@@ -305,7 +305,7 @@ def _prior(PRIOR, b, h, offs_n, S_K, stride_pb, stride_ph, stride_pn):
 @triton.jit
 def _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL, stride_pb, stride_ph, stride_pn,
              stride_rb, stride_rh, KL: tl.constexpr, ACC: tl.constexpr, T: tl.constexpr = False,
-             INF: tl.constexpr = True):
+             INF: tl.constexpr = True, LINEAR: tl.constexpr = False):
     """The KL part's gradient on one tile: in the logits y, dkl·(∂K/∂log π − π·Σ_j ∂K/∂log π)
     (π = exp(y − RB_i) the base's weights, KS_i = Σ_j ∂K/∂log π_ij from the row pass), and in
     the prior's values, dkl·Σ_i ∂K/∂a_j over the tile's queries. The part K is Σ a_j log π_ij
@@ -314,23 +314,32 @@ def _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL, strid
     (an additive mask's), which are excluded pairs; without one, a compare per entry less. π is
     formed unmasked (excluded entries' values are discarded by the select that forms dy): a
     select per entry less, and one use less of the allowed pairs, which a thread holding 32
-    entries keeps as bits of a register when its predicates run out."""
-    if INF:
-        ok = ok & (y > float("-inf"))  # an additive mask's -inf entries are excluded pairs
+    entries keeps as bits of a register when its predicates run out.
+
+    LINEAR (`linear_kl`): the Weibull part's terms that are linear in the logits, dkl·a_j in dy
+    and the prior's gradient, are the caller's, formed from sums over the sequence; the tile
+    gives −dkl·KS_i·π_ij alone, and no prior's gradient (0)."""
     dkl = tl.load(DKL + b * H + h).to(ACC)
     rb = _rows(RB, b, h, offs_m, S_Q, stride_rb, stride_rh)
     ks = _rows(KS, b, h, offs_m, S_Q, stride_rb, stride_rh)
-    a = _prior(PRIOR, b, h, offs_n, S_K, stride_pb, stride_ph, stride_pn).to(ACC)
-    log_pi = y - _per_row(rb, T)
-    pi = _exp(log_pi)
-    if KL == 1:
-        dy = tl.where(ok, _per_key(a, T) - pi * _per_row(ks, T), 0.0)
-        da = _over_queries(tl.where(ok, log_pi, 0.0), T)
+    if LINEAR:
+        pi = _exp_less(y, _per_row(_in_exp_base(rb), T))
+        dy = tl.where(ok, pi * _per_row(-dkl * ks, T), 0.0)
+        da = 0.0
     else:
-        diff = tl.where(ok, log_pi - _per_key(a, T), 0.0)
-        dy = tl.where(ok, 2.0 * diff - pi * _per_row(ks, T), 0.0)
-        da = -2.0 * _over_queries(diff, T)
-    return dy * dkl, da * dkl
+        if INF:
+            ok = ok & (y > float("-inf"))  # an additive mask's -inf entries are excluded pairs
+        a = _prior(PRIOR, b, h, offs_n, S_K, stride_pb, stride_ph, stride_pn).to(ACC)
+        log_pi = y - _per_row(rb, T)
+        pi = _exp(log_pi)
+        if KL == 1:
+            dy = tl.where(ok, _per_key(a, T) - pi * _per_row(ks, T), 0.0) * dkl
+            da = _over_queries(tl.where(ok, log_pi, 0.0), T) * dkl
+        else:
+            diff = tl.where(ok, log_pi - _per_key(a, T), 0.0)
+            dy = tl.where(ok, 2.0 * diff - pi * _per_row(ks, T), 0.0) * dkl
+            da = -2.0 * _over_queries(diff, T) * dkl
+    return dy, da
 
 
 @triton.jit
@@ -360,23 +369,26 @@ def _kl_fold(z, y, ok, mb, lb, t0, t1, t2, PRIOR, b, h, offs_n, S_K, stride_pb, 
 
 
 @triton.jit
-def _kl_rows(RB, KS, TROW, mb, lb, t0, t1, t2, b, h, offs_m, S_Q, stride_rb, stride_rh, KL: tl.constexpr):
+def _kl_rows(RB, KS, TROW, mb, lb, t0, t1, t2, b, h, offs_m, S_Q, stride_rb, stride_rh, KL: tl.constexpr,
+             LINEAR: tl.constexpr = False):
     """Writes what `_kl_fold`'s sums give per row: the base's row log-sum-exp RB_i (π =
     exp(y − RB)), the KL part TROW_i (T = Σ_i TROW_i, `_kl_tile`) and KS_i = Σ_j ∂T/∂log π_ij:
     for Weibull Σ_j a_j y_ij − RB_i Σ_j a_j and Σ_j a_j; for Lognormal Σ_j (y_ij − a_j − RB_i)²
-    and its derivative, re-centred from m_i to RB_i."""
+    and its derivative, re-centred from m_i to RB_i. LINEAR (`linear_kl`): RB_i alone; the caller
+    forms TROW and KS from it."""
     rb = _lse_value(mb, lb, 0.0)
-    if KL == 1:
-        trow = t1 - rb * t0
-        ks = t0
-    else:
-        d = tl.where(t0 > 0, rb - mb, 0.0)
-        trow = t2 - 2.0 * d * t1 + t0 * d * d
-        ks = 2.0 * (t1 - t0 * d)
     at = b * stride_rb + h * stride_rh + offs_m
     tl.store(RB + at, rb, mask=offs_m < S_Q)
-    tl.store(KS + at, ks, mask=offs_m < S_Q)
-    tl.store(TROW + at, trow, mask=offs_m < S_Q)
+    if not LINEAR:
+        if KL == 1:
+            trow = t1 - rb * t0
+            ks = t0
+        else:
+            d = tl.where(t0 > 0, rb - mb, 0.0)
+            trow = t2 - 2.0 * d * t1 + t0 * d * d
+            ks = 2.0 * (t1 - t0 * d)
+        tl.store(KS + at, ks, mask=offs_m < S_Q)
+        tl.store(TROW + at, trow, mask=offs_m < S_Q)
 
 
 @triton.jit
@@ -477,6 +489,106 @@ def _prior_values(prior, shape, dtype, device):
     if not bool(torch.isfinite(wide).all()):
         raise ValueError("prior holds a NaN or an infinite value")
     return wide, wide.stride()
+
+
+def linear_kl(kl, sweeps, mix, has_mask, has_bias):
+    """Whether the kernels leave the terms of the Weibull KL part that are linear in the logits to
+    their caller (the passes' KL_LINEAR): over softmax's base, where the allowed pairs are those of
+    the paddings and the causal mask. The logits are then z_ij = s·q_i·k_j, and those terms are
+    sums over the sequence (`LinearKl`): the row pass keeps the base's row log-sum-exp alone, and
+    the key pass forms −dkl·KS_i·π_ij alone, where it formed a_j·z_ij's sums, dkl·a_j and the
+    prior's gradient per entry too."""
+    return kl == 1 and sweeps == 0 and not (mix or has_mask or has_bias)
+
+
+class LinearKl:
+    """The Weibull KL part's terms linear in the logits z_ij = s·q_i·k_j, from sums over the
+    sequence (`linear_kl`). The part is T = Σ_i Σ_j a_j (z_ij − RB_i) over the allowed pairs, so
+
+        TROW_i = s·q_i·W_i − RB_i·KS_i,   W_i = Σ_j a_j k_j,   KS_i = Σ_j a_j   (j allowed for i),
+
+    and of its gradient (dkl the gradient in T), what the tiles do not form:
+
+        dQ_i += s·dkl·W_i,   dK_j += s·dkl·a_j·Q_j,   dA_j = dkl·(s·k_j·Q_j − Σ_i RB_i),
+        Q_j = Σ_i q_i   (i allowed for j).
+
+    The allowed pairs are the unpadded queries and keys, and j ≤ i under the causal mask, where
+    the sums are prefix sums (over keys) and suffix sums (over queries). `q` (B, H, S_q, d), `k`
+    (B, H_kv, S_k, d) (a group of query heads shares a key head; nothing is copied per query
+    head), `a` the prior's values (B, H, S_k), `qpad` and `kpad` (B, S) nonzero where padded, or
+    None; sums in `dtype`."""
+
+    def __init__(self, q, k, a, qpad, kpad, causal, scale, dtype):
+        b, h, s_q, d = q.shape
+        h_kv, s_k = k.shape[1], k.shape[2]
+        self.shape, self.causal, self.scale, self.dtype = (b, h, h_kv, s_q, s_k, d), causal, scale, dtype
+        self.q, self.k = q, k
+        self.qv = (torch.ones(b, s_q, dtype=dtype, device=q.device) if qpad is None
+                   else (qpad == 0).to(dtype))  # 1 for an allowed query
+        kv = torch.ones(b, s_k, dtype=dtype, device=q.device) if kpad is None else (kpad == 0).to(dtype)
+        self.kv, self.a = kv, a.to(dtype) * kv[:, None, :]  # a_j where key j is allowed, else 0
+
+    def _grouped(self, x):
+        """A per-query-head (B, H, ...) tensor as (B, H_kv, H / H_kv, ...)."""
+        b, h, h_kv = self.shape[:3]
+        return x.reshape(b, h_kv, h // h_kv, *x.shape[2:])
+
+    def _heads(self, x):
+        """(B, H_kv, H / H_kv, ...) back to (B, H, ...)."""
+        return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+    def _key_sums(self):
+        """(W (B, H, S_q, d), KS (B, H, S_q)): Σ a_j k_j and Σ a_j over the keys each query sees."""
+        b, h, h_kv, s_q, s_k, d = self.shape
+        ak = self._grouped(self.a)  # (B, H_kv, G, S_k)
+        k = self.k.to(self.dtype)[:, :, None]  # (B, H_kv, 1, S_k, d)
+        if self.causal:
+            w = self._heads(torch.cumsum(ak[..., None] * k, 3))  # (B, H, S_k, d): keys 0..j
+            t0 = torch.cumsum(self.a, 2)
+            last = torch.clamp(torch.arange(s_q, device=self.q.device), max=s_k - 1)  # the last key query i sees
+            w, t0 = w[:, :, last], t0[:, :, last]
+        else:
+            w = self._heads((ak[..., None] * k).sum(3, keepdim=True)).expand(b, h, s_q, d)
+            t0 = self.a.sum(2, keepdim=True).expand(b, h, s_q)
+        qv = self.qv[:, None, :]
+        return w * qv[..., None], t0 * qv
+
+    def _query_sums(self, rows):
+        """(Q (B, H, S_k, d), R (B, H, S_k)): Σ q_i and Σ rows_i over the queries each key is seen
+        by (rows: a per-query statistic, (B, H, S_q))."""
+        b, h, h_kv, s_q, s_k, d = self.shape
+        q = self.q.to(self.dtype) * self.qv[:, None, :, None]
+        rows = rows * self.qv[:, None, :]
+        if self.causal:
+            # suffix sums over the queries i ≥ j, for the keys j < S_q; none sees a key past them
+            qs, rs = (torch.flip(torch.cumsum(torch.flip(x, (2,)), 2), (2,)) for x in (q, rows))
+            if s_k <= s_q:
+                qs, rs = qs[:, :, :s_k], rs[:, :, :s_k]
+            else:
+                qs = torch.nn.functional.pad(qs, (0, 0, 0, s_k - s_q))
+                rs = torch.nn.functional.pad(rs, (0, s_k - s_q))
+        else:
+            qs = q.sum(2, keepdim=True).expand(b, h, s_k, d)
+            rs = rows.sum(2, keepdim=True).expand(b, h, s_k)
+        kv = self.kv[:, None, :]
+        return qs * kv[..., None], rs * kv
+
+    def rows(self, rb):
+        """(KS, TROW) per row (B, H, S_q), from the row pass's RB."""
+        w, ks = self._key_sums()
+        t1 = self.scale * (self.q.to(self.dtype) * w).sum(-1)
+        return ks, t1 - rb * ks
+
+    def grads(self, rb, dkl):
+        """(the key pass's QBAR: dkl·a_j·Q_j (B, H, S_k, d) in q's dtype; dA (B, H, S_k); the dQ term
+        s·dkl·W_i (B, H, S_q, d)), for dkl (B, H)."""
+        w, _ = self._key_sums()
+        qs, rs = self._query_sums(rb)
+        dkl = dkl.to(self.dtype)[:, :, None]
+        qbar = ((dkl * self.a)[..., None] * qs).to(self.q.dtype)
+        k = self._heads(self._grouped(qs) * self.k.to(self.dtype)[:, :, None]).sum(-1)  # k_j·Q_j per query head
+        da = dkl * (self.scale * k - rs) * self.kv[:, None, :]
+        return qbar, da, self.scale * dkl[..., None] * w
 
 
 def counter_noise(shape, seed, noise, precision, rows=None, device="cpu", block=(16, 64)):

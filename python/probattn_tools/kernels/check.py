@@ -106,16 +106,20 @@ def cases(quick, lower):
            # Padded queries with noise and no KL term: DNAS's column weights reach their rows of dQ.
            ("dnas", 1, ("weibull", 0.5, None, seed + 17), ("key", "query")),
            # BAM over softmax with dQ from the query pass (deterministic algorithms asked for).
-           ("softmax", 0, ("weibull", 0.5, "weibull", seed + 18), ("key", "query", "deterministic"))]
+           ("softmax", 0, ("weibull", 0.5, "weibull", seed + 18), ("key", "query", "deterministic")),
+           # The Weibull KL term over softmax with both paddings: its terms linear in the logits
+           # come from sums over the sequence (bam.linear_kl), dQ's by atomics in 16 bits.
+           ("softmax", 0, ("weibull", 0.5, "weibull", seed + 19), ("key", "query"))]
     # ε given as a tensor (the library's noise=) instead of a seed.
     given = [("dnas", 1, ("weibull", 0.5, "weibull", None), ("key", "query")),
              ("softmax", 0, ("lognormal", 0.7, None, None), ("key",))]
     # Causal BAM over softmax (a decoder's self-attention), the KL term over the allowed entries only.
     causal = [("softmax", 0, ("weibull", 0.5, "weibull", seed + 8), ("key",)),
               ("softmax", 0, ("lognormal", 0.7, "lognormal", seed + 9), ("key", "query")),
-              ("softmax", 0, ("weibull", 0.5, None, seed + 10), ("query",))]
+              ("softmax", 0, ("weibull", 0.5, None, seed + 10), ("query",)),
+              ("softmax", 0, ("weibull", 0.5, "weibull", seed + 20), ("key", "query"))]
     chosen = [(c, False) for c in (bam[:2] + given[:1] if quick else bam + given)]
-    for (plan, sweeps, sampling, masks), is_causal in chosen + [(c, True) for c in causal[:1 if quick else 3]]:
+    for (plan, sweeps, sampling, masks), is_causal in chosen + [(c, True) for c in causal[:1 if quick else 4]]:
         if lower and masks[0] in ("pattern", "additive"):
             continue
         kl = f"KL {sampling[2]}" if sampling[2] else "no KL"

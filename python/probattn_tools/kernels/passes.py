@@ -89,9 +89,10 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
     BAM (NOISE 1 Weibull, 2 Lognormal): the weights are row-softmax(y + n), y = z − c the base's
     logits and n the noise term drawn in the tile, and r_i is their log-sum-exp. With a KL term
     (KL 1 or 2) the same pass keeps the base's row log-sum-exp RB_i = LSE_j y_ij and writes, per
-    row, the KL part TROW_i and KS_i (`_kl_fold`, `_kl_rows`). MIX (BAM over HNAS): the base's
-    logits are HNAS's log-weights (`_mix_shares`, from DNAS's and softmax's row statistics RD and
-    RS of an earlier pass)."""
+    row, the KL part TROW_i and KS_i (`_kl_fold`, `_kl_rows`); under KL_LINEAR (below) RB_i alone,
+    and the caller forms the other two from sums over the sequence (`bam.LinearKl`). MIX (BAM over
+    HNAS): the base's logits are HNAS's log-weights (`_mix_shares`, from DNAS's and softmax's row
+    statistics RD and RS of an earlier pass)."""
     scale = tl.load(SCALE).to(ACC)
     noise_scale = tl.load(SCALE + 1).to(ACC)
     start_m = tl.program_id(0) * BLOCK_M
@@ -125,7 +126,12 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
     # the allowed pairs themselves and keep it per entry; their padded rows are written the same
     # way, so that every backward (the received mass's without the KL term among them) reads
     # r_i = +inf there.
-    ROWS_AFTER: tl.constexpr = HAS_QPAD and not (MIX or KL > 0)
+    # KL_LINEAR (`bam.linear_kl`): the Weibull part's sums that are linear in the logits are the
+    # caller's; the pass keeps the base's row log-sum-exp alone, over the pairs the weights take, so
+    # query padding is applied after the loop (a padded row's RB_i is then its unpadded one, and its
+    # KS_i, from the caller, 0).
+    KL_LINEAR: tl.constexpr = KL == 1 and SWEEPS == 0 and not (MIX or HAS_MASK or HAS_BIAS)
+    ROWS_AFTER: tl.constexpr = HAS_QPAD and not (MIX or (KL > 0 and not KL_LINEAR))
     end_n = S_K
     if CAUSAL:
         end_n = tl.minimum(S_K, start_m + BLOCK_M)  # blocks wholly above the diagonal are skipped
@@ -154,7 +160,9 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
             m, l, acc = _accumulate(m, l, acc, x, v, ACC, DOT)
             if HYBRID:
                 m2, l2, acc2 = _accumulate(m2, l2, acc2, tl.where(ok, z0, float("-inf")), v, ACC, DOT)
-            if KL > 0:
+            if KL_LINEAR:
+                mb, lb = _lse_fold(mb, lb, y, 1)
+            elif KL > 0:
                 mb, lb, t0, t1, t2 = _kl_fold(z, y, ok, mb, lb, t0, t1, t2, PRIOR, b, h, offs_n, S_K, stride_pb,
                                               stride_ph, stride_pn, KL, ACC)
     if HAS_QPAD:
@@ -164,7 +172,7 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
             acc2, m2, l2 = _drop_rows(acc2, m2, l2, padded)
     _finish_row(O, R, acc, m, l, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb, stride_rh)
     if KL > 0:
-        _kl_rows(RB, KS, TROW, mb, lb, t0, t1, t2, b, h, offs_m, S_Q, stride_rb, stride_rh, KL)
+        _kl_rows(RB, KS, TROW, mb, lb, t0, t1, t2, b, h, offs_m, S_Q, stride_rb, stride_rh, KL, KL_LINEAR)
     if HYBRID:
         _finish_row(O2, R2, acc2, m2, l2, b, h, offs_m, offs_dv, S_Q, DV, stride_ob, stride_oh, stride_os, stride_rb,
                     stride_rh)
@@ -198,7 +206,8 @@ def _key_grads(dv, dk, gt, da, p, y, ok, q, k, v, w_d, w_s, pi_d, pi_s, share, s
                DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_d, offs_dv, H, S_Q, S_K, D, DV, stride_qb, stride_qh,
                stride_qs, stride_dob, stride_doh, stride_dos, stride_rb, stride_rh, stride_pb, stride_ph, stride_pn,
                SWEEPS: tl.constexpr, KL: tl.constexpr, MIX: tl.constexpr, SHARE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-               T: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, HAS_BIAS: tl.constexpr):
+               T: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
+               KL_LINEAR: tl.constexpr):
     """One query block's share of `_key_pass`'s sums for its key block and query head, given the
     tile's weights p, the base's logits y and the allowed pairs, formed (queries × keys), or (keys
     × queries) with T: dV; dK's main part Σ_i dS_ij q_i, added to dk (summed over the group's query
@@ -206,7 +215,8 @@ def _key_grads(dv, dk, gt, da, p, y, ok, q, k, v, w_d, w_s, pi_d, pi_s, share, s
     added to gt, whose sum over the tile's queries is g_j = Σ_i dy_ij; and, with a KL term, the
     prior's gradient. SHARE: dO is this query head's `share` of the block read (`_shared`).
     ATOMIC_DQ (softmax's base, no sweeps: dz is dS¹): the tile's share of dQ, s·dS¹ k, added to
-    DQ (laid out as q, in ACC's dtype) by atomic adds."""
+    DQ (laid out as q, in ACC's dtype) by atomic adds. KL_LINEAR: the KL part's tile term without
+    its terms linear in the logits (`_kl_tile`'s LINEAR)."""
     do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
     delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
     if T:
@@ -218,7 +228,8 @@ def _key_grads(dv, dk, gt, da, p, y, ok, q, k, v, w_d, w_s, pi_d, pi_s, share, s
     ds = p * (dp - _per_row(delta, T))
     if KL > 0:
         dy_kl, da_tile = _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL,
-                                  stride_pb, stride_ph, stride_pn, stride_rb, stride_rh, KL, ACC, T, HAS_BIAS)
+                                  stride_pb, stride_ph, stride_pn, stride_rb, stride_rh, KL, ACC, T, HAS_BIAS,
+                                  KL_LINEAR)
         ds += dy_kl
         da += da_tile
     dy_d = ds  # the gradient in DNAS's logits z − c
@@ -286,10 +297,11 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, DQ, G, MASS, QBAR, QPAD, KPA
     mean of the queries, once g_j is known), g_j per query head (for the query pass) and, with
     GRADS off, only the received mass Σ_i p_ij per query head. BAM's noise is
     drawn again in each tile; with a KL term its part joins dS¹ and the prior's gradient DA
-    (per query head, laid out as C) is summed over the queries. MIX (BAM over HNAS): dS¹ is the
-    gradient in HNAS's log-weights, split between the branches by their shares (`_mix_shares`)
-    with the per-row sums RHO_D and RHO_S of `_query_pass`'s ROWS stage; DNAS's branch takes the
-    column correction. SHARE and ADD (HNAS's branches): each query head's dO is its share of the
+    (per query head, laid out as C) is summed over the queries (under KL_LINEAR, below, the
+    part's terms linear in the logits are the caller's: its dK term comes in QBAR and DA is left
+    as the caller wrote it). MIX (BAM over HNAS): dS¹ is the gradient in HNAS's log-weights,
+    split between the branches by their shares (`_mix_shares`) with the per-row sums RHO_D and
+    RHO_S of `_query_pass`'s ROWS stage; DNAS's branch takes the column correction. SHARE and ADD (HNAS's branches): each query head's dO is its share of the
     given dO (`SHARES`, one per query head), and with ADD dK and dV are added to what DK and
     DV_OUT hold (the other branch's), not written over it.
 
@@ -312,11 +324,18 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, DQ, G, MASS, QBAR, QPAD, KPA
     # PLAIN (softmax's weights with nothing added to the scores): the scores are formed in the
     # exps' base and only the weights read them (`_plain_weights`).
     PLAIN: tl.constexpr = SWEEPS == 0 and NOISE == 0 and KL == 0 and not (MIX or HAS_BIAS)
+    # KL_LINEAR (`bam.linear_kl`, as in `_row_pass`): the KL part's terms linear in the logits are
+    # the caller's. Its dK term, dkl·a_j·Σ_i q_i over the queries that see key j, comes in QBAR
+    # (which DNAS's correction reads otherwise) and is added once per query head; the prior's
+    # gradient DA is the caller's alone. What the tile keeps, −dkl·KS_i·π_ij, is weighted by KS_i,
+    # 0 for a padded query and past S_Q (the caller's, and the load's fill), where π stays finite
+    # (RB_i bounds the scores of the keys row i sees; past S_Q, the queries and so the scores are 0).
+    KL_LINEAR: tl.constexpr = KL == 1 and SWEEPS == 0 and not (MIX or HAS_MASK or HAS_BIAS)
     # PAD_AFTER: neither padding is applied per entry. A padded query weighs 0 through r_i = +inf
     # (`_row_pass`'s ROWS_AFTER); a padded key's weights, which reach only its own dK, dV, g and
-    # mass, are left as they come and those are set to 0 once after the loop. The KL term and the
-    # mixture read the pairs outside the weights and keep both per entry.
-    PAD_AFTER: tl.constexpr = not (MIX or KL > 0)
+    # mass, are left as they come and those are set to 0 once after the loop. The KL term (but for
+    # KL_LINEAR's) and the mixture read the pairs outside the weights and keep both per entry.
+    PAD_AFTER: tl.constexpr = not (MIX or (KL > 0 and not KL_LINEAR))
     # With ATOMIC_DQ a key's weights reach every query's dQ: the keys past S_K and the padded ones
     # are excluded per entry (past S_K, exp(0 − r_i) can overflow where the scores are far below 0).
     KEYS_AFTER: tl.constexpr = HAS_KPAD and PAD_AFTER and not ATOMIC_DQ
@@ -365,7 +384,7 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, DQ, G, MASS, QBAR, QPAD, KPA
                 # key padding reads the keys past S_K as padded: the bound on keys is needed without it
                 ok = _key_allowed(offs_m, offs_n, b, h, S_Q, S_K, QPAD, KPAD, MASK, stride_qpad, stride_kpad,
                                   stride_mb, stride_mh, stride_mm, stride_mn, HAS_QPAD and not PAD_AFTER,
-                                  HAS_KPAD and not KEYS_AFTER, HAS_MASK, CAUSAL, KL > 0 or MIX, TRANSPOSE,
+                                  HAS_KPAD and not KEYS_AFTER, HAS_MASK, CAUSAL, not PAD_AFTER, TRANSPOSE,
                                   BOUND_N=ATOMIC_DQ and not HAS_KPAD)
                 if TRANSPOSE:  # (BLOCK_N, BLOCK_M), keys × queries
                     zr = _scores(k, q, scale_z, BIAS, b, h, offs_n, offs_m, S_K, S_Q, stride_ab, stride_ah, stride_an,
@@ -391,7 +410,7 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, DQ, G, MASS, QBAR, QPAD, KPA
                         RB, KS, DKL, RHO_D, RHO_S, b, h, offs_m, offs_n, offs_d, offs_dv, H, S_Q, S_K, D, DV,
                         stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_rb, stride_rh,
                         stride_pb, stride_ph, stride_pn, SWEEPS, KL, MIX, SHARE, ATOMIC_DQ, TRANSPOSE, ACC, DOT,
-                        HAS_BIAS)
+                        HAS_BIAS, KL_LINEAR)
         if GRADS:
             if SWEEPS > 0:
                 g = _over_queries(gt, TRANSPOSE)  # once per head, not once per tile
@@ -400,7 +419,9 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, DQ, G, MASS, QBAR, QPAD, KPA
                 qbar = _block(QBAR, b, h, offs_n, offs_d, S_K, D, stride_qbarb, stride_qbarh, stride_qbars)
                 dk -= g[:, None] * qbar.to(ACC)  # DNAS's correction; the main part went into dk
                 _store_rows(G, g, b, h, offs_n, S_K, stride_cb, stride_ch)
-            if KL > 0:
+            if KL_LINEAR:
+                dk += _block(QBAR, b, h, offs_n, offs_d, S_K, D, stride_qbarb, stride_qbarh, stride_qbars).to(ACC)
+            elif KL > 0:
                 _store_rows(DA, da, b, h, offs_n, S_K, stride_cb, stride_ch)
         else:
             if KEYS_AFTER:

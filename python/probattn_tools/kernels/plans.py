@@ -57,7 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-from probattn_tools.kernels.bam import Sampling, _prior_values, _seed_words, counter_noise  # noqa: F401
+from probattn_tools.kernels.bam import (LinearKl, Sampling, _prior_values, _seed_words, counter_noise,  # noqa: F401
+                                        linear_kl)
 from probattn_tools.kernels.interpreter import patch_once_per_launch
 from probattn_tools.kernels.passes import _column_pass, _key_pass, _query_pass, _row_pass
 from probattn_tools.kernels.settings import TRANSPOSE_KEYS, atomic_dq, kernel_key
@@ -303,6 +304,12 @@ class _Call:
             ACC=_ACC[q.dtype], DOT=_dot_precision(q.dtype), BLOCK_M=self.config.block_m, BLOCK_N=self.config.block_n,
             BLOCK_D=_block_dim(d), BLOCK_DV=_block_dim(dv), TRANSPOSE=self.config.transpose_keys)
 
+        # The Weibull KL part's terms linear in the logits, from sums over the sequence (`linear_kl`).
+        self.linear = None
+        if linear_kl(self.args["KL"], self.args["SWEEPS"], self.mix, has_mask, has_bias):
+            self.linear = LinearKl(self.q, self.k, a, qpad if has_qpad else None, kpad if has_kpad else None,
+                                   masks.causal, score_scale / math.sqrt(self.d_given), self.stats)
+
         if self.mix:  # log u and log(1 − u) per head
             logit = mix_logit.detach().to(device=dev, dtype=self.stats)
             self.args["LOGU"] = torch.stack([torch.nn.functional.logsigmoid(logit),
@@ -468,6 +475,9 @@ def _forward(call, sweeps, hybrid=False):
             kl_args.update(RD=rd, RS=rs, MIX=True)
         out2, r2 = (torch.empty_like(out), call.stat(False)) if hybrid else (out, r)
         call.launch(_row_pass, call.grid(False, "query"), C=c, O=out, R=r, O2=out2, R2=r2, HYBRID=hybrid, **kl_args)
+        if call.linear is not None:
+            for held, formed in zip(kl_rows[1:], call.linear.rows(kl_rows[0])):
+                held.copy_(formed)
         return (out, c, r, out2, r2) if hybrid else (out, c, r)
     cs, rs = call.stat(True, sweeps, pad=math.inf), call.stat(False, sweeps)
     for t in range(sweeps):
@@ -525,6 +535,10 @@ def _backward(call, sweeps, out, stats, grad_out, kl=None, mix=None, branch=None
             raise RuntimeError("DNAS's backward needs the queries' column mean of its forward: the forward ran "
                                "without a backward in view (call.grads)")
         qbar = call.qbar if call.args["SWEEPS"] else call.args["QBAR"]
+        dq_term = None
+        if call.linear is not None and kl is not None:  # the KL part's linear terms (`LinearKl`)
+            qbar, da, dq_term = call.linear.grads(kl[0], kl[2])
+            kl[3][..., :call.shape[4]] = da
         key = dict(C=c, R=r, DO=do, DELTA=delta, DK=dk, DV_OUT=dv, G=g, MASS=g, QBAR=qbar, GRADS=True, **kl_args)
         atomic = atomic_dq(str(call.q.dtype).replace("torch.", ""), max(call.shape[5:]))
         if (call.args["SWEEPS"] or mix is not None or branch is not None or not atomic
@@ -533,6 +547,8 @@ def _backward(call, sweeps, out, stats, grad_out, kl=None, mix=None, branch=None
             call.launch(_query_pass, call.grid(False, "query"), C=c, R=r, DO=do, DELTA=delta, G=g, DQ=dq, **kl_args)
         else:  # softmax's base (settings.atomic_dq): dQ added tile by tile from the key pass, in float32
             acc = torch.zeros(call.q.shape, dtype=call.stats, device=call.q.device)
+            if dq_term is not None:
+                acc += dq_term
             call.launch(_key_pass, call.grid(True, "kv"), **dict(key, DQ=acc, ATOMIC_DQ=True))
             dq.copy_(acc)
         return _given(call, dq, dk, dv)
