@@ -399,7 +399,8 @@ struct LinearKl {
     const auto r = rb * qv.unsqueeze(1);
     const auto kvh = kv.unsqueeze(1);
     const auto w = key_sums().first;
-    const auto dq = scale * dkl.unsqueeze(-1) * (causal ? w : w.expand({b(), h(), s_q, d}) * qv.view({b(), 1, s_q, 1}));
+    // (one (B, H, S_q, d) product: w is one vector per head without the causal mask)
+    const auto dq = causal ? scale * dkl.unsqueeze(-1) * w : (scale * dkl.unsqueeze(-1) * w) * qv.view({b(), 1, s_q, 1});
     if (!causal) {
       const auto qs = qs_.sum(2, true);  // (B, H, 1, d)
       const auto rs = r.sum(2, true);    // (B, H, 1)
@@ -619,8 +620,8 @@ void gradient_passes(const Call& call, int64_t sweeps, const at::Tensor& c, cons
     key["QBAR"] = f.qbar;
   }
   at::Tensor dq_term;  // the KL part's linear terms (`LinearKl`)
-  if (call.linear_kl() && key.count("DKL") > 0) {
-    auto [qbar, da, term] = linear_of(call).grads(f.rb, key["DKL"]);
+  if (call.linear_kl()) {  // (kl_grads gave DKL: zeros where no gradient reached the part)
+    auto [qbar, da, term] = linear_of(call).grads(f.rb, key.at("DKL"));
     key["QBAR"] = qbar;
     call.keys_only(d.da).copy_(da);
     dq_term = term;
