@@ -143,3 +143,45 @@ fn bits(hex: &Value) -> Result<i64> {
     let hex = hex.as_str().context("a hex string")?;
     Ok(u64::from_str_radix(hex, 16).with_context(|| format!("{hex} is not hex"))? as i64)
 }
+
+/// Lognormal's ε of a float32 draw u as its definition reads (`python/probattn_tools/kernels/normal32.py`,
+/// which the kernels are held to), written again here on Rust's fused multiply-add, with the
+/// constants as their float32 bits.
+fn normal32(u: f32) -> f32 {
+    const LOG1P: [u32; 9] = [0x3f800000, 0xbefffffc, 0x3eaaabc9, 0xbe8002b8, 0x3e4c5ba4, 0xbe299951, 0x3e191c79, 0xbe131dd6, 0x3db2a24f];
+    const CENTRAL: [u32; 9] = [0x4007e45f, 0x3eb29643, 0xbbc19955, 0xbae86459, 0x39a21570, 0xb6d0a419, 0xb6a77499, 0x35027cc3, 0x332d520f];
+    const TAIL: [u32; 9] = [0x4083a200, 0x3fb58f07, 0x3c36f2d9, 0xbc0d2e5d, 0x3bcde53b, 0xbb8c86d8, 0x3b04f99f, 0xb86742b7, 0xb9b8be5c];
+    let (centre, split, tail_shift, ln2) =
+        (f32::from_bits(0x40200000), f32::from_bits(0x40a00000), f32::from_bits(0x4044d5c6), f32::from_bits(0x3f317218));
+    let horner = |c: &[u32; 9], x: f32| c.iter().rev().skip(1).fold(f32::from_bits(c[8]), |p, &k| p.mul_add(x, f32::from_bits(k)));
+    let y = u * 2.0 - 1.0;
+    let t = (1.0 - y) * (1.0 + y);
+    let e = (t.to_bits() as i32 - 0x3f3504f3) >> 23; // t's exponent, for a significand in [1/sqrt(2), sqrt(2))
+    let f = f32::from_bits((t.to_bits() as i32 - (e << 23)) as u32) - 1.0;
+    let w = -f.mul_add(horner(&LOG1P, f), e as f32 * ln2);
+    y * if w < split { horner(&CENTRAL, w - centre) } else { horner(&TAIL, w.sqrt() - tail_shift) }
+}
+
+/// The CPU loop's float32 Lognormal draws, and those of ATen's ops (as on CUDA), are `normal32` of
+/// the same entries' uniform draws (Weibull's ε), bit for bit, over 3.2 million entries.
+#[test]
+fn the_float32_lognormal_draws_are_their_definition_on_both_forms() -> Result<()> {
+    let (shape, seed, cpu) = ([2, 3, 515, 1031], 0x5eed_0000_0000_0011_u64, (Kind::Float, Device::Cpu));
+    let u = Vec::<f32>::try_from(&counter_noise_rows(BamKind::WeibullFixed, shape, seed, cpu, 0..shape[2], false)?.flatten(0, -1))?;
+    let expected: Vec<u32> = u.iter().map(|&u| normal32(u).to_bits()).collect();
+    for by_ops in [false, true] {
+        let drawn = counter_noise_rows(BamKind::LognormalFixed, shape, seed, cpu, 0..shape[2], by_ops)?;
+        let drawn = Vec::<f32>::try_from(&drawn.flatten(0, -1))?;
+        ensure!(drawn.len() == expected.len(), "{} draws, {} expected", drawn.len(), expected.len());
+        let differ: Vec<usize> = (0..drawn.len()).filter(|&i| drawn[i].to_bits() != expected[i]).collect();
+        let form = if by_ops { "ATen's ops" } else { "the CPU loop" };
+        ensure!(
+            differ.is_empty(),
+            "{form}: {} of {} draws differ from normal32's, the first at {:?}",
+            differ.len(),
+            drawn.len(),
+            &differ[..differ.len().min(5)]
+        );
+    }
+    Ok(())
+}

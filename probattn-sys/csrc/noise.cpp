@@ -4,6 +4,10 @@
 
 #include <cfloat>
 #include <cmath>
+#include <cstring>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -60,8 +64,8 @@ inline uint32_t hash32_scalar(uint32_t x) {
 // faster on the CPU, where the op-by-op form allocated and swept one int64 tensor per step. When
 // every position of the score tensor is below 2^32, high(e) is 0 throughout and its hash one
 // number, computed once.
-at::Tensor counter_uniform_ops(uint64_t seed, at::IntArrayRef shape, int64_t start, int64_t len, bool float32, at::Device device,
-                               bool float32_out = false) {
+// `counter_bits_ops` gives the 32 bits themselves, as int64.
+at::Tensor counter_bits_ops(uint64_t seed, at::IntArrayRef shape, int64_t start, int64_t len, at::Device device) {
   const int64_t b = shape[0], h = shape[1], sq = shape[2], sk = shape[3];
   auto opts = at::TensorOptions().dtype(at::kLong).device(device);
   auto heads = at::arange(b * h, opts).view({b, h, 1, 1});
@@ -82,6 +86,12 @@ at::Tensor counter_uniform_ops(uint64_t seed, at::IntArrayRef shape, int64_t sta
   hash32_(bits);
   bits.bitwise_xor_(static_cast<int64_t>(s0));
   hash32_(bits);
+  return bits;
+}
+
+at::Tensor counter_uniform_ops(uint64_t seed, at::IntArrayRef shape, int64_t start, int64_t len, bool float32, at::Device device,
+                               bool float32_out = false) {
+  auto bits = counter_bits_ops(seed, shape, start, len, device);
   if (float32) {
     bits.bitwise_right_shift_(9);
     return bits.to(float32_out ? at::kFloat : at::kDouble).add_(0.5).mul_(std::ldexp(1.0, -23));
@@ -109,6 +119,82 @@ void fill_counter_uniform(T* data, uint64_t seed, int64_t sq, int64_t sk, int64_
   });
 }
 
+// ---- Lognormal's ε of float32 draws: a fixed sequence of float32 operations, each rounded as
+// IEEE 754 defines it (fused multiply-adds, products, sums, one square root), so that the CPU
+// loop, the tiles on any device and the Triton kernels (python/probattn_tools/kernels/bam.py's
+// `_normal32`, with the same constants) draw the same bits. It approximates
+// sqrt(2)·erfinv(2u − 1) to within 3.3e-7 of its value (5.1 units in the last place) over all
+// 2^23 float32 draws u (docs/kernels.md): y = 2u − 1 and t = (1 − y)(1 + y), whose two factors are
+// exact; w = −log t from t's exponent e and its significand m in [1/sqrt(2), sqrt(2)),
+// log t = e·ln 2 + f·P(f) with f = m − 1; then ε = y·C(w − 2.5) where w < 5 and y·T(sqrt(w) − c)
+// beyond. P, C and T are polynomials of degree 8, fitted to relative error on those ranges.
+
+constexpr float kLog1p[9] = {0x1p+0f,          -0x1.fffff8p-2f, 0x1.555792p-2f,  -0x1.00057p-2f,  0x1.98b748p-3f,
+                             -0x1.5332a2p-3f,  0x1.3238f2p-3f,  -0x1.263bacp-3f, 0x1.65449ep-4f};
+constexpr float kCentral[9] = {0x1.0fc8bep+1f,  0x1.652c86p-2f,  -0x1.8332aap-8f, -0x1.d0c8b2p-10f, 0x1.442aep-12f,
+                               -0x1.a14832p-18f, -0x1.4ee932p-18f, 0x1.04f986p-21f, 0x1.5aa41ep-25f};
+constexpr float kTail[9] = {0x1.0744p+2f,    0x1.6b1e0ep+0f,  0x1.6de5b2p-7f, -0x1.1a5cbap-7f, 0x1.9bca76p-8f,
+                            -0x1.190dbp-8f,  0x1.09f33ep-9f,  -0x1.ce856ep-15f, -0x1.717cb8p-12f};
+constexpr float kCentre = 2.5f, kSplit = 5.0f, kTailShift = 0x1.89ab8cp+1f, kLn2 = 0x1.62e43p-1f;
+constexpr int32_t kSqrtHalfBits = 0x3f3504f3;  // the float32 bits of 1/sqrt(2)
+
+inline float horner(const float (&c)[9], float x) {
+  float p = c[8];
+  for (int i = 7; i >= 0; --i) p = std::fma(p, x, c[i]);
+  return p;
+}
+
+inline float normal32(float u) {
+  const float y = u * 2.0f - 1.0f;
+  const float t = (1.0f - y) * (1.0f + y);
+  int32_t bits;
+  std::memcpy(&bits, &t, sizeof bits);
+  const int32_t e = (bits - kSqrtHalfBits) >> 23;  // an arithmetic shift: floor((bits − c) / 2^23)
+  const int32_t significand = bits - e * (1 << 23);
+  float m;
+  std::memcpy(&m, &significand, sizeof m);
+  const float f = m - 1.0f;
+  const float w = -std::fma(f, horner(kLog1p, f), static_cast<float>(e) * kLn2);
+  return y * (w < kSplit ? horner(kCentral, w - kCentre) : horner(kTail, std::sqrt(w) - kTailShift));
+}
+
+// On x86-64 Linux the loop is compiled twice, with the FMA instructions and without, and the
+// loader picks the one the CPU runs: without them each fused multiply-add is a call to C's fmaf
+// (the same bits), and a draw took 126 ns where the clone takes 22 (2 cores, under load), and
+// ATen's float64 erfinv 82.
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#define PROBATTN_FMA_CLONES __attribute__((target_clones("fma", "default")))
+#else
+#define PROBATTN_FMA_CLONES
+#endif
+
+// `normal32` of each of `n` float32 draws, in place.
+PROBATTN_FMA_CLONES void normal32_(float* data, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) data[i] = normal32(data[i]);
+}
+
+void normal32_parallel_(at::Tensor& draws) {
+  float* data = draws.data_ptr<float>();
+  at::parallel_for(0, draws.numel(), int64_t{1} << 14, [&](int64_t first, int64_t last) { normal32_(data + first, last - first); });
+}
+
+// `normal32` of every float32 draw, (m + 1/2)·2^-23 for m < 2^23, on `device`: what the ATen ops'
+// form of the draws takes its Lognormal ε from (by m), so that it matches the CPU loop without
+// redoing the float32 arithmetic in tensor ops. Built once per device (32 MiB) and kept for the
+// process; the tables are never freed, so that none outlives the CUDA context at exit.
+at::Tensor normal32_table(at::Device device) {
+  static std::mutex lock;
+  static auto* tables = new std::vector<std::pair<at::Device, at::Tensor>>();
+  const std::lock_guard<std::mutex> guard(lock);
+  for (const auto& [on, table] : *tables) {
+    if (on == device) return table;
+  }
+  auto table = at::arange(int64_t{1} << 23, at::kDouble).add_(0.5).mul_(std::ldexp(1.0, -23)).to(at::kFloat);  // exact
+  normal32_parallel_(table);
+  tables->emplace_back(device, table.to(device));
+  return tables->back().second;
+}
+
 // `out_type` float32 (only with float32 draws, whose 24 significant bits it holds exactly) or
 // float64: the same values either way.
 at::Tensor counter_uniform_cpu(uint64_t seed, at::IntArrayRef shape, int64_t start, int64_t len, bool float32, at::ScalarType out_type) {
@@ -132,11 +218,21 @@ at::Tensor counter_uniform(uint64_t seed, at::IntArrayRef shape, int64_t start, 
 
 }  // namespace
 
-// The eager path's noise convention: ε ~ U(0, 1) for Weibull, ε ~ N(0, 1) for Lognormal (the
-// inverse normal CDF of the uniform, in float64), in `dtype`. Uniform float32 draws are formed in
+// The eager path's noise convention: ε ~ U(0, 1) for Weibull, ε ~ N(0, 1) for Lognormal, in
+// `dtype`: the inverse normal CDF of the uniform, sqrt(2)·erfinv(2u − 1), by ATen's erfinv in
+// float64 for float64 draws and as `normal32` approximates it for float32 ones. Uniform float32 draws are formed in
 // float32 directly (no float64 block).
 at::Tensor counter_noise(uint64_t seed, int64_t noise, at::IntArrayRef shape, int64_t start, int64_t len, at::ScalarType dtype,
                          at::Device device, bool ops) {
+  if (noise == kLognormal && dtype == at::kFloat) {
+    if (device.is_cpu() && !ops) {
+      auto out = counter_uniform_cpu(seed, shape, start, len, true, at::kFloat);
+      normal32_parallel_(out);
+      return out;
+    }
+    // The draw (m + 1/2)·2^-23 has m = bits >> 9.
+    return at::take(normal32_table(device), counter_bits_ops(seed, shape, start, len, device).bitwise_right_shift_(9));
+  }
   auto u = counter_uniform(seed, shape, start, len, dtype, device, ops, noise == kWeibull);
   if (noise == kLognormal) u = at::erfinv(u * 2.0 - 1.0) * std::sqrt(2.0);
   return u.to(dtype);

@@ -256,7 +256,10 @@ pub(crate) fn libtorch_seed() -> u64 {
 /// `seed`: `ε ~ U(0, 1)` for the Weibull variants, `N(0, 1)` for the Lognormal ones, in the eager
 /// path's convention, so that `attend` given these draws equals `attend_tiled` given `seed`.
 /// 32 random bits per float64 draw (23 per float32 one, so that it stays below 1 in float32): the
-/// Exp(1) variates reach 22 (float32: 16.6) and the normal ones 6.3σ (5.3σ).
+/// Exp(1) variates reach 22 (float32: 16.6) and the normal ones 6.3σ (5.3σ). A normal draw is the
+/// standard normal's quantile of the uniform one: in float64 `sqrt(2)·erfinv(2u − 1)`, in float32
+/// a fixed sequence of float32 operations within 3.3e-7 of it, the same bits on the CPU, on the
+/// tiles of any device and in the fused kernels (docs/kernels.md, "The draws, bit for bit").
 pub fn counter_noise(kind: BamKind, shape: [i64; 4], seed: u64, options: (Kind, Device)) -> Result<Tensor> {
     let like = Tensor::zeros([1], options);
     let noise = if kind.is_weibull() { TiledSpec::WEIBULL } else { TiledSpec::LOGNORMAL };

@@ -6,6 +6,7 @@ gradient per tile, HNAS's log-weights as a base, and what a call says about them
 import math
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -70,17 +71,14 @@ def _uniform(DRAWS, b, h, offs_m, offs_n, H, S_Q, S_K, DRAW64: tl.constexpr, T: 
         return (bits >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.9604644775390625e-08  # 2^-23, 2^-24
 
 
-# The GPU's approximate float32 log2 and quotient (`lg2.approx.f32`, one MUFU.LG2, and
-# `div.approx.f32`, a MUFU.RCP and a multiply). CUDA documents their errors (as `__log2f`'s and
-# `__fdividef`'s): the log2's at most 2^-22 absolute for x in [0.5, 2] and 2 units in the last
-# place elsewhere, so at most 2^-22·max(1, |log2 x|); the quotient's 2 units in the last place,
-# at most 2^-22 of it, for divisors in [2^-126, 2^126]. Triton's interpreter has neither
-# instruction: there `_log2_approx` and `_div_approx` are exact, moved up by those bounds, so that
-# the checks run under it see the largest error the hardware may make, in the direction that
-# shifts every term alike.
+# The GPU's approximate float32 log2 (`lg2.approx.f32`, one MUFU.LG2). CUDA documents its error
+# (as `__log2f`'s): at most 2^-22 absolute for x in [0.5, 2] and 2 units in the last place
+# elsewhere, so at most 2^-22·max(1, |log2 x|). Triton's interpreter has no such instruction:
+# there `_log2_approx` is exact, moved up by that bound, so that the checks run under it see the
+# largest error the hardware may make, in the direction that shifts every term alike. APPROX also
+# says whether the kernels are compiled, which `_fma32` needs to know.
 APPROX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 LG2_ERROR = tl.constexpr(2.0 ** -22)
-DIV_ERROR = tl.constexpr(2.0 ** -22)
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2_LN2 = tl.constexpr(-0.5287663729448977)  # log2(ln 2)
 
@@ -93,15 +91,6 @@ def _log2_approx(x):
     else:
         y = tl.log2(x)
         return y + LG2_ERROR * tl.maximum(tl.abs(y), 1.0)
-
-
-@triton.jit
-def _div_approx(a, b):
-    """a / b of float32 values, b normal, to within 2^-22 of the quotient (above)."""
-    if APPROX:
-        return libdevice.fast_dividef(a, b)
-    else:
-        return a / b * (1.0 + DIV_ERROR)
 
 
 @triton.jit
@@ -148,28 +137,17 @@ def weibull_error(device="cpu", count=1 << 23, block=1 << 16):
 
 
 @triton.jit
-def _erfinv_guess(y, FAST: tl.constexpr = False):
-    """ATen's calc_erfinv's rational first guess at erfinv(y), y in (−1, 1), in y's dtype. FAST
-    (float32): its two quotients and its log from the GPU's approximate instructions
-    (`_div_approx`, `_log2_approx`), for `_normal32`, whose Halley step absorbs their error."""
+def _erfinv_guess(y):
+    """ATen's calc_erfinv's rational first guess at erfinv(y), y in (−1, 1), in y's dtype."""
     z = y * y
     num = ((-0.140543331 * z + 0.914624893) * z + -1.645349621) * z + 0.886226899
     dem = (((0.012229801 * z + -0.329097515) * z + 1.442710462) * z + -2.118377725) * z + 1.0
-    half_tail = (1.0 - tl.abs(y)) / 2.0
-    if FAST:
-        inner = _div_approx(y * num, dem)
-        w = tl.sqrt(-(_log2_approx(half_tail) * LN2))
-    else:
-        inner = y * num / dem
-        w = tl.sqrt(-tl.log(half_tail))
+    inner = y * num / dem
+    w = tl.sqrt(-tl.log((1.0 - tl.abs(y)) / 2.0))
     num = ((1.641345311 * w + 3.429567803) * w + -1.624906493) * w + -1.970840454
     dem = (1.6370678 * w + 3.5438892) * w + 1.0
     signed = tl.where(y < 0, -tl.abs(num), tl.abs(num))  # copysign(num, y)
-    if FAST:
-        outer = _div_approx(signed, dem)
-    else:
-        outer = signed / dem
-    return tl.where(tl.abs(y) <= 0.7, inner, outer)
+    return tl.where(tl.abs(y) <= 0.7, inner, signed / dem)
 
 
 @triton.jit
@@ -183,27 +161,67 @@ def _erfinv(y):
 
 
 @triton.jit
+def _fma32(a, b, c):
+    """fma(a, b, c) of float32 values, rounded once, as IEEE 754 and C's fmaf define it. Compiled,
+    one FFMA. Triton's interpreter rounds the product and the sum apart, so there the product is
+    taken in float64, where it is exact, and the sum rounded to odd in float64 (the nearest float64
+    with an odd last bit where the sum is inexact); rounding that to float32 rounds the exact sum
+    once, since float64 carries at least two bits more than float32 (Boldo and Melquiond,
+    "Emulation of FMA and correctly rounded sums: proved algorithms using rounding to odd", IEEE
+    Transactions on Computers, 2008)."""
+    if APPROX:
+        return tl.fma(a, b, c)
+    else:
+        p = a.to(tl.float64) * b.to(tl.float64)
+        c = c + tl.zeros_like(p)
+        s = p + c
+        back = s - p
+        err = (p - (s - back)) + (c - back)  # p + c − s exactly (Knuth's two-sum)
+        bits = s.to(tl.int64, bitcast=True)
+        away = tl.where((err > 0) == (s > 0), bits + 1, bits - 1)
+        odd = tl.where((err != 0) & ((bits & 1) == 0), away, bits)
+        return odd.to(tl.float64, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _poly8(x, c0, c1, c2, c3, c4, c5, c6, c7, c8):
+    """c0 + c1·x + ... + c8·x⁸ of float32 x by Horner's rule, one fused multiply-add a step."""
+    p = _fma32(tl.zeros_like(x) + c8, x, c7)
+    p = _fma32(p, x, c6)
+    p = _fma32(p, x, c5)
+    p = _fma32(p, x, c4)
+    p = _fma32(p, x, c3)
+    p = _fma32(p, x, c2)
+    p = _fma32(p, x, c1)
+    return _fma32(p, x, c0)
+
+
+@triton.jit
 def _normal32(u):
-    """sqrt(2)·erfinv(2u − 1) of float32 draws u, in float32: for each of the 2^23 float32 draws
-    the float32 rounding of noise.cpp's float64 form (ATen's calc_erfinv: a rational first guess
-    and two Newton steps, each an erf and an exp), checked exhaustively (`normal_draws_differ`).
-    The same first guess in float32 (within 7e-6 of erfinv over the draws), then one Halley step
-    in float64, x − r / (2/sqrt(pi)·exp(−x²) + x·r) with r = erf(x) − y: one erf and one exp in
-    float64 where calc_erfinv takes two of each. 2u − 1 is exact in float32 (u lies on the 2^-24
-    grid below 1). The first guess takes the GPU's approximate quotients and log (`_erfinv_guess`'s
-    FAST), and the step's quotient is r times a reciprocal from an approximate float32 one and one
-    Newton step in float64 (relative error below 2^-43), where float64's division takes about 15
-    instructions and a call to its slow path. The draws stay identical with all three approximate
-    instructions off by 32 times their documented bounds (2^-17), measured on the CPU over the
-    2^23 draws; the check runs them off by their bounds."""
+    """Lognormal's ε of float32 draws u, noise.cpp's `normal32`: the same float32 operations,
+    each rounded as IEEE 754 defines it, with the same constants, so that the kernels, the tiles
+    and the CPU loop draw the same bits (checked for all 2^23 draws against a numpy form,
+    `normal_draws_differ`). It approximates sqrt(2)·erfinv(2u − 1) to within 3.3e-7 of its value:
+    y = 2u − 1 and t = (1 − y)(1 + y), whose factors are exact (u lies on the 2^-24 grid below
+    1); w = −log t from t's exponent e and significand m in [1/sqrt(2), sqrt(2)),
+    log t = e·ln 2 + f·P(f) with f = m − 1; then ε = y·C(w − 2.5) where w < 5 and
+    y·T(sqrt(w) − c) beyond. No product here meets a sum that the compiler could fuse into one
+    multiply-add: each multiply-add is written as one."""
     y = u * 2.0 - 1.0
-    x = _erfinv_guess(y, True).to(tl.float64)
-    r = tl.erf(x) - y.to(tl.float64)
-    d = 1.1283791670955126 * tl.exp(-x * x) + x * r  # 2/sqrt(pi)
-    inv = _div_approx(1.0, d.to(tl.float32)).to(tl.float64)
-    inv = inv + inv * (1.0 - d * inv)
-    x = x - r * inv
-    return (x * 1.4142135623730951).to(tl.float32)
+    t = (1.0 - y) * (1.0 + y)
+    bits = t.to(tl.int32, bitcast=True)
+    e = (bits - 0x3F3504F3) >> 23  # 0x3F3504F3: the bits of 1/sqrt(2); an arithmetic shift
+    f = (bits - (e << 23)).to(tl.float32, bitcast=True) - 1.0
+    p = _poly8(f, 1.0, -0.49999988079071045, 0.3333418667316437, -0.25002074241638184, 0.19956833124160767,
+               -0.16562391817569733, 0.14952267706394196, -0.1436685025691986, 0.08722364157438278)
+    w = -_fma32(f, p, e.to(tl.float32) * 0.6931471824645996)  # ln 2 in float32
+    central = _poly8(w - 2.5, 2.1233136653900146, 0.3488026559352875, -0.005908171180635691,
+                     -0.0017730101244524121, 0.00030915020033717155, -6.2179865381040145e-06,
+                     -4.990561592421727e-06, 4.861032607550442e-07, 4.035433320837001e-08)
+    tail = _poly8(tl.sqrt_rn(w) - 3.075547695159912, 4.113525390625, 1.4184273481369019, 0.01116629783064127,
+                  -0.008617010898888111, 0.00628342991694808, -0.004288535565137863, 0.0020290387328714132,
+                  -5.513682481250726e-05, -0.00035237043630331755)
+    return y * tl.where(w < 5.0, central, tail)
 
 
 @triton.jit
@@ -216,12 +234,13 @@ def _normals(OUT, N, BLOCK: tl.constexpr):
 
 def normal_draws_differ(device="cpu", count=1 << 23, block=1 << 16):
     """The float32 draws m < `count` (all 2^23 by default) whose Lognormal ε from the kernels'
-    `_normal32` differs from noise.cpp's, at::erfinv in float64 on the CPU rounded to float32:
-    (how many, the first few m)."""
+    `_normal32` differs from its definition's, numpy's `normal32.normal32`: (how many, the first
+    few m)."""
+    from probattn_tools.kernels.normal32 import normal32
+
     ours = torch.empty(count, dtype=torch.float32, device=device)
     _normals[(triton.cdiv(count, block),)](ours, count, BLOCK=block)
-    u = (torch.arange(count, dtype=torch.float64) + 0.5) * 2.0 ** -23
-    theirs = (torch.erfinv(u * 2.0 - 1.0) * math.sqrt(2.0)).to(torch.float32)
+    theirs = torch.from_numpy(normal32(np.arange(count)))
     differ = (ours.cpu().view(torch.int32) != theirs.view(torch.int32)).nonzero().flatten()
     return int(differ.numel()), differ[:5].tolist()
 

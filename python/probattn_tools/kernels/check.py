@@ -295,8 +295,8 @@ def check_draws(torch, plans, device):
     whose last bits differ between math libraries, so there they are held to 16 units. The slices
     lie below position 2^32, past it, and across a multiple of it (rows whose positions take two
     high words, as one tile of the kernels then does). Then every float32 Lognormal draw, 2^23 of
-    them, against at::erfinv on the CPU, and the Weibull noise term of every float32 draw against
-    float64's log(−log(1 − u))."""
+    them, against their definition in numpy (`normal32`), and the Weibull noise term of every
+    float32 draw against float64's log(−log(1 − u))."""
     record = json.loads((Path(__file__).parent / "counter_noise.json").read_text())
     lines, problems = [], []
     for c in record["cases"]:
@@ -318,13 +318,14 @@ def check_draws(torch, plans, device):
         lines.append(line)
         if worst > allowed:
             problems.append(line)
-    # Every float32 draw, not a slice: the kernels form the Lognormal ε of float32 draws their own
-    # way (bam._normal32), which must round to noise.cpp's float32 value for each of the 2^23.
+    # Every float32 draw, not a slice: the Lognormal ε of float32 draws is a fixed sequence of
+    # float32 operations (normal32.py), which bam._normal32 must follow bit for bit for each of
+    # the 2^23, on a GPU with its own fused multiply-adds.
     from probattn_tools.kernels.bam import normal_draws_differ
 
     # A block of 2^16 draws is one array for the interpreter; on a GPU, 1,024 a program.
     differ, first = normal_draws_differ(device, block=1 << 16 if device == "cpu" else 1 << 10)
-    line = (f"lognormal float32, all {1 << 23} draws: {(1 << 23) - differ} identical to at::erfinv's"
+    line = (f"lognormal float32, all {1 << 23} draws: {(1 << 23) - differ} identical to normal32's"
             + (f", first differing m {first}" if differ else ""))
     lines.append(line)
     if differ:
