@@ -65,7 +65,7 @@ def specializations(plans, smoke):
     """(kernel name, constexpr values without ACC/DOT/BLOCK_D/BLOCK_DV) to compile. `smoke`: one
     per kernel with every feature on (what the test suite compiles)."""
     flags = dict(HAS_QPAD=True, HAS_KPAD=True, HAS_MASK=True, HAS_BIAS=True)
-    # Lognormal draws (erfinv in float64) and its KL over HNAS (MIX): the widest code.
+    # Lognormal draws and its KL over HNAS (MIX): the widest code.
     bam = dict(NOISE=2, KL=2)
     if smoke:
         return [("_column_pass", dict(flags, CONTEXT=True)), ("_row_pass", dict(flags, SWEEPS=1, HYBRID=True, CAUSAL=False)),

@@ -560,14 +560,14 @@ class LinearKl:
         """(W (B, H, S_q, d), KS (B, H, S_q)): Σ a_j k_j and Σ a_j over the keys each query sees."""
         b, h, h_kv, s_q, s_k, d = self.shape
         ak = self._grouped(self.a)  # (B, H_kv, G, S_k)
-        k = self.k.to(self.dtype)[:, :, None]  # (B, H_kv, 1, S_k, d)
+        k = self.k.to(self.dtype)  # (B, H_kv, S_k, d)
         if self.causal:
-            w = self._heads(torch.cumsum(ak[..., None] * k, 3))  # (B, H, S_k, d): keys 0..j
+            w = self._heads(torch.cumsum(ak[..., None] * k[:, :, None], 3))  # (B, H, S_k, d): keys 0..j
             t0 = torch.cumsum(self.a, 2)
             last = torch.clamp(torch.arange(s_q, device=self.q.device), max=s_k - 1)  # the last key query i sees
             w, t0 = w[:, :, last], t0[:, :, last]
         else:
-            w = self._heads((ak[..., None] * k).sum(3, keepdim=True)).expand(b, h, s_q, d)
+            w = self._heads(torch.matmul(ak, k)[:, :, :, None]).expand(b, h, s_q, d)  # one product, no (S_k, d) one per head
             t0 = self.a.sum(2, keepdim=True).expand(b, h, s_q)
         qv = self.qv[:, None, :]
         return w * qv[..., None], t0 * qv
