@@ -550,6 +550,18 @@ fn counter_based_draws_have_their_distributions() -> Result<()> {
                 let ops = counter_noise_rows(bam, shape, 11, options, rows.clone(), true)?;
                 ensure!(fast.size() == [shape[0], shape[1], rows.end - rows.start, shape[3]], "rows {rows:?}: {:?}", fast.size());
                 ensure!(fast.equal(&ops), "{bam:?} {shape:?} {rows:?} {kind:?}: the loop and the ops differ");
+                // On a GPU the same ops run there, and Lognormal's float32 ε comes from the
+                // device's table of every draw's value: the CPU loop's bits. Lognormal's float64
+                // ε is the device's own erfinv, whose last bits need not be the CPU's.
+                for device in common::devices().into_iter().filter(|d| d.is_cuda()) {
+                    let there = counter_noise_rows(bam, shape, 11, (kind, device), rows.clone(), false)?.to_device(Device::Cpu);
+                    if kind == Kind::Double && bam == BamKind::LognormalFixed {
+                        let off = f64::try_from((&there - &fast).abs().max())?;
+                        ensure!(off < 1e-13, "{bam:?} {shape:?} {rows:?} on {device:?}: {off:e} from the CPU's draws");
+                    } else {
+                        ensure!(there.equal(&fast), "{bam:?} {shape:?} {rows:?} {kind:?}: {device:?} and the CPU draw differently");
+                    }
+                }
             }
         }
         if rows.start == 0 {
