@@ -534,13 +534,15 @@ fn counter_based_draws_have_their_distributions() -> Result<()> {
     // The CPU's loop and the ATen integer ops (CUDA's way) give the same draws, bit for bit, also
     // past position 2^32 (the counter's high word): the last rows of a (2, 4, 2^20, 2^12) tensor.
     // The ops take a shortcut where every position is below 2^32: at that boundary (2^32 entries),
-    // and one row past it, whose rows straddle position 2^32.
+    // and one row past it, whose rows straddle position 2^32. The loop takes 8 float32 draws at a
+    // time on a CPU with AVX2: a row of 4,103 keys whose position 2^32 is its 235th (8 × 29 + 3).
     let cases = [
         ([2, 3, 70, 90], 0..70),
         ([2, 3, 70, 90], 13..40),
         ([2, 4, 1 << 20, 1 << 12], (1 << 20) - 3..1 << 20),
         ([1, 1, 1 << 16, 1 << 16], (1 << 16) - 2..1 << 16),
         ([1, 1, (1 << 16) + 1, 1 << 16], (1 << 16) - 1..(1 << 16) + 1),
+        ([1, 1, 1 << 20, 4103], 1_046_787..1_046_789),
     ];
     for (shape, rows) in cases {
         for kind in [Kind::Double, Kind::Float] {
