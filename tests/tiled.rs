@@ -535,7 +535,7 @@ fn counter_based_draws_have_their_distributions() -> Result<()> {
     // past position 2^32 (the counter's high word): the last rows of a (2, 4, 2^20, 2^12) tensor.
     // The ops take a shortcut where every position is below 2^32: at that boundary (2^32 entries),
     // and one row past it, whose rows straddle position 2^32. The loop takes 8 float32 draws at a
-    // time on a CPU with AVX2: a row of 4,103 keys whose position 2^32 is its 235th (8 × 29 + 3).
+    // time on a CPU with AVX2: a row of 4,103 keys that reaches position 2^32 at key 235 (8 × 29 + 3).
     let cases = [
         ([2, 3, 70, 90], 0..70),
         ([2, 3, 70, 90], 13..40),
