@@ -59,6 +59,12 @@ inline uint32_t hash32_scalar(uint32_t x) {
   return x;
 }
 
+// The 32 random bits of the entry at position `index` (below).
+inline uint32_t counter_bits(uint64_t index, uint32_t s0, uint32_t s1) {
+  const auto low = static_cast<uint32_t>(index & 0xffffffffULL), high = static_cast<uint32_t>(index >> 32);
+  return hash32_scalar(hash32_scalar(low ^ hash32_scalar(high ^ s1)) ^ s0);
+}
+
 // Uniform draws in (0, 1) for entries (b, h, i, j) with i in [start, start + len) of a
 // (B, H, S_q, S_k) score tensor: 32 random bits ((m + 1/2) / 2^32, float64), or 23 for float32
 // noise: (2m + 1) / 2^24 has 24 significant bits, so float32 holds it exactly and its largest
@@ -124,10 +130,12 @@ __attribute__((target("avx2"))) inline __m256i hash32_avx2(__m256i x) {
 }
 
 // Float32 draws (m + 1/2)·2^-23 of the positions base, ..., base + n − 1 into `row`, 8 at a
-// time where the 8 positions share their high word (the rest by the scalar form, `draw32`). m and
-// m + 1/2 are exact in float32, as is the product by 2^-23: the scalar form's value.
-template <typename Draw>
-__attribute__((target("avx2"))) void fill_row_float32_avx2(float* row, uint64_t base, int64_t n, uint32_t s0, uint32_t s1, Draw draw32) {
+// time where the 8 positions share their high word (the rest one at a time). m and m + 1/2 are
+// exact in float32, as is the product by 2^-23: the scalar loop's value.
+__attribute__((target("avx2"))) void fill_row_float32_avx2(float* row, uint64_t base, int64_t n, uint32_t s0, uint32_t s1) {
+  auto draw32 = [&](int64_t j) {
+    return (static_cast<float>(counter_bits(base + static_cast<uint64_t>(j), s0, s1) >> 9) + 0.5f) * 0x1p-23f;
+  };
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 half = _mm256_set1_ps(0.5f), scale = _mm256_set1_ps(0x1p-23f);
   int64_t j = 0;
@@ -135,7 +143,7 @@ __attribute__((target("avx2"))) void fill_row_float32_avx2(float* row, uint64_t 
     const uint64_t index = base + static_cast<uint64_t>(j);
     const auto low = static_cast<uint32_t>(index & 0xffffffffULL);
     if (low > 0xffffffffu - 7u) {  // the 8 positions straddle a multiple of 2^32
-      for (int64_t k = j; k < j + 8; ++k) row[k] = draw32(base + static_cast<uint64_t>(k));
+      for (int64_t k = j; k < j + 8; ++k) row[k] = draw32(k);
       continue;
     }
     const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(hash32_scalar(static_cast<uint32_t>(index >> 32) ^ s1)));
@@ -144,7 +152,7 @@ __attribute__((target("avx2"))) void fill_row_float32_avx2(float* row, uint64_t 
     const __m256 m = _mm256_cvtepi32_ps(_mm256_srli_epi32(bits, 9));
     _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_add_ps(m, half), scale));
   }
-  for (; j < n; ++j) row[j] = draw32(base + static_cast<uint64_t>(j));
+  for (; j < n; ++j) row[j] = draw32(j);
 }
 #endif
 
@@ -161,20 +169,13 @@ void fill_counter_uniform(T* data, uint64_t seed, int64_t sq, int64_t sk, int64_
 #if PROBATTN_X86_DISPATCH
       if constexpr (std::is_same_v<T, float>) {
         if (float32 && has_avx2_fma()) {
-          auto draw32 = [&](uint64_t index) {
-            const auto low = static_cast<uint32_t>(index & 0xffffffffULL), high = static_cast<uint32_t>(index >> 32);
-            const uint32_t bits = hash32_scalar(hash32_scalar(low ^ hash32_scalar(high ^ s1)) ^ s0);
-            return static_cast<float>((static_cast<double>(bits >> 9) + 0.5) * scale);
-          };
-          fill_row_float32_avx2(row, base, sk, s0, s1, draw32);
+          fill_row_float32_avx2(row, base, sk, s0, s1);
           continue;
         }
       }
 #endif
       for (int64_t j = 0; j < sk; ++j) {
-        const uint64_t index = base + static_cast<uint64_t>(j);
-        const auto low = static_cast<uint32_t>(index & 0xffffffffULL), high = static_cast<uint32_t>(index >> 32);
-        const uint32_t bits = hash32_scalar(hash32_scalar(low ^ hash32_scalar(high ^ s1)) ^ s0);
+        const uint32_t bits = counter_bits(base + static_cast<uint64_t>(j), s0, s1);
         row[j] = static_cast<T>((static_cast<double>(bits >> shift) + 0.5) * scale);
       }
     }
@@ -225,7 +226,7 @@ inline float normal32(float u) {
 // the one the CPU runs: without them each fused multiply-add is a call to C's fmaf (the same
 // bits), and a draw took 126 ns where the clone takes 22 (2 cores, under load), and ATen's
 // float64 erfinv 82.
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#if PROBATTN_X86_DISPATCH
 #define PROBATTN_FMA_CLONES __attribute__((target_clones("fma", "default")))
 #else
 #define PROBATTN_FMA_CLONES
