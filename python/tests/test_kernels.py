@@ -57,7 +57,9 @@ class TritonKernels(unittest.TestCase):
         # to 220.8 (Lognormal; 305.2 to 255.8); Lognormal's float32 ε then took them to 98.9
         # (131.6 with the KL term). Leaving the Weibull KL term's sums that are linear in the
         # logits to the caller (bam.linear_kl) took its row pass from 72.0 to 58.2, and its key
-        # pass that adds dQ by atomics from 92.3 to 67.8. A budget 15% above each holds them there.
+        # pass that adds dQ by atomics from 92.3 to 67.8; the Lognormal KL term's sums, quadratic
+        # in them, took its row pass from 131.6 to 106.0 (the key pass's from 144.9 to 117.3). A
+        # budget 15% above each holds them there.
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         with tempfile.TemporaryDirectory() as tmp:
             rows = {}
@@ -74,7 +76,7 @@ class TritonKernels(unittest.TestCase):
             self.assertGreater(r["HGMMA"], 0, r)
         for r in rows["2"]:
             self.assertEqual(r["float64_per_entry"], 0, r)
-        budget = {("1", ""): 59.3, ("1", "KL=1"): 66.9, ("2", ""): 113.7, ("2", "KL=2"): 151.3,
+        budget = {("1", ""): 59.3, ("1", "KL=1"): 66.9, ("2", ""): 113.7, ("2", "KL=2"): 121.9,
                   ("1", "KL=1 GRADS=True ATOMIC_DQ=True"): 78.0}
         seen = set()
         for noise, found in rows.items():

@@ -335,9 +335,9 @@ def _kl_tile(y, ok, b, h, offs_m, offs_n, S_Q, S_K, H, PRIOR, RB, KS, DKL, strid
     select per entry less, and one use less of the allowed pairs, which a thread holding 32
     entries keeps as bits of a register when its predicates run out.
 
-    LINEAR (`linear_kl`): the Weibull part's terms that are linear in the logits, dkl·a_j in dy
-    and the prior's gradient, are the caller's, formed from sums over the sequence; the tile
-    gives −dkl·KS_i·π_ij alone, and no prior's gradient (0)."""
+    LINEAR (`linear_kl`): the part's terms in dy that are the logits' own (Weibull's dkl·a_j,
+    Lognormal's 2·dkl·(log π_ij − a_j)) and the prior's gradient are the caller's, formed from
+    sums over the sequence; the tile gives −dkl·KS_i·π_ij alone, and no prior's gradient (0)."""
     dkl = tl.load(DKL + b * H + h).to(ACC)
     rb = _rows(RB, b, h, offs_m, S_Q, stride_rb, stride_rh)
     ks = _rows(KS, b, h, offs_m, S_Q, stride_rb, stride_rh)
@@ -510,19 +510,23 @@ def _prior_values(prior, shape, dtype, device):
     return wide, wide.stride()
 
 
-def linear_kl(kl, sweeps, mix, has_mask, has_bias):
-    """Whether the kernels leave the terms of the Weibull KL part that are linear in the logits to
-    their caller (the passes' KL_LINEAR): over softmax's base, where the allowed pairs are those of
-    the paddings and the causal mask. The logits are then z_ij = s·q_i·k_j, and those terms are
-    sums over the sequence (`LinearKl`): the row pass keeps the base's row log-sum-exp alone, and
-    the key pass forms −dkl·KS_i·π_ij alone, where it formed a_j·z_ij's sums, dkl·a_j and the
-    prior's gradient per entry too."""
-    return kl == 1 and sweeps == 0 and not (mix or has_mask or has_bias)
+def linear_kl(kl, sweeps, mix, has_mask, has_bias, causal):
+    """Whether the kernels leave the KL part's terms that are sums over the logits to their caller
+    (the passes' KL_LINEAR): over softmax's base, where the allowed pairs are those of the
+    paddings and, for Weibull's part, the causal mask. The logits are then z_ij = s·q_i·k_j, and
+    those terms are sums over the sequence (`LinearKl`): the row pass keeps the base's row
+    log-sum-exp alone, and the key pass forms −dkl·KS_i·π_ij alone, where it formed the part's
+    sums, its own term in dy and the prior's gradient per entry too. Lognormal's part is
+    quadratic in the logits: its sums take a d × d matrix per head, which the causal mask would
+    make one per key, so under it the kernels keep the part per entry."""
+    return (kl == 1 or (kl == 2 and not causal)) and sweeps == 0 and not (mix or has_mask or has_bias)
 
 
 class LinearKl:
-    """The Weibull KL part's terms linear in the logits z_ij = s·q_i·k_j, from sums over the
-    sequence (`linear_kl`). The part is T = Σ_i Σ_j a_j (z_ij − RB_i) over the allowed pairs, so
+    """The KL part's terms that are sums over the logits z_ij = s·q_i·k_j, from sums over the
+    sequence (`linear_kl`), for Weibull's part (kl 1) or Lognormal's (kl 2).
+
+    Weibull's part is T = Σ_i Σ_j a_j (z_ij − RB_i) over the allowed pairs, so
 
         TROW_i = s·q_i·W_i − RB_i·KS_i,   W_i = Σ_j a_j k_j,   KS_i = Σ_j a_j   (j allowed for i),
 
@@ -532,15 +536,37 @@ class LinearKl:
         Q_j = Σ_i q_i   (i allowed for j).
 
     The allowed pairs are the unpadded queries and keys, and j ≤ i under the causal mask, where
-    the sums are prefix sums (over keys) and suffix sums (over queries). `q` (B, H, S_q, d), `k`
-    (B, H_kv, S_k, d) (a group of query heads shares a key head; nothing is copied per query
-    head), `a` the prior's values (B, H, S_k), `qpad` and `kpad` (B, S) nonzero where padded, or
-    None; sums in `dtype`."""
+    the sums are prefix sums (over keys) and suffix sums (over queries).
 
-    def __init__(self, q, k, a, qpad, kpad, causal, scale, dtype):
+    Lognormal's part is T = Σ_i Σ_j e_ij², e_ij = z_ij − RB_i − a_j, over the allowed pairs
+    without the causal mask: every allowed query sees the same n keys. About the keys' means k̄
+    and ā, with k̃_j = k_j − k̄ and ã_j = a_j − ā (0 at a padded key), e_ij = s·q_i·k̃_j + m_i − ã_j
+    with m_i = s·q_i·k̄ − RB_i − ā, and Σ_j k̃_j = 0, Σ_j ã_j = 0, so
+
+        TROW_i = s²·q_iᵀ C q_i − 2s·q_i·U + n·m_i² + Σ_j ã_j²,   KS_i = Σ_j 2e_ij = 2n·m_i,
+        C = Σ_j k̃_j k̃_jᵀ (d × d),   U = Σ_j ã_j k̃_j;
+
+    of its gradient, the terms of 2·dkl·e_ij in dy (the tiles keep −dkl·KS_i·π_ij):
+
+        dQ_i += 2s·dkl·(s·C q_i − U + n·m_i·k̄),   dK_j += s·2dkl·(s·P k̃_j + M − ã_j·Q),
+        dA_j = −2dkl·(s·Q·k̃_j + Σ_i m_i − n_q·ã_j),
+        P = Σ_i q_i q_iᵀ,   M = Σ_i m_i q_i,   Q = Σ_i q_i   (the n_q allowed queries).
+
+    The centred form keeps each sum as small as the spread of the logits about their row's mean,
+    where the plain expansion Σ_j z_ij² − 2 Σ_j z_ij (RB_i + a_j) + ... would cancel.
+
+    `q` (B, H, S_q, d), `k` (B, H_kv, S_k, d) (a group of query heads shares a key head; nothing
+    is copied per query head), `a` the prior's values (B, H, S_k), `qpad` and `kpad` (B, S) nonzero
+    where padded, or None; sums in `dtype`."""
+
+    def __init__(self, q, k, a, qpad, kpad, causal, scale, dtype, kl=1):
+        if kl not in (1, 2):
+            raise ValueError(f"kl must be 1 (Weibull) or 2 (Lognormal), got {kl!r}")
+        if kl == 2 and causal:
+            raise ValueError("Lognormal's KL part has no sums over the sequence under the causal mask")
         b, h, s_q, d = q.shape
         h_kv, s_k = k.shape[1], k.shape[2]
-        self.shape, self.causal, self.scale, self.dtype = (b, h, h_kv, s_q, s_k, d), causal, scale, dtype
+        self.shape, self.causal, self.scale, self.dtype, self.kl = (b, h, h_kv, s_q, s_k, d), causal, scale, dtype, kl
         self.q, self.k = q, k
         self.qv = (torch.ones(b, s_q, dtype=dtype, device=q.device) if qpad is None
                    else (qpad == 0).to(dtype))  # 1 for an allowed query
@@ -592,15 +618,51 @@ class LinearKl:
         kv = self.kv[:, None, :]
         return qs * kv[..., None], rs * kv
 
+    def _centred(self):
+        """Lognormal's sums about the keys' means: (n (B, 1, 1), k̄ (B, H, d), k̃ (B, H_kv, S_k, d),
+        ã (B, H, S_k), C (B, H_kv, d, d), U (B, H, d), Σ_j ã_j² (B, H)), 0 at a padded key."""
+        b, h, h_kv, s_q, s_k, d = self.shape
+        n = self.kv.sum(1)[:, None, None]  # (B, 1, 1)
+        per = 1.0 / n.clamp(min=1.0)
+        k = self.k.to(self.dtype) * self.kv[:, None, :, None]
+        kbar = k.sum(2, keepdim=True) * per[..., None]  # (B, H_kv, 1, d)
+        kc = (k - kbar) * self.kv[:, None, :, None]
+        ac = (self.a - self.a.sum(2, keepdim=True) * per) * self.kv[:, None, :]
+        c = kc.transpose(-2, -1) @ kc
+        u = self._heads(self._grouped(ac) @ kc)  # (B, H, d)
+        kbar = self._heads(kbar.expand(b, h_kv, h // h_kv, d))
+        return n, kbar, kc, ac, c, u, (ac * ac).sum(2)
+
+    def _row_means(self, rb, kbar):
+        """m_i = s·q_i·k̄ − RB_i − ā, 0 at a padded query and where every key is padded (B, H, S_q)."""
+        n = self.kv.sum(1)[:, None, None]
+        abar = self.a.sum(2, keepdim=True) / n.clamp(min=1.0)
+        m = self.scale * (self.q.to(self.dtype) @ kbar[..., None])[..., 0] - rb.to(self.dtype) - abar
+        return torch.where((self.qv[:, None, :] > 0) & (n > 0), m, 0.0)
+
+    def _quadratic(self, q, c):
+        """(q_i C (B, H, S_q, d), q_iᵀ C q_i (B, H, S_q)) with C one (d × d) per key head."""
+        qc = self._heads(self._grouped(q) @ c[:, :, None])
+        return qc, (qc * q).sum(-1)
+
     def rows(self, rb):
         """(KS, TROW) per row (B, H, S_q), from the row pass's RB."""
+        if self.kl == 2:
+            n, kbar, _, _, c, u, a2 = self._centred()
+            m = self._row_means(rb, kbar)
+            q = self.q.to(self.dtype)
+            _, qcq = self._quadratic(q, c)
+            trow = self.scale ** 2 * qcq - 2 * self.scale * (q @ u[..., None])[..., 0] + n * m * m + a2[..., None]
+            return 2 * n * m, torch.where(self.qv[:, None, :] > 0, trow, 0.0)
         w, ks = self._key_sums()
         t1 = self.scale * (self.q.to(self.dtype) * w).sum(-1)
         return ks, t1 - rb * ks
 
     def grads(self, rb, dkl):
-        """(the key pass's QBAR: dkl·a_j·Q_j (B, H, S_k, d) in q's dtype; dA (B, H, S_k); the dQ term
-        s·dkl·W_i (B, H, S_q, d)), for dkl (B, H)."""
+        """(the key pass's QBAR: dK's term before the scale s, (B, H, S_k, d) in q's dtype; dA
+        (B, H, S_k); dQ's term (B, H, S_q, d)), for dkl (B, H)."""
+        if self.kl == 2:
+            return self._lognormal_grads(rb, dkl)
         w, _ = self._key_sums()
         qs, rs = self._query_sums(rb)
         dkl = dkl.to(self.dtype)[:, :, None]
@@ -608,6 +670,25 @@ class LinearKl:
         k = self._heads(self._grouped(qs) * self.k.to(self.dtype)[:, :, None]).sum(-1)  # k_j·Q_j per query head
         da = dkl * (self.scale * k - rs) * self.kv[:, None, :]
         return qbar, da, self.scale * dkl[..., None] * w
+
+    def _lognormal_grads(self, rb, dkl):
+        s = self.scale
+        n, kbar, kc, ac, c, u, _ = self._centred()
+        m = self._row_means(rb, kbar)
+        qv = self.qv[:, None, :]
+        q = self.q.to(self.dtype) * qv[..., None]  # the allowed queries, 0 elsewhere
+        dkl2 = 2 * dkl.to(self.dtype)[:, :, None]
+        qc, _ = self._quadratic(q, c)
+        dq = dkl2[..., None] * s * (s * qc - u[:, :, None] + (n * m)[..., None] * kbar[:, :, None]) * qv[..., None]
+        p = q.transpose(-2, -1) @ q  # (B, H, d, d): Σ_i q_i q_iᵀ
+        big_m, big_q = (m[..., None] * q).sum(2), q.sum(2)  # (B, H, d)
+        kv = self.kv[:, None, :]
+        # P k̃_j per query head: (B, H_kv, G, S_k, d) from (B, H_kv, 1, S_k, d) against (B, H_kv, G, d, d)
+        pk = self._heads(kc[:, :, None] @ self._grouped(p))
+        qbar = dkl2[..., None] * (s * pk + big_m[:, :, None] - ac[..., None] * big_q[:, :, None]) * kv[..., None]
+        kq = self._heads((kc[:, :, None] * self._grouped(big_q)[:, :, :, None]).sum(-1))  # Q·k̃_j (B, H, S_k)
+        da = -dkl2 * (s * kq + m.sum(2, keepdim=True) - qv.sum(2, keepdim=True) * ac) * kv
+        return qbar.to(self.q.dtype), da, dq
 
 
 def counter_noise(shape, seed, noise, precision, rows=None, device="cpu", block=(16, 64)):

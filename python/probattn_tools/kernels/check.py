@@ -109,7 +109,13 @@ def cases(quick, lower):
            ("softmax", 0, ("weibull", 0.5, "weibull", seed + 18), ("key", "query", "deterministic")),
            # The Weibull KL term over softmax with both paddings: its terms linear in the logits
            # come from sums over the sequence (bam.linear_kl), dQ's by atomics in 16 bits.
-           ("softmax", 0, ("weibull", 0.5, "weibull", seed + 19), ("key", "query"))]
+           ("softmax", 0, ("weibull", 0.5, "weibull", seed + 19), ("key", "query")),
+           # The Lognormal KL term over softmax with both paddings: its sums, quadratic in the
+           # logits, come from d × d sums over the sequence (bam.linear_kl), dQ by atomics in 16
+           # bits, or from the query pass, which forms the term per entry, under deterministic
+           # algorithms.
+           ("softmax", 0, ("lognormal", 0.7, "lognormal", seed + 21), ("key", "query")),
+           ("softmax", 0, ("lognormal", 0.7, "lognormal", seed + 22), ("key", "query", "deterministic"))]
     # ε given as a tensor (the library's noise=) instead of a seed.
     given = [("dnas", 1, ("weibull", 0.5, "weibull", None), ("key", "query")),
              ("softmax", 0, ("lognormal", 0.7, None, None), ("key",))]

@@ -126,11 +126,12 @@ def _row_pass(Q, K, V, C, O, R, O2, R2, QPAD, KPAD, MASK, BLOCKS, BIAS, DRAWS, P
     # the allowed pairs themselves and keep it per entry; their padded rows are written the same
     # way, so that every backward (the received mass's without the KL term among them) reads
     # r_i = +inf there.
-    # KL_LINEAR (`bam.linear_kl`): the Weibull part's sums that are linear in the logits are the
-    # caller's; the pass keeps the base's row log-sum-exp alone, over the pairs the weights take, so
-    # query padding is applied after the loop (a padded row's RB_i is then its unpadded one, and its
-    # KS_i, from the caller, 0).
-    KL_LINEAR: tl.constexpr = KL == 1 and SWEEPS == 0 and not (MIX or HAS_MASK or HAS_BIAS)
+    # KL_LINEAR (`bam.linear_kl`): the KL part's sums over the logits (Weibull's linear in them,
+    # Lognormal's quadratic, without the causal mask) are the caller's; the pass keeps the base's
+    # row log-sum-exp alone, over the pairs the weights take, so query padding is applied after
+    # the loop (a padded row's RB_i is then its unpadded one, and its KS_i, from the caller, 0).
+    KL_LINEAR: tl.constexpr = (KL == 1 or (KL == 2 and not CAUSAL)) and SWEEPS == 0 and not (MIX or HAS_MASK or
+                                                                                            HAS_BIAS)
     ROWS_AFTER: tl.constexpr = HAS_QPAD and not (MIX or (KL > 0 and not KL_LINEAR))
     end_n = S_K
     if CAUSAL:
@@ -216,7 +217,7 @@ def _key_grads(dv, dk, gt, da, p, y, ok, q, k, v, w_d, w_s, pi_d, pi_s, share, s
     prior's gradient. SHARE: dO is this query head's `share` of the block read (`_shared`).
     ATOMIC_DQ (softmax's base, no sweeps: dz is dS¹): the tile's share of dQ, s·dS¹ k, added to
     DQ (laid out as q, in ACC's dtype) by atomic adds. KL_LINEAR: the KL part's tile term without
-    its terms linear in the logits (`_kl_tile`'s LINEAR)."""
+    its terms that are sums over the logits (`_kl_tile`'s LINEAR)."""
     do = _block(DO, b, h, offs_m, offs_dv, S_Q, DV, stride_dob, stride_doh, stride_dos)
     delta = _rows(DELTA, b, h, offs_m, S_Q, stride_rb, stride_rh)
     if T:
@@ -298,8 +299,8 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, DQ, G, MASS, QBAR, QPAD, KPA
     GRADS off, only the received mass Σ_i p_ij per query head. BAM's noise is
     drawn again in each tile; with a KL term its part joins dS¹ and the prior's gradient DA
     (per query head, laid out as C) is summed over the queries (under KL_LINEAR, below, the
-    part's terms linear in the logits are the caller's: its dK term comes in QBAR and DA is left
-    as the caller wrote it). MIX (BAM over HNAS): dS¹ is the gradient in HNAS's log-weights,
+    part's terms that are sums over the logits are the caller's: their dK term comes in QBAR and
+    DA is left as the caller wrote it). MIX (BAM over HNAS): dS¹ is the gradient in HNAS's log-weights,
     split between the branches by their shares (`_mix_shares`) with the per-row sums RHO_D and
     RHO_S of `_query_pass`'s ROWS stage; DNAS's branch takes the column correction. SHARE and ADD (HNAS's branches): each query head's dO is its share of the
     given dO (`SHARES`, one per query head), and with ADD dK and dV are added to what DK and
@@ -324,13 +325,15 @@ def _key_pass(Q, K, V, C, R, DO, DELTA, DK, DV_OUT, DQ, G, MASS, QBAR, QPAD, KPA
     # PLAIN (softmax's weights with nothing added to the scores): the scores are formed in the
     # exps' base and only the weights read them (`_plain_weights`).
     PLAIN: tl.constexpr = SWEEPS == 0 and NOISE == 0 and KL == 0 and not (MIX or HAS_BIAS)
-    # KL_LINEAR (`bam.linear_kl`, as in `_row_pass`): the KL part's terms linear in the logits are
-    # the caller's. Its dK term, dkl·a_j·Σ_i q_i over the queries that see key j, comes in QBAR
-    # (which DNAS's correction reads otherwise) and is added once per query head; the prior's
-    # gradient DA is the caller's alone. What the tile keeps, −dkl·KS_i·π_ij, is weighted by KS_i,
-    # 0 for a padded query and past S_Q (the caller's, and the load's fill), where π stays finite
-    # (RB_i bounds the scores of the keys row i sees; past S_Q, the queries and so the scores are 0).
-    KL_LINEAR: tl.constexpr = KL == 1 and SWEEPS == 0 and not (MIX or HAS_MASK or HAS_BIAS)
+    # KL_LINEAR (`bam.linear_kl`, as in `_row_pass`): the KL part's terms that are sums over the
+    # logits are the caller's. Their dK term (Weibull's dkl·a_j·Σ_i q_i over the queries that see
+    # key j) comes in QBAR (which DNAS's correction reads otherwise) and is added once per query
+    # head; the prior's gradient DA is the caller's alone. What the tile keeps, −dkl·KS_i·π_ij, is
+    # weighted by KS_i, 0 for a padded query and past S_Q (the caller's, and the load's fill), where
+    # π stays finite (RB_i bounds the scores of the keys row i sees; past S_Q, the queries and so
+    # the scores are 0).
+    KL_LINEAR: tl.constexpr = (KL == 1 or (KL == 2 and not CAUSAL)) and SWEEPS == 0 and not (MIX or HAS_MASK or
+                                                                                            HAS_BIAS)
     # PAD_AFTER: neither padding is applied per entry. A padded query weighs 0 through r_i = +inf
     # (`_row_pass`'s ROWS_AFTER); a padded key's weights, which reach only its own dK, dV, g and
     # mass, are left as they come and those are set to 0 once after the loop. The KL term (but for

@@ -304,11 +304,11 @@ class _Call:
             ACC=_ACC[q.dtype], DOT=_dot_precision(q.dtype), BLOCK_M=self.config.block_m, BLOCK_N=self.config.block_n,
             BLOCK_D=_block_dim(d), BLOCK_DV=_block_dim(dv), TRANSPOSE=self.config.transpose_keys)
 
-        # The Weibull KL part's terms linear in the logits, from sums over the sequence (`linear_kl`).
+        # The KL part's terms that are sums over the logits, from sums over the sequence (`linear_kl`).
         self.linear = None
-        if linear_kl(self.args["KL"], self.args["SWEEPS"], self.mix, has_mask, has_bias):
+        if linear_kl(self.args["KL"], self.args["SWEEPS"], self.mix, has_mask, has_bias, masks.causal):
             self.linear = LinearKl(self.q, self.k, a, qpad if has_qpad else None, kpad if has_kpad else None,
-                                   masks.causal, score_scale / math.sqrt(self.d_given), self.stats)
+                                   masks.causal, score_scale / math.sqrt(self.d_given), self.stats, self.args["KL"])
 
         if self.mix:  # log u and log(1 − u) per head
             logit = mix_logit.detach().to(device=dev, dtype=self.stats)
