@@ -407,6 +407,35 @@ fn without_a_driver_the_status_says_why_and_the_route_is_refused_by_name() -> Re
     Ok(())
 }
 
+/// The Lognormal KL part's terms over the whole score matrix, in float64, from the allowed pairs
+/// (no causal mask): `[KS, TROW, QBAR, dA, the dQ term]` as `fused_linear_kl_terms` returns them,
+/// for T = Σ e_ij², e_ij = z_ij − RB_i − a_j, and of T's gradient the terms that do not pass
+/// through RB_i.
+#[allow(clippy::too_many_arguments)]
+fn lognormal_kl_dense(
+    q: &Tensor,
+    k: &Tensor,
+    a: &Tensor,
+    qpad: &Tensor,
+    kpad: &Tensor,
+    scale: f64,
+    rb: &Tensor,
+    dkl: &Tensor,
+) -> [Tensor; 5] {
+    let kk = k.repeat_interleave_self_int(q.size()[1] / k.size()[1], 1, None::<i64>);
+    let z = q.matmul(&kk.transpose(-2, -1)) * scale;
+    let allowed = qpad.eq(0).unsqueeze(1).unsqueeze(-1).logical_and(&kpad.eq(0).unsqueeze(1).unsqueeze(2));
+    let e = (z - rb.unsqueeze(-1) - a.unsqueeze(2)) * allowed.to_kind(Kind::Double);
+    let dkl = dkl.unsqueeze(-1);
+    let dz = dkl.unsqueeze(-1) * &e * 2.0; // ∂T/∂z_ij at fixed RB_i, times dkl
+    let ks = e.sum_dim_intlist(-1, false, Kind::Double) * 2.0;
+    let trow = (&e * &e).sum_dim_intlist(-1, false, Kind::Double);
+    let qbar = dz.transpose(-2, -1).matmul(q);
+    let da = &dkl * e.sum_dim_intlist(-2, false, Kind::Double) * -2.0;
+    let dq = dz.matmul(&kk) * scale;
+    [ks, trow, qbar, da, dq]
+}
+
 /// The Weibull KL part's terms over the whole score matrix, in float64, from the allowed pairs:
 /// `[KS, TROW, QBAR, dA, the dQ term]` as `fused_linear_kl_terms` returns them.
 #[allow(clippy::too_many_arguments)]
@@ -442,16 +471,19 @@ fn linear_kl_dense(
 }
 
 #[test]
-fn the_weibull_kl_terms_the_route_forms_from_sums_equal_those_over_the_score_matrix() -> Result<()> {
-    // What the route's C++ side forms where the kernels leave the KL part's linear terms to it
-    // (over softmax's base); plans.py's twin is held to the same in python/tests/test_linear_kl.py.
+fn the_kl_terms_the_route_forms_from_sums_equal_those_over_the_score_matrix() -> Result<()> {
+    // What the route's C++ side forms where the kernels leave the KL part's sums over the logits
+    // to it (over softmax's base): Weibull's with and without the causal mask, Lognormal's without
+    // it; bam.py's twin is held to the same in python/tests/test_linear_kl.py.
     tch::manual_seed(11);
     let opts = (Kind::Double, Device::Cpu);
-    for ((s_q, s_k), causal, padded, (h, h_kv)) in [(9, 6), (5, 11)]
+    for (kl, (s_q, s_k), causal, padded, (h, h_kv)) in [(9, 6), (5, 11)]
         .into_iter()
         .flat_map(|l| [false, true].into_iter().map(move |c| (l, c)))
         .flat_map(|(l, c)| [false, true].into_iter().map(move |p| (l, c, p)))
         .flat_map(|(l, c, p)| [(4, 2), (2, 2)].into_iter().map(move |g| (l, c, p, g)))
+        .flat_map(|(l, c, p, g)| [1, 2].into_iter().map(move |kl| (kl, l, c, p, g)))
+        .filter(|&(kl, _, causal, _, _)| kl == 1 || !causal)
     {
         let (b, d, scale) = (2, 8, 0.6 / 8f64.sqrt());
         let q = Tensor::randn([b, h, s_q, d], opts);
@@ -467,19 +499,37 @@ fn the_weibull_kl_terms_the_route_forms_from_sums_equal_those_over_the_score_mat
         let (qpad, kpad) = (pad(s_q), pad(s_k));
         let rb = Tensor::randn([b, h, s_q], opts);
         let dkl = Tensor::randn([b, h], opts);
-        let ours = probattn_sys::fused_linear_kl_terms(&q, &k, &a, &qpad, &kpad, causal, scale, &rb, &dkl)?;
-        let want = linear_kl_dense(&q, &k, &a, &qpad, &kpad, causal, scale, &rb, &dkl);
+        let ours = probattn_sys::fused_linear_kl_terms(&q, &k, &a, &qpad, &kpad, causal, scale, kl, &rb, &dkl)?;
+        let want = if kl == 1 {
+            linear_kl_dense(&q, &k, &a, &qpad, &kpad, causal, scale, &rb, &dkl)
+        } else {
+            lognormal_kl_dense(&q, &k, &a, &qpad, &kpad, scale, &rb, &dkl)
+        };
         for ((name, got), want) in ["KS", "TROW", "QBAR", "dA", "dQ"].iter().zip(&ours).zip(&want) {
-            let at = format!("{name}: S_q {s_q}, S_k {s_k}, causal {causal}, padded {padded}, heads {h}/{h_kv}");
+            let at = format!("KL {kl}, {name}: S_q {s_q}, S_k {s_k}, causal {causal}, padded {padded}, heads {h}/{h_kv}");
             ensure!(got.size() == want.size(), "{at}: shape {:?} against {:?}", got.size(), want.size());
             let diff = common::max_diff(got, want);
             ensure!(diff <= 1e-12 * (1.0 + common::max_abs(want)), "{at}: differs by {diff:e}");
         }
     }
+    // Lognormal's part under the causal mask (a d × d sum per key) and a part that is neither are
+    // refused by name.
+    let (q, a, pad, rb, dkl) = (
+        Tensor::randn([1, 1, 3, 4], opts),
+        Tensor::rand([1, 1, 3], opts),
+        Tensor::zeros([1, 3], (Kind::Uint8, Device::Cpu)),
+        Tensor::zeros([1, 1, 3], opts),
+        Tensor::ones([1, 1], opts),
+    );
+    for (kl, causal, says) in [(2, true, "causal mask"), (3, false, "kl is 1 (Weibull) or 2 (Lognormal)")] {
+        let err = probattn_sys::fused_linear_kl_terms(&q, &q, &a, &pad, &pad, causal, 1.0, kl, &rb, &dkl).err();
+        let err = err.map(|e| e.to_string()).unwrap_or_default();
+        ensure!(err.contains(says), "KL {kl}, causal {causal}: {err:?}");
+    }
     Ok(())
 }
 
-/// The GPU's compute capability when the route can run here./// The GPU's compute capability when the route can run here.
+/// The GPU's compute capability when the route can run here.
 fn gpu() -> Option<u32> {
     if !tch::Cuda::is_available() {
         eprintln!("skipped: no CUDA device");

@@ -109,9 +109,12 @@ struct Call {
   at::TensorOptions stats() const { return q.options().dtype(at::kFloat); }
   // BAM over HNAS: the row pass mixes DNAS's and softmax's weights under the noise.
   bool mix() const { return spec.hybrid && spec.noise != 0; }
-  // Whether the kernels leave the Weibull KL part's terms linear in the logits to this side
-  // (`LinearKl`; the passes' KL_LINEAR, bam.linear_kl): over softmax's base, without a pattern.
-  bool linear_kl() const { return spec.kl == 1 && spec.sweeps == 0 && !mix() && !pattern.defined(); }
+  // Whether the kernels leave the KL part's terms that are sums over the logits to this side
+  // (`LinearKl`; the passes' KL_LINEAR, bam.linear_kl): over softmax's base, without a pattern;
+  // Lognormal's without the causal mask.
+  bool linear_kl() const {
+    return (spec.kl == 1 || (spec.kl == 2 && !spec.causal)) && spec.sweeps == 0 && !mix() && !pattern.defined();
+  }
 
   // Launches `name` over a grid of (blocks of `keys ? S_k : S_q`, B × heads) programs, its
   // constexprs the call's and `extra`, its pointers `tensors` (by name, with the inputs, the
@@ -334,25 +337,36 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   return c;
 }
 
-// The Weibull KL part's terms linear in the logits z_ij = s·q_i·k_j, from sums over the sequence,
-// as bam.py's `LinearKl` forms them (which this mirrors; its docstring has the formulas). The part
-// is T = Σ_i Σ_j a_j (z_ij − RB_i) over the allowed pairs, so TROW_i = s·q_i·W_i − RB_i·KS_i with
-// W_i = Σ_j a_j k_j and KS_i = Σ_j a_j over the keys query i sees; of its gradient the kernels
-// leave dQ_i's s·dkl·W_i, dK_j's s·dkl·a_j·Q_j (Q_j = Σ_i q_i over the queries that see key j; the
-// key pass adds dkl·a_j·Q_j from QBAR before its scale) and the prior's dkl·(s·k_j·Q_j − Σ_i RB_i).
-// The allowed pairs are the unpadded ones, and j ≤ i under the causal mask (prefix sums over keys,
-// suffix sums over queries). The sums are in a's dtype (float32 on the route). Without the causal
-// mask W and Q are one vector per head; under it they take a (B, H, S, d) float32 tensor each, as
-// large as the route's float32 dQ buffer.
+// The KL part's terms that are sums over the logits z_ij = s·q_i·k_j, from sums over the sequence,
+// as bam.py's `LinearKl` forms them (which this mirrors; its docstring has the formulas).
+//
+// Weibull's part (kl 1) is T = Σ_i Σ_j a_j (z_ij − RB_i) over the allowed pairs, so
+// TROW_i = s·q_i·W_i − RB_i·KS_i with W_i = Σ_j a_j k_j and KS_i = Σ_j a_j over the keys query i
+// sees; of its gradient the kernels leave dQ_i's s·dkl·W_i, dK_j's s·dkl·a_j·Q_j (Q_j = Σ_i q_i
+// over the queries that see key j; the key pass adds dkl·a_j·Q_j from QBAR before its scale) and
+// the prior's dkl·(s·k_j·Q_j − Σ_i RB_i). The allowed pairs are the unpadded ones, and j ≤ i under
+// the causal mask (prefix sums over keys, suffix sums over queries). Without the causal mask W and
+// Q are one vector per head; under it they take a (B, H, S, d) float32 tensor each, as large as
+// the route's float32 dQ buffer.
+//
+// Lognormal's part (kl 2) is T = Σ_i Σ_j (z_ij − RB_i − a_j)² over the allowed pairs, without the
+// causal mask; it is formed about the keys' means k̄ and ā, from C = Σ_j k̃_j k̃_jᵀ (d × d per key
+// head), U = Σ_j ã_j k̃_j and, for the gradients, P = Σ_i q_i q_iᵀ, M = Σ_i m_i q_i and Q = Σ_i q_i
+// per query head (k̃ = k − k̄, ã = a − ā, m_i = s·q_i·k̄ − RB_i − ā). The sums are in a's dtype
+// (float32 on the route).
 struct LinearKl {
   at::Tensor q, k, a, qv, kv;  // q (B, H, S_q, d), k (B, H_kv, S_k, d); a_j where key j is allowed; 1 where taking part
   bool causal = false;
   double scale = 1.0;
+  int64_t kl = 1;
 
   // qpad and kpad: (B, S), nonzero where padded.
   LinearKl(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& prior, const at::Tensor& qpad, const at::Tensor& kpad,
-           bool causal_, double scale_)
-      : q(q_), k(k_), qv(qpad.eq(0).to(prior.scalar_type())), kv(kpad.eq(0).to(prior.scalar_type())), causal(causal_), scale(scale_) {
+           bool causal_, double scale_, int64_t kl_)
+      : q(q_), k(k_), qv(qpad.eq(0).to(prior.scalar_type())), kv(kpad.eq(0).to(prior.scalar_type())), causal(causal_), scale(scale_),
+        kl(kl_) {
+    TORCH_CHECK(kl == 1 || kl == 2, "the KL part's sums: kl is 1 (Weibull) or 2 (Lognormal), not ", kl);
+    TORCH_CHECK(kl == 1 || !causal, "Lognormal's KL part has no sums over the sequence under the causal mask");
     a = prior * kv.unsqueeze(1);
   }
 
@@ -376,8 +390,49 @@ struct LinearKl {
     return {w * qvh.unsqueeze(-1), at::cumsum(a, 2).index_select(2, last) * qvh};
   }
 
+  // Lognormal's sums about the keys' means: n (B, 1, 1), k̄ per query head (B, H, d), k̃ (B, H_kv,
+  // S_k, d), ã (B, H, S_k), C (B, H_kv, d, d), U (B, H, d) and Σ_j ã_j² (B, H); 0 at a padded key.
+  struct Centred {
+    at::Tensor n, kbar, kc, ac, c, u, a2;
+  };
+  Centred centred() const {
+    const int64_t s_k = k.size(2), d = q.size(3);
+    const auto n = kv.sum(1).view({b(), 1, 1});
+    const auto per = 1.0 / n.clamp_min(1.0);
+    const auto at_keys = kv.view({b(), 1, s_k, 1});
+    const auto kf = k.to(a.scalar_type()) * at_keys;
+    const auto kbar = kf.sum(2, true) * per.unsqueeze(-1);  // (B, H_kv, 1, d)
+    const auto kc = (kf - kbar) * at_keys;
+    const auto ac = (a - a.sum(2, true) * per) * kv.unsqueeze(1);
+    const auto u = at::matmul(ac.view({b(), h_kv(), group(), s_k}), kc).view({b(), h(), d});
+    return {n, kbar.expand({b(), h_kv(), group(), d}).reshape({b(), h(), d}), kc, ac, at::matmul(kc.transpose(-2, -1), kc), u,
+            (ac * ac).sum(2)};
+  }
+
+  // m_i = s·q_i·k̄ − RB_i − ā (B, H, S_q), 0 at a padded query and where every key is padded.
+  at::Tensor row_means(const at::Tensor& rb, const at::Tensor& kbar) const {
+    const auto n = kv.sum(1).view({b(), 1, 1});
+    const auto abar = a.sum(2, true) / n.clamp_min(1.0);
+    const auto m = scale * at::matmul(q.to(a.scalar_type()), kbar.unsqueeze(-1)).squeeze(-1) - rb.to(a.scalar_type()) - abar;
+    return at::where(qv.unsqueeze(1).gt(0).logical_and(n.gt(0)), m, at::zeros({}, m.options()));
+  }
+
+  // q_i C (B, H, S_q, d) for C one (d × d) per key head.
+  at::Tensor times_c(const at::Tensor& qs, const at::Tensor& c) const {
+    const int64_t s_q = q.size(2), d = q.size(3);
+    return at::matmul(qs.view({b(), h_kv(), group(), s_q, d}), c.unsqueeze(2)).view({b(), h(), s_q, d});
+  }
+
   // (KS, TROW) per row (B, H, S_q), from the row pass's RB.
   std::pair<at::Tensor, at::Tensor> rows(const at::Tensor& rb) const {
+    if (kl == 2) {
+      const auto cs = centred();
+      const auto m = row_means(rb, cs.kbar);
+      const auto qf32 = q.to(a.scalar_type());
+      const auto trow = scale * scale * (times_c(qf32, cs.c) * qf32).sum(-1) -
+                        2 * scale * at::matmul(qf32, cs.u.unsqueeze(-1)).squeeze(-1) + cs.n * m * m + cs.a2.unsqueeze(-1);
+      return {2 * cs.n * m, at::where(qv.unsqueeze(1).gt(0), trow, at::zeros({}, trow.options()))};
+    }
     auto [w, ks] = key_sums();
     at::Tensor t1;
     if (causal) {
@@ -394,6 +449,7 @@ struct LinearKl {
   // that see key j.
   std::array<at::Tensor, 3> grads(const at::Tensor& rb, const at::Tensor& dkl_) const {
     const int64_t s_q = q.size(2), s_k = k.size(2), d = q.size(3);
+    if (kl == 2) return lognormal_grads(rb, dkl_);
     const auto dkl = dkl_.to(a.scalar_type()).view({b(), h(), 1});
     const auto qs_ = qf();
     const auto r = rb * qv.unsqueeze(1);
@@ -423,10 +479,33 @@ struct LinearKl {
     const auto kq = (qs.view({b(), h_kv(), group(), s_k, d}) * k.to(a.scalar_type()).unsqueeze(2)).sum(-1).view({b(), h(), s_k});
     return {qbar, dkl * (scale * kq - rs) * kvh, dq};
   }
+
+  // Lognormal's (QBAR, dA, the dQ term), from 2·dkl·e_ij's terms (bam.py's `LinearKl`).
+  std::array<at::Tensor, 3> lognormal_grads(const at::Tensor& rb, const at::Tensor& dkl_) const {
+    const int64_t s_k = k.size(2), d = q.size(3);
+    const auto cs = centred();
+    const auto m = row_means(rb, cs.kbar);
+    const auto qvh = qv.unsqueeze(1);  // (B, 1, S_q)
+    const auto kvh = kv.unsqueeze(1);  // (B, 1, S_k)
+    const auto qa = qf();              // the allowed queries, 0 elsewhere
+    const auto dkl2 = 2 * dkl_.to(a.scalar_type()).view({b(), h(), 1});
+    const auto dq = dkl2.unsqueeze(-1) * scale *
+                    (scale * times_c(qa, cs.c) - cs.u.unsqueeze(2) + (cs.n * m).unsqueeze(-1) * cs.kbar.unsqueeze(2)) *
+                    qvh.unsqueeze(-1);
+    const auto p = at::matmul(qa.transpose(-2, -1), qa);  // (B, H, d, d): Σ_i q_i q_iᵀ
+    const auto big_m = (m.unsqueeze(-1) * qa).sum(2), big_q = qa.sum(2);  // (B, H, d)
+    // P k̃_j per query head: (B, H_kv, 1, S_k, d) against (B, H_kv, G, d, d)
+    const auto pk = at::matmul(cs.kc.unsqueeze(2), p.view({b(), h_kv(), group(), d, d})).view({b(), h(), s_k, d});
+    const auto qbar = dkl2.unsqueeze(-1) * (scale * pk + big_m.unsqueeze(2) - cs.ac.unsqueeze(-1) * big_q.unsqueeze(2)) *
+                      kvh.unsqueeze(-1);
+    const auto kq = (cs.kc.unsqueeze(2) * big_q.view({b(), h_kv(), group(), 1, d})).sum(-1).view({b(), h(), s_k});  // Q·k̃_j
+    const auto da = -dkl2 * (scale * kq + m.sum(2, true) - qvh.sum(2, true) * cs.ac) * kvh;
+    return {qbar.to(q.scalar_type()), da, dq};
+  }
 };
 
 // A call's `LinearKl`.
-LinearKl linear_of(const Call& c) { return LinearKl(c.q, c.k, c.prior, c.qpad, c.kpad, c.spec.causal, c.spec.scale); }
+LinearKl linear_of(const Call& c) { return LinearKl(c.q, c.k, c.prior, c.qpad, c.kpad, c.spec.causal, c.spec.scale, c.spec.kl); }
 
 // What a forward leaves for its backward. 0 and 1 sweeps: c (B, H, S_k, padded as `Call::stat`
 // pads the per-key statistics; zeros for softmax) and r (B, H, S_q), and with a sweep and a
@@ -821,15 +900,15 @@ char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_ten
 }
 
 char* pa_fused_linear_kl_terms(const pa_tensor* q, const pa_tensor* k, const pa_tensor* prior, const pa_tensor* query_padding,
-                               const pa_tensor* key_padding, int32_t causal, double scale, const pa_tensor* rb, const pa_tensor* dkl,
-                               pa_tensor** terms) {
+                               const pa_tensor* key_padding, int32_t causal, double scale, int32_t kl, const pa_tensor* rb,
+                               const pa_tensor* dkl, pa_tensor** terms) {
   return probattn::guard([&] {
     for (auto [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {prior, "prior"}, {query_padding, "query_padding"},
                                  {key_padding, "key_padding"}, {rb, "rb"}, {dkl, "dkl"}, {terms, "terms"}}) {
       probattn::require(pointer, "pa_fused_linear_kl_terms", name);
     }
     const at::NoGradGuard no_grad;
-    const LinearKl linear(*q, *k, *prior, *query_padding, *key_padding, causal != 0, scale);
+    const LinearKl linear(*q, *k, *prior, *query_padding, *key_padding, causal != 0, scale, kl);
     const auto [ks, trow] = linear.rows(*rb);
     const auto [qbar, da, dq] = linear.grads(*rb, *dkl);
     // Every handle exists before any is handed out: an allocation that fails leaks none.

@@ -188,15 +188,16 @@ char* pa_fused_cuda_dry_run(const pa_tensor* q, const pa_tensor* k, const pa_ten
                             const pa_tensor* query_padding, const pa_tensor* pattern, const pa_tensor* bias, const pa_tensor* prior,
                             const pa_tensor* hybrid_logit, const pa_fused_spec* spec, int32_t arch, char** json);
 
-// The Weibull KL part's terms linear in the logits that the fused route forms from sums over the
-// sequence (fused_cuda.cpp's LinearKl), for a test against the same terms over the whole score
+// The KL part's terms that are sums over the logits, which the fused route forms from sums over
+// the sequence (fused_cuda.cpp's LinearKl), for a test against the same terms over the whole score
 // matrix: q (B, H, S_q, d), k (B, H_kv, S_k, d), prior a_j (B, H, S_k) (its dtype is the sums'),
-// the paddings (B, S) nonzero where padded, the score scale, the row pass's RB (B, H, S_q) and the
+// the paddings (B, S) nonzero where padded, the causal mask, the score scale, the part (kl 1
+// Weibull, 2 Lognormal, which refuses the causal mask), the row pass's RB (B, H, S_q) and the
 // gradient dkl (B, H) in the part. `terms`: five new tensors, KS and TROW (B, H, S_q), QBAR (B, H,
 // S_k, d) in q's dtype, dA (B, H, S_k) and the dQ term (B, H, S_q, d).
 char* pa_fused_linear_kl_terms(const pa_tensor* q, const pa_tensor* k, const pa_tensor* prior, const pa_tensor* query_padding,
-                               const pa_tensor* key_padding, int32_t causal, double scale, const pa_tensor* rb, const pa_tensor* dkl,
-                               pa_tensor** terms);
+                               const pa_tensor* key_padding, int32_t causal, double scale, int32_t kl, const pa_tensor* rb,
+                               const pa_tensor* dkl, pa_tensor** terms);
 
 // ---- memory statistics
 // CPU: a counting allocator for libtorch's CPU tensors (installed once, on the first call; tensors

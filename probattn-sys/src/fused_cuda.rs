@@ -50,6 +50,7 @@ extern "C" {
         key_padding: *const C_tensor,
         causal: i32,
         scale: f64,
+        kl: i32,
         rb: *const C_tensor,
         dkl: *const C_tensor,
         terms: *mut *mut C_tensor,
@@ -292,13 +293,14 @@ pub fn fused_cuda_dry_run(q: &Tensor, k: &Tensor, v: &Tensor, spec: &FusedSpec, 
     take_string(json).ok_or_else(|| Error::Torch("pa_fused_cuda_dry_run returned no record".into()))
 }
 
-/// The Weibull KL part's terms linear in the logits that the fused route forms from sums over the
-/// sequence rather than in its kernels (over softmax's base; docs/kernels.md): `[KS, TROW, QBAR,
-/// dA, the dQ term]` for `q` (B, H, S_q, d), `k` (B, H_kv, S_k, d), the prior's values `prior`
-/// (B, H, S_k; its dtype is the sums'), the paddings (B, S, nonzero where padded), the causal
-/// mask, the score scale, the row pass's log-sum-exps `rb` (B, H, S_q) and the gradient `dkl`
-/// (B, H) in the part. For the tests, which hold them to the same terms over the whole score
-/// matrix; on any device.
+/// The KL part's terms that are sums over the logits, which the fused route forms from sums over
+/// the sequence rather than in its kernels (over softmax's base; docs/kernels.md): `[KS, TROW,
+/// QBAR, dA, the dQ term]` for `q` (B, H, S_q, d), `k` (B, H_kv, S_k, d), the prior's values
+/// `prior` (B, H, S_k; its dtype is the sums'), the paddings (B, S, nonzero where padded), the
+/// causal mask, the score scale, the part `kl` (1 Weibull's, 2 Lognormal's, which refuses the
+/// causal mask), the row pass's log-sum-exps `rb` (B, H, S_q) and the gradient `dkl` (B, H) in
+/// the part. For the tests, which hold them to the same terms over the whole score matrix; on any
+/// device.
 #[doc(hidden)]
 #[allow(clippy::too_many_arguments)]
 pub fn fused_linear_kl_terms(
@@ -309,6 +311,7 @@ pub fn fused_linear_kl_terms(
     key_padding: &Tensor,
     causal: bool,
     scale: f64,
+    kl: i32,
     rb: &Tensor,
     dkl: &Tensor,
 ) -> Result<[Tensor; 5]> {
@@ -324,6 +327,7 @@ pub fn fused_linear_kl_terms(
             key_padding.as_ptr(),
             i32::from(causal),
             scale,
+            kl,
             rb.as_ptr(),
             dkl.as_ptr(),
             terms.as_mut_ptr(),
