@@ -574,3 +574,43 @@ fn counter_based_draws_have_their_distributions() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn the_fused_cpu_lognormal_kl_holds_in_float32_where_the_scores_sit_far_from_0() -> Result<()> {
+    // Scores of about 100: the fused CPU route forms the Lognormal KL part from sums over the
+    // sequence about the keys' means, whose float32 rounding grows with the scores as the tiles'
+    // does. Expanded about 0, as they were (when the route left scores past 64 to the tiles), they
+    // took this KL 9.2e-6 from float64's. Against the same call in float64: the KL and its
+    // gradients in q and k, the fused route's and the tiles' alike.
+    tch::manual_seed(5);
+    let opts = (Kind::Double, Device::Cpu);
+    let [q, k, v] = qkv(opts);
+    let (q, k) = (q * 0.3 + 6.0, k * 0.15 + 6.0);
+    let z = q.matmul(&k.transpose(-2, -1)) / (D as f64).sqrt();
+    let (low, high) = (z.min().double_value(&[]), z.max().double_value(&[]));
+    ensure!(low > 80.0 && high < 140.0, "scores from {low} to {high}");
+    let (_vs, normalizer) = bam(BamKind::LognormalFixed, Variant::Softmax)?;
+    let plan = normalizer.tiled().expect("BAM has a plan");
+    // (output, KL, ∂KL/∂q, ∂KL/∂k) in float64
+    let run = |kind: Kind, fused_cpu: bool| -> Result<[Tensor; 4]> {
+        let leaf = |t: &Tensor| t.detach().to_kind(kind).requires_grad_(true);
+        let (q, k, v) = (leaf(&q), leaf(&k), v.to_kind(kind));
+        let options = TiledOptions { sample: true, seed: Some(0x5eed_0077), fused_cpu, ..TiledOptions::new(4) };
+        let t = attend_tiled(&q, &k, &v, &Masks::default(), &plan, options)?;
+        let kl = t.kl.ok_or_else(|| anyhow::anyhow!("no KL term"))?;
+        kl.backward();
+        Ok([t.output, kl, q.grad(), k.grad()].map(|x| x.detach().to_kind(Kind::Double)))
+    };
+    let exact = run(Kind::Double, true)?;
+    let fused = run(Kind::Float, true)?;
+    let tiles = run(Kind::Float, false)?;
+    ensure!(!fused[0].equal(&tiles[0]), "the fused CPU route was not taken in float32");
+    let rel = |a: &Tensor, b: &Tensor| max_diff(a, b) / b.abs().max().double_value(&[]);
+    // (measured: KL 2.2e-7, 6.0e-6 and 3.1e-6 in the gradients; the tiles 4.1e-7, 4.0e-5, 2.2e-6)
+    for (i, name, bound) in [(1, "KL", 2e-6), (2, "dKL/dq", 5e-5), (3, "dKL/dk", 5e-5)] {
+        let (f, t) = (rel(&fused[i], &exact[i]), rel(&tiles[i], &exact[i]));
+        eprintln!("{name}: fused route {f:.1e}, tiles {t:.1e} of float64's");
+        ensure!(f <= bound, "{name}: the fused route differs from float64's by {f:e} (the tiles by {t:e})");
+    }
+    Ok(())
+}

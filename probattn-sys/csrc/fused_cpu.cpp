@@ -270,18 +270,22 @@ struct WidenedMatmul : public torch::autograd::Function<WidenedMatmul> {
 // log π_ij = z_ij - l_i (l_i = LSE_j z_ij over the allowed keys A, from one kernel call that also
 // returns πK), a'_j = a_j on A and 0 elsewhere, α = Σ_j a'_j, z_ij = qs_i · k_j:
 //   Weibull:   T = Σ_j a'_j zc_j - α Σ_i l_i,             zc_j = k_j · Σ_i qs_i
-//   Lognormal: T = Σ_{i, j∈A} (z_ij - l_i - a_j)²
-//                = Σ_i qs_i G qs_iᵀ + |A| Σ_i l_i² + S_q Σ_j a'_j² - 2 Σ_i l_i zr_i - 2 Σ_j a'_j zc_j + 2 α Σ_i l_i,
-//              G = Σ_{j∈A} k_jᵀ k_j (d × d), zr_i = qs_i · Σ_{j∈A} k_j.
+//   Lognormal: T = Σ_{i, j∈A} e_ij²,  e_ij = z_ij - l_i - a_j = qs_i · k̃_j + m_i - ã_j,
+//              about A's means: k̃_j = k_j - k̄, ã_j = a_j - ā (0 off A), m_i = qs_i · k̄ - l_i - ā,
+//              so that Σ_A k̃_j = 0 and Σ_A ã_j = 0:
+//              T = Σ_i qs_i C qs_iᵀ - 2 Σ_i qs_i · U + |A| Σ_i m_i² + S_q Σ_j ã_j²,
+//              C = Σ_{j∈A} k̃_jᵀ k̃_j (d × d), U = Σ_{j∈A} ã_j k̃_j.
 // Gradients, dT/dz_ij = u_ij - π_ij U_i with u = ∂T/∂log π on A and U_i = Σ_j u_ij, so through
 // z = qs kᵀ: dqs_i = Σ_j u_ij k_j - U_i (πK)_i and dk_j = Σ_i u_ij qs_i - Σ_i π_ij U_i qs_i, the
 // last the kernel with the keys as queries and the bias -l: out_j exp(lse_j) = Σ_i π_ij x_i.
-//   Weibull:   u_ij = a'_j:                  Σ_j u_ij k_j = a'K,  Σ_i u_ij qs_i = a'_j Σ_i qs_i, U_i = α
-//   Lognormal: u_ij = 2 (z_ij - l_i - a_j):  Σ_j u_ij k_j = 2 (qs_i G - l_i Σ_{A} k - a'K),
-//              Σ_i u_ij qs_i = 2 (k_j QᵀQ - Σ_i l_i qs_i - a_j Σ_i qs_i) (QᵀQ = Σ_i qs_iᵀ qs_i), U_i = 2 (zr_i - |A| l_i - α)
-// and ∂T/∂a_j = Σ_i log π_ij = zc_j - Σ_i l_i (Weibull), -2 (zc_j - Σ_i l_i - S_q a_j) (Lognormal), on A.
-// Sums like Σ_i qs_i G qs_iᵀ replace sums of squares of the scores: in float32 they agree with
-// the tiles to rounding of the (large) total, not entry by entry.
+//   Weibull:   u_ij = a'_j:       Σ_j u_ij k_j = a'K,  Σ_i u_ij qs_i = a'_j Σ_i qs_i, U_i = α
+//   Lognormal: u_ij = 2 e_ij:     Σ_j u_ij k_j = 2 (qs_i C - U + |A| m_i k̄),
+//              Σ_i u_ij qs_i = 2 (k̃_j QᵀQ + Σ_i m_i qs_i - ã_j Σ_i qs_i) (QᵀQ = Σ_i qs_iᵀ qs_i), U_i = 2 |A| m_i
+// and ∂T/∂a_j = Σ_i log π_ij = zc_j - Σ_i l_i (Weibull), -2 (Σ_i qs_i · k̃_j + Σ_i m_i - S_q ã_j) (Lognormal), on A.
+// Lognormal's sums are formed about the means so that they do not cancel: expanded about 0
+// (Σ_i qs_i G qs_iᵀ with G = Σ_A k_jᵀ k_j, and so on) they are sums of squares of the scores
+// whose float32 rounding grows as eps · z², 1e-4 of T where the scores sit near 100; about the
+// means it grows as the tiles' does, as eps · |z| (docs/precision.md).
 
 struct FusedCpuBam : public torch::autograd::Function<FusedCpuBam> {
   // What forward and backward both form: the shape, the key bias and the noise of a block.
@@ -392,28 +396,37 @@ struct FusedCpuBam : public torch::autograd::Function<FusedCpuBam> {
       zc = at::matmul(sq, k.transpose(-2, -1));
     }
     at::Tensor alpha() const { return a.sum(-1); }  // (B, H, 1)
-    at::Tensor gram() const {                       // G and Σ_A k: the keys of A only
-      auto ka = k * allowed.transpose(-2, -1);
-      return at::matmul(ka.transpose(-2, -1), ka);
-    }
     at::Tensor key_sum() const { return (k * allowed.transpose(-2, -1)).sum(-2, true); }  // (B, H, 1, d)
     at::Tensor count() const { return allowed.sum(-1); }                                   // |A|, (B, H, 1)
+
+    // Lognormal's sums about A's means (above): k̃_j = k_j − k̄ and ã_j = a_j − ā on A (0 off it),
+    // C = Σ_A k̃_jᵀ k̃_j and U = Σ_A ã_j k̃_j, and the row means m_i = qs_i · k̄ − l_i − ā.
+    struct Centred {
+      at::Tensor kbar, kc, ac, c, u, m;  // kbar and u (B, H, 1, d), kc (B, H, S_k, d), ac (B, H, 1, S_k), m (B, H, S_q)
+    };
+    Centred centred(const at::Tensor& l) const {
+      const auto n = count().unsqueeze(-1);  // (B, H, 1, 1); A holds a key (fused_cpu_bam_applies)
+      const auto keys = allowed.transpose(-2, -1);
+      const auto kbar = key_sum() / n;
+      const auto kc = (k - kbar) * keys;
+      const auto abar = alpha().unsqueeze(-1) / n;
+      const auto ac = (a - abar) * allowed;
+      const auto m = at::matmul(qs, kbar.transpose(-2, -1)).squeeze(-1) - l - abar.squeeze(-1);
+      return {kbar, kc, ac, at::matmul(kc.transpose(-2, -1), kc), at::matmul(ac, kc), m};
+    }
 
     at::Tensor value(const at::Tensor& l) const {  // l (B, H, S_q)
       const auto sum_l = l.sum(-1);
       if (kind == kWeibullCross) return (a * zc).sum({-2, -1}) - alpha().squeeze(-1) * sum_l;
-      const auto zr = at::matmul(qs, key_sum().transpose(-2, -1)).squeeze(-1);  // (B, H, S_q)
-      const double sq_rows = static_cast<double>(qs.size(-2));
-      return (at::matmul(qs, gram()) * qs).sum({-2, -1}) + count().squeeze(-1) * l.square().sum(-1) +
-             a.square().sum({-2, -1}) * sq_rows - (l * zr).sum(-1) * 2.0 - (a * zc).sum({-2, -1}) * 2.0 +
-             sum_l * alpha().squeeze(-1) * 2.0;
+      const auto cs = centred(l);
+      return (at::matmul(qs, cs.c) * qs).sum({-2, -1}) - (at::matmul(qs, cs.u.transpose(-2, -1))).sum({-2, -1}) * 2.0 +
+             count().squeeze(-1) * cs.m.square().sum(-1) + cs.ac.square().sum({-2, -1}) * static_cast<double>(qs.size(-2));
     }
 
     // (d qs, d k, d a) for the incoming gradient dt (B, H) of T.
     std::tuple<at::Tensor, at::Tensor, at::Tensor> grad(const at::Tensor& l, const at::Tensor& pik, const at::Tensor& dt,
                                                         double scale) const {
       const auto g = dt.view({dt.size(0), dt.size(1), 1, 1});
-      const auto li = l.unsqueeze(-1);                       // (B, H, S_q, 1)
       const auto sum_l = l.sum(-1).view_as(g);
       const auto ak = at::matmul(a, k);                      // a'K, (B, H, 1, d)
       const auto keys = allowed.transpose(-2, -1);           // (B, H, S_k, 1)
@@ -432,13 +445,16 @@ struct FusedCpuBam : public torch::autograd::Function<FusedCpuBam> {
         dk = (a.transpose(-2, -1) * sq - pi_t(qs) * al) * keys * g;
         da = (zc - sum_l) * allowed * g;
       } else {
-        const auto ks = key_sum();
-        const auto u_rows = (at::matmul(qs, ks.transpose(-2, -1)) - li * count().unsqueeze(-1) - alpha().unsqueeze(-1)) * 2.0;
-        dqs = ((at::matmul(qs, gram()) - li * ks - ak) * 2.0 - pik * u_rows) * g;
+        const auto cs = centred(l);
+        const auto n = count().unsqueeze(-1);               // (B, H, 1, 1)
+        const auto mi = cs.m.unsqueeze(-1);                 // (B, H, S_q, 1)
+        const auto u_rows = mi * n * 2.0;                   // U_i = Σ_j u_ij = 2 |A| m_i
+        dqs = ((at::matmul(qs, cs.c) - cs.u + mi * n * cs.kbar) * 2.0 - pik * u_rows) * g;
         const auto qq = at::matmul(qs.transpose(-2, -1), qs);
-        const auto lq = (li * qs).sum(-2, true);
-        dk = ((at::matmul(k, qq) - lq - a.transpose(-2, -1) * sq) * 2.0 - pi_t(u_rows * qs)) * keys * g;
-        da = (zc - sum_l - a * static_cast<double>(qs.size(-2))) * allowed * (g * -2.0);
+        const auto mq = (mi * qs).sum(-2, true);            // Σ_i m_i qs_i
+        dk = ((at::matmul(cs.kc, qq) + mq - cs.ac.transpose(-2, -1) * sq) * 2.0 - pi_t(u_rows * qs)) * keys * g;
+        const auto qk = at::matmul(sq, cs.kc.transpose(-2, -1));  // Σ_i qs_i · k̃_j, (B, H, 1, S_k)
+        da = (qk + cs.m.sum(-1, true).unsqueeze(-1) - cs.ac * static_cast<double>(qs.size(-2))) * allowed * (g * -2.0);
       }
       return {dqs, dk, da};
     }
@@ -446,9 +462,6 @@ struct FusedCpuBam : public torch::autograd::Function<FusedCpuBam> {
 };
 
 }  // namespace
-
-// Above this bound on |z| the Lognormal KL's closed form is left to the tiles (fused_cpu_bam_applies).
-constexpr double kMaxClosedFormScore = 64.0;
 
 // Where the routes apply: the CPU, no mask or a per-key one with a key left in every sequence
 // (sections above); for BAM, sampling over a softmax base.
@@ -464,15 +477,6 @@ bool fused_cpu_bam_applies(const at::Tensor& q, const at::Tensor& k, const at::T
   if (!q.device().is_cpu() || noise == kNoNoise || sweeps != 0 || q.dim() != 4 || v.size(-1) != q.size(-1)) return false;
   // The KL's closed form cancels large sums: bfloat16 and float16 inputs take the tiles.
   if (statistics_type(q.scalar_type()) != q.scalar_type()) return false;
-  if (kl == kLognormalSquares) {
-    // The Lognormal closed form expands Σ (z_ij − l_i − a_j)² into sums of squares of size
-    // S_q · S_k · z², which cancel to the (much smaller) total: its rounding grows as eps · z²
-    // where the tiles' grows as eps · |z|. Where the scores may exceed kMaxClosedFormScore (a
-    // bound from the norms, |z_ij| ≤ |q_i| |k_j| / √d) the tiles compute it instead.
-    const double bound = (at::linalg_vector_norm(q, 2, {-1}).amax() * at::linalg_vector_norm(k, 2, {-1}).amax()).item<double>() /
-                         std::sqrt(static_cast<double>(q.size(-1)));
-    if (!(bound <= kMaxClosedFormScore)) return false;
-  }
   if (!excluded.defined()) return true;
   return excluded.size(-2) == 1 && !excluded.all(-1).any().item<bool>();
 }
